@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The full test suite: set-up, C++ build + ctest (gpu-labelled tests skip without a GPU),
+# sanitizer builds (ASan+UBSan over everything, TSan over the concurrent parts), then the
+# Python package (pip install .) and pytest. Exits non-zero on any failure.
+#
+#   scripts/test.sh            everything
+#   TIERMEM_TEST_FAST=1 scripts/test.sh   skip the sanitizer builds
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+source scripts/setup.sh
+JOBS="${TIERMEM_JOBS:-$(nproc)}"
+export PATH="$TIERMEM_VENV/bin:$PATH"   # cmake finds the venv's torch
+
+echo "== C++ build (build/)"
+cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPython3_EXECUTABLE="$TIERMEM_PY" >/dev/null
+cmake --build build -j "$JOBS"
+echo "== ctest"
+ctest --test-dir build --output-on-failure -j "$JOBS"
+
+if [ "${TIERMEM_TEST_FAST:-0}" != 1 ]; then
+  echo "== ASan+UBSan build (build-asan/)"
+  cmake -S . -B build-asan -DTIERMEM_SANITIZE=address -DTIERMEM_WITH_CUDA=OFF \
+        -DTIERMEM_BUILD_TORCH=OFF -DTIERMEM_BUILD_BENCHMARKS=OFF -DCMAKE_BUILD_TYPE=Debug >/dev/null
+  cmake --build build-asan -j "$JOBS"
+  ASAN_OPTIONS=detect_leaks=1 ctest --test-dir build-asan --output-on-failure -j "$JOBS" -LE "gpu|slow"
+  echo "== TSan build (build-tsan/): concurrent components"
+  cmake -S . -B build-tsan -DTIERMEM_SANITIZE=thread -DTIERMEM_WITH_CUDA=OFF \
+        -DTIERMEM_BUILD_TORCH=OFF -DTIERMEM_BUILD_BENCHMARKS=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+  cmake --build build-tsan -j "$JOBS"
+  TSAN_OPTIONS=halt_on_error=1 ctest --test-dir build-tsan --output-on-failure -j "$JOBS" -L concurrent
+fi
+
+if [ -f pyproject.toml ]; then
+  echo "== Python package (pip install .) + pytest"
+  "$TIERMEM_PY" -m pip install -q --no-build-isolation . 
+  "$TIERMEM_PY" -m pytest -q tests/python
+fi

@@ -1,0 +1,95 @@
+#include "tiers/tier.h"
+
+namespace tiermem {
+
+std::shared_ptr<Completion> Completion::Done(Status s) {
+  auto c = Make();
+  c->Complete(std::move(s));
+  return c;
+}
+
+void Completion::Complete(Status s) {
+  std::vector<std::function<void(const Status&)>> callbacks;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (done_) return;  // a bug in the caller; keep the first status
+    status_ = std::move(s);
+    done_ = true;
+    callbacks.swap(callbacks_);
+  }
+  cv_.notify_all();
+  // status_ is immutable once done_, so reading it unlocked here is safe.
+  for (auto& fn : callbacks) fn(status_);
+}
+
+bool Completion::Poll() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return done_;
+}
+
+Status Completion::Wait() const {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [this] { return done_; });
+  return status_;
+}
+
+void Completion::OnDone(std::function<void(const Status&)> fn) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!done_) {
+      callbacks_.push_back(std::move(fn));
+      return;
+    }
+  }
+  fn(status_);
+}
+
+Status WaitAll(const std::vector<std::shared_ptr<Completion>>& completions) {
+  Status first;
+  for (const auto& c : completions) {
+    Status s = c->Wait();
+    if (first.ok() && !s.ok()) first = s;
+  }
+  return first;
+}
+
+Status BudgetAccount::Reserve(Bytes bytes, std::string_view tier_name) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (bytes > capacity_ - used_) {
+    return ResourceExhaustedError(std::string(tier_name) + " tier: need " + std::to_string(bytes) +
+                                  " bytes, " + std::to_string(capacity_ - used_) +
+                                  " available of a " + std::to_string(capacity_) +
+                                  "-byte budget");
+  }
+  used_ += bytes;
+  if (used_ > peak_) peak_ = used_;
+  ++live_;
+  ++total_;
+  return OkStatus();
+}
+
+void BudgetAccount::Release(Bytes bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  used_ -= bytes;
+  --live_;
+}
+
+TierStats BudgetAccount::Snapshot() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return TierStats{capacity_, used_, peak_, live_, total_};
+}
+
+Status ValidateCopy(const CopyRequest& r, const Region& live) {
+  if (!live || live.id != r.region.id) {
+    return InvalidArgumentError("copy names region " + std::to_string(r.region.id) +
+                                ", which is not live on this tier");
+  }
+  if (r.host == nullptr && r.bytes > 0) return InvalidArgumentError("copy with null host pointer");
+  if (r.offset > live.bytes || r.bytes > live.bytes - r.offset) {
+    return OutOfRangeError("copy [" + std::to_string(r.offset) + ", +" + std::to_string(r.bytes) +
+                           ") outside region of " + std::to_string(live.bytes) + " bytes");
+  }
+  return OkStatus();
+}
+
+}  // namespace tiermem

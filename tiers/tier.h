@@ -1,0 +1,128 @@
+// The Tier interface: a store of byte regions with a budget.
+//
+// A tier is a handful of required operations: allocate/free a region, start an async copy
+// between a region and host-addressable memory (completing into a Completion), and stats.
+// Byte-addressable tiers (device, host) expose each region's address; NVMe does not.
+// Copies between two non-host tiers (device <-> NVMe) are the mover's job (runtime/), which
+// bounces them through pinned host memory; a tier only ever copies to/from host memory.
+//
+// Accounting invariant (checked by the conformance suite): Stats().used is the sum of the
+// sizes of live regions as allocated (after the tier's rounding), never above capacity;
+// peak is the maximum `used` ever reached; Allocate over budget returns kResourceExhausted
+// naming the bytes requested and the bytes available, and changes nothing.
+//
+// Threading: every Tier implementation is thread-safe. Completions may fire on any thread.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "runtime/base/status.h"
+#include "runtime/base/units.h"
+
+namespace tiermem {
+
+// A region of a tier. A value type; the tier owns the memory. Valid until Free().
+struct Region {
+  uint64_t id = 0;       // unique within its tier for the tier's lifetime; 0 = invalid
+  Bytes bytes = 0;       // usable size (>= requested)
+  void* addr = nullptr;  // base address where the tier is byte-addressable, else nullptr
+  explicit operator bool() const { return id != 0; }
+};
+
+struct TierStats {
+  Bytes capacity = 0;             // the budget
+  Bytes used = 0;                 // bytes in live regions
+  Bytes peak = 0;                 // max of used
+  uint64_t live_regions = 0;
+  uint64_t total_allocations = 0; // successful Allocate calls
+};
+
+// The completion of one async operation. Thread-safe; shared by the issuer and the tier.
+class Completion {
+ public:
+  Completion() = default;
+  Completion(const Completion&) = delete;
+  Completion& operator=(const Completion&) = delete;
+
+  static std::shared_ptr<Completion> Make() { return std::make_shared<Completion>(); }
+  // An already-completed one (for synchronous failures / no-op copies).
+  static std::shared_ptr<Completion> Done(Status s);
+
+  // Marks done with `s` and runs callbacks (on this thread). Must be called exactly once.
+  void Complete(Status s);
+  bool Poll() const;  // done yet?
+  // Blocks until done; returns the operation's status.
+  Status Wait() const;
+  // Runs `fn(status)` when done: immediately (on this thread) if already done, else on the
+  // completing thread. `fn` must be cheap and must not block.
+  void OnDone(std::function<void(const Status&)> fn);
+
+ private:
+  mutable std::mutex mu_;
+  mutable std::condition_variable cv_;
+  bool done_ = false;  // GUARDED_BY(mu_)
+  Status status_;      // GUARDED_BY(mu_); final once done_
+  std::vector<std::function<void(const Status&)>> callbacks_;  // GUARDED_BY(mu_)
+};
+
+// Waits for all; returns the first failure (or OK).
+Status WaitAll(const std::vector<std::shared_ptr<Completion>>& completions);
+
+enum class CopyDir : uint8_t {
+  kToTier = 0,    // host memory -> region
+  kFromTier = 1,  // region -> host memory
+};
+
+struct CopyRequest {
+  Region region;         // a live region of this tier
+  Bytes offset = 0;      // byte offset inside the region
+  void* host = nullptr;  // host memory; must stay valid (and untouched) until completion
+  Bytes bytes = 0;       // offset + bytes <= region.bytes
+  CopyDir dir = CopyDir::kToTier;
+};
+
+class Tier {
+ public:
+  virtual ~Tier() = default;
+  virtual TierKind kind() const = 0;
+  virtual std::string name() const = 0;  // "sim-device", "host", "nvme-io_uring", ...
+
+  // Allocates a region of at least `bytes` (> 0). Over budget: kResourceExhausted.
+  virtual StatusOr<Region> Allocate(Bytes bytes) = 0;
+  // Frees a live region. Freeing an unknown region is kInvalidArgument (and changes nothing).
+  // The caller must not free a region with copies in flight.
+  virtual Status Free(const Region& region) = 0;
+  // Starts an async copy. Invalid requests (bad region, out of bounds) complete with
+  // kInvalidArgument/kOutOfRange; I/O failures with kIOError/kDataLoss.
+  virtual std::shared_ptr<Completion> Copy(const CopyRequest& request) = 0;
+  virtual TierStats Stats() const = 0;
+};
+
+// Shared budget/peak bookkeeping for tier implementations. Thread-safe.
+class BudgetAccount {
+ public:
+  explicit BudgetAccount(Bytes capacity) : capacity_(capacity) {}
+  // Reserves `bytes` or returns kResourceExhausted ("<tier>: need N bytes, M available of C").
+  Status Reserve(Bytes bytes, std::string_view tier_name);
+  void Release(Bytes bytes);
+  TierStats Snapshot() const;
+
+ private:
+  mutable std::mutex mu_;
+  const Bytes capacity_;
+  Bytes used_ = 0;             // GUARDED_BY(mu_)
+  Bytes peak_ = 0;             // GUARDED_BY(mu_)
+  uint64_t live_ = 0;          // GUARDED_BY(mu_)
+  uint64_t total_ = 0;         // GUARDED_BY(mu_)
+};
+
+// Checks a CopyRequest against its region's bounds (shared by all tiers).
+Status ValidateCopy(const CopyRequest& request, const Region& live_region);
+
+}  // namespace tiermem
