@@ -1,0 +1,54 @@
+// Mover: async copies between any two tiers, the only way chunk bytes change tier.
+//
+// Lanes: device<->host goes straight to the device tier's Copy (host side = the host region's
+// address); host<->NVMe to the NVMe tier's Copy; host<->host is a (parallel) memcpy;
+// device<->NVMe bounces through pinned host staging slots (device->host->NVMe and back),
+// pipelined slot by slot. Every move is recorded in the timeline (copy begin/end, with the
+// source and destination tier, bytes, chunk and category) when a recorder is attached.
+//
+// Ordering: moves are independent; a caller that needs B after A waits on A's completion
+// (or chains with Completion::OnDone). A region must not be freed or written while a move
+// that reads or writes it is in flight; the engine enforces this through chunk states.
+//
+// Threading: thread-safe. Tiers, the staging tier and the recorder must outlive the Mover.
+#pragma once
+
+#include <memory>
+
+#include "runtime/base/timeline.h"
+#include "tiers/tier.h"
+
+namespace tiermem {
+
+struct Endpoint {
+  Tier* tier = nullptr;
+  Region region;
+  Bytes offset = 0;
+};
+
+struct MoveRequest {
+  Endpoint src;
+  Endpoint dst;
+  Bytes bytes = 0;
+  ChunkId chunk = kNoChunk;           // for the timeline
+  Category category = Category::kOther;
+};
+
+struct MoverConfig {
+  Bytes staging_slot_bytes = 4 * kMiB;  // device<->NVMe bounce slot size
+  int staging_slots = 4;                 // slots in flight per device<->NVMe move
+  int memcpy_threads = 0;                // host<->host parallel memcpy threads (0 = all cores)
+};
+
+class Mover {
+ public:
+  virtual ~Mover() = default;
+  virtual std::shared_ptr<Completion> Move(const MoveRequest& request) = 0;
+};
+
+// `staging` is a byte-addressable host tier the mover allocates bounce slots from (may be
+// null if no device<->NVMe move will be asked for). `recorder` may be null.
+std::unique_ptr<Mover> NewMover(const MoverConfig& config, Tier* staging,
+                                TimelineRecorder* recorder);
+
+}  // namespace tiermem

@@ -1,0 +1,35 @@
+// The tier conformance suite's parameter: one factory per tier under test. The TEST_P cases
+// live in conformance_test.cc; each backend instantiates the suite in its own file, linked
+// into the same `tier_conformance_test` binary:
+//
+//   INSTANTIATE_TEST_SUITE_P(Nvme, TierConformance,
+//       ::testing::Values(TierFactory{"nvme_io_uring", [] { return ...; }}),
+//       TierFactoryName);
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include "tiers/tier.h"
+
+namespace tiermem::testing {
+
+struct TierFactory {
+  std::string name;  // [A-Za-z0-9_] only (gtest parameter name)
+  // Returns a fresh tier with a capacity of at least 64 MiB, or nullptr when the backend is
+  // unavailable here (the test then GTEST_SKIPs).
+  std::function<std::unique_ptr<Tier>()> make;
+  // Capacity the factory configured (the suite checks budget exhaustion against it).
+  Bytes capacity = 64 * kMiB;
+};
+
+inline std::string TierFactoryName(const ::testing::TestParamInfo<TierFactory>& info) {
+  return info.param.name;
+}
+
+class TierConformance : public ::testing::TestWithParam<TierFactory> {};
+
+}  // namespace tiermem::testing
