@@ -1,0 +1,6 @@
+// Placeholder: replaced by the real benchmark (see tools/commands.h).
+#include "tools/commands.h"
+
+namespace tiermem::tools {
+void RegisterBenchCopy(CLI::App& bench) { (void)bench; }
+}  // namespace tiermem::tools

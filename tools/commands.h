@@ -1,0 +1,18 @@
+// The `tiermem` CLI is a thin main over library functions. Each command family registers its
+// subcommands on the app here; main.cc calls every Register function explicitly.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+namespace tiermem::tools {
+
+// `tiermem bench <what>`: one function per benchmark, each in tools/bench/bench_<what>.cc.
+void RegisterBenchNvme(CLI::App& bench);      // NVMe tier vs fio
+void RegisterBenchCopy(CLI::App& bench);      // host<->SimDevice vs memcpy
+void RegisterBenchTimeline(CLI::App& bench);  // timeline recorder events/s
+void RegisterBenchAdam(CLI::App& bench);      // CPU optimizer kernels vs roofline and torch
+
+// `tiermem prof report|html|export|diff` (tools/prof/).
+void RegisterProf(CLI::App& app);
+
+}  // namespace tiermem::tools
