@@ -8,9 +8,10 @@
 //  - A slab is either empty (live == 0, in empty_slabs_, class undetermined) or belongs to one
 //    size class; its free_slots holds exactly the slots without a live region. A slab of class
 //    c with a free slot is in partial_[c]; a full one is in no list.
-//  - The budget (budget_) is charged with Region.bytes before memory is taken and released
-//    after the memory is back in its slab or unmapped, so Stats().used never counts a region
-//    twice and never exceeds the capacity.
+//  - The budget (budget_) is checked before memory is taken and charged with Region.bytes
+//    once it was found, both under mu_; it is released after the memory is back in its slab
+//    or unmapped. So Stats().used never counts a region twice, never exceeds the capacity,
+//    and a failed allocation (no memory, pinner refused) leaves every stat unchanged.
 //  - mapped_ (slab bytes) never exceeds max_slab_bytes_ (the capacity rounded up to a slab);
 //    when fragmentation across classes would need more, the region gets a dedicated mapping.
 // Copies: a Copy looks the region up under mu_, validates it, and queues a memcpy on the
@@ -25,6 +26,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <cassert>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -113,10 +115,18 @@ class HostTierImpl final : public HostTier {
     } else {
       size = AlignUp(bytes, config_.huge_pages ? kHugePage : kPage);
     }
-    TIERMEM_RETURN_IF_ERROR(budget_.Reserve(size, "host"));
+    // Budget charges happen only under mu_ and frees only add room, so room seen here is
+    // still there after the memory is found; a failure to find memory then changes nothing
+    // (not even peak or total_allocations).
     std::lock_guard<std::mutex> lock(mu_);
+    const TierStats now = budget_.Snapshot();
+    if (size > now.capacity - now.used) return budget_.Reserve(size, "host");  // the error
     StatusOr<Region> r = cls >= 0 ? AllocateSlotLocked(cls) : AllocateDedicatedLocked(size);
-    if (!r.ok()) budget_.Release(size);
+    if (r.ok()) {
+      Status charged = budget_.Reserve(size, "host");
+      assert(charged.ok());
+      charged.IgnoreError();
+    }
     return r;
   }
 
