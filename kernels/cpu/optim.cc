@@ -142,7 +142,7 @@ void ForTiles(size_t n, const Fn& fn) {
   if (n == 0) return;
   const size_t tiles = (n + kTile - 1) / kTile;
   if (tiles == 1 || KernelThreads() == 1) {
-    fn(size_t{0}, n);
+    for (size_t t = 0; t < tiles; ++t) fn(t * kTile, std::min(n, (t + 1) * kTile));
     return;
   }
   std::shared_ptr<tbb::task_arena> arena = Arena();
