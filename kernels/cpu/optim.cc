@@ -39,6 +39,7 @@ namespace {
 using internal::KernelTable;
 
 constexpr size_t kTile = 32768;  // elements; a multiple of every vector width
+constexpr size_t kStreamOutBytes = 8u << 20;  // param_out at least this big: streaming stores
 
 // TIERMEM_KERNELS_X86 is defined when the AVX2/AVX-512 TUs are built (x86-64 only).
 bool CpuHas(Isa isa) {
@@ -254,7 +255,9 @@ void AdamStep(const AdamConfig& config, const AdamSpans& spans) {
   if (spans.n == 0) return;
   AdamSpans s = spans;
   if (!config.amsgrad) s.max_exp_avg_sq = nullptr;
-  const internal::AdamConsts k = internal::MakeAdamConsts(config);
+  internal::AdamConsts k = internal::MakeAdamConsts(config);
+  // Non-temporal stores for the low-precision copy once it cannot stay in cache anyway.
+  k.stream_out = s.param_out != nullptr && s.n * DTypeSize(s.out_dtype) >= kStreamOutBytes;
   const KernelTable& t = Table();
   ForTiles(s.n, [&](size_t b, size_t e) { t.adam(k, s, b, e); });
 }

@@ -21,6 +21,9 @@ struct AdamConsts {
   float bc2_sqrt;        // sqrt(1 - beta2^step)
   float eps;
   float neg_step_size;   // -lr / (1 - beta1^step)
+  // CPU only: write param_out with non-temporal stores (large calls: the copy is headed for
+  // another device, keeping it out of the cache saves the read-for-ownership traffic).
+  bool stream_out = false;
 };
 
 struct SgdConsts {

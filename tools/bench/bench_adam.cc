@@ -8,9 +8,12 @@
 // roofline; (2) each ISA x dtype variant's params/s, its modelled DRAM bytes per param, the
 // achieved GB/s and that as a fraction of the roofline, and its "equivalent bytes per param"
 // (time x roofline bandwidth / params: the traffic it costs if it runs at the roofline);
+// The probe and each variant are timed alternately, and the fraction of the roofline is the
+// median over those pairs (the shared machine's bandwidth drifts between measurements).
 // (3) torch's AdamW over the same number of params (tools/bench/bench_adam_torch.py, run with
 // $TIERMEM_PY or ~/.cache/tiermem/venv/bin/python when present), and our ratio to it.
 // Each measurement is the median of --reps timed steps after one warm-up step.
+// fraction_of_roofline = modelled bytes per param / equivalent bytes per param.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -55,16 +58,33 @@ struct Buffer {
 };
 
 template <typename Fn>
-double MedianSeconds(int reps, const Fn& fn) {
-  fn();  // warm-up
-  std::vector<double> s;
+double Seconds(const Fn& fn) {
+  const auto t0 = std::chrono::steady_clock::now();
+  fn();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Times `fn` and the roofline probe alternately (probe, fn, probe, fn, ...) after one warm-up
+// of each, so both see the same machine state: these machines are shared and their bandwidth
+// drifts by tens of percent within seconds. Returns the per-pair times.
+struct Paired {
+  std::vector<double> fn_s, probe_s;
+};
+template <typename Fn, typename Probe>
+Paired TimePaired(int reps, const Fn& fn, const Probe& probe) {
+  probe();
+  fn();
+  Paired out;
   for (int r = 0; r < reps; ++r) {
-    const auto t0 = std::chrono::steady_clock::now();
-    fn();
-    s.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    out.probe_s.push_back(Seconds(probe));
+    out.fn_s.push_back(Seconds(fn));
   }
-  std::sort(s.begin(), s.end());
-  return s[s.size() / 2];
+  return out;
 }
 
 std::vector<std::string> Split(const std::string& s) {
@@ -165,17 +185,24 @@ int RunAdamBench(const AdamBenchArgs& a) {
   for (int threads : thread_counts) {
     k::SetKernelThreads(threads);
     Json run = {{"threads", threads}};
-    // Roofline: the probe on the same buffers, with the best ISA.
-    k::SetKernelIsa(isas.front()).IgnoreError();
-    const double probe_s = MedianSeconds(a.reps, [&] { k::BandwidthProbe(p.f(), m.f(), v.f(), g.f(), n); });
-    const double roof = 28.0 * static_cast<double>(n) / probe_s;
-    run["roofline_GBps"] = roof / 1e9;
+    // Roofline: the probe on the same buffers (AdamW's access pattern), with the best ISA,
+    // timed alternately with every variant below.
+    const k::Isa probe_isa = isas.front();
+    auto probe = [&] {
+      const k::Isa isa = k::KernelIsa();
+      k::SetKernelIsa(probe_isa).IgnoreError();
+      k::BandwidthProbe(p.f(), m.f(), v.f(), g.f(), n);
+      k::SetKernelIsa(isa).IgnoreError();
+    };
     if (!a.json) {
-      std::printf("threads %d: roofline (4 streams read, 3 written) %.2f GB/s\n", threads, roof / 1e9);
-      std::printf("  %-8s %-30s %12s %8s %9s %10s %10s\n", "isa", "variant", "Mparams/s", "B/param",
-                  "GB/s", "x roofline", "equiv B/p");
+      std::printf("threads %d (roofline probe: %s, reads 4 streams and writes 3, 28 B/param; "
+                  "timed alternately with each variant)\n", threads,
+                  std::string(k::IsaName(probe_isa)).c_str());
+      std::printf("  %-8s %-28s %10s %7s %8s %9s %10s %9s\n", "isa", "variant", "Mparams/s",
+                  "B/param", "GB/s", "roof GB/s", "x roofline", "equiv B/p");
     }
     double best_f32 = 0;
+    std::vector<double> all_probe_s;
     Json results = Json::array();
     for (k::Isa isa : isas) {
       k::SetKernelIsa(isa).IgnoreError();
@@ -192,30 +219,39 @@ int RunAdamBench(const AdamBenchArgs& a) {
         s.out_dtype = k::DType::kBF16;
         s.n = n;
         int64_t step = 0;
-        const double sec = MedianSeconds(a.reps, [&] {
+        const Paired t = TimePaired(a.reps, [&] {
           c.step = ++step;
           k::AdamStep(c, s);
-        });
+        }, probe);
         const double bytes_per_param = k::DTypeSize(var.grad) + 24.0 + (var.out ? 2.0 : 0.0);
+        // Per pair: kernel time / probe time = equivalent bytes per param / 28.
+        std::vector<double> ratio;
+        for (int r = 0; r < a.reps; ++r) ratio.push_back(t.fn_s[r] / t.probe_s[r]);
+        all_probe_s.insert(all_probe_s.end(), t.probe_s.begin(), t.probe_s.end());
+        const double sec = Median(t.fn_s);
+        const double roof = 28.0 * static_cast<double>(n) / Median(t.probe_s);
         const double pps = static_cast<double>(n) / sec;
         const double gbps = pps * bytes_per_param;
-        const double equiv = sec * roof / static_cast<double>(n);
+        const double equiv = 28.0 * Median(ratio);
+        const double fraction = bytes_per_param / equiv;
         if (var.grad == k::DType::kF32 && !var.out) best_f32 = std::max(best_f32, pps);
         results.push_back({{"isa", k::IsaName(isa)},
                            {"variant", var.name},
                            {"params_per_s", pps},
                            {"bytes_per_param_model", bytes_per_param},
                            {"GBps", gbps / 1e9},
-                           {"fraction_of_roofline", gbps / roof},
+                           {"roofline_GBps", roof / 1e9},
+                           {"fraction_of_roofline", fraction},
                            {"equivalent_bytes_per_param", equiv}});
         if (!a.json) {
-          std::printf("  %-8s %-30s %12.1f %8.0f %9.2f %10.3f %10.1f\n",
+          std::printf("  %-8s %-28s %10.1f %7.0f %8.2f %9.2f %10.3f %9.1f\n",
                       std::string(k::IsaName(isa)).c_str(), var.name, pps / 1e6, bytes_per_param,
-                      gbps / 1e9, gbps / roof, equiv);
+                      gbps / 1e9, roof / 1e9, fraction, equiv);
         }
       }
     }
     run["results"] = results;
+    run["roofline_GBps"] = 28.0 * static_cast<double>(n) / Median(all_probe_s) / 1e9;
     if (!a.no_torch) {
       Json t = RunTorch(a, threads);
       if (t.contains("params_per_s") && best_f32 > 0) {
