@@ -39,6 +39,7 @@ namespace {
 using internal::KernelTable;
 
 constexpr size_t kTile = 32768;  // elements; a multiple of every vector width
+constexpr size_t kStreamOutBytes = 8u << 20;  // param_out at least this big: streaming stores
 
 // TIERMEM_KERNELS_X86 is defined when the AVX2/AVX-512 TUs are built (x86-64 only).
 bool CpuHas(Isa isa) {
@@ -131,7 +132,9 @@ std::shared_ptr<tbb::task_arena> Arena() {
   std::lock_guard<std::mutex> lock(st.mu);
   if (!st.arena) {
     const int r = RequestedLocked(st);
-    st.arena = std::make_shared<tbb::task_arena>(r == 0 ? HardwareThreads() : r);
+    // More threads than cores only oversubscribes (and oneTBB caps its workers there anyway).
+    st.arena = std::make_shared<tbb::task_arena>(r == 0 ? HardwareThreads()
+                                                        : std::min(r, HardwareThreads()));
   }
   return st.arena;
 }
@@ -156,42 +159,6 @@ void ForTiles(size_t n, const Fn& fn) {
         },
         tbb::static_partitioner());
   });
-}
-
-internal::AdamConsts MakeAdamConsts(const AdamConfig& c) {
-  internal::AdamConsts k{};
-  const double step = static_cast<double>(c.step);
-  const double bc1 = 1.0 - std::pow(static_cast<double>(c.beta1), step);
-  const double bc2 = 1.0 - std::pow(static_cast<double>(c.beta2), step);
-  k.inv_loss_scale = c.inv_loss_scale;
-  k.clip_factor = c.clip_factor;
-  k.use_l2 = !c.decoupled && c.weight_decay != 0.0f;
-  k.l2_decay = c.weight_decay;
-  k.param_decay = c.decoupled ? static_cast<float>(1.0 - static_cast<double>(c.lr) *
-                                                             static_cast<double>(c.weight_decay))
-                              : 1.0f;
-  k.beta1_comp = static_cast<float>(1.0 - static_cast<double>(c.beta1));
-  k.beta2 = c.beta2;
-  k.beta2_comp = static_cast<float>(1.0 - static_cast<double>(c.beta2));
-  k.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
-  k.eps = c.eps;
-  k.neg_step_size = static_cast<float>(-(static_cast<double>(c.lr) / bc1));
-  return k;
-}
-
-internal::SgdConsts MakeSgdConsts(const SgdConfig& c) {
-  internal::SgdConsts k{};
-  k.inv_loss_scale = c.inv_loss_scale;
-  k.clip_factor = c.clip_factor;
-  k.weight_decay = c.weight_decay;
-  k.use_wd = c.weight_decay != 0.0f;
-  k.momentum = c.momentum;
-  k.damp_comp = static_cast<float>(1.0 - static_cast<double>(c.dampening));
-  k.use_momentum = c.momentum != 0.0f;
-  k.first_step = c.first_step;
-  k.nesterov = c.nesterov;
-  k.neg_lr = -c.lr;
-  return k;
 }
 
 bool ValidDType(DType t) { return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16; }
@@ -288,7 +255,9 @@ void AdamStep(const AdamConfig& config, const AdamSpans& spans) {
   if (spans.n == 0) return;
   AdamSpans s = spans;
   if (!config.amsgrad) s.max_exp_avg_sq = nullptr;
-  const internal::AdamConsts k = MakeAdamConsts(config);
+  internal::AdamConsts k = internal::MakeAdamConsts(config);
+  // Non-temporal stores for the low-precision copy once it cannot stay in cache anyway.
+  k.stream_out = s.param_out != nullptr && s.n * DTypeSize(s.out_dtype) >= kStreamOutBytes;
   const KernelTable& t = Table();
   ForTiles(s.n, [&](size_t b, size_t e) { t.adam(k, s, b, e); });
 }
@@ -322,7 +291,7 @@ Status ValidateSgd(const SgdConfig& c, const SgdSpans& s) {
 void SgdStep(const SgdConfig& config, const SgdSpans& spans) {
   assert(ValidateSgd(config, spans).ok());
   if (spans.n == 0) return;
-  const internal::SgdConsts k = MakeSgdConsts(config);
+  const internal::SgdConsts k = internal::MakeSgdConsts(config);
   const KernelTable& t = Table();
   ForTiles(spans.n, [&](size_t b, size_t e) { t.sgd(k, spans, b, e); });
 }
@@ -359,3 +328,43 @@ void BandwidthProbe(float* a, float* b, float* c, const float* d, size_t n) {
 }
 
 }  // namespace tiermem::kernels
+
+namespace tiermem::kernels::internal {
+
+AdamConsts MakeAdamConsts(const AdamConfig& c) {
+  AdamConsts k{};
+  const double step = static_cast<double>(c.step);
+  const double bc1 = 1.0 - std::pow(static_cast<double>(c.beta1), step);
+  const double bc2 = 1.0 - std::pow(static_cast<double>(c.beta2), step);
+  k.inv_loss_scale = c.inv_loss_scale;
+  k.clip_factor = c.clip_factor;
+  k.use_l2 = !c.decoupled && c.weight_decay != 0.0f;
+  k.l2_decay = c.weight_decay;
+  k.param_decay = c.decoupled ? static_cast<float>(1.0 - static_cast<double>(c.lr) *
+                                                             static_cast<double>(c.weight_decay))
+                              : 1.0f;
+  k.beta1_comp = static_cast<float>(1.0 - static_cast<double>(c.beta1));
+  k.beta2 = c.beta2;
+  k.beta2_comp = static_cast<float>(1.0 - static_cast<double>(c.beta2));
+  k.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  k.eps = c.eps;
+  k.neg_step_size = static_cast<float>(-(static_cast<double>(c.lr) / bc1));
+  return k;
+}
+
+SgdConsts MakeSgdConsts(const SgdConfig& c) {
+  SgdConsts k{};
+  k.inv_loss_scale = c.inv_loss_scale;
+  k.clip_factor = c.clip_factor;
+  k.weight_decay = c.weight_decay;
+  k.use_wd = c.weight_decay != 0.0f;
+  k.momentum = c.momentum;
+  k.damp_comp = static_cast<float>(1.0 - static_cast<double>(c.dampening));
+  k.use_momentum = c.momentum != 0.0f;
+  k.first_step = c.first_step;
+  k.nesterov = c.nesterov;
+  k.neg_lr = -c.lr;
+  return k;
+}
+
+}  // namespace tiermem::kernels::internal

@@ -26,17 +26,18 @@ struct V256 {
   static F LoadF16(const uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
-  static void StoreBf16(uint16_t* p, F x) {
+  using H = __m128i;  // 8 x 16-bit
+  static H Bf16(F x) {
     const __m256i u = _mm256_castps_si256(x);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     __m256i r = _mm256_srli_epi32(
         _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
     const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
     r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), Pack16(r));
+    return Pack16(r);
   }
-  static void StoreF16(uint16_t* p, F x) {
-    __m128i h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  static H F16(F x) {
+    const H h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     // NaN -> sign | 0x7E00 whatever the payload (c10::Half).
     const __m256i u = _mm256_castps_si256(x);
     const __m256i nan_val = _mm256_or_si256(
@@ -44,9 +45,12 @@ struct V256 {
         _mm256_set1_epi32(0x7E00));
     const __m256i nan32 = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
     const __m256i nan16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(nan32, nan32), 0x08);
-    h = _mm_blendv_epi8(h, Pack16(nan_val), _mm256_castsi256_si128(nan16));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+    return _mm_blendv_epi8(h, Pack16(nan_val), _mm256_castsi256_si128(nan16));
   }
+  static void StoreH(uint16_t* p, H h) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h); }
+  // Non-temporal stores: p must be aligned to the vector size (32 bytes for F, 16 for H).
+  static void Stream(float* p, F x) { _mm256_stream_ps(p, x); }
+  static void StreamH(uint16_t* p, H h) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), h); }
   static F Set1(float v) { return _mm256_set1_ps(v); }
   static F Add(F a, F b) { return _mm256_add_ps(a, b); }
   static F Sub(F a, F b) { return _mm256_sub_ps(a, b); }

@@ -25,26 +25,30 @@ struct V512 {
   static F LoadF16(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
-  static void StoreBf16(uint16_t* p, F x) {
+  using H = __m256i;  // 16 x 16-bit
+  static H Bf16(F x) {
     const __m512i u = _mm512_castps_si512(x);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_srli_epi32(
         _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
     const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+    return _mm512_cvtepi32_epi16(r);
   }
-  static void StoreF16(uint16_t* p, F x) {
-    __m256i h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  static H F16(F x) {
+    const H h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     // NaN -> sign | 0x7E00 whatever the payload (c10::Half).
     const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     const __m512i u = _mm512_castps_si512(x);
     const __m512i nan_val = _mm512_or_si512(
         _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x8000)),
         _mm512_set1_epi32(0x7E00));
-    h = _mm256_mask_mov_epi16(h, nan, _mm512_cvtepi32_epi16(nan_val));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
+    return _mm256_mask_mov_epi16(h, nan, _mm512_cvtepi32_epi16(nan_val));
   }
+  static void StoreH(uint16_t* p, H h) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h); }
+  // Non-temporal stores: p must be aligned to the vector size (64 bytes for F, 32 for H).
+  static void Stream(float* p, F x) { _mm512_stream_ps(p, x); }
+  static void StreamH(uint16_t* p, H h) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), h); }
   static F Set1(float v) { return _mm512_set1_ps(v); }
   static F Add(F a, F b) { return _mm512_add_ps(a, b); }
   static F Sub(F a, F b) { return _mm512_sub_ps(a, b); }

@@ -11,7 +11,10 @@
 // need no masked loads (AVX2 has none for 16-bit data) and stay bit-identical too.
 #pragma once
 
+#include <immintrin.h>
+
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 
 #include "kernels/cpu/kernel_table.h"
@@ -29,47 +32,92 @@ inline typename V::F LoadGrad(const void* p, size_t i) {
   if constexpr (G == DType::kF16) return V::LoadF16(static_cast<const uint16_t*>(p) + i);
 }
 
-template <class V, Out O>
+// kStream: non-temporal store (the caller checked the alignment and fences afterwards).
+template <class V, Out O, bool kStream = false>
 inline void StoreOut(void* p, size_t i, typename V::F x) {
-  if constexpr (O == Out::kF32) V::Store(static_cast<float*>(p) + i, x);
-  if constexpr (O == Out::kBF16) V::StoreBf16(static_cast<uint16_t*>(p) + i, x);
-  if constexpr (O == Out::kF16) V::StoreF16(static_cast<uint16_t*>(p) + i, x);
+  if constexpr (O == Out::kF32) {
+    if constexpr (kStream) V::Stream(static_cast<float*>(p) + i, x);
+    else V::Store(static_cast<float*>(p) + i, x);
+  } else if constexpr (O == Out::kBF16 || O == Out::kF16) {
+    const typename V::H h = O == Out::kBF16 ? V::Bf16(x) : V::F16(x);
+    if constexpr (kStream) V::StreamH(static_cast<uint16_t*>(p) + i, h);
+    else V::StoreH(static_cast<uint16_t*>(p) + i, h);
+  }
 }
+
+inline size_t OutSize(Out o) { return o == Out::kF32 ? 4 : 2; }
+
+// Whether the main loop of a range starting at `begin` may use non-temporal stores into `out`:
+// asked for, and every vector store lands on its natural alignment.
+template <class V, Out O>
+inline bool CanStream(bool wanted, const void* out, size_t begin) {
+  if constexpr (O == Out::kNone) {
+    return false;
+  } else {
+    const size_t vec_bytes = V::kWidth * OutSize(O);
+    return wanted && (reinterpret_cast<uintptr_t>(out) + begin * OutSize(O)) % vec_bytes == 0;
+  }
+}
+
+// AdamConsts broadcast once into registers. A local copy also matters for speed: the
+// kernels' float stores could alias the float fields of a `const AdamConsts&`, which would
+// force a reload and re-broadcast of every constant per vector.
+template <class V>
+struct AdamVecs {
+  typename V::F ils, clip, l2, decay, b1c, b2, b2c, bc2, eps, nss;
+  bool use_l2;
+  explicit AdamVecs(const AdamConsts& c)
+      : ils(V::Set1(c.inv_loss_scale)), clip(V::Set1(c.clip_factor)), l2(V::Set1(c.l2_decay)),
+        decay(V::Set1(c.param_decay)), b1c(V::Set1(c.beta1_comp)), b2(V::Set1(c.beta2)),
+        b2c(V::Set1(c.beta2_comp)), bc2(V::Set1(c.bc2_sqrt)), eps(V::Set1(c.eps)),
+        nss(V::Set1(c.neg_step_size)), use_l2(c.use_l2) {}
+};
 
 template <class V, DType G, Out O, bool kAmsgrad>
 struct AdamKernel {
   using F = typename V::F;
   // One vector at element i of the given arrays.
-  static inline void Body(const AdamConsts& c, float* param, float* m_p, float* v_p, float* vm_p,
-                          const void* grad, void* out, size_t i) {
+  template <bool kStream = false>
+  static inline void Body(const AdamVecs<V>& c, float* param, float* m_p, float* v_p,
+                          float* vm_p, const void* grad, void* out, size_t i) {
     F g = LoadGrad<V, G>(grad, i);
-    g = V::Mul(g, V::Set1(c.inv_loss_scale));
-    g = V::Mul(g, V::Set1(c.clip_factor));
+    g = V::Mul(g, c.ils);
+    g = V::Mul(g, c.clip);
     F p = V::Load(param + i);
-    if (c.use_l2) g = V::Fma(p, V::Set1(c.l2_decay), g);
-    p = V::Mul(p, V::Set1(c.param_decay));
+    if (c.use_l2) g = V::Fma(p, c.l2, g);
+    p = V::Mul(p, c.decay);
     F m = V::Load(m_p + i);
-    m = V::Fma(V::Set1(c.beta1_comp), V::Sub(g, m), m);
+    m = V::Fma(c.b1c, V::Sub(g, m), m);
     F v = V::Load(v_p + i);
-    v = V::Fma(v, V::Set1(c.beta2), V::Mul(V::Mul(V::Set1(c.beta2_comp), g), g));
+    v = V::Fma(v, c.b2, V::Mul(V::Mul(c.b2c, g), g));
     F v_hat = v;
     if constexpr (kAmsgrad) {
       v_hat = V::Max(V::Load(vm_p + i), v);  // vm > v ? vm : v, as the reference
       V::Store(vm_p + i, v_hat);
     }
-    const F denom = V::Add(V::Div(V::Sqrt(v_hat), V::Set1(c.bc2_sqrt)), V::Set1(c.eps));
-    p = V::Fma(V::Set1(c.neg_step_size), V::Div(m, denom), p);
+    const F denom = V::Add(V::Div(V::Sqrt(v_hat), c.bc2), c.eps);
+    p = V::Fma(c.nss, V::Div(m, denom), p);
     V::Store(m_p + i, m);
     V::Store(v_p + i, v);
     V::Store(param + i, p);
-    StoreOut<V, O>(out, i, p);
+    StoreOut<V, O, kStream>(out, i, p);
   }
 
-  static void Run(const AdamConsts& c, const AdamSpans& s, size_t begin, size_t end) {
+  static void Run(const AdamConsts& consts, const AdamSpans& s, size_t begin, size_t end) {
     constexpr size_t W = V::kWidth;
+    const AdamVecs<V> c(consts);
+    float* const param = s.param;
+    float* const m_p = s.exp_avg;
+    float* const v_p = s.exp_avg_sq;
+    float* const vm_p = s.max_exp_avg_sq;
+    const void* const grad = s.grad;
+    void* const out = s.param_out;
     size_t i = begin;
-    for (; i + W <= end; i += W) {
-      Body(c, s.param, s.exp_avg, s.exp_avg_sq, s.max_exp_avg_sq, s.grad, s.param_out, i);
+    if (CanStream<V, O>(consts.stream_out, out, begin)) {
+      for (; i + W <= end; i += W) Body<true>(c, param, m_p, v_p, vm_p, grad, out, i);
+      _mm_sfence();  // order the non-temporal stores before whatever reads `out` next
+    } else {
+      for (; i + W <= end; i += W) Body(c, param, m_p, v_p, vm_p, grad, out, i);
     }
     const size_t rem = end - i;
     if (rem == 0) return;
@@ -96,29 +144,36 @@ struct AdamKernel {
 template <class V, DType G, Out O>
 struct SgdKernel {
   using F = typename V::F;
-  static inline void Body(const SgdConsts& c, float* param, float* buf_p, const void* grad,
+  struct Vecs {  // see AdamVecs
+    F ils, clip, wd, mom, damp, neg_lr;
+    bool use_wd, use_momentum, first_step, nesterov;
+    explicit Vecs(const SgdConsts& c)
+        : ils(V::Set1(c.inv_loss_scale)), clip(V::Set1(c.clip_factor)),
+          wd(V::Set1(c.weight_decay)), mom(V::Set1(c.momentum)), damp(V::Set1(c.damp_comp)),
+          neg_lr(V::Set1(c.neg_lr)), use_wd(c.use_wd), use_momentum(c.use_momentum),
+          first_step(c.first_step), nesterov(c.nesterov) {}
+  };
+  static inline void Body(const Vecs& c, float* param, float* buf_p, const void* grad,
                           void* out, size_t i) {
     F g = LoadGrad<V, G>(grad, i);
-    g = V::Mul(g, V::Set1(c.inv_loss_scale));
-    g = V::Mul(g, V::Set1(c.clip_factor));
+    g = V::Mul(g, c.ils);
+    g = V::Mul(g, c.clip);
     F p = V::Load(param + i);
-    if (c.use_wd) g = V::Fma(p, V::Set1(c.weight_decay), g);
+    if (c.use_wd) g = V::Fma(p, c.wd, g);
     F d = g;
     if (c.use_momentum) {
-      const F buf = c.first_step
-                        ? g
-                        : V::Fma(V::Load(buf_p + i), V::Set1(c.momentum),
-                                 V::Mul(V::Set1(c.damp_comp), g));
+      const F buf = c.first_step ? g : V::Fma(V::Load(buf_p + i), c.mom, V::Mul(c.damp, g));
       V::Store(buf_p + i, buf);
-      d = c.nesterov ? V::Fma(buf, V::Set1(c.momentum), g) : buf;
+      d = c.nesterov ? V::Fma(buf, c.mom, g) : buf;
     }
-    p = V::Fma(d, V::Set1(c.neg_lr), p);
+    p = V::Fma(d, c.neg_lr, p);
     V::Store(param + i, p);
     StoreOut<V, O>(out, i, p);
   }
 
-  static void Run(const SgdConsts& c, const SgdSpans& s, size_t begin, size_t end) {
+  static void Run(const SgdConsts& consts, const SgdSpans& s, size_t begin, size_t end) {
     constexpr size_t W = V::kWidth;
+    const Vecs c(consts);
     size_t i = begin;
     for (; i + W <= end; i += W) Body(c, s.param, s.momentum_buf, s.grad, s.param_out, i);
     const size_t rem = end - i;

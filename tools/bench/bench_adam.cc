@@ -1,6 +1,294 @@
-// Placeholder: replaced by the real benchmark (see tools/commands.h).
+// `tiermem bench adam`: the CPU optimizer kernels against this machine's memory roofline and
+// against torch.optim.AdamW (foreach=True), all measured in the same run.
+//
+//   tiermem bench adam --params 67108864 --threads 1,2 [--isa avx512,avx2,scalar] [--json]
+//
+// Per thread count: (1) a bandwidth probe with AdamW's access pattern (reads p, m, v, g and
+// writes p, m, v: 28 bytes per param, same tiles and threads as the kernels) gives the
+// roofline; (2) each ISA x dtype variant's params/s, its modelled DRAM bytes per param, the
+// achieved GB/s and that as a fraction of the roofline, and its "equivalent bytes per param"
+// (time x roofline bandwidth / params: the traffic it costs if it runs at the roofline);
+// The probe and each variant are timed alternately, and the fraction of the roofline is the
+// median over those pairs (the shared machine's bandwidth drifts between measurements).
+// (3) torch's AdamW over the same number of params (tools/bench/bench_adam_torch.py, run with
+// $TIERMEM_PY or ~/.cache/tiermem/venv/bin/python when present), and our ratio to it.
+// Each measurement is the median of --reps timed steps after one warm-up step.
+// fraction_of_roofline = modelled bytes per param / equivalent bytes per param.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <iostream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "kernels/cpu/optim.h"
 #include "tools/commands.h"
 
 namespace tiermem::tools {
-void RegisterBenchAdam(CLI::App& bench) { (void)bench; }
+namespace {
+
+namespace k = tiermem::kernels;
+using Json = nlohmann::json;
+
+struct AdamBenchArgs {
+  size_t params = 67108864;
+  std::string threads = "1,2";
+  std::string isas = "";  // "" = every ISA this CPU has
+  int reps = 5;
+  bool json = false;
+  bool no_torch = false;
+  std::string torch_script;
+};
+
+// A page-aligned float buffer (no value-initialisation; the caller fills it).
+struct Buffer {
+  explicit Buffer(size_t bytes) : ptr(static_cast<unsigned char*>(std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096))) {}
+  ~Buffer() { std::free(ptr); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  unsigned char* ptr;
+  float* f() const { return reinterpret_cast<float*>(ptr); }
+};
+
+template <typename Fn>
+double Seconds(const Fn& fn) {
+  const auto t0 = std::chrono::steady_clock::now();
+  fn();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Times `fn` and the roofline probe alternately (probe, fn, probe, fn, ...) after one warm-up
+// of each, so both see the same machine state: these machines are shared and their bandwidth
+// drifts by tens of percent within seconds. Returns the per-pair times.
+struct Paired {
+  std::vector<double> fn_s, probe_s;
+};
+template <typename Fn, typename Probe>
+Paired TimePaired(int reps, const Fn& fn, const Probe& probe) {
+  probe();
+  fn();
+  Paired out;
+  for (int r = 0; r < reps; ++r) {
+    out.probe_s.push_back(Seconds(probe));
+    out.fn_s.push_back(Seconds(fn));
+  }
+  return out;
+}
+
+std::vector<std::string> Split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream in(s);
+  for (std::string item; std::getline(in, item, ',');) {
+    if (!item.empty()) out.push_back(item);
+  }
+  return out;
+}
+
+std::string PythonForTorch() {
+  if (const char* py = std::getenv("TIERMEM_PY"); py != nullptr && *py != '\0') return py;
+  if (const char* home = std::getenv("HOME")) {
+    const std::string venv = std::string(home) + "/.cache/tiermem/venv/bin/python";
+    if (std::filesystem::exists(venv)) return venv;
+  }
+  return "";
+}
+
+// Runs the torch script; returns its JSON or a {"error": ...} object.
+Json RunTorch(const AdamBenchArgs& a, int threads) {
+  const std::string py = PythonForTorch();
+  if (py.empty()) return Json{{"error", "no python with torch (set TIERMEM_PY)"}};
+  std::string script = a.torch_script;
+#ifdef TIERMEM_SOURCE_DIR
+  if (script.empty()) script = std::string(TIERMEM_SOURCE_DIR) + "/tools/bench/bench_adam_torch.py";
+#endif
+  if (script.empty() || !std::filesystem::exists(script)) {
+    return Json{{"error", "bench_adam_torch.py not found (pass --torch-script)"}};
+  }
+  const std::string cmd = "'" + py + "' '" + script + "' --params " + std::to_string(a.params) +
+                          " --threads " + std::to_string(threads) + " --reps " +
+                          std::to_string(a.reps) + " 2>&1";
+  FILE* pipe = popen(cmd.c_str(), "r");
+  if (pipe == nullptr) return Json{{"error", "popen failed"}};
+  std::string out;
+  char buf[4096];
+  while (size_t got = fread(buf, 1, sizeof(buf), pipe)) out.append(buf, got);
+  const int rc = pclose(pipe);
+  const size_t brace = out.rfind("\n{");
+  const std::string last = brace == std::string::npos ? out : out.substr(brace + 1);
+  Json j = Json::parse(last, nullptr, /*allow_exceptions=*/false);
+  if (rc != 0 || j.is_discarded()) return Json{{"error", "torch script failed: " + out.substr(0, 400)}};
+  return j;
+}
+
+int RunAdamBench(const AdamBenchArgs& a) {
+  const size_t n = a.params;
+  std::vector<k::Isa> isas;
+  if (a.isas.empty()) {
+    for (k::Isa isa : {k::Isa::kAvx512, k::Isa::kAvx2, k::Isa::kScalar}) {
+      const k::Isa saved = k::KernelIsa();
+      if (k::SetKernelIsa(isa).ok()) isas.push_back(isa);
+      k::SetKernelIsa(saved).IgnoreError();
+    }
+  } else {
+    for (const std::string& name : Split(a.isas)) {
+      StatusOr<k::Isa> isa = k::ParseIsa(name);
+      if (!isa.ok()) {
+        std::cerr << "bench adam: " << isa.status().ToString() << "\n";
+        return 2;
+      }
+      isas.push_back(*isa);
+    }
+  }
+  std::vector<int> thread_counts;
+  for (const std::string& t : Split(a.threads)) {
+    const int v = std::atoi(t.c_str());
+    if (v <= 0) {
+      std::cerr << "bench adam: --threads wants positive integers, got '" << t << "'\n";
+      return 2;
+    }
+    thread_counts.push_back(v);
+  }
+
+  Buffer p(n * 4), m(n * 4), v(n * 4), g(n * 4), gb(n * 2), out(n * 2);
+  for (size_t i = 0; i < n; ++i) {
+    p.f()[i] = 0.5f + 1e-9f * static_cast<float>(i & 1023);
+    m.f()[i] = 0.0f;
+    v.f()[i] = 0.0f;
+    g.f()[i] = 1e-3f * static_cast<float>(static_cast<int>(i % 2001) - 1000);
+  }
+  k::CastFromF32(g.f(), gb.ptr, k::DType::kBF16, n);
+  std::memset(out.ptr, 0, n * 2);
+
+  struct Variant {
+    const char* name;
+    k::DType grad;
+    bool out;
+  };
+  const Variant variants[] = {{"adamw f32 grad", k::DType::kF32, false},
+                              {"adamw f32 grad + bf16 copy", k::DType::kF32, true},
+                              {"adamw bf16 grad + bf16 copy", k::DType::kBF16, true}};
+
+  Json report = {{"benchmark", "adam"}, {"params", n}, {"reps", a.reps}, {"runs", Json::array()}};
+  const k::Isa saved_isa = k::KernelIsa();
+  for (int threads : thread_counts) {
+    k::SetKernelThreads(threads);
+    Json run = {{"threads", threads}};
+    // Roofline: the probe on the same buffers (AdamW's access pattern), with the best ISA,
+    // timed alternately with every variant below.
+    const k::Isa probe_isa = isas.front();
+    auto probe = [&] {
+      const k::Isa isa = k::KernelIsa();
+      k::SetKernelIsa(probe_isa).IgnoreError();
+      k::BandwidthProbe(p.f(), m.f(), v.f(), g.f(), n);
+      k::SetKernelIsa(isa).IgnoreError();
+    };
+    if (!a.json) {
+      std::printf("threads %d (roofline probe: %s, reads 4 streams and writes 3, 28 B/param; "
+                  "timed alternately with each variant)\n", threads,
+                  std::string(k::IsaName(probe_isa)).c_str());
+      std::printf("  %-8s %-28s %10s %7s %8s %9s %10s %9s\n", "isa", "variant", "Mparams/s",
+                  "B/param", "GB/s", "roof GB/s", "x roofline", "equiv B/p");
+    }
+    double best_f32 = 0;
+    std::vector<double> all_probe_s;
+    Json results = Json::array();
+    for (k::Isa isa : isas) {
+      k::SetKernelIsa(isa).IgnoreError();
+      for (const Variant& var : variants) {
+        k::AdamConfig c;
+        c.weight_decay = 0.01f;
+        k::AdamSpans s;
+        s.param = p.f();
+        s.exp_avg = m.f();
+        s.exp_avg_sq = v.f();
+        s.grad = var.grad == k::DType::kF32 ? static_cast<const void*>(g.f()) : gb.ptr;
+        s.grad_dtype = var.grad;
+        s.param_out = var.out ? out.ptr : nullptr;
+        s.out_dtype = k::DType::kBF16;
+        s.n = n;
+        int64_t step = 0;
+        const Paired t = TimePaired(a.reps, [&] {
+          c.step = ++step;
+          k::AdamStep(c, s);
+        }, probe);
+        const double bytes_per_param = k::DTypeSize(var.grad) + 24.0 + (var.out ? 2.0 : 0.0);
+        // Per pair: kernel time / probe time = equivalent bytes per param / 28.
+        std::vector<double> ratio;
+        for (int r = 0; r < a.reps; ++r) ratio.push_back(t.fn_s[r] / t.probe_s[r]);
+        all_probe_s.insert(all_probe_s.end(), t.probe_s.begin(), t.probe_s.end());
+        const double sec = Median(t.fn_s);
+        const double roof = 28.0 * static_cast<double>(n) / Median(t.probe_s);
+        const double pps = static_cast<double>(n) / sec;
+        const double gbps = pps * bytes_per_param;
+        const double equiv = 28.0 * Median(ratio);
+        const double fraction = bytes_per_param / equiv;
+        if (var.grad == k::DType::kF32 && !var.out) best_f32 = std::max(best_f32, pps);
+        results.push_back({{"isa", k::IsaName(isa)},
+                           {"variant", var.name},
+                           {"params_per_s", pps},
+                           {"bytes_per_param_model", bytes_per_param},
+                           {"GBps", gbps / 1e9},
+                           {"roofline_GBps", roof / 1e9},
+                           {"fraction_of_roofline", fraction},
+                           {"equivalent_bytes_per_param", equiv}});
+        if (!a.json) {
+          std::printf("  %-8s %-28s %10.1f %7.0f %8.2f %9.2f %10.3f %9.1f\n",
+                      std::string(k::IsaName(isa)).c_str(), var.name, pps / 1e6, bytes_per_param,
+                      gbps / 1e9, roof / 1e9, fraction, equiv);
+        }
+      }
+    }
+    run["results"] = results;
+    run["roofline_GBps"] = 28.0 * static_cast<double>(n) / Median(all_probe_s) / 1e9;
+    if (!a.no_torch) {
+      Json t = RunTorch(a, threads);
+      if (t.contains("params_per_s") && best_f32 > 0) {
+        const double tp = t["params_per_s"].get<double>();
+        t["ours_fp32_over_torch"] = best_f32 / tp;
+        if (!a.json) {
+          std::printf("  torch %s AdamW(foreach=True): %.1f Mparams/s; best ours (f32) / torch = %.2fx\n",
+                      t.value("torch_version", std::string("?")).c_str(), tp / 1e6, best_f32 / tp);
+        }
+      } else if (!a.json) {
+        std::printf("  torch: %s\n", t.value("error", std::string("no result")).c_str());
+      }
+      run["torch"] = t;
+    }
+    report["runs"].push_back(run);
+  }
+  k::SetKernelIsa(saved_isa).IgnoreError();
+  if (a.json) std::cout << report.dump(2) << "\n";
+  return 0;
+}
+
+}  // namespace
+
+void RegisterBenchAdam(CLI::App& bench) {
+  auto args = std::make_shared<AdamBenchArgs>();
+  CLI::App* cmd = bench.add_subcommand("adam", "CPU AdamW kernels vs the memory roofline and torch");
+  cmd->add_option("--params", args->params, "number of fp32 params")->check(CLI::PositiveNumber);
+  cmd->add_option("--threads", args->threads, "comma-separated thread counts");
+  cmd->add_option("--isa", args->isas, "comma-separated ISAs (default: all this CPU has)");
+  cmd->add_option("--reps", args->reps, "timed steps per measurement (median)")->check(CLI::Range(1, 1000));
+  cmd->add_flag("--json", args->json, "print JSON only");
+  cmd->add_flag("--no-torch", args->no_torch, "skip the torch baseline");
+  cmd->add_option("--torch-script", args->torch_script, "path of bench_adam_torch.py");
+  cmd->callback([args] {
+    const int rc = RunAdamBench(*args);
+    if (rc != 0) throw CLI::RuntimeError(rc);
+  });
+}
+
 }  // namespace tiermem::tools

@@ -1,0 +1,34 @@
+// The one place a cudaError_t becomes a Status (tiers/cuda and kernels/cuda both use it).
+//
+//   cudaErrorInsufficientDriver (35), cudaErrorNoDevice (100)  -> kUnavailable "no CUDA device"
+//   cudaErrorMemoryAllocation                                  -> kResourceExhausted
+//   cudaErrorInvalidValue, InvalidDevicePointer, InvalidMemcpyDirection, InvalidConfiguration
+//                                                              -> kInvalidArgument
+//   cudaErrorHostMemoryAlreadyRegistered                       -> kAlreadyExists
+//   cudaErrorHostMemoryNotRegistered                           -> kFailedPrecondition
+//   cudaErrorECCUncorrectable                                  -> kDataLoss
+//   cudaErrorNotSupported                                      -> kUnimplemented
+//   anything else                                              -> kInternal
+// The message names the context, the CUDA error name and its description.
+#pragma once
+
+#include <string_view>
+
+#include <cuda_runtime_api.h>
+
+#include "runtime/base/status.h"
+
+namespace tiermem {
+
+Status CudaErrorToStatus(cudaError_t err, std::string_view context);
+
+}  // namespace tiermem
+
+// Returns the converted status from the enclosing function if `expr` is not cudaSuccess.
+#define TIERMEM_CUDA_RETURN_IF_ERROR(expr, context)                        \
+  do {                                                                     \
+    const cudaError_t tiermem_cuda_err_ = (expr);                          \
+    if (tiermem_cuda_err_ != cudaSuccess) {                                \
+      return ::tiermem::CudaErrorToStatus(tiermem_cuda_err_, (context));   \
+    }                                                                      \
+  } while (0)

@@ -1,0 +1,338 @@
+// CudaTier: a budget-exact arena on one GPU with two copy lanes.
+//
+// Invariants (all under mu_):
+//  * free_ maps offset -> size of every free block of the arena; blocks never overlap or
+//    touch (adjacent free blocks are merged on Free), and together with live_ they tile the
+//    arena exactly: sum(free sizes) + sum(live sizes) == arena_bytes_.
+//  * live_ maps region id -> {offset, size}; size is the requested size rounded up to the
+//    alignment and is what the BudgetAccount was charged, so Stats().used is exact.
+//  * arena_bytes_ == config.capacity rounded down to the alignment; the budget is that value.
+// A Copy validates its request against live_ at submission; the caller must not free a region
+// with copies in flight (Tier contract), so a copy never outlives its region.
+//
+// Each Lane owns a stream and a FIFO of (event, completion). Copy() enqueues the memcpy and an
+// event record on the stream, then pushes the pair; the lane's thread waits on the events in
+// FIFO order (cudaEventSynchronize, blocking-sync events, no spinning), completes, and returns
+// the event to the lane's pool. The lane thread is the only one that completes its copies.
+#include "tiers/cuda/cuda_tier.h"
+
+#include <algorithm>
+#include <condition_variable>
+#include <deque>
+#include <iterator>
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+#include "tiers/cuda/cuda_status.h"
+
+namespace tiermem {
+namespace {
+
+class Lane {
+ public:
+  Lane(int device, cudaStream_t stream) : device_(device), stream_(stream), thread_([this] { Run(); }) {}
+  ~Lane() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();  // drains the queue first
+    for (cudaEvent_t e : pool_) cudaEventDestroy(e);
+    cudaStreamDestroy(stream_);
+  }
+
+  cudaStream_t stream() const { return stream_; }
+
+  // Records an event after the work already enqueued on the stream and completes `done` when
+  // it has passed. On failure completes `done` with the error right away.
+  void Track(std::shared_ptr<Completion> done) {
+    cudaEvent_t ev = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!pool_.empty()) {
+        ev = pool_.back();
+        pool_.pop_back();
+      }
+    }
+    if (ev == nullptr) {
+      const cudaError_t err = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming | cudaEventBlockingSync);
+      if (err != cudaSuccess) {
+        // Fall back to a synchronous wait so the copy still completes correctly.
+        const cudaError_t sync = cudaStreamSynchronize(stream_);
+        done->Complete(CudaErrorToStatus(sync, "cuda tier: copy"));
+        return;
+      }
+    }
+    const cudaError_t err = cudaEventRecord(ev, stream_);
+    if (err != cudaSuccess) {
+      done->Complete(CudaErrorToStatus(err, "cuda tier: event record"));
+      Recycle(ev);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back({ev, std::move(done)});
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  struct Item {
+    cudaEvent_t event;
+    std::shared_ptr<Completion> done;
+  };
+
+  void Recycle(cudaEvent_t ev) {
+    std::lock_guard<std::mutex> lock(mu_);
+    pool_.push_back(ev);
+  }
+
+  void Run() {
+    cudaSetDevice(device_);
+    for (;;) {
+      Item item;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;  // stop_ and drained
+        item = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      const cudaError_t err = cudaEventSynchronize(item.event);
+      Recycle(item.event);
+      item.done->Complete(CudaErrorToStatus(err, "cuda tier: copy"));
+    }
+  }
+
+  const int device_;
+  const cudaStream_t stream_;  // owned
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;                // GUARDED_BY(mu_)
+  std::deque<Item> queue_;           // GUARDED_BY(mu_)
+  std::vector<cudaEvent_t> pool_;    // GUARDED_BY(mu_); idle events, owned
+  std::thread thread_;               // last: starts after the members above exist
+};
+
+class CudaTier final : public Tier {
+ public:
+  CudaTier(const CudaTierConfig& config, void* arena, Bytes arena_bytes, cudaStream_t h2d,
+           cudaStream_t d2h)
+      : config_(config),
+        arena_(static_cast<unsigned char*>(arena)),
+        arena_bytes_(arena_bytes),
+        budget_(arena_bytes),
+        h2d_(config.device, h2d),
+        d2h_(config.device, d2h) {
+    free_[0] = arena_bytes;
+  }
+
+  ~CudaTier() override {
+    // Lanes are destroyed (drained) after this body; the arena must outlive their copies.
+    cudaSetDevice(config_.device);
+    cudaStreamSynchronize(h2d_.stream());
+    cudaStreamSynchronize(d2h_.stream());
+    cudaFree(arena_);
+  }
+
+  TierKind kind() const override { return TierKind::kDevice; }
+  std::string name() const override { return "cuda:" + std::to_string(config_.device); }
+
+  StatusOr<Region> Allocate(Bytes bytes) override {
+    if (bytes == 0) return InvalidArgumentError("cuda tier: cannot allocate 0 bytes");
+    if (bytes > arena_bytes_) {  // also keeps AlignUp below from overflowing
+      const TierStats st = budget_.Snapshot();
+      return ResourceExhaustedError(name() + " tier: need " + std::to_string(bytes) + " bytes, " +
+                                    std::to_string(st.capacity - st.used) + " available of a " +
+                                    std::to_string(st.capacity) + "-byte budget");
+    }
+    const Bytes size = AlignUp(bytes, config_.alignment);
+    TIERMEM_RETURN_IF_ERROR(budget_.Reserve(size, name()));
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = free_.begin(); it != free_.end(); ++it) {
+      if (it->second < size) continue;
+      const Bytes offset = it->first;
+      const Bytes rest = it->second - size;
+      free_.erase(it);
+      if (rest > 0) free_[offset + size] = rest;
+      const uint64_t id = next_id_++;
+      live_[id] = Block{offset, size};
+      return Region{id, size, arena_ + offset};
+    }
+    budget_.Release(size);
+    return ResourceExhaustedError(name() + " tier: need " + std::to_string(size) +
+                                  " contiguous bytes; the budget has room but the arena is "
+                                  "fragmented (largest free block " +
+                                  std::to_string(LargestFreeLocked()) + " bytes)");
+  }
+
+  Status Free(const Region& region) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = live_.find(region.id);
+    if (it == live_.end() || arena_ + it->second.offset != region.addr) {
+      return InvalidArgumentError(name() + " tier: Free of an unknown region (id " +
+                                  std::to_string(region.id) + ")");
+    }
+    Bytes offset = it->second.offset;
+    Bytes size = it->second.size;
+    live_.erase(it);
+    budget_.Release(size);
+    // Merge with the free neighbours.
+    auto next = free_.lower_bound(offset);
+    if (next != free_.end() && next->first == offset + size) {
+      size += next->second;
+      next = free_.erase(next);
+    }
+    if (next != free_.begin()) {
+      auto prev = std::prev(next);
+      if (prev->first + prev->second == offset) {
+        offset = prev->first;
+        size += prev->second;
+        free_.erase(prev);
+      }
+    }
+    free_[offset] = size;
+    return OkStatus();
+  }
+
+  std::shared_ptr<Completion> Copy(const CopyRequest& request) override {
+    Region live;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = live_.find(request.region.id);
+      if (it == live_.end() || arena_ + it->second.offset != request.region.addr) {
+        return Completion::Done(InvalidArgumentError(name() + " tier: copy on an unknown region (id " +
+                                                     std::to_string(request.region.id) + ")"));
+      }
+      live = Region{request.region.id, it->second.size, arena_ + it->second.offset};
+    }
+    if (Status s = ValidateCopy(request, live); !s.ok()) return Completion::Done(s);
+    if (request.bytes == 0) return Completion::Done(OkStatus());
+    if (request.host == nullptr) {
+      return Completion::Done(InvalidArgumentError(name() + " tier: copy with a null host pointer"));
+    }
+    unsigned char* dev = static_cast<unsigned char*>(live.addr) + request.offset;
+    const bool to_tier = request.dir == CopyDir::kToTier;
+    Lane& lane = to_tier ? h2d_ : d2h_;
+    cudaError_t err = cudaSetDevice(config_.device);
+    if (err == cudaSuccess) {
+      err = to_tier ? cudaMemcpyAsync(dev, request.host, request.bytes, cudaMemcpyHostToDevice,
+                                      lane.stream())
+                    : cudaMemcpyAsync(request.host, dev, request.bytes, cudaMemcpyDeviceToHost,
+                                      lane.stream());
+    }
+    if (err != cudaSuccess) return Completion::Done(CudaErrorToStatus(err, name() + " tier: copy"));
+    auto done = Completion::Make();
+    lane.Track(done);
+    return done;
+  }
+
+  TierStats Stats() const override { return budget_.Snapshot(); }
+
+ private:
+  struct Block {
+    Bytes offset;
+    Bytes size;
+  };
+
+  Bytes LargestFreeLocked() const {
+    Bytes best = 0;
+    for (const auto& [offset, size] : free_) best = std::max(best, size);
+    return best;
+  }
+
+  const CudaTierConfig config_;
+  unsigned char* const arena_;  // device memory, owned (cudaFree in the destructor)
+  const Bytes arena_bytes_;
+  BudgetAccount budget_;
+  mutable std::mutex mu_;
+  std::map<Bytes, Bytes> free_;                  // GUARDED_BY(mu_); offset -> size
+  std::unordered_map<uint64_t, Block> live_;     // GUARDED_BY(mu_)
+  uint64_t next_id_ = 1;                         // GUARDED_BY(mu_)
+  Lane h2d_;
+  Lane d2h_;
+};
+
+}  // namespace
+
+StatusOr<int> CudaDeviceCount() {
+  int count = 0;  // left unwritten by the runtime when there is no driver
+  TIERMEM_CUDA_RETURN_IF_ERROR(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
+  if (count <= 0) return UnavailableError("cudaGetDeviceCount: no CUDA device");
+  return count;
+}
+
+StatusOr<std::unique_ptr<Tier>> NewCudaTier(const CudaTierConfig& config) {
+  if (config.alignment == 0 || (config.alignment & (config.alignment - 1)) != 0) {
+    return InvalidArgumentError("cuda tier: alignment must be a power of two (got " +
+                                std::to_string(config.alignment) + ")");
+  }
+  const Bytes arena_bytes = config.capacity / config.alignment * config.alignment;
+  if (arena_bytes == 0) {
+    return InvalidArgumentError("cuda tier: capacity must be at least the alignment");
+  }
+  TIERMEM_ASSIGN_OR_RETURN(const int count, CudaDeviceCount());
+  if (config.device < 0 || config.device >= count) {
+    return InvalidArgumentError("cuda tier: device " + std::to_string(config.device) +
+                                " does not exist (" + std::to_string(count) + " devices)");
+  }
+  TIERMEM_CUDA_RETURN_IF_ERROR(cudaSetDevice(config.device), "cuda tier: cudaSetDevice");
+  void* arena = nullptr;
+  if (cudaError_t err = cudaMalloc(&arena, arena_bytes); err != cudaSuccess) {
+    return CudaErrorToStatus(err, "cuda tier: cudaMalloc of a " + std::to_string(arena_bytes) +
+                                      "-byte arena");
+  }
+  cudaStream_t h2d = nullptr, d2h = nullptr;
+  cudaError_t err = cudaStreamCreateWithFlags(&h2d, cudaStreamNonBlocking);
+  if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&d2h, cudaStreamNonBlocking);
+  if (err != cudaSuccess) {
+    if (h2d != nullptr) cudaStreamDestroy(h2d);
+    cudaFree(arena);
+    return CudaErrorToStatus(err, "cuda tier: cudaStreamCreate");
+  }
+  return std::unique_ptr<Tier>(new CudaTier(config, arena, arena_bytes, h2d, d2h));
+}
+
+Status CudaHostRegister(void* ptr, Bytes bytes) {
+  if (ptr == nullptr || bytes == 0) {
+    return InvalidArgumentError("CudaHostRegister: need a non-null pointer and bytes > 0");
+  }
+  int count = 0;
+  TIERMEM_CUDA_RETURN_IF_ERROR(cudaGetDeviceCount(&count), "CudaHostRegister");
+  TIERMEM_CUDA_RETURN_IF_ERROR(cudaHostRegister(ptr, bytes, cudaHostRegisterPortable),
+                               "CudaHostRegister of " + std::to_string(bytes) + " bytes");
+  return OkStatus();
+}
+
+Status CudaHostUnregister(void* ptr) {
+  if (ptr == nullptr) return InvalidArgumentError("CudaHostUnregister: null pointer");
+  TIERMEM_CUDA_RETURN_IF_ERROR(cudaHostUnregister(ptr), "CudaHostUnregister");
+  return OkStatus();
+}
+
+StatusOr<CudaHostRegistration> CudaHostRegistration::Make(void* ptr, Bytes bytes) {
+  TIERMEM_RETURN_IF_ERROR(CudaHostRegister(ptr, bytes));
+  return CudaHostRegistration(ptr);
+}
+
+CudaHostRegistration& CudaHostRegistration::operator=(CudaHostRegistration&& other) noexcept {
+  if (this != &other) {
+    if (ptr_ != nullptr) CudaHostUnregister(ptr_).IgnoreError();
+    ptr_ = other.ptr_;
+    other.ptr_ = nullptr;
+  }
+  return *this;
+}
+
+CudaHostRegistration::~CudaHostRegistration() {
+  if (ptr_ != nullptr) CudaHostUnregister(ptr_).IgnoreError();
+}
+
+}  // namespace tiermem
