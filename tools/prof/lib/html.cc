@@ -80,20 +80,30 @@ struct Span {
   std::string cause;
 };
 
-// Coalesces spans on one track that come within `gap` of each other (same kind).
-void AddSpan(std::vector<Span>* track, Span s, uint64_t gap) {
+// Coalesces a span into the previous one on its track when they are closer than `gap` and
+// the union stays within `max_width` (one bucket), so a track holds O(buckets) spans and a
+// busy lane still shows its gaps at full zoom-out. Spans of different kinds merge into a
+// "mixed" span (src = dst = kMixed).
+constexpr int kMixed = -2;
+void AddSpan(std::vector<Span>* track, Span s, uint64_t gap, uint64_t max_width) {
   if (!track->empty()) {
     Span& last = track->back();
-    if (s.t0 <= last.t1 + gap && s.src == last.src && s.dst == last.dst) {
-      last.t0 = std::min(last.t0, s.t0);
-      last.t1 = std::max(last.t1, s.t1);
+    const uint64_t t0 = std::min(last.t0, s.t0), t1 = std::max(last.t1, s.t1);
+    if (s.t0 <= last.t1 + gap && t1 - t0 <= max_width) {
+      last.t0 = t0;
+      last.t1 = t1;
       last.bytes += s.bytes;
       last.count += s.count;
       last.failed |= s.failed;
+      if (s.src != last.src || s.dst != last.dst) last.src = last.dst = kMixed;
       return;
     }
   }
   track->push_back(std::move(s));
+}
+
+std::string SpanTierName(int t) {
+  return t == kMixed ? "mixed" : std::string(TierKindName(static_cast<TierKind>(t)));
 }
 
 // Markers (phase, moment, budget) thinned to at most one per `gap`.
@@ -119,6 +129,7 @@ Status RenderHtml(const std::string& timeline_path, const std::string& out_path,
   const int buckets = std::max(1, options.buckets);
   const uint64_t duration = report.duration_ns;
   const uint64_t gap = duration / (2 * static_cast<uint64_t>(buckets));
+  const uint64_t bucket_width = std::max<uint64_t>(1, duration / static_cast<uint64_t>(buckets));
   auto bucket_of = [&](uint64_t t) {
     return duration == 0 ? 0 : static_cast<int>(std::min<uint64_t>(
                                    buckets - 1, static_cast<unsigned __int128>(t) * buckets / duration));
@@ -160,7 +171,7 @@ Status RenderHtml(const std::string& timeline_path, const std::string& out_path,
         if (auto it = copies.find(e.id); it != copies.end()) {
           const CopyInfo& c = it->second;
           AddSpan(&lanes[c.lane], Span{c.t0, t, c.bytes, 1, c.src, c.dst, (e.flags & kFlagFailed) != 0, ""},
-                  gap);
+                  gap, bucket_width);
           copies.erase(it);
         }
         break;
@@ -169,7 +180,8 @@ Status RenderHtml(const std::string& timeline_path, const std::string& out_path,
         break;
       case EventType::kStallEnd:
         if (auto it = stalls.find(e.id); it != stalls.end()) {
-          AddSpan(&stall_spans, Span{it->second.first, t, 0, 1, 0, 0, false, it->second.second}, gap);
+          AddSpan(&stall_spans, Span{it->second.first, t, 0, 1, 0, 0, false, it->second.second}, gap,
+                  bucket_width);
           stalls.erase(it);
         }
         break;
@@ -193,10 +205,12 @@ Status RenderHtml(const std::string& timeline_path, const std::string& out_path,
   });
   TIERMEM_RETURN_IF_ERROR(s);
   for (auto& [id, c] : copies) {  // still in flight at the end
-    AddSpan(&lanes[c.lane], Span{c.t0, duration, c.bytes, 1, c.src, c.dst, false, ""}, gap);
+    AddSpan(&lanes[c.lane], Span{c.t0, duration, c.bytes, 1, c.src, c.dst, false, ""}, gap,
+            bucket_width);
   }
   for (auto& [id, st] : stalls) {
-    AddSpan(&stall_spans, Span{st.first, duration, 0, 1, 0, 0, false, st.second}, gap);
+    AddSpan(&stall_spans, Span{st.first, duration, 0, 1, 0, 0, false, st.second}, gap,
+            bucket_width);
   }
 
   nlohmann::json data;
@@ -223,8 +237,7 @@ Status RenderHtml(const std::string& timeline_path, const std::string& out_path,
     std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.t0 < b.t0; });
     nlohmann::json arr = nlohmann::json::array();
     for (const Span& sp : spans) {
-      arr.push_back({sp.t0, sp.t1, std::string(TierKindName(static_cast<TierKind>(sp.src))),
-                     std::string(TierKindName(static_cast<TierKind>(sp.dst))), sp.bytes, sp.count,
+      arr.push_back({sp.t0, sp.t1, SpanTierName(sp.src), SpanTierName(sp.dst), sp.bytes, sp.count,
                      sp.failed});
     }
     lanes_json.push_back({{"lane", lane}, {"spans", arr}});
