@@ -1,0 +1,237 @@
+// Golden-number tests of `tiermem prof report --json` (ReportToJson over AnalyzeFile) on a
+// hand-made timeline, plus the time-order merge, truncated and corrupt inputs, text width and
+// the diff.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "tests/tools/golden_timeline.h"
+#include "tools/prof/lib/analysis.h"
+#include "tools/prof/lib/render.h"
+#include "tools/prof/lib/synthetic.h"
+
+namespace tiermem::prof {
+namespace {
+
+constexpr uint64_t M = 1 << 20;
+
+std::string TempPath(const std::string& name) {
+  auto dir = std::filesystem::temp_directory_path() / "tiermem_prof_test";
+  std::filesystem::create_directories(dir);
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  return (dir / (std::string(info->name()) + "_" + name)).string();
+}
+
+TEST(ProfReportTest, GoldenNumbers) {
+  const std::string path = TempPath("golden.tmt");
+  testing::WriteGoldenTimeline(path);
+  auto report = AnalyzeFile(path);
+  ASSERT_TRUE(report.ok()) << report.status().ToString();
+  const nlohmann::json j = ReportToJson(*report);
+
+  EXPECT_EQ(j["file"]["events"], testing::kGoldenEvents);
+  EXPECT_EQ(j["file"]["complete"], true);
+  EXPECT_EQ(j["file"]["out_of_order_events"], 0);
+  EXPECT_EQ(j["t0_ns"], 1000);
+  EXPECT_EQ(j["duration_ns"], 10000);
+
+  const auto& dev = j["tiers"]["device"];
+  EXPECT_EQ(dev["peak"]["bytes"], 20 * M);
+  EXPECT_EQ(dev["peak"]["t_ns"], 3000);
+  EXPECT_EQ(dev["peak"]["moment"], "layer1.pre-forward");
+  EXPECT_EQ(dev["peak"]["phase"], "forward");
+  // (10 MiB x 2000 + 16 MiB x 1000 + 20 MiB x 1000 + 10 MiB x 6000) / 10000 ns = 11.6 MiB.
+  EXPECT_EQ(dev["avg_bytes"], 12163482);
+  EXPECT_EQ(dev["end_bytes"], 10 * M);
+  EXPECT_EQ(dev["budget_bytes"], 100 * M);
+  EXPECT_EQ(dev["allocs"], 3);
+  EXPECT_EQ(dev["frees"], 2);
+  EXPECT_EQ(dev["ooms"], 1);
+  EXPECT_EQ(dev["largest_oom_bytes"], 200 * M);
+  EXPECT_EQ(dev["categories"]["param"]["peak"]["bytes"], 10 * M);
+  EXPECT_EQ(dev["categories"]["param"]["peak"]["t_ns"], 0);
+  EXPECT_EQ(dev["categories"]["param"]["peak"]["moment"], "layer0.pre-forward");
+  EXPECT_EQ(dev["categories"]["param"]["avg_bytes"], 10 * M);
+  EXPECT_EQ(dev["categories"]["activation"]["peak"]["bytes"], 10 * M);
+  EXPECT_EQ(dev["categories"]["activation"]["peak"]["t_ns"], 3000);
+  // (6 MiB x 1000 + 10 MiB x 1000) / 10000 = 1.6 MiB.
+  EXPECT_EQ(dev["categories"]["activation"]["avg_bytes"], 1677722);
+  EXPECT_EQ(dev["categories"]["grad"]["peak"]["bytes"], 0);
+
+  const auto& host = j["tiers"]["host"];
+  EXPECT_EQ(host["peak"]["bytes"], 30 * M);
+  EXPECT_EQ(host["peak"]["t_ns"], 8000);
+  EXPECT_EQ(host["peak"]["phase"], "forward");
+  EXPECT_EQ(host["avg_bytes"], 3 * M);
+  EXPECT_EQ(host["categories"]["optim_state"]["peak"]["bytes"], 30 * M);
+  EXPECT_TRUE(j["tiers"].contains("nvme"));  // the failed copy's destination
+  EXPECT_EQ(j["tiers"]["nvme"]["peak"]["bytes"], 0);
+
+  ASSERT_EQ(j["moves"].size(), 3u);
+  EXPECT_EQ(j["moves"][0]["src"], "device");
+  EXPECT_EQ(j["moves"][0]["dst"], "host");
+  EXPECT_EQ(j["moves"][0]["bytes"], 8 * M);
+  EXPECT_EQ(j["moves"][0]["busy_ns"], 2000);
+  EXPECT_EQ(j["moves"][1]["src"], "host");
+  EXPECT_EQ(j["moves"][1]["dst"], "device");
+  EXPECT_EQ(j["moves"][1]["bytes"], 4 * M);
+  EXPECT_EQ(j["moves"][1]["count"], 1);
+  EXPECT_EQ(j["moves"][2]["dst"], "nvme");
+  EXPECT_EQ(j["moves"][2]["bytes"], 0);
+  EXPECT_EQ(j["moves"][2]["failed"], 1);
+  EXPECT_EQ(j["bytes_moved"], 12 * M);
+
+  EXPECT_EQ(j["stalls"]["total_ns"], 1500);
+  EXPECT_EQ(j["stalls"]["count"], 2);
+  ASSERT_EQ(j["stalls"]["by_cause"].size(), 2u);
+  EXPECT_EQ(j["stalls"]["by_cause"][0]["cause"], "evict");
+  EXPECT_EQ(j["stalls"]["by_cause"][0]["ns"], 1000);
+  EXPECT_EQ(j["stalls"]["by_cause"][1]["cause"], "prefetch late");
+  EXPECT_EQ(j["stalls"]["by_cause"][1]["ns"], 500);
+
+  ASSERT_EQ(j["top_chunks"].size(), 1u);
+  EXPECT_EQ(j["top_chunks"][0]["chunk"], 5);
+  EXPECT_EQ(j["top_chunks"][0]["moves"], 2);
+  EXPECT_EQ(j["top_chunks"][0]["bytes"], 12 * M);
+
+  ASSERT_EQ(j["phases"].size(), 2u);
+  EXPECT_EQ(j["phases"][0]["phase"], "forward");
+  EXPECT_EQ(j["phases"][0]["count"], 2);
+  EXPECT_EQ(j["phases"][0]["time_ns"], 6000);
+  EXPECT_EQ(j["phases"][0]["stall_ns"], 500);
+  EXPECT_EQ(j["phases"][0]["bytes_moved"], 4 * M);
+  EXPECT_EQ(j["phases"][0]["device_peak_bytes"], 20 * M);
+  EXPECT_EQ(j["phases"][1]["phase"], "backward");
+  EXPECT_EQ(j["phases"][1]["time_ns"], 4000);
+  EXPECT_EQ(j["phases"][1]["stall_ns"], 1000);
+  EXPECT_EQ(j["phases"][1]["bytes_moved"], 8 * M);
+  EXPECT_EQ(j["phases"][1]["device_peak_bytes"], 20 * M);
+
+  EXPECT_EQ(j["iterations"]["count"], 2);
+  EXPECT_EQ(j["iterations"]["step_mean_ns"], 5000);
+  EXPECT_EQ(j["iterations"]["step_min_ns"], 2000);
+  EXPECT_EQ(j["iterations"]["step_max_ns"], 8000);
+  EXPECT_EQ(j["unmatched"]["frees"], 1);
+  EXPECT_EQ(j["unmatched"]["open_copies"], 0);
+
+  // The terminal report fits 80 columns and names the peak's moment.
+  const std::string text = RenderReportText(*report, path);
+  std::istringstream lines(text);
+  for (std::string line; std::getline(lines, line);) EXPECT_LE(line.size(), 80u) << line;
+  EXPECT_NE(text.find("20.00 MiB"), std::string::npos) << text;
+  EXPECT_NE(text.find("layer1.pre-forward (forward)"), std::string::npos) << text;
+}
+
+TEST(ProfReportTest, MergesThreadsByTimestamp) {
+  const std::string path = TempPath("threads.tmt");
+  constexpr int kPerThread = 20000;
+  {
+    auto rec = std::move(TimelineRecorder::Open(path).value());
+    auto run = [&](uint64_t parity) {
+      for (int i = 0; i < kPerThread; ++i) {
+        Event e;
+        e.type = EventType::kMoment;
+        e.ts_ns = 10 + 2 * static_cast<uint64_t>(i) + parity;
+        e.id = parity;
+        rec->Record(e);
+      }
+    };
+    std::thread a(run, 0), b(run, 1);
+    a.join();
+    b.join();
+    ASSERT_TRUE(rec->Close().ok());
+  }
+  auto reader = std::move(TimelineReader::Open(path).value());
+  OrderedEvents events(reader.get());
+  TimelineEntry e;
+  uint64_t n = 0;
+  while (*events.Next(&e)) {
+    ASSERT_EQ(e.event.ts_ns, 10 + n) << n;  // a perfect interleaving of the two threads
+    ++n;
+  }
+  EXPECT_EQ(n, 2u * kPerThread);
+  EXPECT_EQ(events.out_of_order(), 0u);
+}
+
+TEST(ProfReportTest, TruncatedAndCorruptFiles) {
+  const std::string path = TempPath("golden.tmt");
+  testing::WriteGoldenTimeline(path);
+  std::string bytes;
+  {
+    std::ifstream in(path, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  const std::string cut = TempPath("cut.tmt");
+  {
+    std::ofstream out(cut, std::ios::binary);
+    out.write(bytes.data(), bytes.size() - 10);  // inside the end record
+  }
+  auto r = AnalyzeFile(cut);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_FALSE(r->complete);
+  EXPECT_EQ(r->events, testing::kGoldenEvents);
+  EXPECT_NE(r->end_note.find("file ends at byte " + std::to_string(bytes.size() - 10)),
+            std::string::npos);
+  EXPECT_NE(RenderReportText(*r, cut).find("TRUNCATED"), std::string::npos);
+
+  const std::string bad = TempPath("bad.tmt");
+  {
+    std::string b = bytes;
+    b[200] ^= 1;
+    std::ofstream out(bad, std::ios::binary);
+    out.write(b.data(), b.size());
+  }
+  EXPECT_EQ(AnalyzeFile(bad).status().code(), StatusCode::kDataLoss);
+  const std::string foreign = TempPath("foreign.tmt");
+  std::ofstream(foreign) << "{\"traceEvents\": []}";
+  auto f = AnalyzeFile(foreign);
+  EXPECT_EQ(f.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(f.status().message().find("not a tiermem timeline"), std::string::npos);
+}
+
+TEST(ProfReportTest, DiffShowsChangeInPercent) {
+  const std::string a = TempPath("a.tmt");
+  testing::WriteGoldenTimeline(a);
+  auto ra = AnalyzeFile(a);
+  ASSERT_TRUE(ra.ok());
+  Report rb = *ra;
+  rb.tiers[0].peak.bytes = 25 * M;  // +25%
+  rb.stall_ns = 750;                // -50%
+  const nlohmann::json d = DiffToJson(*ra, rb);
+  bool saw_peak = false, saw_stall = false;
+  for (const auto& row : d["rows"]) {
+    if (row["metric"] == "device peak") {
+      saw_peak = true;
+      EXPECT_DOUBLE_EQ(row["change_pct"].get<double>(), 25.0);
+    }
+    if (row["metric"] == "stall time") {
+      saw_stall = true;
+      EXPECT_DOUBLE_EQ(row["change_pct"].get<double>(), -50.0);
+    }
+  }
+  EXPECT_TRUE(saw_peak && saw_stall);
+  const std::string text = RenderDiffText(*ra, rb, a, "b");
+  EXPECT_NE(text.find("+25.0%"), std::string::npos) << text;
+  EXPECT_NE(text.find("-50.0%"), std::string::npos) << text;
+}
+
+TEST(ProfReportTest, SyntheticRunIsConsistent) {
+  const std::string path = TempPath("synth.tmt");
+  auto n = WriteSyntheticTimeline(path, {.min_events = 20000});
+  ASSERT_TRUE(n.ok());
+  auto r = AnalyzeFile(path);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->events, *n);
+  EXPECT_TRUE(r->complete);
+  EXPECT_EQ(r->unmatched_frees + r->unmatched_copy_ends + r->unmatched_stall_ends, 0u);
+  EXPECT_EQ(r->open_copies + r->open_stalls, 0u);
+  // 10 resident 64 MiB chunks + a 64 MiB gradient + activations (24/12/8 MiB per layer).
+  EXPECT_EQ(r->tiers[0].categories[static_cast<int>(Category::kParam)].peak.bytes, 640 * M);
+  EXPECT_LE(r->tiers[0].peak.bytes, r->tiers[0].budget_bytes);
+}
+
+}  // namespace
+}  // namespace tiermem::prof
