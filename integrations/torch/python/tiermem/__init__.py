@@ -7,6 +7,8 @@ See docs/python.md.
 """
 from __future__ import annotations
 
+import torch  # noqa: F401  (loads libtorch before the extension that links it)
+
 from . import _C
 from .config import Config, parse_config
 from .optimizer import ChunkedAdamW
