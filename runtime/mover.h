@@ -38,6 +38,7 @@ struct MoverConfig {
   Bytes staging_slot_bytes = 4 * kMiB;  // device<->NVMe bounce slot size
   int staging_slots = 4;                 // slots in flight per device<->NVMe move
   int memcpy_threads = 0;                // host<->host parallel memcpy threads (0 = all cores)
+  Bytes parallel_memcpy_min_bytes = 8 * kMiB;  // host<->host copies this big are split over them
 };
 
 class Mover {

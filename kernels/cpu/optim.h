@@ -27,6 +27,8 @@ enum class DType : uint8_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
 enum class Isa : uint8_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
 std::string_view IsaName(Isa isa);
+// "auto" (= BestSupportedIsa), "scalar", "avx2", "avx512"; else kInvalidArgument.
+StatusOr<Isa> ParseIsa(std::string_view name);
 Isa BestSupportedIsa();                  // by CPUID
 Status SetKernelIsa(Isa isa);            // kUnavailable if the CPU lacks it
 Isa KernelIsa();                         // current choice
@@ -60,6 +62,11 @@ struct AdamSpans {
 
 void AdamStep(const AdamConfig& config, const AdamSpans& spans);
 
+// Checks what AdamStep assumes (non-null spans, amsgrad buffer, step >= 1, betas in [0, 1),
+// eps > 0, supported dtypes) and says what is wrong (kInvalidArgument). AdamStep itself only
+// asserts; front-ends validate once per parameter group.
+Status ValidateAdam(const AdamConfig& config, const AdamSpans& spans);
+
 struct GradStats {
   double sq_norm = 0;   // sum of squares of the grads (as fp32 values, accumulated in double)
   bool overflow = false;  // any NaN/Inf
@@ -67,8 +74,50 @@ struct GradStats {
 // The cheap separate reduction used for overflow detection and global-norm clipping.
 GradStats GradNormAndOverflow(const void* grad, DType dtype, size_t n);
 
+// The overflow-safe step of one chunk: runs GradNormAndOverflow and, only when the grads are
+// all finite, AdamStep. With an overflow nothing is written (param, m, v, param_out untouched)
+// and the returned stats say so; the caller skips the step everywhere and lowers its loss
+// scale. (A global-norm clip needs the norm over all chunks first: call GradNormAndOverflow
+// on each, then AdamStep with clip_factor.)
+GradStats AdamStepUnlessOverflow(const AdamConfig& config, const AdamSpans& spans);
+
+// torch.optim.SGD: d = g (+ wd * p); with momentum, buf = g on the first step, else
+// buf = momentum * buf + (1 - dampening) * d; d = nesterov ? d + momentum * buf : buf;
+// p -= lr * d. Grad unscaling/clipping and the low-precision copy as in AdamStep.
+struct SgdConfig {
+  float lr = 1e-2f;
+  float momentum = 0.0f;
+  float dampening = 0.0f;
+  float weight_decay = 0.0f;
+  bool nesterov = false;
+  bool first_step = true;       // momentum buffer not yet initialised (torch: buf is None)
+  float inv_loss_scale = 1.0f;
+  float clip_factor = 1.0f;
+};
+
+struct SgdSpans {
+  float* param = nullptr;
+  float* momentum_buf = nullptr;  // required when momentum != 0, else ignored
+  const void* grad = nullptr;
+  DType grad_dtype = DType::kF32;
+  void* param_out = nullptr;
+  DType out_dtype = DType::kBF16;
+  size_t n = 0;
+};
+
+void SgdStep(const SgdConfig& config, const SgdSpans& spans);
+Status ValidateSgd(const SgdConfig& config, const SgdSpans& spans);
+
 // fp32 <-> bf16/fp16 casts (round-to-nearest-even).
 void CastFromF32(const float* src, void* dst, DType dst_dtype, size_t n);
 void CastToF32(const void* src, DType src_dtype, float* dst, size_t n);
+
+std::string_view DTypeName(DType dtype);  // "f32", "bf16", "f16"
+inline size_t DTypeSize(DType dtype) { return dtype == DType::kF32 ? 4 : 2; }
+
+// Benchmark support: a pass with AdamStep's DRAM access pattern (reads a, b, c, d; writes a,
+// b, c; same tiling and threads as the kernels) using the current ISA. Its bytes/s is the
+// roofline the optimizer kernels are measured against.
+void BandwidthProbe(float* a, float* b, float* c, const float* d, size_t n);
 
 }  // namespace tiermem::kernels

@@ -9,6 +9,7 @@
 
 #include <functional>
 #include <memory>
+#include <ostream>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -25,6 +26,9 @@ struct TierFactory {
   // Capacity the factory configured (the suite checks budget exhaustion against it).
   Bytes capacity = 64 * kMiB;
 };
+
+// gtest prints a failing case's parameter with this (the name, not the struct's bytes).
+inline void PrintTo(const TierFactory& factory, std::ostream* os) { *os << factory.name; }
 
 inline std::string TierFactoryName(const ::testing::TestParamInfo<TierFactory>& info) {
   return info.param.name;

@@ -1,0 +1,361 @@
+// Dispatch and threading for the CPU optimizer kernels.
+//
+// The ISA is chosen once (TIERMEM_KERNEL_ISA at first use, else the best CPUID allows) and may
+// be changed by SetKernelIsa; a request for an ISA this CPU lacks is refused, so a table is
+// only ever called on a CPU that runs it. Work is split into fixed tiles of kTile elements
+// (cache-sized: 4 streams x 128 KiB); a call with more than one tile runs them in a oneTBB
+// arena of KernelThreads() threads with a static partition (each thread streams one
+// contiguous run of tiles, the same run every call, which keeps first-touched pages local).
+// Reductions sum per-tile partial sums in tile order, so GradNormAndOverflow's result does not
+// depend on the thread count. Element-wise kernels are independent of tiling by construction.
+//
+// Thread-safety: the ISA choice is an atomic; the thread count and arena are guarded by a
+// mutex, and each call holds a shared_ptr to the arena it started on, so SetKernelThreads may
+// race with running steps.
+#include "kernels/cpu/optim.h"
+
+#include <atomic>
+#include <cassert>
+#include <cstdlib>
+#include <cmath>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+#include <tbb/partitioner.h>
+#include <tbb/task_arena.h>
+
+#include "kernels/cpu/kernel_table.h"
+#include "runtime/base/logging.h"
+#include "runtime/base/options.h"
+
+namespace tiermem::kernels {
+namespace {
+
+using internal::KernelTable;
+
+constexpr size_t kTile = 32768;  // elements; a multiple of every vector width
+
+// TIERMEM_KERNELS_X86 is defined when the AVX2/AVX-512 TUs are built (x86-64 only).
+bool CpuHas(Isa isa) {
+#ifndef TIERMEM_KERNELS_X86
+  return isa == Isa::kScalar;
+#else
+  switch (isa) {
+    case Isa::kScalar:
+      return true;
+    case Isa::kAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+             __builtin_cpu_supports("f16c");
+    case Isa::kAvx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c");
+  }
+  return false;
+#endif
+}
+
+const KernelTable& TableFor(Isa isa) {
+#ifdef TIERMEM_KERNELS_X86
+  switch (isa) {
+    case Isa::kAvx2: return internal::Avx2Table();
+    case Isa::kAvx512: return internal::Avx512Table();
+    case Isa::kScalar: break;
+  }
+#endif
+  return internal::ScalarTable();
+}
+
+Isa InitialIsa() {
+  const char* env = ProcessEnv()("TIERMEM_KERNEL_ISA");
+  if (env == nullptr || *env == '\0') return BestSupportedIsa();
+  StatusOr<Isa> isa = ParseIsa(env);
+  if (!isa.ok()) {
+    TIERMEM_LOG(kWarn) << "TIERMEM_KERNEL_ISA: " << isa.status().message() << "; using "
+                       << IsaName(BestSupportedIsa());
+    return BestSupportedIsa();
+  }
+  if (!CpuHas(*isa)) {
+    TIERMEM_LOG(kWarn) << "TIERMEM_KERNEL_ISA=" << env << ": this CPU lacks it; using "
+                       << IsaName(BestSupportedIsa());
+    return BestSupportedIsa();
+  }
+  return *isa;
+}
+
+std::atomic<Isa>& IsaChoice() {
+  static std::atomic<Isa> isa{InitialIsa()};
+  return isa;
+}
+
+const KernelTable& Table() { return TableFor(IsaChoice().load(std::memory_order_relaxed)); }
+
+int HardwareThreads() {
+  const unsigned n = std::thread::hardware_concurrency();
+  return n == 0 ? 1 : static_cast<int>(n);
+}
+
+struct ThreadState {
+  std::mutex mu;
+  int requested = -1;                      // GUARDED_BY(mu); -1 = not yet read from the env
+  std::shared_ptr<tbb::task_arena> arena;  // GUARDED_BY(mu); null until first parallel call
+};
+
+ThreadState& Threads() {
+  static ThreadState state;
+  return state;
+}
+
+int RequestedLocked(ThreadState& st) {
+  if (st.requested < 0) {
+    st.requested = 0;
+    if (const char* env = ProcessEnv()("TIERMEM_CPU_THREADS"); env != nullptr && *env != '\0') {
+      char* end = nullptr;
+      const long v = std::strtol(env, &end, 10);
+      if (*end == '\0' && v >= 0 && v <= 4096) {
+        st.requested = static_cast<int>(v);
+      } else {
+        TIERMEM_LOG(kWarn) << "TIERMEM_CPU_THREADS=" << env << " is not an integer >= 0; using 0";
+      }
+    }
+  }
+  return st.requested;
+}
+
+std::shared_ptr<tbb::task_arena> Arena() {
+  ThreadState& st = Threads();
+  std::lock_guard<std::mutex> lock(st.mu);
+  if (!st.arena) {
+    const int r = RequestedLocked(st);
+    st.arena = std::make_shared<tbb::task_arena>(r == 0 ? HardwareThreads() : r);
+  }
+  return st.arena;
+}
+
+// Runs fn(begin, end) over [0, n) in tiles, in parallel when there is more than one tile.
+template <typename Fn>
+void ForTiles(size_t n, const Fn& fn) {
+  if (n == 0) return;
+  const size_t tiles = (n + kTile - 1) / kTile;
+  if (tiles == 1 || KernelThreads() == 1) {
+    for (size_t t = 0; t < tiles; ++t) fn(t * kTile, std::min(n, (t + 1) * kTile));
+    return;
+  }
+  std::shared_ptr<tbb::task_arena> arena = Arena();
+  arena->execute([&] {
+    tbb::parallel_for(
+        tbb::blocked_range<size_t>(0, tiles, 1),
+        [&](const tbb::blocked_range<size_t>& r) {
+          for (size_t t = r.begin(); t < r.end(); ++t) {
+            fn(t * kTile, std::min(n, (t + 1) * kTile));
+          }
+        },
+        tbb::static_partitioner());
+  });
+}
+
+internal::AdamConsts MakeAdamConsts(const AdamConfig& c) {
+  internal::AdamConsts k{};
+  const double step = static_cast<double>(c.step);
+  const double bc1 = 1.0 - std::pow(static_cast<double>(c.beta1), step);
+  const double bc2 = 1.0 - std::pow(static_cast<double>(c.beta2), step);
+  k.inv_loss_scale = c.inv_loss_scale;
+  k.clip_factor = c.clip_factor;
+  k.use_l2 = !c.decoupled && c.weight_decay != 0.0f;
+  k.l2_decay = c.weight_decay;
+  k.param_decay = c.decoupled ? static_cast<float>(1.0 - static_cast<double>(c.lr) *
+                                                             static_cast<double>(c.weight_decay))
+                              : 1.0f;
+  k.beta1_comp = static_cast<float>(1.0 - static_cast<double>(c.beta1));
+  k.beta2 = c.beta2;
+  k.beta2_comp = static_cast<float>(1.0 - static_cast<double>(c.beta2));
+  k.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  k.eps = c.eps;
+  k.neg_step_size = static_cast<float>(-(static_cast<double>(c.lr) / bc1));
+  return k;
+}
+
+internal::SgdConsts MakeSgdConsts(const SgdConfig& c) {
+  internal::SgdConsts k{};
+  k.inv_loss_scale = c.inv_loss_scale;
+  k.clip_factor = c.clip_factor;
+  k.weight_decay = c.weight_decay;
+  k.use_wd = c.weight_decay != 0.0f;
+  k.momentum = c.momentum;
+  k.damp_comp = static_cast<float>(1.0 - static_cast<double>(c.dampening));
+  k.use_momentum = c.momentum != 0.0f;
+  k.first_step = c.first_step;
+  k.nesterov = c.nesterov;
+  k.neg_lr = -c.lr;
+  return k;
+}
+
+bool ValidDType(DType t) { return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16; }
+
+}  // namespace
+
+std::string_view IsaName(Isa isa) {
+  switch (isa) {
+    case Isa::kScalar: return "scalar";
+    case Isa::kAvx2: return "avx2";
+    case Isa::kAvx512: return "avx512";
+  }
+  return "unknown";
+}
+
+std::string_view DTypeName(DType dtype) {
+  switch (dtype) {
+    case DType::kF32: return "f32";
+    case DType::kBF16: return "bf16";
+    case DType::kF16: return "f16";
+  }
+  return "unknown";
+}
+
+StatusOr<Isa> ParseIsa(std::string_view name) {
+  if (name == "auto") return BestSupportedIsa();
+  if (name == "scalar") return Isa::kScalar;
+  if (name == "avx2") return Isa::kAvx2;
+  if (name == "avx512") return Isa::kAvx512;
+  return InvalidArgumentError("unknown kernel ISA '" + std::string(name) +
+                              "' (expected auto, scalar, avx2 or avx512)");
+}
+
+Isa BestSupportedIsa() {
+  if (CpuHas(Isa::kAvx512)) return Isa::kAvx512;
+  if (CpuHas(Isa::kAvx2)) return Isa::kAvx2;
+  return Isa::kScalar;
+}
+
+Status SetKernelIsa(Isa isa) {
+  if (isa != Isa::kScalar && isa != Isa::kAvx2 && isa != Isa::kAvx512) {
+    return InvalidArgumentError("unknown kernel ISA value " + std::to_string(static_cast<int>(isa)));
+  }
+  if (!CpuHas(isa)) {
+    return UnavailableError("this CPU does not support the " + std::string(IsaName(isa)) +
+                            " kernels");
+  }
+  IsaChoice().store(isa, std::memory_order_relaxed);  // tables are immutable; no ordering needed
+  return OkStatus();
+}
+
+Isa KernelIsa() { return IsaChoice().load(std::memory_order_relaxed); }
+
+void SetKernelThreads(int threads) {
+  ThreadState& st = Threads();
+  std::lock_guard<std::mutex> lock(st.mu);
+  st.requested = threads < 0 ? 0 : threads;
+  st.arena.reset();  // running calls keep their own reference
+}
+
+int KernelThreads() {
+  ThreadState& st = Threads();
+  std::lock_guard<std::mutex> lock(st.mu);
+  const int r = RequestedLocked(st);
+  return r == 0 ? HardwareThreads() : r;
+}
+
+Status ValidateAdam(const AdamConfig& c, const AdamSpans& s) {
+  if (s.n == 0) return OkStatus();
+  if (s.param == nullptr || s.exp_avg == nullptr || s.exp_avg_sq == nullptr || s.grad == nullptr) {
+    return InvalidArgumentError("AdamStep: param, exp_avg, exp_avg_sq and grad must be non-null");
+  }
+  if (c.amsgrad && s.max_exp_avg_sq == nullptr) {
+    return InvalidArgumentError("AdamStep: amsgrad needs max_exp_avg_sq");
+  }
+  if (c.step < 1) {
+    return InvalidArgumentError("AdamStep: step must be >= 1 (got " + std::to_string(c.step) + ")");
+  }
+  if (!(c.beta1 >= 0.0f && c.beta1 < 1.0f) || !(c.beta2 >= 0.0f && c.beta2 < 1.0f)) {
+    return InvalidArgumentError("AdamStep: betas must be in [0, 1) (got " +
+                                std::to_string(c.beta1) + ", " + std::to_string(c.beta2) + ")");
+  }
+  if (!(c.eps > 0.0f) || !(c.lr >= 0.0f) || !(c.weight_decay >= 0.0f)) {
+    return InvalidArgumentError("AdamStep: need eps > 0, lr >= 0, weight_decay >= 0");
+  }
+  if (!ValidDType(s.grad_dtype) || (s.param_out != nullptr && !ValidDType(s.out_dtype))) {
+    return InvalidArgumentError("AdamStep: unknown dtype");
+  }
+  return OkStatus();
+}
+
+void AdamStep(const AdamConfig& config, const AdamSpans& spans) {
+  assert(ValidateAdam(config, spans).ok());
+  if (spans.n == 0) return;
+  AdamSpans s = spans;
+  if (!config.amsgrad) s.max_exp_avg_sq = nullptr;
+  const internal::AdamConsts k = MakeAdamConsts(config);
+  const KernelTable& t = Table();
+  ForTiles(s.n, [&](size_t b, size_t e) { t.adam(k, s, b, e); });
+}
+
+GradStats AdamStepUnlessOverflow(const AdamConfig& config, const AdamSpans& spans) {
+  GradStats stats = GradNormAndOverflow(spans.grad, spans.grad_dtype, spans.n);
+  if (!stats.overflow) AdamStep(config, spans);
+  return stats;
+}
+
+Status ValidateSgd(const SgdConfig& c, const SgdSpans& s) {
+  if (s.n == 0) return OkStatus();
+  if (s.param == nullptr || s.grad == nullptr) {
+    return InvalidArgumentError("SgdStep: param and grad must be non-null");
+  }
+  if (c.momentum != 0.0f && s.momentum_buf == nullptr) {
+    return InvalidArgumentError("SgdStep: momentum != 0 needs momentum_buf");
+  }
+  if (c.nesterov && (c.momentum <= 0.0f || c.dampening != 0.0f)) {
+    return InvalidArgumentError("SgdStep: nesterov needs momentum > 0 and dampening = 0");
+  }
+  if (!(c.lr >= 0.0f) || !(c.momentum >= 0.0f) || !(c.weight_decay >= 0.0f)) {
+    return InvalidArgumentError("SgdStep: need lr, momentum, weight_decay >= 0");
+  }
+  if (!ValidDType(s.grad_dtype) || (s.param_out != nullptr && !ValidDType(s.out_dtype))) {
+    return InvalidArgumentError("SgdStep: unknown dtype");
+  }
+  return OkStatus();
+}
+
+void SgdStep(const SgdConfig& config, const SgdSpans& spans) {
+  assert(ValidateSgd(config, spans).ok());
+  if (spans.n == 0) return;
+  const internal::SgdConsts k = MakeSgdConsts(config);
+  const KernelTable& t = Table();
+  ForTiles(spans.n, [&](size_t b, size_t e) { t.sgd(k, spans, b, e); });
+}
+
+GradStats GradNormAndOverflow(const void* grad, DType dtype, size_t n) {
+  GradStats stats;
+  if (n == 0) return stats;
+  const KernelTable& t = Table();
+  const size_t tiles = (n + kTile - 1) / kTile;
+  std::vector<double> partial(tiles, 0.0);
+  ForTiles(n, [&](size_t b, size_t e) { partial[b / kTile] = t.sq_sum(grad, dtype, b, e); });
+  double sum = 0;
+  for (double p : partial) sum += p;
+  // A finite float squared is at most ~1.2e77, so a double sum of finite grads is finite:
+  // the sum is non-finite exactly when some grad is NaN or Inf.
+  stats.sq_norm = sum;
+  stats.overflow = !std::isfinite(sum);
+  return stats;
+}
+
+void CastFromF32(const float* src, void* dst, DType dst_dtype, size_t n) {
+  const KernelTable& t = Table();
+  ForTiles(n, [&](size_t b, size_t e) { t.cast_from_f32(src, dst, dst_dtype, b, e); });
+}
+
+void CastToF32(const void* src, DType src_dtype, float* dst, size_t n) {
+  const KernelTable& t = Table();
+  ForTiles(n, [&](size_t b, size_t e) { t.cast_to_f32(src, src_dtype, dst, b, e); });
+}
+
+void BandwidthProbe(float* a, float* b, float* c, const float* d, size_t n) {
+  const KernelTable& t = Table();
+  ForTiles(n, [&](size_t lo, size_t hi) { t.probe(a, b, c, d, lo, hi); });
+}
+
+}  // namespace tiermem::kernels

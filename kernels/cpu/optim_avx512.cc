@@ -1,0 +1,74 @@
+// AVX-512 (F, BW, VL, DQ) variant: 16 fp32 lanes. Built with -mavx512f -mavx512bw -mavx512vl
+// -mavx512dq -mfma -mf16c; optim.cc calls it only when CPUID reports those features.
+// bf16 rounding is done in integer arithmetic (c10::BFloat16's RNE, NaN -> 0x7FC0) rather than
+// with AVX512-BF16's vcvtneps2bf16, which flushes subnormal inputs to zero and keeps NaN
+// payloads, and would therefore differ from the reference and from torch on those values.
+// GCC 12 warns about _mm512_undefined_*() inside its own intrinsics (GCC bug 105593).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+
+#include "kernels/cpu/optim_simd_inl.h"
+
+namespace tiermem::kernels::internal {
+namespace {
+
+struct V512 {
+  static constexpr size_t kWidth = 16;
+  using F = __m512;
+  using D = __m512d;
+  static F Load(const float* p) { return _mm512_loadu_ps(p); }
+  static void Store(float* p, F x) { _mm512_storeu_ps(p, x); }
+  static F LoadBf16(const uint16_t* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static F LoadF16(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static void StoreBf16(uint16_t* p, F x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  }
+  static void StoreF16(uint16_t* p, F x) {
+    __m256i h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    // NaN -> sign | 0x7E00 whatever the payload (c10::Half).
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i nan_val = _mm512_or_si512(
+        _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x8000)),
+        _mm512_set1_epi32(0x7E00));
+    h = _mm256_mask_mov_epi16(h, nan, _mm512_cvtepi32_epi16(nan_val));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
+  }
+  static F Set1(float v) { return _mm512_set1_ps(v); }
+  static F Add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F Sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static F Mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F Div(F a, F b) { return _mm512_div_ps(a, b); }
+  static F Sqrt(F a) { return _mm512_sqrt_ps(a); }
+  static F Fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F Max(F a, F b) { return _mm512_max_ps(a, b); }  // a > b ? a : b
+  static D ZeroD() { return _mm512_setzero_pd(); }
+  static D AddD(D a, D b) { return _mm512_add_pd(a, b); }
+  static void SqAccumulate(F g, D& a0, D& a1) {
+    const D lo = _mm512_cvtps_pd(_mm512_castps512_ps256(g));
+    const D hi = _mm512_cvtps_pd(_mm512_extractf32x8_ps(g, 1));
+    a0 = _mm512_fmadd_pd(lo, lo, a0);  // a float squared is exact in double: fma == mul + add
+    a1 = _mm512_fmadd_pd(hi, hi, a1);
+  }
+  static double HSum(D a) { return _mm512_reduce_add_pd(a); }
+};
+
+}  // namespace
+
+const KernelTable& Avx512Table() {
+  static const KernelTable table = MakeTable<V512>(Isa::kAvx512);
+  return table;
+}
+
+}  // namespace tiermem::kernels::internal

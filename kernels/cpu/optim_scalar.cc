@@ -1,0 +1,180 @@
+// The scalar reference: the definition of every kernel's element-wise semantics.
+//
+// Per element of AdamStep, in this order and with these roundings (all fp32):
+//   g  = float(grad) * inv_loss_scale * clip_factor     (two products, exact when 1)
+//   g  = fma(p, wd, g)                                  (Adam / L2 only, when wd != 0)
+//   p  = p * (1 - lr * wd)                              (AdamW; factor 1 otherwise: exact)
+//   m  = fma(1 - beta1, g - m, m)                       (torch's lerp_(g, 1 - beta1))
+//   v  = fma(v, beta2, ((1 - beta2) * g) * g)
+//   vm = vm > v ? vm : v; v_hat = vm                    (amsgrad) else v_hat = v
+//   d  = sqrt(v_hat) / sqrt(1 - beta2^step) + eps       (IEEE sqrt and division)
+//   p  = fma(-lr / (1 - beta1^step), m / d, p)
+//   out = round_to_nearest_even(p)                      (bf16 / fp16, if param_out)
+// The SIMD variants perform the same operations (no reciprocal approximations, no
+// contraction: kernel TUs build with -ffp-contract=off), so they match this bit for bit.
+// bf16 rounding follows c10::BFloat16 (NaN -> 0x7FC0); fp16 follows c10::Half (IEEE RNE,
+// subnormals kept, NaN -> sign | 0x7E00 for canonical NaNs).
+#include <cmath>
+#include <cstring>
+
+#include "kernels/cpu/kernel_table.h"
+
+namespace tiermem::kernels::internal {
+namespace {
+
+inline uint32_t Bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline float FromBits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float Bf16ToF32(uint16_t h) { return FromBits(static_cast<uint32_t>(h) << 16); }
+
+inline uint16_t F32ToBf16(float f) {
+  if (std::isnan(f)) return 0x7FC0;
+  const uint32_t u = Bits(f);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float F16ToF32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1Fu;
+  uint32_t mant = h & 0x3FFu;
+  uint32_t bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000u | (mant << 13) | (mant ? 0x00400000u : 0u);  // quiet NaNs
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112u) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    int e = -1;
+    do {
+      ++e;
+      mant <<= 1;
+    } while ((mant & 0x400u) == 0);
+    bits = sign | ((112u - e) << 23) | ((mant & 0x3FFu) << 13);
+  }
+  return FromBits(bits);
+}
+
+// c10::detail::fp16_ieee_from_fp32_value.
+inline uint16_t F32ToF16(float f) {
+  const float scale_to_inf = FromBits(239u << 23);
+  const float scale_to_zero = FromBits(17u << 23);
+  float base = (std::fabs(f) * scale_to_inf) * scale_to_zero;
+  const uint32_t w = Bits(f);
+  const uint32_t shl1_w = w + w;
+  const uint32_t sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xFF000000u;
+  if (bias < 0x71000000u) bias = 0x71000000u;
+  base = FromBits((bias >> 1) + 0x07800000u) + base;
+  const uint32_t bits = Bits(base);
+  const uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
+  const uint32_t mantissa_bits = bits & 0x00000FFFu;
+  const uint32_t nonsign = exp_bits + mantissa_bits;
+  return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+
+inline float LoadAs(const void* p, DType t, size_t i) {
+  switch (t) {
+    case DType::kF32: return static_cast<const float*>(p)[i];
+    case DType::kBF16: return Bf16ToF32(static_cast<const uint16_t*>(p)[i]);
+    case DType::kF16: return F16ToF32(static_cast<const uint16_t*>(p)[i]);
+  }
+  return 0;
+}
+
+inline void StoreAs(void* p, DType t, size_t i, float v) {
+  switch (t) {
+    case DType::kF32: static_cast<float*>(p)[i] = v; return;
+    case DType::kBF16: static_cast<uint16_t*>(p)[i] = F32ToBf16(v); return;
+    case DType::kF16: static_cast<uint16_t*>(p)[i] = F32ToF16(v); return;
+  }
+}
+
+void Adam(const AdamConsts& c, const AdamSpans& s, size_t begin, size_t end) {
+  for (size_t i = begin; i < end; ++i) {
+    float g = LoadAs(s.grad, s.grad_dtype, i);
+    g = g * c.inv_loss_scale;
+    g = g * c.clip_factor;
+    float p = s.param[i];
+    if (c.use_l2) g = std::fma(p, c.l2_decay, g);
+    p = p * c.param_decay;
+    float m = s.exp_avg[i];
+    m = std::fma(c.beta1_comp, g - m, m);
+    float v = s.exp_avg_sq[i];
+    v = std::fma(v, c.beta2, (c.beta2_comp * g) * g);
+    float v_hat = v;
+    if (s.max_exp_avg_sq != nullptr) {
+      const float vm = s.max_exp_avg_sq[i];
+      v_hat = vm > v ? vm : v;
+      s.max_exp_avg_sq[i] = v_hat;
+    }
+    const float denom = std::sqrt(v_hat) / c.bc2_sqrt + c.eps;
+    p = std::fma(c.neg_step_size, m / denom, p);
+    s.exp_avg[i] = m;
+    s.exp_avg_sq[i] = v;
+    s.param[i] = p;
+    if (s.param_out != nullptr) StoreAs(s.param_out, s.out_dtype, i, p);
+  }
+}
+
+void Sgd(const SgdConsts& c, const SgdSpans& s, size_t begin, size_t end) {
+  for (size_t i = begin; i < end; ++i) {
+    float g = LoadAs(s.grad, s.grad_dtype, i);
+    g = g * c.inv_loss_scale;
+    g = g * c.clip_factor;
+    float p = s.param[i];
+    if (c.use_wd) g = std::fma(p, c.weight_decay, g);
+    float d = g;
+    if (c.use_momentum) {
+      float buf = c.first_step ? g : std::fma(s.momentum_buf[i], c.momentum, c.damp_comp * g);
+      s.momentum_buf[i] = buf;
+      d = c.nesterov ? std::fma(buf, c.momentum, g) : buf;
+    }
+    p = std::fma(d, c.neg_lr, p);
+    s.param[i] = p;
+    if (s.param_out != nullptr) StoreAs(s.param_out, s.out_dtype, i, p);
+  }
+}
+
+double SqSum(const void* grad, DType dtype, size_t begin, size_t end) {
+  double sum = 0;
+  for (size_t i = begin; i < end; ++i) {
+    const double g = LoadAs(grad, dtype, i);
+    sum += g * g;
+  }
+  return sum;
+}
+
+void CastFrom(const float* src, void* dst, DType dst_dtype, size_t begin, size_t end) {
+  for (size_t i = begin; i < end; ++i) StoreAs(dst, dst_dtype, i, src[i]);
+}
+
+void CastTo(const void* src, DType src_dtype, float* dst, size_t begin, size_t end) {
+  for (size_t i = begin; i < end; ++i) dst[i] = LoadAs(src, src_dtype, i);
+}
+
+void Probe(float* a, float* b, float* c, const float* d, size_t begin, size_t end) {
+  for (size_t i = begin; i < end; ++i) {
+    const float x = d[i];
+    a[i] += x;
+    b[i] += x;
+    c[i] += x;
+  }
+}
+
+}  // namespace
+
+const KernelTable& ScalarTable() {
+  static const KernelTable table{Isa::kScalar, Adam, Sgd, SqSum, CastFrom, CastTo, Probe};
+  return table;
+}
+
+}  // namespace tiermem::kernels::internal

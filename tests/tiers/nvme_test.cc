@@ -1,0 +1,526 @@
+// Tests of the NVMe tier (both engines), its CRC32C and extent allocator, and the in-memory
+// NVMe fake. Files go to gtest's temp directory (scratch files are unlinked at creation).
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "tiers/fake/mem_nvme.h"
+#include "tiers/nvme/crc32c.h"
+#include "tiers/nvme/extent_allocator.h"
+#include "tiers/nvme/nvme_tier.h"
+
+namespace tiermem {
+namespace {
+
+std::string TestDir() {
+  std::string dir = ::testing::TempDir();
+  if (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  return dir;
+}
+
+// An aligned, owned host buffer (std::vector memory is not 4 KiB aligned).
+struct AlignedBuffer {
+  explicit AlignedBuffer(size_t n) : size(n), data(static_cast<char*>(std::aligned_alloc(4096, AlignUp(n, 4096)))) {}
+  ~AlignedBuffer() { std::free(data); }
+  size_t size;
+  char* data;
+};
+
+void FillRandom(char* p, size_t n, std::mt19937_64& rng) {
+  for (size_t i = 0; i < n; ++i) p[i] = static_cast<char>(rng());
+}
+
+Status Write(Tier& t, const Region& r, Bytes off, const void* src, Bytes n) {
+  return t.Copy({r, off, const_cast<void*>(src), n, CopyDir::kToTier})->Wait();
+}
+Status Read(Tier& t, const Region& r, Bytes off, void* dst, Bytes n) {
+  return t.Copy({r, off, dst, n, CopyDir::kFromTier})->Wait();
+}
+
+// ---- CRC32C and the extent allocator --------------------------------------------------------
+
+TEST(Crc32c, KnownVectorsAndHardwareMatchesTable) {
+  EXPECT_EQ(nvme::Crc32c("123456789", 9), 0xE3069283u);
+  EXPECT_EQ(nvme::Crc32cPortable("123456789", 9), 0xE3069283u);
+  std::vector<char> zeros(32, 0);
+  EXPECT_EQ(nvme::Crc32c(zeros.data(), 32), 0x8A9136AAu);  // RFC 3720 B.4: 32 bytes of zeros
+  std::mt19937_64 rng(1);
+  std::vector<char> buf(20000);
+  FillRandom(buf.data(), buf.size(), rng);
+  for (size_t n : {0, 1, 7, 8, 100, 4079, 4080, 4096, 8192, 12241, 20000}) {
+    EXPECT_EQ(nvme::Crc32c(buf.data(), n), nvme::Crc32cPortable(buf.data(), n)) << n;
+  }
+  // Continuation: crc(A || B) computed in two calls.
+  EXPECT_EQ(nvme::Crc32c(buf.data() + 5000, 9000, nvme::Crc32c(buf.data(), 5000)),
+            nvme::Crc32c(buf.data(), 14000));
+}
+
+TEST(ExtentAllocator, FirstFitAndCoalescing) {
+  nvme::ExtentAllocator a(16 * 4096, 4096);
+  EXPECT_EQ(a.Allocate(1), 0u);                 // rounded to one block
+  EXPECT_EQ(a.Allocate(2 * 4096), 4096u);
+  EXPECT_EQ(a.Allocate(4096), 3 * 4096u);
+  EXPECT_EQ(a.free_bytes(), 12 * 4096u);
+  a.Free(4096, 2 * 4096);                       // hole of 2 blocks at 1
+  EXPECT_EQ(a.free_extent_count(), 2u);
+  EXPECT_EQ(a.Allocate(3 * 4096), 4 * 4096u);   // does not fit the hole: first fit after
+  EXPECT_EQ(a.Allocate(4096), 4096u);           // first fit: the hole
+  a.Free(0, 4096);
+  a.Free(3 * 4096, 4096);
+  EXPECT_EQ(a.free_extent_count(), 3u);         // [0,1) [2,4) [7,16) in blocks
+  a.Free(4096, 4096);                           // joins both neighbours
+  EXPECT_EQ(a.free_extent_count(), 2u);         // [0,4) and [7,16)
+  a.Free(4 * 4096, 3 * 4096);
+  EXPECT_EQ(a.free_extent_count(), 1u);
+  EXPECT_EQ(a.free_bytes(), 16 * 4096u);
+  EXPECT_EQ(a.largest_free_extent(), 16 * 4096u);
+  EXPECT_FALSE(a.Allocate(17 * 4096).has_value());
+}
+
+// ---- the tier, per engine --------------------------------------------------------------------
+
+NvmeTierConfig BaseConfig(NvmeEngine engine, Bytes capacity = 64 * kMiB) {
+  NvmeTierConfig c;
+  c.dir = TestDir();
+  c.capacity = capacity;
+  c.engine = engine;
+  c.queue_depth = 8;
+  c.piece_bytes = 256 * kKiB;  // small pieces: multi-piece copies at test sizes
+  return c;
+}
+
+class NvmeEngineTest : public ::testing::TestWithParam<NvmeEngine> {
+ protected:
+  std::unique_ptr<NvmeTier> Open(NvmeTierConfig c) {
+    auto t = OpenNvmeTier(c);
+    if (!t.ok() && t.status().code() == StatusCode::kUnavailable) return nullptr;
+    EXPECT_TRUE(t.ok()) << t.status().ToString();
+    return t.ok() ? std::move(t).value() : nullptr;
+  }
+  std::unique_ptr<NvmeTier> Open() { return Open(BaseConfig(GetParam())); }
+};
+
+#define OPEN_OR_SKIP(var, expr)                                            \
+  auto var = (expr);                                                       \
+  if (var == nullptr) GTEST_SKIP() << "io_uring is unavailable here";
+
+TEST_P(NvmeEngineTest, NameSaysWhichEngine) {
+  OPEN_OR_SKIP(t, Open());
+  EXPECT_EQ(t->kind(), TierKind::kNvme);
+  EXPECT_EQ(t->name(), GetParam() == NvmeEngine::kPosix ? "nvme-posix" : "nvme-io_uring");
+}
+
+TEST_P(NvmeEngineTest, RandomRoundTripsAlignedAndUnaligned) {
+  OPEN_OR_SKIP(t, Open());
+  std::mt19937_64 rng(42);
+  std::vector<Region> regions;
+  std::vector<std::vector<char>> shadow;
+  for (Bytes size : {Bytes{1}, Bytes{5000}, Bytes{1 * kMiB}, Bytes{3 * kMiB + 123}}) {
+    auto r = t->Allocate(size);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(r->bytes, AlignUp(size, 4096));
+    EXPECT_EQ(r->addr, nullptr);
+    regions.push_back(*r);
+    shadow.emplace_back(r->bytes);
+    FillRandom(shadow.back().data(), r->bytes, rng);
+    ASSERT_TRUE(Write(*t, *r, 0, shadow.back().data(), r->bytes).ok());
+  }
+  AlignedBuffer host(4 * kMiB + 8192);
+  for (int iter = 0; iter < 120; ++iter) {
+    const size_t i = rng() % regions.size();
+    const Bytes rb = regions[i].bytes;
+    Bytes off, n;
+    size_t shift;
+    if (iter % 3 == 0) {  // the direct path: aligned pointer, whole blocks
+      off = (rng() % (rb / 4096)) * 4096;
+      n = (1 + rng() % ((rb - off) / 4096)) * 4096;
+      shift = 0;
+    } else {
+      off = rng() % rb;
+      n = 1 + rng() % (rb - off);
+      shift = rng() % 4096;
+    }
+    char* p = host.data + shift;
+    if (rng() % 2 == 0) {
+      FillRandom(p, n, rng);
+      ASSERT_TRUE(Write(*t, regions[i], off, p, n).ok()) << iter;
+      std::memcpy(shadow[i].data() + off, p, n);
+    } else {
+      std::memset(p, 0x5a, n);
+      Status s = Read(*t, regions[i], off, p, n);
+      ASSERT_TRUE(s.ok()) << s.ToString();
+      ASSERT_EQ(std::memcmp(p, shadow[i].data() + off, n), 0)
+          << "iter " << iter << " region " << i << " off " << off << " n " << n;
+    }
+  }
+  for (size_t i = 0; i < regions.size(); ++i) {
+    std::vector<char> back(regions[i].bytes);
+    ASSERT_TRUE(Read(*t, regions[i], 0, back.data(), back.size()).ok());
+    EXPECT_EQ(back, shadow[i]) << i;
+    ASSERT_TRUE(t->Free(regions[i]).ok());
+  }
+  EXPECT_EQ(t->Stats().used, 0u);
+}
+
+TEST_P(NvmeEngineTest, ManyCopiesInFlightFromSeveralThreads) {
+  OPEN_OR_SKIP(t, Open());
+  constexpr int kThreads = 4;
+  constexpr int kCopies = 16;
+  // One shared region; each thread owns an unaligned slice, so neighbouring slices share
+  // blocks and the read-modify-writes must not lose each other's bytes.
+  constexpr Bytes kSlice = 10000;
+  auto shared = t->Allocate(kThreads * kCopies * kSlice);
+  ASSERT_TRUE(shared.ok());
+  std::vector<std::thread> threads;
+  std::vector<std::string> failures(kThreads);
+  for (int th = 0; th < kThreads; ++th) {
+    threads.emplace_back([&, th] {
+      std::mt19937_64 rng(100 + th);
+      std::vector<std::vector<char>> data(kCopies, std::vector<char>(kSlice));
+      std::vector<std::shared_ptr<Completion>> inflight;
+      for (int k = 0; k < kCopies; ++k) {
+        FillRandom(data[k].data(), kSlice, rng);
+        const Bytes off = (static_cast<Bytes>(k) * kThreads + th) * kSlice;
+        inflight.push_back(t->Copy({*shared, off, data[k].data(), kSlice, CopyDir::kToTier}));
+      }
+      if (Status s = WaitAll(inflight); !s.ok()) failures[th] = s.ToString();
+      inflight.clear();
+      std::vector<std::vector<char>> back(kCopies, std::vector<char>(kSlice));
+      for (int k = 0; k < kCopies; ++k) {
+        const Bytes off = (static_cast<Bytes>(k) * kThreads + th) * kSlice;
+        inflight.push_back(t->Copy({*shared, off, back[k].data(), kSlice, CopyDir::kFromTier}));
+      }
+      if (Status s = WaitAll(inflight); !s.ok()) failures[th] = s.ToString();
+      for (int k = 0; k < kCopies; ++k) {
+        if (back[k] != data[k]) failures[th] += " slice " + std::to_string(k) + " differs;";
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (int th = 0; th < kThreads; ++th) EXPECT_EQ(failures[th], "") << "thread " << th;
+}
+
+TEST_P(NvmeEngineTest, BudgetExhaustionIsExact) {
+  OPEN_OR_SKIP(t, Open(BaseConfig(GetParam(), 1 * kMiB)));
+  auto a = t->Allocate(1000);
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(a->bytes, 4096u);
+  auto b = t->Allocate(1 * kMiB - 4096);
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(t->Stats().used, 1 * kMiB);
+  auto c = t->Allocate(1);
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(c.status().message().find("need 4096 bytes, 0 available"), std::string::npos)
+      << c.status().message();
+  TierStats s = t->Stats();
+  EXPECT_EQ(s.used, 1 * kMiB);
+  EXPECT_EQ(s.live_regions, 2u);
+  EXPECT_EQ(s.total_allocations, 2u);
+  ASSERT_TRUE(t->Free(*a).ok());
+  EXPECT_EQ(t->Free(*a).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(t->Stats().used, 1 * kMiB - 4096);
+  EXPECT_EQ(t->Stats().peak, 1 * kMiB);
+  ASSERT_TRUE(t->Free(*b).ok());
+  EXPECT_EQ(t->Stats().used, 0u);
+}
+
+TEST_P(NvmeEngineTest, FragmentationIsResourceExhaustedAndChangesNothing) {
+  OPEN_OR_SKIP(t, Open(BaseConfig(GetParam(), 4 * 4096)));
+  std::vector<Region> r;
+  for (int i = 0; i < 4; ++i) r.push_back(*t->Allocate(4096));
+  ASSERT_TRUE(t->Free(r[0]).ok());
+  ASSERT_TRUE(t->Free(r[2]).ok());
+  auto big = t->Allocate(2 * 4096);
+  ASSERT_FALSE(big.ok());
+  EXPECT_EQ(big.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(big.status().message().find("fragmented"), std::string::npos);
+  EXPECT_EQ(t->Stats().total_allocations, 4u);
+  EXPECT_EQ(t->Stats().used, 2 * 4096u);
+  ASSERT_TRUE(t->Free(r[1]).ok());  // coalesces [0, 3 blocks)
+  auto three = t->Allocate(3 * 4096);
+  ASSERT_TRUE(three.ok()) << three.status().ToString();
+}
+
+TEST_P(NvmeEngineTest, InvalidCopies) {
+  OPEN_OR_SKIP(t, Open());
+  auto r = t->Allocate(8192);
+  ASSERT_TRUE(r.ok());
+  char buf[16];
+  EXPECT_EQ(Read(*t, *r, 8190, buf, 3).code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(Read(*t, Region{9999, 8192, nullptr}, 0, buf, 1).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Read(*t, *r, 8192, buf, 0).ok());
+}
+
+TEST_P(NvmeEngineTest, CorruptedBlockIsDataLossAndOthersStillRead) {
+  OPEN_OR_SKIP(t, Open());
+  std::mt19937_64 rng(7);
+  auto a = t->Allocate(64 * kKiB);
+  auto b = t->Allocate(64 * kKiB);
+  ASSERT_TRUE(a.ok() && b.ok());
+  std::vector<char> da(64 * kKiB), db(64 * kKiB);
+  FillRandom(da.data(), da.size(), rng);
+  FillRandom(db.data(), db.size(), rng);
+  ASSERT_TRUE(Write(*t, *a, 0, da.data(), da.size()).ok());
+  ASSERT_TRUE(Write(*t, *b, 0, db.data(), db.size()).ok());
+
+  // Flip one byte of region a's second block directly in the file.
+  auto loc = t->LocateForTest(*a, 5000);
+  ASSERT_TRUE(loc.ok()) << loc.status().ToString();
+  const int fd = ::open(loc->path.c_str(), O_RDWR);
+  ASSERT_GE(fd, 0) << loc->path;
+  char byte;
+  ASSERT_EQ(::pread(fd, &byte, 1, loc->file_offset), 1);
+  EXPECT_EQ(byte, da[5000]);  // the accessor points at the right byte
+  byte = static_cast<char>(~byte);
+  ASSERT_EQ(::pwrite(fd, &byte, 1, loc->file_offset), 1);
+  ASSERT_EQ(::fsync(fd), 0);
+  ::close(fd);
+
+  std::vector<char> back(64 * kKiB);
+  Status s = Read(*t, *a, 0, back.data(), back.size());
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s.ToString();
+  EXPECT_NE(s.message().find("region " + std::to_string(a->id) + " at offset 4096"),
+            std::string::npos)
+      << s.message();
+  // An unaligned read that touches the block: also DataLoss, via the bounce path.
+  EXPECT_EQ(Read(*t, *a, 4100, back.data(), 10).code(), StatusCode::kDataLoss);
+  // A partial write into the block needs its other bytes: DataLoss, not silent garbage.
+  EXPECT_EQ(Write(*t, *a, 4100, db.data(), 10).code(), StatusCode::kDataLoss);
+  // The untouched blocks of a and all of b still read fine.
+  ASSERT_TRUE(Read(*t, *a, 0, back.data(), 4096).ok());
+  EXPECT_EQ(std::memcmp(back.data(), da.data(), 4096), 0);
+  ASSERT_TRUE(Read(*t, *a, 8192, back.data(), 56 * kKiB).ok());
+  EXPECT_EQ(std::memcmp(back.data(), da.data() + 8192, 56 * kKiB), 0);
+  ASSERT_TRUE(Read(*t, *b, 0, back.data(), back.size()).ok());
+  EXPECT_EQ(back, db);
+  // Rewriting the whole block repairs it.
+  ASSERT_TRUE(Write(*t, *a, 4096, da.data() + 4096, 4096).ok());
+  ASSERT_TRUE(Read(*t, *a, 0, back.data(), back.size()).ok());
+  EXPECT_EQ(back, da);
+}
+
+TEST_P(NvmeEngineTest, TornWriteIsDataLoss) {
+  NvmeTierConfig c = BaseConfig(GetParam());
+  c.tear_next_write_after_bytes = 6000;  // only the first 4096 bytes reach the file
+  OPEN_OR_SKIP(t, Open(c));
+  std::mt19937_64 rng(9);
+  auto r = t->Allocate(16 * kKiB);
+  ASSERT_TRUE(r.ok());
+  AlignedBuffer data(16 * kKiB);
+  FillRandom(data.data, data.size, rng);
+  ASSERT_TRUE(Write(*t, *r, 0, data.data, data.size).ok());  // the device "acked" it
+  AlignedBuffer back(16 * kKiB);
+  Status s = Read(*t, *r, 0, back.data, back.size);
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s.ToString();
+  EXPECT_NE(s.message().find("at offset 4096"), std::string::npos) << s.message();
+  ASSERT_TRUE(Read(*t, *r, 0, back.data, 4096).ok());  // the prefix landed
+  EXPECT_EQ(std::memcmp(back.data, data.data, 4096), 0);
+  // The hook fires once: the next write lands whole.
+  ASSERT_TRUE(Write(*t, *r, 0, data.data, data.size).ok());
+  ASSERT_TRUE(Read(*t, *r, 0, back.data, back.size).ok());
+  EXPECT_EQ(std::memcmp(back.data, data.data, data.size), 0);
+}
+
+TEST_P(NvmeEngineTest, RegisteredHostMemoryRoundTrips) {
+  OPEN_OR_SKIP(t, Open());
+  AlignedBuffer slab(2 * kMiB);
+  ASSERT_TRUE(t->RegisterHostMemory(slab.data, slab.size).ok());
+  if (GetParam() != NvmeEngine::kPosix) {
+    EXPECT_EQ(t->RegisterHostMemory(slab.data, slab.size).code(), StatusCode::kAlreadyExists);
+  }
+  std::mt19937_64 rng(3);
+  FillRandom(slab.data, slab.size, rng);
+  std::vector<char> want(slab.data, slab.data + slab.size);
+  auto r = t->Allocate(slab.size);
+  ASSERT_TRUE(r.ok());
+  ASSERT_TRUE(Write(*t, *r, 0, slab.data, slab.size).ok());
+  std::memset(slab.data, 0, slab.size);
+  ASSERT_TRUE(Read(*t, *r, 0, slab.data, slab.size).ok());
+  EXPECT_EQ(std::memcmp(slab.data, want.data(), slab.size), 0);
+  ASSERT_TRUE(t->UnregisterHostMemory(slab.data).ok());
+  if (GetParam() != NvmeEngine::kPosix) {
+    EXPECT_EQ(t->UnregisterHostMemory(slab.data).code(), StatusCode::kNotFound);
+  }
+}
+
+TEST_P(NvmeEngineTest, UnregisteredBuffersAndSeveralFiles) {
+  NvmeTierConfig c = BaseConfig(GetParam(), 8 * kMiB);
+  c.register_buffers = false;
+  c.register_files = false;
+  c.files = 3;
+  OPEN_OR_SKIP(t, Open(c));
+  std::mt19937_64 rng(5);
+  std::vector<Region> rs;
+  std::vector<std::vector<char>> ds;
+  for (int i = 0; i < 3; ++i) {  // 2.5 MiB each: one per file (each file holds ~2.67 MiB)
+    auto r = t->Allocate(2 * kMiB + 512 * kKiB);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    rs.push_back(*r);
+    ds.emplace_back(r->bytes);
+    FillRandom(ds.back().data(), r->bytes, rng);
+    ASSERT_TRUE(Write(*t, *r, 0, ds.back().data(), r->bytes).ok());
+  }
+  EXPECT_EQ(t->Allocate(2 * kMiB).status().code(), StatusCode::kResourceExhausted);
+  for (int i = 0; i < 3; ++i) {
+    std::vector<char> back(rs[i].bytes);
+    ASSERT_TRUE(Read(*t, rs[i], 0, back.data(), back.size()).ok());
+    EXPECT_EQ(back, ds[i]);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Engines, NvmeEngineTest,
+                         ::testing::Values(NvmeEngine::kIoUring, NvmeEngine::kPosix),
+                         [](const ::testing::TestParamInfo<NvmeEngine>& info) {
+                           return info.param == NvmeEngine::kPosix ? "posix" : "io_uring";
+                         });
+
+// ---- engine equivalence, creation errors -----------------------------------------------------
+
+TEST(NvmeTier, IoUringAndPosixProduceIdenticalBytes) {
+  auto u = OpenNvmeTier(BaseConfig(NvmeEngine::kIoUring, 8 * kMiB));
+  if (!u.ok() && u.status().code() == StatusCode::kUnavailable) GTEST_SKIP() << "no io_uring";
+  ASSERT_TRUE(u.ok()) << u.status().ToString();
+  auto p = OpenNvmeTier(BaseConfig(NvmeEngine::kPosix, 8 * kMiB));
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  NvmeTier* tiers[2] = {u->get(), p->get()};
+  Region regions[2];
+  for (int k = 0; k < 2; ++k) regions[k] = *tiers[k]->Allocate(3 * kMiB);
+  // The same pseudo-random sequence of writes, aligned and not, to both.
+  for (int k = 0; k < 2; ++k) {
+    std::mt19937_64 rng(11);
+    AlignedBuffer host(3 * kMiB + 4096);
+    for (int i = 0; i < 40; ++i) {
+      const Bytes off = rng() % (3 * kMiB);
+      const Bytes n = 1 + rng() % (3 * kMiB - off);
+      const size_t shift = (i % 2) ? rng() % 4096 : 0;
+      FillRandom(host.data + shift, n, rng);
+      ASSERT_TRUE(Write(*tiers[k], regions[k], off, host.data + shift, n).ok());
+    }
+  }
+  std::vector<char> back[2];
+  std::vector<char> raw[2];
+  for (int k = 0; k < 2; ++k) {
+    back[k].resize(3 * kMiB);
+    ASSERT_TRUE(Read(*tiers[k], regions[k], 0, back[k].data(), back[k].size()).ok());
+    // And the bytes in the file itself, read around the tier.
+    auto loc = tiers[k]->LocateForTest(regions[k], 0);
+    ASSERT_TRUE(loc.ok());
+    const int fd = ::open(loc->path.c_str(), O_RDONLY);
+    ASSERT_GE(fd, 0);
+    raw[k].resize(3 * kMiB);
+    ASSERT_EQ(::pread(fd, raw[k].data(), raw[k].size(), loc->file_offset),
+              static_cast<ssize_t>(raw[k].size()));
+    ::close(fd);
+  }
+  EXPECT_EQ(back[0], back[1]);
+  EXPECT_EQ(raw[0], raw[1]);
+  EXPECT_EQ(raw[0], back[0]);
+}
+
+TEST(NvmeTier, MissingDirectoryIsNotFound) {
+  NvmeTierConfig c = BaseConfig(NvmeEngine::kPosix, 1 * kMiB);
+  c.dir = TestDir() + "/no/such/dir";
+  auto t = OpenNvmeTier(c);
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(t.status().message().find(c.dir), std::string::npos) << t.status().message();
+}
+
+TEST(NvmeTier, FileInsteadOfDirectoryIsFailedPrecondition) {
+  const std::string path = TestDir() + "/nvme_test_not_a_dir";
+  const int fd = ::open(path.c_str(), O_CREAT | O_WRONLY, 0600);
+  ASSERT_GE(fd, 0);
+  ::close(fd);
+  NvmeTierConfig c = BaseConfig(NvmeEngine::kPosix, 1 * kMiB);
+  c.dir = path;
+  auto t = OpenNvmeTier(c);
+  ::unlink(path.c_str());
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(t.status().message().find(path), std::string::npos);
+}
+
+// Opens a tier in a directory this process may not write to and exits with 0 if the result is
+// the expected error (printing it), 1 otherwise. Root ignores permission bits, so as root the
+// child first becomes "nobody".
+void OpenInReadOnlyDirAndExit(const std::string& dir) {
+  if (::geteuid() == 0 && (::setgid(65534) != 0 || ::setuid(65534) != 0)) std::_Exit(2);
+  NvmeTierConfig c = BaseConfig(NvmeEngine::kPosix, 1 * kMiB);
+  c.dir = dir;
+  auto t = OpenNvmeTier(c);
+  std::fprintf(stderr, "%s\n", t.ok() ? "opened" : t.status().ToString().c_str());
+  std::_Exit(!t.ok() && t.status().code() == StatusCode::kFailedPrecondition ? 0 : 1);
+}
+
+TEST(NvmeTier, ReadOnlyDirectoryIsFailedPrecondition) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  std::string base = TestDir() + "/nvme_test_ro_XXXXXX";
+  ASSERT_NE(::mkdtemp(base.data()), nullptr);
+  ASSERT_EQ(::chmod(base.c_str(), 0555), 0);
+  EXPECT_EXIT(OpenInReadOnlyDirAndExit(base), ::testing::ExitedWithCode(0),
+              "FAILED_PRECONDITION: nvme tier: directory '.*nvme_test_ro_.*' is not writable");
+  ::rmdir(base.c_str());
+}
+
+TEST(NvmeTier, NoSpaceAtCreationIsResourceExhausted) {
+  struct statvfs vfs{};
+  ASSERT_EQ(::statvfs(TestDir().c_str(), &vfs), 0);
+  const Bytes free_bytes = static_cast<Bytes>(vfs.f_bavail) * vfs.f_frsize;
+  NvmeTierConfig c = BaseConfig(NvmeEngine::kPosix, AlignUp(free_bytes + 64 * kGiB, 4096));
+  auto t = OpenNvmeTier(c);
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().code(), StatusCode::kResourceExhausted);
+  const std::string& m = t.status().message();
+  EXPECT_NE(m.find(std::to_string(c.capacity) + " bytes"), std::string::npos) << m;
+  EXPECT_NE(m.find("'" + c.dir + "'"), std::string::npos) << m;
+  EXPECT_NE(m.find("bytes free"), std::string::npos) << m;
+}
+
+TEST(NvmeTier, BadConfigIsInvalidArgument) {
+  NvmeTierConfig c = BaseConfig(NvmeEngine::kPosix, 1 * kMiB + 1);
+  EXPECT_EQ(OpenNvmeTier(c).status().code(), StatusCode::kInvalidArgument);
+  c = BaseConfig(NvmeEngine::kPosix, 1 * kMiB);
+  c.queue_depth = 0;
+  EXPECT_EQ(OpenNvmeTier(c).status().code(), StatusCode::kInvalidArgument);
+  c = BaseConfig(NvmeEngine::kPosix, 1 * kMiB);
+  c.piece_bytes = 1000;
+  EXPECT_EQ(OpenNvmeTier(c).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseNvmeEngine("io_uring").value(), NvmeEngine::kIoUring);
+  EXPECT_EQ(ParseNvmeEngine("spdk").status().code(), StatusCode::kInvalidArgument);
+}
+
+// ---- the in-memory fake ----------------------------------------------------------------------
+
+TEST(MemNvme, RoundTripBudgetAndBounds) {
+  auto t = NewMemNvme({.capacity = 64 * kKiB});
+  EXPECT_EQ(t->kind(), TierKind::kNvme);
+  auto r = t->Allocate(5000);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->bytes, 8192u);
+  EXPECT_EQ(r->addr, nullptr);
+  std::vector<char> src(5000), dst(5000, 0);
+  std::mt19937_64 rng(1);
+  FillRandom(src.data(), src.size(), rng);
+  ASSERT_TRUE(Write(*t, *r, 3, src.data(), 4000).ok());
+  ASSERT_TRUE(Read(*t, *r, 3, dst.data(), 4000).ok());
+  EXPECT_EQ(std::memcmp(src.data(), dst.data(), 4000), 0);
+  EXPECT_EQ(Read(*t, *r, 8000, dst.data(), 200).code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(t->Allocate(60 * kKiB).status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(t->Stats().used, 8192u);
+  ASSERT_TRUE(t->Free(*r).ok());
+  EXPECT_EQ(t->Stats().used, 0u);
+}
+
+}  // namespace
+}  // namespace tiermem

@@ -1,0 +1,715 @@
+// NVMe tier implementation.
+//
+// Layout: the capacity is split over `files` scratch files, each fallocate'd up front and
+// unlinked (O_TMPFILE), so running out of disk can only happen at creation. A region is one
+// contiguous, block-aligned extent of one file, placed first fit by that file's
+// ExtentAllocator; the BudgetAccount is charged the region's rounded size.
+//
+// Integrity: one CRC32C per block (block_bytes, 4 KiB by default: 4 bytes of memory per 4 KiB
+// of capacity) lives in `crcs_`, indexed by global block number. A write stamps the checksums
+// of the blocks it carries on the engine thread just before issuing them; a read verifies
+// every block it brings in before any byte reaches the caller. Blocks never written still
+// verify: fallocate'd extents read as zeros and every checksum starts as that of a zero block.
+//
+// Data path: a copy whose host pointer is 4 KiB aligned and whose offset and size are whole
+// blocks goes straight between the caller's memory and the file ("direct"). Anything else
+// goes through piece-sized aligned bounce buffers: reads read the covering blocks and copy
+// out the middle; writes that cover a block only partly read that block first
+// (read-modify-write). Every copy is cut into pieces of at most piece_bytes that are issued
+// together; the engine keeps queue_depth of them in flight. A copy completes when all its
+// pieces have, with the first failure.
+//
+// Concurrency: copies to disjoint byte ranges may run concurrently even when they share a
+// block, because a bounce piece locks the (at most two) partly covered blocks it touches, in
+// ascending order, for the whole read-modify-write or read-verify. Locks and bounce buffers are
+// handed over asynchronously (continuations), so neither the caller nor an engine thread ever
+// blocks on them; a piece takes its bounce buffer before any lock, so there is no cycle.
+// Overlapping concurrent copies are the caller's bug (tiers/tier.h).
+#include "tiers/nvme/nvme_tier.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "runtime/base/logging.h"
+#include "tiers/nvme/crc32c.h"
+#include "tiers/nvme/extent_allocator.h"
+#include "tiers/nvme/io_engine.h"
+
+namespace tiermem {
+namespace {
+
+using nvme::IoOp;
+
+constexpr Bytes kDirectAlign = 4096;  // O_DIRECT alignment of memory, offsets and lengths
+
+std::string Hex(uint32_t v) {
+  char buf[16];
+  std::snprintf(buf, sizeof(buf), "0x%08x", v);
+  return buf;
+}
+
+// FIFO locks keyed by block number, acquired with a continuation. Thread-safe.
+class BlockLocks {
+ public:
+  // Runs `fn` once `key` is held (now, on this thread, if it is free).
+  void Acquire(uint64_t key, std::function<void()> fn) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto [it, inserted] = held_.try_emplace(key);
+      if (!inserted) {
+        it->second.push_back(std::move(fn));
+        return;
+      }
+    }
+    fn();
+  }
+  // Hands `key` to the next waiter (running it on this thread) or frees it.
+  void Release(uint64_t key) {
+    std::function<void()> next;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = held_.find(key);
+      if (it->second.empty()) {
+        held_.erase(it);
+        return;
+      }
+      next = std::move(it->second.front());
+      it->second.pop_front();
+    }
+    next();
+  }
+
+ private:
+  std::mutex mu_;
+  // A key is held iff present; the deque holds its waiters.
+  std::unordered_map<uint64_t, std::deque<std::function<void()>>> held_;  // GUARDED_BY(mu_)
+};
+
+// Fixed set of aligned buffers, handed out with a continuation. Thread-safe.
+class BouncePool {
+ public:
+  BouncePool(int count, Bytes each) : each_(each), bytes_(each * count) {
+    base_ = static_cast<char*>(std::aligned_alloc(kDirectAlign, bytes_));
+    if (base_ != nullptr) {
+      std::memset(base_, 0, bytes_);  // fault it in once
+      for (int i = count - 1; i >= 0; --i) free_.push_back(base_ + i * each);
+    }
+  }
+  ~BouncePool() { std::free(base_); }
+  bool ok() const { return base_ != nullptr; }
+  char* base() const { return base_; }
+  Bytes bytes() const { return bytes_; }
+
+  void Acquire(std::function<void(char*)> fn) {
+    char* buf;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (free_.empty()) {
+        waiters_.push_back(std::move(fn));
+        return;
+      }
+      buf = free_.back();
+      free_.pop_back();
+    }
+    fn(buf);
+  }
+  void Release(char* buf) {
+    std::function<void(char*)> next;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (waiters_.empty()) {
+        free_.push_back(buf);
+        return;
+      }
+      next = std::move(waiters_.front());
+      waiters_.pop_front();
+    }
+    next(buf);
+  }
+
+ private:
+  const Bytes each_;
+  const Bytes bytes_;
+  char* base_ = nullptr;
+  std::mutex mu_;
+  std::vector<char*> free_;                          // GUARDED_BY(mu_)
+  std::deque<std::function<void(char*)>> waiters_;   // GUARDED_BY(mu_)
+};
+
+// One Copy() call: its pieces report here; the last one completes the Completion.
+struct Request {
+  std::shared_ptr<Completion> done;
+  uint64_t region_id = 0;
+  int file = 0;
+  uint64_t base = 0;  // the region's offset in its file, bytes
+  CopyDir dir = CopyDir::kToTier;
+  char* host = nullptr;
+  Bytes offset = 0;
+  Bytes bytes = 0;
+  std::atomic<int> pending{0};
+  std::mutex mu;
+  Status first;  // GUARDED_BY(mu)
+
+  void PieceDone(const Status& s) {
+    if (!s.ok()) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (first.ok()) first = s;
+    }
+    if (pending.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      Status result;
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        result = first;
+      }
+      done->Complete(std::move(result));
+    }
+  }
+};
+
+class NvmeTierImpl;
+
+// A piece that goes through a bounce buffer; [a, e) are block-aligned region offsets.
+struct BouncePiece {
+  enum class Stage : uint8_t { kRead, kRmwHead, kRmwTail, kWrite };
+  std::shared_ptr<Request> req;
+  uint64_t a = 0, e = 0;    // block-aligned range this piece transfers, region offsets
+  uint64_t u0 = 0, u1 = 0;  // the caller's bytes inside it, region offsets
+  uint64_t keys[2] = {0, 0};
+  int nkeys = 0;
+  bool head_partial = false, tail_partial = false;
+  char* buf = nullptr;
+  Stage stage = Stage::kRead;
+  IoOp op;
+};
+
+class NvmeTierImpl final : public NvmeTier {
+ public:
+  struct File {
+    int fd = -1;
+    Bytes bytes = 0;
+    uint64_t first_block = 0;  // global index of this file's first checksum block
+    std::unique_ptr<nvme::ExtentAllocator> extents;  // GUARDED_BY(mu_)
+  };
+
+  explicit NvmeTierImpl(const NvmeTierConfig& config)
+      : config_(config),
+        block_(config.block_bytes),
+        budget_(config.capacity),
+        tear_after_(config.tear_next_write_after_bytes) {}
+
+  ~NvmeTierImpl() override {
+    engine_.reset();  // drains every op in flight
+    for (File& f : files_) {
+      if (f.fd >= 0) ::close(f.fd);
+    }
+  }
+
+  Status Init();
+
+  TierKind kind() const override { return TierKind::kNvme; }
+  std::string name() const override { return "nvme-" + std::string(engine_->name()); }
+  std::string_view engine_name() const override { return engine_->name(); }
+  TierStats Stats() const override { return budget_.Snapshot(); }
+
+  StatusOr<Region> Allocate(Bytes bytes) override;
+  Status Free(const Region& region) override;
+  std::shared_ptr<Completion> Copy(const CopyRequest& request) override;
+
+  Status RegisterHostMemory(void* addr, Bytes bytes) override {
+    return engine_->RegisterHostMemory(addr, bytes);
+  }
+  Status UnregisterHostMemory(void* addr) override { return engine_->UnregisterHostMemory(addr); }
+
+  StatusOr<FileLocation> LocateForTest(const Region& region, Bytes offset) const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = regions_.find(region.id);
+    if (it == regions_.end() || offset >= it->second.region.bytes) {
+      return InvalidArgumentError("nvme tier: no byte " + std::to_string(offset) + " in region " +
+                                  std::to_string(region.id));
+    }
+    const File& f = files_[it->second.file];
+    return FileLocation{"/proc/self/fd/" + std::to_string(f.fd), it->second.base + offset};
+  }
+
+ private:
+  struct Live {
+    Region region;
+    int file = 0;
+    uint64_t base = 0;  // offset in the file, bytes
+  };
+
+  Status CreateFile(int index, Bytes bytes);
+
+  // Checksums of the blocks of [file_offset, +len) in `data` become the expected ones.
+  void Stamp(int file, uint64_t file_offset, const char* data, uint64_t len) {
+    uint64_t blk = files_[file].first_block + file_offset / block_;
+    for (uint64_t o = 0; o < len; o += block_, ++blk) {
+      // Relaxed: the Completion's mutex orders a write's stamps before any later reader.
+      crcs_[blk].store(nvme::Crc32c(data + o, block_), std::memory_order_relaxed);
+    }
+  }
+  // Checks the blocks of region bytes [region_offset, +len) held in `data`.
+  Status Verify(const Request& r, uint64_t region_offset, const char* data, uint64_t len) const {
+    uint64_t blk = files_[r.file].first_block + (r.base + region_offset) / block_;
+    for (uint64_t o = 0; o < len; o += block_, ++blk) {
+      const uint32_t want = crcs_[blk].load(std::memory_order_relaxed);
+      const uint32_t got = nvme::Crc32c(data + o, block_);
+      if (want != got) {
+        return DataLossError("nvme tier: checksum mismatch in region " +
+                             std::to_string(r.region_id) + " at offset " +
+                             std::to_string(region_offset + o) + " (" + std::to_string(block_) +
+                             "-byte block at file " + std::to_string(r.file) + " offset " +
+                             std::to_string(r.base + region_offset + o) + "): expected crc32c " +
+                             Hex(want) + ", read " + Hex(got) +
+                             "; the block is torn or corrupted");
+      }
+    }
+    return OkStatus();
+  }
+  // The write-side `prepare` hook: stamps checksums, then applies the torn-write test hook.
+  void PrepareWrite(IoOp& op) {
+    Stamp(op.file, op.offset, op.buf, op.len);
+    if (tear_after_.load(std::memory_order_relaxed) != 0) {
+      const Bytes after = tear_after_.exchange(0);
+      if (after != 0 && after < op.len) {
+        op.len = static_cast<uint32_t>(after / kDirectAlign * kDirectAlign);
+      }
+    }
+  }
+
+  void StartDirect(const std::shared_ptr<Request>& r, uint64_t off, uint64_t len);
+  void StartBounce(BouncePiece* p);
+  void LockFrom(BouncePiece* p, int i);
+  void Issue(BouncePiece* p, BouncePiece::Stage stage, uint64_t off, uint64_t len);
+  void OnBounceIo(BouncePiece* p, Status s);
+  void WriteBounce(BouncePiece* p);
+  void FinishBounce(BouncePiece* p, const Status& s);
+
+  const NvmeTierConfig config_;
+  const Bytes block_;
+  BudgetAccount budget_;
+  std::atomic<Bytes> tear_after_;  // the torn-write hook; 0 = off
+  std::vector<File> files_;        // fixed after Init (extents GUARDED_BY(mu_))
+  std::unique_ptr<std::atomic<uint32_t>[]> crcs_;  // per global block
+  BlockLocks locks_;
+  std::unique_ptr<BouncePool> bounce_;
+  std::unique_ptr<nvme::IoEngine> engine_;
+
+  mutable std::mutex mu_;
+  std::unordered_map<uint64_t, Live> regions_;  // GUARDED_BY(mu_)
+  uint64_t next_id_ = 1;                        // GUARDED_BY(mu_)
+};
+
+Status NvmeTierImpl::CreateFile(int index, Bytes bytes) {
+  const std::string& dir = config_.dir;
+  int flags = O_RDWR | O_CLOEXEC | (config_.direct_io ? O_DIRECT : 0);
+  int fd = ::open(dir.c_str(), flags | O_TMPFILE, 0600);
+  if (fd < 0 && errno == EINVAL && config_.direct_io) {
+    // EINVAL is how a filesystem refuses O_DIRECT (or O_TMPFILE): try each without it.
+    fd = ::open(dir.c_str(), (flags & ~O_DIRECT) | O_TMPFILE, 0600);
+    if (fd >= 0) {
+      ::close(fd);
+      fd = -1;
+      errno = EINVAL;  // O_TMPFILE works, so O_DIRECT is what was refused
+      flags &= ~O_DIRECT;
+      LogOnce(LogLevel::kWarn, "nvme: no O_DIRECT",
+              "nvme tier: the filesystem of '" + dir + "' refuses O_DIRECT; using buffered I/O");
+      fd = ::open(dir.c_str(), flags | O_TMPFILE, 0600);
+    }
+  }
+  if (fd < 0 && (errno == EOPNOTSUPP || errno == EISDIR || errno == EINVAL)) {
+    // No O_TMPFILE on this filesystem: create a named file and unlink it at once.
+    std::string path = dir + "/tiermem-nvme-XXXXXX";
+    const int tmp = ::mkstemp(path.data());
+    if (tmp < 0) return ErrnoToStatus(errno, "nvme tier: creating a scratch file in '" + dir + "'");
+    ::close(tmp);
+    fd = ::open(path.c_str(), flags, 0600);
+    if (fd < 0 && errno == EINVAL && (flags & O_DIRECT)) {
+      flags &= ~O_DIRECT;
+      LogOnce(LogLevel::kWarn, "nvme: no O_DIRECT",
+              "nvme tier: the filesystem of '" + dir + "' refuses O_DIRECT; using buffered I/O");
+      fd = ::open(path.c_str(), flags, 0600);
+    }
+    const int open_errno = errno;
+    ::unlink(path.c_str());
+    errno = open_errno;
+  }
+  if (fd < 0) return ErrnoToStatus(errno, "nvme tier: creating a scratch file in '" + dir + "'");
+  File& f = files_[index];
+  f.fd = fd;
+  f.bytes = bytes;
+  int ret;
+  do {
+    ret = ::fallocate(fd, 0, 0, static_cast<off_t>(bytes));
+  } while (ret != 0 && errno == EINTR);
+  if (ret != 0) {
+    const int err = errno;
+    if (err == EOPNOTSUPP) {
+      LogOnce(LogLevel::kWarn, "nvme: no fallocate",
+              "nvme tier: the filesystem of '" + dir +
+                  "' has no fallocate; the scratch files are sparse and may hit ENOSPC later");
+      if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+        return ErrnoToStatus(errno, "nvme tier: sizing a scratch file in '" + dir + "'");
+      }
+    } else if (err == ENOSPC || err == EDQUOT) {
+      struct statvfs vfs{};
+      const Bytes free_bytes = ::statvfs(dir.c_str(), &vfs) == 0
+                                   ? static_cast<Bytes>(vfs.f_bavail) * vfs.f_frsize
+                                   : 0;
+      return ResourceExhaustedError(
+          ErrnoToStatus(err, "nvme tier: preallocating " + std::to_string(bytes) + " bytes in '" +
+                                 dir + "' (" + std::to_string(free_bytes) + " bytes free)")
+              .message());
+    } else {
+      return ErrnoToStatus(err, "nvme tier: preallocating " + std::to_string(bytes) +
+                                    " bytes in '" + dir + "'");
+    }
+  }
+  return OkStatus();
+}
+
+Status NvmeTierImpl::Init() {
+  const NvmeTierConfig& c = config_;
+  if (c.block_bytes == 0 || c.block_bytes % kDirectAlign != 0) {
+    return InvalidArgumentError("nvme tier: block_bytes must be a positive multiple of 4096 (got " +
+                                std::to_string(c.block_bytes) + ")");
+  }
+  if (c.capacity == 0 || c.capacity % c.block_bytes != 0) {
+    return InvalidArgumentError("nvme tier: capacity must be a positive multiple of " +
+                                std::to_string(c.block_bytes) + " bytes (got " +
+                                std::to_string(c.capacity) + ")");
+  }
+  if (c.files < 1 || c.files > 64 || c.capacity / c.block_bytes < static_cast<Bytes>(c.files)) {
+    return InvalidArgumentError("nvme tier: files must be in 1..64 and at most one per block (got " +
+                                std::to_string(c.files) + ")");
+  }
+  if (c.queue_depth < 1 || c.queue_depth > 4096) {
+    return InvalidArgumentError("nvme tier: queue_depth must be in 1..4096 (got " +
+                                std::to_string(c.queue_depth) + ")");
+  }
+  if (c.piece_bytes == 0 || c.piece_bytes % c.block_bytes != 0 || c.piece_bytes > 256 * kMiB) {
+    return InvalidArgumentError("nvme tier: piece_bytes must be a multiple of block_bytes, at most "
+                                "256 MiB (got " + std::to_string(c.piece_bytes) + ")");
+  }
+  if (c.bounce_buffers < 0 || c.bounce_buffers > 4096 || c.posix_threads < 0 ||
+      c.posix_threads > 256) {
+    return InvalidArgumentError("nvme tier: bounce_buffers must be in 0..4096 and posix_threads "
+                                "in 0..256");
+  }
+  if (c.dir.empty()) return InvalidArgumentError("nvme tier: no directory given");
+
+  struct stat st{};
+  if (::stat(c.dir.c_str(), &st) != 0) {
+    return ErrnoToStatus(errno, "nvme tier: directory '" + c.dir + "'");
+  }
+  if (!S_ISDIR(st.st_mode)) {
+    return FailedPreconditionError("nvme tier: '" + c.dir + "' is not a directory");
+  }
+  if (::access(c.dir.c_str(), W_OK | X_OK) != 0) {
+    return ErrnoToStatus(errno, "nvme tier: directory '" + c.dir + "' is not writable");
+  }
+  struct statvfs vfs{};
+  if (::statvfs(c.dir.c_str(), &vfs) != 0) {
+    return ErrnoToStatus(errno, "nvme tier: statvfs of '" + c.dir + "'");
+  }
+  if (vfs.f_flag & ST_RDONLY) {
+    return FailedPreconditionError("nvme tier: directory '" + c.dir +
+                                   "' is on a read-only filesystem");
+  }
+  const Bytes free_bytes = static_cast<Bytes>(vfs.f_bavail) * vfs.f_frsize;
+  if (c.capacity > free_bytes) {
+    return ResourceExhaustedError("nvme tier: cannot preallocate " + std::to_string(c.capacity) +
+                                  " bytes in '" + c.dir + "': only " +
+                                  std::to_string(free_bytes) + " bytes free");
+  }
+
+  // Files: equal shares of whole blocks; the last takes the remainder.
+  files_.resize(c.files);
+  const uint64_t blocks = c.capacity / block_;
+  const uint64_t per_file = blocks / c.files;
+  uint64_t first = 0;
+  for (int i = 0; i < c.files; ++i) {
+    const uint64_t n = i + 1 == c.files ? blocks - first : per_file;
+    TIERMEM_RETURN_IF_ERROR(CreateFile(i, n * block_));
+    files_[i].first_block = first;
+    files_[i].extents = std::make_unique<nvme::ExtentAllocator>(n * block_, block_);
+    first += n;
+  }
+  crcs_ = std::make_unique<std::atomic<uint32_t>[]>(blocks);
+  {
+    std::vector<char> zeros(block_, 0);
+    const uint32_t zero_crc = nvme::Crc32c(zeros.data(), block_);
+    for (uint64_t b = 0; b < blocks; ++b) crcs_[b].store(zero_crc, std::memory_order_relaxed);
+  }
+
+  const int nbounce = c.bounce_buffers > 0 ? c.bounce_buffers : c.queue_depth;
+  bounce_ = std::make_unique<BouncePool>(nbounce, c.piece_bytes);
+  if (!bounce_->ok()) {
+    return ResourceExhaustedError("nvme tier: cannot allocate " + std::to_string(bounce_->bytes()) +
+                                  " bytes of bounce buffers");
+  }
+
+  nvme::EngineConfig ec;
+  for (const File& f : files_) ec.fds.push_back(f.fd);
+  ec.queue_depth = c.queue_depth;
+  ec.posix_threads = c.posix_threads;
+  ec.register_files = c.register_files;
+  ec.register_buffers = c.register_buffers;
+  ec.bounce = bounce_->base();
+  ec.bounce_bytes = bounce_->bytes();
+  if (c.engine != NvmeEngine::kPosix) {
+    auto uring = nvme::NewUringEngine(ec);
+    if (uring.ok()) {
+      engine_ = std::move(uring).value();
+    } else if (c.engine == NvmeEngine::kIoUring) {
+      return uring.status().WithContext("nvme tier (engine=io_uring)");
+    } else {
+      LogOnce(LogLevel::kWarn, "nvme: io_uring refused",
+              "nvme tier: io_uring unavailable (" + uring.status().ToString() +
+                  "); using the pread/pwrite engine");
+    }
+  }
+  if (engine_ == nullptr) engine_ = nvme::NewPosixEngine(ec);
+  return OkStatus();
+}
+
+StatusOr<Region> NvmeTierImpl::Allocate(Bytes bytes) {
+  if (bytes == 0) return InvalidArgumentError("nvme tier: allocation of 0 bytes");
+  if (bytes > config_.capacity) {
+    return budget_.Reserve(bytes, "nvme");  // fails with the standard over-budget message
+  }
+  const Bytes rounded = AlignUp(bytes, block_);
+  std::lock_guard<std::mutex> lock(mu_);
+  const TierStats stats = budget_.Snapshot();
+  if (rounded > stats.capacity - stats.used) return budget_.Reserve(rounded, "nvme");
+  for (size_t i = 0; i < files_.size(); ++i) {
+    std::optional<uint64_t> off = files_[i].extents->Allocate(rounded);
+    if (!off) continue;
+    // Cannot fail: every Reserve/Release happens under mu_ and the check above passed.
+    TIERMEM_RETURN_IF_ERROR(budget_.Reserve(rounded, "nvme"));
+    Live live{Region{next_id_++, rounded, nullptr}, static_cast<int>(i), *off};
+    regions_.emplace(live.region.id, live);
+    return live.region;
+  }
+  Bytes largest = 0;
+  for (const File& f : files_) largest = std::max(largest, f.extents->largest_free_extent());
+  return ResourceExhaustedError("nvme tier: need a contiguous " + std::to_string(rounded) +
+                                " bytes; the budget has " +
+                                std::to_string(stats.capacity - stats.used) +
+                                " bytes free but the largest free extent is " +
+                                std::to_string(largest) + " bytes (fragmented)");
+}
+
+Status NvmeTierImpl::Free(const Region& region) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = regions_.find(region.id);
+  if (it == regions_.end()) {
+    return InvalidArgumentError("nvme tier: free of unknown region " + std::to_string(region.id));
+  }
+  const Live live = it->second;
+  regions_.erase(it);
+  files_[live.file].extents->Free(live.base, live.region.bytes);
+  budget_.Release(live.region.bytes);
+  return OkStatus();
+}
+
+std::shared_ptr<Completion> NvmeTierImpl::Copy(const CopyRequest& req) {
+  Live live;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = regions_.find(req.region.id);
+    if (it != regions_.end()) live = it->second;
+  }
+  Status valid = ValidateCopy(req, live.region);
+  if (!valid.ok()) return Completion::Done(valid.WithContext("nvme tier"));
+  auto done = Completion::Make();
+  if (req.bytes == 0) {
+    done->Complete(OkStatus());
+    return done;
+  }
+  auto r = std::make_shared<Request>();
+  r->done = done;
+  r->region_id = live.region.id;
+  r->file = live.file;
+  r->base = live.base;
+  r->dir = req.dir;
+  r->host = static_cast<char*>(req.host);
+  r->offset = req.offset;
+  r->bytes = req.bytes;
+  const Bytes piece = config_.piece_bytes;
+  const bool direct = reinterpret_cast<uintptr_t>(req.host) % kDirectAlign == 0 &&
+                      req.offset % block_ == 0 && req.bytes % block_ == 0;
+  if (direct) {
+    const uint64_t end = req.offset + req.bytes;
+    r->pending.store(static_cast<int>((req.bytes + piece - 1) / piece));
+    for (uint64_t off = req.offset; off < end; off += piece) {
+      StartDirect(r, off, std::min<uint64_t>(piece, end - off));
+    }
+    return done;
+  }
+  const uint64_t a = req.offset / block_ * block_;
+  const uint64_t e = AlignUp(req.offset + req.bytes, block_);
+  std::vector<BouncePiece*> pieces;
+  for (uint64_t pa = a; pa < e; pa += piece) {
+    auto* p = new BouncePiece;
+    p->req = r;
+    p->a = pa;
+    p->e = std::min<uint64_t>(pa + piece, e);
+    p->u0 = std::max<uint64_t>(p->a, req.offset);
+    p->u1 = std::min<uint64_t>(p->e, req.offset + req.bytes);
+    // Only a piece's first and last block can be partly covered.
+    p->head_partial = p->u0 > p->a || p->u1 < p->a + block_;
+    p->tail_partial = p->u1 < p->e || p->u0 > p->e - block_;
+    const uint64_t first_block = files_[r->file].first_block + (r->base + p->a) / block_;
+    const uint64_t last_block = files_[r->file].first_block + (r->base + p->e) / block_ - 1;
+    if (p->head_partial) p->keys[p->nkeys++] = first_block;
+    if (p->tail_partial && (last_block != first_block || !p->head_partial)) {
+      p->keys[p->nkeys++] = last_block;
+    }
+    p->op.file = r->file;
+    p->op.complete = [this, p](IoOp&, Status s) { OnBounceIo(p, std::move(s)); };
+    pieces.push_back(p);
+  }
+  r->pending.store(static_cast<int>(pieces.size()));
+  for (BouncePiece* p : pieces) StartBounce(p);
+  return done;
+}
+
+void NvmeTierImpl::StartDirect(const std::shared_ptr<Request>& r, uint64_t off, uint64_t len) {
+  auto* op = new IoOp;
+  op->file = r->file;
+  op->offset = r->base + off;
+  op->buf = r->host + (off - r->offset);
+  op->len = static_cast<uint32_t>(len);
+  op->write = r->dir == CopyDir::kToTier;
+  if (op->write) op->prepare = [this](IoOp& o) { PrepareWrite(o); };
+  op->complete = [this, r, off](IoOp& o, Status s) {
+    if (s.ok() && !o.write) s = Verify(*r, off, o.buf, o.len);
+    r->PieceDone(s);
+    delete &o;  // nothing touches `o` or this lambda's captures after this
+  };
+  engine_->Submit(op);
+}
+
+void NvmeTierImpl::StartBounce(BouncePiece* p) {
+  bounce_->Acquire([this, p](char* buf) {
+    p->buf = buf;
+    LockFrom(p, 0);
+  });
+}
+
+void NvmeTierImpl::LockFrom(BouncePiece* p, int i) {
+  if (i == p->nkeys) {
+    if (p->req->dir == CopyDir::kFromTier) {
+      Issue(p, BouncePiece::Stage::kRead, p->a, p->e - p->a);
+    } else if (p->head_partial) {
+      Issue(p, BouncePiece::Stage::kRmwHead, p->a, block_);
+    } else if (p->tail_partial) {
+      Issue(p, BouncePiece::Stage::kRmwTail, p->e - block_, block_);
+    } else {
+      WriteBounce(p);
+    }
+    return;
+  }
+  locks_.Acquire(p->keys[i], [this, p, i] { LockFrom(p, i + 1); });
+}
+
+void NvmeTierImpl::Issue(BouncePiece* p, BouncePiece::Stage stage, uint64_t off, uint64_t len) {
+  p->stage = stage;
+  IoOp& op = p->op;
+  op.offset = p->req->base + off;
+  op.buf = p->buf + (off - p->a);
+  op.len = static_cast<uint32_t>(len);
+  op.write = stage == BouncePiece::Stage::kWrite;
+  op.done = 0;
+  op.prepared = false;
+  if (op.write) {
+    op.prepare = [this](IoOp& o) { PrepareWrite(o); };
+  } else {
+    op.prepare = nullptr;
+  }
+  engine_->Submit(&op);
+}
+
+void NvmeTierImpl::WriteBounce(BouncePiece* p) {
+  const Request& r = *p->req;
+  std::memcpy(p->buf + (p->u0 - p->a), r.host + (p->u0 - r.offset), p->u1 - p->u0);
+  Issue(p, BouncePiece::Stage::kWrite, p->a, p->e - p->a);
+}
+
+void NvmeTierImpl::OnBounceIo(BouncePiece* p, Status s) {
+  const Request& r = *p->req;
+  switch (p->stage) {
+    case BouncePiece::Stage::kRead:
+      if (s.ok()) s = Verify(r, p->a, p->buf, p->e - p->a);
+      if (s.ok()) std::memcpy(r.host + (p->u0 - r.offset), p->buf + (p->u0 - p->a), p->u1 - p->u0);
+      FinishBounce(p, s);
+      return;
+    case BouncePiece::Stage::kRmwHead:
+      if (s.ok()) s = Verify(r, p->a, p->buf, block_);
+      if (!s.ok()) break;
+      if (p->tail_partial && p->e - block_ != p->a) {
+        Issue(p, BouncePiece::Stage::kRmwTail, p->e - block_, block_);
+      } else {
+        WriteBounce(p);
+      }
+      return;
+    case BouncePiece::Stage::kRmwTail:
+      if (s.ok()) s = Verify(r, p->e - block_, p->buf + (p->e - block_ - p->a), block_);
+      if (!s.ok()) break;
+      WriteBounce(p);
+      return;
+    case BouncePiece::Stage::kWrite:
+      break;
+  }
+  if (!s.ok() && p->stage != BouncePiece::Stage::kWrite) {
+    s = s.WithContext("read-modify-write of a partly covered block");
+  }
+  FinishBounce(p, s);
+}
+
+void NvmeTierImpl::FinishBounce(BouncePiece* p, const Status& s) {
+  std::shared_ptr<Request> r = std::move(p->req);
+  char* buf = p->buf;
+  const int nkeys = p->nkeys;
+  const uint64_t keys[2] = {p->keys[0], p->keys[1]};
+  delete p;  // `p->op.complete` is running us: nothing touches p or its lambda after this
+  for (int i = nkeys - 1; i >= 0; --i) locks_.Release(keys[i]);
+  bounce_->Release(buf);
+  r->PieceDone(s);
+}
+
+}  // namespace
+
+StatusOr<NvmeEngine> ParseNvmeEngine(std::string_view name) {
+  if (name == "auto") return NvmeEngine::kAuto;
+  if (name == "io_uring") return NvmeEngine::kIoUring;
+  if (name == "posix") return NvmeEngine::kPosix;
+  return InvalidArgumentError("nvme engine must be auto, io_uring or posix (got '" +
+                              std::string(name) + "')");
+}
+
+StatusOr<std::unique_ptr<NvmeTier>> OpenNvmeTier(const NvmeTierConfig& config) {
+  auto tier = std::make_unique<NvmeTierImpl>(config);
+  TIERMEM_RETURN_IF_ERROR(tier->Init());
+  return std::unique_ptr<NvmeTier>(std::move(tier));
+}
+
+StatusOr<std::unique_ptr<Tier>> NewNvmeTier(const NvmeTierConfig& config) {
+  TIERMEM_ASSIGN_OR_RETURN(std::unique_ptr<NvmeTier> tier, OpenNvmeTier(config));
+  return std::unique_ptr<Tier>(std::move(tier));
+}
+
+}  // namespace tiermem
