@@ -1,0 +1,490 @@
+// Engine implementation.
+//
+// Chunk lifecycle: AddChunk allocates the home region (host, else NVMe) and marks the content
+// zero. Acquire(c, T):
+//   - T is where c is resident: pin.
+//   - T is c's home and c has a cached copy above: write the copy back if dirty, free it.
+//   - otherwise: allocate on T (evicting), then fill it from the cached copy (moving it up or
+//     down a tier; dirty is kept), from zeros (dirty, home stale), or from home (clean).
+// Release unpins; a modified cached copy becomes dirty. Eviction frees a cached copy after
+// writing it back if dirty. Homes never move and are freed only by the destructor.
+// Invariants: a chunk has at most one cached copy; a pinned or in-flight chunk is never
+// chosen for eviction; a region is freed only with no move in flight on it (we wait first);
+// `zero` implies no cached copy holds unique data (it is set only after dropping the copy).
+#include "runtime/engine/engine.h"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "runtime/base/clock.h"
+
+namespace tiermem::engine {
+namespace {
+int Idx(TierKind k) { return static_cast<int>(k); }
+}  // namespace
+
+StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config, EngineTiers tiers,
+                                                 Mover* mover, TimelineRecorder* recorder,
+                                                 std::unique_ptr<EvictionPolicy> policy) {
+  if (tiers.device == nullptr || tiers.host == nullptr) {
+    return InvalidArgumentError("engine: a device tier and a host tier are required");
+  }
+  if (tiers.host->kind() != TierKind::kHost) {
+    return InvalidArgumentError("engine: the host tier must be of kind host");
+  }
+  if (mover == nullptr) return InvalidArgumentError("engine: a mover is required");
+  if (config.prefetch_depth < 0) return InvalidArgumentError("engine: prefetch_depth < 0");
+  if (policy == nullptr) policy = NewDefaultEvictionPolicy();
+  std::unique_ptr<Engine> e(new Engine(config, tiers, mover, recorder, std::move(policy)));
+  if (recorder != nullptr) {
+    for (Tier* t : {tiers.device, tiers.host, tiers.nvme}) {
+      if (t == nullptr) continue;
+      Event ev;
+      ev.type = EventType::kBudget;
+      ev.tier = t->kind();
+      ev.bytes = t->Stats().capacity;
+      recorder->Record(ev);
+    }
+  }
+  return e;
+}
+
+Engine::Engine(const EngineConfig& config, EngineTiers tiers, Mover* mover,
+               TimelineRecorder* recorder, std::unique_ptr<EvictionPolicy> policy)
+    : config_(config), tiers_(tiers), mover_(mover), recorder_(recorder),
+      policy_(std::move(policy)) {}
+
+Engine::~Engine() {
+  for (ChunkRec& c : chunks_) {
+    if (c.inflight) c.inflight->Wait().IgnoreError();
+  }
+  for (ChunkId id = 0; id < chunks_.size(); ++id) {
+    ChunkRec& c = chunks_[id];
+    if (c.cache.tier != TierKind::kNone) FreeRegion(c.cache, id, !c.dirty).IgnoreError();
+    FreeRegion(c.home, id, true).IgnoreError();
+  }
+}
+
+Tier* Engine::TierOf(TierKind k) const {
+  switch (k) {
+    case TierKind::kDevice: return tiers_.device;
+    case TierKind::kHost: return tiers_.host;
+    case TierKind::kNvme: return tiers_.nvme;
+    default: return nullptr;
+  }
+}
+
+Status Engine::CheckChunk(ChunkId chunk) const {
+  if (chunk >= chunks_.size()) {
+    return OutOfRangeError("engine: unknown chunk " + std::to_string(chunk));
+  }
+  return OkStatus();
+}
+
+void Engine::RecordRegion(EventType type, const Placed& p, ChunkId chunk, uint8_t flags) {
+  if (recorder_ == nullptr) return;
+  Event e;
+  e.type = type;
+  e.id = p.region.id;
+  e.bytes = p.region.bytes;
+  e.tier = p.tier;
+  e.chunk = chunk;
+  e.category = chunk < chunks_.size() ? chunks_[chunk].category : Category::kOther;
+  e.flags = flags;
+  recorder_->Record(e);
+}
+
+void Engine::RecordLabel(EventType type, std::string_view label, uint64_t id) {
+  if (recorder_ == nullptr) return;
+  Event e;
+  e.type = type;
+  e.id = id;
+  e.label = recorder_->InternLabel(label);
+  recorder_->Record(e);
+}
+
+StatusOr<ChunkId> Engine::AddChunk(Bytes bytes, Category category) {
+  if (bytes == 0) return InvalidArgumentError("engine: chunk of 0 bytes");
+  const TierStats host = tiers_.host->Stats();
+  if (host.used + bytes + config_.host_reserve_bytes <= host.capacity) {
+    auto id = AddChunk(bytes, category, TierKind::kHost);
+    if (id.ok() || tiers_.nvme == nullptr) return id;
+  }
+  if (tiers_.nvme == nullptr) {
+    return ResourceExhaustedError(
+        "engine: host tier cannot hold a chunk of " + std::to_string(bytes) + " bytes (" +
+        std::to_string(host.capacity - std::min(host.capacity, host.used)) + " of " +
+        std::to_string(host.capacity) + " bytes free, " +
+        std::to_string(config_.host_reserve_bytes) +
+        " reserved) and there is no NVMe tier; raise the host budget or configure nvme");
+  }
+  return AddChunk(bytes, category, TierKind::kNvme);
+}
+
+StatusOr<ChunkId> Engine::AddChunk(Bytes bytes, Category category, TierKind home) {
+  if (bytes == 0) return InvalidArgumentError("engine: chunk of 0 bytes");
+  if (home != TierKind::kHost && home != TierKind::kNvme) {
+    return InvalidArgumentError("engine: a chunk's home must be host or nvme");
+  }
+  Tier* t = TierOf(home);
+  if (t == nullptr) return FailedPreconditionError("engine: no nvme tier configured");
+  auto r = t->Allocate(bytes);
+  if (!r.ok()) {
+    if (recorder_ != nullptr) {
+      Event e;
+      e.type = EventType::kOom;
+      e.tier = home;
+      e.bytes = bytes;
+      e.category = category;
+      recorder_->Record(e);
+    }
+    return r.status().WithContext("engine: home of a " + std::to_string(bytes) + "-byte chunk");
+  }
+  const ChunkId id = static_cast<ChunkId>(chunks_.size());
+  ChunkRec c;
+  c.bytes = bytes;
+  c.category = category;
+  c.home = Placed{home, *r};
+  chunks_.push_back(std::move(c));
+  RecordRegion(EventType::kAlloc, chunks_[id].home, id, kFlagNone);
+  return id;
+}
+
+Status Engine::WaitStall(const std::shared_ptr<Completion>& c, ChunkId chunk,
+                         std::string_view cause) {
+  if (c->Poll()) return c->Wait();
+  const uint64_t id = ++stall_id_;
+  const uint64_t t0 = Clock::Real()->NowNs();
+  if (recorder_ != nullptr) {
+    Event e;
+    e.type = EventType::kStallBegin;
+    e.id = id;
+    e.chunk = chunk;
+    e.label = recorder_->InternLabel(cause);
+    recorder_->Record(e);
+  }
+  Status s = c->Wait();
+  stats_.stall_ns += Clock::Real()->NowNs() - t0;
+  ++stats_.stalls;
+  if (recorder_ != nullptr) {
+    Event e;
+    e.type = EventType::kStallEnd;
+    e.id = id;
+    e.chunk = chunk;
+    recorder_->Record(e);
+  }
+  return s;
+}
+
+Status Engine::WaitInflight(ChunkId chunk, std::string_view cause) {
+  ChunkRec& c = chunks_[chunk];
+  if (!c.inflight) return OkStatus();
+  std::shared_ptr<Completion> done = std::move(c.inflight);
+  c.inflight.reset();
+  Status s = WaitStall(done, chunk, cause);
+  if (!s.ok()) {
+    // The prefetched copy is unusable: drop it; home still holds the data.
+    FreeRegion(c.cache, chunk, true).IgnoreError();
+    c.cache = Placed{};
+    c.dirty = false;
+    return s.WithContext("engine: prefetch of chunk " + std::to_string(chunk));
+  }
+  return OkStatus();
+}
+
+std::shared_ptr<Completion> Engine::StartMove(ChunkId chunk, const Placed& src,
+                                              const Placed& dst) {
+  const ChunkRec& c = chunks_[chunk];
+  MoveRequest r;
+  r.src = Endpoint{TierOf(src.tier), src.region, 0};
+  r.dst = Endpoint{TierOf(dst.tier), dst.region, 0};
+  r.bytes = c.bytes;
+  r.chunk = chunk;
+  r.category = c.category;
+  stats_.bytes_moved[Idx(src.tier)][Idx(dst.tier)] += c.bytes;
+  return mover_->Move(r);
+}
+
+Status Engine::MoveSync(ChunkId chunk, const Placed& src, const Placed& dst,
+                        std::string_view cause) {
+  return WaitStall(StartMove(chunk, src, dst), chunk, cause);
+}
+
+Status Engine::FillZero(ChunkId chunk, const Placed& dst, std::string_view cause) {
+  const Bytes n = chunks_[chunk].bytes;
+  if (dst.tier == TierKind::kHost && dst.region.addr != nullptr) {
+    std::memset(dst.region.addr, 0, n);
+    return OkStatus();
+  }
+  if (zeros_.size() < n) zeros_.assign(n, 0);
+  return WaitStall(TierOf(dst.tier)->Copy(CopyRequest{dst.region, 0, zeros_.data(), n,
+                                                      CopyDir::kToTier}),
+                   chunk, cause);
+}
+
+Status Engine::FreeRegion(const Placed& p, ChunkId chunk, bool clean) {
+  if (p.tier == TierKind::kNone) return OkStatus();
+  Status s = TierOf(p.tier)->Free(p.region);
+  if (s.ok()) RecordRegion(EventType::kFree, p, chunk, clean ? kFlagClean : kFlagNone);
+  return s;
+}
+
+Status Engine::Evict(ChunkId victim) {
+  ChunkRec& c = chunks_[victim];
+  TIERMEM_RETURN_IF_ERROR(WaitInflight(victim, "evict: prefetch in flight"));
+  const bool was_dirty = c.dirty;
+  if (was_dirty) TIERMEM_RETURN_IF_ERROR(MoveSync(victim, c.cache, c.home, "evict: write-back"));
+  TIERMEM_RETURN_IF_ERROR(FreeRegion(c.cache, victim, !was_dirty));
+  c.cache = Placed{};
+  c.dirty = false;
+  ++stats_.evictions;
+  if (!was_dirty) ++stats_.clean_evictions;
+  return OkStatus();
+}
+
+uint64_t Engine::NextUse(ChunkId chunk) const {
+  if (!following_) return kNeverUsed;
+  auto it = order_positions_.find(chunk);
+  if (it == order_positions_.end()) return kNeverUsed;
+  auto p = std::lower_bound(it->second.begin(), it->second.end(), pos_);
+  return p == it->second.end() ? kNeverUsed : *p;
+}
+
+StatusOr<Region> Engine::AllocateOn(TierKind tier, ChunkId chunk, bool for_prefetch,
+                                    uint64_t prefetch_pos) {
+  Tier* t = TierOf(tier);
+  const Bytes bytes = chunks_[chunk].bytes;
+  for (;;) {
+    // Allocate only when the budget has room: a failed Allocate is not an error here.
+    const TierStats st = t->Stats();
+    if (st.used + bytes <= st.capacity) {
+      auto r = t->Allocate(bytes);
+      if (r.ok()) return r;
+      if (r.status().code() != StatusCode::kResourceExhausted) return r.status();
+    }
+    std::vector<EvictionCandidate> cands;
+    Bytes pinned = 0;
+    for (ChunkId id = 0; id < chunks_.size(); ++id) {
+      const ChunkRec& c = chunks_[id];
+      if (c.cache.tier != tier || id == chunk) continue;
+      if (c.pins > 0) {
+        pinned += c.cache.region.bytes;
+        continue;
+      }
+      EvictionCandidate e{id, c.bytes, c.dirty, c.last_use, NextUse(id), following_};
+      if (for_prefetch) {
+        if (c.dirty || c.inflight) continue;
+        if (e.next_use != kNeverUsed && e.next_use <= prefetch_pos) continue;
+      }
+      cands.push_back(e);
+    }
+    if (cands.empty()) {
+      if (for_prefetch) return ResourceExhaustedError("prefetch: no room");
+      if (recorder_ != nullptr) {
+        Event e;
+        e.type = EventType::kOom;
+        e.tier = tier;
+        e.bytes = bytes;
+        e.chunk = chunk;
+        e.category = chunks_[chunk].category;
+        recorder_->Record(e);
+      }
+      return ResourceExhaustedError(
+          std::string(TierKindName(tier)) + " tier: need " + std::to_string(bytes) +
+          " bytes for chunk " + std::to_string(chunk) + ", but " + std::to_string(st.used) +
+          " of " + std::to_string(st.capacity) + " bytes are in use (" +
+          std::to_string(pinned) + " bytes pinned) and nothing is evictable");
+    }
+    const size_t v = policy_->ChooseVictim(cands);
+    TIERMEM_RETURN_IF_ERROR(Evict(cands[v].chunk));
+  }
+}
+
+StatusOr<void*> Engine::Acquire(ChunkId chunk, TierKind where) {
+  TIERMEM_RETURN_IF_ERROR(CheckChunk(chunk));
+  if (where != TierKind::kDevice && where != TierKind::kHost) {
+    return InvalidArgumentError("engine: chunks are acquired on device or host, not " +
+                                std::string(TierKindName(where)));
+  }
+  // Follow (or leave) the recorded order, and record this iteration's.
+  recording_.emplace_back(chunk, where);
+  if (following_) {
+    if (pos_ < order_.size() && order_[pos_] == std::make_pair(chunk, where)) {
+      ++pos_;
+    } else {
+      following_ = false;  // diverged: reactive (LRU) for the rest of the iteration
+    }
+  }
+  ++stats_.acquires;
+  ChunkRec* c = &chunks_[chunk];
+  TIERMEM_RETURN_IF_ERROR(WaitInflight(chunk, "prefetch late"));
+  const TierKind resident = c->cache.tier != TierKind::kNone ? c->cache.tier : c->home.tier;
+  if (resident != where && c->pins > 0) {
+    return FailedPreconditionError("engine: chunk " + std::to_string(chunk) +
+                                   " is pinned on the " + std::string(TierKindName(resident)) +
+                                   " tier");
+  }
+  if (resident != where) {
+    if (where == c->home.tier) {
+      // Down to home: write the cached copy back if needed and drop it.
+      if (c->dirty) TIERMEM_RETURN_IF_ERROR(MoveSync(chunk, c->cache, c->home, "write-back"));
+      TIERMEM_RETURN_IF_ERROR(FreeRegion(c->cache, chunk, !c->dirty));
+      c->cache = Placed{};
+      c->dirty = false;
+    } else {
+      TIERMEM_ASSIGN_OR_RETURN(Region r, AllocateOn(where, chunk, false, 0));
+      c = &chunks_[chunk];
+      Placed dst{where, r};
+      RecordRegion(EventType::kAlloc, dst, chunk, kFlagNone);
+      Status s;
+      if (c->cache.tier != TierKind::kNone) {
+        s = MoveSync(chunk, c->cache, dst, "move between caches");
+        if (s.ok()) s = FreeRegion(c->cache, chunk, !c->dirty);
+      } else if (c->zero) {
+        s = FillZero(chunk, dst, "zero fill");
+        c->dirty = true;
+      } else {
+        s = MoveSync(chunk, c->home, dst, "fetch");
+        c->dirty = false;
+      }
+      if (!s.ok()) {
+        FreeRegion(dst, chunk, true).IgnoreError();
+        return s;
+      }
+      c->cache = dst;
+    }
+  }
+  // Now resident on `where`.
+  Placed& at = c->cache.tier == where ? c->cache : c->home;
+  if (c->zero) {
+    if (&at == &c->home) TIERMEM_RETURN_IF_ERROR(FillZero(chunk, at, "zero fill"));
+    c->zero = false;
+  }
+  ++c->pins;
+  c->last_use = ++use_counter_;
+  void* addr = at.region.addr;
+  if (addr == nullptr) {
+    --c->pins;
+    return InternalError("engine: tier " + std::string(TierKindName(where)) +
+                         " gave no address for chunk " + std::to_string(chunk));
+  }
+  Prefetch();
+  return addr;
+}
+
+void Engine::Prefetch() {
+  if (!following_ || config_.prefetch_depth == 0) return;
+  const uint64_t end = std::min<uint64_t>(order_.size(), pos_ + config_.prefetch_depth);
+  for (uint64_t j = pos_; j < end; ++j) {
+    const auto [id, where] = order_[j];
+    ChunkRec& c = chunks_[id];
+    if (c.cache.tier == where || c.home.tier == where || c.cache.tier != TierKind::kNone ||
+        c.inflight || c.pins > 0) {
+      continue;
+    }
+    auto r = AllocateOn(where, id, true, j);
+    if (!r.ok()) break;  // no room without hurting sooner uses: stop looking further ahead
+    Placed dst{where, *r};
+    RecordRegion(EventType::kAlloc, dst, id, kFlagNone);
+    ChunkRec& cc = chunks_[id];
+    if (cc.zero) {
+      if (zeros_.size() < cc.bytes) zeros_.assign(cc.bytes, 0);
+      cc.inflight = TierOf(where)->Copy(CopyRequest{*r, 0, zeros_.data(), cc.bytes,
+                                                    CopyDir::kToTier});
+      cc.dirty = true;
+      cc.zero = false;
+    } else {
+      cc.inflight = StartMove(id, cc.home, dst);
+      cc.dirty = false;
+    }
+    cc.cache = dst;
+    ++stats_.prefetches;
+  }
+}
+
+Status Engine::Release(ChunkId chunk, bool modified) {
+  TIERMEM_RETURN_IF_ERROR(CheckChunk(chunk));
+  ChunkRec& c = chunks_[chunk];
+  if (c.pins <= 0) {
+    return FailedPreconditionError("engine: release of unpinned chunk " + std::to_string(chunk));
+  }
+  --c.pins;
+  if (modified && c.cache.tier != TierKind::kNone) c.dirty = true;
+  return OkStatus();
+}
+
+Status Engine::Zero(ChunkId chunk) {
+  TIERMEM_RETURN_IF_ERROR(CheckChunk(chunk));
+  ChunkRec& c = chunks_[chunk];
+  if (c.pins > 0) {
+    return FailedPreconditionError("engine: zero of pinned chunk " + std::to_string(chunk));
+  }
+  TIERMEM_RETURN_IF_ERROR(WaitInflight(chunk, "zero: prefetch in flight"));
+  if (c.cache.tier != TierKind::kNone) {
+    TIERMEM_RETURN_IF_ERROR(FreeRegion(c.cache, chunk, true));
+    c.cache = Placed{};
+  }
+  c.dirty = false;
+  c.zero = true;
+  return OkStatus();
+}
+
+Status Engine::Flush() {
+  for (ChunkId id = 0; id < chunks_.size(); ++id) {
+    ChunkRec& c = chunks_[id];
+    TIERMEM_RETURN_IF_ERROR(WaitInflight(id, "flush: prefetch in flight"));
+    if (c.cache.tier != TierKind::kNone && c.dirty && c.pins == 0) {
+      TIERMEM_RETURN_IF_ERROR(MoveSync(id, c.cache, c.home, "flush"));
+      c.dirty = false;
+    }
+  }
+  return OkStatus();
+}
+
+void Engine::BeginIteration() {
+  if (!recording_.empty()) {
+    order_ = std::move(recording_);
+    order_positions_.clear();
+    for (uint64_t i = 0; i < order_.size(); ++i) order_positions_[order_[i].first].push_back(i);
+  }
+  recording_.clear();
+  pos_ = 0;
+  following_ = !order_.empty();
+  RecordLabel(EventType::kIteration, "iteration", stats_.iterations);
+  ++stats_.iterations;
+}
+
+void Engine::Moment(std::string_view label) { RecordLabel(EventType::kMoment, label, 0); }
+void Engine::Phase(std::string_view label) { RecordLabel(EventType::kPhase, label, 0); }
+
+Status Engine::Synchronize() {
+  for (ChunkId id = 0; id < chunks_.size(); ++id) {
+    TIERMEM_RETURN_IF_ERROR(WaitInflight(id, "synchronize"));
+  }
+  return OkStatus();
+}
+
+TierKind Engine::Resident(ChunkId chunk) const {
+  if (chunk >= chunks_.size()) return TierKind::kNone;
+  const ChunkRec& c = chunks_[chunk];
+  return c.cache.tier != TierKind::kNone ? c.cache.tier : c.home.tier;
+}
+TierKind Engine::Home(ChunkId chunk) const {
+  return chunk < chunks_.size() ? chunks_[chunk].home.tier : TierKind::kNone;
+}
+bool Engine::Dirty(ChunkId chunk) const { return chunk < chunks_.size() && chunks_[chunk].dirty; }
+int Engine::Pins(ChunkId chunk) const { return chunk < chunks_.size() ? chunks_[chunk].pins : 0; }
+Bytes Engine::ChunkBytes(ChunkId chunk) const {
+  return chunk < chunks_.size() ? chunks_[chunk].bytes : 0;
+}
+
+EngineStats Engine::Stats() const {
+  EngineStats s = stats_;
+  for (Tier* t : {tiers_.device, tiers_.host, tiers_.nvme}) {
+    if (t != nullptr) s.tiers[Idx(t->kind())] = t->Stats();
+  }
+  return s;
+}
+
+}  // namespace tiermem::engine

@@ -1,0 +1,164 @@
+// Engine: the residency manager of chunks across the device, host and NVMe tiers.
+//
+// Every chunk has a *home* — a permanent region on the host tier when it fits there (keeping
+// `host_reserve_bytes` free as working space), else on NVMe — and at most one *cached copy*
+// on a tier above its home (device; or host for an NVMe-homed chunk). The chunk is *resident*
+// on the tier of its cached copy if it has one, else on its home tier; it is *in flight*
+// while a prefetch into its cached copy is running. `dirty` means the cached copy differs
+// from the home copy, so evicting a clean chunk only frees its region (no bytes move).
+//
+// Acquire(chunk, tier) makes the chunk resident on `tier` (device or host), pins it, and
+// returns its address there; Release unpins (and marks it modified if it was written). A
+// pinned chunk never moves. When a tier is full, the EvictionPolicy picks an unpinned cached
+// chunk to evict: farthest next use in the recorded order of acquires (the previous
+// iteration's) while the current iteration follows it, least recently used otherwise, clean
+// first. While the order is followed, each Acquire also prefetches the next
+// `prefetch_depth` acquires asynchronously, evicting for them only clean chunks needed later.
+// Waiting for an unfinished prefetch or a write-back is a *stall*, recorded with its cause.
+//
+// Every allocation, free, move, stall, moment and phase goes to the timeline recorder when
+// one is attached; moves go through the Mover.
+//
+// Thread-safety: externally synchronized (one thread drives the engine; completions of moves
+// fire on the tiers' threads and touch only their Completion objects).
+// Ownership: tiers, mover and recorder must outlive the engine; the engine owns its regions
+// and frees them on destruction (after waiting for moves in flight).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "runtime/base/timeline.h"
+#include "runtime/engine/eviction_policy.h"
+#include "runtime/mover.h"
+#include "tiers/tier.h"
+
+namespace tiermem::engine {
+
+struct EngineConfig {
+  int prefetch_depth = 4;        // acquires of lookahead in the recorded order (0 = off)
+  Bytes host_reserve_bytes = 0;  // host bytes never used for homes (caches of NVMe chunks)
+};
+
+struct EngineTiers {
+  Tier* device = nullptr;  // required
+  Tier* host = nullptr;    // required, byte-addressable
+  Tier* nvme = nullptr;    // optional
+};
+
+struct EngineStats {
+  std::array<TierStats, kNumTierKinds> tiers{};  // per TierKind (device, host, nvme)
+  // bytes_moved[src][dst] by TierKind index.
+  std::array<std::array<Bytes, kNumTierKinds>, kNumTierKinds> bytes_moved{};
+  uint64_t stall_ns = 0;
+  uint64_t stalls = 0;
+  uint64_t evictions = 0;
+  uint64_t clean_evictions = 0;  // evictions that moved no bytes
+  uint64_t prefetches = 0;
+  uint64_t acquires = 0;
+  uint64_t iterations = 0;
+};
+
+class Engine {
+ public:
+  // kInvalidArgument without a device or a byte-addressable host tier.
+  static StatusOr<std::unique_ptr<Engine>> Create(const EngineConfig& config, EngineTiers tiers,
+                                                  Mover* mover, TimelineRecorder* recorder,
+                                                  std::unique_ptr<EvictionPolicy> policy = nullptr);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Adds a chunk of `bytes` (content: zeros) homed on host if it fits, else on NVMe.
+  // kResourceExhausted naming the bytes needed when neither has room.
+  StatusOr<ChunkId> AddChunk(Bytes bytes, Category category);
+  // Same with the home tier forced (kHost or kNvme).
+  StatusOr<ChunkId> AddChunk(Bytes bytes, Category category, TierKind home);
+
+  // Makes `chunk` resident on `where` (kDevice or kHost) and pins it. Returns its address
+  // there. kFailedPrecondition if it is pinned on another tier; kResourceExhausted if the
+  // tier is full of pinned chunks.
+  StatusOr<void*> Acquire(ChunkId chunk, TierKind where);
+  // Unpins; `modified`: the caller wrote to it (its lower copy is now stale).
+  Status Release(ChunkId chunk, bool modified);
+  // Its content becomes zeros (lazily: no bytes move now). kFailedPrecondition if pinned.
+  Status Zero(ChunkId chunk);
+  // Writes back every dirty unpinned cached copy and keeps it cached clean, so the home
+  // copies are current (e.g. before a checkpoint).
+  Status Flush();
+
+  void BeginIteration();                 // ends the recorded order of the previous one
+  void Moment(std::string_view label);   // timeline moment
+  void Phase(std::string_view label);    // timeline phase
+  Status Synchronize();                  // waits for all moves in flight
+
+  TierKind Resident(ChunkId chunk) const;
+  TierKind Home(ChunkId chunk) const;
+  bool Dirty(ChunkId chunk) const;
+  int Pins(ChunkId chunk) const;
+  Bytes ChunkBytes(ChunkId chunk) const;
+  size_t num_chunks() const { return chunks_.size(); }
+  EngineStats Stats() const;
+
+ private:
+  struct Placed {
+    TierKind tier = TierKind::kNone;
+    Region region;
+  };
+  struct ChunkRec {
+    Bytes bytes = 0;
+    Category category = Category::kOther;
+    Placed home;
+    Placed cache;  // tier kNone: no cached copy
+    bool dirty = false;
+    bool zero = true;  // content is all zeros, whatever the regions hold
+    int pins = 0;
+    uint64_t last_use = 0;
+    std::shared_ptr<Completion> inflight;  // prefetch into `cache`
+  };
+
+  Engine(const EngineConfig& config, EngineTiers tiers, Mover* mover,
+         TimelineRecorder* recorder, std::unique_ptr<EvictionPolicy> policy);
+  Tier* TierOf(TierKind k) const;
+  Status CheckChunk(ChunkId chunk) const;
+  Status WaitInflight(ChunkId chunk, std::string_view cause);
+  Status WaitStall(const std::shared_ptr<Completion>& c, ChunkId chunk, std::string_view cause);
+  // Allocates on `tier`, evicting unpinned chunks as needed (any chunk when `for_prefetch` is
+  // false; only clean ones used after `prefetch_pos` otherwise).
+  StatusOr<Region> AllocateOn(TierKind tier, ChunkId chunk, bool for_prefetch,
+                              uint64_t prefetch_pos);
+  Status Evict(ChunkId victim);
+  Status FreeRegion(const Placed& p, ChunkId chunk, bool clean);
+  std::shared_ptr<Completion> StartMove(ChunkId chunk, const Placed& src, const Placed& dst);
+  Status MoveSync(ChunkId chunk, const Placed& src, const Placed& dst, std::string_view cause);
+  Status FillZero(ChunkId chunk, const Placed& dst, std::string_view cause);
+  uint64_t NextUse(ChunkId chunk) const;
+  void Prefetch();
+  void RecordRegion(EventType type, const Placed& p, ChunkId chunk, uint8_t flags);
+  void RecordLabel(EventType type, std::string_view label, uint64_t id);
+
+  const EngineConfig config_;
+  const EngineTiers tiers_;
+  Mover* const mover_;
+  TimelineRecorder* const recorder_;
+  std::unique_ptr<EvictionPolicy> policy_;
+  std::vector<ChunkRec> chunks_;
+  std::vector<char> zeros_;  // source of zero fills on non-host tiers
+  uint64_t use_counter_ = 0;
+  uint64_t stall_id_ = 0;
+
+  // The order of acquires: recorded this iteration, followed from the previous one.
+  std::vector<std::pair<ChunkId, TierKind>> recording_;
+  std::vector<std::pair<ChunkId, TierKind>> order_;
+  std::unordered_map<ChunkId, std::vector<uint64_t>> order_positions_;
+  uint64_t pos_ = 0;
+  bool following_ = false;
+
+  EngineStats stats_;
+};
+
+}  // namespace tiermem::engine

@@ -1,0 +1,240 @@
+"""Each feature of tiermem.initialize against plain torch (same seed, same data)."""
+import copy
+import os
+import stat
+
+import pytest
+import torch
+from torch import nn
+
+import tiermem
+from conftest import assert_close_rel, batches, make_pair, model_bytes, small_config
+from test_training import final_params, train_ours, train_ref
+from tiermem.examples.gpt import GPT
+
+
+def init(model, budget_frac=0.25, **cfg):
+    c = {"device": model_bytes(model) // 4 if budget_frac == 0.25 else int(model_bytes(model) * budget_frac),
+         "host": "1GiB", "optimizer": {"lr": 1e-3, "weight_decay": 0.01}}
+    c.update(cfg)
+    return tiermem.initialize(model, c)
+
+
+def compare(ref, model, ref_losses, losses, rel=1e-6):
+    for i, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert_close_rel(a, b, rel, f"loss {i}")
+    r, o = final_params(ref), final_params(model)
+    for k in r:
+        assert_close_rel(o[k], r[k], rel, k)
+
+
+def test_gradient_accumulation_4_micro_batches_equals_torch():
+    ref, ours = make_pair()
+    data = batches(12, batch=2)
+    ref_losses = train_ref(ref, data, accum=4)
+    model, opt = init(ours, gradient_accumulation_steps=4)
+    compare(ref, model, ref_losses, train_ours(model, opt, data, accum=4))
+
+
+def test_gradient_clipping_equals_torch():
+    ref, ours = make_pair()
+    data = batches(6)
+    ref_losses = train_ref(ref, data, clip=0.05)
+    model, opt = init(ours, gradient_clipping=0.05)
+    compare(ref, model, ref_losses, train_ours(model, opt, data))
+
+
+def test_frozen_params_get_no_optimizer_state_and_match_torch():
+    ref, ours = make_pair()
+    for m in (ref, ours):
+        m.wpe.weight.requires_grad_(False)
+        m.blocks[0].ln1.weight.requires_grad_(False)
+    data = batches(5)
+    ref_opt_params = [p for p in ref.parameters() if p.requires_grad]
+    ref_losses = train_ref(ref, data, groups=ref_opt_params)
+    model, opt = init(ours)
+    losses = train_ours(model, opt, data)
+    compare(ref, model, ref_losses, losses)
+    rt = tiermem.runtime_of(model)
+    frozen_groups = [g for g in rt.groups if not g.trainable]
+    assert frozen_groups and all(set(g.chunks) == {"param"} for g in frozen_groups)
+
+
+def test_two_param_groups_no_decay_for_norms_and_biases():
+    ref, ours = make_pair()
+
+    def groups(m):
+        decay = [p for n, p in m.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in m.named_parameters() if p.dim() < 2]
+        return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0,
+                                                         "lr": 3e-3}]
+    data = batches(5)
+    ref_losses = train_ref(ref, data, groups=groups(ref))
+    model, opt = tiermem.initialize(ours, {"device": model_bytes(ours) // 4, "host": "1GiB",
+                                           "optimizer": {"lr": 1e-3}}, param_groups=groups(ours))
+    compare(ref, model, ref_losses, train_ours(model, opt, data))
+
+
+class Twice(nn.Module):
+    """A module called twice in one forward, and buffers that stay ordinary tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.mix = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 50)
+        self.register_buffer("scale", torch.tensor(0.5))
+
+    def forward(self, x, y):
+        h = self.emb(x)
+        h = torch.tanh(self.mix(h))
+        h = torch.tanh(self.mix(h)) * self.scale  # same module again
+        return nn.functional.cross_entropy(self.head(h).view(-1, 50), y.view(-1))
+
+
+def test_module_called_twice_and_buffers_match_torch():
+    torch.manual_seed(3)
+    ref = Twice()
+    ours = copy.deepcopy(ref)
+    g = torch.Generator().manual_seed(4)
+    data = [(torch.randint(0, 50, (4, 8), generator=g), torch.randint(0, 50, (4, 8), generator=g))
+            for _ in range(6)]
+    ref_losses = train_ref(ref, data)
+    model, opt = tiermem.initialize(ours, {"device": 32768, "host": "64MiB",
+                                           "optimizer": {"lr": 1e-3, "weight_decay": 0.01}})
+    losses = train_ours(model, opt, data)
+    compare(ref, model, ref_losses, losses)
+    assert isinstance(model.scale, torch.Tensor) and model.scale.item() == 0.5
+
+
+def test_no_grad_eval_forward_matches_and_changes_nothing():
+    ref, ours = make_pair()
+    model, opt = init(ours)
+    x, y = batches(1)[0]
+    with torch.no_grad():
+        ref.eval(), model.eval()
+        a, b = ref(x, y), model(x, y)
+    assert_close_rel(b, a, 1e-6, "eval loss")
+    # Training after an eval forward still matches.
+    ref.train(), model.train()
+    data = batches(3, seed=5)
+    compare(ref, model, train_ref(ref, data), train_ours(model, opt, data))
+
+
+def test_weight_tying_is_stored_once():
+    _, ours = make_pair()
+    model, _ = init(ours)
+    rt = tiermem.runtime_of(model)
+    assert len(rt.params) == len(list(ours.parameters()))  # deduplicated
+    assert model.lm_head.weight is model.wte.weight
+
+
+def test_state_dict_round_trip_and_resume():
+    ref, ours = make_pair()
+    data = batches(8)
+    model, opt = init(ours)
+    train_ours(model, opt, data[:4])
+    sd = model.state_dict()
+    osd = opt.state_dict()
+    # Loads into a plain torch model: identical outputs.
+    plain = GPT(small_config())
+    plain.load_state_dict(sd)
+    x, y = data[4]
+    with torch.no_grad():
+        assert_close_rel(model(x, y), plain(x, y), 0, "loss after load into plain torch")
+    # The optimizer state loads into torch.optim.AdamW; both continue identically.
+    popt = torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.01)
+    popt.load_state_dict(copy.deepcopy(osd))  # torch aliases loaded state tensors
+    cont_ref = train_ref_with(plain, popt, data[4:])
+    # Resume a fresh tiermem model from the saved state.
+    torch.manual_seed(123)
+    fresh = GPT(small_config())
+    m2, o2 = init(fresh)
+    m2.load_state_dict(sd)
+    o2.load_state_dict(osd)
+    cont = train_ours(m2, o2, data[4:])
+    compare(plain, m2, cont_ref, cont)
+
+
+def train_ref_with(model, opt, data):
+    losses = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_host_too_small_puts_state_on_nvme_same_losses(tmp_path):
+    ref, ours = make_pair()
+    data = batches(5)
+    ref_losses = train_ref(ref, data)
+    mb = model_bytes(ours)
+    model, opt = init(ours, host=mb // 2, nvme={"path": str(tmp_path), "size": mb * 2})
+    compare(ref, model, ref_losses, train_ours(model, opt, data))
+    rt = tiermem.runtime_of(model)
+    homes = [rt.rt.home(cid) for g in rt.groups for cid in g.chunks.values()]
+    assert "nvme" in homes and "host" in homes
+    moved = rt.stats()["bytes_moved"]
+    assert any(k.startswith("nvme->") for k in moved) and any(k.endswith("->nvme") for k in moved)
+
+
+def _untouched(model, before):
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert getattr(model, "_tiermem_runtime", None) is None
+    assert not model._forward_pre_hooks
+
+
+def test_budget_below_minimum_names_minimum_bytes():
+    _, ours = make_pair()
+    before = copy.deepcopy(ours.state_dict())
+    with pytest.raises(MemoryError, match=r"minimum of \d+ bytes"):
+        tiermem.initialize(ours, {"device": 1000})
+    _untouched(ours, before)
+
+
+@pytest.mark.parametrize("cfg,match", [
+    ({"devise": "1GiB"}, "unknown key"),
+    ({"device": "lots"}, "'device'"),
+    ({"device": -5}, "'device'"),
+    ({"precision": "fp8"}, "'precision'"),
+    ({"optimizer": {"lr": "fast"}}, "optimizer.lr"),
+    ({"optimizer": {"betas": [0.9]}}, "optimizer.betas"),
+    ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps"),
+    ({"nvme": {"path": "/tmp"}}, "'size' is required"),
+])
+def test_invalid_config_is_a_clear_error(cfg, match):
+    _, ours = make_pair()
+    before = copy.deepcopy(ours.state_dict())
+    with pytest.raises(ValueError, match=match):
+        tiermem.initialize(ours, cfg)
+    _untouched(ours, before)
+
+
+def test_unwritable_nvme_path_is_a_clear_error(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    target = ro / "sub" if os.geteuid() == 0 else ro
+    if os.geteuid() == 0:
+        # root ignores permissions: use a path under a regular file instead.
+        f = tmp_path / "file"
+        f.write_text("x")
+        target = f / "sub"
+    _, ours = make_pair()
+    before = copy.deepcopy(ours.state_dict())
+    with pytest.raises(ValueError, match="not a writable directory"):
+        tiermem.initialize(ours, {"nvme": {"path": str(target), "size": "1MiB"}})
+    _untouched(ours, before)
+
+
+def test_config_from_json_file(tmp_path):
+    import json
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps({"device": "4MiB", "host": "64MiB"}))
+    _, ours = make_pair()
+    model, _ = tiermem.initialize(ours, str(p))
+    assert tiermem.runtime_of(model).cfg.device_budget == 4 << 20

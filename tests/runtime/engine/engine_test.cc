@@ -1,0 +1,312 @@
+#include "runtime/engine/engine.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+
+#include "runtime/engine/direct_mover.h"
+#include "runtime/engine/memory_recorder.h"
+#include "runtime/engine/stand_in_tiers.h"
+#include "tiers/fake/sim_device.h"
+
+namespace tiermem::engine {
+namespace {
+
+constexpr Bytes kChunk = 4096;
+
+// Always least-recently-used, ignoring any recorded order: the baseline for Belady.
+class LruOnly final : public EvictionPolicy {
+ public:
+  size_t ChooseVictim(std::span<const EvictionCandidate> c) override {
+    size_t best = 0;
+    for (size_t i = 1; i < c.size(); ++i) {
+      if (c[i].last_use < c[best].last_use) best = i;
+    }
+    return best;
+  }
+};
+
+struct Rig {
+  explicit Rig(Bytes device, Bytes host, Bytes nvme = 0, EngineConfig cfg = {},
+               std::unique_ptr<EvictionPolicy> policy = nullptr, double h2d_bw = 0) {
+    SimDeviceConfig dc;
+    dc.capacity = device;
+    dc.h2d_bytes_per_s = h2d_bw;
+    dev = NewSimDevice(dc);
+    host_tier = NewStandInTier(TierKind::kHost, host);
+    if (nvme) nvme_tier = NewStandInTier(TierKind::kNvme, nvme);
+    mover = NewDirectMover(&rec);
+    auto e = Engine::Create(cfg, EngineTiers{dev.get(), host_tier.get(), nvme_tier.get()},
+                            mover.get(), &rec, std::move(policy));
+    EXPECT_TRUE(e.ok()) << e.status().ToString();
+    engine = std::move(e).value();
+  }
+  ~Rig() { engine.reset(); }
+
+  // Fills chunk `id` (through the host) with bytes derived from `seed`.
+  void Fill(ChunkId id, uint8_t seed) {
+    auto p = engine->Acquire(id, TierKind::kHost);
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    auto* b = static_cast<uint8_t*>(*p);
+    for (Bytes i = 0; i < engine->ChunkBytes(id); ++i) b[i] = static_cast<uint8_t>(seed + i * 7);
+    ASSERT_TRUE(engine->Release(id, true).ok());
+  }
+  static bool Holds(const void* p, Bytes n, uint8_t seed) {
+    auto* b = static_cast<const uint8_t*>(p);
+    for (Bytes i = 0; i < n; ++i) {
+      if (b[i] != static_cast<uint8_t>(seed + i * 7)) return false;
+    }
+    return true;
+  }
+
+  MemoryRecorder rec;
+  std::unique_ptr<Tier> dev, host_tier, nvme_tier;
+  std::unique_ptr<Mover> mover;
+  std::unique_ptr<Engine> engine;
+};
+
+ChunkId Add(Rig& r, Category cat = Category::kParam) {
+  auto id = r.engine->AddChunk(kChunk, cat);
+  EXPECT_TRUE(id.ok()) << id.status().ToString();
+  return *id;
+}
+
+TEST(Engine, AcquireOnDeviceCarriesDataAndWriteBackOnEviction) {
+  Rig r(kChunk, 16 * kChunk);
+  ChunkId a = Add(r), b = Add(r), c = Add(r);
+  r.Fill(a, 1);
+  r.Fill(b, 2);
+  r.Fill(c, 3);
+  auto pa = r.engine->Acquire(a, TierKind::kDevice);
+  ASSERT_TRUE(pa.ok());
+  EXPECT_EQ(r.engine->Resident(a), TierKind::kDevice);
+  EXPECT_TRUE(Rig::Holds(*pa, kChunk, 1));
+  static_cast<uint8_t*>(*pa)[5] = 0xAB;  // modify on device
+  ASSERT_TRUE(r.engine->Release(a, true).ok());
+  EXPECT_TRUE(r.engine->Dirty(a));
+  // b needs the device: a (dirty) is written back and evicted; c then evicts clean b.
+  ASSERT_TRUE(r.engine->Acquire(b, TierKind::kDevice).ok());
+  ASSERT_TRUE(r.engine->Release(b, false).ok());
+  ASSERT_TRUE(r.engine->Acquire(c, TierKind::kDevice).ok());
+  ASSERT_TRUE(r.engine->Release(c, false).ok());
+  EXPECT_EQ(r.engine->Resident(a), TierKind::kHost);
+  auto ha = r.engine->Acquire(a, TierKind::kHost);
+  ASSERT_TRUE(ha.ok());
+  EXPECT_EQ(static_cast<uint8_t*>(*ha)[5], 0xAB);
+  EXPECT_EQ(static_cast<uint8_t*>(*ha)[6], static_cast<uint8_t>(1 + 6 * 7));
+  ASSERT_TRUE(r.engine->Release(a, false).ok());
+  const EngineStats s = r.engine->Stats();
+  EXPECT_EQ(s.bytes_moved[0][1], kChunk);  // one write-back device->host
+  EXPECT_EQ(s.bytes_moved[1][0], 3 * kChunk);
+  EXPECT_EQ(s.evictions, 2u);
+  EXPECT_EQ(s.clean_evictions, 1u);
+}
+
+TEST(Engine, CleanEvictionMovesNoBytesAndIsMarkedCleanInTimeline) {
+  Rig r(kChunk, 8 * kChunk);
+  ChunkId a = Add(r), b = Add(r);
+  r.Fill(a, 1);
+  r.Fill(b, 2);
+  ASSERT_TRUE(r.engine->Acquire(a, TierKind::kDevice).ok());
+  ASSERT_TRUE(r.engine->Release(a, false).ok());
+  auto pb = r.engine->Acquire(b, TierKind::kDevice);
+  ASSERT_TRUE(pb.ok());
+  EXPECT_TRUE(Rig::Holds(*pb, kChunk, 2));
+  ASSERT_TRUE(r.engine->Release(b, false).ok());
+  const EngineStats s = r.engine->Stats();
+  EXPECT_EQ(s.bytes_moved[0][1], 0u);
+  EXPECT_EQ(s.clean_evictions, 1u);
+  int clean_frees = 0;
+  for (const Event& e : r.rec.events()) {
+    if (e.type == EventType::kFree && e.tier == TierKind::kDevice && e.chunk == a) {
+      EXPECT_TRUE(e.flags & kFlagClean);
+      ++clean_frees;
+    }
+  }
+  EXPECT_EQ(clean_frees, 1);
+}
+
+TEST(Engine, BudgetNeverExceededAndDataIntactUnderRandomAccess) {
+  EngineConfig cfg;
+  cfg.prefetch_depth = 3;
+  Rig r(5 * kChunk, 64 * kChunk, 0, cfg);
+  std::vector<ChunkId> ids;
+  for (int i = 0; i < 12; ++i) {
+    ids.push_back(Add(r));
+    r.Fill(ids.back(), static_cast<uint8_t>(i * 13));
+  }
+  std::vector<uint8_t> seed(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) seed[i] = static_cast<uint8_t>(i * 13);
+  std::mt19937 rng(42);
+  // Iterations repeat one access sequence (so the recorded order is followed: Belady +
+  // prefetch), with a random divergence in the last one.
+  std::vector<int> seq;
+  for (int k = 0; k < 40; ++k) seq.push_back(static_cast<int>(rng() % ids.size()));
+  for (int it = 0; it < 4; ++it) {
+    r.engine->BeginIteration();
+    if (it == 3) std::swap(seq[3], seq[20]);
+    for (size_t k = 0; k < seq.size(); ++k) {
+      const int i = seq[k];
+      // Sometimes hold two chunks at once.
+      const int j = seq[(k + 1) % seq.size()];
+      auto p = r.engine->Acquire(ids[i], TierKind::kDevice);
+      ASSERT_TRUE(p.ok()) << p.status().ToString();
+      ASSERT_TRUE(Rig::Holds(*p, kChunk, seed[i])) << "chunk " << i;
+      if (j != i) {
+        auto q = r.engine->Acquire(ids[j], TierKind::kDevice);
+        ASSERT_TRUE(q.ok()) << q.status().ToString();
+        ASSERT_TRUE(Rig::Holds(*q, kChunk, seed[j]));
+        ASSERT_TRUE(r.engine->Release(ids[j], false).ok());
+      }
+      // Rewrite chunk i with a new seed on the device half the time.
+      const bool write = (k % 2) == 0;
+      if (write) {
+        seed[i] = static_cast<uint8_t>(seed[i] + 1);
+        auto* b = static_cast<uint8_t*>(*p);
+        for (Bytes x = 0; x < kChunk; ++x) b[x] = static_cast<uint8_t>(seed[i] + x * 7);
+      }
+      ASSERT_TRUE(r.engine->Release(ids[i], write).ok());
+    }
+  }
+  ASSERT_TRUE(r.engine->Synchronize().ok());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    auto p = r.engine->Acquire(ids[i], TierKind::kHost);
+    ASSERT_TRUE(p.ok());
+    EXPECT_TRUE(Rig::Holds(*p, kChunk, seed[i])) << "chunk " << i;
+    ASSERT_TRUE(r.engine->Release(ids[i], false).ok());
+  }
+  const TimelinePeaks peaks = ReplayPeaks(r.rec.events());
+  EXPECT_EQ(peaks.budget[0], 5 * kChunk);
+  EXPECT_FALSE(peaks.over_budget);
+  EXPECT_LE(peaks.peak[0], 5 * kChunk);
+  EXPECT_GE(peaks.peak[0], 4 * kChunk);  // the budget was actually used
+  EXPECT_GT(r.engine->Stats().prefetches, 0u);
+  // The timeline's copies agree with the engine's own count.
+  const EngineStats s = r.engine->Stats();
+  EXPECT_EQ(peaks.copied[1][0], s.bytes_moved[1][0]);
+  EXPECT_EQ(peaks.copied[0][1], s.bytes_moved[0][1]);
+}
+
+// Cyclic A B C D with room for 3: LRU misses all 4 every iteration; farthest-next-use, once
+// the order is recorded, misses 2.
+Bytes FetchesInSecondIteration(std::unique_ptr<EvictionPolicy> policy) {
+  EngineConfig cfg;
+  cfg.prefetch_depth = 0;
+  Rig r(3 * kChunk, 16 * kChunk, 0, cfg, std::move(policy));
+  std::vector<ChunkId> ids;
+  for (int i = 0; i < 4; ++i) {
+    ids.push_back(Add(r));
+    r.Fill(ids.back(), static_cast<uint8_t>(i));
+  }
+  Bytes before = 0;
+  for (int it = 0; it < 2; ++it) {
+    r.engine->BeginIteration();
+    if (it == 1) before = r.engine->Stats().bytes_moved[1][0];
+    for (ChunkId id : ids) {
+      EXPECT_TRUE(r.engine->Acquire(id, TierKind::kDevice).ok());
+      EXPECT_TRUE(r.engine->Release(id, false).ok());
+    }
+  }
+  return r.engine->Stats().bytes_moved[1][0] - before;
+}
+
+TEST(Engine, FarthestNextUseBeatsLruOnRecordedOrder) {
+  EXPECT_EQ(FetchesInSecondIteration(std::make_unique<LruOnly>()), 4 * kChunk);
+  EXPECT_EQ(FetchesInSecondIteration(nullptr), 2 * kChunk);
+}
+
+TEST(Engine, PrefetchRunsAheadOnRecordedOrder) {
+  EngineConfig cfg;
+  cfg.prefetch_depth = 2;
+  Rig r(3 * kChunk, 16 * kChunk, 0, cfg, nullptr, /*h2d_bw=*/1e8);
+  std::vector<ChunkId> ids;
+  for (int i = 0; i < 6; ++i) {
+    ids.push_back(Add(r));
+    r.Fill(ids.back(), static_cast<uint8_t>(i + 100));
+  }
+  for (int it = 0; it < 2; ++it) {
+    r.engine->BeginIteration();
+    for (size_t i = 0; i < ids.size(); ++i) {
+      auto p = r.engine->Acquire(ids[i], TierKind::kDevice);
+      ASSERT_TRUE(p.ok());
+      EXPECT_TRUE(Rig::Holds(*p, kChunk, static_cast<uint8_t>(i + 100)));
+      ASSERT_TRUE(r.engine->Release(ids[i], false).ok());
+    }
+  }
+  EXPECT_GE(r.engine->Stats().prefetches, 4u);
+  EXPECT_FALSE(ReplayPeaks(r.rec.events()).over_budget);
+}
+
+TEST(Engine, ChunksThatDoNotFitInHostLiveOnNvme) {
+  EngineConfig cfg;
+  cfg.host_reserve_bytes = 2 * kChunk;
+  Rig r(2 * kChunk, 5 * kChunk, 16 * kChunk, cfg);
+  std::vector<ChunkId> ids;
+  for (int i = 0; i < 8; ++i) {
+    ids.push_back(Add(r));
+  }
+  int on_nvme = 0;
+  for (ChunkId id : ids) on_nvme += r.engine->Home(id) == TierKind::kNvme;
+  EXPECT_EQ(on_nvme, 5);  // 3 homes fit in host beside the 2-chunk reserve
+  for (size_t i = 0; i < ids.size(); ++i) r.Fill(ids[i], static_cast<uint8_t>(i * 3));
+  for (int round = 0; round < 2; ++round) {
+    for (size_t i = 0; i < ids.size(); ++i) {
+      auto p = r.engine->Acquire(ids[i], TierKind::kDevice);
+      ASSERT_TRUE(p.ok()) << p.status().ToString();
+      EXPECT_TRUE(Rig::Holds(*p, kChunk, static_cast<uint8_t>(i * 3))) << i;
+      ASSERT_TRUE(r.engine->Release(ids[i], false).ok());
+    }
+  }
+  const EngineStats s = r.engine->Stats();
+  EXPECT_GT(s.bytes_moved[2][0] + s.bytes_moved[2][1], 0u);  // read from NVMe
+  EXPECT_GT(s.bytes_moved[1][2], 0u);                         // written back from the host cache
+  EXPECT_FALSE(ReplayPeaks(r.rec.events()).over_budget);
+}
+
+TEST(Engine, ZeroIsLazyAndReadsZeros) {
+  Rig r(2 * kChunk, 8 * kChunk);
+  ChunkId a = Add(r, Category::kGrad);
+  r.Fill(a, 9);
+  ASSERT_TRUE(r.engine->Acquire(a, TierKind::kDevice).ok());
+  ASSERT_TRUE(r.engine->Release(a, true).ok());
+  const Bytes moved = r.engine->Stats().bytes_moved[0][1];
+  ASSERT_TRUE(r.engine->Zero(a).ok());
+  EXPECT_EQ(r.engine->Resident(a), TierKind::kHost);
+  EXPECT_EQ(r.engine->Stats().bytes_moved[0][1], moved);  // dropped, not written back
+  auto p = r.engine->Acquire(a, TierKind::kDevice);
+  ASSERT_TRUE(p.ok());
+  for (Bytes i = 0; i < kChunk; ++i) ASSERT_EQ(static_cast<uint8_t*>(*p)[i], 0) << i;
+  ASSERT_TRUE(r.engine->Release(a, false).ok());
+  auto h = r.engine->Acquire(a, TierKind::kHost);
+  ASSERT_TRUE(h.ok());
+  for (Bytes i = 0; i < kChunk; ++i) ASSERT_EQ(static_cast<uint8_t*>(*h)[i], 0) << i;
+}
+
+TEST(Engine, BadRequestsGetSpecificErrorsAndChangeNothing) {
+  Rig r(kChunk, 3 * kChunk);
+  ChunkId a = Add(r), b = Add(r);
+  EXPECT_EQ(r.engine->Acquire(99, TierKind::kDevice).status().code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(r.engine->Acquire(a, TierKind::kNvme).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(r.engine->Release(a, false).code(), StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(r.engine->Acquire(a, TierKind::kDevice).ok());
+  EXPECT_EQ(r.engine->Acquire(a, TierKind::kHost).status().code(),
+            StatusCode::kFailedPrecondition);
+  auto full = r.engine->Acquire(b, TierKind::kDevice);
+  ASSERT_FALSE(full.ok());
+  EXPECT_EQ(full.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(full.status().message().find("need 4096 bytes"), std::string::npos)
+      << full.status().message();
+  EXPECT_EQ(r.engine->Resident(b), TierKind::kHost);
+  EXPECT_EQ(r.engine->Zero(a).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(r.engine->Pins(a), 1);
+  ASSERT_TRUE(r.engine->Release(a, false).ok());
+  auto big = r.engine->AddChunk(2 * kChunk, Category::kParam);
+  ASSERT_FALSE(big.ok());
+  EXPECT_EQ(big.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(r.engine->num_chunks(), 2u);
+}
+
+}  // namespace
+}  // namespace tiermem::engine
