@@ -42,7 +42,10 @@ class HtmlChromiumTest : public ::testing::Test {
                const std::string& stderr_path) {
     const std::string cmd = "timeout 120 " + chromium_ +
                             " --headless --disable-gpu --no-sandbox --no-first-run"
-                            " --user-data-dir=" + out_dir_ + "/chromium-profile"
+                            // One profile per test: ctest -j runs tests concurrently and
+                            // Chromium refuses a profile another instance holds (exit 21).
+                            " --user-data-dir=" + out_dir_ + "/chromium-profile-" +
+                            ::testing::UnitTest::GetInstance()->current_test_info()->name() +
                             " --enable-logging=stderr --v=0 --window-size=1400,1100 " +
                             args + " file://" + html + " >" + stdout_path + " 2>" + stderr_path;
     return std::system(cmd.c_str());
