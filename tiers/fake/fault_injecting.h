@@ -9,6 +9,7 @@
 //   FailNextRead(errno)       the same for the next kFromTier copy (nothing is read).
 //   ShortNextWrite(n)         the next kToTier copy writes only its first n bytes and completes
 //   ShortNextRead(n)          kIOError "short write" / "short read"; the tail is untouched.
+//                             (A copy of n bytes or fewer is not short; the fault waits.)
 //   DelayNextCompletions(k,ms) the next k copies complete ms milliseconds after the inner copy.
 //   Corrupt(region,off,n)     flips (XOR 0xFF) n bytes of a live region: in place for host
 //                             regions, through the inner tier's Copy (read, flip, write back)
