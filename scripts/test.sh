@@ -28,6 +28,8 @@ if [ "${TIERMEM_TEST_FAST:-0}" != 1 ]; then
         -DTIERMEM_BUILD_TORCH=OFF -DTIERMEM_BUILD_BENCHMARKS=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
   cmake --build build-tsan -j "$JOBS"
   TSAN_OPTIONS=halt_on_error=1 ctest --test-dir build-tsan --output-on-failure -j "$JOBS" -L concurrent
+  echo "== libFuzzer: timeline reader (bounded)"
+  FUZZ_SECONDS="${TIERMEM_FUZZ_SECONDS:-30}" scripts/fuzz_timeline.sh
 fi
 
 if [ -f pyproject.toml ]; then
