@@ -10,6 +10,11 @@
 // of the blocks it carries on the engine thread just before issuing them; a read verifies
 // every block it brings in before any byte reaches the caller. Blocks never written still
 // verify: fallocate'd extents read as zeros and every checksum starts as that of a zero block.
+// On the direct path the checksum work runs on a small pool of checksum workers, not on the
+// engine's thread: a write piece is stamped there and then submitted; a read piece is handed
+// there on completion and verified. The single io_uring thread thus only moves requests, and
+// checksumming spreads over cores and overlaps with the I/O in flight. (Measured: with the
+// CRC on the io_uring thread, sequential writes on a busy 2-vCPU VM ran at 0.55-0.75 of fio.)
 //
 // Data path: a copy whose host pointer is 4 KiB aligned and whose offset and size are whole
 // blocks goes straight between the caller's memory and the file ("direct"). Anything else
@@ -35,10 +40,12 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <mutex>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -148,6 +155,50 @@ class BouncePool {
   std::deque<std::function<void(char*)>> waiters_;   // GUARDED_BY(mu_)
 };
 
+// A few threads running short tasks in FIFO order (the checksum workers). Thread-safe; the
+// destructor runs every queued task first.
+class TaskPool {
+ public:
+  explicit TaskPool(int threads) {
+    for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { Loop(); });
+  }
+  ~TaskPool() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+  void Run(std::function<void()> task) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      tasks_.push_back(std::move(task));
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  void Loop() {
+    for (;;) {
+      std::function<void()> task;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [this] { return stop_ || !tasks_.empty(); });
+        if (tasks_.empty()) return;
+        task = std::move(tasks_.front());
+        tasks_.pop_front();
+      }
+      task();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> tasks_;  // GUARDED_BY(mu_)
+  bool stop_ = false;                        // GUARDED_BY(mu_)
+  std::vector<std::thread> threads_;
+};
+
 // One Copy() call: its pieces report here; the last one completes the Completion.
 struct Request {
   std::shared_ptr<Completion> done;
@@ -159,6 +210,7 @@ struct Request {
   Bytes offset = 0;
   Bytes bytes = 0;
   std::atomic<int> pending{0};
+  std::function<void()> on_done;  // runs after `done` completes (the tier's drain count)
   std::mutex mu;
   Status first;  // GUARDED_BY(mu)
 
@@ -174,6 +226,7 @@ struct Request {
         result = first;
       }
       done->Complete(std::move(result));
+      on_done();
     }
   }
 };
@@ -210,7 +263,12 @@ class NvmeTierImpl final : public NvmeTier {
         tear_after_(config.tear_next_write_after_bytes) {}
 
   ~NvmeTierImpl() override {
-    engine_.reset();  // drains every op in flight
+    {  // Copies still in flight (a caller bug) finish first: their pieces use everything below.
+      std::unique_lock<std::mutex> lock(drain_mu_);
+      drain_cv_.wait(lock, [this] { return requests_in_flight_ == 0; });
+    }
+    checksum_pool_.reset();
+    engine_.reset();
     for (File& f : files_) {
       if (f.fd >= 0) ::close(f.fd);
     }
@@ -306,6 +364,11 @@ class NvmeTierImpl final : public NvmeTier {
   BlockLocks locks_;
   std::unique_ptr<BouncePool> bounce_;
   std::unique_ptr<nvme::IoEngine> engine_;
+  std::unique_ptr<TaskPool> checksum_pool_;
+
+  std::mutex drain_mu_;
+  std::condition_variable drain_cv_;
+  uint64_t requests_in_flight_ = 0;  // GUARDED_BY(drain_mu_)
 
   mutable std::mutex mu_;
   std::unordered_map<uint64_t, Live> regions_;  // GUARDED_BY(mu_)
@@ -404,9 +467,9 @@ Status NvmeTierImpl::Init() {
                                 "256 MiB (got " + std::to_string(c.piece_bytes) + ")");
   }
   if (c.bounce_buffers < 0 || c.bounce_buffers > 4096 || c.posix_threads < 0 ||
-      c.posix_threads > 256) {
-    return InvalidArgumentError("nvme tier: bounce_buffers must be in 0..4096 and posix_threads "
-                                "in 0..256");
+      c.posix_threads > 256 || c.checksum_threads < 0 || c.checksum_threads > 64) {
+    return InvalidArgumentError("nvme tier: bounce_buffers must be in 0..4096, posix_threads "
+                                "in 0..256 and checksum_threads in 0..64");
   }
   if (c.dir.empty()) return InvalidArgumentError("nvme tier: no directory given");
 
@@ -482,6 +545,11 @@ Status NvmeTierImpl::Init() {
     }
   }
   if (engine_ == nullptr) engine_ = nvme::NewPosixEngine(ec);
+  int workers = c.checksum_threads;
+  if (workers == 0) {
+    workers = static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 4u));
+  }
+  checksum_pool_ = std::make_unique<TaskPool>(workers);
   return OkStatus();
 }
 
@@ -541,6 +609,14 @@ std::shared_ptr<Completion> NvmeTierImpl::Copy(const CopyRequest& req) {
   }
   auto r = std::make_shared<Request>();
   r->done = done;
+  {
+    std::lock_guard<std::mutex> lock(drain_mu_);
+    ++requests_in_flight_;
+  }
+  r->on_done = [this] {
+    std::lock_guard<std::mutex> lock(drain_mu_);
+    if (--requests_in_flight_ == 0) drain_cv_.notify_all();
+  };
   r->region_id = live.region.id;
   r->file = live.file;
   r->base = live.base;
@@ -594,13 +670,30 @@ void NvmeTierImpl::StartDirect(const std::shared_ptr<Request>& r, uint64_t off, 
   op->buf = r->host + (off - r->offset);
   op->len = static_cast<uint32_t>(len);
   op->write = r->dir == CopyDir::kToTier;
-  if (op->write) op->prepare = [this](IoOp& o) { PrepareWrite(o); };
-  op->complete = [this, r, off](IoOp& o, Status s) {
-    if (s.ok() && !o.write) s = Verify(*r, off, o.buf, o.len);
-    r->PieceDone(s);
-    delete &o;  // nothing touches `o` or this lambda's captures after this
-  };
-  engine_->Submit(op);
+  if (op->write) {
+    op->complete = [r](IoOp& o, Status s) {
+      r->PieceDone(s);
+      delete &o;  // nothing touches `o` or this lambda's captures after this
+    };
+    checksum_pool_->Run([this, op] {
+      PrepareWrite(*op);
+      engine_->Submit(op);
+    });
+  } else {
+    op->complete = [this, r, off](IoOp& o, Status s) {
+      if (!s.ok()) {
+        r->PieceDone(s);
+        delete &o;
+        return;
+      }
+      IoOp* done_op = &o;
+      checksum_pool_->Run([this, r, off, done_op] {
+        r->PieceDone(Verify(*r, off, done_op->buf, done_op->len));
+        delete done_op;
+      });
+    };
+    engine_->Submit(op);
+  }
 }
 
 void NvmeTierImpl::StartBounce(BouncePiece* p) {
