@@ -1,10 +1,16 @@
 // Tests of the NVMe tier (both engines), its CRC32C and extent allocator, and the in-memory
 // NVMe fake. Files go to gtest's temp directory (scratch files are unlinked at creation).
 #include <fcntl.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <random>
@@ -479,6 +485,78 @@ TEST(NvmeTier, ReadOnlyDirectoryIsFailedPrecondition) {
   EXPECT_EXIT(OpenInReadOnlyDirAndExit(base), ::testing::ExitedWithCode(0),
               "FAILED_PRECONDITION: nvme tier: directory '.*nvme_test_ro_.*' is not writable");
   ::rmdir(base.c_str());
+}
+
+// In a child: a seccomp filter makes io_uring_setup fail with EPERM, as the default container
+// profile does. engine=auto must fall back to posix (and work), engine=io_uring must say
+// kUnavailable.
+void OpenWithIoUringRefusedAndExit() {
+  sock_filter filter[] = {
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, nr)),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_io_uring_setup, 0, 1),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | (EPERM & SECCOMP_RET_DATA)),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+  };
+  sock_fprog prog{static_cast<unsigned short>(sizeof(filter) / sizeof(filter[0])), filter};
+  if (::prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 ||
+      ::prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog) != 0) {
+    std::_Exit(3);
+  }
+  auto forced = OpenNvmeTier(BaseConfig(NvmeEngine::kIoUring, 1 * kMiB));
+  if (forced.ok() || forced.status().code() != StatusCode::kUnavailable) std::_Exit(4);
+  auto t = OpenNvmeTier(BaseConfig(NvmeEngine::kAuto, 1 * kMiB));
+  if (!t.ok() || (*t)->name() != "nvme-posix") std::_Exit(5);
+  auto r = (*t)->Allocate(10000);
+  std::vector<char> a(10000, 'x'), b(10000, 0);
+  if (!r.ok() || !Write(**t, *r, 0, a.data(), a.size()).ok() ||
+      !Read(**t, *r, 0, b.data(), b.size()).ok() || a != b) {
+    std::_Exit(6);
+  }
+  std::_Exit(0);
+}
+
+TEST(NvmeTier, IoUringRefusedFallsBackToPosixAndSaysSo) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(OpenWithIoUringRefusedAndExit(), ::testing::ExitedWithCode(0),
+              "io_uring unavailable .*Operation not permitted.*using the pread/pwrite engine");
+}
+
+// In a child without CAP_IPC_LOCK and with a 64 KiB RLIMIT_MEMLOCK: io_uring refuses the
+// 2 MiB of bounce buffers as fixed buffers; the tier must log it, go on unregistered, and work.
+void OpenWithLowMemlockAndExit(const std::string& dir) {
+  rlimit lim{64 * 1024, 64 * 1024};
+  if (::setrlimit(RLIMIT_MEMLOCK, &lim) != 0) std::_Exit(2);
+  if (::geteuid() == 0 && (::setgid(65534) != 0 || ::setuid(65534) != 0)) std::_Exit(2);
+  NvmeTierConfig c = BaseConfig(NvmeEngine::kIoUring, 1 * kMiB);
+  c.dir = dir;
+  auto t = OpenNvmeTier(c);
+  if (!t.ok()) {
+    std::fprintf(stderr, "%s\n", t.status().ToString().c_str());
+    std::_Exit(t.status().code() == StatusCode::kUnavailable ? 0 : 4);  // no io_uring: moot
+  }
+  AlignedBuffer host(1 * kMiB);
+  if ((*t)->RegisterHostMemory(host.data, host.size).code() != StatusCode::kUnavailable) {
+    std::_Exit(5);
+  }
+  std::memset(host.data, 'y', host.size);
+  auto r = (*t)->Allocate(host.size);
+  std::vector<char> back(host.size);
+  if (!r.ok() || !Write(**t, *r, 0, host.data, host.size).ok() ||
+      !Read(**t, *r, 0, back.data(), back.size()).ok() ||
+      std::memcmp(back.data(), host.data, host.size) != 0) {
+    std::_Exit(6);
+  }
+  std::_Exit(0);
+}
+
+TEST(NvmeTier, RegisteredBuffersRefusedFallsBackAndSaysSo) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  std::string dir = TestDir() + "/nvme_test_memlock_XXXXXX";
+  ASSERT_NE(::mkdtemp(dir.data()), nullptr);
+  ASSERT_EQ(::chmod(dir.c_str(), 0777), 0);
+  EXPECT_EXIT(OpenWithLowMemlockAndExit(dir), ::testing::ExitedWithCode(0),
+              "refused registered buffers|UNAVAILABLE");
+  ::rmdir(dir.c_str());
 }
 
 TEST(NvmeTier, NoSpaceAtCreationIsResourceExhausted) {

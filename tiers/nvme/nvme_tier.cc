@@ -431,10 +431,10 @@ Status NvmeTierImpl::CreateFile(int index, Bytes bytes) {
       const Bytes free_bytes = ::statvfs(dir.c_str(), &vfs) == 0
                                    ? static_cast<Bytes>(vfs.f_bavail) * vfs.f_frsize
                                    : 0;
-      return ResourceExhaustedError(
-          ErrnoToStatus(err, "nvme tier: preallocating " + std::to_string(bytes) + " bytes in '" +
-                                 dir + "' (" + std::to_string(free_bytes) + " bytes free)")
-              .message());
+      // ErrnoToStatus makes ENOSPC/EDQUOT kResourceExhausted.
+      return ErrnoToStatus(err, "nvme tier: preallocating " + std::to_string(bytes) +
+                                    " bytes in '" + dir + "' (" + std::to_string(free_bytes) +
+                                    " bytes free)");
     } else {
       return ErrnoToStatus(err, "nvme tier: preallocating " + std::to_string(bytes) +
                                     " bytes in '" + dir + "'");

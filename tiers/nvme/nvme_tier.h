@@ -48,7 +48,9 @@ class NvmeTier : public Tier {
  public:
   // Lets io_uring use [addr, addr + bytes) (e.g. a host tier's slab) as fixed buffers for
   // copies whose host pointer lies inside it. The memory must outlive the registration.
-  // Posix engine: OK, no effect. kUnavailable when registered buffers were refused.
+  // Posix engine: OK, no effect. kUnavailable when registered buffers were refused at
+  // creation; kResourceExhausted when this registration is refused (RLIMIT_MEMLOCK). Copies
+  // work either way (unregistered).
   virtual Status RegisterHostMemory(void* addr, Bytes bytes) = 0;
   // Undoes RegisterHostMemory(addr, ...). No copy using the range may be in flight.
   virtual Status UnregisterHostMemory(void* addr) = 0;

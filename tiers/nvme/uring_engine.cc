@@ -163,6 +163,8 @@ class UringEngine final : public IoEngine {
             fixed_.emplace(reinterpret_cast<uintptr_t>(config_.bounce),
                            FixedBuffer{config_.bounce_bytes, 0});
             buffers_registered_ = true;
+          } else {
+            sparse_table_ = false;  // refused once: no fixed buffers for this ring
           }
         }
       }
