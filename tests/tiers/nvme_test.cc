@@ -1,5 +1,6 @@
 // Tests of the NVMe tier (both engines), its CRC32C and extent allocator, and the in-memory
 // NVMe fake. Files go to gtest's temp directory (scratch files are unlinked at creation).
+#include <dirent.h>
 #include <fcntl.h>
 #include <linux/filter.h>
 #include <linux/seccomp.h>
@@ -391,6 +392,30 @@ TEST_P(NvmeEngineTest, UnregisteredBuffersAndSeveralFiles) {
     ASSERT_TRUE(Read(*t, rs[i], 0, back.data(), back.size()).ok());
     EXPECT_EQ(back, ds[i]);
   }
+}
+
+int OpenFileDescriptors() {
+  int n = 0;
+  DIR* d = ::opendir("/proc/self/fd");
+  while (::readdir(d) != nullptr) ++n;
+  ::closedir(d);
+  return n;
+}
+
+TEST_P(NvmeEngineTest, DestroyingTheTierReleasesFilesAndSpace) {
+  const int fds = OpenFileDescriptors();
+  struct statvfs before{};
+  ASSERT_EQ(::statvfs(TestDir().c_str(), &before), 0);
+  {
+    OPEN_OR_SKIP(t, Open(BaseConfig(GetParam(), 64 * kMiB)));
+    EXPECT_GT(OpenFileDescriptors(), fds);
+  }
+  EXPECT_EQ(OpenFileDescriptors(), fds);
+  // The unlinked 64 MiB file is gone (allowing for other processes' churn: half of it).
+  struct statvfs after{};
+  ASSERT_EQ(::statvfs(TestDir().c_str(), &after), 0);
+  const double delta = (static_cast<double>(before.f_bavail) - after.f_bavail) * after.f_frsize;
+  EXPECT_LT(delta, 32.0 * kMiB);
 }
 
 INSTANTIATE_TEST_SUITE_P(Engines, NvmeEngineTest,

@@ -54,6 +54,7 @@ class UringEngine final : public IoEngine {
     }
     Wake();
     thread_.join();
+    ::close(event_fd_);
   }
 
   // Starts the I/O thread and returns the ring set-up status.
