@@ -7,14 +7,15 @@
 //
 // Integrity: one CRC32C per block (block_bytes, 4 KiB by default: 4 bytes of memory per 4 KiB
 // of capacity) lives in `crcs_`, indexed by global block number. A write stamps the checksums
-// of the blocks it carries on the engine thread just before issuing them; a read verifies
-// every block it brings in before any byte reaches the caller. Blocks never written still
-// verify: fallocate'd extents read as zeros and every checksum starts as that of a zero block.
-// On the direct path the checksum work runs on a small pool of checksum workers, not on the
-// engine's thread: a write piece is stamped there and then submitted; a read piece is handed
-// there on completion and verified. The single io_uring thread thus only moves requests, and
-// checksumming spreads over cores and overlaps with the I/O in flight. (Measured: with the
-// CRC on the io_uring thread, sequential writes on a busy 2-vCPU VM ran at 0.55-0.75 of fio.)
+// of the blocks it carries just before it is issued; a read verifies every block it brings in
+// before any byte reaches the caller. Blocks never written still verify: fallocate'd extents
+// read as zeros and every checksum starts as that of a zero block. On the direct (fast) path
+// the checksum work runs on a small pool of checksum workers, not on the engine's thread: a
+// write piece is stamped there and then submitted; a read piece is handed there on completion
+// and verified. The single io_uring thread thus only moves requests, and checksumming spreads
+// over cores and overlaps with the I/O in flight. Bounce pieces checksum on the engine thread.
+// Checksum cost is what decides throughput against fio on a busy machine: see
+// docs/benchmarks.md ("NVMe tier vs fio") for the measurements behind the VPCLMULQDQ CRC.
 //
 // Data path: a copy whose host pointer is 4 KiB aligned and whose offset and size are whole
 // blocks goes straight between the caller's memory and the file ("direct"). Anything else
