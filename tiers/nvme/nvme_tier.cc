@@ -172,10 +172,10 @@ class TaskPool {
     for (auto& t : threads_) t.join();
   }
   void Run(std::function<void()> task) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      tasks_.push_back(std::move(task));
-    }
+    // Notified under the lock: the task may finish the last copy and let the tier (and this
+    // pool) be destroyed while a caller on an engine thread would still be notifying.
+    std::lock_guard<std::mutex> lock(mu_);
+    tasks_.push_back(std::move(task));
     cv_.notify_one();
   }
 
