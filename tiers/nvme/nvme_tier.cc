@@ -34,6 +34,7 @@
 #include "tiers/nvme/nvme_tier.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -61,6 +62,7 @@ namespace {
 using nvme::IoOp;
 
 constexpr Bytes kDirectAlign = 4096;  // O_DIRECT alignment of memory, offsets and lengths
+constexpr Bytes kHugePage = 2 * kMiB;
 
 std::string Hex(uint32_t v) {
   char buf[16];
@@ -109,8 +111,12 @@ class BlockLocks {
 class BouncePool {
  public:
   BouncePool(int count, Bytes each) : each_(each), bytes_(each * count) {
-    base_ = static_cast<char*>(std::aligned_alloc(kDirectAlign, bytes_));
+    // Huge pages where the kernel allows: a piece is then a few DMA segments, not one per
+    // 4 KiB page (virtio-blk, for one, splits requests of more than 254 segments).
+    const Bytes rounded = AlignUp(bytes_, kHugePage);
+    base_ = static_cast<char*>(std::aligned_alloc(kHugePage, rounded));
     if (base_ != nullptr) {
+      (void)::madvise(base_, rounded, MADV_HUGEPAGE);
       std::memset(base_, 0, bytes_);  // fault it in once
       for (int i = count - 1; i >= 0; --i) free_.push_back(base_ + i * each);
     }
