@@ -490,6 +490,22 @@ TEST(NvmeTier, FileInsteadOfDirectoryIsFailedPrecondition) {
   EXPECT_NE(t.status().message().find(path), std::string::npos);
 }
 
+// A fresh directory under the test temp dir with `mode`, shared with the death-test child:
+// in the "threadsafe" style the child re-runs the test body from the start, so the parent
+// passes the name through the environment instead of the child making (and leaking) another.
+std::string DeathTestDir(const char* env_name, const char* prefix, mode_t mode) {
+  if (const char* existing = std::getenv(env_name)) return existing;
+  std::string dir = TestDir() + "/" + prefix + "XXXXXX";
+  if (::mkdtemp(dir.data()) == nullptr) return "";
+  ::chmod(dir.c_str(), mode);
+  ::setenv(env_name, dir.c_str(), 1);
+  return dir;
+}
+void RemoveDeathTestDir(const char* env_name, const std::string& dir) {
+  ::rmdir(dir.c_str());
+  ::unsetenv(env_name);
+}
+
 // Opens a tier in a directory this process may not write to and exits with 0 if the result is
 // the expected error (printing it), 1 otherwise. Root ignores permission bits, so as root the
 // child first becomes "nobody".
@@ -504,12 +520,11 @@ void OpenInReadOnlyDirAndExit(const std::string& dir) {
 
 TEST(NvmeTier, ReadOnlyDirectoryIsFailedPrecondition) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
-  std::string base = TestDir() + "/nvme_test_ro_XXXXXX";
-  ASSERT_NE(::mkdtemp(base.data()), nullptr);
-  ASSERT_EQ(::chmod(base.c_str(), 0555), 0);
+  const std::string base = DeathTestDir("TIERMEM_TEST_RO_DIR", "nvme_test_ro_", 0555);
+  ASSERT_NE(base, "");
   EXPECT_EXIT(OpenInReadOnlyDirAndExit(base), ::testing::ExitedWithCode(0),
               "FAILED_PRECONDITION: nvme tier: directory '.*nvme_test_ro_.*' is not writable");
-  ::rmdir(base.c_str());
+  RemoveDeathTestDir("TIERMEM_TEST_RO_DIR", base);
 }
 
 // In a child: a seccomp filter makes io_uring_setup fail with EPERM, as the default container
@@ -576,12 +591,11 @@ void OpenWithLowMemlockAndExit(const std::string& dir) {
 
 TEST(NvmeTier, RegisteredBuffersRefusedFallsBackAndSaysSo) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
-  std::string dir = TestDir() + "/nvme_test_memlock_XXXXXX";
-  ASSERT_NE(::mkdtemp(dir.data()), nullptr);
-  ASSERT_EQ(::chmod(dir.c_str(), 0777), 0);
+  const std::string dir = DeathTestDir("TIERMEM_TEST_MEMLOCK_DIR", "nvme_test_memlock_", 0777);
+  ASSERT_NE(dir, "");
   EXPECT_EXIT(OpenWithLowMemlockAndExit(dir), ::testing::ExitedWithCode(0),
               "refused registered buffers|UNAVAILABLE");
-  ::rmdir(dir.c_str());
+  RemoveDeathTestDir("TIERMEM_TEST_MEMLOCK_DIR", dir);
 }
 
 TEST(NvmeTier, NoSpaceAtCreationIsResourceExhausted) {
