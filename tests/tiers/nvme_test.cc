@@ -1,10 +1,17 @@
 // Tests of the NVMe tier (both engines), its CRC32C and extent allocator, and the in-memory
 // NVMe fake. Files go to gtest's temp directory (scratch files are unlinked at creation).
+#include <dirent.h>
 #include <fcntl.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <random>
@@ -57,9 +64,17 @@ TEST(Crc32c, KnownVectorsAndHardwareMatchesTable) {
   std::mt19937_64 rng(1);
   std::vector<char> buf(20000);
   FillRandom(buf.data(), buf.size(), rng);
-  for (size_t n : {0, 1, 7, 8, 100, 4079, 4080, 4096, 8192, 12241, 20000}) {
-    EXPECT_EQ(nvme::Crc32c(buf.data(), n), nvme::Crc32cPortable(buf.data(), n)) << n;
+  // Lengths around every stride of every implementation (16, 64, 256, 4080 bytes), and
+  // misaligned starts, with a non-zero running crc.
+  for (size_t n : {0, 1, 7, 8, 15, 16, 17, 63, 64, 100, 255, 256, 257, 319, 320, 511, 512, 513,
+                   1000, 4079, 4080, 4096, 4097, 8192, 12241, 20000 - 3}) {
+    for (size_t start : {0, 1, 3}) {
+      const uint32_t want = nvme::Crc32cPortable(buf.data() + start, n, 0x12345678u);
+      EXPECT_EQ(nvme::Crc32c(buf.data() + start, n, 0x12345678u), want) << n << "+" << start;
+      EXPECT_EQ(nvme::Crc32cSse42(buf.data() + start, n, 0x12345678u), want) << n << "+" << start;
+    }
   }
+  std::printf("crc32c variant: %s\n", std::string(nvme::Crc32cVariant()).c_str());
   // Continuation: crc(A || B) computed in two calls.
   EXPECT_EQ(nvme::Crc32c(buf.data() + 5000, 9000, nvme::Crc32c(buf.data(), 5000)),
             nvme::Crc32c(buf.data(), 14000));
@@ -379,6 +394,30 @@ TEST_P(NvmeEngineTest, UnregisteredBuffersAndSeveralFiles) {
   }
 }
 
+int OpenFileDescriptors() {
+  int n = 0;
+  DIR* d = ::opendir("/proc/self/fd");
+  while (::readdir(d) != nullptr) ++n;
+  ::closedir(d);
+  return n;
+}
+
+TEST_P(NvmeEngineTest, DestroyingTheTierReleasesFilesAndSpace) {
+  const int fds = OpenFileDescriptors();
+  struct statvfs before{};
+  ASSERT_EQ(::statvfs(TestDir().c_str(), &before), 0);
+  {
+    OPEN_OR_SKIP(t, Open(BaseConfig(GetParam(), 64 * kMiB)));
+    EXPECT_GT(OpenFileDescriptors(), fds);
+  }
+  EXPECT_EQ(OpenFileDescriptors(), fds);
+  // The unlinked 64 MiB file is gone (allowing for other processes' churn: half of it).
+  struct statvfs after{};
+  ASSERT_EQ(::statvfs(TestDir().c_str(), &after), 0);
+  const double delta = (static_cast<double>(before.f_bavail) - after.f_bavail) * after.f_frsize;
+  EXPECT_LT(delta, 32.0 * kMiB);
+}
+
 INSTANTIATE_TEST_SUITE_P(Engines, NvmeEngineTest,
                          ::testing::Values(NvmeEngine::kIoUring, NvmeEngine::kPosix),
                          [](const ::testing::TestParamInfo<NvmeEngine>& info) {
@@ -451,6 +490,22 @@ TEST(NvmeTier, FileInsteadOfDirectoryIsFailedPrecondition) {
   EXPECT_NE(t.status().message().find(path), std::string::npos);
 }
 
+// A fresh directory under the test temp dir with `mode`, shared with the death-test child:
+// in the "threadsafe" style the child re-runs the test body from the start, so the parent
+// passes the name through the environment instead of the child making (and leaking) another.
+std::string DeathTestDir(const char* env_name, const char* prefix, mode_t mode) {
+  if (const char* existing = std::getenv(env_name)) return existing;
+  std::string dir = TestDir() + "/" + prefix + "XXXXXX";
+  if (::mkdtemp(dir.data()) == nullptr) return "";
+  ::chmod(dir.c_str(), mode);
+  ::setenv(env_name, dir.c_str(), 1);
+  return dir;
+}
+void RemoveDeathTestDir(const char* env_name, const std::string& dir) {
+  ::rmdir(dir.c_str());
+  ::unsetenv(env_name);
+}
+
 // Opens a tier in a directory this process may not write to and exits with 0 if the result is
 // the expected error (printing it), 1 otherwise. Root ignores permission bits, so as root the
 // child first becomes "nobody".
@@ -465,12 +520,82 @@ void OpenInReadOnlyDirAndExit(const std::string& dir) {
 
 TEST(NvmeTier, ReadOnlyDirectoryIsFailedPrecondition) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
-  std::string base = TestDir() + "/nvme_test_ro_XXXXXX";
-  ASSERT_NE(::mkdtemp(base.data()), nullptr);
-  ASSERT_EQ(::chmod(base.c_str(), 0555), 0);
+  const std::string base = DeathTestDir("TIERMEM_TEST_RO_DIR", "nvme_test_ro_", 0555);
+  ASSERT_NE(base, "");
   EXPECT_EXIT(OpenInReadOnlyDirAndExit(base), ::testing::ExitedWithCode(0),
               "FAILED_PRECONDITION: nvme tier: directory '.*nvme_test_ro_.*' is not writable");
-  ::rmdir(base.c_str());
+  RemoveDeathTestDir("TIERMEM_TEST_RO_DIR", base);
+}
+
+// In a child: a seccomp filter makes io_uring_setup fail with EPERM, as the default container
+// profile does. engine=auto must fall back to posix (and work), engine=io_uring must say
+// kUnavailable.
+void OpenWithIoUringRefusedAndExit() {
+  sock_filter filter[] = {
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, nr)),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_io_uring_setup, 0, 1),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | (EPERM & SECCOMP_RET_DATA)),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+  };
+  sock_fprog prog{static_cast<unsigned short>(sizeof(filter) / sizeof(filter[0])), filter};
+  if (::prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 ||
+      ::prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog) != 0) {
+    std::_Exit(3);
+  }
+  auto forced = OpenNvmeTier(BaseConfig(NvmeEngine::kIoUring, 1 * kMiB));
+  if (forced.ok() || forced.status().code() != StatusCode::kUnavailable) std::_Exit(4);
+  auto t = OpenNvmeTier(BaseConfig(NvmeEngine::kAuto, 1 * kMiB));
+  if (!t.ok() || (*t)->name() != "nvme-posix") std::_Exit(5);
+  auto r = (*t)->Allocate(10000);
+  std::vector<char> a(10000, 'x'), b(10000, 0);
+  if (!r.ok() || !Write(**t, *r, 0, a.data(), a.size()).ok() ||
+      !Read(**t, *r, 0, b.data(), b.size()).ok() || a != b) {
+    std::_Exit(6);
+  }
+  std::_Exit(0);
+}
+
+TEST(NvmeTier, IoUringRefusedFallsBackToPosixAndSaysSo) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(OpenWithIoUringRefusedAndExit(), ::testing::ExitedWithCode(0),
+              "io_uring unavailable .*Operation not permitted.*using the pread/pwrite engine");
+}
+
+// In a child without CAP_IPC_LOCK and with a 64 KiB RLIMIT_MEMLOCK: io_uring refuses the
+// 2 MiB of bounce buffers as fixed buffers; the tier must log it, go on unregistered, and work.
+void OpenWithLowMemlockAndExit(const std::string& dir) {
+  rlimit lim{64 * 1024, 64 * 1024};
+  if (::setrlimit(RLIMIT_MEMLOCK, &lim) != 0) std::_Exit(2);
+  if (::geteuid() == 0 && (::setgid(65534) != 0 || ::setuid(65534) != 0)) std::_Exit(2);
+  NvmeTierConfig c = BaseConfig(NvmeEngine::kIoUring, 1 * kMiB);
+  c.dir = dir;
+  auto t = OpenNvmeTier(c);
+  if (!t.ok()) {
+    std::fprintf(stderr, "%s\n", t.status().ToString().c_str());
+    std::_Exit(t.status().code() == StatusCode::kUnavailable ? 0 : 4);  // no io_uring: moot
+  }
+  AlignedBuffer host(1 * kMiB);
+  if ((*t)->RegisterHostMemory(host.data, host.size).code() != StatusCode::kUnavailable) {
+    std::_Exit(5);
+  }
+  std::memset(host.data, 'y', host.size);
+  auto r = (*t)->Allocate(host.size);
+  std::vector<char> back(host.size);
+  if (!r.ok() || !Write(**t, *r, 0, host.data, host.size).ok() ||
+      !Read(**t, *r, 0, back.data(), back.size()).ok() ||
+      std::memcmp(back.data(), host.data, host.size) != 0) {
+    std::_Exit(6);
+  }
+  std::_Exit(0);
+}
+
+TEST(NvmeTier, RegisteredBuffersRefusedFallsBackAndSaysSo) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  const std::string dir = DeathTestDir("TIERMEM_TEST_MEMLOCK_DIR", "nvme_test_memlock_", 0777);
+  ASSERT_NE(dir, "");
+  EXPECT_EXIT(OpenWithLowMemlockAndExit(dir), ::testing::ExitedWithCode(0),
+              "refused registered buffers|UNAVAILABLE");
+  RemoveDeathTestDir("TIERMEM_TEST_MEMLOCK_DIR", dir);
 }
 
 TEST(NvmeTier, NoSpaceAtCreationIsResourceExhausted) {

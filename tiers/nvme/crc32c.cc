@@ -1,4 +1,7 @@
-// CRC32C. The hardware path runs three independent crc32q streams over three equal thirds of
+// CRC32C. Three implementations, picked once by CPUID: (1) AVX-512 VPCLMULQDQ folding for
+// inputs of 256 bytes and more (about 3x the crc32 instruction's rate: it keeps checksumming
+// cheap next to a 2+ GB/s disk on a busy machine), (2) the SSE4.2 crc32 instruction, (3) a
+// table. All produce identical values (tested against the table). The SSE4.2 path runs three independent crc32q streams over three equal thirds of
 // a long buffer (the instruction has 3-cycle latency and 1-cycle throughput, so one stream
 // runs at a third of the possible rate) and merges them with the zero-extension operator:
 // crc(A||B) = shift(crc(A), |B|) ^ crc(B), where shift() over the fixed stream length is a
@@ -160,6 +163,105 @@ uint32_t UpdateHw(uint32_t c, const unsigned char* p, size_t n) {
   }
   return UpdateHw1(c, p, n);
 }
+
+// Raw register of x^e mod P in the reflected representation, shifted left by one: the
+// folding constant format (bit 32 may be set). Validated against zlib's CRC-32 constants:
+// with the CRC-32 polynomial, XPow(480) == 0x1c6e41596 and XPow(544) == 0x154442bd4.
+constexpr uint64_t XPow(unsigned e) {
+  uint32_t v = 0x80000000u;  // x^0
+  for (unsigned i = 0; i < e; ++i) v = (v & 1) ? (v >> 1) ^ kPoly : v >> 1;
+  return static_cast<uint64_t>(v) << 1;
+}
+// Folding a 128-bit lane forward over `bits` bits: its low qword (earlier, higher-degree
+// coefficients) is multiplied by x^(bits+32), its high qword by x^(bits-32), modulo P.
+constexpr uint64_t kFoldLo2048 = XPow(2048 + 32), kFoldHi2048 = XPow(2048 - 32);
+constexpr uint64_t kFoldLo512 = XPow(512 + 32), kFoldHi512 = XPow(512 - 32);
+constexpr uint64_t kFoldLo384 = XPow(384 + 32), kFoldHi384 = XPow(384 - 32);
+constexpr uint64_t kFoldLo256 = XPow(256 + 32), kFoldHi256 = XPow(256 - 32);
+constexpr uint64_t kFoldLo128 = XPow(128 + 32), kFoldHi128 = XPow(128 - 32);
+
+bool DetectVpclmul() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("vpclmulqdq") &&
+         __builtin_cpu_supports("pclmul") && DetectSse42();
+}
+
+#define TIERMEM_VPCLMUL_TARGET \
+  __attribute__((target("avx512f,avx512vl,avx512bw,vpclmulqdq,pclmul,sse4.2")))
+
+TIERMEM_VPCLMUL_TARGET inline __m512i Fold512(__m512i x, __m512i k) {
+  return _mm512_xor_si512(_mm512_clmulepi64_epi128(x, k, 0x00),
+                          _mm512_clmulepi64_epi128(x, k, 0x11));
+}
+TIERMEM_VPCLMUL_TARGET inline __m128i Fold128(__m128i x, uint64_t lo, uint64_t hi) {
+  const __m128i k = _mm_set_epi64x(static_cast<long long>(hi), static_cast<long long>(lo));
+  return _mm_xor_si128(_mm_clmulepi64_si128(x, k, 0x00), _mm_clmulepi64_si128(x, k, 0x11));
+}
+
+// Carry-less multiplication folding (Intel's "Fast CRC computation for generic polynomials
+// using PCLMULQDQ"), 4 x 512-bit accumulators over 256-byte strides; the final 128 bits are
+// reduced with the crc32 instruction. Requires n >= 256.
+TIERMEM_VPCLMUL_TARGET uint32_t UpdateVpclmul(uint32_t c, const unsigned char* p, size_t n) {
+  const __m512i k2048 = _mm512_set_epi64(
+      static_cast<long long>(kFoldHi2048), static_cast<long long>(kFoldLo2048),
+      static_cast<long long>(kFoldHi2048), static_cast<long long>(kFoldLo2048),
+      static_cast<long long>(kFoldHi2048), static_cast<long long>(kFoldLo2048),
+      static_cast<long long>(kFoldHi2048), static_cast<long long>(kFoldLo2048));
+  const __m512i k512 = _mm512_set_epi64(
+      static_cast<long long>(kFoldHi512), static_cast<long long>(kFoldLo512),
+      static_cast<long long>(kFoldHi512), static_cast<long long>(kFoldLo512),
+      static_cast<long long>(kFoldHi512), static_cast<long long>(kFoldLo512),
+      static_cast<long long>(kFoldHi512), static_cast<long long>(kFoldLo512));
+  __m512i x0 = _mm512_loadu_si512(p);
+  __m512i x1 = _mm512_loadu_si512(p + 64);
+  __m512i x2 = _mm512_loadu_si512(p + 128);
+  __m512i x3 = _mm512_loadu_si512(p + 192);
+  x0 = _mm512_xor_si512(x0, _mm512_zextsi128_si512(_mm_cvtsi32_si128(static_cast<int>(c))));
+  p += 256;
+  n -= 256;
+  while (n >= 256) {
+    x0 = _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x0, k2048, 0x00),
+                                   _mm512_clmulepi64_epi128(x0, k2048, 0x11),
+                                   _mm512_loadu_si512(p), 0x96);
+    x1 = _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x1, k2048, 0x00),
+                                   _mm512_clmulepi64_epi128(x1, k2048, 0x11),
+                                   _mm512_loadu_si512(p + 64), 0x96);
+    x2 = _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x2, k2048, 0x00),
+                                   _mm512_clmulepi64_epi128(x2, k2048, 0x11),
+                                   _mm512_loadu_si512(p + 128), 0x96);
+    x3 = _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x3, k2048, 0x00),
+                                   _mm512_clmulepi64_epi128(x3, k2048, 0x11),
+                                   _mm512_loadu_si512(p + 192), 0x96);
+    p += 256;
+    n -= 256;
+  }
+  x0 = _mm512_xor_si512(Fold512(x0, k512), x1);
+  x0 = _mm512_xor_si512(Fold512(x0, k512), x2);
+  x0 = _mm512_xor_si512(Fold512(x0, k512), x3);
+  while (n >= 64) {
+    x0 = _mm512_xor_si512(Fold512(x0, k512), _mm512_loadu_si512(p));
+    p += 64;
+    n -= 64;
+  }
+  // Lanes 0..3 sit 48, 32, 16 and 0 bytes before the end of the folded data.
+  alignas(64) __m128i lane[4];
+  _mm512_store_si512(lane, x0);
+  __m128i r = lane[3];
+  r = _mm_xor_si128(r, Fold128(lane[2], kFoldLo128, kFoldHi128));
+  r = _mm_xor_si128(r, Fold128(lane[1], kFoldLo256, kFoldHi256));
+  r = _mm_xor_si128(r, Fold128(lane[0], kFoldLo384, kFoldHi384));
+  while (n >= 16) {
+    r = _mm_xor_si128(Fold128(r, kFoldLo128, kFoldHi128),
+                      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    p += 16;
+    n -= 16;
+  }
+  uint64_t crc = _mm_crc32_u64(0, static_cast<uint64_t>(_mm_cvtsi128_si64(r)));
+  crc = _mm_crc32_u64(crc, static_cast<uint64_t>(_mm_extract_epi64(r, 1)));
+  return UpdateHw1(static_cast<uint32_t>(crc), p, n);
+}
+
+const bool kHaveVpclmul = DetectVpclmul();
 #endif
 
 const bool kHaveHw =
@@ -175,13 +277,27 @@ uint32_t Crc32cPortable(const void* data, size_t n, uint32_t crc) {
   return ~UpdatePortable(~crc, static_cast<const unsigned char*>(data), n);
 }
 
-uint32_t Crc32c(const void* data, size_t n, uint32_t crc) {
+uint32_t Crc32cSse42(const void* data, size_t n, uint32_t crc) {
 #if defined(__x86_64__)
   if (kHaveHw) return ~UpdateHw(~crc, static_cast<const unsigned char*>(data), n);
 #endif
   return Crc32cPortable(data, n, crc);
 }
 
-bool Crc32cHardware() { return kHaveHw; }
+uint32_t Crc32c(const void* data, size_t n, uint32_t crc) {
+#if defined(__x86_64__)
+  if (kHaveVpclmul && n >= 256) {
+    return ~UpdateVpclmul(~crc, static_cast<const unsigned char*>(data), n);
+  }
+#endif
+  return Crc32cSse42(data, n, crc);
+}
+
+std::string_view Crc32cVariant() {
+#if defined(__x86_64__)
+  if (kHaveVpclmul) return "vpclmulqdq";
+#endif
+  return kHaveHw ? "sse4.2" : "table";
+}
 
 }  // namespace tiermem::nvme

@@ -1,11 +1,13 @@
 // CRC32C (Castagnoli), the checksum the NVMe tier keeps per block.
 //
-// Uses the SSE4.2 crc32 instruction (three interleaved streams for long inputs) when the CPU
-// has it, else a slice-by-8 table. Both produce identical values (tested). Thread-safe: pure.
+// Uses AVX-512 VPCLMULQDQ folding for long inputs where the CPU has it, else the SSE4.2 crc32
+// instruction (three interleaved streams for long inputs), else a slice-by-8 table. All
+// produce identical values (tested). Thread-safe: pure.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <string_view>
 
 namespace tiermem::nvme {
 
@@ -15,7 +17,9 @@ uint32_t Crc32c(const void* data, size_t n, uint32_t crc = 0);
 
 // The portable table implementation (exposed so tests can compare it with the hardware one).
 uint32_t Crc32cPortable(const void* data, size_t n, uint32_t crc = 0);
-// True when Crc32c uses the SSE4.2 instruction.
-bool Crc32cHardware();
+// The SSE4.2 implementation (the table one where the CPU lacks SSE4.2), for tests.
+uint32_t Crc32cSse42(const void* data, size_t n, uint32_t crc = 0);
+// Which implementation Crc32c uses for long inputs: "vpclmulqdq", "sse4.2" or "table".
+std::string_view Crc32cVariant();
 
 }  // namespace tiermem::nvme

@@ -33,6 +33,7 @@ struct NvmeTierConfig {
   int bounce_buffers = 0;           // piece-sized aligned bounce buffers (0 = queue_depth)
   Bytes block_bytes = 4 * kKiB;     // allocation, checksum and read-modify-write unit
   int posix_threads = 0;            // posix engine workers (0 = queue_depth, at most 16)
+  int checksum_threads = 0;         // CRC32C workers for aligned copies (0 = cores, at most 4)
   bool register_buffers = true;     // io_uring fixed buffers (falls back when refused)
   bool register_files = true;       // io_uring fixed files
   bool direct_io = true;            // O_DIRECT (buffered only if the filesystem refuses it)
@@ -47,7 +48,9 @@ class NvmeTier : public Tier {
  public:
   // Lets io_uring use [addr, addr + bytes) (e.g. a host tier's slab) as fixed buffers for
   // copies whose host pointer lies inside it. The memory must outlive the registration.
-  // Posix engine: OK, no effect. kUnavailable when registered buffers were refused.
+  // Posix engine: OK, no effect. kUnavailable when registered buffers were refused at
+  // creation; kResourceExhausted when this registration is refused (RLIMIT_MEMLOCK). Copies
+  // work either way (unregistered).
   virtual Status RegisterHostMemory(void* addr, Bytes bytes) = 0;
   // Undoes RegisterHostMemory(addr, ...). No copy using the range may be in flight.
   virtual Status UnregisterHostMemory(void* addr) = 0;

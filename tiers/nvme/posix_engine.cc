@@ -37,10 +37,8 @@ class PosixEngine final : public IoEngine {
   std::string_view name() const override { return "posix"; }
 
   void Submit(IoOp* op) override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      queue_.push_back(op);
-    }
+    std::lock_guard<std::mutex> lock(mu_);  // notify under the lock: see TaskPool::Run
+    queue_.push_back(op);
     cv_.notify_one();
   }
 

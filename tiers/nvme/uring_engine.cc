@@ -54,6 +54,7 @@ class UringEngine final : public IoEngine {
     }
     Wake();
     thread_.join();
+    ::close(event_fd_);
   }
 
   // Starts the I/O thread and returns the ring set-up status.
@@ -163,6 +164,8 @@ class UringEngine final : public IoEngine {
             fixed_.emplace(reinterpret_cast<uintptr_t>(config_.bounce),
                            FixedBuffer{config_.bounce_bytes, 0});
             buffers_registered_ = true;
+          } else {
+            sparse_table_ = false;  // refused once: no fixed buffers for this ring
           }
         }
       }
@@ -380,6 +383,10 @@ class UringEngine final : public IoEngine {
       for (auto& [op, res] : done) Finish(op, res);
       if (rearm) ArmWake();
     }
+    // Drop the ring's file references now: the ring itself is torn down asynchronously by
+    // the kernel, and the unlinked files' space should be free when the tier is gone.
+    if (fixed_files_) (void)io_uring_unregister_files(&ring_);
+    if (sparse_table_ || buffers_registered_) (void)io_uring_unregister_buffers(&ring_);
     io_uring_queue_exit(&ring_);
   }
 
