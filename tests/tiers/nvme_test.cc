@@ -22,7 +22,6 @@
 #include <gtest/gtest.h>
 
 #include "tiers/fake/mem_nvme.h"
-#include "tiers/nvme/crc32c.h"
 #include "tiers/nvme/extent_allocator.h"
 #include "tiers/nvme/nvme_tier.h"
 
@@ -54,31 +53,7 @@ Status Read(Tier& t, const Region& r, Bytes off, void* dst, Bytes n) {
   return t.Copy({r, off, dst, n, CopyDir::kFromTier})->Wait();
 }
 
-// ---- CRC32C and the extent allocator --------------------------------------------------------
-
-TEST(Crc32c, KnownVectorsAndHardwareMatchesTable) {
-  EXPECT_EQ(nvme::Crc32c("123456789", 9), 0xE3069283u);
-  EXPECT_EQ(nvme::Crc32cPortable("123456789", 9), 0xE3069283u);
-  std::vector<char> zeros(32, 0);
-  EXPECT_EQ(nvme::Crc32c(zeros.data(), 32), 0x8A9136AAu);  // RFC 3720 B.4: 32 bytes of zeros
-  std::mt19937_64 rng(1);
-  std::vector<char> buf(20000);
-  FillRandom(buf.data(), buf.size(), rng);
-  // Lengths around every stride of every implementation (16, 64, 256, 4080 bytes), and
-  // misaligned starts, with a non-zero running crc.
-  for (size_t n : {0, 1, 7, 8, 15, 16, 17, 63, 64, 100, 255, 256, 257, 319, 320, 511, 512, 513,
-                   1000, 4079, 4080, 4096, 4097, 8192, 12241, 20000 - 3}) {
-    for (size_t start : {0, 1, 3}) {
-      const uint32_t want = nvme::Crc32cPortable(buf.data() + start, n, 0x12345678u);
-      EXPECT_EQ(nvme::Crc32c(buf.data() + start, n, 0x12345678u), want) << n << "+" << start;
-      EXPECT_EQ(nvme::Crc32cSse42(buf.data() + start, n, 0x12345678u), want) << n << "+" << start;
-    }
-  }
-  std::printf("crc32c variant: %s\n", std::string(nvme::Crc32cVariant()).c_str());
-  // Continuation: crc(A || B) computed in two calls.
-  EXPECT_EQ(nvme::Crc32c(buf.data() + 5000, 9000, nvme::Crc32c(buf.data(), 5000)),
-            nvme::Crc32c(buf.data(), 14000));
-}
+// ---- The extent allocator --------------------------------------------------------
 
 TEST(ExtentAllocator, FirstFitAndCoalescing) {
   nvme::ExtentAllocator a(16 * 4096, 4096);

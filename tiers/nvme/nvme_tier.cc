@@ -52,7 +52,7 @@
 #include <vector>
 
 #include "runtime/base/logging.h"
-#include "tiers/nvme/crc32c.h"
+#include "runtime/base/crc32c.h"
 #include "tiers/nvme/extent_allocator.h"
 #include "tiers/nvme/io_engine.h"
 
@@ -322,7 +322,7 @@ class NvmeTierImpl final : public NvmeTier {
     uint64_t blk = files_[file].first_block + file_offset / block_;
     for (uint64_t o = 0; o < len; o += block_, ++blk) {
       // Relaxed: the Completion's mutex orders a write's stamps before any later reader.
-      crcs_[blk].store(nvme::Crc32c(data + o, block_), std::memory_order_relaxed);
+      crcs_[blk].store(Crc32c(data + o, block_), std::memory_order_relaxed);
     }
   }
   // Checks the blocks of region bytes [region_offset, +len) held in `data`.
@@ -330,7 +330,7 @@ class NvmeTierImpl final : public NvmeTier {
     uint64_t blk = files_[r.file].first_block + (r.base + region_offset) / block_;
     for (uint64_t o = 0; o < len; o += block_, ++blk) {
       const uint32_t want = crcs_[blk].load(std::memory_order_relaxed);
-      const uint32_t got = nvme::Crc32c(data + o, block_);
+      const uint32_t got = Crc32c(data + o, block_);
       if (want != got) {
         return DataLossError("nvme tier: checksum mismatch in region " +
                              std::to_string(r.region_id) + " at offset " +
@@ -520,7 +520,7 @@ Status NvmeTierImpl::Init() {
   crcs_ = std::make_unique<std::atomic<uint32_t>[]>(blocks);
   {
     std::vector<char> zeros(block_, 0);
-    const uint32_t zero_crc = nvme::Crc32c(zeros.data(), block_);
+    const uint32_t zero_crc = Crc32c(zeros.data(), block_);
     for (uint64_t b = 0; b < blocks; ++b) crcs_[b].store(zero_crc, std::memory_order_relaxed);
   }
 

@@ -1,4 +1,4 @@
-// Tests of the timeline recorder, reader and crc32c: round trips of every event type and of
+// Tests of the timeline recorder and reader: round trips of every event type and of
 // labels, multi-threaded recording, a readable prefix after truncation at every block
 // boundary and at random points, kDataLoss for every corrupted byte, foreign files.
 #include <gtest/gtest.h>
@@ -65,22 +65,6 @@ ReadResult ReadBytes(std::string bytes) {
   r.truncated = (*reader)->truncated();
   r.note = (*reader)->end_note();
   return r;
-}
-
-TEST(Crc32cTest, KnownVectorsAndPathsAgree) {
-  EXPECT_EQ(Crc32c("123456789", 9), 0xE3069283u);
-  EXPECT_EQ(Crc32c("", 0), 0u);
-  std::vector<unsigned char> zeros(32, 0);
-  EXPECT_EQ(Crc32c(zeros.data(), zeros.size()), 0x8A9136AAu);  // RFC 3720 B.4
-  std::mt19937 rng(7);
-  std::vector<unsigned char> data(4099);
-  for (auto& b : data) b = static_cast<unsigned char>(rng());
-  for (size_t n : {0, 1, 7, 8, 9, 63, 64, 1000, 4099}) {
-    EXPECT_EQ(Crc32c(data.data(), n), internal::Crc32cExtendPortable(0, data.data(), n)) << n;
-    // Extending in two pieces equals one pass.
-    EXPECT_EQ(Crc32cExtend(Crc32c(data.data(), n / 3), data.data() + n / 3, n - n / 3),
-              Crc32c(data.data(), n));
-  }
 }
 
 TEST(TimelineTest, RoundTripsEveryEventTypeAndLabel) {
