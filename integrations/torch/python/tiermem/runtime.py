@@ -147,11 +147,14 @@ class TiermemRuntime:
         self._in_iteration = False
         for r in self.params:
             r.param.data = _placeholder(r.shape, self.dtype, self.device)
-        if self.device.type != "cpu":
+        # Buffers stay ordinary tensors, on the compute device and (like module.to(dtype))
+        # in the compute dtype when floating point.
+        if self.device.type != "cpu" or self.mixed:
             for m in self.model.modules():
                 for k, b in m._buffers.items():
                     if b is not None:
-                        m._buffers[k] = b.to(self.device)
+                        dt = self.dtype if b.is_floating_point() else b.dtype
+                        m._buffers[k] = b.to(device=self.device, dtype=dt)
         self._install_hooks()
 
     def _drop_timeline(self):
