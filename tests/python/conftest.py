@@ -86,3 +86,7 @@ class KernelAdamW(torch.optim.Optimizer):
 # End-to-end (20 steps) vs torch.optim.AdamW itself: see KernelAdamW.
 END_TO_END_LOSS_REL = 1e-6
 END_TO_END_PARAM_RTOL, END_TO_END_PARAM_ATOL = 2e-5, 1e-5
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skips without one)")
