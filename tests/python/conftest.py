@@ -36,3 +36,57 @@ def assert_close_rel(a, b, rel=1e-6, what=""):
     denom = torch.clamp(b.abs(), min=1e-12)
     err = ((a - b).abs() / torch.maximum(denom, torch.full_like(denom, 1e-3))).max().item()
     assert err <= rel, f"{what}: max relative error {err:.3g} > {rel}"
+
+
+class KernelAdamW(torch.optim.Optimizer):
+    """torch.optim.AdamW's semantics computed by tiermem's fused CPU kernel (_C.adam_step), and
+    global-norm clipping by its GradNormAndOverflow: the reference for tests of the *engine*
+    (chunking, hooks, moves), which must then match bit for bit. The kernel itself equals
+    torch.optim.AdamW per step within rtol 1e-6 (test_kernels_vs_torch.py and
+    test_training.py::test_each_step_equals_torch_adamw_on_the_same_state); over 20 training
+    steps those last-ulp differences grow (Adam normalises tiny gradients), so end-to-end
+    comparisons with torch.optim.AdamW use the documented END_TO_END tolerances below."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+                 clip=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                      amsgrad=False, maximize=False, foreach=None,
+                                      capturable=False, differentiable=False, fused=None))
+        self.clip = clip
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        from tiermem import _C
+        clip = 1.0
+        if self.clip:
+            sq = 0.0
+            for g in self.param_groups:
+                for p in g["params"]:
+                    if p.grad is not None:
+                        sq += _C.grad_stats(p.grad.contiguous().view(-1))[0]
+            total = torch.tensor(sq ** 0.5, dtype=torch.float32)
+            clip = float(torch.clamp(self.clip / (total + 1e-6), max=1.0))
+        for g in self.param_groups:
+            b1, b2 = g["betas"]
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["step"] = torch.tensor(0.0)
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                st["step"] += 1
+                _C.adam_step(p.data.view(-1), p.grad.contiguous().view(-1),
+                             st["exp_avg"].view(-1), st["exp_avg_sq"].view(-1), None,
+                             float(g["lr"]), float(b1), float(b2), float(g["eps"]),
+                             float(g["weight_decay"]), int(st["step"].item()), 1.0, clip)
+
+
+# End-to-end (20 steps) vs torch.optim.AdamW itself: see KernelAdamW.
+END_TO_END_LOSS_REL = 1e-6
+END_TO_END_PARAM_RTOL, END_TO_END_PARAM_ATOL = 2e-5, 1e-5
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skips without one)")

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import tiermem
-from conftest import assert_close_rel, batches, make_pair, model_bytes, small_config
+from conftest import KernelAdamW, assert_close_rel, batches, make_pair, model_bytes, small_config
 from test_training import final_params, train_ours, train_ref
 from tiermem.examples.gpt import GPT
 
@@ -142,9 +142,13 @@ def test_state_dict_round_trip_and_resume():
     x, y = data[4]
     with torch.no_grad():
         assert_close_rel(model(x, y), plain(x, y), 0, "loss after load into plain torch")
-    # The optimizer state loads into torch.optim.AdamW; both continue identically.
-    popt = torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.01)
-    popt.load_state_dict(copy.deepcopy(osd))  # torch aliases loaded state tensors
+    # The optimizer state loads into torch.optim.AdamW (same layout) ...
+    topt = torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.01)
+    topt.load_state_dict(copy.deepcopy(osd))  # torch aliases loaded state tensors
+    assert len(topt.state) == len(list(plain.parameters()))
+    # ... and into the kernel-math reference: both continue identically.
+    popt = KernelAdamW(plain.parameters(), lr=1e-3, weight_decay=0.01)
+    popt.load_state_dict(copy.deepcopy(osd))
     cont_ref = train_ref_with(plain, popt, data[4:])
     # Resume a fresh tiermem model from the saved state.
     torch.manual_seed(123)

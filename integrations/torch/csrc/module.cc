@@ -1,13 +1,22 @@
 // tiermem._C: the Python binding of the chunk engine (pybind11 through torch's headers).
 //
-// A Runtime owns the tiers (SimDevice as the device tier on CPU-only machines; stand-ins for
-// the host and NVMe tiers until tiers/host and tiers/nvme land), the mover (a DirectMover
-// stand-in until runtime/mover.cc lands), an in-memory timeline recorder and the Engine.
+// A Runtime owns the tiers, the Mover, the binary timeline recorder and the Engine:
+//   device  SimDevice (host memory posing as HBM) on CPU-only machines, or the CUDA tier
+//           (NewCudaTier) when built with CUDA, asked for, and a GPU is present;
+//   host    the pinned host tier (tiers/host), size classes = the chunk size and its halves;
+//   nvme    the file-backed NVMe tier (tiers/nvme, io_uring or pread/pwrite) when configured;
+//   staging a small host tier of its own for the Mover's device<->NVMe bounce slots
+//           (prefetch_depth + 2 slots, carved out of the host budget), so a bounced move never
+//           competes with chunk homes for host room;
+//   timeline TimelineRecorder::Open(path): every alloc/free/move/stall/moment goes there, and
+//           the summaries Python shows are computed from that file by tiermem::prof.
 // Chunk memory reaches Python as 1-D tensors made with torch::from_blob over the region's
-// address: they do not own the memory and are valid only while the chunk stays acquired
-// (the Python layer drops every view on release). Status codes become Python exceptions
-// here, in one place: kInvalidArgument/kOutOfRange -> ValueError, kResourceExhausted ->
-// MemoryError, kNotFound/kIOError/kDataLoss -> OSError, anything else -> RuntimeError.
+// address (CPU tensors on SimDevice and host, CUDA tensors on the CUDA tier): they do not own
+// the memory and are valid only while the chunk stays acquired (the Python layer drops every
+// view on release). The optimizer math runs in the fused CPU kernels (kernels/cpu) on host
+// views, through adam_step/grad_stats below. Status codes become Python exceptions here, in
+// one place: kInvalidArgument/kOutOfRange -> ValueError, kResourceExhausted -> MemoryError,
+// kNotFound/kIOError/kDataLoss -> OSError, anything else -> RuntimeError.
 //
 // Threading: a Runtime is externally synchronized (the training thread); the GIL is held.
 #include <torch/extension.h>
@@ -16,11 +25,18 @@
 #include <string>
 
 #include "chunks/chunk_layout.h"
-#include "runtime/engine/direct_mover.h"
+#include "kernels/cpu/optim.h"
+#include "runtime/base/timeline.h"
+#include "runtime/base/timeline_reader.h"
 #include "runtime/engine/engine.h"
-#include "runtime/engine/memory_recorder.h"
-#include "runtime/engine/stand_in_tiers.h"
+#include "runtime/mover.h"
 #include "tiers/fake/sim_device.h"
+#include "tiers/host/host_tier.h"
+#include "tiers/nvme/nvme_tier.h"
+#include "tools/prof/lib/analysis.h"
+#ifdef TIERMEM_TORCH_WITH_CUDA
+#include "tiers/cuda/cuda_tier.h"
+#endif
 
 namespace py = pybind11;
 
@@ -56,54 +72,147 @@ T Check(StatusOr<T> s) {
 
 StatusOr<TierKind> TierArg(const std::string& name) { return ParseTierKind(name); }
 
+constexpr Bytes kPage = 4096;
+Bytes AlignUp(Bytes n, Bytes a) { return (n + a - 1) / a * a; }
+
+std::string PairName(TierKind a, TierKind b) {
+  return std::string(TierKindName(a)) + "->" + std::string(TierKindName(b));
+}
+
+// The report of `path` (tiermem::prof) as the dict Python shows: peak and budget per tier,
+// bytes per tier pair, stall time by cause. Everything comes from the file.
+py::dict ReportDict(const prof::Report& r) {
+  py::dict d, peak, budget, moved, stalls;
+  for (int k = 0; k < kNumTierKinds; ++k) {
+    const std::string n(TierKindName(static_cast<TierKind>(k)));
+    peak[py::str(n)] = r.tiers[k].peak.bytes;
+    budget[py::str(n)] = r.tiers[k].budget_bytes;
+  }
+  for (const prof::MoveStats& m : r.moves) moved[py::str(PairName(m.src, m.dst))] = m.bytes;
+  for (const prof::StallStats& s : r.stalls) stalls[py::str(s.cause)] = s.ns;
+  d["peak"] = peak;
+  d["budget"] = budget;
+  d["copied"] = moved;
+  bool over = false;
+  for (int k = 0; k < kNumTierKinds; ++k) {
+    if (r.tiers[k].budget_bytes != 0 && r.tiers[k].peak.bytes > r.tiers[k].max_budget_bytes) {
+      over = true;
+    }
+  }
+  d["over_budget"] = over;
+  d["stall_ns"] = r.stall_ns;
+  d["stalls"] = r.stall_count;
+  d["stall_causes"] = stalls;
+  d["events"] = r.events;
+  d["iterations"] = r.iterations;
+  d["step_mean_ns"] = r.step_mean_ns;
+  return d;
+}
+
 class Runtime {
  public:
-  Runtime(uint64_t device_budget, uint64_t host_budget, uint64_t nvme_size, int prefetch_depth,
-          uint64_t host_reserve) {
-    SimDeviceConfig dc;
-    dc.capacity = device_budget;
-    device_ = NewSimDevice(dc);
-    host_ = engine::NewStandInTier(TierKind::kHost, host_budget);
-    if (nvme_size > 0) nvme_ = engine::NewStandInTier(TierKind::kNvme, nvme_size);
-    mover_ = engine::NewDirectMover(&recorder_);
+  Runtime(uint64_t device_budget, uint64_t host_budget, const std::string& nvme_path,
+          uint64_t nvme_size, int prefetch_depth, uint64_t host_reserve, uint64_t chunk_bytes,
+          const std::string& timeline_path, const std::string& device) {
+    timeline_path_ = timeline_path;
+    recorder_ = Check(TimelineRecorder::Open(timeline_path));
+    if (device == "cuda") {
+#ifdef TIERMEM_TORCH_WITH_CUDA
+      CudaTierConfig cc;
+      cc.capacity = device_budget;
+      device_ = Check(NewCudaTier(cc));
+      cuda_ = true;
+#else
+      Throw(UnavailableError("no CUDA device: this tiermem build has no CUDA support"));
+#endif
+    } else if (device == "sim") {
+      SimDeviceConfig dc;
+      dc.capacity = device_budget;
+      device_ = NewSimDevice(dc);
+    } else {
+      Throw(InvalidArgumentError("device must be 'sim' or 'cuda', got '" + device + "'"));
+    }
+    const Bytes slot = AlignUp(std::max<Bytes>(chunk_bytes, kPage), kPage);
+    Bytes staging_bytes = 0;
+    if (nvme_size > 0) {
+      staging_bytes = slot * static_cast<Bytes>(prefetch_depth + 2);
+      if (staging_bytes + slot > host_budget) {
+        Throw(ResourceExhaustedError(
+            "host budget of " + std::to_string(host_budget) + " bytes is below the minimum of " +
+            std::to_string(staging_bytes + slot) +
+            " bytes with NVMe (staging slots for device<->NVMe moves plus one chunk)"));
+      }
+      staging_ = Check(NewHostTier(HostConfig(staging_bytes, slot)));
+    }
+    host_ = Check(NewHostTier(HostConfig(host_budget - staging_bytes, slot)));
+    if (nvme_size > 0) {
+      NvmeTierConfig nc;
+      nc.dir = nvme_path;
+      nc.capacity = AlignUp(nvme_size, nc.block_bytes);
+      nvme_ = Check(NewNvmeTier(nc));
+    }
+    MoverConfig mc;
+    mc.staging_slot_bytes = slot;
+    mc.staging_slots = 1;
+    mover_ = NewMover(mc, staging_.get(), recorder_.get());
     engine::EngineConfig cfg;
     cfg.prefetch_depth = prefetch_depth;
     cfg.host_reserve_bytes = host_reserve;
     engine_ = Check(engine::Engine::Create(
         cfg, engine::EngineTiers{device_.get(), host_.get(), nvme_.get()}, mover_.get(),
-        &recorder_));
+        recorder_.get()));
   }
-  ~Runtime() { engine_.reset(); }
+  ~Runtime() { Close(); }
+
+  // Frees every region and closes the timeline (complete file). Idempotent.
+  void Close() {
+    engine_.reset();
+    mover_.reset();
+    nvme_.reset();
+    host_.reset();
+    staging_.reset();
+    device_.reset();
+    if (recorder_) recorder_->Close().IgnoreError();
+  }
 
   uint32_t AddChunk(uint64_t bytes, int category) {
-    return Check(engine_->AddChunk(bytes, static_cast<Category>(category)));
+    return Check(Live()->AddChunk(bytes, static_cast<Category>(category)));
   }
   torch::Tensor Acquire(uint32_t chunk, const std::string& tier, torch::Dtype dtype,
                         int64_t numel) {
     const TierKind t = Check(TierArg(tier));
-    void* addr = Check(engine_->Acquire(chunk, t));
+    void* addr = Check(Live()->Acquire(chunk, t));
     const int64_t elem = static_cast<int64_t>(c10::elementSize(dtype));
     if (numel * elem > static_cast<int64_t>(engine_->ChunkBytes(chunk))) {
       Check(engine_->Release(chunk, false));
       throw py::value_error("view of " + std::to_string(numel) + " elements exceeds chunk " +
                             std::to_string(chunk));
     }
-    return torch::from_blob(addr, {numel}, torch::TensorOptions().dtype(dtype));
+    auto opts = torch::TensorOptions().dtype(dtype);
+    if (t == TierKind::kDevice && cuda_) opts = opts.device(torch::kCUDA, 0);
+    return torch::from_blob(addr, {numel}, opts);
   }
-  void Release(uint32_t chunk, bool modified) { Check(engine_->Release(chunk, modified)); }
-  void Zero(uint32_t chunk) { Check(engine_->Zero(chunk)); }
-  void Flush() { Check(engine_->Flush()); }
-  void Synchronize() { Check(engine_->Synchronize()); }
-  void BeginIteration() { engine_->BeginIteration(); }
-  void Moment(const std::string& l) { engine_->Moment(l); }
-  void Phase(const std::string& l) { engine_->Phase(l); }
-  std::string Resident(uint32_t c) const { return std::string(TierKindName(engine_->Resident(c))); }
-  std::string Home(uint32_t c) const { return std::string(TierKindName(engine_->Home(c))); }
-  bool Dirty(uint32_t c) const { return engine_->Dirty(c); }
-  int Pins(uint32_t c) const { return engine_->Pins(c); }
+  void Release(uint32_t chunk, bool modified) { Check(Live()->Release(chunk, modified)); }
+  void Zero(uint32_t chunk) { Check(Live()->Zero(chunk)); }
+  void Flush() { Check(Live()->Flush()); }
+  void Synchronize() { Check(Live()->Synchronize()); }
+  void BeginIteration() { Live()->BeginIteration(); }
+  void Moment(const std::string& l) { Live()->Moment(l); }
+  void Phase(const std::string& l) { Live()->Phase(l); }
+  std::string Resident(uint32_t c) { return std::string(TierKindName(Live()->Resident(c))); }
+  std::string Home(uint32_t c) { return std::string(TierKindName(Live()->Home(c))); }
+  bool Dirty(uint32_t c) { return Live()->Dirty(c); }
+  int Pins(uint32_t c) { return Live()->Pins(c); }
+  bool cuda() const { return cuda_; }
+  std::string nvme_engine() const {
+    if (nvme_ == nullptr) return "";
+    auto* t = dynamic_cast<NvmeTier*>(nvme_.get());
+    return t ? std::string(t->engine_name()) : "";
+  }
+  const std::string& timeline_path() const { return timeline_path_; }
 
-  py::dict Stats() const {
-    const engine::EngineStats s = engine_->Stats();
+  py::dict Stats() {
+    const engine::EngineStats s = Live()->Stats();
     py::dict d;
     py::dict tiers;
     for (int k = 0; k < kNumTierKinds; ++k) {
@@ -118,8 +227,8 @@ class Runtime {
     for (int a = 0; a < kNumTierKinds; ++a) {
       for (int b = 0; b < kNumTierKinds; ++b) {
         if (s.bytes_moved[a][b] == 0) continue;
-        moved[py::str(std::string(TierKindName(static_cast<TierKind>(a))) + "->" +
-                      std::string(TierKindName(static_cast<TierKind>(b))))] = s.bytes_moved[a][b];
+        moved[py::str(PairName(static_cast<TierKind>(a), static_cast<TierKind>(b)))] =
+            s.bytes_moved[a][b];
       }
     }
     d["bytes_moved"] = moved;
@@ -129,50 +238,124 @@ class Runtime {
     d["clean_evictions"] = s.clean_evictions;
     d["prefetches"] = s.prefetches;
     d["acquires"] = s.acquires;
+    d["iterations"] = s.iterations;
     return d;
   }
 
-  // Peaks and copies replayed from the timeline's events (not from the engine's counters).
-  py::dict TimelinePeaks() const {
-    const engine::TimelinePeaks p = engine::ReplayPeaks(recorder_.events());
-    py::dict d, peak, budget, copied;
-    for (int k = 0; k < kNumTierKinds; ++k) {
-      const std::string n(TierKindName(static_cast<TierKind>(k)));
-      peak[py::str(n)] = p.peak[k];
-      budget[py::str(n)] = p.budget[k];
-      for (int j = 0; j < kNumTierKinds; ++j) {
-        if (p.copied[k][j] == 0) continue;
-        copied[py::str(n + "->" + std::string(TierKindName(static_cast<TierKind>(j))))] =
-            p.copied[k][j];
-      }
-    }
-    d["peak"] = peak;
-    d["budget"] = budget;
-    d["copied"] = copied;
-    d["over_budget"] = p.over_budget;
-    d["stall_ns"] = p.stall_ns;
-    d["events"] = recorder_.events().size();
-    return d;
-  }
-
-  // (ts_ns, type, tier, tier2, bytes, chunk, category, flags, label)
-  py::list Events() const {
-    py::list out;
-    for (const Event& e : recorder_.events()) {
-      out.append(py::make_tuple(e.ts_ns, static_cast<int>(e.type), static_cast<int>(e.tier),
-                                static_cast<int>(e.tier2), e.bytes, e.chunk,
-                                static_cast<int>(e.category), static_cast<int>(e.flags),
-                                recorder_.label(e.label)));
-    }
-    return out;
+  // The timeline file so far, analysed by tiermem::prof (not the engine's counters).
+  py::dict TimelineReport() {
+    if (engine_) Check(engine_->Synchronize());
+    Check(recorder_->Flush());
+    return ReportDict(Check(prof::AnalyzeFile(timeline_path_)));
   }
 
  private:
-  engine::MemoryRecorder recorder_;
-  std::unique_ptr<Tier> device_, host_, nvme_;
+  static HostTierConfig HostConfig(Bytes capacity, Bytes slot) {
+    HostTierConfig hc;
+    hc.capacity = capacity;
+    hc.slot_bytes = slot;
+    hc.min_class_bytes = kPage;
+    // Slabs of at most 64 MiB (whole slots), so a small budget does not fault a big slab.
+    hc.slab_bytes = std::max(slot, std::min<Bytes>(AlignUp(capacity, slot), 64 * kMiB / slot * slot));
+    return hc;
+  }
+  engine::Engine* Live() {
+    if (!engine_) Throw(FailedPreconditionError("tiermem runtime is closed"));
+    return engine_.get();
+  }
+
+  std::string timeline_path_;
+  std::unique_ptr<TimelineRecorder> recorder_;  // outlives everything below
+  std::unique_ptr<Tier> device_, staging_, host_, nvme_;
   std::unique_ptr<Mover> mover_;
   std::unique_ptr<engine::Engine> engine_;
+  bool cuda_ = false;
 };
+
+kernels::DType KernelDType(const torch::Tensor& t) {
+  switch (t.scalar_type()) {
+    case torch::kFloat32: return kernels::DType::kF32;
+    case torch::kBFloat16: return kernels::DType::kBF16;
+    case torch::kFloat16: return kernels::DType::kF16;
+    default:
+      throw py::value_error(std::string("unsupported dtype ") +
+                            std::string(c10::toString(t.scalar_type())));
+  }
+}
+
+void CheckSpan(const torch::Tensor& t, const char* what, int64_t n) {
+  if (!t.is_contiguous() || t.device().type() != torch::kCPU) {
+    throw py::value_error(std::string(what) + " must be a contiguous CPU tensor");
+  }
+  if (t.numel() != n) {
+    throw py::value_error(std::string(what) + " has " + std::to_string(t.numel()) +
+                          " elements, expected " + std::to_string(n));
+  }
+}
+
+// One fused AdamW step (kernels::AdamStep) over host spans: grad -> m, v, fp32 master and,
+// when `param_out` is given, its bf16/fp16 copy.
+void AdamStepBinding(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg,
+                     torch::Tensor exp_avg_sq, std::optional<torch::Tensor> param_out, double lr,
+                     double beta1, double beta2, double eps, double weight_decay, int64_t step,
+                     double inv_loss_scale, double clip_factor) {
+  const int64_t n = param.numel();
+  for (auto [t, w] : {std::pair{&param, "param"}, {&exp_avg, "exp_avg"},
+                      {&exp_avg_sq, "exp_avg_sq"}}) {
+    CheckSpan(*t, w, n);
+    if (t->scalar_type() != torch::kFloat32) throw py::value_error(std::string(w) + " must be fp32");
+  }
+  CheckSpan(grad, "grad", n);
+  kernels::AdamConfig c;
+  c.lr = static_cast<float>(lr);
+  c.beta1 = static_cast<float>(beta1);
+  c.beta2 = static_cast<float>(beta2);
+  c.eps = static_cast<float>(eps);
+  c.weight_decay = static_cast<float>(weight_decay);
+  c.step = step;
+  c.inv_loss_scale = static_cast<float>(inv_loss_scale);
+  c.clip_factor = static_cast<float>(clip_factor);
+  kernels::AdamSpans s;
+  s.param = param.data_ptr<float>();
+  s.exp_avg = exp_avg.data_ptr<float>();
+  s.exp_avg_sq = exp_avg_sq.data_ptr<float>();
+  s.grad = grad.data_ptr();
+  s.grad_dtype = KernelDType(grad);
+  if (param_out) {
+    CheckSpan(*param_out, "param_out", n);
+    s.param_out = param_out->data_ptr();
+    s.out_dtype = KernelDType(*param_out);
+    if (s.out_dtype == kernels::DType::kF32) throw py::value_error("param_out must be bf16/fp16");
+  }
+  s.n = static_cast<size_t>(n);
+  Check(kernels::ValidateAdam(c, s));
+  py::gil_scoped_release nogil;
+  kernels::AdamStep(c, s);
+}
+
+py::tuple GradStatsBinding(torch::Tensor grad) {
+  CheckSpan(grad, "grad", grad.numel());
+  const kernels::DType dt = KernelDType(grad);
+  kernels::GradStats st;
+  {
+    py::gil_scoped_release nogil;
+    st = kernels::GradNormAndOverflow(grad.data_ptr(), dt, static_cast<size_t>(grad.numel()));
+  }
+  return py::make_tuple(st.sq_norm, st.overflow);
+}
+
+// (ts_ns, type, tier, tier2, bytes, chunk, category, flags, label, id) in time order.
+py::list ReadTimeline(const std::string& path) {
+  py::list out;
+  Check(prof::ForEachOrdered(path, [&](const TimelineEntry& t) {
+    const Event& e = t.event;
+    out.append(py::make_tuple(e.ts_ns, static_cast<int>(e.type), static_cast<int>(e.tier),
+                              static_cast<int>(e.tier2), e.bytes, e.chunk,
+                              static_cast<int>(e.category), static_cast<int>(e.flags),
+                              std::string(t.label), e.id));
+  }));
+  return out;
+}
 
 }  // namespace
 }  // namespace tiermem::torch_ext
@@ -201,10 +384,31 @@ PYBIND11_MODULE(_C, m) {
     for (const ch::Placement& p : l.placements) out.append(py::make_tuple(p.group, p.offset));
     return py::make_tuple(out, l.num_groups(), l.waste_elems());
   });
+  m.def("adam_step", &tiermem::torch_ext::AdamStepBinding, py::arg("param"), py::arg("grad"),
+        py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("param_out"), py::arg("lr"),
+        py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
+        py::arg("step"), py::arg("inv_loss_scale") = 1.0, py::arg("clip_factor") = 1.0);
+  m.def("grad_stats", &tiermem::torch_ext::GradStatsBinding);
+  m.def("kernel_isa", [] { return std::string(tiermem::kernels::IsaName(tiermem::kernels::KernelIsa())); });
+  m.def("read_timeline", &tiermem::torch_ext::ReadTimeline);
+  m.def("timeline_report", [](const std::string& path) {
+    return tiermem::torch_ext::ReportDict(
+        tiermem::torch_ext::Check(tiermem::prof::AnalyzeFile(path)));
+  });
+  m.def("cuda_built", [] {
+#ifdef TIERMEM_TORCH_WITH_CUDA
+    return true;
+#else
+    return false;
+#endif
+  });
   py::class_<Runtime>(m, "Runtime")
-      .def(py::init<uint64_t, uint64_t, uint64_t, int, uint64_t>(), py::arg("device_budget"),
-           py::arg("host_budget"), py::arg("nvme_size"), py::arg("prefetch_depth"),
-           py::arg("host_reserve"))
+      .def(py::init<uint64_t, uint64_t, const std::string&, uint64_t, int, uint64_t, uint64_t,
+                    const std::string&, const std::string&>(),
+           py::arg("device_budget"), py::arg("host_budget"), py::arg("nvme_path"),
+           py::arg("nvme_size"), py::arg("prefetch_depth"), py::arg("host_reserve"),
+           py::arg("chunk_bytes"), py::arg("timeline_path"), py::arg("device"))
+      .def("close", &Runtime::Close)
       .def("add_chunk", &Runtime::AddChunk)
       .def("acquire", &Runtime::Acquire)
       .def("release", &Runtime::Release)
@@ -219,6 +423,8 @@ PYBIND11_MODULE(_C, m) {
       .def("dirty", &Runtime::Dirty)
       .def("pins", &Runtime::Pins)
       .def("stats", &Runtime::Stats)
-      .def("timeline_peaks", &Runtime::TimelinePeaks)
-      .def("events", &Runtime::Events);
+      .def("timeline_report", &Runtime::TimelineReport)
+      .def_property_readonly("cuda", &Runtime::cuda)
+      .def_property_readonly("nvme_engine", &Runtime::nvme_engine)
+      .def_property_readonly("timeline_path", &Runtime::timeline_path);
 }

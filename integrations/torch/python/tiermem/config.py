@@ -14,8 +14,10 @@ from . import _C
 
 _TOP_KEYS = {
     "device", "host", "nvme", "precision", "optimizer", "gradient_accumulation_steps",
-    "gradient_clipping", "chunk_size", "timeline", "prefetch_depth",
+    "gradient_clipping", "chunk_size", "timeline", "prefetch_depth", "loss_scaling",
+    "device_kind",
 }
+_SCALE_KEYS = {"initial_scale", "growth_interval", "growth_factor", "backoff_factor"}
 _OPT_KEYS = {"type", "lr", "betas", "eps", "weight_decay"}
 
 
@@ -35,6 +37,14 @@ class Config:
     chunk_size: int | None = None  # elements per chunk; None = automatic
     timeline: str | None = None
     prefetch_depth: int = 4
+    # fp16 dynamic loss scaling (torch.amp.GradScaler's defaults and semantics).
+    initial_scale: float = 65536.0
+    growth_interval: int = 2000
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    # "auto" (CUDA when built with it and a GPU is visible, else SimDevice), "cuda" or "sim";
+    # the TIERMEM_DEVICE environment variable overrides the config.
+    device_kind: str = "auto"
 
 
 def _size(key: str, value: Any) -> int:
@@ -125,8 +135,6 @@ def parse_config(config: dict | str | os.PathLike | None) -> Config:
         p = config["precision"]
         if p not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"config 'precision': expected 'fp32', 'bf16' or 'fp16', got {p!r}")
-        if p != "fp32":
-            raise ValueError(f"config 'precision': {p!r} is not supported yet (fp32 only in this build)")
         c.precision = p
     if "optimizer" in config:
         o = config["optimizer"]
@@ -163,6 +171,29 @@ def parse_config(config: dict | str | os.PathLike | None) -> Config:
         if not isinstance(t, (str, os.PathLike)):
             raise ValueError(f"config 'timeline': expected a path, got {t!r}")
         c.timeline = str(t)
+    if "loss_scaling" in config and config["loss_scaling"] is not None:
+        ls = config["loss_scaling"]
+        if not isinstance(ls, dict):
+            raise ValueError(f"config 'loss_scaling': expected a dict, got {ls!r}")
+        bad = sorted(set(ls) - _SCALE_KEYS)
+        if bad:
+            raise ValueError(f"config 'loss_scaling': unknown key(s) {bad}; valid keys: {sorted(_SCALE_KEYS)}")
+        if "initial_scale" in ls:
+            c.initial_scale = _number("loss_scaling.initial_scale", ls["initial_scale"], 0.0)
+            if c.initial_scale <= 0:
+                raise ValueError("config 'loss_scaling.initial_scale': must be > 0")
+        if "growth_interval" in ls:
+            c.growth_interval = _int("loss_scaling.growth_interval", ls["growth_interval"], 1)
+        if "growth_factor" in ls:
+            c.growth_factor = _number("loss_scaling.growth_factor", ls["growth_factor"], 1.0)
+        if "backoff_factor" in ls:
+            c.backoff_factor = _number("loss_scaling.backoff_factor", ls["backoff_factor"], 0.0, 1.0)
+            if c.backoff_factor <= 0:
+                raise ValueError("config 'loss_scaling.backoff_factor': must be > 0")
+    kind = os.environ.get("TIERMEM_DEVICE") or config.get("device_kind", "auto")
+    if kind not in ("auto", "cuda", "sim"):
+        raise ValueError(f"config 'device_kind' / TIERMEM_DEVICE: expected 'auto', 'cuda' or 'sim', got {kind!r}")
+    c.device_kind = kind
     if "prefetch_depth" in config:
         c.prefetch_depth = _int("prefetch_depth", config["prefetch_depth"], 0)
     return c

@@ -27,6 +27,7 @@ class ChunkedAdamW(torch.optim.Optimizer):
         runtime.opt_groups = self.param_groups  # one set of dicts: schedulers edit these
         self._micro = 0
         self._stepped = True
+        self.last_step_skipped = False
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -38,9 +39,18 @@ class ChunkedAdamW(torch.optim.Optimizer):
         if self._micro % self._runtime.cfg.gradient_accumulation_steps != 0:
             self._stepped = False
             return loss
-        self._runtime.step()
+        self.last_step_skipped = not self._runtime.step()
         self._stepped = True
         return loss
+
+    def scale_loss(self, loss):
+        """``loss * loss_scale`` (fp16 dynamic loss scaling; the identity in fp32/bf16). Call
+        ``optimizer.scale_loss(loss).backward()``; step() unscales the grads."""
+        return self._runtime.scale_loss(loss)
+
+    @property
+    def loss_scale(self) -> float:
+        return self._runtime.loss_scale
 
     def zero_grad(self, set_to_none: bool = True):
         if self._stepped:

@@ -10,15 +10,24 @@ saved tensor that aliases chunk memory as (group, offset, shape, strides) and un
 view of the chunk's *current* device copy, acquiring (pinning) the chunk for the backward; the
 pin is dropped once every param of the group used in the forward has its gradient (or at the
 end of backward). Gradients are added into grad chunks by post-accumulate-grad hooks, and
-``p.grad`` is set back to None. ``optimizer.step()`` runs AdamW on the host copies of the
-chunks (torch's own single-tensor AdamW arithmetic on chunk views, so results equal
-``torch.optim.AdamW``; the fused CPU kernel replaces it once tiermem::kernels_cpu lands).
+``p.grad`` is set back to None. ``optimizer.step()`` runs the fused CPU AdamW kernel
+(tiermem::kernels_cpu, equal to ``torch.optim.AdamW``) on the host copies of the chunks:
+grad -> m, v, fp32 master, and in mixed precision the bf16/fp16 copy the device computes with.
+Global-norm clipping and fp16 overflow detection use the kernels' GradNormAndOverflow.
+
+Precision: in fp32 the ``param`` chunk is both the compute copy and the master. In bf16/fp16
+a group has a low-precision ``param`` chunk (device compute) and ``grad`` chunk, and fp32
+``master``, ``exp_avg`` and ``exp_avg_sq`` chunks that only the optimizer touches (on host).
+fp16 uses dynamic loss scaling (``optimizer.scale_loss(loss)``; an overflow skips the step and
+halves the scale; ``growth_interval`` good steps double it), like torch.amp.GradScaler.
 
 Threading: one training thread (like the model itself).
 """
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -29,8 +38,8 @@ from . import _C
 from .config import Config
 
 _CAT_PARAM, _CAT_GRAD, _CAT_OPTIM = 0, 1, 2
-_KINDS_TRAINABLE = ("param", "grad", "exp_avg", "exp_avg_sq")
 _MIN_RESIDENT_CHUNKS = 4
+_LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -65,9 +74,24 @@ class _ChunkRef:
             group, offset, size, stride, dtype)
 
 
-def _placeholder(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+def _placeholder(shape: torch.Size, dtype: torch.dtype, device=None) -> torch.Tensor:
     # Correct shape, no storage behind it: reads give zeros, never chunk memory.
-    return torch.zeros((), dtype=dtype).expand(shape)
+    return torch.zeros((), dtype=dtype, device=device).expand(shape)
+
+
+def _device_kind(cfg: Config) -> str:
+    kind = cfg.device_kind
+    if kind == "sim":
+        return "sim"
+    has_gpu = torch.cuda.is_available()
+    if kind == "cuda":
+        if not has_gpu:
+            raise RuntimeError("device 'cuda' requested (TIERMEM_DEVICE/device_kind) but there is "
+                               "no CUDA device (torch.cuda.is_available() is False)")
+        if not _C.cuda_built():
+            raise RuntimeError("device 'cuda' requested but this tiermem build has no CUDA support")
+        return "cuda"
+    return "cuda" if has_gpu and _C.cuda_built() else "sim"
 
 
 class TiermemRuntime:
@@ -76,18 +100,42 @@ class TiermemRuntime:
     def __init__(self, model: nn.Module, cfg: Config, param_groups: list[dict] | None):
         self.model = model
         self.cfg = cfg
-        self.dtype = torch.float32
+        self.mixed = cfg.precision in _LOW
+        self.dtype = _LOW.get(cfg.precision, torch.float32)  # compute (param, grad) dtype
+        self.kind_dtype = {"param": self.dtype, "grad": self.dtype, "master": torch.float32,
+                           "exp_avg": torch.float32, "exp_avg_sq": torch.float32}
+        self.loss_scale = float(cfg.initial_scale) if cfg.precision == "fp16" else 1.0
+        self._good_steps = 0
+        self.skipped_steps = 0
         self._handles: list = []
         self._closed = False
+        kind = _device_kind(cfg)
+        self.device = torch.device("cuda", 0) if kind == "cuda" else torch.device("cpu")
         self._collect_params(param_groups)
         self._plan_layout()
-        self.rt = _C.Runtime(cfg.device_budget, cfg.host_budget, cfg.nvme_size,
-                             cfg.prefetch_depth, self._host_reserve)
+        self._own_timeline = cfg.timeline is None
+        if self._own_timeline:
+            fd, self.timeline_path = tempfile.mkstemp(prefix="tiermem-", suffix=".tmt")
+            os.close(fd)
+        else:
+            self.timeline_path = cfg.timeline
+            d = os.path.dirname(self.timeline_path)
+            if d:
+                os.makedirs(d, exist_ok=True)
+        try:
+            self.rt = _C.Runtime(cfg.device_budget, cfg.host_budget, cfg.nvme_path or "",
+                                 cfg.nvme_size, cfg.prefetch_depth, self._host_reserve,
+                                 self.chunk_bytes, self.timeline_path, kind)
+        except BaseException:
+            self._drop_timeline()
+            raise
         try:
             self._create_chunks()
             self._load_initial_values()
         except BaseException:
-            self.rt = None  # frees every region
+            self.rt.close()  # frees every region
+            self.rt = None
+            self._drop_timeline()
             raise
         # From here on nothing can fail: take over the params.
         self._live: dict[int, int] = {}        # device data_ptr -> group (acquired chunks)
@@ -98,8 +146,23 @@ class TiermemRuntime:
         self._callback_queued = False
         self._in_iteration = False
         for r in self.params:
-            r.param.data = _placeholder(r.shape, self.dtype)
+            r.param.data = _placeholder(r.shape, self.dtype, self.device)
+        # Buffers stay ordinary tensors, on the compute device and (like module.to(dtype))
+        # in the compute dtype when floating point.
+        if self.device.type != "cpu" or self.mixed:
+            for m in self.model.modules():
+                for k, b in m._buffers.items():
+                    if b is not None:
+                        dt = self.dtype if b.is_floating_point() else b.dtype
+                        m._buffers[k] = b.to(device=self.device, dtype=dt)
         self._install_hooks()
+
+    def _drop_timeline(self):
+        if self._own_timeline:
+            try:
+                os.unlink(self.timeline_path)
+            except OSError:
+                pass
 
     # ---- set-up ------------------------------------------------------------------------------
     def _collect_params(self, param_groups):
@@ -162,9 +225,9 @@ class TiermemRuntime:
         trainable = [r for r in self.params if r.trainable]
         frozen = [r for r in self.params if not r.trainable]
         numels = [r.numel for r in self.params]
-        esize = 4
+        esize = 2 if self.mixed else 4
         # Device working set: param + grad chunks, MIN_RESIDENT of them.
-        per_elem = esize + (4 if trainable else 0)
+        per_elem = esize + (esize if trainable else 0)
         if self.cfg.chunk_size is None:
             elems, waste, _ = _C.choose_chunk_elems(numels, self.cfg.device_budget, per_elem,
                                                     _MIN_RESIDENT_CHUNKS)
@@ -188,35 +251,47 @@ class TiermemRuntime:
                 grp = self.groups[base + g]
                 grp.params.append(r)
                 grp.used = max(grp.used, off + r.numel)
-        self.chunk_bytes = elems * esize
-        self.model_bytes = sum(r.numel for r in trainable) * 16 + sum(r.numel for r in frozen) * 4
-        self._host_reserve = 4 * self.chunk_bytes if self.cfg.nvme_size else 0
+        self.chunk_bytes = elems * 4  # the largest (fp32) chunk of a group
+        self.kind_bytes = {k: elems * d.itemsize for k, d in self.kind_dtype.items()}
+        per_trainable = 16 + (4 if self.mixed else 0)
+        self.model_bytes = (sum(r.numel for r in trainable) * per_trainable +
+                            sum(r.numel for r in frozen) * esize)
+        # Host room for caches of NVMe-homed chunks: every kind of one group at once.
+        page = 4096
+        self._host_reserve = (5 * ((self.chunk_bytes + page - 1) // page * page)
+                              if self.cfg.nvme_size else 0)
 
     def _create_chunks(self):
         # Params and grads first so they get host homes; optimizer state spills to NVMe first.
-        order = [("param", _CAT_PARAM), ("grad", _CAT_GRAD), ("exp_avg", _CAT_OPTIM),
-                 ("exp_avg_sq", _CAT_OPTIM)]
+        order = [("param", _CAT_PARAM), ("grad", _CAT_GRAD)]
+        if self.mixed:
+            order.append(("master", _CAT_PARAM))
+        order += [("exp_avg", _CAT_OPTIM), ("exp_avg_sq", _CAT_OPTIM)]
         for kind, cat in order:
             for g in self.groups:
                 if kind != "param" and not g.trainable:
                     continue
-                g.chunks[kind] = self.rt.add_chunk(self.chunk_bytes, cat)
+                if kind == "master" and not g.trainable:
+                    continue
+                g.chunks[kind] = self.rt.add_chunk(self.kind_bytes[kind], cat)
 
     def _load_initial_values(self):
         for g in self.groups:
-            cid = g.chunks["param"]
-            base = self.rt.acquire(cid, "host", self.dtype, g.used)
-            try:
-                with torch.no_grad():
-                    for r in g.params:
-                        base[r.offset:r.offset + r.numel].copy_(r.param.data.reshape(-1))
-            finally:
-                self.rt.release(cid, True)
+            kinds = ["param"] + (["master"] if "master" in g.chunks else [])
+            for kind in kinds:
+                cid = g.chunks[kind]
+                base = self.rt.acquire(cid, "host", self.kind_dtype[kind], g.used)
+                try:
+                    with torch.no_grad():
+                        for r in g.params:
+                            base[r.offset:r.offset + r.numel].copy_(r.param.data.reshape(-1))
+                finally:
+                    self.rt.release(cid, True)
 
     # ---- chunk access -----------------------------------------------------------------------
     def _acquire(self, group: int, kind: str, tier: str) -> torch.Tensor:
         g = self.groups[group]
-        base = self.rt.acquire(g.chunks[kind], tier, self.dtype, g.used)
+        base = self.rt.acquire(g.chunks[kind], tier, self.kind_dtype[kind], g.used)
         if tier == "device" and kind == "param":
             self._live[base.data_ptr()] = group
         return base
@@ -272,7 +347,7 @@ class TiermemRuntime:
                 for g, b in pins:
                     self._release(g, "param", False, b)
                 for r in plist:
-                    r.param.data = _placeholder(r.shape, self.dtype)
+                    r.param.data = _placeholder(r.shape, self.dtype, self.device)
                 raise
             self._fwd_pins.append(pins)
             if torch.is_grad_enabled():
@@ -288,7 +363,7 @@ class TiermemRuntime:
             if pushed:
                 torch._C._autograd._pop_saved_tensors_default_hooks()
             for r in plist:
-                r.param.data = _placeholder(r.shape, self.dtype)
+                r.param.data = _placeholder(r.shape, self.dtype, self.device)
             for g, b in pins:
                 self._release(g, "param", False, b)
             return None
@@ -342,7 +417,7 @@ class TiermemRuntime:
             if grad is None:
                 return
             g = self.groups[r.group]
-            base = self.rt.acquire(g.chunks["grad"], "device", torch.float32, g.used)
+            base = self.rt.acquire(g.chunks["grad"], "device", self.dtype, g.used)
             try:
                 with torch.no_grad():
                     base[r.offset:r.offset + r.numel].add_(grad.reshape(-1))
@@ -366,63 +441,94 @@ class TiermemRuntime:
             r.has_grad = False
 
     def _host_views(self, g: _Group, kinds: Iterable[str]):
-        return {k: self.rt.acquire(g.chunks[k], "host", torch.float32, g.used) for k in kinds}
+        return {k: self.rt.acquire(g.chunks[k], "host", self.kind_dtype[k], g.used) for k in kinds}
 
-    def grad_norm(self) -> torch.Tensor:
-        norms = []
+    def grad_stats(self) -> tuple[float, bool]:
+        """(sum of squares of the unscaled grads, any NaN/Inf) over every grad chunk, by the
+        kernels' GradNormAndOverflow (accumulated in double)."""
+        sq, overflow = 0.0, False
         for g in self.groups:
             if not g.trainable:
                 continue
-            base = self.rt.acquire(g.chunks["grad"], "host", torch.float32, g.used)
+            base = self.rt.acquire(g.chunks["grad"], "host", self.dtype, g.used)
             try:
-                for r in g.params:
-                    if r.has_grad:
-                        norms.append(torch.linalg.vector_norm(base[r.offset:r.offset + r.numel], 2.0))
+                s, o = _C.grad_stats(base)
             finally:
                 self.rt.release(g.chunks["grad"], False)
-        if not norms:
-            return torch.tensor(0.0)
-        return torch.linalg.vector_norm(torch.stack(norms), 2.0)
+            sq += s
+            overflow = overflow or o
+        return sq / (self.loss_scale * self.loss_scale), overflow
+
+    def grad_norm(self) -> torch.Tensor:
+        return torch.tensor(math.sqrt(self.grad_stats()[0]), dtype=torch.float32)
+
+    def scale_loss(self, loss):
+        return loss * self.loss_scale if self.loss_scale != 1.0 else loss
 
     @torch.no_grad()
-    def step(self):
+    def step(self) -> bool:
+        """One optimizer step over every chunk group; False when fp16 overflow skipped it."""
         self.rt.phase("optimizer")
-        clip = None
-        if self.cfg.gradient_clipping > 0:
-            total = self.grad_norm()
-            clip = torch.clamp(self.cfg.gradient_clipping / (total + 1e-6), max=1.0)
+        clip = 1.0
+        if self.cfg.gradient_clipping > 0 or self.cfg.precision == "fp16":
+            sq, overflow = self.grad_stats()
+            if overflow and self.cfg.precision == "fp16":
+                self.loss_scale *= self.cfg.backoff_factor
+                self._good_steps = 0
+                self.skipped_steps += 1
+                return False
+            if self.cfg.gradient_clipping > 0:
+                # torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), clamped to 1.
+                total = torch.tensor(math.sqrt(sq), dtype=torch.float32)
+                clip = float(torch.clamp(self.cfg.gradient_clipping / (total + 1e-6), max=1.0))
+        inv_scale = 1.0 / self.loss_scale
+        kinds = ["param", "grad", "exp_avg", "exp_avg_sq"] + (["master"] if self.mixed else [])
         for g in self.groups:
             if not g.trainable or not any(r.has_grad for r in g.params):
                 continue
             self.rt.moment("optimizer-substep")
-            v = self._host_views(g, _KINDS_TRAINABLE)
+            v = self._host_views(g, kinds)
             try:
+                master = v["master"] if self.mixed else v["param"]
+                # Runs of adjacent params with the same group and step go in one kernel call.
+                runs = []
                 for r in g.params:
                     if not r.has_grad:
                         continue
-                    sl = slice(r.offset, r.offset + r.numel)
-                    grad = v["grad"][sl]
-                    if clip is not None:
-                        grad.mul_(clip)
-                    og = self.opt_groups[r.opt_group]
                     r.step += 1
-                    _adamw_update(v["param"][sl], grad, v["exp_avg"][sl], v["exp_avg_sq"][sl],
-                                  r.step, og)
+                    last = runs[-1] if runs else None
+                    if (last and last[1] == r.offset and last[2] == r.opt_group and
+                            last[3] == r.step):
+                        last[1] = r.offset + r.numel
+                    else:
+                        runs.append([r.offset, r.offset + r.numel, r.opt_group, r.step])
+                for lo, hi, gi, step in runs:
+                    og = self.opt_groups[gi]
+                    b1, b2 = og["betas"]
+                    _C.adam_step(master[lo:hi], v["grad"][lo:hi], v["exp_avg"][lo:hi],
+                                 v["exp_avg_sq"][lo:hi], v["param"][lo:hi] if self.mixed else None,
+                                 float(og["lr"]), float(b1), float(b2), float(og["eps"]),
+                                 float(og["weight_decay"]), int(step), inv_scale, clip)
             finally:
-                self.rt.release(g.chunks["param"], True)
-                self.rt.release(g.chunks["grad"], clip is not None)
-                self.rt.release(g.chunks["exp_avg"], True)
-                self.rt.release(g.chunks["exp_avg_sq"], True)
+                for k in kinds:
+                    self.rt.release(g.chunks[k], k != "grad")
+        if self.cfg.precision == "fp16":
+            self._good_steps += 1
+            if self._good_steps >= self.cfg.growth_interval:
+                self.loss_scale *= self.cfg.growth_factor
+                self._good_steps = 0
+        return True
 
     # ---- state ------------------------------------------------------------------------------
     def param_value(self, r: _Param) -> torch.Tensor:
         """A consolidated copy of the fp32 param (an ordinary tensor)."""
         g = self.groups[r.group]
-        base = self.rt.acquire(g.chunks["param"], "host", torch.float32, g.used)
+        kind = "master" if "master" in g.chunks else "param"
+        base = self.rt.acquire(g.chunks[kind], "host", self.kind_dtype[kind], g.used)
         try:
             return base[r.offset:r.offset + r.numel].clone().view(r.shape)
         finally:
-            self.rt.release(g.chunks["param"], False)
+            self.rt.release(g.chunks[kind], False)
 
     def chunk_slice_copy(self, r: _Param, kind: str) -> torch.Tensor:
         g = self.groups[r.group]
@@ -452,27 +558,44 @@ class TiermemRuntime:
         return state_dict
 
     def _load_pre_hook(self, module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
-        # Materialize every param as a view of its host chunk so the default loader copies
-        # straight into the chunks.
+        # Materialize every param as a view of its host master chunk (fp32: the param chunk)
+        # so the default loader copies straight into the chunks.
         self._loading = []
         for g in self.groups:
-            base = self.rt.acquire(g.chunks["param"], "host", torch.float32, g.used)
-            self._loading.append(g.chunks["param"])
+            kind = "master" if "master" in g.chunks else "param"
+            base = self.rt.acquire(g.chunks[kind], "host", self.kind_dtype[kind], g.used)
+            self._loading.append((g, kind, base))
             for r in g.params:
                 r.param.data = base[r.offset:r.offset + r.numel].view(r.shape)
 
     def _load_post_hook(self, module, incompatible):
-        for cid in getattr(self, "_loading", []):
-            self.rt.release(cid, True)
+        for g, kind, base in getattr(self, "_loading", []):
+            if kind == "master":  # refresh the low-precision compute copy from the master
+                low = self.rt.acquire(g.chunks["param"], "host", self.dtype, g.used)
+                try:
+                    with torch.no_grad():
+                        low.copy_(base)
+                finally:
+                    self.rt.release(g.chunks["param"], True)
+            self.rt.release(g.chunks[kind], True)
         self._loading = []
         for r in self.params:
-            r.param.data = _placeholder(r.shape, self.dtype)
+            r.param.data = _placeholder(r.shape, self.dtype, self.device)
 
     def stats(self) -> dict:
         return self.rt.stats()
 
     def timeline_peaks(self) -> dict:
-        return self.rt.timeline_peaks()
+        """Peak and budget per tier, bytes per tier pair and stalls, computed by tiermem::prof
+        from the binary timeline file (not from the engine's counters)."""
+        return self.rt.timeline_report()
+
+    def timeline_events(self) -> list:
+        """Every event of the timeline file so far, in time order: tuples (ts_ns, type, tier,
+        tier2, bytes, chunk, category, flags, label, id) read by runtime/base's reader."""
+        self.rt.synchronize()
+        self.rt.timeline_report()  # flushes
+        return _C.read_timeline(self.timeline_path)
 
     def close(self):
         """Detaches the hooks and gives the params back as ordinary tensors."""
@@ -484,19 +607,14 @@ class TiermemRuntime:
         for r, v in zip(self.params, values):
             r.param.data = v
         self._closed = True
+        self.rt.close()
         self.rt = None
+        self._drop_timeline()
 
-
-def _adamw_update(param, grad, exp_avg, exp_avg_sq, step: int, og: dict):
-    # torch.optim.adam._single_tensor_adam with decoupled weight decay (AdamW), verbatim math.
-    lr, (beta1, beta2), eps, wd = og["lr"], og["betas"], og["eps"], og["weight_decay"]
-    if wd != 0:
-        param.mul_(1 - lr * wd)
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    bias_correction1 = 1 - beta1 ** step
-    bias_correction2 = 1 - beta2 ** step
-    step_size = lr / bias_correction1
-    bias_correction2_sqrt = bias_correction2 ** 0.5
-    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-step_size)
+    def __del__(self):
+        rt = getattr(self, "rt", None)
+        if rt is not None:
+            rt.close()
+            self.rt = None
+        if getattr(self, "_own_timeline", False):
+            self._drop_timeline()

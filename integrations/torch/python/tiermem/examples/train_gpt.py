@@ -6,7 +6,6 @@ the model's data (params + grads + AdamW state), then print where the bytes went
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
@@ -14,29 +13,12 @@ import torch
 import tiermem
 from tiermem.examples.gpt import GPT, GPTConfig, synthetic_batches
 
-_EVENT_NAMES = {1: "alloc", 2: "free", 3: "copy_begin", 4: "copy_end", 5: "stall_begin",
-                6: "stall_end", 7: "budget", 8: "moment", 9: "phase", 10: "oom", 11: "iteration"}
-_TIERS = {0: "device", 1: "host", 2: "nvme", 255: "none"}
-
-
 def fmt(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return str(n)
-
-
-def write_timeline(rt, path: str) -> int:
-    """JSON lines, one event each (interim format until the binary recorder lands)."""
-    events = rt.rt.events()
-    with open(path, "w") as f:
-        for ts, typ, tier, tier2, nbytes, chunk, cat, flags, label in events:
-            f.write(json.dumps({"ts_ns": ts, "type": _EVENT_NAMES.get(typ, typ),
-                                "tier": _TIERS.get(tier, tier), "tier2": _TIERS.get(tier2, tier2),
-                                "bytes": nbytes, "chunk": chunk, "category": cat,
-                                "flags": flags, "label": label}) + "\n")
-    return len(events)
 
 
 def main(argv=None):
@@ -52,7 +34,7 @@ def main(argv=None):
     ap.add_argument("--nvme-path", default=None)
     ap.add_argument("--nvme-size", default=None)
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--timeline", default="build/tiermem-timeline.jsonl")
+    ap.add_argument("--timeline", default="build/tiermem-timeline.tmt")
     ap.add_argument("--threads", type=int, default=0)
     args = ap.parse_args(argv)
     if args.threads:
@@ -63,7 +45,7 @@ def main(argv=None):
                   n_head=args.n_head, n_embd=args.n_embd)
     model = GPT(c)
     n_params = sum(p.numel() for p in model.parameters())
-    config = {"device": args.device_budget, "host": args.host_budget,
+    config = {"device": args.device_budget, "host": args.host_budget, "timeline": args.timeline or None,
               "optimizer": {"lr": args.lr, "weight_decay": 0.01}}
     if args.nvme_size:
         config["nvme"] = {"path": args.nvme_path or "/tmp/tiermem-nvme", "size": args.nvme_size}
@@ -103,27 +85,27 @@ def main(argv=None):
     wall = time.perf_counter() - t0
 
     s = rt.stats()
-    peaks = rt.timeline_peaks()
+    peaks = rt.timeline_peaks()  # tiermem::prof's report of the binary timeline file
     print(f"\n== tiermem summary: {args.steps} steps in {wall:.1f} s, "
           f"{tokens / wall:.0f} tokens/s, loss {first_loss:.3f} -> {last_loss:.3f}")
     print("peak per tier (from the timeline):")
     for t in ("device", "host", "nvme"):
         if peaks["budget"][t]:
             print(f"  {t:6s} {fmt(peaks['peak'][t]):>12s} of {fmt(peaks['budget'][t])}")
-    print("bytes moved per tier pair:")
-    for pair, n in sorted(s["bytes_moved"].items()):
+    print("bytes moved per tier pair (from the timeline):")
+    for pair, n in sorted(peaks["copied"].items()):
         print(f"  {pair:14s} {fmt(n):>12s}  ({fmt(n / args.steps)}/step)")
-    print(f"stall time: {s['stall_ns'] / 1e6:.1f} ms in {s['stalls']} stalls; "
-          f"{s['prefetches']} prefetches, {s['evictions']} evictions "
+    print(f"stall time (from the timeline): {peaks['stall_ns'] / 1e6:.1f} ms in "
+          f"{peaks['stalls']} stalls; {s['prefetches']} prefetches, {s['evictions']} evictions "
           f"({s['clean_evictions']} clean)")
+    for cause, ns in sorted(peaks["stall_causes"].items(), key=lambda kv: -kv[1])[:4]:
+        print(f"  {cause:24s} {ns / 1e6:8.1f} ms")
     if peaks["over_budget"]:
         print("ERROR: the device budget was exceeded")
         return 1
     if args.timeline:
-        import os
-        os.makedirs(os.path.dirname(args.timeline) or ".", exist_ok=True)
-        n = write_timeline(rt, args.timeline)
-        print(f"timeline: {n} events -> {args.timeline}")
+        print(f"timeline: {peaks['events']} events -> {args.timeline} "
+              f"(tiermem prof report {args.timeline})")
     return 0
 
 
