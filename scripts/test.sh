@@ -22,7 +22,9 @@ if [ "${TIERMEM_TEST_FAST:-0}" != 1 ]; then
   cmake -S . -B build-asan -DTIERMEM_SANITIZE=address -DTIERMEM_WITH_CUDA=OFF \
         -DTIERMEM_BUILD_TORCH=OFF -DTIERMEM_BUILD_BENCHMARKS=OFF -DCMAKE_BUILD_TYPE=Debug >/dev/null
   cmake --build build-asan -j "$JOBS"
-  ASAN_OPTIONS=detect_leaks=1 ctest --test-dir build-asan --output-on-failure -j "$JOBS" -LE "gpu|slow"
+  # HWLOC_COMPONENTS=-pci: hwloc's pci plugin (libpciaccess) leaks its scan state from a
+  # dlclose'd module, which LeakSanitizer reports and cannot attribute; ours leak nothing.
+  HWLOC_COMPONENTS=-pci ASAN_OPTIONS=detect_leaks=1 ctest --test-dir build-asan --output-on-failure -j "$JOBS" -LE "gpu|slow"
   echo "== TSan build (build-tsan/): concurrent components"
   cmake -S . -B build-tsan -DTIERMEM_SANITIZE=thread -DTIERMEM_WITH_CUDA=OFF \
         -DTIERMEM_BUILD_TORCH=OFF -DTIERMEM_BUILD_BENCHMARKS=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
