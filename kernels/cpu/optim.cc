@@ -24,6 +24,10 @@
 #include <thread>
 #include <vector>
 
+#ifdef TIERMEM_KERNELS_X86
+#include <cpuid.h>
+#endif
+
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>
 #include <tbb/partitioner.h>
@@ -41,6 +45,14 @@ using internal::KernelTable;
 constexpr size_t kTile = 32768;  // elements; a multiple of every vector width
 constexpr size_t kStreamOutBytes = 8u << 20;  // param_out at least this big: streaming stores
 
+#ifdef TIERMEM_KERNELS_X86
+// F16C (CPUID.1:ECX bit 29) read directly: clang's __builtin_cpu_supports has no "f16c".
+bool CpuHasF16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C) != 0;
+}
+#endif
+
 // TIERMEM_KERNELS_X86 is defined when the AVX2/AVX-512 TUs are built (x86-64 only).
 bool CpuHas(Isa isa) {
 #ifndef TIERMEM_KERNELS_X86
@@ -51,10 +63,10 @@ bool CpuHas(Isa isa) {
       return true;
     case Isa::kAvx2:
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-             __builtin_cpu_supports("f16c");
+             CpuHasF16c();
     case Isa::kAvx512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c");
+             __builtin_cpu_supports("avx512vl") && CpuHasF16c();
   }
   return false;
 #endif
