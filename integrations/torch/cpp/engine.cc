@@ -548,6 +548,16 @@ StatusOr<::torch::Tensor> Engine::ParamValue(const ::torch::Tensor& param) {
   return SliceCopy(*it->second, kParam);
 }
 
+StatusOr<::torch::Tensor> Engine::Grad(const ::torch::Tensor& param) {
+  if (closed_) return FailedPreconditionError("tiermem engine is closed");
+  auto it = by_impl_.find(param.unsafeGetTensorImpl());
+  if (it == by_impl_.end()) return NotFoundError("not a parameter managed by this engine");
+  if (!it->second->trainable) {
+    return NotFoundError("parameter " + it->second->name + " is frozen: no gradient");
+  }
+  return SliceCopy(*it->second, kGrad);
+}
+
 StatusOr<::torch::Tensor> Engine::OptimizerState(const ::torch::Tensor& param,
                                                  const std::string& kind) {
   if (closed_) return FailedPreconditionError("tiermem engine is closed");
@@ -573,7 +583,10 @@ StatusOr<EngineStats> Engine::Stats() {
 }
 
 Status Engine::Close() {
-  if (closed_) return OkStatus();
+  if (closed_ || !stack_) {
+    closed_ = true;
+    return OkStatus();
+  }
   std::vector<::torch::Tensor> values;
   for (auto& p : params_) {
     TIERMEM_ASSIGN_OR_RETURN(::torch::Tensor v, SliceCopy(*p, kParam));

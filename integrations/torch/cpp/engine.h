@@ -106,6 +106,8 @@ class Engine {
 
   // A consolidated copy (an ordinary tensor) of a managed parameter's current value.
   StatusOr<::torch::Tensor> ParamValue(const ::torch::Tensor& param);
+  // Its accumulated gradient (zeros before any backward).
+  StatusOr<::torch::Tensor> Grad(const ::torch::Tensor& param);
   // Its Adam state: `kind` "exp_avg" or "exp_avg_sq".
   StatusOr<::torch::Tensor> OptimizerState(const ::torch::Tensor& param, const std::string& kind);
 

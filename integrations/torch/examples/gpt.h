@@ -2,7 +2,8 @@
 // LibTorch: pre-norm blocks with causal self-attention and a GELU MLP, tied embeddings
 // (the head's weight is the token embedding's), GPT-2 initialisation (std 0.02). The model
 // is split into segments for tiermem::torch::Engine::Run: `embed`, each of `blocks`, `head`.
-// Header-only so the example and its test share one definition.
+// Header-only so the example and its test share one definition. It lives outside namespace
+// tiermem: inside it, `torch::` would name tiermem::torch (TORCH_MODULE spells it unqualified).
 #pragma once
 
 #include <torch/torch.h>
@@ -12,7 +13,7 @@
 
 #include "integrations/torch/cpp/engine.h"
 
-namespace tiermem::examples {
+namespace tiermem_example {
 
 struct GPTConfig {
   int64_t vocab_size = 256;  // bytes
@@ -118,7 +119,7 @@ struct GPTImpl : ::torch::nn::Module {
     return head(x);
   }
   // The same forward through the engine, one segment per submodule.
-  StatusOr<::torch::Tensor> forward(tiermem::torch::Engine& engine, const ::torch::Tensor& idx) {
+  tiermem::StatusOr<::torch::Tensor> forward(tiermem::torch::Engine& engine, const ::torch::Tensor& idx) {
     TIERMEM_ASSIGN_OR_RETURN(::torch::Tensor x,
                              engine.Run(*embed, [&](const auto&) { return embed(idx); }));
     for (auto& b : blocks) {
@@ -171,4 +172,4 @@ inline std::vector<std::pair<::torch::Tensor, ::torch::Tensor>> SyntheticBatches
   return out;
 }
 
-}  // namespace tiermem::examples
+}  // namespace tiermem_example

@@ -29,8 +29,8 @@ int Usage(const char* argv0) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  using tiermem::examples::GPT;
-  using tiermem::examples::GPTConfig;
+  using tiermem_example::GPT;
+  using tiermem_example::GPTConfig;
   GPTConfig c;
   c.n_layer = 4;
   c.n_embd = 128;
@@ -84,7 +84,7 @@ int main(int argc, char** argv) {
               static_cast<double>(engine.model_bytes()) / budget, Mib(budget),
               static_cast<unsigned long long>(engine.chunk_elems()), engine.num_groups());
 
-  const auto batches = tiermem::examples::SyntheticBatches(c, batch, steps);
+  const auto batches = tiermem_example::SyntheticBatches(c, batch, steps);
   const auto t0 = std::chrono::steady_clock::now();
   for (int s = 0; s < steps; ++s) {
     const auto& [x, y] = batches[s];
@@ -93,7 +93,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "tiermem: %s\n", logits.status().ToString().c_str());
       return 1;
     }
-    auto loss = tiermem::examples::LmLoss(*logits, y);
+    auto loss = tiermem_example::LmLoss(*logits, y);
     loss.backward();
     auto stepped = engine.Step();
     tiermem::Status z = stepped.ok() ? engine.ZeroGrad() : stepped.status();
