@@ -1,15 +1,9 @@
 // tiermem._C: the Python binding of the chunk engine (pybind11 through torch's headers).
 //
-// A Runtime owns the tiers, the Mover, the binary timeline recorder and the Engine:
-//   device  SimDevice (host memory posing as HBM) on CPU-only machines, or the CUDA tier
-//           (NewCudaTier) when built with CUDA, asked for, and a GPU is present;
-//   host    the pinned host tier (tiers/host), size classes = the chunk size and its halves;
-//   nvme    the file-backed NVMe tier (tiers/nvme, io_uring or pread/pwrite) when configured;
-//   staging a small host tier of its own for the Mover's device<->NVMe bounce slots
-//           (prefetch_depth + 2 slots, carved out of the host budget), so a bounced move never
-//           competes with chunk homes for host room;
-//   timeline TimelineRecorder::Open(path): every alloc/free/move/stall/moment goes there, and
-//           the summaries Python shows are computed from that file by tiermem::prof.
+// A Runtime wraps a torch_common::RuntimeStack (integrations/torch/common, shared with the
+// LibTorch API): the tiers (SimDevice or CUDA, host, NVMe, staging), the Mover, the binary
+// timeline recorder and the Engine. The summaries Python shows are computed from the timeline
+// file by tiermem::prof.
 // Chunk memory reaches Python as 1-D tensors made with torch::from_blob over the region's
 // address (CPU tensors on SimDevice and host, CUDA tensors on the CUDA tier): they do not own
 // the memory and are valid only while the chunk stays acquired (the Python layer drops every
@@ -28,15 +22,9 @@
 #include "kernels/cpu/optim.h"
 #include "runtime/base/timeline.h"
 #include "runtime/base/timeline_reader.h"
+#include "integrations/torch/common/runtime_stack.h"
 #include "runtime/engine/engine.h"
-#include "runtime/mover.h"
-#include "tiers/fake/sim_device.h"
-#include "tiers/host/host_tier.h"
-#include "tiers/nvme/nvme_tier.h"
 #include "tools/prof/lib/analysis.h"
-#ifdef TIERMEM_TORCH_WITH_CUDA
-#include "tiers/cuda/cuda_tier.h"
-#endif
 
 namespace py = pybind11;
 
@@ -71,9 +59,6 @@ T Check(StatusOr<T> s) {
 }
 
 StatusOr<TierKind> TierArg(const std::string& name) { return ParseTierKind(name); }
-
-constexpr Bytes kPage = 4096;
-Bytes AlignUp(Bytes n, Bytes a) { return (n + a - 1) / a * a; }
 
 std::string PairName(TierKind a, TierKind b) {
   return std::string(TierKindName(a)) + "->" + std::string(TierKindName(b));
@@ -114,66 +99,21 @@ class Runtime {
   Runtime(uint64_t device_budget, uint64_t host_budget, const std::string& nvme_path,
           uint64_t nvme_size, int prefetch_depth, uint64_t host_reserve, uint64_t chunk_bytes,
           const std::string& timeline_path, const std::string& device) {
-    timeline_path_ = timeline_path;
-    recorder_ = Check(TimelineRecorder::Open(timeline_path));
-    if (device == "cuda") {
-#ifdef TIERMEM_TORCH_WITH_CUDA
-      CudaTierConfig cc;
-      cc.capacity = device_budget;
-      device_ = Check(NewCudaTier(cc));
-      cuda_ = true;
-#else
-      Throw(UnavailableError("no CUDA device: this tiermem build has no CUDA support"));
-#endif
-    } else if (device == "sim") {
-      SimDeviceConfig dc;
-      dc.capacity = device_budget;
-      device_ = NewSimDevice(dc);
-    } else {
-      Throw(InvalidArgumentError("device must be 'sim' or 'cuda', got '" + device + "'"));
-    }
-    const Bytes slot = AlignUp(std::max<Bytes>(chunk_bytes, kPage), kPage);
-    Bytes staging_bytes = 0;
-    if (nvme_size > 0) {
-      staging_bytes = slot * static_cast<Bytes>(prefetch_depth + 2);
-      if (staging_bytes + slot > host_budget) {
-        Throw(ResourceExhaustedError(
-            "host budget of " + std::to_string(host_budget) + " bytes is below the minimum of " +
-            std::to_string(staging_bytes + slot) +
-            " bytes with NVMe (staging slots for device<->NVMe moves plus one chunk)"));
-      }
-      staging_ = Check(NewHostTier(HostConfig(staging_bytes, slot)));
-    }
-    host_ = Check(NewHostTier(HostConfig(host_budget - staging_bytes, slot)));
-    if (nvme_size > 0) {
-      NvmeTierConfig nc;
-      nc.dir = nvme_path;
-      nc.capacity = AlignUp(nvme_size, nc.block_bytes);
-      nvme_ = Check(NewNvmeTier(nc));
-    }
-    MoverConfig mc;
-    mc.staging_slot_bytes = slot;
-    mc.staging_slots = 1;
-    mover_ = NewMover(mc, staging_.get(), recorder_.get());
-    engine::EngineConfig cfg;
-    cfg.prefetch_depth = prefetch_depth;
-    cfg.host_reserve_bytes = host_reserve;
-    engine_ = Check(engine::Engine::Create(
-        cfg, engine::EngineTiers{device_.get(), host_.get(), nvme_.get()}, mover_.get(),
-        recorder_.get()));
+    torch_common::StackConfig c;
+    c.device_budget = device_budget;
+    c.host_budget = host_budget;
+    c.nvme_path = nvme_path;
+    c.nvme_size = nvme_size;
+    c.prefetch_depth = prefetch_depth;
+    c.host_reserve = host_reserve;
+    c.chunk_bytes = chunk_bytes;
+    c.timeline_path = timeline_path;
+    c.device = device;
+    stack_ = Check(torch_common::RuntimeStack::Create(c));
   }
-  ~Runtime() { Close(); }
 
   // Frees every region and closes the timeline (complete file). Idempotent.
-  void Close() {
-    engine_.reset();
-    mover_.reset();
-    nvme_.reset();
-    host_.reset();
-    staging_.reset();
-    device_.reset();
-    if (recorder_) recorder_->Close().IgnoreError();
-  }
+  void Close() { stack_->Close(); }
 
   uint32_t AddChunk(uint64_t bytes, int category) {
     return Check(Live()->AddChunk(bytes, static_cast<Category>(category)));
@@ -181,15 +121,16 @@ class Runtime {
   torch::Tensor Acquire(uint32_t chunk, const std::string& tier, torch::Dtype dtype,
                         int64_t numel) {
     const TierKind t = Check(TierArg(tier));
-    void* addr = Check(Live()->Acquire(chunk, t));
+    engine::Engine* e = Live();
+    void* addr = Check(e->Acquire(chunk, t));
     const int64_t elem = static_cast<int64_t>(c10::elementSize(dtype));
-    if (numel * elem > static_cast<int64_t>(engine_->ChunkBytes(chunk))) {
-      Check(engine_->Release(chunk, false));
+    if (numel * elem > static_cast<int64_t>(e->ChunkBytes(chunk))) {
+      Check(e->Release(chunk, false));
       throw py::value_error("view of " + std::to_string(numel) + " elements exceeds chunk " +
                             std::to_string(chunk));
     }
     auto opts = torch::TensorOptions().dtype(dtype);
-    if (t == TierKind::kDevice && cuda_) opts = opts.device(torch::kCUDA, 0);
+    if (t == TierKind::kDevice && stack_->cuda()) opts = opts.device(torch::kCUDA, 0);
     return torch::from_blob(addr, {numel}, opts);
   }
   void Release(uint32_t chunk, bool modified) { Check(Live()->Release(chunk, modified)); }
@@ -203,13 +144,9 @@ class Runtime {
   std::string Home(uint32_t c) { return std::string(TierKindName(Live()->Home(c))); }
   bool Dirty(uint32_t c) { return Live()->Dirty(c); }
   int Pins(uint32_t c) { return Live()->Pins(c); }
-  bool cuda() const { return cuda_; }
-  std::string nvme_engine() const {
-    if (nvme_ == nullptr) return "";
-    auto* t = dynamic_cast<NvmeTier*>(nvme_.get());
-    return t ? std::string(t->engine_name()) : "";
-  }
-  const std::string& timeline_path() const { return timeline_path_; }
+  bool cuda() const { return stack_->cuda(); }
+  std::string nvme_engine() const { return stack_->nvme_engine(); }
+  const std::string& timeline_path() const { return stack_->timeline_path(); }
 
   py::dict Stats() {
     const engine::EngineStats s = Live()->Stats();
@@ -243,33 +180,12 @@ class Runtime {
   }
 
   // The timeline file so far, analysed by tiermem::prof (not the engine's counters).
-  py::dict TimelineReport() {
-    if (engine_) Check(engine_->Synchronize());
-    Check(recorder_->Flush());
-    return ReportDict(Check(prof::AnalyzeFile(timeline_path_)));
-  }
+  py::dict TimelineReport() { return ReportDict(Check(stack_->TimelineReport())); }
 
  private:
-  static HostTierConfig HostConfig(Bytes capacity, Bytes slot) {
-    HostTierConfig hc;
-    hc.capacity = capacity;
-    hc.slot_bytes = slot;
-    hc.min_class_bytes = kPage;
-    // Slabs of at most 64 MiB (whole slots), so a small budget does not fault a big slab.
-    hc.slab_bytes = std::max(slot, std::min<Bytes>(AlignUp(capacity, slot), 64 * kMiB / slot * slot));
-    return hc;
-  }
-  engine::Engine* Live() {
-    if (!engine_) Throw(FailedPreconditionError("tiermem runtime is closed"));
-    return engine_.get();
-  }
+  engine::Engine* Live() { return Check(stack_->Live()); }
 
-  std::string timeline_path_;
-  std::unique_ptr<TimelineRecorder> recorder_;  // outlives everything below
-  std::unique_ptr<Tier> device_, staging_, host_, nvme_;
-  std::unique_ptr<Mover> mover_;
-  std::unique_ptr<engine::Engine> engine_;
-  bool cuda_ = false;
+  std::unique_ptr<torch_common::RuntimeStack> stack_;
 };
 
 kernels::DType KernelDType(const torch::Tensor& t) {
@@ -395,13 +311,7 @@ PYBIND11_MODULE(_C, m) {
     return tiermem::torch_ext::ReportDict(
         tiermem::torch_ext::Check(tiermem::prof::AnalyzeFile(path)));
   });
-  m.def("cuda_built", [] {
-#ifdef TIERMEM_TORCH_WITH_CUDA
-    return true;
-#else
-    return false;
-#endif
-  });
+  m.def("cuda_built", [] { return tiermem::torch_common::RuntimeStack::CudaBuilt(); });
   py::class_<Runtime>(m, "Runtime")
       .def(py::init<uint64_t, uint64_t, const std::string&, uint64_t, int, uint64_t, uint64_t,
                     const std::string&, const std::string&>(),
