@@ -1,5 +1,5 @@
 // WorkerPool: a FIFO of jobs served by a fixed set of threads (the host tier's memcpy workers,
-// the mover's host<->host lanes). With one thread, jobs run in submission order.
+// the mover's host<->host lanes, SimDevice's copy lanes, the NVMe tier's checksum workers). With one thread, jobs run in submission order.
 // Threading: thread-safe. The destructor runs every job already pushed, then joins.
 #pragma once
 
@@ -29,10 +29,10 @@ class WorkerPool {
   }
 
   void Push(std::function<void()> job) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      jobs_.push_back(std::move(job));
-    }
+    // Notified under the lock: a job may complete the last copy of a tier and let its owner
+    // destroy this pool while the pushing thread would otherwise still be notifying.
+    std::lock_guard<std::mutex> lock(mu_);
+    jobs_.push_back(std::move(job));
     cv_.notify_one();
   }
 

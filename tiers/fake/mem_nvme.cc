@@ -1,13 +1,13 @@
 // MemNvme implementation. Each region is its own heap block (ASan catches overruns); the
-// worker thread drains a FIFO of memcpy jobs. The region table is checked at Copy() time; a
+// worker (a one-thread WorkerPool) drains a FIFO of memcpy jobs. The region table is checked at Copy() time; a
 // region must not be freed while copies on it are in flight (tiers/tier.h), so the worker
 // may use the block pointer captured then.
 #include "tiers/fake/mem_nvme.h"
 
 #include <cstring>
-#include <deque>
-#include <thread>
 #include <unordered_map>
+
+#include "tiers/worker_pool.h"
 
 namespace tiermem {
 namespace {
@@ -15,17 +15,7 @@ namespace {
 class MemNvme final : public Tier {
  public:
   explicit MemNvme(const MemNvmeConfig& c)
-      : block_(c.block_bytes == 0 ? 1 : c.block_bytes), budget_(c.capacity),
-        worker_([this] { Run(); }) {}
-
-  ~MemNvme() override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    worker_.join();  // drains queued copies first
-  }
+      : block_(c.block_bytes == 0 ? 1 : c.block_bytes), budget_(c.capacity) {}
 
   TierKind kind() const override { return TierKind::kNvme; }
   std::string name() const override { return "mem-nvme"; }
@@ -78,8 +68,20 @@ class MemNvme final : public Tier {
     Status valid = ValidateCopy(req, live);
     if (!valid.ok()) return Completion::Done(valid.WithContext("mem-nvme"));
     auto done = Completion::Make();
-    queue_.push_back(Job{data + req.offset, static_cast<char*>(req.host), req.bytes, req.dir, done});
-    cv_.notify_one();
+    char* stored = data + req.offset;
+    char* host = static_cast<char*>(req.host);
+    const Bytes n = req.bytes;
+    const CopyDir dir = req.dir;
+    worker_.Push([=] {
+      if (n > 0) {
+        if (dir == CopyDir::kToTier) {
+          std::memcpy(stored, host, n);
+        } else {
+          std::memcpy(host, stored, n);
+        }
+      }
+      done->Complete(OkStatus());
+    });
     return done;
   }
 
@@ -88,44 +90,13 @@ class MemNvme final : public Tier {
     Region region;
     std::unique_ptr<char[]> data;
   };
-  struct Job {
-    char* stored;
-    char* host;
-    Bytes bytes;
-    CopyDir dir;
-    std::shared_ptr<Completion> done;
-  };
-
-  void Run() {
-    for (;;) {
-      Job job;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
-        if (queue_.empty()) return;  // stopping and drained
-        job = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      if (job.bytes > 0) {
-        if (job.dir == CopyDir::kToTier) {
-          std::memcpy(job.stored, job.host, job.bytes);
-        } else {
-          std::memcpy(job.host, job.stored, job.bytes);
-        }
-      }
-      job.done->Complete(OkStatus());
-    }
-  }
-
   const Bytes block_;
   BudgetAccount budget_;
   std::mutex mu_;
-  std::condition_variable cv_;
   std::unordered_map<uint64_t, Block> regions_;  // GUARDED_BY(mu_)
   uint64_t next_id_ = 1;                         // GUARDED_BY(mu_)
-  std::deque<Job> queue_;                        // GUARDED_BY(mu_)
-  bool stop_ = false;                            // GUARDED_BY(mu_)
-  std::thread worker_;                           // last: starts after the fields above exist
+  // Last: destroyed first, running queued copies while the regions still exist.
+  WorkerPool worker_{1};
 };
 
 }  // namespace

@@ -6,69 +6,37 @@
 
 #include <chrono>
 #include <cstring>
-#include <deque>
 #include <new>
 #include <thread>
 #include <unordered_map>
 
 #include "runtime/base/clock.h"
+#include "tiers/worker_pool.h"
 
 namespace tiermem {
 namespace {
 
+// One copy engine: a one-thread FIFO. With a bandwidth model a copy of n bytes takes at least
+// latency + n / bandwidth of wall time (the memcpy, then sleep for the rest).
 class Lane {
  public:
-  Lane(double bytes_per_s, uint64_t latency_ns)
-      : bytes_per_s_(bytes_per_s), latency_ns_(latency_ns), thread_([this] { Run(); }) {}
-  ~Lane() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
-  }
+  Lane(double bytes_per_s, uint64_t latency_ns) : bytes_per_s_(bytes_per_s), latency_ns_(latency_ns) {}
   void Push(std::function<void()> copy, Bytes bytes, std::shared_ptr<Completion> done) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      queue_.push_back(Item{std::move(copy), bytes, std::move(done)});
-    }
-    cv_.notify_one();
+    pool_.Push([this, copy = std::move(copy), bytes, done = std::move(done)] {
+      const uint64_t start = Clock::Real()->NowNs();
+      copy();
+      uint64_t modelled = latency_ns_;
+      if (bytes_per_s_ > 0) modelled += static_cast<uint64_t>(bytes / bytes_per_s_ * 1e9);
+      const uint64_t spent = Clock::Real()->NowNs() - start;
+      if (modelled > spent) std::this_thread::sleep_for(std::chrono::nanoseconds(modelled - spent));
+      done->Complete(OkStatus());
+    });
   }
 
  private:
-  struct Item {
-    std::function<void()> copy;
-    Bytes bytes;
-    std::shared_ptr<Completion> done;
-  };
-  void Run() {
-    for (;;) {
-      Item item;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
-        if (queue_.empty()) return;  // stop_ and drained
-        item = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      const uint64_t start = Clock::Real()->NowNs();
-      item.copy();
-      uint64_t modelled = latency_ns_;
-      if (bytes_per_s_ > 0) modelled += static_cast<uint64_t>(item.bytes / bytes_per_s_ * 1e9);
-      const uint64_t spent = Clock::Real()->NowNs() - start;
-      if (modelled > spent) std::this_thread::sleep_for(std::chrono::nanoseconds(modelled - spent));
-      item.done->Complete(OkStatus());
-    }
-  }
-
   const double bytes_per_s_;
   const uint64_t latency_ns_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Item> queue_;  // GUARDED_BY(mu_)
-  bool stop_ = false;       // GUARDED_BY(mu_)
-  std::thread thread_;      // last: starts after the fields above exist
+  WorkerPool pool_{1};  // last: drained and joined first
 };
 
 class SimDevice final : public Tier {

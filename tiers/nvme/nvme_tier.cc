@@ -53,6 +53,7 @@
 
 #include "runtime/base/logging.h"
 #include "runtime/base/crc32c.h"
+#include "tiers/worker_pool.h"
 #include "tiers/nvme/extent_allocator.h"
 #include "tiers/nvme/io_engine.h"
 
@@ -160,50 +161,6 @@ class BouncePool {
   std::mutex mu_;
   std::vector<char*> free_;                          // GUARDED_BY(mu_)
   std::deque<std::function<void(char*)>> waiters_;   // GUARDED_BY(mu_)
-};
-
-// A few threads running short tasks in FIFO order (the checksum workers). Thread-safe; the
-// destructor runs every queued task first.
-class TaskPool {
- public:
-  explicit TaskPool(int threads) {
-    for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { Loop(); });
-  }
-  ~TaskPool() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    for (auto& t : threads_) t.join();
-  }
-  void Run(std::function<void()> task) {
-    // Notified under the lock: the task may finish the last copy and let the tier (and this
-    // pool) be destroyed while a caller on an engine thread would still be notifying.
-    std::lock_guard<std::mutex> lock(mu_);
-    tasks_.push_back(std::move(task));
-    cv_.notify_one();
-  }
-
- private:
-  void Loop() {
-    for (;;) {
-      std::function<void()> task;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [this] { return stop_ || !tasks_.empty(); });
-        if (tasks_.empty()) return;
-        task = std::move(tasks_.front());
-        tasks_.pop_front();
-      }
-      task();
-    }
-  }
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> tasks_;  // GUARDED_BY(mu_)
-  bool stop_ = false;                        // GUARDED_BY(mu_)
-  std::vector<std::thread> threads_;
 };
 
 // One Copy() call: its pieces report here; the last one completes the Completion.
@@ -371,7 +328,7 @@ class NvmeTierImpl final : public NvmeTier {
   BlockLocks locks_;
   std::unique_ptr<BouncePool> bounce_;
   std::unique_ptr<nvme::IoEngine> engine_;
-  std::unique_ptr<TaskPool> checksum_pool_;
+  std::unique_ptr<WorkerPool> checksum_pool_;
 
   std::mutex drain_mu_;
   std::condition_variable drain_cv_;
@@ -556,7 +513,7 @@ Status NvmeTierImpl::Init() {
   if (workers == 0) {
     workers = static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 4u));
   }
-  checksum_pool_ = std::make_unique<TaskPool>(workers);
+  checksum_pool_ = std::make_unique<WorkerPool>(workers);
   return OkStatus();
 }
 
@@ -682,7 +639,7 @@ void NvmeTierImpl::StartDirect(const std::shared_ptr<Request>& r, uint64_t off, 
       r->PieceDone(s);
       delete &o;  // nothing touches `o` or this lambda's captures after this
     };
-    checksum_pool_->Run([this, op] {
+    checksum_pool_->Push([this, op] {
       PrepareWrite(*op);
       engine_->Submit(op);
     });
@@ -694,7 +651,7 @@ void NvmeTierImpl::StartDirect(const std::shared_ptr<Request>& r, uint64_t off, 
         return;
       }
       IoOp* done_op = &o;
-      checksum_pool_->Run([this, r, off, done_op] {
+      checksum_pool_->Push([this, r, off, done_op] {
         r->PieceDone(Verify(*r, off, done_op->buf, done_op->len));
         delete done_op;
       });
