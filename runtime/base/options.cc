@@ -80,15 +80,27 @@ StatusOr<Options> ParseOptions(const Options& base, const EnvGetter& env) {
   auto str_var = [&](const char* var, std::string* out) {
     if (const char* v = env(var)) *out = v;
   };
-  str_var("TIERMEM_DEVICE", &o.device);
+  // An enumerated variable is checked where it is read, so the error names the variable.
+  auto enum_var = [&](const char* var, std::string* out,
+                      std::initializer_list<std::string_view> allowed) -> Status {
+    const char* v = env(var);
+    if (v == nullptr) return OkStatus();
+    Status s = OneOf("value", v, allowed);
+    if (!s.ok()) return BadEnv(var, v, s);
+    *out = v;
+    return OkStatus();
+  };
+  TIERMEM_RETURN_IF_ERROR(enum_var("TIERMEM_DEVICE", &o.device, {"auto", "cuda", "sim"}));
   TIERMEM_RETURN_IF_ERROR(size_var("TIERMEM_DEVICE_BUDGET", &o.device_budget));
   TIERMEM_RETURN_IF_ERROR(size_var("TIERMEM_HOST_BUDGET", &o.host_budget));
   str_var("TIERMEM_NVME_PATH", &o.nvme_path);
   TIERMEM_RETURN_IF_ERROR(size_var("TIERMEM_NVME_SIZE", &o.nvme_size));
-  str_var("TIERMEM_NVME_ENGINE", &o.nvme_engine);
+  TIERMEM_RETURN_IF_ERROR(
+      enum_var("TIERMEM_NVME_ENGINE", &o.nvme_engine, {"auto", "io_uring", "posix"}));
   TIERMEM_RETURN_IF_ERROR(int_var("TIERMEM_IO_DEPTH", &o.io_depth, 1, 4096));
   TIERMEM_RETURN_IF_ERROR(int_var("TIERMEM_CPU_THREADS", &o.cpu_threads, 0, 4096));
-  str_var("TIERMEM_KERNEL_ISA", &o.kernel_isa);
+  TIERMEM_RETURN_IF_ERROR(
+      enum_var("TIERMEM_KERNEL_ISA", &o.kernel_isa, {"auto", "scalar", "avx2", "avx512"}));
   str_var("TIERMEM_TIMELINE", &o.timeline_path);
   if (const char* v = env("TIERMEM_LOG_LEVEL")) {
     auto lvl = ParseLogLevel(v);

@@ -8,6 +8,8 @@
 
 #include <algorithm>
 
+#include "kernels/cpu/optim.h"
+#include "runtime/base/options.h"
 #include "tiers/fake/sim_device.h"
 #include "tiers/host/host_tier.h"
 #include "tiers/nvme/nvme_tier.h"
@@ -43,6 +45,16 @@ bool RuntimeStack::CudaBuilt() {
 }
 
 StatusOr<std::unique_ptr<RuntimeStack>> RuntimeStack::Create(const StackConfig& config) {
+  // The knobs no config key carries come from the TIERMEM_* environment (runtime/base/
+  // options.h), read once per stack: log level, NVMe engine and queue depth, CPU kernel
+  // threads and ISA. A bad value fails here, naming the variable, before anything is built.
+  TIERMEM_ASSIGN_OR_RETURN(const Options env, ParseOptions(Options{}));
+  SetLogLevel(env.log_level);
+  kernels::SetKernelThreads(env.cpu_threads);
+  if (env.kernel_isa != "auto") {
+    TIERMEM_ASSIGN_OR_RETURN(const kernels::Isa isa, kernels::ParseIsa(env.kernel_isa));
+    TIERMEM_RETURN_IF_ERROR(kernels::SetKernelIsa(isa).WithContext("TIERMEM_KERNEL_ISA"));
+  }
   std::unique_ptr<RuntimeStack> s(new RuntimeStack());
   s->timeline_path_ = config.timeline_path;
   TIERMEM_ASSIGN_OR_RETURN(s->recorder_, TimelineRecorder::Open(config.timeline_path));
@@ -83,6 +95,8 @@ StatusOr<std::unique_ptr<RuntimeStack>> RuntimeStack::Create(const StackConfig& 
   if (config.nvme_size > 0) {
     NvmeTierConfig nc;
     nc.dir = config.nvme_path;
+    TIERMEM_ASSIGN_OR_RETURN(nc.engine, ParseNvmeEngine(env.nvme_engine));
+    nc.queue_depth = env.io_depth;
     nc.capacity = AlignUp(config.nvme_size, nc.block_bytes);
     TIERMEM_ASSIGN_OR_RETURN(s->nvme_, NewNvmeTier(nc));
   }

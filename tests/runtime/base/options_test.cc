@@ -55,7 +55,11 @@ TEST(Options, BadValueNamesTheVariable) {
 
   o = ParseOptions(Options{}, FakeEnv({{"TIERMEM_NVME_ENGINE", "spdk"}}));
   ASSERT_FALSE(o.ok());
-  EXPECT_NE(o.status().message().find("spdk"), std::string::npos);
+  EXPECT_NE(o.status().message().find("TIERMEM_NVME_ENGINE='spdk'"), std::string::npos)
+      << o.status().message();
+  o = ParseOptions(Options{}, FakeEnv({{"TIERMEM_KERNEL_ISA", "neon"}}));
+  ASSERT_FALSE(o.ok());
+  EXPECT_NE(o.status().message().find("TIERMEM_KERNEL_ISA='neon'"), std::string::npos);
 
   o = ParseOptions(Options{}, FakeEnv({{"TIERMEM_DEVICE_BUDGET", "0"}}));
   EXPECT_FALSE(o.ok());

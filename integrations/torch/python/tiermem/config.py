@@ -94,7 +94,34 @@ def _check_dir_writable(path: str) -> None:
         raise ValueError(f"config 'nvme.path': {path!r} is not a writable directory ({e.strerror})") from None
 
 
-def parse_config(config: dict | str | os.PathLike | None) -> Config:
+# Environment variables that override config keys (docs/configuration.md), read once per
+# parse. An error names the variable, not the key.
+_ENV_SIZES = {"TIERMEM_DEVICE_BUDGET": "device", "TIERMEM_HOST_BUDGET": "host"}
+
+
+def _apply_env(config: dict, env) -> dict:
+    config = dict(config)
+    for var, key in _ENV_SIZES.items():
+        if env.get(var):
+            config[key] = _size(var, env[var])
+    if env.get("TIERMEM_NVME_SIZE") or env.get("TIERMEM_NVME_PATH"):
+        nv = dict(config.get("nvme") or {})
+        if env.get("TIERMEM_NVME_SIZE"):
+            nv["size"] = _size("TIERMEM_NVME_SIZE", env["TIERMEM_NVME_SIZE"])
+        if env.get("TIERMEM_NVME_PATH"):
+            nv["path"] = env["TIERMEM_NVME_PATH"]
+        if "size" not in nv:
+            raise ValueError("TIERMEM_NVME_PATH is set but no NVMe size is (config 'nvme.size' "
+                             "or TIERMEM_NVME_SIZE)")
+        config["nvme"] = nv
+    if env.get("TIERMEM_TIMELINE"):
+        config["timeline"] = env["TIERMEM_TIMELINE"]
+    return config
+
+
+def parse_config(config: dict | str | os.PathLike | None, env=None) -> Config:
+    """`env` (default: os.environ) supplies the TIERMEM_* overrides."""
+    env = os.environ if env is None else env
     if config is None:
         config = {}
     if isinstance(config, (str, os.PathLike)):
@@ -110,6 +137,7 @@ def parse_config(config: dict | str | os.PathLike | None) -> Config:
     unknown = sorted(set(config) - _TOP_KEYS)
     if unknown:
         raise ValueError(f"config: unknown key(s) {unknown}; valid keys: {sorted(_TOP_KEYS)}")
+    config = _apply_env(config, env)
     c = Config()
     if "device" in config:
         c.device_budget = _size("device", config["device"])
@@ -190,7 +218,7 @@ def parse_config(config: dict | str | os.PathLike | None) -> Config:
             c.backoff_factor = _number("loss_scaling.backoff_factor", ls["backoff_factor"], 0.0, 1.0)
             if c.backoff_factor <= 0:
                 raise ValueError("config 'loss_scaling.backoff_factor': must be > 0")
-    kind = os.environ.get("TIERMEM_DEVICE") or config.get("device_kind", "auto")
+    kind = env.get("TIERMEM_DEVICE") or config.get("device_kind", "auto")
     if kind not in ("auto", "cuda", "sim"):
         raise ValueError(f"config 'device_kind' / TIERMEM_DEVICE: expected 'auto', 'cuda' or 'sim', got {kind!r}")
     c.device_kind = kind

@@ -398,6 +398,7 @@ class TiermemRuntime:
     def _queue_end_of_backward(self):
         if not self._callback_queued:
             self._callback_queued = True
+            self.rt.phase("backward")  # the first hook of a backward pass marks its start
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self):

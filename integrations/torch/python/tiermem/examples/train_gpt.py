@@ -77,7 +77,8 @@ def main(argv=None):
             st = rt.stats()["tiers"]
             bar.set_postfix_str(
                 f"loss {last_loss:.3f} | {tokens / (time.perf_counter() - t0):.0f} tok/s | "
-                f"dev {fmt(st['device']['used'])} host {fmt(st['host']['used'])}"
+                f"dev peak {fmt(st['device']['peak'])}/{fmt(st['device']['capacity'])} "
+                f"host {fmt(st['host']['used'])}"
                 + (f" nvme {fmt(st['nvme']['used'])}" if st['nvme']['capacity'] else ""))
             bar.update(1)
     if bar:
@@ -100,6 +101,8 @@ def main(argv=None):
           f"({s['clean_evictions']} clean)")
     for cause, ns in sorted(peaks["stall_causes"].items(), key=lambda kv: -kv[1])[:4]:
         print(f"  {cause:24s} {ns / 1e6:8.1f} ms")
+    # Detach: gives the params back as plain tensors and closes the timeline (end record).
+    rt.close()
     if peaks["over_budget"]:
         print("ERROR: the device budget was exceeded")
         return 1
