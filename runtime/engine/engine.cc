@@ -6,6 +6,8 @@
 //   - T is c's home and c has a cached copy above: write the copy back if dirty, free it.
 //   - otherwise: allocate on T (evicting), then fill it from the cached copy (moving it up or
 //     down a tier; dirty is kept), from zeros (dirty, home stale), or from home (clean).
+// AcquireForWrite is Acquire except that a zero chunk landing on a non-host tier is handed over
+// unfilled and the caller zeroes it (no synchronous copy from zeros_); it is dirty all the same.
 // Release unpins; a modified cached copy becomes dirty. Eviction frees a cached copy after
 // writing it back if dirty. Homes never move and are freed only by the destructor.
 // Invariants: a chunk has at most one cached copy; a pinned or in-flight chunk is never
@@ -302,6 +304,16 @@ StatusOr<Region> Engine::AllocateOn(TierKind tier, ChunkId chunk, bool for_prefe
 }
 
 StatusOr<void*> Engine::Acquire(ChunkId chunk, TierKind where) {
+  return AcquireImpl(chunk, where, nullptr);
+}
+
+StatusOr<void*> Engine::AcquireForWrite(ChunkId chunk, TierKind where, bool* must_zero) {
+  if (must_zero == nullptr) return InvalidArgumentError("engine: AcquireForWrite needs must_zero");
+  *must_zero = false;
+  return AcquireImpl(chunk, where, must_zero);
+}
+
+StatusOr<void*> Engine::AcquireImpl(ChunkId chunk, TierKind where, bool* must_zero) {
   TIERMEM_RETURN_IF_ERROR(CheckChunk(chunk));
   if (where != TierKind::kDevice && where != TierKind::kHost) {
     return InvalidArgumentError("engine: chunks are acquired on device or host, not " +
@@ -342,7 +354,12 @@ StatusOr<void*> Engine::Acquire(ChunkId chunk, TierKind where) {
         s = MoveSync(chunk, c->cache, dst, "move between caches");
         if (s.ok()) s = FreeRegion(c->cache, chunk, !c->dirty);
       } else if (c->zero) {
-        s = FillZero(chunk, dst, "zero fill");
+        // The caller of AcquireForWrite zeroes it itself (no copy); host regions get a memset.
+        if (must_zero != nullptr && where != TierKind::kHost) {
+          *must_zero = true;
+        } else {
+          s = FillZero(chunk, dst, "zero fill");
+        }
         c->dirty = true;
       } else {
         s = MoveSync(chunk, c->home, dst, "fetch");

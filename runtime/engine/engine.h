@@ -83,6 +83,12 @@ class Engine {
   // there. kFailedPrecondition if it is pinned on another tier; kResourceExhausted if the
   // tier is full of pinned chunks.
   StatusOr<void*> Acquire(ChunkId chunk, TierKind where);
+  // Same, but when the content is lazily zero and would be filled by a synchronous copy from
+  // a zeros buffer (a non-host tier), the region is handed over unfilled and `*must_zero` is
+  // set: the caller then owes writing zeros over all ChunkBytes(chunk) bytes before anything
+  // else reads them (e.g. a device-side memset ordered before its own writes). Otherwise
+  // `*must_zero` is false and the content is as Acquire gives it. `must_zero` is required.
+  StatusOr<void*> AcquireForWrite(ChunkId chunk, TierKind where, bool* must_zero);
   // Unpins; `modified`: the caller wrote to it (its lower copy is now stale).
   Status Release(ChunkId chunk, bool modified);
   // Its content becomes zeros (lazily: no bytes move now). kFailedPrecondition if pinned.
@@ -129,6 +135,7 @@ class Engine {
   Status WaitStall(const std::shared_ptr<Completion>& c, ChunkId chunk, std::string_view cause);
   // Allocates on `tier`, evicting unpinned chunks as needed (any chunk when `for_prefetch` is
   // false; only clean ones used after `prefetch_pos` otherwise).
+  StatusOr<void*> AcquireImpl(ChunkId chunk, TierKind where, bool* must_zero);
   StatusOr<Region> AllocateOn(TierKind tier, ChunkId chunk, bool for_prefetch,
                               uint64_t prefetch_pos);
   Status Evict(ChunkId victim);

@@ -133,6 +133,28 @@ class Runtime {
     if (t == TierKind::kDevice && stack_->cuda()) opts = opts.device(torch::kCUDA, 0);
     return torch::from_blob(addr, {numel}, opts);
   }
+  // Acquire for a caller about to write into the chunk: a lazily zero chunk landing on the
+  // device tier is zeroed here by torch on the compute device (a memset kernel on CUDA, ordered
+  // on the current stream before the caller's own writes; memset on SimDevice) instead of a
+  // synchronous copy from a zeros buffer. The whole chunk is zeroed, not only the view.
+  torch::Tensor AcquireForWrite(uint32_t chunk, const std::string& tier, torch::Dtype dtype,
+                                int64_t numel) {
+    const TierKind t = Check(TierArg(tier));
+    engine::Engine* e = Live();
+    bool must_zero = false;
+    void* addr = Check(e->AcquireForWrite(chunk, t, &must_zero));
+    const int64_t bytes = static_cast<int64_t>(e->ChunkBytes(chunk));
+    const int64_t elem = static_cast<int64_t>(c10::elementSize(dtype));
+    auto opts = torch::TensorOptions();
+    if (t == TierKind::kDevice && stack_->cuda()) opts = opts.device(torch::kCUDA, 0);
+    if (must_zero) torch::from_blob(addr, {bytes}, opts.dtype(torch::kUInt8)).zero_();
+    if (numel * elem > bytes) {
+      Check(e->Release(chunk, must_zero));
+      throw py::value_error("view of " + std::to_string(numel) + " elements exceeds chunk " +
+                            std::to_string(chunk));
+    }
+    return torch::from_blob(addr, {numel}, opts.dtype(dtype));
+  }
   void Release(uint32_t chunk, bool modified) { Check(Live()->Release(chunk, modified)); }
   void Zero(uint32_t chunk) { Check(Live()->Zero(chunk)); }
   void Flush() { Check(Live()->Flush()); }
@@ -322,6 +344,7 @@ PYBIND11_MODULE(_C, m) {
       .def("add_chunk", &Runtime::AddChunk)
       .def("acquire", &Runtime::Acquire)
       .def("release", &Runtime::Release)
+      .def("acquire_for_write", &Runtime::AcquireForWrite)
       .def("zero", &Runtime::Zero)
       .def("flush", &Runtime::Flush)
       .def("synchronize", &Runtime::Synchronize)

@@ -55,6 +55,7 @@ class _Param:
     opt_group: int = 0
     step: int = 0
     has_grad: bool = False
+    placeholder: Any = None  # the zero-byte stand-in for .data, made once
 
 
 @dataclass
@@ -143,10 +144,20 @@ class TiermemRuntime:
         self._bwd_hold: dict[int, torch.Tensor] = {}  # group -> device base view
         self._bwd_pending: dict[int, set] = {}         # group -> params awaiting grads
         self._fwd_used: dict[int, set] = {}            # group -> params used with grad
+        self._grad_hold: dict[int, torch.Tensor] = {}  # group -> device grad chunk view
+        self._grad_pending: dict[int, set] = {}        # group -> params awaiting grads
+        # Holding a grad chunk across its group's backward saves an acquire per param but pins
+        # it: only worth it when every param and grad chunk fits on the device at once (below
+        # that, the engine needs to evict grad chunks between hooks; holding them re-fetches
+        # more params: 1.45x instead of 1.30x the minimum h2d at a 25% budget).
+        compute_bytes = sum(self.kind_bytes["param"] + (self.kind_bytes["grad"] if g.trainable
+                                                        else 0) for g in self.groups)
+        self._hold_grads = cfg.device_budget >= compute_bytes
         self._callback_queued = False
         self._in_iteration = False
         for r in self.params:
-            r.param.data = _placeholder(r.shape, self.dtype, self.device)
+            r.placeholder = _placeholder(r.shape, self.dtype, self.device)
+            r.param.data = r.placeholder
         # Buffers stay ordinary tensors, on the compute device and (like module.to(dtype))
         # in the compute dtype when floating point.
         if self.device.type != "cpu" or self.mixed:
@@ -347,7 +358,7 @@ class TiermemRuntime:
                 for g, b in pins:
                     self._release(g, "param", False, b)
                 for r in plist:
-                    r.param.data = _placeholder(r.shape, self.dtype, self.device)
+                    r.param.data = r.placeholder
                 raise
             self._fwd_pins.append(pins)
             if torch.is_grad_enabled():
@@ -363,7 +374,7 @@ class TiermemRuntime:
             if pushed:
                 torch._C._autograd._pop_saved_tensors_default_hooks()
             for r in plist:
-                r.param.data = _placeholder(r.shape, self.dtype, self.device)
+                r.param.data = r.placeholder
             for g, b in pins:
                 self._release(g, "param", False, b)
             return None
@@ -406,25 +417,45 @@ class TiermemRuntime:
             self._release(g, "param", False, base)
         self._bwd_hold.clear()
         self._bwd_pending.clear()
+        for g in list(self._grad_hold):
+            self._release_grad(g)
+        self._grad_pending.clear()
         self._fwd_used.clear()
         self._callback_queued = False
         self._in_iteration = False
 
+    def _release_grad(self, group: int):
+        del self._grad_hold[group]
+        self._grad_pending.pop(group, None)
+        self.rt.release(self.groups[group].chunks["grad"], True)
+
     def _make_grad_hook(self, r: _Param):
+        # The grad chunk of a group stays acquired from its first gradient until every param
+        # of the group used in the forward has its gradient (or the end of backward): one
+        # acquire per group and backward instead of one per param (when _hold_grads; else one
+        # acquire per param as before). It is acquired for write,
+        # so a lazily zero chunk is zeroed on the device, not by a copy from a zeros buffer.
+        g = self.groups[r.group]
+        rng = slice(r.offset, r.offset + r.numel)
+
         def hook(p):
             self._queue_end_of_backward()
             grad = p.grad
             p.grad = None
             if grad is None:
                 return
-            g = self.groups[r.group]
-            base = self.rt.acquire(g.chunks["grad"], "device", self.dtype, g.used)
-            try:
-                with torch.no_grad():
-                    base[r.offset:r.offset + r.numel].add_(grad.reshape(-1))
-            finally:
-                self.rt.release(g.chunks["grad"], True)
+            base = self._grad_hold.get(r.group)
+            if base is None:
+                base = self.rt.acquire_for_write(g.chunks["grad"], "device", self.dtype, g.used)
+                self._grad_hold[r.group] = base
+                self._grad_pending[r.group] = set(self._fwd_used.get(r.group, ()))
+            with torch.no_grad():
+                base[rng].add_(grad.reshape(-1))
             r.has_grad = True
+            gpending = self._grad_pending[r.group]
+            gpending.discard(r.index)
+            if not gpending or not self._hold_grads:
+                self._release_grad(r.group)
             pending = self._bwd_pending.get(r.group)
             if pending is not None:
                 pending.discard(r.index)
@@ -581,7 +612,7 @@ class TiermemRuntime:
             self.rt.release(g.chunks[kind], True)
         self._loading = []
         for r in self.params:
-            r.param.data = _placeholder(r.shape, self.dtype, self.device)
+            r.param.data = r.placeholder
 
     def stats(self) -> dict:
         return self.rt.stats()

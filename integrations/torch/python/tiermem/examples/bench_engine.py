@@ -4,7 +4,7 @@ this run; and bytes moved per iteration vs the minimum any schedule needs (every
 param host->device once and every grad device->host once per step, since the optimizer runs on
 the host copies).
 
-    python -m tiermem.examples.bench_engine [--steps 8]
+    python -m tiermem.examples.bench_engine [--steps 8] [--layers 4] [--width 128]
 """
 from __future__ import annotations
 
@@ -35,15 +35,19 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    ap.add_argument("--width", type=int, default=128, help="embedding width (multiple of 4)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
-    c = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
+    c = GPTConfig(vocab_size=256, block_size=64, n_layer=args.layers, n_head=4,
+                  n_embd=args.width)
     base = GPT(c)
     n = sum(p.numel() for p in base.parameters())
     data = list(synthetic_batches(c, 8, args.steps + args.warmup, seed=1))
     plain = copy.deepcopy(base)
     t_plain = run(plain, torch.optim.AdamW(plain.parameters(), lr=1e-3), data, args.warmup)
-    print(f"model {n / 1e6:.2f} M params, data {16 * n / 2**20:.1f} MiB; median step over "
+    print(f"GPT {args.layers} layers x {args.width}, {n / 1e6:.2f} M params, data "
+          f"{16 * n / 2**20:.1f} MiB; median step over "
           f"{args.steps} steps after {args.warmup} warm-up")
     print(f"| config | step (ms) | vs plain torch | h2d / step | d2h / step | h2d / min | d2h / min |")
     print(f"|---|---|---|---|---|---|---|")
