@@ -349,6 +349,52 @@ TEST(Engine, ZeroIsLazyAndReadsZeros) {
   for (Bytes i = 0; i < kChunk; ++i) ASSERT_EQ(static_cast<uint8_t*>(*h)[i], 0) << i;
 }
 
+TEST(Engine, AcquireForWriteLeavesTheZeroFillToTheCaller) {
+  Rig r(2 * kChunk, 8 * kChunk);
+  ChunkId a = Add(r, Category::kGrad);
+  ChunkId b = Add(r, Category::kGrad);
+  r.Fill(a, 9);
+  r.Fill(b, 5);
+  ASSERT_TRUE(r.engine->Acquire(a, TierKind::kDevice).ok());
+  ASSERT_TRUE(r.engine->Release(a, true).ok());
+  ASSERT_TRUE(r.engine->Zero(a).ok());
+  const Bytes h2d = r.engine->Stats().bytes_moved[1][0];
+  bool must_zero = false;
+  auto p = r.engine->AcquireForWrite(a, TierKind::kDevice, &must_zero);
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_TRUE(must_zero);
+  EXPECT_EQ(r.engine->Stats().bytes_moved[1][0], h2d);  // nothing copied in
+  // The caller's duty: zeros over the whole chunk, then its own writes.
+  auto* d = static_cast<uint8_t*>(*p);
+  std::memset(d, 0, kChunk);
+  d[10] = 42;
+  ASSERT_TRUE(r.engine->Release(a, true).ok());
+  EXPECT_TRUE(r.engine->Dirty(a));
+  auto h = r.engine->Acquire(a, TierKind::kHost);  // written back from the device
+  ASSERT_TRUE(h.ok());
+  for (Bytes i = 0; i < kChunk; ++i) {
+    ASSERT_EQ(static_cast<uint8_t*>(*h)[i], i == 10 ? 42 : 0) << i;
+  }
+  ASSERT_TRUE(r.engine->Release(a, false).ok());
+  // A chunk with content: filled as by Acquire, nothing owed.
+  auto q = r.engine->AcquireForWrite(b, TierKind::kDevice, &must_zero);
+  ASSERT_TRUE(q.ok());
+  EXPECT_FALSE(must_zero);
+  EXPECT_TRUE(Rig::Holds(*q, kChunk, 5));
+  ASSERT_TRUE(r.engine->Release(b, false).ok());
+  // A zero chunk acquired on host is zeroed by the engine (memset), nothing owed.
+  ASSERT_TRUE(r.engine->Zero(b).ok());
+  auto z = r.engine->AcquireForWrite(b, TierKind::kHost, &must_zero);
+  ASSERT_TRUE(z.ok());
+  EXPECT_FALSE(must_zero);
+  for (Bytes i = 0; i < kChunk; ++i) ASSERT_EQ(static_cast<uint8_t*>(*z)[i], 0) << i;
+  ASSERT_TRUE(r.engine->Release(b, false).ok());
+  EXPECT_EQ(r.engine->AcquireForWrite(b, TierKind::kDevice, nullptr).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(r.engine->Pins(b), 0);
+  for (const prof::StallStats& st : r.Report().stalls) EXPECT_NE(st.cause, "zero fill");
+}
+
 TEST(Engine, BadRequestsGetSpecificErrorsAndChangeNothing) {
   Rig r(kChunk, 3 * kChunk);
   ChunkId a = Add(r), b = Add(r);
