@@ -44,6 +44,31 @@ TEST(SimDevice, CopyRoundTripAndBounds) {
             StatusCode::kInvalidArgument);
 }
 
+TEST(SimDevice, FreedBlocksAreReusedUnderTheSameBudget) {
+  auto dev = NewSimDevice({.capacity = 8192, .alignment = 256});
+  auto a = dev->Allocate(4096);
+  ASSERT_TRUE(a.ok());
+  ASSERT_TRUE(dev->Free(*a).ok());
+  EXPECT_EQ(dev->Stats().used, 0u);
+  auto b = dev->Allocate(4000);  // same rounded size: the freed block, charged again
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(b->bytes, 4096u);
+  EXPECT_NE(b->id, a->id);
+  EXPECT_EQ(dev->Stats().used, 4096u);
+  EXPECT_EQ(dev->Free(*a).code(), StatusCode::kInvalidArgument);  // the old id stays dead
+  auto c = dev->Allocate(4096);  // a fresh block: the budget still caps the total
+  ASSERT_TRUE(c.ok());
+  EXPECT_NE(c->addr, b->addr);
+  EXPECT_EQ(dev->Allocate(256).status().code(), StatusCode::kResourceExhausted);
+  std::vector<char> src(4096, 5), dst(4096, 0);
+  ASSERT_TRUE(dev->Copy({*b, 0, src.data(), 4096, CopyDir::kToTier})->Wait().ok());
+  ASSERT_TRUE(dev->Copy({*b, 0, dst.data(), 4096, CopyDir::kFromTier})->Wait().ok());
+  EXPECT_EQ(dst, src);
+  ASSERT_TRUE(dev->Free(*b).ok());
+  ASSERT_TRUE(dev->Free(*c).ok());
+  EXPECT_EQ(dev->Stats().used, 0u);
+}
+
 TEST(SimDevice, BandwidthModelSlowsCopies) {
   // 1 MiB at 100 MiB/s must take >= 10 ms of wall time.
   auto dev = NewSimDevice({.capacity = 4 << 20, .h2d_bytes_per_s = 100.0 * (1 << 20)});
