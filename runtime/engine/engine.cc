@@ -106,6 +106,17 @@ void Engine::RecordLabel(EventType type, std::string_view label, uint64_t id) {
   recorder_->Record(e);
 }
 
+void Engine::RecordOom(TierKind tier, Bytes bytes, ChunkId chunk, Category category) {
+  if (recorder_ == nullptr) return;
+  Event e;
+  e.type = EventType::kOom;
+  e.tier = tier;
+  e.bytes = bytes;
+  e.chunk = chunk;
+  e.category = category;
+  recorder_->Record(e);
+}
+
 StatusOr<ChunkId> Engine::AddChunk(Bytes bytes, Category category) {
   if (bytes == 0) return InvalidArgumentError("engine: chunk of 0 bytes");
   const TierStats host = tiers_.host->Stats();
@@ -114,6 +125,7 @@ StatusOr<ChunkId> Engine::AddChunk(Bytes bytes, Category category) {
     if (id.ok() || tiers_.nvme == nullptr) return id;
   }
   if (tiers_.nvme == nullptr) {
+    RecordOom(TierKind::kHost, bytes, kNoChunk, category);  // refused like an allocation
     return ResourceExhaustedError(
         "engine: host tier cannot hold a chunk of " + std::to_string(bytes) + " bytes (" +
         std::to_string(host.capacity - std::min(host.capacity, host.used)) + " of " +
@@ -133,14 +145,7 @@ StatusOr<ChunkId> Engine::AddChunk(Bytes bytes, Category category, TierKind home
   if (t == nullptr) return FailedPreconditionError("engine: no nvme tier configured");
   auto r = t->Allocate(bytes);
   if (!r.ok()) {
-    if (recorder_ != nullptr) {
-      Event e;
-      e.type = EventType::kOom;
-      e.tier = home;
-      e.bytes = bytes;
-      e.category = category;
-      recorder_->Record(e);
-    }
+    RecordOom(home, bytes, kNoChunk, category);
     return r.status().WithContext("engine: home of a " + std::to_string(bytes) + "-byte chunk");
   }
   const ChunkId id = static_cast<ChunkId>(chunks_.size());
@@ -283,15 +288,7 @@ StatusOr<Region> Engine::AllocateOn(TierKind tier, ChunkId chunk, bool for_prefe
     }
     if (cands.empty()) {
       if (for_prefetch) return ResourceExhaustedError("prefetch: no room");
-      if (recorder_ != nullptr) {
-        Event e;
-        e.type = EventType::kOom;
-        e.tier = tier;
-        e.bytes = bytes;
-        e.chunk = chunk;
-        e.category = chunks_[chunk].category;
-        recorder_->Record(e);
-      }
+      RecordOom(tier, bytes, chunk, chunks_[chunk].category);
       return ResourceExhaustedError(
           std::string(TierKindName(tier)) + " tier: need " + std::to_string(bytes) +
           " bytes for chunk " + std::to_string(chunk) + ", but " + std::to_string(st.used) +

@@ -147,6 +147,7 @@ class Engine {
   void Prefetch();
   void RecordRegion(EventType type, const Placed& p, ChunkId chunk, uint8_t flags);
   void RecordLabel(EventType type, std::string_view label, uint64_t id);
+  void RecordOom(TierKind tier, Bytes bytes, ChunkId chunk, Category category);
 
   const EngineConfig config_;
   const EngineTiers tiers_;

@@ -418,6 +418,14 @@ TEST(Engine, BadRequestsGetSpecificErrorsAndChangeNothing) {
   ASSERT_FALSE(big.ok());
   EXPECT_EQ(big.status().code(), StatusCode::kResourceExhausted);
   EXPECT_EQ(r.engine->num_chunks(), 2u);
+  // Each refusal is an OOM event in the timeline, on the tier that refused.
+  const prof::Report rep = r.Report();
+  const auto& dev = rep.tiers[static_cast<int>(TierKind::kDevice)];
+  const auto& host = rep.tiers[static_cast<int>(TierKind::kHost)];
+  EXPECT_EQ(dev.ooms, 1u);
+  EXPECT_EQ(dev.largest_oom_bytes, kChunk);
+  EXPECT_EQ(host.ooms, 1u);
+  EXPECT_EQ(host.largest_oom_bytes, 2 * kChunk);
 }
 
 }  // namespace
