@@ -6,7 +6,7 @@
 #include <string>
 
 #include "runtime/base/timeline_reader.h"
-#include "tools/prof/lib/analysis.h"
+#include "runtime/prof/analysis.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   auto reader = tiermem::TimelineReader::FromBytes(

@@ -1,15 +1,15 @@
-// `tiermem prof report|html|export|diff`: a thin CLI over tiermem::prof (tools/prof/lib).
+// `tiermem prof report|html|export|diff`: a thin CLI over tiermem::prof (runtime/prof).
 #include <cstdio>
 #include <iostream>
 #include <memory>
 #include <string>
 
 #include "tools/commands.h"
-#include "tools/prof/lib/analysis.h"
-#include "tools/prof/lib/html.h"
-#include "tools/prof/lib/perfetto.h"
-#include "tools/prof/lib/render.h"
-#include "tools/prof/lib/synthetic.h"
+#include "runtime/prof/analysis.h"
+#include "runtime/prof/html.h"
+#include "runtime/prof/perfetto.h"
+#include "runtime/prof/render.h"
+#include "runtime/prof/synthetic.h"
 
 namespace tiermem::tools {
 namespace {

@@ -23,7 +23,7 @@
 #include "runtime/engine/engine.h"
 #include "runtime/mover.h"
 #include "tiers/tier.h"
-#include "tools/prof/lib/analysis.h"
+#include "runtime/prof/analysis.h"
 
 namespace tiermem::torch_common {
 

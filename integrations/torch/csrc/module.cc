@@ -24,7 +24,7 @@
 #include "runtime/base/timeline_reader.h"
 #include "integrations/torch/common/runtime_stack.h"
 #include "runtime/engine/engine.h"
-#include "tools/prof/lib/analysis.h"
+#include "runtime/prof/analysis.h"
 
 namespace py = pybind11;
 

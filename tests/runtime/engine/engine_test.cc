@@ -10,7 +10,7 @@
 #include "tiers/fake/mem_nvme.h"
 #include "tiers/fake/sim_device.h"
 #include "tiers/host/host_tier.h"
-#include "tools/prof/lib/analysis.h"
+#include "runtime/prof/analysis.h"
 
 namespace tiermem::engine {
 namespace {

@@ -11,9 +11,9 @@
 #include <set>
 #include <vector>
 
-#include "tests/tools/golden_timeline.h"
-#include "tools/prof/lib/perfetto.h"
-#include "tools/prof/lib/synthetic.h"
+#include "tests/runtime/prof/golden_timeline.h"
+#include "runtime/prof/perfetto.h"
+#include "runtime/prof/synthetic.h"
 
 namespace tiermem::prof {
 namespace {

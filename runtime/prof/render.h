@@ -5,7 +5,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
-#include "tools/prof/lib/analysis.h"
+#include "runtime/prof/analysis.h"
 
 namespace tiermem::prof {
 

@@ -8,10 +8,10 @@
 #include <sstream>
 #include <thread>
 
-#include "tests/tools/golden_timeline.h"
-#include "tools/prof/lib/analysis.h"
-#include "tools/prof/lib/render.h"
-#include "tools/prof/lib/synthetic.h"
+#include "tests/runtime/prof/golden_timeline.h"
+#include "runtime/prof/analysis.h"
+#include "runtime/prof/render.h"
+#include "runtime/prof/synthetic.h"
 
 namespace tiermem::prof {
 namespace {

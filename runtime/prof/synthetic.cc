@@ -1,7 +1,7 @@
 // The synthetic run: device budget = 10 parameter chunks + activations; chunks are evicted
 // least-recently-used (clean, no copy back: params are only written by the optimizer on
 // host). Every region allocated is freed exactly once; every copy and stall is closed.
-#include "tools/prof/lib/synthetic.h"
+#include "runtime/prof/synthetic.h"
 
 #include <deque>
 #include <vector>

@@ -10,9 +10,9 @@
 #include <regex>
 #include <string>
 
-#include "tests/tools/golden_timeline.h"
-#include "tools/prof/lib/html.h"
-#include "tools/prof/lib/synthetic.h"
+#include "tests/runtime/prof/golden_timeline.h"
+#include "runtime/prof/html.h"
+#include "runtime/prof/synthetic.h"
 
 namespace tiermem::prof {
 namespace {

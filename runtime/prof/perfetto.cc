@@ -2,15 +2,15 @@
 // JSON records as it goes. Open async slices (allocations, copies, stalls) are remembered by
 // id so that their end record repeats the begin's name and category (the format pairs async
 // events by cat + id + name) and so that they can be closed at the end.
-#include "tools/prof/lib/perfetto.h"
+#include "runtime/prof/perfetto.h"
 
 #include <algorithm>
 #include <cstdio>
 #include <set>
 #include <unordered_map>
 
-#include "tools/prof/lib/analysis.h"
-#include "tools/prof/lib/json_writer.h"
+#include "runtime/prof/analysis.h"
+#include "runtime/prof/json_writer.h"
 
 namespace tiermem::prof {
 namespace {

@@ -1,6 +1,6 @@
 // Text and JSON renderings of a Report. The text report keeps every line within 80 columns:
 // labels (module names) are shortened from the left, keeping their most specific end.
-#include "tools/prof/lib/render.h"
+#include "runtime/prof/render.h"
 
 #include <cmath>
 #include <cstdarg>

@@ -3,7 +3,7 @@
 // before each event is applied, so the state between two events holds over that interval.
 // Copies and stalls are open between their begin and end events, keyed by id; an end without
 // a begin is counted, never fatal. Everything is O(1) per event except the final sorting.
-#include "tools/prof/lib/analysis.h"
+#include "runtime/prof/analysis.h"
 
 #include <algorithm>
 #include <limits>

@@ -4,7 +4,7 @@
 // stalls and markers closer together than one bucket-width/2 on a track are coalesced into
 // one span carrying a count, so the output size is bounded by the number of buckets and
 // lanes, not by the number of events.
-#include "tools/prof/lib/html.h"
+#include "runtime/prof/html.h"
 
 #include <algorithm>
 #include <array>
@@ -12,14 +12,14 @@
 #include <unordered_map>
 #include <vector>
 
-#include "tools/prof/lib/analysis.h"
-#include "tools/prof/lib/json_writer.h"
-#include "tools/prof/lib/render.h"
+#include "runtime/prof/analysis.h"
+#include "runtime/prof/json_writer.h"
+#include "runtime/prof/render.h"
 
 namespace tiermem::prof {
 namespace {
 
-#include "tools/prof/lib/html_template.inc"
+#include "runtime/prof/html_template.inc"
 
 struct Snapshot {
   uint64_t t = 0;
