@@ -35,7 +35,7 @@
 
 #include "kernels/cpu/kernel_table.h"
 #include "runtime/base/logging.h"
-#include "runtime/base/options.h"
+#include "runtime/base/env.h"
 
 namespace tiermem::kernels {
 namespace {

@@ -24,6 +24,24 @@ const char* LevelTag(LogLevel level) {
 void SetLogLevel(LogLevel level) { g_level.store(static_cast<int>(level), std::memory_order_relaxed); }
 LogLevel GetLogLevel() { return static_cast<LogLevel>(g_level.load(std::memory_order_relaxed)); }
 
+StatusOr<LogLevel> ParseLogLevel(std::string_view t) {
+  if (t == "error") return LogLevel::kError;
+  if (t == "warn" || t == "warning") return LogLevel::kWarn;
+  if (t == "info") return LogLevel::kInfo;
+  if (t == "debug") return LogLevel::kDebug;
+  return InvalidArgumentError("expected one of error, warn, info, debug");
+}
+
+std::string_view LogLevelName(LogLevel level) {
+  switch (level) {
+    case LogLevel::kError: return "error";
+    case LogLevel::kWarn: return "warn";
+    case LogLevel::kInfo: return "info";
+    case LogLevel::kDebug: return "debug";
+  }
+  return "warn";
+}
+
 void LogLine(LogLevel level, std::string_view message) {
   if (static_cast<int>(level) > static_cast<int>(GetLogLevel())) return;
   std::string line = "[tiermem ";

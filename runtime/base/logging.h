@@ -1,16 +1,22 @@
 // Minimal leveled logging to stderr. Thread-safe (one write(2) per line).
-// Level comes from Options (TIERMEM_LOG_LEVEL: error, warn, info, debug); default warn.
+// The level is set by the session from its config (log_level / TIERMEM_LOG_LEVEL: error, warn,
+// info, debug); default warn.
 #pragma once
 
 #include <sstream>
 #include <string>
 #include <string_view>
 
+#include "runtime/base/status.h"
+
 namespace tiermem {
 
 enum class LogLevel : int { kError = 0, kWarn = 1, kInfo = 2, kDebug = 3 };
 
 void SetLogLevel(LogLevel level);
+// "error", "warn" (or "warning"), "info", "debug"; else kInvalidArgument.
+StatusOr<LogLevel> ParseLogLevel(std::string_view text);
+std::string_view LogLevelName(LogLevel level);
 LogLevel GetLogLevel();
 void LogLine(LogLevel level, std::string_view message);
 // Logs `message` at most once per process for each distinct `key` ("io_uring refused", ...).

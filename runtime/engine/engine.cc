@@ -317,12 +317,15 @@ StatusOr<void*> Engine::AcquireImpl(ChunkId chunk, TierKind where, bool* must_ze
                                 std::string(TierKindName(where)));
   }
   // Follow (or leave) the recorded order, and record this iteration's.
-  recording_.emplace_back(chunk, where);
-  if (following_) {
-    if (pos_ < order_.size() && order_[pos_] == std::make_pair(chunk, where)) {
-      ++pos_;
-    } else {
-      following_ = false;  // diverged: reactive (LRU) for the rest of the iteration
+  if (tracing_) {
+    recording_.emplace_back(chunk, where);
+    if (following_) {
+      if (pos_ < order_.size() && order_[pos_] == std::make_pair(chunk, where)) {
+        ++pos_;
+      } else {
+        following_ = false;  // diverged: reactive (LRU) for the rest of the iteration
+        ++stats_.diverged;
+      }
     }
   }
   ++stats_.acquires;
@@ -388,7 +391,7 @@ StatusOr<void*> Engine::AcquireImpl(ChunkId chunk, TierKind where, bool* must_ze
 }
 
 void Engine::Prefetch() {
-  if (!following_ || config_.prefetch_depth == 0) return;
+  if (!tracing_ || !following_ || config_.prefetch_depth == 0) return;
   const uint64_t end = std::min<uint64_t>(order_.size(), pos_ + config_.prefetch_depth);
   for (uint64_t j = pos_; j < end; ++j) {
     const auto [id, where] = order_[j];

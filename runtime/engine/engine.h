@@ -61,6 +61,7 @@ struct EngineStats {
   uint64_t prefetches = 0;
   uint64_t acquires = 0;
   uint64_t iterations = 0;
+  uint64_t diverged = 0;  // iterations whose acquires left the recorded order
 };
 
 class Engine {
@@ -98,6 +99,10 @@ class Engine {
   Status Flush();
 
   void BeginIteration();                 // ends the recorded order of the previous one
+  // Off: acquires are neither recorded into this iteration's order nor matched against the
+  // previous one, and start no prefetch (eval / no-grad forwards between training
+  // iterations). On by default.
+  void SetTracing(bool on) { tracing_ = on; }
   void Moment(std::string_view label);   // timeline moment
   void Phase(std::string_view label);    // timeline phase
   Status Synchronize();                  // waits for all moves in flight
@@ -165,6 +170,7 @@ class Engine {
   std::unordered_map<ChunkId, std::vector<uint64_t>> order_positions_;
   uint64_t pos_ = 0;
   bool following_ = false;
+  bool tracing_ = true;
 
   EngineStats stats_;
 };

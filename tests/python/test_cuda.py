@@ -42,7 +42,7 @@ def test_cuda_20_steps_quarter_budget_matches_torch_adamw_on_gpu(monkeypatch):
     model, opt = tiermem.initialize(ours, {"device": budget, "host": "1GiB",
                                            "optimizer": {"lr": 1e-3, "weight_decay": 0.01}})
     rt = tiermem.runtime_of(model)
-    assert rt.rt.cuda
+    assert rt.s.cuda
     for i, (x, y) in enumerate(data):
         ropt.zero_grad()
         rl = ref(x, y)

@@ -56,8 +56,13 @@ def test_frozen_params_get_no_optimizer_state_and_match_torch():
     losses = train_ours(model, opt, data)
     compare(ref, model, ref_losses, losses)
     rt = tiermem.runtime_of(model)
-    frozen_groups = [g for g in rt.groups if not g.trainable]
-    assert frozen_groups and all(set(g.chunks) == {"param"} for g in frozen_groups)
+    K = tiermem._C.ChunkKind
+    frozen_groups = [g for g in range(rt.s.num_groups) if not rt.s.group(g)[0]]
+    assert frozen_groups
+    for g in frozen_groups:
+        assert rt.s.has_kind(g, K.param_fp32)
+        assert not any(rt.s.has_kind(g, k) for k in (K.grad, K.exp_avg, K.exp_avg_sq))
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
 
 
 def test_two_param_groups_no_decay_for_norms_and_biases():
@@ -179,8 +184,13 @@ def test_host_too_small_puts_state_on_nvme_same_losses(tmp_path):
     model, opt = init(ours, host=mb // 2, nvme={"path": str(tmp_path), "size": mb * 2})
     compare(ref, model, ref_losses, train_ours(model, opt, data))
     rt = tiermem.runtime_of(model)
-    homes = [rt.rt.home(cid) for g in rt.groups for cid in g.chunks.values()]
-    assert "nvme" in homes and "host" in homes
+    K, T = tiermem._C.ChunkKind, tiermem._C.Tier
+    homes = [rt.s.home(g, k) for g in range(rt.s.num_groups)
+             for k in (K.param_fp32, K.grad, K.exp_avg, K.exp_avg_sq) if rt.s.has_kind(g, k)]
+    assert T.nvme in homes and T.host in homes
+    # Optimizer state spills first: every Adam v chunk (created last) is on NVMe.
+    assert all(rt.s.home(g, K.exp_avg_sq) == T.nvme for g in range(rt.s.num_groups)
+               if rt.s.group(g)[0])
     moved = rt.stats()["bytes_moved"]
     assert any(k.startswith("nvme->") for k in moved) and any(k.endswith("->nvme") for k in moved)
 

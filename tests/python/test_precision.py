@@ -102,7 +102,9 @@ def test_bf16_20_steps_quarter_budget_matches_fp32_master_reference():
     check(losses, ref_losses, model, ref_master)
     assert losses[-1] < losses[0]
     # Device chunks hold bf16: half the bytes of fp32 per element.
-    assert rt.kind_bytes["param"] * 2 == rt.kind_bytes["master"]
+    K = tiermem._C.ChunkKind
+    assert rt.s.chunk_bytes(0, K.param_lowp) * 2 == rt.s.chunk_bytes(0, K.param_fp32)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     peaks = rt.timeline_peaks()
     assert not peaks["over_budget"] and 0 < peaks["peak"]["device"] <= budget
 

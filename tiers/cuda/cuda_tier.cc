@@ -317,6 +317,16 @@ Status CudaHostUnregister(void* ptr) {
   return OkStatus();
 }
 
+namespace {
+class CudaHostPinner final : public HostPinner {
+ public:
+  Status Register(void* addr, Bytes bytes) override { return CudaHostRegister(addr, bytes); }
+  void Unregister(void* addr) override { CudaHostUnregister(addr).IgnoreError(); }
+};
+}  // namespace
+
+std::unique_ptr<HostPinner> NewCudaHostPinner() { return std::make_unique<CudaHostPinner>(); }
+
 StatusOr<CudaHostRegistration> CudaHostRegistration::Make(void* ptr, Bytes bytes) {
   TIERMEM_RETURN_IF_ERROR(CudaHostRegister(ptr, bytes));
   return CudaHostRegistration(ptr);

@@ -16,6 +16,7 @@
 
 #include "runtime/base/status.h"
 #include "runtime/base/units.h"
+#include "tiers/host/host_tier.h"
 #include "tiers/tier.h"
 
 namespace tiermem {
@@ -39,6 +40,13 @@ StatusOr<std::unique_ptr<Tier>> NewCudaTier(const CudaTierConfig& config);
 // with CudaHostUnregister(ptr) before the memory is freed.
 Status CudaHostRegister(void* ptr, Bytes bytes);
 Status CudaHostUnregister(void* ptr);
+
+// The HostPinner the host tier calls for each slab it maps (tiers/host/host_tier.h):
+// cudaHostRegister (portable) on Register, cudaHostUnregister on Unregister, so every host
+// region the engine copies from or to is page-locked and copies are truly asynchronous.
+// Thread-safe (the CUDA runtime calls are). Caller owns the result; it must outlive every
+// host tier given it.
+std::unique_ptr<HostPinner> NewCudaHostPinner();
 
 // RAII form: unregisters on destruction. Move-only.
 class CudaHostRegistration {

@@ -1,18 +1,17 @@
-// tiermem._C: the Python binding of the chunk engine (pybind11 through torch's headers).
+// tiermem._C: the Python binding of the session core (runtime/session), pybind11 through
+// torch's headers. It is deliberately thin: a Config (the one parser, session::ParseConfig)
+// and a Session whose methods forward to session::Session, plus the conversions only a torch
+// binding can do — chunk memory as tensors, and the kernels' entry points for tests.
 //
-// A Runtime wraps a torch_common::RuntimeStack (integrations/torch/common, shared with the
-// LibTorch API): the tiers (SimDevice or CUDA, host, NVMe, staging), the Mover, the binary
-// timeline recorder and the Engine. The summaries Python shows are computed from the timeline
-// file by tiermem::prof.
 // Chunk memory reaches Python as 1-D tensors made with torch::from_blob over the region's
 // address (CPU tensors on SimDevice and host, CUDA tensors on the CUDA tier): they do not own
 // the memory and are valid only while the chunk stays acquired (the Python layer drops every
-// view on release). The optimizer math runs in the fused CPU kernels (kernels/cpu) on host
-// views, through adam_step/grad_stats below. Status codes become Python exceptions here, in
-// one place: kInvalidArgument/kOutOfRange -> ValueError, kResourceExhausted -> MemoryError,
+// view on release). Status codes become Python exceptions here, in one place:
+// kInvalidArgument/kOutOfRange -> ValueError, kResourceExhausted -> MemoryError,
 // kNotFound/kIOError/kDataLoss -> OSError, anything else -> RuntimeError.
 //
-// Threading: a Runtime is externally synchronized (the training thread); the GIL is held.
+// Threading: a Session is externally synchronized (the training thread); the GIL is held
+// except inside the optimizer step and the kernels.
 #include <torch/extension.h>
 
 #include <memory>
@@ -20,16 +19,21 @@
 
 #include "chunks/chunk_layout.h"
 #include "kernels/cpu/optim.h"
-#include "runtime/base/timeline.h"
+#include "runtime/base/env.h"
 #include "runtime/base/timeline_reader.h"
-#include "integrations/torch/common/runtime_stack.h"
-#include "runtime/engine/engine.h"
 #include "runtime/prof/analysis.h"
+#include "runtime/session/config.h"
+#include "runtime/session/session.h"
+#include "runtime/session/tier_stack.h"
 
 namespace py = pybind11;
 
 namespace tiermem::torch_ext {
 namespace {
+
+using chunks::ChunkKind;
+using session::Session;
+using session::SessionConfig;
 
 [[noreturn]] void Throw(const Status& s) {
   const std::string msg = s.ToString();
@@ -58,14 +62,40 @@ T Check(StatusOr<T> s) {
   return std::move(s).value();
 }
 
-StatusOr<TierKind> TierArg(const std::string& name) { return ParseTierKind(name); }
-
-std::string PairName(TierKind a, TierKind b) {
-  return std::string(TierKindName(a)) + "->" + std::string(TierKindName(b));
+torch::Dtype TorchDType(kernels::DType d) {
+  switch (d) {
+    case kernels::DType::kBF16: return torch::kBFloat16;
+    case kernels::DType::kF16: return torch::kFloat16;
+    case kernels::DType::kF32: break;
+  }
+  return torch::kFloat32;
 }
 
-// The report of `path` (tiermem::prof) as the dict Python shows: peak and budget per tier,
-// bytes per tier pair, stall time by cause. Everything comes from the file.
+kernels::DType KernelDType(const torch::Tensor& t) {
+  switch (t.scalar_type()) {
+    case torch::kFloat32: return kernels::DType::kF32;
+    case torch::kBFloat16: return kernels::DType::kBF16;
+    case torch::kFloat16: return kernels::DType::kF16;
+    default:
+      throw py::value_error(std::string("unsupported dtype ") +
+                            std::string(c10::toString(t.scalar_type())));
+  }
+}
+
+void CheckHostSpan(const torch::Tensor& t, const char* what, int64_t n, torch::Dtype dtype) {
+  if (!t.is_contiguous() || t.device().type() != torch::kCPU) {
+    throw py::value_error(std::string(what) + " must be a contiguous CPU tensor");
+  }
+  if (t.numel() != n) {
+    throw py::value_error(std::string(what) + " has " + std::to_string(t.numel()) +
+                          " elements, expected " + std::to_string(n));
+  }
+  if (t.scalar_type() != dtype) {
+    throw py::value_error(std::string(what) + " must be " + std::string(c10::toString(dtype)) +
+                          ", got " + std::string(c10::toString(t.scalar_type())));
+  }
+}
+
 py::dict ReportDict(const prof::Report& r) {
   py::dict d, peak, budget, moved, stalls;
   for (int k = 0; k < kNumTierKinds; ++k) {
@@ -73,7 +103,10 @@ py::dict ReportDict(const prof::Report& r) {
     peak[py::str(n)] = r.tiers[k].peak.bytes;
     budget[py::str(n)] = r.tiers[k].budget_bytes;
   }
-  for (const prof::MoveStats& m : r.moves) moved[py::str(PairName(m.src, m.dst))] = m.bytes;
+  for (const prof::MoveStats& m : r.moves) {
+    moved[py::str(std::string(TierKindName(m.src)) + "->" + std::string(TierKindName(m.dst)))] =
+        m.bytes;
+  }
   for (const prof::StallStats& s : r.stalls) stalls[py::str(s.cause)] = s.ns;
   d["peak"] = peak;
   d["budget"] = budget;
@@ -94,86 +127,102 @@ py::dict ReportDict(const prof::Report& r) {
   return d;
 }
 
-class Runtime {
+EnvGetter EnvArg(const std::optional<std::map<std::string, std::string>>& env) {
+  return env ? MapEnv(*env) : ProcessEnv();
+}
+
+SessionConfig ParseConfigText(const std::string& json_text,
+                              const std::optional<std::map<std::string, std::string>>& env) {
+  nlohmann::json j = nlohmann::json::parse(json_text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) throw py::value_error("config is not valid JSON: " + json_text);
+  return Check(session::ParseConfig(j, EnvArg(env)));
+}
+
+// The Python face of session::Session. Views are made here; everything else forwards.
+class PySession {
  public:
-  Runtime(uint64_t device_budget, uint64_t host_budget, const std::string& nvme_path,
-          uint64_t nvme_size, int prefetch_depth, uint64_t host_reserve, uint64_t chunk_bytes,
-          const std::string& timeline_path, const std::string& device) {
-    torch_common::StackConfig c;
-    c.device_budget = device_budget;
-    c.host_budget = host_budget;
-    c.nvme_path = nvme_path;
-    c.nvme_size = nvme_size;
-    c.prefetch_depth = prefetch_depth;
-    c.host_reserve = host_reserve;
-    c.chunk_bytes = chunk_bytes;
-    c.timeline_path = timeline_path;
-    c.device = device;
-    stack_ = Check(torch_common::RuntimeStack::Create(c));
-  }
-
-  // Frees every region and closes the timeline (complete file). Idempotent.
-  void Close() { stack_->Close(); }
-
-  uint32_t AddChunk(uint64_t bytes, int category) {
-    return Check(Live()->AddChunk(bytes, static_cast<Category>(category)));
-  }
-  torch::Tensor Acquire(uint32_t chunk, const std::string& tier, torch::Dtype dtype,
-                        int64_t numel) {
-    const TierKind t = Check(TierArg(tier));
-    engine::Engine* e = Live();
-    void* addr = Check(e->Acquire(chunk, t));
-    const int64_t elem = static_cast<int64_t>(c10::elementSize(dtype));
-    if (numel * elem > static_cast<int64_t>(e->ChunkBytes(chunk))) {
-      Check(e->Release(chunk, false));
-      throw py::value_error("view of " + std::to_string(numel) + " elements exceeds chunk " +
-                            std::to_string(chunk));
+  PySession(const SessionConfig& config, const std::vector<py::tuple>& tensors) {
+    std::vector<session::TensorSpec> specs;
+    for (const py::tuple& t : tensors) {
+      if (t.size() != 4) throw py::value_error("tensor spec must be (name, numel, trainable, group)");
+      specs.push_back(session::TensorSpec{t[0].cast<std::string>(), t[1].cast<uint64_t>(),
+                                          t[2].cast<bool>(), t[3].cast<int>()});
     }
-    auto opts = torch::TensorOptions().dtype(dtype);
-    if (t == TierKind::kDevice && stack_->cuda()) opts = opts.device(torch::kCUDA, 0);
-    return torch::from_blob(addr, {numel}, opts);
+    s_ = Check(Session::Create(config, std::move(specs)));
   }
-  // Acquire for a caller about to write into the chunk: a lazily zero chunk landing on the
-  // device tier is zeroed here by torch on the compute device (a memset kernel on CUDA, ordered
-  // on the current stream before the caller's own writes; memset on SimDevice) instead of a
-  // synchronous copy from a zeros buffer. The whole chunk is zeroed, not only the view.
-  torch::Tensor AcquireForWrite(uint32_t chunk, const std::string& tier, torch::Dtype dtype,
-                                int64_t numel) {
-    const TierKind t = Check(TierArg(tier));
-    engine::Engine* e = Live();
+
+  torch::Tensor View(void* addr, size_t group, ChunkKind kind, TierKind where) const {
+    auto opts = torch::TensorOptions().dtype(TorchDType(s_->dtype(kind)));
+    if (where == TierKind::kDevice && s_->cuda()) opts = opts.device(torch::kCUDA, 0);
+    return torch::from_blob(addr, {static_cast<int64_t>(s_->group(group).used_elems)}, opts);
+  }
+  torch::Tensor Acquire(size_t group, ChunkKind kind, TierKind where) {
+    return View(Check(s_->Acquire(group, kind, where)), group, kind, where);
+  }
+  // For a caller about to write into (part of) the chunk: a lazily zero chunk landing on the
+  // device is zeroed here by torch on the compute device (a memset kernel on CUDA, ordered on
+  // the current stream before the caller's writes) instead of a copy from a zeros buffer.
+  torch::Tensor AcquireForWrite(size_t group, ChunkKind kind, TierKind where) {
     bool must_zero = false;
-    void* addr = Check(e->AcquireForWrite(chunk, t, &must_zero));
-    const int64_t bytes = static_cast<int64_t>(e->ChunkBytes(chunk));
-    const int64_t elem = static_cast<int64_t>(c10::elementSize(dtype));
-    auto opts = torch::TensorOptions();
-    if (t == TierKind::kDevice && stack_->cuda()) opts = opts.device(torch::kCUDA, 0);
-    if (must_zero) torch::from_blob(addr, {bytes}, opts.dtype(torch::kUInt8)).zero_();
-    if (numel * elem > bytes) {
-      Check(e->Release(chunk, must_zero));
-      throw py::value_error("view of " + std::to_string(numel) + " elements exceeds chunk " +
-                            std::to_string(chunk));
+    void* addr = Check(s_->AcquireForWrite(group, kind, where, &must_zero));
+    torch::Tensor v = View(addr, group, kind, where);
+    if (must_zero) {
+      const int64_t bytes = static_cast<int64_t>(s_->ChunkBytes(group, kind));
+      torch::from_blob(addr, {bytes}, v.options().dtype(torch::kUInt8)).zero_();
     }
-    return torch::from_blob(addr, {numel}, opts.dtype(dtype));
+    return v;
   }
-  void Release(uint32_t chunk, bool modified) { Check(Live()->Release(chunk, modified)); }
-  void Zero(uint32_t chunk) { Check(Live()->Zero(chunk)); }
-  void Flush() { Check(Live()->Flush()); }
-  void Synchronize() { Check(Live()->Synchronize()); }
-  void BeginIteration() { Live()->BeginIteration(); }
-  void Moment(const std::string& l) { Live()->Moment(l); }
-  void Phase(const std::string& l) { Live()->Phase(l); }
-  std::string Resident(uint32_t c) { return std::string(TierKindName(Live()->Resident(c))); }
-  std::string Home(uint32_t c) { return std::string(TierKindName(Live()->Home(c))); }
-  bool Dirty(uint32_t c) { return Live()->Dirty(c); }
-  int Pins(uint32_t c) { return Live()->Pins(c); }
-  bool cuda() const { return stack_->cuda(); }
-  std::string nvme_engine() const { return stack_->nvme_engine(); }
-  const std::string& timeline_path() const { return stack_->timeline_path(); }
 
-  py::dict Stats() {
-    const engine::EngineStats s = Live()->Stats();
+  torch::Tensor ReadParam(size_t t) {
+    torch::Tensor out = torch::empty({Numel(t)}, torch::kFloat32);
+    Check(s_->ReadParam(t, out.data_ptr<float>()));
+    return out;
+  }
+  void WriteParam(size_t t, const torch::Tensor& v) {
+    CheckHostSpan(v, "value", Numel(t), torch::kFloat32);
+    Check(s_->WriteParam(t, v.data_ptr<float>()));
+  }
+  torch::Tensor ReadTensor(size_t t, ChunkKind kind) {
+    torch::Tensor out = torch::empty({Numel(t)}, TorchDType(s_->dtype(kind)));
+    Check(s_->ReadTensor(t, kind, out.data_ptr()));
+    return out;
+  }
+  void WriteTensor(size_t t, ChunkKind kind, const torch::Tensor& v) {
+    CheckHostSpan(v, "value", Numel(t), TorchDType(s_->dtype(kind)));
+    Check(s_->WriteTensor(t, kind, v.data_ptr()));
+  }
+  void SetHasGrad(const std::vector<bool>& flags) {
+    if (flags.size() != s_->num_tensors()) throw py::value_error("one flag per tensor");
+    for (size_t i = 0; i < flags.size(); ++i) s_->SetHasGrad(i, flags[i]);
+  }
+  py::dict Step(const std::vector<std::tuple<double, double, double, double, double>>& hyper) {
+    std::vector<session::GroupHyper> h;
+    for (const auto& [lr, b1, b2, eps, wd] : hyper) h.push_back({lr, b1, b2, eps, wd});
+    StatusOr<session::StepResult> r = InternalError("not run");
+    {
+      py::gil_scoped_release nogil;
+      r = s_->Step(h);
+    }
+    const session::StepResult res = Check(std::move(r));
     py::dict d;
-    py::dict tiers;
+    d["applied"] = res.applied;
+    d["skipped"] = res.skipped;
+    d["grad_norm"] = res.grad_norm;
+    d["clip_coef"] = res.clip_coef;
+    return d;
+  }
+  py::tuple GradStats() {
+    StatusOr<kernels::GradStats> st = InternalError("not run");
+    {
+      py::gil_scoped_release nogil;
+      st = s_->GradStats();
+    }
+    const kernels::GradStats g = Check(std::move(st));
+    return py::make_tuple(g.sq_norm, g.overflow);
+  }
+  py::dict Stats() {
+    const engine::EngineStats s = Check(s_->Stats());
+    py::dict d, tiers, moved;
     for (int k = 0; k < kNumTierKinds; ++k) {
       py::dict t;
       t["capacity"] = s.tiers[k].capacity;
@@ -181,15 +230,14 @@ class Runtime {
       t["peak"] = s.tiers[k].peak;
       tiers[py::str(std::string(TierKindName(static_cast<TierKind>(k))))] = t;
     }
-    d["tiers"] = tiers;
-    py::dict moved;
     for (int a = 0; a < kNumTierKinds; ++a) {
       for (int b = 0; b < kNumTierKinds; ++b) {
         if (s.bytes_moved[a][b] == 0) continue;
-        moved[py::str(PairName(static_cast<TierKind>(a), static_cast<TierKind>(b)))] =
-            s.bytes_moved[a][b];
+        moved[py::str(std::string(TierKindName(static_cast<TierKind>(a))) + "->" +
+                      std::string(TierKindName(static_cast<TierKind>(b))))] = s.bytes_moved[a][b];
       }
     }
+    d["tiers"] = tiers;
     d["bytes_moved"] = moved;
     d["stall_ns"] = s.stall_ns;
     d["stalls"] = s.stalls;
@@ -198,52 +246,49 @@ class Runtime {
     d["prefetches"] = s.prefetches;
     d["acquires"] = s.acquires;
     d["iterations"] = s.iterations;
+    d["diverged"] = s.diverged;
     return d;
   }
+  py::tuple Group(size_t g) const {
+    if (g >= s_->num_groups()) throw py::value_error("unknown chunk group");
+    const session::ChunkGroup& grp = s_->group(g);
+    return py::make_tuple(grp.trainable, grp.used_elems, grp.tensors);
+  }
+  py::tuple Place(size_t t) const {
+    if (t >= s_->num_tensors()) throw py::value_error("unknown tensor");
+    const session::TensorPlace& p = s_->place(t);
+    return py::make_tuple(p.group, p.offset, p.numel);
+  }
+  std::string LoadCheckpoint(const std::string& path) {
+    std::string meta;
+    Check(s_->LoadCheckpoint(path, &meta));
+    return meta;
+  }
 
-  // The timeline file so far, analysed by tiermem::prof (not the engine's counters).
-  py::dict TimelineReport() { return ReportDict(Check(stack_->TimelineReport())); }
+  Session& s() { return *s_; }
+  const Session& s() const { return *s_; }
 
  private:
-  engine::Engine* Live() { return Check(stack_->Live()); }
-
-  std::unique_ptr<torch_common::RuntimeStack> stack_;
+  int64_t Numel(size_t t) const {
+    if (t >= s_->num_tensors()) throw py::value_error("unknown tensor " + std::to_string(t));
+    return static_cast<int64_t>(s_->place(t).numel);
+  }
+  std::unique_ptr<Session> s_;
 };
 
-kernels::DType KernelDType(const torch::Tensor& t) {
-  switch (t.scalar_type()) {
-    case torch::kFloat32: return kernels::DType::kF32;
-    case torch::kBFloat16: return kernels::DType::kBF16;
-    case torch::kFloat16: return kernels::DType::kF16;
-    default:
-      throw py::value_error(std::string("unsupported dtype ") +
-                            std::string(c10::toString(t.scalar_type())));
-  }
-}
-
-void CheckSpan(const torch::Tensor& t, const char* what, int64_t n) {
-  if (!t.is_contiguous() || t.device().type() != torch::kCPU) {
-    throw py::value_error(std::string(what) + " must be a contiguous CPU tensor");
-  }
-  if (t.numel() != n) {
-    throw py::value_error(std::string(what) + " has " + std::to_string(t.numel()) +
-                          " elements, expected " + std::to_string(n));
-  }
-}
-
-// One fused AdamW step (kernels::AdamStep) over host spans: grad -> m, v, fp32 master and,
-// when `param_out` is given, its bf16/fp16 copy.
+// One fused AdamW step (kernels::AdamStep) over host spans — the kernel as torch code can call
+// it (tests compare the engine with it bit for bit).
 void AdamStepBinding(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg,
                      torch::Tensor exp_avg_sq, std::optional<torch::Tensor> param_out, double lr,
                      double beta1, double beta2, double eps, double weight_decay, int64_t step,
                      double inv_loss_scale, double clip_factor) {
   const int64_t n = param.numel();
-  for (auto [t, w] : {std::pair{&param, "param"}, {&exp_avg, "exp_avg"},
-                      {&exp_avg_sq, "exp_avg_sq"}}) {
-    CheckSpan(*t, w, n);
-    if (t->scalar_type() != torch::kFloat32) throw py::value_error(std::string(w) + " must be fp32");
+  CheckHostSpan(param, "param", n, torch::kFloat32);
+  CheckHostSpan(exp_avg, "exp_avg", n, torch::kFloat32);
+  CheckHostSpan(exp_avg_sq, "exp_avg_sq", n, torch::kFloat32);
+  if (!grad.is_contiguous() || grad.device().type() != torch::kCPU || grad.numel() != n) {
+    throw py::value_error("grad must be a contiguous CPU tensor like param");
   }
-  CheckSpan(grad, "grad", n);
   kernels::AdamConfig c;
   c.lr = static_cast<float>(lr);
   c.beta1 = static_cast<float>(beta1);
@@ -260,7 +305,9 @@ void AdamStepBinding(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_
   s.grad = grad.data_ptr();
   s.grad_dtype = KernelDType(grad);
   if (param_out) {
-    CheckSpan(*param_out, "param_out", n);
+    if (!param_out->is_contiguous() || param_out->numel() != n) {
+      throw py::value_error("param_out must be contiguous like param");
+    }
     s.param_out = param_out->data_ptr();
     s.out_dtype = KernelDType(*param_out);
     if (s.out_dtype == kernels::DType::kF32) throw py::value_error("param_out must be bf16/fp16");
@@ -272,7 +319,9 @@ void AdamStepBinding(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_
 }
 
 py::tuple GradStatsBinding(torch::Tensor grad) {
-  CheckSpan(grad, "grad", grad.numel());
+  if (!grad.is_contiguous() || grad.device().type() != torch::kCPU) {
+    throw py::value_error("grad must be a contiguous CPU tensor");
+  }
   const kernels::DType dt = KernelDType(grad);
   kernels::GradStats st;
   {
@@ -299,65 +348,156 @@ py::list ReadTimeline(const std::string& path) {
 }  // namespace tiermem::torch_ext
 
 PYBIND11_MODULE(_C, m) {
-  using tiermem::torch_ext::Runtime;
-  namespace ch = tiermem::chunks;
-  m.doc() = "tiermem chunk engine (C++)";
-  m.def("parse_bytes", [](const std::string& s) {
-    return tiermem::torch_ext::Check(tiermem::ParseBytes(s));
-  });
+  using tiermem::torch_ext::Check;
+  using tiermem::torch_ext::PySession;
+  namespace se = tiermem::session;
+  m.doc() = "tiermem session core (C++)";
+
+  py::enum_<tiermem::chunks::ChunkKind>(m, "ChunkKind")
+      .value("param_lowp", tiermem::chunks::ChunkKind::kParamLowp)
+      .value("param_fp32", tiermem::chunks::ChunkKind::kParamFp32)
+      .value("exp_avg", tiermem::chunks::ChunkKind::kExpAvg)
+      .value("exp_avg_sq", tiermem::chunks::ChunkKind::kExpAvgSq)
+      .value("grad", tiermem::chunks::ChunkKind::kGrad);
+  py::enum_<tiermem::TierKind>(m, "Tier")
+      .value("device", tiermem::TierKind::kDevice)
+      .value("host", tiermem::TierKind::kHost)
+      .value("nvme", tiermem::TierKind::kNvme)
+      .value("none", tiermem::TierKind::kNone);
+
+  py::class_<se::SessionConfig>(m, "Config")
+      .def_readonly("device_budget", &se::SessionConfig::device_budget)
+      .def_readonly("host_budget", &se::SessionConfig::host_budget)
+      .def_readonly("nvme_size", &se::SessionConfig::nvme_size)
+      .def_property_readonly("nvme_path",
+                             [](const se::SessionConfig& c) -> py::object {
+                               if (c.nvme_path.empty()) return py::none();
+                               return py::str(c.nvme_path);
+                             })
+      .def_property_readonly("timeline",
+                             [](const se::SessionConfig& c) -> py::object {
+                               if (c.timeline.empty()) return py::none();
+                               return py::str(c.timeline);
+                             })
+      .def_readonly("device_kind", &se::SessionConfig::device_kind)
+      .def_property_readonly("precision",
+                             [](const se::SessionConfig& c) {
+                               return std::string(se::PrecisionName(c.precision));
+                             })
+      .def_property_readonly("lr", [](const se::SessionConfig& c) { return c.optimizer.lr; })
+      .def_property_readonly("betas",
+                             [](const se::SessionConfig& c) {
+                               return py::make_tuple(c.optimizer.beta1, c.optimizer.beta2);
+                             })
+      .def_property_readonly("eps", [](const se::SessionConfig& c) { return c.optimizer.eps; })
+      .def_property_readonly("weight_decay",
+                             [](const se::SessionConfig& c) { return c.optimizer.weight_decay; })
+      .def_readonly("gradient_accumulation_steps",
+                    &se::SessionConfig::gradient_accumulation_steps)
+      .def_readonly("gradient_clipping", &se::SessionConfig::gradient_clipping)
+      .def_readonly("chunk_size", &se::SessionConfig::chunk_size)
+      .def_readonly("prefetch_depth", &se::SessionConfig::prefetch_depth)
+      .def_readonly("unmaterialized_reads", &se::SessionConfig::unmaterialized_reads)
+      .def("to_dict",
+           [](const se::SessionConfig& c) {
+             return py::module_::import("json").attr("loads")(se::ToJson(c).dump());
+           })
+      .def("__repr__", [](const se::SessionConfig& c) {
+        return "tiermem.Config(" + se::ToJson(c).dump() + ")";
+      });
+  m.def("parse_config", &tiermem::torch_ext::ParseConfigText, py::arg("json_text"),
+        py::arg("env") = py::none());
   m.def(
-      "choose_chunk_elems",
-      [](const std::vector<uint64_t>& numels, uint64_t budget, uint64_t bytes_per_elem,
-         int min_resident) {
-        auto c = tiermem::torch_ext::Check(
-            ch::ChooseChunkElems(numels, budget, bytes_per_elem, min_resident));
-        return py::make_tuple(c.chunk_elems, c.waste_elems, c.num_groups);
+      "parse_config_file",
+      [](const std::string& path, const std::optional<std::map<std::string, std::string>>& env) {
+        return Check(se::ParseConfigFile(path, tiermem::torch_ext::EnvArg(env)));
       },
-      py::arg("numels"), py::arg("device_budget"), py::arg("bytes_per_elem"),
-      py::arg("min_resident_chunks"));
-  m.def("minimum_device_budget", &ch::MinimumDeviceBudget);
-  m.def("pack_tensors", [](const std::vector<uint64_t>& numels, uint64_t chunk_elems) {
-    auto l = tiermem::torch_ext::Check(ch::PackTensors(numels, chunk_elems));
-    py::list out;
-    for (const ch::Placement& p : l.placements) out.append(py::make_tuple(p.group, p.offset));
-    return py::make_tuple(out, l.num_groups(), l.waste_elems());
-  });
+      py::arg("path"), py::arg("env") = py::none());
+
+  using K = tiermem::chunks::ChunkKind;
+  using T = tiermem::TierKind;
+  py::class_<PySession>(m, "Session")
+      .def(py::init<const se::SessionConfig&, const std::vector<py::tuple>&>(),
+           py::arg("config"), py::arg("tensors"))
+      .def("close", [](PySession& s) { s.s().Close(); })
+      .def_property_readonly("closed", [](const PySession& s) { return s.s().closed(); })
+      .def("acquire", &PySession::Acquire)
+      .def("acquire_for_write", &PySession::AcquireForWrite)
+      .def("release",
+           [](PySession& s, size_t g, K k, bool modified) { Check(s.s().Release(g, k, modified)); })
+      .def("zero_chunk", [](PySession& s, size_t g, K k) { Check(s.s().ZeroChunk(g, k)); })
+      .def("pins", [](const PySession& s, size_t g, K k) { return s.s().Pins(g, k); })
+      .def("resident", [](const PySession& s, size_t g, K k) { return s.s().Resident(g, k); })
+      .def("home", [](const PySession& s, size_t g, K k) { return s.s().Home(g, k); })
+      .def("has_kind", [](const PySession& s, size_t g, K k) { return s.s().has_kind(g, k); })
+      .def("chunk_bytes", [](const PySession& s, size_t g, K k) { return s.s().ChunkBytes(g, k); })
+      .def("read_param", &PySession::ReadParam)
+      .def("write_param", &PySession::WriteParam)
+      .def("read_tensor", &PySession::ReadTensor)
+      .def("write_tensor", &PySession::WriteTensor)
+      .def("step_count", [](const PySession& s, size_t t) { return s.s().step_count(t); })
+      .def("set_step_count",
+           [](PySession& s, size_t t, int64_t n) { Check(s.s().SetStepCount(t, n)); })
+      .def("set_has_grad", &PySession::SetHasGrad)
+      .def("has_grad", [](const PySession& s, size_t t) { return s.s().has_grad(t); })
+      .def("grad_stats", &PySession::GradStats)
+      .def("zero_grad", [](PySession& s) { return Check(s.s().ZeroGrad()); })
+      .def_property_readonly("accumulating", [](const PySession& s) { return s.s().accumulating(); })
+      .def("step", &PySession::Step)
+      .def_property_readonly("loss_scale", [](const PySession& s) { return s.s().loss_scale(); })
+      .def_property(
+          "scaler",
+          [](const PySession& s) {
+            const se::ScalerState st = s.s().scaler();
+            return py::make_tuple(st.scale, st.good_steps, st.skipped_steps);
+          },
+          [](PySession& s, const std::tuple<double, int, uint64_t>& v) {
+            s.s().set_scaler({std::get<0>(v), std::get<1>(v), std::get<2>(v)});
+          })
+      .def("begin_iteration", [](PySession& s) { s.s().BeginIteration(); })
+      .def("moment", [](PySession& s, const std::string& l) { s.s().Moment(l); })
+      .def("phase", [](PySession& s, const std::string& l) { s.s().Phase(l); })
+      .def("set_tracing", [](PySession& s, bool on) { s.s().SetTracing(on); })
+      .def("synchronize", [](PySession& s) { Check(s.s().Synchronize()); })
+      .def("flush", [](PySession& s) { Check(s.s().Flush()); })
+      .def("stats", &PySession::Stats)
+      .def("timeline_report",
+           [](PySession& s) { return tiermem::torch_ext::ReportDict(Check(s.s().TimelineReport())); })
+      .def("save_checkpoint",
+           [](PySession& s, const std::string& path, const std::string& meta) {
+             Check(s.s().SaveCheckpoint(path, meta));
+           },
+           py::arg("path"), py::arg("metadata") = "")
+      .def("load_checkpoint", &PySession::LoadCheckpoint)
+      .def("group", &PySession::Group)
+      .def("place", &PySession::Place)
+      .def_property_readonly("num_groups", [](const PySession& s) { return s.s().num_groups(); })
+      .def_property_readonly("num_tensors", [](const PySession& s) { return s.s().num_tensors(); })
+      .def_property_readonly("chunk_elems", [](const PySession& s) { return s.s().chunk_elems(); })
+      .def_property_readonly("model_bytes", [](const PySession& s) { return s.s().model_bytes(); })
+      .def_property_readonly("minimum_device_budget",
+                             [](const PySession& s) { return s.s().minimum_device_budget(); })
+      .def_property_readonly("compute_kind", [](const PySession& s) { return s.s().compute_kind(); })
+      .def_property_readonly("mixed", [](const PySession& s) { return s.s().mixed(); })
+      .def_property_readonly("cuda", [](const PySession& s) { return s.s().cuda(); })
+      .def_property_readonly("device_kind", [](const PySession& s) { return s.s().device_kind(); })
+      .def_property_readonly("nvme_engine", [](const PySession& s) { return s.s().nvme_engine(); })
+      .def_property_readonly("timeline_path",
+                             [](const PySession& s) { return s.s().timeline_path(); });
+
+  m.def("parse_bytes", [](const std::string& s) { return Check(tiermem::ParseBytes(s)); });
   m.def("adam_step", &tiermem::torch_ext::AdamStepBinding, py::arg("param"), py::arg("grad"),
         py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("param_out"), py::arg("lr"),
         py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
         py::arg("step"), py::arg("inv_loss_scale") = 1.0, py::arg("clip_factor") = 1.0);
   m.def("grad_stats", &tiermem::torch_ext::GradStatsBinding);
-  m.def("kernel_isa", [] { return std::string(tiermem::kernels::IsaName(tiermem::kernels::KernelIsa())); });
+  m.def("kernel_isa",
+        [] { return std::string(tiermem::kernels::IsaName(tiermem::kernels::KernelIsa())); });
   m.def("read_timeline", &tiermem::torch_ext::ReadTimeline);
   m.def("timeline_report", [](const std::string& path) {
-    return tiermem::torch_ext::ReportDict(
-        tiermem::torch_ext::Check(tiermem::prof::AnalyzeFile(path)));
+    return tiermem::torch_ext::ReportDict(Check(tiermem::prof::AnalyzeFile(path)));
   });
-  m.def("cuda_built", [] { return tiermem::torch_common::RuntimeStack::CudaBuilt(); });
-  py::class_<Runtime>(m, "Runtime")
-      .def(py::init<uint64_t, uint64_t, const std::string&, uint64_t, int, uint64_t, uint64_t,
-                    const std::string&, const std::string&>(),
-           py::arg("device_budget"), py::arg("host_budget"), py::arg("nvme_path"),
-           py::arg("nvme_size"), py::arg("prefetch_depth"), py::arg("host_reserve"),
-           py::arg("chunk_bytes"), py::arg("timeline_path"), py::arg("device"))
-      .def("close", &Runtime::Close)
-      .def("add_chunk", &Runtime::AddChunk)
-      .def("acquire", &Runtime::Acquire)
-      .def("release", &Runtime::Release)
-      .def("acquire_for_write", &Runtime::AcquireForWrite)
-      .def("zero", &Runtime::Zero)
-      .def("flush", &Runtime::Flush)
-      .def("synchronize", &Runtime::Synchronize)
-      .def("begin_iteration", &Runtime::BeginIteration)
-      .def("moment", &Runtime::Moment)
-      .def("phase", &Runtime::Phase)
-      .def("resident", &Runtime::Resident)
-      .def("home", &Runtime::Home)
-      .def("dirty", &Runtime::Dirty)
-      .def("pins", &Runtime::Pins)
-      .def("stats", &Runtime::Stats)
-      .def("timeline_report", &Runtime::TimelineReport)
-      .def_property_readonly("cuda", &Runtime::cuda)
-      .def_property_readonly("nvme_engine", &Runtime::nvme_engine)
-      .def_property_readonly("timeline_path", &Runtime::timeline_path);
+  m.def("cuda_built", [] { return se::TierStack::CudaBuilt(); });
+  m.def("resolve_device_kind",
+        [](const std::string& kind) { return Check(se::TierStack::ResolveDeviceKind(kind)); });
 }

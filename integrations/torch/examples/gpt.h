@@ -1,7 +1,7 @@
 // The main job's GPT-style decoder (integrations/torch/python/tiermem/examples/gpt.py) in
 // LibTorch: pre-norm blocks with causal self-attention and a GELU MLP, tied embeddings
 // (the head's weight is the token embedding's), GPT-2 initialisation (std 0.02). The model
-// is split into segments for tiermem::torch::Engine::Run: `embed`, each of `blocks`, `head`.
+// is split into segments for tiermem::torch::ChunkedModel::Run: `embed`, each of `blocks`, `head`.
 // Header-only so the example and its test share one definition. It lives outside namespace
 // tiermem: inside it, `torch::` would name tiermem::torch (TORCH_MODULE spells it unqualified).
 #pragma once
@@ -11,7 +11,7 @@
 #include <cmath>
 #include <vector>
 
-#include "integrations/torch/cpp/engine.h"
+#include "integrations/torch/cpp/chunked_model.h"
 
 namespace tiermem_example {
 
@@ -118,8 +118,9 @@ struct GPTImpl : ::torch::nn::Module {
     for (auto& b : blocks) x = b(x);
     return head(x);
   }
-  // The same forward through the engine, one segment per submodule.
-  tiermem::StatusOr<::torch::Tensor> forward(tiermem::torch::Engine& engine, const ::torch::Tensor& idx) {
+  // The same forward through tiermem, one segment per submodule.
+  tiermem::StatusOr<::torch::Tensor> forward(tiermem::torch::ChunkedModel& engine,
+                                             const ::torch::Tensor& idx) {
     TIERMEM_ASSIGN_OR_RETURN(::torch::Tensor x,
                              engine.Run(*embed, [&](const auto&) { return embed(idx); }));
     for (auto& b : blocks) {

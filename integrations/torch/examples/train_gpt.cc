@@ -1,5 +1,5 @@
 // The main job from C++: trains the repo's GPT-style decoder (gpt.h, the architecture of
-// tiermem/examples/gpt.py; smaller defaults) with tiermem::torch::Engine on synthetic text,
+// tiermem/examples/gpt.py; smaller defaults) with tiermem::torch::ChunkedModel on synthetic text,
 // with a device budget of about 25% of params + grads + AdamW state; prints the loss per
 // step and the per-tier peaks read from the timeline.
 //
@@ -72,17 +72,17 @@ int main(int argc, char** argv) {
                            {"host", "1GiB"},
                            {"timeline", timeline},
                            {"optimizer", {{"lr", lr}, {"weight_decay", 0.01}}}};
-  auto created = tiermem::torch::Engine::Create(*model, config);
+  auto created = tiermem::torch::ChunkedModel::Create(*model, config);
   if (!created.ok()) {
     std::fprintf(stderr, "tiermem: %s\n", created.status().ToString().c_str());
     return 1;
   }
-  tiermem::torch::Engine& engine = **created;
+  tiermem::torch::ChunkedModel& engine = **created;
   std::printf("model: %.2f M params; params+grads+AdamW = %.1f MiB = %.1fx the device budget "
               "of %.1f MiB; chunk %llu elements x %zu groups\n",
               n_params / 1e6, Mib(engine.model_bytes()),
               static_cast<double>(engine.model_bytes()) / budget, Mib(budget),
-              static_cast<unsigned long long>(engine.chunk_elems()), engine.num_groups());
+              static_cast<unsigned long long>(engine.chunk_elems()), engine.num_chunk_groups());
 
   const auto batches = tiermem_example::SyntheticBatches(c, batch, steps);
   const auto t0 = std::chrono::steady_clock::now();
@@ -106,7 +106,7 @@ int main(int argc, char** argv) {
     std::printf("step %3d  loss %.4f  %.0f tokens/s\n", s + 1, loss.item<double>(),
                 (s + 1) * batch * c.block_size / secs);
   }
-  auto stats = engine.Stats();
+  auto stats = engine.GetStats();
   if (!stats.ok()) {
     std::fprintf(stderr, "tiermem: %s\n", stats.status().ToString().c_str());
     return 1;

@@ -13,20 +13,22 @@ from . import _C
 from .config import Config, parse_config
 from .optimizer import ChunkedAdamW
 from .runtime import TiermemRuntime
+from .tensor import ChunkTensor
 
-__all__ = ["initialize", "runtime_of", "Config", "parse_config", "ChunkedAdamW"]
+__all__ = ["initialize", "runtime_of", "Config", "parse_config", "ChunkedAdamW", "ChunkTensor"]
 
 
-def initialize(model, config=None, param_groups=None):
+def initialize(model, config=None, param_groups=None, units=None):
     """Places `model`'s parameters in chunks and returns (model, optimizer).
 
-    `config` is a dict or a JSON file path (see docs/python.md); `param_groups` optionally
-    splits the trainable parameters into torch-style groups with their own lr/weight_decay.
-    On error (ValueError for bad input, MemoryError for budgets too small) the model is left
+    `config`: a dict or a JSON file path (docs/python.md, docs/configuration.md).
+    `param_groups`: torch-style groups of the trainable parameters with their own
+    lr/betas/eps/weight_decay. `units`: which module subtrees are materialized together
+    (module classes or a predicate ``fn(name, module)``; default: each block of a repeated
+    ModuleList/Sequential, see tiermem.units). On error (ValueError for bad input,
+    MemoryError for budgets too small, RuntimeError for a missing GPU) the model is left
     exactly as it was.
     """
-    import torch
-
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"initialize: expected an nn.Module, got {type(model).__name__}")
     if getattr(model, "_tiermem_runtime", None) is not None:
@@ -34,7 +36,7 @@ def initialize(model, config=None, param_groups=None):
     cfg = parse_config(config)
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("initialize: the model has no trainable parameters")
-    runtime = TiermemRuntime(model, cfg, param_groups)
+    runtime = TiermemRuntime(model, cfg, param_groups, units)
     try:
         optimizer = ChunkedAdamW(runtime)
     except BaseException:

@@ -1,33 +1,52 @@
 """ChunkedAdamW: the optimizer returned by tiermem.initialize.
 
-It is a torch.optim.Optimizer (so LR schedulers work: they edit ``param_groups``, which the
-runtime reads at every step) whose state lives in chunks. ``state_dict()`` has the exact
-layout of ``torch.optim.AdamW.state_dict()`` and loads into it; ``load_state_dict`` accepts
-either. With ``gradient_accumulation_steps = N`` in the config, only every N-th ``step()``
-updates (and only the ``zero_grad()`` after it clears the gradients).
+A torch.optim.Optimizer (so LR schedulers work: they edit ``param_groups``, which are read at
+every step) over the model's managed parameters, whose state lives in chunks. ``step()`` hands
+the per-group hyper-parameters to the session core, which runs AdamW (clipping, accumulation
+and fp16 loss scaling from the config) on the fused CPU kernels. Parameters whose ``p.grad`` is
+None are not stepped, as in torch. ``state_dict()`` has the exact layout of
+``torch.optim.AdamW.state_dict()`` and loads into it; ``load_state_dict`` accepts either.
 """
 from __future__ import annotations
 
 import torch
 
-_ADAMW_DEFAULTS = {k: v for k, v in torch.optim.AdamW([torch.zeros(1)]).defaults.items()}
+from . import _C
+
+_ADAMW_DEFAULTS = dict(torch.optim.AdamW([torch.zeros(1)]).defaults)
+# Keys of a torch AdamW param group that must keep these values (tiermem runs plain AdamW).
+_FIXED = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
 
 
 class ChunkedAdamW(torch.optim.Optimizer):
     def __init__(self, runtime):
         self._runtime = runtime
         defaults = dict(_ADAMW_DEFAULTS)
-        defaults.update(lr=runtime.cfg.lr, betas=runtime.cfg.betas, eps=runtime.cfg.eps,
+        defaults.update(lr=runtime.cfg.lr, betas=tuple(runtime.cfg.betas), eps=runtime.cfg.eps,
                         weight_decay=runtime.cfg.weight_decay)
-        groups = []
-        for og in runtime.opt_groups:
-            g = dict(og)
-            groups.append(g)
-        super().__init__(groups, defaults)
-        runtime.opt_groups = self.param_groups  # one set of dicts: schedulers edit these
-        self._micro = 0
-        self._stepped = True
+        self._init_done = False
+        super().__init__([dict(og) for og in runtime.opt_groups], defaults)
+        self._init_done = True
         self.last_step_skipped = False
+        self.last_grad_norm = None
+
+    def add_param_group(self, param_group):
+        if getattr(self, "_init_done", False):
+            raise ValueError("tiermem: parameter groups are fixed at tiermem.initialize "
+                             "(pass param_groups= there)")
+        super().add_param_group(param_group)
+
+    def _hyper(self):
+        out = []
+        for i, g in enumerate(self.param_groups):
+            for k, want in _FIXED.items():
+                if g.get(k, want) != want:
+                    raise ValueError(f"tiermem: param group {i} sets {k}={g[k]!r}, which "
+                                     "tiermem's AdamW does not support")
+            b1, b2 = g["betas"]
+            out.append((float(g["lr"]), float(b1), float(b2), float(g["eps"]),
+                        float(g["weight_decay"])))
+        return out
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -35,47 +54,48 @@ class ChunkedAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._micro += 1
-        if self._micro % self._runtime.cfg.gradient_accumulation_steps != 0:
-            self._stepped = False
-            return loss
-        self.last_step_skipped = not self._runtime.step()
-        self._stepped = True
+        rt = self._runtime
+        hyper = self._hyper()
+        rt.sync_grads()
+        rt._set_tracing(True)
+        res = rt.s.step(hyper)
+        self.last_step_skipped = res["skipped"]
+        self.last_grad_norm = res["grad_norm"] if res["grad_norm"] >= 0 else None
         return loss
 
     def scale_loss(self, loss):
         """``loss * loss_scale`` (fp16 dynamic loss scaling; the identity in fp32/bf16). Call
         ``optimizer.scale_loss(loss).backward()``; step() unscales the grads."""
-        return self._runtime.scale_loss(loss)
+        s = self._runtime.loss_scale
+        return loss * s if s != 1.0 else loss
 
     @property
     def loss_scale(self) -> float:
         return self._runtime.loss_scale
 
-    def zero_grad(self, set_to_none: bool = True):
-        if self._stepped:
-            self._runtime.zero_grad()
+    def grad_norm(self) -> torch.Tensor:
+        """The total (unscaled) gradient norm, computed by the kernels over the grad chunks."""
+        return self._runtime.grad_norm()
 
-    def _ordered(self):
-        out = []
-        for g in self.param_groups:
-            for p in g["params"]:
-                out.append(self._runtime.by_param[id(p)])
-        return out
+    def zero_grad(self, set_to_none: bool = True):
+        self._runtime.zero_grad(set_to_none)
+
+    def _records(self):
+        return [self._runtime.by_param[id(p)] for g in self.param_groups for p in g["params"]]
 
     def state_dict(self):
-        state = {}
-        groups = []
-        idx = 0
+        s = self._runtime.s
+        state, groups, idx = {}, [], 0
         for g in self.param_groups:
             ids = []
             for p in g["params"]:
                 r = self._runtime.by_param[id(p)]
-                if r.step > 0:
+                n = s.step_count(r.index)
+                if n > 0:
                     state[idx] = {
-                        "step": torch.tensor(float(r.step)),
-                        "exp_avg": self._runtime.chunk_slice_copy(r, "exp_avg"),
-                        "exp_avg_sq": self._runtime.chunk_slice_copy(r, "exp_avg_sq"),
+                        "step": torch.tensor(float(n)),
+                        "exp_avg": s.read_tensor(r.index, _C.ChunkKind.exp_avg).view(r.shape),
+                        "exp_avg_sq": s.read_tensor(r.index, _C.ChunkKind.exp_avg_sq).view(r.shape),
                     }
                 ids.append(idx)
                 idx += 1
@@ -93,28 +113,36 @@ class ChunkedAdamW(torch.optim.Optimizer):
             if len(mine["params"]) != len(saved["params"]):
                 raise ValueError(f"param group {i}: {len(saved['params'])} params in the state, "
                                  f"{len(mine['params'])} here")
-        ordered = self._ordered()
+        records = self._records()
         index_of = {}
         for saved in groups:
             for pid in saved["params"]:
                 index_of[pid] = len(index_of)
+        todo = {}
         for pid, st in state_dict["state"].items():
-            r = ordered[index_of[pid]]
+            if pid not in index_of:
+                raise ValueError(f"optimizer state for unknown parameter index {pid}")
+            r = records[index_of[pid]]
             for k in ("exp_avg", "exp_avg_sq"):
                 if tuple(st[k].shape) != tuple(r.shape):
                     raise ValueError(f"optimizer state '{k}' of {r.name}: shape "
                                      f"{tuple(st[k].shape)} != {tuple(r.shape)}")
-        for r in ordered:
-            r.step = 0
-        for g in self._runtime.groups:
-            if g.trainable:
-                self._runtime.rt.zero(g.chunks["exp_avg"])
-                self._runtime.rt.zero(g.chunks["exp_avg_sq"])
-        for pid, st in state_dict["state"].items():
-            r = ordered[index_of[pid]]
-            r.step = int(float(st["step"]))
-            self._runtime.write_slice(r, "exp_avg", st["exp_avg"].float())
-            self._runtime.write_slice(r, "exp_avg_sq", st["exp_avg_sq"].float())
+            todo[r.index] = (r, st)
+        # Validated: now write (zero first, so parameters without state start fresh).
+        s = self._runtime.s
+        for g in range(s.num_groups):
+            if self._runtime.groups[g][0]:
+                s.zero_chunk(g, _C.ChunkKind.exp_avg)
+                s.zero_chunk(g, _C.ChunkKind.exp_avg_sq)
+        for r in records:
+            r_state = todo.get(r.index)
+            s.set_step_count(r.index, int(float(r_state[1]["step"])) if r_state else 0)
+            if r_state:
+                for k, kind in (("exp_avg", _C.ChunkKind.exp_avg),
+                                ("exp_avg_sq", _C.ChunkKind.exp_avg_sq)):
+                    s.write_tensor(r.index, kind,
+                                   r_state[1][k].detach().to("cpu", torch.float32)
+                                   .reshape(-1).contiguous())
         for mine, saved in zip(self.param_groups, groups):
             for k, v in saved.items():
                 if k != "params":

@@ -1,212 +1,170 @@
-"""The PyTorch side of tiermem: module hooks, saved-tensor hooks and the chunked optimizer.
+"""The PyTorch adapter over the session core (``_C.Session``, runtime/session in C++).
 
-Parameters are packed (first-use order = module registration order) into chunk groups laid
-out by the C++ engine: trainable params get param/grad/exp_avg/exp_avg_sq chunks, frozen ones
-only a param chunk. Outside of use a param's ``.data`` is a zero-byte placeholder with its
-shape; around a module's forward it is a view of its param chunk on the device tier.
+The core owns the layout, the tiers, the optimizer step and checkpoints. This file only
+translates torch events into core calls:
 
-Backward does not need ``.data``: autograd reads what it saved. A saved-tensors hook packs any
-saved tensor that aliases chunk memory as (group, offset, shape, strides) and unpacks it as a
-view of the chunk's *current* device copy, acquiring (pinning) the chunk for the backward; the
-pin is dropped once every param of the group used in the forward has its gradient (or at the
-end of backward). Gradients are added into grad chunks by post-accumulate-grad hooks, and
-``p.grad`` is set back to None. ``optimizer.step()`` runs the fused CPU AdamW kernel
-(tiermem::kernels_cpu, equal to ``torch.optim.AdamW``) on the host copies of the chunks:
-grad -> m, v, fp32 master, and in mixed precision the bf16/fp16 copy the device computes with.
-Global-norm clipping and fp16 overflow detection use the kernels' GradNormAndOverflow.
-
-Precision: in fp32 the ``param`` chunk is both the compute copy and the master. In bf16/fp16
-a group has a low-precision ``param`` chunk (device compute) and ``grad`` chunk, and fp32
-``master``, ``exp_avg`` and ``exp_avg_sq`` chunks that only the optimizer touches (on host).
-fp16 uses dynamic loss scaling (``optimizer.scale_loss(loss)``; an overflow skips the step and
-halves the scale; ``growth_interval`` good steps double it), like torch.amp.GradScaler.
+- Parameters. Each managed parameter ``p`` the model exposes is a ChunkTensor (tensor.py) —
+  a stable object whose every use reads the chunk. Each also has a *compute* parameter, a
+  plain ``nn.Parameter`` whose ``.data`` is a view of its chunk on the device tier while a
+  unit containing it runs; unit hooks swap it into its modules' ``_parameters`` for the
+  forward, so the model computes on plain tensors at full speed, and swap ``p`` back after.
+- Units (units.py). A unit's pre-forward acquires (pins) its chunk groups on the device and
+  materializes every parameter of its subtree; its post-forward releases them. Saved-tensor
+  hooks pack any saved tensor that aliases chunk memory as a chunk reference and unpack it
+  in backward as a view of the chunk's *current* device copy (re-acquired, and pinned until
+  every parameter of the group used in the forward has its gradient).
+- Gradients. Post-accumulate-grad hooks add each gradient into the grad chunk on the device
+  (copy when ``p.grad`` is None — torch's semantics — add otherwise) and set ``p.grad`` to a
+  grad ChunkTensor, so ``clip_grad_norm_``, GradScaler and logging see the true values, and
+  ``zero_grad()`` / ``model.zero_grad()`` (``p.grad = None``) work as in torch. No grad is
+  kept on the device beyond the chunks the engine caches.
+- Inference. Forwards without grad use untraced acquires: they neither record into nor
+  disturb the order the next training iteration replays.
+- State. ``state_dict()`` of any module gives plain tensors (the fp32 masters);
+  ``load_state_dict`` writes into the chunks through the ChunkTensors (and the fp32 master,
+  exactly, in mixed precision).
 
 Threading: one training thread (like the model itself).
 """
 from __future__ import annotations
 
+import copy
+import functools
 import math
-import os
-import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
 from . import _C
-from .config import Config
+from .tensor import ChunkTensor, is_view_op, meta_mutating, mutated_args, unwrap
+from .units import find_units, unit_modules
 
-_CAT_PARAM, _CAT_GRAD, _CAT_OPTIM = 0, 1, 2
-_MIN_RESIDENT_CHUNKS = 4
 _LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_K = _C.ChunkKind
+_DEVICE, _HOST = _C.Tier.device, _C.Tier.host
 
 
-@dataclass
+@dataclass(eq=False)
 class _Param:
-    index: int
-    param: nn.Parameter
+    index: int                 # tensor index in the session
     name: str
     shape: torch.Size
     numel: int
     trainable: bool
-    group: int = -1
+    orig: nn.Parameter         # the user's parameter object (given back by close())
+    group: int = 0
     offset: int = 0
     opt_group: int = 0
-    step: int = 0
-    has_grad: bool = False
-    placeholder: Any = None  # the zero-byte stand-in for .data, made once
-
-
-@dataclass
-class _Group:
-    index: int
-    trainable: bool
-    used: int  # elements
-    chunks: dict = field(default_factory=dict)  # kind -> chunk id
-    params: list = field(default_factory=list)
+    param: Any = None          # the ChunkTensor parameter the model exposes
+    compute: Any = None        # plain Parameter: the chunk view inside a unit
+    placeholder: Any = None    # compute.data while not materialized
+    grad: Any = None           # the grad ChunkTensor (trainable only)
+    mat: int = 0               # active units materializing it
+    version: int = 0           # compute._version when materialized (detects in-place writes)
+    slots: list = field(default_factory=list)  # (module, attribute name)
+    warned: bool = False
 
 
 class _ChunkRef:
-    __slots__ = ("group", "offset", "size", "stride", "dtype")
+    __slots__ = ("group", "offset", "size", "stride")
 
-    def __init__(self, group, offset, size, stride, dtype):
-        self.group, self.offset, self.size, self.stride, self.dtype = (
-            group, offset, size, stride, dtype)
+    def __init__(self, group, offset, size, stride):
+        self.group, self.offset, self.size, self.stride = group, offset, size, stride
 
 
-def _placeholder(shape: torch.Size, dtype: torch.dtype, device=None) -> torch.Tensor:
-    # Correct shape, no storage behind it: reads give zeros, never chunk memory.
+def _placeholder(shape, dtype, device) -> torch.Tensor:
     return torch.zeros((), dtype=dtype, device=device).expand(shape)
 
 
-def _device_kind(cfg: Config) -> str:
-    kind = cfg.device_kind
-    if kind == "sim":
-        return "sim"
-    has_gpu = torch.cuda.is_available()
-    if kind == "cuda":
-        if not has_gpu:
-            raise RuntimeError("device 'cuda' requested (TIERMEM_DEVICE/device_kind) but there is "
-                               "no CUDA device (torch.cuda.is_available() is False)")
-        if not _C.cuda_built():
-            raise RuntimeError("device 'cuda' requested but this tiermem build has no CUDA support")
-        return "cuda"
-    return "cuda" if has_gpu and _C.cuda_built() else "sim"
-
-
 class TiermemRuntime:
-    """Owns the engine and the hooks of one initialized model."""
+    """Owns the session and the hooks of one initialized model."""
 
-    def __init__(self, model: nn.Module, cfg: Config, param_groups: list[dict] | None):
+    def __init__(self, model: nn.Module, cfg, param_groups, units=None):
         self.model = model
         self.cfg = cfg
+        self._closed = True  # until everything is in place
         self.mixed = cfg.precision in _LOW
-        self.dtype = _LOW.get(cfg.precision, torch.float32)  # compute (param, grad) dtype
-        self.kind_dtype = {"param": self.dtype, "grad": self.dtype, "master": torch.float32,
-                           "exp_avg": torch.float32, "exp_avg_sq": torch.float32}
-        self.loss_scale = float(cfg.initial_scale) if cfg.precision == "fp16" else 1.0
-        self._good_steps = 0
-        self.skipped_steps = 0
-        self._handles: list = []
-        self._closed = False
-        kind = _device_kind(cfg)
+        self.dtype = _LOW.get(cfg.precision, torch.float32)
+        self.fp16 = cfg.precision == "fp16"
+        self.strict = cfg.unmaterialized_reads == "error"
+        kind = _C.resolve_device_kind(cfg.device_kind)  # RuntimeError: no CUDA device
+        if kind == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("device_kind 'cuda': tiermem sees a GPU but torch does not "
+                               "(torch.cuda.is_available() is False)")
         self.device = torch.device("cuda", 0) if kind == "cuda" else torch.device("cpu")
         self._collect_params(param_groups)
-        self._plan_layout()
-        self._own_timeline = cfg.timeline is None
-        if self._own_timeline:
-            fd, self.timeline_path = tempfile.mkstemp(prefix="tiermem-", suffix=".tmt")
-            os.close(fd)
-        else:
-            self.timeline_path = cfg.timeline
-            d = os.path.dirname(self.timeline_path)
-            if d:
-                os.makedirs(d, exist_ok=True)
+        self.units = find_units(model, units)
+        specs = [(r.name, r.numel, r.trainable, r.opt_group) for r in self.params]
+        self.s = _C.Session(cfg, specs)
         try:
-            self.rt = _C.Runtime(cfg.device_budget, cfg.host_budget, cfg.nvme_path or "",
-                                 cfg.nvme_size, cfg.prefetch_depth, self._host_reserve,
-                                 self.chunk_bytes, self.timeline_path, kind)
+            with torch.no_grad():
+                for r in self.params:
+                    r.group, r.offset, _ = self.s.place(r.index)
+                    self.s.write_param(r.index, r.orig.detach().reshape(-1).contiguous())
         except BaseException:
-            self._drop_timeline()
+            self.s.close()
             raise
-        try:
-            self._create_chunks()
-            self._load_initial_values()
-        except BaseException:
-            self.rt.close()  # frees every region
-            self.rt = None
-            self._drop_timeline()
-            raise
-        # From here on nothing can fail: take over the params.
-        self._live: dict[int, int] = {}        # device data_ptr -> group (acquired chunks)
-        self._fwd_pins: list[list] = []        # per active module forward: [(group, kind)]
-        self._bwd_hold: dict[int, torch.Tensor] = {}  # group -> device base view
-        self._bwd_pending: dict[int, set] = {}         # group -> params awaiting grads
-        self._fwd_used: dict[int, set] = {}            # group -> params used with grad
-        self._grad_hold: dict[int, torch.Tensor] = {}  # group -> device grad chunk view
-        self._grad_pending: dict[int, set] = {}        # group -> params awaiting grads
-        # Holding a grad chunk across its group's backward saves an acquire per param but pins
-        # it: only worth it when every param and grad chunk fits on the device at once (below
-        # that, the engine needs to evict grad chunks between hooks; holding them re-fetches
-        # more params: 1.45x instead of 1.30x the minimum h2d at a 25% budget).
-        compute_bytes = sum(self.kind_bytes["param"] + (self.kind_bytes["grad"] if g.trainable
-                                                        else 0) for g in self.groups)
-        self._hold_grads = cfg.device_budget >= compute_bytes
-        self._callback_queued = False
+        self._compute_kind = self.s.compute_kind
+        self.groups = [self.s.group(g) for g in range(self.s.num_groups)]  # (trainable, used, tensors)
+        # Holding a group's grad chunk across its backward saves an acquire per param but pins
+        # it: worth it only when every compute and grad chunk fits on the device at once.
+        esize = 2 if self.mixed else 4
+        per_group = self.s.chunk_elems * esize * 2
+        self._hold_grads = cfg.device_budget >= per_group * len(self.groups)
+        # State of the current iteration.
+        self._live: dict[int, int] = {}          # device data_ptr -> group (compute chunks)
+        self._bwd_hold: dict[int, torch.Tensor] = {}
+        self._bwd_pending: dict[int, set] = {}
+        self._fwd_used: dict[int, set] = {}
+        self._grad_hold: dict[int, torch.Tensor] = {}
+        self._grad_pending: dict[int, set] = {}
         self._in_iteration = False
-        for r in self.params:
-            r.placeholder = _placeholder(r.shape, self.dtype, self.device)
-            r.param.data = r.placeholder
-        # Buffers stay ordinary tensors, on the compute device and (like module.to(dtype))
-        # in the compute dtype when floating point.
-        if self.device.type != "cpu" or self.mixed:
-            for m in self.model.modules():
-                for k, b in m._buffers.items():
-                    if b is not None:
-                        dt = self.dtype if b.is_floating_point() else b.dtype
-                        m._buffers[k] = b.to(device=self.device, dtype=dt)
-        self._install_hooks()
+        self._in_backward = False
+        self._tracing = True
+        self._active_units: list = []
+        self._root_depth = 0
+        self._handles: list = []
+        self._wrapped: list = []  # modules whose forward we wrapped (undone at close)
+        self._closed = False
+        self._install()
 
-    def _drop_timeline(self):
-        if self._own_timeline:
-            try:
-                os.unlink(self.timeline_path)
-            except OSError:
-                pass
-
-    # ---- set-up ------------------------------------------------------------------------------
+    # ---- set-up ---------------------------------------------------------------------------
     def _collect_params(self, param_groups):
+        names = {}
+        for n, p in self.model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), n)
         seen: dict[int, _Param] = {}
         self.params: list[_Param] = []
-        self.module_params: dict[nn.Module, list[_Param]] = {}
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        for mname, m in self.model.named_modules():
-            lst = []
-            for p in m.parameters(recurse=False):
-                if id(p) not in seen:
+        for mname, m in self.model.named_modules(remove_duplicate=False):
+            for pname, p in m._parameters.items():
+                if p is None:
+                    continue
+                r = seen.get(id(p))
+                if r is None:
+                    name = names.get(id(p), f"{mname}.{pname}")
+                    if isinstance(p, ChunkTensor):
+                        raise ValueError(f"parameter {name} is already managed by tiermem")
                     if p.dtype != torch.float32:
-                        raise ValueError(f"parameter {names.get(id(p), '?')} is {p.dtype}; "
-                                         "tiermem expects an fp32 model")
+                        raise ValueError(f"parameter {name} is {p.dtype}; tiermem expects an fp32 "
+                                         "model (set 'precision' for bf16/fp16 training)")
                     if p.device.type != "cpu":
-                        raise ValueError(f"parameter {names.get(id(p), '?')} is on {p.device}; "
-                                         "pass a CPU model (tiermem places it)")
-                    r = _Param(len(self.params), p, names.get(id(p), mname), p.shape,
-                               p.numel(), p.requires_grad)
+                        raise ValueError(f"parameter {name} is on {p.device}; pass a CPU model "
+                                         "(tiermem places it)")
+                    if p.numel() == 0:
+                        raise ValueError(f"parameter {name} has no elements")
+                    r = _Param(len(self.params), name, p.shape, p.numel(), p.requires_grad, p)
                     seen[id(p)] = r
                     self.params.append(r)
-                if seen[id(p)] not in lst:
-                    lst.append(seen[id(p)])
-            if lst:
-                self.module_params[m] = lst
+                r.slots.append((m, pname))
         if not self.params:
             raise ValueError("model has no parameters")
-        self.by_param = {id(r.param): r for r in self.params}
-        # Optimizer param groups (torch-style: [{"params": [...], "lr": ...}, ...]).
-        defaults = dict(lr=self.cfg.lr, betas=self.cfg.betas, eps=self.cfg.eps,
+        self.by_orig = {id(r.orig): r for r in self.params}
+        defaults = dict(lr=self.cfg.lr, betas=tuple(self.cfg.betas), eps=self.cfg.eps,
                         weight_decay=self.cfg.weight_decay)
         if param_groups is None:
-            param_groups = [{"params": [r.param for r in self.params if r.trainable]}]
+            param_groups = [{"params": [r.orig for r in self.params if r.trainable]}]
         self.opt_groups = []
         assigned = set()
         for gi, g in enumerate(param_groups):
@@ -219,169 +177,182 @@ class TiermemRuntime:
             og.update({k: v for k, v in g.items() if k != "params"})
             plist = list(g["params"])
             for p in plist:
-                r = self.by_param.get(id(p))
+                r = self.by_orig.get(id(p))
                 if r is None:
-                    raise ValueError(f"param_groups[{gi}] holds a tensor that is not a parameter of the model")
+                    raise ValueError(f"param_groups[{gi}] holds a tensor that is not a parameter "
+                                     "of the model")
                 if id(p) in assigned:
-                    raise ValueError(f"param_groups[{gi}]: parameter {r.name} appears in more than one group")
+                    raise ValueError(f"param_groups[{gi}]: parameter {r.name} appears in more "
+                                     "than one group")
+                if not r.trainable:
+                    raise ValueError(f"param_groups[{gi}]: parameter {r.name} is frozen "
+                                     "(requires_grad=False)")
                 assigned.add(id(p))
                 r.opt_group = gi
-            og["params"] = plist
+            og["params"] = [self.by_orig[id(p)] for p in plist]  # _Param records for now
             self.opt_groups.append(og)
         for r in self.params:
-            if r.trainable and id(r.param) not in assigned:
+            if r.trainable and id(r.orig) not in assigned:
                 raise ValueError(f"trainable parameter {r.name} is in no param group")
 
-    def _plan_layout(self):
-        trainable = [r for r in self.params if r.trainable]
-        frozen = [r for r in self.params if not r.trainable]
-        numels = [r.numel for r in self.params]
-        esize = 2 if self.mixed else 4
-        # Device working set: param + grad chunks, MIN_RESIDENT of them.
-        per_elem = esize + (esize if trainable else 0)
-        if self.cfg.chunk_size is None:
-            elems, waste, _ = _C.choose_chunk_elems(numels, self.cfg.device_budget, per_elem,
-                                                    _MIN_RESIDENT_CHUNKS)
-        else:
-            elems = self.cfg.chunk_size
-            need = elems * per_elem * _MIN_RESIDENT_CHUNKS
-            if need > self.cfg.device_budget:
-                raise MemoryError(f"device budget of {self.cfg.device_budget} bytes is below the "
-                                  f"minimum of {need} bytes for chunk_size={elems}")
-        self.chunk_elems = elems
-        self.groups: list[_Group] = []
-        for subset, is_trainable in ((trainable, True), (frozen, False)):
-            if not subset:
-                continue
-            placements, ngroups, _ = _C.pack_tensors([r.numel for r in subset], elems)
-            base = len(self.groups)
-            for g in range(ngroups):
-                self.groups.append(_Group(base + g, is_trainable, 0))
-            for r, (g, off) in zip(subset, placements):
-                r.group, r.offset = base + g, off
-                grp = self.groups[base + g]
-                grp.params.append(r)
-                grp.used = max(grp.used, off + r.numel)
-        self.chunk_bytes = elems * 4  # the largest (fp32) chunk of a group
-        self.kind_bytes = {k: elems * d.itemsize for k, d in self.kind_dtype.items()}
-        per_trainable = 16 + (4 if self.mixed else 0)
-        self.model_bytes = (sum(r.numel for r in trainable) * per_trainable +
-                            sum(r.numel for r in frozen) * esize)
-        # Host room for caches of NVMe-homed chunks: every kind of one group at once.
-        page = 4096
-        self._host_reserve = (5 * ((self.chunk_bytes + page - 1) // page * page)
-                              if self.cfg.nvme_size else 0)
+    def _install(self):
+        """Takes over the model. Nothing here can fail on valid input."""
+        for r in self.params:
+            r.param = nn.Parameter(
+                ChunkTensor(self, r, "param", r.shape, _contiguous_strides(r.shape), self.dtype,
+                            self.device), requires_grad=r.trainable)
+            r.compute = nn.Parameter(torch.empty(0, dtype=self.dtype, device=self.device),
+                                     requires_grad=r.trainable)
+            r.placeholder = _placeholder(r.shape, self.dtype, self.device)
+            r.compute.data = r.placeholder
+            if r.trainable:
+                r.grad = ChunkTensor(self, r, "grad", r.shape, _contiguous_strides(r.shape),
+                                     self.dtype, self.device)
+                self._handles.append(r.compute.register_post_accumulate_grad_hook(
+                    self._compute_grad_hook(r)))
+                self._handles.append(r.param.register_post_accumulate_grad_hook(
+                    self._param_grad_hook(r)))
+            for m, name in r.slots:
+                m._parameters[name] = r.param
+        self.by_param = {id(r.param): r for r in self.params}
+        for og in self.opt_groups:
+            og["params"] = [r.param for r in og["params"]]
+        # Units: the slots inside each, their groups, and their hooks.
+        slot_of = {}
+        for r in self.params:
+            for m, name in r.slots:
+                slot_of.setdefault(id(m), []).append((name, r))
+        for u in self.units:
+            seen, params = set(), []
+            for _, m in unit_modules(u):
+                for name, r in slot_of.get(id(m), ()):
+                    u.slots.append((m, name, r))
+                    if r.index not in seen:
+                        seen.add(r.index)
+                        params.append(r)
+            u.params = params
+            u.groups = sorted({r.group for r in params})
+            u.depth = 0
+            u.pins = []
+            u.pushed = []
+            _wrap_forward(u.module, self._unit_enter(u), self._unit_exit(u), self._wrapped)
+        # The root's forward: to tell "inside the model's forward" from "outside" in messages.
+        _wrap_forward(self.model, self._root_enter, self._root_exit, self._wrapped)
+        # state_dict of any module gives plain tensors.
+        for m in {id(m): m for r in self.params for m, _ in r.slots}.values():
+            self._handles.append(m.register_state_dict_post_hook(
+                lambda *a: self._state_dict_hook(*a)))
+        # Buffers stay ordinary tensors, on the compute device and (like module.to(dtype))
+        # in the compute dtype when floating point.
+        if self.device.type != "cpu" or self.mixed:
+            for m in self.model.modules():
+                for k, b in m._buffers.items():
+                    if b is not None:
+                        dt = self.dtype if b.is_floating_point() else b.dtype
+                        m._buffers[k] = b.to(device=self.device, dtype=dt)
 
-    def _create_chunks(self):
-        # Params and grads first so they get host homes; optimizer state spills to NVMe first.
-        order = [("param", _CAT_PARAM), ("grad", _CAT_GRAD)]
-        if self.mixed:
-            order.append(("master", _CAT_PARAM))
-        order += [("exp_avg", _CAT_OPTIM), ("exp_avg_sq", _CAT_OPTIM)]
-        for kind, cat in order:
-            for g in self.groups:
-                if kind != "param" and not g.trainable:
-                    continue
-                if kind == "master" and not g.trainable:
-                    continue
-                g.chunks[kind] = self.rt.add_chunk(self.kind_bytes[kind], cat)
+    # ---- chunk access --------------------------------------------------------------------
+    def _set_tracing(self, on: bool):
+        if on != self._tracing:
+            self.s.set_tracing(on)
+            self._tracing = on
 
-    def _load_initial_values(self):
-        for g in self.groups:
-            kinds = ["param"] + (["master"] if "master" in g.chunks else [])
-            for kind in kinds:
-                cid = g.chunks[kind]
-                base = self.rt.acquire(cid, "host", self.kind_dtype[kind], g.used)
-                try:
-                    with torch.no_grad():
-                        for r in g.params:
-                            base[r.offset:r.offset + r.numel].copy_(r.param.data.reshape(-1))
-                finally:
-                    self.rt.release(cid, True)
-
-    # ---- chunk access -----------------------------------------------------------------------
-    def _acquire(self, group: int, kind: str, tier: str) -> torch.Tensor:
-        g = self.groups[group]
-        base = self.rt.acquire(g.chunks[kind], tier, self.kind_dtype[kind], g.used)
-        if tier == "device" and kind == "param":
+    def _acquire(self, group: int, kind, tier=_DEVICE) -> torch.Tensor:
+        self._set_tracing(self._in_backward or torch.is_grad_enabled())
+        base = self.s.acquire(group, kind, tier)
+        if tier == _DEVICE and kind == self._compute_kind:
             self._live[base.data_ptr()] = group
         return base
 
-    def _release(self, group: int, kind: str, modified: bool, base: torch.Tensor | None = None):
-        g = self.groups[group]
-        cid = g.chunks[kind]
-        self.rt.release(cid, modified)
-        if base is not None and kind == "param" and self.rt.pins(cid) == 0:
-            if self._live.get(base.data_ptr()) == group:
-                del self._live[base.data_ptr()]
+    def _release(self, group: int, kind, modified: bool, base: torch.Tensor | None = None):
+        self.s.release(group, kind, modified)
+        if base is not None and kind == self._compute_kind and \
+                self.s.pins(group, kind) == 0 and self._live.get(base.data_ptr()) == group:
+            del self._live[base.data_ptr()]
 
-    # ---- hooks ------------------------------------------------------------------------------
-    def _install_hooks(self):
-        for m, plist in self.module_params.items():
-            self._handles.append(m.register_forward_pre_hook(self._make_pre_forward(m, plist)))
-            self._handles.append(m.register_forward_hook(self._make_post_forward(m, plist),
-                                                         always_call=True))
-        for r in self.params:
-            if r.trainable:
-                self._handles.append(
-                    r.param.register_post_accumulate_grad_hook(self._make_grad_hook(r)))
-        root = self.model
-        self._handles.append(root.register_forward_pre_hook(self._root_pre_forward))
-        self._handles.append(root._register_state_dict_hook(self._state_dict_hook))
-        self._handles.append(root._register_load_state_dict_pre_hook(self._load_pre_hook,
-                                                                     with_module=True))
-        self._handles.append(root.register_load_state_dict_post_hook(self._load_post_hook))
+    def _slice(self, base, r: _Param):
+        return base[r.offset:r.offset + r.numel].view(r.shape)
 
-    def _root_pre_forward(self, module, args):
-        if torch.is_grad_enabled() and not self._in_iteration:
-            self.rt.begin_iteration()
-            self._in_iteration = True
-        self.rt.phase("forward")
+    # ---- units -----------------------------------------------------------------------------
+    def _root_enter(self):
+        self._root_depth += 1
 
-    def _make_pre_forward(self, m, plist):
-        label = f"{type(m).__name__}:pre-forward"
+    def _root_exit(self):
+        self._root_depth -= 1
 
-        def hook(module, args):
-            self.rt.moment(label)
-            pins = []
-            views = {}
-            try:
-                for r in plist:
-                    if r.group not in views:
-                        views[r.group] = self._acquire(r.group, "param", "device")
-                        pins.append((r.group, views[r.group]))
-                    base = views[r.group]
-                    r.param.data = base[r.offset:r.offset + r.numel].view(r.shape)
-                    if torch.is_grad_enabled() and r.trainable:
+    def _unit_enter(self, u):
+        label = f"{u.name or type(u.module).__name__}:pre-forward"
+
+        def hook():
+            if self._closed:
+                return None
+            grad = torch.is_grad_enabled()
+            if grad and not self._in_iteration:
+                self.s.begin_iteration()
+                self._in_iteration = True
+                self.s.phase("forward")
+            u.depth += 1
+            if u.depth == 1:
+                self.s.moment(label)
+                pins = []
+                try:
+                    views = {}
+                    for g in u.groups:
+                        views[g] = self._acquire(g, self._compute_kind)
+                        pins.append((g, views[g]))
+                except BaseException:
+                    for g, b in pins:
+                        self._release(g, self._compute_kind, False, b)
+                    u.depth -= 1
+                    raise
+                u.pins = pins
+                for r in u.params:
+                    if r.mat == 0:
+                        r.compute.data = self._slice(views[r.group], r)
+                        r.version = r.compute._version
+                    r.mat += 1
+                    if grad and r.trainable:
                         self._fwd_used.setdefault(r.group, set()).add(r.index)
-            except BaseException:
-                for g, b in pins:
-                    self._release(g, "param", False, b)
-                for r in plist:
-                    r.param.data = r.placeholder
-                raise
-            self._fwd_pins.append(pins)
-            if torch.is_grad_enabled():
-                torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
-                self._fwd_pins[-1] = (pins, True)
-            else:
-                self._fwd_pins[-1] = (pins, False)
-        return hook
-
-    def _make_post_forward(self, m, plist):
-        def hook(module, args, output):
-            pins, pushed = self._fwd_pins.pop()
+                for m, name, r in u.slots:
+                    m._parameters[name] = r.compute
+            self._active_units.append(u)
+            pushed = grad
             if pushed:
-                torch._C._autograd._pop_saved_tensors_default_hooks()
-            for r in plist:
-                r.param.data = r.placeholder
-            for g, b in pins:
-                self._release(g, "param", False, b)
+                torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
+            u.pushed.append(pushed)
             return None
         return hook
 
+    def _unit_exit(self, u):
+        def hook():
+            if self._closed or not u.pushed:
+                return None
+            if u.pushed.pop():
+                torch._C._autograd._pop_saved_tensors_default_hooks()
+            self._active_units.pop()
+            u.depth -= 1
+            if u.depth > 0:
+                return None
+            for m, name, r in u.slots:
+                m._parameters[name] = r.param
+            modified = set()
+            for r in u.params:
+                r.mat -= 1
+                if r.mat == 0:
+                    if r.compute._version != r.version:  # written in place inside the forward
+                        modified.add(r.group)
+                        if self.mixed:
+                            self._sync_master(r, (), r.compute.data, None)
+                    r.compute.data = r.placeholder
+            for g, b in u.pins:
+                self._release(g, self._compute_kind, g in modified, b)
+            u.pins = []
+            return None
+        return hook
+
+    # ---- saved tensors -----------------------------------------------------------------
     def _pack(self, t: torch.Tensor):
-        if t.device.type != "cpu" and t.device.type != "cuda":
+        if isinstance(t, ChunkTensor) or t.layout != torch.strided:
             return t
         try:
             ptr = t.untyped_storage().data_ptr()
@@ -390,263 +361,456 @@ class TiermemRuntime:
         g = self._live.get(ptr)
         if g is None:
             return t
-        return _ChunkRef(g, t.storage_offset(), tuple(t.size()), tuple(t.stride()), t.dtype)
+        return _ChunkRef(g, t.storage_offset(), tuple(t.size()), tuple(t.stride()))
 
     def _unpack(self, ref):
         if not isinstance(ref, _ChunkRef):
             return ref
-        self._queue_end_of_backward()
+        self._begin_backward()
         base = self._bwd_hold.get(ref.group)
         if base is None:
-            self.rt.moment("pre-backward")
-            base = self._acquire(ref.group, "param", "device")
+            self.s.moment("pre-backward")
+            base = self._acquire(ref.group, self._compute_kind)
             self._bwd_hold[ref.group] = base
             self._bwd_pending[ref.group] = set(self._fwd_used.get(ref.group, ()))
-            if not self._bwd_pending[ref.group]:
-                pass  # released at the end of backward
         return base.as_strided(ref.size, ref.stride, ref.offset)
 
-    def _queue_end_of_backward(self):
-        if not self._callback_queued:
-            self._callback_queued = True
-            self.rt.phase("backward")  # the first hook of a backward pass marks its start
+    def _begin_backward(self):
+        if not self._in_backward:
+            self._in_backward = True
+            self.s.phase("backward")
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self):
         for g, base in list(self._bwd_hold.items()):
-            self._release(g, "param", False, base)
+            self._release(g, self._compute_kind, False, base)
         self._bwd_hold.clear()
         self._bwd_pending.clear()
         for g in list(self._grad_hold):
             self._release_grad(g)
         self._grad_pending.clear()
         self._fwd_used.clear()
-        self._callback_queued = False
+        self._in_backward = False
         self._in_iteration = False
 
+    # ---- gradients -----------------------------------------------------------------------
     def _release_grad(self, group: int):
         del self._grad_hold[group]
         self._grad_pending.pop(group, None)
-        self.rt.release(self.groups[group].chunks["grad"], True)
+        self.s.release(group, _K.grad, True)
 
-    def _make_grad_hook(self, r: _Param):
-        # The grad chunk of a group stays acquired from its first gradient until every param
-        # of the group used in the forward has its gradient (or the end of backward): one
-        # acquire per group and backward instead of one per param (when _hold_grads; else one
-        # acquire per param as before). It is acquired for write,
-        # so a lazily zero chunk is zeroed on the device, not by a copy from a zeros buffer.
-        g = self.groups[r.group]
-        rng = slice(r.offset, r.offset + r.numel)
+    def _grad_chunk(self, r: _Param) -> torch.Tensor:
+        base = self._grad_hold.get(r.group)
+        if base is None:
+            tensors = self.groups[r.group][2]
+            if all(self.params[i].param.grad is None for i in tensors):
+                self.s.zero_chunk(r.group, _K.grad)  # nothing to keep: no fetch, a memset
+            self._set_tracing(True)
+            base = self.s.acquire_for_write(r.group, _K.grad, _DEVICE)
+            self._grad_hold[r.group] = base
+            self._grad_pending[r.group] = set(self._fwd_used.get(r.group, ()))
+        return base
 
-        def hook(p):
-            self._queue_end_of_backward()
-            grad = p.grad
-            p.grad = None
-            if grad is None:
-                return
-            base = self._grad_hold.get(r.group)
-            if base is None:
-                base = self.rt.acquire_for_write(g.chunks["grad"], "device", self.dtype, g.used)
-                self._grad_hold[r.group] = base
-                self._grad_pending[r.group] = set(self._fwd_used.get(r.group, ()))
-            with torch.no_grad():
-                base[rng].add_(grad.reshape(-1))
-            r.has_grad = True
-            gpending = self._grad_pending[r.group]
-            gpending.discard(r.index)
-            if not gpending or not self._hold_grads:
+    def _accumulate(self, r: _Param, g: torch.Tensor, prev):
+        """Adds `g` to r's gradient with torch's semantics (prev None: g becomes the grad)."""
+        base = self._grad_chunk(r)
+        dst = base[r.offset:r.offset + r.numel]
+        with torch.no_grad():
+            if prev is None:
+                dst.copy_(g.reshape(-1))
+            elif prev is r.grad:
+                dst.add_(g.reshape(-1))
+            else:  # a plain tensor the user assigned to p.grad: keep its value too
+                dst.copy_(prev.reshape(-1))
+                dst.add_(g.reshape(-1))
+        r.param.grad = r.grad
+        pending = self._grad_pending.get(r.group)
+        if pending is not None:
+            pending.discard(r.index)
+            if not pending or not self._hold_grads:
                 self._release_grad(r.group)
-            pending = self._bwd_pending.get(r.group)
-            if pending is not None:
-                pending.discard(r.index)
-                if not pending and r.group in self._bwd_hold:
-                    self._release(r.group, "param", False, self._bwd_hold.pop(r.group))
-                    del self._bwd_pending[r.group]
+        bwd = self._bwd_pending.get(r.group)
+        if bwd is not None:
+            bwd.discard(r.index)
+            if not bwd and r.group in self._bwd_hold:
+                self._release(r.group, self._compute_kind, False, self._bwd_hold.pop(r.group))
+                del self._bwd_pending[r.group]
+
+    def _compute_grad_hook(self, r: _Param):
+        def hook(p):
+            self._begin_backward()
+            g = p.grad
+            p.grad = None
+            if g is not None:
+                self._accumulate(r, g, r.param.grad)
         return hook
 
-    # ---- optimizer --------------------------------------------------------------------------
-    def zero_grad(self):
-        for g in self.groups:
-            if g.trainable:
-                self.rt.zero(g.chunks["grad"])
-        for r in self.params:
-            r.has_grad = False
+    def _param_grad_hook(self, r: _Param):
+        # The ChunkTensor parameter itself was used (read outside its unit). AccumulateGrad
+        # either set p.grad to a plain tensor (the new total) or added in place into r.grad.
+        def hook(p):
+            self._begin_backward()
+            g = p.grad
+            if g is None or g is r.grad:
+                return
+            p.grad = None
+            self._accumulate(r, g, None)
+        return hook
 
-    def _host_views(self, g: _Group, kinds: Iterable[str]):
-        return {k: self.rt.acquire(g.chunks[k], "host", self.kind_dtype[k], g.used) for k in kinds}
+    def sync_grads(self):
+        """Before a step: tells the core which tensors have a gradient (``p.grad`` not None)
+        and writes gradients the user assigned as plain tensors into the chunks."""
+        flags = []
+        for r in self.params:
+            g = r.param.grad if r.trainable else None
+            if g is not None and g is not r.grad:
+                if isinstance(g, ChunkTensor):
+                    raise ValueError(f"p.grad of {r.name} is another tensor's chunk view")
+                if tuple(g.shape) != tuple(r.shape):
+                    raise ValueError(f"p.grad of {r.name} has shape {tuple(g.shape)}")
+                r.param.grad = None
+                self._accumulate(r, g, None)
+                for h in list(self._grad_hold):
+                    self._release_grad(h)
+            flags.append(g is not None)
+        self.s.set_has_grad(flags)
+
+    # ---- ChunkTensor dispatch ------------------------------------------------------------
+    def _where(self) -> str:
+        if self._active_units:
+            u = self._active_units[-1]
+            return f"inside the forward of unit '{u.name or type(u.module).__name__}'"
+        if self._in_backward:
+            return "during backward"
+        if self._root_depth > 0:
+            return f"inside the forward of {type(self.model).__name__}, outside every unit"
+        return "outside any forward"
+
+    def _view_base(self, ct: ChunkTensor, pins: list):
+        """A real tensor viewing ct's chunk memory (acquired unless already pinned)."""
+        r, kind = ct._tm_rec, ct._tm_kind
+        if kind == "param":
+            if r.mat > 0:
+                v = r.compute.data
+            else:
+                base = self._acquire(r.group, self._compute_kind)
+                pins.append((r.group, self._compute_kind, base))
+                v = self._slice(base, r)
+        else:
+            base = self._grad_hold.get(r.group)
+            if base is None:
+                base = self._acquire(r.group, _K.grad)
+                pins.append((r.group, _K.grad, base))
+            v = self._slice(base, r)
+        for f, a, kw, idx in ct._tm_views:
+            v = f(v, *a, **kw)
+            if idx is not None:
+                v = v[idx]
+        return v
+
+    def _dispatch(self, func, args, kwargs):
+        if self._closed:
+            raise RuntimeError(f"tiermem: {func} on a tensor of a closed tiermem runtime")
+        if meta_mutating(func):
+            raise RuntimeError(f"tiermem: {func} would change the shape or storage of a managed "
+                               "tensor in place; this is not supported")
+        if is_view_op(func) and isinstance(args[0], ChunkTensor):
+            return self._view(func, args, kwargs)
+        if "foreach" in func.__name__:
+            n = _foreach_length(args)
+            if n > 1:
+                return self._split_foreach(func, args, kwargs, n)
+        written, write_only = mutated_args(func, args, kwargs)
+        cts = tree_leaves_ct((args, kwargs))
+        if self.fp16 and not self._in_backward:
+            for ct in cts:
+                if ct._tm_kind == "grad":
+                    raise RuntimeError(
+                        f"tiermem: the gradient of '{ct._tm_rec.name}' is held loss-scaled in "
+                        f"fp16 (precision 'fp16', scale {self.s.loss_scale:g}), so {func} would "
+                        "see scaled values. Clip with the config key 'gradient_clipping', read "
+                        "the norm with optimizer.grad_norm(), or train in 'bf16'")
+        for ct in cts:
+            if ct._tm_kind == "param" and ct._tm_rec.mat == 0 and \
+                    not any(ct is w for w in write_only):
+                self._on_unmaterialized_read(ct._tm_rec, func)
+        written_chunks = {(ct._tm_rec.group, ct._tm_kind) for ct in written}
+        pins, real = [], {}
+        try:
+            for ct in cts:
+                if id(ct) not in real:
+                    real[id(ct)] = self._view_base(ct, pins)
+            out = func(*unwrap(args, lambda c: real[id(c)]),
+                       **unwrap(kwargs, lambda c: real[id(c)]))
+            if self.mixed:
+                exact = None
+                if func.__name__.split(".")[0] == "copy_" and len(args) > 1 and \
+                        isinstance(args[1], torch.Tensor) and \
+                        not isinstance(args[1], ChunkTensor) and args[1].dtype == torch.float32:
+                    exact = args[1]  # e.g. load_state_dict: the master gets the fp32 value
+                for ct in written:
+                    if ct._tm_kind == "param":
+                        self._sync_master(ct._tm_rec, ct._tm_views, real[id(ct)], exact)
+            out = self._wrap_out(out, written, real)
+        finally:
+            for g, k, b in pins:
+                self._release(g, k, (g, "grad" if k == _K.grad else "param") in written_chunks, b)
+        for g, kind in written_chunks:  # pinned by a unit or the grad hold: mark them too
+            k = _K.grad if kind == "grad" else self._compute_kind
+            if not any(p[0] == g and p[1] == k for p in pins):
+                self._mark_modified(g, k)
+        return out
+
+    def _split_foreach(self, func, args, kwargs, n):
+        # A foreach op is elementwise over its lists: run it one index at a time, so that
+        # one chunk is acquired at a time however many tensors the list holds (GradScaler's
+        # unscale_ over every p.grad, _foreach_norm, _foreach_mul_, ...).
+        outs = None
+        for i in range(n):
+            a = tuple(x[i:i + 1] if isinstance(x, (list, tuple)) and len(x) == n else x
+                      for x in args)
+            o = func(*a, **kwargs)
+            if o is not None:
+                outs = (outs or []) + list(o)
+        return outs
+
+    def _wrap_out(self, out, written, real):
+        """Results never alias chunk memory; in-place ops return their ChunkTensor argument."""
+        inplace = {id(real[id(ct)]): ct for ct in written}
+        ranges = []
+        for t in real.values():
+            st = t.untyped_storage()
+            ranges.append((st.data_ptr(), st.nbytes()))
+
+        def fix(x):
+            if not isinstance(x, torch.Tensor):
+                return x
+            ct = inplace.get(id(x))
+            if ct is not None:
+                return ct
+            try:
+                p = x.untyped_storage().data_ptr()
+            except (RuntimeError, NotImplementedError):
+                return x
+            if any(lo <= p < lo + n for lo, n in ranges):
+                return x.clone()
+            return x
+        return tree_map_tensors(out, fix)
+
+    def _view(self, func, args, kwargs):
+        ct = args[0]
+        meta = torch.empty_strided(ct.shape, ct.stride(), dtype=ct.dtype, device="meta")
+        rest = args[1:]
+        out = func(meta, *rest, **kwargs)
+        r = ct._tm_rec
+        if isinstance(out, torch.Tensor):
+            return ChunkTensor(self, r, ct._tm_kind, out.shape, out.stride(), out.dtype,
+                               ct.device, ct._tm_views + ((func, rest, kwargs, None),))
+        return type(out)(ChunkTensor(self, r, ct._tm_kind, o.shape, o.stride(), o.dtype,
+                                     ct.device, ct._tm_views + ((func, rest, kwargs, i),))
+                         for i, o in enumerate(out))
+
+    def _on_unmaterialized_read(self, r: _Param, func):
+        where = self._where()
+        if self.strict:
+            raise RuntimeError(
+                f"tiermem: parameter '{r.name}' was read by {func} {where}, but it is not "
+                "materialized there (config unmaterialized_reads='error'). Read parameters "
+                "inside the forward of a unit that contains them, or pass units=... to "
+                "tiermem.initialize so that one unit covers the code that reads it")
+        if where != "outside any forward" and not r.warned:
+            r.warned = True
+            import warnings
+            warnings.warn(f"tiermem: parameter '{r.name}' was read by {func} {where}, outside "
+                          "its unit: it is materialized on demand (correct, but a chunk "
+                          "acquire per operation). Pass units=... to tiermem.initialize so "
+                          "that one unit covers the code that reads it.", stacklevel=3)
+
+    def _mark_modified(self, group, kind):
+        # The chunk is pinned by someone else (a unit, the grad hold): take and drop one more
+        # pin to mark it modified without moving it.
+        base = self.s.acquire(group, kind, _DEVICE)
+        self.s.release(group, kind, True)
+        del base
+
+    def _sync_master(self, r: _Param, views, compute_view, exact_src):
+        """Mixed precision: after (a view `views` of) r's compute copy changed, the same region
+        of its fp32 master follows: from the fp32 source of a copy_ exactly, else from the
+        compute value."""
+        base = self.s.acquire(r.group, _K.param_fp32, _HOST)
+        try:
+            mv = self._slice(base, r)
+            for f, a, kw, idx in views:
+                mv = f(mv, *a, **kw)
+                if idx is not None:
+                    mv = mv[idx]
+            with torch.no_grad():
+                mv.copy_(exact_src if exact_src is not None else compute_view)
+        finally:
+            self.s.release(r.group, _K.param_fp32, True)
+
+    def _materialized_copy(self, ct: ChunkTensor) -> torch.Tensor:
+        """An ordinary tensor with ct's current value (a copy)."""
+        if self._closed:
+            raise RuntimeError(f"tiermem: {ct._tm_rec.name}: the tiermem runtime is closed")
+        pins = []
+        try:
+            return self._view_base(ct, pins).clone()
+        finally:
+            for g, k, b in pins:
+                self._release(g, k, False, b)
+
+    # ---- state ---------------------------------------------------------------------------
+    def param_value(self, r: _Param) -> torch.Tensor:
+        """The fp32 value (the master in mixed precision) as an ordinary CPU tensor."""
+        return self.s.read_param(r.index).view(r.shape)
+
+    def _state_dict_hook(self, module, state_dict, prefix, local_metadata):
+        if self._closed or module._parameters is None:
+            return
+        memo = state_dict.__dict__.setdefault("_tiermem_values", {})
+        for name, p in module._parameters.items():
+            r = self.by_param.get(id(p))
+            key = prefix + name
+            if r is None or key not in state_dict or state_dict[key] is p:
+                continue  # not ours, or keep_vars=True (the parameter itself)
+            v = memo.get(r.index)
+            if v is None:
+                v = memo[r.index] = self.param_value(r)
+            state_dict[key] = v
+
+    # ---- optimizer glue --------------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> bool:
+        """Clears every gradient unless an accumulation window is open; True when it did."""
+        if not self.s.zero_grad():
+            return False
+        for r in self.params:
+            if r.trainable:
+                r.param.grad = None if set_to_none else r.grad
+        return True
 
     def grad_stats(self) -> tuple[float, bool]:
-        """(sum of squares of the unscaled grads, any NaN/Inf) over every grad chunk, by the
-        kernels' GradNormAndOverflow (accumulated in double)."""
-        sq, overflow = 0.0, False
-        for g in self.groups:
-            if not g.trainable:
-                continue
-            base = self.rt.acquire(g.chunks["grad"], "host", self.dtype, g.used)
-            try:
-                s, o = _C.grad_stats(base)
-            finally:
-                self.rt.release(g.chunks["grad"], False)
-            sq += s
-            overflow = overflow or o
-        return sq / (self.loss_scale * self.loss_scale), overflow
+        self.sync_grads()
+        return self.s.grad_stats()
 
     def grad_norm(self) -> torch.Tensor:
         return torch.tensor(math.sqrt(self.grad_stats()[0]), dtype=torch.float32)
 
-    def scale_loss(self, loss):
-        return loss * self.loss_scale if self.loss_scale != 1.0 else loss
-
-    @torch.no_grad()
-    def step(self) -> bool:
-        """One optimizer step over every chunk group; False when fp16 overflow skipped it."""
-        self.rt.phase("optimizer")
-        clip = 1.0
-        if self.cfg.gradient_clipping > 0 or self.cfg.precision == "fp16":
-            sq, overflow = self.grad_stats()
-            if overflow and self.cfg.precision == "fp16":
-                self.loss_scale *= self.cfg.backoff_factor
-                self._good_steps = 0
-                self.skipped_steps += 1
-                return False
-            if self.cfg.gradient_clipping > 0:
-                # torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), clamped to 1.
-                total = torch.tensor(math.sqrt(sq), dtype=torch.float32)
-                clip = float(torch.clamp(self.cfg.gradient_clipping / (total + 1e-6), max=1.0))
-        inv_scale = 1.0 / self.loss_scale
-        kinds = ["param", "grad", "exp_avg", "exp_avg_sq"] + (["master"] if self.mixed else [])
-        for g in self.groups:
-            if not g.trainable or not any(r.has_grad for r in g.params):
-                continue
-            self.rt.moment("optimizer-substep")
-            v = self._host_views(g, kinds)
-            try:
-                master = v["master"] if self.mixed else v["param"]
-                # Runs of adjacent params with the same group and step go in one kernel call.
-                runs = []
-                for r in g.params:
-                    if not r.has_grad:
-                        continue
-                    r.step += 1
-                    last = runs[-1] if runs else None
-                    if (last and last[1] == r.offset and last[2] == r.opt_group and
-                            last[3] == r.step):
-                        last[1] = r.offset + r.numel
-                    else:
-                        runs.append([r.offset, r.offset + r.numel, r.opt_group, r.step])
-                for lo, hi, gi, step in runs:
-                    og = self.opt_groups[gi]
-                    b1, b2 = og["betas"]
-                    _C.adam_step(master[lo:hi], v["grad"][lo:hi], v["exp_avg"][lo:hi],
-                                 v["exp_avg_sq"][lo:hi], v["param"][lo:hi] if self.mixed else None,
-                                 float(og["lr"]), float(b1), float(b2), float(og["eps"]),
-                                 float(og["weight_decay"]), int(step), inv_scale, clip)
-            finally:
-                for k in kinds:
-                    self.rt.release(g.chunks[k], k != "grad")
-        if self.cfg.precision == "fp16":
-            self._good_steps += 1
-            if self._good_steps >= self.cfg.growth_interval:
-                self.loss_scale *= self.cfg.growth_factor
-                self._good_steps = 0
-        return True
-
-    # ---- state ------------------------------------------------------------------------------
-    def param_value(self, r: _Param) -> torch.Tensor:
-        """A consolidated copy of the fp32 param (an ordinary tensor)."""
-        g = self.groups[r.group]
-        kind = "master" if "master" in g.chunks else "param"
-        base = self.rt.acquire(g.chunks[kind], "host", self.kind_dtype[kind], g.used)
-        try:
-            return base[r.offset:r.offset + r.numel].clone().view(r.shape)
-        finally:
-            self.rt.release(g.chunks[kind], False)
-
-    def chunk_slice_copy(self, r: _Param, kind: str) -> torch.Tensor:
-        g = self.groups[r.group]
-        base = self.rt.acquire(g.chunks[kind], "host", torch.float32, g.used)
-        try:
-            return base[r.offset:r.offset + r.numel].clone().view(r.shape)
-        finally:
-            self.rt.release(g.chunks[kind], False)
-
-    def write_slice(self, r: _Param, kind: str, value: torch.Tensor):
-        g = self.groups[r.group]
-        if tuple(value.shape) != tuple(r.shape):
-            raise ValueError(f"{kind} of {r.name}: shape {tuple(value.shape)} != {tuple(r.shape)}")
-        base = self.rt.acquire(g.chunks[kind], "host", torch.float32, g.used)
-        try:
-            with torch.no_grad():
-                base[r.offset:r.offset + r.numel].copy_(value.reshape(-1))
-        finally:
-            self.rt.release(g.chunks[kind], True)
-
-    def _state_dict_hook(self, module, state_dict, prefix, local_metadata):
-        for name, p in module.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False):
-            key = name if not prefix else name
-            r = self.by_param.get(id(p))
-            if r is not None and key in state_dict:
-                state_dict[key] = self.param_value(r)
-        return state_dict
-
-    def _load_pre_hook(self, module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
-        # Materialize every param as a view of its host master chunk (fp32: the param chunk)
-        # so the default loader copies straight into the chunks.
-        self._loading = []
-        for g in self.groups:
-            kind = "master" if "master" in g.chunks else "param"
-            base = self.rt.acquire(g.chunks[kind], "host", self.kind_dtype[kind], g.used)
-            self._loading.append((g, kind, base))
-            for r in g.params:
-                r.param.data = base[r.offset:r.offset + r.numel].view(r.shape)
-
-    def _load_post_hook(self, module, incompatible):
-        for g, kind, base in getattr(self, "_loading", []):
-            if kind == "master":  # refresh the low-precision compute copy from the master
-                low = self.rt.acquire(g.chunks["param"], "host", self.dtype, g.used)
-                try:
-                    with torch.no_grad():
-                        low.copy_(base)
-                finally:
-                    self.rt.release(g.chunks["param"], True)
-            self.rt.release(g.chunks[kind], True)
-        self._loading = []
-        for r in self.params:
-            r.param.data = r.placeholder
+    @property
+    def loss_scale(self) -> float:
+        return self.s.loss_scale
 
     def stats(self) -> dict:
-        return self.rt.stats()
+        return self.s.stats()
 
     def timeline_peaks(self) -> dict:
         """Peak and budget per tier, bytes per tier pair and stalls, computed by tiermem::prof
         from the binary timeline file (not from the engine's counters)."""
-        return self.rt.timeline_report()
+        return self.s.timeline_report()
 
     def timeline_events(self) -> list:
-        """Every event of the timeline file so far, in time order: tuples (ts_ns, type, tier,
-        tier2, bytes, chunk, category, flags, label, id) read by runtime/base's reader."""
-        self.rt.synchronize()
-        self.rt.timeline_report()  # flushes
-        return _C.read_timeline(self.timeline_path)
+        self.s.timeline_report()  # waits for moves and flushes
+        return _C.read_timeline(self.s.timeline_path)
+
+    @property
+    def timeline_path(self) -> str:
+        return self.s.timeline_path
+
+    @property
+    def model_bytes(self) -> int:
+        return self.s.model_bytes
+
+    @property
+    def chunk_elems(self) -> int:
+        return self.s.chunk_elems
 
     def close(self):
-        """Detaches the hooks and gives the params back as ordinary tensors."""
+        """Gives the model back as an ordinary model (plain Parameters with the current values
+        and gradients), detaches the hooks and frees every chunk."""
         if self._closed:
             return
         values = [self.param_value(r) for r in self.params]
+        grads = [self._materialized_copy(r.grad) if r.trainable and r.param.grad is r.grad
+                 else None for r in self.params]
         for h in self._handles:
             h.remove()
-        for r, v in zip(self.params, values):
-            r.param.data = v
+        for m in reversed(self._wrapped):
+            _unwrap_forward(m)
+        for r, v, g in zip(self.params, values, grads):
+            r.orig.data = v.to(self.device)
+            r.orig.grad = g
+            for m, name in r.slots:
+                m._parameters[name] = r.orig
         self._closed = True
-        self.rt.close()
-        self.rt = None
-        self._drop_timeline()
+        self.s.close()
+        if getattr(self.model, "_tiermem_runtime", None) is self:
+            del self.model._tiermem_runtime
 
-    def __del__(self):
-        rt = getattr(self, "rt", None)
-        if rt is not None:
-            rt.close()
-            self.rt = None
-        if getattr(self, "_own_timeline", False):
-            self._drop_timeline()
+    def __deepcopy__(self, memo):
+        return None  # a deep copy of a managed model is an ordinary model (see tensor.py)
+
+
+class _Forward:
+    """An instance-level ``forward`` that runs enter/exit around the module's own forward.
+
+    Wrapping forward (as accelerate's hooks do) instead of registering forward hooks keeps
+    ``module._forward_hooks`` empty, so torch's fast paths that refuse modules with hooks
+    (nn.TransformerEncoderLayer in eval) run exactly as on the plain model. A deep copy of
+    the module gets its own forward back (an ordinary module), never this wrapper.
+    """
+
+    def __init__(self, inner, enter, exit_):
+        self.inner, self.enter, self.exit = inner, enter, exit_
+        functools.update_wrapper(self, inner)
+
+    def __call__(self, *args, **kwargs):
+        self.enter()
+        try:
+            return self.inner(*args, **kwargs)
+        finally:
+            self.exit()
+
+    def __deepcopy__(self, memo):
+        return copy.deepcopy(self.inner, memo)
+
+
+def _wrap_forward(module, enter, exit_, registry):
+    w = _Forward(module.forward, enter, exit_)
+    w.prev = module.__dict__.get("forward")  # an instance-level forward already there
+    module.forward = w
+    registry.append(module)
+
+
+def _unwrap_forward(module):
+    """Undoes the outermost _Forward of `module` (call in reverse order of wrapping)."""
+    w = module.__dict__.get("forward")
+    if isinstance(w, _Forward):
+        if w.prev is not None:
+            module.forward = w.prev
+        else:
+            del module.forward
+
+
+def _contiguous_strides(shape):
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(strides))
+
+
+def _foreach_length(args) -> int:
+    for x in args:
+        if isinstance(x, (list, tuple)) and any(isinstance(e, ChunkTensor) for e in x):
+            return len(x)
+    return 0
+
+
+def tree_leaves_ct(obj):
+    from torch.utils._pytree import tree_flatten
+    return [x for x in tree_flatten(obj)[0] if isinstance(x, ChunkTensor)]
+
+
+def tree_map_tensors(obj, fn):
+    from torch.utils._pytree import tree_map
+    return tree_map(fn, obj)

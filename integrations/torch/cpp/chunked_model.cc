@@ -1,0 +1,528 @@
+// tiermem::torch::ChunkedModel (see chunked_model.h for the API and its rules).
+//
+// Invariants:
+//  - Outside Run/backward every managed parameter's data is a NaN placeholder of its shape
+//    (an expanded 0-d NaN): no tensor the user can reach aliases chunk memory, so a chunk may
+//    move whenever it is unpinned. Inside, the data of the segment's parameters are views of
+//    their compute chunks on the device tier, pinned by one Acquire per group; Dematerialize
+//    restores the placeholders before it releases the pins (also when fn throws).
+//  - A segment's forward runs with grad disabled (autograd Function), so no graph holds chunk
+//    memory; its output is cloned when it would alias a chunk. Its backward rebuilds the
+//    segment's graph (re-acquire, recompute fn with grad, autograd::grad to the inputs and the
+//    parameters) and adds the parameter gradients into the grad chunks on the device tier.
+//    The segment call (fn, params) is owned by the autograd node (a capsule in saved_data).
+//  - Every segment output takes a `dummy_` tensor that requires grad as an extra input, so
+//    a segment whose inputs need no grad (the embedding) still gets a backward.
+//  - The session's has_grad flag of a tensor says its grad chunk span holds its gradient
+//    since the last effective ZeroGrad; the first gradient after that is copied, later ones
+//    added (torch's accumulation semantics).
+#include "integrations/torch/cpp/chunked_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <set>
+
+#include "runtime/session/tier_stack.h"
+
+namespace tiermem::torch {
+namespace {
+
+using session::ChunkKind;
+
+// Throws a torch error for a failed Status where no Status can be returned (backward).
+void CheckOk(const Status& s) { TORCH_CHECK(s.ok(), "tiermem: ", s.ToString()); }
+
+::torch::Dtype TorchDType(kernels::DType d) {
+  switch (d) {
+    case kernels::DType::kBF16: return ::torch::kBFloat16;
+    case kernels::DType::kF16: return ::torch::kFloat16;
+    case kernels::DType::kF32: break;
+  }
+  return ::torch::kFloat32;
+}
+
+bool Aliases(const ::torch::Tensor& out,
+             const std::vector<std::pair<size_t, ::torch::Tensor>>& views) {
+  if (!out.defined() || !out.has_storage() || out.numel() == 0) return false;
+  const char* p = static_cast<const char*>(out.storage().data());
+  for (const auto& [g, base] : views) {
+    const char* b = static_cast<const char*>(base.data_ptr());
+    if (p >= b && p < b + base.nbytes()) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+// One segment call, owned by its autograd node.
+struct SegmentCall : ::torch::CustomClassHolder {
+  ChunkedModel* model = nullptr;
+  std::vector<ChunkedModel::ParamRec*> params;
+  ChunkedModel::SegmentFn fn;
+  std::vector<bool> input_requires_grad;
+  std::vector<std::pair<size_t, ::torch::Tensor>>* views = nullptr;  // forward only
+  std::string label;
+};
+
+struct SegmentFunction : public ::torch::autograd::Function<SegmentFunction> {
+  static ::torch::Tensor forward(::torch::autograd::AutogradContext* ctx,
+                                 const c10::intrusive_ptr<SegmentCall>& call,
+                                 const ::torch::Tensor& dummy, ::torch::TensorList inputs) {
+    std::vector<::torch::Tensor> in(inputs.begin(), inputs.end());
+    ctx->save_for_backward(in);
+    ctx->saved_data["call"] = c10::IValue::make_capsule(call);
+    ::torch::Tensor out = call->fn(in);
+    TORCH_CHECK(out.defined(), "tiermem: the segment function returned an undefined tensor");
+    return Aliases(out, *call->views) ? out.clone() : out;
+  }
+
+  static ::torch::autograd::variable_list backward(::torch::autograd::AutogradContext* ctx,
+                                                   ::torch::autograd::variable_list grad_out) {
+    auto call = c10::static_intrusive_pointer_cast<SegmentCall>(
+        ctx->saved_data["call"].toCapsule());
+    ChunkedModel* m = call->model;
+    TORCH_CHECK(!m->closed_, "tiermem: backward through a segment of a closed ChunkedModel");
+    std::vector<::torch::Tensor> saved = ctx->get_saved_variables();
+    std::vector<::torch::Tensor> in, targets;
+    std::vector<int> input_target(saved.size(), -1);
+    for (size_t i = 0; i < saved.size(); ++i) {
+      ::torch::Tensor d = saved[i].detach();
+      if (call->input_requires_grad[i]) {
+        d.requires_grad_(true);
+        input_target[i] = static_cast<int>(targets.size());
+        targets.push_back(d);
+      }
+      in.push_back(d);
+    }
+    std::vector<ChunkedModel::ParamRec*> trainable;
+    for (ChunkedModel::ParamRec* p : call->params) {
+      if (m->session_->spec(p->index).trainable) trainable.push_back(p);
+    }
+    m->session_->SetTracing(true);
+    m->session_->Moment(call->label + ":pre-backward");
+    std::vector<std::pair<size_t, ::torch::Tensor>> views;
+    CheckOk(m->Materialize(call->params, &views));
+    ::torch::autograd::variable_list grads;
+    try {
+      for (ChunkedModel::ParamRec* p : trainable) targets.push_back(p->param);
+      ::torch::AutoGradMode enable(true);
+      ::torch::Tensor out = call->fn(in);
+      if (!targets.empty() && out.requires_grad()) {
+        grads = ::torch::autograd::grad({out}, targets, {grad_out[0]}, /*retain_graph=*/false,
+                                        /*create_graph=*/false, /*allow_unused=*/true);
+      }
+      const size_t first_param = targets.size() - trainable.size();
+      for (size_t k = 0; k < trainable.size() && !grads.empty(); ++k) {
+        const ::torch::Tensor& g = grads[first_param + k];
+        if (g.defined()) CheckOk(m->AccumulateGrad(trainable[k], g));
+      }
+    } catch (...) {
+      m->Dematerialize(call->params, &views).IgnoreError();
+      throw;
+    }
+    CheckOk(m->Dematerialize(call->params, &views));
+    // One gradient per forward input: the call (none), the dummy (none), then the inputs.
+    ::torch::autograd::variable_list result(2 + saved.size());
+    for (size_t i = 0; i < saved.size(); ++i) {
+      if (input_target[i] >= 0 && !grads.empty()) result[2 + i] = grads[input_target[i]];
+    }
+    return result;
+  }
+};
+
+StatusOr<std::unique_ptr<ChunkedModel>> ChunkedModel::Create(::torch::nn::Module& model,
+                                                             const nlohmann::json& config,
+                                                             std::vector<ParamGroup> groups) {
+  TIERMEM_ASSIGN_OR_RETURN(session::SessionConfig cfg, session::ParseConfig(config));
+  TIERMEM_ASSIGN_OR_RETURN(const std::string device,
+                           session::TierStack::ResolveDeviceKind(cfg.device_kind));
+  if (device == "cuda") {
+    return UnimplementedError(
+        "the LibTorch API runs on SimDevice only for now (config 'device_kind' / "
+        "TIERMEM_DEVICE resolved to 'cuda'; set it to 'sim')");
+  }
+  cfg.device_kind = "sim";
+  std::unique_ptr<ChunkedModel> m(new ChunkedModel());
+  // Parameters in registration order, each once (tied parameters share one TensorImpl).
+  for (const auto& item : model.named_parameters(/*recurse=*/true)) {
+    const ::torch::Tensor& t = item.value();
+    if (m->by_impl_.count(t.unsafeGetTensorImpl())) continue;
+    if (t.scalar_type() != ::torch::kFloat32) {
+      return InvalidArgumentError("parameter " + item.key() + " is " +
+                                  std::string(c10::toString(t.scalar_type())) +
+                                  "; tiermem expects an fp32 model (set 'precision' for "
+                                  "bf16/fp16 training)");
+    }
+    if (!t.device().is_cpu()) {
+      return InvalidArgumentError("parameter " + item.key() +
+                                  " is not on the CPU; pass a CPU model (tiermem places it)");
+    }
+    if (t.numel() == 0) return InvalidArgumentError("parameter " + item.key() + " is empty");
+    auto rec = std::make_unique<ParamRec>();
+    rec->param = t;
+    rec->name = item.key();
+    rec->shape = t.sizes().vec();
+    rec->index = m->params_.size();
+    m->by_impl_[t.unsafeGetTensorImpl()] = rec.get();
+    m->params_.push_back(std::move(rec));
+  }
+  if (m->params_.empty()) return InvalidArgumentError("the model has no parameters");
+  // Optimizer groups: every trainable parameter in exactly one.
+  std::vector<int> group_of(m->params_.size(), -1);
+  if (groups.empty()) {
+    groups.push_back(ParamGroup{});
+    for (auto& p : m->params_) {
+      if (p->param.requires_grad()) groups[0].params.push_back(p->param);
+    }
+  }
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const ParamGroup& pg = groups[g];
+    session::GroupHyper h{cfg.optimizer.lr, cfg.optimizer.beta1, cfg.optimizer.beta2,
+                          cfg.optimizer.eps, cfg.optimizer.weight_decay};
+    if (pg.lr) h.lr = *pg.lr;
+    if (pg.beta1) h.beta1 = *pg.beta1;
+    if (pg.beta2) h.beta2 = *pg.beta2;
+    if (pg.eps) h.eps = *pg.eps;
+    if (pg.weight_decay) h.weight_decay = *pg.weight_decay;
+    m->hyper_.push_back(h);
+    for (const ::torch::Tensor& t : pg.params) {
+      auto it = m->by_impl_.find(t.unsafeGetTensorImpl());
+      if (it == m->by_impl_.end()) {
+        return InvalidArgumentError("param group " + std::to_string(g) +
+                                    " holds a tensor that is not a parameter of the model");
+      }
+      const size_t i = it->second->index;
+      if (!t.requires_grad()) {
+        return InvalidArgumentError("param group " + std::to_string(g) + ": parameter " +
+                                    it->second->name + " is frozen (requires_grad false)");
+      }
+      if (group_of[i] >= 0) {
+        return InvalidArgumentError("parameter " + it->second->name +
+                                    " is in more than one param group");
+      }
+      group_of[i] = static_cast<int>(g);
+    }
+  }
+  std::vector<session::TensorSpec> specs;
+  for (auto& p : m->params_) {
+    const bool trainable = p->param.requires_grad();
+    if (trainable && group_of[p->index] < 0) {
+      return InvalidArgumentError("trainable parameter " + p->name + " is in no param group");
+    }
+    specs.push_back(session::TensorSpec{p->name, static_cast<uint64_t>(p->param.numel()),
+                                        trainable, std::max(group_of[p->index], 0)});
+  }
+  TIERMEM_ASSIGN_OR_RETURN(m->session_, session::Session::Create(cfg, std::move(specs)));
+  for (auto& p : m->params_) {
+    ::torch::Tensor v = p->param.detach().reshape(-1).contiguous();
+    Status s = m->session_->WriteParam(p->index, v.data_ptr<float>());
+    if (!s.ok()) return s;  // `m` is destroyed: the session frees everything; model untouched
+  }
+  // Nothing can fail from here on: take over the parameters (and cast floating buffers to the
+  // compute dtype, as module.to(dtype) would).
+  for (auto& p : m->params_) p->param.set_data(m->Placeholder(*p));
+  if (m->session_->mixed()) {
+    ::torch::NoGradGuard no_grad;
+    for (auto& b : model.buffers(/*recurse=*/true)) {
+      if (b.is_floating_point()) b.set_data(b.to(m->compute_dtype()));
+    }
+  }
+  m->dummy_ = ::torch::empty({0}).requires_grad_(true);
+  return m;
+}
+
+ChunkedModel::~ChunkedModel() {
+  if (!closed_) Close().IgnoreError();
+}
+
+::torch::Dtype ChunkedModel::compute_dtype() const {
+  return TorchDType(session_->compute_dtype());
+}
+
+::torch::Tensor ChunkedModel::Placeholder(const ParamRec& p) const {
+  return ::torch::full({}, std::numeric_limits<float>::quiet_NaN(), compute_dtype())
+      .expand(p.shape);
+}
+
+::torch::Tensor ChunkedModel::View(void* addr, size_t group, ChunkKind kind) const {
+  return ::torch::from_blob(addr, {static_cast<int64_t>(session_->group(group).used_elems)},
+                            ::torch::TensorOptions().dtype(TorchDType(session_->dtype(kind))));
+}
+
+StatusOr<std::vector<ChunkedModel::ParamRec*>> ChunkedModel::SegmentParams(
+    ::torch::nn::Module& segment) {
+  std::vector<ParamRec*> out;
+  std::set<ParamRec*> seen;
+  for (const auto& item : segment.named_parameters(/*recurse=*/true)) {
+    auto it = by_impl_.find(item.value().unsafeGetTensorImpl());
+    if (it == by_impl_.end()) {
+      return InvalidArgumentError("segment " + segment.name() + " has parameter " + item.key() +
+                                  " that this model does not manage");
+    }
+    if (seen.insert(it->second).second) out.push_back(it->second);
+  }
+  return out;
+}
+
+Status ChunkedModel::Materialize(const std::vector<ParamRec*>& params,
+                                 std::vector<std::pair<size_t, ::torch::Tensor>>* views) {
+  const ChunkKind ck = session_->compute_kind();
+  for (ParamRec* p : params) {
+    const session::TensorPlace& pl = session_->place(p->index);
+    auto it = std::find_if(views->begin(), views->end(),
+                           [&](const auto& v) { return v.first == pl.group; });
+    if (it == views->end()) {
+      StatusOr<void*> addr = session_->Acquire(pl.group, ck, TierKind::kDevice);
+      if (!addr.ok()) {
+        Dematerialize(params, views).IgnoreError();
+        return addr.status();
+      }
+      views->emplace_back(pl.group, View(*addr, pl.group, ck));
+      it = views->end() - 1;
+    }
+    p->param.set_data(it->second.narrow(0, static_cast<int64_t>(pl.offset),
+                                        static_cast<int64_t>(pl.numel))
+                          .view(p->shape));
+  }
+  return OkStatus();
+}
+
+Status ChunkedModel::Dematerialize(const std::vector<ParamRec*>& params,
+                                   std::vector<std::pair<size_t, ::torch::Tensor>>* views) {
+  for (ParamRec* p : params) p->param.set_data(Placeholder(*p));
+  Status first;
+  for (const auto& [g, base] : *views) {
+    Status s = session_->Release(g, session_->compute_kind(), false);
+    if (first.ok()) first = s;
+  }
+  views->clear();
+  return first;
+}
+
+Status ChunkedModel::AccumulateGrad(ParamRec* p, const ::torch::Tensor& grad) {
+  const session::TensorPlace& pl = session_->place(p->index);
+  const session::ChunkGroup& g = session_->group(pl.group);
+  if (std::none_of(g.tensors.begin(), g.tensors.end(),
+                   [&](uint32_t t) { return session_->has_grad(t); })) {
+    // Nothing in the chunk is needed: zero it lazily, so acquiring it moves no bytes.
+    TIERMEM_RETURN_IF_ERROR(session_->ZeroChunk(pl.group, ChunkKind::kGrad));
+  }
+  bool must_zero = false;
+  TIERMEM_ASSIGN_OR_RETURN(
+      void* addr,
+      session_->AcquireForWrite(pl.group, ChunkKind::kGrad, TierKind::kDevice, &must_zero));
+  ::torch::Tensor base = View(addr, pl.group, ChunkKind::kGrad);
+  {
+    ::torch::NoGradGuard no_grad;
+    if (must_zero) base.zero_();
+    ::torch::Tensor dst =
+        base.narrow(0, static_cast<int64_t>(pl.offset), static_cast<int64_t>(pl.numel));
+    if (session_->has_grad(p->index)) {
+      dst.add_(grad.reshape(-1));
+    } else {
+      dst.copy_(grad.reshape(-1));
+    }
+  }
+  session_->SetHasGrad(p->index, true);
+  return session_->Release(pl.group, ChunkKind::kGrad, true);
+}
+
+StatusOr<::torch::Tensor> ChunkedModel::Run(::torch::nn::Module& segment, const SegmentFn& fn,
+                                            std::vector<::torch::Tensor> inputs) {
+  if (closed_) return FailedPreconditionError("tiermem ChunkedModel is closed");
+  if (in_run_) return FailedPreconditionError("ChunkedModel::Run called inside another Run");
+  TIERMEM_ASSIGN_OR_RETURN(std::vector<ParamRec*> params, SegmentParams(segment));
+  const bool grad = ::torch::GradMode::is_enabled();
+  session_->SetTracing(grad);
+  if (grad && !in_iteration_) {
+    session_->BeginIteration();
+    in_iteration_ = true;
+  }
+  session_->Phase(grad ? "forward" : "eval");
+  session_->Moment(segment.name() + ":pre-forward");
+
+  auto call = c10::make_intrusive<SegmentCall>();
+  call->model = this;
+  call->params = std::move(params);
+  call->fn = fn;
+  call->label = segment.name();
+  for (const ::torch::Tensor& t : inputs) {
+    call->input_requires_grad.push_back(t.defined() && t.requires_grad());
+  }
+  std::vector<std::pair<size_t, ::torch::Tensor>> views;
+  TIERMEM_RETURN_IF_ERROR(Materialize(call->params, &views));
+  call->views = &views;
+  in_run_ = true;
+  ::torch::Tensor out;
+  try {
+    if (grad) {
+      out = SegmentFunction::apply(call, dummy_, ::torch::TensorList(inputs));
+    } else {
+      out = fn(inputs);
+      if (Aliases(out, views)) out = out.clone();
+    }
+  } catch (...) {
+    in_run_ = false;
+    call->views = nullptr;
+    Dematerialize(call->params, &views).IgnoreError();
+    throw;
+  }
+  in_run_ = false;
+  call->views = nullptr;
+  TIERMEM_RETURN_IF_ERROR(Dematerialize(call->params, &views));
+  if (!out.defined()) return InvalidArgumentError("the segment function returned no tensor");
+  return out;
+}
+
+::torch::Tensor ChunkedModel::ScaleLoss(const ::torch::Tensor& loss) const {
+  const double s = session_->loss_scale();
+  return s == 1.0 ? loss : loss * s;
+}
+
+StatusOr<bool> ChunkedModel::Step() {
+  if (closed_) return FailedPreconditionError("tiermem ChunkedModel is closed");
+  in_iteration_ = false;
+  session_->SetTracing(true);
+  TIERMEM_ASSIGN_OR_RETURN(const session::StepResult r, session_->Step(hyper_));
+  return r.applied;
+}
+
+Status ChunkedModel::ZeroGrad() {
+  if (closed_) return FailedPreconditionError("tiermem ChunkedModel is closed");
+  return session_->ZeroGrad().status();
+}
+
+StatusOr<double> ChunkedModel::GradNorm() {
+  if (closed_) return FailedPreconditionError("tiermem ChunkedModel is closed");
+  TIERMEM_ASSIGN_OR_RETURN(const kernels::GradStats st, session_->GradStats());
+  return std::sqrt(st.sq_norm);
+}
+
+Status ChunkedModel::SetGroupOptions(size_t g, const session::GroupHyper& h) {
+  if (g >= hyper_.size()) {
+    return OutOfRangeError("param group " + std::to_string(g) + " of " +
+                           std::to_string(hyper_.size()));
+  }
+  hyper_[g] = h;  // validated (with a clear error) by the next Step, which then changes nothing
+  return OkStatus();
+}
+
+Status ChunkedModel::SetLearningRate(size_t g, double lr) {
+  if (g >= hyper_.size()) {
+    return OutOfRangeError("param group " + std::to_string(g) + " of " +
+                           std::to_string(hyper_.size()));
+  }
+  session::GroupHyper h = hyper_[g];
+  h.lr = lr;
+  return SetGroupOptions(g, h);
+}
+
+StatusOr<ChunkedModel::ParamRec*> ChunkedModel::Find(const ::torch::Tensor& param) {
+  if (closed_) return FailedPreconditionError("tiermem ChunkedModel is closed");
+  auto it = by_impl_.find(param.unsafeGetTensorImpl());
+  if (it == by_impl_.end()) return NotFoundError("not a parameter managed by this model");
+  return it->second;
+}
+
+StatusOr<::torch::Tensor> ChunkedModel::ParamValue(const ::torch::Tensor& param) {
+  TIERMEM_ASSIGN_OR_RETURN(ParamRec * p, Find(param));
+  ::torch::Tensor out = ::torch::empty(p->shape, ::torch::kFloat32);
+  TIERMEM_RETURN_IF_ERROR(session_->ReadParam(p->index, out.data_ptr<float>()));
+  return out;
+}
+
+StatusOr<::torch::Tensor> ChunkedModel::Grad(const ::torch::Tensor& param) {
+  TIERMEM_ASSIGN_OR_RETURN(ParamRec * p, Find(param));
+  if (!session_->spec(p->index).trainable) {
+    return NotFoundError("parameter " + p->name + " is frozen: no gradient");
+  }
+  if (!session_->has_grad(p->index)) {
+    return NotFoundError("parameter " + p->name + " has no gradient (none since ZeroGrad)");
+  }
+  ::torch::Tensor out = ::torch::empty(p->shape, compute_dtype());
+  TIERMEM_RETURN_IF_ERROR(session_->ReadTensor(p->index, ChunkKind::kGrad, out.data_ptr()));
+  const double s = session_->loss_scale();
+  return s == 1.0 ? out : out.to(::torch::kFloat32) / s;
+}
+
+StatusOr<::torch::Tensor> ChunkedModel::OptimizerState(const ::torch::Tensor& param,
+                                                       const std::string& kind) {
+  TIERMEM_ASSIGN_OR_RETURN(ParamRec * p, Find(param));
+  if (!session_->spec(p->index).trainable) {
+    return NotFoundError("parameter " + p->name + " is frozen: no optimizer state");
+  }
+  ChunkKind k;
+  if (kind == "exp_avg") {
+    k = ChunkKind::kExpAvg;
+  } else if (kind == "exp_avg_sq") {
+    k = ChunkKind::kExpAvgSq;
+  } else {
+    return InvalidArgumentError("optimizer state kind must be 'exp_avg' or 'exp_avg_sq', got '" +
+                                kind + "'");
+  }
+  ::torch::Tensor out = ::torch::empty(p->shape, ::torch::kFloat32);
+  TIERMEM_RETURN_IF_ERROR(session_->ReadTensor(p->index, k, out.data_ptr()));
+  return out;
+}
+
+Status ChunkedModel::Save(const std::string& path) {
+  if (closed_) return FailedPreconditionError("tiermem ChunkedModel is closed");
+  nlohmann::json groups = nlohmann::json::array();
+  for (const session::GroupHyper& h : hyper_) {
+    groups.push_back({{"lr", h.lr}, {"betas", {h.beta1, h.beta2}}, {"eps", h.eps},
+                      {"weight_decay", h.weight_decay}});
+  }
+  return session_->SaveCheckpoint(path, nlohmann::json{{"param_groups", groups}}.dump());
+}
+
+Status ChunkedModel::Load(const std::string& path) {
+  if (closed_) return FailedPreconditionError("tiermem ChunkedModel is closed");
+  // The groups are checked before anything is loaded (LoadCheckpoint itself verifies every
+  // tensor before it writes one), so a failed Load changes nothing.
+  TIERMEM_ASSIGN_OR_RETURN(const std::string meta, session::Session::CheckpointMetadata(path));
+  nlohmann::json j = nlohmann::json::parse(meta, nullptr, false);
+  if (j.is_discarded() || !j.contains("param_groups") || !j["param_groups"].is_array()) {
+    return InvalidArgumentError("checkpoint " + path + " was not saved by ChunkedModel::Save");
+  }
+  if (j["param_groups"].size() != hyper_.size()) {
+    return InvalidArgumentError("checkpoint " + path + " has " +
+                                std::to_string(j["param_groups"].size()) +
+                                " param groups, this model " + std::to_string(hyper_.size()));
+  }
+  std::vector<session::GroupHyper> hyper;
+  for (const nlohmann::json& h : j["param_groups"]) {
+    hyper.push_back(session::GroupHyper{h.at("lr"), h.at("betas").at(0), h.at("betas").at(1),
+                                        h.at("eps"), h.at("weight_decay")});
+  }
+  TIERMEM_RETURN_IF_ERROR(session_->LoadCheckpoint(path));
+  hyper_ = std::move(hyper);
+  return OkStatus();
+}
+
+StatusOr<Stats> ChunkedModel::GetStats() {
+  if (closed_) return FailedPreconditionError("tiermem ChunkedModel is closed");
+  Stats s;
+  TIERMEM_ASSIGN_OR_RETURN(s.counters, session_->Stats());
+  TIERMEM_ASSIGN_OR_RETURN(s.timeline, session_->TimelineReport());
+  s.device_budget = session_->config().device_budget;
+  return s;
+}
+
+Status ChunkedModel::Close() {
+  if (closed_ || !session_) {
+    closed_ = true;
+    return OkStatus();
+  }
+  std::vector<::torch::Tensor> values;
+  for (auto& p : params_) {
+    TIERMEM_ASSIGN_OR_RETURN(::torch::Tensor v, ParamValue(p->param));
+    values.push_back(std::move(v));
+  }
+  for (size_t i = 0; i < params_.size(); ++i) params_[i]->param.set_data(values[i]);
+  session_->Close();
+  closed_ = true;
+  return OkStatus();
+}
+
+}  // namespace tiermem::torch

@@ -1,0 +1,129 @@
+"""ChunkTensor: a torch tensor whose values live in a tiermem chunk.
+
+Every managed parameter, as the model exposes it (``model.parameters()``, ``state_dict``,
+the optimizer's param groups), is a ChunkTensor, and so is ``p.grad`` after a backward. It has
+the shape, dtype and device of the real thing but no storage of its own: any torch operation
+on it (``__torch_dispatch__``) acquires the chunk on the device tier, runs on a view of the
+chunk memory, and releases it — marked modified when the operation wrote to it. So ordinary
+torch code reads and writes the true values wherever they are (device, host or NVMe), one
+chunk at a time, never a stale copy or a zero placeholder:
+``clip_grad_norm_(model.parameters(), c)``, ``GradScaler.unscale_``, EMA updates,
+``parameters_to_vector``, ``load_state_dict``, logging.
+
+Views (``p.view(-1)``, ``p.t()``, ``p[0]``, ``p.detach()``) are ChunkTensors too: they record
+the view operations and re-apply them to the chunk memory at each use, so an in-place write
+through a view lands in the chunk. Results of other operations are ordinary tensors (never
+aliases of chunk memory). Operations that would change a ChunkTensor's metadata in place
+(``t_()``, ``resize_``, ``set_``) raise.
+
+Inside a unit's forward and backward the model computes on plain tensors (views of the pinned
+chunks), not on ChunkTensors: the dispatch path is for code outside the units.
+
+Threading: like the model (one training thread).
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+# Ops that overwrite `self` without reading it (a write-only access of the destination).
+_WRITE_ONLY_SELF = {"copy_", "zero_", "fill_", "normal_", "uniform_"}
+# In-place metadata changes: the wrapper's size/stride would no longer describe the chunk.
+_META_MUTATING = {"t_", "transpose_", "squeeze_", "unsqueeze_", "as_strided_", "resize_",
+                  "resize_as_", "set_", "swapdims_", "swapaxes_", "detach_"}
+
+
+class ChunkTensor(torch.Tensor):
+    """A view onto `kind` chunk memory of one managed tensor (see the module docstring)."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, runtime, rec, kind, size, stride, dtype, device, views=(),
+                requires_grad=False):
+        t = torch.Tensor._make_wrapper_subclass(cls, size, strides=stride, dtype=dtype,
+                                                device=device, requires_grad=requires_grad)
+        t._tm_runtime = runtime
+        t._tm_rec = rec
+        t._tm_kind = kind
+        t._tm_views = tuple(views)
+        return t
+
+    # ---- what plain tensors do by themselves --------------------------------------------
+    def __repr__(self, *, tensor_contents=None):
+        rt = self._tm_runtime
+        what = "grad of " if self._tm_kind == "grad" else ""
+        if rt._closed:
+            return f"ChunkTensor({what}{self._tm_rec.name}: the tiermem runtime is closed)"
+        value = rt._materialized_copy(self)
+        return f"ChunkTensor({what}{self._tm_rec.name}, {value!r})"
+
+    def __reduce_ex__(self, protocol):
+        # torch.save / pickle: the value, as an ordinary tensor.
+        return self._tm_runtime._materialized_copy(self).__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo):
+        value = self._tm_runtime._materialized_copy(self)
+        if isinstance(self, torch.nn.Parameter):
+            value = torch.nn.Parameter(value, requires_grad=self.requires_grad)
+        memo[id(self)] = value
+        return value
+
+    @property
+    def data(self):
+        return self.detach()
+
+    @data.setter
+    def data(self, value):
+        # ``p.data = x`` (vector_to_parameters, hand-written loaders): the values of x are
+        # copied into the chunk; the shape and dtype of a managed tensor cannot change.
+        if value is self:
+            return
+        if tuple(value.shape) != tuple(self.shape) or value.dtype != self.dtype:
+            raise RuntimeError(
+                f"tiermem: cannot set .data of {self._tm_rec.name} to a {value.dtype} tensor of "
+                f"shape {tuple(value.shape)}: a managed tensor keeps its {self.dtype} shape "
+                f"{tuple(self.shape)} (call tiermem.runtime_of(model).close() first to change it)")
+        with torch.no_grad():
+            self.detach().copy_(value)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat, _ = tree_flatten((args, kwargs))
+        owner = next(x for x in flat if isinstance(x, ChunkTensor))._tm_runtime
+        return owner._dispatch(func, args, kwargs)
+
+
+def is_view_op(func) -> bool:
+    """A non-mutating op whose output aliases its first input (view, detach, t, select...)."""
+    sch = func._schema
+    if sch.is_mutable or not sch.returns:
+        return False
+    a = sch.returns[0].alias_info
+    return a is not None and not a.is_write
+
+
+def mutated_args(func, args, kwargs):
+    """The ChunkTensors the op writes (per its schema), and those it only writes (not reads)."""
+    written, write_only = [], []
+    sch = func._schema
+    name = func.__name__.split(".")[0]
+    for i, a in enumerate(sch.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        v = args[i] if i < len(args) else kwargs.get(a.name)
+        for x in tree_flatten(v)[0]:
+            if isinstance(x, ChunkTensor):
+                written.append(x)
+                if i == 0 and name in _WRITE_ONLY_SELF:
+                    write_only.append(x)
+    return written, write_only
+
+
+def meta_mutating(func) -> bool:
+    return func.__name__.split(".")[0] in _META_MUTATING
+
+
+def unwrap(obj, fn):
+    return tree_map(lambda x: fn(x) if isinstance(x, ChunkTensor) else x, obj)

@@ -1,0 +1,102 @@
+// SessionConfig: the one configuration of a tiermem session, parsed once from JSON (the
+// Python `config` dict / JSON file, the LibTorch `nlohmann::json`) and then overridden by the
+// TIERMEM_* environment. Both bindings call ParseConfig; nothing else parses configuration,
+// so the keys, the defaults and the error messages are the same in Python and C++
+// (tests/runtime/session/config_cases.json is run through both).
+//
+// Every key is checked: an unknown key or a bad value is kInvalidArgument naming the key
+// ("optimizer.eps") or the variable ("TIERMEM_NVME_SIZE") and the offending value. Sizes are
+// strings like "2GiB" (ParseBytes) or positive byte counts. An environment variable that is
+// set but empty counts as unset.
+//
+//   key / variable                                 default     meaning
+//   device          TIERMEM_DEVICE_BUDGET          2GiB        device tier budget
+//   host            TIERMEM_HOST_BUDGET            8GiB        host tier budget
+//   nvme.size       TIERMEM_NVME_SIZE              (none)      NVMe tier budget; no key = no NVMe
+//   nvme.path       TIERMEM_NVME_PATH              temp dir    directory for the NVMe files
+//   nvme.engine     TIERMEM_NVME_ENGINE            auto        auto | io_uring | posix
+//   nvme.queue_depth TIERMEM_IO_DEPTH              8           io_uring queue depth, 1..4096
+//   device_kind     TIERMEM_DEVICE                 auto        auto | cuda | sim
+//   timeline        TIERMEM_TIMELINE               temp file   binary timeline path
+//   cpu_threads     TIERMEM_CPU_THREADS            0           CPU kernel threads (0 = all)
+//   kernel_isa      TIERMEM_KERNEL_ISA             auto        auto | scalar | avx2 | avx512
+//   log_level       TIERMEM_LOG_LEVEL              warn        error | warn | info | debug
+//   precision                                      fp32        fp32 | bf16 | fp16
+//   optimizer.{type,lr,betas,eps,weight_decay}     adamw, 1e-3, [0.9, 0.999], 1e-8, 0.01
+//   gradient_accumulation_steps                    1           step every N-th call
+//   gradient_clipping                              0 (off)     global-norm clip
+//   chunk_size                                     automatic   elements per chunk
+//   prefetch_depth                                 4           acquires of lookahead
+//   loss_scaling.{initial_scale,growth_interval,growth_factor,backoff_factor}   (fp16)
+//   unmaterialized_reads                           materialize materialize | error (Python)
+//
+// Thread-safety: values and pure functions (ParseConfig reads the environment only through
+// the getter it is given).
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "runtime/base/logging.h"
+#include "runtime/base/env.h"
+#include "runtime/base/status.h"
+#include "runtime/base/units.h"
+
+namespace tiermem::session {
+
+enum class Precision : uint8_t { kFp32 = 0, kBf16 = 1, kFp16 = 2 };
+std::string_view PrecisionName(Precision p);  // "fp32", "bf16", "fp16"
+
+struct OptimizerConfig {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.01;
+};
+
+// fp16 dynamic loss scaling: torch.amp.GradScaler's defaults and semantics.
+struct LossScalingConfig {
+  double initial_scale = 65536.0;
+  int growth_interval = 2000;
+  double growth_factor = 2.0;
+  double backoff_factor = 0.5;
+};
+
+struct SessionConfig {
+  Bytes device_budget = 2 * kGiB;
+  Bytes host_budget = 8 * kGiB;
+  Bytes nvme_size = 0;           // 0 = no NVMe tier (only when no nvme key/variable is given)
+  std::string nvme_path;         // "" = a fresh directory under $TMPDIR
+  std::string nvme_engine = "auto";
+  int io_depth = 8;
+  std::string device_kind = "auto";
+  std::string timeline;          // "" = a temporary file, removed when the session closes
+  int cpu_threads = 0;
+  std::string kernel_isa = "auto";
+  LogLevel log_level = LogLevel::kWarn;
+  Precision precision = Precision::kFp32;
+  OptimizerConfig optimizer;
+  int gradient_accumulation_steps = 1;
+  double gradient_clipping = 0.0;       // 0 = off
+  std::optional<uint64_t> chunk_size;   // elements per chunk; nullopt = automatic
+  int prefetch_depth = 4;
+  LossScalingConfig loss_scaling;
+  std::string unmaterialized_reads = "materialize";  // or "error"
+};
+
+// `config`: a JSON object (null = all defaults). `env`: the TIERMEM_* source (tests pass a
+// map; the bindings pass ProcessEnv()).
+StatusOr<SessionConfig> ParseConfig(const nlohmann::json& config,
+                                    const EnvGetter& env = ProcessEnv());
+// Reads `path` as JSON, then ParseConfig. An unreadable file or invalid JSON is
+// kInvalidArgument naming the file.
+StatusOr<SessionConfig> ParseConfigFile(const std::string& path,
+                                        const EnvGetter& env = ProcessEnv());
+// The config as JSON with every key present (defaults filled in): what the session runs
+// with, for logs and the Python repr. Parsing it again gives the same config.
+nlohmann::json ToJson(const SessionConfig& config);
+
+}  // namespace tiermem::session

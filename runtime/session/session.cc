@@ -1,0 +1,477 @@
+// Session (see session.h): layout, chunk access, values, gradients and the optimizer step.
+//
+// Layout invariants: trainable tensors are packed first, frozen ones after, into separate
+// groups (a frozen group has no grad or optimizer chunks); within a group tensors keep the
+// given order and never straddle chunks; every chunk of a group has chunk_elems_ elements of
+// its kind's dtype. The device working set the chunk size is chosen for is
+// kMinResidentChunks (compute + grad) chunks.
+//
+// Step invariants: hyper-parameters are validated before anything changes; a tensor's step
+// count is incremented exactly when its AdamW update runs; an fp16 overflow changes nothing
+// but the loss scale (and counts a skipped step); gradients are read only in the spans of
+// tensors that have one.
+#include "runtime/session/session.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "runtime/session/tier_stack.h"
+
+namespace tiermem::session {
+namespace {
+
+constexpr int kMinResidentChunks = 4;
+constexpr Bytes kPage = 4096;
+constexpr std::array<ChunkKind, 5> kCreationOrder = {
+    ChunkKind::kParamLowp, ChunkKind::kParamFp32, ChunkKind::kGrad, ChunkKind::kExpAvg,
+    ChunkKind::kExpAvgSq};
+
+int K(ChunkKind k) { return static_cast<int>(k); }
+
+Status CheckHyper(const GroupHyper& h, size_t g) {
+  auto bad = [&](const std::string& what) {
+    return InvalidArgumentError("optimizer param group " + std::to_string(g) + ": " + what);
+  };
+  if (!(h.lr >= 0) || !std::isfinite(h.lr)) return bad("lr must be >= 0, got " + std::to_string(h.lr));
+  if (!(h.beta1 >= 0 && h.beta1 < 1)) return bad("betas[0] must be in [0, 1)");
+  if (!(h.beta2 >= 0 && h.beta2 < 1)) return bad("betas[1] must be in [0, 1)");
+  if (!(h.eps > 0) || !std::isfinite(h.eps)) return bad("eps must be > 0");
+  if (!(h.weight_decay >= 0) || !std::isfinite(h.weight_decay)) {
+    return bad("weight_decay must be >= 0");
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
+float ClipCoefficient(double max_norm, double total_norm) {
+  // torch.nn.utils.clip_grad_norm_ computes `max_norm / (total_norm + 1e-6)` on an fp32
+  // tensor, which torch evaluates as reciprocal(total + 1e-6) * max_norm, then clamps to 1.
+  const float t = static_cast<float>(total_norm) + 1e-6f;
+  return std::min((1.0f / t) * static_cast<float>(max_norm), 1.0f);
+}
+
+StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
+                                                   std::vector<TensorSpec> tensors) {
+  if (tensors.empty()) return InvalidArgumentError("session: the model has no parameters");
+  std::vector<size_t> trainable, frozen;
+  uint64_t max_numel = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const TensorSpec& t = tensors[i];
+    if (t.numel == 0) {
+      return InvalidArgumentError("session: tensor " + std::to_string(i) + " (" + t.name +
+                                  ") has no elements");
+    }
+    if (t.opt_group < 0) {
+      return InvalidArgumentError("session: tensor " + t.name + " has a negative param group");
+    }
+    (t.trainable ? trainable : frozen).push_back(i);
+    max_numel = std::max(max_numel, t.numel);
+  }
+  std::unique_ptr<Session> s(new Session());
+  s->config_ = config;
+  const bool mixed = config.precision != Precision::kFp32;
+  const Bytes esize = mixed ? 2 : 4;
+  // Device working set per element: the compute param and (when anything trains) its grad.
+  const Bytes per_elem = esize + (trainable.empty() ? 0 : esize);
+  std::vector<uint64_t> numels;
+  for (const TensorSpec& t : tensors) numels.push_back(t.numel);
+  s->min_device_budget_ = chunks::MinimumDeviceBudget(max_numel, per_elem, kMinResidentChunks);
+  if (!config.chunk_size) {
+    TIERMEM_ASSIGN_OR_RETURN(const chunks::ChunkSizeChoice choice,
+                             chunks::ChooseChunkElems(numels, config.device_budget, per_elem,
+                                                      kMinResidentChunks));
+    s->chunk_elems_ = choice.chunk_elems;
+  } else {
+    s->chunk_elems_ = *config.chunk_size;
+    const Bytes need = s->chunk_elems_ * per_elem * kMinResidentChunks;
+    if (need > config.device_budget) {
+      return ResourceExhaustedError(
+          "device budget of " + std::to_string(config.device_budget) +
+          " bytes is below the minimum of " + std::to_string(need) + " bytes for chunk_size=" +
+          std::to_string(s->chunk_elems_));
+    }
+  }
+  // Pack trainable tensors, then frozen ones, into their own groups.
+  s->tensors_.resize(tensors.size());
+  for (const std::vector<size_t>* subset : {&trainable, &frozen}) {
+    if (subset->empty()) continue;
+    std::vector<uint64_t> sub;
+    for (size_t i : *subset) sub.push_back(tensors[i].numel);
+    auto layout = chunks::PackTensors(sub, s->chunk_elems_);
+    if (!layout.ok()) {
+      return layout.status().WithContext("chunk_size=" + std::to_string(s->chunk_elems_));
+    }
+    const size_t base = s->groups_.size();
+    for (size_t g = 0; g < layout->num_groups(); ++g) {
+      ChunkGroup grp;
+      grp.trainable = subset == &trainable;
+      grp.chunks.fill(kNoChunk);
+      s->groups_.push_back(std::move(grp));
+    }
+    for (size_t k = 0; k < subset->size(); ++k) {
+      const size_t i = (*subset)[k];
+      const chunks::Placement& p = layout->placements[k];
+      TensorPlace& tp = s->tensors_[i];
+      tp.group = static_cast<uint32_t>(base + p.group);
+      tp.offset = p.offset;
+      tp.numel = tensors[i].numel;
+      tp.trainable = tensors[i].trainable;
+      tp.opt_group = tensors[i].opt_group;
+      ChunkGroup& grp = s->groups_[tp.group];
+      grp.tensors.push_back(static_cast<uint32_t>(i));
+      grp.used_elems = std::max(grp.used_elems, p.offset + p.numel);
+    }
+  }
+  for (const TensorSpec& t : tensors) {
+    s->model_bytes_ += t.numel * (t.trainable ? esize * 2 + 8 : esize) + (mixed ? t.numel * 4 : 0);
+  }
+  s->specs_ = std::move(tensors);
+  s->steps_.assign(s->specs_.size(), 0);
+  s->has_grad_.assign(s->specs_.size(), 0);
+  s->scaler_.scale =
+      config.precision == Precision::kFp16 ? config.loss_scaling.initial_scale : 1.0;
+
+  StackLayout sl;
+  sl.chunk_bytes = s->chunk_elems_ * 4;  // the largest (fp32) chunk of a group
+  // Host room for caches of NVMe-homed chunks: every kind of one group at once.
+  sl.host_reserve = config.nvme_size > 0 ? 5 * AlignUp(sl.chunk_bytes, kPage) : 0;
+  TIERMEM_ASSIGN_OR_RETURN(s->stack_, TierStack::Create(config, sl));
+  s->device_kind_ = s->stack_->cuda() ? "cuda" : "sim";
+  s->timeline_path_ = s->stack_->timeline_path();
+  engine::Engine* eng = s->stack_->engine();
+  for (ChunkKind kind : kCreationOrder) {
+    for (ChunkGroup& g : s->groups_) {
+      const bool need = kind == ChunkKind::kParamLowp   ? mixed
+                        : kind == ChunkKind::kParamFp32 ? true
+                                                         : g.trainable;
+      if (!need) continue;
+      auto id = eng->AddChunk(s->chunk_elems_ * kernels::DTypeSize(s->dtype(kind)),
+                              chunks::ChunkKindCategory(kind));
+      if (!id.ok()) return id.status();  // `s` is destroyed: every region freed
+      g.chunks[K(kind)] = *id;
+    }
+  }
+  return s;
+}
+
+Session::~Session() { Close(); }
+
+void Session::Close() {
+  if (stack_) stack_->Close();
+}
+
+bool Session::closed() const { return stack_ == nullptr || stack_->closed(); }
+
+Status Session::Live() const {
+  if (closed()) return FailedPreconditionError("tiermem session is closed");
+  return OkStatus();
+}
+
+kernels::DType Session::compute_dtype() const {
+  switch (config_.precision) {
+    case Precision::kBf16: return kernels::DType::kBF16;
+    case Precision::kFp16: return kernels::DType::kF16;
+    case Precision::kFp32: break;
+  }
+  return kernels::DType::kF32;
+}
+
+kernels::DType Session::dtype(ChunkKind kind) const {
+  return (kind == ChunkKind::kParamLowp || kind == ChunkKind::kGrad) ? compute_dtype()
+                                                                      : kernels::DType::kF32;
+}
+
+std::string Session::nvme_engine() const { return stack_ ? stack_->nvme_engine() : ""; }
+
+ChunkId Session::Chunk(size_t group, ChunkKind kind) const {
+  return groups_[group].chunks[K(kind)];
+}
+
+Status Session::CheckKind(size_t group, ChunkKind kind) const {
+  TIERMEM_RETURN_IF_ERROR(Live());
+  if (group >= groups_.size()) {
+    return OutOfRangeError("session: unknown chunk group " + std::to_string(group));
+  }
+  if (K(kind) < 0 || K(kind) >= chunks::kNumChunkKinds || Chunk(group, kind) == kNoChunk) {
+    return InvalidArgumentError("session: chunk group " + std::to_string(group) + " has no " +
+                                std::string(chunks::ChunkKindName(kind)) + " chunk");
+  }
+  return OkStatus();
+}
+
+StatusOr<void*> Session::Acquire(size_t group, ChunkKind kind, TierKind where) {
+  TIERMEM_RETURN_IF_ERROR(CheckKind(group, kind));
+  return stack_->engine()->Acquire(Chunk(group, kind), where);
+}
+
+StatusOr<void*> Session::AcquireForWrite(size_t group, ChunkKind kind, TierKind where,
+                                         bool* must_zero) {
+  TIERMEM_RETURN_IF_ERROR(CheckKind(group, kind));
+  return stack_->engine()->AcquireForWrite(Chunk(group, kind), where, must_zero);
+}
+
+Status Session::Release(size_t group, ChunkKind kind, bool modified) {
+  TIERMEM_RETURN_IF_ERROR(CheckKind(group, kind));
+  return stack_->engine()->Release(Chunk(group, kind), modified);
+}
+
+Status Session::ZeroChunk(size_t group, ChunkKind kind) {
+  TIERMEM_RETURN_IF_ERROR(CheckKind(group, kind));
+  return stack_->engine()->Zero(Chunk(group, kind));
+}
+
+int Session::Pins(size_t group, ChunkKind kind) const {
+  if (!CheckKind(group, kind).ok()) return 0;
+  return stack_->engine()->Pins(Chunk(group, kind));
+}
+
+TierKind Session::Resident(size_t group, ChunkKind kind) const {
+  if (!CheckKind(group, kind).ok()) return TierKind::kNone;
+  return stack_->engine()->Resident(Chunk(group, kind));
+}
+
+TierKind Session::Home(size_t group, ChunkKind kind) const {
+  if (!CheckKind(group, kind).ok()) return TierKind::kNone;
+  return stack_->engine()->Home(Chunk(group, kind));
+}
+
+Bytes Session::ChunkBytes(size_t group, ChunkKind kind) const {
+  if (!CheckKind(group, kind).ok()) return 0;
+  return stack_->engine()->ChunkBytes(Chunk(group, kind));
+}
+
+// ---- values --------------------------------------------------------------------------------
+
+Status Session::ReadTensor(size_t tensor, ChunkKind kind, void* out) {
+  TIERMEM_RETURN_IF_ERROR(Live());
+  if (tensor >= tensors_.size()) return OutOfRangeError("session: unknown tensor");
+  const TensorPlace& t = tensors_[tensor];
+  const size_t es = kernels::DTypeSize(dtype(kind));
+  TIERMEM_ASSIGN_OR_RETURN(void* base, Acquire(t.group, kind, TierKind::kHost));
+  std::memcpy(out, static_cast<const char*>(base) + t.offset * es, t.numel * es);
+  return Release(t.group, kind, false);
+}
+
+Status Session::WriteTensor(size_t tensor, ChunkKind kind, const void* values) {
+  TIERMEM_RETURN_IF_ERROR(Live());
+  if (tensor >= tensors_.size()) return OutOfRangeError("session: unknown tensor");
+  const TensorPlace& t = tensors_[tensor];
+  const size_t es = kernels::DTypeSize(dtype(kind));
+  TIERMEM_ASSIGN_OR_RETURN(void* base, Acquire(t.group, kind, TierKind::kHost));
+  std::memcpy(static_cast<char*>(base) + t.offset * es, values, t.numel * es);
+  return Release(t.group, kind, true);
+}
+
+Status Session::ReadParam(size_t tensor, float* out) {
+  return ReadTensor(tensor, ChunkKind::kParamFp32, out);
+}
+
+Status Session::WriteParam(size_t tensor, const float* values) {
+  TIERMEM_RETURN_IF_ERROR(WriteTensor(tensor, ChunkKind::kParamFp32, values));
+  if (!mixed()) return OkStatus();
+  const TensorPlace& t = tensors_[tensor];
+  TIERMEM_ASSIGN_OR_RETURN(void* low, Acquire(t.group, ChunkKind::kParamLowp, TierKind::kHost));
+  kernels::CastFromF32(values, static_cast<char*>(low) + t.offset * 2, compute_dtype(), t.numel);
+  return Release(t.group, ChunkKind::kParamLowp, true);
+}
+
+Status Session::SetStepCount(size_t tensor, int64_t steps) {
+  if (tensor >= steps_.size()) return OutOfRangeError("session: unknown tensor");
+  if (steps < 0) return InvalidArgumentError("session: negative step count");
+  steps_[tensor] = steps;
+  return OkStatus();
+}
+
+// ---- gradients -------------------------------------------------------------------------------
+
+std::vector<Session::Run> Session::GradRuns(const ChunkGroup& g, bool same_step) const {
+  std::vector<Run> runs;
+  for (uint32_t i : g.tensors) {
+    if (!has_grad_[i]) continue;
+    const TensorPlace& t = tensors_[i];
+    if (!runs.empty() && runs.back().hi == t.offset &&
+        (!same_step || (runs.back().opt_group == t.opt_group && runs.back().step == steps_[i]))) {
+      runs.back().hi = t.offset + t.numel;
+    } else {
+      runs.push_back(Run{t.offset, t.offset + t.numel, t.opt_group, steps_[i]});
+    }
+  }
+  return runs;
+}
+
+StatusOr<kernels::GradStats> Session::GradStats() {
+  TIERMEM_RETURN_IF_ERROR(Live());
+  kernels::GradStats total;
+  const kernels::DType gd = dtype(ChunkKind::kGrad);
+  const size_t es = kernels::DTypeSize(gd);
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    const ChunkGroup& g = groups_[gi];
+    if (!g.trainable) continue;
+    const std::vector<Run> runs = GradRuns(g, false);
+    if (runs.empty()) continue;
+    TIERMEM_ASSIGN_OR_RETURN(void* base, Acquire(gi, ChunkKind::kGrad, TierKind::kHost));
+    for (const Run& r : runs) {
+      const kernels::GradStats st = kernels::GradNormAndOverflow(
+          static_cast<const char*>(base) + r.lo * es, gd, r.hi - r.lo);
+      total.sq_norm += st.sq_norm;
+      total.overflow = total.overflow || st.overflow;
+    }
+    TIERMEM_RETURN_IF_ERROR(Release(gi, ChunkKind::kGrad, false));
+  }
+  total.sq_norm /= scaler_.scale * scaler_.scale;
+  return total;
+}
+
+StatusOr<bool> Session::ZeroGrad() {
+  TIERMEM_RETURN_IF_ERROR(Live());
+  if (accumulating_) return false;
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    if (groups_[gi].trainable) TIERMEM_RETURN_IF_ERROR(ZeroChunk(gi, ChunkKind::kGrad));
+  }
+  std::fill(has_grad_.begin(), has_grad_.end(), 0);
+  return true;
+}
+
+// ---- optimizer --------------------------------------------------------------------------------
+
+StatusOr<StepResult> Session::Step(const std::vector<GroupHyper>& hyper) {
+  TIERMEM_RETURN_IF_ERROR(Live());
+  for (size_t i = 0; i < tensors_.size(); ++i) {
+    if (tensors_[i].trainable && static_cast<size_t>(tensors_[i].opt_group) >= hyper.size()) {
+      return InvalidArgumentError("optimizer step: tensor " + specs_[i].name + " is in param "
+                                  "group " + std::to_string(tensors_[i].opt_group) + " but " +
+                                  std::to_string(hyper.size()) + " groups were given");
+    }
+  }
+  for (size_t g = 0; g < hyper.size(); ++g) TIERMEM_RETURN_IF_ERROR(CheckHyper(hyper[g], g));
+  StepResult r;
+  ++micro_;
+  if (micro_ % static_cast<uint64_t>(config_.gradient_accumulation_steps) != 0) {
+    accumulating_ = true;
+    return r;
+  }
+  accumulating_ = false;
+  stack_->engine()->Phase("optimizer");
+  const bool fp16 = config_.precision == Precision::kFp16;
+  if (config_.gradient_clipping > 0 || fp16) {
+    TIERMEM_ASSIGN_OR_RETURN(const kernels::GradStats st, GradStats());
+    r.grad_norm = std::sqrt(st.sq_norm);
+    if (fp16 && st.overflow) {
+      scaler_.scale *= config_.loss_scaling.backoff_factor;
+      scaler_.good_steps = 0;
+      ++scaler_.skipped_steps;
+      r.skipped = true;
+      return r;
+    }
+    if (config_.gradient_clipping > 0) {
+      r.clip_coef = ClipCoefficient(config_.gradient_clipping, r.grad_norm);
+    }
+  }
+  const kernels::DType gd = dtype(ChunkKind::kGrad);
+  const size_t ges = kernels::DTypeSize(gd);
+  const ChunkKind ck = compute_kind();
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    const ChunkGroup& g = groups_[gi];
+    if (!g.trainable) continue;
+    bool any = false;
+    for (uint32_t i : g.tensors) {
+      if (has_grad_[i]) {
+        ++steps_[i];
+        any = true;
+      }
+    }
+    if (!any) continue;
+    stack_->engine()->Moment("optimizer-substep");
+    // Acquired in this order (compute params first), released in any order.
+    std::vector<ChunkKind> kinds = {ck, ChunkKind::kGrad, ChunkKind::kExpAvg,
+                                    ChunkKind::kExpAvgSq};
+    if (mixed()) kinds.push_back(ChunkKind::kParamFp32);
+    std::array<char*, chunks::kNumChunkKinds> v{};
+    size_t acquired = 0;
+    Status s;
+    for (; acquired < kinds.size(); ++acquired) {
+      StatusOr<void*> p = Acquire(gi, kinds[acquired], TierKind::kHost);
+      if (!p.ok()) {
+        s = p.status();
+        break;
+      }
+      v[K(kinds[acquired])] = static_cast<char*>(*p);
+    }
+    for (const Run& run : s.ok() ? GradRuns(g, true) : std::vector<Run>{}) {
+      const GroupHyper& h = hyper[run.opt_group];
+      kernels::AdamConfig ac;
+      ac.lr = static_cast<float>(h.lr);
+      ac.beta1 = static_cast<float>(h.beta1);
+      ac.beta2 = static_cast<float>(h.beta2);
+      ac.eps = static_cast<float>(h.eps);
+      ac.weight_decay = static_cast<float>(h.weight_decay);
+      ac.step = run.step;
+      ac.inv_loss_scale = static_cast<float>(1.0 / scaler_.scale);
+      ac.clip_factor = r.clip_coef;
+      kernels::AdamSpans sp;
+      sp.param = reinterpret_cast<float*>(v[K(ChunkKind::kParamFp32)]) + run.lo;
+      sp.exp_avg = reinterpret_cast<float*>(v[K(ChunkKind::kExpAvg)]) + run.lo;
+      sp.exp_avg_sq = reinterpret_cast<float*>(v[K(ChunkKind::kExpAvgSq)]) + run.lo;
+      sp.grad = v[K(ChunkKind::kGrad)] + run.lo * ges;
+      sp.grad_dtype = gd;
+      if (mixed()) {
+        sp.param_out = v[K(ChunkKind::kParamLowp)] + run.lo * 2;
+        sp.out_dtype = compute_dtype();
+      }
+      sp.n = run.hi - run.lo;
+      s = kernels::ValidateAdam(ac, sp);
+      if (!s.ok()) break;
+      kernels::AdamStep(ac, sp);
+    }
+    for (size_t k = 0; k < acquired; ++k) {
+      Status rel = Release(gi, kinds[k], kinds[k] != ChunkKind::kGrad);
+      if (s.ok()) s = rel;
+    }
+    TIERMEM_RETURN_IF_ERROR(s);
+  }
+  if (fp16 && ++scaler_.good_steps >= config_.loss_scaling.growth_interval) {
+    scaler_.scale *= config_.loss_scaling.growth_factor;
+    scaler_.good_steps = 0;
+  }
+  r.applied = true;
+  return r;
+}
+
+// ---- iterations and stats -----------------------------------------------------------------------
+
+void Session::BeginIteration() {
+  if (!closed()) stack_->engine()->BeginIteration();
+}
+void Session::Moment(std::string_view label) {
+  if (!closed()) stack_->engine()->Moment(label);
+}
+void Session::Phase(std::string_view label) {
+  if (!closed()) stack_->engine()->Phase(label);
+}
+void Session::SetTracing(bool on) {
+  if (!closed()) stack_->engine()->SetTracing(on);
+}
+
+Status Session::Synchronize() {
+  TIERMEM_RETURN_IF_ERROR(Live());
+  return stack_->engine()->Synchronize();
+}
+
+Status Session::Flush() {
+  TIERMEM_RETURN_IF_ERROR(Live());
+  return stack_->engine()->Flush();
+}
+
+StatusOr<engine::EngineStats> Session::Stats() const {
+  TIERMEM_RETURN_IF_ERROR(Live());
+  return stack_->engine()->Stats();
+}
+
+StatusOr<prof::Report> Session::TimelineReport() {
+  TIERMEM_RETURN_IF_ERROR(Live());
+  return stack_->TimelineReport();
+}
+
+}  // namespace tiermem::session

@@ -1,0 +1,252 @@
+// Session: one model's training state in chunks, torch-free. Both bindings (the Python
+// package and the LibTorch API) are adapters over this class: they describe the model's
+// tensors once, move values in and out, mark iterations, and call Step(); everything about
+// where bytes live and how the optimizer runs is here.
+//
+// A session owns
+//   - the tier stack (tier_stack.h): device (SimDevice or CUDA), host, NVMe, staging, the
+//     mover, the timeline recorder and the chunk engine;
+//   - the layout: tensors (in the order given — first use, i.e. module registration order)
+//     packed into chunk groups; every group has one chunk per ChunkKind it needs, all at the
+//     same element offsets. Trainable groups: the compute params (kParamFp32 in fp32 training,
+//     kParamLowp in bf16/fp16), kGrad (compute dtype), kExpAvg and kExpAvgSq (fp32), and in
+//     mixed precision the fp32 master (kParamFp32). Frozen groups: the compute params, plus
+//     the fp32 master in mixed precision (so their values stay exact). Chunks are created
+//     compute params first, then grads, masters, m and v, so the optimizer state is what
+//     spills to NVMe first when the host budget is short;
+//   - the optimizer: AdamW over every group with gradients, with per-group hyper-parameters
+//     passed at each Step (LR schedules), gradient accumulation (every N-th Step applies),
+//     global-norm clipping and fp16 dynamic loss scaling (skipped steps lower the scale), all
+//     on the fused CPU kernels (kernels/cpu) over host copies of the chunks;
+//   - per-tensor step counts and "has a gradient" flags (torch's `p.grad is not None`: a
+//     tensor without a gradient is not stepped, like torch.optim);
+//   - checkpoints (SaveCheckpoint/LoadCheckpoint: a versioned, checksummed file streamed
+//     tensor by tensor, so a model larger than RAM can be saved), stats and the timeline.
+//
+// Gradients: bindings accumulate into kGrad chunks themselves (they own the autograd glue)
+// and say which tensors received one (SetHasGrad). Only the spans of tensors that have a
+// gradient are read, so a tensor whose gradient was dropped (torch's zero_grad(set_to_none))
+// may leave stale bytes in its span; ZeroGrad() additionally zeroes every grad chunk lazily.
+//
+// Thread-safety: externally synchronized (the training thread), like the model.
+// Ownership: the session owns every chunk and tier. Close() (or destruction) frees them and
+// completes the timeline; afterwards only the const accessors work, everything else is
+// kFailedPrecondition.
+#pragma once
+
+#include <array>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "chunks/chunk_layout.h"
+#include "kernels/cpu/optim.h"
+#include "runtime/base/status.h"
+#include "runtime/engine/engine.h"
+#include "runtime/prof/analysis.h"
+#include "runtime/session/config.h"
+
+namespace tiermem::session {
+
+using chunks::ChunkKind;
+class TierStack;
+
+struct TensorSpec {
+  std::string name;       // for messages, e.g. "blocks.0.attn.c_attn.weight"
+  uint64_t numel = 0;     // > 0
+  bool trainable = true;  // false: frozen (no grad or optimizer chunks)
+  int opt_group = 0;      // optimizer param group (trainable tensors only), >= 0
+};
+
+// Where a tensor lives: the same element offset in every chunk of its group.
+struct TensorPlace {
+  uint32_t group = 0;
+  uint64_t offset = 0;  // elements
+  uint64_t numel = 0;
+  bool trainable = true;
+  int opt_group = 0;
+};
+
+struct ChunkGroup {
+  bool trainable = false;
+  uint64_t used_elems = 0;                       // end of its last tensor
+  std::array<ChunkId, chunks::kNumChunkKinds> chunks;  // by ChunkKind; kNoChunk if absent
+  std::vector<uint32_t> tensors;                 // its tensors, in offset order
+};
+
+// AdamW hyper-parameters of one optimizer param group, as of this step.
+struct GroupHyper {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.01;
+};
+
+struct StepResult {
+  bool applied = false;   // false between accumulation micro-steps and when skipped
+  bool skipped = false;   // fp16: the gradients overflowed; nothing changed but the scale
+  double grad_norm = -1;  // total (unscaled) norm when it was computed (clipping or fp16)
+  float clip_coef = 1.0f; // the factor the step applied (1 = no clipping)
+};
+
+// fp16 dynamic loss scaling state (torch.amp.GradScaler's).
+struct ScalerState {
+  double scale = 1.0;
+  int good_steps = 0;
+  uint64_t skipped_steps = 0;
+};
+
+// The factor global-norm clipping multiplies every gradient by, exactly as
+// torch.nn.utils.clip_grad_norm_(max_norm) computes it in fp32 (1 when the norm is below).
+float ClipCoefficient(double max_norm, double total_norm);
+
+class Session {
+ public:
+  // kInvalidArgument: no tensors, a tensor of 0 elements, a negative group; kResourceExhausted:
+  // a device budget below the minimum for the largest tensor (the message names the minimum
+  // bytes), or no host/NVMe room for the chunks; kUnavailable: "cuda" without a GPU; tier and
+  // timeline errors as their factories report them. On failure nothing is left behind.
+  static StatusOr<std::unique_ptr<Session>> Create(const SessionConfig& config,
+                                                   std::vector<TensorSpec> tensors);
+  ~Session();
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+
+  // Frees every chunk and tier and completes the timeline. Idempotent.
+  void Close();
+  bool closed() const;
+
+  // ---- layout (valid after Close too) ---------------------------------------------------
+  const SessionConfig& config() const { return config_; }
+  Precision precision() const { return config_.precision; }
+  bool mixed() const { return config_.precision != Precision::kFp32; }
+  kernels::DType compute_dtype() const;
+  kernels::DType dtype(ChunkKind kind) const;  // element type of that kind's chunks
+  ChunkKind compute_kind() const {             // the chunks the model computes with
+    return mixed() ? ChunkKind::kParamLowp : ChunkKind::kParamFp32;
+  }
+  uint64_t chunk_elems() const { return chunk_elems_; }
+  size_t num_tensors() const { return tensors_.size(); }
+  size_t num_groups() const { return groups_.size(); }
+  const TensorSpec& spec(size_t tensor) const { return specs_[tensor]; }
+  const TensorPlace& place(size_t tensor) const { return tensors_[tensor]; }
+  const ChunkGroup& group(size_t g) const { return groups_[g]; }
+  bool has_kind(size_t g, ChunkKind kind) const {
+    return groups_[g].chunks[static_cast<int>(kind)] != kNoChunk;
+  }
+  Bytes model_bytes() const { return model_bytes_; }  // every chunk byte of tensor data
+  // The device bytes the layout needs at least: min-resident compute + grad chunks.
+  Bytes minimum_device_budget() const { return min_device_budget_; }
+  const std::string& device_kind() const { return device_kind_; }  // "sim" or "cuda"
+  bool cuda() const { return device_kind_ == "cuda"; }
+  std::string nvme_engine() const;
+  const std::string& timeline_path() const { return timeline_path_; }
+
+  // ---- chunk access (the bindings' views) -------------------------------------------------
+  // Makes the chunk resident on `where` (device or host), pins it and returns its address.
+  // Errors as engine::Engine::Acquire; kInvalidArgument for a kind the group lacks.
+  StatusOr<void*> Acquire(size_t group, ChunkKind kind, TierKind where);
+  // As Acquire for a caller about to overwrite: a lazily zero chunk on the device is handed
+  // over unfilled and `*must_zero` set (the caller zeroes all of it first).
+  StatusOr<void*> AcquireForWrite(size_t group, ChunkKind kind, TierKind where, bool* must_zero);
+  Status Release(size_t group, ChunkKind kind, bool modified);
+  // Its content becomes zeros lazily (no bytes move). kFailedPrecondition while pinned.
+  Status ZeroChunk(size_t group, ChunkKind kind);
+  int Pins(size_t group, ChunkKind kind) const;
+  TierKind Resident(size_t group, ChunkKind kind) const;
+  TierKind Home(size_t group, ChunkKind kind) const;
+  Bytes ChunkBytes(size_t group, ChunkKind kind) const;
+
+  // ---- values (through host copies; each call acquires and releases) ---------------------
+  // The fp32 value of a tensor: its master (mixed precision) or its fp32 param.
+  Status ReadParam(size_t tensor, float* out);
+  // Sets the fp32 master and the compute copy (rounded to nearest even in mixed precision).
+  Status WriteParam(size_t tensor, const float* values);
+  // Raw bytes of `kind` for the tensor (numel * element size of that kind).
+  Status ReadTensor(size_t tensor, ChunkKind kind, void* out);
+  Status WriteTensor(size_t tensor, ChunkKind kind, const void* values);
+  int64_t step_count(size_t tensor) const { return steps_[tensor]; }
+  Status SetStepCount(size_t tensor, int64_t steps);
+
+  // ---- gradients ---------------------------------------------------------------------------
+  void SetHasGrad(size_t tensor, bool has) { has_grad_[tensor] = has ? 1 : 0; }
+  bool has_grad(size_t tensor) const { return has_grad_[tensor] != 0; }
+  // Sum of squares of the unscaled gradients of every tensor that has one, and whether any is
+  // NaN/Inf (the kernels' GradNormAndOverflow, accumulated in double).
+  StatusOr<kernels::GradStats> GradStats();
+  // Clears every gradient (lazily) unless an accumulation window is open (the last Step did
+  // not apply); returns whether it cleared.
+  StatusOr<bool> ZeroGrad();
+  // True while gradients are being accumulated across micro-steps (the last Step did not
+  // apply because of gradient_accumulation_steps).
+  bool accumulating() const { return accumulating_; }
+
+  // ---- optimizer ---------------------------------------------------------------------------
+  // One AdamW step (see the file comment). `hyper[g]` are the hyper-parameters of optimizer
+  // group g; every trainable tensor's opt_group must have an entry. kInvalidArgument for bad
+  // hyper-parameters (nothing changes); chunk errors otherwise.
+  StatusOr<StepResult> Step(const std::vector<GroupHyper>& hyper);
+  double loss_scale() const { return scaler_.scale; }
+  ScalerState scaler() const { return scaler_; }
+  void set_scaler(const ScalerState& s) { scaler_ = s; }
+  uint64_t micro_steps() const { return micro_; }
+
+  // ---- iterations and the timeline ----------------------------------------------------------
+  void BeginIteration();
+  void Moment(std::string_view label);
+  void Phase(std::string_view label);
+  // Off: acquires are not part of the recorded order (eval, no_grad inference), so they
+  // neither disturb nor follow the order the next training iteration replays.
+  void SetTracing(bool on);
+  Status Synchronize();
+  Status Flush();  // home copies current (e.g. before reading many values)
+  StatusOr<engine::EngineStats> Stats() const;
+  // The timeline so far, analysed by tiermem::prof from the file (not from counters).
+  StatusOr<prof::Report> TimelineReport();
+
+  // ---- checkpoints -------------------------------------------------------------------------
+  // Every tensor's fp32 value, its Adam m and v and step count, the loss-scaling state and
+  // the micro-step counter, plus `metadata` (the binding's own, e.g. optimizer groups as
+  // JSON). Written to `path`.tmp, fsync'ed, then renamed over `path`: a crash never leaves a
+  // torn file under `path`. kIOError for disk trouble (the old file, if any, stays).
+  Status SaveCheckpoint(const std::string& path, const std::string& metadata = "");
+  // Verifies the whole file first (checksums, tensor names and sizes, precision-independent)
+  // and only then loads it: a torn or mismatched file is kDataLoss / kInvalidArgument and
+  // changes nothing. `metadata` gets the saved metadata.
+  Status LoadCheckpoint(const std::string& path, std::string* metadata = nullptr);
+  // The metadata of a checkpoint (its header verified), without loading anything.
+  static StatusOr<std::string> CheckpointMetadata(const std::string& path);
+
+ private:
+  Session() = default;
+  Status Live() const;
+  ChunkId Chunk(size_t group, ChunkKind kind) const;
+  Status CheckKind(size_t group, ChunkKind kind) const;
+  // Runs of tensors of `group` with a gradient that are adjacent in the chunk (one kernel
+  // call each); with `same_step`, a run also needs one opt_group and one step count.
+  struct Run {
+    uint64_t lo = 0, hi = 0;  // elements
+    int opt_group = 0;
+    int64_t step = 0;
+  };
+  std::vector<Run> GradRuns(const ChunkGroup& g, bool same_step) const;
+
+  SessionConfig config_;
+  std::string device_kind_;
+  std::string timeline_path_;
+  std::vector<TensorSpec> specs_;
+  std::vector<TensorPlace> tensors_;
+  std::vector<ChunkGroup> groups_;
+  uint64_t chunk_elems_ = 0;
+  Bytes model_bytes_ = 0;
+  Bytes min_device_budget_ = 0;
+  std::vector<int64_t> steps_;
+  std::vector<uint8_t> has_grad_;
+  ScalerState scaler_;
+  uint64_t micro_ = 0;
+  bool accumulating_ = false;
+  std::unique_ptr<TierStack> stack_;
+};
+
+}  // namespace tiermem::session

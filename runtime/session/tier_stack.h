@@ -1,0 +1,80 @@
+// TierStack: the tier registry behind one session — which tiers exist, the Mover between
+// them, the timeline recorder and the chunk Engine over them. Built once from the session's
+// config; the one place that knows which device tier this build and machine have:
+//   device   SimDevice (host memory posing as HBM) for "sim", the CUDA tier for "cuda"
+//            (this target is compiled with TIERMEM_SESSION_WITH_CUDA when CUDA is built;
+//            "auto" picks CUDA when a GPU is present, else SimDevice);
+//   host     the host tier, size classes = the chunk size and its halves; on the CUDA device
+//            its slabs are registered with cudaHostRegister (NewCudaHostPinner);
+//   nvme     the file-backed NVMe tier (io_uring or pread/pwrite) when nvme_size > 0;
+//   staging  a small host tier of its own for the Mover's device<->NVMe bounce slots
+//            (prefetch_depth + 2 slots, carved out of the host budget), pinned likewise;
+//   timeline TimelineRecorder at config.timeline, or a temporary file removed at Close().
+//
+// Thread-safety: externally synchronized (the session's thread).
+// Ownership: the stack owns everything above. Close() (or destruction) frees every region
+// (engine first, after waiting for moves), then the mover, the tiers, the pinner, and last
+// closes the timeline so the file is complete.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "runtime/base/status.h"
+#include "runtime/base/timeline.h"
+#include "runtime/engine/engine.h"
+#include "runtime/mover.h"
+#include "runtime/prof/analysis.h"
+#include "runtime/session/config.h"
+#include "tiers/host/host_tier.h"
+#include "tiers/tier.h"
+
+namespace tiermem::session {
+
+struct StackLayout {
+  Bytes chunk_bytes = 0;   // the largest chunk; sizes the host slots and the staging slots
+  Bytes host_reserve = 0;  // host bytes never used for homes (caches of NVMe-homed chunks)
+};
+
+class TierStack {
+ public:
+  // kUnavailable for "cuda" without CUDA support or a GPU; kResourceExhausted naming the
+  // minimum host budget with NVMe; tier and timeline errors as their factories report them.
+  // Nothing is left behind on failure (a temporary timeline file is removed).
+  static StatusOr<std::unique_ptr<TierStack>> Create(const SessionConfig& config,
+                                                     const StackLayout& layout);
+  ~TierStack();
+  TierStack(const TierStack&) = delete;
+  TierStack& operator=(const TierStack&) = delete;
+
+  // "auto" resolved: "cuda" when this build has CUDA and a GPU is present, else "sim";
+  // "cuda" without either is kUnavailable saying which is missing.
+  static StatusOr<std::string> ResolveDeviceKind(const std::string& kind);
+  static bool CudaBuilt();
+
+  void Close();  // idempotent
+  bool closed() const { return engine_ == nullptr; }
+
+  engine::Engine* engine() { return engine_.get(); }
+  Tier* device() { return device_.get(); }
+  bool cuda() const { return cuda_; }
+  std::string nvme_engine() const;  // "" without NVMe
+  const std::string& timeline_path() const { return timeline_path_; }
+  // The timeline file so far (after waiting for moves and flushing), analysed by
+  // tiermem::prof — not the engine's own counters.
+  StatusOr<prof::Report> TimelineReport();
+
+ private:
+  TierStack() = default;
+
+  std::string timeline_path_;
+  bool own_timeline_ = false;                   // a temporary file: removed at Close()
+  std::unique_ptr<TimelineRecorder> recorder_;  // outlives everything below
+  std::unique_ptr<HostPinner> pinner_;          // outlives the host tiers
+  std::unique_ptr<Tier> device_, staging_, host_, nvme_;
+  std::unique_ptr<Mover> mover_;
+  std::unique_ptr<engine::Engine> engine_;
+  bool cuda_ = false;
+};
+
+}  // namespace tiermem::session

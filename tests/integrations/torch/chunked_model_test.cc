@@ -1,0 +1,420 @@
+// tiermem::torch::ChunkedModel against plain LibTorch: the main job's GPT (small), AdamW
+// steps on synthetic text with a device budget of 25% of params + grads + AdamW state,
+// compared with the same model, data and torch::optim::AdamW; bf16, param groups with LR
+// changes, checkpoints, the TIERMEM_* environment, bad input. Peaks come from the timeline.
+#include <gtest/gtest.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <iterator>
+#include <fstream>
+#include <set>
+
+#include "integrations/torch/examples/gpt.h"
+
+namespace tiermem_example {
+using tiermem::Bytes;
+using tiermem::StatusCode;
+using tiermem::TierKind;
+namespace {
+
+GPTConfig SmallConfig() {
+  GPTConfig c;
+  c.n_layer = 3;  // 25% of its data is above the minimum device budget
+  c.n_embd = 64;
+  c.n_head = 4;
+  c.block_size = 32;
+  return c;
+}
+
+GPT MakeModel(const GPTConfig& c) {
+  ::torch::manual_seed(0);
+  return GPT(c);
+}
+
+// The parameters, each once: LibTorch's parameters() lists a tied tensor once per module
+// (torch.nn.Module.parameters() in Python dedupes), and AdamW would step it twice.
+std::vector<::torch::Tensor> UniqueParams(GPT& m) {
+  std::vector<::torch::Tensor> out;
+  std::set<const void*> seen;
+  for (auto& p : m->parameters()) {
+    if (seen.insert(p.unsafeGetTensorImpl()).second) out.push_back(p);
+  }
+  return out;
+}
+
+int64_t NumParams(GPT& m) {
+  int64_t n = 0;
+  std::set<const void*> seen;
+  for (auto& p : m->parameters()) {
+    if (seen.insert(p.unsafeGetTensorImpl()).second) n += p.numel();
+  }
+  return n;
+}
+
+// Parameters equal within rtol 1e-4 (atol 1e-6). One exception: the key part of the qkv
+// bias has an exactly-zero gradient in exact arithmetic (softmax is shift-invariant), so its
+// gradient is rounding noise that AdamW normalizes into lr-sized random steps; there an
+// atol of 1e-5 (1% of lr) applies.
+bool ParamClose(const std::string& name, const ::torch::Tensor& a, const ::torch::Tensor& b,
+                int64_t n_embd) {
+  if (name.size() >= 13 && name.compare(name.size() - 13, 13, "attn.qkv.bias") == 0) {
+    return ::torch::allclose(a.narrow(0, 0, n_embd), b.narrow(0, 0, n_embd), 1e-4, 1e-6) &&
+           ::torch::allclose(a.narrow(0, n_embd, n_embd), b.narrow(0, n_embd, n_embd), 1e-4,
+                             1e-5) &&
+           ::torch::allclose(a.narrow(0, 2 * n_embd, n_embd), b.narrow(0, 2 * n_embd, n_embd),
+                             1e-4, 1e-6);
+  }
+  return ::torch::allclose(a, b, 1e-4, 1e-6);
+}
+
+constexpr double kLr = 1e-3;
+constexpr int kSteps = 5;
+
+TEST(ChunkedModel, TrainsLikePlainLibTorchWithin25PercentDeviceBudget) {
+  ::torch::set_num_threads(1);
+  const GPTConfig c = SmallConfig();
+  const auto batches = SyntheticBatches(c, 4, kSteps);
+
+  // Plain LibTorch.
+  GPT ref = MakeModel(c);
+  ::torch::optim::AdamW opt(UniqueParams(ref),
+                            ::torch::optim::AdamWOptions(kLr).weight_decay(0.01));
+  std::vector<double> ref_losses;
+  for (const auto& [x, y] : batches) {
+    opt.zero_grad();
+    auto loss = LmLoss(ref->forward(x), y);
+    loss.backward();
+    opt.step();
+    ref_losses.push_back(loss.item<double>());
+  }
+
+  // tiermem.
+  GPT model = MakeModel(c);
+  const Bytes model_bytes = static_cast<Bytes>(NumParams(model)) * 16;
+  const Bytes budget = model_bytes / 4;
+  auto created = tiermem::torch::ChunkedModel::Create(
+      *model, {{"device", budget}, {"host", "256MiB"},
+               {"optimizer", {{"lr", kLr}, {"weight_decay", 0.01}}}});
+  ASSERT_TRUE(created.ok()) << created.status().ToString();
+  auto& engine = **created;
+  EXPECT_EQ(engine.model_bytes(), model_bytes);
+  EXPECT_GT(engine.num_chunk_groups(), 1u);
+  std::vector<double> losses;
+  for (const auto& [x, y] : batches) {
+    auto logits = model->forward(engine, x);
+    ASSERT_TRUE(logits.ok()) << logits.status().ToString();
+    auto loss = LmLoss(*logits, y);
+    loss.backward();
+    auto stepped = engine.Step();
+    ASSERT_TRUE(stepped.ok()) << stepped.status().ToString();
+    EXPECT_TRUE(*stepped);
+    ASSERT_TRUE(engine.ZeroGrad().ok());
+    losses.push_back(loss.item<double>());
+  }
+  for (int i = 0; i < kSteps; ++i) {
+    EXPECT_NEAR(losses[i], ref_losses[i], 1e-5 * std::abs(ref_losses[i])) << "step " << i;
+  }
+  EXPECT_LT(losses.back(), losses.front());
+
+  auto stats = engine.GetStats();
+  ASSERT_TRUE(stats.ok()) << stats.status().ToString();
+  EXPECT_GT(stats->peak(TierKind::kDevice), 0u);
+  EXPECT_LE(stats->peak(TierKind::kDevice), budget);
+  EXPECT_GT(stats->timeline.events, 0u);
+
+  // Parameters: from the engine, then given back as ordinary tensors by Close().
+  auto ref_params = ref->named_parameters();
+  for (const auto& item : model->named_parameters()) {
+    auto v = engine.ParamValue(item.value());
+    ASSERT_TRUE(v.ok()) << v.status().ToString();
+    const ::torch::Tensor& want = ref_params[item.key()];
+    EXPECT_TRUE(ParamClose(item.key(), *v, want, c.n_embd))
+        << item.key() << " max diff " << (*v - want).abs().max().item<double>() << " at "
+        << (*v - want).abs().argmax().item<int64_t>();
+  }
+  ASSERT_TRUE(engine.Close().ok());
+  for (const auto& item : model->named_parameters()) {
+    EXPECT_TRUE(ParamClose(item.key(), item.value(), ref_params[item.key()], c.n_embd))
+        << item.key();
+  }
+  // The tie survives: the head's weight is still the embedding's tensor.
+  EXPECT_TRUE(model->head->weight.is_same(model->embed->wte->weight));
+}
+
+TEST(ChunkedModel, GradientsMatchPlainLibTorch) {
+  const GPTConfig c = SmallConfig();
+  const auto batches = SyntheticBatches(c, 2, 1);
+  GPT ref = MakeModel(c);
+  LmLoss(ref->forward(batches[0].first), batches[0].second).backward();
+  GPT model = MakeModel(c);
+  auto created = tiermem::torch::ChunkedModel::Create(*model, {{"device", "1MiB"}, {"host", "64MiB"}});
+  ASSERT_TRUE(created.ok()) << created.status().ToString();
+  auto logits = model->forward(**created, batches[0].first);
+  ASSERT_TRUE(logits.ok()) << logits.status().ToString();
+  LmLoss(*logits, batches[0].second).backward();
+  auto ref_params = ref->named_parameters();
+  for (const auto& item : model->named_parameters()) {
+    auto g = (*created)->Grad(item.value());
+    ASSERT_TRUE(g.ok()) << g.status().ToString();
+    EXPECT_TRUE(::torch::allclose(*g, ref_params[item.key()].grad(), 1e-4, 1e-7))
+        << item.key() << " max diff "
+        << (*g - ref_params[item.key()].grad()).abs().max().item<double>();
+  }
+}
+
+TEST(ChunkedModel, NoGradForwardMatchesPlainForward) {
+  const GPTConfig c = SmallConfig();
+  const auto batches = SyntheticBatches(c, 2, 1);
+  GPT ref = MakeModel(c);
+  GPT model = MakeModel(c);
+  auto created = tiermem::torch::ChunkedModel::Create(*model, {{"device", "1MiB"}, {"host", "64MiB"}});
+  ASSERT_TRUE(created.ok()) << created.status().ToString();
+  ::torch::NoGradGuard no_grad;
+  auto logits = model->forward(**created, batches[0].first);
+  ASSERT_TRUE(logits.ok()) << logits.status().ToString();
+  EXPECT_TRUE(::torch::equal(*logits, ref->forward(batches[0].first)));
+}
+
+TEST(ChunkedModel, BadInputIsAClearStatusAndLeavesTheModelUntouched) {
+  const GPTConfig c = SmallConfig();
+  GPT model = MakeModel(c);
+  GPT ref = MakeModel(c);
+  auto tiny = tiermem::torch::ChunkedModel::Create(*model, {{"device", "4KiB"}});
+  ASSERT_FALSE(tiny.ok());
+  EXPECT_EQ(tiny.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(tiny.status().message().find("minimum"), std::string::npos)
+      << tiny.status().ToString();
+
+  auto bad_key = tiermem::torch::ChunkedModel::Create(*model, {{"devise", "1MiB"}});
+  ASSERT_FALSE(bad_key.ok());
+  EXPECT_EQ(bad_key.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad_key.status().message().find("devise"), std::string::npos);
+
+  auto bad_value = tiermem::torch::ChunkedModel::Create(*model, {{"optimizer", {{"lr", "fast"}}}});
+  ASSERT_FALSE(bad_value.ok());
+  EXPECT_EQ(bad_value.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad_value.status().message().find("optimizer.lr"), std::string::npos);
+
+  auto bad_size = tiermem::torch::ChunkedModel::Create(*model, {{"host", "lots"}});
+  ASSERT_FALSE(bad_size.ok());
+  EXPECT_EQ(bad_size.status().code(), StatusCode::kInvalidArgument);
+
+  auto cuda = tiermem::torch::ChunkedModel::Create(*model, {{"device_kind", "cuda"}});
+  ASSERT_FALSE(cuda.ok());
+  EXPECT_TRUE(cuda.status().code() == StatusCode::kUnavailable ||
+              cuda.status().code() == StatusCode::kUnimplemented)
+      << cuda.status().ToString();
+
+  tiermem::torch::ParamGroup frozen_bad;
+  frozen_bad.params.push_back(model->blocks[0]->fc->weight);
+  auto twice = tiermem::torch::ChunkedModel::Create(
+      *model, {{"device", "1MiB"}, {"host", "64MiB"}}, {frozen_bad, frozen_bad});
+  ASSERT_FALSE(twice.ok());
+  EXPECT_NE(twice.status().message().find("more than one param group"), std::string::npos)
+      << twice.status().ToString();
+  auto missing = tiermem::torch::ChunkedModel::Create(
+      *model, {{"device", "1MiB"}, {"host", "64MiB"}}, {frozen_bad});
+  ASSERT_FALSE(missing.ok());
+  EXPECT_NE(missing.status().message().find("is in no param group"), std::string::npos);
+
+  auto ref_params = ref->named_parameters();
+  for (const auto& item : model->named_parameters()) {
+    EXPECT_TRUE(::torch::equal(item.value(), ref_params[item.key()])) << item.key();
+  }
+}
+
+TEST(ChunkedModel, RunRefusesASegmentWithUnmanagedParameters) {
+  const GPTConfig c = SmallConfig();
+  GPT model = MakeModel(c);
+  ::torch::nn::Linear stranger(4, 4);
+  auto created = tiermem::torch::ChunkedModel::Create(*model, {{"device", "1MiB"}, {"host", "64MiB"}});
+  ASSERT_TRUE(created.ok()) << created.status().ToString();
+  auto out = (*created)->Run(*stranger, [&](const auto&) { return stranger(::torch::ones({1, 4})); });
+  ASSERT_FALSE(out.ok());
+  EXPECT_EQ(out.status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(ChunkedModel, ReadingAnotherSegmentsParameterIsLoudNaNNeverPlausibleNumbers) {
+  const GPTConfig c = SmallConfig();
+  GPT model = MakeModel(c);
+  auto created = tiermem::torch::ChunkedModel::Create(*model, {{"device", "1MiB"}, {"host", "64MiB"}});
+  ASSERT_TRUE(created.ok()) << created.status().ToString();
+  ::torch::NoGradGuard no_grad;
+  // The segment is block 0 but fn also uses block 1's weights.
+  auto out = (*created)->Run(*model->blocks[0], [&](const auto& in) {
+    return model->blocks[1](model->blocks[0](in[0]));
+  }, {::torch::randn({1, 4, c.n_embd})});
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  EXPECT_TRUE(out->isnan().all().item<bool>());
+}
+
+// Two param groups (no decay for biases and norms, a larger lr) and a schedule that halves
+// every lr after each step, against torch::optim::AdamW with the same groups and schedule.
+TEST(ChunkedModel, ParamGroupsAndLearningRateChangesMatchLibTorch) {
+  const GPTConfig c = SmallConfig();
+  const auto batches = SyntheticBatches(c, 4, 6);
+  auto split = [](GPT& m) {
+    std::vector<::torch::Tensor> decay, no_decay;
+    std::set<const void*> seen;
+    for (auto& p : m->parameters()) {
+      if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
+      (p.dim() >= 2 ? decay : no_decay).push_back(p);
+    }
+    return std::make_pair(decay, no_decay);
+  };
+  GPT ref = MakeModel(c);
+  auto [rd, rn] = split(ref);
+  std::vector<::torch::optim::OptimizerParamGroup> rgroups;
+  rgroups.emplace_back(rd, std::make_unique<::torch::optim::AdamWOptions>(
+                               ::torch::optim::AdamWOptions(1e-3).weight_decay(0.1)));
+  rgroups.emplace_back(rn, std::make_unique<::torch::optim::AdamWOptions>(
+                               ::torch::optim::AdamWOptions(3e-3).weight_decay(0.0)));
+  ::torch::optim::AdamW opt(std::move(rgroups));
+  GPT model = MakeModel(c);
+  auto [d, n] = split(model);
+  tiermem::torch::ParamGroup g0, g1;
+  g0.params = d;
+  g0.lr = 1e-3;
+  g0.weight_decay = 0.1;
+  g1.params = n;
+  g1.lr = 3e-3;
+  g1.weight_decay = 0.0;
+  auto created = tiermem::torch::ChunkedModel::Create(
+      *model, {{"device", "1MiB"}, {"host", "64MiB"}}, {g0, g1});
+  ASSERT_TRUE(created.ok()) << created.status().ToString();
+  auto& cm = **created;
+  ASSERT_EQ(cm.num_groups(), 2u);
+  for (const auto& [x, y] : batches) {
+    opt.zero_grad();
+    auto rl = LmLoss(ref->forward(x), y);
+    rl.backward();
+    opt.step();
+    auto logits = model->forward(cm, x);
+    ASSERT_TRUE(logits.ok()) << logits.status().ToString();
+    auto loss = LmLoss(*logits, y);
+    loss.backward();
+    ASSERT_TRUE(cm.Step().ok());
+    ASSERT_TRUE(cm.ZeroGrad().ok());
+    EXPECT_NEAR(loss.item<double>(), rl.item<double>(), 1e-5 * std::abs(rl.item<double>()));
+    for (size_t g = 0; g < 2; ++g) {
+      auto& o = static_cast<::torch::optim::AdamWOptions&>(opt.param_groups()[g].options());
+      o.lr(o.lr() * 0.5);
+      ASSERT_TRUE(cm.SetLearningRate(g, cm.group_options(g).lr * 0.5).ok());
+    }
+  }
+  EXPECT_EQ(cm.SetLearningRate(2, 1.0).code(), StatusCode::kOutOfRange);
+}
+
+// bf16: the model computes in bf16 inside Run (chunk views are bf16), the fp32 masters live in
+// the host chunks, and training tracks fp32 training within mixed-precision tolerance.
+TEST(ChunkedModel, Bf16TrainsWithFp32MastersAndTracksFp32) {
+  const GPTConfig c = SmallConfig();
+  const auto batches = SyntheticBatches(c, 4, 8);
+  GPT ref = MakeModel(c);
+  ::torch::optim::AdamW opt(UniqueParams(ref), ::torch::optim::AdamWOptions(1e-3));
+  GPT model = MakeModel(c);
+  auto created = tiermem::torch::ChunkedModel::Create(
+      *model, {{"device", "1MiB"}, {"host", "64MiB"}, {"precision", "bf16"},
+               {"optimizer", {{"weight_decay", 0.01}}}});
+  ASSERT_TRUE(created.ok()) << created.status().ToString();
+  auto& cm = **created;
+  std::vector<double> losses, ref_losses;
+  for (const auto& [x, y] : batches) {
+    opt.zero_grad();
+    auto rl = LmLoss(ref->forward(x), y);
+    rl.backward();
+    opt.step();
+    ref_losses.push_back(rl.item<double>());
+    auto logits = model->forward(cm, x);
+    ASSERT_TRUE(logits.ok()) << logits.status().ToString();
+    EXPECT_EQ(logits->scalar_type(), ::torch::kBFloat16);
+    auto loss = LmLoss(logits->to(::torch::kFloat32), y);
+    loss.backward();
+    ASSERT_TRUE(cm.Step().ok());
+    ASSERT_TRUE(cm.ZeroGrad().ok());
+    losses.push_back(loss.item<double>());
+  }
+  for (size_t i = 0; i < losses.size(); ++i) {
+    EXPECT_NEAR(losses[i], ref_losses[i], 2e-2 * ref_losses[i]) << i;
+  }
+  EXPECT_LT(losses.back(), losses.front());
+  auto w = cm.ParamValue(model->blocks[0]->fc->weight);
+  ASSERT_TRUE(w.ok());
+  EXPECT_EQ(w->scalar_type(), ::torch::kFloat32);  // the master
+}
+
+std::vector<double> TrainSteps(GPT& model, tiermem::torch::ChunkedModel& cm,
+                               const std::vector<std::pair<::torch::Tensor, ::torch::Tensor>>& b,
+                               size_t from, size_t to) {
+  std::vector<double> out;
+  for (size_t i = from; i < to; ++i) {
+    auto logits = model->forward(cm, b[i].first);
+    EXPECT_TRUE(logits.ok()) << logits.status().ToString();
+    auto loss = LmLoss(*logits, b[i].second);
+    loss.backward();
+    EXPECT_TRUE(cm.Step().ok());
+    EXPECT_TRUE(cm.ZeroGrad().ok());
+    out.push_back(loss.item<double>());
+  }
+  return out;
+}
+
+TEST(ChunkedModel, SaveAndLoadResumeBitForBitAndATornFileChangesNothing) {
+  // No std::filesystem in a binary linked with libtorch (see runtime/base/fs.h).
+  const std::string dir = ::testing::TempDir();
+  const GPTConfig c = SmallConfig();
+  const auto batches = SyntheticBatches(c, 4, 6);
+  const nlohmann::json cfg = {{"device", "1MiB"}, {"host", "64MiB"}};
+  GPT a = MakeModel(c);
+  auto ca = tiermem::torch::ChunkedModel::Create(*a, cfg);
+  ASSERT_TRUE(ca.ok()) << ca.status().ToString();
+  TrainSteps(a, **ca, batches, 0, 3);
+  ASSERT_TRUE((*ca)->SetLearningRate(0, 5e-4).ok());
+  ASSERT_TRUE((*ca)->Save(dir + "/ckpt").ok());
+  const auto cont = TrainSteps(a, **ca, batches, 3, 6);
+
+  ::torch::manual_seed(7);  // a different initialisation: everything must come from the file
+  GPT b(c);
+  auto cb = tiermem::torch::ChunkedModel::Create(*b, cfg);
+  ASSERT_TRUE(cb.ok());
+  // A torn copy first: an error, and nothing changes.
+  {
+    std::ifstream in(dir + "/ckpt", std::ios::binary);
+    std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    std::ofstream(dir + "/torn", std::ios::binary).write(bytes.data(), bytes.size() / 2);
+  }
+  auto before = (*cb)->ParamValue(b->blocks[0]->fc->weight);
+  tiermem::Status torn = (*cb)->Load(dir + "/torn");
+  EXPECT_EQ(torn.code(), StatusCode::kDataLoss) << torn.ToString();
+  EXPECT_TRUE(::torch::equal(*(*cb)->ParamValue(b->blocks[0]->fc->weight), *before));
+  EXPECT_EQ((*cb)->group_options(0).lr, 1e-3);
+  ASSERT_TRUE((*cb)->Load(dir + "/ckpt").ok());
+  EXPECT_EQ((*cb)->group_options(0).lr, 5e-4);
+  EXPECT_EQ(TrainSteps(b, **cb, batches, 3, 6), cont);
+  unlink((dir + "/ckpt").c_str());
+  unlink((dir + "/torn").c_str());
+}
+
+TEST(ChunkedModel, TheEnvironmentOverridesTheConfigLikeInPython) {
+  const GPTConfig c = SmallConfig();
+  GPT model = MakeModel(c);
+  setenv("TIERMEM_DEVICE_BUDGET", "3MiB", 1);
+  setenv("TIERMEM_HOST_BUDGET", "48MiB", 1);
+  auto created = tiermem::torch::ChunkedModel::Create(*model, {{"device", "1MiB"}, {"host", "64MiB"}});
+  unsetenv("TIERMEM_DEVICE_BUDGET");
+  unsetenv("TIERMEM_HOST_BUDGET");
+  ASSERT_TRUE(created.ok()) << created.status().ToString();
+  EXPECT_EQ((*created)->config().device_budget, 3u << 20);
+  EXPECT_EQ((*created)->config().host_budget, 48u << 20);
+  ASSERT_TRUE((*created)->Close().ok());
+  setenv("TIERMEM_NVME_SIZE", "0", 1);
+  auto bad = tiermem::torch::ChunkedModel::Create(*model, {{"device", "1MiB"}});
+  unsetenv("TIERMEM_NVME_SIZE");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("TIERMEM_NVME_SIZE='0'"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace tiermem_example

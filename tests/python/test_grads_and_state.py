@@ -1,0 +1,249 @@
+"""Gradients are visible to ordinary torch code, and state moves in and out exactly.
+
+clip_grad_norm_ on model.parameters(), torch.amp.GradScaler, grad-norm logging, submodule
+state_dict, torch.save/torch.load, load_state_dict into a plain model, and resuming training
+across tiermem and plain torch.optim.AdamW in both directions.
+"""
+import copy
+import io
+
+import pytest
+import torch
+
+import tiermem
+from conftest import (END_TO_END_LOSS_REL, END_TO_END_PARAM_ATOL, END_TO_END_PARAM_RTOL,
+                      KernelAdamW, assert_close_rel, batches, make_pair, model_bytes)
+
+CFG = {"host": "1GiB", "optimizer": {"lr": 1e-3, "weight_decay": 0.01}}
+
+
+def init(model, frac=0.25, **kw):
+    c = dict(CFG, device=int(model_bytes(model) * frac))
+    c.update(kw)
+    return tiermem.initialize(model, c)
+
+
+def test_grads_are_visible_after_backward_and_equal_plain_torch():
+    ref, ours = make_pair()
+    model, opt = init(ours)
+    x, y = batches(1)[0]
+    ref(x, y).backward()
+    model(x, y).backward()
+    for (n, a), b in zip(ref.named_parameters(), model.parameters()):
+        assert b.grad is not None, n
+        assert b.grad.shape == a.grad.shape and b.grad.dtype == a.grad.dtype
+        assert torch.equal(b.grad, a.grad), n
+    # Logging the grad norm the usual way.
+    norm = lambda m: torch.sqrt(sum((p.grad.double() ** 2).sum() for p in m.parameters()))
+    assert torch.equal(norm(model), norm(ref))
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_clip_grad_norm_returns_the_true_norm_and_its_clipping_is_what_the_step_uses():
+    ref, ours = make_pair()
+    data = batches(10)
+    ropt = KernelAdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
+    model, opt = init(ours)
+    ref_norms, norms, ref_losses, losses = [], [], [], []
+    for x, y in data:
+        for m, o, ns, ls in ((ref, ropt, ref_norms, ref_losses), (model, opt, norms, losses)):
+            o.zero_grad()
+            loss = m(x, y)
+            loss.backward()
+            ns.append(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05).item())
+            o.step()
+            ls.append(loss.item())
+    assert norms == ref_norms  # the same fp32 computation over the same gradients
+    assert min(norms) > 0.05, "clipping must be active in every step for this test to bite"
+    assert losses == ref_losses
+    for k, v in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+
+
+def test_clip_grad_norm_on_torch_adamw_matches_within_tolerance():
+    """The same with torch.optim.AdamW as the reference (losses at the end-to-end tolerance)."""
+    ref, ours = make_pair()
+    data = batches(10)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
+    model, opt = init(ours)
+    for x, y in data:
+        for m, o in ((ref, ropt), (model, opt)):
+            o.zero_grad()
+            m.loss = m(x, y)
+            m.loss.backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+            o.step()
+        assert_close_rel(model.loss.item(), ref.loss.item(), END_TO_END_LOSS_REL)
+
+
+def test_grad_scaler_unscale_clip_step_update_equals_plain_torch():
+    ref, ours = make_pair()
+    data = batches(10)
+    ropt = KernelAdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
+    model, opt = init(ours)
+    rs, s = (torch.amp.GradScaler("cpu", init_scale=2.0 ** 12, growth_interval=3)
+             for _ in range(2))
+    ref_losses, losses = [], []
+    for i, (x, y) in enumerate(data):
+        for m, o, sc, ls in ((ref, ropt, rs, ref_losses), (model, opt, s, losses)):
+            o.zero_grad()
+            loss = m(x, y)
+            if i == 4:
+                loss = loss * float("inf")  # an overflow: the scaler skips this step
+            sc.scale(loss).backward()
+            sc.unscale_(o)
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            sc.step(o)
+            sc.update()
+            ls.append(loss.item())
+    assert s.get_scale() == rs.get_scale()
+    assert losses[:4] == ref_losses[:4] and losses[5:] == ref_losses[5:]
+    for k, v in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+
+
+def test_grad_scaler_with_fp16_precision_is_a_clear_error():
+    _, ours = make_pair()
+    model, opt = init(ours, precision="fp16")
+    x, y = batches(1)[0]
+    sc = torch.amp.GradScaler("cpu")
+    sc.scale(model(x, y)).backward()
+    with pytest.raises(ValueError, match="FP16 gradients"):
+        sc.unscale_(opt)
+
+
+def test_fp16_grads_are_scaled_and_clip_grad_norm_refuses_them():
+    """In fp16 the chunks hold loss-scaled gradients; torch code reading p.grad must not get
+    numbers that look unscaled. tiermem's own clipping (config gradient_clipping) and
+    optimizer.grad_norm() unscale."""
+    _, ours = make_pair()
+    model, opt = init(ours, precision="fp16", gradient_clipping=1.0,
+                      loss_scaling={"initial_scale": 1024})
+    x, y = batches(1)[0]
+    opt.scale_loss(model(x, y)).backward()
+    with pytest.raises(RuntimeError, match="loss-scaled"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    n = opt.grad_norm().item()
+    assert 0 < n < float("inf")
+    # The unscaled norm: the scaled fp16 grads' norm divided by the scale.
+    rt = tiermem.runtime_of(model)
+    total = 0.0
+    for r in rt.params:
+        total += float((rt.s.read_tensor(r.index, tiermem._C.ChunkKind.grad).double() ** 2).sum())
+    assert abs(n - total ** 0.5 / 1024) <= 1e-6 * n
+
+
+def test_submodule_state_dict_and_torch_save_load_are_exact(tmp_path):
+    ref, ours = make_pair()
+    model, opt = init(ours)
+    data = batches(3)
+    ropt = KernelAdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
+    for x, y in data:
+        for m, o in ((ref, ropt), (model, opt)):
+            o.zero_grad()
+            m(x, y).backward()
+            o.step()
+    for name in ("blocks.1", "blocks.0.attn", "ln_f", "wte"):
+        sub, rsub = model.get_submodule(name), ref.get_submodule(name)
+        sd, rsd = sub.state_dict(), rsub.state_dict()
+        assert sd.keys() == rsd.keys(), name
+        for k in rsd:
+            assert type(sd[k]) is torch.Tensor and torch.equal(sd[k], rsd[k]), f"{name}.{k}"
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    buf.seek(0)
+    loaded = torch.load(buf)
+    plain = copy.deepcopy(ref)
+    for p in plain.parameters():
+        p.data.zero_()
+    plain.load_state_dict(loaded)
+    x, _ = data[0]
+    assert torch.equal(plain(x), ref(x))
+    # Tied weights stay one tensor in the state dict (like plain torch).
+    sd = model.state_dict()
+    assert sd["wte.weight"] is sd["lm_head.weight"]
+    # And the other way: a plain state dict loaded into the managed model.
+    ref2, ours2 = make_pair(seed=5)
+    m2, _ = init(ours2)
+    m2.load_state_dict(ref.state_dict())
+    assert torch.equal(m2(x)[0] if isinstance(m2(x), tuple) else m2(x), ref(x))
+
+
+def _train(model, opt, data):
+    losses = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_resume_from_tiermem_into_plain_adamw_and_back(precision):
+    """Train 5 steps with tiermem, continue 5 with plain torch.optim.AdamW from tiermem's
+    model + optimizer state dicts; and the reverse. Next losses equal continuing in place."""
+    ref, ours = make_pair()
+    data = batches(10)
+    model, opt = init(ours, precision=precision)
+    first = _train(model, opt, data[:5])
+    # Continue in tiermem...
+    sd, osd = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    cont = _train(model, opt, data[5:])
+    # ... vs continue in plain torch from the state dicts.
+    plain = copy.deepcopy(ref)
+    plain.load_state_dict(sd)
+    popt = torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.01)
+    popt.load_state_dict(copy.deepcopy(osd))  # torch adopts (and then updates) its tensors
+    if precision == "fp32":
+        resumed = _train(plain, popt, data[5:])
+        for a, b in zip(resumed, cont):
+            assert_close_rel(a, b, END_TO_END_LOSS_REL)
+    # And back: plain state into a fresh tiermem model, continuing from the same point.
+    ref2, ours2 = make_pair(seed=3)
+    m2, o2 = init(ours2, precision=precision)
+    m2.load_state_dict(sd)
+    o2.load_state_dict(osd)
+    again = _train(m2, o2, data[5:])
+    assert again == cont, "tiermem -> state dicts -> tiermem continues bit for bit"
+    assert first[0] > cont[-1]
+
+
+def test_plain_adamw_state_resumes_in_tiermem():
+    ref, ours = make_pair()
+    data = batches(8)
+    popt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
+    _train(ref, popt, data[:4])
+    model, opt = init(ours)
+    model.load_state_dict(ref.state_dict())
+    opt.load_state_dict(popt.state_dict())
+    cont_ref = _train(ref, popt, data[4:])
+    cont = _train(model, opt, data[4:])
+    for a, b in zip(cont, cont_ref):
+        assert_close_rel(a, b, END_TO_END_LOSS_REL)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[k], v, rtol=END_TO_END_PARAM_RTOL,
+                                   atol=END_TO_END_PARAM_ATOL, msg=k)
+
+
+def test_eval_and_no_grad_between_iterations_do_not_disturb_the_recorded_order():
+    ref, ours = make_pair()
+    data = batches(6)
+    ropt = KernelAdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
+    model, opt = init(ours)
+    rt = tiermem.runtime_of(model)
+    ref_losses = _train(ref, ropt, data[:3])
+    assert _train(model, opt, data[:3]) == ref_losses
+    before = rt.stats()["diverged"]
+    x, _ = data[0]
+    model.eval()
+    ref.eval()
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+        assert torch.equal(model(x[:, :5]), ref(x[:, :5]))  # another shape, another order
+    model.train()
+    ref.train()
+    assert _train(model, opt, data[3:]) == _train(ref, ropt, data[3:])
+    assert rt.stats()["diverged"] == before
