@@ -17,6 +17,18 @@ cmake --build build -j "$JOBS"
 echo "== ctest"
 ctest --test-dir build --output-on-failure -j "$JOBS"
 
+if [ -d build/integrations/torch ] && grep -q "TIERMEM_BUILD_LIBTORCH:BOOL=ON" build/CMakeCache.txt; then
+  echo "== LibTorch example out of tree, against the installed package (find_package(tiermem))"
+  rm -rf build/install build/example
+  cmake --install build --prefix build/install >/dev/null
+  TORCH_PREFIX="$("$TIERMEM_PY" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')"
+  cmake -S integrations/torch/examples -B build/example \
+        -DCMAKE_PREFIX_PATH="$PWD/build/install;$TORCH_PREFIX" -DCMAKE_BUILD_TYPE=Release >/dev/null
+  cmake --build build/example -j "$JOBS"
+  build/example/tiermem_train_gpt --steps 2 --n-layer 2 --n-embd 64 --budget-fraction 0.5 \
+        --timeline build/example/example.tmt
+fi
+
 if [ "${TIERMEM_TEST_FAST:-0}" != 1 ]; then
   echo "== ASan+UBSan build (build-asan/)"
   cmake -S . -B build-asan -DTIERMEM_SANITIZE=address -DTIERMEM_WITH_CUDA=OFF \
@@ -37,5 +49,6 @@ fi
 if [ -f pyproject.toml ]; then
   echo "== Python package (pip install .) + pytest"
   "$TIERMEM_PY" -m pip install -q --no-build-isolation . 
-  "$TIERMEM_PY" -m pytest -q tests/python
+  # Models are built from configs: nothing may be downloaded (HF offline).
+  HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$TIERMEM_PY" -m pytest -q tests/python
 fi

@@ -1,52 +1,108 @@
-"""TIERMEM_* environment variables override config keys; a bad value names the variable."""
+"""The configuration table (tests/runtime/session/config_cases.json) through the Python
+package: the same cases, the same errors as the C++ parser (config_test.cc), since both call
+session::ParseConfig. Plus what only the Python shim does (dicts, paths, non-JSON values) and
+that a bad TIERMEM_* variable fails initialize before the model is touched."""
+import json
+import os
+
 import pytest
+import torch
 
 tiermem = pytest.importorskip("tiermem")
 from tiermem.config import parse_config  # noqa: E402
 
-
-def test_env_overrides_config_sizes_nvme_and_timeline(tmp_path):
-    env = {"TIERMEM_DEVICE_BUDGET": "3MiB", "TIERMEM_HOST_BUDGET": "1GiB",
-           "TIERMEM_NVME_SIZE": "64MiB", "TIERMEM_NVME_PATH": str(tmp_path),
-           "TIERMEM_TIMELINE": str(tmp_path / "t.tmt")}
-    c = parse_config({"device": "1GiB", "host": "2GiB"}, env=env)
-    assert c.device_budget == 3 << 20
-    assert c.host_budget == 1 << 30
-    assert c.nvme_size == 64 << 20 and c.nvme_path == str(tmp_path)
-    assert c.timeline == str(tmp_path / "t.tmt")
+CASES = os.path.join(os.path.dirname(__file__), "..", "runtime", "session", "config_cases.json")
 
 
-def test_unset_env_keeps_config():
-    c = parse_config({"device": "5MiB"}, env={})
-    assert c.device_budget == 5 << 20
-    assert c.nvme_size == 0 and c.timeline is None
+def _cases():
+    with open(CASES) as f:
+        return json.load(f)["cases"]
 
 
-def test_bad_env_value_names_the_variable():
-    with pytest.raises(ValueError, match="TIERMEM_DEVICE_BUDGET"):
-        parse_config({}, env={"TIERMEM_DEVICE_BUDGET": "lots"})
-    with pytest.raises(ValueError, match="TIERMEM_NVME_SIZE"):
-        parse_config({}, env={"TIERMEM_NVME_PATH": "/tmp"})
-    with pytest.raises(ValueError, match="nvme.path"):
-        parse_config({}, env={"TIERMEM_NVME_SIZE": "1MiB", "TIERMEM_NVME_PATH": "/proc/nope"})
-    with pytest.raises(ValueError, match="TIERMEM_DEVICE"):
-        parse_config({}, env={"TIERMEM_DEVICE": "tpu"})
+def _sub(v, d):
+    if isinstance(v, str):
+        return v.replace("$DIR", d)
+    if isinstance(v, dict):
+        return {k: _sub(x, d) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_sub(x, d) for x in v]
+    return v
 
 
-def test_runtime_knobs_from_env_fail_cleanly_before_anything_is_built(monkeypatch):
-    """TIERMEM_IO_DEPTH / _NVME_ENGINE / _LOG_LEVEL / _CPU_THREADS / _KERNEL_ISA are read by the
-    C++ runtime stack (runtime/base/options.h); a bad one is an error naming it, and the model
-    is left untouched."""
-    import torch
+def _contains(got, want, at="config"):
+    if isinstance(want, dict):
+        assert isinstance(got, dict), f"{at}: not an object: {got!r}"
+        for k, v in want.items():
+            assert k in got, f"{at}.{k} missing in {got!r}"
+            _contains(got[k], v, f"{at}.{k}")
+    else:
+        assert got == want, f"{at}: got {got!r}, want {want!r}"
+
+
+@pytest.mark.parametrize("case", _cases(), ids=lambda c: c["name"])
+def test_config_table(case, tmp_path):
+    d = str(tmp_path)
+    env = {k: _sub(v, d) for k, v in case.get("env", {}).items()}
+    config = _sub(case["config"], d)
+    if not isinstance(config, dict) and config is not None:
+        with pytest.raises(ValueError, match="config must be a dict"):
+            parse_config(config, env=env)
+        return
+    if "error" in case:
+        with pytest.raises(ValueError) as e:
+            parse_config(config, env=env)
+        assert case["error"] in str(e.value)
+    else:
+        c = parse_config(config, env=env)
+        _contains(c.to_dict(), _sub(case["expect"], d))
+
+
+def test_table_is_big_enough_to_mean_something():
+    cases = _cases()
+    assert sum("error" in c for c in cases) > 30 and sum("expect" in c for c in cases) > 8
+
+
+def test_json_file_path_and_bad_files(tmp_path):
+    p = tmp_path / "c.json"
+    p.write_text('{"device": "3MiB", "precision": "bf16"}')
+    c = parse_config(str(p), env={})
+    assert c.device_budget == 3 << 20 and c.precision == "bf16"
+    assert parse_config(p, env={}).device_budget == 3 << 20  # PathLike
+    (tmp_path / "bad.json").write_text('{"device": ')
+    with pytest.raises(ValueError, match="invalid JSON"):
+        parse_config(str(tmp_path / "bad.json"), env={})
+    with pytest.raises(ValueError, match="No such file"):
+        parse_config(str(tmp_path / "none.json"), env={})
+
+
+def test_values_that_are_not_json_are_a_value_error():
+    with pytest.raises(ValueError, match="not JSON-serializable"):
+        parse_config({"device": torch.float32}, env={})
+    with pytest.raises(ValueError, match="not JSON-serializable"):
+        parse_config({"optimizer": {"lr": float("nan")}}, env={})
+
+
+def test_attributes_the_runtime_reads():
+    c = parse_config({"device": "5MiB", "optimizer": {"betas": [0.8, 0.9]}}, env={})
+    assert c.device_budget == 5 << 20 and c.betas == (0.8, 0.9)
+    assert c.nvme_size == 0 and c.nvme_path is None and c.timeline is None
+    assert c.chunk_size is None and c.gradient_accumulation_steps == 1
+
+
+def test_bad_runtime_variable_fails_initialize_and_leaves_the_model_untouched(monkeypatch):
     model = torch.nn.Linear(8, 8)
     before = [p.detach().clone() for p in model.parameters()]
     for var, value in [("TIERMEM_IO_DEPTH", "0"), ("TIERMEM_NVME_ENGINE", "spdk"),
                        ("TIERMEM_LOG_LEVEL", "loud"), ("TIERMEM_CPU_THREADS", "-1"),
-                       ("TIERMEM_KERNEL_ISA", "neon")]:
+                       ("TIERMEM_KERNEL_ISA", "neon"), ("TIERMEM_NVME_SIZE", "0"),
+                       ("TIERMEM_DEVICE_BUDGET", "lots")]:
         monkeypatch.setenv(var, value)
-        with pytest.raises(Exception, match=var):
+        with pytest.raises(ValueError, match=var):
             tiermem.initialize(model, {"device": "1MiB", "host": "16MiB"})
         monkeypatch.delenv(var)
+        assert all(type(p) is torch.nn.Parameter for p in model.parameters())
         assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    m, opt = tiermem.initialize(model, {"device": "1MiB", "host": "16MiB"})  # clean env: fine
+    monkeypatch.setenv("TIERMEM_DEVICE_BUDGET", "2MiB")  # the process environment applies
+    m, opt = tiermem.initialize(model, {"device": "1MiB", "host": "16MiB"})
+    assert tiermem.runtime_of(m).cfg.device_budget == 2 << 20
     tiermem.runtime_of(m).close()

@@ -12,7 +12,7 @@
 #include <set>
 #include <string>
 
-#include "integrations/torch/examples/gpt.h"
+#include "gpt.h"
 
 namespace {
 

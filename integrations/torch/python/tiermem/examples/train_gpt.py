@@ -6,6 +6,8 @@ the model's data (params + grads + AdamW state), then print where the bytes went
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 import torch
@@ -107,9 +109,20 @@ def main(argv=None):
         print("ERROR: the device budget was exceeded")
         return 1
     if args.timeline:
-        print(f"timeline: {peaks['events']} events -> {args.timeline} "
-              f"(tiermem prof report {args.timeline})")
+        print(f"timeline: {peaks['events']} events -> {args.timeline}")
+        print(f"  inspect it with: {cli_command()} prof report {args.timeline}")
+        print(f"  HTML timeline:   {cli_command()} prof html {args.timeline} -o "
+              f"{os.path.splitext(args.timeline)[0]}.html")
     return 0
+
+
+def cli_command() -> str:
+    """How to run the `tiermem` CLI that came with this package (the console script next to
+    this interpreter when installed, else `python -m tiermem`)."""
+    script = os.path.join(os.path.dirname(sys.executable), "tiermem")
+    if os.access(script, os.X_OK):
+        return script
+    return f"{sys.executable} -m tiermem"
 
 
 if __name__ == "__main__":
