@@ -447,6 +447,44 @@ Status Engine::Zero(ChunkId chunk) {
   return OkStatus();
 }
 
+Status Engine::ReadAt(ChunkId chunk, Bytes offset, void* dst, Bytes n) {
+  TIERMEM_RETURN_IF_ERROR(CheckChunk(chunk));
+  ChunkRec& c = chunks_[chunk];
+  if (offset > c.bytes || n > c.bytes - offset) {
+    return OutOfRangeError("engine: read past the end of chunk " + std::to_string(chunk));
+  }
+  TIERMEM_RETURN_IF_ERROR(WaitInflight(chunk, "read: prefetch in flight"));
+  if (c.zero) {
+    std::memset(dst, 0, n);
+    return OkStatus();
+  }
+  const Placed& at = c.cache.tier != TierKind::kNone ? c.cache : c.home;
+  return WaitStall(TierOf(at.tier)->Copy(CopyRequest{at.region, offset, dst, n,
+                                                     CopyDir::kFromTier}),
+                   chunk, "read");
+}
+
+Status Engine::WriteAt(ChunkId chunk, Bytes offset, const void* src, Bytes n) {
+  TIERMEM_RETURN_IF_ERROR(CheckChunk(chunk));
+  ChunkRec& c = chunks_[chunk];
+  if (offset > c.bytes || n > c.bytes - offset) {
+    return OutOfRangeError("engine: write past the end of chunk " + std::to_string(chunk));
+  }
+  TIERMEM_RETURN_IF_ERROR(WaitInflight(chunk, "write: prefetch in flight"));
+  if (c.zero) {  // no copy holds data: make the home copy real zeros first
+    TIERMEM_RETURN_IF_ERROR(FillZero(chunk, c.home, "zero fill"));
+    c.zero = false;
+  }
+  const bool cached = c.cache.tier != TierKind::kNone;
+  const Placed& at = cached ? c.cache : c.home;
+  TIERMEM_RETURN_IF_ERROR(
+      WaitStall(TierOf(at.tier)->Copy(CopyRequest{at.region, offset, const_cast<void*>(src), n,
+                                                  CopyDir::kToTier}),
+                chunk, "write"));
+  if (cached) c.dirty = true;
+  return OkStatus();
+}
+
 Status Engine::Flush() {
   for (ChunkId id = 0; id < chunks_.size(); ++id) {
     ChunkRec& c = chunks_[id];

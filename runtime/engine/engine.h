@@ -94,6 +94,12 @@ class Engine {
   Status Release(ChunkId chunk, bool modified);
   // Its content becomes zeros (lazily: no bytes move now). kFailedPrecondition if pinned.
   Status Zero(ChunkId chunk);
+  // Copies bytes [offset, offset + n) of the chunk's current content out to / in from host
+  // memory, from / into the copy it is resident in, without moving it (also while pinned:
+  // the caller orders these with its own use of the memory). WriteAt makes a cached copy
+  // dirty. kOutOfRange past the chunk's end. Synchronous.
+  Status ReadAt(ChunkId chunk, Bytes offset, void* dst, Bytes n);
+  Status WriteAt(ChunkId chunk, Bytes offset, const void* src, Bytes n);
   // Writes back every dirty unpinned cached copy and keeps it cached clean, so the home
   // copies are current (e.g. before a checkpoint).
   Status Flush();

@@ -244,24 +244,24 @@ Bytes Session::ChunkBytes(size_t group, ChunkKind kind) const {
 
 // ---- values --------------------------------------------------------------------------------
 
+// Values move through ReadAt/WriteAt: from/into whichever copy the chunk is resident in, without
+// moving it (so also while a binding has it pinned on the device for compute).
 Status Session::ReadTensor(size_t tensor, ChunkKind kind, void* out) {
   TIERMEM_RETURN_IF_ERROR(Live());
   if (tensor >= tensors_.size()) return OutOfRangeError("session: unknown tensor");
   const TensorPlace& t = tensors_[tensor];
+  TIERMEM_RETURN_IF_ERROR(CheckKind(t.group, kind));
   const size_t es = kernels::DTypeSize(dtype(kind));
-  TIERMEM_ASSIGN_OR_RETURN(void* base, Acquire(t.group, kind, TierKind::kHost));
-  std::memcpy(out, static_cast<const char*>(base) + t.offset * es, t.numel * es);
-  return Release(t.group, kind, false);
+  return stack_->engine()->ReadAt(Chunk(t.group, kind), t.offset * es, out, t.numel * es);
 }
 
 Status Session::WriteTensor(size_t tensor, ChunkKind kind, const void* values) {
   TIERMEM_RETURN_IF_ERROR(Live());
   if (tensor >= tensors_.size()) return OutOfRangeError("session: unknown tensor");
   const TensorPlace& t = tensors_[tensor];
+  TIERMEM_RETURN_IF_ERROR(CheckKind(t.group, kind));
   const size_t es = kernels::DTypeSize(dtype(kind));
-  TIERMEM_ASSIGN_OR_RETURN(void* base, Acquire(t.group, kind, TierKind::kHost));
-  std::memcpy(static_cast<char*>(base) + t.offset * es, values, t.numel * es);
-  return Release(t.group, kind, true);
+  return stack_->engine()->WriteAt(Chunk(t.group, kind), t.offset * es, values, t.numel * es);
 }
 
 Status Session::ReadParam(size_t tensor, float* out) {
@@ -271,10 +271,9 @@ Status Session::ReadParam(size_t tensor, float* out) {
 Status Session::WriteParam(size_t tensor, const float* values) {
   TIERMEM_RETURN_IF_ERROR(WriteTensor(tensor, ChunkKind::kParamFp32, values));
   if (!mixed()) return OkStatus();
-  const TensorPlace& t = tensors_[tensor];
-  TIERMEM_ASSIGN_OR_RETURN(void* low, Acquire(t.group, ChunkKind::kParamLowp, TierKind::kHost));
-  kernels::CastFromF32(values, static_cast<char*>(low) + t.offset * 2, compute_dtype(), t.numel);
-  return Release(t.group, ChunkKind::kParamLowp, true);
+  std::vector<uint16_t> low(tensors_[tensor].numel);
+  kernels::CastFromF32(values, low.data(), compute_dtype(), low.size());
+  return WriteTensor(tensor, ChunkKind::kParamLowp, low.data());
 }
 
 Status Session::SetStepCount(size_t tensor, int64_t steps) {
@@ -311,7 +310,8 @@ StatusOr<kernels::GradStats> Session::GradStats() {
     if (!g.trainable) continue;
     const std::vector<Run> runs = GradRuns(g, false);
     if (runs.empty()) continue;
-    TIERMEM_ASSIGN_OR_RETURN(void* base, Acquire(gi, ChunkKind::kGrad, TierKind::kHost));
+    TIERMEM_ASSIGN_OR_RETURN(void* base,
+                             Acquire(gi, ChunkKind::kGrad, ReadTier(gi, ChunkKind::kGrad)));
     for (const Run& r : runs) {
       const kernels::GradStats st = kernels::GradNormAndOverflow(
           static_cast<const char*>(base) + r.lo * es, gd, r.hi - r.lo);
@@ -327,8 +327,13 @@ StatusOr<kernels::GradStats> Session::GradStats() {
 StatusOr<bool> Session::ZeroGrad() {
   TIERMEM_RETURN_IF_ERROR(Live());
   if (accumulating_) return false;
+  // Clearing the flags is what matters (only spans with a gradient are read); zeroing the
+  // chunks lazily lets the next backward skip fetching them. A chunk the binding keeps
+  // pinned (resident training) keeps its stale bytes instead.
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
-    if (groups_[gi].trainable) TIERMEM_RETURN_IF_ERROR(ZeroChunk(gi, ChunkKind::kGrad));
+    if (groups_[gi].trainable && Pins(gi, ChunkKind::kGrad) == 0) {
+      TIERMEM_RETURN_IF_ERROR(ZeroChunk(gi, ChunkKind::kGrad));
+    }
   }
   std::fill(has_grad_.begin(), has_grad_.end(), 0);
   return true;
@@ -383,16 +388,18 @@ StatusOr<StepResult> Session::Step(const std::vector<GroupHyper>& hyper) {
       }
     }
     if (!any) continue;
-    stack_->engine()->Moment("optimizer-substep");
     // Acquired in this order (compute params first), released in any order.
     std::vector<ChunkKind> kinds = {ck, ChunkKind::kGrad, ChunkKind::kExpAvg,
                                     ChunkKind::kExpAvgSq};
     if (mixed()) kinds.push_back(ChunkKind::kParamFp32);
+    const TierKind where = OptimizerTier(gi, kinds);
+    stack_->engine()->Moment(where == TierKind::kDevice ? "optimizer-substep:device"
+                                                        : "optimizer-substep:host");
     std::array<char*, chunks::kNumChunkKinds> v{};
     size_t acquired = 0;
     Status s;
     for (; acquired < kinds.size(); ++acquired) {
-      StatusOr<void*> p = Acquire(gi, kinds[acquired], TierKind::kHost);
+      StatusOr<void*> p = Acquire(gi, kinds[acquired], where);
       if (!p.ok()) {
         s = p.status();
         break;
@@ -437,6 +444,27 @@ StatusOr<StepResult> Session::Step(const std::vector<GroupHyper>& hyper) {
   }
   r.applied = true;
   return r;
+}
+
+TierKind Session::OptimizerTier(size_t g, const std::vector<ChunkKind>& kinds) const {
+  // The CUDA tier's memory is not CPU-addressable and the CUDA kernels are not wired into the
+  // step yet: host. SimDevice's "device" memory is host memory, so the CPU kernel runs on it
+  // when the group's chunks fit there without evicting anything — then nothing crosses the
+  // (simulated) PCIe for this group: params and grads stay, m and v join them once.
+  if (cuda()) return TierKind::kHost;
+  Bytes need = 0;
+  for (ChunkKind k : kinds) {
+    if (Resident(g, k) != TierKind::kDevice) need += ChunkBytes(g, k);
+  }
+  const TierStats st = stack_->device()->Stats();
+  return st.used + need <= st.capacity ? TierKind::kDevice : TierKind::kHost;
+}
+
+TierKind Session::ReadTier(size_t g, ChunkKind kind) const {
+  // Where a reduction over a chunk (GradStats) reads it without moving it: in place on the
+  // device when that is CPU memory (SimDevice) and the chunk is there, else on the host.
+  return (!cuda() && Resident(g, kind) == TierKind::kDevice) ? TierKind::kDevice
+                                                              : TierKind::kHost;
 }
 
 // ---- iterations and stats -----------------------------------------------------------------------

@@ -17,7 +17,10 @@
 //   - the optimizer: AdamW over every group with gradients, with per-group hyper-parameters
 //     passed at each Step (LR schedules), gradient accumulation (every N-th Step applies),
 //     global-norm clipping and fp16 dynamic loss scaling (skipped steps lower the scale), all
-//     on the fused CPU kernels (kernels/cpu) over host copies of the chunks;
+//     on the fused CPU kernels (kernels/cpu). Placement per group: on SimDevice, where the
+//     device tier is CPU memory, a group whose chunks all fit on the device without evicting
+//     anything steps there in place (no bytes move); otherwise, and always on the CUDA tier
+//     for now, it steps on host copies. Same kernel, same bits either way;
 //   - per-tensor step counts and "has a gradient" flags (torch's `p.grad is not None`: a
 //     tensor without a gradient is not stepped, like torch.optim);
 //   - checkpoints (SaveCheckpoint/LoadCheckpoint: a versioned, checksummed file streamed
@@ -231,6 +234,9 @@ class Session {
     int64_t step = 0;
   };
   std::vector<Run> GradRuns(const ChunkGroup& g, bool same_step) const;
+  // Where group g's optimizer step runs (its `kinds` acquired there): see session.cc.
+  TierKind OptimizerTier(size_t g, const std::vector<ChunkKind>& kinds) const;
+  TierKind ReadTier(size_t g, ChunkKind kind) const;
 
   SessionConfig config_;
   std::string device_kind_;

@@ -247,21 +247,25 @@ def test_read_outside_every_unit_is_materialized_on_demand_exactly_with_a_warnin
         check_equal_training(RootReads)
 
 
-def test_read_outside_every_unit_is_a_clear_error_in_strict_mode():
+@pytest.mark.parametrize("resident", [False, True], ids=["moving", "resident"])
+def test_read_outside_every_unit_is_a_clear_error_in_strict_mode(resident):
     torch.manual_seed(0)
     model = RootReads()
     before = copy.deepcopy(model.state_dict())
-    model, opt = tiermem.initialize(model, {"device": "1MiB", "host": "64MiB",
+    budget = "64MiB" if resident else budget_for(model, 0.5)
+    model, opt = tiermem.initialize(model, {"device": budget, "host": "64MiB",
                                             "unmaterialized_reads": "error"})
+    rt = tiermem.runtime_of(model)
+    assert rt._resident == resident
+    pins = [rt.s.pins(g, rt._compute_kind) for g in range(rt.s.num_groups)]
     x, y = data(1)[0]
     with pytest.raises(RuntimeError, match=r"parameter 'emb.weight' was read by aten\.\w+.* "
                                            r"inside the forward of RootReads, outside every "
                                            r"unit.*units="):
         model(x)
-    # The failed forward left nothing pinned and nothing changed: the model still trains
-    # once the read happens inside a unit (here: the root as one unit).
-    rt = tiermem.runtime_of(model)
-    assert all(rt.s.pins(g, rt._compute_kind) == 0 for g in range(rt.s.num_groups))
+    # The failed forward left nothing pinned and nothing changed.
+    assert [rt.s.pins(g, rt._compute_kind) for g in range(rt.s.num_groups)] == pins
+    assert all(p == (1 if resident else 0) for p in pins)
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
 
@@ -337,3 +341,40 @@ def test_reading_a_parameter_outside_forward_gives_its_true_value():
     with torch.no_grad():
         torch.testing.assert_close(model(x), ref(x), rtol=1e-4, atol=1e-5)
     assert torch.equal(model.head.bias, torch.full((VOCAB,), 0.5))
+
+
+def test_deepcopy_data_copy_and_close_give_ordinary_tensors():
+    torch.manual_seed(0)
+    orig = ParentLM()
+    params_before = list(orig.parameters())
+    model, opt = tiermem.initialize(orig, {"device": budget_for(orig, 0.5), "host": "256MiB"})
+    x, y = data(1)[0]
+    opt.zero_grad()
+    lm_loss(model(x), y).backward()
+    opt.step()
+    # A deep copy is an ordinary module holding the current values (an EMA snapshot).
+    snap = copy.deepcopy(model)
+    assert all(type(p) is nn.Parameter for p in snap.parameters())
+    from tiermem.runtime import _Forward
+    assert not any(isinstance(m.__dict__.get("forward"), _Forward) for m in snap.modules())
+    assert getattr(snap, "_tiermem_runtime", None) is None
+    with torch.no_grad():
+        assert torch.equal(snap(x), model(x))
+        for p in snap.parameters():
+            p.zero_()  # the copy is independent
+        assert not torch.equal(snap(x), model(x))
+    # p.data.copy_ writes through to the chunk.
+    with torch.no_grad():
+        model.head.weight.data.copy_(torch.full_like(model.head.weight, 0.01))
+    assert torch.equal(model.head.weight, torch.full((VOCAB, WIDTH), 0.01))
+    with pytest.raises(RuntimeError, match="keeps its torch.float32 shape"):
+        model.head.weight.data = torch.zeros(3)
+    # close(): the user's own Parameter objects come back, with the trained values.
+    values = {n: p.detach().clone() for n, p in model.named_parameters()}
+    tiermem.runtime_of(model).close()
+    assert list(model.parameters()) == params_before
+    assert all(type(p) is nn.Parameter for p in model.parameters())
+    for n, p in model.named_parameters():
+        assert torch.equal(p, values[n]), n
+    with torch.no_grad():
+        assert torch.isfinite(model(x)).all()

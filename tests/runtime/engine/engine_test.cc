@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <random>
 
@@ -122,6 +123,53 @@ ChunkId Add(Rig& r, Category cat = Category::kParam) {
   auto id = r.engine->AddChunk(kChunk, cat);
   EXPECT_TRUE(id.ok()) << id.status().ToString();
   return *id;
+}
+
+TEST(Engine, ReadAtAndWriteAtUseTheResidentCopyWithoutMovingIt) {
+  Rig r(kChunk, 16 * kChunk, 16 * kChunk);
+  ChunkId a = Add(r), z = Add(r);
+  auto on_nvme = r.engine->AddChunk(kChunk, Category::kOptimState, TierKind::kNvme);
+  ASSERT_TRUE(on_nvme.ok());
+  r.Fill(a, 1);
+  // Pinned on the device, modified there: ReadAt sees the device bytes, nothing moves.
+  auto pa = r.engine->Acquire(a, TierKind::kDevice);
+  ASSERT_TRUE(pa.ok());
+  static_cast<uint8_t*>(*pa)[100] = 0xAB;
+  const Bytes h2d = Rig::Moved(r.Report(), TierKind::kHost, TierKind::kDevice);
+  uint8_t buf[64];
+  ASSERT_TRUE(r.engine->ReadAt(a, 90, buf, 20).ok());
+  EXPECT_EQ(buf[10], 0xAB);
+  EXPECT_EQ(buf[0], static_cast<uint8_t>(1 + 90 * 7));
+  // WriteAt into the pinned device copy: it becomes dirty, and the eviction writes it home.
+  const uint8_t w[3] = {7, 8, 9};
+  ASSERT_TRUE(r.engine->WriteAt(a, 4000, w, 3).ok());
+  EXPECT_EQ(static_cast<uint8_t*>(*pa)[4001], 8);
+  EXPECT_EQ(r.engine->Resident(a), TierKind::kDevice);
+  ASSERT_TRUE(r.engine->Release(a, false).ok());
+  EXPECT_TRUE(r.engine->Dirty(a));
+  EXPECT_EQ(Rig::Moved(r.Report(), TierKind::kHost, TierKind::kDevice), h2d);
+  auto ph = r.engine->Acquire(a, TierKind::kHost);  // back home: the write-back carries it
+  ASSERT_TRUE(ph.ok());
+  EXPECT_EQ(static_cast<uint8_t*>(*ph)[4002], 9);
+  EXPECT_EQ(static_cast<uint8_t*>(*ph)[100], 0xAB);
+  ASSERT_TRUE(r.engine->Release(a, false).ok());
+  // A lazily zero chunk reads zeros; a write makes it real.
+  std::memset(buf, 0x55, sizeof(buf));
+  ASSERT_TRUE(r.engine->ReadAt(z, 0, buf, 64).ok());
+  EXPECT_TRUE(std::all_of(buf, buf + 64, [](uint8_t b) { return b == 0; }));
+  ASSERT_TRUE(r.engine->WriteAt(z, 10, w, 3).ok());
+  ASSERT_TRUE(r.engine->ReadAt(z, 8, buf, 6).ok());
+  EXPECT_EQ(buf[0], 0);
+  EXPECT_EQ(buf[2], 7);
+  EXPECT_EQ(buf[5], 0);
+  // An NVMe-homed chunk, unaligned.
+  ASSERT_TRUE(r.engine->WriteAt(*on_nvme, 1001, w, 3).ok());
+  ASSERT_TRUE(r.engine->ReadAt(*on_nvme, 1000, buf, 5).ok());
+  EXPECT_EQ(buf[1], 7);
+  EXPECT_EQ(buf[3], 9);
+  EXPECT_EQ(buf[4], 0);
+  EXPECT_EQ(r.engine->ReadAt(a, kChunk - 2, buf, 3).code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(r.engine->WriteAt(a, kChunk + 1, w, 0).code(), StatusCode::kOutOfRange);
 }
 
 TEST(Engine, AcquireOnDeviceCarriesDataAndWriteBackOnEviction) {

@@ -113,6 +113,14 @@ class TiermemRuntime:
         esize = 2 if self.mixed else 4
         per_group = self.s.chunk_elems * esize * 2
         self._hold_grads = cfg.device_budget >= per_group * len(self.groups)
+        # Resident training: when every chunk of every kind fits on the device at once (and
+        # the device is CPU memory: SimDevice), the compute and grad chunks are pinned there
+        # for the whole session — nothing ever moves, no unit acquires, no saved-tensor hooks
+        # (saved views of chunk memory stay valid), and the optimizer steps in place.
+        total = sum(self.s.chunk_bytes(g, k) for g in range(self.s.num_groups)
+                    for k in (_K.param_lowp, _K.param_fp32, _K.grad, _K.exp_avg, _K.exp_avg_sq)
+                    if self.s.has_kind(g, k))
+        self._resident = not self.s.cuda and cfg.device_budget >= total
         # State of the current iteration.
         self._live: dict[int, int] = {}          # device data_ptr -> group (compute chunks)
         self._bwd_hold: dict[int, torch.Tensor] = {}
@@ -242,6 +250,8 @@ class TiermemRuntime:
         for m in {id(m): m for r in self.params for m, _ in r.slots}.values():
             self._handles.append(m.register_state_dict_post_hook(
                 lambda *a: self._state_dict_hook(*a)))
+        if self._resident:
+            self._pin_resident()
         # Buffers stay ordinary tensors, on the compute device and (like module.to(dtype))
         # in the compute dtype when floating point.
         if self.device.type != "cpu" or self.mixed:
@@ -250,6 +260,18 @@ class TiermemRuntime:
                     if b is not None:
                         dt = self.dtype if b.is_floating_point() else b.dtype
                         m._buffers[k] = b.to(device=self.device, dtype=dt)
+
+    def _pin_resident(self):
+        self._resident_pins = []
+        for g in range(self.s.num_groups):
+            base = self._acquire(g, self._compute_kind)
+            self._resident_pins.append((g, self._compute_kind))
+            for i in self.groups[g][2]:
+                r = self.params[i]
+                r.compute.data = self._slice(base, r)  # for good: units only swap slots
+            if self.groups[g][0]:
+                self._grad_hold[g] = self.s.acquire_for_write(g, _K.grad, _DEVICE)
+                self._resident_pins.append((g, _K.grad))
 
     # ---- chunk access --------------------------------------------------------------------
     def _set_tracing(self, on: bool):
@@ -292,7 +314,12 @@ class TiermemRuntime:
                 self._in_iteration = True
                 self.s.phase("forward")
             u.depth += 1
-            if u.depth == 1:
+            if u.depth == 1 and self._resident:
+                for r in u.params:
+                    r.mat += 1
+                for m, name, r in u.slots:
+                    m._parameters[name] = r.compute
+            elif u.depth == 1:
                 self.s.moment(label)
                 pins = []
                 try:
@@ -316,7 +343,7 @@ class TiermemRuntime:
                 for m, name, r in u.slots:
                     m._parameters[name] = r.compute
             self._active_units.append(u)
-            pushed = grad
+            pushed = grad and not self._resident
             if pushed:
                 torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
             u.pushed.append(pushed)
@@ -335,6 +362,10 @@ class TiermemRuntime:
                 return None
             for m, name, r in u.slots:
                 m._parameters[name] = r.param
+            if self._resident:
+                for r in u.params:
+                    r.mat -= 1
+                return None
             modified = set()
             for r in u.params:
                 r.mat -= 1
@@ -395,6 +426,8 @@ class TiermemRuntime:
 
     # ---- gradients -----------------------------------------------------------------------
     def _release_grad(self, group: int):
+        if self._resident:
+            return  # pinned for the whole session
         del self._grad_hold[group]
         self._grad_pending.pop(group, None)
         self.s.release(group, _K.grad, True)
@@ -490,7 +523,7 @@ class TiermemRuntime:
         """A real tensor viewing ct's chunk memory (acquired unless already pinned)."""
         r, kind = ct._tm_rec, ct._tm_kind
         if kind == "param":
-            if r.mat > 0:
+            if r.mat > 0 or self._resident:
                 v = r.compute.data
             else:
                 base = self._acquire(r.group, self._compute_kind)
@@ -618,7 +651,7 @@ class TiermemRuntime:
                 "materialized there (config unmaterialized_reads='error'). Read parameters "
                 "inside the forward of a unit that contains them, or pass units=... to "
                 "tiermem.initialize so that one unit covers the code that reads it")
-        if where != "outside any forward" and not r.warned:
+        if where != "outside any forward" and not r.warned and not self._resident:
             r.warned = True
             import warnings
             warnings.warn(f"tiermem: parameter '{r.name}' was read by {func} {where}, outside "
@@ -636,18 +669,16 @@ class TiermemRuntime:
     def _sync_master(self, r: _Param, views, compute_view, exact_src):
         """Mixed precision: after (a view `views` of) r's compute copy changed, the same region
         of its fp32 master follows: from the fp32 source of a copy_ exactly, else from the
-        compute value."""
-        base = self.s.acquire(r.group, _K.param_fp32, _HOST)
-        try:
-            mv = self._slice(base, r)
-            for f, a, kw, idx in views:
-                mv = f(mv, *a, **kw)
-                if idx is not None:
-                    mv = mv[idx]
-            with torch.no_grad():
-                mv.copy_(exact_src if exact_src is not None else compute_view)
-        finally:
-            self.s.release(r.group, _K.param_fp32, True)
+        compute value. (Read-modify-write of the master through the core, wherever it is.)"""
+        master = self.s.read_tensor(r.index, _K.param_fp32).view(r.shape)
+        mv = master
+        for f, a, kw, idx in views:
+            mv = f(mv, *a, **kw)
+            if idx is not None:
+                mv = mv[idx]
+        with torch.no_grad():
+            mv.copy_(exact_src if exact_src is not None else compute_view)
+        self.s.write_tensor(r.index, _K.param_fp32, master.reshape(-1))
 
     def _materialized_copy(self, ct: ChunkTensor) -> torch.Tensor:
         """An ordinary tensor with ct's current value (a copy)."""
