@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <unordered_set>
 
 #include "integrations/preload/fake/fake_cudart.h"
 
@@ -77,18 +78,37 @@ CudaError Fail(CudaError rc) {
   return rc;
 }
 
+// Live blocks, so that freeing a pointer the fake never returned fails cleanly instead of
+// reading memory in front of it.
+std::mutex g_live_mu;
+std::unordered_set<void*>* g_live = new std::unordered_set<void*>();  // GUARDED_BY(g_live_mu)
+
+void* Remember(void* p) {
+  std::lock_guard<std::mutex> l(g_live_mu);
+  g_live->insert(p);
+  return p;
+}
+
 void* Allocate(size_t size, Kind kind) {
   void* base = std::aligned_alloc(kHeader, kHeader + ((size + kHeader - 1) / kHeader) * kHeader);
   if (base == nullptr) return nullptr;
   auto* h = static_cast<Header*>(base);
   *h = Header{kMagic, size, kind};
-  return static_cast<char*>(base) + kHeader;
+  return Remember(static_cast<char*>(base) + kHeader);
 }
 
 Header* HeaderOf(void* p) {
-  if (p == nullptr || reinterpret_cast<uintptr_t>(p) % kHeader != 0) return nullptr;
+  {
+    std::lock_guard<std::mutex> l(g_live_mu);
+    if (g_live->erase(p) == 0) return nullptr;
+  }
   auto* h = reinterpret_cast<Header*>(static_cast<char*>(p) - kHeader);
   return h->magic == kMagic ? h : nullptr;
+}
+
+void Forget(Header* h, void* p) {  // a HeaderOf that must not free: put it back
+  (void)h;
+  Remember(p);
 }
 
 CudaError DeviceAlloc(void** ptr, size_t size) {
@@ -104,7 +124,11 @@ CudaError DeviceAlloc(void** ptr, size_t size) {
 
 CudaError FreeKind(void* p, bool device_or_managed) {
   Header* h = HeaderOf(p);
-  if (h == nullptr || (device_or_managed ? h->kind == kPinned : h->kind != kPinned)) return Fail(1);
+  if (h == nullptr) return Fail(1);
+  if (device_or_managed ? h->kind == kPinned : h->kind != kPinned) {
+    Forget(h, p);
+    return Fail(1);
+  }
   if (h->kind == kDevice) g_used.fetch_sub(h->size);
   h->magic = 0;
   std::free(h);
