@@ -257,7 +257,6 @@ struct Shim {
   std::atomic<uint64_t> device_used{0}, device_peak{0};
   std::atomic<uint64_t> managed_used{0}, managed_peak{0};  // offload fallback
   std::atomic<uint64_t> host_used{0}, host_peak{0};
-  std::atomic<uint64_t> allocs_recorded{0};
   std::atomic<uint64_t> pending_launches{0}, launches{0}, intervals{0};
   std::atomic<uint64_t> offload_allocs{0}, prefetches{0}, prefetch_bytes{0};
   std::atomic<uint64_t> vmm_maps{0}, vmm_unmaps{0}, vmm_reserves{0};
@@ -444,7 +443,6 @@ void Track(Shim& s, void* p, uint64_t bytes, AllocKind kind, uint32_t label) {
                      "their frees appear as unmatched in the timeline (raise it)",
                      s.opt.max_allocs);
   }
-  s.allocs_recorded.fetch_add(1, std::memory_order_relaxed);
 }
 
 TierKind TierOf(AllocKind k) {

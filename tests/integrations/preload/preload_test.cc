@@ -20,6 +20,9 @@ constexpr uint64_t kKiB = 1024, kMiB = 1024 * kKiB;
 
 const std::string kProbe = TIERMEM_TEST_PROBE12;
 const std::string kCli = TIERMEM_TEST_CLI;
+// `tiermem run` with the sanitizer runtime preloaded first: in a sanitizer build the shim
+// depends on it, and every child (sh, true, ...) that gets the shim must load it first.
+const std::string kRun = SanitizerPreloadEnv() + " " + kCli + " run";
 
 // Environment for a probe run: the shim, the timeline, the fake's log, no periodic flush (so
 // kernel-launch intervals are cut only by memory events: deterministic).
@@ -291,8 +294,8 @@ TEST(TiermemRun, ReturnsTheCommandsExitCode) {
   EXPECT_EQ(o.code, 3) << o.out;
   EXPECT_NE(o.out.find("no timeline"), std::string::npos) << o.out;
   EXPECT_FALSE(Exists(dir + "/t.tmt"));
-  EXPECT_EQ(RunShell(kCli + " run -- sh -c 'exit 7'").code, 7);
-  Output missing = RunShell(kCli + " run -- /nonexistent/program");
+  EXPECT_EQ(RunShell(kRun + " -- sh -c 'exit 7'").code, 7);
+  Output missing = RunShell(kRun + " -- /nonexistent/program");
   EXPECT_EQ(missing.code, 127);
   EXPECT_NE(missing.out.find("cannot run '/nonexistent/program'"), std::string::npos) << missing.out;
 }
@@ -328,18 +331,18 @@ TEST(TiermemRun, EachProcessOfAJobGetsItsOwnTimeline) {
 }
 
 TEST(TiermemRun, PerTensorSelectsPytorchsAsyncAllocatorBackend) {
-  Output o = RunShell(std::string("PYTORCH_CUDA_ALLOC_CONF= ") + kCli +
-                 " run --record '' --per-tensor -- sh -c 'echo conf=$PYTORCH_CUDA_ALLOC_CONF'");
+  Output o = RunShell(std::string("PYTORCH_CUDA_ALLOC_CONF= ") + kRun +
+                 " --record '' --per-tensor -- sh -c 'echo conf=$PYTORCH_CUDA_ALLOC_CONF'");
   ASSERT_EQ(o.code, 0) << o.out;
   EXPECT_EQ(Value(o.out, "conf"), "backend:cudaMallocAsync");
-  Output kept = RunShell("PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:64 " + kCli +
-                    " run --record '' --per-tensor -- sh -c 'echo conf=$PYTORCH_CUDA_ALLOC_CONF'");
+  Output kept = RunShell("PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:64 " + kRun +
+                    " --record '' --per-tensor -- sh -c 'echo conf=$PYTORCH_CUDA_ALLOC_CONF'");
   EXPECT_EQ(Value(kept.out, "conf"), "max_split_size_mb:64,backend:cudaMallocAsync");
-  Output conflict = RunShell("PYTORCH_CUDA_ALLOC_CONF=backend:native " + kCli +
-                        " run --per-tensor -- true");
+  Output conflict = RunShell("PYTORCH_CUDA_ALLOC_CONF=backend:native " + kRun +
+                        " --per-tensor -- true");
   EXPECT_EQ(conflict.code, 2);
   EXPECT_NE(conflict.out.find("already says 'backend:native'"), std::string::npos) << conflict.out;
-  Output budget = RunShell(kCli + " run --offload -- true");
+  Output budget = RunShell(kRun + " --offload -- true");
   EXPECT_EQ(budget.code, 2);
   EXPECT_NE(budget.out.find("--offload needs --device-budget"), std::string::npos) << budget.out;
 }
