@@ -17,8 +17,8 @@ void RegisterRun(CLI::App& app) {
   auto opts = std::make_shared<preload::RunOptions>();
   auto budget = std::make_shared<std::string>();
   CLI::App* run = app.add_subcommand(
-      "run", "run a CUDA program under the preload shim: record its memory timeline, "
-             "optionally oversubscribe device memory");
+      "run", "tiermem run [OPTIONS] -- CMD [ARGS...]: run a CUDA program under the preload "
+             "shim: record its memory timeline, optionally oversubscribe device memory");
   run->add_option("--record", opts->record_path,
                   "timeline file (default tiermem-run.tmt; other processes of the job write "
                   "<stem>.<pid>.tmt)");
@@ -29,11 +29,22 @@ void RegisterRun(CLI::App& app) {
   run->add_flag("--per-tensor", opts->per_tensor,
                 "PyTorch: PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync, so allocations are "
                 "per tensor, not per cached segment");
-  run->add_option("command", opts->command, "the command and its arguments (after --)")
-      ->required();
+  // After "--" CLI11 hands every argument to the positional, unparsed and in order. Without
+  // "--", an option-like argument of the command would be taken apart (prefix_command() leaves
+  // it in remaining(), out of order): that is refused with a pointer to "--".
+  run->add_option("command", opts->command, "the command and its arguments, after --");
   run->prefix_command();
   run->callback([opts, budget, run] {
-    for (const std::string& extra : run->remaining()) opts->command.push_back(extra);
+    for (const std::string& extra : run->remaining()) {
+      if (extra == "--") continue;
+      std::cerr << "tiermem run: '" << extra << "': put the command after -- "
+                << "(tiermem run [OPTIONS] -- CMD [ARGS...])\n";
+      throw CLI::RuntimeError(2);
+    }
+    if (opts->command.empty()) {
+      std::cerr << "tiermem run: no command (tiermem run [OPTIONS] -- CMD [ARGS...])\n";
+      throw CLI::RuntimeError(2);
+    }
     if (!budget->empty()) {
       auto b = ParseBytes(*budget);
       if (!b.ok()) {

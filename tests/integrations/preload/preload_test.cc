@@ -300,6 +300,21 @@ TEST(TiermemRun, ReturnsTheCommandsExitCode) {
   EXPECT_NE(missing.out.find("cannot run '/nonexistent/program'"), std::string::npos) << missing.out;
 }
 
+TEST(TiermemRun, PassesTheCommandAndItsArgumentsUnparsedAndInOrder) {
+  Output dashed = RunShell(kRun + " --record '' -- echo -c a -v b --record x");
+  EXPECT_EQ(dashed.code, 0) << dashed.out;
+  EXPECT_EQ(dashed.out, "-c a -v b --record x\n");
+  Output bare = RunShell(kRun + " --record '' echo a b");
+  EXPECT_EQ(bare.out, "a b\n");
+  // Without "--" the command's own options would be parsed: refused, pointing at "--".
+  Output ambiguous = RunShell(kRun + " --record '' echo -n a");
+  EXPECT_EQ(ambiguous.code, 2);
+  EXPECT_NE(ambiguous.out.find("put the command after --"), std::string::npos) << ambiguous.out;
+  Output none = RunShell(kRun + " --record ''");
+  EXPECT_EQ(none.code, 2);
+  EXPECT_NE(none.out.find("no command"), std::string::npos) << none.out;
+}
+
 TEST(TiermemRun, RecordsTheTimelineAndSaysWhereItWent) {
   const std::string dir = ScratchDir();
   std::ofstream(dir + "/t.tmt") << "an old file";  // replaced
