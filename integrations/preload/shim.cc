@@ -18,8 +18,10 @@
 //  - A live allocation is in `allocs` (by address) or `handles` (cuMemCreate, by handle)
 //    from its successful allocation until its free; it is removed before the real free is
 //    called (so a concurrent allocation reusing the address can insert it) and put back if
-//    the real free fails. device_used = sum of the kDevice/kVmmHandle entries' bytes.
-//  - Offload budget: a device allocation first reserves its bytes in device_used
+//    the real free fails. device_used = sum of the device-tier entries' bytes (kDevice,
+//    kVmmHandle, kDeviceManaged: what the timeline shows on the device tier);
+//    budget_used (offload mode only) = sum of the kDevice/kVmmHandle entries' bytes.
+//  - Offload budget: a device allocation first reserves its bytes in budget_used
 //    (fetch_add); over the budget, or when the real device is full, the reservation is
 //    returned and the allocation is served by cudaMallocManaged, advised to prefer host
 //    memory, tracked as kOffloadManaged and registered in the AccessProfile.
@@ -255,6 +257,7 @@ struct Shim {
   uint32_t label_managed = 0, label_registered = 0, label_vmm = 0, label_offload = 0;
 
   std::atomic<uint64_t> device_used{0}, device_peak{0};
+  std::atomic<uint64_t> budget_used{0};  // offload mode only
   std::atomic<uint64_t> managed_used{0}, managed_peak{0};  // offload fallback
   std::atomic<uint64_t> host_used{0}, host_peak{0};
   std::atomic<uint64_t> pending_launches{0}, launches{0}, intervals{0};
@@ -462,6 +465,7 @@ void Untracked(Shim& s, AllocKind kind, uint64_t bytes) {
     case AllocKind::kDevice:
     case AllocKind::kVmmHandle:
       s.device_used.fetch_sub(bytes, std::memory_order_relaxed);
+      if (s.opt.offload) s.budget_used.fetch_sub(bytes, std::memory_order_relaxed);
       break;
     case AllocKind::kOffloadManaged:
       s.managed_used.fetch_sub(bytes, std::memory_order_relaxed);
@@ -471,6 +475,7 @@ void Untracked(Shim& s, AllocKind kind, uint64_t bytes) {
       s.host_used.fetch_sub(bytes, std::memory_order_relaxed);
       break;
     case AllocKind::kDeviceManaged:
+      s.device_used.fetch_sub(bytes, std::memory_order_relaxed);
       break;
   }
 }
@@ -534,16 +539,16 @@ CudaError DeviceAlloc(Shim* s, void** ptr, size_t bytes, bool stream_ordered, Cu
   const uint32_t label = stream_ordered && s->rec ? s->streams.Get(s->rec, stream) : 0;
   bool reserved = false;
   if (s->opt.offload) {
-    const uint64_t now = s->device_used.fetch_add(bytes, std::memory_order_relaxed) + bytes;
+    const uint64_t now = s->budget_used.fetch_add(bytes, std::memory_order_relaxed) + bytes;
     reserved = now <= s->opt.device_budget;
     if (!reserved) {
-      s->device_used.fetch_sub(bytes, std::memory_order_relaxed);
+      s->budget_used.fetch_sub(bytes, std::memory_order_relaxed);
       return ServeFromManaged(*s, ptr, bytes, stream);
     }
   }
   const CudaError rc = real();
   if (rc != kCudaSuccess) {
-    if (reserved) s->device_used.fetch_sub(bytes, std::memory_order_relaxed);
+    if (reserved) s->budget_used.fetch_sub(bytes, std::memory_order_relaxed);
     if (rc == kCudaErrorMemoryAllocation && s->opt.offload) {
       // The device is full before the budget is: serve it from managed memory, and clear the
       // error the runtime keeps for cudaGetLastError (the caller got success).
@@ -553,11 +558,7 @@ CudaError DeviceAlloc(Shim* s, void** ptr, size_t bytes, bool stream_ordered, Cu
     if (rc == kCudaErrorMemoryAllocation) RecordEvent(*s, EventType::kOom, TierKind::kDevice, 0, bytes);
     return rc;
   }
-  if (reserved) {
-    RaisePeak(&s->device_peak, s->device_used.load(std::memory_order_relaxed));
-  } else {
-    AddUsed(&s->device_used, &s->device_peak, bytes);
-  }
+  AddUsed(&s->device_used, &s->device_peak, bytes);
   Track(*s, *ptr, bytes, AllocKind::kDevice, label);
   RecordEvent(*s, EventType::kAlloc, TierKind::kDevice, reinterpret_cast<uint64_t>(*ptr), bytes, label);
   return kCudaSuccess;
@@ -682,9 +683,9 @@ CuResult WrapCuMemCreate(CuMemHandle* handle, size_t size, const void* prop,
   Shim* s = Active();
   if (s == nullptr) return real(handle, size, prop, flags);
   if (s->opt.offload) {
-    const uint64_t now = s->device_used.fetch_add(size, std::memory_order_relaxed) + size;
+    const uint64_t now = s->budget_used.fetch_add(size, std::memory_order_relaxed) + size;
     if (now > s->opt.device_budget) {
-      s->device_used.fetch_sub(size, std::memory_order_relaxed);
+      s->budget_used.fetch_sub(size, std::memory_order_relaxed);
       TIERMEM_SAY_ONCE("offload: cuMemCreate (CUDA virtual memory, e.g. PyTorch "
                        "expandable_segments) past the device budget cannot be served from "
                        "managed memory; returning CUDA_ERROR_OUT_OF_MEMORY (turn "
@@ -695,15 +696,11 @@ CuResult WrapCuMemCreate(CuMemHandle* handle, size_t size, const void* prop,
   }
   const CuResult rc = real(handle, size, prop, flags);
   if (rc != kCuSuccess) {
-    if (s->opt.offload) s->device_used.fetch_sub(size, std::memory_order_relaxed);
+    if (s->opt.offload) s->budget_used.fetch_sub(size, std::memory_order_relaxed);
     if (rc == kCuErrorOutOfMemory) RecordEvent(*s, EventType::kOom, TierKind::kDevice, 0, size, s->label_vmm);
     return rc;
   }
-  if (s->opt.offload) {  // the bytes are already reserved
-    RaisePeak(&s->device_peak, s->device_used.load(std::memory_order_relaxed));
-  } else {
-    AddUsed(&s->device_used, &s->device_peak, size);
-  }
+  AddUsed(&s->device_used, &s->device_peak, size);
   if (!s->handles->Insert(*handle, AllocInfo{size, s->label_vmm, AllocKind::kVmmHandle})) {
     TIERMEM_SAY_ONCE("too many live cuMemCreate handles to track; their releases appear unmatched");
   }
@@ -826,6 +823,7 @@ TIERMEM_EXPORT CudaError cudaMallocManaged(void** ptr, size_t size, unsigned fla
   Shim* s = Active();
   if (s == nullptr || rc != kCudaSuccess) return rc;
   Track(*s, *ptr, size, AllocKind::kDeviceManaged, s->label_managed);
+  AddUsed(&s->device_used, &s->device_peak, size);
   RecordEvent(*s, tiermem::EventType::kAlloc, tiermem::TierKind::kDevice,
               reinterpret_cast<uint64_t>(*ptr), size, s->label_managed, tiermem::kFlagManaged);
   return rc;
@@ -872,7 +870,7 @@ TIERMEM_EXPORT CudaError cudaMemGetInfo(size_t* free, size_t* total) noexcept {
   }
   // Report the budget, so frameworks size their caches to it.
   const uint64_t budget = s->opt.device_budget;
-  const uint64_t used = std::min<uint64_t>(s->device_used.load(std::memory_order_relaxed), budget);
+  const uint64_t used = std::min<uint64_t>(s->budget_used.load(std::memory_order_relaxed), budget);
   *total = std::min<uint64_t>(*total, budget);
   *free = std::min<uint64_t>(*free, budget - used);
   return rc;

@@ -81,6 +81,9 @@ TEST(PreloadShim, RecordsEveryAllocationWithExactCountsAndSizes) {
   EXPECT_EQ(r["kernel_launches"]["total"], 18);
   EXPECT_EQ(r["kernel_launches"]["intervals"], 3);  // 3 | 10 | 5, cut by memory events
   EXPECT_EQ(r["unmatched"]["frees"], 0);
+  // The shim's exit line agrees with the report.
+  EXPECT_NE(o.out.find("device peak 10.12 MiB, pinned host peak 832.00 KiB, 18 kernel launches"),
+            std::string::npos) << o.out;
 }
 
 TEST(PreloadShim, ForwardsEveryCallWithTheSameArgumentsAndResults) {
