@@ -239,8 +239,9 @@ StatusOr<int> RunWithPreload(const RunOptions& o) {
   if (!o.record_path.empty()) {
     const std::vector<std::string> written = TimelinesWritten(o.record_path, start);
     if (written.empty()) {
-      std::fprintf(stderr, "tiermem run: no timeline: the command made no CUDA allocation call "
-                           "(%s was not created)\n", o.record_path.c_str());
+      std::fprintf(stderr, "tiermem run: no timeline: %s was not created (the command made no "
+                           "CUDA call, or the shim could not write it: see its lines above)\n",
+                   o.record_path.c_str());
     }
     for (const std::string& t : written) {
       std::fprintf(stderr, "tiermem run: timeline written to %s (tiermem prof report %s)\n",
