@@ -38,6 +38,9 @@ StatusOr<Bytes> ParseSize(const char* var, const char* v) {
 StatusOr<PreloadOptions> ParsePreloadOptions(const EnvGetter& env) {
   PreloadOptions o;
   if (const char* v = env("TIERMEM_PRELOAD_TIMELINE")) o.timeline_path = v;
+  if (const char* v = env("TIERMEM_PRELOAD_EXCLUSIVE")) {
+    TIERMEM_ASSIGN_OR_RETURN(o.exclusive, ParseFlag("TIERMEM_PRELOAD_EXCLUSIVE", v));
+  }
   if (const char* v = env("TIERMEM_PRELOAD_OFFLOAD")) {
     TIERMEM_ASSIGN_OR_RETURN(o.offload, ParseFlag("TIERMEM_PRELOAD_OFFLOAD", v));
   }

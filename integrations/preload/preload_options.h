@@ -3,6 +3,8 @@
 //
 //   TIERMEM_PRELOAD_TIMELINE       path   record the timeline here ("" = do not record);
 //                                         "%p" in it is replaced by the process id
+//   TIERMEM_PRELOAD_EXCLUSIVE      0 | 1  the first process takes the timeline path, every
+//                                         other one "<stem>.<pid><ext>" (set by tiermem run)
 //   TIERMEM_PRELOAD_OFFLOAD        0 | 1  serve device allocations past the budget from
 //                                         managed memory
 //   TIERMEM_PRELOAD_DEVICE_BUDGET  size   the device budget (required with offload)
@@ -27,6 +29,7 @@ namespace tiermem::preload {
 
 struct PreloadOptions {
   std::string timeline_path;
+  bool exclusive = false;
   bool offload = false;
   Bytes device_budget = 0;
   bool prefetch = true;

@@ -322,9 +322,8 @@ void* Flusher(void* arg) {
 // Claims the timeline path. With TIERMEM_PRELOAD_EXCLUSIVE (set by `tiermem run`, which
 // removes the file first), the first process of the run gets the path and every other one
 // "<stem>.<pid>.tmt", so processes of one job never overwrite each other.
-std::string ClaimTimelinePath(const std::string& path) {
-  const char* excl = std::getenv("TIERMEM_PRELOAD_EXCLUSIVE");
-  if (excl == nullptr || std::strcmp(excl, "1") != 0) return path;
+std::string ClaimTimelinePath(const std::string& path, bool exclusive) {
+  if (!exclusive) return path;
   int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   if (fd >= 0) {
     ::close(fd);
@@ -350,7 +349,8 @@ Shim* CreateShim() {
   s->opt = *opt;
   if (auto* version = REAL_RT(cudaRuntimeGetVersion)) version(&s->runtime_version);
   if (!s->opt.timeline_path.empty()) {
-    s->timeline_path = ClaimTimelinePath(ExpandPid(s->opt.timeline_path, ::getpid()));
+    s->timeline_path =
+        ClaimTimelinePath(ExpandPid(s->opt.timeline_path, ::getpid()), s->opt.exclusive);
     auto rec = TimelineRecorder::Open(s->timeline_path);
     if (rec.ok()) {
       s->rec = rec->release();
@@ -418,7 +418,8 @@ __attribute__((destructor)) void ShimFini() {
   if (s->opt.quiet || !s->tracking) return;
   Say("pid %d: device peak %s, pinned host peak %s, %llu kernel launches; timeline %s", ::getpid(),
       FormatBytes(s->device_peak.load()).c_str(), FormatBytes(s->host_peak.load()).c_str(),
-      static_cast<unsigned long long>(s->launches.load()),
+      // Without a timeline the launches are never moved out of pending_launches.
+      static_cast<unsigned long long>(s->launches.load() + s->pending_launches.load()),
       s->rec ? s->timeline_path.c_str() : "(none)");
   if (s->opt.offload && s->offload_allocs.load() > 0) {
     Say("offload: the job needed more than the %s device budget: %llu allocations (peak %s) "

@@ -286,6 +286,13 @@ TEST(PreloadOffload, PlainUnifiedMemoryIssuesNoPrefetch) {
   const std::vector<std::string> log = ReadLines(dir + "/calls.log");
   EXPECT_EQ(Grep(log, "cudaMemPrefetchAsync").size(), 0u);
   EXPECT_EQ(Grep(log, "cudaMallocManaged").size(), 3u);
+  // Offload without a timeline still counts the launches for its exit line.
+  Output untimed = RunShell(PreloadEnv() + " TIERMEM_PRELOAD_OFFLOAD=1 TIERMEM_PRELOAD_DEVICE_BUDGET=1MiB " +
+                            kProbe + " kernels");
+  ASSERT_EQ(untimed.code, 0) << untimed.out;
+  EXPECT_NE(untimed.out.find("device peak 1.00 MiB, pinned host peak 0 B, 9 kernel launches; "
+                             "timeline (none)"),
+            std::string::npos) << untimed.out;
 }
 
 // ---- tiermem run ----------------------------------------------------------------------------

@@ -126,7 +126,7 @@ TEST(PreloadOptions, ParsesEveryVariableAndNamesTheBadOne) {
       {"TIERMEM_PRELOAD_DEVICE_BUDGET", "16GiB"},    {"TIERMEM_PRELOAD_PREFETCH", "off"},
       {"TIERMEM_PRELOAD_AHEAD", "3"},                {"TIERMEM_PRELOAD_FLUSH_MS", "0"},
       {"TIERMEM_PRELOAD_PREFETCH_MAX", "1MiB"},      {"TIERMEM_PRELOAD_MAX_ALLOCS", "4096"},
-      {"TIERMEM_PRELOAD_QUIET", "1"}};
+      {"TIERMEM_PRELOAD_QUIET", "1"},                {"TIERMEM_PRELOAD_EXCLUSIVE", "1"}};
   auto get = [&](const char* n) { return Lookup(env, n); };
   auto o = ParsePreloadOptions(get);
   ASSERT_TRUE(o.ok()) << o.status().ToString();
@@ -139,6 +139,7 @@ TEST(PreloadOptions, ParsesEveryVariableAndNamesTheBadOne) {
   EXPECT_EQ(o->prefetch_max, kMiB);
   EXPECT_EQ(o->max_allocs, 4096u);
   EXPECT_TRUE(o->quiet);
+  EXPECT_TRUE(o->exclusive);
   EXPECT_EQ(ExpandPid("/tmp/x-%p.tmt", 42), "/tmp/x-42.tmt");
 
   env["TIERMEM_PRELOAD_AHEAD"] = "17";
