@@ -365,6 +365,7 @@ Shim* CreateShim() {
     if (!a.ok() || !h.ok()) {
       Say("%s; the shim only forwards", (a.ok() ? h.status() : a.status()).ToString().c_str());
       s->tracking = false;
+      if (s->rec != nullptr) s->rec->Close().IgnoreError();
       s->rec = nullptr;
       return s;
     }
