@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 
 namespace tiermem::preload::testing {
 
@@ -81,8 +82,11 @@ std::string Value(const std::string& out, const std::string& name) {
 std::string ScratchDir() {
   const char* tmp = std::getenv("TMPDIR");
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  // One directory per build tree and test, emptied when the test starts again (so runs do not
+  // pile up, and the sanitizer trees' runs do not collide with this one's).
+  const size_t tree = std::hash<std::string>{}(TIERMEM_TEST_SHIM) % 100000;
   std::string dir = std::string(tmp != nullptr ? tmp : "/tmp") + "/tiermem_preload_" +
-                    std::to_string(::getpid()) + "_" + info->test_suite_name() + "_" + info->name();
+                    std::to_string(tree) + "_" + info->test_suite_name() + "_" + info->name();
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   return dir;

@@ -32,7 +32,7 @@ std::vector<std::string> Grep(const std::vector<std::string>& lines, const std::
 // The value of "name=value" in the probe's output ("" if absent).
 std::string Value(const std::string& out, const std::string& name);
 
-// A new empty directory under $TMPDIR (or /tmp), named after the running test.
+// An empty directory under $TMPDIR (or /tmp), named after the build tree and the running test.
 std::string ScratchDir();
 bool Exists(const std::string& path);
 
