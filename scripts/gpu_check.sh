@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The GPU checks, as one script for a short session on a GPU machine: build with CUDA, run the
 # `gpu`-labelled tests (CUDA tier, CUDA kernels vs the scalar reference, the conformance suite's
-# Cuda instantiation when present) plus the CUDA no-GPU/status tests, then the GPU Adam
-# benchmark (fused multi-tensor kernel vs device copy bandwidth). Logs go under $OUT.
+# Cuda instantiation when present, the preload shim under a PyTorch training script) plus the
+# CUDA no-GPU/status tests, then the GPU Adam benchmark (fused multi-tensor kernel vs device copy
+# bandwidth). Logs go under $OUT; the preload step times go to $OUT/gpu_preload.json.
 #
 #   OUT=/some/dir scripts/gpu_check.sh          (default OUT=./out, git-ignored)
 # Env: TIERMEM_JOBS (default nproc), GPU_BENCH_PARAMS (default 268435456 = 7 GiB of Adam state)
-# Needs the Debian build packages of scripts/setup.sh and the CUDA toolkit (no torch, no network).
+# Needs the Debian build packages of scripts/setup.sh and the CUDA toolkit (no network). The
+# preload test needs a python3 with torch (TIERMEM_PY to pick one) and skips without it.
 # Exits non-zero if the build or a test fails; a benchmark failure is logged and reported.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -25,7 +27,8 @@ rc=0
 echo "== configure + build ($BUILD)"
 if ! { cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTIERMEM_WITH_CUDA=ON \
          -DTIERMEM_BUILD_TORCH=OFF -DCMAKE_CUDA_ARCHITECTURES="80;90" &&
-       targets=(kernels_cuda_test cuda_tier_test cuda_status_test kernels_cpu_test tiermem_bench_adam_cuda) &&
+       targets=(kernels_cuda_test cuda_tier_test cuda_status_test kernels_cpu_test tiermem_bench_adam_cuda
+                preload_gpu_test tiermem_cli tiermem_preload) &&
        { ! cmake --build "$BUILD" --target help | grep -q ' tier_conformance_test$' ||
          targets+=(tier_conformance_test); } &&
        cmake --build "$BUILD" -j "$JOBS" --target "${targets[@]}"; } > "$OUT/gpu_build.log" 2>&1; then
@@ -34,6 +37,9 @@ fi
 
 echo "== ctest: gpu label + CUDA status tests"
 # -L gpu: device tests. The CUDA status tests (label cpu) check the no-GPU paths skip here.
+# PreloadGpu.* runs tests/integrations/preload/gpu_train.py under `tiermem run` (record, offload
+# with half the recorded peak, plain unified memory) and writes its step times here.
+export TIERMEM_GPU_RESULTS="$OUT/gpu_preload.json"
 ctest --test-dir "$BUILD" --output-on-failure -L gpu 2>&1 | tee "$OUT/gpu_ctest.log" || rc=1
 ctest --test-dir "$BUILD" --output-on-failure -R "CudaStatus|CudaTierWithoutGpu|CudaTierConfigCheck" \
   2>&1 | tee -a "$OUT/gpu_ctest.log" || rc=1

@@ -15,4 +15,7 @@ void RegisterBenchAdam(CLI::App& bench);      // CPU optimizer kernels vs roofli
 // `tiermem prof report|html|export|diff` (tools/prof/).
 void RegisterProf(CLI::App& app);
 
+// `tiermem run [--record] [--offload --device-budget] [--per-tensor] -- CMD` (tools/run/).
+void RegisterRun(CLI::App& app);
+
 }  // namespace tiermem::tools

@@ -24,12 +24,19 @@ enum class EventType : uint8_t {
   kPhase = 9,       // a phase begins; `label` is "forward", "backward", "optimizer", "step"...
   kOom = 10,        // an allocation of `bytes` on `tier` was refused
   kIteration = 11,  // iteration `id` begins
+  // Added for the LD_PRELOAD shim (2026-12; readers before it reject these two types):
+  kKernelLaunches = 12,  // `bytes` kernel launches happened since the recorder's previous
+                         // kKernelLaunches (an interval ending at ts_ns); `id` = interval number
+  kPrefetch = 13,        // a prefetch of `bytes` of region `id` (on `tier`) to `tier2` was
+                         // issued; asynchronous, its completion is not observed; `label` =
+                         // the stream ("stream 0x...")
 };
 
 enum EventFlags : uint8_t {
   kFlagNone = 0,
   kFlagFailed = 1 << 0,  // kCopyEnd: the copy failed
   kFlagClean = 1 << 1,   // kFree on eviction of a clean chunk: no copy was needed
+  kFlagManaged = 1 << 2, // kAlloc/kFree: CUDA managed (unified) memory (preload shim)
 };
 
 // Fixed 40-byte record, little-endian on disk, written verbatim.
@@ -37,7 +44,7 @@ struct Event {
   uint64_t ts_ns = 0;       // monotonic ns (Clock); 0 when handed to Record() = "stamp it now"
   uint64_t id = 0;          // region id, copy id or stall id (pairs begin/end); iteration number
   uint64_t bytes = 0;       // size in bytes (alloc/free/copy/budget/oom)
-  uint32_t label = 0;       // interned string id, 0 = none
+  uint32_t label = 0;       // interned string id, 0 = none; preload kAlloc/kFree: the stream
   ChunkId chunk = kNoChunk; // the chunk concerned, if any
   uint16_t lane = 0;        // recorder thread or copy lane
   EventType type = EventType::kAlloc;

@@ -133,6 +133,7 @@ struct Analyzer::Impl {
     p->t_ns = ts - report.t0_ns;
     p->moment = moment;
     p->phase = std::string(PhaseName());
+    p->kernel_launches = report.kernel_launches;
   }
 };
 
@@ -184,6 +185,7 @@ TierKind Analyzer::Add(const Event& e, std::string_view label) {
       usage_[tier][c] += e.bytes;
       totals_[tier] += e.bytes;
       ++ts_stats.allocs;
+      if (e.flags & kFlagManaged) ++ts_stats.managed_allocs;
       if (totals_[tier] > ts_stats.peak.bytes) s.SetPeak(&ts_stats.peak, totals_[tier], ts);
       if (usage_[tier][c] > ts_stats.categories[c].peak.bytes) {
         s.SetPeak(&ts_stats.categories[c].peak, usage_[tier][c], ts);
@@ -292,6 +294,15 @@ TierKind Analyzer::Add(const Event& e, std::string_view label) {
       s.have_iteration = true;
       s.iteration_ts = ts;
       ++r.iterations;
+      break;
+    case EventType::kKernelLaunches:
+      r.kernel_launches += e.bytes;
+      ++r.kernel_launch_intervals;
+      break;
+    case EventType::kPrefetch:
+      ++r.prefetches;
+      r.prefetch_bytes += e.bytes;
+      if (tier2 >= 0) r.tiers[tier2].seen = true;
       break;
   }
   return changed;

@@ -17,6 +17,9 @@
 //    current at the peak.
 //  - Step time = time between consecutive kIteration markers; the last iteration runs to
 //    t_end.
+//  - Kernel launches (preload shim) = sum of kKernelLaunches counts; a peak carries the
+//    launches counted before it, relating memory to progress. Prefetches (kPrefetch) are
+//    counted when issued; their completion is not observed, so they are not bytes moved.
 // Thread-safety: all classes are externally synchronized; the functions are reentrant.
 #pragma once
 
@@ -78,6 +81,7 @@ struct Peak {
   uint64_t t_ns = 0;     // relative to t0
   std::string moment;    // last kMoment label before the peak ("" if none)
   std::string phase;     // last kPhase label before the peak ("" if none)
+  uint64_t kernel_launches = 0;  // kernel launches counted before the peak
 };
 
 struct CategoryStats {
@@ -96,6 +100,7 @@ struct TierStats {
   uint64_t frees = 0;
   uint64_t ooms = 0;
   Bytes largest_oom_bytes = 0;
+  uint64_t managed_allocs = 0;  // kAlloc with kFlagManaged (CUDA managed memory)
   std::array<CategoryStats, kNumCategories> categories;
 };
 
@@ -148,6 +153,10 @@ struct Report {
   std::vector<ChunkStats> top_chunks;  // by moves then bytes, descending; at most 10
   std::vector<PhaseStats> phases;   // in order of first appearance
   uint64_t iterations = 0;
+  uint64_t kernel_launches = 0;           // sum over kKernelLaunches events
+  uint64_t kernel_launch_intervals = 0;   // kKernelLaunches events
+  uint64_t prefetches = 0;                // kPrefetch events (issued)
+  Bytes prefetch_bytes = 0;
   uint64_t step_mean_ns = 0, step_min_ns = 0, step_max_ns = 0;
   // Pairing problems (reported, never fatal).
   uint64_t unmatched_frees = 0;

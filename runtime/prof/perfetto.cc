@@ -9,6 +9,8 @@
 #include <set>
 #include <unordered_map>
 
+#include <nlohmann/json.hpp>
+
 #include "runtime/prof/analysis.h"
 #include "runtime/prof/json_writer.h"
 
@@ -17,6 +19,7 @@ namespace {
 
 constexpr int kMainPid = 10;
 constexpr int kTidPhases = 1, kTidIterations = 2, kTidMoments = 3, kTidStalls = 4;
+constexpr int kTidPrefetches = 5;
 constexpr int kTidLaneBase = 100;
 
 std::string Hex(uint64_t v) {
@@ -39,6 +42,15 @@ class Exporter {
     Meta("thread_name", kMainPid, kTidIterations, "iterations");
     Meta("thread_name", kMainPid, kTidMoments, "moments");
     Meta("thread_name", kMainPid, kTidStalls, "stalls & OOMs");
+    Meta("thread_name", kMainPid, kTidPrefetches, "prefetches");
+  }
+
+  // Allocation args: bytes, chunk, and what the preload shim adds (stream label, managed).
+  static std::string AllocArgs(const Event& e, std::string_view label) {
+    std::string a = "{\"bytes\":" + std::to_string(e.bytes) + ",\"chunk\":" + ChunkArg(e.chunk);
+    if (!label.empty()) a += ",\"label\":" + nlohmann::json(std::string(label)).dump();
+    if (e.flags & kFlagManaged) a += ",\"managed\":true";
+    return a + "}";
   }
 
   void Add(const TimelineEntry& entry, Analyzer* analyzer) {
@@ -61,8 +73,7 @@ class Exporter {
             Async('e', cat, it->second, tier + 1, 0, e.id, "");
           }
           allocs_[key] = name;
-          Async('b', cat, name, tier + 1, 0, e.id,
-                "{\"bytes\":" + std::to_string(e.bytes) + ",\"chunk\":" + ChunkArg(e.chunk) + "}");
+          Async('b', cat, name, tier + 1, 0, e.id, AllocArgs(e, entry.label));
         }
         break;
       case EventType::kFree:
@@ -130,6 +141,19 @@ class Exporter {
         Record('i', kMainPid, kTidStalls, "OOM on " + std::string(TierKindName(e.tier)));
         *out_ << ",\"s\":\"g\",\"args\":{\"bytes\":";
         out_->Uint(e.bytes) << "}}";
+        break;
+      case EventType::kKernelLaunches:  // a counter: launches per interval and in total
+        launches_ += e.bytes;
+        Record('C', kMainPid, 0, "kernel launches");
+        *out_ << ",\"args\":{\"per_interval\":";
+        out_->Uint(e.bytes) << ",\"total\":";
+        out_->Uint(launches_) << "}}";
+        break;
+      case EventType::kPrefetch:
+        Record('i', kMainPid, kTidPrefetches,
+               "prefetch to " + std::string(TierKindName(e.tier2)));
+        *out_ << ",\"s\":\"t\",\"args\":{\"bytes\":";
+        out_->Uint(e.bytes) << ",\"region\":\"" << Hex(e.id) << "\"}}";
         break;
     }
     if (changed != TierKind::kNone) {
@@ -211,6 +235,7 @@ class Exporter {
   std::unordered_map<uint64_t, std::pair<std::string, int>> copies_;  // id -> (name, tid)
   std::unordered_map<uint64_t, std::string> stalls_;  // id -> cause
   std::set<uint16_t> lanes_;
+  uint64_t launches_ = 0;
   bool in_phase_ = false, in_iteration_ = false;
   std::string phase_, iteration_;
 };

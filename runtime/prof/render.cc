@@ -46,7 +46,9 @@ uint64_t TotalMoved(const Report& r) {
 }
 
 nlohmann::json PeakJson(const Peak& p) {
-  return {{"bytes", p.bytes}, {"t_ns", p.t_ns}, {"moment", p.moment}, {"phase", p.phase}};
+  return {{"bytes", p.bytes},   {"t_ns", p.t_ns},
+          {"moment", p.moment}, {"phase", p.phase},
+          {"kernel_launches", p.kernel_launches}};
 }
 
 uint64_t Round(double v) { return static_cast<uint64_t>(std::llround(v)); }
@@ -84,6 +86,7 @@ nlohmann::json ReportToJson(const Report& r) {
         {"end_bytes", s.end_bytes},         {"budget_bytes", s.budget_bytes},
         {"max_budget_bytes", s.max_budget_bytes}, {"allocs", s.allocs},
         {"frees", s.frees},                 {"ooms", s.ooms},
+        {"managed_allocs", s.managed_allocs},
         {"largest_oom_bytes", s.largest_oom_bytes}, {"categories", cats}};
   }
   j["tiers"] = tiers;
@@ -122,6 +125,9 @@ nlohmann::json ReportToJson(const Report& r) {
                      {"step_mean_ns", r.step_mean_ns},
                      {"step_min_ns", r.step_min_ns},
                      {"step_max_ns", r.step_max_ns}};
+  j["kernel_launches"] = {{"total", r.kernel_launches},
+                          {"intervals", r.kernel_launch_intervals}};
+  j["prefetches"] = {{"count", r.prefetches}, {"bytes", r.prefetch_bytes}};
   j["unmatched"] = {{"frees", r.unmatched_frees},
                     {"copy_ends", r.unmatched_copy_ends},
                     {"stall_ends", r.unmatched_stall_ends},
@@ -171,6 +177,15 @@ std::string RenderReportText(const Report& r, const std::string& name) {
       }
     };
     row("total", s.peak, s.avg_bytes);
+    if (r.kernel_launches > 0) {
+      Line(&o, Printf("    (peak after %llu of %llu kernel launches)",
+                      static_cast<unsigned long long>(s.peak.kernel_launches),
+                      static_cast<unsigned long long>(r.kernel_launches)));
+    }
+    if (s.managed_allocs > 0) {
+      Line(&o, Printf("    %llu of the allocs are CUDA managed memory",
+                      static_cast<unsigned long long>(s.managed_allocs)));
+    }
     for (int c = 0; c < kNumCategories; ++c) {
       const CategoryStats& cs = s.categories[c];
       if (cs.peak.bytes == 0) continue;
@@ -198,6 +213,14 @@ std::string RenderReportText(const Report& r, const std::string& name) {
     std::string left = Printf("  %12s %7llu  ", FormatDuration(s.ns).c_str(),
                               static_cast<unsigned long long>(s.count));
     Line(&o, left + Shorten(s.cause, kWidth - left.size()));
+  }
+
+  if (r.kernel_launch_intervals > 0 || r.prefetches > 0) {
+    Line(&o, "");
+    Line(&o, Printf("Kernel launches: %llu (%llu intervals); prefetches issued: %llu (%s)",
+                    static_cast<unsigned long long>(r.kernel_launches),
+                    static_cast<unsigned long long>(r.kernel_launch_intervals),
+                    static_cast<unsigned long long>(r.prefetches), Fb(r.prefetch_bytes).c_str()));
   }
 
   if (!r.top_chunks.empty()) {

@@ -81,7 +81,7 @@ TEST(TimelineTest, RoundTripsEveryEventTypeAndLabel) {
     EXPECT_EQ((*rec)->InternLabel("forward"), fwd);
     EXPECT_NE(fwd, late);
     EXPECT_NE(fwd, 0u);
-    for (int t = static_cast<int>(EventType::kAlloc); t <= static_cast<int>(EventType::kIteration);
+    for (int t = static_cast<int>(EventType::kAlloc); t <= static_cast<int>(EventType::kPrefetch);
          ++t) {
       Event e;
       e.type = static_cast<EventType>(t);

@@ -233,5 +233,49 @@ TEST(ProfReportTest, SyntheticRunIsConsistent) {
   EXPECT_LE(r->tiers[0].peak.bytes, r->tiers[0].budget_bytes);
 }
 
+// The preload shim's additions to the schema: kernel-launch intervals (a peak carries the
+// launches before it), issued prefetches (not bytes moved) and managed allocations.
+TEST(ProfReportTest, KernelLaunchesPrefetchesAndManagedAllocations) {
+  const std::string path = TempPath("preload.tmt");
+  {
+    auto rec = std::move(TimelineRecorder::Open(path).value());
+    auto ev = [&](uint64_t ts, EventType type, TierKind tier, uint64_t id, uint64_t bytes,
+                  uint8_t flags = kFlagNone) {
+      Event e;
+      e.ts_ns = ts;
+      e.type = type;
+      e.tier = tier;
+      e.id = id;
+      e.bytes = bytes;
+      e.flags = flags;
+      if (type == EventType::kPrefetch) e.tier2 = TierKind::kDevice;
+      rec->Record(e);
+    };
+    ev(100, EventType::kAlloc, TierKind::kDevice, 0x1000, 1 * M);
+    ev(150, EventType::kKernelLaunches, TierKind::kNone, 1, 5);
+    ev(200, EventType::kAlloc, TierKind::kDevice, 0x2000, 2 * M, kFlagManaged);
+    ev(300, EventType::kKernelLaunches, TierKind::kNone, 2, 3);
+    ev(310, EventType::kPrefetch, TierKind::kHost, 0x2000, M / 2);
+    ev(400, EventType::kFree, TierKind::kDevice, 0x2000, 2 * M, kFlagManaged);
+    ASSERT_TRUE(rec->Close().ok());
+  }
+  auto report = AnalyzeFile(path);
+  ASSERT_TRUE(report.ok()) << report.status().ToString();
+  const nlohmann::json j = ReportToJson(*report);
+  EXPECT_EQ(j["kernel_launches"]["total"], 8);
+  EXPECT_EQ(j["kernel_launches"]["intervals"], 2);
+  EXPECT_EQ(j["tiers"]["device"]["peak"]["bytes"], 3 * M);
+  EXPECT_EQ(j["tiers"]["device"]["peak"]["kernel_launches"], 5);
+  EXPECT_EQ(j["tiers"]["device"]["peak"]["t_ns"], 100);
+  EXPECT_EQ(j["tiers"]["device"]["managed_allocs"], 1);
+  EXPECT_EQ(j["prefetches"]["count"], 1);
+  EXPECT_EQ(j["prefetches"]["bytes"], M / 2);
+  EXPECT_EQ(j["bytes_moved"], 0);
+  const std::string text = RenderReportText(*report, path);
+  EXPECT_NE(text.find("(peak after 5 of 8 kernel launches)"), std::string::npos) << text;
+  EXPECT_NE(text.find("Kernel launches: 8 (2 intervals); prefetches issued: 1 (512.00 KiB)"),
+            std::string::npos) << text;
+}
+
 }  // namespace
 }  // namespace tiermem::prof
