@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/base/options.h"
+#include "runtime/base/env.h"
 #include "runtime/base/status.h"
 #include "runtime/base/units.h"
 

@@ -21,7 +21,7 @@
 
 #include <string>
 
-#include "runtime/base/options.h"
+#include "runtime/base/env.h"
 #include "runtime/base/status.h"
 #include "runtime/base/units.h"
 

@@ -58,15 +58,17 @@ def train(model, opt, data):
     return losses
 
 
+@pytest.mark.parametrize("frac", [0.3, 4.0], ids=["moving", "resident"])
 @pytest.mark.parametrize("make", [gpt2, llama], ids=["gpt2", "llama"])
-def test_hf_causal_lm_trains_exactly(make):
+def test_hf_causal_lm_trains_exactly(make, frac):
     torch.manual_seed(0)
     ref = make()
     ours = copy.deepcopy(ref)
     data = batches(10)
     ref_losses = train(ref, KernelAdamW(ref.parameters(), lr=2e-3, weight_decay=0.01), data)
-    model, opt = tiermem.initialize(ours, {"device": budget(ours), "host": "256MiB",
+    model, opt = tiermem.initialize(ours, {"device": budget(ours, frac), "host": "256MiB",
                                            "optimizer": {"lr": 2e-3, "weight_decay": 0.01}})
+    assert tiermem.runtime_of(model)._resident == (frac > 1)
     assert train(model, opt, data) == ref_losses
     assert ref_losses[-1] < ref_losses[0]
     for k, v in ref.state_dict().items():
