@@ -17,10 +17,10 @@
 //   - the optimizer: AdamW over every group with gradients, with per-group hyper-parameters
 //     passed at each Step (LR schedules), gradient accumulation (every N-th Step applies),
 //     global-norm clipping and fp16 dynamic loss scaling (skipped steps lower the scale), all
-//     on the fused CPU kernels (kernels/cpu). Placement per group: on SimDevice, where the
-//     device tier is CPU memory, a group whose chunks all fit on the device without evicting
-//     anything steps there in place (no bytes move); otherwise, and always on the CUDA tier
-//     for now, it steps on host copies. Same kernel, same bits either way;
+//     on the fused CPU kernels (kernels/cpu). Placement: on SimDevice, where the device tier
+//     is CPU memory, when every chunk of the model fits on the device the groups step there
+//     in place (no bytes move); otherwise, and always on the CUDA tier for now, on host
+//     copies. Same kernel, same bits either way;
 //   - per-tensor step counts and "has a gradient" flags (torch's `p.grad is not None`: a
 //     tensor without a gradient is not stepped, like torch.optim);
 //   - checkpoints (SaveCheckpoint/LoadCheckpoint: a versioned, checksummed file streamed
@@ -139,6 +139,7 @@ class Session {
     return groups_[g].chunks[static_cast<int>(kind)] != kNoChunk;
   }
   Bytes model_bytes() const { return model_bytes_; }  // every chunk byte of tensor data
+  Bytes total_chunk_bytes() const { return total_chunk_bytes_; }  // incl. padding and tails
   // The device bytes the layout needs at least: min-resident compute + grad chunks.
   Bytes minimum_device_budget() const { return min_device_budget_; }
   const std::string& device_kind() const { return device_kind_; }  // "sim" or "cuda"
@@ -246,6 +247,7 @@ class Session {
   std::vector<ChunkGroup> groups_;
   uint64_t chunk_elems_ = 0;
   Bytes model_bytes_ = 0;
+  Bytes total_chunk_bytes_ = 0;  // every chunk of every kind
   Bytes min_device_budget_ = 0;
   std::vector<int64_t> steps_;
   std::vector<uint8_t> has_grad_;

@@ -475,6 +475,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("num_tensors", [](const PySession& s) { return s.s().num_tensors(); })
       .def_property_readonly("chunk_elems", [](const PySession& s) { return s.s().chunk_elems(); })
       .def_property_readonly("model_bytes", [](const PySession& s) { return s.s().model_bytes(); })
+      .def_property_readonly("total_chunk_bytes",
+                             [](const PySession& s) { return s.s().total_chunk_bytes(); })
       .def_property_readonly("minimum_device_budget",
                              [](const PySession& s) { return s.s().minimum_device_budget(); })
       .def_property_readonly("compute_kind", [](const PySession& s) { return s.s().compute_kind(); })

@@ -117,10 +117,7 @@ class TiermemRuntime:
         # the device is CPU memory: SimDevice), the compute and grad chunks are pinned there
         # for the whole session — nothing ever moves, no unit acquires, no saved-tensor hooks
         # (saved views of chunk memory stay valid), and the optimizer steps in place.
-        total = sum(self.s.chunk_bytes(g, k) for g in range(self.s.num_groups)
-                    for k in (_K.param_lowp, _K.param_fp32, _K.grad, _K.exp_avg, _K.exp_avg_sq)
-                    if self.s.has_kind(g, k))
-        self._resident = not self.s.cuda and cfg.device_budget >= total
+        self._resident = not self.s.cuda and cfg.device_budget >= self.s.total_chunk_bytes
         # State of the current iteration.
         self._live: dict[int, int] = {}          # device data_ptr -> group (compute chunks)
         self._bwd_hold: dict[int, torch.Tensor] = {}

@@ -1,13 +1,31 @@
-"""The main job: train the repo's GPT-style decoder with tiermem on a device budget far below
-the model's data (params + grads + AdamW state), then print where the bytes went.
+"""The main job: train a GPT-style decoder whose training state is many times the device
+budget, with NVMe in the loop, then show where the bytes went.
 
-    python -m tiermem.examples.train_gpt [--steps N] [--device-budget 12MiB] ...
+    python -m tiermem.examples.train_gpt [--size tiny|default|xl] [--steps N] ...
+
+Sizes (byte-level vocabulary, context 64, batch 8):
+  tiny     4 x 192, 1.8 M params: seconds (what CI runs);
+  default  12 x 768, 85 M params (GPT-2-small class): params + grads + AdamW state 1.3 GiB =
+           10x the 128 MiB device budget, more optimizer state than the 512 MiB host budget
+           holds, so part of it lives on NVMe (a temporary directory, removed at exit);
+           a few minutes on a 2-core machine;
+  xl       d = 2304 with enough layers that the training state exceeds this machine's
+           physical RAM (MemTotal in /proc/meminfo): 1 GiB device, 4 GiB host, the rest on
+           NVMe; a few steps (tens of seconds each on 2 cores; needs the disk space, checked).
+
+The progress bar shows the loss, tokens/s and each tier's use. At the end it prints the
+timeline report (tiermem prof report: peak per tier and category, bytes per tier pair, stalls
+by cause), writes the HTML timeline next to the .tmt, and says how to reopen both.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -15,105 +33,30 @@ import torch
 import tiermem
 from tiermem.examples.gpt import GPT, GPTConfig, synthetic_batches
 
+PRESETS = {
+    "tiny": dict(n_layer=4, n_embd=192, n_head=4, steps=40, device="7MiB", host="24MiB",
+                 nvme="64MiB"),
+    "default": dict(n_layer=12, n_embd=768, n_head=12, steps=30, device="128MiB",
+                    host="512MiB", nvme="4GiB"),
+    "xl": dict(n_layer=None, n_embd=2304, n_head=16, steps=3, device="1GiB", host="4GiB",
+               nvme=None),
+}
+
+
 def fmt(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return str(n)
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--n-layer", type=int, default=4)
-    ap.add_argument("--n-embd", type=int, default=192)
-    ap.add_argument("--n-head", type=int, default=4)
-    ap.add_argument("--block-size", type=int, default=64)
-    ap.add_argument("--device-budget", default="7MiB")
-    ap.add_argument("--host-budget", default="1GiB")
-    ap.add_argument("--nvme-path", default=None)
-    ap.add_argument("--nvme-size", default=None)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--timeline", default="build/tiermem-timeline.tmt")
-    ap.add_argument("--threads", type=int, default=0)
-    args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
-    torch.manual_seed(0)
-    c = GPTConfig(vocab_size=256, block_size=args.block_size, n_layer=args.n_layer,
-                  n_head=args.n_head, n_embd=args.n_embd)
-    model = GPT(c)
-    n_params = sum(p.numel() for p in model.parameters())
-    config = {"device": args.device_budget, "host": args.host_budget, "timeline": args.timeline or None,
-              "optimizer": {"lr": args.lr, "weight_decay": 0.01}}
-    if args.nvme_size:
-        config["nvme"] = {"path": args.nvme_path or "/tmp/tiermem-nvme", "size": args.nvme_size}
-    model, opt = tiermem.initialize(model, config)
-    rt = tiermem.runtime_of(model)
-    budget = rt.cfg.device_budget
-    print(f"model: {n_params / 1e6:.2f} M params; params+grads+AdamW = {fmt(rt.model_bytes)} "
-          f"= {rt.model_bytes / budget:.1f}x the device budget of {fmt(budget)}; "
-          f"chunk {rt.chunk_elems} elements x {len(rt.groups)} groups")
-
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover
-        tqdm = None
-    data = synthetic_batches(c, args.batch, args.steps, seed=1)
-    bar = tqdm(total=args.steps, unit="step", dynamic_ncols=True) if tqdm else None
-    t0 = time.perf_counter()
-    tokens = 0
-    first_loss = last_loss = None
-    for step, (x, y) in enumerate(data):
-        opt.zero_grad()
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        tokens += x.numel()
-        last_loss = loss.item()
-        first_loss = first_loss if first_loss is not None else last_loss
-        if bar:
-            st = rt.stats()["tiers"]
-            bar.set_postfix_str(
-                f"loss {last_loss:.3f} | {tokens / (time.perf_counter() - t0):.0f} tok/s | "
-                f"dev peak {fmt(st['device']['peak'])}/{fmt(st['device']['capacity'])} "
-                f"host {fmt(st['host']['used'])}"
-                + (f" nvme {fmt(st['nvme']['used'])}" if st['nvme']['capacity'] else ""))
-            bar.update(1)
-    if bar:
-        bar.close()
-    wall = time.perf_counter() - t0
-
-    s = rt.stats()
-    peaks = rt.timeline_peaks()  # tiermem::prof's report of the binary timeline file
-    print(f"\n== tiermem summary: {args.steps} steps in {wall:.1f} s, "
-          f"{tokens / wall:.0f} tokens/s, loss {first_loss:.3f} -> {last_loss:.3f}")
-    print("peak per tier (from the timeline):")
-    for t in ("device", "host", "nvme"):
-        if peaks["budget"][t]:
-            print(f"  {t:6s} {fmt(peaks['peak'][t]):>12s} of {fmt(peaks['budget'][t])}")
-    print("bytes moved per tier pair (from the timeline):")
-    for pair, n in sorted(peaks["copied"].items()):
-        print(f"  {pair:14s} {fmt(n):>12s}  ({fmt(n / args.steps)}/step)")
-    print(f"stall time (from the timeline): {peaks['stall_ns'] / 1e6:.1f} ms in "
-          f"{peaks['stalls']} stalls; {s['prefetches']} prefetches, {s['evictions']} evictions "
-          f"({s['clean_evictions']} clean)")
-    for cause, ns in sorted(peaks["stall_causes"].items(), key=lambda kv: -kv[1])[:4]:
-        print(f"  {cause:24s} {ns / 1e6:8.1f} ms")
-    # Detach: gives the params back as plain tensors and closes the timeline (end record).
-    rt.close()
-    if peaks["over_budget"]:
-        print("ERROR: the device budget was exceeded")
-        return 1
-    if args.timeline:
-        print(f"timeline: {peaks['events']} events -> {args.timeline}")
-        print(f"  inspect it with: {cli_command()} prof report {args.timeline}")
-        print(f"  HTML timeline:   {cli_command()} prof html {args.timeline} -o "
-              f"{os.path.splitext(args.timeline)[0]}.html")
-    return 0
+def mem_total_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemTotal in /proc/meminfo")
 
 
 def cli_command() -> str:
@@ -123,6 +66,143 @@ def cli_command() -> str:
     if os.access(script, os.X_OK):
         return script
     return f"{sys.executable} -m tiermem"
+
+
+def run_cli(*args) -> subprocess.CompletedProcess:
+    from tiermem.__main__ import cli_path
+    exe = cli_path()
+    if not os.access(exe, os.X_OK):  # a source checkout without the installed CLI
+        return subprocess.CompletedProcess(args, 127, "", f"the tiermem CLI is not at {exe} "
+                                           "(pip install . installs it; or set TIERMEM_CLI)")
+    return subprocess.run([exe, *args], capture_output=True, text=True)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", choices=sorted(PRESETS), default="default")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--n-layer", type=int, default=None)
+    ap.add_argument("--n-embd", type=int, default=None)
+    ap.add_argument("--n-head", type=int, default=None)
+    ap.add_argument("--device-budget", default=None)
+    ap.add_argument("--host-budget", default=None)
+    ap.add_argument("--nvme-path", default=None,
+                    help="directory for the NVMe tier (default: a temporary one, removed)")
+    ap.add_argument("--nvme-size", default=None)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--timeline", default="build/tiermem-timeline.tmt")
+    ap.add_argument("--threads", type=int, default=0)
+    args = ap.parse_args(argv)
+    preset = PRESETS[args.size]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    n_embd = args.n_embd or preset["n_embd"]
+    n_head = args.n_head or preset["n_head"]
+    n_layer = args.n_layer or preset["n_layer"]
+    block = args.block_size
+    if n_layer is None:  # xl: enough layers that the training state exceeds physical RAM
+        per_layer = 12 * n_embd * n_embd + 13 * n_embd
+        n_layer = math.ceil(mem_total_bytes() * 1.05 / (16 * per_layer))
+    steps = args.steps or preset["steps"]
+    c = GPTConfig(vocab_size=256, block_size=block, n_layer=n_layer, n_head=n_head,
+                  n_embd=n_embd)
+    state_bytes_est = 16 * (n_layer * (12 * n_embd * n_embd + 13 * n_embd) +
+                            (256 + block) * n_embd + 2 * n_embd)
+    nvme_size = args.nvme_size or preset["nvme"] or str(int(state_bytes_est * 1.1))
+    own_nvme = args.nvme_path is None
+    nvme_dir = args.nvme_path or tempfile.mkdtemp(prefix="tiermem-nvme-")
+    try:
+        if args.size == "xl":
+            free = shutil.disk_usage(nvme_dir).free
+            need = tiermem.parse_config({"nvme": {"size": nvme_size}}, env={}).nvme_size
+            if free < need:
+                print(f"--size xl needs {fmt(need)} free for the NVMe tier in {nvme_dir}, "
+                      f"which has {fmt(free)}; use --nvme-path on a bigger disk",
+                      file=sys.stderr)
+                return 2
+            print(f"xl: {n_layer} x {n_embd} decoder, training state ~{fmt(state_bytes_est)} "
+                  f"> physical RAM {fmt(mem_total_bytes())}")
+        return train(args, c, steps, preset, nvme_dir, nvme_size)
+    finally:
+        if own_nvme:
+            shutil.rmtree(nvme_dir, ignore_errors=True)
+
+
+def train(args, c, steps, preset, nvme_dir, nvme_size) -> int:
+    torch.manual_seed(0)
+    t_build = time.perf_counter()
+    model = GPT(c)
+    n_params = sum(p.numel() for p in model.parameters())
+    config = {"device": args.device_budget or preset["device"],
+              "host": args.host_budget or preset["host"],
+              "nvme": {"path": nvme_dir, "size": nvme_size},
+              "timeline": args.timeline or None,
+              "optimizer": {"lr": args.lr, "weight_decay": 0.01}}
+    model, opt = tiermem.initialize(model, config)
+    rt = tiermem.runtime_of(model)
+    budget = rt.cfg.device_budget
+    print(f"model: {n_params / 1e6:.2f} M params ({c.n_layer} x {c.n_embd}); "
+          f"params+grads+AdamW = {fmt(rt.model_bytes)} = {rt.model_bytes / budget:.1f}x the "
+          f"device budget of {fmt(budget)}; host {fmt(rt.cfg.host_budget)}, NVMe "
+          f"{fmt(rt.cfg.nvme_size)} in {nvme_dir} ({rt.s.nvme_engine}); chunk "
+          f"{rt.chunk_elems} elements x {rt.s.num_groups} groups "
+          f"(set up in {time.perf_counter() - t_build:.1f} s)")
+
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        tqdm = None
+    data = synthetic_batches(c, args.batch, steps, seed=1)
+    bar = tqdm(total=steps, unit="step", dynamic_ncols=True) if tqdm else None
+    t0 = time.perf_counter()
+    tokens = 0
+    losses = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        tokens += x.numel()
+        losses.append(loss.item())
+        if bar:
+            st = rt.stats()["tiers"]
+            bar.set_postfix_str(
+                f"loss {losses[-1]:.3f} | {tokens / (time.perf_counter() - t0):.0f} tok/s | "
+                f"device {fmt(st['device']['used'])}/{fmt(st['device']['capacity'])} "
+                f"host {fmt(st['host']['used'])} nvme {fmt(st['nvme']['used'])}")
+            bar.update(1)
+    if bar:
+        bar.close()
+    wall = time.perf_counter() - t0
+    peaks = rt.timeline_peaks()  # tiermem::prof's report of the binary timeline file
+    timeline = rt.timeline_path
+    rt.close()  # gives the params back as plain tensors and completes the timeline
+    print(f"\n== {steps} steps in {wall:.1f} s ({wall / steps:.2f} s/step), "
+          f"{tokens / wall:.0f} tokens/s, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    if args.timeline:
+        rep = run_cli("prof", "report", timeline)
+        print(rep.stdout if rep.returncode == 0 else rep.stderr)
+        html = os.path.splitext(timeline)[0] + ".html"
+        made = run_cli("prof", "html", timeline, "-o", html)
+        print(f"timeline: {peaks['events']} events -> {timeline}")
+        if made.returncode == 0:
+            print(f"HTML timeline -> {html}")
+        else:
+            print(f"(the HTML timeline could not be written: {made.stderr.strip()})")
+        print(f"reopen them with: {cli_command()} prof report {timeline}\n"
+              f"                  {cli_command()} prof html {timeline} -o {html}  "
+              f"(then open {html} in a browser)")
+    status = 0
+    if peaks["over_budget"]:
+        print("ERROR: a tier's budget was exceeded (see the report)")
+        status = 1
+    if not losses[-1] < losses[0]:
+        print("ERROR: the loss did not go down")
+        status = 1
+    return status
 
 
 if __name__ == "__main__":
