@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The main job (README command 1): builds/installs the tiermem package (incremental), then
-# trains the repo's GPT-style decoder with a device budget ~4x smaller than its params + grads
-# + AdamW state, with a progress bar and an end-of-run summary. Extra args go to the trainer
-# (python -m tiermem.examples.train_gpt --help).
+# trains the repo's GPT-style decoder — by default 85 M params whose params + grads + AdamW
+# state are 10x the device budget, with part of the optimizer state on NVMe (a temporary
+# directory, removed at exit) — with a progress bar, then prints the timeline report and
+# writes the HTML timeline. Extra args go to the trainer: --size tiny|default|xl, --steps N,
+# ... (python -m tiermem.examples.train_gpt --help).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/setup.sh

@@ -77,14 +77,9 @@ struct ChunkGroup {
   std::vector<uint32_t> tensors;                 // its tensors, in offset order
 };
 
-// AdamW hyper-parameters of one optimizer param group, as of this step.
-struct GroupHyper {
-  double lr = 1e-3;
-  double beta1 = 0.9;
-  double beta2 = 0.999;
-  double eps = 1e-8;
-  double weight_decay = 0.01;
-};
+// AdamW hyper-parameters of one optimizer param group, as of this step (the config's
+// `optimizer` keys are the defaults of every group).
+using GroupHyper = OptimizerConfig;
 
 struct StepResult {
   bool applied = false;   // false between accumulation micro-steps and when skipped

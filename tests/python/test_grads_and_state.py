@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import tiermem
+from test_training import train_ours as _train
 from conftest import (END_TO_END_LOSS_REL, END_TO_END_PARAM_ATOL, END_TO_END_PARAM_RTOL,
                       KernelAdamW, assert_close_rel, batches, make_pair, model_bytes)
 
@@ -168,17 +169,6 @@ def test_submodule_state_dict_and_torch_save_load_are_exact(tmp_path):
     m2, _ = init(ours2)
     m2.load_state_dict(ref.state_dict())
     assert torch.equal(m2(x)[0] if isinstance(m2(x), tuple) else m2(x), ref(x))
-
-
-def _train(model, opt, data):
-    losses = []
-    for x, y in data:
-        opt.zero_grad()
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

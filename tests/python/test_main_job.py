@@ -1,0 +1,35 @@
+"""The main job (README command 1) at --size tiny: NVMe in the loop, the loss goes down, the
+timeline report and HTML are written, the temporary NVMe directory is removed, and the
+command it tells the user to run next exists."""
+import glob
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+
+def test_tiny_main_job_end_to_end(tmp_path):
+    tl = tmp_path / "run.tmt"
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "tiermem-nvme-*")))
+    out = subprocess.run([sys.executable, "-m", "tiermem.examples.train_gpt", "--size", "tiny",
+                          "--steps", "12", "--timeline", str(tl)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = out.stdout
+    assert "params+grads+AdamW" in text and "NVMe" in text
+    first, last = [float(v) for v in text.split("loss ")[-1].split()[0:3:2]]
+    assert last < first
+    assert "tiermem prof report:" in text  # the report itself is printed
+    assert "nvme" in text.split("Bytes moved")[1].split("Stalls")[0]  # NVMe was in the loop
+    html = tmp_path / "run.html"
+    assert tl.exists() and html.exists() and html.stat().st_size > 1000
+    assert not glob.glob(str(tmp_path / "tiermem-nvme-*")), "the temporary NVMe dir stays"
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "tiermem-nvme-*"))) <= before
+    # The command it prints exists and works.
+    cmd = [l for l in text.splitlines() if l.startswith("reopen them with:")][0]
+    argv = cmd.split("reopen them with:")[1].split()
+    again = subprocess.run(argv, capture_output=True, text=True)
+    assert again.returncode == 0 and "tiermem prof report" in again.stdout, again.stderr
