@@ -68,17 +68,22 @@ def main(argv=None):
 
     plain_med, our_med, ratios = [], {f: [] for f in fractions}, {f: [] for f in fractions}
     timed = data[args.warmup:]
-    for _ in range(args.rounds):
-        p = statistics.median(timed_steps(plain, popt, timed))
-        plain_med.append(p)
-        for f, (m, o, _) in ours.items():
-            t = statistics.median(timed_steps(m, o, timed))
-            our_med[f].append(t)
-            ratios[f].append(t / p)
+    for rnd in range(args.rounds):
+        # Plain first in even rounds, last in odd ones (ABBA), so a drift of the machine's
+        # speed during a round does not favour either side.
+        order = [None] + fractions if rnd % 2 == 0 else fractions[::-1] + [None]
+        times = {}
+        for f in order:
+            m, o = (plain, popt) if f is None else ours[f][:2]
+            times[f] = statistics.median(timed_steps(m, o, timed))
+        plain_med.append(times[None])
+        for f in fractions:
+            our_med[f].append(times[f])
+            ratios[f].append(times[f] / times[None])
 
     print(f"GPT {args.layers} layers x {args.width}, {n / 1e6:.2f} M params, data "
           f"{16 * n / 2**20:.1f} MiB, torch threads {torch.get_num_threads()}; "
-          f"{args.rounds} alternating rounds of {args.steps} steps after {args.warmup} warm-up")
+          f"{args.rounds} rounds (ABBA order) of {args.steps} steps after {args.warmup} warm-up")
     print("| config | step (ms, median of rounds) | vs plain torch (median of per-round ratios; "
           "min-max) | h2d / step | d2h / step | h2d / min | d2h / min |")
     print("|---|---|---|---|---|---|---|")
