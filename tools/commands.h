@@ -15,4 +15,7 @@ void RegisterBenchAdam(CLI::App& bench);      // CPU optimizer kernels vs roofli
 // `tiermem prof report|html|export|diff` (tools/prof/).
 void RegisterProf(CLI::App& app);
 
+// `tiermem plan simulate|compare|show|synth|bench-builder` (tools/plan/).
+void RegisterPlan(CLI::App& app);
+
 }  // namespace tiermem::tools

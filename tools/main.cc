@@ -14,6 +14,7 @@ int main(int argc, char** argv) {
   tiermem::tools::RegisterBenchTimeline(*bench);
   tiermem::tools::RegisterBenchAdam(*bench);
   tiermem::tools::RegisterProf(app);
+  tiermem::tools::RegisterPlan(app);
   CLI11_PARSE(app, argc, argv);
   return 0;
 }

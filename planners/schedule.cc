@@ -1,0 +1,374 @@
+// The chunk schedule: Belady demand pass, early eviction, fetch hoisting (planner.h explains
+// why), and PlanPolicy, which executes a plan in the executor.
+//
+// Positions: the demand pass walks a horizon of two copies of the iteration (0..2n-1);
+// next-use lookups see three. Program-order capacity of tier t for chunks at position q is
+// its budget minus the non-chunk bytes of that moment (EffIteration::dev_extra / host_extra)
+// and, on the host, minus the homes there. occ[t][q] is the chunk bytes cached on t during
+// q after q's actions; every transformation below keeps occ[t][q] <= capacity(t, q), which
+// is exactly what the executor's program-order check needs, so an executed plan never needs
+// repairs when the iteration matches it.
+#include "planners/schedule.h"
+
+#include <algorithm>
+
+namespace tiermem::planners {
+
+NextUse::NextUse(const std::vector<const EffIteration*>& seq, size_t num_chunks)
+    : uses_(num_chunks) {
+  uint64_t pos = 0;
+  for (const EffIteration* it : seq) {
+    for (size_t m = 0; m < it->size(); ++m, ++pos) {
+      moments_.push_back({it, m});
+      for (const EffAccess* a = it->begin(m); a != it->end(m); ++a) {
+        uses_[a->chunk].push_back(Use{pos, a->tier, a->needs_content});
+      }
+    }
+  }
+}
+
+uint64_t NextUse::NextRead(ChunkId c, TierKind tier, uint64_t pos, bool* leaves) const {
+  if (leaves != nullptr) *leaves = false;
+  const std::vector<Use>& u = uses_[c];
+  auto it = std::upper_bound(u.begin(), u.end(), pos,
+                             [](uint64_t p, const Use& x) { return p < x.pos; });
+  if (pos == UINT64_MAX) it = u.begin();  // "before the first moment"
+  if (it == u.end()) return kDead;
+  if (it->tier != tier) {
+    if (leaves != nullptr) *leaves = true;
+    return kDead;
+  }
+  return it->reads ? it->pos : kDead;
+}
+
+VictimKey BeladyKey(const NextUse& nu, ChunkId c, TierKind tier, uint64_t pos, bool dirty,
+                    Bytes bytes) {
+  bool leaves = false;
+  const uint64_t nr = nu.NextRead(c, tier, pos, &leaves);
+  VictimKey k;
+  k.id = c;
+  k.bytes = UINT64_MAX - bytes;
+  if (nr == NextUse::kDead) {
+    k.cls = !dirty ? 0 : (leaves ? 1 : 2);
+  } else {
+    k.cls = 3;
+    k.far = UINT64_MAX - nr;
+  }
+  return k;
+}
+
+namespace {
+
+constexpr int kD = static_cast<int>(TierKind::kDevice);
+constexpr int kH = static_cast<int>(TierKind::kHost);
+
+struct FetchEv {
+  ChunkId chunk;
+  int tier;
+  int64_t need;  // position
+  bool copy;
+  int64_t after_access;  // position of the chunk's previous access (-1: none)
+  int64_t prev_evict;    // index into evicts of its previous eviction (-1: none)
+};
+struct EvictEv {
+  ChunkId chunk;
+  int tier;
+  int64_t at;  // position (start of that moment)
+};
+
+}  // namespace
+
+StatusOr<Schedule> MakeSchedule(const ScheduleInput& in) {
+  const Trace& trace = *in.trace;
+  const EffIteration& eff = *in.eff;
+  const size_t n = eff.size();
+  const size_t nc = trace.chunks.size();
+  const int64_t horizon = static_cast<int64_t>(2 * n);
+  NextUse nu({&eff, &eff, &eff}, nc);
+
+  Bytes host_homes = 0;
+  for (ChunkId c = 0; c < nc; ++c) {
+    if (in.homes[c] == TierKind::kHost) host_homes += trace.chunks[c].bytes;
+  }
+  auto cap = [&](int t, int64_t q) -> int64_t {
+    const size_t i = static_cast<size_t>(q) % n;
+    if (t == kD) return static_cast<int64_t>(in.device_budget) - static_cast<int64_t>(eff.dev_extra[i]);
+    return static_cast<int64_t>(in.host_budget) - static_cast<int64_t>(host_homes) -
+           static_cast<int64_t>(eff.host_extra[i]);
+  };
+
+  std::vector<int> cache(nc, -1);  // tier index of the cached copy, -1 none
+  std::vector<bool> dirty(nc, false);
+  std::vector<int64_t> last_acc(nc, -1);   // position of the last access (any tier)
+  std::vector<int64_t> left_at(nc, -1);    // position at whose start its copy last moved up
+  std::vector<int64_t> last_evict(nc, -1); // index into evicts of its last eviction
+  std::array<int64_t, kNumTierKinds> used{};
+  for (ChunkId c = 0; c < nc; ++c) {
+    const TierKind t = in.start.cache.empty() ? TierKind::kNone : in.start.cache[c];
+    if (t == TierKind::kDevice || t == TierKind::kHost) {
+      cache[c] = static_cast<int>(t);
+      dirty[c] = in.start.dirty[c];
+      used[cache[c]] += static_cast<int64_t>(trace.chunks[c].bytes);
+    }
+  }
+  std::array<std::vector<int64_t>, 2> occ;
+  occ[kD].assign(static_cast<size_t>(horizon), 0);
+  occ[kH].assign(static_cast<size_t>(horizon), 0);
+  std::vector<FetchEv> fetches;
+  std::vector<EvictEv> evicts;         // final positions (early)
+  std::vector<size_t> victim_index;    // into evicts: victims to move early (demand pos < n)
+  auto evict = [&](ChunkId c, int64_t at) {
+    used[cache[c]] -= static_cast<int64_t>(trace.chunks[c].bytes);
+    last_evict[c] = static_cast<int64_t>(evicts.size());
+    evicts.push_back({c, cache[c], at});
+    cache[c] = -1;
+    dirty[c] = false;
+  };
+  // Dead copies leave right after their last use (at the start of `at`).
+  auto evict_dead = [&](int64_t after_pos, int64_t at) {
+    const uint64_t p = after_pos < 0 ? UINT64_MAX : static_cast<uint64_t>(after_pos);
+    for (ChunkId c = 0; c < nc; ++c) {
+      if (cache[c] < 0) continue;
+      const VictimKey k = BeladyKey(nu, c, static_cast<TierKind>(cache[c]), p, dirty[c],
+                                    trace.chunks[c].bytes);
+      if (k.cls <= 1) evict(c, at);
+    }
+  };
+  evict_dead(-1, 0);
+
+  for (int64_t pos = 0; pos < horizon; ++pos) {
+    const size_t i = static_cast<size_t>(pos) % n;
+    // Copies above a chunk's home are dropped when it is accessed at home.
+    for (const EffAccess* a = eff.begin(i); a != eff.end(i); ++a) {
+      if (a->tier == in.homes[a->chunk] && cache[a->chunk] >= 0) evict(a->chunk, pos);
+    }
+    for (int t : {kD, kH}) {
+      int64_t missing = 0;
+      for (const EffAccess* a = eff.begin(i); a != eff.end(i); ++a) {
+        if (static_cast<int>(a->tier) == t && a->tier != in.homes[a->chunk] &&
+            cache[a->chunk] != t) {
+          missing += static_cast<int64_t>(trace.chunks[a->chunk].bytes);
+        }
+      }
+      while (used[t] + missing > cap(t, pos)) {
+        bool have = false;
+        ChunkId best = 0;
+        VictimKey best_key;
+        for (ChunkId c = 0; c < nc; ++c) {
+          if (cache[c] != t || UsedBy(eff, i, c)) continue;
+          const VictimKey k = BeladyKey(nu, c, static_cast<TierKind>(t),
+                                        static_cast<uint64_t>(pos), dirty[c],
+                                        trace.chunks[c].bytes);
+          if (!have || k < best_key) {
+            have = true;
+            best = c;
+            best_key = k;
+          }
+        }
+        if (!have) {
+          const Bytes extra = t == kD ? eff.dev_extra[i] : eff.host_extra[i] + host_homes;
+          return ResourceExhaustedError(
+              std::string(TierKindName(static_cast<TierKind>(t))) + " tier: moment " +
+              std::to_string(i) + " (" + std::string(eff.moments[i].label) + ") needs " +
+              std::to_string(missing + used[t] + static_cast<int64_t>(extra)) +
+              " bytes (chunks it uses " + std::to_string(missing + used[t]) + ", non-chunk " +
+              std::to_string(extra) + "), the budget is " +
+              std::to_string(t == kD ? in.device_budget : in.host_budget) + " bytes");
+        }
+        if (pos < static_cast<int64_t>(n)) victim_index.push_back(evicts.size());
+        evict(best, pos);
+      }
+      for (const EffAccess* a = eff.begin(i); a != eff.end(i); ++a) {
+        const ChunkId c = a->chunk;
+        if (static_cast<int>(a->tier) != t || a->tier == in.homes[c] || cache[c] == t) continue;
+        const int64_t after = std::max(last_acc[c], left_at[c]);
+        if (cache[c] >= 0) {  // moves up from another cache
+          used[cache[c]] -= static_cast<int64_t>(trace.chunks[c].bytes);
+          left_at[c] = pos;
+        } else {
+          dirty[c] = false;
+        }
+        if (!a->needs_content) dirty[c] = false;
+        cache[c] = t;
+        used[t] += static_cast<int64_t>(trace.chunks[c].bytes);
+        fetches.push_back({c, t, pos, a->needs_content, after, last_evict[c]});
+      }
+    }
+    occ[kD][static_cast<size_t>(pos)] = used[kD];
+    occ[kH][static_cast<size_t>(pos)] = used[kH];
+    for (const EffAccess* a = eff.begin(i); a != eff.end(i); ++a) {
+      last_acc[a->chunk] = pos;
+      if (a->modifies && cache[a->chunk] == static_cast<int>(a->tier)) dirty[a->chunk] = true;
+    }
+    if (pos + 1 < horizon) evict_dead(pos, pos + 1);
+  }
+
+  // Victims of this iteration's fetches leave right after their last use before eviction.
+  for (size_t vi : victim_index) {
+    EvictEv& e = evicts[vi];
+    // The last access of the victim before its eviction: scan back (cheap: n is small).
+    int64_t last = -1;
+    for (int64_t q = e.at - 1; q >= 0; --q) {
+      if (UsedBy(eff, static_cast<size_t>(q) % n, e.chunk)) {
+        last = q;
+        break;
+      }
+    }
+    const int64_t early = last + 1;
+    if (early >= e.at) continue;
+    // Not before the chunk arrived (fetched at or before `last`, or resident from the start).
+    const Bytes b = trace.chunks[e.chunk].bytes;
+    for (int64_t q = early; q < e.at; ++q) occ[e.tier][static_cast<size_t>(q)] -= static_cast<int64_t>(b);
+    e.at = early;
+  }
+  // Fetches the victim leaving early freed the way for may come earlier too: hoist each fetch
+  // (need order per tier) to the earliest position the capacity allows.
+  Schedule out;
+  out.actions.resize(n);
+  std::vector<std::vector<PlanAction>> prefetch_at(n);
+  std::array<int64_t, kNumTierKinds> prev{};
+  std::array<bool, kNumTierKinds> stop{};
+  // Fetches are already in need order (position, then access order).
+  for (const FetchEv& f : fetches) {
+    if (stop[f.tier]) continue;
+    const bool next_iter = f.need >= static_cast<int64_t>(n);
+    const Bytes b = trace.chunks[f.chunk].bytes;
+    int64_t e = f.need;
+    if (f.copy) {
+      // After its previous access, and after the moment its copy last left (which the
+      // early-eviction pass above may have moved).
+      int64_t earliest = f.after_access + 1;
+      if (f.prev_evict >= 0) {
+        earliest = std::max(earliest, evicts[static_cast<size_t>(f.prev_evict)].at + 1);
+      }
+      e = std::max<int64_t>(earliest, prev[f.tier]);
+      for (int64_t q = f.need - 1; q >= e; --q) {
+        if (occ[f.tier][static_cast<size_t>(q)] + static_cast<int64_t>(b) > cap(f.tier, q)) {
+          e = q + 1;
+          break;
+        }
+      }
+      e = std::min(e, f.need);
+    }
+    if (next_iter && (e >= static_cast<int64_t>(n) || !f.copy)) {
+      if (f.copy) stop[f.tier] = true;
+      continue;
+    }
+    for (int64_t q = e; q < f.need; ++q) occ[f.tier][static_cast<size_t>(q)] += static_cast<int64_t>(b);
+    if (f.copy) prev[f.tier] = e;
+    PlanAction a;
+    a.kind = ActionKind::kPrefetch;
+    a.tier = static_cast<TierKind>(f.tier);
+    a.copy = f.copy;
+    a.chunk = f.chunk;
+    a.need_moment = static_cast<uint32_t>(f.need);
+    prefetch_at[static_cast<size_t>(e)].push_back(a);
+    if (f.copy && f.tier == kD && !next_iter) out.device_in_bytes += b;
+  }
+  for (const EvictEv& e : evicts) {
+    if (e.at >= static_cast<int64_t>(n)) continue;
+    PlanAction a;
+    a.kind = ActionKind::kEvict;
+    a.tier = static_cast<TierKind>(e.tier);
+    a.chunk = e.chunk;
+    out.actions[static_cast<size_t>(e.at)].push_back(a);
+  }
+  // Evictions at a moment in chunk order (deterministic), then prefetches in need order.
+  for (size_t i = 0; i < n; ++i) {
+    std::stable_sort(out.actions[i].begin(), out.actions[i].end(),
+                     [](const PlanAction& x, const PlanAction& y) { return x.chunk < y.chunk; });
+    for (const PlanAction& a : prefetch_at[i]) out.actions[i].push_back(a);
+  }
+  for (const ActSpan& s : eff.spans) {
+    if (s.policy != ActivationPolicy::kOffload) continue;
+    PlanAction a;
+    a.kind = ActionKind::kFetchActivation;
+    a.tier = TierKind::kDevice;
+    a.unit = s.unit;
+    a.need_moment = s.bwd;
+    out.actions[s.prefetch_at].push_back(a);
+  }
+  return out;
+}
+
+// ---- PlanPolicy --------------------------------------------------------------------------
+PlanPolicy::PlanPolicy(const Plan* plan, const EffIteration* planned)
+    : plan_(plan), planned_(planned) {}
+
+Status PlanPolicy::BeginIteration(Executor& ex) {
+  next_use_ = std::make_unique<NextUse>(
+      std::vector<const EffIteration*>{planned_, planned_, planned_}, ex.NumChunks());
+  mode_ = Mode::kFollow;
+  div_kind_ = DivergenceKind::kNone;
+  return OkStatus();
+}
+
+Status PlanPolicy::Before(Executor& ex, size_t i) {
+  const EffIteration& actual = ex.iteration();
+  const size_t n = planned_->size();
+  if (mode_ != Mode::kReactive) {
+    if (i >= n) {
+      mode_ = Mode::kReactive;
+      div_kind_ = DivergenceKind::kLonger;
+      div_moment_ = static_cast<uint32_t>(i);
+    } else if (!SameMoment(actual, i, *planned_, i)) {
+      const EffMoment& a = actual.moments[i];
+      const EffMoment& p = planned_->moments[i];
+      const bool moment = a.label != p.label || a.kind != p.kind || a.unit != p.unit;
+      if (mode_ == Mode::kFollow) {
+        div_kind_ = moment ? DivergenceKind::kMoment : DivergenceKind::kAccess;
+        div_moment_ = static_cast<uint32_t>(i);
+      }
+      mode_ = moment ? Mode::kReactive : Mode::kRepair;
+    }
+  }
+  if (mode_ == Mode::kReactive) {
+    return EnsureMoment(ex, i, [&ex](ChunkId c, TierKind) {
+      return std::make_tuple(ex.Chunk(c).dirty, ex.Chunk(c).last_use, c);
+    });
+  }
+  const NextUse& nu = *next_use_;
+  auto key = [&](ChunkId c, TierKind t) {
+    return BeladyKey(nu, c, t, i, ex.Chunk(c).dirty, ex.ChunkBytes(c));
+  };
+  const PlannedMoment& pm = plan_->moments[i];
+  for (uint32_t k = 0; k < pm.num_actions; ++k) {
+    const PlanAction& act = plan_->actions[pm.first_action + k];
+    if (act.kind == ActionKind::kEvict) {
+      // (A chunk this moment uses on its home tier leaves its cached copy anyway.)
+      bool used_there = false;
+      for (const EffAccess* a = actual.begin(i); a != actual.end(i); ++a) {
+        used_there |= a->chunk == act.chunk && a->tier == act.tier;
+      }
+      if (ex.Chunk(act.chunk).cache == act.tier && !used_there) {
+        TIERMEM_RETURN_IF_ERROR(ex.Evict(act.chunk));
+      }
+    } else if (act.kind == ActionKind::kPrefetch) {
+      const ChunkView& v = ex.Chunk(act.chunk);
+      if (v.cache == act.tier || ex.Home(act.chunk) == act.tier) continue;
+      const Bytes b = ex.ChunkBytes(act.chunk);
+      if (ex.Free(act.tier) < b) {
+        ++repairs_;
+        // Make room only from chunks not needed before this prefetch's use.
+        const uint64_t need = act.need_moment;
+        auto r = MakeRoom(ex, i, act.tier, b, [&](ChunkId c) { return key(c, act.tier); },
+                          [&](ChunkId c) {
+                            const uint64_t nr = nu.NextRead(c, act.tier, i);
+                            return nr != NextUse::kDead && nr <= need;
+                          });
+        if (!r.ok()) return r.status();
+        if (!*r) continue;
+      }
+      const uint32_t need_tag = act.need_moment >= n ? ex.tag() + 1 : ex.tag();
+      TIERMEM_RETURN_IF_ERROR(ex.Fetch(act.chunk, act.tier, act.copy, need_tag));
+    }
+    // kFetchActivation: the executor issues it from the effective sequence.
+  }
+  uint32_t changed = 0;
+  TIERMEM_RETURN_IF_ERROR(EnsureMoment(ex, i, key, &changed));
+  if (mode_ == Mode::kFollow) repairs_ += changed;
+
+  return OkStatus();
+}
+
+}  // namespace tiermem::planners
