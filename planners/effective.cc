@@ -47,14 +47,23 @@ StatusOr<EffIteration> BuildEffective(const Trace& trace, const TraceIteration& 
     if (gc.update_on == TierKind::kNone) continue;
     const TierKind recorded = iter.accesses[m.first_access].tier;
     TierKind t = gc.update_on;
+    const auto rate_on = [](TierKind tier, double cpu, double dev) {
+      return tier == TierKind::kDevice ? dev : cpu;
+    };
+    const double rate = rate_on(t, machine.cpu_optim_elems_per_s, machine.device_optim_elems_per_s);
     if (t != recorded) {
-      const double rate = t == TierKind::kDevice ? machine.device_optim_elems_per_s
-                                                 : machine.cpu_optim_elems_per_s;
       if (rate <= 0 || m.work_elems == 0) {
         t = recorded;  // cannot be re-timed: stays where it ran
       } else {
         compute[j] = static_cast<uint64_t>(
             std::ceil(static_cast<double>(m.work_elems) * 1e9 / rate));
+      }
+    } else {
+      // Where it ran: as measured, scaled if the model's kernel rate differs from the trace's.
+      const double traced = rate_on(t, trace.rates.cpu_optim_elems_per_s,
+                                    trace.rates.device_optim_elems_per_s);
+      if (rate > 0 && traced > 0 && rate != traced) {
+        compute[j] = static_cast<uint64_t>(std::ceil(static_cast<double>(m.compute_ns) * traced / rate));
       }
     }
     step_tier[j] = t;

@@ -5,7 +5,8 @@
 //
 // What a placement changes:
 //   - optimizer sub-steps of a group run on `update_on` (accesses move to that tier; compute
-//     is work_elems / the modelled rate unless the tier is the recorded one); a host step
+//     is work_elems / the modelled rate, or on the recorded tier the measured time, scaled by
+//     the trace's rate over the model's when they differ); a host step
 //     with `overlap` runs on the CPU lane, concurrently with the device stream, placed right
 //     after the last moment that touches any of its chunks (its grads are complete there);
 //   - a unit's saved activations are kept on the device, offloaded to the host after its

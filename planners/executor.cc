@@ -365,6 +365,17 @@ Status Executor::RunMoment(size_t i, Policy& policy) {
   return OkStatus();
 }
 
+StartState Executor::State() const {
+  StartState s;
+  s.cache.resize(view_.size());
+  s.dirty.resize(view_.size());
+  for (ChunkId c = 0; c < view_.size(); ++c) {
+    s.cache[c] = view_[c].cache;
+    s.dirty[c] = view_[c].dirty;
+  }
+  return s;
+}
+
 PairBytes Executor::Unclaimed() const {
   PairBytes out{};
   for (const auto& [tag, st] : stats_) {

@@ -74,6 +74,13 @@ struct ChunkView {
   uint64_t last_use = 0;             // program counter of its last access (0 = never)
 };
 
+// Residency (program order): per chunk the tier of its cached copy above home (kNone: only
+// the home copy) and whether it is dirty. A plan is made for one.
+struct StartState {
+  std::vector<TierKind> cache;
+  std::vector<bool> dirty;
+};
+
 // The occupancy of one tier over time. Allocations and frees are issued in program order at
 // non-decreasing issue times; Alloc returns the earliest time >= t from which `bytes` fit
 // for good given all events issued so far. Externally synchronized.
@@ -142,6 +149,7 @@ class Executor {
   // ---- for the driver ----------------------------------------------------------------------
   // Before the first Run: chunk `c` starts cached on `tier` (above its home).
   Status Preload(ChunkId c, TierKind tier, bool dirty);
+  StartState State() const;
   // Peak bytes in use on tier `t` over time (chunks and activations) since ResetPeaks().
   Bytes Peak(TierKind t) const { return profile_[Idx(t)].peak(); }
   void ResetPeaks() {

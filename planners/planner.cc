@@ -38,6 +38,7 @@ std::string Fmt(Bytes b) { return std::to_string(b) + " bytes (" + FormatBytes(b
 
 struct Candidate {
   Placement placement;
+  bool aggressive = false;
   Plan plan;
   EffIteration eff;
   IterationStats stats;
@@ -49,7 +50,7 @@ class Search {
       : trace_(t), machine_(m), opt_(o), iter_(t.iterations[o.iteration]) {}
 
   // Schedules and executes `p` (homes filled in when not fixed). Not OK: infeasible.
-  StatusOr<Candidate> Evaluate(Placement p) {
+  StatusOr<Candidate> Evaluate(Placement p, bool aggressive = false) {
     ++evaluated_;
     p.home.assign(trace_.chunks.size(), TierKind::kHost);
     TIERMEM_ASSIGN_OR_RETURN(EffIteration eff, BuildEffective(trace_, iter_, p, machine_));
@@ -79,29 +80,43 @@ class Search {
     }
     in.device_budget = machine_.Budget(TierKind::kDevice);
     in.host_budget = machine_.Budget(TierKind::kHost);
+    in.aggressive = aggressive;
     TIERMEM_ASSIGN_OR_RETURN(Schedule sched, MakeSchedule(in));
 
     Candidate c;
     c.placement = p;
+    c.aggressive = aggressive;
     c.eff = std::move(eff);
     c.plan = BuildPlan(c.placement, c.eff, sched);
+    c.plan.aggressive_prefetch = aggressive;
     TIERMEM_ASSIGN_OR_RETURN(auto ex, Executor::Create(&trace_, &machine_, p.home));
     for (ChunkId ch = 0; ch < trace_.chunks.size(); ++ch) {
       TIERMEM_RETURN_IF_ERROR(ex->Preload(ch, in.start.cache[ch], in.start.dirty[ch]));
     }
     PlanPolicy policy(&c.plan, &c.eff);
-    TIERMEM_ASSIGN_OR_RETURN(c.stats, ex->Run(c.eff, policy, 0));
-    if (policy.repairs() != 0) {
+    TIERMEM_ASSIGN_OR_RETURN(const IterationStats first, ex->Run(c.eff, policy, 0));
+    // The iteration after: planned the same way from the state this one leaves.
+    in.start = ex->State();
+    in.eff = &c.eff;
+    TIERMEM_ASSIGN_OR_RETURN(Schedule sched2, MakeSchedule(in));
+    const Plan plan2 = BuildPlan(c.placement, c.eff, sched2);
+    PlanPolicy policy2(&plan2, &c.eff);
+    TIERMEM_ASSIGN_OR_RETURN(c.stats, ex->Run(c.eff, policy2, 1));
+    if (policy.repairs() != 0 || policy2.repairs() != 0) {
       return InternalError("planner: the executed plan needed " +
-                           std::to_string(policy.repairs()) + " repairs on its own iteration");
+                           std::to_string(policy.repairs() + policy2.repairs()) +
+                           " repairs on its own iteration");
     }
     PlanEstimate& est = c.plan.estimate;
-    est.iteration_ns = c.stats.iteration_ns;
-    est.compute_ns = c.stats.compute_ns;
-    est.stall_ns = c.stats.stall_ns;
-    est.bytes = c.stats.bytes;
-    est.device_in_bytes = c.stats.DeviceInBytes();
+    est.iteration_ns = first.iteration_ns;
+    est.compute_ns = first.compute_ns;
+    est.stall_ns = first.stall_ns;
+    est.bytes = first.bytes;
+    est.device_in_bytes = first.DeviceInBytes();
     for (int t = 0; t < kNumTierKinds; ++t) est.peak[t] = ex->Peak(static_cast<TierKind>(t));
+    est.steady_iteration_ns = c.stats.iteration_ns;
+    est.steady_stall_ns = c.stats.stall_ns;
+    est.steady_device_in_bytes = c.stats.DeviceInBytes();
     return c;
   }
 
@@ -119,11 +134,15 @@ class Search {
   uint32_t evaluated() const { return evaluated_; }
 
  private:
-  static bool Better(const Candidate& a, const Candidate& b) {
-    if (a.stats.iteration_ns != b.stats.iteration_ns) {
-      return a.stats.iteration_ns < b.stats.iteration_ns;
+  bool Better(const Candidate& a, const Candidate& b) const {
+    const auto time = [](const Candidate& c) { return c.stats.iteration_ns; };
+    const auto bytes = [](const Candidate& c) { return c.stats.DeviceInBytes(); };
+    if (opt_.objective == PlanObjective::kBytes) {
+      if (bytes(a) != bytes(b)) return bytes(a) < bytes(b);
+      return time(a) < time(b);
     }
-    return a.stats.DeviceInBytes() < b.stats.DeviceInBytes();
+    if (time(a) != time(b)) return time(a) < time(b);
+    return bytes(a) < bytes(b);
   }
 
   Plan BuildPlan(const Placement& p, const EffIteration& eff, const Schedule& sched) const {
@@ -514,6 +533,9 @@ StatusOr<Plan> MakePlan(const Trace& trace, const MachineModel& machine,
     p.units.clear();
     ActivationSearch(search, trace, iter, machine, p);
   }
+  if (options.aggressive_prefetch && search.best()) {
+    search.Offer(search.Evaluate(search.best()->placement, /*aggressive=*/true));
+  }
   if (!search.best()) return search.first_error();
   Plan plan = search.best()->plan;
   plan.candidates_evaluated = search.evaluated();
@@ -530,6 +552,7 @@ std::string EncodePlan(const Plan& p) {
   out.append("TMPLAN\x1a\x00", 8);
   u32(p.version);
   u32(p.source_iteration);
+  u8(p.aggressive_prefetch);
   u32(static_cast<uint32_t>(p.home.size()));
   for (TierKind t : p.home) u8(static_cast<uint8_t>(t));
   u32(static_cast<uint32_t>(p.groups.size()));
@@ -583,6 +606,9 @@ std::string EncodePlan(const Plan& p) {
     for (Bytes b : row) u64(b);
   }
   for (Bytes b : e.peak) u64(b);
+  u64(e.steady_iteration_ns);
+  u64(e.steady_stall_ns);
+  u64(e.steady_device_in_bytes);
   return out;
 }
 
@@ -614,7 +640,8 @@ std::string DescribePlan(const Plan& p, const Trace& trace) {
   for (const PlanAction& a : p.actions) ++acts[static_cast<int>(a.kind)];
   s += "actions: " + std::to_string(acts[1]) + " prefetches, " + std::to_string(acts[0]) +
        " evictions, " + std::to_string(acts[2]) + " activation fetches over " +
-       std::to_string(p.moments.size()) + " moments (" +
+       std::to_string(p.moments.size()) + " moments" +
+       (p.aggressive_prefetch ? ", prefetching ahead of Belady" : ", Belady fetches") + " (" +
        std::to_string(p.candidates_evaluated) + " candidate plans evaluated)\n";
   return s;
 }
@@ -650,6 +677,7 @@ DivergenceChecker::DivergenceChecker(const Plan* plan) : plan_(plan) {
 
 void DivergenceChecker::Reset() {
   next_stream_ = next_step_ = 0;
+  step_seen_.assign(steps_.size(), false);
   cur_ = -1;
   observed_ = 0;
   seen_.clear();
@@ -693,14 +721,26 @@ bool DivergenceChecker::OnMoment(std::string_view label, MomentKind kind) {
   if (div_.diverged()) return false;
   if (!CloseMoment()) return false;
   ++observed_;
-  const bool step = kind == MomentKind::kOptimizerStep;
-  std::vector<uint32_t>& seq = step ? steps_ : stream_;
-  size_t& next = step ? next_step_ : next_stream_;
-  if (next >= seq.size()) {
+  if (kind == MomentKind::kOptimizerStep) {
+    // Steps may run in any order relative to each other and to the backward (overlap): the
+    // first planned step with this label not seen yet.
+    for (size_t k = 0; k < steps_.size(); ++k) {
+      if (!step_seen_[k] && plan_->moments[steps_[k]].label == label) {
+        step_seen_[k] = true;
+        ++next_step_;
+        cur_ = steps_[k];
+        return true;
+      }
+    }
+    return Fail(next_step_ >= steps_.size() ? DivergenceKind::kLonger : DivergenceKind::kMoment,
+                "moment " + std::to_string(observed_ - 1) + ": optimizer step " +
+                    std::string(label) + " is not (or no longer) in the plan");
+  }
+  if (next_stream_ >= stream_.size()) {
     return Fail(DivergenceKind::kLonger, "moment " + std::to_string(observed_ - 1) + " (" +
                                              std::string(label) + ") is beyond the plan");
   }
-  cur_ = seq[next++];
+  cur_ = stream_[next_stream_++];
   const PlannedMoment& pm = plan_->moments[cur_];
   if (pm.label != label || pm.kind != kind) {
     return Fail(DivergenceKind::kMoment,
@@ -743,8 +783,17 @@ bool DivergenceChecker::EndIteration() {
   if (div_.diverged()) return false;
   if (!CloseMoment()) return false;
   if (next_stream_ < stream_.size() || next_step_ < steps_.size()) {
-    const uint32_t missing = next_stream_ < stream_.size() ? stream_[next_stream_]
-                                                           : steps_[next_step_];
+    uint32_t missing = 0;
+    if (next_stream_ < stream_.size()) {
+      missing = stream_[next_stream_];
+    } else {
+      for (size_t k = 0; k < steps_.size(); ++k) {
+        if (!step_seen_[k]) {
+          missing = steps_[k];
+          break;
+        }
+      }
+    }
     ++observed_;
     cur_ = missing;
     return Fail(DivergenceKind::kShorter, "the iteration ended before planned moment " +

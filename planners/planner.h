@@ -89,12 +89,15 @@ struct UnitPlan {
 };
 
 // What the executor predicts for the plan on one iteration from the start state it was made
-// for.
+// for, and for the iteration after it planned the same way (the steady state: candidates are
+// compared on it, so a one-time move into a placement does not decide against it).
 struct PlanEstimate {
   uint64_t iteration_ns = 0, compute_ns = 0, stall_ns = 0;
   Bytes device_in_bytes = 0;
   PairBytes bytes{};
   std::array<Bytes, kNumTierKinds> peak{};
+  uint64_t steady_iteration_ns = 0, steady_stall_ns = 0;
+  Bytes steady_device_in_bytes = 0;
 };
 
 struct Plan {
@@ -107,16 +110,16 @@ struct Plan {
   std::vector<TraceAccess> accesses;  // expected; mode from needs_content/modifies
   std::vector<PlanAction> actions;
   PlanEstimate estimate;
+  bool aggressive_prefetch = false;  // the schedule prefetches ahead of Belady's fetches
   uint32_t candidates_evaluated = 0;
 
   Placement ToPlacement() const;
 };
 
-// Residency at the start of the planned iteration (program order): per chunk the tier of its
-// cached copy above home (kNone: only the home copy) and whether it is dirty.
-struct StartState {
-  std::vector<TierKind> cache;
-  std::vector<bool> dirty;
+// What candidate plans are compared on (their modelled steady-state iteration).
+enum class PlanObjective : uint8_t {
+  kTime = 0,   // least iteration time, then fewest bytes into the device
+  kBytes = 1,  // fewest bytes into the device, then least time (eviction-only problems)
 };
 
 struct PlanOptions {
@@ -126,6 +129,8 @@ struct PlanOptions {
   bool place_optimizer = true;       // may move optimizer steps between CPU and device
   bool overlap_optimizer = true;     // may overlap CPU steps with the backward
   bool activation_policy = true;     // may offload / recompute activations
+  bool aggressive_prefetch = true;   // may also try prefetching ahead of Belady's fetches
+  PlanObjective objective = PlanObjective::kTime;
 };
 
 // Makes the plan. Errors name what is needed:
@@ -180,9 +185,10 @@ struct Divergence {
 };
 
 // Compares an observed iteration (recorded while executing `plan`, or the trace iteration of
-// a later step) with the plan. Optimizer sub-steps are compared among themselves in order and
-// without their tier (they may run on the CPU lane in any interleaving with the backward);
-// every other moment in order with tiers.
+// a later step) with the plan. Every moment but the optimizer sub-steps is compared in order,
+// with its accesses' tiers; a sub-step is matched by label with a planned one not seen yet,
+// without tiers (steps may run on the CPU lane in any order and interleaving with the
+// backward, and on the tier the plan put them).
 Divergence FindDivergence(const Plan& plan, const Trace& trace, const TraceIteration& observed);
 
 // The same check, incremental, for the runtime's hot path: feed moments and accesses as they
@@ -203,6 +209,7 @@ class DivergenceChecker {
   bool Fail(DivergenceKind kind, std::string reason);
   const Plan* plan_;
   std::vector<uint32_t> stream_, steps_;  // planned moments of each subsequence
+  std::vector<bool> step_seen_;           // per entry of steps_
   size_t next_stream_ = 0, next_step_ = 0;
   int64_t cur_ = -1;          // planned moment being observed
   uint32_t observed_ = 0;     // observed moments so far

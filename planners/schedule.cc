@@ -65,10 +65,12 @@ constexpr int kH = static_cast<int>(TierKind::kHost);
 struct FetchEv {
   ChunkId chunk;
   int tier;
-  int64_t need;  // position
+  int64_t need;  // position where it is cached in the demand pass (its use, or earlier for an
+                 // aggressive prefetch)
   bool copy;
   int64_t after_access;  // position of the chunk's previous access (-1: none)
   int64_t prev_evict;    // index into evicts of its previous eviction (-1: none)
+  int64_t use;           // position of the access that needs it
 };
 struct EvictEv {
   ChunkId chunk;
@@ -191,7 +193,58 @@ StatusOr<Schedule> MakeSchedule(const ScheduleInput& in) {
         if (!a->needs_content) dirty[c] = false;
         cache[c] = t;
         used[t] += static_cast<int64_t>(trace.chunks[c].bytes);
-        fetches.push_back({c, t, pos, a->needs_content, after, last_evict[c]});
+        fetches.push_back({c, t, pos, a->needs_content, after, last_evict[c], pos});
+      }
+      // Aggressive variant: while the next chunk to be read on this tier can come in without
+      // harm (free room, or a victim read later than it), fetch it now.
+      while (in.aggressive && pos + 1 < horizon) {
+        bool have = false;
+        ChunkId x = 0;
+        uint64_t xr = NextUse::kDead;
+        for (ChunkId c = 0; c < nc; ++c) {
+          if (cache[c] >= 0 || in.homes[c] == static_cast<TierKind>(t) || UsedBy(eff, i, c)) {
+            continue;
+          }
+          const uint64_t r = nu.NextRead(c, static_cast<TierKind>(t), static_cast<uint64_t>(pos));
+          if (r == NextUse::kDead || r >= static_cast<uint64_t>(horizon)) continue;
+          if (!have || r < xr) {
+            have = true;
+            x = c;
+            xr = r;
+          }
+        }
+        if (!have) break;
+        const int64_t b = static_cast<int64_t>(trace.chunks[x].bytes);
+        bool room = true;
+        while (room && used[t] + b > cap(t, pos)) {
+          bool hv = false;
+          ChunkId best = 0;
+          VictimKey best_key;
+          for (ChunkId c = 0; c < nc; ++c) {
+            if (cache[c] != t || UsedBy(eff, i, c)) continue;
+            const VictimKey k = BeladyKey(nu, c, static_cast<TierKind>(t),
+                                          static_cast<uint64_t>(pos), dirty[c],
+                                          trace.chunks[c].bytes);
+            if (!hv || k < best_key) {
+              hv = true;
+              best = c;
+              best_key = k;
+            }
+          }
+          // Do no harm: the victim must be dead or read after x.
+          if (!hv || (best_key.cls == 3 && UINT64_MAX - best_key.far <= xr)) {
+            room = false;
+            break;
+          }
+          if (pos < static_cast<int64_t>(n)) victim_index.push_back(evicts.size());
+          evict(best, pos);
+        }
+        if (!room) break;
+        const int64_t after = std::max(last_acc[x], left_at[x]);
+        cache[x] = t;
+        dirty[x] = false;
+        used[t] += b;
+        fetches.push_back({x, t, pos, true, after, last_evict[x], static_cast<int64_t>(xr)});
       }
     }
     occ[kD][static_cast<size_t>(pos)] = used[kD];
@@ -261,9 +314,9 @@ StatusOr<Schedule> MakeSchedule(const ScheduleInput& in) {
     a.tier = static_cast<TierKind>(f.tier);
     a.copy = f.copy;
     a.chunk = f.chunk;
-    a.need_moment = static_cast<uint32_t>(f.need);
+    a.need_moment = static_cast<uint32_t>(f.use);
     prefetch_at[static_cast<size_t>(e)].push_back(a);
-    if (f.copy && f.tier == kD && !next_iter) out.device_in_bytes += b;
+    if (f.copy && f.tier == kD && f.use < static_cast<int64_t>(n)) out.device_in_bytes += b;
   }
   for (const EvictEv& e : evicts) {
     if (e.at >= static_cast<int64_t>(n)) continue;
@@ -346,6 +399,15 @@ Status PlanPolicy::Before(Executor& ex, size_t i) {
     } else if (act.kind == ActionKind::kPrefetch) {
       const ChunkView& v = ex.Chunk(act.chunk);
       if (v.cache == act.tier || ex.Home(act.chunk) == act.tier) continue;
+      if (!act.copy) {
+        // Allocation only, for a moment that overwrites the chunk: only if this moment does
+        // (after a divergence it may read it; then the moment's own fetch copies it).
+        bool overwrites = false;
+        for (const EffAccess* a = actual.begin(i); a != actual.end(i); ++a) {
+          overwrites |= a->chunk == act.chunk && a->tier == act.tier && !a->needs_content;
+        }
+        if (!overwrites) continue;
+      }
       const Bytes b = ex.ChunkBytes(act.chunk);
       if (ex.Free(act.tier) < b) {
         ++repairs_;
@@ -367,6 +429,7 @@ Status PlanPolicy::Before(Executor& ex, size_t i) {
   uint32_t changed = 0;
   TIERMEM_RETURN_IF_ERROR(EnsureMoment(ex, i, key, &changed));
   if (mode_ == Mode::kFollow) repairs_ += changed;
+
 
   return OkStatus();
 }

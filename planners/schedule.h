@@ -64,6 +64,10 @@ struct ScheduleInput {
   std::vector<TierKind> homes;
   StartState start;  // sized to the chunk count
   Bytes device_budget = 0, host_budget = 0;
+  // Also prefetch ahead of Belady's fetches: whenever the next chunk to be read can come in
+  // without evicting one read before it (Cao et al.'s "aggressive" rule); may fetch more bytes
+  // than Belady, to start copies earlier.
+  bool aggressive = false;
 };
 
 // Plan actions per moment of `eff` (moments 0..n-1), in issue order. kResourceExhausted if a

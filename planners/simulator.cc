@@ -196,17 +196,6 @@ Placement Recorded(const Trace& trace, std::vector<TierKind> homes) {
   return p;
 }
 
-StartState StateOf(const Executor& ex) {
-  StartState s;
-  s.cache.resize(ex.NumChunks());
-  s.dirty.resize(ex.NumChunks());
-  for (ChunkId c = 0; c < ex.NumChunks(); ++c) {
-    s.cache[c] = ex.Chunk(c).cache;
-    s.dirty[c] = ex.Chunk(c).dirty;
-  }
-  return s;
-}
-
 void Accumulate(IterationStats& into, const IterationStats& s) {
   into.iteration_ns += s.iteration_ns;
   into.compute_ns += s.compute_ns;
@@ -270,7 +259,7 @@ class Driver {
     res->homes = homes;
     TIERMEM_ASSIGN_OR_RETURN(auto ex, Executor::Create(&trace_, &machine_, homes));
 
-    // Warm-up: reactive, as recorded.
+    // Warm-up: reactive, as recorded (baselines) or under the first plan's placement.
     std::vector<EffIteration> recorded_eff;  // per position in seq_, recorded placement
     for (uint32_t k : seq_) {
       TIERMEM_ASSIGN_OR_RETURN(EffIteration e, BuildEffective(trace_, trace_.iterations[k],
@@ -278,8 +267,14 @@ class Driver {
       recorded_eff.push_back(std::move(e));
     }
     {
+      Placement wp = Recorded(trace_, homes);
+      if (kind == PolicyKind::kPlanned) wp = first_plan.ToPlacement();
+      if (kind == PolicyKind::kOpt) wp = planned->warmup_placement;
+      res->warmup_placement = wp;
+      TIERMEM_ASSIGN_OR_RETURN(EffIteration e, BuildEffective(trace_, trace_.iterations[seq_[0]],
+                                                               wp, machine_));
       LruPolicy warm;
-      auto st = ex->Run(recorded_eff[0], warm, 0);
+      auto st = ex->Run(e, warm, 0);
       if (!st.ok()) return st.status().WithContext("warm-up iteration");
     }
     ex->ResetPeaks();
@@ -350,7 +345,7 @@ class Driver {
           break;
         }
         case PolicyKind::kPlanned: {
-          const StartState start = StateOf(*ex);
+          const StartState start = ex->State();
           PlanOptions po = opt_.plan;
           po.iteration = seq_[p - 1];
           po.start = &start;

@@ -4,8 +4,10 @@
 // mains over Simulate / Compare.
 //
 // Protocol (same for every policy, so the numbers compare): the trace's iterations run in
-// order, residency carried over; the first is a warm-up run reactively (LRU, clean first, as
-// recorded: the runtime's first iteration has no trace yet) and is not measured; a one-
+// order, residency carried over; the first is a warm-up run reactively (LRU, clean first: the
+// runtime's first iteration has no trace yet) and is not measured — as recorded for the
+// baselines, under the first plan's placement (made from that iteration) for planned and opt,
+// since a warm-up that keeps every activation may not fit where the plan does; a one-
 // iteration trace is taken to repeat (warm-up + one measured copy). Learning policies see
 // each iteration only after it ran: iteration k is scheduled from iteration k-1.
 //
@@ -78,6 +80,7 @@ struct SimResult {
   uint32_t repairs = 0;           // planned: moves its plan did not foresee
   bool bound_exact = false;       // opt*: chunks on the device are all the same size
   std::vector<Plan> plans;        // planned: the plan of each measured iteration
+  Placement warmup_placement;     // planned: the placement the warm-up ran under
   std::vector<TierKind> homes;
 
   // Per measured iteration.
