@@ -69,6 +69,37 @@ StatusOr<uint64_t> OccupancyProfile::Alloc(Bytes bytes, uint64_t t) {
                        " after every issued event): the program-order check was bypassed");
 }
 
+StatusOr<uint64_t> OccupancyProfile::AllocFor(Bytes bytes, uint64_t t, uint64_t duration) {
+  if (duration == 0) return t;
+  const int64_t b = static_cast<int64_t>(bytes);
+  const int64_t cap = static_cast<int64_t>(cap_);
+  std::vector<std::pair<uint64_t, int64_t>> pts;  // (time, occupancy from then on)
+  int64_t occ = base_;
+  auto it = delta_.begin();
+  for (; it != delta_.end() && it->first <= t; ++it) occ += it->second;
+  pts.push_back({t, occ});
+  for (; it != delta_.end(); ++it) {
+    occ += it->second;
+    pts.push_back({it->first, occ});
+  }
+  for (size_t k = 0; k < pts.size(); ++k) {
+    const uint64_t a = pts[k].first;
+    int64_t m = pts[k].second;
+    for (size_t j = k + 1; j < pts.size() && pts[j].first < a + duration; ++j) {
+      m = std::max(m, pts[j].second);
+    }
+    if (m + b <= cap) {
+      delta_[a] += b;
+      delta_[a + duration] -= b;
+      if (a <= base_t_) Advance(base_t_);
+      peak_ = std::max(peak_, static_cast<Bytes>(m + b));
+      return a;
+    }
+  }
+  return InternalError("occupancy: " + std::to_string(bytes) + " bytes never fit in a budget of " +
+                       std::to_string(cap_) + ": the program-order check was bypassed");
+}
+
 void OccupancyProfile::ResetPeak() {
   int64_t occ = base_, m = base_;
   for (const auto& [t, d] : delta_) {
@@ -141,6 +172,18 @@ StatusOr<uint64_t> Executor::Alloc(TierKind t, Bytes bytes, uint64_t at) {
   if (!a.ok()) return a.status();
   used_[Idx(t)] += bytes;
   return *a;
+}
+
+StatusOr<uint64_t> Executor::AllocTransient(TierKind t, Bytes bytes, uint64_t at,
+                                             uint64_t duration) {
+  if (used_[Idx(t)] + bytes > Budget(t)) {
+    return InternalError(std::string(TierKindName(t)) + " tier: " + std::to_string(bytes) +
+                         " bytes of a moment's compute at moment " + std::to_string(pc_) +
+                         " exceed the budget in program order (" + std::to_string(used_[Idx(t)]) +
+                         " of " + std::to_string(Budget(t)) +
+                         " bytes in use): the policy did not make room");
+  }
+  return profile_[Idx(t)].AllocFor(bytes, at, duration);
 }
 
 Status Executor::FreeAt(TierKind t, Bytes bytes, uint64_t at) {
@@ -254,6 +297,7 @@ Status Executor::RunMoment(size_t i, Policy& policy) {
   IterationStats& st = stats_[tag_];
   issue_t_ = stream_t_;
   for (OccupancyProfile& p : profile_) p.Advance(issue_t_);
+  const uint64_t fetches0 = st.fetches, evictions0 = st.evictions;
   Status s = policy.Before(*this, i);
   if (!s.ok()) return s.WithContext("moment " + std::to_string(i) + " (" + std::string(m.label) + ")");
 
@@ -304,14 +348,21 @@ Status Executor::RunMoment(size_t i, Policy& policy) {
     }
     if (sp.bwd == i) dep(span_h2d_end_[k], StallCause::kActivation);
   }
-  // Device bytes allocated at compute start: temporaries, new saved activations, recomputed.
-  Bytes start_alloc = m.temp_bytes;
+  // Device bytes allocated at compute start: saved activations kept past this moment (until
+  // a free issued later), and transient ones freed at its end (temporaries, recomputed ones).
+  Bytes kept = 0, transient = m.temp_bytes;
   for (const ActSpan& sp : it.spans) {
-    if (sp.fwd == i) start_alloc += sp.bytes;
-    if (sp.policy == ActivationPolicy::kRecompute && sp.bwd == i) start_alloc += sp.bytes;
+    if (sp.fwd == i) (sp.policy == ActivationPolicy::kRecompute ? transient : kept) += sp.bytes;
+    if (sp.policy == ActivationPolicy::kRecompute && sp.bwd == i) transient += sp.bytes;
   }
-  if (start_alloc > 0) {
-    TIERMEM_ASSIGN_OR_RETURN(const uint64_t a, Alloc(TierKind::kDevice, start_alloc, ready));
+  if (m.async) dep(cpu_t_, StallCause::kOptimizer);
+  if (kept > 0) {
+    TIERMEM_ASSIGN_OR_RETURN(const uint64_t a, Alloc(TierKind::kDevice, kept, ready));
+    dep(a, StallCause::kRoom);
+  }
+  if (transient > 0) {
+    TIERMEM_ASSIGN_OR_RETURN(const uint64_t a,
+                             AllocTransient(TierKind::kDevice, transient, ready, m.compute_ns));
     dep(a, StallCause::kRoom);
   }
 
@@ -332,12 +383,27 @@ Status Executor::RunMoment(size_t i, Policy& policy) {
     st.cpu_overlap_ns += m.compute_ns;
   }
 
-  // Frees at the end of the compute; offload copies start.
-  Bytes end_free = m.temp_bytes;
+  if (record_) {
+    MomentTiming mt;
+    mt.label = std::string(m.label);
+    mt.issue_ns = issue_t_ - iter_start_;
+    mt.start_ns = start - iter_start_;
+    mt.end_ns = end - iter_start_;
+    mt.stall_ns = m.async ? 0 : start - issue_t_;
+    mt.cause = cause;
+    mt.async = m.async;
+    mt.fetches = static_cast<uint32_t>(st.fetches - fetches0);
+    mt.evictions = static_cast<uint32_t>(st.evictions - evictions0);
+    mt.device_bytes = used_[Idx(TierKind::kDevice)];
+    st.moments.push_back(std::move(mt));
+  }
+
+  // Frees at the end of the compute (the transient bytes were allocated for exactly it);
+  // offload copies start.
+  Bytes end_free = 0;
   for (size_t k = 0; k < it.spans.size(); ++k) {
     const ActSpan& sp = it.spans[k];
-    if (sp.fwd == i && sp.policy == ActivationPolicy::kRecompute) end_free += sp.bytes;
-    if (sp.bwd == i) end_free += sp.bytes;
+    if (sp.bwd == i && sp.policy != ActivationPolicy::kRecompute) end_free += sp.bytes;
     if (sp.fwd == i && sp.policy == ActivationPolicy::kOffload) {
       TIERMEM_ASSIGN_OR_RETURN(const uint64_t h, Alloc(TierKind::kHost, sp.bytes, end));
       const uint64_t done = Copy(TierKind::kDevice, TierKind::kHost, sp.bytes, h, tag_);
@@ -392,6 +458,7 @@ StatusOr<IterationStats> Executor::Run(const EffIteration& it, Policy& policy, u
   span_d2h_end_.assign(it.spans.size(), 0);
   span_h2d_end_.assign(it.spans.size(), 0);
   const uint64_t start = stream_t_;
+  iter_start_ = start;
   issue_t_ = stream_t_;
   stats_[tag];  // exists even if nothing moves
   TIERMEM_RETURN_IF_ERROR(policy.BeginIteration(*this));

@@ -54,6 +54,17 @@ std::string_view StallCauseName(StallCause c);  // "fetch", "write-back", ...
 
 using PairBytes = std::array<std::array<Bytes, kNumTierKinds>, kNumTierKinds>;
 
+// One moment as executed (Executor::set_record_moments).
+struct MomentTiming {
+  std::string label;
+  uint64_t issue_ns = 0, start_ns = 0, end_ns = 0;  // since the iteration's start
+  uint64_t stall_ns = 0;
+  StallCause cause = StallCause::kFetch;
+  bool async = false;
+  uint32_t fetches = 0, evictions = 0;  // issued at this moment
+  Bytes device_bytes = 0;               // in use on the device after its actions (program order)
+};
+
 struct IterationStats {
   uint64_t iteration_ns = 0;  // = compute_ns + stall_ns
   uint64_t compute_ns = 0;    // device-stream compute (recompute included)
@@ -64,6 +75,7 @@ struct IterationStats {
   PairBytes bytes{};          // [src][dst] copies issued for this iteration
   Bytes activation_bytes_in = 0;   // activation bytes copied host->device
   uint64_t fetches = 0, evictions = 0, writebacks = 0;
+  std::vector<MomentTiming> moments;  // when recording
   Bytes DeviceInBytes() const;     // into the device tier from host and NVMe
 };
 
@@ -89,6 +101,9 @@ class OccupancyProfile {
   explicit OccupancyProfile(Bytes capacity = 0) : cap_(capacity) {}
   void Advance(uint64_t now);  // folds events at or before `now` (no later request is earlier)
   StatusOr<uint64_t> Alloc(Bytes bytes, uint64_t t);
+  // The earliest time a >= t at which `bytes` fit during [a, a + duration), given all events
+  // issued so far; allocates them for that window (a region whose free time is known).
+  StatusOr<uint64_t> AllocFor(Bytes bytes, uint64_t t, uint64_t duration);
   Status Free(Bytes bytes, uint64_t t);
   Bytes peak() const { return peak_; }
   // Restarts peak tracking from the occupancy now and after (e.g. after a warm-up).
@@ -157,6 +172,8 @@ class Executor {
   }
   // Copies issued for iterations that were never run (prefetches past the simulated window).
   PairBytes Unclaimed() const;
+  // Keep a MomentTiming per moment in the stats of the iterations run from now on.
+  void set_record_moments(bool on) { record_ = on; }
 
   // Brings chunk `c` to tier `to` (above its home) from its cached copy or its home; with
   // copy=false only allocates (the moment overwrites it). No-op if already cached there.
@@ -183,6 +200,9 @@ class Executor {
   Executor(const Trace* trace, const MachineModel* machine, std::vector<TierKind> homes);
   static int Idx(TierKind t) { return static_cast<int>(t); }
   StatusOr<uint64_t> Alloc(TierKind t, Bytes bytes, uint64_t at);
+  // Bytes allocated at a moment's compute start and freed at its end (program order: within
+  // the moment), for `duration` ns from the returned time.
+  StatusOr<uint64_t> AllocTransient(TierKind t, Bytes bytes, uint64_t at, uint64_t duration);
   Status FreeAt(TierKind t, Bytes bytes, uint64_t at);
   // Copies on the (src, dst) lane starting no earlier than `at`; returns the end.
   uint64_t Copy(TierKind src, TierKind dst, Bytes bytes, uint64_t at, uint32_t tag);
@@ -200,6 +220,8 @@ class Executor {
   uint64_t cpu_t_ = 0;     // the CPU lane is free from here
   uint64_t issue_t_ = 0;   // issue time of the current moment's actions
   uint64_t pc_ = 0;        // program counter: moments run so far (all iterations)
+  bool record_ = false;
+  uint64_t iter_start_ = 0;
 
   // Current iteration.
   const EffIteration* it_ = nullptr;

@@ -229,6 +229,7 @@ StatusOr<ModelShape> CanonicalShape(const std::string& name) {
   s.heads = 16;
   s.vocab = 32000;
   s.seq = 1024;
+  s.iterations = 4;  // a warm-up and three measured iterations (simulator.h)
   if (name == "gpt") {
     s.batch = 2;
   } else if (name == "gpt-ckpt") {
@@ -246,7 +247,7 @@ StatusOr<ModelShape> CanonicalShape(const std::string& name) {
     s.checkpointing = true;
     s.experts = 8;
     s.top_k = 2;
-    s.iterations = 4;
+    s.iterations = 5;
   } else {
     return NotFoundError("no canonical model '" + name + "' (gpt, gpt-ckpt, gpt-tied, moe)");
   }

@@ -1,7 +1,9 @@
 // MakePlan: placement search over candidate plans, each scheduled (schedule.cc) and executed
 // in the executor; homes; feasibility checks; plan encoding; divergence.
 //
-// The search is greedy and bounded (about 2 x (3 x units + 1) + groups + 2 candidates):
+// The search is greedy and bounded (about 2 x (2 x (3 x units + 1) + groups + 1) + 2
+// candidates; each placement is scheduled with Belady's room model and with the write-back
+// aware one):
 //   1. activation policy: the first k units in forward order (their spans are the longest)
 //      offloaded, recomputed, or each the cheaper of the two by modelled copy vs recompute
 //      time, the rest kept, for every k;
@@ -50,7 +52,7 @@ class Search {
       : trace_(t), machine_(m), opt_(o), iter_(t.iterations[o.iteration]) {}
 
   // Schedules and executes `p` (homes filled in when not fixed). Not OK: infeasible.
-  StatusOr<Candidate> Evaluate(Placement p, bool aggressive = false) {
+  StatusOr<Candidate> Evaluate(Placement p, bool aggressive = false, bool wb_aware = false) {
     ++evaluated_;
     p.home.assign(trace_.chunks.size(), TierKind::kHost);
     TIERMEM_ASSIGN_OR_RETURN(EffIteration eff, BuildEffective(trace_, iter_, p, machine_));
@@ -81,6 +83,8 @@ class Search {
     in.device_budget = machine_.Budget(TierKind::kDevice);
     in.host_budget = machine_.Budget(TierKind::kHost);
     in.aggressive = aggressive;
+    in.writeback_aware = wb_aware;
+    in.machine = &machine_;
     TIERMEM_ASSIGN_OR_RETURN(Schedule sched, MakeSchedule(in));
 
     Candidate c;
@@ -89,6 +93,7 @@ class Search {
     c.eff = std::move(eff);
     c.plan = BuildPlan(c.placement, c.eff, sched);
     c.plan.aggressive_prefetch = aggressive;
+    c.plan.writeback_aware = wb_aware;
     TIERMEM_ASSIGN_OR_RETURN(auto ex, Executor::Create(&trace_, &machine_, p.home));
     for (ChunkId ch = 0; ch < trace_.chunks.size(); ++ch) {
       TIERMEM_RETURN_IF_ERROR(ex->Preload(ch, in.start.cache[ch], in.start.dirty[ch]));
@@ -118,6 +123,12 @@ class Search {
     est.steady_stall_ns = c.stats.stall_ns;
     est.steady_device_in_bytes = c.stats.DeviceInBytes();
     return c;
+  }
+
+  // Evaluates `p` with Belady's room model and with the write-back aware one; keeps the better.
+  void Try(const Placement& p) {
+    Offer(Evaluate(p, false, false));
+    Offer(Evaluate(p, false, true));
   }
 
   // Keeps `c` if it beats the best so far.
@@ -269,7 +280,7 @@ void ActivationSearch(Search& search, const Trace& trace, const TraceIteration& 
     for (size_t k = 1; k <= units.size(); ++k) {
       Placement p = base;
       for (size_t j = 0; j < k; ++j) p.units[units[j]] = family->at(units[j]);
-      search.Offer(search.Evaluate(p));
+      search.Try(p);
     }
   }
 }
@@ -487,7 +498,7 @@ StatusOr<Plan> MakePlan(const Trace& trace, const MachineModel& machine,
     base.groups[g].update_on = iter.accesses[m.first_access].tier;
     base.groups[g].overlap = options.overlap_optimizer;
   }
-  search.Offer(search.Evaluate(base));
+  search.Try(base);
   if (options.activation_policy) ActivationSearch(search, trace, iter, machine, base);
 
   const bool can_place = options.place_optimizer && machine.cpu_optim_elems_per_s > 0 &&
@@ -520,21 +531,26 @@ StatusOr<Plan> MakePlan(const Trace& trace, const MachineModel& machine,
         if (g.update_on != TierKind::kNone) g = {TierKind::kHost, options.overlap_optimizer};
       }
       for (size_t j = 0; j < m; ++j) p.groups[order[j].second] = {TierKind::kDevice, false};
-      search.Offer(search.Evaluate(p));
+      search.Try(p);
     }
   }
   if (options.overlap_optimizer && search.best()) {
     Placement p = search.best()->placement;
     for (GroupChoice& g : p.groups) g.overlap = false;
-    search.Offer(search.Evaluate(p));
+    search.Try(p);
   }
   if (options.activation_policy && can_place && search.best()) {
     Placement p = search.best()->placement;
     p.units.clear();
     ActivationSearch(search, trace, iter, machine, p);
   }
-  if (options.aggressive_prefetch && search.best()) {
-    search.Offer(search.Evaluate(search.best()->placement, /*aggressive=*/true));
+  if (search.best()) {
+    // Schedule variants on the best placement.
+    const Placement p = search.best()->placement;
+    if (options.aggressive_prefetch) {
+      search.Offer(search.Evaluate(p, true, false));
+      search.Offer(search.Evaluate(p, true, true));
+    }
   }
   if (!search.best()) return search.first_error();
   Plan plan = search.best()->plan;
@@ -553,6 +569,7 @@ std::string EncodePlan(const Plan& p) {
   u32(p.version);
   u32(p.source_iteration);
   u8(p.aggressive_prefetch);
+  u8(p.writeback_aware);
   u32(static_cast<uint32_t>(p.home.size()));
   for (TierKind t : p.home) u8(static_cast<uint8_t>(t));
   u32(static_cast<uint32_t>(p.groups.size()));
@@ -641,7 +658,8 @@ std::string DescribePlan(const Plan& p, const Trace& trace) {
   s += "actions: " + std::to_string(acts[1]) + " prefetches, " + std::to_string(acts[0]) +
        " evictions, " + std::to_string(acts[2]) + " activation fetches over " +
        std::to_string(p.moments.size()) + " moments" +
-       (p.aggressive_prefetch ? ", prefetching ahead of Belady" : ", Belady fetches") + " (" +
+       (p.aggressive_prefetch ? ", prefetching ahead of Belady" : ", Belady fetches") +
+       (p.writeback_aware ? ", room of dirty evictions counted until written back" : "") + " (" +
        std::to_string(p.candidates_evaluated) + " candidate plans evaluated)\n";
   return s;
 }

@@ -111,6 +111,7 @@ struct Plan {
   std::vector<PlanAction> actions;
   PlanEstimate estimate;
   bool aggressive_prefetch = false;  // the schedule prefetches ahead of Belady's fetches
+  bool writeback_aware = false;      // its room model waits for dirty evictions' write-backs
   uint32_t candidates_evaluated = 0;
 
   Placement ToPlacement() const;

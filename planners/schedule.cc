@@ -11,6 +11,7 @@
 #include "planners/schedule.h"
 
 #include <algorithm>
+#include <tuple>
 
 namespace tiermem::planners {
 
@@ -65,8 +66,8 @@ constexpr int kH = static_cast<int>(TierKind::kHost);
 struct FetchEv {
   ChunkId chunk;
   int tier;
-  int64_t need;  // position where it is cached in the demand pass (its use, or earlier for an
-                 // aggressive prefetch)
+  int64_t need;          // position it is cached from in the demand pass (its use, or earlier
+                         // for an aggressive prefetch)
   bool copy;
   int64_t after_access;  // position of the chunk's previous access (-1: none)
   int64_t prev_evict;    // index into evicts of its previous eviction (-1: none)
@@ -75,7 +76,12 @@ struct FetchEv {
 struct EvictEv {
   ChunkId chunk;
   int tier;
-  int64_t at;  // position (start of that moment)
+  int64_t at;       // position (start of that moment)
+  int64_t arrived;  // position the copy arrived at (-1: resident from the start)
+  bool dirty;       // written back to its home
+  bool victim;      // made room for a fetch (may leave earlier, right after its last use)
+  bool emit;        // a plan action (false: a copy that moved up to a faster tier)
+  int64_t freed = 0;  // position from which its room is usable
 };
 
 }  // namespace
@@ -87,6 +93,7 @@ StatusOr<Schedule> MakeSchedule(const ScheduleInput& in) {
   const size_t nc = trace.chunks.size();
   const int64_t horizon = static_cast<int64_t>(2 * n);
   NextUse nu({&eff, &eff, &eff}, nc);
+  auto bytes_of = [&](ChunkId c) { return static_cast<int64_t>(trace.chunks[c].bytes); };
 
   Bytes host_homes = 0;
   for (ChunkId c = 0; c < nc; ++c) {
@@ -98,31 +105,56 @@ StatusOr<Schedule> MakeSchedule(const ScheduleInput& in) {
     return static_cast<int64_t>(in.host_budget) - static_cast<int64_t>(host_homes) -
            static_cast<int64_t>(eff.host_extra[i]);
   };
+  // Write-back aware: the room of a dirty copy is usable only once its write-back is modelled
+  // to end, on its copy lane in order, with the stream advancing by compute alone.
+  const bool aware = in.writeback_aware && in.machine != nullptr;
+  std::vector<uint64_t> t_at(static_cast<size_t>(horizon) + 1, 0);
+  for (int64_t q = 0; q < horizon; ++q) {
+    const EffMoment& m = eff.moments[static_cast<size_t>(q) % n];
+    t_at[q + 1] = t_at[q] + (m.async ? 0 : m.compute_ns);
+  }
+  auto pos_at = [&](int64_t from, uint64_t time) {
+    int64_t q = from;
+    while (q < horizon && t_at[q] < time) ++q;
+    return q;
+  };
+  std::array<std::array<uint64_t, kNumTierKinds>, kNumTierKinds> lane{};  // demand-pass clocks
+  auto writeback_end = [&](auto& clocks, int tier, ChunkId c, int64_t at) {
+    uint64_t& clock = clocks[tier][static_cast<int>(in.homes[c])];
+    clock = std::max(clock, t_at[at]) +
+            in.machine->CopyNs(static_cast<TierKind>(tier), in.homes[c], trace.chunks[c].bytes);
+    return clock;
+  };
 
   std::vector<int> cache(nc, -1);  // tier index of the cached copy, -1 none
   std::vector<bool> dirty(nc, false);
-  std::vector<int64_t> last_acc(nc, -1);   // position of the last access (any tier)
-  std::vector<int64_t> left_at(nc, -1);    // position at whose start its copy last moved up
-  std::vector<int64_t> last_evict(nc, -1); // index into evicts of its last eviction
+  std::vector<int64_t> last_acc(nc, -1);    // position of the last access (any tier)
+  std::vector<int64_t> arrived(nc, -1);     // position its current copy arrived at
+  std::vector<int64_t> left_at(nc, -1);     // position at whose start its copy last moved up
+  std::vector<int64_t> last_evict(nc, -1);  // index into evicts of its last eviction
   std::array<int64_t, kNumTierKinds> used{};
   for (ChunkId c = 0; c < nc; ++c) {
     const TierKind t = in.start.cache.empty() ? TierKind::kNone : in.start.cache[c];
     if (t == TierKind::kDevice || t == TierKind::kHost) {
       cache[c] = static_cast<int>(t);
       dirty[c] = in.start.dirty[c];
-      used[cache[c]] += static_cast<int64_t>(trace.chunks[c].bytes);
+      used[cache[c]] += bytes_of(c);
     }
   }
-  std::array<std::vector<int64_t>, 2> occ;
-  occ[kD].assign(static_cast<size_t>(horizon), 0);
-  occ[kH].assign(static_cast<size_t>(horizon), 0);
   std::vector<FetchEv> fetches;
-  std::vector<EvictEv> evicts;         // final positions (early)
-  std::vector<size_t> victim_index;    // into evicts: victims to move early (demand pos < n)
-  auto evict = [&](ChunkId c, int64_t at) {
-    used[cache[c]] -= static_cast<int64_t>(trace.chunks[c].bytes);
+  std::vector<EvictEv> evicts;
+  std::vector<std::tuple<int64_t, int, int64_t>> pending;  // (usable from, tier, bytes)
+  auto evict = [&](ChunkId c, int64_t at, bool victim, bool emit = true) {
+    const int64_t b = bytes_of(c);
+    const bool d = dirty[c] && emit;
+    int64_t freed = at;
+    if (aware && d) {
+      freed = pos_at(at, writeback_end(lane, cache[c], c, at));
+      if (freed > at) pending.push_back({freed, cache[c], b});
+    }
+    if (freed == at) used[cache[c]] -= b;
     last_evict[c] = static_cast<int64_t>(evicts.size());
-    evicts.push_back({c, cache[c], at});
+    evicts.push_back({c, cache[c], at, arrived[c], d, victim, emit});
     cache[c] = -1;
     dirty[c] = false;
   };
@@ -131,43 +163,68 @@ StatusOr<Schedule> MakeSchedule(const ScheduleInput& in) {
     const uint64_t p = after_pos < 0 ? UINT64_MAX : static_cast<uint64_t>(after_pos);
     for (ChunkId c = 0; c < nc; ++c) {
       if (cache[c] < 0) continue;
-      const VictimKey k = BeladyKey(nu, c, static_cast<TierKind>(cache[c]), p, dirty[c],
-                                    trace.chunks[c].bytes);
-      if (k.cls <= 1) evict(c, at);
+      const VictimKey k =
+          BeladyKey(nu, c, static_cast<TierKind>(cache[c]), p, dirty[c], trace.chunks[c].bytes);
+      if (k.cls <= 1) evict(c, at, false);
     }
+  };
+  // The Belady victim on tier t at pos (not used by its moment).
+  auto victim = [&](int t, int64_t pos, size_t i, VictimKey* key) {
+    bool have = false;
+    ChunkId best = 0;
+    for (ChunkId c = 0; c < nc; ++c) {
+      if (cache[c] != t || UsedBy(eff, i, c)) continue;
+      const VictimKey k = BeladyKey(nu, c, static_cast<TierKind>(t), static_cast<uint64_t>(pos),
+                                    dirty[c], trace.chunks[c].bytes);
+      if (!have || k < *key) {
+        have = true;
+        best = c;
+        *key = k;
+      }
+    }
+    return have ? static_cast<int64_t>(best) : -1;
+  };
+  auto insert = [&](ChunkId c, int t, int64_t pos, bool copy, int64_t use) {
+    const int64_t after = std::max(last_acc[c], left_at[c]);
+    if (cache[c] >= 0) {  // moves up from another cache: that copy goes
+      evict(c, pos, false, /*emit=*/false);
+      left_at[c] = pos;
+    }
+    cache[c] = t;
+    dirty[c] = false;
+    arrived[c] = pos;
+    used[t] += bytes_of(c);
+    fetches.push_back({c, t, pos, copy, after, last_evict[c], use});
   };
   evict_dead(-1, 0);
 
+  // ---- demand pass: Belady over two copies of the iteration --------------------------------
   for (int64_t pos = 0; pos < horizon; ++pos) {
     const size_t i = static_cast<size_t>(pos) % n;
+    for (auto it = pending.begin(); it != pending.end();) {
+      if (std::get<0>(*it) <= pos) {
+        used[std::get<1>(*it)] -= std::get<2>(*it);
+        it = pending.erase(it);
+      } else {
+        ++it;
+      }
+    }
     // Copies above a chunk's home are dropped when it is accessed at home.
     for (const EffAccess* a = eff.begin(i); a != eff.end(i); ++a) {
-      if (a->tier == in.homes[a->chunk] && cache[a->chunk] >= 0) evict(a->chunk, pos);
+      if (a->tier == in.homes[a->chunk] && cache[a->chunk] >= 0) evict(a->chunk, pos, false);
     }
     for (int t : {kD, kH}) {
       int64_t missing = 0;
       for (const EffAccess* a = eff.begin(i); a != eff.end(i); ++a) {
         if (static_cast<int>(a->tier) == t && a->tier != in.homes[a->chunk] &&
             cache[a->chunk] != t) {
-          missing += static_cast<int64_t>(trace.chunks[a->chunk].bytes);
+          missing += bytes_of(a->chunk);
         }
       }
       while (used[t] + missing > cap(t, pos)) {
-        bool have = false;
-        ChunkId best = 0;
-        VictimKey best_key;
-        for (ChunkId c = 0; c < nc; ++c) {
-          if (cache[c] != t || UsedBy(eff, i, c)) continue;
-          const VictimKey k = BeladyKey(nu, c, static_cast<TierKind>(t),
-                                        static_cast<uint64_t>(pos), dirty[c],
-                                        trace.chunks[c].bytes);
-          if (!have || k < best_key) {
-            have = true;
-            best = c;
-            best_key = k;
-          }
-        }
-        if (!have) {
+        VictimKey key;
+        const int64_t v = victim(t, pos, i, &key);
+        if (v < 0) {
           const Bytes extra = t == kD ? eff.dev_extra[i] : eff.host_extra[i] + host_homes;
           return ResourceExhaustedError(
               std::string(TierKindName(static_cast<TierKind>(t))) + " tier: moment " +
@@ -177,23 +234,12 @@ StatusOr<Schedule> MakeSchedule(const ScheduleInput& in) {
               std::to_string(extra) + "), the budget is " +
               std::to_string(t == kD ? in.device_budget : in.host_budget) + " bytes");
         }
-        if (pos < static_cast<int64_t>(n)) victim_index.push_back(evicts.size());
-        evict(best, pos);
+        evict(static_cast<ChunkId>(v), pos, true);
       }
       for (const EffAccess* a = eff.begin(i); a != eff.end(i); ++a) {
         const ChunkId c = a->chunk;
         if (static_cast<int>(a->tier) != t || a->tier == in.homes[c] || cache[c] == t) continue;
-        const int64_t after = std::max(last_acc[c], left_at[c]);
-        if (cache[c] >= 0) {  // moves up from another cache
-          used[cache[c]] -= static_cast<int64_t>(trace.chunks[c].bytes);
-          left_at[c] = pos;
-        } else {
-          dirty[c] = false;
-        }
-        if (!a->needs_content) dirty[c] = false;
-        cache[c] = t;
-        used[t] += static_cast<int64_t>(trace.chunks[c].bytes);
-        fetches.push_back({c, t, pos, a->needs_content, after, last_evict[c], pos});
+        insert(c, t, pos, a->needs_content, pos);
       }
       // Aggressive variant: while the next chunk to be read on this tier can come in without
       // harm (free room, or a victim read later than it), fetch it now.
@@ -214,41 +260,21 @@ StatusOr<Schedule> MakeSchedule(const ScheduleInput& in) {
           }
         }
         if (!have) break;
-        const int64_t b = static_cast<int64_t>(trace.chunks[x].bytes);
         bool room = true;
-        while (room && used[t] + b > cap(t, pos)) {
-          bool hv = false;
-          ChunkId best = 0;
-          VictimKey best_key;
-          for (ChunkId c = 0; c < nc; ++c) {
-            if (cache[c] != t || UsedBy(eff, i, c)) continue;
-            const VictimKey k = BeladyKey(nu, c, static_cast<TierKind>(t),
-                                          static_cast<uint64_t>(pos), dirty[c],
-                                          trace.chunks[c].bytes);
-            if (!hv || k < best_key) {
-              hv = true;
-              best = c;
-              best_key = k;
-            }
-          }
+        while (used[t] + bytes_of(x) > cap(t, pos)) {
+          VictimKey key;
+          const int64_t v = victim(t, pos, i, &key);
           // Do no harm: the victim must be dead or read after x.
-          if (!hv || (best_key.cls == 3 && UINT64_MAX - best_key.far <= xr)) {
+          if (v < 0 || (key.cls == 3 && UINT64_MAX - key.far <= xr)) {
             room = false;
             break;
           }
-          if (pos < static_cast<int64_t>(n)) victim_index.push_back(evicts.size());
-          evict(best, pos);
+          evict(static_cast<ChunkId>(v), pos, true);
         }
         if (!room) break;
-        const int64_t after = std::max(last_acc[x], left_at[x]);
-        cache[x] = t;
-        dirty[x] = false;
-        used[t] += b;
-        fetches.push_back({x, t, pos, true, after, last_evict[x], static_cast<int64_t>(xr)});
+        insert(x, t, pos, true, static_cast<int64_t>(xr));
       }
     }
-    occ[kD][static_cast<size_t>(pos)] = used[kD];
-    occ[kH][static_cast<size_t>(pos)] = used[kH];
     for (const EffAccess* a = eff.begin(i); a != eff.end(i); ++a) {
       last_acc[a->chunk] = pos;
       if (a->modifies && cache[a->chunk] == static_cast<int>(a->tier)) dirty[a->chunk] = true;
@@ -256,47 +282,73 @@ StatusOr<Schedule> MakeSchedule(const ScheduleInput& in) {
     if (pos + 1 < horizon) evict_dead(pos, pos + 1);
   }
 
-  // Victims of this iteration's fetches leave right after their last use before eviction.
-  for (size_t vi : victim_index) {
-    EvictEv& e = evicts[vi];
-    // The last access of the victim before its eviction: scan back (cheap: n is small).
+  // ---- victims of this iteration leave right after their last use -------------------------
+  for (EvictEv& e : evicts) {
+    if (!e.victim || e.at >= static_cast<int64_t>(n)) continue;
     int64_t last = -1;
-    for (int64_t q = e.at - 1; q >= 0; --q) {
+    for (int64_t q = e.at - 1; q > e.arrived && q >= 0; --q) {
       if (UsedBy(eff, static_cast<size_t>(q) % n, e.chunk)) {
         last = q;
         break;
       }
     }
-    const int64_t early = last + 1;
-    if (early >= e.at) continue;
-    // Not before the chunk arrived (fetched at or before `last`, or resident from the start).
-    const Bytes b = trace.chunks[e.chunk].bytes;
-    for (int64_t q = early; q < e.at; ++q) occ[e.tier][static_cast<size_t>(q)] -= static_cast<int64_t>(b);
-    e.at = early;
+    e.at = std::max({last + 1, e.arrived + 1, int64_t{0}});
   }
-  // Fetches the victim leaving early freed the way for may come earlier too: hoist each fetch
-  // (need order per tier) to the earliest position the capacity allows.
+  // When each room is usable: at the eviction, or when its write-back ends (lanes in order).
+  {
+    std::vector<size_t> order(evicts.size());
+    for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+    std::stable_sort(order.begin(), order.end(),
+                     [&](size_t x, size_t y) { return evicts[x].at < evicts[y].at; });
+    std::array<std::array<uint64_t, kNumTierKinds>, kNumTierKinds> clocks{};
+    for (size_t k : order) {
+      EvictEv& e = evicts[k];
+      e.freed = aware && e.dirty ? pos_at(e.at, writeback_end(clocks, e.tier, e.chunk, e.at)) : e.at;
+    }
+  }
+  // Occupancy per position after its actions, from the events.
+  std::array<std::vector<int64_t>, 2> occ;
+  for (int t : {kD, kH}) {
+    std::vector<int64_t> diff(static_cast<size_t>(horizon) + 1, 0);
+    for (ChunkId c = 0; c < nc; ++c) {
+      const TierKind st = in.start.cache.empty() ? TierKind::kNone : in.start.cache[c];
+      if (static_cast<int>(st) == t) diff[0] += bytes_of(c);
+    }
+    for (const FetchEv& f : fetches) {
+      if (f.tier == t) diff[static_cast<size_t>(f.need)] += bytes_of(f.chunk);
+    }
+    for (const EvictEv& e : evicts) {
+      if (e.tier == t) diff[static_cast<size_t>(std::min(e.freed, horizon))] -= bytes_of(e.chunk);
+    }
+    occ[t].resize(static_cast<size_t>(horizon));
+    int64_t run = 0;
+    for (int64_t q = 0; q < horizon; ++q) {
+      run += diff[static_cast<size_t>(q)];
+      occ[t][static_cast<size_t>(q)] = run;
+    }
+  }
+
+  // ---- hoisting: each fetch (need order per tier) as early as the room allows -------------
   Schedule out;
   out.actions.resize(n);
   std::vector<std::vector<PlanAction>> prefetch_at(n);
   std::array<int64_t, kNumTierKinds> prev{};
   std::array<bool, kNumTierKinds> stop{};
-  // Fetches are already in need order (position, then access order).
   for (const FetchEv& f : fetches) {
     if (stop[f.tier]) continue;
     const bool next_iter = f.need >= static_cast<int64_t>(n);
-    const Bytes b = trace.chunks[f.chunk].bytes;
+    const int64_t b = bytes_of(f.chunk);
     int64_t e = f.need;
     if (f.copy) {
-      // After its previous access, and after the moment its copy last left (which the
-      // early-eviction pass above may have moved).
+      // After its previous access, and after its copy last left (an eviction the pass above
+      // may have moved), in need order.
       int64_t earliest = f.after_access + 1;
       if (f.prev_evict >= 0) {
         earliest = std::max(earliest, evicts[static_cast<size_t>(f.prev_evict)].at + 1);
       }
       e = std::max<int64_t>(earliest, prev[f.tier]);
       for (int64_t q = f.need - 1; q >= e; --q) {
-        if (occ[f.tier][static_cast<size_t>(q)] + static_cast<int64_t>(b) > cap(f.tier, q)) {
+        if (occ[f.tier][static_cast<size_t>(q)] + b > cap(f.tier, q)) {
           e = q + 1;
           break;
         }
@@ -307,7 +359,7 @@ StatusOr<Schedule> MakeSchedule(const ScheduleInput& in) {
       if (f.copy) stop[f.tier] = true;
       continue;
     }
-    for (int64_t q = e; q < f.need; ++q) occ[f.tier][static_cast<size_t>(q)] += static_cast<int64_t>(b);
+    for (int64_t q = e; q < f.need; ++q) occ[f.tier][static_cast<size_t>(q)] += b;
     if (f.copy) prev[f.tier] = e;
     PlanAction a;
     a.kind = ActionKind::kPrefetch;
@@ -316,10 +368,12 @@ StatusOr<Schedule> MakeSchedule(const ScheduleInput& in) {
     a.chunk = f.chunk;
     a.need_moment = static_cast<uint32_t>(f.use);
     prefetch_at[static_cast<size_t>(e)].push_back(a);
-    if (f.copy && f.tier == kD && f.use < static_cast<int64_t>(n)) out.device_in_bytes += b;
+    if (f.copy && f.tier == kD && f.use < static_cast<int64_t>(n)) {
+      out.device_in_bytes += static_cast<Bytes>(b);
+    }
   }
   for (const EvictEv& e : evicts) {
-    if (e.at >= static_cast<int64_t>(n)) continue;
+    if (!e.emit || e.at >= static_cast<int64_t>(n)) continue;
     PlanAction a;
     a.kind = ActionKind::kEvict;
     a.tier = static_cast<TierKind>(e.tier);

@@ -68,6 +68,11 @@ struct ScheduleInput {
   // without evicting one read before it (Cao et al.'s "aggressive" rule); may fetch more bytes
   // than Belady, to start copies earlier.
   bool aggressive = false;
+  // Count a dirty copy's room as taken until its write-back is modelled to end (needs
+  // `machine`), so the schedule leaves room for the moments right after a dirty eviction
+  // (e.g. a grad chunk written back while the next backward moment needs its temporaries).
+  bool writeback_aware = false;
+  const MachineModel* machine = nullptr;
 };
 
 // Plan actions per moment of `eff` (moments 0..n-1), in issue order. kResourceExhausted if a

@@ -278,6 +278,7 @@ class Driver {
       if (!st.ok()) return st.status().WithContext("warm-up iteration");
     }
     ex->ResetPeaks();
+    ex->set_record_moments(opt_.record_moments);
 
     // Effective sequences of the measured iterations (opt needs them all up front).
     std::vector<EffIteration> eff(seq_.size());

@@ -24,6 +24,7 @@ struct PlanArgs {
   uint32_t depth = 4, iterations = 0, moments = 0;
   uint64_t seed = 0, accesses = 10'000'000;
   bool json = false, no_place = false, no_overlap = false, no_activations = false;
+  bool list_moments = false;
 };
 
 [[noreturn]] void Fail(const Status& s) {
@@ -82,6 +83,7 @@ Loaded Load(const PlanArgs& a) {
   l.sim.plan.place_optimizer = !a.no_place;
   l.sim.plan.overlap_optimizer = !a.no_overlap;
   l.sim.plan.activation_policy = !a.no_activations;
+  l.sim.record_moments = a.list_moments;
   return l;
 }
 
@@ -205,6 +207,21 @@ void Simulate(const PlanArgs& a) {
   PrintHeader(l, a.trace);
   PrintTable({*r});
   if (!r->plans.empty()) std::cout << DescribePlan(r->plans.back(), l.trace);
+  if (a.list_moments && !r->per_iteration.empty()) {
+    std::printf("last measured iteration, moment by moment (ms from its start):\n");
+    std::printf("%4s %-20s %9s %9s %9s %8s %-10s %4s %4s %10s\n", "#", "moment", "issue", "start",
+                "end", "stall", "cause", "in", "out", "dev used");
+    const auto& ms = r->per_iteration.back().moments;
+    for (size_t i = 0; i < ms.size(); ++i) {
+      const MomentTiming& m = ms[i];
+      std::printf("%4zu %-20s %9s %9s %9s %8s %-10s %4u %4u %10s%s\n", i, m.label.c_str(),
+                  Ms(m.issue_ns).c_str(), Ms(m.start_ns).c_str(), Ms(m.end_ns).c_str(),
+                  Ms(m.stall_ns).c_str(),
+                  m.stall_ns ? std::string(StallCauseName(m.cause)).c_str() : "",
+                  m.fetches, m.evictions, FormatBytes(m.device_bytes).c_str(),
+                  m.async ? "  (CPU lane)" : "");
+    }
+  }
 }
 
 void Compare(const PlanArgs& a) {
@@ -316,6 +333,7 @@ void RegisterPlan(CLI::App& app) {
   CLI::App* sim = plan->add_subcommand("simulate", "simulate one policy over a trace");
   AddBudgetOptions(sim, args.get());
   sim->add_option("--policy", args->policy, "lru|patrickstar|deepspeed|engine|planned|opt|opt-recorded");
+  sim->add_flag("--moments", args->list_moments, "list the last measured iteration moment by moment");
   sim->callback([args] { Simulate(*args); });
 
   CLI::App* cmp = plan->add_subcommand("compare", "every policy in one table, with the OPT bound");
