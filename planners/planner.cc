@@ -1,9 +1,10 @@
 // MakePlan: placement search over candidate plans, each scheduled (schedule.cc) and executed
 // in the executor; homes; feasibility checks; plan encoding; divergence.
 //
-// The search is greedy and bounded (about 2 x (2 x (3 x units + 1) + groups + 1) + 2
-// candidates; each placement is scheduled with Belady's room model and with the write-back
-// aware one):
+// The search is greedy and bounded (at most about 2 x (2 x (3 x units + 1) + groups + 1) + 2
+// candidates, fewer since a sweep stops after 3 candidates in a row that do not improve on
+// it; each placement is scheduled with Belady's room model and with the write-back aware
+// one):
 //   1. activation policy: the first k units in forward order (their spans are the longest)
 //      offloaded, recomputed, or each the cheaper of the two by modelled copy vs recompute
 //      time, the rest kept, for every k;
@@ -126,9 +127,15 @@ class Search {
   }
 
   // Evaluates `p` with Belady's room model and with the write-back aware one; keeps the better.
-  void Try(const Placement& p) {
-    Offer(Evaluate(p, false, false));
-    Offer(Evaluate(p, false, true));
+  // Returns the better modelled steady-state time (UINT64_MAX: neither fits).
+  uint64_t Try(const Placement& p) {
+    uint64_t best = UINT64_MAX;
+    for (bool wb : {false, true}) {
+      StatusOr<Candidate> c = Evaluate(p, false, wb);
+      if (c.ok()) best = std::min(best, c->stats.iteration_ns);
+      Offer(std::move(c));
+    }
+    return best;
   }
 
   // Keeps `c` if it beats the best so far.
@@ -224,6 +231,27 @@ class Search {
   uint32_t evaluated_ = 0;
 };
 
+// Early stop of a one-parameter sweep: after the first candidate that fits, stop once
+// kLimit in a row did not improve on the sweep's best.
+class Patience {
+ public:
+  static constexpr int kLimit = 3;
+  void Observe(uint64_t time_ns) {
+    if (time_ns == UINT64_MAX && best_ == UINT64_MAX) return;  // nothing fits yet
+    if (time_ns < best_) {
+      best_ = time_ns;
+      misses_ = 0;
+    } else {
+      ++misses_;
+    }
+  }
+  bool exhausted() const { return misses_ >= kLimit; }
+
+ private:
+  uint64_t best_ = UINT64_MAX;
+  int misses_ = 0;
+};
+
 // Units with activation spans worth a decision, in order of their first forward.
 std::vector<uint32_t> SpanUnits(const EffIteration& eff) {
   std::vector<std::pair<uint32_t, uint32_t>> first;  // (fwd, unit)
@@ -277,10 +305,11 @@ void ActivationSearch(Search& search, const Trace& trace, const TraceIteration& 
   }
   for (const auto* family : {&offload, &recompute, &cheaper}) {
     if (family == &cheaper && (cheaper == offload || cheaper == recompute)) continue;
-    for (size_t k = 1; k <= units.size(); ++k) {
+    Patience patience;
+    for (size_t k = 1; k <= units.size() && !patience.exhausted(); ++k) {
       Placement p = base;
       for (size_t j = 0; j < k; ++j) p.units[units[j]] = family->at(units[j]);
-      search.Try(p);
+      patience.Observe(search.Try(p));
     }
   }
 }
@@ -525,13 +554,14 @@ StatusOr<Plan> MakePlan(const Trace& trace, const MachineModel& machine,
         std::sort(order.begin(), order.end());
       }
     }
-    for (size_t m = 1; m <= order.size(); ++m) {
+    Patience patience;
+    for (size_t m = 1; m <= order.size() && !patience.exhausted(); ++m) {
       Placement p = best.placement;
       for (GroupChoice& g : p.groups) {
         if (g.update_on != TierKind::kNone) g = {TierKind::kHost, options.overlap_optimizer};
       }
       for (size_t j = 0; j < m; ++j) p.groups[order[j].second] = {TierKind::kDevice, false};
-      search.Try(p);
+      patience.Observe(search.Try(p));
     }
   }
   if (options.overlap_optimizer && search.best()) {

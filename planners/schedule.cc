@@ -133,10 +133,28 @@ StatusOr<Schedule> MakeSchedule(const ScheduleInput& in) {
   std::vector<int64_t> left_at(nc, -1);     // position at whose start its copy last moved up
   std::vector<int64_t> last_evict(nc, -1);  // index into evicts of its last eviction
   std::array<int64_t, kNumTierKinds> used{};
+  // The chunks cached on each tier (unordered; slot[c] is c's index there).
+  std::array<std::vector<ChunkId>, 2> on_tier;
+  std::vector<size_t> slot(nc, 0);
+  auto set_cache = [&](ChunkId c, int t) {
+    if (cache[c] >= 0) {
+      std::vector<ChunkId>& v = on_tier[cache[c]];
+      v[slot[c]] = v.back();
+      slot[v.back()] = slot[c];
+      v.pop_back();
+    }
+    cache[c] = t;
+    if (t >= 0) {
+      slot[c] = on_tier[t].size();
+      on_tier[t].push_back(c);
+    }
+  };
+  // Chunks the moment being processed uses (by stamp).
+  std::vector<int64_t> used_at(nc, -1);
   for (ChunkId c = 0; c < nc; ++c) {
     const TierKind t = in.start.cache.empty() ? TierKind::kNone : in.start.cache[c];
     if (t == TierKind::kDevice || t == TierKind::kHost) {
-      cache[c] = static_cast<int>(t);
+      set_cache(c, static_cast<int>(t));
       dirty[c] = in.start.dirty[c];
       used[cache[c]] += bytes_of(c);
     }
@@ -155,25 +173,24 @@ StatusOr<Schedule> MakeSchedule(const ScheduleInput& in) {
     if (freed == at) used[cache[c]] -= b;
     last_evict[c] = static_cast<int64_t>(evicts.size());
     evicts.push_back({c, cache[c], at, arrived[c], d, victim, emit});
-    cache[c] = -1;
+    set_cache(c, -1);
     dirty[c] = false;
   };
-  // Dead copies leave right after their last use (at the start of `at`).
-  auto evict_dead = [&](int64_t after_pos, int64_t at) {
+  // Dead copies leave right after their last use (at the start of `at`). A copy's next use
+  // changes only when it is accessed, so only the chunks just accessed need a look.
+  auto evict_dead_one = [&](ChunkId c, int64_t after_pos, int64_t at) {
+    if (cache[c] < 0) return;
     const uint64_t p = after_pos < 0 ? UINT64_MAX : static_cast<uint64_t>(after_pos);
-    for (ChunkId c = 0; c < nc; ++c) {
-      if (cache[c] < 0) continue;
-      const VictimKey k =
-          BeladyKey(nu, c, static_cast<TierKind>(cache[c]), p, dirty[c], trace.chunks[c].bytes);
-      if (k.cls <= 1) evict(c, at, false);
-    }
+    const VictimKey k =
+        BeladyKey(nu, c, static_cast<TierKind>(cache[c]), p, dirty[c], trace.chunks[c].bytes);
+    if (k.cls <= 1) evict(c, at, false);
   };
   // The Belady victim on tier t at pos (not used by its moment).
   auto victim = [&](int t, int64_t pos, size_t i, VictimKey* key) {
     bool have = false;
     ChunkId best = 0;
-    for (ChunkId c = 0; c < nc; ++c) {
-      if (cache[c] != t || UsedBy(eff, i, c)) continue;
+    for (ChunkId c : on_tier[t]) {
+      if (used_at[c] == pos) continue;
       const VictimKey k = BeladyKey(nu, c, static_cast<TierKind>(t), static_cast<uint64_t>(pos),
                                     dirty[c], trace.chunks[c].bytes);
       if (!have || k < *key) {
@@ -190,17 +207,18 @@ StatusOr<Schedule> MakeSchedule(const ScheduleInput& in) {
       evict(c, pos, false, /*emit=*/false);
       left_at[c] = pos;
     }
-    cache[c] = t;
+    set_cache(c, t);
     dirty[c] = false;
     arrived[c] = pos;
     used[t] += bytes_of(c);
     fetches.push_back({c, t, pos, copy, after, last_evict[c], use});
   };
-  evict_dead(-1, 0);
+  for (ChunkId c = 0; c < nc; ++c) evict_dead_one(c, -1, 0);
 
   // ---- demand pass: Belady over two copies of the iteration --------------------------------
   for (int64_t pos = 0; pos < horizon; ++pos) {
     const size_t i = static_cast<size_t>(pos) % n;
+    for (const EffAccess* a = eff.begin(i); a != eff.end(i); ++a) used_at[a->chunk] = pos;
     for (auto it = pending.begin(); it != pending.end();) {
       if (std::get<0>(*it) <= pos) {
         used[std::get<1>(*it)] -= std::get<2>(*it);
@@ -244,19 +262,23 @@ StatusOr<Schedule> MakeSchedule(const ScheduleInput& in) {
       // Aggressive variant: while the next chunk to be read on this tier can come in without
       // harm (free room, or a victim read later than it), fetch it now.
       while (in.aggressive && pos + 1 < horizon) {
+        // The earliest later read on t of a chunk cached nowhere (and not used now).
         bool have = false;
         ChunkId x = 0;
         uint64_t xr = NextUse::kDead;
-        for (ChunkId c = 0; c < nc; ++c) {
-          if (cache[c] >= 0 || in.homes[c] == static_cast<TierKind>(t) || UsedBy(eff, i, c)) {
-            continue;
-          }
-          const uint64_t r = nu.NextRead(c, static_cast<TierKind>(t), static_cast<uint64_t>(pos));
-          if (r == NextUse::kDead || r >= static_cast<uint64_t>(horizon)) continue;
-          if (!have || r < xr) {
+        for (int64_t q = pos + 1; q < horizon && !have; ++q) {
+          const size_t j = static_cast<size_t>(q) % n;
+          for (const EffAccess* a = eff.begin(j); a != eff.end(j); ++a) {
+            const ChunkId c = a->chunk;
+            if (static_cast<int>(a->tier) != t || !a->needs_content || cache[c] >= 0 ||
+                in.homes[c] == a->tier || used_at[c] == pos ||
+                nu.NextRead(c, a->tier, static_cast<uint64_t>(pos)) != static_cast<uint64_t>(q)) {
+              continue;
+            }
             have = true;
             x = c;
-            xr = r;
+            xr = static_cast<uint64_t>(q);
+            break;
           }
         }
         if (!have) break;
@@ -279,7 +301,11 @@ StatusOr<Schedule> MakeSchedule(const ScheduleInput& in) {
       last_acc[a->chunk] = pos;
       if (a->modifies && cache[a->chunk] == static_cast<int>(a->tier)) dirty[a->chunk] = true;
     }
-    if (pos + 1 < horizon) evict_dead(pos, pos + 1);
+    if (pos + 1 < horizon) {
+      for (const EffAccess* a = eff.begin(i); a != eff.end(i); ++a) {
+        evict_dead_one(a->chunk, pos, pos + 1);
+      }
+    }
   }
 
   // ---- victims of this iteration leave right after their last use -------------------------
