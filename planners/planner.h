@@ -105,6 +105,7 @@ struct Plan {
   uint32_t source_iteration = 0;
   std::vector<TierKind> home;     // per chunk
   std::vector<GroupPlan> groups;  // groups with an optimizer step, by group index
+  std::vector<uint32_t> volatile_groups;  // sorted; see PlanOptions::earlier_iteration
   std::vector<UnitPlan> units;    // units with saved activations, by unit id
   std::vector<PlannedMoment> moments;
   std::vector<TraceAccess> accesses;  // expected; mode from needs_content/modifies
@@ -132,6 +133,10 @@ struct PlanOptions {
   bool activation_policy = true;     // may offload / recompute activations
   bool aggressive_prefetch = true;   // may also try prefetching ahead of Belady's fetches
   PlanObjective objective = PlanObjective::kTime;
+  // An earlier observed iteration (-1: none). Chunk groups that moments of it and of
+  // `iteration` use differently (MoE experts) are volatile: their optimizer steps stay where
+  // they ran and their chunks are prefetched only once this iteration has shown its group.
+  int64_t earlier_iteration = -1;
 };
 
 // Makes the plan. Errors name what is needed:

@@ -11,6 +11,8 @@
 #include "planners/schedule.h"
 
 #include <algorithm>
+#include <iterator>
+#include <set>
 #include <tuple>
 
 namespace tiermem::planners {
@@ -425,34 +427,187 @@ StatusOr<Schedule> MakeSchedule(const ScheduleInput& in) {
 }
 
 // ---- PlanPolicy --------------------------------------------------------------------------
+//
+// Alignment: the device-stream moments of the actual iteration are matched in order with the
+// planned ones (same label, kind and unit, else the iteration took another path: reactive);
+// an actual optimizer step with an unmatched planned step of the same (substituted) group.
+// At each match the plan's actions of every planned moment up to the matched one are issued.
+// Substitution: when a matched moment uses other chunk groups than planned (MoE routing:
+// other experts), the groups planned and not used are paired in order with those used and
+// not planned, and the rest of the plan is read through that map — a group's chunk of kind k
+// becomes the substitute group's chunk of kind k — for actions and predicted next uses.
 PlanPolicy::PlanPolicy(const Plan* plan, const EffIteration* planned)
     : plan_(plan), planned_(planned) {}
 
-Status PlanPolicy::BeginIteration(Executor& ex) {
+void PlanPolicy::Remap(const Trace& t) {
+  mapped_ = *planned_;
+  for (EffAccess& a : mapped_.accesses) a.chunk = Map(t, a.chunk);
   next_use_ = std::make_unique<NextUse>(
-      std::vector<const EffIteration*>{planned_, planned_, planned_}, ex.NumChunks());
+      std::vector<const EffIteration*>{&mapped_, &mapped_, &mapped_}, t.chunks.size());
+}
+
+ChunkId PlanPolicy::Map(const Trace& t, ChunkId c) const {
+  const TraceChunk& ch = t.chunks[c];
+  const uint32_t g = sigma_[ch.group];
+  if (g == ch.group) return c;
+  auto it = chunk_of_.find({g, ch.kind});
+  return it == chunk_of_.end() ? c : it->second;
+}
+
+Status PlanPolicy::BeginIteration(Executor& ex) {
+  const Trace& t = ex.trace();
+  sigma_.resize(t.chunks.size());
+  for (uint32_t g = 0; g < sigma_.size(); ++g) sigma_[g] = g;
+  chunk_of_.clear();
+  for (ChunkId c = 0; c < t.chunks.size(); ++c) chunk_of_[{t.chunks[c].group, t.chunks[c].kind}] = c;
+  Remap(t);
   mode_ = Mode::kFollow;
   div_kind_ = DivergenceKind::kNone;
+  next_stream_ = 0;
+  issued_ = 0;
+  step_matched_.assign(planned_->size(), false);
+  volatile_.assign(t.chunks.size(), false);
+  for (uint32_t g : plan_->volatile_groups) {
+    if (g < volatile_.size()) volatile_[g] = true;
+  }
+  seen_.assign(t.chunks.size(), false);
+  return OkStatus();
+}
+
+bool PlanPolicy::Learn(const Trace& t, const EffIteration& actual, size_t i, size_t q) {
+  std::set<uint32_t> want, got;
+  for (const EffAccess* a = mapped_.begin(q); a != mapped_.end(q); ++a) {
+    want.insert(t.chunks[a->chunk].group);
+  }
+  for (const EffAccess* a = actual.begin(i); a != actual.end(i); ++a) {
+    got.insert(t.chunks[a->chunk].group);
+  }
+  std::vector<uint32_t> missing, extra;
+  std::set_difference(want.begin(), want.end(), got.begin(), got.end(), std::back_inserter(missing));
+  std::set_difference(got.begin(), got.end(), want.begin(), want.end(), std::back_inserter(extra));
+  const size_t pairs = std::min(missing.size(), extra.size());
+  if (pairs == 0) return false;
+  for (size_t k = 0; k < pairs; ++k) {
+    const uint32_t m = missing[k], x = extra[k];
+    for (uint32_t& s : sigma_) {  // sigma followed by the transposition (m x)
+      if (s == m) {
+        s = x;
+      } else if (s == x) {
+        s = m;
+      }
+    }
+  }
+  Remap(t);
+  return true;
+}
+
+Status PlanPolicy::Issue(Executor& ex, size_t i, size_t q) {
+  const EffIteration& actual = ex.iteration();
+  const Trace& t = ex.trace();
+  const size_t n = planned_->size();
+  const NextUse& nu = *next_use_;
+  auto key = [&](ChunkId c, TierKind tier) {
+    return BeladyKey(nu, c, tier, q, ex.Chunk(c).dirty, ex.ChunkBytes(c));
+  };
+  const PlannedMoment& pm = plan_->moments[q];
+  for (uint32_t k = 0; k < pm.num_actions; ++k) {
+    const PlanAction& act = plan_->actions[pm.first_action + k];
+    if (act.kind == ActionKind::kFetchActivation) continue;  // the executor does these
+    const ChunkId c = Map(t, act.chunk);
+    // A volatile group's chunk comes in only once this iteration showed which group it is.
+    if (act.kind == ActionKind::kPrefetch && volatile_[t.chunks[act.chunk].group] &&
+        !seen_[t.chunks[c].group]) {
+      continue;
+    }
+    if (act.kind == ActionKind::kEvict) {
+      // (A chunk this moment uses on its home tier leaves its cached copy anyway.)
+      bool used_there = false;
+      for (const EffAccess* a = actual.begin(i); a != actual.end(i); ++a) {
+        used_there |= a->chunk == c && a->tier == act.tier;
+      }
+      if (ex.Chunk(c).cache == act.tier && !used_there) TIERMEM_RETURN_IF_ERROR(ex.Evict(c));
+      continue;
+    }
+    const ChunkView& v = ex.Chunk(c);
+    if (v.cache == act.tier || ex.Home(c) == act.tier) continue;
+    if (!act.copy) {
+      // Allocation only, for a moment that overwrites the chunk: only if this moment does
+      // (after a divergence it may read it; then the moment's own fetch copies it).
+      bool overwrites = false;
+      for (const EffAccess* a = actual.begin(i); a != actual.end(i); ++a) {
+        overwrites |= a->chunk == c && a->tier == act.tier && !a->needs_content;
+      }
+      if (!overwrites) continue;
+    }
+    const Bytes b = ex.ChunkBytes(c);
+    if (ex.Free(act.tier) < b + ex.NeedExtra(i, act.tier)) {
+      if (mode_ == Mode::kFollow) ++repairs_;
+      // Make room only from chunks not needed before this prefetch's use.
+      const uint64_t need = act.need_moment;
+      auto r = MakeRoom(ex, i, act.tier, b + ex.NeedExtra(i, act.tier),
+                        [&](ChunkId x) { return key(x, act.tier); },
+                        [&](ChunkId x) {
+                          const uint64_t nr = nu.NextRead(x, act.tier, q);
+                          return nr != NextUse::kDead && nr <= need;
+                        });
+      if (!r.ok()) return r.status();
+      if (!*r) continue;
+    }
+    const uint32_t need_tag = act.need_moment >= n ? ex.tag() + 1 : ex.tag();
+    TIERMEM_RETURN_IF_ERROR(ex.Fetch(c, act.tier, act.copy, need_tag));
+  }
   return OkStatus();
 }
 
 Status PlanPolicy::Before(Executor& ex, size_t i) {
   const EffIteration& actual = ex.iteration();
+  const Trace& t = ex.trace();
   const size_t n = planned_->size();
-  if (mode_ != Mode::kReactive) {
-    if (i >= n) {
-      mode_ = Mode::kReactive;
-      div_kind_ = DivergenceKind::kLonger;
+  const EffMoment& am = actual.moments[i];
+  auto diverge = [&](DivergenceKind k, Mode m) {
+    if (mode_ == Mode::kFollow) {
+      div_kind_ = k;
       div_moment_ = static_cast<uint32_t>(i);
-    } else if (!SameMoment(actual, i, *planned_, i)) {
-      const EffMoment& a = actual.moments[i];
-      const EffMoment& p = planned_->moments[i];
-      const bool moment = a.label != p.label || a.kind != p.kind || a.unit != p.unit;
-      if (mode_ == Mode::kFollow) {
-        div_kind_ = moment ? DivergenceKind::kMoment : DivergenceKind::kAccess;
-        div_moment_ = static_cast<uint32_t>(i);
+    }
+    mode_ = m;
+  };
+  // The planned moment this one is.
+  int64_t q = -1;
+  if (mode_ != Mode::kReactive) {
+    if (am.kind == MomentKind::kOptimizerStep) {
+      for (size_t j = 0; j < n && q < 0; ++j) {
+        const EffMoment& pm = mapped_.moments[j];
+        if (pm.kind != MomentKind::kOptimizerStep || step_matched_[j] || pm.count == 0 ||
+            am.count == 0) {
+          continue;
+        }
+        if (t.chunks[mapped_.begin(j)->chunk].group == t.chunks[actual.begin(i)->chunk].group) {
+          q = static_cast<int64_t>(j);
+        }
       }
-      mode_ = moment ? Mode::kReactive : Mode::kRepair;
+      if (q >= 0) step_matched_[q] = true;
+    } else {
+      size_t j = next_stream_;
+      while (j < n && mapped_.moments[j].kind == MomentKind::kOptimizerStep) ++j;
+      if (j >= n) {
+        diverge(DivergenceKind::kLonger, Mode::kReactive);
+      } else {
+        const EffMoment& pm = mapped_.moments[j];
+        if (pm.label != am.label || pm.kind != am.kind || pm.unit != am.unit) {
+          diverge(DivergenceKind::kMoment, Mode::kReactive);
+        } else {
+          q = static_cast<int64_t>(j);
+          next_stream_ = j + 1;
+        }
+      }
+    }
+    if (mode_ != Mode::kReactive) {
+      const bool same = q == static_cast<int64_t>(i) && SameMoment(actual, i, mapped_, i);
+      if (!same) {
+        // Another path (a step that was not planned) or other chunks: substitute and repair.
+        if (mode_ == Mode::kFollow) diverge(DivergenceKind::kAccess, Mode::kRepair);
+        if (q >= 0) Learn(t, actual, i, static_cast<size_t>(q));
+      }
     }
   }
   if (mode_ == Mode::kReactive) {
@@ -460,57 +615,36 @@ Status PlanPolicy::Before(Executor& ex, size_t i) {
       return std::make_tuple(ex.Chunk(c).dirty, ex.Chunk(c).last_use, c);
     });
   }
-  const NextUse& nu = *next_use_;
-  auto key = [&](ChunkId c, TierKind t) {
-    return BeladyKey(nu, c, t, i, ex.Chunk(c).dirty, ex.ChunkBytes(c));
-  };
-  const PlannedMoment& pm = plan_->moments[i];
-  for (uint32_t k = 0; k < pm.num_actions; ++k) {
-    const PlanAction& act = plan_->actions[pm.first_action + k];
-    if (act.kind == ActionKind::kEvict) {
-      // (A chunk this moment uses on its home tier leaves its cached copy anyway.)
-      bool used_there = false;
-      for (const EffAccess* a = actual.begin(i); a != actual.end(i); ++a) {
-        used_there |= a->chunk == act.chunk && a->tier == act.tier;
-      }
-      if (ex.Chunk(act.chunk).cache == act.tier && !used_there) {
-        TIERMEM_RETURN_IF_ERROR(ex.Evict(act.chunk));
-      }
-    } else if (act.kind == ActionKind::kPrefetch) {
-      const ChunkView& v = ex.Chunk(act.chunk);
-      if (v.cache == act.tier || ex.Home(act.chunk) == act.tier) continue;
-      if (!act.copy) {
-        // Allocation only, for a moment that overwrites the chunk: only if this moment does
-        // (after a divergence it may read it; then the moment's own fetch copies it).
-        bool overwrites = false;
-        for (const EffAccess* a = actual.begin(i); a != actual.end(i); ++a) {
-          overwrites |= a->chunk == act.chunk && a->tier == act.tier && !a->needs_content;
-        }
-        if (!overwrites) continue;
-      }
-      const Bytes b = ex.ChunkBytes(act.chunk);
-      if (ex.Free(act.tier) < b) {
-        ++repairs_;
-        // Make room only from chunks not needed before this prefetch's use.
-        const uint64_t need = act.need_moment;
-        auto r = MakeRoom(ex, i, act.tier, b, [&](ChunkId c) { return key(c, act.tier); },
-                          [&](ChunkId c) {
-                            const uint64_t nr = nu.NextRead(c, act.tier, i);
-                            return nr != NextUse::kDead && nr <= need;
-                          });
-        if (!r.ok()) return r.status();
-        if (!*r) continue;
-      }
-      const uint32_t need_tag = act.need_moment >= n ? ex.tag() + 1 : ex.tag();
-      TIERMEM_RETURN_IF_ERROR(ex.Fetch(act.chunk, act.tier, act.copy, need_tag));
-    }
-    // kFetchActivation: the executor issues it from the effective sequence.
+  for (const EffAccess* a = actual.begin(i); a != actual.end(i); ++a) {
+    seen_[t.chunks[a->chunk].group] = true;
   }
+  // Issue the actions of the planned moments up to this one (a step: its own only).
+  if (q >= 0) {
+    if (am.kind == MomentKind::kOptimizerStep && static_cast<size_t>(q) >= issued_) {
+      TIERMEM_RETURN_IF_ERROR(Issue(ex, i, static_cast<size_t>(q)));
+    } else {
+      for (; issued_ <= static_cast<size_t>(q); ++issued_) {
+        if (mapped_.moments[issued_].kind == MomentKind::kOptimizerStep && step_matched_[issued_] &&
+            issued_ != static_cast<size_t>(q)) {
+          continue;  // issued when its step ran
+        }
+        TIERMEM_RETURN_IF_ERROR(Issue(ex, i, issued_));
+      }
+    }
+  }
+  const NextUse& nu = *next_use_;
+  const uint64_t pos = q >= 0 ? static_cast<uint64_t>(q) : static_cast<uint64_t>(issued_);
+  auto key = [&](ChunkId c, TierKind tier) {
+    return BeladyKey(nu, c, tier, pos, ex.Chunk(c).dirty, ex.ChunkBytes(c));
+  };
   uint32_t changed = 0;
   TIERMEM_RETURN_IF_ERROR(EnsureMoment(ex, i, key, &changed));
-  if (mode_ == Mode::kFollow) repairs_ += changed;
-
-
+  // Fetching a volatile group's chunk on demand is what the plan chose, not a repair.
+  bool volatile_moment = false;
+  for (const EffAccess* a = actual.begin(i); a != actual.end(i); ++a) {
+    volatile_moment |= volatile_[t.chunks[a->chunk].group];
+  }
+  if (mode_ == Mode::kFollow && !volatile_moment) repairs_ += changed;
   return OkStatus();
 }
 

@@ -6,6 +6,9 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <memory>
+#include <utility>
 #include <vector>
 
 #include "planners/effective.h"
@@ -84,9 +87,10 @@ struct Schedule {
 StatusOr<Schedule> MakeSchedule(const ScheduleInput& in);
 
 // Executes a Plan (its actions) in the executor, repairing where the actual sequence
-// differs: a moment that differs from the plan (other label or kind) makes it reactive (LRU,
-// clean first) for the rest of the iteration; other accesses than planned keep the plan's
-// actions and fetch what is missing, evicting by the plan's predicted next use.
+// differs: a moment that is not the planned one (other label, kind or unit: control flow)
+// makes it reactive (LRU, clean first) for the rest of the iteration; the planned moments
+// with other chunk groups (MoE routing) keep the plan, read through a learned substitution
+// of groups, and fetch what is still missing, evicting by the (substituted) predicted next use.
 class PlanPolicy : public Policy {
  public:
   // `plan` and `planned` (the plan's own effective sequence) must outlive the policy.
@@ -94,16 +98,29 @@ class PlanPolicy : public Policy {
   Status BeginIteration(Executor& ex) override;
   Status Before(Executor& ex, size_t i) override;
 
-  uint32_t repairs() const { return repairs_; }  // fetches/evictions the plan did not foresee
+  uint32_t repairs() const { return repairs_; }  // moves the plan did not foresee (follow mode)
   bool diverged() const { return mode_ != Mode::kFollow; }
   DivergenceKind divergence_kind() const { return div_kind_; }
   uint32_t divergence_moment() const { return div_moment_; }
 
  private:
   enum class Mode { kFollow, kRepair, kReactive };
+  ChunkId Map(const Trace& t, ChunkId c) const;
+  void Remap(const Trace& t);
+  bool Learn(const Trace& t, const EffIteration& actual, size_t i, size_t q);
+  Status Issue(Executor& ex, size_t i, size_t q);  // planned moment q's actions, at moment i
+
   const Plan* plan_;
   const EffIteration* planned_;
-  std::unique_ptr<NextUse> next_use_;
+  EffIteration mapped_;                  // planned_ read through sigma_
+  std::unique_ptr<NextUse> next_use_;    // over mapped_, three times
+  std::vector<uint32_t> sigma_;          // group substitution
+  std::map<std::pair<uint32_t, uint16_t>, ChunkId> chunk_of_;  // (group, kind) -> chunk
+  size_t next_stream_ = 0;               // next planned non-step moment to match
+  size_t issued_ = 0;                    // planned moments whose actions are issued
+  std::vector<bool> step_matched_;
+  std::vector<bool> volatile_;           // per group: Plan::volatile_groups
+  std::vector<bool> seen_;               // per group: a matched moment used it this iteration
   Mode mode_ = Mode::kFollow;
   DivergenceKind div_kind_ = DivergenceKind::kNone;
   uint32_t div_moment_ = 0;

@@ -349,6 +349,7 @@ class Driver {
           const StartState start = ex->State();
           PlanOptions po = opt_.plan;
           po.iteration = seq_[p - 1];
+          if (p >= 2) po.earlier_iteration = seq_[p - 2];
           po.start = &start;
           po.homes = &homes;
           TIERMEM_ASSIGN_OR_RETURN(Plan plan, MakePlan(trace_, machine_, po));
