@@ -154,6 +154,7 @@ StatusOr<EffIteration> BuildEffective(const Trace& trace, const TraceIteration& 
   EffIteration out;
   out.moments.resize(n);
   out.accesses.reserve(iter.accesses.size());
+  std::vector<int64_t> at(trace.chunks.size(), -1);  // index in out.accesses this moment
   for (size_t e = 0; e < n; ++e) {
     const uint32_t j = order[e];
     const Moment& m = iter.moments[j];
@@ -169,15 +170,11 @@ StatusOr<EffIteration> BuildEffective(const Trace& trace, const TraceIteration& 
     em.first = static_cast<uint32_t>(out.accesses.size());
     for (uint32_t a = 0; a < m.num_accesses; ++a) {
       const TraceAccess& ta = iter.accesses[m.first_access + a];
-      bool merged = false;
-      for (size_t k = em.first; k < out.accesses.size(); ++k) {
-        if (out.accesses[k].chunk == ta.chunk) {
-          out.accesses[k].modifies |= Writes(ta.mode);
-          merged = true;
-          break;
-        }
+      if (at[ta.chunk] >= static_cast<int64_t>(em.first)) {  // seen in this moment: merge
+        out.accesses[static_cast<size_t>(at[ta.chunk])].modifies |= Writes(ta.mode);
+        continue;
       }
-      if (merged) continue;
+      at[ta.chunk] = static_cast<int64_t>(out.accesses.size());
       const TierKind tier = step_tier[j] != TierKind::kNone ? step_tier[j] : ta.tier;
       out.accesses.push_back(EffAccess{ta.chunk, tier, Reads(ta.mode), Writes(ta.mode)});
     }

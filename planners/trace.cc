@@ -205,11 +205,15 @@ Status ValidateTrace(const Trace& t) {
       }
     }
   }
+  std::vector<uint64_t> seen_moment(t.chunks.size(), 0);
+  std::vector<TierKind> seen_tier(t.chunks.size(), TierKind::kNone);
+  uint64_t stamp = 0;
   for (size_t it = 0; it < t.iterations.size(); ++it) {
     const TraceIteration& iter = t.iterations[it];
     uint64_t next = 0;
     for (size_t m = 0; m < iter.moments.size(); ++m) {
       const Moment& mo = iter.moments[m];
+      ++stamp;
       if (static_cast<int>(mo.kind) >= kNumMomentKinds) {
         return InvalidArgumentError("trace: iteration " + std::to_string(it) + " moment " +
                                     std::to_string(m) + " has an unknown kind " +
@@ -258,14 +262,14 @@ Status ValidateTrace(const Trace& t) {
           return InvalidArgumentError(aw + ": chunks are accessed on device or host, not " +
                                       std::string(TierKindName(acc.tier)));
         }
-        for (uint32_t b = 0; b < a; ++b) {
-          const TraceAccess& prev = iter.accesses[mo.first_access + b];
-          if (prev.chunk == acc.chunk && prev.tier != acc.tier) {
-            return InvalidArgumentError(aw + ": chunk " + std::to_string(acc.chunk) +
-                                        " is accessed on both the device and the host in one "
-                                        "moment");
-          }
+        // The tier this moment first accessed the chunk on (stamped per moment: linear).
+        if (seen_moment[acc.chunk] == stamp && seen_tier[acc.chunk] != acc.tier) {
+          return InvalidArgumentError(aw + ": chunk " + std::to_string(acc.chunk) +
+                                      " is accessed on both the device and the host in one "
+                                      "moment");
         }
+        seen_moment[acc.chunk] = stamp;
+        seen_tier[acc.chunk] = acc.tier;
       }
     }
     if (next != iter.accesses.size()) {

@@ -200,9 +200,9 @@ TEST(PlannerPropertyTest, PlannedStallIsAtMostEveryReactivePolicys) {
     SCOPED_TRACE(seed);
     const bool training = seed % 3 != 0;
     const Trace t = training
-                        ? testing::RandomTrace(seed, {.iterations = 3, .training = true,
+                        ? testing::RandomTrace(seed, {.iterations = 2, .training = true,
                                                       .units = 3 + static_cast<uint32_t>(seed % 5)})
-                        : EvictionOnly(seed, 7, 18, 3, true, seed % 2 == 0, false);
+                        : EvictionOnly(seed, 7, 18, 2, true, seed % 2 == 0, false);
     const Bytes total = t.TotalChunkBytes();
     const MachineModel m =
         testing::TestMachine(total * (30 + 10 * (seed % 6)) / 100, 2 * total);
@@ -222,10 +222,10 @@ TEST(PlannerPropertyTest, PlannedStallIsAtMostEveryReactivePolicys) {
 }
 
 TEST(PlannerPropertyTest, PlansAndSimulationsAreDeterministic) {
-  for (uint64_t seed = 1; seed <= 8; ++seed) {
+  for (uint64_t seed = 1; seed <= 4; ++seed) {
     SCOPED_TRACE(seed);
     const Trace t = testing::RandomTrace(seed, {.iterations = 2, .uniform = seed % 2 == 0,
-                                                .training = true, .units = 5});
+                                                .training = true, .units = 4});
     const Trace copy = t;
     const MachineModel m = testing::TestMachine(t.TotalChunkBytes() / 2, 2 * t.TotalChunkBytes());
     auto a = MakePlan(t, m);
