@@ -631,7 +631,8 @@ StatusOr<Plan> MakePlan(const Trace& trace, const MachineModel& machine,
   if (search.best()) {
     // Schedule variants on the best placement.
     const Placement p = search.best()->placement;
-    if (options.aggressive_prefetch) {
+    // (Not when judged on bytes: Belady's fetches are then the optimum by construction.)
+    if (options.aggressive_prefetch && options.objective == PlanObjective::kTime) {
       search.Offer(search.Evaluate(p, true, false));
       search.Offer(search.Evaluate(p, true, true));
     }

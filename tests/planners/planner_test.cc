@@ -116,6 +116,24 @@ TEST(PlannerTest, NvmeHoldsTheLeastAccessedChunksOptimizerStateFirst) {
     EXPECT_EQ(t.chunks[c].category, Category::kOptimState) << c;
   }
   EXPECT_GE(nvme, total / 2);
+  // Between chunks accessed as often, optimizer state goes first, then grads.
+  {
+    TraceBuilder b;
+    b.DeclareChunk(0, TraceChunk{kMB, Category::kParam, 0, b.KindIndex("param")});
+    b.DeclareChunk(1, TraceChunk{kMB, Category::kGrad, 0, b.KindIndex("grad")});
+    b.DeclareChunk(2, TraceChunk{kMB, Category::kOptimState, 0, b.KindIndex("exp_avg")});
+    b.BeginIteration();
+    b.BeginMoment("opt:g0", MomentKind::kOptimizerStep);
+    for (ChunkId c = 0; c < 3; ++c) b.Access(c, AccessMode::kReadWrite, TierKind::kHost);
+    b.EndMoment(1000);
+    const Trace tie = *b.Finish();
+    auto h = PlaceHomes(tie, testing::TestMachine(kMB, 2 * kMB, 4 * kMB), 0);
+    ASSERT_TRUE(h.ok()) << h.status().ToString();
+    EXPECT_EQ(*h, (std::vector<TierKind>{TierKind::kHost, TierKind::kHost, TierKind::kNvme}));
+    h = PlaceHomes(tie, testing::TestMachine(kMB, kMB, 4 * kMB), 0);
+    ASSERT_TRUE(h.ok());
+    EXPECT_EQ(*h, (std::vector<TierKind>{TierKind::kHost, TierKind::kNvme, TierKind::kNvme}));
+  }
   // The engine's rule fills the host in id order instead.
   auto in_order = PlaceHomesInOrder(t, m, HostWorkingSet(t));
   ASSERT_TRUE(in_order.ok());
