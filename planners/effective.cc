@@ -7,9 +7,12 @@ namespace tiermem::planners {
 
 std::string_view ActivationPolicyName(ActivationPolicy p) {
   switch (p) {
-    case ActivationPolicy::kKeep: return "keep";
-    case ActivationPolicy::kOffload: return "offload";
-    case ActivationPolicy::kRecompute: return "recompute";
+    case ActivationPolicy::kKeep:
+      return "keep";
+    case ActivationPolicy::kOffload:
+      return "offload";
+    case ActivationPolicy::kRecompute:
+      return "recompute";
   }
   return "?";
 }
@@ -55,15 +58,16 @@ StatusOr<EffIteration> BuildEffective(const Trace& trace, const TraceIteration& 
       if (rate <= 0 || m.work_elems == 0) {
         t = recorded;  // cannot be re-timed: stays where it ran
       } else {
-        compute[j] = static_cast<uint64_t>(
-            std::ceil(static_cast<double>(m.work_elems) * 1e9 / rate));
+        compute[j] =
+            static_cast<uint64_t>(std::ceil(static_cast<double>(m.work_elems) * 1e9 / rate));
       }
     } else {
       // Where it ran: as measured, scaled if the model's kernel rate differs from the trace's.
-      const double traced = rate_on(t, trace.rates.cpu_optim_elems_per_s,
-                                    trace.rates.device_optim_elems_per_s);
+      const double traced =
+          rate_on(t, trace.rates.cpu_optim_elems_per_s, trace.rates.device_optim_elems_per_s);
       if (rate > 0 && traced > 0 && rate != traced) {
-        compute[j] = static_cast<uint64_t>(std::ceil(static_cast<double>(m.compute_ns) * traced / rate));
+        compute[j] =
+            static_cast<uint64_t>(std::ceil(static_cast<double>(m.compute_ns) * traced / rate));
       }
     }
     step_tier[j] = t;

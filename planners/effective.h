@@ -15,10 +15,10 @@
 //
 // Program-order footprint of a saved-activation span (forward f, backward b, prefetch p):
 // keep: device during f..b; offload: device during f and p..b, host during f..p (the host
-// copy is allocated at the end of f and freed once its fetch back is issued at p); recompute: device during f
-// and during b. Temporaries (a moment's recorded non-chunk bytes minus the saved bytes live
-// under keep) occupy the device during their moment only. A span pairs a pre-forward that
-// saves bytes with the first later pre-backward of the same unit; saves without a later
+// copy is allocated at the end of f and freed once its fetch back is issued at p); recompute:
+// device during f and during b. Temporaries (a moment's recorded non-chunk bytes minus the saved
+// bytes live under keep) occupy the device during their moment only. A span pairs a pre-forward
+// that saves bytes with the first later pre-backward of the same unit; saves without a later
 // backward are temporaries of their forward.
 //
 // Thread-safety: values. An EffIteration points into the Trace it was built from (labels):
@@ -53,9 +53,9 @@ struct UnitChoice {
 };
 
 struct Placement {
-  std::vector<TierKind> home;               // per chunk: host or nvme (required)
-  std::vector<GroupChoice> groups;          // per group; missing entries = as recorded
-  std::map<uint32_t, UnitChoice> units;     // per unit; missing = keep
+  std::vector<TierKind> home;            // per chunk: host or nvme (required)
+  std::vector<GroupChoice> groups;       // per group; missing entries = as recorded
+  std::map<uint32_t, UnitChoice> units;  // per unit; missing = keep
 };
 
 struct EffAccess {
@@ -77,12 +77,12 @@ struct EffMoment {
   uint32_t trace_moment = 0;
   MomentKind kind = MomentKind::kOther;
   uint32_t unit = kNoUnit;
-  uint32_t group = kNoGroup;       // optimizer sub-step of one group
+  uint32_t group = kNoGroup;  // optimizer sub-step of one group
   std::string_view label;
-  uint64_t compute_ns = 0;         // recompute included
+  uint64_t compute_ns = 0;  // recompute included
   uint64_t recompute_ns = 0;
-  bool async = false;              // runs on the CPU lane, overlapped with the device stream
-  uint32_t first = 0, count = 0;   // into EffIteration::accesses
+  bool async = false;             // runs on the CPU lane, overlapped with the device stream
+  uint32_t first = 0, count = 0;  // into EffIteration::accesses
   Bytes temp_bytes = 0;
 };
 
@@ -90,8 +90,8 @@ struct EffIteration {
   std::vector<EffMoment> moments;
   std::vector<EffAccess> accesses;  // merged per chunk within a moment, first-access order
   std::vector<ActSpan> spans;
-  std::vector<Bytes> dev_extra;     // per moment: program-order non-chunk device bytes
-  std::vector<Bytes> host_extra;    // per moment: offloaded activations on the host
+  std::vector<Bytes> dev_extra;   // per moment: program-order non-chunk device bytes
+  std::vector<Bytes> host_extra;  // per moment: offloaded activations on the host
   size_t size() const { return moments.size(); }
   const EffAccess* begin(size_t m) const { return accesses.data() + moments[m].first; }
   const EffAccess* end(size_t m) const { return begin(m) + moments[m].count; }

@@ -11,11 +11,16 @@ namespace tiermem::planners {
 
 std::string_view StallCauseName(StallCause c) {
   switch (c) {
-    case StallCause::kFetch: return "fetch";
-    case StallCause::kWriteBack: return "write-back";
-    case StallCause::kRoom: return "room";
-    case StallCause::kActivation: return "activation";
-    case StallCause::kOptimizer: return "optimizer";
+    case StallCause::kFetch:
+      return "fetch";
+    case StallCause::kWriteBack:
+      return "write-back";
+    case StallCause::kRoom:
+      return "room";
+    case StallCause::kActivation:
+      return "activation";
+    case StallCause::kOptimizer:
+      return "optimizer";
   }
   return "?";
 }
@@ -163,9 +168,9 @@ StatusOr<std::unique_ptr<Executor>> Executor::Create(const Trace* trace,
 StatusOr<uint64_t> Executor::Alloc(TierKind t, Bytes bytes, uint64_t at) {
   if (used_[Idx(t)] + bytes > Budget(t)) {
     return InternalError(std::string(TierKindName(t)) + " tier: an allocation of " +
-                         std::to_string(bytes) + " bytes at moment " +
-                         std::to_string(pc_) + " exceeds the budget in program order (" +
-                         std::to_string(used_[Idx(t)]) + " of " + std::to_string(Budget(t)) +
+                         std::to_string(bytes) + " bytes at moment " + std::to_string(pc_) +
+                         " exceeds the budget in program order (" + std::to_string(used_[Idx(t)]) +
+                         " of " + std::to_string(Budget(t)) +
                          " bytes in use): the policy did not make room");
   }
   auto a = profile_[Idx(t)].Alloc(bytes, at);
@@ -175,7 +180,7 @@ StatusOr<uint64_t> Executor::Alloc(TierKind t, Bytes bytes, uint64_t at) {
 }
 
 StatusOr<uint64_t> Executor::AllocTransient(TierKind t, Bytes bytes, uint64_t at,
-                                             uint64_t duration) {
+                                            uint64_t duration) {
   if (used_[Idx(t)] + bytes > Budget(t)) {
     return InternalError(std::string(TierKindName(t)) + " tier: " + std::to_string(bytes) +
                          " bytes of a moment's compute at moment " + std::to_string(pc_) +
@@ -299,7 +304,8 @@ Status Executor::RunMoment(size_t i, Policy& policy) {
   for (OccupancyProfile& p : profile_) p.Advance(issue_t_);
   const uint64_t fetches0 = st.fetches, evictions0 = st.evictions;
   Status s = policy.Before(*this, i);
-  if (!s.ok()) return s.WithContext("moment " + std::to_string(i) + " (" + std::string(m.label) + ")");
+  if (!s.ok())
+    return s.WithContext("moment " + std::to_string(i) + " (" + std::string(m.label) + ")");
 
   uint64_t ready = issue_t_;
   StallCause cause = StallCause::kFetch;
@@ -318,12 +324,11 @@ Status Executor::RunMoment(size_t i, Policy& policy) {
       dep(tm.home_ready, StallCause::kWriteBack);
     } else {
       if (v.cache != a->tier) {
-        return InternalError("executor: moment " + std::to_string(i) + " (" +
-                             std::string(m.label) + ") needs chunk " + std::to_string(c) +
-                             " on the " + std::string(TierKindName(a->tier)) +
-                             " tier, but the policy left it on " +
-                             std::string(TierKindName(v.cache != TierKind::kNone ? v.cache
-                                                                                 : homes_[c])));
+        return InternalError(
+            "executor: moment " + std::to_string(i) + " (" + std::string(m.label) +
+            ") needs chunk " + std::to_string(c) + " on the " + std::string(TierKindName(a->tier)) +
+            " tier, but the policy left it on " +
+            std::string(TierKindName(v.cache != TierKind::kNone ? v.cache : homes_[c])));
       }
       if (a->needs_content && !tm.valid) {
         return InternalError("executor: moment " + std::to_string(i) + " reads chunk " +
@@ -340,8 +345,8 @@ Status Executor::RunMoment(size_t i, Policy& policy) {
     if (sp.policy != ActivationPolicy::kOffload) continue;
     if (sp.prefetch_at == i) {
       TIERMEM_ASSIGN_OR_RETURN(const uint64_t a, Alloc(TierKind::kDevice, sp.bytes, issue_t_));
-      const uint64_t end = Copy(TierKind::kHost, TierKind::kDevice, sp.bytes,
-                                std::max(a, span_d2h_end_[k]), tag_);
+      const uint64_t end =
+          Copy(TierKind::kHost, TierKind::kDevice, sp.bytes, std::max(a, span_d2h_end_[k]), tag_);
       TIERMEM_RETURN_IF_ERROR(FreeAt(TierKind::kHost, sp.bytes, end));
       span_h2d_end_[k] = end;
       st.activation_bytes_in += sp.bytes;

@@ -72,18 +72,18 @@ struct IterationStats {
   uint64_t cpu_overlap_ns = 0;  // optimizer compute run on the CPU lane, overlapped
   uint64_t stall_ns = 0;
   std::array<uint64_t, kNumStallCauses> stall_by_cause{};
-  PairBytes bytes{};          // [src][dst] copies issued for this iteration
-  Bytes activation_bytes_in = 0;   // activation bytes copied host->device
+  PairBytes bytes{};              // [src][dst] copies issued for this iteration
+  Bytes activation_bytes_in = 0;  // activation bytes copied host->device
   uint64_t fetches = 0, evictions = 0, writebacks = 0;
   std::vector<MomentTiming> moments;  // when recording
-  Bytes DeviceInBytes() const;     // into the device tier from host and NVMe
+  Bytes DeviceInBytes() const;        // into the device tier from host and NVMe
 };
 
 // Program-order per-chunk state visible to policies.
 struct ChunkView {
   TierKind cache = TierKind::kNone;  // tier of the cached copy above home, kNone if none
   bool dirty = false;
-  uint64_t last_use = 0;             // program counter of its last access (0 = never)
+  uint64_t last_use = 0;  // program counter of its last access (0 = never)
 };
 
 // Residency (program order): per chunk the tier of its cached copy above home (kNone: only
@@ -112,7 +112,7 @@ class OccupancyProfile {
 
  private:
   Bytes cap_;
-  int64_t base_ = 0;        // occupancy at base_t_ and before the first event
+  int64_t base_ = 0;  // occupancy at base_t_ and before the first event
   uint64_t base_t_ = 0;
   std::map<uint64_t, int64_t> delta_;  // future changes by time
   Bytes peak_ = 0;
@@ -135,8 +135,7 @@ class Executor {
  public:
   // `trace` and `machine` must outlive the executor. Homes are fixed for its lifetime.
   // kResourceExhausted when the homes do not fit their tiers.
-  static StatusOr<std::unique_ptr<Executor>> Create(const Trace* trace,
-                                                    const MachineModel* machine,
+  static StatusOr<std::unique_ptr<Executor>> Create(const Trace* trace, const MachineModel* machine,
                                                     std::vector<TierKind> homes);
 
   // Runs one effective iteration (`it` must outlive the call) under `policy`. `tag` is the
@@ -227,8 +226,8 @@ class Executor {
   const EffIteration* it_ = nullptr;
   uint32_t tag_ = 0;
   std::map<uint32_t, IterationStats> stats_;  // by tag (copies for later iterations too)
-  std::vector<uint64_t> span_d2h_end_;  // per span: when its offload copy ended
-  std::vector<uint64_t> span_h2d_end_;  // per span: when its fetch back ended
+  std::vector<uint64_t> span_d2h_end_;        // per span: when its offload copy ended
+  std::vector<uint64_t> span_h2d_end_;        // per span: when its fetch back ended
 };
 
 }  // namespace tiermem::planners

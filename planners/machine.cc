@@ -68,8 +68,8 @@ void MachineModel::DeriveNvmeLinks() {
 
 uint64_t MachineModel::CopyNs(TierKind src, TierKind dst, Bytes bytes) const {
   const LinkRate& l = Link(src, dst);
-  return l.latency_ns + static_cast<uint64_t>(std::ceil(static_cast<double>(bytes) * 1e9 /
-                                                        l.bytes_per_s));
+  return l.latency_ns +
+         static_cast<uint64_t>(std::ceil(static_cast<double>(bytes) * 1e9 / l.bytes_per_s));
 }
 
 Status MachineModel::Validate() const {
@@ -99,8 +99,8 @@ std::string MachineModel::ToString() const {
   std::string s;
   char buf[160];
   for (int t = 0; t < kNumTierKinds; ++t) {
-    s += std::string(TierKindName(static_cast<TierKind>(t))) + " budget " +
-         FormatBytes(budget[t]) + "\n";
+    s += std::string(TierKindName(static_cast<TierKind>(t))) + " budget " + FormatBytes(budget[t]) +
+         "\n";
   }
   for (int a = 0; a < kNumTierKinds; ++a) {
     for (int b = 0; b < kNumTierKinds; ++b) {
@@ -141,15 +141,24 @@ Status ApplyLinkSpec(std::string_view spec, MachineModel* m) {
       dirs.push_back({a, b});
       dirs.push_back({b, a});
     };
-    if (pair == "h2d") dirs.push_back({kH, kD});
-    else if (pair == "d2h") dirs.push_back({kD, kH});
-    else if (pair == "h2n") dirs.push_back({kH, kN});
-    else if (pair == "n2h") dirs.push_back({kN, kH});
-    else if (pair == "d2n") dirs.push_back({kD, kN});
-    else if (pair == "n2d") dirs.push_back({kN, kD});
-    else if (pair == "hd") both(kH, kD);
-    else if (pair == "hn") both(kH, kN);
-    else if (pair == "dn") both(kD, kN);
+    if (pair == "h2d")
+      dirs.push_back({kH, kD});
+    else if (pair == "d2h")
+      dirs.push_back({kD, kH});
+    else if (pair == "h2n")
+      dirs.push_back({kH, kN});
+    else if (pair == "n2h")
+      dirs.push_back({kN, kH});
+    else if (pair == "d2n")
+      dirs.push_back({kD, kN});
+    else if (pair == "n2d")
+      dirs.push_back({kN, kD});
+    else if (pair == "hd")
+      both(kH, kD);
+    else if (pair == "hn")
+      both(kH, kN);
+    else if (pair == "dn")
+      both(kD, kN);
     else {
       return InvalidArgumentError("--bw pair '" + pair +
                                   "' is not one of h2d d2h h2n n2h d2n n2d hd hn dn");

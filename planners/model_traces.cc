@@ -31,8 +31,9 @@ uint64_t Ns(double flops, double rate) {
 StatusOr<Trace> ModelTrace(const ModelShape& s) {
   if (s.layers == 0 || s.d_model == 0 || s.heads == 0 || s.vocab == 0 || s.seq == 0 ||
       s.batch == 0 || s.iterations == 0) {
-    return InvalidArgumentError("model: layers, d_model, heads, vocab, seq, batch and iterations "
-                                "must be positive");
+    return InvalidArgumentError(
+        "model: layers, d_model, heads, vocab, seq, batch and iterations "
+        "must be positive");
   }
   if (s.experts > 0 && (s.top_k == 0 || s.top_k > s.experts)) {
     return InvalidArgumentError("model: top_k must be in 1..experts");
@@ -81,8 +82,8 @@ StatusOr<Trace> ModelTrace(const ModelShape& s) {
   const uint64_t chunk_elems = s.chunk_elems != 0 ? s.chunk_elems : AlignUp(largest, kAlign);
   if (chunk_elems < largest) {
     return InvalidArgumentError("model: chunk_elems " + std::to_string(chunk_elems) +
-                                " is smaller than the largest tensor (" +
-                                std::to_string(largest) + " elements)");
+                                " is smaller than the largest tensor (" + std::to_string(largest) +
+                                " elements)");
   }
   // Pack into groups.
   std::vector<uint32_t> group_of(tensors.size());
@@ -132,16 +133,15 @@ StatusOr<Trace> ModelTrace(const ModelShape& s) {
   tb.SetRates(r);
   const Bytes total = Bytes{groups} * 4 * chunk_bytes;
   tb.SetBudgets(TraceBudgets{total, 2 * total, 0});
-  tb.SetSource("tiermem plan synth " + s.name + ": layers=" + std::to_string(L) +
-               " d_model=" + std::to_string(d) + " heads=" + std::to_string(s.heads) +
-               " vocab=" + std::to_string(s.vocab) + " seq=" + std::to_string(T) +
-               " batch=" + std::to_string(s.batch) + (s.tied_embeddings ? " tied" : "") +
-               (s.checkpointing ? " checkpointing" : "") +
-               (s.experts > 0 ? " experts=" + std::to_string(s.experts) + " top_k=" +
-                                    std::to_string(s.top_k)
-                              : "") +
-               " chunk_elems=" + std::to_string(chunk_elems) +
-               " iterations=" + std::to_string(s.iterations) + " seed=" + std::to_string(s.seed));
+  tb.SetSource(
+      "tiermem plan synth " + s.name + ": layers=" + std::to_string(L) +
+      " d_model=" + std::to_string(d) + " heads=" + std::to_string(s.heads) + " vocab=" +
+      std::to_string(s.vocab) + " seq=" + std::to_string(T) + " batch=" + std::to_string(s.batch) +
+      (s.tied_embeddings ? " tied" : "") + (s.checkpointing ? " checkpointing" : "") +
+      (s.experts > 0 ? " experts=" + std::to_string(s.experts) + " top_k=" + std::to_string(s.top_k)
+                     : "") +
+      " chunk_elems=" + std::to_string(chunk_elems) +
+      " iterations=" + std::to_string(s.iterations) + " seed=" + std::to_string(s.seed));
 
   auto label = [&](uint32_t u) {
     if (u == 0) return std::string("embed");
@@ -186,7 +186,8 @@ StatusOr<Trace> ModelTrace(const ModelShape& s) {
     Bytes live_saved = 0;
     for (uint32_t u = 0; u < num_units; ++u) {
       tb.BeginMoment("fwd:" + label(u), MomentKind::kPreForward, u);
-      for (uint32_t g : unit_groups[u]) tb.Access(chunk_id(g, 0), AccessMode::kRead, TierKind::kDevice);
+      for (uint32_t g : unit_groups[u])
+        tb.Access(chunk_id(g, 0), AccessMode::kRead, TierKind::kDevice);
       live_saved += saved[u];
       tb.SetSavedBytes(saved[u]);
       tb.SetActivationBytes(live_saved + temp_fwd[u]);
@@ -204,7 +205,8 @@ StatusOr<Trace> ModelTrace(const ModelShape& s) {
       }
       tb.SetActivationBytes(live_saved + temp_bwd[u]);
       live_saved -= saved[u];
-      const double flops = 2 * fwd_flops[u] + (s.checkpointing && u >= 1 && u <= L ? fwd_flops[u] : 0);
+      const double flops =
+          2 * fwd_flops[u] + (s.checkpointing && u >= 1 && u <= L ? fwd_flops[u] : 0);
       tb.EndMoment(Ns(flops, s.device_flops));
     }
     for (uint32_t g = 0; g < groups; ++g) {

@@ -40,8 +40,8 @@ struct ModelShape {
   uint64_t batch = 8;
   bool tied_embeddings = false;
   bool checkpointing = false;
-  uint32_t experts = 0;  // > 0: every block's MLP is `experts` experts
-  uint32_t top_k = 2;    // experts used per block and iteration
+  uint32_t experts = 0;      // > 0: every block's MLP is `experts` experts
+  uint32_t top_k = 2;        // experts used per block and iteration
   uint64_t chunk_elems = 0;  // 0: the largest tensor
   uint32_t iterations = 2;
   uint64_t seed = 1;
@@ -49,7 +49,7 @@ struct ModelShape {
   double device_flops = 200e12;
   double cpu_optim_elems_per_s = 10e9;
   double device_optim_elems_per_s = 150e9;
-  double pcie_bytes_per_s = 50e9;   // host<->device, each direction
+  double pcie_bytes_per_s = 50e9;  // host<->device, each direction
   double nvme_read_bytes_per_s = 6e9, nvme_write_bytes_per_s = 4e9;
   uint32_t cpu_cores = 32;
 };

@@ -30,10 +30,14 @@ namespace {
 
 int CategoryRank(Category c) {
   switch (c) {
-    case Category::kOptimState: return 0;
-    case Category::kGrad: return 1;
-    case Category::kParam: return 2;
-    default: return 3;
+    case Category::kOptimState:
+      return 0;
+    case Category::kGrad:
+      return 1;
+    case Category::kParam:
+      return 2;
+    default:
+      return 3;
   }
 }
 
@@ -51,8 +55,7 @@ struct Candidate {
 class Search {
  public:
   // `earlier`: an observed iteration that used some groups differently (nullptr: none).
-  Search(const Trace& t, const MachineModel& m, const PlanOptions& o,
-         const TraceIteration* earlier)
+  Search(const Trace& t, const MachineModel& m, const PlanOptions& o, const TraceIteration* earlier)
       : trace_(t), machine_(m), opt_(o), iter_(t.iterations[o.iteration]), earlier_(earlier) {}
 
   // Schedules and executes `p` (homes filled in when not fixed). Not OK: infeasible.
@@ -65,7 +68,8 @@ class Search {
     } else {
       Bytes host_act = 0;
       for (Bytes b : eff.host_extra) host_act = std::max(host_act, b);
-      TIERMEM_ASSIGN_OR_RETURN(p.home, PlaceHomes(trace_, machine_, HostWorkingSet(trace_) + host_act));
+      TIERMEM_ASSIGN_OR_RETURN(p.home,
+                               PlaceHomes(trace_, machine_, HostWorkingSet(trace_) + host_act));
     }
     ScheduleInput in;
     in.trace = &trace_;
@@ -358,20 +362,28 @@ void ActivationSearch(Search& search, const Trace& trace, const TraceIteration& 
 
 std::string_view ActionKindName(ActionKind k) {
   switch (k) {
-    case ActionKind::kEvict: return "evict";
-    case ActionKind::kPrefetch: return "prefetch";
-    case ActionKind::kFetchActivation: return "fetch-activation";
+    case ActionKind::kEvict:
+      return "evict";
+    case ActionKind::kPrefetch:
+      return "prefetch";
+    case ActionKind::kFetchActivation:
+      return "fetch-activation";
   }
   return "?";
 }
 
 std::string_view DivergenceKindName(DivergenceKind k) {
   switch (k) {
-    case DivergenceKind::kNone: return "none";
-    case DivergenceKind::kMoment: return "moment";
-    case DivergenceKind::kAccess: return "access";
-    case DivergenceKind::kShorter: return "shorter";
-    case DivergenceKind::kLonger: return "longer";
+    case DivergenceKind::kNone:
+      return "none";
+    case DivergenceKind::kMoment:
+      return "moment";
+    case DivergenceKind::kAccess:
+      return "access";
+    case DivergenceKind::kShorter:
+      return "shorter";
+    case DivergenceKind::kLonger:
+      return "longer";
   }
   return "?";
 }
@@ -383,7 +395,8 @@ Placement Plan::ToPlacement() const {
   for (const GroupPlan& g : groups) ng = std::max(ng, g.group + 1);
   p.groups.resize(ng);
   for (const GroupPlan& g : groups) p.groups[g.group] = {g.update_on, g.overlap};
-  for (const UnitPlan& u : units) p.units[u.unit] = {u.policy, std::max<uint32_t>(1, u.prefetch_lead)};
+  for (const UnitPlan& u : units)
+    p.units[u.unit] = {u.policy, std::max<uint32_t>(1, u.prefetch_lead)};
   return p;
 }
 
@@ -409,21 +422,20 @@ Bytes HostWorkingSet(const Trace& trace) {
 
 namespace {
 
-Status HomesFit(const Trace& trace, const MachineModel& machine,
-                const std::vector<TierKind>& homes, Bytes host_reserve) {
+Status HomesFit(const Trace& trace, const MachineModel& machine, const std::vector<TierKind>& homes,
+                Bytes host_reserve) {
   Bytes nvme = 0;
   for (ChunkId c = 0; c < homes.size(); ++c) {
     if (homes[c] == TierKind::kNvme) nvme += trace.chunks[c].bytes;
   }
   if (nvme > machine.Budget(TierKind::kNvme)) {
-    const Bytes host_room = machine.Budget(TierKind::kHost) -
-                            std::min(machine.Budget(TierKind::kHost), host_reserve);
+    const Bytes host_room =
+        machine.Budget(TierKind::kHost) - std::min(machine.Budget(TierKind::kHost), host_reserve);
     return ResourceExhaustedError(
         "homes: the chunks need " + Fmt(trace.TotalChunkBytes()) + "; the host budget holds " +
         Fmt(host_room) + " of them (keeping " + Fmt(host_reserve) +
-        " free as working space) and the NVMe budget is " +
-        Fmt(machine.Budget(TierKind::kNvme)) + ", short of the " + Fmt(nvme) +
-        " that must live on NVMe");
+        " free as working space) and the NVMe budget is " + Fmt(machine.Budget(TierKind::kNvme)) +
+        ", short of the " + Fmt(nvme) + " that must live on NVMe");
   }
   return OkStatus();
 }
@@ -502,9 +514,9 @@ Status CheckFeasible(const Trace& trace, uint32_t iteration, const MachineModel&
       if (a->tier == TierKind::kDevice) {
         if (b > dev) {
           return ResourceExhaustedError(
-              "device budget " + Fmt(dev) + " is smaller than chunk " +
-              std::to_string(a->chunk) + " (" + std::string(trace.KindName(a->chunk)) + ", " +
-              Fmt(b) + "), which moment " + std::to_string(eff.moments[i].trace_moment) + " (" +
+              "device budget " + Fmt(dev) + " is smaller than chunk " + std::to_string(a->chunk) +
+              " (" + std::string(trace.KindName(a->chunk)) + ", " + Fmt(b) + "), which moment " +
+              std::to_string(eff.moments[i].trace_moment) + " (" +
               std::string(eff.moments[i].label) + ") accesses on the device");
         }
         chunks_dev += b;
@@ -518,18 +530,18 @@ Status CheckFeasible(const Trace& trace, uint32_t iteration, const MachineModel&
       return ResourceExhaustedError(
           "device budget " + Fmt(dev) + " is too small for moment " +
           std::to_string(eff.moments[i].trace_moment) + " (" + std::string(eff.moments[i].label) +
-          ") of iteration " + std::to_string(iteration) + ": it needs " +
-          Fmt(chunks_dev + extra) + " = " + std::to_string(chunks_dev) + " bytes of the " +
-          std::to_string(n_dev) + " chunks it uses on the device + " + std::to_string(extra) +
+          ") of iteration " + std::to_string(iteration) + ": it needs " + Fmt(chunks_dev + extra) +
+          " = " + std::to_string(chunks_dev) + " bytes of the " + std::to_string(n_dev) +
+          " chunks it uses on the device + " + std::to_string(extra) +
           (keep_activations ? " non-chunk bytes with every activation kept"
                             : " non-chunk bytes (temporaries and the activations of the moment "
                               "itself: the least any activation policy leaves)"));
     }
     if (chunks_host > host) {
-      return ResourceExhaustedError(
-          "host budget " + Fmt(host) + " is too small for moment " +
-          std::to_string(eff.moments[i].trace_moment) + " (" + std::string(eff.moments[i].label) +
-          "): the chunks it uses on the host need " + Fmt(chunks_host));
+      return ResourceExhaustedError("host budget " + Fmt(host) + " is too small for moment " +
+                                    std::to_string(eff.moments[i].trace_moment) + " (" +
+                                    std::string(eff.moments[i].label) +
+                                    "): the chunks it uses on the host need " + Fmt(chunks_host));
     }
   }
   return OkStatus();
@@ -540,10 +552,9 @@ StatusOr<Plan> MakePlan(const Trace& trace, const MachineModel& machine,
   TIERMEM_RETURN_IF_ERROR(ValidateTrace(trace));
   TIERMEM_RETURN_IF_ERROR(machine.Validate());
   if (options.iteration >= trace.iterations.size()) {
-    return InvalidArgumentError("planner: the trace has " +
-                                std::to_string(trace.iterations.size()) +
-                                " iterations, there is no iteration " +
-                                std::to_string(options.iteration));
+    return InvalidArgumentError(
+        "planner: the trace has " + std::to_string(trace.iterations.size()) +
+        " iterations, there is no iteration " + std::to_string(options.iteration));
   }
   if (options.homes != nullptr && options.homes->size() != trace.chunks.size()) {
     return InvalidArgumentError("planner: the fixed homes do not cover the chunks");
@@ -552,8 +563,8 @@ StatusOr<Plan> MakePlan(const Trace& trace, const MachineModel& machine,
                                    options.start->dirty.size() != trace.chunks.size())) {
     return InvalidArgumentError("planner: the start state does not cover the chunks");
   }
-  TIERMEM_RETURN_IF_ERROR(CheckFeasible(trace, options.iteration, machine,
-                                        !options.activation_policy));
+  TIERMEM_RETURN_IF_ERROR(
+      CheckFeasible(trace, options.iteration, machine, !options.activation_policy));
   const TraceIteration& iter = trace.iterations[options.iteration];
   if (options.earlier_iteration >= static_cast<int64_t>(trace.iterations.size())) {
     return InvalidArgumentError("planner: no earlier iteration " +
@@ -884,8 +895,8 @@ bool DivergenceChecker::OnAccess(ChunkId chunk, AccessMode mode, TierKind tier) 
     seen_.push_back({chunk, ModeFlags(mode)});
     return true;
   }
-  return Fail(DivergenceKind::kAccess, "moment " + std::to_string(observed_ - 1) + " (" +
-                                           pm.label + "): chunk " + std::to_string(chunk) +
+  return Fail(DivergenceKind::kAccess, "moment " + std::to_string(observed_ - 1) + " (" + pm.label +
+                                           "): chunk " + std::to_string(chunk) +
                                            " was not planned there");
 }
 

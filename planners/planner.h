@@ -68,9 +68,9 @@ struct PlannedMoment {
   std::string label;
   MomentKind kind = MomentKind::kOther;
   uint32_t unit = kNoUnit;
-  uint32_t trace_moment = 0;   // index in the trace iteration the plan was made from
-  bool async = false;          // CPU optimizer step overlapped with the device stream
-  uint64_t compute_ns = 0;     // modelled
+  uint32_t trace_moment = 0;  // index in the trace iteration the plan was made from
+  bool async = false;         // CPU optimizer step overlapped with the device stream
+  uint64_t compute_ns = 0;    // modelled
   uint32_t first_access = 0, num_accesses = 0;  // into Plan::accesses (planned tiers)
   uint32_t first_action = 0, num_actions = 0;   // into Plan::actions
 };
@@ -103,10 +103,10 @@ struct PlanEstimate {
 struct Plan {
   uint32_t version = kPlanVersion;
   uint32_t source_iteration = 0;
-  std::vector<TierKind> home;     // per chunk
-  std::vector<GroupPlan> groups;  // groups with an optimizer step, by group index
+  std::vector<TierKind> home;             // per chunk
+  std::vector<GroupPlan> groups;          // groups with an optimizer step, by group index
   std::vector<uint32_t> volatile_groups;  // sorted; see PlanOptions::earlier_iteration
-  std::vector<UnitPlan> units;    // units with saved activations, by unit id
+  std::vector<UnitPlan> units;            // units with saved activations, by unit id
   std::vector<PlannedMoment> moments;
   std::vector<TraceAccess> accesses;  // expected; mode from needs_content/modifies
   std::vector<PlanAction> actions;
@@ -125,13 +125,13 @@ enum class PlanObjective : uint8_t {
 };
 
 struct PlanOptions {
-  uint32_t iteration = 0;            // which trace iteration to plan from
-  const StartState* start = nullptr;  // nullptr: nothing cached
+  uint32_t iteration = 0;                        // which trace iteration to plan from
+  const StartState* start = nullptr;             // nullptr: nothing cached
   const std::vector<TierKind>* homes = nullptr;  // fixed homes; nullptr: choose
-  bool place_optimizer = true;       // may move optimizer steps between CPU and device
-  bool overlap_optimizer = true;     // may overlap CPU steps with the backward
-  bool activation_policy = true;     // may offload / recompute activations
-  bool aggressive_prefetch = true;   // may also try prefetching ahead of Belady's fetches
+  bool place_optimizer = true;                   // may move optimizer steps between CPU and device
+  bool overlap_optimizer = true;                 // may overlap CPU steps with the backward
+  bool activation_policy = true;                 // may offload / recompute activations
+  bool aggressive_prefetch = true;  // may also try prefetching ahead of Belady's fetches
   PlanObjective objective = PlanObjective::kTime;
   // An earlier observed iteration (-1: none). Chunk groups that moments of it and of
   // `iteration` use differently (MoE experts) are volatile: their optimizer steps stay where
@@ -217,8 +217,8 @@ class DivergenceChecker {
   std::vector<uint32_t> stream_, steps_;  // planned moments of each subsequence
   std::vector<bool> step_seen_;           // per entry of steps_
   size_t next_stream_ = 0, next_step_ = 0;
-  int64_t cur_ = -1;          // planned moment being observed
-  uint32_t observed_ = 0;     // observed moments so far
+  int64_t cur_ = -1;                               // planned moment being observed
+  uint32_t observed_ = 0;                          // observed moments so far
   std::vector<std::pair<ChunkId, uint8_t>> seen_;  // (chunk, flags) of the current moment
   Divergence div_;
 };

@@ -33,8 +33,8 @@ NextUse::NextUse(const std::vector<const EffIteration*>& seq, size_t num_chunks)
 uint64_t NextUse::NextRead(ChunkId c, TierKind tier, uint64_t pos, bool* leaves) const {
   if (leaves != nullptr) *leaves = false;
   const std::vector<Use>& u = uses_[c];
-  auto it = std::upper_bound(u.begin(), u.end(), pos,
-                             [](uint64_t p, const Use& x) { return p < x.pos; });
+  auto it =
+      std::upper_bound(u.begin(), u.end(), pos, [](uint64_t p, const Use& x) { return p < x.pos; });
   if (pos == UINT64_MAX) it = u.begin();  // "before the first moment"
   if (it == u.end()) return kDead;
   if (it->tier != tier) {
@@ -68,8 +68,8 @@ constexpr int kH = static_cast<int>(TierKind::kHost);
 struct FetchEv {
   ChunkId chunk;
   int tier;
-  int64_t need;          // position it is cached from in the demand pass (its use, or earlier
-                         // for an aggressive prefetch)
+  int64_t need;  // position it is cached from in the demand pass (its use, or earlier
+                 // for an aggressive prefetch)
   bool copy;
   int64_t after_access;  // position of the chunk's previous access (-1: none)
   int64_t prev_evict;    // index into evicts of its previous eviction (-1: none)
@@ -78,11 +78,11 @@ struct FetchEv {
 struct EvictEv {
   ChunkId chunk;
   int tier;
-  int64_t at;       // position (start of that moment)
-  int64_t arrived;  // position the copy arrived at (-1: resident from the start)
-  bool dirty;       // written back to its home
-  bool victim;      // made room for a fetch (may leave earlier, right after its last use)
-  bool emit;        // a plan action (false: a copy that moved up to a faster tier)
+  int64_t at;         // position (start of that moment)
+  int64_t arrived;    // position the copy arrived at (-1: resident from the start)
+  bool dirty;         // written back to its home
+  bool victim;        // made room for a fetch (may leave earlier, right after its last use)
+  bool emit;          // a plan action (false: a copy that moved up to a faster tier)
   int64_t freed = 0;  // position from which its room is usable
 };
 
@@ -103,7 +103,8 @@ StatusOr<Schedule> MakeSchedule(const ScheduleInput& in) {
   }
   auto cap = [&](int t, int64_t q) -> int64_t {
     const size_t i = static_cast<size_t>(q) % n;
-    if (t == kD) return static_cast<int64_t>(in.device_budget) - static_cast<int64_t>(eff.dev_extra[i]);
+    if (t == kD)
+      return static_cast<int64_t>(in.device_budget) - static_cast<int64_t>(eff.dev_extra[i]);
     return static_cast<int64_t>(in.host_budget) - static_cast<int64_t>(host_homes) -
            static_cast<int64_t>(eff.host_extra[i]);
   };
@@ -331,7 +332,8 @@ StatusOr<Schedule> MakeSchedule(const ScheduleInput& in) {
     std::array<std::array<uint64_t, kNumTierKinds>, kNumTierKinds> clocks{};
     for (size_t k : order) {
       EvictEv& e = evicts[k];
-      e.freed = aware && e.dirty ? pos_at(e.at, writeback_end(clocks, e.tier, e.chunk, e.at)) : e.at;
+      e.freed =
+          aware && e.dirty ? pos_at(e.at, writeback_end(clocks, e.tier, e.chunk, e.at)) : e.at;
     }
   }
   // Occupancy per position after its actions, from the events.
@@ -459,7 +461,8 @@ Status PlanPolicy::BeginIteration(Executor& ex) {
   sigma_.resize(t.chunks.size());
   for (uint32_t g = 0; g < sigma_.size(); ++g) sigma_[g] = g;
   chunk_of_.clear();
-  for (ChunkId c = 0; c < t.chunks.size(); ++c) chunk_of_[{t.chunks[c].group, t.chunks[c].kind}] = c;
+  for (ChunkId c = 0; c < t.chunks.size(); ++c)
+    chunk_of_[{t.chunks[c].group, t.chunks[c].kind}] = c;
   Remap(t);
   mode_ = Mode::kFollow;
   div_kind_ = DivergenceKind::kNone;
@@ -483,7 +486,8 @@ bool PlanPolicy::Learn(const Trace& t, const EffIteration& actual, size_t i, siz
     got.insert(t.chunks[a->chunk].group);
   }
   std::vector<uint32_t> missing, extra;
-  std::set_difference(want.begin(), want.end(), got.begin(), got.end(), std::back_inserter(missing));
+  std::set_difference(want.begin(), want.end(), got.begin(), got.end(),
+                      std::back_inserter(missing));
   std::set_difference(got.begin(), got.end(), want.begin(), want.end(), std::back_inserter(extra));
   const size_t pairs = std::min(missing.size(), extra.size());
   if (pairs == 0) return false;
@@ -544,12 +548,13 @@ Status PlanPolicy::Issue(Executor& ex, size_t i, size_t q) {
       if (mode_ == Mode::kFollow) ++repairs_;
       // Make room only from chunks not needed before this prefetch's use.
       const uint64_t need = act.need_moment;
-      auto r = MakeRoom(ex, i, act.tier, b + ex.NeedExtra(i, act.tier),
-                        [&](ChunkId x) { return key(x, act.tier); },
-                        [&](ChunkId x) {
-                          const uint64_t nr = nu.NextRead(x, act.tier, q);
-                          return nr != NextUse::kDead && nr <= need;
-                        });
+      auto r = MakeRoom(
+          ex, i, act.tier, b + ex.NeedExtra(i, act.tier),
+          [&](ChunkId x) { return key(x, act.tier); },
+          [&](ChunkId x) {
+            const uint64_t nr = nu.NextRead(x, act.tier, q);
+            return nr != NextUse::kDead && nr <= need;
+          });
       if (!r.ok()) return r.status();
       if (!*r) continue;
     }

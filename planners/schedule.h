@@ -48,8 +48,8 @@ class NextUse {
 // is due anyway, then dirty), then the farthest next read; ties by larger bytes, then id.
 struct VictimKey {
   int cls = 0;
-  uint64_t far = 0;   // UINT64_MAX - next read (so smaller = farther)
-  uint64_t bytes = 0; // UINT64_MAX - bytes
+  uint64_t far = 0;    // UINT64_MAX - next read (so smaller = farther)
+  uint64_t bytes = 0;  // UINT64_MAX - bytes
   ChunkId id = 0;
   friend bool operator<(const VictimKey& a, const VictimKey& b) {
     if (a.cls != b.cls) return a.cls < b.cls;
@@ -82,7 +82,7 @@ struct ScheduleInput {
 // moment's chunks cannot fit next to its non-chunk bytes.
 struct Schedule {
   std::vector<std::vector<PlanAction>> actions;  // per moment
-  Bytes device_in_bytes = 0;                      // fetched bytes needed in this iteration
+  Bytes device_in_bytes = 0;                     // fetched bytes needed in this iteration
 };
 StatusOr<Schedule> MakeSchedule(const ScheduleInput& in);
 
@@ -112,15 +112,15 @@ class PlanPolicy : public Policy {
 
   const Plan* plan_;
   const EffIteration* planned_;
-  EffIteration mapped_;                  // planned_ read through sigma_
-  std::unique_ptr<NextUse> next_use_;    // over mapped_, three times
-  std::vector<uint32_t> sigma_;          // group substitution
+  EffIteration mapped_;                                        // planned_ read through sigma_
+  std::unique_ptr<NextUse> next_use_;                          // over mapped_, three times
+  std::vector<uint32_t> sigma_;                                // group substitution
   std::map<std::pair<uint32_t, uint16_t>, ChunkId> chunk_of_;  // (group, kind) -> chunk
-  size_t next_stream_ = 0;               // next planned non-step moment to match
-  size_t issued_ = 0;                    // planned moments whose actions are issued
+  size_t next_stream_ = 0;  // next planned non-step moment to match
+  size_t issued_ = 0;       // planned moments whose actions are issued
   std::vector<bool> step_matched_;
-  std::vector<bool> volatile_;           // per group: Plan::volatile_groups
-  std::vector<bool> seen_;               // per group: a matched moment used it this iteration
+  std::vector<bool> volatile_;  // per group: Plan::volatile_groups
+  std::vector<bool> seen_;      // per group: a matched moment used it this iteration
   Mode mode_ = Mode::kFollow;
   DivergenceKind div_kind_ = DivergenceKind::kNone;
   uint32_t div_moment_ = 0;

@@ -61,9 +61,8 @@ Status EnsureMoment(Executor& ex, size_t i, KeyFn key, uint32_t* changed) {
           std::string(TierKindName(t)) + " tier: moment " + std::to_string(i) + " (" +
           std::string(it.moments[i].label) + ") needs " + std::to_string(missing + extra) +
           " more bytes (" + std::to_string(missing) + " of chunks, " + std::to_string(extra) +
-          " non-chunk), but only " + std::to_string(ex.Free(t)) +
-          " can be freed: the budget is " + std::to_string(ex.Budget(t)) + " bytes (" +
-          FormatBytes(ex.Budget(t)) + ")");
+          " non-chunk), but only " + std::to_string(ex.Free(t)) + " can be freed: the budget is " +
+          std::to_string(ex.Budget(t)) + " bytes (" + FormatBytes(ex.Budget(t)) + ")");
     }
     if (ex.Free(t) != free_before) ++n;
   }

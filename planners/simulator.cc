@@ -10,9 +10,7 @@ namespace tiermem::planners {
 namespace {
 
 using LruKey = std::tuple<bool, uint64_t, ChunkId>;
-LruKey Lru(const Executor& ex, ChunkId c) {
-  return {ex.Chunk(c).dirty, ex.Chunk(c).last_use, c};
-}
+LruKey Lru(const Executor& ex, ChunkId c) { return {ex.Chunk(c).dirty, ex.Chunk(c).last_use, c}; }
 
 // Next access of `c` (any tier, any mode) strictly after moment `i` of `r`, or kNever.
 constexpr uint64_t kNever = UINT64_MAX;
@@ -117,7 +115,8 @@ class EnginePolicy : public Following {
 
 class DeepSpeedPolicy : public Following {
  public:
-  DeepSpeedPolicy(const EffIteration* recorded, Bytes bucket) : Following(recorded), bucket_(bucket) {}
+  DeepSpeedPolicy(const EffIteration* recorded, Bytes bucket)
+      : Following(recorded), bucket_(bucket) {}
   Status Before(Executor& ex, size_t i) override {
     Track(ex, i);
     const EffIteration& it = ex.iteration();
@@ -145,8 +144,7 @@ class DeepSpeedPolicy : public Following {
         TIERMEM_RETURN_IF_ERROR(ex.Evict(c));
       }
     }
-    TIERMEM_RETURN_IF_ERROR(
-        EnsureMoment(ex, i, [&ex](ChunkId c, TierKind) { return Lru(ex, c); }));
+    TIERMEM_RETURN_IF_ERROR(EnsureMoment(ex, i, [&ex](ChunkId c, TierKind) { return Lru(ex, c); }));
     if (!following_) return OkStatus();
     for (size_t m = i + 1; m <= window_end; ++m) {
       for (const EffAccess* a = rec_->begin(m); a != rec_->end(m); ++a) {
@@ -263,7 +261,7 @@ class Driver {
     std::vector<EffIteration> recorded_eff;  // per position in seq_, recorded placement
     for (uint32_t k : seq_) {
       TIERMEM_ASSIGN_OR_RETURN(EffIteration e, BuildEffective(trace_, trace_.iterations[k],
-                                                               Recorded(trace_, homes), machine_));
+                                                              Recorded(trace_, homes), machine_));
       recorded_eff.push_back(std::move(e));
     }
     {
@@ -271,8 +269,8 @@ class Driver {
       if (kind == PolicyKind::kPlanned) wp = first_plan.ToPlacement();
       if (kind == PolicyKind::kOpt) wp = planned->warmup_placement;
       res->warmup_placement = wp;
-      TIERMEM_ASSIGN_OR_RETURN(EffIteration e, BuildEffective(trace_, trace_.iterations[seq_[0]],
-                                                               wp, machine_));
+      TIERMEM_ASSIGN_OR_RETURN(EffIteration e,
+                               BuildEffective(trace_, trace_.iterations[seq_[0]], wp, machine_));
       LruPolicy warm;
       auto st = ex->Run(e, warm, 0);
       if (!st.ok()) return st.status().WithContext("warm-up iteration");
@@ -289,9 +287,9 @@ class Driver {
       }
       std::vector<const EffIteration*> all;
       for (size_t p = 1; p < seq_.size(); ++p) {
-        TIERMEM_ASSIGN_OR_RETURN(eff[p], BuildEffective(trace_, trace_.iterations[seq_[p]],
-                                                         planned->plans[p - 1].ToPlacement(),
-                                                         machine_));
+        TIERMEM_ASSIGN_OR_RETURN(eff[p],
+                                 BuildEffective(trace_, trace_.iterations[seq_[p]],
+                                                planned->plans[p - 1].ToPlacement(), machine_));
         all.push_back(&eff[p]);
       }
       oracle = std::make_unique<NextUse>(all, trace_.chunks.size());
@@ -354,11 +352,11 @@ class Driver {
           po.homes = &homes;
           TIERMEM_ASSIGN_OR_RETURN(Plan plan, MakePlan(trace_, machine_, po));
           const Placement pl = plan.ToPlacement();
-          TIERMEM_ASSIGN_OR_RETURN(EffIteration planned_eff,
-                                   BuildEffective(trace_, trace_.iterations[po.iteration], pl,
-                                                  machine_));
-          TIERMEM_ASSIGN_OR_RETURN(eff[p], BuildEffective(trace_, trace_.iterations[k], pl,
-                                                           machine_));
+          TIERMEM_ASSIGN_OR_RETURN(
+              EffIteration planned_eff,
+              BuildEffective(trace_, trace_.iterations[po.iteration], pl, machine_));
+          TIERMEM_ASSIGN_OR_RETURN(eff[p],
+                                   BuildEffective(trace_, trace_.iterations[k], pl, machine_));
           PlanPolicy pol(&plan, &planned_eff);
           st = ex->Run(eff[p], pol, static_cast<uint32_t>(p));
           diverged = pol.diverged();
@@ -401,13 +399,20 @@ class Driver {
 
 std::string_view PolicyName(PolicyKind p) {
   switch (p) {
-    case PolicyKind::kLru: return "lru";
-    case PolicyKind::kPatrickStar: return "patrickstar";
-    case PolicyKind::kDeepSpeed: return "deepspeed";
-    case PolicyKind::kEngine: return "engine";
-    case PolicyKind::kPlanned: return "planned";
-    case PolicyKind::kOpt: return "opt";
-    case PolicyKind::kOptRecorded: return "opt-recorded";
+    case PolicyKind::kLru:
+      return "lru";
+    case PolicyKind::kPatrickStar:
+      return "patrickstar";
+    case PolicyKind::kDeepSpeed:
+      return "deepspeed";
+    case PolicyKind::kEngine:
+      return "engine";
+    case PolicyKind::kPlanned:
+      return "planned";
+    case PolicyKind::kOpt:
+      return "opt";
+    case PolicyKind::kOptRecorded:
+      return "opt-recorded";
   }
   return "?";
 }
@@ -422,8 +427,9 @@ StatusOr<PolicyKind> ParsePolicy(std::string_view name) {
 }
 
 double SimResult::MeanDeviceInBytes() const {
-  return measured_iterations == 0 ? 0.0
-                                  : static_cast<double>(total.DeviceInBytes()) / measured_iterations;
+  return measured_iterations == 0
+             ? 0.0
+             : static_cast<double>(total.DeviceInBytes()) / measured_iterations;
 }
 double SimResult::MeanStallNs() const {
   return measured_iterations == 0 ? 0.0 : static_cast<double>(total.stall_ns) / measured_iterations;
@@ -437,7 +443,8 @@ StatusOr<SimResult> Simulate(const Trace& trace, const MachineModel& machine, Po
                              const SimOptions& options) {
   TIERMEM_RETURN_IF_ERROR(ValidateTrace(trace));
   TIERMEM_RETURN_IF_ERROR(machine.Validate());
-  if (trace.iterations.empty()) return InvalidArgumentError("simulate: the trace has no iterations");
+  if (trace.iterations.empty())
+    return InvalidArgumentError("simulate: the trace has no iterations");
   Driver d(trace, machine, options);
   if (policy == PolicyKind::kOpt) {
     TIERMEM_ASSIGN_OR_RETURN(SimResult planned, d.Run(PolicyKind::kPlanned, nullptr));

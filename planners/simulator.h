@@ -63,25 +63,25 @@ std::string_view PolicyName(PolicyKind p);  // "lru", "patrickstar", ..., "opt-r
 StatusOr<PolicyKind> ParsePolicy(std::string_view name);
 
 struct SimOptions {
-  uint32_t engine_prefetch_depth = 4;   // acquires of lookahead (EngineConfig default)
-  Bytes deepspeed_bucket_bytes = 0;     // 0: 4 x the largest chunk
-  PlanOptions plan;                     // for planned / opt (iteration, start, homes ignored)
-  bool record_moments = false;          // per_iteration[k].moments: every moment's timing
+  uint32_t engine_prefetch_depth = 4;  // acquires of lookahead (EngineConfig default)
+  Bytes deepspeed_bucket_bytes = 0;    // 0: 4 x the largest chunk
+  PlanOptions plan;                    // for planned / opt (iteration, start, homes ignored)
+  bool record_moments = false;         // per_iteration[k].moments: every moment's timing
 };
 
 struct SimResult {
   PolicyKind policy = PolicyKind::kLru;
-  Status status;                  // not OK: the policy cannot run this (e.g. does not fit)
+  Status status;  // not OK: the policy cannot run this (e.g. does not fit)
   uint32_t measured_iterations = 0;
-  IterationStats total;           // summed over the measured iterations
+  IterationStats total;  // summed over the measured iterations
   std::vector<IterationStats> per_iteration;
   std::array<Bytes, kNumTierKinds> peak{};  // over the measured iterations
-  PairBytes unclaimed{};          // prefetched for after the last iteration (not counted)
-  uint32_t divergences = 0;       // measured iterations that left the plan / recorded order
-  uint32_t repairs = 0;           // planned: moves its plan did not foresee
-  bool bound_exact = false;       // opt*: chunks on the device are all the same size
-  std::vector<Plan> plans;        // planned: the plan of each measured iteration
-  Placement warmup_placement;     // planned: the placement the warm-up ran under
+  PairBytes unclaimed{};                    // prefetched for after the last iteration (not counted)
+  uint32_t divergences = 0;    // measured iterations that left the plan / recorded order
+  uint32_t repairs = 0;        // planned: moves its plan did not foresee
+  bool bound_exact = false;    // opt*: chunks on the device are all the same size
+  std::vector<Plan> plans;     // planned: the plan of each measured iteration
+  Placement warmup_placement;  // planned: the placement the warm-up ran under
   std::vector<TierKind> homes;
 
   // Per measured iteration.

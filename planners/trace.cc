@@ -28,6 +28,8 @@
 // invariant is kInvalidArgument from ValidateTrace.
 #include "planners/trace.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <bit>
 #include <cerrno>
@@ -36,7 +38,6 @@
 #include <cstring>
 #include <fstream>
 #include <map>
-#include <unistd.h>
 
 #include "runtime/base/crc32c.h"
 
@@ -118,19 +119,26 @@ Status Torn(const Reader& r, std::string_view what, size_t need) {
 
 std::string_view MomentKindName(MomentKind k) {
   switch (k) {
-    case MomentKind::kPreForward: return "pre-forward";
-    case MomentKind::kPreBackward: return "pre-backward";
-    case MomentKind::kOptimizerStep: return "optimizer-substep";
-    case MomentKind::kOther: return "other";
+    case MomentKind::kPreForward:
+      return "pre-forward";
+    case MomentKind::kPreBackward:
+      return "pre-backward";
+    case MomentKind::kOptimizerStep:
+      return "optimizer-substep";
+    case MomentKind::kOther:
+      return "other";
   }
   return "?";
 }
 
 std::string_view AccessModeName(AccessMode m) {
   switch (m) {
-    case AccessMode::kRead: return "read";
-    case AccessMode::kWrite: return "write";
-    case AccessMode::kReadWrite: return "read-write";
+    case AccessMode::kRead:
+      return "read";
+    case AccessMode::kWrite:
+      return "write";
+    case AccessMode::kReadWrite:
+      return "read-write";
   }
   return "?";
 }
@@ -190,8 +198,8 @@ Status ValidateTrace(const Trace& t) {
     }
     if (ch.kind >= t.kind_names.size()) {
       return InvalidArgumentError(what + " has kind index " + std::to_string(ch.kind) +
-                                  " but the kind table has " +
-                                  std::to_string(t.kind_names.size()) + " names");
+                                  " but the kind table has " + std::to_string(t.kind_names.size()) +
+                                  " names");
     }
   }
   auto bad_rate = [](double v) { return !std::isfinite(v) || v < 0; };
@@ -222,10 +230,9 @@ Status ValidateTrace(const Trace& t) {
       const std::string where = "trace: " + MomentName(iter, it, m);
       if (mo.label.size() > 0xffff) return InvalidArgumentError(where + ": label too long");
       if (mo.first_access != next) {
-        return InvalidArgumentError(where + ": its accesses start at " +
-                                    std::to_string(mo.first_access) + ", expected " +
-                                    std::to_string(next) +
-                                    " (accesses recorded outside a moment?)");
+        return InvalidArgumentError(
+            where + ": its accesses start at " + std::to_string(mo.first_access) + ", expected " +
+            std::to_string(next) + " (accesses recorded outside a moment?)");
       }
       next += mo.num_accesses;
       if (next > iter.accesses.size()) {
@@ -236,9 +243,9 @@ Status ValidateTrace(const Trace& t) {
         return InvalidArgumentError(where + ": unit id " + std::to_string(mo.unit) +
                                     " is not below " + std::to_string(kMaxUnits));
       }
-      if (mo.saved_bytes > 0 &&
-          (mo.kind != MomentKind::kPreForward || mo.unit == kNoUnit)) {
-        return InvalidArgumentError(where + ": saved_bytes is only meaningful on the "
+      if (mo.saved_bytes > 0 && (mo.kind != MomentKind::kPreForward || mo.unit == kNoUnit)) {
+        return InvalidArgumentError(where +
+                                    ": saved_bytes is only meaningful on the "
                                     "pre-forward moment of a unit");
       }
       if (mo.saved_bytes > mo.activation_bytes) {
@@ -251,8 +258,8 @@ Status ValidateTrace(const Trace& t) {
         const std::string aw = where + " access " + std::to_string(a);
         if (acc.chunk >= t.chunks.size()) {
           return InvalidArgumentError(aw + ": unknown chunk " + std::to_string(acc.chunk) +
-                                      " (the chunk table has " +
-                                      std::to_string(t.chunks.size()) + " chunks)");
+                                      " (the chunk table has " + std::to_string(t.chunks.size()) +
+                                      " chunks)");
         }
         if (static_cast<int>(acc.mode) >= kNumAccessModes) {
           return InvalidArgumentError(aw + ": unknown access mode " +
@@ -290,9 +297,7 @@ std::string EncodeTrace(const Trace& t) {
     p.U32(0);
     return at;
   };
-  auto end_section = [&p](size_t at) {
-    p.PatchU32(at, static_cast<uint32_t>(p.size() - at - 4));
-  };
+  auto end_section = [&p](size_t at) { p.PatchU32(at, static_cast<uint32_t>(p.size() - at - 4)); };
   size_t s = begin_section(kSectionMeta);
   p.U32(t.rates.cpu_cores);
   p.U32(0);
@@ -504,9 +509,8 @@ StatusOr<Trace> DecodeTrace(std::string_view bytes) {
   const std::string_view payload = bytes.substr(kHeaderBytes);
 #ifndef FUZZING_BUILD_MODE_UNSAFE_FOR_PRODUCTION
   if (Crc32c(payload.data(), payload.size()) != payload_crc) {
-    return DataLossError("trace: payload checksum mismatch (bytes " +
-                         std::to_string(kHeaderBytes) + ".." +
-                         std::to_string(bytes.size() - 1) + " are corrupt)");
+    return DataLossError("trace: payload checksum mismatch (bytes " + std::to_string(kHeaderBytes) +
+                         ".." + std::to_string(bytes.size() - 1) + " are corrupt)");
   }
 #endif
   Trace t;

@@ -55,7 +55,7 @@ std::string_view MomentKindName(MomentKind k);  // "pre-forward", "pre-backward"
 
 enum class AccessMode : uint8_t {
   kRead = 0,
-  kWrite = 1,      // previous content not needed
+  kWrite = 1,  // previous content not needed
   kReadWrite = 2,
 };
 inline constexpr int kNumAccessModes = 3;
@@ -66,8 +66,8 @@ inline bool Writes(AccessMode m) { return m != AccessMode::kRead; }
 struct TraceChunk {
   Bytes bytes = 0;
   Category category = Category::kOther;
-  uint32_t group = 0;      // chunk group index (< number of chunks; a group's chunks share offsets)
-  uint16_t kind = 0;       // index into Trace::kind_names ("param", "grad", "exp_avg", ...)
+  uint32_t group = 0;  // chunk group index (< number of chunks; a group's chunks share offsets)
+  uint16_t kind = 0;   // index into Trace::kind_names ("param", "grad", "exp_avg", ...)
   TierKind home = TierKind::kHost;  // where the recording run homed it (host or nvme)
 };
 
@@ -81,14 +81,14 @@ struct TraceAccess {
 static_assert(sizeof(TraceAccess) == 8);
 
 struct Moment {
-  std::string label;            // e.g. "fwd:blocks.3", "opt:g12"
+  std::string label;  // e.g. "fwd:blocks.3", "opt:g12"
   MomentKind kind = MomentKind::kOther;
-  uint32_t unit = kNoUnit;      // the unit (module subtree) of a pre-forward/pre-backward
-  uint64_t compute_ns = 0;      // wall time of the moment's compute
-  Bytes activation_bytes = 0;   // non-chunk device bytes live during the moment (peak)
-  Bytes saved_bytes = 0;        // pre-forward only: bytes the unit saves for its backward
-  uint64_t work_elems = 0;      // optimizer sub-step only: parameters updated
-  uint32_t first_access = 0;    // into TraceIteration::accesses
+  uint32_t unit = kNoUnit;     // the unit (module subtree) of a pre-forward/pre-backward
+  uint64_t compute_ns = 0;     // wall time of the moment's compute
+  Bytes activation_bytes = 0;  // non-chunk device bytes live during the moment (peak)
+  Bytes saved_bytes = 0;       // pre-forward only: bytes the unit saves for its backward
+  uint64_t work_elems = 0;     // optimizer sub-step only: parameters updated
+  uint32_t first_access = 0;   // into TraceIteration::accesses
   uint32_t num_accesses = 0;
 };
 
@@ -180,7 +180,7 @@ class TraceBuilder {
   TraceIteration scratch_;  // target of Access() outside an iteration (reported by Finish)
   TraceIteration* cur_ = &scratch_;
   bool in_moment_ = false;
-  std::string misuse_;      // first misuse, reported by Finish
+  std::string misuse_;  // first misuse, reported by Finish
 };
 
 }  // namespace tiermem::planners

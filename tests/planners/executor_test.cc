@@ -2,10 +2,11 @@
 // the occupancy profile, demand fetches, a dirty eviction making the next fetch wait for its
 // write-back, policies that break the rules refused, activation footprints per policy,
 // optimizer placement and overlap reordering.
+#include "planners/executor.h"
+
 #include <gtest/gtest.h>
 
 #include "planners/effective.h"
-#include "planners/executor.h"
 #include "planners/schedule.h"
 #include "test_support.h"
 
@@ -123,8 +124,7 @@ TEST(ExecutorTest, RefusesPoliciesThatBreakTheBudgetOrSkipAFetch) {
   const Trace t = TwoChunks(AccessMode::kRead);
   const MachineModel m = testing::TestMachine(kMB, 10 * kMB);
   Greedy greedy;
-  EXPECT_THAT(RunOnce(t, m, greedy).status(),
-              StatusIs(StatusCode::kInternal, "did not make room"));
+  EXPECT_THAT(RunOnce(t, m, greedy).status(), StatusIs(StatusCode::kInternal, "did not make room"));
   Lazy lazy;
   EXPECT_THAT(RunOnce(t, m, lazy).status(), StatusIs(StatusCode::kInternal, "needs chunk 0"));
 }
@@ -207,8 +207,7 @@ TEST(EffectiveTest, OptimizerPlacementRetimesAndOverlapReorders) {
           trig = std::max(trig, last_touch[a->chunk]);
         }
         EXPECT_GE(static_cast<int64_t>(i), trig + 1);
-        EXPECT_TRUE(i == 0 || trig == static_cast<int64_t>(i) - 1 ||
-                    eff->moments[i - 1].async);
+        EXPECT_TRUE(i == 0 || trig == static_cast<int64_t>(i) - 1 || eff->moments[i - 1].async);
       }
     }
     for (const EffAccess* a = eff->begin(i); a != eff->end(i); ++a) {

@@ -1,8 +1,9 @@
 // Machine model: filled from a trace, device<->NVMe derived, --bw parsing, exact copy times,
 // validation naming what is missing.
+#include "planners/machine.h"
+
 #include <gtest/gtest.h>
 
-#include "planners/machine.h"
 #include "test_support.h"
 
 namespace tiermem::planners {
@@ -13,10 +14,10 @@ constexpr TierKind kD = TierKind::kDevice, kH = TierKind::kHost, kN = TierKind::
 
 TEST(MachineModelTest, FromTraceTakesRatesAndBudgetsAndDerivesNvmeLinks) {
   Trace t;
-  t.rates.link[1][0] = {20e9, 5000};  // h2d
-  t.rates.link[0][1] = {10e9, 6000};  // d2h
+  t.rates.link[1][0] = {20e9, 5000};   // h2d
+  t.rates.link[0][1] = {10e9, 6000};   // d2h
   t.rates.link[1][2] = {2e9, 100000};  // h2n
-  t.rates.link[2][1] = {3e9, 90000};  // n2h
+  t.rates.link[2][1] = {3e9, 90000};   // n2h
   t.rates.cpu_optim_elems_per_s = 1e9;
   t.rates.device_optim_elems_per_s = 5e10;
   t.rates.cpu_cores = 16;
@@ -24,9 +25,9 @@ TEST(MachineModelTest, FromTraceTakesRatesAndBudgetsAndDerivesNvmeLinks) {
   const MachineModel m = MachineModel::FromTrace(t);
   EXPECT_EQ(m.Budget(kD), 100u);
   EXPECT_EQ(m.Budget(kN), 300u);
-  EXPECT_EQ(m.Link(kD, kN).bytes_per_s, 2e9);   // min(d2h 10, h2n 2)
+  EXPECT_EQ(m.Link(kD, kN).bytes_per_s, 2e9);  // min(d2h 10, h2n 2)
   EXPECT_EQ(m.Link(kD, kN).latency_ns, 106000u);
-  EXPECT_EQ(m.Link(kN, kD).bytes_per_s, 3e9);   // min(n2h 3, h2d 20)
+  EXPECT_EQ(m.Link(kN, kD).bytes_per_s, 3e9);  // min(n2h 3, h2d 20)
   EXPECT_EQ(m.Link(kN, kD).latency_ns, 95000u);
   EXPECT_EQ(m.cpu_cores, 16u);
   // 1 MB at 20 GB/s = 50 us, + 5 us latency.

@@ -1,8 +1,9 @@
 // Planner: errors naming what is needed, plan contents (placement decisions follow the
 // modelled costs), prefetch timing, NVMe placement, divergence detection.
+#include "planners/planner.h"
+
 #include <gtest/gtest.h>
 
-#include "planners/planner.h"
 #include "planners/simulator.h"
 #include "test_support.h"
 
@@ -194,8 +195,8 @@ TEST(DivergenceTest, FindsWhereAndHowAnIterationLeftThePlan) {
   EXPECT_TRUE(ck.OnMoment(same.moments[0].label, same.moments[0].kind));
   const TraceAccess& a0 = same.accesses[same.moments[0].first_access];
   EXPECT_TRUE(ck.OnAccess(a0.chunk, a0.mode, a0.tier));
-  EXPECT_FALSE(ck.OnAccess(static_cast<ChunkId>(t.chunks.size() - 1), AccessMode::kRead,
-                           TierKind::kDevice));
+  EXPECT_FALSE(
+      ck.OnAccess(static_cast<ChunkId>(t.chunks.size() - 1), AccessMode::kRead, TierKind::kDevice));
   EXPECT_EQ(ck.divergence().kind, DivergenceKind::kAccess);
   EXPECT_FALSE(ck.OnMoment(same.moments[1].label, same.moments[1].kind));  // stays diverged
   ck.Reset();
@@ -222,7 +223,8 @@ TEST(DivergenceTest, OptimizerStepsMayInterleaveWithTheBackward) {
     }
     planned.moments.push_back(mo);
   }
-  EXPECT_FALSE(FindDivergence(*plan, t, planned).diverged()) << FindDivergence(*plan, t, planned).reason;
+  EXPECT_FALSE(FindDivergence(*plan, t, planned).diverged())
+      << FindDivergence(*plan, t, planned).reason;
   EXPECT_FALSE(FindDivergence(*plan, t, t.iterations[0]).diverged());
 }
 

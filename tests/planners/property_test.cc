@@ -171,7 +171,8 @@ TEST(PlannerPropertyTest, NoScheduleEverExceedsABudget) {
     SCOPED_TRACE(seed);
     const bool training = seed % 2 == 0;
     const Trace t = training
-                        ? testing::RandomTrace(seed, {.iterations = 3, .uniform = seed % 4 != 0,
+                        ? testing::RandomTrace(seed, {.iterations = 3,
+                                                      .uniform = seed % 4 != 0,
                                                       .training = true,
                                                       .units = 3 + static_cast<uint32_t>(seed % 4)})
                         : EvictionOnly(seed, 8, 20, 3, seed % 3 != 0, true, true);
@@ -200,12 +201,12 @@ TEST(PlannerPropertyTest, PlannedStallIsAtMostEveryReactivePolicys) {
     SCOPED_TRACE(seed);
     const bool training = seed % 3 != 0;
     const Trace t = training
-                        ? testing::RandomTrace(seed, {.iterations = 2, .training = true,
+                        ? testing::RandomTrace(seed, {.iterations = 2,
+                                                      .training = true,
                                                       .units = 3 + static_cast<uint32_t>(seed % 5)})
                         : EvictionOnly(seed, 7, 18, 2, true, seed % 2 == 0, false);
     const Bytes total = t.TotalChunkBytes();
-    const MachineModel m =
-        testing::TestMachine(total * (30 + 10 * (seed % 6)) / 100, 2 * total);
+    const MachineModel m = testing::TestMachine(total * (30 + 10 * (seed % 6)) / 100, 2 * total);
     if (!CheckFeasible(t, 0, m, false).ok()) continue;  // no schedule fits this budget
     auto rs = Compare(t, m);
     ASSERT_TRUE(rs.ok()) << rs.status().ToString();
@@ -224,8 +225,8 @@ TEST(PlannerPropertyTest, PlannedStallIsAtMostEveryReactivePolicys) {
 TEST(PlannerPropertyTest, PlansAndSimulationsAreDeterministic) {
   for (uint64_t seed = 1; seed <= 4; ++seed) {
     SCOPED_TRACE(seed);
-    const Trace t = testing::RandomTrace(seed, {.iterations = 2, .uniform = seed % 2 == 0,
-                                                .training = true, .units = 4});
+    const Trace t = testing::RandomTrace(
+        seed, {.iterations = 2, .uniform = seed % 2 == 0, .training = true, .units = 4});
     const Trace copy = t;
     const MachineModel m = testing::TestMachine(t.TotalChunkBytes() / 2, 2 * t.TotalChunkBytes());
     auto a = MakePlan(t, m);

@@ -1,8 +1,9 @@
 // Simulator: the measurement protocol, divergence handling (reactive fallback, re-plan, a
 // prefetching plan again after a divergent iteration). The canonical traces: canonical_test.cc.
+#include "planners/simulator.h"
+
 #include <gtest/gtest.h>
 
-#include "planners/simulator.h"
 #include "test_support.h"
 
 namespace tiermem::planners {

@@ -71,13 +71,13 @@ inline Trace ReadOnlyTrace(uint32_t chunks, Bytes bytes,
 
 struct RandomSpec {
   uint32_t chunks = 6;
-  uint32_t moments = 16;      // eviction-only: moments per iteration
+  uint32_t moments = 16;  // eviction-only: moments per iteration
   uint32_t iterations = 2;
-  bool identical = true;      // iterations repeat exactly
-  bool uniform = true;        // equal chunk sizes
-  uint32_t max_access = 3;    // chunks per moment (eviction-only)
-  bool training = false;      // units fwd/bwd with grads, optimizer steps, activations
-  uint32_t units = 4;         // training: units
+  bool identical = true;    // iterations repeat exactly
+  bool uniform = true;      // equal chunk sizes
+  uint32_t max_access = 3;  // chunks per moment (eviction-only)
+  bool training = false;    // units fwd/bwd with grads, optimizer steps, activations
+  uint32_t units = 4;       // training: units
 };
 
 inline uint64_t Uniform(std::mt19937_64& g, uint64_t n) { return g() % n; }

@@ -2,6 +2,8 @@
 // with the right code, newer versions refused, unknown sections skipped, invalid content
 // named, builder misuse reported; the canonical traces in tests/data load and are exactly
 // what the generator makes today.
+#include "planners/trace.h"
+
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -9,7 +11,6 @@
 #include <fstream>
 
 #include "planners/model_traces.h"
-#include "planners/trace.h"
 #include "runtime/base/crc32c.h"
 #include "test_support.h"
 

@@ -136,10 +136,14 @@ json ResultJson(const SimResult& r) {
     for (TierKind h : p.home) nvme += h == TierKind::kNvme;
     std::array<size_t, 3> pol{};
     for (const UnitPlan& u : p.units) ++pol[static_cast<int>(u.policy)];
-    j["plan"] = {{"optimizer_groups_on_device", dev}, {"optimizer_groups_overlapped", ov},
-                 {"groups", p.groups.size()},      {"nvme_homed_chunks", nvme},
-                 {"units_keep", pol[0]},           {"units_offload", pol[1]},
-                 {"units_recompute", pol[2]},      {"candidates_evaluated", p.candidates_evaluated}};
+    j["plan"] = {{"optimizer_groups_on_device", dev},
+                 {"optimizer_groups_overlapped", ov},
+                 {"groups", p.groups.size()},
+                 {"nvme_homed_chunks", nvme},
+                 {"units_keep", pol[0]},
+                 {"units_offload", pol[1]},
+                 {"units_recompute", pol[2]},
+                 {"candidates_evaluated", p.candidates_evaluated}};
   }
   return j;
 }
@@ -163,9 +167,8 @@ void PrintHeader(const Loaded& l, const std::string& path) {
 }
 
 void PrintTable(const std::vector<SimResult>& rs) {
-  std::printf("%-13s %11s %11s %11s %11s %10s %10s %10s  %s\n", "policy", "dev-in/it",
-              "d2h/it", "nvme/it", "stall ms", "iter ms", "peak dev", "peak host",
-              "stall by cause / notes");
+  std::printf("%-13s %11s %11s %11s %11s %10s %10s %10s  %s\n", "policy", "dev-in/it", "d2h/it",
+              "nvme/it", "stall ms", "iter ms", "peak dev", "peak host", "stall by cause / notes");
   for (const SimResult& r : rs) {
     if (!r.status.ok()) {
       std::printf("%-13s %s\n", std::string(PolicyName(r.policy)).c_str(),
@@ -174,8 +177,8 @@ void PrintTable(const std::vector<SimResult>& rs) {
     }
     const double n = r.measured_iterations;
     const double d2h = r.total.bytes[0][1] / n;
-    const double nvme = (r.total.bytes[1][2] + r.total.bytes[2][1] + r.total.bytes[0][2] +
-                         r.total.bytes[2][0]) / n;
+    const double nvme =
+        (r.total.bytes[1][2] + r.total.bytes[2][1] + r.total.bytes[0][2] + r.total.bytes[2][0]) / n;
     std::string causes;
     for (int c = 0; c < kNumStallCauses; ++c) {
       if (r.total.stall_by_cause[c] == 0) continue;
@@ -184,7 +187,9 @@ void PrintTable(const std::vector<SimResult>& rs) {
                 Ms(r.total.stall_by_cause[c] / n);
     }
     const bool opt = r.policy == PolicyKind::kOpt || r.policy == PolicyKind::kOptRecorded;
-    if (opt) causes = r.bound_exact ? "bound on dev-in (exact: equal chunks)" : "Belady on bytes (heuristic: mixed chunk sizes)";
+    if (opt)
+      causes = r.bound_exact ? "bound on dev-in (exact: equal chunks)"
+                             : "Belady on bytes (heuristic: mixed chunk sizes)";
     if (r.divergences > 0) causes += " [" + std::to_string(r.divergences) + " diverged]";
     std::printf("%-13s %11s %11s %11s %11s %10s %10s %10s  %s\n",
                 std::string(PolicyName(r.policy)).c_str(), Size(r.MeanDeviceInBytes()).c_str(),
@@ -217,9 +222,8 @@ void Simulate(const PlanArgs& a) {
       std::printf("%4zu %-20s %9s %9s %9s %8s %-10s %4u %4u %10s%s\n", i, m.label.c_str(),
                   Ms(m.issue_ns).c_str(), Ms(m.start_ns).c_str(), Ms(m.end_ns).c_str(),
                   Ms(m.stall_ns).c_str(),
-                  m.stall_ns ? std::string(StallCauseName(m.cause)).c_str() : "",
-                  m.fetches, m.evictions, FormatBytes(m.device_bytes).c_str(),
-                  m.async ? "  (CPU lane)" : "");
+                  m.stall_ns ? std::string(StallCauseName(m.cause)).c_str() : "", m.fetches,
+                  m.evictions, FormatBytes(m.device_bytes).c_str(), m.async ? "  (CPU lane)" : "");
     }
   }
 }
@@ -263,10 +267,10 @@ void Show(const PlanArgs& a) {
                 FormatBytes(act).c_str());
     for (size_t m = 0; m < it.moments.size() && m < a.moments; ++m) {
       const Moment& mo = it.moments[m];
-      std::printf("  %4zu %-18s %-17s %3u accesses %9s ms  live %s saved %s\n", m,
-                  mo.label.c_str(), std::string(MomentKindName(mo.kind)).c_str(),
-                  mo.num_accesses, Ms(mo.compute_ns).c_str(),
-                  FormatBytes(mo.activation_bytes).c_str(), FormatBytes(mo.saved_bytes).c_str());
+      std::printf("  %4zu %-18s %-17s %3u accesses %9s ms  live %s saved %s\n", m, mo.label.c_str(),
+                  std::string(MomentKindName(mo.kind)).c_str(), mo.num_accesses,
+                  Ms(mo.compute_ns).c_str(), FormatBytes(mo.activation_bytes).c_str(),
+                  FormatBytes(mo.saved_bytes).c_str());
     }
   }
 }
@@ -315,10 +319,11 @@ void BenchBuilder(const PlanArgs& a) {
     return ns / static_cast<double>(n);
   };
   const double access = run(true), moments = run(false);
-  std::printf("TraceBuilder, %llu accesses per iteration (second iteration timed):\n"
-              "  Access() alone:                          %.2f ns per access\n"
-              "  with a moment (label, begin/end) per 8:  %.2f ns per access\n",
-              static_cast<unsigned long long>(n), access, moments);
+  std::printf(
+      "TraceBuilder, %llu accesses per iteration (second iteration timed):\n"
+      "  Access() alone:                          %.2f ns per access\n"
+      "  with a moment (label, begin/end) per 8:  %.2f ns per access\n",
+      static_cast<unsigned long long>(n), access, moments);
 }
 
 void AddBudgetOptions(CLI::App* c, PlanArgs* a) {
@@ -330,7 +335,8 @@ void AddBudgetOptions(CLI::App* c, PlanArgs* a) {
                 "copy rates, e.g. h2d=24GB,d2h=24GB@10us (pairs h2d d2h h2n n2h d2n n2d hd hn dn)");
   c->add_option("--depth", a->depth, "engine policy: prefetch lookahead in acquires");
   c->add_option("--ds-bucket", a->ds_bucket, "deepspeed policy: prefetch bucket (SIZE or N%)");
-  c->add_flag("--no-optimizer-placement", a->no_place, "planned: keep optimizer steps where recorded");
+  c->add_flag("--no-optimizer-placement", a->no_place,
+              "planned: keep optimizer steps where recorded");
   c->add_flag("--no-overlap", a->no_overlap, "planned: no CPU step overlapped with the backward");
   c->add_flag("--no-activation-policy", a->no_activations, "planned: keep every activation");
   c->add_flag("--json", a->json, "print JSON");
@@ -345,8 +351,10 @@ void RegisterPlan(CLI::App& app) {
 
   CLI::App* sim = plan->add_subcommand("simulate", "simulate one policy over a trace");
   AddBudgetOptions(sim, args.get());
-  sim->add_option("--policy", args->policy, "lru|patrickstar|deepspeed|engine|planned|opt|opt-recorded");
-  sim->add_flag("--moments", args->list_moments, "list the last measured iteration moment by moment");
+  sim->add_option("--policy", args->policy,
+                  "lru|patrickstar|deepspeed|engine|planned|opt|opt-recorded");
+  sim->add_flag("--moments", args->list_moments,
+                "list the last measured iteration moment by moment");
   sim->callback([args] { Simulate(*args); });
 
   CLI::App* cmp = plan->add_subcommand("compare", "every policy in one table, with the OPT bound");
