@@ -17,5 +17,7 @@ void RegisterProf(CLI::App& app);
 
 // `tiermem run [--record] [--offload --device-budget] [--per-tensor] -- CMD` (tools/run/).
 void RegisterRun(CLI::App& app);
+// `tiermem plan simulate|compare|show|synth|bench-builder` (tools/plan/).
+void RegisterPlan(CLI::App& app);
 
 }  // namespace tiermem::tools

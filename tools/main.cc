@@ -15,6 +15,7 @@ int main(int argc, char** argv) {
   tiermem::tools::RegisterBenchAdam(*bench);
   tiermem::tools::RegisterProf(app);
   tiermem::tools::RegisterRun(app);
+  tiermem::tools::RegisterPlan(app);
   CLI11_PARSE(app, argc, argv);
   return 0;
 }

@@ -1,0 +1,56 @@
+// The machine model the planner and the simulator plan against: a budget per tier, the copy
+// rate and latency of every directed tier pair, the optimizer kernel rates on the CPU and on
+// the device, and the CPU core count. Filled from a trace's measured rates (and the budgets
+// it was recorded under), then overridden by what the user gives explicitly.
+//
+// A copy of b bytes from src to dst takes latency_ns + b / bytes_per_s seconds on the
+// (src, dst) copy lane; lanes of different pairs run concurrently with each other and with
+// compute (a GPU's copy engines, an io_uring ring). Device<->NVMe goes through pinned bounce
+// buffers: when not measured it is modelled as the slower of the two legs, latencies added.
+//
+// Thread-safety: a value.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "planners/trace.h"
+#include "runtime/base/status.h"
+#include "runtime/base/units.h"
+
+namespace tiermem::planners {
+
+struct MachineModel {
+  std::array<Bytes, kNumTierKinds> budget{};  // by TierKind index; nvme 0 = no NVMe tier
+  std::array<std::array<LinkRate, kNumTierKinds>, kNumTierKinds> link{};  // [src][dst]
+  double cpu_optim_elems_per_s = 0;     // 0 = unknown: optimizer steps keep their tier
+  double device_optim_elems_per_s = 0;  // 0 = unknown
+  uint32_t cpu_cores = 0;               // informational (the CPU rate is for all cores)
+
+  // The trace's measured rates and recorded budgets, device<->NVMe derived when missing.
+  static MachineModel FromTrace(const Trace& trace);
+
+  Bytes Budget(TierKind t) const { return budget[static_cast<int>(t)]; }
+  const LinkRate& Link(TierKind src, TierKind dst) const {
+    return link[static_cast<int>(src)][static_cast<int>(dst)];
+  }
+  // Nanoseconds one copy of `bytes` occupies the (src, dst) lane. Requires a rate > 0.
+  uint64_t CopyNs(TierKind src, TierKind dst, Bytes bytes) const;
+
+  // Fills device<->NVMe links that have no rate from the host legs.
+  void DeriveNvmeLinks();
+  // kInvalidArgument naming what is missing: device and host budgets, a device<->host rate
+  // both ways, host<->NVMe and device<->NVMe rates when there is an NVMe budget.
+  Status Validate() const;
+  std::string ToString() const;  // one line per item, for --verbose output and docs
+};
+
+// Applies "PAIR=RATE[@LATENCY]" items separated by commas, e.g. "h2d=24GB,d2h=20GB@10us".
+// PAIR is one of h2d d2h h2n n2h d2n n2d, or hd / hn / dn for both directions; RATE is bytes
+// per second in ParseBytes syntax (an optional "/s" suffix is allowed); LATENCY is a number
+// with ns, us or ms. kInvalidArgument naming the bad item.
+Status ApplyLinkSpec(std::string_view spec, MachineModel* m);
+
+}  // namespace tiermem::planners

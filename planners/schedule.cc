@@ -1,0 +1,656 @@
+// The chunk schedule: Belady demand pass, early eviction, fetch hoisting (planner.h explains
+// why), and PlanPolicy, which executes a plan in the executor.
+//
+// Positions: the demand pass walks a horizon of two copies of the iteration (0..2n-1);
+// next-use lookups see three. Program-order capacity of tier t for chunks at position q is
+// its budget minus the non-chunk bytes of that moment (EffIteration::dev_extra / host_extra)
+// and, on the host, minus the homes there. occ[t][q] is the chunk bytes cached on t during
+// q after q's actions; every transformation below keeps occ[t][q] <= capacity(t, q), which
+// is exactly what the executor's program-order check needs, so an executed plan never needs
+// repairs when the iteration matches it.
+#include "planners/schedule.h"
+
+#include <algorithm>
+#include <iterator>
+#include <set>
+#include <tuple>
+
+namespace tiermem::planners {
+
+NextUse::NextUse(const std::vector<const EffIteration*>& seq, size_t num_chunks)
+    : uses_(num_chunks) {
+  uint64_t pos = 0;
+  for (const EffIteration* it : seq) {
+    for (size_t m = 0; m < it->size(); ++m, ++pos) {
+      moments_.push_back({it, m});
+      for (const EffAccess* a = it->begin(m); a != it->end(m); ++a) {
+        uses_[a->chunk].push_back(Use{pos, a->tier, a->needs_content});
+      }
+    }
+  }
+}
+
+uint64_t NextUse::NextRead(ChunkId c, TierKind tier, uint64_t pos, bool* leaves) const {
+  if (leaves != nullptr) *leaves = false;
+  const std::vector<Use>& u = uses_[c];
+  auto it =
+      std::upper_bound(u.begin(), u.end(), pos, [](uint64_t p, const Use& x) { return p < x.pos; });
+  if (pos == UINT64_MAX) it = u.begin();  // "before the first moment"
+  if (it == u.end()) return kDead;
+  if (it->tier != tier) {
+    if (leaves != nullptr) *leaves = true;
+    return kDead;
+  }
+  return it->reads ? it->pos : kDead;
+}
+
+VictimKey BeladyKey(const NextUse& nu, ChunkId c, TierKind tier, uint64_t pos, bool dirty,
+                    Bytes bytes) {
+  bool leaves = false;
+  const uint64_t nr = nu.NextRead(c, tier, pos, &leaves);
+  VictimKey k;
+  k.id = c;
+  k.bytes = UINT64_MAX - bytes;
+  if (nr == NextUse::kDead) {
+    k.cls = !dirty ? 0 : (leaves ? 1 : 2);
+  } else {
+    k.cls = 3;
+    k.far = UINT64_MAX - nr;
+  }
+  return k;
+}
+
+namespace {
+
+constexpr int kD = static_cast<int>(TierKind::kDevice);
+constexpr int kH = static_cast<int>(TierKind::kHost);
+
+struct FetchEv {
+  ChunkId chunk;
+  int tier;
+  int64_t need;  // position it is cached from in the demand pass (its use, or earlier
+                 // for an aggressive prefetch)
+  bool copy;
+  int64_t after_access;  // position of the chunk's previous access (-1: none)
+  int64_t prev_evict;    // index into evicts of its previous eviction (-1: none)
+  int64_t use;           // position of the access that needs it
+};
+struct EvictEv {
+  ChunkId chunk;
+  int tier;
+  int64_t at;         // position (start of that moment)
+  int64_t arrived;    // position the copy arrived at (-1: resident from the start)
+  bool dirty;         // written back to its home
+  bool victim;        // made room for a fetch (may leave earlier, right after its last use)
+  bool emit;          // a plan action (false: a copy that moved up to a faster tier)
+  int64_t freed = 0;  // position from which its room is usable
+};
+
+}  // namespace
+
+StatusOr<Schedule> MakeSchedule(const ScheduleInput& in) {
+  const Trace& trace = *in.trace;
+  const EffIteration& eff = *in.eff;
+  const size_t n = eff.size();
+  const size_t nc = trace.chunks.size();
+  const int64_t horizon = static_cast<int64_t>(2 * n);
+  NextUse nu({&eff, &eff, &eff}, nc);
+  auto bytes_of = [&](ChunkId c) { return static_cast<int64_t>(trace.chunks[c].bytes); };
+
+  Bytes host_homes = 0;
+  for (ChunkId c = 0; c < nc; ++c) {
+    if (in.homes[c] == TierKind::kHost) host_homes += trace.chunks[c].bytes;
+  }
+  auto cap = [&](int t, int64_t q) -> int64_t {
+    const size_t i = static_cast<size_t>(q) % n;
+    if (t == kD)
+      return static_cast<int64_t>(in.device_budget) - static_cast<int64_t>(eff.dev_extra[i]);
+    return static_cast<int64_t>(in.host_budget) - static_cast<int64_t>(host_homes) -
+           static_cast<int64_t>(eff.host_extra[i]);
+  };
+  // Write-back aware: the room of a dirty copy is usable only once its write-back is modelled
+  // to end, on its copy lane in order, with the stream advancing by compute alone.
+  const bool aware = in.writeback_aware && in.machine != nullptr;
+  std::vector<uint64_t> t_at(static_cast<size_t>(horizon) + 1, 0);
+  for (int64_t q = 0; q < horizon; ++q) {
+    const EffMoment& m = eff.moments[static_cast<size_t>(q) % n];
+    t_at[q + 1] = t_at[q] + (m.async ? 0 : m.compute_ns);
+  }
+  auto pos_at = [&](int64_t from, uint64_t time) {
+    int64_t q = from;
+    while (q < horizon && t_at[q] < time) ++q;
+    return q;
+  };
+  std::array<std::array<uint64_t, kNumTierKinds>, kNumTierKinds> lane{};  // demand-pass clocks
+  auto writeback_end = [&](auto& clocks, int tier, ChunkId c, int64_t at) {
+    uint64_t& clock = clocks[tier][static_cast<int>(in.homes[c])];
+    clock = std::max(clock, t_at[at]) +
+            in.machine->CopyNs(static_cast<TierKind>(tier), in.homes[c], trace.chunks[c].bytes);
+    return clock;
+  };
+
+  std::vector<int> cache(nc, -1);  // tier index of the cached copy, -1 none
+  std::vector<bool> dirty(nc, false);
+  std::vector<int64_t> last_acc(nc, -1);    // position of the last access (any tier)
+  std::vector<int64_t> arrived(nc, -1);     // position its current copy arrived at
+  std::vector<int64_t> left_at(nc, -1);     // position at whose start its copy last moved up
+  std::vector<int64_t> last_evict(nc, -1);  // index into evicts of its last eviction
+  std::array<int64_t, kNumTierKinds> used{};
+  // The chunks cached on each tier (unordered; slot[c] is c's index there).
+  std::array<std::vector<ChunkId>, 2> on_tier;
+  std::vector<size_t> slot(nc, 0);
+  auto set_cache = [&](ChunkId c, int t) {
+    if (cache[c] >= 0) {
+      std::vector<ChunkId>& v = on_tier[cache[c]];
+      v[slot[c]] = v.back();
+      slot[v.back()] = slot[c];
+      v.pop_back();
+    }
+    cache[c] = t;
+    if (t >= 0) {
+      slot[c] = on_tier[t].size();
+      on_tier[t].push_back(c);
+    }
+  };
+  // Chunks the moment being processed uses (by stamp).
+  std::vector<int64_t> used_at(nc, -1);
+  for (ChunkId c = 0; c < nc; ++c) {
+    const TierKind t = in.start.cache.empty() ? TierKind::kNone : in.start.cache[c];
+    if (t == TierKind::kDevice || t == TierKind::kHost) {
+      set_cache(c, static_cast<int>(t));
+      dirty[c] = in.start.dirty[c];
+      used[cache[c]] += bytes_of(c);
+    }
+  }
+  std::vector<FetchEv> fetches;
+  std::vector<EvictEv> evicts;
+  std::vector<std::tuple<int64_t, int, int64_t>> pending;  // (usable from, tier, bytes)
+  auto evict = [&](ChunkId c, int64_t at, bool victim, bool emit = true) {
+    const int64_t b = bytes_of(c);
+    const bool d = dirty[c] && emit;
+    int64_t freed = at;
+    if (aware && d) {
+      freed = pos_at(at, writeback_end(lane, cache[c], c, at));
+      if (freed > at) pending.push_back({freed, cache[c], b});
+    }
+    if (freed == at) used[cache[c]] -= b;
+    last_evict[c] = static_cast<int64_t>(evicts.size());
+    evicts.push_back({c, cache[c], at, arrived[c], d, victim, emit});
+    set_cache(c, -1);
+    dirty[c] = false;
+  };
+  // Dead copies leave right after their last use (at the start of `at`). A copy's next use
+  // changes only when it is accessed, so only the chunks just accessed need a look.
+  auto evict_dead_one = [&](ChunkId c, int64_t after_pos, int64_t at) {
+    if (cache[c] < 0) return;
+    const uint64_t p = after_pos < 0 ? UINT64_MAX : static_cast<uint64_t>(after_pos);
+    const VictimKey k =
+        BeladyKey(nu, c, static_cast<TierKind>(cache[c]), p, dirty[c], trace.chunks[c].bytes);
+    if (k.cls <= 1) evict(c, at, false);
+  };
+  // The Belady victim on tier t at pos (not used by its moment).
+  auto victim = [&](int t, int64_t pos, size_t i, VictimKey* key) {
+    bool have = false;
+    ChunkId best = 0;
+    for (ChunkId c : on_tier[t]) {
+      if (used_at[c] == pos) continue;
+      const VictimKey k = BeladyKey(nu, c, static_cast<TierKind>(t), static_cast<uint64_t>(pos),
+                                    dirty[c], trace.chunks[c].bytes);
+      if (!have || k < *key) {
+        have = true;
+        best = c;
+        *key = k;
+      }
+    }
+    return have ? static_cast<int64_t>(best) : -1;
+  };
+  auto insert = [&](ChunkId c, int t, int64_t pos, bool copy, int64_t use) {
+    const int64_t after = std::max(last_acc[c], left_at[c]);
+    if (cache[c] >= 0) {  // moves up from another cache: that copy goes
+      evict(c, pos, false, /*emit=*/false);
+      left_at[c] = pos;
+    }
+    set_cache(c, t);
+    dirty[c] = false;
+    arrived[c] = pos;
+    used[t] += bytes_of(c);
+    fetches.push_back({c, t, pos, copy, after, last_evict[c], use});
+  };
+  for (ChunkId c = 0; c < nc; ++c) evict_dead_one(c, -1, 0);
+
+  // ---- demand pass: Belady over two copies of the iteration --------------------------------
+  for (int64_t pos = 0; pos < horizon; ++pos) {
+    const size_t i = static_cast<size_t>(pos) % n;
+    for (const EffAccess* a = eff.begin(i); a != eff.end(i); ++a) used_at[a->chunk] = pos;
+    for (auto it = pending.begin(); it != pending.end();) {
+      if (std::get<0>(*it) <= pos) {
+        used[std::get<1>(*it)] -= std::get<2>(*it);
+        it = pending.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    // Copies above a chunk's home are dropped when it is accessed at home.
+    for (const EffAccess* a = eff.begin(i); a != eff.end(i); ++a) {
+      if (a->tier == in.homes[a->chunk] && cache[a->chunk] >= 0) evict(a->chunk, pos, false);
+    }
+    for (int t : {kD, kH}) {
+      int64_t missing = 0;
+      for (const EffAccess* a = eff.begin(i); a != eff.end(i); ++a) {
+        if (static_cast<int>(a->tier) == t && a->tier != in.homes[a->chunk] &&
+            cache[a->chunk] != t) {
+          missing += bytes_of(a->chunk);
+        }
+      }
+      while (used[t] + missing > cap(t, pos)) {
+        VictimKey key;
+        const int64_t v = victim(t, pos, i, &key);
+        if (v < 0) {
+          const Bytes extra = t == kD ? eff.dev_extra[i] : eff.host_extra[i] + host_homes;
+          return ResourceExhaustedError(
+              std::string(TierKindName(static_cast<TierKind>(t))) + " tier: moment " +
+              std::to_string(i) + " (" + std::string(eff.moments[i].label) + ") needs " +
+              std::to_string(missing + used[t] + static_cast<int64_t>(extra)) +
+              " bytes (chunks it uses " + std::to_string(missing + used[t]) + ", non-chunk " +
+              std::to_string(extra) + "), the budget is " +
+              std::to_string(t == kD ? in.device_budget : in.host_budget) + " bytes");
+        }
+        evict(static_cast<ChunkId>(v), pos, true);
+      }
+      for (const EffAccess* a = eff.begin(i); a != eff.end(i); ++a) {
+        const ChunkId c = a->chunk;
+        if (static_cast<int>(a->tier) != t || a->tier == in.homes[c] || cache[c] == t) continue;
+        insert(c, t, pos, a->needs_content, pos);
+      }
+      // Aggressive variant: while the next chunk to be read on this tier can come in without
+      // harm (free room, or a victim read later than it), fetch it now.
+      while (in.aggressive && pos + 1 < horizon) {
+        // The earliest later read on t of a chunk cached nowhere (and not used now).
+        bool have = false;
+        ChunkId x = 0;
+        uint64_t xr = NextUse::kDead;
+        for (int64_t q = pos + 1; q < horizon && !have; ++q) {
+          const size_t j = static_cast<size_t>(q) % n;
+          for (const EffAccess* a = eff.begin(j); a != eff.end(j); ++a) {
+            const ChunkId c = a->chunk;
+            if (static_cast<int>(a->tier) != t || !a->needs_content || cache[c] >= 0 ||
+                in.homes[c] == a->tier || used_at[c] == pos ||
+                nu.NextRead(c, a->tier, static_cast<uint64_t>(pos)) != static_cast<uint64_t>(q)) {
+              continue;
+            }
+            have = true;
+            x = c;
+            xr = static_cast<uint64_t>(q);
+            break;
+          }
+        }
+        if (!have) break;
+        bool room = true;
+        while (used[t] + bytes_of(x) > cap(t, pos)) {
+          VictimKey key;
+          const int64_t v = victim(t, pos, i, &key);
+          // Do no harm: the victim must be dead or read after x.
+          if (v < 0 || (key.cls == 3 && UINT64_MAX - key.far <= xr)) {
+            room = false;
+            break;
+          }
+          evict(static_cast<ChunkId>(v), pos, true);
+        }
+        if (!room) break;
+        insert(x, t, pos, true, static_cast<int64_t>(xr));
+      }
+    }
+    for (const EffAccess* a = eff.begin(i); a != eff.end(i); ++a) {
+      last_acc[a->chunk] = pos;
+      if (a->modifies && cache[a->chunk] == static_cast<int>(a->tier)) dirty[a->chunk] = true;
+    }
+    if (pos + 1 < horizon) {
+      for (const EffAccess* a = eff.begin(i); a != eff.end(i); ++a) {
+        evict_dead_one(a->chunk, pos, pos + 1);
+      }
+    }
+  }
+
+  // ---- victims of this iteration leave right after their last use -------------------------
+  for (EvictEv& e : evicts) {
+    if (!e.victim || e.at >= static_cast<int64_t>(n)) continue;
+    int64_t last = -1;
+    for (int64_t q = e.at - 1; q > e.arrived && q >= 0; --q) {
+      if (UsedBy(eff, static_cast<size_t>(q) % n, e.chunk)) {
+        last = q;
+        break;
+      }
+    }
+    e.at = std::max({last + 1, e.arrived + 1, int64_t{0}});
+  }
+  // When each room is usable: at the eviction, or when its write-back ends (lanes in order).
+  {
+    std::vector<size_t> order(evicts.size());
+    for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+    std::stable_sort(order.begin(), order.end(),
+                     [&](size_t x, size_t y) { return evicts[x].at < evicts[y].at; });
+    std::array<std::array<uint64_t, kNumTierKinds>, kNumTierKinds> clocks{};
+    for (size_t k : order) {
+      EvictEv& e = evicts[k];
+      e.freed =
+          aware && e.dirty ? pos_at(e.at, writeback_end(clocks, e.tier, e.chunk, e.at)) : e.at;
+    }
+  }
+  // Occupancy per position after its actions, from the events.
+  std::array<std::vector<int64_t>, 2> occ;
+  for (int t : {kD, kH}) {
+    std::vector<int64_t> diff(static_cast<size_t>(horizon) + 1, 0);
+    for (ChunkId c = 0; c < nc; ++c) {
+      const TierKind st = in.start.cache.empty() ? TierKind::kNone : in.start.cache[c];
+      if (static_cast<int>(st) == t) diff[0] += bytes_of(c);
+    }
+    for (const FetchEv& f : fetches) {
+      if (f.tier == t) diff[static_cast<size_t>(f.need)] += bytes_of(f.chunk);
+    }
+    for (const EvictEv& e : evicts) {
+      if (e.tier == t) diff[static_cast<size_t>(std::min(e.freed, horizon))] -= bytes_of(e.chunk);
+    }
+    occ[t].resize(static_cast<size_t>(horizon));
+    int64_t run = 0;
+    for (int64_t q = 0; q < horizon; ++q) {
+      run += diff[static_cast<size_t>(q)];
+      occ[t][static_cast<size_t>(q)] = run;
+    }
+  }
+
+  // ---- hoisting: each fetch (need order per tier) as early as the room allows -------------
+  Schedule out;
+  out.actions.resize(n);
+  std::vector<std::vector<PlanAction>> prefetch_at(n);
+  std::array<int64_t, kNumTierKinds> prev{};
+  std::array<bool, kNumTierKinds> stop{};
+  for (const FetchEv& f : fetches) {
+    if (stop[f.tier]) continue;
+    const bool next_iter = f.need >= static_cast<int64_t>(n);
+    const int64_t b = bytes_of(f.chunk);
+    int64_t e = f.need;
+    if (f.copy) {
+      // After its previous access, and after its copy last left (an eviction the pass above
+      // may have moved), in need order.
+      int64_t earliest = f.after_access + 1;
+      if (f.prev_evict >= 0) {
+        earliest = std::max(earliest, evicts[static_cast<size_t>(f.prev_evict)].at + 1);
+      }
+      e = std::max<int64_t>(earliest, prev[f.tier]);
+      for (int64_t q = f.need - 1; q >= e; --q) {
+        if (occ[f.tier][static_cast<size_t>(q)] + b > cap(f.tier, q)) {
+          e = q + 1;
+          break;
+        }
+      }
+      e = std::min(e, f.need);
+    }
+    if (next_iter && (e >= static_cast<int64_t>(n) || !f.copy)) {
+      if (f.copy) stop[f.tier] = true;
+      continue;
+    }
+    for (int64_t q = e; q < f.need; ++q) occ[f.tier][static_cast<size_t>(q)] += b;
+    if (f.copy) prev[f.tier] = e;
+    PlanAction a;
+    a.kind = ActionKind::kPrefetch;
+    a.tier = static_cast<TierKind>(f.tier);
+    a.copy = f.copy;
+    a.chunk = f.chunk;
+    a.need_moment = static_cast<uint32_t>(f.use);
+    prefetch_at[static_cast<size_t>(e)].push_back(a);
+    if (f.copy && f.tier == kD && f.use < static_cast<int64_t>(n)) {
+      out.device_in_bytes += static_cast<Bytes>(b);
+    }
+  }
+  for (const EvictEv& e : evicts) {
+    if (!e.emit || e.at >= static_cast<int64_t>(n)) continue;
+    PlanAction a;
+    a.kind = ActionKind::kEvict;
+    a.tier = static_cast<TierKind>(e.tier);
+    a.chunk = e.chunk;
+    out.actions[static_cast<size_t>(e.at)].push_back(a);
+  }
+  // Evictions at a moment in chunk order (deterministic), then prefetches in need order.
+  for (size_t i = 0; i < n; ++i) {
+    std::stable_sort(out.actions[i].begin(), out.actions[i].end(),
+                     [](const PlanAction& x, const PlanAction& y) { return x.chunk < y.chunk; });
+    for (const PlanAction& a : prefetch_at[i]) out.actions[i].push_back(a);
+  }
+  for (const ActSpan& s : eff.spans) {
+    if (s.policy != ActivationPolicy::kOffload) continue;
+    PlanAction a;
+    a.kind = ActionKind::kFetchActivation;
+    a.tier = TierKind::kDevice;
+    a.unit = s.unit;
+    a.need_moment = s.bwd;
+    out.actions[s.prefetch_at].push_back(a);
+  }
+  return out;
+}
+
+// ---- PlanPolicy --------------------------------------------------------------------------
+//
+// Alignment: the device-stream moments of the actual iteration are matched in order with the
+// planned ones (same label, kind and unit, else the iteration took another path: reactive);
+// an actual optimizer step with an unmatched planned step of the same (substituted) group.
+// At each match the plan's actions of every planned moment up to the matched one are issued.
+// Substitution: when a matched moment uses other chunk groups than planned (MoE routing:
+// other experts), the groups planned and not used are paired in order with those used and
+// not planned, and the rest of the plan is read through that map — a group's chunk of kind k
+// becomes the substitute group's chunk of kind k — for actions and predicted next uses.
+PlanPolicy::PlanPolicy(const Plan* plan, const EffIteration* planned)
+    : plan_(plan), planned_(planned) {}
+
+void PlanPolicy::Remap(const Trace& t) {
+  mapped_ = *planned_;
+  for (EffAccess& a : mapped_.accesses) a.chunk = Map(t, a.chunk);
+  next_use_ = std::make_unique<NextUse>(
+      std::vector<const EffIteration*>{&mapped_, &mapped_, &mapped_}, t.chunks.size());
+}
+
+ChunkId PlanPolicy::Map(const Trace& t, ChunkId c) const {
+  const TraceChunk& ch = t.chunks[c];
+  const uint32_t g = sigma_[ch.group];
+  if (g == ch.group) return c;
+  auto it = chunk_of_.find({g, ch.kind});
+  return it == chunk_of_.end() ? c : it->second;
+}
+
+Status PlanPolicy::BeginIteration(Executor& ex) {
+  const Trace& t = ex.trace();
+  sigma_.resize(t.chunks.size());
+  for (uint32_t g = 0; g < sigma_.size(); ++g) sigma_[g] = g;
+  chunk_of_.clear();
+  for (ChunkId c = 0; c < t.chunks.size(); ++c)
+    chunk_of_[{t.chunks[c].group, t.chunks[c].kind}] = c;
+  Remap(t);
+  mode_ = Mode::kFollow;
+  div_kind_ = DivergenceKind::kNone;
+  next_stream_ = 0;
+  issued_ = 0;
+  step_matched_.assign(planned_->size(), false);
+  volatile_.assign(t.chunks.size(), false);
+  for (uint32_t g : plan_->volatile_groups) {
+    if (g < volatile_.size()) volatile_[g] = true;
+  }
+  seen_.assign(t.chunks.size(), false);
+  return OkStatus();
+}
+
+bool PlanPolicy::Learn(const Trace& t, const EffIteration& actual, size_t i, size_t q) {
+  std::set<uint32_t> want, got;
+  for (const EffAccess* a = mapped_.begin(q); a != mapped_.end(q); ++a) {
+    want.insert(t.chunks[a->chunk].group);
+  }
+  for (const EffAccess* a = actual.begin(i); a != actual.end(i); ++a) {
+    got.insert(t.chunks[a->chunk].group);
+  }
+  std::vector<uint32_t> missing, extra;
+  std::set_difference(want.begin(), want.end(), got.begin(), got.end(),
+                      std::back_inserter(missing));
+  std::set_difference(got.begin(), got.end(), want.begin(), want.end(), std::back_inserter(extra));
+  const size_t pairs = std::min(missing.size(), extra.size());
+  if (pairs == 0) return false;
+  for (size_t k = 0; k < pairs; ++k) {
+    const uint32_t m = missing[k], x = extra[k];
+    for (uint32_t& s : sigma_) {  // sigma followed by the transposition (m x)
+      if (s == m) {
+        s = x;
+      } else if (s == x) {
+        s = m;
+      }
+    }
+  }
+  Remap(t);
+  return true;
+}
+
+Status PlanPolicy::Issue(Executor& ex, size_t i, size_t q) {
+  const EffIteration& actual = ex.iteration();
+  const Trace& t = ex.trace();
+  const size_t n = planned_->size();
+  const NextUse& nu = *next_use_;
+  auto key = [&](ChunkId c, TierKind tier) {
+    return BeladyKey(nu, c, tier, q, ex.Chunk(c).dirty, ex.ChunkBytes(c));
+  };
+  const PlannedMoment& pm = plan_->moments[q];
+  for (uint32_t k = 0; k < pm.num_actions; ++k) {
+    const PlanAction& act = plan_->actions[pm.first_action + k];
+    if (act.kind == ActionKind::kFetchActivation) continue;  // the executor does these
+    const ChunkId c = Map(t, act.chunk);
+    // A volatile group's chunk comes in only once this iteration showed which group it is.
+    if (act.kind == ActionKind::kPrefetch && volatile_[t.chunks[act.chunk].group] &&
+        !seen_[t.chunks[c].group]) {
+      continue;
+    }
+    if (act.kind == ActionKind::kEvict) {
+      // (A chunk this moment uses on its home tier leaves its cached copy anyway.)
+      bool used_there = false;
+      for (const EffAccess* a = actual.begin(i); a != actual.end(i); ++a) {
+        used_there |= a->chunk == c && a->tier == act.tier;
+      }
+      if (ex.Chunk(c).cache == act.tier && !used_there) TIERMEM_RETURN_IF_ERROR(ex.Evict(c));
+      continue;
+    }
+    const ChunkView& v = ex.Chunk(c);
+    if (v.cache == act.tier || ex.Home(c) == act.tier) continue;
+    if (!act.copy) {
+      // Allocation only, for a moment that overwrites the chunk: only if this moment does
+      // (after a divergence it may read it; then the moment's own fetch copies it).
+      bool overwrites = false;
+      for (const EffAccess* a = actual.begin(i); a != actual.end(i); ++a) {
+        overwrites |= a->chunk == c && a->tier == act.tier && !a->needs_content;
+      }
+      if (!overwrites) continue;
+    }
+    const Bytes b = ex.ChunkBytes(c);
+    if (ex.Free(act.tier) < b + ex.NeedExtra(i, act.tier)) {
+      if (mode_ == Mode::kFollow) ++repairs_;
+      // Make room only from chunks not needed before this prefetch's use.
+      const uint64_t need = act.need_moment;
+      auto r = MakeRoom(
+          ex, i, act.tier, b + ex.NeedExtra(i, act.tier),
+          [&](ChunkId x) { return key(x, act.tier); },
+          [&](ChunkId x) {
+            const uint64_t nr = nu.NextRead(x, act.tier, q);
+            return nr != NextUse::kDead && nr <= need;
+          });
+      if (!r.ok()) return r.status();
+      if (!*r) continue;
+    }
+    const uint32_t need_tag = act.need_moment >= n ? ex.tag() + 1 : ex.tag();
+    TIERMEM_RETURN_IF_ERROR(ex.Fetch(c, act.tier, act.copy, need_tag));
+  }
+  return OkStatus();
+}
+
+Status PlanPolicy::Before(Executor& ex, size_t i) {
+  const EffIteration& actual = ex.iteration();
+  const Trace& t = ex.trace();
+  const size_t n = planned_->size();
+  const EffMoment& am = actual.moments[i];
+  auto diverge = [&](DivergenceKind k, Mode m) {
+    if (mode_ == Mode::kFollow) {
+      div_kind_ = k;
+      div_moment_ = static_cast<uint32_t>(i);
+    }
+    mode_ = m;
+  };
+  // The planned moment this one is.
+  int64_t q = -1;
+  if (mode_ != Mode::kReactive) {
+    if (am.kind == MomentKind::kOptimizerStep) {
+      for (size_t j = 0; j < n && q < 0; ++j) {
+        const EffMoment& pm = mapped_.moments[j];
+        if (pm.kind != MomentKind::kOptimizerStep || step_matched_[j] || pm.count == 0 ||
+            am.count == 0) {
+          continue;
+        }
+        if (t.chunks[mapped_.begin(j)->chunk].group == t.chunks[actual.begin(i)->chunk].group) {
+          q = static_cast<int64_t>(j);
+        }
+      }
+      if (q >= 0) step_matched_[q] = true;
+    } else {
+      size_t j = next_stream_;
+      while (j < n && mapped_.moments[j].kind == MomentKind::kOptimizerStep) ++j;
+      if (j >= n) {
+        diverge(DivergenceKind::kLonger, Mode::kReactive);
+      } else {
+        const EffMoment& pm = mapped_.moments[j];
+        if (pm.label != am.label || pm.kind != am.kind || pm.unit != am.unit) {
+          diverge(DivergenceKind::kMoment, Mode::kReactive);
+        } else {
+          q = static_cast<int64_t>(j);
+          next_stream_ = j + 1;
+        }
+      }
+    }
+    if (mode_ != Mode::kReactive) {
+      const bool same = q == static_cast<int64_t>(i) && SameMoment(actual, i, mapped_, i);
+      if (!same) {
+        // Another path (a step that was not planned) or other chunks: substitute and repair.
+        if (mode_ == Mode::kFollow) diverge(DivergenceKind::kAccess, Mode::kRepair);
+        if (q >= 0) Learn(t, actual, i, static_cast<size_t>(q));
+      }
+    }
+  }
+  if (mode_ == Mode::kReactive) {
+    return EnsureMoment(ex, i, [&ex](ChunkId c, TierKind) {
+      return std::make_tuple(ex.Chunk(c).dirty, ex.Chunk(c).last_use, c);
+    });
+  }
+  for (const EffAccess* a = actual.begin(i); a != actual.end(i); ++a) {
+    seen_[t.chunks[a->chunk].group] = true;
+  }
+  // Issue the actions of the planned moments up to this one (a step: its own only).
+  if (q >= 0) {
+    if (am.kind == MomentKind::kOptimizerStep && static_cast<size_t>(q) >= issued_) {
+      TIERMEM_RETURN_IF_ERROR(Issue(ex, i, static_cast<size_t>(q)));
+    } else {
+      for (; issued_ <= static_cast<size_t>(q); ++issued_) {
+        if (mapped_.moments[issued_].kind == MomentKind::kOptimizerStep && step_matched_[issued_] &&
+            issued_ != static_cast<size_t>(q)) {
+          continue;  // issued when its step ran
+        }
+        TIERMEM_RETURN_IF_ERROR(Issue(ex, i, issued_));
+      }
+    }
+  }
+  const NextUse& nu = *next_use_;
+  const uint64_t pos = q >= 0 ? static_cast<uint64_t>(q) : static_cast<uint64_t>(issued_);
+  auto key = [&](ChunkId c, TierKind tier) {
+    return BeladyKey(nu, c, tier, pos, ex.Chunk(c).dirty, ex.ChunkBytes(c));
+  };
+  uint32_t changed = 0;
+  TIERMEM_RETURN_IF_ERROR(EnsureMoment(ex, i, key, &changed));
+  // Fetching a volatile group's chunk on demand is what the plan chose, not a repair.
+  bool volatile_moment = false;
+  for (const EffAccess* a = actual.begin(i); a != actual.end(i); ++a) {
+    volatile_moment |= volatile_[t.chunks[a->chunk].group];
+  }
+  if (mode_ == Mode::kFollow && !volatile_moment) repairs_ += changed;
+  return OkStatus();
+}
+
+}  // namespace tiermem::planners

@@ -1,0 +1,60 @@
+// Every policy over the canonical traces of tests/data/ (labelled slow: see CMakeLists.txt).
+#include <gtest/gtest.h>
+
+#include "planners/simulator.h"
+#include "test_support.h"
+
+namespace tiermem::planners {
+namespace {
+
+// Every policy runs every canonical trace (cut to its first iterations, to stay fast) at 50%
+// of the model data, and planned also at 25%: planned fits everywhere (it manages
+// activations), the Belady bound is a lower bound for planned, the dense traces never leave
+// their plan and MoE routing always does. (docs/benchmarks.md has the full runs.)
+TEST(CanonicalTracesTest, RunUnderEveryPolicy) {
+  for (const char* name : {"gpt", "gpt-ckpt", "gpt-tied", "moe"}) {
+    auto t = ReadTraceFile(std::string(TIERMEM_TEST_DATA_DIR) + "/" + name + ".tmtrace");
+    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    const bool moe = std::string(name) == "moe";
+    t->iterations.resize(moe ? 3 : 2);
+    for (int pct : {25, 50}) {
+      SCOPED_TRACE(std::string(name) + " " + std::to_string(pct) + "%");
+      MachineModel m = MachineModel::FromTrace(*t);
+      m.budget[0] = t->TotalChunkBytes() * pct / 100;
+      m.budget[1] = 2 * t->TotalChunkBytes();
+      std::vector<SimResult> rs;
+      if (pct == 50) {
+        auto all = Compare(*t, m);
+        ASSERT_TRUE(all.ok()) << all.status().ToString();
+        rs = *all;
+      } else {
+        rs.resize(kNumPolicies);
+        auto planned = Simulate(*t, m, PolicyKind::kPlanned);
+        auto opt = Simulate(*t, m, PolicyKind::kOpt);
+        ASSERT_TRUE(planned.ok() && opt.ok());
+        rs[static_cast<int>(PolicyKind::kPlanned)] = *planned;
+        rs[static_cast<int>(PolicyKind::kOpt)] = *opt;
+      }
+      const SimResult& planned = rs[static_cast<int>(PolicyKind::kPlanned)];
+      const SimResult& opt = rs[static_cast<int>(PolicyKind::kOpt)];
+      ASSERT_TRUE(planned.status.ok()) << planned.status.ToString();
+      ASSERT_TRUE(opt.status.ok()) << opt.status.ToString();
+      EXPECT_GE(planned.total.DeviceInBytes(), opt.total.DeviceInBytes());
+      EXPECT_LE(planned.peak[0], m.budget[0]);
+      if (!moe) {
+        EXPECT_EQ(planned.divergences, 0u);
+        EXPECT_EQ(planned.repairs, 0u);
+      } else {
+        EXPECT_GT(planned.divergences, 0u);  // routing differs every iteration
+      }
+      for (const SimResult& r : rs) {
+        if (!r.status.ok()) {
+          EXPECT_EQ(r.status.code(), StatusCode::kResourceExhausted) << PolicyName(r.policy);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace tiermem::planners
