@@ -640,6 +640,14 @@ void TraceBuilder::BeginMoment(std::string_view label, MomentKind kind, uint32_t
   m.first_access = static_cast<uint32_t>(cur_->accesses.size());
 }
 
+void TraceBuilder::MarkWritten(ChunkId chunk) {
+  for (auto it = cur_->accesses.rbegin(); it != cur_->accesses.rend(); ++it) {
+    if (it->chunk != chunk) continue;
+    if (it->mode == AccessMode::kRead) it->mode = AccessMode::kReadWrite;
+    return;
+  }
+}
+
 void TraceBuilder::SetActivationBytes(Bytes live_bytes) {
   if (!in_moment_) return Misuse("SetActivationBytes outside a moment");
   cur_->moments.back().activation_bytes = live_bytes;

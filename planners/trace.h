@@ -165,6 +165,10 @@ class TraceBuilder {
   void Access(ChunkId chunk, AccessMode mode, TierKind tier) {
     cur_->accesses.push_back(TraceAccess{chunk, mode, tier, 0});
   }
+  // The latest access of `chunk` in the current iteration, if it is a read, becomes
+  // read-write (the runtime learns that a chunk acquired for reading was modified only when
+  // it is released). Scans back from the newest access; no-op when there is none.
+  void MarkWritten(ChunkId chunk);
   void SetActivationBytes(Bytes live_bytes);  // non-chunk device bytes live (peak)
   void SetSavedBytes(Bytes saved_bytes);      // pre-forward: bytes saved for backward
   void SetWorkElems(uint64_t elems);          // optimizer sub-step: parameters updated

@@ -31,6 +31,7 @@
 #include <map>
 #include <utility>
 
+#include "runtime/base/clock.h"
 #include "tiers/worker_pool.h"
 
 namespace tiermem {
@@ -258,8 +259,18 @@ class MoverImpl final : public Mover {
       auto b = std::make_shared<Bounce>(req, staging_, inner);
       b->Start(config_.staging_slot_bytes, std::max(1, config_.staging_slots));
     }
-    inner->OnDone([done, rec](const Status& s) {
+    const int si = static_cast<int>(req.src.tier->kind()), di = static_cast<int>(req.dst.tier->kind());
+    std::shared_ptr<Counters> counters = counters_;
+    const Bytes n = req.bytes;
+    const uint64_t t0 = Clock::Real()->NowNs();
+    inner->OnDone([done, rec, counters, si, di, n, t0](const Status& s) {
       rec.End(s);
+      if (s.ok() && si >= 0 && si < kNumTierKinds && di >= 0 && di < kNumTierKinds) {
+        Counters::Link& l = counters->link[si][di];
+        l.bytes.fetch_add(n, std::memory_order_relaxed);
+        l.moves.fetch_add(1, std::memory_order_relaxed);
+        l.busy_ns.fetch_add(Clock::Real()->NowNs() - t0, std::memory_order_relaxed);
+      }
       done->Complete(s);
     });
     return done;
@@ -278,7 +289,30 @@ class MoverImpl final : public Mover {
     return lane.get();
   }
 
+  // Shared with the completion callbacks (which never capture the Mover).
+  struct Counters {
+    struct Link {
+      std::atomic<Bytes> bytes{0};
+      std::atomic<uint64_t> moves{0};
+      std::atomic<uint64_t> busy_ns{0};
+    };
+    Link link[kNumTierKinds][kNumTierKinds];
+  };
+
+  LinkTable Links() const override {
+    LinkTable t{};
+    for (int a = 0; a < kNumTierKinds; ++a) {
+      for (int b = 0; b < kNumTierKinds; ++b) {
+        const Counters::Link& l = counters_->link[a][b];
+        t[a][b] = {l.bytes.load(std::memory_order_relaxed), l.moves.load(std::memory_order_relaxed),
+                   l.busy_ns.load(std::memory_order_relaxed)};
+      }
+    }
+    return t;
+  }
+
   const MoverConfig config_;
+  const std::shared_ptr<Counters> counters_ = std::make_shared<Counters>();
   Tier* const staging_;
   TimelineRecorder* const recorder_;
   tbb::task_arena arena_;

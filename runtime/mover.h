@@ -13,6 +13,7 @@
 // Threading: thread-safe. Tiers, the staging tier and the recorder must outlive the Mover.
 #pragma once
 
+#include <array>
 #include <memory>
 
 #include "runtime/base/timeline.h"
@@ -41,10 +42,23 @@ struct MoverConfig {
   Bytes parallel_memcpy_min_bytes = 8 * kMiB;  // host<->host copies this big are split over them
 };
 
+// What the moves of one directed tier pair cost, summed over successful moves: bytes, count
+// and busy_ns, the sum of each move's duration from Move() to its completion (a move queued
+// behind another on the same lane counts its wait too, so bytes / busy_ns is a per-move rate,
+// at most the lane's throughput). The planner's trace takes its measured copy rates from it.
+struct LinkCounters {
+  Bytes bytes = 0;
+  uint64_t moves = 0;
+  uint64_t busy_ns = 0;
+};
+using LinkTable = std::array<std::array<LinkCounters, kNumTierKinds>, kNumTierKinds>;
+
 class Mover {
  public:
   virtual ~Mover() = default;
   virtual std::shared_ptr<Completion> Move(const MoveRequest& request) = 0;
+  // Counters since creation, by [source TierKind][destination TierKind]. Thread-safe.
+  virtual LinkTable Links() const = 0;
 };
 
 // `staging` is a byte-addressable host tier the mover allocates bounce slots from (may be

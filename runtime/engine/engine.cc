@@ -427,6 +427,7 @@ Status Engine::Release(ChunkId chunk, bool modified) {
     return FailedPreconditionError("engine: release of unpinned chunk " + std::to_string(chunk));
   }
   --c.pins;
+  if (modified) c.zero_content = false;
   if (modified && c.cache.tier != TierKind::kNone) c.dirty = true;
   return OkStatus();
 }
@@ -444,6 +445,7 @@ Status Engine::Zero(ChunkId chunk) {
   }
   c.dirty = false;
   c.zero = true;
+  c.zero_content = true;
   return OkStatus();
 }
 
@@ -471,6 +473,7 @@ Status Engine::WriteAt(ChunkId chunk, Bytes offset, const void* src, Bytes n) {
     return OutOfRangeError("engine: write past the end of chunk " + std::to_string(chunk));
   }
   TIERMEM_RETURN_IF_ERROR(WaitInflight(chunk, "write: prefetch in flight"));
+  if (n > 0) c.zero_content = false;
   if (c.zero) {  // no copy holds data: make the home copy real zeros first
     TIERMEM_RETURN_IF_ERROR(FillZero(chunk, c.home, "zero fill"));
     c.zero = false;
@@ -529,6 +532,9 @@ TierKind Engine::Home(ChunkId chunk) const {
   return chunk < chunks_.size() ? chunks_[chunk].home.tier : TierKind::kNone;
 }
 bool Engine::Dirty(ChunkId chunk) const { return chunk < chunks_.size() && chunks_[chunk].dirty; }
+bool Engine::ZeroContent(ChunkId chunk) const {
+  return chunk < chunks_.size() && chunks_[chunk].zero_content;
+}
 int Engine::Pins(ChunkId chunk) const { return chunk < chunks_.size() ? chunks_[chunk].pins : 0; }
 Bytes Engine::ChunkBytes(ChunkId chunk) const {
   return chunk < chunks_.size() ? chunks_[chunk].bytes : 0;

@@ -116,6 +116,9 @@ class Engine {
   TierKind Resident(ChunkId chunk) const;
   TierKind Home(ChunkId chunk) const;
   bool Dirty(ChunkId chunk) const;
+  // The content is all zeros as far as the engine knows: not modified (Release(modified) or
+  // WriteAt) since it was added or last Zero()ed, whether or not a zero-filled copy exists.
+  bool ZeroContent(ChunkId chunk) const;
   int Pins(ChunkId chunk) const;
   Bytes ChunkBytes(ChunkId chunk) const;
   size_t num_chunks() const { return chunks_.size(); }
@@ -133,6 +136,7 @@ class Engine {
     Placed cache;  // tier kNone: no cached copy
     bool dirty = false;
     bool zero = true;  // content is all zeros, whatever the regions hold
+    bool zero_content = true;  // ZeroContent(): also true after a zero-filled copy was made
     int pins = 0;
     uint64_t last_use = 0;
     std::shared_ptr<Completion> inflight;  // prefetch into `cache`

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "runtime/base/logging.h"
 #include "runtime/session/tier_stack.h"
 
 namespace tiermem::session {
@@ -160,7 +161,14 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
 Session::~Session() { Close(); }
 
 void Session::Close() {
-  if (stack_) stack_->Close();
+  if (!stack_ || stack_->closed()) return;
+  if (trace_.armed()) {
+    StatusOr<bool> w = FinishTrace();
+    if (!w.ok()) {
+      TIERMEM_LOG(kError) << w.status().message();
+    }
+  }
+  stack_->Close();
 }
 
 bool Session::closed() const { return stack_ == nullptr || stack_->closed(); }
@@ -204,18 +212,31 @@ Status Session::CheckKind(size_t group, ChunkKind kind) const {
 
 StatusOr<void*> Session::Acquire(size_t group, ChunkKind kind, TierKind where) {
   TIERMEM_RETURN_IF_ERROR(CheckKind(group, kind));
-  return stack_->engine()->Acquire(Chunk(group, kind), where);
+  const ChunkId c = Chunk(group, kind);
+  StatusOr<void*> p = stack_->engine()->Acquire(c, where);
+  if (p.ok()) trace_.Access(c, planners::AccessMode::kRead, where);
+  return p;
 }
 
 StatusOr<void*> Session::AcquireForWrite(size_t group, ChunkKind kind, TierKind where,
                                          bool* must_zero) {
   TIERMEM_RETURN_IF_ERROR(CheckKind(group, kind));
-  return stack_->engine()->AcquireForWrite(Chunk(group, kind), where, must_zero);
+  const ChunkId c = Chunk(group, kind);
+  // Lazily zero content is not needed from below (nothing has to be copied in): a write.
+  const bool zero = stack_->engine()->ZeroContent(c);
+  StatusOr<void*> p = stack_->engine()->AcquireForWrite(c, where, must_zero);
+  if (p.ok()) {
+    trace_.Access(c, zero ? planners::AccessMode::kWrite : planners::AccessMode::kReadWrite,
+                  where);
+  }
+  return p;
 }
 
 Status Session::Release(size_t group, ChunkKind kind, bool modified) {
   TIERMEM_RETURN_IF_ERROR(CheckKind(group, kind));
-  return stack_->engine()->Release(Chunk(group, kind), modified);
+  const ChunkId c = Chunk(group, kind);
+  if (modified) trace_.MarkWritten(c);
+  return stack_->engine()->Release(c, modified);
 }
 
 Status Session::ZeroChunk(size_t group, ChunkKind kind) {
@@ -362,6 +383,7 @@ StatusOr<StepResult> Session::Step(const std::vector<GroupHyper>& hyper) {
   stack_->engine()->Phase("optimizer");
   const bool fp16 = config_.precision == Precision::kFp16;
   if (config_.gradient_clipping > 0 || fp16) {
+    Moment("optimizer:grad-stats");
     TIERMEM_ASSIGN_OR_RETURN(const kernels::GradStats st, GradStats());
     r.grad_norm = std::sqrt(st.sq_norm);
     if (fp16 && st.overflow) {
@@ -394,8 +416,11 @@ StatusOr<StepResult> Session::Step(const std::vector<GroupHyper>& hyper) {
                                     ChunkKind::kExpAvgSq};
     if (mixed()) kinds.push_back(ChunkKind::kParamFp32);
     const TierKind where = OptimizerTier(gi, kinds);
-    stack_->engine()->Moment(where == TierKind::kDevice ? "optimizer-substep:device"
-                                                        : "optimizer-substep:host");
+    Moment(where == TierKind::kDevice ? "optimizer-substep:device" : "optimizer-substep:host",
+           planners::MomentKind::kOptimizerStep);
+    uint64_t work = 0;
+    for (const Run& run : GradRuns(g, false)) work += run.hi - run.lo;
+    trace_.SetWorkElems(work, where == TierKind::kDevice);
     std::array<char*, chunks::kNumChunkKinds> v{};
     size_t acquired = 0;
     Status s;
@@ -439,6 +464,9 @@ StatusOr<StepResult> Session::Step(const std::vector<GroupHyper>& hyper) {
     }
     TIERMEM_RETURN_IF_ERROR(s);
   }
+  // What the binding or the user does between this step and the next forward (reading
+  // values, logging) is its own moment, not the last sub-step's.
+  Moment("optimizer:done");
   if (fp16 && ++scaler_.good_steps >= config_.loss_scaling.growth_interval) {
     scaler_.scale *= config_.loss_scaling.growth_factor;
     scaler_.good_steps = 0;
@@ -471,16 +499,85 @@ TierKind Session::ReadTier(size_t g, ChunkKind kind) const {
 // ---- iterations and stats -----------------------------------------------------------------------
 
 void Session::BeginIteration() {
-  if (!closed()) stack_->engine()->BeginIteration();
+  if (closed()) return;
+  stack_->engine()->BeginIteration();
+  if (!trace_.armed()) return;
+  if (trace_.needs_chunks()) DeclareTraceChunks();
+  StatusOr<bool> w = trace_.BeginIteration(TraceProbes(), TraceBudgets());
+  if (!w.ok()) {
+    // Training goes on; the error waits for FinishTrace (and is logged now).
+    TIERMEM_LOG(kError) << w.status().message();
+    trace_error_ = w.status();
+  } else if (*w) {
+    written_trace_ = trace_.path();
+  }
 }
-void Session::Moment(std::string_view label) {
-  if (!closed()) stack_->engine()->Moment(label);
+
+void Session::Moment(std::string_view label, planners::MomentKind kind, uint32_t unit) {
+  if (closed()) return;
+  stack_->engine()->Moment(label);
+  if (trace_.recording()) trace_.Moment(label, kind, unit, TraceProbes());
+}
+
+// ---- warm-up trace ------------------------------------------------------------------------------
+
+Status Session::RecordTrace(const std::string& path, int iterations) {
+  TIERMEM_RETURN_IF_ERROR(Live());
+  TIERMEM_RETURN_IF_ERROR(trace_.Arm(path, iterations));
+  trace_error_ = OkStatus();
+  return OkStatus();
+}
+
+StatusOr<bool> Session::FinishTrace() {
+  if (!trace_error_.ok()) {
+    Status e = trace_error_;
+    trace_error_ = OkStatus();
+    return e;
+  }
+  if (closed() || !trace_.armed()) return false;
+  StatusOr<bool> w = trace_.Finish(TraceProbes(), TraceBudgets());
+  if (w.ok() && *w) written_trace_ = trace_.path();
+  return w;
+}
+
+TraceRecorder::Probes Session::TraceProbes() const {
+  TraceRecorder::Probes p;
+  p.stall_ns = stack_->engine()->Stats().stall_ns;
+  p.links = stack_->mover()->Links();
+  return p;
+}
+
+planners::TraceBudgets Session::TraceBudgets() const {
+  return {config_.device_budget, config_.host_budget, config_.nvme_size};
+}
+
+void Session::DeclareTraceChunks() {
+  planners::TraceBuilder& b = trace_.builder();
+  engine::Engine* eng = stack_->engine();
+  b.SetSource("tiermem session (" + device_kind_ + " device, " +
+              std::to_string(specs_.size()) + " tensors)");
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    for (int k = 0; k < chunks::kNumChunkKinds; ++k) {
+      const ChunkId c = groups_[gi].chunks[k];
+      if (c == kNoChunk) continue;
+      planners::TraceChunk tc;
+      tc.bytes = eng->ChunkBytes(c);
+      tc.category = chunks::ChunkKindCategory(static_cast<ChunkKind>(k));
+      tc.group = static_cast<uint32_t>(gi);
+      tc.kind = b.KindIndex(chunks::ChunkKindName(static_cast<ChunkKind>(k)));
+      tc.home = eng->Home(c);
+      b.DeclareChunk(c, tc);
+    }
+  }
+  trace_.ChunksDeclared();
 }
 void Session::Phase(std::string_view label) {
   if (!closed()) stack_->engine()->Phase(label);
 }
 void Session::SetTracing(bool on) {
-  if (!closed()) stack_->engine()->SetTracing(on);
+  if (closed()) return;
+  stack_->engine()->SetTracing(on);
+  trace_.SetPaused(!on, trace_.recording() ? TraceProbes() : TraceRecorder::Probes{});
 }
 
 Status Session::Synchronize() {

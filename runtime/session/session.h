@@ -48,6 +48,7 @@
 #include "runtime/engine/engine.h"
 #include "runtime/prof/analysis.h"
 #include "runtime/session/config.h"
+#include "runtime/session/trace_recorder.h"
 
 namespace tiermem::session {
 
@@ -193,7 +194,10 @@ class Session {
 
   // ---- iterations and the timeline ----------------------------------------------------------
   void BeginIteration();
-  void Moment(std::string_view label);
+  // A timeline moment; while a warm-up trace is recorded also a trace moment of that kind
+  // (a unit's pre-forward / pre-backward: `unit` is the binding's unit index).
+  void Moment(std::string_view label, planners::MomentKind kind = planners::MomentKind::kOther,
+              uint32_t unit = planners::kNoUnit);
   void Phase(std::string_view label);
   // Off: acquires are not part of the recorded order (eval, no_grad inference), so they
   // neither disturb nor follow the order the next training iteration replays.
@@ -203,6 +207,25 @@ class Session {
   StatusOr<engine::EngineStats> Stats() const;
   // The timeline so far, analysed by tiermem::prof from the file (not from counters).
   StatusOr<prof::Report> TimelineReport();
+
+  // ---- warm-up trace (planners/trace.h, docs/trace-format.md) ----------------------------------
+  // Records the next `iterations` iterations (from the next BeginIteration: chunk accesses
+  // per moment, saved-activation bytes, compute times, measured copy and optimizer rates,
+  // the budgets) and writes the trace to `path` at the BeginIteration after the last one, at
+  // FinishTrace or at Close. kInvalidArgument / kFailedPrecondition (already recording):
+  // nothing changes. Recording never changes what the session computes or moves.
+  Status RecordTrace(const std::string& path, int iterations);
+  bool recording_trace() const { return trace_.recording(); }
+  bool trace_armed() const { return trace_.armed(); }
+  // Bytes of non-chunk tensors the current unit saved for backward (the bindings' saved-tensor
+  // hooks see each one), and the non-chunk device bytes live now when the binding knows them.
+  void AddSavedBytes(Bytes b) { trace_.AddSavedBytes(b); }
+  void SetActivationBytes(Bytes b) { trace_.SetActivationBytes(b); }
+  // Ends a recording now and writes what was recorded. False when nothing was armed or
+  // recorded; the write's error (or an earlier one, from the automatic write) otherwise.
+  StatusOr<bool> FinishTrace();
+  // True once a recording was written; its path.
+  const std::string& written_trace() const { return written_trace_; }
 
   // ---- checkpoints -------------------------------------------------------------------------
   // Every tensor's fp32 value, its Adam m and v and step count, the loss-scaling state and
@@ -233,6 +256,9 @@ class Session {
   // Where group g's optimizer step runs (its `kinds` acquired there): see session.cc.
   TierKind OptimizerTier(size_t g, const std::vector<ChunkKind>& kinds) const;
   TierKind ReadTier(size_t g, ChunkKind kind) const;
+  TraceRecorder::Probes TraceProbes() const;
+  planners::TraceBudgets TraceBudgets() const;
+  void DeclareTraceChunks();
 
   SessionConfig config_;
   std::string device_kind_;
@@ -249,6 +275,9 @@ class Session {
   ScalerState scaler_;
   uint64_t micro_ = 0;
   bool accumulating_ = false;
+  TraceRecorder trace_;
+  Status trace_error_;         // an automatic trace write that failed (FinishTrace reports it)
+  std::string written_trace_;  // the last trace file written
   std::unique_ptr<TierStack> stack_;
 };
 

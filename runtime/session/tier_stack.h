@@ -57,6 +57,7 @@ class TierStack {
 
   engine::Engine* engine() { return engine_.get(); }
   Tier* device() { return device_.get(); }
+  const Mover* mover() const { return mover_.get(); }
   bool cuda() const { return cuda_; }
   std::string nvme_engine() const;  // "" without NVMe
   const std::string& timeline_path() const { return timeline_path_; }

@@ -33,3 +33,14 @@ def test_tiny_main_job_end_to_end(tmp_path):
     argv = cmd.split("reopen them with:")[1].split()
     again = subprocess.run(argv, capture_output=True, text=True)
     assert again.returncode == 0 and "tiermem prof report" in again.stdout, again.stderr
+    # The warm-up trace of two iterations, next to the timeline, and the planner over it:
+    # every policy ran (no "cannot run"), and the printed command works.
+    trace = tmp_path / "run.tmtrace"
+    assert trace.exists() and "warm-up trace (2 iterations)" in text
+    table = text.split("warm-up trace (2 iterations)")[1].split("rerun with:")[0]
+    for policy in ("lru", "patrickstar", "deepspeed", "engine", "planned", "opt"):
+        row = [l for l in table.splitlines() if l.startswith(policy + " ")]
+        assert row and "cannot run" not in row[0], table
+    argv = [l for l in text.splitlines() if l.startswith("rerun with:")][0].split(":", 1)[1]
+    again = subprocess.run(argv.split(), capture_output=True, text=True)
+    assert again.returncode == 0 and "planned" in again.stdout, again.stderr

@@ -249,6 +249,44 @@ void Compare(const PlanArgs& a) {
 void Show(const PlanArgs& a) {
   auto t = ReadTraceFile(a.trace);
   if (!t.ok()) Fail(t.status());
+  if (a.json) {
+    json j;
+    j["source"] = t->source;
+    j["version"] = t->version;
+    j["chunks"] = t->chunks.size();
+    j["groups"] = t->NumGroups();
+    j["chunk_bytes"] = t->TotalChunkBytes();
+    j["kinds"] = t->kind_names;
+    j["budgets"] = {{"device", t->budgets.device}, {"host", t->budgets.host},
+                    {"nvme", t->budgets.nvme}};
+    const char* tiers[] = {"d", "h", "n"};
+    json links = json::object();
+    for (int x = 0; x < kNumTierKinds; ++x) {
+      for (int y = 0; y < kNumTierKinds; ++y) {
+        if (t->rates.link[x][y].bytes_per_s > 0) {
+          links[std::string(tiers[x]) + "2" + tiers[y]] = t->rates.link[x][y].bytes_per_s;
+        }
+      }
+    }
+    j["rates"] = {{"link_bytes_per_s", links},
+                  {"cpu_optim_elems_per_s", t->rates.cpu_optim_elems_per_s},
+                  {"device_optim_elems_per_s", t->rates.device_optim_elems_per_s},
+                  {"cpu_cores", t->rates.cpu_cores}};
+    json its = json::array();
+    for (const TraceIteration& it : t->iterations) {
+      uint64_t compute = 0;
+      Bytes act = 0;
+      for (const Moment& m : it.moments) {
+        compute += m.compute_ns;
+        act = std::max(act, m.activation_bytes);
+      }
+      its.push_back({{"moments", it.moments.size()}, {"accesses", it.accesses.size()},
+                     {"compute_ns", compute}, {"peak_activation_bytes", act}});
+    }
+    j["iterations"] = its;
+    std::printf("%s\n", j.dump(2).c_str());
+    return;
+  }
   std::printf("source: %s\nversion %u, %zu chunks in %u groups (%s), kinds:", t->source.c_str(),
               t->version, t->chunks.size(), t->NumGroups(),
               FormatBytes(t->TotalChunkBytes()).c_str());
@@ -364,6 +402,7 @@ void RegisterPlan(CLI::App& app) {
   CLI::App* show = plan->add_subcommand("show", "summarize a trace");
   show->add_option("trace", args->trace, "trace file")->required();
   show->add_option("--moments", args->moments, "list the first N moments of each iteration");
+  show->add_flag("--json", args->json, "print a JSON summary (sizes, budgets, rates, per-iteration totals)");
   show->callback([args] { Show(*args); });
 
   CLI::App* synth = plan->add_subcommand("synth", "write a canonical synthetic trace");

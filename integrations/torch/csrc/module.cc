@@ -455,7 +455,29 @@ PYBIND11_MODULE(_C, m) {
             s.s().set_scaler({std::get<0>(v), std::get<1>(v), std::get<2>(v)});
           })
       .def("begin_iteration", [](PySession& s) { s.s().BeginIteration(); })
-      .def("moment", [](PySession& s, const std::string& l) { s.s().Moment(l); })
+      // kind: 0 pre-forward, 1 pre-backward, 2 optimizer step, 3 other (planners::MomentKind);
+      // unit: the unit index (-1: none).
+      .def("moment",
+           [](PySession& s, const std::string& l, int kind, int64_t unit) {
+             if (kind < 0 || kind >= tiermem::planners::kNumMomentKinds) {
+               throw py::value_error("moment: kind must be 0-3, got " + std::to_string(kind));
+             }
+             s.s().Moment(l, static_cast<tiermem::planners::MomentKind>(kind),
+                          unit < 0 ? tiermem::planners::kNoUnit : static_cast<uint32_t>(unit));
+           },
+           py::arg("label"), py::arg("kind") = 3, py::arg("unit") = -1)
+      .def("record_trace",
+           [](PySession& s, const std::string& path, int iterations) {
+             Check(s.s().RecordTrace(path, iterations));
+           },
+           py::arg("path"), py::arg("iterations") = 1)
+      .def("finish_trace", [](PySession& s) { return Check(s.s().FinishTrace()); })
+      .def_property_readonly("recording_trace",
+                             [](const PySession& s) { return s.s().recording_trace(); })
+      .def_property_readonly("trace_armed", [](const PySession& s) { return s.s().trace_armed(); })
+      .def_property_readonly("written_trace",
+                             [](const PySession& s) { return s.s().written_trace(); })
+      .def("add_saved_bytes", [](PySession& s, uint64_t b) { s.s().AddSavedBytes(b); })
       .def("phase", [](PySession& s, const std::string& l) { s.s().Phase(l); })
       .def("set_tracing", [](PySession& s, bool on) { s.s().SetTracing(on); })
       .def("synchronize", [](PySession& s) { Check(s.s().Synchronize()); })

@@ -65,13 +65,15 @@ class _Param:
     version: int = 0           # compute._version when materialized (detects in-place writes)
     slots: list = field(default_factory=list)  # (module, attribute name)
     warned: bool = False
+    unit: int = -1             # the first unit computing with it (trace moments)
 
 
 class _ChunkRef:
-    __slots__ = ("group", "offset", "size", "stride")
+    __slots__ = ("group", "offset", "size", "stride", "unit")
 
-    def __init__(self, group, offset, size, stride):
+    def __init__(self, group, offset, size, stride, unit):
         self.group, self.offset, self.size, self.stride = group, offset, size, stride
+        self.unit = unit  # index of the innermost unit whose forward saved it (-1: none)
 
 
 def _placeholder(shape, dtype, device) -> torch.Tensor:
@@ -118,6 +120,7 @@ class TiermemRuntime:
         # for the whole session — nothing ever moves, no unit acquires, no saved-tensor hooks
         # (saved views of chunk memory stay valid), and the optimizer steps in place.
         self._resident = not self.s.cuda and cfg.device_budget >= self.s.total_chunk_bytes
+        self._device_budget = cfg.device_budget
         # State of the current iteration.
         self._live: dict[int, int] = {}          # device data_ptr -> group (compute chunks)
         self._bwd_hold: dict[int, torch.Tensor] = {}
@@ -128,6 +131,9 @@ class TiermemRuntime:
         self._in_iteration = False
         self._in_backward = False
         self._tracing = True
+        self._recording_trace = False  # the session records this iteration's warm-up trace
+        self._trace_seen: set = set()  # storages whose saved bytes were counted this iteration
+        self._bwd_unit = None          # the unit the backward's current moment belongs to
         self._active_units: list = []
         self._root_depth = 0
         self._handles: list = []
@@ -227,7 +233,9 @@ class TiermemRuntime:
         for r in self.params:
             for m, name in r.slots:
                 slot_of.setdefault(id(m), []).append((name, r))
-        for u in self.units:
+        for index, u in enumerate(self.units):
+            u.index = index
+            u.bwd_label = f"{u.name or type(u.module).__name__}:pre-backward"
             seen, params = set(), []
             for _, m in unit_modules(u):
                 for name, r in slot_of.get(id(m), ()):
@@ -236,6 +244,9 @@ class TiermemRuntime:
                         seen.add(r.index)
                         params.append(r)
             u.params = params
+            for r in params:
+                if r.unit < 0:
+                    r.unit = index  # the first unit that computes with it
             u.groups = sorted({r.group for r in params})
             u.depth = 0
             u.pins = []
@@ -308,6 +319,8 @@ class TiermemRuntime:
             grad = torch.is_grad_enabled()
             if grad and not self._in_iteration:
                 self.s.begin_iteration()
+                self._recording_trace = self.s.recording_trace
+                self._trace_seen.clear()
                 self._in_iteration = True
                 self.s.phase("forward")
             u.depth += 1
@@ -317,7 +330,8 @@ class TiermemRuntime:
                 for m, name, r in u.slots:
                     m._parameters[name] = r.compute
             elif u.depth == 1:
-                self.s.moment(label)
+                self._set_tracing(self._in_backward or grad)  # before the moment: eval isn't traced
+                self.s.moment(label, 0, u.index)
                 pins = []
                 try:
                     views = {}
@@ -388,16 +402,21 @@ class TiermemRuntime:
             return t
         g = self._live.get(ptr)
         if g is None:
+            if self._recording_trace and ptr not in self._trace_seen:
+                # Saved for backward by the current unit: its activation bytes in the trace.
+                self._trace_seen.add(ptr)
+                self.s.add_saved_bytes(t.untyped_storage().nbytes())
             return t
-        return _ChunkRef(g, t.storage_offset(), tuple(t.size()), tuple(t.stride()))
+        unit = self._active_units[-1].index if self._active_units else -1
+        return _ChunkRef(g, t.storage_offset(), tuple(t.size()), tuple(t.stride()), unit)
 
     def _unpack(self, ref):
         if not isinstance(ref, _ChunkRef):
             return ref
         self._begin_backward()
+        self._bwd_moment(ref.unit)
         base = self._bwd_hold.get(ref.group)
         if base is None:
-            self.s.moment("pre-backward")
             base = self._acquire(ref.group, self._compute_kind)
             self._bwd_hold[ref.group] = base
             self._bwd_pending[ref.group] = set(self._fwd_used.get(ref.group, ()))
@@ -418,6 +437,7 @@ class TiermemRuntime:
             self._release_grad(g)
         self._grad_pending.clear()
         self._fwd_used.clear()
+        self._bwd_unit = None
         self._in_backward = False
         self._in_iteration = False
 
@@ -466,9 +486,19 @@ class TiermemRuntime:
                 self._release(r.group, self._compute_kind, False, self._bwd_hold.pop(r.group))
                 del self._bwd_pending[r.group]
 
+    def _bwd_moment(self, unit: int):
+        """The backward reached `unit` (its saved chunk views, or a gradient of one of its
+        params): a timeline moment, and while recording a pre-backward trace moment."""
+        if unit != self._bwd_unit:
+            self._bwd_unit = unit
+            self.s.moment(self.units[unit].bwd_label if unit >= 0 else "pre-backward", 1, unit)
+
     def _compute_grad_hook(self, r: _Param):
         def hook(p):
             self._begin_backward()
+            if self._recording_trace:
+                # A unit whose backward saves no param view (an embedding) shows up here.
+                self._bwd_moment(r.unit)
             g = p.grad
             p.grad = None
             if g is not None:
@@ -752,11 +782,47 @@ class TiermemRuntime:
     def chunk_elems(self) -> int:
         return self.s.chunk_elems
 
+    # ---- warm-up trace --------------------------------------------------------------------
+    def record_trace(self, path, iterations: int = 1):
+        """Records the warm-up trace of the next ``iterations`` training iterations (from the
+        next forward with grad enabled) to ``path``: every unit's pre-forward and
+        pre-backward and every optimizer sub-step, with the chunks each accessed, the bytes
+        each unit saved for backward, compute times, and the copy and optimizer rates measured
+        meanwhile (docs/trace-format.md). The file is written when the iteration after the
+        last begins, at :meth:`finish_trace` or at :meth:`close`; ``tiermem plan simulate``
+        and ``tiermem plan compare`` read it. Recording changes nothing the model computes."""
+        import os
+        if self._closed:
+            raise RuntimeError("tiermem: record_trace on a closed model")
+        if self._resident:
+            raise RuntimeError(
+                "tiermem: record_trace: every chunk of this model fits in the device budget "
+                f"({self._device_budget} bytes), so nothing moves and there is no schedule to "
+                "plan; record with a device budget below the model's "
+                f"{self.s.total_chunk_bytes} chunk bytes")
+        self.s.record_trace(os.fspath(path), int(iterations))
+
+    def finish_trace(self):
+        """Writes the trace being recorded now (what was recorded so far). Returns its path,
+        or None when no recording was armed; raises if writing failed."""
+        if self._closed:
+            return None
+        path = self.s.written_trace if self.s.finish_trace() else None
+        self._recording_trace = False
+        return path
+
+    @property
+    def written_trace(self):
+        """The path of the last warm-up trace written, or None."""
+        p = self.s.written_trace
+        return p or None
+
     def close(self):
         """Gives the model back as an ordinary model (plain Parameters with the current values
         and gradients), detaches the hooks and frees every chunk."""
         if self._closed:
             return
+        self.s.finish_trace()  # a recording in progress ends before the values are read
         values = [self.param_value(r) for r in self.params]
         grads = [self._materialized_copy(r.grad) if r.trainable and r.param.grad is r.grad
                  else None for r in self.params]

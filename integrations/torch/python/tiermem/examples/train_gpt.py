@@ -77,6 +77,16 @@ def run_cli(*args) -> subprocess.CompletedProcess:
     return subprocess.run([exe, *args], capture_output=True, text=True)
 
 
+def rt_peak_activation(trace: str) -> int:
+    """The largest non-chunk (activation) bytes any recorded moment had live."""
+    import json
+    out = run_cli("plan", "show", trace, "--json")
+    if out.returncode != 0:
+        return 0
+    return max((it["peak_activation_bytes"] for it in json.loads(out.stdout)["iterations"]),
+               default=0)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -144,6 +154,13 @@ def train(args, c, steps, preset, nvme_dir, nvme_size) -> int:
     model, opt = tiermem.initialize(model, config)
     rt = tiermem.runtime_of(model)
     budget = rt.cfg.device_budget
+    # The warm-up trace of the first two iterations, next to the timeline: what the planner
+    # (tiermem plan) reads. Nothing moves at all when everything fits (resident): no trace.
+    trace = os.path.splitext(args.timeline)[0] + ".tmtrace" if args.timeline else None
+    if trace and not rt._resident and steps >= 2:
+        rt.record_trace(trace, iterations=2)
+    else:
+        trace = None
     print(f"model: {n_params / 1e6:.2f} M params ({c.n_layer} x {c.n_embd}); "
           f"params+grads+AdamW = {fmt(rt.model_bytes)} = {rt.model_bytes / budget:.1f}x the "
           f"device budget of {fmt(budget)}; host {fmt(rt.cfg.host_budget)}, NVMe "
@@ -179,6 +196,8 @@ def train(args, c, steps, preset, nvme_dir, nvme_size) -> int:
     wall = time.perf_counter() - t0
     peaks = rt.timeline_peaks()  # tiermem::prof's report of the binary timeline file
     timeline = rt.timeline_path
+    if trace:
+        rt.finish_trace()  # written at step 3 already; this raises if that write failed
     rt.close()  # gives the params back as plain tensors and completes the timeline
     print(f"\n== {steps} steps in {wall:.1f} s ({wall / steps:.2f} s/step), "
           f"{tokens / wall:.0f} tokens/s, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
@@ -195,6 +214,16 @@ def train(args, c, steps, preset, nvme_dir, nvme_size) -> int:
         print(f"reopen them with: {cli_command()} prof report {timeline}\n"
               f"                  {cli_command()} prof html {timeline} -o {html}  "
               f"(then open {html} in a browser)")
+    if trace:
+        # Every schedule policy simulated over this run's own warm-up trace, with room for
+        # the activations (on the SimDevice they live in CPU memory, outside the budget).
+        room = f"{budget + rt_peak_activation(trace)}"
+        cmp_ = run_cli("plan", "compare", trace, "--device", room)
+        print(f"\nwarm-up trace (2 iterations) -> {trace}; schedules simulated over it "
+              f"(tiermem plan compare, device {fmt(int(room))} = the budget + room for the "
+              f"recorded activations):")
+        print(cmp_.stdout if cmp_.returncode == 0 else cmp_.stderr)
+        print(f"rerun with: {cli_command()} plan compare {trace} --device {room}")
     status = 0
     if peaks["over_budget"]:
         print("ERROR: a tier's budget was exceeded (see the report)")
