@@ -15,7 +15,10 @@ Sizes (byte-level vocabulary, context 64, batch 8):
 
 The progress bar shows the loss, tokens/s and each tier's use. At the end it prints the
 timeline report (tiermem prof report: peak per tier and category, bytes per tier pair, stalls
-by cause), writes the HTML timeline next to the .tmt, and says how to reopen both.
+by cause), writes the HTML timeline next to the .tmt, and says how to reopen both. The first
+two iterations are recorded as a warm-up trace next to the timeline (.tmtrace), and the
+planner's simulated schedules over it are printed (tiermem plan compare; the runtime does not
+execute plans yet).
 """
 from __future__ import annotations
 
