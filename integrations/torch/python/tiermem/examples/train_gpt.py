@@ -200,7 +200,11 @@ def train(args, c, steps, preset, nvme_dir, nvme_size) -> int:
     peaks = rt.timeline_peaks()  # tiermem::prof's report of the binary timeline file
     timeline = rt.timeline_path
     if trace:
-        rt.finish_trace()  # written at step 3 already; this raises if that write failed
+        try:
+            rt.finish_trace()  # written at step 3 already; this raises if that write failed
+        except RuntimeError as e:
+            print(f"(the warm-up trace could not be written: {e})")
+            trace = None
     rt.close()  # gives the params back as plain tensors and completes the timeline
     print(f"\n== {steps} steps in {wall:.1f} s ({wall / steps:.2f} s/step), "
           f"{tokens / wall:.0f} tokens/s, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
