@@ -19,12 +19,20 @@ cmake -S . -B build-fuzz -DCMAKE_CXX_COMPILER="$CXX_BIN" -DCMAKE_C_COMPILER="$CC
       -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTIERMEM_BUILD_FUZZERS=ON -DTIERMEM_BUILD_TESTS=OFF \
       -DTIERMEM_BUILD_BENCHMARKS=OFF -DTIERMEM_WITH_CUDA=OFF -DTIERMEM_BUILD_TORCH=OFF \
       -DTIERMEM_SANITIZE=address >/dev/null
-cmake --build build-fuzz -j "${TIERMEM_JOBS:-2}" --target timeline_reader_fuzzer tiermem_cli
+# The seeds are written by the CLI: the main build's when there is one (scripts/test.sh builds
+# it first), else this build's own.
+SEED_CLI=build/tools/tiermem
+TARGETS=(timeline_reader_fuzzer)
+if [ ! -x "$SEED_CLI" ]; then
+  SEED_CLI=build-fuzz/tools/tiermem
+  TARGETS+=(tiermem_cli)
+fi
+cmake --build build-fuzz -j "${TIERMEM_JOBS:-2}" --target "${TARGETS[@]}"
 CORPUS=build-fuzz/corpus
 mkdir -p "$CORPUS" build-fuzz/crashes
 # Seed corpus: small valid timelines (a complete one and a truncated one).
 if [ -z "$(ls -A "$CORPUS")" ]; then
-  build-fuzz/tools/tiermem prof synth --events 300 -o "$CORPUS/synth.tmt" >/dev/null
+  "$SEED_CLI" prof synth --events 300 -o "$CORPUS/synth.tmt" >/dev/null
   head -c 3000 "$CORPUS/synth.tmt" > "$CORPUS/synth-truncated.tmt"
 fi
 build-fuzz/tests/fuzz/timeline_reader_fuzzer "$CORPUS" -max_total_time="$SECONDS_TO_RUN" \
