@@ -20,6 +20,7 @@
 #include <string>
 
 #include "runtime/base/clock.h"
+#include "runtime/base/logging.h"
 
 namespace tiermem::engine {
 namespace {
@@ -189,6 +190,17 @@ Status Engine::WaitInflight(ChunkId chunk, std::string_view cause) {
   if (!c.inflight) return OkStatus();
   std::shared_ptr<Completion> done = std::move(c.inflight);
   c.inflight.reset();
+  if (c.writing_back) {
+    c.writing_back = false;
+    Status s = WaitStall(done, chunk, "write-behind late");
+    // Nothing touched the cached copy meanwhile (everything waits for `inflight` first).
+    if (s.ok()) {
+      c.dirty = false;
+      return OkStatus();
+    }
+    return s.WithContext("engine: background write-back of chunk " + std::to_string(chunk) +
+                         " (its cached copy is kept, still dirty)");
+  }
   Status s = WaitStall(done, chunk, cause);
   if (!s.ok()) {
     // The prefetched copy is unusable: drop it; home still holds the data.
@@ -242,6 +254,7 @@ Status Engine::Evict(ChunkId victim) {
   TIERMEM_RETURN_IF_ERROR(WaitInflight(victim, "evict: prefetch in flight"));
   const bool was_dirty = c.dirty;
   if (was_dirty) TIERMEM_RETURN_IF_ERROR(MoveSync(victim, c.cache, c.home, "evict: write-back"));
+  ++evictions_now_[Idx(c.cache.tier)];
   TIERMEM_RETURN_IF_ERROR(FreeRegion(c.cache, victim, !was_dirty));
   c.cache = Placed{};
   c.dirty = false;
@@ -273,7 +286,14 @@ StatusOr<Region> Engine::AllocateOn(TierKind tier, ChunkId chunk, bool for_prefe
     std::vector<EvictionCandidate> cands;
     Bytes pinned = 0;
     for (ChunkId id = 0; id < chunks_.size(); ++id) {
-      const ChunkRec& c = chunks_[id];
+      ChunkRec& w = chunks_[id];
+      if (w.writing_back && w.inflight->Poll()) {
+        // A finished write-behind: the chunk is clean now. A failed one stays dirty with its
+        // copy kept; evicting it writes back synchronously, which reports a lasting fault.
+        Status wb = WaitInflight(id, "");
+        if (!wb.ok()) TIERMEM_LOG(kWarn) << wb.message() << "; retrying when evicted";
+      }
+      const ChunkRec& c = w;
       if (c.cache.tier != tier || id == chunk) continue;
       if (c.pins > 0) {
         pinned += c.cache.region.bytes;
@@ -429,7 +449,23 @@ Status Engine::Release(ChunkId chunk, bool modified) {
   --c.pins;
   if (modified) c.zero_content = false;
   if (modified && c.cache.tier != TierKind::kNone) c.dirty = true;
+  if (modified) MaybeWriteBehind(chunk);
   return OkStatus();
+}
+
+void Engine::MaybeWriteBehind(ChunkId chunk) {
+  ChunkRec& c = chunks_[chunk];
+  if (!config_.write_behind || !tracing_ || !following_ || c.pins > 0 || !c.dirty ||
+      c.inflight || c.cache.tier == TierKind::kNone ||
+      evictions_before_[Idx(c.cache.tier)] == 0) {
+    return;
+  }
+  const uint64_t next = NextUse(chunk);
+  const uint64_t soon = 2 * static_cast<uint64_t>(std::max(config_.prefetch_depth, 1));
+  if (next != kNeverUsed && next <= pos_ + soon) return;  // needed soon: may change again
+  c.inflight = StartMove(chunk, c.cache, c.home);
+  c.writing_back = true;
+  ++stats_.write_behinds;
 }
 
 Status Engine::Zero(ChunkId chunk) {
@@ -507,6 +543,8 @@ void Engine::BeginIteration() {
     for (uint64_t i = 0; i < order_.size(); ++i) order_positions_[order_[i].first].push_back(i);
   }
   recording_.clear();
+  evictions_before_ = evictions_now_;
+  evictions_now_ = {};
   pos_ = 0;
   following_ = !order_.empty();
   RecordLabel(EventType::kIteration, "iteration", stats_.iterations);

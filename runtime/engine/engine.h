@@ -16,6 +16,16 @@
 // `prefetch_depth` acquires asynchronously, evicting for them only clean chunks needed later.
 // Waiting for an unfinished prefetch or a write-back is a *stall*, recorded with its cause.
 //
+// Write-behind: while the order is followed, a chunk released modified and unpinned whose
+// next use is more than 2 x `prefetch_depth` acquires away (or not again this iteration), on
+// a tier that had to evict during the previous iteration (without pressure the copy would
+// just stay), is written home in the background right away, so that its later eviction only frees the
+// region instead of stalling on the write. The copy is in flight like a prefetch: anything
+// that touches the chunk (acquire, evict, read, write, zero, flush) waits for it first, so
+// nothing writes the cached copy while it is being read; when it is done the chunk is clean.
+// A failed write-back leaves the cached copy in place and dirty (nothing is lost) and is
+// returned by whatever waited for it.
+//
 // Every allocation, free, move, stall, moment and phase goes to the timeline recorder when
 // one is attached; moves go through the Mover.
 //
@@ -41,6 +51,7 @@ namespace tiermem::engine {
 
 struct EngineConfig {
   int prefetch_depth = 4;        // acquires of lookahead in the recorded order (0 = off)
+  bool write_behind = true;      // background write-back of dirty chunks not needed soon
   Bytes host_reserve_bytes = 0;  // host bytes never used for homes (caches of NVMe chunks)
 };
 
@@ -59,6 +70,7 @@ struct EngineStats {
   uint64_t evictions = 0;
   uint64_t clean_evictions = 0;  // evictions that moved no bytes
   uint64_t prefetches = 0;
+  uint64_t write_behinds = 0;    // background write-backs started
   uint64_t acquires = 0;
   uint64_t iterations = 0;
   uint64_t diverged = 0;  // iterations whose acquires left the recorded order
@@ -139,7 +151,8 @@ class Engine {
     bool zero_content = true;  // ZeroContent(): also true after a zero-filled copy was made
     int pins = 0;
     uint64_t last_use = 0;
-    std::shared_ptr<Completion> inflight;  // prefetch into `cache`
+    std::shared_ptr<Completion> inflight;  // prefetch into `cache`, or a write-behind from it
+    bool writing_back = false;             // `inflight` is a write-behind (cache -> home)
   };
 
   Engine(const EngineConfig& config, EngineTiers tiers, Mover* mover,
@@ -160,6 +173,9 @@ class Engine {
   Status FillZero(ChunkId chunk, const Placed& dst, std::string_view cause);
   uint64_t NextUse(ChunkId chunk) const;
   void Prefetch();
+  void MaybeWriteBehind(ChunkId chunk);
+  // Evictions per tier (by TierKind index) in this iteration and in the previous one.
+  std::array<uint64_t, kNumTierKinds> evictions_now_{}, evictions_before_{};
   void RecordRegion(EventType type, const Placed& p, ChunkId chunk, uint8_t flags);
   void RecordLabel(EventType type, std::string_view label, uint64_t id);
   void RecordOom(TierKind tier, Bytes bytes, ChunkId chunk, Category category);

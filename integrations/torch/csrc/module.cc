@@ -244,6 +244,7 @@ class PySession {
     d["evictions"] = s.evictions;
     d["clean_evictions"] = s.clean_evictions;
     d["prefetches"] = s.prefetches;
+    d["write_behinds"] = s.write_behinds;
     d["acquires"] = s.acquires;
     d["iterations"] = s.iterations;
     d["diverged"] = s.diverged;

@@ -8,6 +8,7 @@
 
 #include "runtime/base/timeline.h"
 #include "runtime/mover.h"
+#include "tiers/fake/fault_injecting.h"
 #include "tiers/fake/mem_nvme.h"
 #include "tiers/fake/sim_device.h"
 #include "tiers/host/host_tier.h"
@@ -46,7 +47,8 @@ std::unique_ptr<Tier> HostTierOf(Bytes capacity) {
 // own staging pool for device<->NVMe bounces) and the binary timeline recorder.
 struct Rig {
   explicit Rig(Bytes device, Bytes host, Bytes nvme = 0, EngineConfig cfg = {},
-               std::unique_ptr<EvictionPolicy> policy = nullptr, double h2d_bw = 0) {
+               std::unique_ptr<EvictionPolicy> policy = nullptr, double h2d_bw = 0,
+               bool faulty_device = false) {
     path = ::testing::TempDir() + "engine_test_" +
            ::testing::UnitTest::GetInstance()->current_test_info()->name() + ".tmt";
     auto r = TimelineRecorder::Open(path);
@@ -56,6 +58,11 @@ struct Rig {
     dc.capacity = device;
     dc.h2d_bytes_per_s = h2d_bw;
     dev = NewSimDevice(dc);
+    if (faulty_device) {
+      auto f = std::make_unique<FaultInjectingTier>(std::move(dev));
+      faults = f.get();
+      dev = std::move(f);
+    }
     host_tier = HostTierOf(host);
     staging = HostTierOf(4 * kChunk);
     if (nvme) nvme_tier = NewMemNvme(MemNvmeConfig{nvme});
@@ -117,6 +124,7 @@ struct Rig {
   std::unique_ptr<Tier> dev, host_tier, staging, nvme_tier;
   std::unique_ptr<Mover> mover;
   std::unique_ptr<Engine> engine;
+  FaultInjectingTier* faults = nullptr;  // the device's wrapper when faulty_device
 };
 
 ChunkId Add(Rig& r, Category cat = Category::kParam) {
@@ -342,6 +350,105 @@ TEST(Engine, PrefetchRunsAheadOnRecordedOrder) {
       EXPECT_GT(t.peak.bytes, 0u);
       EXPECT_LE(t.peak.bytes, t.budget_bytes) << TierKindName(k);
     }
+  }
+}
+
+// Write-behind: in an iteration that follows the recorded order, a chunk released modified
+// and not needed again soon is written home in the background, so its eviction later is
+// clean (no write-back stall) and the data is intact; with write-behind off the same run
+// stalls on evict write-backs (the check can fail).
+TEST(Engine, WriteBehindMakesLaterEvictionsCleanAndKeepsTheData) {
+  for (bool on : {true, false}) {
+    SCOPED_TRACE(on ? "write-behind on" : "write-behind off");
+    EngineConfig cfg;
+    cfg.prefetch_depth = 1;
+    cfg.write_behind = on;
+    Rig r(2 * kChunk, 16 * kChunk, 0, cfg);
+    std::vector<ChunkId> ids;
+    for (int i = 0; i < 6; ++i) ids.push_back(Add(r));
+    for (int it = 0; it < 3; ++it) {
+      r.engine->BeginIteration();
+      for (size_t i = 0; i < ids.size(); ++i) {
+        auto p = r.engine->Acquire(ids[i], TierKind::kDevice);
+        ASSERT_TRUE(p.ok()) << p.status().ToString();
+        if (it > 0) {
+          ASSERT_TRUE(Rig::Holds(*p, kChunk, static_cast<uint8_t>(10 * it + i - 10)))
+              << "iteration " << it << " chunk " << i;
+        }
+        auto* b = static_cast<uint8_t*>(*p);
+        for (Bytes k = 0; k < kChunk; ++k) b[k] = static_cast<uint8_t>(10 * it + i + k * 7);
+        ASSERT_TRUE(r.engine->Release(ids[i], true).ok());
+      }
+    }
+    // Home copies hold the last values once everything is written.
+    ASSERT_TRUE(r.engine->Flush().ok());
+    for (size_t i = 0; i < ids.size(); ++i) {
+      auto p = r.engine->Acquire(ids[i], TierKind::kHost);
+      ASSERT_TRUE(p.ok());
+      EXPECT_TRUE(Rig::Holds(*p, kChunk, static_cast<uint8_t>(20 + i)));
+      ASSERT_TRUE(r.engine->Release(ids[i], false).ok());
+    }
+    const EngineStats st = r.engine->Stats();
+    // Every chunk is modified each time it is used: an eviction is clean only because its
+    // write-back already happened in the background.
+    if (on) {
+      EXPECT_GE(st.write_behinds, 8u);  // iterations 2 and 3 follow the recorded order
+      EXPECT_GE(st.clean_evictions, 8u);
+    } else {
+      EXPECT_EQ(st.write_behinds, 0u);
+      EXPECT_EQ(st.clean_evictions, 0u);
+    }
+    // The same bytes reach home either way (each modified copy written once).
+    EXPECT_EQ(Rig::Moved(r.Report(), TierKind::kDevice, TierKind::kHost),
+              st.bytes_moved[0][1]);
+  }
+}
+
+// A write-behind that fails (the device read of the copy fails) loses nothing: the cached copy
+// stays, still dirty; whatever waits for it gets the error naming the background write-back;
+// the data is then written home by the next flush.
+TEST(Engine, FailedWriteBehindKeepsTheDirtyCopyAndReportsTheError) {
+  EngineConfig cfg;
+  cfg.prefetch_depth = 1;
+  // Room for 3 of the 4 chunks: the first pass evicts, so the second writes behind.
+  Rig r(3 * kChunk, 16 * kChunk, 0, cfg, nullptr, 0, /*faulty_device=*/true);
+  std::vector<ChunkId> ids;
+  for (int i = 0; i < 4; ++i) ids.push_back(Add(r));
+  auto pass = [&](uint8_t seed, bool arm) -> Status {
+    r.engine->BeginIteration();
+    for (size_t i = 0; i < ids.size(); ++i) {
+      auto p = r.engine->Acquire(ids[i], TierKind::kDevice);
+      if (!p.ok()) return p.status();
+      auto* b = static_cast<uint8_t*>(*p);
+      for (Bytes k = 0; k < kChunk; ++k) b[k] = static_cast<uint8_t>(seed + i + k * 7);
+      if (arm && i == 3) r.faults->FailNextRead(EIO);  // the write-behind's read
+      Status s = r.engine->Release(ids[i], true);
+      if (!s.ok()) return s;
+    }
+    return OkStatus();
+  };
+  ASSERT_TRUE(pass(1, false).ok());  // records the order; evicts
+  const uint64_t before = r.engine->Stats().write_behinds;
+  // The last chunk's write-behind fails in the background; the flush waits for it and gets
+  // the error. (An eviction that finds a failed write-behind finished retries synchronously.)
+  ASSERT_TRUE(pass(50, true).ok());
+  EXPECT_GT(r.engine->Stats().write_behinds, before);
+  EXPECT_EQ(r.faults->faults_fired(), 1u);
+  Status err = r.engine->Flush();
+  EXPECT_EQ(err.code(), StatusCode::kIOError) << err.ToString();
+  EXPECT_NE(err.message().find("background write-back of chunk"), std::string::npos)
+      << err.ToString();
+  EXPECT_TRUE(r.engine->Dirty(ids[3]));
+  EXPECT_EQ(r.engine->Resident(ids[3]), TierKind::kDevice);
+  // Nothing was lost: the cached copy still holds iteration 2's values, and a flush now
+  // writes them home.
+  ASSERT_TRUE(r.engine->Flush().ok());
+  EXPECT_FALSE(r.engine->Dirty(ids[3]));
+  for (size_t i = 0; i < ids.size(); ++i) {
+    auto p = r.engine->Acquire(ids[i], TierKind::kHost);
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    EXPECT_TRUE(Rig::Holds(*p, kChunk, static_cast<uint8_t>(50 + i))) << "chunk " << i;
+    ASSERT_TRUE(r.engine->Release(ids[i], false).ok());
   }
 }
 
