@@ -27,7 +27,7 @@ const std::set<std::string> kTopKeys = {
     "gradient_clipping", "chunk_size", "timeline",
     "prefetch_depth", "loss_scaling",  "device_kind",
     "cpu_threads",    "kernel_isa",    "log_level",
-    "unmaterialized_reads"};
+    "unmaterialized_reads", "write_behind"};
 
 std::string Keys(const std::set<std::string>& keys) {
   std::string out = "[";
@@ -261,6 +261,11 @@ Status ApplyJson(const json& config, SessionConfig* c, bool* nvme_given) {
     TIERMEM_ASSIGN_OR_RETURN(c->prefetch_depth,
                              Int("prefetch_depth", config["prefetch_depth"], 0, 1024));
   }
+  if (has("write_behind")) {
+    const json& v = config["write_behind"];
+    if (!v.is_boolean()) return Bad("write_behind", "expected true or false, got " + v.dump());
+    c->write_behind = v.get<bool>();
+  }
   if (has("loss_scaling")) {
     const json& ls = config["loss_scaling"];
     if (!ls.is_object()) return Bad("loss_scaling", "expected an object, got " + ls.dump());
@@ -400,6 +405,7 @@ json ToJson(const SessionConfig& c) {
   j["gradient_clipping"] = c.gradient_clipping;
   if (c.chunk_size) j["chunk_size"] = *c.chunk_size;
   j["prefetch_depth"] = c.prefetch_depth;
+  j["write_behind"] = c.write_behind;
   j["loss_scaling"] = {{"initial_scale", c.loss_scaling.initial_scale},
                        {"growth_interval", c.loss_scaling.growth_interval},
                        {"growth_factor", c.loss_scaling.growth_factor},

@@ -27,6 +27,7 @@
 //   gradient_clipping                              0 (off)     global-norm clip
 //   chunk_size                                     automatic   elements per chunk
 //   prefetch_depth                                 4           acquires of lookahead
+//   write_behind                                   true        background write-back (engine.h)
 //   loss_scaling.{initial_scale,growth_interval,growth_factor,backoff_factor}   (fp16)
 //   unmaterialized_reads                           materialize materialize | error (Python)
 //
@@ -83,6 +84,7 @@ struct SessionConfig {
   double gradient_clipping = 0.0;       // 0 = off
   std::optional<uint64_t> chunk_size;   // elements per chunk; nullopt = automatic
   int prefetch_depth = 4;
+  bool write_behind = true;
   LossScalingConfig loss_scaling;
   std::string unmaterialized_reads = "materialize";  // or "error"
 };

@@ -140,6 +140,7 @@ StatusOr<std::unique_ptr<TierStack>> TierStack::Create(const SessionConfig& conf
   s->mover_ = NewMover(mc, s->staging_.get(), s->recorder_.get());
   engine::EngineConfig cfg;
   cfg.prefetch_depth = config.prefetch_depth;
+  cfg.write_behind = config.write_behind;
   cfg.host_reserve_bytes = layout.host_reserve;
   TIERMEM_ASSIGN_OR_RETURN(
       s->engine_,

@@ -398,6 +398,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("gradient_clipping", &se::SessionConfig::gradient_clipping)
       .def_readonly("chunk_size", &se::SessionConfig::chunk_size)
       .def_readonly("prefetch_depth", &se::SessionConfig::prefetch_depth)
+      .def_readonly("write_behind", &se::SessionConfig::write_behind)
       .def_readonly("unmaterialized_reads", &se::SessionConfig::unmaterialized_reads)
       .def("to_dict",
            [](const se::SessionConfig& c) {

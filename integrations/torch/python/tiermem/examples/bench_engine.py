@@ -42,6 +42,8 @@ def main(argv=None):
     ap.add_argument("--width", type=int, default=256, help="embedding width (multiple of 4)")
     ap.add_argument("--fractions", default="2.0,0.5,0.25")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--write-behind", choices=["on", "off", "both"], default="on",
+                    help="the engine's background write-back; both: each budget twice")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -51,15 +53,20 @@ def main(argv=None):
     base = GPT(c)
     n = sum(p.numel() for p in base.parameters())
     data = list(synthetic_batches(c, 8, args.warmup + args.steps, seed=1))
-    fractions = [float(f) for f in args.fractions.split(",")]
+    fracs = [float(f) for f in args.fractions.split(",")]
+    modes = {"on": [True], "off": [False], "both": [True, False]}[args.write_behind]
+    # A configuration: (budget fraction, write-behind); write-behind never acts when
+    # everything fits, so a fraction >= 1 is measured once.
+    fractions = [(f, wb) for f in fracs for wb in (modes if f < 1 else modes[:1])]
 
     plain = copy.deepcopy(base)
     popt = torch.optim.AdamW(plain.parameters(), lr=1e-3, fused=True)
     ours = {}
-    for frac in fractions:
+    for frac, wb in fractions:
         m, o = tiermem.initialize(copy.deepcopy(base), {
-            "device": int(16 * n * frac), "host": "1GiB", "optimizer": {"lr": 1e-3}})
-        ours[frac] = (m, o, tiermem.runtime_of(m))
+            "device": int(16 * n * frac), "host": "1GiB", "optimizer": {"lr": 1e-3},
+            "write_behind": wb})
+        ours[(frac, wb)] = (m, o, tiermem.runtime_of(m))
     # Warm up everything once (first-touch page faults, the recorded order).
     timed_steps(plain, popt, data[:args.warmup])
     for m, o, _ in ours.values():
@@ -95,7 +102,9 @@ def main(argv=None):
         h2d = (moved.get("host->device", 0) - bytes_before[f].get("host->device", 0)) / steps
         d2h = (moved.get("device->host", 0) - bytes_before[f].get("device->host", 0)) / steps
         r = ratios[f]
-        print(f"| tiermem, device budget {int(f * 100)}% | {statistics.median(our_med[f]) * 1e3:.1f}"
+        label = f"{int(f[0] * 100)}%" + ("" if args.write_behind == "on" or f[0] >= 1 else
+                                          (", write-behind" if f[1] else ", no write-behind"))
+        print(f"| tiermem, device budget {label} | {statistics.median(our_med[f]) * 1e3:.1f}"
               f" | {statistics.median(r):.3f} ({min(r):.3f}-{max(r):.3f}) | "
               f"{h2d / 2**20:.2f} MiB | {d2h / 2**20:.2f} MiB | {h2d / (4 * n):.2f} | "
               f"{d2h / (4 * n):.2f} |")
