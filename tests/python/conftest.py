@@ -90,3 +90,16 @@ END_TO_END_PARAM_RTOL, END_TO_END_PARAM_ATOL = 2e-5, 1e-5
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skips without one)")
+
+
+def train_steps(model, opt, data):
+    """Plain training loop over (x, y) batches of the repo's GPT (its forward returns the loss);
+    returns the losses. Works for plain torch and tiermem models alike."""
+    losses = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 import tiermem
-from conftest import KernelAdamW, assert_close_rel, batches, make_pair, model_bytes, small_config
+from conftest import (KernelAdamW, assert_close_rel, batches, make_pair, model_bytes, small_config,
+                      train_steps)
 from test_training import final_params, train_ours, train_ref
 from tiermem.examples.gpt import GPT
 
@@ -154,7 +155,7 @@ def test_state_dict_round_trip_and_resume():
     # ... and into the kernel-math reference: both continue identically.
     popt = KernelAdamW(plain.parameters(), lr=1e-3, weight_decay=0.01)
     popt.load_state_dict(copy.deepcopy(osd))
-    cont_ref = train_ref_with(plain, popt, data[4:])
+    cont_ref = train_steps(plain, popt, data[4:])
     # Resume a fresh tiermem model from the saved state.
     torch.manual_seed(123)
     fresh = GPT(small_config())
@@ -165,15 +166,6 @@ def test_state_dict_round_trip_and_resume():
     compare(plain, m2, cont_ref, cont)
 
 
-def train_ref_with(model, opt, data):
-    losses = []
-    for x, y in data:
-        opt.zero_grad()
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
 
 
 def test_host_too_small_puts_state_on_nvme_same_losses(tmp_path):

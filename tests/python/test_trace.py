@@ -11,18 +11,7 @@ import pytest
 import torch
 
 import tiermem
-from conftest import batches, make_pair, model_bytes
-
-
-def train(model, opt, data):
-    losses = []
-    for x, y in data:
-        opt.zero_grad()
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+from conftest import batches, make_pair, model_bytes, train_steps as train
 
 
 def plan(*args):
