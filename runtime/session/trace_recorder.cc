@@ -59,7 +59,6 @@ void TraceRecorder::Moment(std::string_view label, MomentKind kind, uint32_t uni
     }
   }
   Begin(label, kind, unit, p.stall_ns);
-  last_probes_ = p;
 }
 
 void TraceRecorder::Begin(std::string_view label, MomentKind kind, uint32_t unit,
@@ -80,7 +79,8 @@ void TraceRecorder::Begin(std::string_view label, MomentKind kind, uint32_t unit
 void TraceRecorder::Split() {
   // No fresh probes here (the hot path has none): the stall counter as of the moment's
   // start, so the split-off part's stall time is counted as the new moment's compute.
-  Probes p = last_probes_;
+  // (EndMoment reads only the stall counter.)
+  Probes p;
   p.stall_ns = begin_stall_ns_;
   EndMoment(p);
   Begin(label_ + "+", MomentKind::kOther, planners::kNoUnit, begin_stall_ns_);

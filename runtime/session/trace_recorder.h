@@ -96,7 +96,6 @@ class TraceRecorder {
   std::vector<uint32_t> tier_in_moment_;  // per chunk: moment serial << 2 | tier
   uint32_t moment_serial_ = 0;
   std::string label_;
-  Probes last_probes_;
   StatusOr<bool> Write(const Probes& p, const planners::TraceBudgets& budgets);
 
   State state_ = State::kIdle;

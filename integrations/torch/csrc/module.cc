@@ -417,7 +417,6 @@ PYBIND11_MODULE(_C, m) {
       py::arg("path"), py::arg("env") = py::none());
 
   using K = tiermem::chunks::ChunkKind;
-  using T = tiermem::TierKind;
   py::class_<PySession>(m, "Session")
       .def(py::init<const se::SessionConfig&, const std::vector<py::tuple>&>(),
            py::arg("config"), py::arg("tensors"))
