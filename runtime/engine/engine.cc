@@ -268,7 +268,47 @@ uint64_t Engine::NextUse(ChunkId chunk) const {
   auto it = order_positions_.find(chunk);
   if (it == order_positions_.end()) return kNeverUsed;
   auto p = std::lower_bound(it->second.begin(), it->second.end(), pos_);
-  return p == it->second.end() ? kNeverUsed : *p;
+  if (p != it->second.end()) return *p;
+  // Cyclic: its first use in the next iteration, at virtual position size + first.
+  return cyclic_ ? order_.size() + it->second.front() : kNeverUsed;
+}
+
+Bytes Engine::ChunkCapacity(TierKind tier, const TierStats& st) const {
+  if (tier != TierKind::kDevice) return st.capacity;
+  return st.capacity > external_device_ ? st.capacity - external_device_ : 0;
+}
+
+StatusOr<bool> Engine::EvictOne(TierKind tier, ChunkId chunk, bool for_prefetch,
+                                uint64_t prefetch_pos, Bytes* pinned) {
+  std::vector<EvictionCandidate> cands;
+  *pinned = 0;
+  for (ChunkId id = 0; id < chunks_.size(); ++id) {
+    ChunkRec& w = chunks_[id];
+    if (w.writing_back && w.inflight->Poll()) {
+      // A finished write-behind: the chunk is clean now. A failed one stays dirty with its
+      // copy kept; evicting it writes back synchronously, which reports a lasting fault.
+      Status wb = WaitInflight(id, "");
+      if (!wb.ok()) {
+        TIERMEM_LOG(kWarn) << wb.message() << "; retrying when evicted";
+      }
+    }
+    const ChunkRec& c = w;
+    if (c.cache.tier != tier || id == chunk) continue;
+    if (c.pins > 0) {
+      *pinned += c.cache.region.bytes;
+      continue;
+    }
+    EvictionCandidate e{id, c.bytes, c.dirty, c.last_use, NextUse(id), following_};
+    if (for_prefetch) {
+      if (c.dirty || c.inflight) continue;
+      if (e.next_use != kNeverUsed && e.next_use <= prefetch_pos) continue;
+    }
+    cands.push_back(e);
+  }
+  if (cands.empty()) return false;
+  const size_t v = policy_->ChooseVictim(cands);
+  TIERMEM_RETURN_IF_ERROR(Evict(cands[v].chunk));
+  return true;
 }
 
 StatusOr<Region> Engine::AllocateOn(TierKind tier, ChunkId chunk, bool for_prefetch,
@@ -278,46 +318,61 @@ StatusOr<Region> Engine::AllocateOn(TierKind tier, ChunkId chunk, bool for_prefe
   for (;;) {
     // Allocate only when the budget has room: a failed Allocate is not an error here.
     const TierStats st = t->Stats();
-    if (st.used + bytes <= st.capacity) {
+    const Bytes cap = ChunkCapacity(tier, st);
+    if (st.used + bytes <= cap) {
       auto r = t->Allocate(bytes);
       if (r.ok()) return r;
       if (r.status().code() != StatusCode::kResourceExhausted) return r.status();
     }
-    std::vector<EvictionCandidate> cands;
     Bytes pinned = 0;
-    for (ChunkId id = 0; id < chunks_.size(); ++id) {
-      ChunkRec& w = chunks_[id];
-      if (w.writing_back && w.inflight->Poll()) {
-        // A finished write-behind: the chunk is clean now. A failed one stays dirty with its
-        // copy kept; evicting it writes back synchronously, which reports a lasting fault.
-        Status wb = WaitInflight(id, "");
-        if (!wb.ok()) TIERMEM_LOG(kWarn) << wb.message() << "; retrying when evicted";
-      }
-      const ChunkRec& c = w;
-      if (c.cache.tier != tier || id == chunk) continue;
-      if (c.pins > 0) {
-        pinned += c.cache.region.bytes;
-        continue;
-      }
-      EvictionCandidate e{id, c.bytes, c.dirty, c.last_use, NextUse(id), following_};
-      if (for_prefetch) {
-        if (c.dirty || c.inflight) continue;
-        if (e.next_use != kNeverUsed && e.next_use <= prefetch_pos) continue;
-      }
-      cands.push_back(e);
+    TIERMEM_ASSIGN_OR_RETURN(const bool evicted,
+                             EvictOne(tier, chunk, for_prefetch, prefetch_pos, &pinned));
+    if (evicted) continue;
+    if (for_prefetch) return ResourceExhaustedError("prefetch: no room");
+    RecordOom(tier, bytes, chunk, chunks_[chunk].category);
+    std::string external;
+    if (tier == TierKind::kDevice && external_device_ > 0) {
+      external = ", " + std::to_string(external_device_) +
+                 " bytes of the budget held by non-chunk device memory (KV cache, activations)";
     }
-    if (cands.empty()) {
-      if (for_prefetch) return ResourceExhaustedError("prefetch: no room");
-      RecordOom(tier, bytes, chunk, chunks_[chunk].category);
-      return ResourceExhaustedError(
-          std::string(TierKindName(tier)) + " tier: need " + std::to_string(bytes) +
-          " bytes for chunk " + std::to_string(chunk) + ", but " + std::to_string(st.used) +
-          " of " + std::to_string(st.capacity) + " bytes are in use (" +
-          std::to_string(pinned) + " bytes pinned) and nothing is evictable");
-    }
-    const size_t v = policy_->ChooseVictim(cands);
-    TIERMEM_RETURN_IF_ERROR(Evict(cands[v].chunk));
+    return ResourceExhaustedError(
+        std::string(TierKindName(tier)) + " tier: need " + std::to_string(bytes) +
+        " bytes for chunk " + std::to_string(chunk) + ", but " + std::to_string(st.used) +
+        " of " + std::to_string(st.capacity) + " bytes are in use (" + std::to_string(pinned) +
+        " bytes pinned" + external + ") and nothing is evictable");
   }
+}
+
+Status Engine::SetExternalDeviceBytes(Bytes bytes) {
+  Tier* t = TierOf(TierKind::kDevice);
+  for (;;) {
+    const TierStats st = t->Stats();
+    if (bytes <= st.capacity && st.used <= st.capacity - bytes) break;
+    Bytes pinned = 0;
+    TIERMEM_ASSIGN_OR_RETURN(const bool evicted,
+                             EvictOne(TierKind::kDevice, kNoChunk, false, 0, &pinned));
+    if (evicted) continue;
+    return ResourceExhaustedError(
+        "device tier: " + std::to_string(bytes) +
+        " bytes of non-chunk device memory (KV cache, activations) do not fit the budget of " +
+        std::to_string(st.capacity) + " bytes next to the " + std::to_string(pinned) +
+        " bytes of chunks in use now; the device budget must be at least " +
+        std::to_string(bytes + pinned) + " bytes");
+  }
+  if (bytes == external_device_) return OkStatus();
+  external_device_ = bytes;
+  if (recorder_ != nullptr) {
+    // One pseudo-region (a fixed id no tier hands out): re-allocating a live id replaces it.
+    Event e;
+    e.type = bytes > 0 ? EventType::kAlloc : EventType::kFree;
+    e.id = kExternalRegionId;
+    e.bytes = bytes;
+    e.tier = TierKind::kDevice;
+    e.chunk = kNoChunk;
+    e.category = Category::kActivation;
+    recorder_->Record(e);
+  }
+  return OkStatus();
 }
 
 StatusOr<void*> Engine::Acquire(ChunkId chunk, TierKind where) {
@@ -412,9 +467,12 @@ StatusOr<void*> Engine::AcquireImpl(ChunkId chunk, TierKind where, bool* must_ze
 
 void Engine::Prefetch() {
   if (!tracing_ || !following_ || config_.prefetch_depth == 0) return;
-  const uint64_t end = std::min<uint64_t>(order_.size(), pos_ + config_.prefetch_depth);
+  // Cyclic: the window may run one iteration past the end (positions size..2*size-1 are the
+  // next iteration's, as NextUse counts them).
+  const uint64_t limit = cyclic_ ? 2 * order_.size() : order_.size();
+  const uint64_t end = std::min<uint64_t>(limit, pos_ + config_.prefetch_depth);
   for (uint64_t j = pos_; j < end; ++j) {
-    const auto [id, where] = order_[j];
+    const auto [id, where] = order_[j < order_.size() ? j : j - order_.size()];
     ChunkRec& c = chunks_[id];
     if (c.cache.tier == where || c.home.tier == where || c.cache.tier != TierKind::kNone ||
         c.inflight || c.pins > 0) {

@@ -26,8 +26,18 @@
 // A failed write-back leaves the cached copy in place and dirty (nothing is lost) and is
 // returned by whatever waited for it.
 //
+// Cyclic order (SetCyclic, for serving: every iteration is the same forward): the recorded
+// order is taken to repeat, so the prefetch window runs past the end of the iteration into
+// the start of the next one and a chunk's next use after its last one this iteration is its
+// first one in the next (farthest-next-use then keeps what the next forward needs soonest).
+//
+// External device bytes (SetExternalDeviceBytes): device memory the caller keeps live outside
+// chunks (a KV cache, activations) counts against the device tier's budget: chunks are
+// evicted to make room for it, and chunk allocations only use what is left.
+//
 // Every allocation, free, move, stall, moment and phase goes to the timeline recorder when
-// one is attached; moves go through the Mover.
+// one is attached (the external bytes as one region of category `activation`); moves go
+// through the Mover.
 //
 // Thread-safety: externally synchronized (one thread drives the engine; completions of moves
 // fire on the tiers' threads and touch only their Completion objects).
@@ -48,6 +58,9 @@
 #include "tiers/tier.h"
 
 namespace tiermem::engine {
+
+// The timeline id of the external-device-bytes pseudo-region (tiers count ids up from 1).
+inline constexpr uint64_t kExternalRegionId = 0xffffffffffffff00ull;
 
 struct EngineConfig {
   int prefetch_depth = 4;        // acquires of lookahead in the recorded order (0 = off)
@@ -121,6 +134,12 @@ class Engine {
   // previous one, and start no prefetch (eval / no-grad forwards between training
   // iterations). On by default.
   void SetTracing(bool on) { tracing_ = on; }
+  void SetCyclic(bool on) { cyclic_ = on; }
+  // Sets the external device bytes (absolute, not a delta), evicting unpinned device chunks
+  // until chunks + `bytes` fit the budget. kResourceExhausted (nothing changes) when the
+  // pinned chunks leave too little room; the message names the bytes.
+  Status SetExternalDeviceBytes(Bytes bytes);
+  Bytes external_device_bytes() const { return external_device_; }
   void Moment(std::string_view label);   // timeline moment
   void Phase(std::string_view label);    // timeline phase
   Status Synchronize();                  // waits for all moves in flight
@@ -166,6 +185,13 @@ class Engine {
   StatusOr<void*> AcquireImpl(ChunkId chunk, TierKind where, bool* must_zero);
   StatusOr<Region> AllocateOn(TierKind tier, ChunkId chunk, bool for_prefetch,
                               uint64_t prefetch_pos);
+  // Evicts one unpinned chunk of `tier` other than `chunk` (the policy's choice; for a
+  // prefetch only clean chunks used after `prefetch_pos`). False when there is none;
+  // `*pinned` gets the bytes of the pinned chunks seen.
+  StatusOr<bool> EvictOne(TierKind tier, ChunkId chunk, bool for_prefetch, uint64_t prefetch_pos,
+                          Bytes* pinned);
+  // The tier's budget for chunks: its capacity less the external bytes on the device.
+  Bytes ChunkCapacity(TierKind tier, const TierStats& st) const;
   Status Evict(ChunkId victim);
   Status FreeRegion(const Placed& p, ChunkId chunk, bool clean);
   std::shared_ptr<Completion> StartMove(ChunkId chunk, const Placed& src, const Placed& dst);
@@ -197,6 +223,8 @@ class Engine {
   uint64_t pos_ = 0;
   bool following_ = false;
   bool tracing_ = true;
+  bool cyclic_ = false;
+  Bytes external_device_ = 0;
 
   EngineStats stats_;
 };

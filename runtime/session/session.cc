@@ -580,6 +580,15 @@ void Session::SetTracing(bool on) {
   trace_.SetPaused(!on, trace_.recording() ? TraceProbes() : TraceRecorder::Probes{});
 }
 
+void Session::SetCyclic(bool on) {
+  if (!closed()) stack_->engine()->SetCyclic(on);
+}
+
+Status Session::SetExternalDeviceBytes(Bytes bytes) {
+  TIERMEM_RETURN_IF_ERROR(Live());
+  return stack_->engine()->SetExternalDeviceBytes(bytes);
+}
+
 Status Session::Synchronize() {
   TIERMEM_RETURN_IF_ERROR(Live());
   return stack_->engine()->Synchronize();

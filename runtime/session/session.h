@@ -202,6 +202,13 @@ class Session {
   // Off: acquires are not part of the recorded order (eval, no_grad inference), so they
   // neither disturb nor follow the order the next training iteration replays.
   void SetTracing(bool on);
+  // Serving: every iteration repeats the same forward, so prefetch runs across the iteration
+  // boundary (engine.h, "Cyclic order").
+  void SetCyclic(bool on);
+  // Device bytes the binding keeps live outside chunks (the KV cache of a served model),
+  // counted in the device budget: device chunks are evicted to make room. kResourceExhausted
+  // naming the bytes (nothing changes) when the chunks in use leave too little room.
+  Status SetExternalDeviceBytes(Bytes bytes);
   Status Synchronize();
   Status Flush();  // home copies current (e.g. before reading many values)
   StatusOr<engine::EngineStats> Stats() const;

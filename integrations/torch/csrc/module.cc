@@ -97,11 +97,17 @@ void CheckHostSpan(const torch::Tensor& t, const char* what, int64_t n, torch::D
 }
 
 py::dict ReportDict(const prof::Report& r) {
-  py::dict d, peak, budget, moved, stalls;
+  py::dict d, peak, budget, moved, stalls, categories;
   for (int k = 0; k < kNumTierKinds; ++k) {
     const std::string n(TierKindName(static_cast<TierKind>(k)));
     peak[py::str(n)] = r.tiers[k].peak.bytes;
     budget[py::str(n)] = r.tiers[k].budget_bytes;
+    py::dict per;  // peak bytes per category on this tier
+    for (int c = 0; c < kNumCategories; ++c) {
+      per[py::str(std::string(CategoryName(static_cast<Category>(c))))] =
+          r.tiers[k].categories[c].peak.bytes;
+    }
+    categories[py::str(n)] = per;
   }
   for (const prof::MoveStats& m : r.moves) {
     moved[py::str(std::string(TierKindName(m.src)) + "->" + std::string(TierKindName(m.dst)))] =
@@ -110,6 +116,7 @@ py::dict ReportDict(const prof::Report& r) {
   for (const prof::StallStats& s : r.stalls) stalls[py::str(s.cause)] = s.ns;
   d["peak"] = peak;
   d["budget"] = budget;
+  d["category_peak"] = categories;
   d["copied"] = moved;
   bool over = false;
   for (int k = 0; k < kNumTierKinds; ++k) {
@@ -481,6 +488,9 @@ PYBIND11_MODULE(_C, m) {
       .def("add_saved_bytes", [](PySession& s, uint64_t b) { s.s().AddSavedBytes(b); })
       .def("phase", [](PySession& s, const std::string& l) { s.s().Phase(l); })
       .def("set_tracing", [](PySession& s, bool on) { s.s().SetTracing(on); })
+      .def("set_cyclic", [](PySession& s, bool on) { s.s().SetCyclic(on); })
+      .def("set_external_device_bytes",
+           [](PySession& s, uint64_t b) { Check(s.s().SetExternalDeviceBytes(b)); })
       .def("synchronize", [](PySession& s) { Check(s.s().Synchronize()); })
       .def("flush", [](PySession& s) { Check(s.s().Flush()); })
       .def("stats", &PySession::Stats)

@@ -353,6 +353,94 @@ TEST(Engine, PrefetchRunsAheadOnRecordedOrder) {
   }
 }
 
+// Cyclic order (serving): 6 chunks acquired in the same order every iteration, room for 3,
+// lookahead 2. Cyclic, the window runs into the next iteration, so from the second one on
+// every acquire was prefetched; without it the first of each iteration is fetched
+// synchronously (the check can fail).
+uint64_t PrefetchesInThirdIteration(bool cyclic) {
+  EngineConfig cfg;
+  cfg.prefetch_depth = 2;
+  Rig r(3 * kChunk, 16 * kChunk, 0, cfg);
+  r.engine->SetCyclic(cyclic);
+  std::vector<ChunkId> ids;
+  r.engine->SetTracing(false);  // the fills are not part of the order
+  for (int i = 0; i < 6; ++i) {
+    ids.push_back(Add(r));
+    r.Fill(ids.back(), static_cast<uint8_t>(i + 40));
+  }
+  r.engine->SetTracing(true);
+  uint64_t before = 0;
+  for (int it = 0; it < 3; ++it) {
+    r.engine->BeginIteration();
+    if (it == 2) before = r.engine->Stats().prefetches;
+    for (size_t i = 0; i < ids.size(); ++i) {
+      auto p = r.engine->Acquire(ids[i], TierKind::kDevice);
+      EXPECT_TRUE(p.ok());
+      if (p.ok()) EXPECT_TRUE(Rig::Holds(*p, kChunk, static_cast<uint8_t>(i + 40)));
+      EXPECT_TRUE(r.engine->Release(ids[i], false).ok());
+    }
+  }
+  const prof::Report rep = r.Report();
+  const prof::TierStats& dev = rep.tiers[static_cast<int>(TierKind::kDevice)];
+  EXPECT_LE(dev.peak.bytes, dev.budget_bytes);
+  EXPECT_EQ(r.engine->Stats().diverged, 0u);
+  return r.engine->Stats().prefetches - before;
+}
+
+TEST(Engine, CyclicOrderPrefetchesAcrossTheIterationBoundary) {
+  EXPECT_EQ(PrefetchesInThirdIteration(true), 6u);
+  EXPECT_EQ(PrefetchesInThirdIteration(false), 5u);
+}
+
+// External device bytes (a served model's KV cache) take budget from the chunks: setting them
+// evicts unpinned chunks, later allocations use only what is left, the timeline shows them as
+// device `activation` bytes, and a request the pinned chunks leave no room for fails with the
+// bytes named and changes nothing.
+TEST(Engine, ExternalDeviceBytesCountInTheBudget) {
+  Rig r(4 * kChunk, 16 * kChunk);
+  std::vector<ChunkId> ids;
+  for (int i = 0; i < 6; ++i) {
+    ids.push_back(Add(r));
+    r.Fill(ids.back(), static_cast<uint8_t>(i));
+  }
+  for (int i = 0; i < 4; ++i) {
+    ASSERT_TRUE(r.engine->Acquire(ids[i], TierKind::kDevice).ok());
+    ASSERT_TRUE(r.engine->Release(ids[i], false).ok());
+  }
+  EXPECT_EQ(r.dev->Stats().used, 4 * kChunk);
+  ASSERT_TRUE(r.engine->SetExternalDeviceBytes(2 * kChunk).ok());
+  EXPECT_EQ(r.engine->external_device_bytes(), 2 * kChunk);
+  EXPECT_LE(r.dev->Stats().used, 2 * kChunk);
+  EXPECT_EQ(r.engine->Stats().evictions, 2u);
+  // Two chunks pinned fill what is left; a third cannot be placed.
+  ASSERT_TRUE(r.engine->Acquire(ids[4], TierKind::kDevice).ok());
+  ASSERT_TRUE(r.engine->Acquire(ids[5], TierKind::kDevice).ok());
+  auto third = r.engine->Acquire(ids[0], TierKind::kDevice);
+  ASSERT_FALSE(third.ok());
+  EXPECT_EQ(third.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(third.status().message().find("non-chunk device memory"), std::string::npos)
+      << third.status().message();
+  // More external bytes than the pinned chunks leave: refused, nothing changes.
+  Status s = r.engine->SetExternalDeviceBytes(3 * kChunk);
+  EXPECT_EQ(s.code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(s.message().find("at least " + std::to_string(5 * kChunk) + " bytes"),
+            std::string::npos) << s.message();
+  EXPECT_EQ(r.engine->external_device_bytes(), 2 * kChunk);
+  ASSERT_TRUE(r.engine->Release(ids[4], false).ok());
+  ASSERT_TRUE(r.engine->Release(ids[5], false).ok());
+  ASSERT_TRUE(r.engine->SetExternalDeviceBytes(3 * kChunk).ok());
+  auto p = r.engine->Acquire(ids[0], TierKind::kDevice);
+  ASSERT_TRUE(p.ok());
+  EXPECT_TRUE(Rig::Holds(*p, kChunk, 0));
+  ASSERT_TRUE(r.engine->Release(ids[0], false).ok());
+  ASSERT_TRUE(r.engine->SetExternalDeviceBytes(0).ok());
+  const prof::Report rep = r.Report();
+  const prof::TierStats& dev = rep.tiers[static_cast<int>(TierKind::kDevice)];
+  EXPECT_EQ(dev.categories[static_cast<int>(Category::kActivation)].peak.bytes, 3 * kChunk);
+  EXPECT_EQ(dev.peak.bytes, 4 * kChunk);  // chunks + external, never above the budget
+  EXPECT_LE(dev.peak.bytes, dev.budget_bytes);
+}
+
 // Write-behind: in an iteration that follows the recorded order, a chunk released modified
 // and not needed again soon is written home in the background, so its eviction later is
 // clean (no write-back stall) and the data is intact; with write-behind off the same run

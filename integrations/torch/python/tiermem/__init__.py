@@ -2,8 +2,9 @@
 state in chunks that move between the device, host DRAM and NVMe.
 
     model, optimizer = tiermem.initialize(model, {"device": "2GiB", "host": "8GiB"})
+    model = tiermem.inference(model, {"device": "512MiB", "host": "8GiB"})  # serving
 
-See docs/python.md.
+See docs/python.md and docs/inference.md.
 """
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from . import _C
 from .config import Config, parse_config
 from .optimizer import ChunkedAdamW
 from .runtime import TiermemRuntime
+from .serve import ServingRuntime
 from .tensor import ChunkTensor
 
-__all__ = ["initialize", "runtime_of", "Config", "parse_config", "ChunkedAdamW", "ChunkTensor"]
+__all__ = ["initialize", "inference", "runtime_of", "Config", "parse_config", "ChunkedAdamW", "ChunkTensor"]
 
 
 def initialize(model, config=None, param_groups=None, units=None):
@@ -44,6 +46,25 @@ def initialize(model, config=None, param_groups=None, units=None):
         raise
     model._tiermem_runtime = runtime
     return model, optimizer
+
+
+def inference(model, config=None, units=None):
+    """Places `model`'s parameters in chunks for inference only and returns the model.
+
+    Weights stream from their home (host DRAM, or NVMe when the host budget is short) into
+    the device budget, the next units' weights prefetched while a unit computes; forwards run
+    under no_grad; a returned KV cache counts against the device budget (docs/inference.md).
+    `config` and `units` as for initialize (optimizer keys are ignored). On error (ValueError,
+    MemoryError naming the bytes needed, RuntimeError for a missing GPU) the model is left
+    exactly as it was. ``tiermem.runtime_of(model).close()`` gives it back.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"inference: expected an nn.Module, got {type(model).__name__}")
+    if getattr(model, "_tiermem_runtime", None) is not None:
+        raise ValueError("inference: this model is already managed by tiermem")
+    cfg = parse_config(config)
+    model._tiermem_runtime = ServingRuntime(model, cfg, units)
+    return model
 
 
 def runtime_of(model) -> TiermemRuntime:

@@ -83,6 +83,8 @@ def _placeholder(shape, dtype, device) -> torch.Tensor:
 class TiermemRuntime:
     """Owns the session and the hooks of one initialized model."""
 
+    _serving = False  # serve.ServingRuntime: inference only (every parameter frozen)
+
     def __init__(self, model: nn.Module, cfg, param_groups, units=None):
         self.model = model
         self.cfg = cfg
@@ -119,7 +121,8 @@ class TiermemRuntime:
         # the device is CPU memory: SimDevice), the compute and grad chunks are pinned there
         # for the whole session — nothing ever moves, no unit acquires, no saved-tensor hooks
         # (saved views of chunk memory stay valid), and the optimizer steps in place.
-        self._resident = not self.s.cuda and cfg.device_budget >= self.s.total_chunk_bytes
+        self._resident = (not self._serving and not self.s.cuda
+                          and cfg.device_budget >= self.s.total_chunk_bytes)
         self._device_budget = cfg.device_budget
         # State of the current iteration.
         self._live: dict[int, int] = {}          # device data_ptr -> group (compute chunks)
@@ -165,7 +168,8 @@ class TiermemRuntime:
                                          "(tiermem places it)")
                     if p.numel() == 0:
                         raise ValueError(f"parameter {name} has no elements")
-                    r = _Param(len(self.params), name, p.shape, p.numel(), p.requires_grad, p)
+                    r = _Param(len(self.params), name, p.shape, p.numel(),
+                               p.requires_grad and not self._serving, p)
                     seen[id(p)] = r
                     self.params.append(r)
                 r.slots.append((m, pname))
@@ -176,6 +180,8 @@ class TiermemRuntime:
                         weight_decay=self.cfg.weight_decay)
         if param_groups is None:
             param_groups = [{"params": [r.orig for r in self.params if r.trainable]}]
+            if self._serving:
+                param_groups = []
         self.opt_groups = []
         assigned = set()
         for gi, g in enumerate(param_groups):
@@ -252,8 +258,7 @@ class TiermemRuntime:
             u.pins = []
             u.pushed = []
             _wrap_forward(u.module, self._unit_enter(u), self._unit_exit(u), self._wrapped)
-        # The root's forward: to tell "inside the model's forward" from "outside" in messages.
-        _wrap_forward(self.model, self._root_enter, self._root_exit, self._wrapped)
+        self._wrap_root()
         # state_dict of any module gives plain tensors.
         for m in {id(m): m for r in self.params for m, _ in r.slots}.values():
             self._handles.append(m.register_state_dict_post_hook(
@@ -282,13 +287,22 @@ class TiermemRuntime:
                 self._resident_pins.append((g, _K.grad))
 
     # ---- chunk access --------------------------------------------------------------------
+    def _wrap_root(self):
+        # The root's forward: to tell "inside the model's forward" from "outside" in messages.
+        _wrap_forward(self.model, self._root_enter, self._root_exit, self._wrapped)
+
+    def _traced(self) -> bool:
+        """Whether acquires now are part of the order the engine records and follows:
+        training forwards and backward, not eval / no_grad forwards."""
+        return self._in_backward or torch.is_grad_enabled()
+
     def _set_tracing(self, on: bool):
         if on != self._tracing:
             self.s.set_tracing(on)
             self._tracing = on
 
     def _acquire(self, group: int, kind, tier=_DEVICE) -> torch.Tensor:
-        self._set_tracing(self._in_backward or torch.is_grad_enabled())
+        self._set_tracing(self._traced())
         base = self.s.acquire(group, kind, tier)
         if tier == _DEVICE and kind == self._compute_kind:
             self._live[base.data_ptr()] = group
@@ -330,7 +344,7 @@ class TiermemRuntime:
                 for m, name, r in u.slots:
                     m._parameters[name] = r.compute
             elif u.depth == 1:
-                self._set_tracing(self._in_backward or grad)  # before the moment: eval isn't traced
+                self._set_tracing(self._traced())  # before the moment: eval isn't traced
                 self.s.moment(label, 0, u.index)
                 pins = []
                 try:
@@ -868,8 +882,8 @@ class _Forward:
         return copy.deepcopy(self.inner, memo)
 
 
-def _wrap_forward(module, enter, exit_, registry):
-    w = _Forward(module.forward, enter, exit_)
+def _wrap_forward(module, enter, exit_, registry, cls=None):
+    w = (cls or _Forward)(module.forward, enter, exit_)
     w.prev = module.__dict__.get("forward")  # an instance-level forward already there
     module.forward = w
     registry.append(module)
