@@ -143,6 +143,11 @@ class TiermemRuntime:
         self._wrapped: list = []  # modules whose forward we wrapped (undone at close)
         self._closed = False
         self._install()
+        # The chunks hold the values now. The user's Parameter objects keep no copy (close()
+        # gives them their data back), so the model is not in host RAM twice, and a stale
+        # reference to one fails loudly (an empty tensor) instead of reading old values.
+        for r in self.params:
+            r.orig.data = torch.empty(0, dtype=r.orig.dtype)
 
     # ---- set-up ---------------------------------------------------------------------------
     def _collect_params(self, param_groups):
