@@ -1,6 +1,20 @@
 // Session checkpoints (SaveCheckpoint / LoadCheckpoint, see session.h).
 //
-// File format, version 1 (little-endian, no padding):
+// Format 2 (written): a safetensors file (https://huggingface.co/docs/safetensors), so any
+// tool loads it without tiermem (`safetensors.torch.load_file`, or `safe_open` tensor by
+// tensor for a model larger than RAM):
+//   u64 header_bytes | JSON header (padded with spaces to 8 bytes) | tensor bytes
+//   tensors   per session tensor, in session order: "<name>" (its fp32 value, in the
+//             binding's shape) and, when trainable, "exp_avg/<name>" and "exp_avg_sq/<name>"
+//             (Adam m and v, same shape); every one F32, laid out back to back
+//   __metadata__ (all strings): format "tiermem-checkpoint", version "2", micro_steps,
+//             loss_scale, good_steps, skipped_steps, steps (JSON {name: step count}),
+//             binding (the binding's metadata), crc32c (JSON {key: 8 hex digits} of every
+//             tensor's bytes), header_crc32c (of the header text with its own value zeroed)
+// The checksums are written as fixed-width placeholders first and filled in once the data is
+// streamed (the header is rewritten in place, same length).
+//
+// Format 1 (read only, from earlier builds; little-endian, no padding):
 //   header   "TMCKPT01" | u32 version | u64 num_tensors | u64 micro_steps | f64 loss_scale |
 //            i32 good_steps | u64 skipped_steps | u32 metadata_bytes | metadata |
 //            u32 crc32c(everything before it)
@@ -8,22 +22,29 @@
 //            i64 step | f32 value[numel] | (trainable) f32 exp_avg[numel] |
 //            f32 exp_avg_sq[numel] | u32 crc32c(the record before it)
 //   trailer  "TMCKEND1" | u32 crc32c(all record checksums, concatenated)
+//
 // Values are fp32 whatever the session's precision (the master copy), so a checkpoint moves
 // between fp32, bf16 and fp16 sessions of the same model (the loss-scaling state is restored
-// only into an fp16 session). Gradients are not saved: saving inside an accumulation window
-// is refused, and a load clears every "has a gradient" flag.
+// only into an fp16 session), and tensors are matched by name and size, so the same model
+// loads at any budget or chunk size. Gradients are not saved: saving inside an accumulation
+// window is refused, and a load clears every "has a gradient" flag.
 //
 // Saving streams tensor by tensor through one buffer of the largest tensor (a model larger
 // than RAM can be saved) into `path`.tmp, fsyncs it, renames it over `path` and fsyncs the
-// directory. Loading reads the file twice: a verification pass (checksums, names, sizes) that
-// changes nothing, then the pass that writes the values — so a torn, corrupt or mismatched
-// file leaves the session exactly as it was.
+// directory. Loading reads the tensors twice: a verification pass (checksums, names, sizes)
+// that changes nothing, then the pass that writes the values — so a torn, corrupt or
+// mismatched file leaves the session exactly as it was.
 #include <fcntl.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cinttypes>
+#include <cstdio>
 #include <cstring>
+#include <map>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "runtime/base/crc32c.h"
 #include "runtime/base/fs.h"
@@ -163,6 +184,139 @@ Status ReadHeader(Reader& r, Header* h) {
   return r.CheckCrc("header");
 }
 
+// ---- format 2: safetensors -----------------------------------------------------------------
+
+constexpr char kFormat[] = "tiermem-checkpoint";
+constexpr char kCrcPlaceholder[] = "00000000";
+
+std::string Hex8(uint32_t v) {
+  char b[9];
+  std::snprintf(b, sizeof(b), "%08" PRIx32, v);
+  return b;
+}
+
+std::string Num(double v) {
+  char b[40];
+  std::snprintf(b, sizeof(b), "%.17g", v);
+  return b;
+}
+
+// The safetensors keys of tensor `t`'s entries: its value, then (trainable) m and v.
+std::vector<std::string> Keys(const TensorSpec& t) {
+  std::vector<std::string> k = {t.name};
+  if (t.trainable) k.insert(k.end(), {"exp_avg/" + t.name, "exp_avg_sq/" + t.name});
+  return k;
+}
+
+std::vector<int64_t> ShapeOf(const TensorSpec& t) {
+  return t.shape.empty() ? std::vector<int64_t>{static_cast<int64_t>(t.numel)} : t.shape;
+}
+
+// The header text: the JSON dump (keys sorted) padded with spaces to a multiple of 8 bytes.
+std::string HeaderText(const nlohmann::json& h) {
+  std::string text = h.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');
+  return text;
+}
+
+// `text` with the value of "header_crc32c" replaced by the placeholder; npos-safe.
+StatusOr<std::string> ZeroHeaderCrc(std::string text, std::string* value) {
+  const std::string key = "\"header_crc32c\":\"";
+  const size_t at = text.find(key);
+  if (at == std::string::npos || at + key.size() + 8 > text.size()) {
+    return DataLossError("checkpoint header has no header checksum");
+  }
+  if (value != nullptr) *value = text.substr(at + key.size(), 8);
+  text.replace(at + key.size(), 8, kCrcPlaceholder);
+  return text;
+}
+
+Status PWriteAll(int fd, const void* p, size_t n, off_t off) {
+  const char* c = static_cast<const char*>(p);
+  while (n > 0) {
+    const ssize_t w = pwrite(fd, c, n, off);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return Errno("checkpoint write", errno);
+    }
+    c += w;
+    n -= static_cast<size_t>(w);
+    off += w;
+  }
+  return OkStatus();
+}
+
+Status PReadAll(int fd, void* p, size_t n, off_t off) {
+  char* c = static_cast<char*>(p);
+  while (n > 0) {
+    const ssize_t r = pread(fd, c, n, off);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return Errno("checkpoint read", errno);
+    }
+    if (r == 0) return DataLossError("checkpoint is truncated (torn file)");
+    c += r;
+    n -= static_cast<size_t>(r);
+    off += r;
+  }
+  return OkStatus();
+}
+
+// A parsed format-2 header.
+struct Header2 {
+  nlohmann::json tensors;  // key -> {"dtype", "shape", "data_offsets"}
+  std::map<std::string, std::string> meta;
+  nlohmann::json steps, crcs;
+  uint64_t data_start = 0;  // file offset of the tensor bytes
+};
+
+bool IsV1(int fd) {
+  char magic[8] = {};
+  return pread(fd, magic, 8, 0) == 8 && std::memcmp(magic, kMagic, 8) == 0;
+}
+
+StatusOr<Header2> ReadHeader2(int fd) {
+  uint64_t n = 0;
+  TIERMEM_RETURN_IF_ERROR(PReadAll(fd, &n, 8, 0));
+  if (n == 0 || n > (256u << 20)) {
+    return InvalidArgumentError("not a tiermem checkpoint (no safetensors header)");
+  }
+  std::string text(n, '\0');
+  TIERMEM_RETURN_IF_ERROR(PReadAll(fd, text.data(), n, 8));
+  nlohmann::json h = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (h.is_discarded() || !h.is_object()) {
+    return InvalidArgumentError("not a tiermem checkpoint (the safetensors header is not JSON)");
+  }
+  Header2 out;
+  out.data_start = 8 + n;
+  const auto meta = h.find("__metadata__");
+  if (meta == h.end() || !meta->is_object() || meta->value("format", "") != kFormat) {
+    return InvalidArgumentError(
+        "not a tiermem checkpoint (a safetensors file without tiermem's metadata)");
+  }
+  for (const auto& [k, v] : meta->items()) {
+    if (!v.is_string()) return DataLossError("checkpoint metadata '" + k + "' is not a string");
+    out.meta[k] = v.get<std::string>();
+  }
+  if (out.meta["version"] != "2") {
+    return InvalidArgumentError("checkpoint version " + out.meta["version"] +
+                                " is not supported (this build reads versions 1 and 2)");
+  }
+  std::string stored;
+  TIERMEM_ASSIGN_OR_RETURN(const std::string zeroed, ZeroHeaderCrc(text, &stored));
+  if (Hex8(Crc32c(zeroed.data(), zeroed.size())) != stored) {
+    return DataLossError("checkpoint header: checksum mismatch");
+  }
+  out.steps = nlohmann::json::parse(out.meta["steps"], nullptr, false);
+  out.crcs = nlohmann::json::parse(out.meta["crc32c"], nullptr, false);
+  if (!out.steps.is_object() || !out.crcs.is_object()) {
+    return DataLossError("checkpoint header: bad steps or checksums");
+  }
+  h.erase("__metadata__");
+  out.tensors = std::move(h);
+  return out;
+}
+
 }  // namespace
 
 Status Session::SaveCheckpoint(const std::string& path, const std::string& metadata) {
@@ -172,6 +326,40 @@ Status Session::SaveCheckpoint(const std::string& path, const std::string& metad
         "checkpoint: saving inside a gradient accumulation window would lose the accumulated "
         "gradients; save after a step that applied");
   }
+  // The header, with checksum placeholders (fixed width: the final header has the same size).
+  nlohmann::json header = nlohmann::json::object();
+  nlohmann::json steps = nlohmann::json::object(), crcs = nlohmann::json::object();
+  uint64_t offset = 0, max_numel = 0;
+  for (size_t i = 0; i < specs_.size(); ++i) {
+    const TensorSpec& t = specs_[i];
+    max_numel = std::max(max_numel, t.numel);
+    steps[t.name] = steps_[i];
+    for (const std::string& key : Keys(t)) {
+      if (header.contains(key)) {
+        return InvalidArgumentError("checkpoint: two tensors are named '" + key + "'");
+      }
+      header[key] = {{"dtype", "F32"}, {"shape", ShapeOf(t)},
+                     {"data_offsets", {offset, offset + t.numel * 4}}};
+      offset += t.numel * 4;
+      crcs[key] = kCrcPlaceholder;
+    }
+  }
+  auto meta_json = [&] {
+    return nlohmann::json{{"format", kFormat},
+                          {"version", "2"},
+                          {"micro_steps", std::to_string(micro_)},
+                          {"loss_scale", Num(scaler_.scale)},
+                          {"good_steps", std::to_string(scaler_.good_steps)},
+                          {"skipped_steps", std::to_string(scaler_.skipped_steps)},
+                          {"steps", steps.dump()},
+                          {"binding", metadata},
+                          {"crc32c", crcs.dump()},
+                          {"header_crc32c", kCrcPlaceholder}};
+  };
+  header["__metadata__"] = meta_json();
+  const std::string placeholder = HeaderText(header);
+  const uint64_t header_bytes = placeholder.size();
+
   const std::string tmp = path + ".tmp";
   const int fd = open(tmp.c_str(), O_CREAT | O_WRONLY | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return Errno("checkpoint: cannot create " + tmp, errno);
@@ -181,45 +369,33 @@ Status Session::SaveCheckpoint(const std::string& path, const std::string& metad
     return s.WithContext("checkpoint " + path);
   };
   Writer w(fd);
-  Status s = w.Put(kMagic, 8);
-  if (s.ok()) s = w.PutValue(kVersion);
-  if (s.ok()) s = w.PutValue(static_cast<uint64_t>(specs_.size()));
-  if (s.ok()) s = w.PutValue(micro_);
-  if (s.ok()) s = w.PutValue(scaler_.scale);
-  if (s.ok()) s = w.PutValue(static_cast<int32_t>(scaler_.good_steps));
-  if (s.ok()) s = w.PutValue(scaler_.skipped_steps);
-  if (s.ok()) s = w.PutValue(static_cast<uint32_t>(metadata.size()));
-  if (s.ok()) s = w.Put(metadata.data(), metadata.size());
-  if (s.ok()) s = w.PutValue(w.TakeCrc());
+  Status s = w.PutValue(header_bytes);
+  if (s.ok()) s = w.Put(placeholder.data(), placeholder.size());
   w.TakeCrc();
-  uint64_t max_numel = 0;
-  for (const TensorSpec& t : specs_) max_numel = std::max(max_numel, t.numel);
   std::vector<float> buf(max_numel);
-  std::vector<uint32_t> record_crcs;
   for (size_t i = 0; i < specs_.size() && s.ok(); ++i) {
     const TensorSpec& t = specs_[i];
-    s = w.PutValue(static_cast<uint32_t>(t.name.size()));
-    if (s.ok()) s = w.Put(t.name.data(), t.name.size());
-    if (s.ok()) s = w.PutValue(t.numel);
-    if (s.ok()) s = w.PutValue(static_cast<uint8_t>(t.trainable));
-    if (s.ok()) s = w.PutValue(steps_[i]);
-    std::vector<ChunkKind> kinds = {ChunkKind::kParamFp32};
-    if (t.trainable) kinds.insert(kinds.end(), {ChunkKind::kExpAvg, ChunkKind::kExpAvgSq});
-    for (ChunkKind k : kinds) {
-      if (s.ok()) s = ReadTensor(i, k, buf.data());
+    const std::vector<std::string> keys = Keys(t);
+    const ChunkKind kinds[] = {ChunkKind::kParamFp32, ChunkKind::kExpAvg, ChunkKind::kExpAvgSq};
+    for (size_t k = 0; k < keys.size() && s.ok(); ++k) {
+      s = ReadTensor(i, kinds[k], buf.data());
       if (s.ok()) s = w.Put(buf.data(), t.numel * sizeof(float));
+      crcs[keys[k]] = Hex8(w.TakeCrc());
     }
-    const uint32_t crc = w.TakeCrc();
-    record_crcs.push_back(crc);
-    if (s.ok()) s = w.PutValue(crc);
-    w.TakeCrc();
-  }
-  if (s.ok()) s = w.Put(kEndMagic, 8);
-  if (s.ok()) {
-    const uint32_t all = Crc32c(record_crcs.data(), record_crcs.size() * sizeof(uint32_t));
-    s = w.PutValue(all);
   }
   if (s.ok()) s = w.Drain();
+  if (s.ok()) {
+    // The real checksums, then the header's own over the text with it zeroed.
+    header["__metadata__"] = meta_json();
+    const std::string zeroed = HeaderText(header);
+    header["__metadata__"]["header_crc32c"] = Hex8(Crc32c(zeroed.data(), zeroed.size()));
+    const std::string text = HeaderText(header);
+    if (text.size() != header_bytes) {
+      s = InternalError("checkpoint header changed size");
+    } else {
+      s = PWriteAll(fd, text.data(), text.size(), 8);
+    }
+  }
   if (s.ok() && fsync(fd) != 0) s = Errno("checkpoint fsync", errno);
   if (!s.ok()) return fail(s);
   if (close(fd) != 0) {
@@ -244,16 +420,125 @@ Status Session::SaveCheckpoint(const std::string& path, const std::string& metad
 StatusOr<std::string> Session::CheckpointMetadata(const std::string& path) {
   const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return Errno("checkpoint: cannot open " + path, errno);
-  Reader r(fd);
-  Header h;
-  Status s = ReadHeader(r, &h);
+  std::string meta;
+  Status s;
+  if (IsV1(fd)) {
+    Reader r(fd);
+    Header h;
+    s = ReadHeader(r, &h);
+    meta = h.metadata;
+  } else {
+    auto h = ReadHeader2(fd);
+    s = h.status();
+    if (h.ok()) meta = h->meta["binding"];
+  }
   close(fd);
   if (!s.ok()) return s.WithContext("checkpoint " + path);
-  return h.metadata;
+  return meta;
 }
 
 Status Session::LoadCheckpoint(const std::string& path, std::string* metadata) {
   TIERMEM_RETURN_IF_ERROR(Live());
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return Errno("checkpoint: cannot open " + path, errno);
+  if (IsV1(fd)) {
+    close(fd);
+    return LoadCheckpointV1(path, metadata);
+  }
+  Status s = LoadCheckpointV2(fd, metadata);
+  close(fd);
+  return s.WithContext("checkpoint " + path);
+}
+
+Status Session::LoadCheckpointV2(int fd, std::string* metadata) {
+  TIERMEM_ASSIGN_OR_RETURN(Header2 h, ReadHeader2(fd));
+  // Everything the load needs, taken out of the header first (a malformed header is an error
+  // here, before anything changes): every tensor of this model and nothing else, all F32.
+  struct Entry {
+    uint64_t begin = 0;
+    std::string crc;
+  };
+  std::vector<std::vector<Entry>> entries(specs_.size());
+  std::vector<int64_t> steps(specs_.size());
+  uint64_t micro = 0, max_numel = 0;
+  ScalerState scaler;
+  try {
+    size_t expected = 0;
+    for (size_t i = 0; i < specs_.size(); ++i) {
+      const TensorSpec& t = specs_[i];
+      max_numel = std::max(max_numel, t.numel);
+      expected += Keys(t).size();
+      for (const std::string& key : Keys(t)) {
+        const auto e = h.tensors.find(key);
+        if (e == h.tensors.end()) {
+          const bool frozen_there = key != t.name && h.tensors.contains(t.name);
+          return InvalidArgumentError(
+              "checkpoint has no tensor '" + key + "'" +
+              (frozen_there ? " (the parameter was frozen when it was saved)" : "") +
+              "; this model has '" + t.name + "' (" + std::to_string(t.numel) + " elements" +
+              (t.trainable ? "" : ", frozen") + "): nothing was loaded");
+        }
+        const nlohmann::json& off = e->at("data_offsets");
+        uint64_t numel = 1;
+        for (const auto& d : e->at("shape")) numel *= d.get<uint64_t>();
+        const std::string dtype = e->at("dtype").get<std::string>();
+        if (dtype != "F32" || numel != t.numel || off.size() != 2 ||
+            off[1].get<uint64_t>() - off[0].get<uint64_t>() != t.numel * 4) {
+          return InvalidArgumentError("checkpoint tensor '" + key + "' has " +
+                                      std::to_string(numel) + " elements of " + dtype +
+                                      ", this model has '" + t.name + "' (" +
+                                      std::to_string(t.numel) + " elements, F32): nothing was "
+                                      "loaded");
+        }
+        entries[i].push_back({off[0].get<uint64_t>(), h.crcs.at(key).get<std::string>()});
+      }
+      steps[i] = h.steps.at(t.name).get<int64_t>();
+    }
+    if (h.tensors.size() != expected) {
+      return InvalidArgumentError("checkpoint holds " + std::to_string(h.tensors.size()) +
+                                  " tensors (values and Adam state), this model has " +
+                                  std::to_string(expected) + ": nothing was loaded");
+    }
+    micro = std::stoull(h.meta.at("micro_steps"));
+    scaler.scale = std::stod(h.meta.at("loss_scale"));
+    scaler.good_steps = std::stoi(h.meta.at("good_steps"));
+    scaler.skipped_steps = std::stoull(h.meta.at("skipped_steps"));
+  } catch (const std::exception& e) {
+    return DataLossError(std::string("checkpoint header is malformed (") + e.what() +
+                         "): nothing was loaded");
+  }
+  std::vector<float> buf(max_numel);
+  const ChunkKind kinds[] = {ChunkKind::kParamFp32, ChunkKind::kExpAvg, ChunkKind::kExpAvgSq};
+  // Pass 0 verifies every tensor's checksum; pass 1 applies.
+  for (int pass = 0; pass < 2; ++pass) {
+    for (size_t i = 0; i < specs_.size(); ++i) {
+      const TensorSpec& t = specs_[i];
+      for (size_t k = 0; k < entries[i].size(); ++k) {
+        const Entry& e = entries[i][k];
+        Status s = PReadAll(fd, buf.data(), t.numel * 4, static_cast<off_t>(h.data_start + e.begin));
+        if (s.ok() && Hex8(Crc32c(buf.data(), t.numel * 4)) != e.crc) {
+          s = DataLossError("tensor '" + Keys(t)[k] + "': checksum mismatch");
+        }
+        if (s.ok() && pass == 1) {
+          s = k == 0 ? WriteParam(i, buf.data()) : WriteTensor(i, kinds[k], buf.data());
+        }
+        if (!s.ok()) {
+          return s.WithContext(pass == 0 ? "nothing was loaded" : "the file changed while loading");
+        }
+      }
+    }
+  }
+  steps_ = steps;
+  // Gradients are not part of a checkpoint: the next backward starts them afresh.
+  micro_ = micro;
+  accumulating_ = false;
+  std::fill(has_grad_.begin(), has_grad_.end(), 0);
+  if (config_.precision == Precision::kFp16) scaler_ = scaler;
+  if (metadata != nullptr) *metadata = h.meta["binding"];
+  return OkStatus();
+}
+
+Status Session::LoadCheckpointV1(const std::string& path, std::string* metadata) {
   uint64_t max_numel = 0;
   for (const TensorSpec& t : specs_) max_numel = std::max(max_numel, t.numel);
   std::vector<float> buf(max_numel);

@@ -67,6 +67,15 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
     if (t.opt_group < 0) {
       return InvalidArgumentError("session: tensor " + t.name + " has a negative param group");
     }
+    if (!t.shape.empty()) {
+      uint64_t prod = 1;
+      for (int64_t d : t.shape) prod *= d < 0 ? 0 : static_cast<uint64_t>(d);
+      if (prod != t.numel) {
+        return InvalidArgumentError("session: tensor " + t.name + " has a shape of " +
+                                    std::to_string(prod) + " elements, not " +
+                                    std::to_string(t.numel));
+      }
+    }
     (t.trainable ? trainable : frozen).push_back(i);
     max_numel = std::max(max_numel, t.numel);
   }

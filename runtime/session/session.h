@@ -56,10 +56,11 @@ using chunks::ChunkKind;
 class TierStack;
 
 struct TensorSpec {
-  std::string name;       // for messages, e.g. "blocks.0.attn.c_attn.weight"
+  std::string name;       // for messages and checkpoints, e.g. "blocks.0.attn.c_attn.weight"
   uint64_t numel = 0;     // > 0
   bool trainable = true;  // false: frozen (no grad or optimizer chunks)
   int opt_group = 0;      // optimizer param group (trainable tensors only), >= 0
+  std::vector<int64_t> shape = {};  // as the binding's tensor (checkpoints); empty = {numel}
 };
 
 // Where a tensor lives: the same element offset in every chunk of its group.
@@ -234,15 +235,17 @@ class Session {
   // True once a recording was written; its path.
   const std::string& written_trace() const { return written_trace_; }
 
-  // ---- checkpoints -------------------------------------------------------------------------
+  // ---- checkpoints (checkpoint.cc: a safetensors file, torch-loadable without tiermem) ------
   // Every tensor's fp32 value, its Adam m and v and step count, the loss-scaling state and
   // the micro-step counter, plus `metadata` (the binding's own, e.g. optimizer groups as
-  // JSON). Written to `path`.tmp, fsync'ed, then renamed over `path`: a crash never leaves a
-  // torn file under `path`. kIOError for disk trouble (the old file, if any, stays).
+  // JSON), streamed tensor by tensor (never the whole model in RAM), with a CRC32C per tensor.
+  // Written to `path`.tmp, fsync'ed, then renamed over `path`: a crash never leaves a torn
+  // file under `path`. kIOError for disk trouble (the old file, if any, stays).
   Status SaveCheckpoint(const std::string& path, const std::string& metadata = "");
   // Verifies the whole file first (checksums, tensor names and sizes, precision-independent)
   // and only then loads it: a torn or mismatched file is kDataLoss / kInvalidArgument and
-  // changes nothing. `metadata` gets the saved metadata.
+  // changes nothing. `metadata` gets the saved metadata. Reads the format-1 files of earlier
+  // builds too.
   Status LoadCheckpoint(const std::string& path, std::string* metadata = nullptr);
   // The metadata of a checkpoint (its header verified), without loading anything.
   static StatusOr<std::string> CheckpointMetadata(const std::string& path);
@@ -264,6 +267,8 @@ class Session {
   TierKind OptimizerTier(size_t g, const std::vector<ChunkKind>& kinds) const;
   TierKind ReadTier(size_t g, ChunkKind kind) const;
   TraceRecorder::Probes TraceProbes() const;
+  Status LoadCheckpointV1(const std::string& path, std::string* metadata);
+  Status LoadCheckpointV2(int fd, std::string* metadata);
   planners::TraceBudgets TraceBudgets() const;
   void DeclareTraceChunks();
 

@@ -9,7 +9,12 @@
 // by copies of 64 MiB with two in flight, so the engine always has work queued. The tier
 // checksums every 4 KiB block (CRC32C) on write and verifies on read; fio does not.
 // fio: `fio --ioengine=io_uring --direct=1 --rw=write|read --bs --iodepth --size` on --file,
-// which is deleted after each round (a fresh file each round, like our fresh tier).
+// which is deleted after each round (a fresh file each round, like our fresh tier), with the
+// same buffer advantages as ours: registered buffers and files (`--fixedbufs
+// --registerfiles`) and, with `--fio-iomem auto` (the default), huge-page buffers
+// (`--iomem=mmaphuge`) whenever the kernel has enough free hugetlb pages for its depth x block
+// of buffers (HugePages_Free in /proc/meminfo; our buffers get transparent huge pages, which
+// fio cannot ask for). The report says which fio got.
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -41,6 +46,7 @@ struct BenchNvmeOptions {
   int depth = 8;
   int rounds = 3;
   std::string engine = "auto";
+  std::string fio_iomem = "auto";
   bool json = false;
 };
 
@@ -104,10 +110,32 @@ StatusOr<Throughput> RunOurs(const std::string& dir, Bytes size, Bytes block, in
   return t;
 }
 
+// Free hugetlb bytes (HugePages_Free x Hugepagesize), 0 when none or unknown.
+Bytes FreeHugetlbBytes() {
+  FILE* f = std::fopen("/proc/meminfo", "r");
+  if (f == nullptr) return 0;
+  char line[256];
+  unsigned long long free_pages = 0, page_kib = 0;
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    std::sscanf(line, "HugePages_Free: %llu", &free_pages);
+    std::sscanf(line, "Hugepagesize: %llu kB", &page_kib);
+  }
+  std::fclose(f);
+  return static_cast<Bytes>(free_pages) * page_kib * 1024;
+}
+
+// The --iomem fio gets: "mmaphuge" when `mode` is auto and the hugetlb pool holds its buffers.
+std::string FioIomem(const std::string& mode, Bytes block, int depth) {
+  if (mode != "auto") return mode;
+  const Bytes need = block * static_cast<Bytes>(depth) + 4 * kMiB;
+  return FreeHugetlbBytes() >= need ? "mmaphuge" : "malloc";
+}
+
 StatusOr<double> RunFio(const std::string& file, const char* rw, Bytes size, Bytes block,
-                        int depth) {
+                        int depth, const std::string& iomem) {
   const std::string cmd = "fio --name=tiermem-bench --filename='" + file +
-                          "' --ioengine=io_uring --direct=1 --rw=" + rw +
+                          "' --ioengine=io_uring --direct=1 --fixedbufs --registerfiles"
+                          " --iomem=" + iomem + " --rw=" + rw +
                           " --bs=" + std::to_string(block) + " --iodepth=" + std::to_string(depth) +
                           " --size=" + std::to_string(size) + " --output-format=json 2>&1";
   FILE* pipe = ::popen(cmd.c_str(), "r");
@@ -152,6 +180,7 @@ int Run(const BenchNvmeOptions& o) {
   std::filesystem::path file(o.file);
   const std::string dir = file.has_parent_path() ? file.parent_path().string() : ".";
 
+  const std::string iomem = FioIomem(o.fio_iomem, *block, o.depth);
   std::vector<double> ours_w, ours_r, fio_w, fio_r;
   std::string engine_name;
   for (int round = 0; round < o.rounds; ++round) {
@@ -159,8 +188,8 @@ int Run(const BenchNvmeOptions& o) {
     if (!ours.ok()) return fail(ours.status());
     ours_w.push_back(ours->write_bps);
     ours_r.push_back(ours->read_bps);
-    auto fw = RunFio(o.file, "write", *size, *block, o.depth);
-    auto fr = fw.ok() ? RunFio(o.file, "read", *size, *block, o.depth) : fw;
+    auto fw = RunFio(o.file, "write", *size, *block, o.depth, iomem);
+    auto fr = fw.ok() ? RunFio(o.file, "read", *size, *block, o.depth, iomem) : fw;
     ::unlink(o.file.c_str());
     if (!fw.ok()) return fail(fw.status());
     if (!fr.ok()) return fail(fr.status());
@@ -190,6 +219,7 @@ int Run(const BenchNvmeOptions& o) {
         {"block_bytes", *block},
         {"depth", o.depth},
         {"rounds", o.rounds},
+        {"fio_flags", "--fixedbufs --registerfiles --iomem=" + iomem},
         {"ours", {{"write_bytes_per_s", ours_w}, {"read_bytes_per_s", ours_r}}},
         {"fio", {{"write_bytes_per_s", fio_w}, {"read_bytes_per_s", fio_r}}},
         {"median", {{"ours_write", mw}, {"ours_read", mr}, {"fio_write", fw}, {"fio_read", fr}}},
@@ -198,8 +228,12 @@ int Run(const BenchNvmeOptions& o) {
     };
     std::cout << j.dump() << "\n";
   } else {
-    std::printf("nvme bench: %s, %s, block %s, depth %d, %d rounds (median)\n", engine_name.c_str(),
-                FormatBytes(*size).c_str(), FormatBytes(*block).c_str(), o.depth, o.rounds);
+    std::printf("nvme bench: %s, %s, block %s, depth %d, %d rounds (median); fio with "
+                "--fixedbufs --registerfiles --iomem=%s%s\n", engine_name.c_str(),
+                FormatBytes(*size).c_str(), FormatBytes(*block).c_str(), o.depth, o.rounds,
+                iomem.c_str(),
+                iomem == "malloc" ? " (no free hugetlb pages: set vm.nr_hugepages to give fio "
+                                    "huge-page buffers)" : "");
     std::printf("  %-6s %10s %10s %8s %14s\n", "", "ours GB/s", "fio GB/s", "ours/fio",
                 "paired ratio");
     std::printf("  %-6s %10.2f %10.2f %8.3f %14.3f\n", "write", mw / 1e9, fw / 1e9,
@@ -222,6 +256,9 @@ void RegisterBenchNvme(CLI::App& bench) {
   cmd->add_option("--rounds", opts->rounds, "alternating rounds; medians are reported")
       ->capture_default_str();
   cmd->add_option("--engine", opts->engine, "auto, io_uring or posix")->capture_default_str();
+  cmd->add_option("--fio-iomem", opts->fio_iomem,
+                  "fio's buffers: auto (mmaphuge when hugetlb pages are free, else malloc), "
+                  "malloc, mmaphuge, shmhuge")->capture_default_str();
   cmd->add_flag("--json", opts->json, "print one JSON object");
   cmd->callback([opts] {
     const int rc = Run(*opts);

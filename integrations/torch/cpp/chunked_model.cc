@@ -211,7 +211,8 @@ StatusOr<std::unique_ptr<ChunkedModel>> ChunkedModel::Create(::torch::nn::Module
       return InvalidArgumentError("trainable parameter " + p->name + " is in no param group");
     }
     specs.push_back(session::TensorSpec{p->name, static_cast<uint64_t>(p->param.numel()),
-                                        trainable, std::max(group_of[p->index], 0)});
+                                        trainable, std::max(group_of[p->index], 0),
+                                        p->param.sizes().vec()});
   }
   TIERMEM_ASSIGN_OR_RETURN(m->session_, session::Session::Create(cfg, std::move(specs)));
   for (auto& p : m->params_) {

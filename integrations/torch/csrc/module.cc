@@ -151,9 +151,12 @@ class PySession {
   PySession(const SessionConfig& config, const std::vector<py::tuple>& tensors) {
     std::vector<session::TensorSpec> specs;
     for (const py::tuple& t : tensors) {
-      if (t.size() != 4) throw py::value_error("tensor spec must be (name, numel, trainable, group)");
+      if (t.size() != 4 && t.size() != 5) {
+        throw py::value_error("tensor spec must be (name, numel, trainable, group[, shape])");
+      }
       specs.push_back(session::TensorSpec{t[0].cast<std::string>(), t[1].cast<uint64_t>(),
                                           t[2].cast<bool>(), t[3].cast<int>()});
+      if (t.size() == 5) specs.back().shape = t[4].cast<std::vector<int64_t>>();
     }
     s_ = Check(Session::Create(config, std::move(specs)));
   }
@@ -533,6 +536,9 @@ PYBIND11_MODULE(_C, m) {
     return tiermem::torch_ext::ReportDict(Check(tiermem::prof::AnalyzeFile(path)));
   });
   m.def("cuda_built", [] { return se::TierStack::CudaBuilt(); });
+  m.def("checkpoint_metadata", [](const std::string& path) {
+    return Check(se::Session::CheckpointMetadata(path));
+  });
   m.def("resolve_device_kind",
         [](const std::string& kind) { return Check(se::TierStack::ResolveDeviceKind(kind)); });
 }

@@ -14,6 +14,7 @@
 #include <random>
 
 #include "planners/trace.h"
+#include "runtime/base/crc32c.h"
 #include "runtime/session/tier_stack.h"
 #include "tests/support/status_matchers.h"
 
@@ -413,8 +414,98 @@ TEST(SessionCheckpoint, TornCorruptOrForeignFilesChangeNothing) {
   auto other = Make({{"device", "1MiB"}}, {{"a", 1000, true, 0}, {"b", 301, true, 0},
                                            {"c", 77, true, 0}});
   EXPECT_THAT(other->LoadCheckpoint(path),
-              StatusIs(StatusCode::kInvalidArgument, "this model has 'b' (301 elements)"));
+              StatusIs(StatusCode::kInvalidArgument, "this model has 'b' (301 elements"));
   EXPECT_EQ(Param(*s, 0), now);
+  std::filesystem::remove_all(dir);
+}
+
+// The safetensors layout (format 2): u64 header length, a JSON header naming every tensor
+// with dtype F32, its shape and contiguous data offsets, tiermem's metadata; values stored
+// as written. (tests/python/test_checkpoint.py loads the same kind of file with the
+// safetensors library itself.)
+TEST(SessionCheckpoint, FileIsSafetensorsWithShapesAndMetadata) {
+  const std::string dir = TempDir();
+  std::vector<TensorSpec> specs = {{"w", 6, true, 0, {2, 3}}, {"frozen", 4, false, 0, {4}}};
+  auto s = Make({{"device", "1MiB"}}, specs);
+  ASSERT_TRUE(s);
+  const std::vector<float> w = {1, 2, 3, 4, 5, 6};
+  ASSERT_THAT(s->WriteParam(0, w.data()), IsOk());
+  const std::string path = dir + "/c.safetensors";
+  ASSERT_THAT(s->SaveCheckpoint(path, "binding-meta"), IsOk());
+  std::ifstream in(path, std::ios::binary);
+  uint64_t n = 0;
+  in.read(reinterpret_cast<char*>(&n), 8);
+  ASSERT_EQ(n % 8, 0u);
+  std::string text(n, '\0');
+  in.read(text.data(), n);
+  const json h = json::parse(text);
+  EXPECT_EQ(h["w"]["dtype"], "F32");
+  EXPECT_EQ(h["w"]["shape"], json::array({2, 3}));
+  EXPECT_EQ(h["w"]["data_offsets"], json::array({0, 24}));
+  EXPECT_EQ(h["exp_avg/w"]["data_offsets"], json::array({24, 48}));
+  EXPECT_EQ(h["exp_avg_sq/w"]["data_offsets"], json::array({48, 72}));
+  EXPECT_EQ(h["frozen"]["data_offsets"], json::array({72, 88}));
+  EXPECT_FALSE(h.contains("exp_avg/frozen"));
+  EXPECT_EQ(h["__metadata__"]["format"], "tiermem-checkpoint");
+  EXPECT_EQ(h["__metadata__"]["binding"], "binding-meta");
+  std::vector<float> back(6);
+  in.read(reinterpret_cast<char*>(back.data()), 24);
+  EXPECT_EQ(back, w);
+  in.seekg(0, std::ios::end);
+  EXPECT_EQ(static_cast<uint64_t>(in.tellg()), 8 + n + 88);
+  auto meta = Session::CheckpointMetadata(path);
+  ASSERT_TRUE(meta.ok()) << meta.status().ToString();
+  EXPECT_EQ(*meta, "binding-meta");
+  // A byte of the header changed (a step count: not a tensor): the header checksum catches it.
+  std::ifstream whole(path, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(whole)), std::istreambuf_iterator<char>());
+  const size_t at = bytes.find("\\\"w\\\":0");
+  ASSERT_NE(at, std::string::npos);
+  bytes[at + 6] = '7';  // the step of w: 0 -> 7
+  std::ofstream(dir + "/h.safetensors", std::ios::binary) << bytes;
+  EXPECT_THAT(s->LoadCheckpoint(dir + "/h.safetensors"),
+              StatusIs(StatusCode::kDataLoss, "header: checksum mismatch"));
+  std::filesystem::remove_all(dir);
+}
+
+// Files of the earlier format (1) still load.
+TEST(SessionCheckpoint, ReadsFormatOneFiles) {
+  const std::string dir = TempDir();
+  std::string f;
+  auto put = [&](const void* p, size_t n) { f.append(static_cast<const char*>(p), n); };
+  auto crc_of = [&](size_t from) { return Crc32c(f.data() + from, f.size() - from); };
+  const std::string meta = "old";
+  put("TMCKPT01", 8);
+  const uint32_t version = 1, meta_bytes = 3;
+  const uint64_t ntensors = 1, micro = 5, skipped = 0;
+  const double scale = 1.0;
+  const int32_t good = 0;
+  put(&version, 4); put(&ntensors, 8); put(&micro, 8); put(&scale, 8); put(&good, 4);
+  put(&skipped, 8); put(&meta_bytes, 4); put(meta.data(), 3);
+  uint32_t c = crc_of(0);
+  put(&c, 4);
+  const size_t rec = f.size();
+  const uint32_t name_bytes = 1;
+  const uint64_t numel = 3;
+  const uint8_t trainable = 1;
+  const int64_t step = 4;
+  put(&name_bytes, 4); put("a", 1); put(&numel, 8); put(&trainable, 1); put(&step, 8);
+  const float vals[9] = {1, 2, 3, .1f, .2f, .3f, .01f, .02f, .03f};
+  put(vals, sizeof(vals));
+  const uint32_t rc = crc_of(rec);
+  put(&rc, 4);
+  put("TMCKEND1", 8);
+  const uint32_t all = Crc32c(&rc, 4);
+  put(&all, 4);
+  std::ofstream(dir + "/v1.tmc", std::ios::binary) << f;
+  auto s = Make({{"device", "1MiB"}}, {{"a", 3, true, 0}});
+  ASSERT_TRUE(s);
+  std::string got;
+  ASSERT_THAT(s->LoadCheckpoint(dir + "/v1.tmc", &got), IsOk());
+  EXPECT_EQ(got, "old");
+  EXPECT_EQ(Param(*s, 0), std::vector<float>({1, 2, 3}));
+  EXPECT_EQ(s->step_count(0), 4);
+  EXPECT_EQ(s->micro_steps(), 5u);
   std::filesystem::remove_all(dir);
 }
 

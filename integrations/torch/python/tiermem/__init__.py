@@ -11,13 +11,14 @@ from __future__ import annotations
 import torch  # noqa: F401  (loads libtorch before the extension that links it)
 
 from . import _C
+from .checkpoint import load_checkpoint, save_checkpoint
 from .config import Config, parse_config
 from .optimizer import ChunkedAdamW
 from .runtime import TiermemRuntime
 from .serve import ServingRuntime
 from .tensor import ChunkTensor
 
-__all__ = ["initialize", "inference", "runtime_of", "Config", "parse_config", "ChunkedAdamW", "ChunkTensor"]
+__all__ = ["initialize", "inference", "runtime_of", "save_checkpoint", "load_checkpoint", "Config", "parse_config", "ChunkedAdamW", "ChunkTensor"]
 
 
 def initialize(model, config=None, param_groups=None, units=None):

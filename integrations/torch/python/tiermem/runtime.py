@@ -100,7 +100,7 @@ class TiermemRuntime:
         self.device = torch.device("cuda", 0) if kind == "cuda" else torch.device("cpu")
         self._collect_params(param_groups)
         self.units = find_units(model, units)
-        specs = [(r.name, r.numel, r.trainable, r.opt_group) for r in self.params]
+        specs = [(r.name, r.numel, r.trainable, r.opt_group, list(r.shape)) for r in self.params]
         self.s = _C.Session(cfg, specs)
         try:
             with torch.no_grad():

@@ -1,0 +1,91 @@
+"""Streaming checkpoints of the whole training state (docs/checkpoints.md).
+
+``save_checkpoint(model, optimizer, path)`` writes one safetensors file, tensor by tensor from
+the chunks (the model is never materialized in host RAM, so a model larger than RAM can be
+saved with a small host budget): every parameter's fp32 value under its own name and shape
+(``model.state_dict()`` names), Adam's ``exp_avg/<name>`` and ``exp_avg_sq/<name>``, and in
+the file's metadata the step counts, the micro-step counter, the fp16 loss-scaling state, the
+optimizer's param groups (lr, betas, eps, weight_decay — an LR schedule's current values) and
+torch's CPU RNG state. It is written to ``path.tmp``, fsync'ed and renamed over ``path``: a
+killed save leaves the previous checkpoint intact. Each tensor carries a CRC32C.
+
+``load_checkpoint(model, optimizer, path)`` verifies the whole file (checksums, names, shapes)
+before it changes anything, then loads it — at any budget, chunk size or precision (values
+are fp32). The file loads without tiermem too::
+
+    from safetensors.torch import load_file
+    sd = load_file(path)
+    model.load_state_dict({k: v for k, v in sd.items() if "/" not in k})
+
+Threading: the training thread, between iterations.
+"""
+from __future__ import annotations
+
+import base64
+import json
+
+import torch
+
+from . import _C
+
+_KEY = "tiermem.python"  # the binding's metadata object
+
+
+def _runtime(model):
+    rt = getattr(model, "_tiermem_runtime", None)
+    if rt is None:
+        raise ValueError("checkpoint: the model is not managed by tiermem (tiermem.initialize)")
+    if rt._in_iteration or rt._in_backward:
+        raise RuntimeError("checkpoint: save or load between iterations (after optimizer.step()), "
+                           "not inside a forward or backward")
+    return rt
+
+
+def _groups(optimizer):
+    if optimizer is None:
+        return []
+    return [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
+            for g in optimizer.param_groups]
+
+
+def save_checkpoint(model, optimizer, path, extra=None):
+    """Saves the training state of a model from tiermem.initialize (see the module docstring).
+    `extra`: any JSON-serializable value (epoch, data position), returned by load_checkpoint.
+    Raises ValueError inside a gradient accumulation window (the accumulated gradients are
+    not saved) and OSError for disk trouble; the previous file at `path` is then intact."""
+    rt = _runtime(model)
+    meta = {"param_groups": _groups(optimizer),
+            "torch_rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+            "extra": extra}
+    try:
+        text = json.dumps({_KEY: meta}, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"save_checkpoint: extra is not JSON-serializable: {e}") from None
+    rt.s.finish_trace()
+    rt.s.save_checkpoint(str(path), text)
+
+
+def load_checkpoint(model, optimizer, path):
+    """Loads a checkpoint written by save_checkpoint into a model from tiermem.initialize (and
+    its optimizer: param group hyper-parameters) and restores torch's CPU RNG state. Returns
+    the saved `extra`. A torn, corrupt or foreign file raises (ValueError, or IOError for a
+    checksum mismatch) and changes nothing."""
+    rt = _runtime(model)
+    meta = json.loads(_C.checkpoint_metadata(str(path)) or "{}").get(_KEY)
+    if meta is None:
+        raise ValueError(f"checkpoint {path} was not saved by tiermem.save_checkpoint")
+    groups = meta["param_groups"]
+    if optimizer is not None and len(groups) != len(optimizer.param_groups):
+        raise ValueError(f"checkpoint {path} has {len(groups)} optimizer param groups, the "
+                         f"optimizer has {len(optimizer.param_groups)}: nothing was loaded")
+    rt.s.load_checkpoint(str(path))  # verifies everything, then loads (or changes nothing)
+    for r in rt.params:
+        if r.trainable:
+            r.param.grad = None  # gradients are not part of a checkpoint
+    if optimizer is not None:
+        for mine, saved in zip(optimizer.param_groups, groups):
+            for k, v in saved.items():
+                mine[k] = tuple(v) if k == "betas" else v
+    rng = base64.b64decode(meta["torch_rng"])
+    torch.set_rng_state(torch.frombuffer(bytearray(rng), dtype=torch.uint8))
+    return meta.get("extra")
