@@ -529,6 +529,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
         py::arg("step"), py::arg("inv_loss_scale") = 1.0, py::arg("clip_factor") = 1.0);
   m.def("grad_stats", &tiermem::torch_ext::GradStatsBinding);
+  m.def("set_kernel_threads", [](int n) { tiermem::kernels::SetKernelThreads(n); },
+        "threads of the CPU kernels (0 = all cores)");
   m.def("kernel_isa",
         [] { return std::string(tiermem::kernels::IsaName(tiermem::kernels::KernelIsa())); });
   m.def("read_timeline", &tiermem::torch_ext::ReadTimeline);
