@@ -61,7 +61,7 @@ def save_checkpoint(model, optimizer, path, extra=None):
         text = json.dumps({_KEY: meta}, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise ValueError(f"save_checkpoint: extra is not JSON-serializable: {e}") from None
-    rt.s.finish_trace()
+    rt._set_tracing(False)  # its reads are not part of the order the next iteration follows
     rt.s.save_checkpoint(str(path), text)
 
 
@@ -78,6 +78,7 @@ def load_checkpoint(model, optimizer, path):
     if optimizer is not None and len(groups) != len(optimizer.param_groups):
         raise ValueError(f"checkpoint {path} has {len(groups)} optimizer param groups, the "
                          f"optimizer has {len(optimizer.param_groups)}: nothing was loaded")
+    rt._set_tracing(False)
     rt.s.load_checkpoint(str(path))  # verifies everything, then loads (or changes nothing)
     for r in rt.params:
         if r.trainable:
