@@ -46,10 +46,35 @@ constexpr size_t kTile = 32768;  // elements; a multiple of every vector width
 constexpr size_t kStreamOutBytes = 8u << 20;  // param_out at least this big: streaming stores
 
 #ifdef TIERMEM_KERNELS_X86
-// F16C (CPUID.1:ECX bit 29) read directly: clang's __builtin_cpu_supports has no "f16c".
-bool CpuHasF16c() {
-  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C) != 0;
+// CPU features read with CPUID, and XGETBV for whether the OS saves the vector state (XCR0):
+// a CPU can report AVX-512 while the OS (or the hypervisor) leaves the ZMM/opmask state off,
+// and then every AVX-512 instruction faults. __builtin_cpu_supports checks CPUID only.
+struct CpuFeatures {
+  bool avx2 = false, avx512 = false;
+};
+
+CpuFeatures DetectCpu() {
+  CpuFeatures f;
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
+  const bool fma = (c & bit_FMA) != 0, f16c = (c & bit_F16C) != 0;
+  if ((c & bit_OSXSAVE) == 0 || (c & bit_AVX) == 0) return f;
+  unsigned xlo = 0, xhi = 0;
+  __asm__ volatile("xgetbv" : "=a"(xlo), "=d"(xhi) : "c"(0));
+  const bool os_avx = (xlo & 0x6) == 0x6;        // XMM and YMM state
+  const bool os_avx512 = (xlo & 0xe6) == 0xe6;   // and opmask, ZMM_Hi256, Hi16_ZMM
+  if (__get_cpuid_max(0, nullptr) < 7) return f;
+  __cpuid_count(7, 0, a, b, c, d);
+  const bool avx2 = (b & bit_AVX2) != 0;
+  const bool avx512 = (b & bit_AVX512F) && (b & bit_AVX512BW) && (b & bit_AVX512VL);
+  f.avx2 = os_avx && avx2 && fma && f16c;
+  f.avx512 = f.avx2 && os_avx512 && avx512;
+  return f;
+}
+
+const CpuFeatures& Cpu() {
+  static const CpuFeatures f = DetectCpu();
+  return f;
 }
 #endif
 
@@ -62,11 +87,9 @@ bool CpuHas(Isa isa) {
     case Isa::kScalar:
       return true;
     case Isa::kAvx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-             CpuHasF16c();
+      return Cpu().avx2;
     case Isa::kAvx512:
-      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-             __builtin_cpu_supports("avx512vl") && CpuHasF16c();
+      return Cpu().avx512;
   }
   return false;
 #endif
