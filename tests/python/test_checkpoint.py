@@ -24,6 +24,17 @@ def tiny_budget(model):
     return {"device": model_bytes(model) // 4, "host": "64MiB"}
 
 
+def trained_and_saved(seed, tmp_path, steps):
+    """A tiermem model (and its plain twin) trained `steps` steps at a quarter of its data
+    size, and the checkpoint it saved then."""
+    ref, ours = make_pair(seed=seed)
+    model, opt = tiermem.initialize(ours, tiny_budget(ref))
+    train_steps(model, opt, batches(steps))
+    path = tmp_path / "c.safetensors"
+    tiermem.save_checkpoint(model, opt, path)
+    return ref, model, opt, path
+
+
 def _resume_script(path, data_path, cfg):
     return textwrap.dedent(f"""
         import sys, torch, tiermem
@@ -77,11 +88,7 @@ def test_resume_in_a_fresh_process_is_bit_exact(tmp_path):
 
 
 def test_file_loads_with_safetensors_and_into_a_plain_model(tmp_path):
-    ref, ours = make_pair(seed=4)
-    model, opt = tiermem.initialize(ours, tiny_budget(ref))
-    train_steps(model, opt, batches(2))
-    path = tmp_path / "c.safetensors"
-    tiermem.save_checkpoint(model, opt, path)
+    ref, model, opt, path = trained_and_saved(4, tmp_path, steps=2)
     sd = safetensors.load_file(str(path))
     msd, osd = model.state_dict(), opt.state_dict()
     names = [n for n, _ in model.named_parameters()]
@@ -97,11 +104,7 @@ def test_file_loads_with_safetensors_and_into_a_plain_model(tmp_path):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_loads_at_another_budget_and_precision(tmp_path, precision):
-    ref, ours = make_pair(seed=5)
-    model, opt = tiermem.initialize(ours, tiny_budget(ref))
-    train_steps(model, opt, batches(2))
-    path = tmp_path / "c.safetensors"
-    tiermem.save_checkpoint(model, opt, path)
+    ref, model, opt, path = trained_and_saved(5, tmp_path, steps=2)
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     saved_opt = opt.state_dict()
     torch.manual_seed(77)
@@ -118,11 +121,7 @@ def test_loads_at_another_budget_and_precision(tmp_path, precision):
 
 
 def test_bad_files_and_mismatched_models_change_nothing(tmp_path):
-    ref, ours = make_pair(seed=6)
-    model, opt = tiermem.initialize(ours, tiny_budget(ref))
-    train_steps(model, opt, batches(1))
-    path = tmp_path / "c.safetensors"
-    tiermem.save_checkpoint(model, opt, path)
+    _, model, opt, path = trained_and_saved(6, tmp_path, steps=1)
     train_steps(model, opt, batches(1, seed=9))
     now = {k: v.clone() for k, v in model.state_dict().items()}
     raw = path.read_bytes()
