@@ -345,6 +345,20 @@ StatusOr<Region> Engine::AllocateOn(TierKind tier, ChunkId chunk, bool for_prefe
 
 Status Engine::SetExternalDeviceBytes(Bytes bytes) {
   Tier* t = TierOf(TierKind::kDevice);
+  // Refused before anything is evicted when the pinned chunks alone leave too little room.
+  Bytes pinned_now = 0;
+  for (const ChunkRec& c : chunks_) {
+    if (c.cache.tier == TierKind::kDevice && c.pins > 0) pinned_now += c.cache.region.bytes;
+  }
+  const Bytes capacity = t->Stats().capacity;
+  if (bytes > capacity || pinned_now > capacity - bytes) {
+    return ResourceExhaustedError(
+        "device tier: " + std::to_string(bytes) +
+        " bytes of non-chunk device memory (KV cache, activations) do not fit the budget of " +
+        std::to_string(capacity) + " bytes next to the " + std::to_string(pinned_now) +
+        " bytes of chunks in use now; the device budget must be at least " +
+        std::to_string(bytes + pinned_now) + " bytes");
+  }
   for (;;) {
     const TierStats st = t->Stats();
     if (bytes <= st.capacity && st.used <= st.capacity - bytes) break;

@@ -136,8 +136,8 @@ class Engine {
   void SetTracing(bool on) { tracing_ = on; }
   void SetCyclic(bool on) { cyclic_ = on; }
   // Sets the external device bytes (absolute, not a delta), evicting unpinned device chunks
-  // until chunks + `bytes` fit the budget. kResourceExhausted (nothing changes) when the
-  // pinned chunks leave too little room; the message names the bytes.
+  // until chunks + `bytes` fit the budget. kResourceExhausted, before anything is evicted,
+  // when the pinned chunks leave too little room; the message names the bytes.
   Status SetExternalDeviceBytes(Bytes bytes);
   Bytes external_device_bytes() const { return external_device_; }
   void Moment(std::string_view label);   // timeline moment

@@ -426,8 +426,13 @@ TEST(Engine, ExternalDeviceBytesCountInTheBudget) {
   EXPECT_NE(s.message().find("at least " + std::to_string(5 * kChunk) + " bytes"),
             std::string::npos) << s.message();
   EXPECT_EQ(r.engine->external_device_bytes(), 2 * kChunk);
-  ASSERT_TRUE(r.engine->Release(ids[4], false).ok());
+  // Refused before evicting anything: an unpinned chunk stays where it is.
   ASSERT_TRUE(r.engine->Release(ids[5], false).ok());
+  const uint64_t evictions = r.engine->Stats().evictions;
+  EXPECT_EQ(r.engine->SetExternalDeviceBytes(4 * kChunk).code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(r.engine->Resident(ids[5]), TierKind::kDevice);
+  EXPECT_EQ(r.engine->Stats().evictions, evictions);
+  ASSERT_TRUE(r.engine->Release(ids[4], false).ok());
   ASSERT_TRUE(r.engine->SetExternalDeviceBytes(3 * kChunk).ok());
   auto p = r.engine->Acquire(ids[0], TierKind::kDevice);
   ASSERT_TRUE(p.ok());
