@@ -376,7 +376,9 @@ uint64_t PrefetchesInThirdIteration(bool cyclic) {
     for (size_t i = 0; i < ids.size(); ++i) {
       auto p = r.engine->Acquire(ids[i], TierKind::kDevice);
       EXPECT_TRUE(p.ok());
-      if (p.ok()) EXPECT_TRUE(Rig::Holds(*p, kChunk, static_cast<uint8_t>(i + 40)));
+      if (p.ok()) {
+        EXPECT_TRUE(Rig::Holds(*p, kChunk, static_cast<uint8_t>(i + 40)));
+      }
       EXPECT_TRUE(r.engine->Release(ids[i], false).ok());
     }
   }
