@@ -183,10 +183,9 @@ class TiermemRuntime:
         self.by_orig = {id(r.orig): r for r in self.params}
         defaults = dict(lr=self.cfg.lr, betas=tuple(self.cfg.betas), eps=self.cfg.eps,
                         weight_decay=self.cfg.weight_decay)
-        if param_groups is None:
-            param_groups = [{"params": [r.orig for r in self.params if r.trainable]}]
-            if self._serving:
-                param_groups = []
+        if param_groups is None:  # serving: no optimizer groups (nothing trains)
+            param_groups = [] if self._serving else [
+                {"params": [r.orig for r in self.params if r.trainable]}]
         self.opt_groups = []
         assigned = set()
         for gi, g in enumerate(param_groups):
