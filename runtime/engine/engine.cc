@@ -192,10 +192,18 @@ Status Engine::WaitInflight(ChunkId chunk, std::string_view cause) {
   c.inflight.reset();
   if (c.writing_back) {
     c.writing_back = false;
-    Status s = WaitStall(done, chunk, "write-behind late");
+    const bool drop = c.drop_after;
+    c.drop_after = false;
+    Status s = WaitStall(done, chunk, drop ? "planned write-back" : "write-behind late");
     // Nothing touched the cached copy meanwhile (everything waits for `inflight` first).
     if (s.ok()) {
       c.dirty = false;
+      if (drop) {  // a planned eviction: its home copy is current now, free the cached one
+        ++evictions_now_[Idx(c.cache.tier)];
+        TIERMEM_RETURN_IF_ERROR(FreeRegion(c.cache, chunk, true));
+        c.cache = Placed{};
+        ++stats_.evictions;
+      }
       return OkStatus();
     }
     return s.WithContext("engine: background write-back of chunk " + std::to_string(chunk) +
@@ -252,6 +260,7 @@ Status Engine::FreeRegion(const Placed& p, ChunkId chunk, bool clean) {
 Status Engine::Evict(ChunkId victim) {
   ChunkRec& c = chunks_[victim];
   TIERMEM_RETURN_IF_ERROR(WaitInflight(victim, "evict: prefetch in flight"));
+  if (c.cache.tier == TierKind::kNone) return OkStatus();  // a planned eviction just ended
   const bool was_dirty = c.dirty;
   if (was_dirty) TIERMEM_RETURN_IF_ERROR(MoveSync(victim, c.cache, c.home, "evict: write-back"));
   ++evictions_now_[Idx(c.cache.tier)];
@@ -323,6 +332,12 @@ StatusOr<Region> Engine::AllocateOn(TierKind tier, ChunkId chunk, bool for_prefe
       auto r = t->Allocate(bytes);
       if (r.ok()) return r;
       if (r.status().code() != StatusCode::kResourceExhausted) return r.status();
+    }
+    if (!for_prefetch) {
+      // Chunks the plan already evicted are leaving anyway: wait for their write-back rather
+      // than evict another one.
+      TIERMEM_ASSIGN_OR_RETURN(const bool freed, ReclaimPlanned(tier, true));
+      if (freed) continue;
     }
     Bytes pinned = 0;
     TIERMEM_ASSIGN_OR_RETURN(const bool evicted,
@@ -419,6 +434,7 @@ StatusOr<void*> Engine::AcquireImpl(ChunkId chunk, TierKind where, bool* must_ze
   }
   ++stats_.acquires;
   ChunkRec* c = &chunks_[chunk];
+  c->drop_after = false;  // planned to leave, needed after all: keep the copy (clean when written)
   TIERMEM_RETURN_IF_ERROR(WaitInflight(chunk, "prefetch late"));
   const TierKind resident = c->cache.tier != TierKind::kNone ? c->cache.tier : c->home.tier;
   if (resident != where && c->pins > 0) {
@@ -480,6 +496,13 @@ StatusOr<void*> Engine::AcquireImpl(ChunkId chunk, TierKind where, bool* must_ze
 }
 
 void Engine::Prefetch() {
+  if (planned_) {
+    Status s = PumpDeferred();
+    if (!s.ok()) {
+      TIERMEM_LOG(kWarn) << "engine: planned prefetch: " << s.message();
+    }
+    return;
+  }
   if (!tracing_ || !following_ || config_.prefetch_depth == 0) return;
   // Cyclic: the window may run one iteration past the end (positions size..2*size-1 are the
   // next iteration's, as NextUse counts them).
@@ -494,22 +517,155 @@ void Engine::Prefetch() {
     }
     auto r = AllocateOn(where, id, true, j);
     if (!r.ok()) break;  // no room without hurting sooner uses: stop looking further ahead
-    Placed dst{where, *r};
-    RecordRegion(EventType::kAlloc, dst, id, kFlagNone);
-    ChunkRec& cc = chunks_[id];
-    if (cc.zero) {
-      if (zeros_.size() < cc.bytes) zeros_.assign(cc.bytes, 0);
-      cc.inflight = TierOf(where)->Copy(CopyRequest{*r, 0, zeros_.data(), cc.bytes,
-                                                    CopyDir::kToTier});
-      cc.dirty = true;
-      cc.zero = false;
-    } else {
-      cc.inflight = StartMove(id, cc.home, dst);
-      cc.dirty = false;
-    }
-    cc.cache = dst;
-    ++stats_.prefetches;
+    StartFill(id, Placed{where, *r});
   }
+}
+
+void Engine::StartFill(ChunkId id, const Placed& dst) {
+  RecordRegion(EventType::kAlloc, dst, id, kFlagNone);
+  ChunkRec& cc = chunks_[id];
+  if (cc.zero) {
+    if (zeros_.size() < cc.bytes) zeros_.assign(cc.bytes, 0);
+    cc.inflight = TierOf(dst.tier)->Copy(CopyRequest{dst.region, 0, zeros_.data(), cc.bytes,
+                                                     CopyDir::kToTier});
+    cc.dirty = true;
+    cc.zero = false;
+  } else {
+    cc.inflight = StartMove(id, cc.home, dst);
+    cc.dirty = false;
+  }
+  cc.cache = dst;
+  ++stats_.prefetches;
+}
+
+// ---- planned mode -----------------------------------------------------------------------------
+
+bool Engine::PlannedDropPending(TierKind tier) const {
+  for (const ChunkRec& c : chunks_) {
+    if (c.drop_after && c.cache.tier == tier) return true;
+  }
+  return false;
+}
+
+StatusOr<bool> Engine::ReclaimPlanned(TierKind tier, bool wait) {
+  bool freed = false;
+  ChunkId pending = kNoChunk;
+  for (ChunkId id = 0; id < chunks_.size(); ++id) {
+    ChunkRec& c = chunks_[id];
+    if (!c.drop_after || c.cache.tier != tier) continue;
+    if (!c.inflight->Poll()) {
+      if (pending == kNoChunk) pending = id;
+      continue;
+    }
+    // A failed write-back keeps the copy, dirty (nothing lost); evicting it later retries
+    // synchronously and reports a lasting fault.
+    Status s = WaitInflight(id, "");
+    if (s.ok()) {
+      freed = true;
+    } else {
+      TIERMEM_LOG(kWarn) << s.message() << "; retrying when evicted";
+    }
+  }
+  if (!freed && wait && pending != kNoChunk) {
+    Status s = WaitInflight(pending, "");
+    if (s.ok()) return true;
+    TIERMEM_LOG(kWarn) << s.message() << "; retrying when evicted";
+  }
+  return freed;
+}
+
+StatusOr<bool> Engine::PlanEvict(ChunkId chunk, TierKind tier) {
+  TIERMEM_RETURN_IF_ERROR(CheckChunk(chunk));
+  ChunkRec& c = chunks_[chunk];
+  if (c.cache.tier != tier || tier == TierKind::kNone || c.pins > 0 || c.inflight) {
+    ++stats_.plan_skipped;
+    return false;
+  }
+  ++stats_.plan_evictions;
+  if (!c.dirty) {
+    ++evictions_now_[Idx(tier)];
+    TIERMEM_RETURN_IF_ERROR(FreeRegion(c.cache, chunk, true));
+    c.cache = Placed{};
+    ++stats_.evictions;
+    ++stats_.clean_evictions;
+    return true;
+  }
+  c.inflight = StartMove(chunk, c.cache, c.home);
+  c.writing_back = true;
+  c.drop_after = true;
+  ++stats_.write_behinds;
+  return true;
+}
+
+StatusOr<int> Engine::TryPlanPrefetch(ChunkId chunk, TierKind tier) {
+  ChunkRec& c = chunks_[chunk];
+  if ((tier != TierKind::kDevice && tier != TierKind::kHost) || c.pins > 0 || c.inflight ||
+      c.cache.tier != TierKind::kNone || c.home.tier == tier) {
+    return 0;
+  }
+  Tier* t = TierOf(tier);
+  for (;;) {
+    const TierStats st = t->Stats();
+    if (st.used + c.bytes <= ChunkCapacity(tier, st)) {
+      auto r = t->Allocate(c.bytes);
+      if (r.ok()) {
+        StartFill(chunk, Placed{tier, *r});
+        return 1;
+      }
+      if (r.status().code() != StatusCode::kResourceExhausted) return r.status();
+    }
+    TIERMEM_ASSIGN_OR_RETURN(const bool freed, ReclaimPlanned(tier, false));
+    if (freed) continue;
+    return PlannedDropPending(tier) ? -1 : 0;
+  }
+}
+
+Status Engine::PumpDeferred() {
+  std::array<bool, kNumTierKinds> blocked{};
+  size_t keep = 0;
+  Status err;
+  for (size_t i = 0; i < deferred_.size(); ++i) {
+    const auto [chunk, tier] = deferred_[i];
+    if (blocked[Idx(tier)] || !err.ok()) {  // FIFO per tier, like the copy lanes
+      deferred_[keep++] = deferred_[i];
+      continue;
+    }
+    StatusOr<int> r = TryPlanPrefetch(chunk, tier);
+    if (!r.ok()) {
+      err = r.status();
+      continue;  // dropped
+    }
+    if (*r < 0) {
+      blocked[Idx(tier)] = true;
+      deferred_[keep++] = deferred_[i];
+    } else if (*r > 0) {
+      ++stats_.plan_prefetches;
+    } else {
+      ++stats_.plan_skipped;
+    }
+  }
+  deferred_.resize(keep);
+  return err;
+}
+
+StatusOr<bool> Engine::PlanPrefetch(ChunkId chunk, TierKind tier) {
+  TIERMEM_RETURN_IF_ERROR(CheckChunk(chunk));
+  TIERMEM_RETURN_IF_ERROR(PumpDeferred());
+  for (const auto& d : deferred_) {
+    if (d.second == tier) {  // behind earlier prefetches still waiting for room on this tier
+      deferred_.emplace_back(chunk, tier);
+      ++stats_.plan_deferred;
+      return false;
+    }
+  }
+  TIERMEM_ASSIGN_OR_RETURN(const int r, TryPlanPrefetch(chunk, tier));
+  if (r < 0) {
+    deferred_.emplace_back(chunk, tier);
+    ++stats_.plan_deferred;
+    return false;
+  }
+  ++(r > 0 ? stats_.plan_prefetches : stats_.plan_skipped);
+  return r > 0;
 }
 
 Status Engine::Release(ChunkId chunk, bool modified) {
@@ -527,7 +683,7 @@ Status Engine::Release(ChunkId chunk, bool modified) {
 
 void Engine::MaybeWriteBehind(ChunkId chunk) {
   ChunkRec& c = chunks_[chunk];
-  if (!config_.write_behind || !tracing_ || !following_ || c.pins > 0 || !c.dirty ||
+  if (planned_ || !config_.write_behind || !tracing_ || !following_ || c.pins > 0 || !c.dirty ||
       c.inflight || c.cache.tier == TierKind::kNone ||
       evictions_before_[Idx(c.cache.tier)] == 0) {
     return;
@@ -623,7 +779,15 @@ void Engine::BeginIteration() {
   ++stats_.iterations;
 }
 
-void Engine::Moment(std::string_view label) { RecordLabel(EventType::kMoment, label, 0); }
+void Engine::Moment(std::string_view label) {
+  RecordLabel(EventType::kMoment, label, 0);
+  if (planned_ && !deferred_.empty()) {
+    Status s = PumpDeferred();
+    if (!s.ok()) {
+      TIERMEM_LOG(kWarn) << "engine: planned prefetch: " << s.message();
+    }
+  }
+}
 void Engine::Phase(std::string_view label) { RecordLabel(EventType::kPhase, label, 0); }
 
 Status Engine::Synchronize() {

@@ -35,6 +35,15 @@
 // chunks (a KV cache, activations) counts against the device tier's budget: chunks are
 // evicted to make room for it, and chunk allocations only use what is left.
 //
+// Planned mode (SetPlanned; runtime/session/plan_runner.h drives it from a planner's plan):
+// the plan's actions replace the lookahead prefetch and write-behind above. PlanEvict drops a
+// cached copy — a dirty one is first written home in the background (a write-behind that
+// frees the region when it ends, so the room is reusable then) — and PlanPrefetch starts a
+// copy into a tier, using only free room (it waits for no one and evicts nothing: a prefetch
+// that finds the room still held by planned write-backs is deferred, in order, until they
+// end). Acquire is unchanged: it makes the chunk resident whatever the plan did, evicting by
+// farthest next use when the tier is full, so a plan can cost bytes but never change a value.
+//
 // Every allocation, free, move, stall, moment and phase goes to the timeline recorder when
 // one is attached (the external bytes as one region of category `activation`); moves go
 // through the Mover.
@@ -87,6 +96,9 @@ struct EngineStats {
   uint64_t acquires = 0;
   uint64_t iterations = 0;
   uint64_t diverged = 0;  // iterations whose acquires left the recorded order
+  // Planned mode: actions applied, actions that did not apply (already there, pinned, no
+  // room), prefetches deferred behind planned write-backs.
+  uint64_t plan_prefetches = 0, plan_evictions = 0, plan_skipped = 0, plan_deferred = 0;
 };
 
 class Engine {
@@ -144,6 +156,18 @@ class Engine {
   void Phase(std::string_view label);    // timeline phase
   Status Synchronize();                  // waits for all moves in flight
 
+  // ---- planned mode (see the file comment) ----
+  void SetPlanned(bool on) { planned_ = on; }
+  bool planned() const { return planned_; }
+  // Drops the cached copy of `chunk` on `tier` (a dirty one after a background write-back).
+  // False (nothing done) when it has no unpinned, idle copy there.
+  StatusOr<bool> PlanEvict(ChunkId chunk, TierKind tier);
+  // Starts bringing `chunk` from its home to `tier` (device or host), zero-filling instead
+  // when its content is lazily zero. False when it is already there or in flight, is cached
+  // on another tier, or finds no free room (deferred while planned write-backs on the tier
+  // still hold room; retried in order at later calls, Moment and Acquire).
+  StatusOr<bool> PlanPrefetch(ChunkId chunk, TierKind tier);
+
   TierKind Resident(ChunkId chunk) const;
   TierKind Home(ChunkId chunk) const;
   bool Dirty(ChunkId chunk) const;
@@ -172,6 +196,7 @@ class Engine {
     uint64_t last_use = 0;
     std::shared_ptr<Completion> inflight;  // prefetch into `cache`, or a write-behind from it
     bool writing_back = false;             // `inflight` is a write-behind (cache -> home)
+    bool drop_after = false;  // writing_back for a planned eviction: free the copy when done
   };
 
   Engine(const EngineConfig& config, EngineTiers tiers, Mover* mover,
@@ -198,7 +223,16 @@ class Engine {
   Status MoveSync(ChunkId chunk, const Placed& src, const Placed& dst, std::string_view cause);
   Status FillZero(ChunkId chunk, const Placed& dst, std::string_view cause);
   uint64_t NextUse(ChunkId chunk) const;
+  // Frees finished planned write-backs on `tier`; with `wait`, waits for one still in flight
+  // if none had finished. True when room was freed.
+  StatusOr<bool> ReclaimPlanned(TierKind tier, bool wait);
+  bool PlannedDropPending(TierKind tier) const;
+  // 1: started, 0: not applicable, -1: no room only because planned write-backs hold it.
+  StatusOr<int> TryPlanPrefetch(ChunkId chunk, TierKind tier);
+  Status PumpDeferred();  // retries deferred planned prefetches in order
   void Prefetch();
+  // Allocated `dst` for `id` (no cached copy yet): starts filling it from home (or zeros).
+  void StartFill(ChunkId id, const Placed& dst);
   void MaybeWriteBehind(ChunkId chunk);
   // Evictions per tier (by TierKind index) in this iteration and in the previous one.
   std::array<uint64_t, kNumTierKinds> evictions_now_{}, evictions_before_{};
@@ -225,6 +259,8 @@ class Engine {
   bool tracing_ = true;
   bool cyclic_ = false;
   Bytes external_device_ = 0;
+  bool planned_ = false;
+  std::vector<std::pair<ChunkId, TierKind>> deferred_;  // planned prefetches waiting for room
 
   EngineStats stats_;
 };

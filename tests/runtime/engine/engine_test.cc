@@ -547,6 +547,135 @@ TEST(Engine, FailedWriteBehindKeepsTheDirtyCopyAndReportsTheError) {
   }
 }
 
+// Planned mode: a planned eviction of a dirty chunk writes it home in the background and frees
+// its room when that ends; a planned prefetch that finds the room still held by it waits
+// (deferred, not a stall) and starts at a later call; an acquire of a chunk whose planned
+// eviction is in flight keeps the copy.
+TEST(Engine, PlannedEvictionWritesBackInTheBackgroundAndAPrefetchTakesTheRoom) {
+  EngineConfig cfg;
+  cfg.prefetch_depth = 0;
+  Rig r(2 * kChunk, 16 * kChunk, 0, cfg, nullptr, /*h2d_bw=*/0);
+  std::vector<ChunkId> ids;
+  for (int i = 0; i < 3; ++i) {
+    ids.push_back(Add(r));
+    r.Fill(ids.back(), static_cast<uint8_t>(10 * i));
+  }
+  r.engine->SetPlanned(true);
+  r.engine->BeginIteration();
+  for (int i = 0; i < 2; ++i) {
+    auto p = r.engine->Acquire(ids[i], TierKind::kDevice);
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    std::memset(*p, 0, kChunk);
+    auto* b = static_cast<uint8_t*>(*p);
+    for (Bytes k = 0; k < kChunk; ++k) b[k] = static_cast<uint8_t>(100 + i + k * 7);
+    ASSERT_TRUE(r.engine->Release(ids[i], true).ok());
+  }
+  ASSERT_TRUE(r.engine->Dirty(ids[0]));
+  // Evicting a pinned chunk or one not cached there does nothing.
+  ASSERT_TRUE(r.engine->Acquire(ids[1], TierKind::kDevice).ok());
+  EXPECT_FALSE(*r.engine->PlanEvict(ids[1], TierKind::kDevice));
+  EXPECT_FALSE(*r.engine->PlanEvict(ids[2], TierKind::kDevice));
+  ASSERT_TRUE(r.engine->Release(ids[1], false).ok());
+  ASSERT_TRUE(*r.engine->PlanEvict(ids[0], TierKind::kDevice));
+  // Chunk 2 goes where chunk 0 was: started now if the write-back already ended, else
+  // deferred until it has.
+  const bool started = *r.engine->PlanPrefetch(ids[2], TierKind::kDevice);
+  ASSERT_TRUE(r.engine->Synchronize().ok());  // chunk 0's write-back ends, its room is freed
+  EXPECT_EQ(r.engine->Resident(ids[0]), TierKind::kHost);
+  if (!started) {
+    EXPECT_EQ(r.engine->Stats().plan_deferred, 1u);
+    EXPECT_EQ(r.engine->Resident(ids[2]), TierKind::kHost);
+    r.engine->Moment("next");  // retries it
+  }
+  EXPECT_EQ(r.engine->Resident(ids[2]), TierKind::kDevice);
+  const uint64_t stalls = r.engine->Stats().stalls;
+  auto p2 = r.engine->Acquire(ids[2], TierKind::kDevice);
+  ASSERT_TRUE(p2.ok());
+  ASSERT_TRUE(r.engine->Synchronize().ok());
+  EXPECT_TRUE(Rig::Holds(*p2, kChunk, 20));
+  ASSERT_TRUE(r.engine->Release(ids[2], false).ok());
+  // An acquire cancels a planned eviction still in flight: the copy stays (clean once written).
+  ASSERT_TRUE(*r.engine->PlanEvict(ids[1], TierKind::kDevice));
+  auto p1 = r.engine->Acquire(ids[1], TierKind::kDevice);
+  ASSERT_TRUE(p1.ok());
+  EXPECT_TRUE(Rig::Holds(*p1, kChunk, 101));
+  ASSERT_TRUE(r.engine->Release(ids[1], false).ok());
+  EXPECT_EQ(r.engine->Resident(ids[1]), TierKind::kDevice);
+  EXPECT_FALSE(r.engine->Dirty(ids[1]));
+  // Chunk 0's new values reached its home.
+  auto p0 = r.engine->Acquire(ids[0], TierKind::kHost);
+  ASSERT_TRUE(p0.ok());
+  EXPECT_TRUE(Rig::Holds(*p0, kChunk, 100));
+  ASSERT_TRUE(r.engine->Release(ids[0], false).ok());
+  const EngineStats st = r.engine->Stats();
+  EXPECT_EQ(st.plan_evictions, 2u);
+  EXPECT_EQ(st.plan_prefetches, 1u);
+  EXPECT_EQ(st.plan_skipped, 2u);
+  (void)stalls;
+  const prof::Report rep = r.Report();
+  EXPECT_LE(rep.tiers[static_cast<int>(TierKind::kDevice)].peak.bytes, 2 * kChunk);
+}
+
+// Whatever a plan says — evictions of chunks about to be used, prefetches that cannot fit, on
+// every tier — the values are the same and no budget is exceeded: the plan only moves copies.
+TEST(Engine, ArbitraryPlannedActionsNeverChangeAValueNorExceedABudget) {
+  for (bool nvme : {false, true}) {
+    SCOPED_TRACE(nvme ? "NVMe homes" : "host homes");
+    EngineConfig cfg;
+    cfg.prefetch_depth = 2;
+    cfg.host_reserve_bytes = nvme ? 3 * kChunk : 0;
+    Rig r(4 * kChunk, nvme ? 8 * kChunk : 64 * kChunk, nvme ? 64 * kChunk : 0, cfg);
+    std::vector<ChunkId> ids;
+    for (int i = 0; i < 10; ++i) {
+      ids.push_back(Add(r));
+      r.Fill(ids.back(), static_cast<uint8_t>(i * 13));
+    }
+    std::vector<uint8_t> seed(ids.size());
+    for (size_t i = 0; i < ids.size(); ++i) seed[i] = static_cast<uint8_t>(i * 13);
+    std::mt19937 rng(7);
+    r.engine->SetPlanned(true);
+    for (int it = 0; it < 4; ++it) {
+      r.engine->BeginIteration();
+      for (int k = 0; k < 60; ++k) {
+        // A few random planned actions before each access.
+        for (int a = static_cast<int>(rng() % 4); a > 0; --a) {
+          const ChunkId c = ids[rng() % ids.size()];
+          const TierKind t = (rng() % 3 == 0) ? TierKind::kHost : TierKind::kDevice;
+          auto res = (rng() % 2) ? r.engine->PlanEvict(c, t) : r.engine->PlanPrefetch(c, t);
+          ASSERT_TRUE(res.ok()) << res.status().ToString();
+        }
+        const int i = static_cast<int>(rng() % ids.size());
+        const TierKind where = (rng() % 4 == 0) ? TierKind::kHost : TierKind::kDevice;
+        auto p = r.engine->Acquire(ids[i], where);
+        ASSERT_TRUE(p.ok()) << p.status().ToString();
+        ASSERT_TRUE(Rig::Holds(*p, kChunk, seed[i])) << "iteration " << it << " access " << k;
+        const bool write = rng() % 2 == 0;
+        if (write) {
+          seed[i] = static_cast<uint8_t>(seed[i] + 1);
+          auto* b = static_cast<uint8_t*>(*p);
+          for (Bytes x = 0; x < kChunk; ++x) b[x] = static_cast<uint8_t>(seed[i] + x * 7);
+        }
+        ASSERT_TRUE(r.engine->Release(ids[i], write).ok());
+        if (k % 17 == 0) r.engine->Moment("m");
+      }
+    }
+    ASSERT_TRUE(r.engine->Flush().ok());
+    for (size_t i = 0; i < ids.size(); ++i) {
+      auto p = r.engine->Acquire(ids[i], TierKind::kHost);
+      ASSERT_TRUE(p.ok());
+      EXPECT_TRUE(Rig::Holds(*p, kChunk, seed[i])) << "chunk " << i;
+      ASSERT_TRUE(r.engine->Release(ids[i], false).ok());
+    }
+    const EngineStats st = r.engine->Stats();
+    EXPECT_GT(st.plan_evictions, 10u);
+    EXPECT_GT(st.plan_prefetches, 10u);
+    const prof::Report rep = r.Report();
+    EXPECT_LE(rep.tiers[static_cast<int>(TierKind::kDevice)].peak.bytes, 4 * kChunk);
+    EXPECT_LE(rep.tiers[static_cast<int>(TierKind::kHost)].peak.bytes,
+              nvme ? 8 * kChunk : 64 * kChunk);
+  }
+}
+
 TEST(Engine, ChunksThatDoNotFitInHostLiveOnNvme) {
   EngineConfig cfg;
   cfg.host_reserve_bytes = 2 * kChunk;
