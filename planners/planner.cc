@@ -789,7 +789,8 @@ Divergence FindDivergence(const Plan& plan, const Trace& trace, const TraceItera
   return ck.divergence();
 }
 
-DivergenceChecker::DivergenceChecker(const Plan* plan) : plan_(plan) {
+DivergenceChecker::DivergenceChecker(const Plan* plan, bool check_modes)
+    : plan_(plan), check_modes_(check_modes) {
   for (uint32_t i = 0; i < plan_->moments.size(); ++i) {
     (plan_->moments[i].kind == MomentKind::kOptimizerStep ? steps_ : stream_).push_back(i);
   }
@@ -822,7 +823,7 @@ bool DivergenceChecker::CloseMoment() {
     bool ok = false;
     for (const auto& [c, f] : seen_) {
       if (c == ex.chunk) {
-        ok = f == ModeFlags(ex.mode);
+        ok = !check_modes_ || f == ModeFlags(ex.mode);
         break;
       }
     }

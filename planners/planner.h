@@ -203,17 +203,23 @@ Divergence FindDivergence(const Plan& plan, const Trace& trace, const TraceItera
 // Externally synchronized; `plan` must outlive the checker.
 class DivergenceChecker {
  public:
-  explicit DivergenceChecker(const Plan* plan);
+  // `check_modes` false: a planned access counts as followed whatever its mode (a runtime that
+  // learns a chunk was modified only at its release, possibly moments later, checks chunks
+  // and tiers only).
+  explicit DivergenceChecker(const Plan* plan, bool check_modes = true);
   void Reset();  // start of an iteration
   bool OnMoment(std::string_view label, MomentKind kind);
   bool OnAccess(ChunkId chunk, AccessMode mode, TierKind tier);
   bool EndIteration();
   const Divergence& divergence() const { return div_; }
+  // The planned moment being observed (its index in Plan::moments), -1 before the first.
+  int64_t current() const { return cur_; }
 
  private:
   bool CloseMoment();
   bool Fail(DivergenceKind kind, std::string reason);
   const Plan* plan_;
+  bool check_modes_ = true;
   std::vector<uint32_t> stream_, steps_;  // planned moments of each subsequence
   std::vector<bool> step_seen_;           // per entry of steps_
   size_t next_stream_ = 0, next_step_ = 0;

@@ -27,7 +27,7 @@ const std::set<std::string> kTopKeys = {
     "gradient_clipping", "chunk_size", "timeline",
     "prefetch_depth", "loss_scaling",  "device_kind",
     "cpu_threads",    "kernel_isa",    "log_level",
-    "unmaterialized_reads", "write_behind"};
+    "unmaterialized_reads", "write_behind", "plan"};
 
 std::string Keys(const std::set<std::string>& keys) {
   std::string out = "[";
@@ -173,6 +173,7 @@ Status ChoiceVar(const EnvGetter& env, const char* var, std::string* out,
 constexpr std::initializer_list<const char*> kDeviceKinds = {"auto", "cuda", "sim"};
 constexpr std::initializer_list<const char*> kEngines = {"auto", "io_uring", "posix"};
 constexpr std::initializer_list<const char*> kIsas = {"auto", "scalar", "avx2", "avx512"};
+constexpr std::initializer_list<const char*> kPlanModes = {"off", "auto"};
 
 Status ApplyJson(const json& config, SessionConfig* c, bool* nvme_given) {
   TIERMEM_RETURN_IF_ERROR(CheckKeys(config, kTopKeys, "config"));
@@ -306,6 +307,9 @@ Status ApplyJson(const json& config, SessionConfig* c, bool* nvme_given) {
                                     {"error", "warn", "info", "debug"}));
     c->log_level = ParseLogLevel(l).value();
   }
+  if (has("plan")) {
+    TIERMEM_ASSIGN_OR_RETURN(c->plan, Choice("plan", config["plan"], kPlanModes));
+  }
   if (has("unmaterialized_reads")) {
     TIERMEM_ASSIGN_OR_RETURN(c->unmaterialized_reads,
                              Choice("unmaterialized_reads", config["unmaterialized_reads"],
@@ -334,6 +338,7 @@ Status ApplyEnv(const EnvGetter& env, SessionConfig* c, bool* nvme_given) {
   TIERMEM_RETURN_IF_ERROR(IntVar(env, "TIERMEM_IO_DEPTH", &c->io_depth, 1, 4096));
   TIERMEM_RETURN_IF_ERROR(IntVar(env, "TIERMEM_CPU_THREADS", &c->cpu_threads, 0, 4096));
   TIERMEM_RETURN_IF_ERROR(ChoiceVar(env, "TIERMEM_KERNEL_ISA", &c->kernel_isa, kIsas));
+  TIERMEM_RETURN_IF_ERROR(ChoiceVar(env, "TIERMEM_PLAN", &c->plan, kPlanModes));
   if (const char* t = Var(env, "TIERMEM_TIMELINE")) c->timeline = t;
   if (const char* l = Var(env, "TIERMEM_LOG_LEVEL")) {
     StatusOr<LogLevel> level = ParseLogLevel(l);
@@ -411,6 +416,7 @@ json ToJson(const SessionConfig& c) {
                        {"growth_factor", c.loss_scaling.growth_factor},
                        {"backoff_factor", c.loss_scaling.backoff_factor}};
   j["unmaterialized_reads"] = c.unmaterialized_reads;
+  j["plan"] = c.plan;
   return j;
 }
 

@@ -28,6 +28,8 @@
 //   chunk_size                                     automatic   elements per chunk
 //   prefetch_depth                                 4           acquires of lookahead
 //   write_behind                                   true        background write-back (engine.h)
+//   plan            TIERMEM_PLAN                   off         off | auto: plan from a warm-up
+//                                                              iteration and execute the plan
 //   loss_scaling.{initial_scale,growth_interval,growth_factor,backoff_factor}   (fp16)
 //   unmaterialized_reads                           materialize materialize | error (Python)
 //
@@ -85,6 +87,7 @@ struct SessionConfig {
   std::optional<uint64_t> chunk_size;   // elements per chunk; nullopt = automatic
   int prefetch_depth = 4;
   bool write_behind = true;
+  std::string plan = "off";  // "off" | "auto" (session.h, "Plans")
   LossScalingConfig loss_scaling;
   std::string unmaterialized_reads = "materialize";  // or "error"
 };

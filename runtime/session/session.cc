@@ -177,6 +177,7 @@ void Session::Close() {
       TIERMEM_LOG(kError) << w.status().message();
     }
   }
+  runner_.Stop();  // before the engine goes
   stack_->Close();
 }
 
@@ -223,7 +224,10 @@ StatusOr<void*> Session::Acquire(size_t group, ChunkKind kind, TierKind where) {
   TIERMEM_RETURN_IF_ERROR(CheckKind(group, kind));
   const ChunkId c = Chunk(group, kind);
   StatusOr<void*> p = stack_->engine()->Acquire(c, where);
-  if (p.ok()) trace_.Access(c, planners::AccessMode::kRead, where);
+  if (p.ok()) {
+    trace_.Access(c, planners::AccessMode::kRead, where);
+    runner_.Access(c, where);
+  }
   return p;
 }
 
@@ -237,6 +241,7 @@ StatusOr<void*> Session::AcquireForWrite(size_t group, ChunkKind kind, TierKind 
   if (p.ok()) {
     trace_.Access(c, zero ? planners::AccessMode::kWrite : planners::AccessMode::kReadWrite,
                   where);
+    runner_.Access(c, where);
   }
   return p;
 }
@@ -509,23 +514,149 @@ TierKind Session::ReadTier(size_t g, ChunkKind kind) const {
 
 void Session::BeginIteration() {
   if (closed()) return;
+  const bool was_planned = runner_.active() && runner_.in_iteration();
+  const bool diverged = was_planned && !runner_.EndIteration();
   stack_->engine()->BeginIteration();
-  if (!trace_.armed()) return;
+  if (trace_.armed()) {
+    if (trace_.needs_chunks()) DeclareTraceChunks();
+    const bool ours = trace_.in_memory();
+    StatusOr<bool> w = trace_.BeginIteration(TraceProbes(), TraceBudgets());
+    if (!w.ok()) {
+      // Training goes on; the error waits for FinishTrace (and is logged now).
+      TIERMEM_LOG(kError) << w.status().message();
+      trace_error_ = w.status();
+    } else if (*w && !ours) {
+      written_trace_ = trace_.path();
+    }
+  }
+  if (config_.plan == "auto") PlanAtBoundary(diverged);
+  runner_.BeginIteration();
+}
+
+void Session::PlanAtBoundary(bool diverged) {
+  ++train_iterations_;
+  if (diverged && !warned_divergence_) {
+    warned_divergence_ = true;
+    TIERMEM_LOG(kWarn) << "plan: training iteration " << train_iterations_ - 1
+                       << " left the plan (" << runner_.stats().last_divergence
+                       << "); it ran on the reactive policy from there (same values). The "
+                          "next iteration is recorded and planned again if it diverges too. "
+                          "(Warned once.)";
+  }
+  if (!plan_error_.empty()) return;
+  std::optional<planners::Trace> t = trace_.TakeTrace();
+  if (t && (!runner_.active() || diverged)) {
+    Status s = ExecutePlanFrom(*t);
+    if (!s.ok()) {
+      plan_error_ = s.message();
+      runner_.Stop();
+      TIERMEM_LOG(kWarn) << "plan: no plan (" << plan_error_ << "); the engine stays reactive";
+    }
+    return;
+  }
+  if (trace_.armed()) return;
+  // Nothing moves when every chunk fits on the device: nothing to plan.
+  if (stack_->device()->Stats().capacity >= total_chunk_bytes_) return;
+  // The first iteration is cold (lazily zero chunks, first moves): record the second.
+  if (!diverged && (runner_.active() || train_iterations_ != 2)) return;
+  if (!trace_.ArmInMemory(1).ok()) return;
   if (trace_.needs_chunks()) DeclareTraceChunks();
   StatusOr<bool> w = trace_.BeginIteration(TraceProbes(), TraceBudgets());
   if (!w.ok()) {
-    // Training goes on; the error waits for FinishTrace (and is logged now).
-    TIERMEM_LOG(kError) << w.status().message();
-    trace_error_ = w.status();
-  } else if (*w) {
-    written_trace_ = trace_.path();
+    TIERMEM_LOG(kWarn) << "plan: recording: " << w.status().message();
   }
+}
+
+Status Session::ExecutePlanFrom(const planners::Trace& trace, int64_t iteration) {
+  TIERMEM_RETURN_IF_ERROR(Live());
+  engine::Engine* eng = stack_->engine();
+  if (trace.chunks.size() != eng->num_chunks()) {
+    return InvalidArgumentError("plan: the trace has " + std::to_string(trace.chunks.size()) +
+                                " chunks, this model " + std::to_string(eng->num_chunks()));
+  }
+  if (trace.iterations.empty()) return InvalidArgumentError("plan: the trace has no iteration");
+  const int64_t last = static_cast<int64_t>(trace.iterations.size()) - 1;
+  if (iteration < 0) iteration = last;
+  if (iteration > last) {
+    return InvalidArgumentError("plan: the trace has no iteration " + std::to_string(iteration));
+  }
+  planners::Trace t = trace;
+  // Activations and temporaries are not in the engine's device budget (on SimDevice they live
+  // in CPU memory; on CUDA in torch's allocator): the chunks get the whole budget.
+  for (planners::TraceIteration& it : t.iterations) {
+    for (planners::Moment& m : it.moments) m.activation_bytes = m.saved_bytes = 0;
+  }
+  std::vector<TierKind> homes(eng->num_chunks());
+  planners::StartState start;
+  start.cache.assign(eng->num_chunks(), TierKind::kNone);
+  start.dirty.assign(eng->num_chunks(), false);
+  for (ChunkId c = 0; c < eng->num_chunks(); ++c) {
+    homes[c] = eng->Home(c);
+    t.chunks[c].home = homes[c];
+    if (t.chunks[c].bytes != eng->ChunkBytes(c)) {
+      return InvalidArgumentError("plan: trace chunk " + std::to_string(c) + " has " +
+                                  std::to_string(t.chunks[c].bytes) + " bytes, this model's " +
+                                  std::to_string(eng->ChunkBytes(c)));
+    }
+    const TierKind r = eng->Resident(c);
+    if (r != homes[c]) {
+      start.cache[c] = r;
+      start.dirty[c] = eng->Dirty(c);
+    }
+  }
+  planners::MachineModel m = planners::MachineModel::FromTrace(t);
+  const engine::EngineStats st = eng->Stats();
+  for (int k = 0; k < kNumTierKinds; ++k) m.budget[k] = st.tiers[k].capacity;
+  const Bytes ext = eng->external_device_bytes();
+  Bytes& dev = m.budget[static_cast<int>(TierKind::kDevice)];
+  dev = dev > ext ? dev - ext : 0;
+  // Links the recorded iteration did not use: the reverse direction's rate, else a
+  // conservative default (they matter only for moves the recording never needed).
+  for (int a = 0; a < kNumTierKinds; ++a) {
+    for (int b = 0; b < kNumTierKinds; ++b) {
+      if (a == b || m.link[a][b].bytes_per_s > 0) continue;
+      const int dv = static_cast<int>(TierKind::kDevice), nv = static_cast<int>(TierKind::kNvme);
+      if ((a == dv && b == nv) || (a == nv && b == dv)) continue;  // DeriveNvmeLinks below
+      const bool nvme = a == nv || b == nv;
+      m.link[a][b] = m.link[b][a].bytes_per_s > 0 ? m.link[b][a]
+                                                  : planners::LinkRate{nvme ? 1e9 : 4e9, 10000};
+    }
+  }
+  m.DeriveNvmeLinks();
+  planners::PlanOptions o;
+  o.iteration = static_cast<uint32_t>(iteration);
+  o.start = &start;
+  o.homes = &homes;
+  o.place_optimizer = false;    // the session steps where OptimizerTier says
+  o.overlap_optimizer = false;  // the step runs after the backward
+  o.activation_policy = false;  // activations stay with torch
+  if (iteration > 0) o.earlier_iteration = iteration - 1;
+  TIERMEM_ASSIGN_OR_RETURN(planners::Plan p, planners::MakePlan(t, m, o));
+  plan_estimate_ = p.estimate;
+  plan_actions_ = static_cast<uint32_t>(p.actions.size());
+  TIERMEM_LOG(kInfo) << "plan: " << p.actions.size() << " actions over " << p.moments.size()
+                     << " moments; modelled iteration "
+                     << p.estimate.steady_iteration_ns / 1e6 << " ms, stall "
+                     << p.estimate.steady_stall_ns / 1e6 << " ms";
+  runner_.Start(std::move(p), eng);
+  return OkStatus();
+}
+
+Session::PlanStatus Session::plan_status() const {
+  PlanStatus s;
+  s.active = runner_.active();
+  s.runner = runner_.stats();
+  s.estimate = plan_estimate_;
+  s.actions = plan_actions_;
+  s.error = plan_error_;
+  return s;
 }
 
 void Session::Moment(std::string_view label, planners::MomentKind kind, uint32_t unit) {
   if (closed()) return;
   stack_->engine()->Moment(label);
   if (trace_.recording()) trace_.Moment(label, kind, unit, TraceProbes());
+  runner_.Moment(label, kind);
 }
 
 // ---- warm-up trace ------------------------------------------------------------------------------
@@ -586,6 +717,7 @@ void Session::Phase(std::string_view label) {
 void Session::SetTracing(bool on) {
   if (closed()) return;
   stack_->engine()->SetTracing(on);
+  runner_.SetPaused(!on);
   trace_.SetPaused(!on, trace_.recording() ? TraceProbes() : TraceRecorder::Probes{});
 }
 

@@ -48,6 +48,7 @@
 #include "runtime/engine/engine.h"
 #include "runtime/prof/analysis.h"
 #include "runtime/session/config.h"
+#include "runtime/session/plan_runner.h"
 #include "runtime/session/trace_recorder.h"
 
 namespace tiermem::session {
@@ -235,6 +236,27 @@ class Session {
   // True once a recording was written; its path.
   const std::string& written_trace() const { return written_trace_; }
 
+  // ---- plans (docs/planner.md, "Executing plans") -------------------------------------------
+  // With config `plan: auto` the session records its second training iteration in memory (or
+  // uses the user's own recording when one completes), makes a plan from it
+  // (planners::MakePlan with this run's homes, residency, budgets and measured rates) and
+  // executes it (plan_runner.h) from the next iteration on. An iteration that diverges from
+  // the plan runs reactive from there (warned once); the next one is recorded, and if it
+  // diverges too, the plan is remade from it. A plan that cannot be made is logged and the
+  // engine stays reactive. Plans move copies only: every value is the same without them.
+  struct PlanStatus {
+    bool active = false;
+    PlanRunner::Stats runner;
+    planners::PlanEstimate estimate;  // of the plan executing (or the last one)
+    uint32_t actions = 0;             // of that plan, per iteration
+    std::string error;                // why planning stopped, "" if it did not
+  };
+  PlanStatus plan_status() const;
+  // Makes a plan from iteration `iteration` of `trace` (-1: its last) and executes it from the
+  // next BeginIteration (with any `plan` config). kInvalidArgument for a trace of another
+  // layout; the planner's errors otherwise (nothing changes then).
+  Status ExecutePlanFrom(const planners::Trace& trace, int64_t iteration = -1);
+
   // ---- checkpoints (checkpoint.cc: a safetensors file, torch-loadable without tiermem) ------
   // Every tensor's fp32 value, its Adam m and v and step count, the loss-scaling state and
   // the micro-step counter, plus `metadata` (the binding's own, e.g. optimizer groups as
@@ -271,6 +293,8 @@ class Session {
   Status LoadCheckpointV2(int fd, std::string* metadata);
   planners::TraceBudgets TraceBudgets() const;
   void DeclareTraceChunks();
+  // plan: auto at an iteration boundary (`diverged`: the iteration that ended left its plan).
+  void PlanAtBoundary(bool diverged);
 
   SessionConfig config_;
   std::string device_kind_;
@@ -290,6 +314,12 @@ class Session {
   TraceRecorder trace_;
   Status trace_error_;         // an automatic trace write that failed (FinishTrace reports it)
   std::string written_trace_;  // the last trace file written
+  PlanRunner runner_;
+  uint64_t train_iterations_ = 0;  // BeginIteration calls
+  std::string plan_error_;         // planning stopped (plan: auto)
+  planners::PlanEstimate plan_estimate_;
+  uint32_t plan_actions_ = 0;
+  bool warned_divergence_ = false;
   std::unique_ptr<TierStack> stack_;
 };
 

@@ -25,6 +25,12 @@ Status TraceRecorder::Arm(std::string path, int iterations) {
   return OkStatus();
 }
 
+Status TraceRecorder::ArmInMemory(int iterations) {
+  TIERMEM_RETURN_IF_ERROR(Arm("-", iterations));
+  path_.clear();
+  return OkStatus();
+}
+
 StatusOr<bool> TraceRecorder::BeginIteration(const Probes& p,
                                              const planners::TraceBudgets& budgets) {
   if (state_ == State::kIdle) return false;
@@ -156,7 +162,8 @@ StatusOr<bool> TraceRecorder::Write(const Probes& p, const planners::TraceBudget
     return InternalError("record_trace: the recorded trace is not valid (" +
                          t.status().message() + "); nothing was written to " + path_);
   }
-  TIERMEM_RETURN_IF_ERROR(planners::WriteTraceFile(*t, path_));
+  if (!path_.empty()) TIERMEM_RETURN_IF_ERROR(planners::WriteTraceFile(*t, path_));
+  last_ = std::move(*t);
   return true;
 }
 

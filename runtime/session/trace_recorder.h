@@ -22,6 +22,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -43,6 +44,9 @@ class TraceRecorder {
   // kInvalidArgument for an empty path or iterations < 1; kFailedPrecondition while a
   // recording is armed or running.
   Status Arm(std::string path, int iterations);
+  // The same without a file: the trace is only kept (TakeTrace), e.g. for the session's own
+  // planning.
+  Status ArmInMemory(int iterations);
   bool armed() const { return state_ != State::kIdle; }
   bool recording() const { return state_ == State::kRecording; }
   const std::string& path() const { return path_; }
@@ -86,6 +90,13 @@ class TraceRecorder {
   // Ends the recording now (a partial last iteration is dropped) and writes the file. False
   // when nothing was recorded.
   StatusOr<bool> Finish(const Probes& p, const planners::TraceBudgets& budgets);
+  // The last completed recording (file or in-memory), once; nullopt when none is waiting.
+  std::optional<planners::Trace> TakeTrace() {
+    std::optional<planners::Trace> t = std::move(last_);
+    last_.reset();
+    return t;
+  }
+  bool in_memory() const { return path_.empty(); }
 
  private:
   enum class State { kIdle, kArmed, kRecording };
@@ -120,6 +131,7 @@ class TraceRecorder {
   uint64_t opt_elems_[2] = {0, 0}, opt_ns_[2] = {0, 0};  // [host, device]
   LinkTable links_at_start_{};
   bool started_ = false;
+  std::optional<planners::Trace> last_;
 };
 
 }  // namespace tiermem::session

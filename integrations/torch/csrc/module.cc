@@ -258,6 +258,25 @@ class PySession {
     d["acquires"] = s.acquires;
     d["iterations"] = s.iterations;
     d["diverged"] = s.diverged;
+    // Plans (plan: auto): the runner's counters and the engine's planned actions.
+    const session::Session::PlanStatus ps = s_->plan_status();
+    py::dict plan;
+    plan["active"] = ps.active;
+    plan["plans"] = ps.runner.plans;
+    plan["planned_iterations"] = ps.runner.planned_iterations;
+    plan["followed_iterations"] = ps.runner.followed_iterations;
+    plan["divergences"] = ps.runner.divergences;
+    plan["last_divergence"] = ps.runner.last_divergence;
+    plan["error"] = ps.error;
+    plan["actions"] = ps.actions;
+    plan["predicted_iteration_ns"] = ps.estimate.steady_iteration_ns;
+    plan["predicted_stall_ns"] = ps.estimate.steady_stall_ns;
+    plan["predicted_device_in_bytes"] = ps.estimate.steady_device_in_bytes;
+    plan["prefetches"] = s.plan_prefetches;
+    plan["evictions"] = s.plan_evictions;
+    plan["skipped"] = s.plan_skipped;
+    plan["deferred"] = s.plan_deferred;
+    d["plan"] = plan;
     return d;
   }
   py::tuple Group(size_t g) const {
