@@ -246,6 +246,11 @@ class Driver {
       po.iteration = 0;
       po.start = nullptr;
       po.homes = nullptr;
+      std::vector<TierKind> recorded;
+      if (opt_.keep_recorded_homes) {
+        for (const TraceChunk& c : trace_.chunks) recorded.push_back(c.home);
+        po.homes = &recorded;
+      }
       TIERMEM_ASSIGN_OR_RETURN(first_plan, MakePlan(trace_, machine_, po));
       homes = first_plan.home;
     } else if (kind == PolicyKind::kOpt) {

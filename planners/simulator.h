@@ -66,6 +66,7 @@ struct SimOptions {
   uint32_t engine_prefetch_depth = 4;  // acquires of lookahead (EngineConfig default)
   Bytes deepspeed_bucket_bytes = 0;    // 0: 4 x the largest chunk
   PlanOptions plan;                    // for planned / opt (iteration, start, homes ignored)
+  bool keep_recorded_homes = false;    // planned: the homes the trace was recorded with
   bool record_moments = false;         // per_iteration[k].moments: every moment's timing
 };
 

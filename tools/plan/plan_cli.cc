@@ -23,7 +23,7 @@ struct PlanArgs {
   std::string trace, output, policy = "planned", device, host, nvme, bw, ds_bucket, model;
   uint32_t depth = 4, iterations = 0, moments = 0;
   uint64_t seed = 0, accesses = 10'000'000;
-  bool json = false, no_place = false, no_overlap = false, no_activations = false;
+  bool json = false, no_place = false, no_overlap = false, no_activations = false, keep_homes = false;
   bool list_moments = false;
 };
 
@@ -83,6 +83,7 @@ Loaded Load(const PlanArgs& a) {
   l.sim.plan.place_optimizer = !a.no_place;
   l.sim.plan.overlap_optimizer = !a.no_overlap;
   l.sim.plan.activation_policy = !a.no_activations;
+  l.sim.keep_recorded_homes = a.keep_homes;
   l.sim.record_moments = a.list_moments;
   return l;
 }
@@ -377,6 +378,8 @@ void AddBudgetOptions(CLI::App* c, PlanArgs* a) {
               "planned: keep optimizer steps where recorded");
   c->add_flag("--no-overlap", a->no_overlap, "planned: no CPU step overlapped with the backward");
   c->add_flag("--no-activation-policy", a->no_activations, "planned: keep every activation");
+  c->add_flag("--keep-homes", a->keep_homes,
+              "planned: keep the homes the trace was recorded with (what the runtime executes)");
   c->add_flag("--json", a->json, "print JSON");
 }
 

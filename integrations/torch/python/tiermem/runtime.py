@@ -514,9 +514,9 @@ class TiermemRuntime:
     def _compute_grad_hook(self, r: _Param):
         def hook(p):
             self._begin_backward()
-            if self._recording_trace:
-                # A unit whose backward saves no param view (an embedding) shows up here.
-                self._bwd_moment(r.unit)
+            # A unit whose backward saves no param view (an embedding) shows up here; always
+            # (not only while recording), so executed iterations have the recorded moments.
+            self._bwd_moment(r.unit)
             g = p.grad
             p.grad = None
             if g is not None:

@@ -17,8 +17,9 @@ The progress bar shows the loss, tokens/s and each tier's use. At the end it pri
 timeline report (tiermem prof report: peak per tier and category, bytes per tier pair, stalls
 by cause), writes the HTML timeline next to the .tmt, and says how to reopen both. The first
 two iterations are recorded as a warm-up trace next to the timeline (.tmtrace), and the
-planner's simulated schedules over it are printed (tiermem plan compare; the runtime does not
-execute plans yet).
+planner's simulated schedules over it are printed (tiermem plan compare). The run itself
+executes a plan made from its warm-up (--plan auto, the default; --plan off keeps the engine's
+reactive policy); the `plan:` line says what the plan did.
 """
 from __future__ import annotations
 
@@ -90,6 +91,23 @@ def rt_peak_activation(trace: str) -> int:
                default=0)
 
 
+def plan_line(mode, p) -> str:
+    """One line on what the planner did in this run (stats()['plan'])."""
+    if mode == "off":
+        return "plan: off (the engine's reactive policy: farthest next use, lookahead prefetch)"
+    if p["error"]:
+        return f"plan: none ({p['error']}); the engine stayed reactive"
+    if not p["plans"]:
+        return "plan: none made (nothing moves, or too few steps to record one)"
+    return (f"plan: made from a recorded warm-up iteration ({p['plans']} plan(s), "
+            f"{p['actions']} actions per iteration); executed in {p['planned_iterations']} "
+            f"iterations, {p['followed_iterations']} followed to the end, "
+            f"{p['divergences']} diverged; {p['prefetches']} planned prefetches, "
+            f"{p['evictions']} planned evictions ({p['deferred']} deferred for room); "
+            f"predicted {p['predicted_device_in_bytes'] / 2**20:.1f} MiB into the device per "
+            f"iteration")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -108,6 +126,9 @@ def main(argv=None):
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--timeline", default="build/tiermem-timeline.tmt")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--plan", choices=["auto", "off"], default="auto",
+                    help="execute a plan made from a warm-up iteration (auto, the default) "
+                         "or keep the engine's reactive policy (off)")
     args = ap.parse_args(argv)
     preset = PRESETS[args.size]
     if args.threads:
@@ -153,7 +174,8 @@ def train(args, c, steps, preset, nvme_dir, nvme_size) -> int:
               "host": args.host_budget or preset["host"],
               "nvme": {"path": nvme_dir, "size": nvme_size},
               "timeline": args.timeline or None,
-              "optimizer": {"lr": args.lr, "weight_decay": 0.01}}
+              "optimizer": {"lr": args.lr, "weight_decay": 0.01},
+              "plan": args.plan}
     model, opt = tiermem.initialize(model, config)
     rt = tiermem.runtime_of(model)
     budget = rt.cfg.device_budget
@@ -197,6 +219,7 @@ def train(args, c, steps, preset, nvme_dir, nvme_size) -> int:
     if bar:
         bar.close()
     wall = time.perf_counter() - t0
+    plan = rt.stats()["plan"]
     peaks = rt.timeline_peaks()  # tiermem::prof's report of the binary timeline file
     timeline = rt.timeline_path
     if trace:
@@ -208,6 +231,7 @@ def train(args, c, steps, preset, nvme_dir, nvme_size) -> int:
     rt.close()  # gives the params back as plain tensors and completes the timeline
     print(f"\n== {steps} steps in {wall:.1f} s ({wall / steps:.2f} s/step), "
           f"{tokens / wall:.0f} tokens/s, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    print(plan_line(args.plan, plan))
     if args.timeline:
         rep = run_cli("prof", "report", timeline)
         print(rep.stdout if rep.returncode == 0 else rep.stderr)

@@ -1,0 +1,187 @@
+"""Executed plans (config plan: auto): the session records a warm-up iteration, plans it and
+executes the plan; the values are exactly those of plain torch (a plan moves copies, never
+values), the plan really runs (planned prefetches and evictions, iterations followed), budgets
+hold, and dynamic control flow leaves the plan for that iteration only, warned once."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import tiermem
+from conftest import KernelAdamW, batches, make_pair, model_bytes, train_steps
+
+transformers = pytest.importorskip("transformers")
+
+
+def config(budget, plan="auto", nvme_dir=None, host="256MiB"):
+    c = {"device": budget, "host": host, "plan": plan,
+         "optimizer": {"lr": 1e-3, "weight_decay": 0.01}}
+    if nvme_dir is not None:
+        c["nvme"] = {"path": str(nvme_dir), "size": "256MiB"}
+    return c
+
+
+def check_plan_ran(rt, steps, divergences=0):
+    p = rt.stats()["plan"]
+    assert p["error"] == "" and p["active"], p
+    assert p["plans"] == 1, p
+    assert p["divergences"] == divergences, p
+    # Recorded at step 2, executed from step 3: steps - 2 iterations, the last still open.
+    assert p["planned_iterations"] == steps - 2, p
+    assert p["followed_iterations"] == steps - 3 - divergences, p
+    assert p["prefetches"] >= steps - 2 and p["evictions"] > 0, p
+    assert not rt.timeline_peaks()["over_budget"]
+    return p
+
+
+@pytest.mark.parametrize("nvme", [False, True], ids=["host", "nvme"])
+def test_gpt_with_a_plan_equals_plain_torch_bit_for_bit(nvme, tmp_path):
+    ref, ours = make_pair()
+    data = batches(12)
+    ref_losses = train_steps(ref, KernelAdamW(ref.parameters(), lr=1e-3, weight_decay=0.01),
+                             data)
+    budget = model_bytes(ref) // 4
+    # With NVMe, a host budget that holds the params and grads but not all of m and v.
+    host = model_bytes(ref) * 3 // 4 if nvme else "256MiB"
+    model, opt = tiermem.initialize(ours, config(budget, nvme_dir=tmp_path if nvme else None,
+                                                 host=host))
+    rt = tiermem.runtime_of(model)
+    assert train_steps(model, opt, data) == ref_losses
+    for k, v in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+    check_plan_ran(rt, len(data))
+    if nvme:
+        assert rt.stats()["bytes_moved"].get("nvme->host", 0) > 0
+
+
+class EncoderLM(nn.Module):
+    """torch's own nn.TransformerEncoder (nn.MultiheadAttention inside) as a tiny LM."""
+
+    def __init__(self, vocab=64, width=32):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        layer = nn.TransformerEncoderLayer(width, 4, 64, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, x, y):
+        h = self.head(self.enc(self.emb(x)))
+        return nn.functional.cross_entropy(h.reshape(-1, h.shape[-1]), y.reshape(-1))
+
+
+def token_batches(steps, vocab=64, seq=12, batch=4):
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(steps):
+        x = torch.randint(0, vocab, (batch, seq), generator=g)
+        out.append((x, (x + 1) % vocab))
+    return out
+
+
+def test_torch_transformer_encoder_with_a_plan_equals_plain_torch():
+    torch.manual_seed(0)
+    ref = EncoderLM()
+    ours = copy.deepcopy(ref)
+    data = token_batches(10)
+    ref_losses = train_steps(ref, KernelAdamW(ref.parameters(), lr=1e-3, weight_decay=0.01),
+                             data)
+    model, opt = tiermem.initialize(ours, config(model_bytes(ref) // 3))
+    assert train_steps(model, opt, data) == ref_losses
+    for k, v in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+    check_plan_ran(tiermem.runtime_of(model), len(data))
+
+
+def hf_gpt2():
+    cfg = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=3,
+                                  n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def hf_llama():
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=3, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=32,
+                                   tie_word_embeddings=False)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("make", [hf_gpt2, hf_llama], ids=["gpt2", "llama"])
+def test_hf_models_with_a_plan_equal_plain_torch(make):
+    torch.manual_seed(0)
+    ref = make()
+    ours = copy.deepcopy(ref)
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, 96, (4, 16), generator=g) for _ in range(10)]
+
+    def run(model, opt):
+        out = []
+        for ids in data:
+            opt.zero_grad()
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            out.append(loss.item())
+        return out
+
+    ref_losses = run(ref, KernelAdamW(ref.parameters(), lr=1e-3, weight_decay=0.01))
+    largest = max(p.numel() for p in ours.parameters())
+    budget = max(model_bytes(ours) * 3 // 10, 32 * largest)
+    model, opt = tiermem.initialize(ours, config(budget))
+    assert run(model, opt) == ref_losses
+    for k, v in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+    check_plan_ran(tiermem.runtime_of(model), len(data))
+
+
+class Branchy(nn.Module):
+    """Dynamic control flow: every third call skips the middle block."""
+
+    def __init__(self, width=48):
+        super().__init__()
+        self.inp = nn.Linear(16, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.GELU())
+                                    for _ in range(4))
+        self.out = nn.Linear(width, 1)
+        self.calls = 0
+
+    def forward(self, x, y):
+        self.calls += 1
+        h = self.inp(x)
+        for i, b in enumerate(self.blocks):
+            if i == 2 and self.calls % 3 == 0:
+                continue
+            h = h + b(h)
+        return nn.functional.mse_loss(self.out(h).squeeze(-1), y)
+
+
+def test_dynamic_control_flow_leaves_the_plan_for_that_iteration_only(capfd):
+    torch.manual_seed(0)
+    ref = Branchy()
+    ours = copy.deepcopy(ref)
+    g = torch.Generator().manual_seed(2)
+    data = [(torch.randn(8, 16, generator=g), torch.randn(8, generator=g)) for _ in range(11)]
+    ref_losses = train_steps(ref, KernelAdamW(ref.parameters(), lr=1e-3, weight_decay=0.01),
+                             data)
+    largest = max(p.numel() for p in ours.parameters())
+    model, opt = tiermem.initialize(ours, config(max(model_bytes(ref) // 3, 36 * largest)))
+    capfd.readouterr()
+    assert train_steps(model, opt, data) == ref_losses
+    for k, v in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+    # Steps 3, 6 and 9 branch; the plan runs from step 3 on.
+    p = check_plan_ran(tiermem.runtime_of(model), len(data), divergences=3)
+    assert "blocks.2" in p["last_divergence"], p
+    err = capfd.readouterr().err
+    assert err.count("left the plan") == 1, err  # warned once
+
+
+def test_plan_off_executes_nothing_and_bad_values_are_refused():
+    ref, ours = make_pair()
+    with pytest.raises(ValueError, match="plan"):
+        tiermem.initialize(copy.deepcopy(ours), config(model_bytes(ref) // 4, plan="yes"))
+    model, opt = tiermem.initialize(ours, config(model_bytes(ref) // 4, plan="off"))
+    train_steps(model, opt, batches(6))
+    p = tiermem.runtime_of(model).stats()["plan"]
+    assert p["plans"] == 0 and p["prefetches"] == 0 and not p["active"], p
