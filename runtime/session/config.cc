@@ -27,7 +27,7 @@ const std::set<std::string> kTopKeys = {
     "gradient_clipping", "chunk_size", "timeline",
     "prefetch_depth", "loss_scaling",  "device_kind",
     "cpu_threads",    "kernel_isa",    "log_level",
-    "unmaterialized_reads", "write_behind", "plan"};
+    "unmaterialized_reads", "write_behind", "plan", "activations"};
 
 std::string Keys(const std::set<std::string>& keys) {
   std::string out = "[";
@@ -174,6 +174,7 @@ constexpr std::initializer_list<const char*> kDeviceKinds = {"auto", "cuda", "si
 constexpr std::initializer_list<const char*> kEngines = {"auto", "io_uring", "posix"};
 constexpr std::initializer_list<const char*> kIsas = {"auto", "scalar", "avx2", "avx512"};
 constexpr std::initializer_list<const char*> kPlanModes = {"off", "auto"};
+constexpr std::initializer_list<const char*> kActivationModes = {"outside", "budget"};
 
 Status ApplyJson(const json& config, SessionConfig* c, bool* nvme_given) {
   TIERMEM_RETURN_IF_ERROR(CheckKeys(config, kTopKeys, "config"));
@@ -307,6 +308,10 @@ Status ApplyJson(const json& config, SessionConfig* c, bool* nvme_given) {
                                     {"error", "warn", "info", "debug"}));
     c->log_level = ParseLogLevel(l).value();
   }
+  if (has("activations")) {
+    TIERMEM_ASSIGN_OR_RETURN(c->activations,
+                             Choice("activations", config["activations"], kActivationModes));
+  }
   if (has("plan")) {
     TIERMEM_ASSIGN_OR_RETURN(c->plan, Choice("plan", config["plan"], kPlanModes));
   }
@@ -339,6 +344,8 @@ Status ApplyEnv(const EnvGetter& env, SessionConfig* c, bool* nvme_given) {
   TIERMEM_RETURN_IF_ERROR(IntVar(env, "TIERMEM_CPU_THREADS", &c->cpu_threads, 0, 4096));
   TIERMEM_RETURN_IF_ERROR(ChoiceVar(env, "TIERMEM_KERNEL_ISA", &c->kernel_isa, kIsas));
   TIERMEM_RETURN_IF_ERROR(ChoiceVar(env, "TIERMEM_PLAN", &c->plan, kPlanModes));
+  TIERMEM_RETURN_IF_ERROR(
+      ChoiceVar(env, "TIERMEM_ACTIVATIONS", &c->activations, kActivationModes));
   if (const char* t = Var(env, "TIERMEM_TIMELINE")) c->timeline = t;
   if (const char* l = Var(env, "TIERMEM_LOG_LEVEL")) {
     StatusOr<LogLevel> level = ParseLogLevel(l);
@@ -417,6 +424,7 @@ json ToJson(const SessionConfig& c) {
                        {"backoff_factor", c.loss_scaling.backoff_factor}};
   j["unmaterialized_reads"] = c.unmaterialized_reads;
   j["plan"] = c.plan;
+  j["activations"] = c.activations;
   return j;
 }
 

@@ -581,10 +581,13 @@ Status Session::ExecutePlanFrom(const planners::Trace& trace, int64_t iteration)
     return InvalidArgumentError("plan: the trace has no iteration " + std::to_string(iteration));
   }
   planners::Trace t = trace;
-  // Activations and temporaries are not in the engine's device budget (on SimDevice they live
-  // in CPU memory; on CUDA in torch's allocator): the chunks get the whole budget.
-  for (planners::TraceIteration& it : t.iterations) {
-    for (planners::Moment& m : it.moments) m.activation_bytes = m.saved_bytes = 0;
+  const bool counted = config_.activations == "budget";
+  if (!counted) {
+    // Activations and temporaries are not in the engine's device budget (on SimDevice they
+    // live in CPU memory; on CUDA in torch's allocator): the chunks get the whole budget.
+    for (planners::TraceIteration& it : t.iterations) {
+      for (planners::Moment& m : it.moments) m.activation_bytes = m.saved_bytes = 0;
+    }
   }
   std::vector<TierKind> homes(eng->num_chunks());
   planners::StartState start;
@@ -607,7 +610,8 @@ Status Session::ExecutePlanFrom(const planners::Trace& trace, int64_t iteration)
   planners::MachineModel m = planners::MachineModel::FromTrace(t);
   const engine::EngineStats st = eng->Stats();
   for (int k = 0; k < kNumTierKinds; ++k) m.budget[k] = st.tiers[k].capacity;
-  const Bytes ext = eng->external_device_bytes();
+  // Counted activations are in the trace already; other external bytes (a KV cache) are not.
+  const Bytes ext = counted ? 0 : eng->external_device_bytes();
   Bytes& dev = m.budget[static_cast<int>(TierKind::kDevice)];
   dev = dev > ext ? dev - ext : 0;
   // Links the recorded iteration did not use: the reverse direction's rate, else a

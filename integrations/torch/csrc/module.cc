@@ -429,6 +429,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("prefetch_depth", &se::SessionConfig::prefetch_depth)
       .def_readonly("write_behind", &se::SessionConfig::write_behind)
       .def_readonly("unmaterialized_reads", &se::SessionConfig::unmaterialized_reads)
+      .def_readonly("plan", &se::SessionConfig::plan)
+      .def_readonly("activations", &se::SessionConfig::activations)
       .def("to_dict",
            [](const se::SessionConfig& c) {
              return py::module_::import("json").attr("loads")(se::ToJson(c).dump());

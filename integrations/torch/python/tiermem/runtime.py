@@ -137,6 +137,13 @@ class TiermemRuntime:
         self._recording_trace = False  # the session records this iteration's warm-up trace
         self._trace_seen: set = set()  # storages whose saved bytes were counted this iteration
         self._bwd_unit = None          # the unit the backward's current moment belongs to
+        # activations: budget — bytes of non-chunk tensors saved for backward, per unit (-1:
+        # outside every unit), counted in the device budget (the session's external bytes).
+        self._count_act = cfg.activations == "budget"
+        self._act_units: dict[int, int] = {}
+        self._act_total = 0
+        self._act_given = 0            # what the session was last told
+        self._act_seen: set = set()    # storages counted this iteration
         self._active_units: list = []
         self._root_depth = 0
         self._handles: list = []
@@ -336,6 +343,7 @@ class TiermemRuntime:
                 return None
             grad = torch.is_grad_enabled()
             if grad and not self._in_iteration:
+                self._act_reset()
                 self.s.begin_iteration()
                 self._recording_trace = self.s.recording_trace
                 self._trace_seen.clear()
@@ -360,6 +368,10 @@ class TiermemRuntime:
                     for g, b in pins:
                         self._release(g, self._compute_kind, False, b)
                     u.depth -= 1
+                    if self._count_act:  # the device room went to activations: abandon it
+                        self._act_reset()
+                        self._in_iteration = False
+                        self._fwd_used.clear()
                     raise
                 u.pins = pins
                 for r in u.params:
@@ -407,8 +419,44 @@ class TiermemRuntime:
             for g, b in u.pins:
                 self._release(g, self._compute_kind, g in modified, b)
             u.pins = []
+            if self._count_act and self._in_iteration:
+                self._act_sync()  # this unit's saved activations now hold device room
             return None
         return hook
+
+    # ---- activations in the device budget (activations: budget) ---------------------------
+    def _act_sync(self):
+        if self._act_total == self._act_given:
+            return
+        try:
+            self.s.set_external_device_bytes(self._act_total)
+        except MemoryError as e:
+            total = self._act_total
+            # The iteration is abandoned (the caller's forward raises): nothing of it stays.
+            self._act_reset()
+            self._in_iteration = False
+            self._fwd_used.clear()
+            raise MemoryError(
+                f"tiermem: the activations saved for backward so far ({total} bytes) do not "
+                f"fit the device budget next to the chunks in use (activations: 'budget' "
+                f"counts them in it): {e}. Use a larger device budget or a smaller batch; "
+                f"the model is unchanged.") from None
+        self._act_given = self._act_total
+
+    def _act_reset(self):
+        self._act_units.clear()
+        self._act_seen.clear()
+        self._act_total = 0
+        if self._count_act and self._act_given:
+            self.s.set_external_device_bytes(0)
+            self._act_given = 0
+
+    def _act_done(self, unit):
+        """The backward moved past `unit`: its saved activations are freed."""
+        n = self._act_units.pop(unit, 0)
+        if n:
+            self._act_total -= n
+            self._act_sync()
 
     # ---- saved tensors -----------------------------------------------------------------
     def _pack(self, t: torch.Tensor):
@@ -420,6 +468,12 @@ class TiermemRuntime:
             return t
         g = self._live.get(ptr)
         if g is None:
+            if self._count_act and ptr not in self._act_seen:
+                self._act_seen.add(ptr)
+                unit = self._active_units[-1].index if self._active_units else -1
+                n = t.untyped_storage().nbytes()
+                self._act_units[unit] = self._act_units.get(unit, 0) + n
+                self._act_total += n
             if self._recording_trace and ptr not in self._trace_seen:
                 # Saved for backward by the current unit: its activation bytes in the trace.
                 self._trace_seen.add(ptr)
@@ -458,6 +512,8 @@ class TiermemRuntime:
         self._bwd_unit = None
         self._in_backward = False
         self._in_iteration = False
+        if self._count_act:
+            self._act_reset()
 
     # ---- gradients -----------------------------------------------------------------------
     def _release_grad(self, group: int):
@@ -508,6 +564,8 @@ class TiermemRuntime:
         """The backward reached `unit` (its saved chunk views, or a gradient of one of its
         params): a timeline moment, and while recording a pre-backward trace moment."""
         if unit != self._bwd_unit:
+            if self._count_act and self._bwd_unit is not None:
+                self._act_done(self._bwd_unit)
             self._bwd_unit = unit
             self.s.moment(self.units[unit].bwd_label if unit >= 0 else "pre-backward", 1, unit)
 

@@ -1,0 +1,87 @@
+"""activations: 'budget' — the tensors torch saves for backward count in the device budget
+(chunks are evicted to make room for them; the timeline shows them as device `activation`
+bytes), plans account for them, and activations that cannot fit are a clear MemoryError that
+leaves the model as it was."""
+import copy
+
+import pytest
+import torch
+
+import tiermem
+from conftest import KernelAdamW, batches, make_pair, model_bytes, train_steps
+
+
+def config(budget, **kw):
+    c = {"device": budget, "host": "64MiB", "activations": "budget",
+         "optimizer": {"lr": 1e-3, "weight_decay": 0.01}}
+    c.update(kw)
+    return c
+
+
+def device_use_over_time(rt):
+    """Replays the binary timeline: device bytes in use (chunks and activations) after every
+    allocation, and the budget."""
+    ALLOC, FREE, BUDGET, DEVICE = 1, 2, 7, 0
+    used, cap, live, peak, act_peak = 0, None, {}, 0, 0
+    ACTIVATION = None
+    for ts, typ, tier, tier2, nbytes, chunk, cat, flags, label, rid in rt.timeline_events():
+        if tier != DEVICE:
+            continue
+        if typ == BUDGET:
+            cap = nbytes
+        elif typ == ALLOC:
+            used += nbytes - live.get(rid, 0)  # the activation region is re-allocated
+            live[rid] = nbytes
+            peak = max(peak, used)
+            assert used <= cap, f"device use {used} > budget {cap} at t={ts}"
+        elif typ == FREE:
+            used -= live.pop(rid, 0)
+    return peak, cap
+
+
+@pytest.mark.parametrize("plan", ["off", "auto"])
+def test_activations_in_the_budget_train_exactly_and_the_budget_holds(plan):
+    ref, ours = make_pair()
+    data = batches(10)
+    ref_losses = train_steps(ref, KernelAdamW(ref.parameters(), lr=1e-3, weight_decay=0.01),
+                             data)
+    budget = model_bytes(ref) // 4 + 500_000  # a quarter of the model data + its activations
+    model, opt = tiermem.initialize(ours, config(budget, plan=plan))
+    rt = tiermem.runtime_of(model)
+    assert train_steps(model, opt, data) == ref_losses
+    for k, v in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+    rep = rt.timeline_peaks()
+    act = rep["category_peak"]["device"]["activation"]
+    assert 300_000 < act < budget, rep["category_peak"]["device"]
+    assert rep["peak"]["device"] <= budget and not rep["over_budget"]
+    peak, cap = device_use_over_time(rt)
+    assert cap == budget and act < peak <= budget
+    if plan == "auto":
+        p = rt.stats()["plan"]
+        assert p["active"] and p["divergences"] == 0 and p["prefetches"] > 0, p
+    # Without counting them the same budget leaves the chunks more room: fewer evictions.
+    ref2, ours2 = make_pair()
+    m2, o2 = tiermem.initialize(ours2, config(budget, plan=plan, activations="outside"))
+    train_steps(m2, o2, data)
+    assert tiermem.runtime_of(m2).stats()["evictions"] < rt.stats()["evictions"]
+
+
+def test_activations_that_do_not_fit_raise_and_leave_the_model_as_it_was():
+    ref, ours = make_pair()
+    small = batches(6, batch=2)
+    big = batches(1, batch=64, seed=9)
+    ref_losses = train_steps(ref, KernelAdamW(ref.parameters(), lr=1e-3, weight_decay=0.01),
+                             small)
+    model, opt = tiermem.initialize(ours, config(model_bytes(ref) // 4 + 200_000))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x, y = big[0]
+    opt.zero_grad()
+    with pytest.raises(MemoryError, match=r"device budget"):
+        model(x, y).backward()
+    for k, v in before.items():
+        assert torch.equal(model.state_dict()[k], v), k
+    # Training goes on with batches that fit, exactly as if the failed one never happened.
+    assert train_steps(model, opt, small) == ref_losses
+    for k, v in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
