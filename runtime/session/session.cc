@@ -145,8 +145,10 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
 
   StackLayout sl;
   sl.chunk_bytes = s->chunk_elems_ * 4;  // the largest (fp32) chunk of a group
-  // Host room for caches of NVMe-homed chunks: every kind of one group at once.
-  sl.host_reserve = config.nvme_size > 0 ? 5 * AlignUp(sl.chunk_bytes, kPage) : 0;
+  // Host room for caches of NVMe-homed chunks: every kind of one group at once (the optimizer
+  // step holds them there); without trainable tensors (serving) one chunk, for value reads.
+  sl.host_reserve = config.nvme_size == 0 ? 0
+                    : (trainable.empty() ? 1 : 5) * AlignUp(sl.chunk_bytes, kPage);
   TIERMEM_ASSIGN_OR_RETURN(s->stack_, TierStack::Create(config, sl));
   s->device_kind_ = s->stack_->cuda() ? "cuda" : "sim";
   s->timeline_path_ = s->stack_->timeline_path();
@@ -635,6 +637,10 @@ Status Session::ExecutePlanFrom(const planners::Trace& trace, int64_t iteration)
   o.overlap_optimizer = false;  // the step runs after the backward
   o.activation_policy = false;  // activations stay with torch
   if (iteration > 0) o.earlier_iteration = iteration - 1;
+  // SimDevice's copies are memcpys on the same CPU cores as the compute, which the machine
+  // model (copy lanes concurrent with compute) does not see: fewest bytes is the right goal
+  // there. On CUDA the copy engines run beside the kernels: least modelled time.
+  o.objective = cuda() ? planners::PlanObjective::kTime : planners::PlanObjective::kBytes;
   TIERMEM_ASSIGN_OR_RETURN(planners::Plan p, planners::MakePlan(t, m, o));
   plan_estimate_ = p.estimate;
   plan_actions_ = static_cast<uint32_t>(p.actions.size());

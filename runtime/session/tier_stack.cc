@@ -110,11 +110,19 @@ StatusOr<std::unique_ptr<TierStack>> TierStack::Create(const SessionConfig& conf
   Bytes staging_bytes = 0;
   if (config.nvme_size > 0) {
     staging_bytes = slot * static_cast<Bytes>(config.prefetch_depth + 2);
-    if (staging_bytes + slot > config.host_budget) {
+    // Besides the staging slots, room to cache NVMe-homed chunks on the host: the optimizer
+    // step holds one chunk group's chunks there at once (the reserve). Below that every home
+    // would go to NVMe and the first step would fail half-way through the groups.
+    const Bytes room = std::max(slot, layout.host_reserve);
+    if (staging_bytes + room > config.host_budget) {
       return ResourceExhaustedError(
           "host budget of " + std::to_string(config.host_budget) +
-          " bytes is below the minimum of " + std::to_string(staging_bytes + slot) +
-          " bytes with NVMe (staging slots for device<->NVMe moves plus one chunk)");
+          " bytes is below the minimum of " + std::to_string(staging_bytes + room) +
+          " bytes with NVMe: " + std::to_string(staging_bytes) +
+          " for the staging slots of device<->NVMe moves plus " + std::to_string(room) +
+          " to hold one chunk group's NVMe-homed chunks during the optimizer step (chunks of " +
+          std::to_string(slot) + " bytes; the chunk size follows the device budget, or set "
+          "chunk_size)");
     }
     TIERMEM_ASSIGN_OR_RETURN(s->staging_,
                              NewHostTier(HostConfig(staging_bytes, slot, s->pinner_.get())));

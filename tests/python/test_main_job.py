@@ -23,6 +23,10 @@ def test_tiny_main_job_end_to_end(tmp_path):
     first, last = [float(v) for v in text.split("loss ")[-1].split()[0:3:2]]
     assert last < first
     assert "tiermem prof report:" in text  # the report itself is printed
+    # The run executed a plan made from its warm-up (--plan auto is the default).
+    plan = [l for l in text.splitlines() if l.startswith("plan: ")]
+    assert plan and "made from a recorded warm-up iteration" in plan[0], text
+    assert " 0 diverged" in plan[0] and "executed in 10 iterations" in plan[0], plan[0]
     assert "nvme" in text.split("Bytes moved")[1].split("Stalls")[0]  # NVMe was in the loop
     html = tmp_path / "run.html"
     assert tl.exists() and html.exists() and html.stat().st_size > 1000

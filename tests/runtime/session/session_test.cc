@@ -143,6 +143,18 @@ TEST(SessionLayout, BudgetTooSmallNamesTheMinimumAndBadTensorsAreRefused) {
                        MapEnv({}));
   EXPECT_THAT(Session::Create(*d, {{"w", 10, true, 0}}),
               StatusIs(StatusCode::kResourceExhausted, "for chunk_size=1048576"));
+  // With NVMe, a host budget with room for the staging slots but not for one chunk group's
+  // NVMe-homed chunks during the optimizer step is refused up front, naming the minimum
+  // (it used to fail at the first step, after some groups had stepped).
+  const std::string dir = TempDir();
+  auto h = ParseConfig({{"device", "1MiB"}, {"host", "600KiB"}, {"device_kind", "sim"},
+                        {"chunk_size", 16384}, {"nvme", {{"path", dir}, {"size", "16MiB"}}}},
+                       MapEnv({}));
+  ASSERT_TRUE(h.ok());
+  EXPECT_THAT(Session::Create(*h, {{"w", 16384, true, 0}, {"v", 16384, true, 0}}),
+              StatusIs(StatusCode::kResourceExhausted,
+                       "below the minimum of 720896 bytes with NVMe"));
+  std::filesystem::remove_all(dir);
   auto e = ParseConfig({{"device_kind", "cuda"}}, MapEnv({}));
   if (TierStack::ResolveDeviceKind("auto").value() != "cuda") {
     EXPECT_THAT(Session::Create(*e, {{"w", 10, true, 0}}),

@@ -1,0 +1,132 @@
+"""Executed plan vs the reactive engine (CPU, SimDevice): the main job's GPT trained twice in
+one process, `plan: auto` and `plan: off`, same model, same data, the two stepped alternately
+(these machines are noisy: each step's pair is measured in the same seconds), then per-step
+ratios and their median. Also per planned step: bytes into the device measured by the engine
+vs the plan's prediction (PlanEstimate::steady_device_in_bytes).
+
+    python -m tiermem.examples.bench_plan [--layers 12] [--width 768] [--steps 9]
+        [--device 128MiB] [--host 512MiB] [--nvme 4GiB] [--dir DIR] [--activations] [--json]
+
+`--activations` counts the saved activations in the device budget (activations: budget; the
+device budget should then be raised by the activation peak, e.g. --device 600MiB).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+import torch
+
+import tiermem
+from tiermem.examples.gpt import GPT, GPTConfig, synthetic_batches
+
+
+def device_in(stats) -> int:
+    m = stats["bytes_moved"]
+    return m.get("host->device", 0) + m.get("nvme->device", 0)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--width", type=int, default=768)
+    ap.add_argument("--steps", type=int, default=9, help="steps per system (3 are warm-up)")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--device", default="128MiB")
+    ap.add_argument("--host", default="512MiB")
+    ap.add_argument("--nvme", default="4GiB")
+    ap.add_argument("--dir", default=None, help="NVMe directory (default: a temporary one)")
+    ap.add_argument("--activations", action="store_true")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    if a.steps < 5:
+        ap.error("--steps must be >= 5 (2 warm-up, 1 recorded, then planned steps)")
+    c = GPTConfig(vocab_size=256, block_size=64, n_layer=a.layers, n_head=max(1, a.width // 64),
+                  n_embd=a.width)
+    torch.manual_seed(0)
+    base = GPT(c)
+    data = list(synthetic_batches(c, a.batch, a.steps, seed=1))
+    root = a.dir or tempfile.mkdtemp(prefix="tiermem-bench-plan-")
+    systems = {}
+    try:
+        for mode in ("auto", "off"):
+            cfg = {"device": a.device, "host": a.host,
+                   "nvme": {"path": f"{root}/{mode}", "size": a.nvme},
+                   "plan": mode, "activations": "budget" if a.activations else "outside",
+                   "optimizer": {"lr": 1e-3, "weight_decay": 0.01}}
+            os.makedirs(f"{root}/{mode}", exist_ok=True)
+            model, opt = tiermem.initialize(copy.deepcopy(base), cfg)
+            systems[mode] = dict(model=model, opt=opt, rt=tiermem.runtime_of(model),
+                                 times=[], losses=[], dev_in=[])
+        for i, (x, y) in enumerate(data):
+            order = ("auto", "off") if i % 2 == 0 else ("off", "auto")
+            for mode in order:
+                s = systems[mode]
+                before = device_in(s["rt"].stats())
+                t0 = time.perf_counter()
+                s["opt"].zero_grad()
+                loss = s["model"](x, y)
+                loss.backward()
+                s["opt"].step()
+                s["losses"].append(loss.item())
+                s["times"].append(time.perf_counter() - t0)
+                s["dev_in"].append(device_in(s["rt"].stats()) - before)
+        if systems["auto"]["losses"] != systems["off"]["losses"]:
+            print("ERROR: the losses differ between plan auto and off")
+            return 1
+        warm = 3
+        ratios = [p / r for p, r in zip(systems["auto"]["times"][warm:],
+                                        systems["off"]["times"][warm:])]
+        plan = systems["auto"]["rt"].stats()["plan"]
+        predicted = plan["predicted_device_in_bytes"]
+        measured = systems["auto"]["dev_in"][warm:]
+        out = {
+            "model": f"{a.layers} x {a.width}",
+            "params_m": sum(p.numel() for p in base.parameters()) / 1e6,
+            "budgets": {"device": a.device, "host": a.host, "nvme": a.nvme},
+            "activations": "budget" if a.activations else "outside",
+            "s_per_step": {m: statistics.median(s["times"][warm:]) for m, s in systems.items()},
+            "ratio_auto_over_off_median": statistics.median(ratios),
+            "ratios": ratios,
+            "plan": plan,
+            "device_in_measured_per_step": measured,
+            "device_in_predicted": predicted,
+            "device_in_off_per_step": systems["off"]["dev_in"][warm:],
+            "prediction_error_median": statistics.median(
+                [abs(m - predicted) / predicted for m in measured]) if predicted else None,
+        }
+        for s in systems.values():
+            s["rt"].close()
+    finally:
+        if a.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    if a.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    print(f"GPT {out['model']} ({out['params_m']:.1f} M params), device {a.device}, host "
+          f"{a.host}, NVMe {a.nvme}, activations {out['activations']}; {a.steps} steps each, "
+          f"alternating, first {warm} not measured")
+    for m in ("auto", "off"):
+        print(f"  plan {m:4}: {out['s_per_step'][m]:.3f} s/step (median)")
+    print(f"  auto/off per step: {', '.join(f'{r:.3f}' for r in ratios)}; median "
+          f"{out['ratio_auto_over_off_median']:.3f}")
+    mib = 2 ** 20
+    print(f"  device-in per planned step: measured "
+          f"{', '.join(f'{m / mib:.1f}' for m in measured)} MiB, predicted {predicted / mib:.1f}"
+          f" MiB (median error {100 * (out['prediction_error_median'] or 0):.2f}%); plan off: "
+          f"{', '.join(f'{m / mib:.1f}' for m in out['device_in_off_per_step'])} MiB")
+    print(f"  plan: {plan['followed_iterations']} of {plan['planned_iterations']} planned steps "
+          f"followed, {plan['divergences']} diverged, {plan['prefetches']} prefetches, "
+          f"{plan['deferred']} deferred, {plan['skipped']} skipped")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
