@@ -334,6 +334,11 @@ class TiermemRuntime:
 
     def _root_exit(self):
         self._root_depth -= 1
+        if self._root_depth == 0 and self._count_act and self._in_iteration \
+                and not self._in_backward:
+            # The whole forward's activations hold their room before the backward starts (a
+            # MemoryError here leaves nothing pinned; the backward then only gives room back).
+            self._act_sync()
 
     def _unit_enter(self, u):
         label = f"{u.name or type(u.module).__name__}:pre-forward"
@@ -360,6 +365,10 @@ class TiermemRuntime:
                 self.s.moment(label, 0, u.index)
                 pins = []
                 try:
+                    if self._count_act and self._in_iteration:
+                        # The activations saved so far take their room now, after this
+                        # moment's planned evictions (a plan frees the room it foresaw).
+                        self._act_sync()
                     views = {}
                     for g in u.groups:
                         views[g] = self._acquire(g, self._compute_kind)
@@ -419,8 +428,6 @@ class TiermemRuntime:
             for g, b in u.pins:
                 self._release(g, self._compute_kind, g in modified, b)
             u.pins = []
-            if self._count_act and self._in_iteration:
-                self._act_sync()  # this unit's saved activations now hold device room
             return None
         return hook
 
@@ -564,10 +571,15 @@ class TiermemRuntime:
         """The backward reached `unit` (its saved chunk views, or a gradient of one of its
         params): a timeline moment, and while recording a pre-backward trace moment."""
         if unit != self._bwd_unit:
-            if self._count_act and self._bwd_unit is not None:
-                self._act_done(self._bwd_unit)
+            prev = self._bwd_unit
             self._bwd_unit = unit
             self.s.moment(self.units[unit].bwd_label if unit >= 0 else "pre-backward", 1, unit)
+            if self._count_act:
+                # After the moment's planned actions: the previous unit's activations are
+                # freed; the forward's last ones (not yet counted) take their room.
+                if prev is not None:
+                    self._act_done(prev)
+                self._act_sync()
 
     def _compute_grad_hook(self, r: _Param):
         def hook(p):
