@@ -397,6 +397,32 @@ TEST(ChunkedModel, SaveAndLoadResumeBitForBitAndATornFileChangesNothing) {
   unlink((dir + "/torn").c_str());
 }
 
+// plan: auto through the LibTorch binding: the same session core records step 2, plans it and
+// executes the plan from step 3; the values are those of the reactive engine, bit for bit.
+TEST(ChunkedModel, APlanIsExecutedWithTheSameLosses) {
+  const GPTConfig c = SmallConfig();
+  const auto batches = SyntheticBatches(c, 4, 8);
+  std::vector<double> losses[2];
+  for (int k = 0; k < 2; ++k) {
+    GPT m = MakeModel(c);
+    const Bytes budget = static_cast<Bytes>(NumParams(m)) * 16 / 4;
+    auto cm = tiermem::torch::ChunkedModel::Create(
+        *m, {{"device", budget}, {"host", "64MiB"}, {"plan", k == 0 ? "off" : "auto"}});
+    ASSERT_TRUE(cm.ok()) << cm.status().ToString();
+    losses[k] = TrainSteps(m, **cm, batches, 0, batches.size());
+    const auto ps = (*cm)->session().plan_status();
+    if (k == 0) {
+      EXPECT_EQ(ps.runner.plans, 0u);
+    } else {
+      EXPECT_TRUE(ps.active) << ps.error;
+      EXPECT_EQ(ps.runner.divergences, 0u) << ps.runner.last_divergence;
+      EXPECT_EQ(ps.runner.followed_iterations, batches.size() - 3);
+      EXPECT_GT((*cm)->session().Stats()->plan_prefetches, 0u);
+    }
+  }
+  EXPECT_EQ(losses[1], losses[0]);
+}
+
 TEST(ChunkedModel, TheEnvironmentOverridesTheConfigLikeInPython) {
   const GPTConfig c = SmallConfig();
   GPT model = MakeModel(c);
