@@ -474,11 +474,24 @@ StatusOr<StepResult> Session::Step(const std::vector<GroupHyper>& hyper) {
       if (!s.ok()) break;
       kernels::AdamStep(ac, sp);
     }
+    // All acquired: the kernel ran (on some runs at least): the chunks are modified. An
+    // acquire that failed came before any kernel: nothing was.
+    const bool ran = acquired == kinds.size();
     for (size_t k = 0; k < acquired; ++k) {
-      Status rel = Release(gi, kinds[k], kinds[k] != ChunkKind::kGrad);
+      Status rel = Release(gi, kinds[k], ran && kinds[k] != ChunkKind::kGrad);
       if (s.ok()) s = rel;
     }
-    TIERMEM_RETURN_IF_ERROR(s);
+    if (!s.ok() && !ran) {
+      // This group was not stepped: its step counts stay as they were. (Groups before it
+      // were stepped; the error says which one failed.)
+      for (uint32_t i : g.tensors) {
+        if (has_grad_[i]) --steps_[i];
+      }
+    }
+    if (!s.ok()) {
+      return s.WithContext("optimizer step of chunk group " + std::to_string(gi) + " of " +
+                           std::to_string(groups_.size()) + " (groups before it were stepped)");
+    }
   }
   // What the binding or the user does between this step and the next forward (reading
   // values, logging) is its own moment, not the last sub-step's.

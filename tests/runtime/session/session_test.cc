@@ -288,6 +288,33 @@ TEST(SessionStep, PerGroupHyperParametersAndLrChangesApply) {
   EXPECT_THAT(s->Step({h[0]}), StatusIs(StatusCode::kInvalidArgument, "param group 1"));
 }
 
+// A step that cannot acquire a group's chunks (here: m pinned on the device by someone else)
+// fails naming that group; the groups before it were stepped, that group's step counts and
+// values are unchanged, and the next step after the pin is gone steps it normally.
+TEST(SessionStep, AGroupThatCannotBeAcquiredIsNotSteppedAndSaysWhich) {
+  // Three groups; the device holds two groups' chunks: the step runs on host copies.
+  auto s = Make({{"device", "32KiB"}, {"chunk_size", 1024}},
+                {{"a", 1000, true, 0}, {"b", 1000, true, 0}, {"c", 1000, true, 0}});
+  ASSERT_TRUE(s);
+  ASSERT_EQ(s->num_groups(), 3u);
+  for (size_t t = 0; t < 3; ++t) {
+    ASSERT_THAT(s->WriteParam(t, Random(s->place(t).numel, t).data()), IsOk());
+  }
+  for (size_t t = 0; t < 3; ++t) SetGrad(*s, t, Random(s->place(t).numel, 10 + t));
+  const std::vector<float> b_before = Param(*s, 1);
+  ASSERT_TRUE(s->Acquire(1, ChunkKind::kExpAvg, TierKind::kDevice).ok());
+  auto r = s->Step({GroupHyper{}});
+  EXPECT_THAT(r.status(), StatusIs(StatusCode::kFailedPrecondition, "chunk group 1 of 3"));
+  EXPECT_EQ(s->step_count(0), 1);  // group 0 was stepped
+  EXPECT_EQ(s->step_count(1), 0);
+  EXPECT_EQ(s->step_count(2), 0);
+  ASSERT_THAT(s->Release(1, ChunkKind::kExpAvg, false), IsOk());
+  EXPECT_EQ(Param(*s, 1), b_before);
+  ASSERT_TRUE(s->Step({GroupHyper{}}).ok());
+  EXPECT_EQ(s->step_count(1), 1);
+  EXPECT_NE(Param(*s, 1), b_before);
+}
+
 TEST(SessionStep, BadHyperParametersChangeNothing) {
   auto s = Make({{"device", "1MiB"}}, kThree);
   ASSERT_TRUE(s);
