@@ -148,6 +148,10 @@ def test_torch_transformer_encoder_and_mha_equal_plain():
     torch.testing.assert_close(a, ea, rtol=0, atol=0)
     torch.testing.assert_close(w, ew, rtol=0, atol=0)
     assert not a.requires_grad  # served forwards run without autograd
+    # The MHA is its own (root) unit: its forward left no saved-tensor hooks behind (they
+    # leaked once, when the root wrapper copied the unit wrapper's attributes, and later
+    # training in the same process could call a closed runtime's hooks).
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     tiermem.runtime_of(model).close()
     tiermem.runtime_of(mha).close()
 

@@ -942,8 +942,11 @@ class _Forward:
     """
 
     def __init__(self, inner, enter, exit_):
+        # Not inner's __dict__ (update_wrapper's default): when inner is itself a _Forward (a
+        # module that is both a unit and the root), that would overwrite enter/exit/inner
+        # with the unit's, and the root's hooks would never run.
+        functools.update_wrapper(self, inner, updated=())
         self.inner, self.enter, self.exit = inner, enter, exit_
-        functools.update_wrapper(self, inner)
 
     def __call__(self, *args, **kwargs):
         self.enter()
