@@ -11,7 +11,8 @@ from torch import nn
 import tiermem
 from conftest import KernelAdamW, batches, make_pair, model_bytes, train_steps
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
+import test_hf as hf_models  # noqa: E402  (the same HF models, data and loop as test_hf.py)
 
 
 def config(budget, plan="auto", nvme_dir=None, host="256MiB"):
@@ -93,43 +94,16 @@ def test_torch_transformer_encoder_with_a_plan_equals_plain_torch():
     check_plan_ran(tiermem.runtime_of(model), len(data))
 
 
-def hf_gpt2():
-    cfg = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=3,
-                                  n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return transformers.GPT2LMHeadModel(cfg)
-
-
-def hf_llama():
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=3, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=32,
-                                   tie_word_embeddings=False)
-    return transformers.LlamaForCausalLM(cfg)
-
-
-@pytest.mark.parametrize("make", [hf_gpt2, hf_llama], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("make", [hf_models.gpt2, hf_models.llama], ids=["gpt2", "llama"])
 def test_hf_models_with_a_plan_equal_plain_torch(make):
     torch.manual_seed(0)
     ref = make()
     ours = copy.deepcopy(ref)
-    g = torch.Generator().manual_seed(1)
-    data = [torch.randint(0, 96, (4, 16), generator=g) for _ in range(10)]
-
-    def run(model, opt):
-        out = []
-        for ids in data:
-            opt.zero_grad()
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            out.append(loss.item())
-        return out
-
-    ref_losses = run(ref, KernelAdamW(ref.parameters(), lr=1e-3, weight_decay=0.01))
-    largest = max(p.numel() for p in ours.parameters())
-    budget = max(model_bytes(ours) * 3 // 10, 32 * largest)
-    model, opt = tiermem.initialize(ours, config(budget))
-    assert run(model, opt) == ref_losses
+    data = hf_models.batches(10)
+    ref_losses = hf_models.train(ref, KernelAdamW(ref.parameters(), lr=1e-3, weight_decay=0.01),
+                                 data)
+    model, opt = tiermem.initialize(ours, config(hf_models.budget(ours)))
+    assert hf_models.train(model, opt, data) == ref_losses
     for k, v in ref.state_dict().items():
         assert torch.equal(model.state_dict()[k], v), k
     check_plan_ran(tiermem.runtime_of(model), len(data))
