@@ -588,7 +588,6 @@ TEST(Engine, PlannedEvictionWritesBackInTheBackgroundAndAPrefetchTakesTheRoom) {
     r.engine->Moment("next");  // retries it
   }
   EXPECT_EQ(r.engine->Resident(ids[2]), TierKind::kDevice);
-  const uint64_t stalls = r.engine->Stats().stalls;
   auto p2 = r.engine->Acquire(ids[2], TierKind::kDevice);
   ASSERT_TRUE(p2.ok());
   ASSERT_TRUE(r.engine->Synchronize().ok());
@@ -611,7 +610,6 @@ TEST(Engine, PlannedEvictionWritesBackInTheBackgroundAndAPrefetchTakesTheRoom) {
   EXPECT_EQ(st.plan_evictions, 2u);
   EXPECT_EQ(st.plan_prefetches, 1u);
   EXPECT_EQ(st.plan_skipped, 2u);
-  (void)stalls;
   const prof::Report rep = r.Report();
   EXPECT_LE(rep.tiers[static_cast<int>(TierKind::kDevice)].peak.bytes, 2 * kChunk);
 }
