@@ -325,7 +325,8 @@ uint32_t PrefetchLead(const EffIteration& eff, const ActSpan& s, const MachineMo
 }
 
 void ActivationSearch(Search& search, const Trace& trace, const TraceIteration& iter,
-                      const MachineModel& machine, const Placement& base) {
+                      const MachineModel& machine, const Placement& base,
+                      bool allow_recompute) {
   Placement probe = base;
   probe.home.assign(trace.chunks.size(), TierKind::kHost);
   auto eff = BuildEffective(trace, iter, probe, machine);
@@ -348,6 +349,7 @@ void ActivationSearch(Search& search, const Trace& trace, const TraceIteration& 
     cheaper[u] = copy <= fwd ? offload[u] : recompute[u];
   }
   for (const auto* family : {&offload, &recompute, &cheaper}) {
+    if (!allow_recompute && family != &offload) continue;
     if (family == &cheaper && (cheaper == offload || cheaper == recompute)) continue;
     Patience patience;
     for (size_t k = 1; k <= units.size() && !patience.exhausted(); ++k) {
@@ -490,7 +492,7 @@ StatusOr<std::vector<TierKind>> PlaceHomesInOrder(const Trace& trace, const Mach
 }
 
 Status CheckFeasible(const Trace& trace, uint32_t iteration, const MachineModel& machine,
-                     bool keep_activations) {
+                     bool keep_activations, bool offload_only) {
   if (iteration >= trace.iterations.size()) {
     return InvalidArgumentError("trace has " + std::to_string(trace.iterations.size()) +
                                 " iterations, no iteration " + std::to_string(iteration));
@@ -502,7 +504,9 @@ Status CheckFeasible(const Trace& trace, uint32_t iteration, const MachineModel&
   p.home.assign(trace.chunks.size(), TierKind::kHost);
   if (!keep_activations) {
     for (const Moment& m : iter.moments) {
-      if (m.unit != kNoUnit) p.units[m.unit] = {ActivationPolicy::kRecompute, 1};
+      if (m.unit == kNoUnit) continue;
+      p.units[m.unit] = {offload_only ? ActivationPolicy::kOffload : ActivationPolicy::kRecompute,
+                         1};
     }
   }
   TIERMEM_ASSIGN_OR_RETURN(EffIteration eff, BuildEffective(trace, iter, p, machine));
@@ -564,7 +568,8 @@ StatusOr<Plan> MakePlan(const Trace& trace, const MachineModel& machine,
     return InvalidArgumentError("planner: the start state does not cover the chunks");
   }
   TIERMEM_RETURN_IF_ERROR(
-      CheckFeasible(trace, options.iteration, machine, !options.activation_policy));
+      CheckFeasible(trace, options.iteration, machine, !options.activation_policy,
+                    !options.allow_recompute));
   const TraceIteration& iter = trace.iterations[options.iteration];
   if (options.earlier_iteration >= static_cast<int64_t>(trace.iterations.size())) {
     return InvalidArgumentError("planner: no earlier iteration " +
@@ -590,7 +595,9 @@ StatusOr<Plan> MakePlan(const Trace& trace, const MachineModel& machine,
     base.groups[g].overlap = options.overlap_optimizer;
   }
   search.Try(base);
-  if (options.activation_policy) ActivationSearch(search, trace, iter, machine, base);
+  if (options.activation_policy) {
+    ActivationSearch(search, trace, iter, machine, base, options.allow_recompute);
+  }
 
   // With volatile groups (routing that changes between iterations) optimizer steps stay
   // where they ran: HBM given to resident optimizer state is then missing for the chunks no
@@ -637,7 +644,7 @@ StatusOr<Plan> MakePlan(const Trace& trace, const MachineModel& machine,
   if (options.activation_policy && can_place && search.best()) {
     Placement p = search.best()->placement;
     p.units.clear();
-    ActivationSearch(search, trace, iter, machine, p);
+    ActivationSearch(search, trace, iter, machine, p, options.allow_recompute);
   }
   if (search.best()) {
     // Schedule variants on the best placement.

@@ -131,6 +131,7 @@ struct PlanOptions {
   bool place_optimizer = true;                   // may move optimizer steps between CPU and device
   bool overlap_optimizer = true;                 // may overlap CPU steps with the backward
   bool activation_policy = true;                 // may offload / recompute activations
+  bool allow_recompute = true;                   // with it: recompute too (else offload only)
   bool aggressive_prefetch = true;  // may also try prefetching ahead of Belady's fetches
   PlanObjective objective = PlanObjective::kTime;
   // An earlier observed iteration (-1: none). Chunk groups that moments of it and of
@@ -163,10 +164,11 @@ StatusOr<std::vector<TierKind>> PlaceHomesInOrder(const Trace& trace, const Mach
 Bytes HostWorkingSet(const Trace& trace);
 
 // Checks the budgets against every moment of `iter` with the least non-chunk bytes (every
-// other unit's activations offloaded or recomputed): kResourceExhausted naming the moment,
-// the bytes it needs and the budget. `keep_activations`: with every unit's activations kept.
+// other unit's activations recomputed, or offloaded with `offload_only`): kResourceExhausted
+// naming the moment, the bytes it needs and the budget. `keep_activations`: with every unit's
+// activations kept.
 Status CheckFeasible(const Trace& trace, uint32_t iteration, const MachineModel& machine,
-                     bool keep_activations);
+                     bool keep_activations, bool offload_only = false);
 
 // Byte-exact, deterministic encoding of a plan (for equality checks and for storing it).
 std::string EncodePlan(const Plan& plan);

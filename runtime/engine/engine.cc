@@ -283,8 +283,8 @@ uint64_t Engine::NextUse(ChunkId chunk) const {
 }
 
 Bytes Engine::ChunkCapacity(TierKind tier, const TierStats& st) const {
-  if (tier != TierKind::kDevice) return st.capacity;
-  return st.capacity > external_device_ ? st.capacity - external_device_ : 0;
+  const Bytes ext = external_[static_cast<int>(tier)];
+  return st.capacity > ext ? st.capacity - ext : 0;
 }
 
 StatusOr<bool> Engine::EvictOne(TierKind tier, ChunkId chunk, bool for_prefetch,
@@ -346,9 +346,11 @@ StatusOr<Region> Engine::AllocateOn(TierKind tier, ChunkId chunk, bool for_prefe
     if (for_prefetch) return ResourceExhaustedError("prefetch: no room");
     RecordOom(tier, bytes, chunk, chunks_[chunk].category);
     std::string external;
-    if (tier == TierKind::kDevice && external_device_ > 0) {
-      external = ", " + std::to_string(external_device_) +
-                 " bytes of the budget held by non-chunk device memory (KV cache, activations)";
+    if (const Bytes ext = external_[static_cast<int>(tier)]; ext > 0) {
+      external = ", " + std::to_string(ext) + " bytes of the budget held by non-chunk " +
+                 std::string(TierKindName(tier)) + " memory (" +
+                 (tier == TierKind::kDevice ? "KV cache, activations" : "offloaded activations") +
+                 ")";
     }
     return ResourceExhaustedError(
         std::string(TierKindName(tier)) + " tier: need " + std::to_string(bytes) +
@@ -358,45 +360,57 @@ StatusOr<Region> Engine::AllocateOn(TierKind tier, ChunkId chunk, bool for_prefe
   }
 }
 
-Status Engine::SetExternalDeviceBytes(Bytes bytes) {
-  Tier* t = TierOf(TierKind::kDevice);
-  // Refused before anything is evicted when the pinned chunks alone leave too little room.
-  Bytes pinned_now = 0;
-  for (const ChunkRec& c : chunks_) {
-    if (c.cache.tier == TierKind::kDevice && c.pins > 0) pinned_now += c.cache.region.bytes;
+Status Engine::SetExternalBytes(TierKind tier, Bytes bytes) {
+  if (tier != TierKind::kDevice && tier != TierKind::kHost) {
+    return InvalidArgumentError("engine: external bytes are on the device or the host tier");
   }
+  Tier* t = TierOf(tier);
+  const std::string name(TierKindName(tier));
+  const std::string what = tier == TierKind::kDevice
+                               ? " bytes of non-chunk device memory (KV cache, activations)"
+                               : " bytes of offloaded activations";
+  // What cannot move: pinned chunks, and on the host the homes.
+  Bytes homes = 0, pinned_now = 0;
+  for (const ChunkRec& c : chunks_) {
+    if (c.cache.tier == tier && c.pins > 0) pinned_now += c.cache.region.bytes;
+    if (c.home.tier == tier) homes += c.home.region.bytes;
+  }
+  auto refuse = [&](Bytes capacity, Bytes fixed) {
+    std::string held = std::to_string(fixed) + " bytes of chunks in use now";
+    if (homes > 0) held += " and chunk homes";
+    return ResourceExhaustedError(name + " tier: " + std::to_string(bytes) + what +
+                                  " do not fit the budget of " + std::to_string(capacity) +
+                                  " bytes next to the " + held + "; the " + name +
+                                  " budget must be at least " + std::to_string(bytes + fixed) +
+                                  " bytes");
+  };
+  // Refused before anything is evicted when what cannot move leaves too little room.
   const Bytes capacity = t->Stats().capacity;
-  if (bytes > capacity || pinned_now > capacity - bytes) {
-    return ResourceExhaustedError(
-        "device tier: " + std::to_string(bytes) +
-        " bytes of non-chunk device memory (KV cache, activations) do not fit the budget of " +
-        std::to_string(capacity) + " bytes next to the " + std::to_string(pinned_now) +
-        " bytes of chunks in use now; the device budget must be at least " +
-        std::to_string(bytes + pinned_now) + " bytes");
+  if (bytes > capacity || homes + pinned_now > capacity - bytes) {
+    return refuse(capacity, homes + pinned_now);
   }
   for (;;) {
     const TierStats st = t->Stats();
     if (bytes <= st.capacity && st.used <= st.capacity - bytes) break;
+    // Chunks the plan already evicted are leaving anyway: wait for them first.
+    TIERMEM_ASSIGN_OR_RETURN(const bool freed, ReclaimPlanned(tier, true));
+    if (freed) continue;
     Bytes pinned = 0;
-    TIERMEM_ASSIGN_OR_RETURN(const bool evicted,
-                             EvictOne(TierKind::kDevice, kNoChunk, false, 0, &pinned));
+    TIERMEM_ASSIGN_OR_RETURN(const bool evicted, EvictOne(tier, kNoChunk, false, 0, &pinned));
     if (evicted) continue;
-    return ResourceExhaustedError(
-        "device tier: " + std::to_string(bytes) +
-        " bytes of non-chunk device memory (KV cache, activations) do not fit the budget of " +
-        std::to_string(st.capacity) + " bytes next to the " + std::to_string(pinned) +
-        " bytes of chunks in use now; the device budget must be at least " +
-        std::to_string(bytes + pinned) + " bytes");
+    return refuse(st.capacity, homes + pinned);
   }
-  if (bytes == external_device_) return OkStatus();
-  external_device_ = bytes;
+  Bytes& ext = external_[static_cast<int>(tier)];
+  if (bytes == ext) return OkStatus();
+  ext = bytes;
   if (recorder_ != nullptr) {
-    // One pseudo-region (a fixed id no tier hands out): re-allocating a live id replaces it.
+    // One pseudo-region per tier (a fixed id no tier hands out): re-allocating a live id
+    // replaces it.
     Event e;
     e.type = bytes > 0 ? EventType::kAlloc : EventType::kFree;
-    e.id = kExternalRegionId;
+    e.id = kExternalRegionId + (tier == TierKind::kDevice ? 0 : 1);
     e.bytes = bytes;
-    e.tier = TierKind::kDevice;
+    e.tier = tier;
     e.chunk = kNoChunk;
     e.category = Category::kActivation;
     recorder_->Record(e);

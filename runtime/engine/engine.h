@@ -31,9 +31,10 @@
 // the start of the next one and a chunk's next use after its last one this iteration is its
 // first one in the next (farthest-next-use then keeps what the next forward needs soonest).
 //
-// External device bytes (SetExternalDeviceBytes): device memory the caller keeps live outside
-// chunks (a KV cache, activations) counts against the device tier's budget: chunks are
-// evicted to make room for it, and chunk allocations only use what is left.
+// External bytes (SetExternalBytes): device or host memory the caller keeps live outside
+// chunks (a KV cache and activations on the device, offloaded activations on the host) counts
+// against that tier's budget: cached chunks are evicted to make room for it (homes are not:
+// a host budget full of homes refuses), and chunk allocations only use what is left.
 //
 // Planned mode (SetPlanned; runtime/session/plan_runner.h drives it from a planner's plan):
 // the plan's actions replace the lookahead prefetch and write-behind above. PlanEvict drops a
@@ -68,7 +69,8 @@
 
 namespace tiermem::engine {
 
-// The timeline id of the external-device-bytes pseudo-region (tiers count ids up from 1).
+// The timeline id of the external-bytes pseudo-region of the device tier; the host's is the
+// next one (tiers count ids up from 1).
 inline constexpr uint64_t kExternalRegionId = 0xffffffffffffff00ull;
 
 struct EngineConfig {
@@ -147,11 +149,14 @@ class Engine {
   // iterations). On by default.
   void SetTracing(bool on) { tracing_ = on; }
   void SetCyclic(bool on) { cyclic_ = on; }
-  // Sets the external device bytes (absolute, not a delta), evicting unpinned device chunks
-  // until chunks + `bytes` fit the budget. kResourceExhausted, before anything is evicted,
-  // when the pinned chunks leave too little room; the message names the bytes.
-  Status SetExternalDeviceBytes(Bytes bytes);
-  Bytes external_device_bytes() const { return external_device_; }
+  // Sets the external bytes of `tier` (kDevice or kHost; absolute, not a delta), evicting
+  // unpinned cached chunks there until chunks + `bytes` fit the budget. kResourceExhausted,
+  // before anything is evicted, when the pinned chunks (and, on the host, the homes) leave
+  // too little room; the message names the bytes.
+  Status SetExternalBytes(TierKind tier, Bytes bytes);
+  Status SetExternalDeviceBytes(Bytes bytes) { return SetExternalBytes(TierKind::kDevice, bytes); }
+  Bytes external_bytes(TierKind tier) const { return external_[static_cast<int>(tier)]; }
+  Bytes external_device_bytes() const { return external_bytes(TierKind::kDevice); }
   void Moment(std::string_view label);   // timeline moment
   void Phase(std::string_view label);    // timeline phase
   Status Synchronize();                  // waits for all moves in flight
@@ -215,7 +220,7 @@ class Engine {
   // `*pinned` gets the bytes of the pinned chunks seen.
   StatusOr<bool> EvictOne(TierKind tier, ChunkId chunk, bool for_prefetch, uint64_t prefetch_pos,
                           Bytes* pinned);
-  // The tier's budget for chunks: its capacity less the external bytes on the device.
+  // The tier's budget for chunks: its capacity less its external bytes.
   Bytes ChunkCapacity(TierKind tier, const TierStats& st) const;
   Status Evict(ChunkId victim);
   Status FreeRegion(const Placed& p, ChunkId chunk, bool clean);
@@ -258,7 +263,7 @@ class Engine {
   bool following_ = false;
   bool tracing_ = true;
   bool cyclic_ = false;
-  Bytes external_device_ = 0;
+  std::array<Bytes, kNumTierKinds> external_{};  // per TierKind (device and host only)
   bool planned_ = false;
   std::vector<std::pair<ChunkId, TierKind>> deferred_;  // planned prefetches waiting for room
 

@@ -174,7 +174,8 @@ constexpr std::initializer_list<const char*> kDeviceKinds = {"auto", "cuda", "si
 constexpr std::initializer_list<const char*> kEngines = {"auto", "io_uring", "posix"};
 constexpr std::initializer_list<const char*> kIsas = {"auto", "scalar", "avx2", "avx512"};
 constexpr std::initializer_list<const char*> kPlanModes = {"off", "auto"};
-constexpr std::initializer_list<const char*> kActivationModes = {"outside", "budget"};
+constexpr std::initializer_list<const char*> kActivationModes = {"outside", "budget",
+                                                                     "offload"};
 
 Status ApplyJson(const json& config, SessionConfig* c, bool* nvme_given) {
   TIERMEM_RETURN_IF_ERROR(CheckKeys(config, kTopKeys, "config"));

@@ -30,9 +30,11 @@
 //   write_behind                                   true        background write-back (engine.h)
 //   plan            TIERMEM_PLAN                   off         off | auto: plan from a warm-up
 //                                                              iteration and execute the plan
-//   activations     TIERMEM_ACTIVATIONS            outside     outside | budget: the bindings
-//                                                              count saved activations in the
-//                                                              device budget
+//   activations     TIERMEM_ACTIVATIONS            outside     outside | budget | offload: the
+//                                                              bindings count saved activations
+//                                                              in the device budget (offload:
+//                                                              and move them to host memory
+//                                                              when the device is short)
 //   loss_scaling.{initial_scale,growth_interval,growth_factor,backoff_factor}   (fp16)
 //   unmaterialized_reads                           materialize materialize | error (Python)
 //
@@ -92,7 +94,9 @@ struct SessionConfig {
   bool write_behind = true;
   std::string plan = "off";  // "off" | "auto" (session.h, "Plans")
   // "outside": saved activations are torch's, outside the device budget; "budget": the
-  // bindings count them in it (SetExternalDeviceBytes), and plans account for them.
+  // bindings count them in it (SetExternalDeviceBytes), and plans account for them;
+  // "offload": counted too, and the binding offloads units' activations to host memory
+  // (SetExternalHostBytes) when the device cannot hold them.
   std::string activations = "outside";
   LossScalingConfig loss_scaling;
   std::string unmaterialized_reads = "materialize";  // or "error"

@@ -40,6 +40,7 @@ void PlanRunner::BeginIteration() {
   checker_->Reset();
   diverged_ = false;
   in_iteration_ = true;
+  fetches_.clear();
   ++stats_.planned_iterations;
   engine_->SetPlanned(true);
   // The recorder opens every iteration with this moment (trace_recorder.cc).
@@ -82,7 +83,7 @@ void PlanRunner::Issue(int64_t planned_moment) {
     switch (a.kind) {
       case ActionKind::kEvict: r = engine_->PlanEvict(a.chunk, a.tier); break;
       case ActionKind::kPrefetch: r = engine_->PlanPrefetch(a.chunk, a.tier); break;
-      case ActionKind::kFetchActivation: break;  // activation policies are not executed yet
+      case ActionKind::kFetchActivation: fetches_.push_back(a.unit); break;  // the binding's
     }
     if (!r.ok()) {
       // A move that cannot start is left to the reactive path (the acquire will need it).
@@ -90,6 +91,20 @@ void PlanRunner::Issue(int64_t planned_moment) {
                          << a.chunk << " at " << pm.label << ": " << r.status().message();
     }
   }
+}
+
+bool PlanRunner::OffloadsUnit(uint32_t unit) const {
+  if (!following()) return false;
+  for (const planners::UnitPlan& u : plan_->units) {
+    if (u.unit == unit) return u.policy == planners::ActivationPolicy::kOffload;
+  }
+  return false;
+}
+
+std::vector<uint32_t> PlanRunner::TakeActivationFetches() {
+  std::vector<uint32_t> out;
+  out.swap(fetches_);
+  return out;
 }
 
 void PlanRunner::Diverge() {

@@ -15,6 +15,11 @@
 // over — and reports it; the session decides whether to re-plan. Values never depend on any
 // of this: the engine's Acquire makes every chunk resident whatever the plan did.
 //
+// Activations (a plan made with an activation policy): the binding moves saved activations,
+// not the engine, so the runner only tells it what the plan decided — which units' activations
+// go to the host after their forward (OffloadsUnit) and, per moment, whose come back
+// (TakeActivationFetches) — while the iteration follows the plan.
+//
 // A moment the trace recorder split (a chunk accessed on a second tier within one moment
 // becomes "<label>+", trace_recorder.h) is split here the same way, so the moments line up.
 //
@@ -57,6 +62,12 @@ class PlanRunner {
   void Moment(std::string_view label, planners::MomentKind kind);
   void Access(ChunkId chunk, TierKind tier);
   void SetPaused(bool paused) { paused_ = paused; }
+  // While following the plan: whether it offloads `unit`'s saved activations after its
+  // forward; the units whose offloaded activations the moments issued since the last call
+  // fetch back (cleared by the call).
+  bool OffloadsUnit(uint32_t unit) const;
+  bool following() const { return active() && in_iteration_ && !diverged_ && !paused_; }
+  std::vector<uint32_t> TakeActivationFetches();
   // Whether the current iteration has diverged from the plan.
   bool diverged() const { return diverged_; }
   const Stats& stats() const { return stats_; }
@@ -76,6 +87,7 @@ class PlanRunner {
   std::vector<uint32_t> tier_in_moment_;
   uint32_t serial_ = 0;
   std::string label_;
+  std::vector<uint32_t> fetches_;  // kFetchActivation units issued, not yet taken
   Stats stats_;
 };
 

@@ -571,7 +571,9 @@ void Session::PlanAtBoundary(bool diverged) {
   }
   if (trace_.armed()) return;
   // Nothing moves when every chunk fits on the device: nothing to plan.
-  if (stack_->device()->Stats().capacity >= total_chunk_bytes_) return;
+  // (Counted activations can still push chunks out.)
+  if (config_.activations == "outside" && stack_->device()->Stats().capacity >= total_chunk_bytes_)
+    return;
   // The first iteration is cold (lazily zero chunks, first moves): record the second.
   if (!diverged && (runner_.active() || train_iterations_ != 2)) return;
   if (!trace_.ArmInMemory(1).ok()) return;
@@ -596,7 +598,7 @@ Status Session::ExecutePlanFrom(const planners::Trace& trace, int64_t iteration)
     return InvalidArgumentError("plan: the trace has no iteration " + std::to_string(iteration));
   }
   planners::Trace t = trace;
-  const bool counted = config_.activations == "budget";
+  const bool counted = config_.activations != "outside";
   if (!counted) {
     // Activations and temporaries are not in the engine's device budget (on SimDevice they
     // live in CPU memory; on CUDA in torch's allocator): the chunks get the whole budget.
@@ -648,7 +650,10 @@ Status Session::ExecutePlanFrom(const planners::Trace& trace, int64_t iteration)
   o.homes = &homes;
   o.place_optimizer = false;    // the session steps where OptimizerTier says
   o.overlap_optimizer = false;  // the step runs after the backward
-  o.activation_policy = false;  // activations stay with torch
+  // "offload": the binding offloads whole units' activations to the host as the plan says
+  // (it does not recompute); otherwise they stay where torch keeps them.
+  o.activation_policy = config_.activations == "offload";
+  o.allow_recompute = false;
   if (iteration > 0) o.earlier_iteration = iteration - 1;
   // SimDevice's copies are memcpys on the same CPU cores as the compute, which the machine
   // model (copy lanes concurrent with compute) does not see: fewest bytes is the right goal
@@ -751,6 +756,11 @@ void Session::SetCyclic(bool on) {
 Status Session::SetExternalDeviceBytes(Bytes bytes) {
   TIERMEM_RETURN_IF_ERROR(Live());
   return stack_->engine()->SetExternalDeviceBytes(bytes);
+}
+
+Status Session::SetExternalHostBytes(Bytes bytes) {
+  TIERMEM_RETURN_IF_ERROR(Live());
+  return stack_->engine()->SetExternalBytes(TierKind::kHost, bytes);
 }
 
 Status Session::Synchronize() {

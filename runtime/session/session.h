@@ -211,6 +211,17 @@ class Session {
   // counted in the device budget: device chunks are evicted to make room. kResourceExhausted
   // naming the bytes (nothing changes) when the chunks in use leave too little room.
   Status SetExternalDeviceBytes(Bytes bytes);
+  // Host bytes the binding keeps outside chunks (activations offloaded from the device),
+  // counted in the host budget: host caches of NVMe-homed chunks are evicted to make room.
+  // kResourceExhausted naming the bytes (nothing changes) when homes and chunks in use leave
+  // too little room.
+  Status SetExternalHostBytes(Bytes bytes);
+  // activations: offload, while an executed plan is followed (plan_runner.h, "Activations"):
+  // whether the plan offloads `unit`'s saved activations after its forward, and the units
+  // whose activations the moments since the last call fetch back.
+  bool PlanOffloadsUnit(uint32_t unit) const { return runner_.OffloadsUnit(unit); }
+  bool PlanFollowed() const { return runner_.following(); }
+  std::vector<uint32_t> TakeActivationFetches() { return runner_.TakeActivationFetches(); }
   Status Synchronize();
   Status Flush();  // home copies current (e.g. before reading many values)
   StatusOr<engine::EngineStats> Stats() const;

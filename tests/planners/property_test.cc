@@ -222,6 +222,40 @@ TEST(PlannerPropertyTest, PlannedStallIsAtMostEveryReactivePolicys) {
   EXPECT_GE(compared, 60);
 }
 
+// The runtime offloads activations but does not recompute (activations: offload): plans made
+// with allow_recompute = false never recompute, fit the budgets the offload-only feasibility
+// check accepts, and do offload where keeping everything would not fit.
+TEST(PlannerPropertyTest, OffloadOnlyPlansNeverRecompute) {
+  int planned = 0, offloading = 0;
+  for (uint64_t seed = 1; seed <= 24; ++seed) {
+    SCOPED_TRACE(seed);
+    const Trace t = testing::RandomTrace(
+        seed, {.iterations = 1, .training = true, .units = 3 + static_cast<uint32_t>(seed % 4)});
+    const Bytes total = t.TotalChunkBytes();
+    const MachineModel m = testing::TestMachine(total * (25 + 10 * (seed % 5)) / 100, 4 * total);
+    PlanOptions o;
+    o.allow_recompute = false;
+    if (!CheckFeasible(t, 0, m, false, true).ok()) {
+      EXPECT_FALSE(MakePlan(t, m, o).ok());
+      continue;
+    }
+    auto p = MakePlan(t, m, o);
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    ++planned;
+    bool offloads = false;
+    for (const UnitPlan& u : p->units) {
+      EXPECT_NE(u.policy, ActivationPolicy::kRecompute) << u.unit;
+      offloads |= u.policy == ActivationPolicy::kOffload;
+    }
+    EXPECT_LE(p->estimate.peak[static_cast<int>(TierKind::kDevice)],
+              m.Budget(TierKind::kDevice));
+    if (!CheckFeasible(t, 0, m, true).ok()) EXPECT_TRUE(offloads);
+    offloading += offloads;
+  }
+  EXPECT_GE(planned, 8);
+  EXPECT_GE(offloading, 3);
+}
+
 TEST(PlannerPropertyTest, PlansAndSimulationsAreDeterministic) {
   for (uint64_t seed = 1; seed <= 4; ++seed) {
     SCOPED_TRACE(seed);

@@ -85,3 +85,88 @@ def test_activations_that_do_not_fit_raise_and_leave_the_model_as_it_was():
     assert train_steps(model, opt, small) == ref_losses
     for k, v in ref.state_dict().items():
         assert torch.equal(model.state_dict()[k], v), k
+
+
+# ---- activations: 'offload' ----------------------------------------------------------------
+def host_activation_peak(rt):
+    return rt.timeline_peaks()["category_peak"]["host"]["activation"]
+
+
+@pytest.mark.parametrize("plan", ["off", "auto"])
+def test_activations_larger_than_the_device_budget_are_offloaded_and_train_exactly(plan):
+    ref, ours = make_pair()
+    data = batches(8, batch=32)  # 3.5 MB of saved activations per step
+    ref_losses = train_steps(ref, KernelAdamW(ref.parameters(), lr=1e-3, weight_decay=0.01),
+                             data)
+    budget = 2_400_000  # below the activations alone (and than chunks + activations)
+    model, opt = tiermem.initialize(ours, config(budget, plan=plan, activations="offload",
+                                                 host="256MiB"))
+    rt = tiermem.runtime_of(model)
+    assert train_steps(model, opt, data) == ref_losses
+    for k, v in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+    rep = rt.timeline_peaks()
+    act = rep["category_peak"]["device"]["activation"]
+    assert 0 < act < budget and rep["peak"]["device"] <= budget and not rep["over_budget"], rep
+    peak, cap = device_use_over_time(rt)  # chunks + activations at every allocation
+    assert cap == budget and peak <= budget
+    assert host_activation_peak(rt) > 1_000_000
+    st = rt.stats()["activations"]
+    assert st["offloaded_bytes"] == st["fetched_bytes"] > 8 * 1_000_000, st
+    if plan == "auto":
+        p = rt.stats()["plan"]
+        assert p["active"] and p["divergences"] == 0 and p["followed_iterations"] >= 4, p
+    # Counted but not offloaded, the same budget cannot hold them.
+    ref2, ours2 = make_pair()
+    m2, o2 = tiermem.initialize(ours2, config(budget, plan=plan, host="256MiB"))
+    with pytest.raises(MemoryError, match=r"activations.*'offload' moves them to the host"):
+        train_steps(m2, o2, data[:1])
+
+
+def test_offload_to_a_full_host_budget_raises_and_leaves_the_model_as_it_was():
+    ref, ours = make_pair()
+    small = batches(4, batch=2)
+    big = batches(1, batch=32, seed=9)
+    ref_losses = train_steps(ref, KernelAdamW(ref.parameters(), lr=1e-3, weight_decay=0.01),
+                             small)
+    model, opt = tiermem.initialize(ours, config(2_400_000, activations="offload",
+                                                 host=2_000_000))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x, y = big[0]
+    opt.zero_grad()
+    with pytest.raises(MemoryError, match=r"does not fit the host budget"):
+        model(x, y).backward()
+    for k, v in before.items():
+        assert torch.equal(model.state_dict()[k], v), k
+    assert train_steps(model, opt, small) == ref_losses
+
+
+def test_offloaded_activations_of_torch_modules_match_plain_torch():
+    torch.manual_seed(3)
+    layer = torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+    ref = torch.nn.Sequential(torch.nn.TransformerEncoder(layer, 4, enable_nested_tensor=False),
+                              torch.nn.Linear(64, 8))
+    ours = copy.deepcopy(ref)
+    g = torch.Generator().manual_seed(4)
+    data = [(torch.randn(16, 32, 64, generator=g), torch.randint(0, 8, (16, 32), generator=g))
+            for _ in range(5)]
+
+    def loop(model, opt):
+        out = []
+        for x, y in data:
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss.backward()
+            opt.step()
+            out.append(loss.item())
+        return out
+
+    want = loop(ref, KernelAdamW(ref.parameters(), lr=1e-3, weight_decay=0.01))
+    nbytes = sum(p.numel() for p in ref.parameters()) * 16
+    model, opt = tiermem.initialize(ours, config(nbytes // 2 + 1_000_000, activations="offload",
+                                                 host="256MiB"),
+                                    units=[torch.nn.TransformerEncoderLayer, torch.nn.Linear])
+    rt = tiermem.runtime_of(model)
+    assert loop(model, opt) == want
+    assert rt.stats()["activations"]["offloaded_bytes"] > 0
+    assert not rt.timeline_peaks()["over_budget"]

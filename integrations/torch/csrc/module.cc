@@ -515,6 +515,14 @@ PYBIND11_MODULE(_C, m) {
       .def("set_cyclic", [](PySession& s, bool on) { s.s().SetCyclic(on); })
       .def("set_external_device_bytes",
            [](PySession& s, uint64_t b) { Check(s.s().SetExternalDeviceBytes(b)); })
+      .def("set_external_host_bytes",
+           [](PySession& s, uint64_t b) { Check(s.s().SetExternalHostBytes(b)); })
+      .def("plan_offloads_unit",
+           [](const PySession& s, uint32_t u) { return s.s().PlanOffloadsUnit(u); })
+      .def_property_readonly("plan_followed",
+                             [](const PySession& s) { return s.s().PlanFollowed(); })
+      .def("take_activation_fetches",
+           [](PySession& s) { return s.s().TakeActivationFetches(); })
       .def("synchronize", [](PySession& s) { Check(s.s().Synchronize()); })
       .def("flush", [](PySession& s) { Check(s.s().Flush()); })
       .def("stats", &PySession::Stats)

@@ -394,6 +394,58 @@ TEST(Engine, CyclicOrderPrefetchesAcrossTheIterationBoundary) {
   EXPECT_EQ(PrefetchesInThirdIteration(false), 5u);
 }
 
+// External host bytes (activations offloaded from the device) take host budget from the
+// caches of NVMe-homed chunks — a dirty one is written home first, so no value is lost — never
+// from homes: a request the homes leave no room for is refused before anything moves, naming
+// the host budget needed; the timeline shows them as host `activation` bytes.
+TEST(Engine, ExternalHostBytesEvictHostCachesNeverHomes) {
+  Rig r(4 * kChunk, 6 * kChunk, 16 * kChunk);
+  std::vector<ChunkId> homed, deep;
+  for (int i = 0; i < 2; ++i) {
+    auto id = r.engine->AddChunk(kChunk, Category::kParam, TierKind::kHost);
+    ASSERT_TRUE(id.ok()) << id.status().ToString();
+    homed.push_back(*id);
+  }
+  for (int i = 0; i < 3; ++i) {
+    auto id = r.engine->AddChunk(kChunk, Category::kOptimState, TierKind::kNvme);
+    ASSERT_TRUE(id.ok()) << id.status().ToString();
+    deep.push_back(*id);
+    r.Fill(*id, static_cast<uint8_t>(10 + i));  // cached on the host, dirty
+  }
+  EXPECT_EQ(r.host_tier->Stats().used, 5 * kChunk);
+  ASSERT_TRUE(r.engine->SetExternalBytes(TierKind::kHost, 2 * kChunk).ok());
+  EXPECT_EQ(r.engine->external_bytes(TierKind::kHost), 2 * kChunk);
+  EXPECT_LE(r.host_tier->Stats().used, 4 * kChunk);
+  EXPECT_EQ(r.engine->Resident(homed[0]), TierKind::kHost);
+  EXPECT_EQ(r.engine->Resident(homed[1]), TierKind::kHost);
+  // The homes and the external bytes leave no room: refused, nothing evicted.
+  const uint64_t evictions = r.engine->Stats().evictions;
+  Status s = r.engine->SetExternalBytes(TierKind::kHost, 5 * kChunk);
+  EXPECT_EQ(s.code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(s.message().find("host budget must be at least " + std::to_string(7 * kChunk)),
+            std::string::npos) << s.message();
+  EXPECT_EQ(r.engine->Stats().evictions, evictions);
+  EXPECT_EQ(r.engine->external_bytes(TierKind::kHost), 2 * kChunk);
+  // Every value survives (the evicted cache was written to NVMe first).
+  for (int i = 0; i < 3; ++i) {
+    auto p = r.engine->Acquire(deep[i], TierKind::kHost);
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    EXPECT_TRUE(Rig::Holds(*p, kChunk, static_cast<uint8_t>(10 + i))) << i;
+    ASSERT_TRUE(r.engine->Release(deep[i], false).ok());
+  }
+  EXPECT_LE(r.host_tier->Stats().used, 4 * kChunk);
+  // The device tier is separate, and no other tier has external bytes.
+  EXPECT_EQ(r.engine->external_device_bytes(), 0u);
+  EXPECT_EQ(r.engine->SetExternalBytes(TierKind::kNvme, kChunk).code(),
+            StatusCode::kInvalidArgument);
+  ASSERT_TRUE(r.engine->SetExternalBytes(TierKind::kHost, 0).ok());
+  const prof::Report rep = r.Report();
+  EXPECT_EQ(rep.tiers[static_cast<int>(TierKind::kHost)]
+                .categories[static_cast<int>(Category::kActivation)]
+                .peak.bytes,
+            2 * kChunk);
+}
+
 // External device bytes (a served model's KV cache) take budget from the chunks: setting them
 // evicts unpinned chunks, later allocations use only what is left, the timeline shows them as
 // device `activation` bytes, and a request the pinned chunks leave no room for fails with the

@@ -76,6 +76,25 @@ class _ChunkRef:
         self.unit = unit  # index of the innermost unit whose forward saved it (-1: none)
 
 
+class _Saved:
+    """One storage saved for backward by a unit (activations: offload): on the device
+    (``storage``) or offloaded to host memory (``host``, a byte tensor), never both."""
+    __slots__ = ("unit", "nbytes", "storage", "host", "tracked")
+
+    def __init__(self, unit, storage):
+        self.unit, self.storage, self.host = unit, storage, None
+        self.nbytes = storage.nbytes()
+        self.tracked = True  # counted in the activation bytes (until its unit's backward ends)
+
+
+class _ActRef:
+    __slots__ = ("saved", "dtype", "offset", "size", "stride", "unit")
+
+    def __init__(self, saved, t, unit):
+        self.saved, self.dtype, self.unit = saved, t.dtype, unit  # unit: the one saving it
+        self.offset, self.size, self.stride = t.storage_offset(), tuple(t.size()), tuple(t.stride())
+
+
 def _placeholder(shape, dtype, device) -> torch.Tensor:
     return torch.zeros((), dtype=dtype, device=device).expand(shape)
 
@@ -121,7 +140,9 @@ class TiermemRuntime:
         # the device is CPU memory: SimDevice), the compute and grad chunks are pinned there
         # for the whole session — nothing ever moves, no unit acquires, no saved-tensor hooks
         # (saved views of chunk memory stay valid), and the optimizer steps in place.
+        # Not with activations counted in the budget: they need the hooks that count them.
         self._resident = (not self._serving and not self.s.cuda
+                          and cfg.activations == "outside"
                           and cfg.device_budget >= self.s.total_chunk_bytes)
         self._device_budget = cfg.device_budget
         # State of the current iteration.
@@ -139,17 +160,32 @@ class TiermemRuntime:
         self._bwd_unit = None          # the unit the backward's current moment belongs to
         # activations: budget — bytes of non-chunk tensors saved for backward, per unit (-1:
         # outside every unit), counted in the device budget (the session's external bytes).
-        self._count_act = cfg.activations == "budget"
+        self._count_act = cfg.activations in ("budget", "offload")
         self._act_units: dict[int, int] = {}
-        self._act_total = 0
-        self._act_given = 0            # what the session was last told
+        self._act_total = 0            # device + host bytes of the activations counted
+        self._act_given = 0            # what the session was last told (device)
         self._act_seen: set = set()    # storages counted this iteration
+        # activations: offload — a unit's saved storages (_Saved) move to host memory when the
+        # device cannot hold them next to the chunks, oldest forward unit first (the last one
+        # the backward needs), and come back at that unit's backward moment, the next unit's
+        # one moment earlier when there is room. The device keeps `_act_cap` bytes at most:
+        # its budget less room for the chunks of two units (a backward holds the current
+        # unit's compute and grad chunks while the next one's arrive).
+        self._offload_act = cfg.activations == "offload"
+        self._act_saved: dict[int, _Saved] = {}   # device data_ptr -> its _Saved (forward)
+        self._act_by_unit: dict[int, list] = {}   # unit -> its _Saved, in save order
+        self._act_order: list[int] = []           # units in the order they first saved
+        self._act_host = 0                        # tracked bytes offloaded now
+        self._act_host_given = 0
+        self._act_stats = {"offloaded_bytes": 0, "fetched_bytes": 0, "sync_fetches": 0}
         self._active_units: list = []
         self._root_depth = 0
         self._handles: list = []
         self._wrapped: list = []  # modules whose forward we wrapped (undone at close)
         self._closed = False
         self._install()
+        most = max((len(u.groups) for u in self.units), default=1)
+        self._act_cap = max(0, cfg.device_budget - 2 * most * per_group)
         # The chunks hold the values now. The user's Parameter objects keep no copy (close()
         # gives them their data back), so the model is not in host RAM twice, and a stale
         # reference to one fails loudly (an empty tensor) instead of reading old values.
@@ -373,14 +409,21 @@ class TiermemRuntime:
                     for g in u.groups:
                         views[g] = self._acquire(g, self._compute_kind)
                         pins.append((g, views[g]))
-                except BaseException:
+                except BaseException as e:
                     for g, b in pins:
                         self._release(g, self._compute_kind, False, b)
                     u.depth -= 1
+                    held = self._act_given
                     if self._count_act:  # the device room went to activations: abandon it
-                        self._act_reset()
-                        self._in_iteration = False
-                        self._fwd_used.clear()
+                        self._act_abandon()
+                    if isinstance(e, MemoryError) and held:
+                        hint = ("'offload' moves them to the host" if not self._offload_act
+                                else "the host has them all but the running units'")
+                        raise MemoryError(
+                            f"tiermem: the chunks of unit {label.split(':')[0]!r} do not fit "
+                            f"the device budget next to the {held} bytes of activations "
+                            f"saved for backward so far ({hint}): {e}. Use a larger device "
+                            f"budget or a smaller batch; the model is unchanged.") from None
                     raise
                 u.pins = pins
                 for r in u.params:
@@ -433,37 +476,155 @@ class TiermemRuntime:
 
     # ---- activations in the device budget (activations: budget) ---------------------------
     def _act_sync(self):
-        if self._act_total == self._act_given:
-            return
-        try:
-            self.s.set_external_device_bytes(self._act_total)
-        except MemoryError as e:
-            total = self._act_total
-            # The iteration is abandoned (the caller's forward raises): nothing of it stays.
-            self._act_reset()
-            self._in_iteration = False
-            self._fwd_used.clear()
-            raise MemoryError(
-                f"tiermem: the activations saved for backward so far ({total} bytes) do not "
-                f"fit the device budget next to the chunks in use (activations: 'budget' "
-                f"counts them in it): {e}. Use a larger device budget or a smaller batch; "
-                f"the model is unchanged.") from None
-        self._act_given = self._act_total
+        if self._offload_act:
+            self._act_make_room()
+        while True:
+            device = self._act_total - self._act_host
+            if device == self._act_given:
+                return
+            try:
+                self.s.set_external_device_bytes(device)
+                break
+            except MemoryError as e:
+                # The chunks in use need more room than `_act_cap` foresaw (or a plan kept
+                # more): offload one more unit if there is one the backward needs later.
+                if self._offload_act and self._act_offload_oldest():
+                    continue
+                self._act_abandon()
+                how = ("the activations of the units running now and those outside every unit "
+                       "stay there (activations: 'offload')" if self._offload_act else
+                       "activations: 'budget' counts them in it; 'offload' moves them to the "
+                       "host")
+                raise MemoryError(
+                    f"tiermem: the activations saved for backward ({device} bytes on the "
+                    f"device) do not fit the device budget next to the chunks in use ({how}): "
+                    f"{e}. Use a larger device budget or a smaller batch; the model is "
+                    f"unchanged.") from None
+        self._act_given = device
+
+    def _act_abandon(self):
+        """The iteration is abandoned (the caller's forward raises): nothing of it stays."""
+        self._act_reset()
+        self._in_iteration = False
+        self._fwd_used.clear()
 
     def _act_reset(self):
         self._act_units.clear()
         self._act_seen.clear()
         self._act_total = 0
+        self._act_saved.clear()
+        self._act_by_unit.clear()
+        self._act_order.clear()
+        self._act_host = 0
         if self._count_act and self._act_given:
             self.s.set_external_device_bytes(0)
             self._act_given = 0
+        if self._act_host_given:
+            self.s.set_external_host_bytes(0)
+            self._act_host_given = 0
 
     def _act_done(self, unit):
         """The backward moved past `unit`: its saved activations are freed."""
         n = self._act_units.pop(unit, 0)
+        for h in self._act_by_unit.pop(unit, ()):
+            # Autograd may still hold it (a node of a later unit that saved the same storage);
+            # it stays usable, but no longer counts.
+            h.tracked = False
+            if h.host is not None:
+                self._act_host -= h.nbytes
         if n:
             self._act_total -= n
             self._act_sync()
+
+    # ---- activation offload (activations: offload) ----------------------------------------
+    def _act_make_room(self):
+        """Fetches what an executed plan fetches now; offloads the units the plan offloads
+        (once their forward is done), then whole units, oldest forward unit first, until the
+        device's activation bytes fit `_act_cap`."""
+        for unit in self.s.take_activation_fetches():
+            # Like a planned chunk prefetch: into free room only (the backward moment of the
+            # unit fetches whatever is still on the host).
+            self._act_fetch(unit, only_if_room=True)
+        if not self._in_backward and self.s.plan_followed:
+            active = {u.index for u in self._active_units}
+            for unit in self._act_order:
+                if unit not in active and self.s.plan_offloads_unit(unit):
+                    self._act_offload(unit)
+        while self._act_total - self._act_host > self._act_cap and self._act_offload_oldest():
+            pass
+
+    def _act_offload_oldest(self) -> bool:
+        """Offloads the oldest forward unit still on the device that may go: not running
+        (forward), not reached yet (backward: its activations are needed later than the
+        current unit's). False when there is none."""
+        active = {u.index for u in self._active_units}
+        for unit in self._act_order:
+            if self._in_backward and unit == self._bwd_unit:
+                return False  # this and every later forward unit is needed now or was used
+            if unit in active:
+                continue
+            if any(h.storage is not None and h.tracked for h in self._act_by_unit.get(unit, ())):
+                self._act_offload(unit)
+                return True
+        return False
+
+    def _act_offload(self, unit):
+        todo = [h for h in self._act_by_unit.get(unit, ()) if h.storage is not None and h.tracked]
+        n = sum(h.nbytes for h in todo)
+        if not n:
+            return
+        host = self._act_host + n
+        try:
+            self.s.set_external_host_bytes(host)  # room first (evicts host caches)
+        except MemoryError as e:
+            self._act_abandon()
+            raise MemoryError(
+                f"tiermem: offloading the activations of unit {self.units[unit].name!r} "
+                f"({n} bytes) does not fit the host budget: {e}. Use a larger host budget or a "
+                f"smaller batch; the model is unchanged.") from None
+        self._act_host_given = host
+        cuda = self.device.type == "cuda"
+        for h in todo:
+            src = torch.empty(0, dtype=torch.uint8, device=self.device).set_(h.storage)
+            h.host = torch.empty(h.nbytes, dtype=torch.uint8, pin_memory=cuda)
+            h.host.copy_(src, non_blocking=cuda)
+            self._act_saved.pop(src.data_ptr(), None)
+            self._act_seen.discard(src.data_ptr())
+            h.storage = None  # the device memory goes when autograd's views of it do
+        self._act_host = host
+        self._act_stats["offloaded_bytes"] += n
+
+    def _act_fetch(self, unit, only_if_room=False) -> bool:
+        todo = [h for h in self._act_by_unit.get(unit, ()) if h.host is not None]
+        n = sum(h.nbytes for h in todo)
+        if not n or (only_if_room and self._act_total - self._act_host + n > self._act_cap):
+            return False
+        for h in todo:
+            self._act_fetch_one(h)
+        return True
+
+    def _act_fetch_one(self, h):
+        cuda = self.device.type == "cuda"
+        dev = torch.empty(h.nbytes, dtype=torch.uint8, device=self.device)
+        dev.copy_(h.host, non_blocking=cuda)
+        h.storage, h.host = dev.untyped_storage(), None
+        self._act_stats["fetched_bytes"] += h.nbytes
+        if h.tracked:
+            self._act_host -= h.nbytes
+
+    def _act_unpack(self, ref):
+        # Like a saved chunk view: the backward reached the unit that saved it (whose
+        # activations that moment fetches, and the next unit's when there is room).
+        self._begin_backward()
+        self._bwd_moment(ref.unit)
+        h = ref.saved
+        if h.storage is None:  # not fetched ahead: fetch it now (a stall)
+            self._act_stats["sync_fetches"] += 1
+            self._act_fetch_one(h)
+            if h.tracked:
+                self._act_sync()
+        return torch.empty(0, dtype=ref.dtype, device=self.device).set_(
+            h.storage, ref.offset, ref.size, ref.stride)
 
     # ---- saved tensors -----------------------------------------------------------------
     def _pack(self, t: torch.Tensor):
@@ -474,6 +635,24 @@ class TiermemRuntime:
         except (RuntimeError, NotImplementedError):
             return t
         g = self._live.get(ptr)
+        if g is None and self._offload_act and self._active_units and t.device == self.device:
+            unit = self._active_units[-1].index
+            h = self._act_saved.get(ptr)
+            if h is None and ptr not in self._act_seen:
+                h = _Saved(unit, t.untyped_storage())
+                self._act_saved[ptr] = h
+                self._act_seen.add(ptr)
+                if unit not in self._act_by_unit:
+                    self._act_order.append(unit)
+                self._act_by_unit.setdefault(unit, []).append(h)
+                self._act_units[unit] = self._act_units.get(unit, 0) + h.nbytes
+                self._act_total += h.nbytes
+                if self._recording_trace and ptr not in self._trace_seen:
+                    self._trace_seen.add(ptr)
+                    self.s.add_saved_bytes(h.nbytes)
+            if h is not None:
+                return _ActRef(h, t, unit)
+            return t  # counted already, outside every unit: it stays
         if g is None:
             if self._count_act and ptr not in self._act_seen:
                 self._act_seen.add(ptr)
@@ -491,7 +670,7 @@ class TiermemRuntime:
 
     def _unpack(self, ref):
         if not isinstance(ref, _ChunkRef):
-            return ref
+            return self._act_unpack(ref) if isinstance(ref, _ActRef) else ref
         self._begin_backward()
         self._bwd_moment(ref.unit)
         base = self._bwd_hold.get(ref.group)
@@ -579,6 +758,13 @@ class TiermemRuntime:
                 # freed; the forward's last ones (not yet counted) take their room.
                 if prev is not None:
                     self._act_done(prev)
+                if self._offload_act and unit >= 0:
+                    # This unit's offloaded activations now (the backward needs them next),
+                    # the one before it in the forward when the device has room for it.
+                    self._act_fetch(unit)
+                    i = self._act_order.index(unit) if unit in self._act_by_unit else -1
+                    if i > 0 and not self.s.plan_followed:  # a plan fetches them itself
+                        self._act_fetch(self._act_order[i - 1], only_if_room=True)
                 self._act_sync()
 
     def _compute_grad_hook(self, r: _Param):
@@ -847,7 +1033,10 @@ class TiermemRuntime:
         return self.s.loss_scale
 
     def stats(self) -> dict:
-        return self.s.stats()
+        st = self.s.stats()
+        if self._offload_act:
+            st["activations"] = dict(self._act_stats)
+        return st
 
     def timeline_peaks(self) -> dict:
         """Peak and budget per tier, bytes per tier pair and stalls, computed by tiermem::prof
