@@ -143,6 +143,14 @@ StatusOr<std::unique_ptr<ChunkedModel>> ChunkedModel::Create(::torch::nn::Module
         "TIERMEM_DEVICE resolved to 'cuda'; set it to 'sim')");
   }
   cfg.device_kind = "sim";
+  if (cfg.activations != "outside") {
+    // Counting (and offloading) saved activations needs saved-tensor hooks, which only the
+    // Python binding installs: refused rather than a budget silently not applied.
+    return UnimplementedError("config 'activations' / TIERMEM_ACTIVATIONS = '" +
+                              cfg.activations +
+                              "': the LibTorch API keeps activations outside the device "
+                              "budget only ('outside'); 'budget' and 'offload' are Python-only");
+  }
   std::unique_ptr<ChunkedModel> m(new ChunkedModel());
   // Parameters in registration order, each once (tied parameters share one TensorImpl).
   for (const auto& item : model.named_parameters(/*recurse=*/true)) {

@@ -207,6 +207,11 @@ TEST(ChunkedModel, BadInputIsAClearStatusAndLeavesTheModelUntouched) {
               cuda.status().code() == StatusCode::kUnimplemented)
       << cuda.status().ToString();
 
+  auto acts = tiermem::torch::ChunkedModel::Create(*model, {{"activations", "offload"}});
+  ASSERT_FALSE(acts.ok());
+  EXPECT_EQ(acts.status().code(), StatusCode::kUnimplemented);
+  EXPECT_NE(acts.status().message().find("Python-only"), std::string::npos);
+
   tiermem::torch::ParamGroup frozen_bad;
   frozen_bad.params.push_back(model->blocks[0]->fc->weight);
   auto twice = tiermem::torch::ChunkedModel::Create(
