@@ -170,3 +170,18 @@ def test_offloaded_activations_of_torch_modules_match_plain_torch():
     assert loop(model, opt) == want
     assert rt.stats()["activations"]["offloaded_bytes"] > 0
     assert not rt.timeline_peaks()["over_budget"]
+
+
+def test_the_activation_offload_benchmark_runs_and_holds_the_budget(capsys):
+    from tiermem.examples import bench_activations
+    assert bench_activations.main(["--layers", "2", "--width", "64", "--block", "64", "--batch",
+                                   "8", "--steps", "5", "--device", "3MiB", "--json"]) == 0
+    import json
+    out = json.loads(capsys.readouterr().out)
+    assert out["activation_bytes_per_step"] > 3 * 2 ** 20  # more than the device budget
+    assert out["budget_mode"].startswith("tiermem: the activations")
+    for m in ("offload-auto", "offload-off"):
+        d = out["device_peak"][m]
+        assert not d["over_budget"] and d["chunks_and_activations"] <= 3 * 2 ** 20, d
+        assert out["offloaded_bytes_per_step"][m] > 0
+    assert out["loss_max_rel_diff_vs_torch"] < 1e-5
