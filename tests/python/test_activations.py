@@ -185,3 +185,48 @@ def test_the_activation_offload_benchmark_runs_and_holds_the_budget(capsys):
         assert not d["over_budget"] and d["chunks_and_activations"] <= 3 * 2 ** 20, d
         assert out["offloaded_bytes_per_step"][m] > 0
     assert out["loss_max_rel_diff_vs_torch"] < 1e-5
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, what):
+        super().__init__()
+        self.lin = torch.nn.Linear(256, 256)
+        self.what = what
+
+    def forward(self, x):
+        y = self.lin(x).sigmoid()  # sigmoid saves its output, linear its input and weight
+        if self.what == "activation":
+            y.mul_(2)
+        elif self.what == "weight":
+            with torch.no_grad():
+                self.lin.weight.mul_(0.5)
+        return y
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, what):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_Block(what if i == 2 else "") for i in range(6)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x.sum()
+
+
+@pytest.mark.parametrize("what", ["activation", "weight"])
+@pytest.mark.parametrize("acts", ["outside", "budget", "offload"])
+def test_in_place_changes_to_saved_tensors_raise_as_in_torch(acts, what):
+    # torch skips its version check for tensors that pass through saved-tensor hooks; the
+    # hooks check it instead, so tiermem raises where torch does instead of using the
+    # modified values (a silently wrong gradient).
+    torch.manual_seed(0)
+    ref = _Stack(what)
+    ours = copy.deepcopy(ref)
+    x = torch.randn(32, 256)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        ref(x).backward()
+    model, opt = tiermem.initialize(ours, config(3_000_000, activations=acts, host="64MiB"))
+    assert not tiermem.runtime_of(model)._resident
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        model(x).backward()

@@ -553,6 +553,13 @@ PYBIND11_MODULE(_C, m) {
                              [](const PySession& s) { return s.s().timeline_path(); });
 
   m.def("parse_bytes", [](const std::string& s) { return Check(tiermem::ParseBytes(s)); });
+  // A tensor's version counter, held without the tensor (nor its storage): the saved-tensor
+  // hooks check with it that an offloaded activation was not modified in place meanwhile.
+  py::class_<c10::VariableVersion>(m, "VersionCounter")
+      .def_property_readonly("version", &c10::VariableVersion::current_version);
+  m.def("version_counter", [](const at::Tensor& t) {
+    return c10::VariableVersion(t.unsafeGetTensorImpl()->version_counter());
+  });
   m.def("adam_step", &tiermem::torch_ext::AdamStepBinding, py::arg("param"), py::arg("grad"),
         py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("param_out"), py::arg("lr"),
         py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),

@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,12 +69,43 @@ class _Param:
     unit: int = -1             # the first unit computing with it (trace moments)
 
 
-class _ChunkRef:
-    __slots__ = ("group", "offset", "size", "stride", "unit")
+def _guard(t):
+    """torch checks that a saved tensor was not modified in place before the backward uses
+    it, but not for tensors that go through saved-tensor hooks: the hooks keep the tensor's
+    version counter (shared by its views and aliases; not the tensor nor its storage) and the
+    version at save time, and check them themselves (_check)."""
+    try:
+        c = _C.version_counter(t)
+        return c, c.version
+    except RuntimeError:  # a tensor without a version counter (inference mode)
+        return None, 0
 
-    def __init__(self, group, offset, size, stride, unit):
+
+def _check(guard):
+    counter, version = guard
+    if counter is not None and counter.version != version:
+        raise RuntimeError(
+            f"one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: a tensor saved for backward is at version {counter.version}; "
+            f"expected version {version} instead (checked by tiermem's saved-tensor hooks, "
+            f"as torch checks it without them)")
+
+
+class _Plain:
+    """A saved non-chunk tensor that stays as it is (with its version guard)."""
+    __slots__ = ("t", "guard")
+
+    def __init__(self, t):
+        self.t, self.guard = t, _guard(t)
+
+
+class _ChunkRef:
+    __slots__ = ("group", "offset", "size", "stride", "unit", "guard")
+
+    def __init__(self, group, offset, size, stride, unit, guard):
         self.group, self.offset, self.size, self.stride = group, offset, size, stride
         self.unit = unit  # index of the innermost unit whose forward saved it (-1: none)
+        self.guard = guard
 
 
 class _Saved:
@@ -88,10 +120,11 @@ class _Saved:
 
 
 class _ActRef:
-    __slots__ = ("saved", "dtype", "offset", "size", "stride", "unit")
+    __slots__ = ("saved", "dtype", "offset", "size", "stride", "unit", "guard")
 
     def __init__(self, saved, t, unit):
         self.saved, self.dtype, self.unit = saved, t.dtype, unit  # unit: the one saving it
+        self.guard = _guard(t)
         self.offset, self.size, self.stride = t.storage_offset(), tuple(t.size()), tuple(t.stride())
 
 
@@ -615,6 +648,7 @@ class TiermemRuntime:
     def _act_unpack(self, ref):
         # Like a saved chunk view: the backward reached the unit that saved it (whose
         # activations that moment fetches, and the next unit's when there is room).
+        _check(ref.guard)
         self._begin_backward()
         self._bwd_moment(ref.unit)
         h = ref.saved
@@ -652,7 +686,7 @@ class TiermemRuntime:
                     self.s.add_saved_bytes(h.nbytes)
             if h is not None:
                 return _ActRef(h, t, unit)
-            return t  # counted already, outside every unit: it stays
+            return _Plain(t)  # counted already, outside every unit: it stays
         if g is None:
             if self._count_act and ptr not in self._act_seen:
                 self._act_seen.add(ptr)
@@ -664,13 +698,18 @@ class TiermemRuntime:
                 # Saved for backward by the current unit: its activation bytes in the trace.
                 self._trace_seen.add(ptr)
                 self.s.add_saved_bytes(t.untyped_storage().nbytes())
-            return t
+            return _Plain(t)
         unit = self._active_units[-1].index if self._active_units else -1
-        return _ChunkRef(g, t.storage_offset(), tuple(t.size()), tuple(t.stride()), unit)
+        return _ChunkRef(g, t.storage_offset(), tuple(t.size()), tuple(t.stride()), unit,
+                         _guard(t))
 
     def _unpack(self, ref):
+        if isinstance(ref, _Plain):
+            _check(ref.guard)
+            return ref.t
         if not isinstance(ref, _ChunkRef):
             return self._act_unpack(ref) if isinstance(ref, _ActRef) else ref
+        _check(ref.guard)
         self._begin_backward()
         self._bwd_moment(ref.unit)
         base = self._bwd_hold.get(ref.group)
