@@ -66,6 +66,26 @@ void MachineModel::DeriveNvmeLinks() {
   derive(kN, kH, kD);
 }
 
+std::vector<std::string> MachineModel::FillMissingLinks() {
+  static const char* kShort[kNumTierKinds] = {"d", "h", "n"};
+  std::vector<std::string> filled;
+  const auto measured = link;  // reverse rates come from measured links only
+  for (int a = 0; a < kNumTierKinds; ++a) {
+    for (int b = 0; b < kNumTierKinds; ++b) {
+      const int dv = static_cast<int>(kD), nv = static_cast<int>(kN);
+      if (a == b || link[a][b].bytes_per_s > 0) continue;
+      if ((a == dv && b == nv) || (a == nv && b == dv)) continue;  // DeriveNvmeLinks below
+      const bool nvme = a == nv || b == nv;
+      const bool reverse = measured[b][a].bytes_per_s > 0;
+      link[a][b] = reverse ? measured[b][a] : LinkRate{nvme ? 1e9 : 4e9, 10000};
+      filled.push_back(std::string(kShort[a]) + "2" + kShort[b] + ": assumed " +
+                       (reverse ? "the reverse direction's rate" : "a default rate"));
+    }
+  }
+  DeriveNvmeLinks();
+  return filled;
+}
+
 uint64_t MachineModel::CopyNs(TierKind src, TierKind dst, Bytes bytes) const {
   const LinkRate& l = Link(src, dst);
   return l.latency_ns +

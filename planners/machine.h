@@ -14,6 +14,7 @@
 #include <array>
 #include <cstdint>
 #include <string>
+#include <vector>
 #include <string_view>
 
 #include "planners/trace.h"
@@ -41,6 +42,11 @@ struct MachineModel {
 
   // Fills device<->NVMe links that have no rate from the host legs.
   void DeriveNvmeLinks();
+  // Fills the device<->host and host<->NVMe links that have no rate (a trace records only
+  // the directions that moved bytes while it was recorded) with the reverse direction's
+  // rate, else a conservative default (4 GB/s device<->host, 1 GB/s NVMe; 10 us), then
+  // DeriveNvmeLinks. Returns the links filled, as "h2n: assumed a default rate" etc.
+  std::vector<std::string> FillMissingLinks();
   // kInvalidArgument naming what is missing: device and host budgets, a device<->host rate
   // both ways, host<->NVMe and device<->NVMe rates when there is an NVMe budget.
   Status Validate() const;

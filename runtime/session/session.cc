@@ -633,17 +633,7 @@ Status Session::ExecutePlanFrom(const planners::Trace& trace, int64_t iteration)
   dev = dev > ext ? dev - ext : 0;
   // Links the recorded iteration did not use: the reverse direction's rate, else a
   // conservative default (they matter only for moves the recording never needed).
-  for (int a = 0; a < kNumTierKinds; ++a) {
-    for (int b = 0; b < kNumTierKinds; ++b) {
-      if (a == b || m.link[a][b].bytes_per_s > 0) continue;
-      const int dv = static_cast<int>(TierKind::kDevice), nv = static_cast<int>(TierKind::kNvme);
-      if ((a == dv && b == nv) || (a == nv && b == dv)) continue;  // DeriveNvmeLinks below
-      const bool nvme = a == nv || b == nv;
-      m.link[a][b] = m.link[b][a].bytes_per_s > 0 ? m.link[b][a]
-                                                  : planners::LinkRate{nvme ? 1e9 : 4e9, 10000};
-    }
-  }
-  m.DeriveNvmeLinks();
+  m.FillMissingLinks();
   planners::PlanOptions o;
   o.iteration = static_cast<uint32_t>(iteration);
   o.start = &start;

@@ -249,7 +249,9 @@ TEST(PlannerPropertyTest, OffloadOnlyPlansNeverRecompute) {
     }
     EXPECT_LE(p->estimate.peak[static_cast<int>(TierKind::kDevice)],
               m.Budget(TierKind::kDevice));
-    if (!CheckFeasible(t, 0, m, true).ok()) EXPECT_TRUE(offloads);
+    if (!CheckFeasible(t, 0, m, true).ok()) {
+      EXPECT_TRUE(offloads);
+    }
     offloading += offloads;
   }
   EXPECT_GE(planned, 8);

@@ -72,6 +72,15 @@ Loaded Load(const PlanArgs& a) {
     if (!s.ok()) Fail(s);
   }
   l.machine.DeriveNvmeLinks();
+  if (l.machine.Budget(TierKind::kDevice) > 0 && l.machine.Budget(TierKind::kHost) > 0) {
+    // A trace has rates only for the directions that moved bytes while it was recorded.
+    const bool nvme = l.machine.Budget(TierKind::kNvme) > 0;
+    for (const std::string& f : l.machine.FillMissingLinks()) {
+      if (!nvme && f.find('n') < 3) continue;  // no NVMe here: those links are never used
+      std::cerr << "note: no copy rate in the trace for " << f << " (nothing moved that way "
+                << "while it was recorded; set it with --bw " << f.substr(0, 3) << "=RATE)\n";
+    }
+  }
   Status s = l.machine.Validate();
   if (!s.ok()) Fail(s);
   l.sim.engine_prefetch_depth = a.depth;

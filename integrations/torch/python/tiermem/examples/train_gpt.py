@@ -19,7 +19,9 @@ by cause), writes the HTML timeline next to the .tmt, and says how to reopen bot
 two iterations are recorded as a warm-up trace next to the timeline (.tmtrace), and the
 planner's simulated schedules over it are printed (tiermem plan compare). The run itself
 executes a plan made from its warm-up (--plan auto, the default; --plan off keeps the engine's
-reactive policy); the `plan:` line says what the plan did.
+reactive policy); the `plan:` line says what the plan did. --activations budget|offload
+counts the saved activations in the device budget (offload: moves them to host memory when
+the device is short; an `activations:` line says how much moved).
 """
 from __future__ import annotations
 
@@ -129,6 +131,11 @@ def main(argv=None):
     ap.add_argument("--plan", choices=["auto", "off"], default="auto",
                     help="execute a plan made from a warm-up iteration (auto, the default) "
                          "or keep the engine's reactive policy (off)")
+    ap.add_argument("--activations", choices=["outside", "budget", "offload"],
+                    default="outside",
+                    help="saved activations outside the device budget (default), counted in "
+                         "it, or counted and offloaded to host memory when the device is "
+                         "short (docs/python.md)")
     args = ap.parse_args(argv)
     preset = PRESETS[args.size]
     if args.threads:
@@ -175,7 +182,7 @@ def train(args, c, steps, preset, nvme_dir, nvme_size) -> int:
               "nvme": {"path": nvme_dir, "size": nvme_size},
               "timeline": args.timeline or None,
               "optimizer": {"lr": args.lr, "weight_decay": 0.01},
-              "plan": args.plan}
+              "plan": args.plan, "activations": args.activations}
     model, opt = tiermem.initialize(model, config)
     rt = tiermem.runtime_of(model)
     budget = rt.cfg.device_budget
@@ -220,6 +227,7 @@ def train(args, c, steps, preset, nvme_dir, nvme_size) -> int:
         bar.close()
     wall = time.perf_counter() - t0
     plan = rt.stats()["plan"]
+    acts = rt.stats().get("activations")
     peaks = rt.timeline_peaks()  # tiermem::prof's report of the binary timeline file
     timeline = rt.timeline_path
     if trace:
@@ -232,6 +240,11 @@ def train(args, c, steps, preset, nvme_dir, nvme_size) -> int:
     print(f"\n== {steps} steps in {wall:.1f} s ({wall / steps:.2f} s/step), "
           f"{tokens / wall:.0f} tokens/s, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     print(plan_line(args.plan, plan))
+    if acts is not None:
+        print(f"activations: offload — {fmt(acts['offloaded_bytes'] // steps)} per step moved "
+              f"to host memory and back ({acts['sync_fetches']} fetched on demand); device "
+              f"activation peak {fmt(peaks['category_peak']['device']['activation'])}, host "
+              f"{fmt(peaks['category_peak']['host']['activation'])}")
     if args.timeline:
         rep = run_cli("prof", "report", timeline)
         print(rep.stdout if rep.returncode == 0 else rep.stderr)
