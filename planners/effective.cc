@@ -198,7 +198,9 @@ StatusOr<EffIteration> BuildEffective(const Trace& trace, const TraceIteration& 
     auto it = placement.units.find(rs.unit);
     if (it != placement.units.end()) s.policy = it->second.policy;
     if (s.policy == ActivationPolicy::kOffload) {
-      const uint32_t lead = std::max<uint32_t>(1, it->second.prefetch_lead);
+      // Lead 0: fetched at the backward moment's own start (the least device room; the
+      // backward waits for the copy).
+      const uint32_t lead = it->second.prefetch_lead;
       s.prefetch_at = s.bwd > lead ? s.bwd - lead : 0;
       s.prefetch_at = std::max(s.prefetch_at, s.fwd + 1);
       if (s.prefetch_at > s.bwd) s.policy = ActivationPolicy::kKeep;  // f + 1 > b: nothing to gain

@@ -49,6 +49,7 @@ struct GroupChoice {
 struct UnitChoice {
   ActivationPolicy policy = ActivationPolicy::kKeep;
   uint32_t prefetch_lead = 1;  // offload: fetch back this many moments before the backward
+                               // (0: at the backward moment itself)
   friend bool operator==(const UnitChoice&, const UnitChoice&) = default;
 };
 

@@ -333,7 +333,7 @@ void ActivationSearch(Search& search, const Trace& trace, const TraceIteration& 
   if (!eff.ok()) return;
   const std::vector<uint32_t> units = SpanUnits(*eff);
   if (units.empty()) return;
-  std::map<uint32_t, UnitChoice> offload, recompute, cheaper;
+  std::map<uint32_t, UnitChoice> offload, recompute, cheaper, late;
   for (uint32_t u : units) {
     uint32_t lead = 1;
     uint64_t copy = 0, fwd = 0;
@@ -345,11 +345,12 @@ void ActivationSearch(Search& search, const Trace& trace, const TraceIteration& 
       fwd += iter.moments[eff->moments[s.fwd].trace_moment].compute_ns;
     }
     offload[u] = {ActivationPolicy::kOffload, lead};
+    late[u] = {ActivationPolicy::kOffload, 0};  // fetched just in time: the least room
     recompute[u] = {ActivationPolicy::kRecompute, 1};
     cheaper[u] = copy <= fwd ? offload[u] : recompute[u];
   }
-  for (const auto* family : {&offload, &recompute, &cheaper}) {
-    if (!allow_recompute && family != &offload) continue;
+  for (const auto* family : {&offload, &recompute, &cheaper, &late}) {
+    if (allow_recompute ? family == &late : family != &offload && family != &late) continue;
     if (family == &cheaper && (cheaper == offload || cheaper == recompute)) continue;
     Patience patience;
     for (size_t k = 1; k <= units.size() && !patience.exhausted(); ++k) {
@@ -398,7 +399,7 @@ Placement Plan::ToPlacement() const {
   p.groups.resize(ng);
   for (const GroupPlan& g : groups) p.groups[g.group] = {g.update_on, g.overlap};
   for (const UnitPlan& u : units)
-    p.units[u.unit] = {u.policy, std::max<uint32_t>(1, u.prefetch_lead)};
+    p.units[u.unit] = {u.policy, u.prefetch_lead};
   return p;
 }
 
@@ -505,8 +506,9 @@ Status CheckFeasible(const Trace& trace, uint32_t iteration, const MachineModel&
   if (!keep_activations) {
     for (const Moment& m : iter.moments) {
       if (m.unit == kNoUnit) continue;
-      p.units[m.unit] = {offload_only ? ActivationPolicy::kOffload : ActivationPolicy::kRecompute,
-                         1};
+      // Offload with lead 0 leaves a backward moment only its own unit's activations.
+      p.units[m.unit] = offload_only ? UnitChoice{ActivationPolicy::kOffload, 0}
+                                     : UnitChoice{ActivationPolicy::kRecompute, 1};
     }
   }
   TIERMEM_ASSIGN_OR_RETURN(EffIteration eff, BuildEffective(trace, iter, p, machine));
