@@ -67,24 +67,30 @@ def test_activations_in_the_budget_train_exactly_and_the_budget_holds(plan):
     assert tiermem.runtime_of(m2).stats()["evictions"] < rt.stats()["evictions"]
 
 
-def test_activations_that_do_not_fit_raise_and_leave_the_model_as_it_was():
+def raises_and_leaves_the_model_as_it_was(cfg, big_batch, steps, match):
+    """A batch whose activations cannot fit raises MemoryError matching `match`; the model is
+    unchanged, and training goes on with batches that fit, exactly as if the failed one never
+    happened."""
     ref, ours = make_pair()
-    small = batches(6, batch=2)
-    big = batches(1, batch=64, seed=9)
+    small = batches(steps, batch=2)
+    x, y = batches(1, batch=big_batch, seed=9)[0]
     ref_losses = train_steps(ref, KernelAdamW(ref.parameters(), lr=1e-3, weight_decay=0.01),
                              small)
-    model, opt = tiermem.initialize(ours, config(model_bytes(ref) // 4 + 200_000))
+    model, opt = tiermem.initialize(ours, cfg(ref))
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    x, y = big[0]
     opt.zero_grad()
-    with pytest.raises(MemoryError, match=r"device budget"):
+    with pytest.raises(MemoryError, match=match):
         model(x, y).backward()
     for k, v in before.items():
         assert torch.equal(model.state_dict()[k], v), k
-    # Training goes on with batches that fit, exactly as if the failed one never happened.
     assert train_steps(model, opt, small) == ref_losses
     for k, v in ref.state_dict().items():
         assert torch.equal(model.state_dict()[k], v), k
+
+
+def test_activations_that_do_not_fit_raise_and_leave_the_model_as_it_was():
+    raises_and_leaves_the_model_as_it_was(
+        lambda ref: config(model_bytes(ref) // 4 + 200_000), 64, 6, r"device budget")
 
 
 # ---- activations: 'offload' ----------------------------------------------------------------
@@ -124,21 +130,9 @@ def test_activations_larger_than_the_device_budget_are_offloaded_and_train_exact
 
 
 def test_offload_to_a_full_host_budget_raises_and_leaves_the_model_as_it_was():
-    ref, ours = make_pair()
-    small = batches(4, batch=2)
-    big = batches(1, batch=32, seed=9)
-    ref_losses = train_steps(ref, KernelAdamW(ref.parameters(), lr=1e-3, weight_decay=0.01),
-                             small)
-    model, opt = tiermem.initialize(ours, config(2_400_000, activations="offload",
-                                                 host=2_000_000))
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    x, y = big[0]
-    opt.zero_grad()
-    with pytest.raises(MemoryError, match=r"does not fit the host budget"):
-        model(x, y).backward()
-    for k, v in before.items():
-        assert torch.equal(model.state_dict()[k], v), k
-    assert train_steps(model, opt, small) == ref_losses
+    raises_and_leaves_the_model_as_it_was(
+        lambda ref: config(2_400_000, activations="offload", host=2_000_000), 32, 4,
+        r"does not fit the host budget")
 
 
 def test_offloaded_activations_of_torch_modules_match_plain_torch():
