@@ -39,6 +39,21 @@ def device_use_over_time(rt):
     return peak, cap
 
 
+def trains_exactly_within_the_budget(model, opt, ref, ref_losses, data, budget):
+    """Same losses and parameters as the reference, bit for bit, and the device budget held
+    (report peak and at every allocation of the timeline). Returns (runtime, device activation
+    peak, device peak over time)."""
+    rt = tiermem.runtime_of(model)
+    assert train_steps(model, opt, data) == ref_losses
+    for k, v in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+    rep = rt.timeline_peaks()
+    assert rep["peak"]["device"] <= budget and not rep["over_budget"], rep
+    peak, cap = device_use_over_time(rt)  # chunks + activations at every allocation
+    assert cap == budget and peak <= budget
+    return rt, rep["category_peak"]["device"]["activation"], peak
+
+
 @pytest.mark.parametrize("plan", ["off", "auto"])
 def test_activations_in_the_budget_train_exactly_and_the_budget_holds(plan):
     ref, ours = make_pair()
@@ -47,16 +62,8 @@ def test_activations_in_the_budget_train_exactly_and_the_budget_holds(plan):
                              data)
     budget = model_bytes(ref) // 4 + 500_000  # a quarter of the model data + its activations
     model, opt = tiermem.initialize(ours, config(budget, plan=plan))
-    rt = tiermem.runtime_of(model)
-    assert train_steps(model, opt, data) == ref_losses
-    for k, v in ref.state_dict().items():
-        assert torch.equal(model.state_dict()[k], v), k
-    rep = rt.timeline_peaks()
-    act = rep["category_peak"]["device"]["activation"]
-    assert 300_000 < act < budget, rep["category_peak"]["device"]
-    assert rep["peak"]["device"] <= budget and not rep["over_budget"]
-    peak, cap = device_use_over_time(rt)
-    assert cap == budget and act < peak <= budget
+    rt, act, peak = trains_exactly_within_the_budget(model, opt, ref, ref_losses, data, budget)
+    assert 300_000 < act < budget and act < peak
     if plan == "auto":
         p = rt.stats()["plan"]
         assert p["active"] and p["divergences"] == 0 and p["prefetches"] > 0, p
@@ -107,15 +114,8 @@ def test_activations_larger_than_the_device_budget_are_offloaded_and_train_exact
     budget = 2_400_000  # below the activations alone (and than chunks + activations)
     model, opt = tiermem.initialize(ours, config(budget, plan=plan, activations="offload",
                                                  host="256MiB"))
-    rt = tiermem.runtime_of(model)
-    assert train_steps(model, opt, data) == ref_losses
-    for k, v in ref.state_dict().items():
-        assert torch.equal(model.state_dict()[k], v), k
-    rep = rt.timeline_peaks()
-    act = rep["category_peak"]["device"]["activation"]
-    assert 0 < act < budget and rep["peak"]["device"] <= budget and not rep["over_budget"], rep
-    peak, cap = device_use_over_time(rt)  # chunks + activations at every allocation
-    assert cap == budget and peak <= budget
+    rt, act, _ = trains_exactly_within_the_budget(model, opt, ref, ref_losses, data, budget)
+    assert 0 < act < budget
     assert host_activation_peak(rt) > 1_000_000
     st = rt.stats()["activations"]
     assert st["offloaded_bytes"] == st["fetched_bytes"] > 8 * 1_000_000, st
@@ -224,3 +224,20 @@ def test_in_place_changes_to_saved_tensors_raise_as_in_torch(acts, what):
     assert not tiermem.runtime_of(model)._resident
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         model(x).backward()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_offloaded_low_precision_activations_give_the_same_losses(precision):
+    # Mixed precision saves bf16/fp16 tensors: offloaded and back, byte for byte, so the run
+    # equals the same run with activations outside the budget.
+    data = batches(5, batch=32)
+    runs = {}
+    for acts, budget in (("outside", 1_200_000), ("offload", 1_200_000)):
+        _, ours = make_pair()
+        model, opt = tiermem.initialize(ours, config(budget, activations=acts, host="256MiB",
+                                                     precision=precision))
+        runs[acts] = train_steps(model, opt, data)
+        if acts == "offload":
+            st = tiermem.runtime_of(model).stats()["activations"]
+            assert st["offloaded_bytes"] > 0, st
+    assert runs["offload"] == runs["outside"]

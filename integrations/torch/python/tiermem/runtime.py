@@ -627,14 +627,13 @@ class TiermemRuntime:
         self._act_host = host
         self._act_stats["offloaded_bytes"] += n
 
-    def _act_fetch(self, unit, only_if_room=False) -> bool:
+    def _act_fetch(self, unit, only_if_room=False):
         todo = [h for h in self._act_by_unit.get(unit, ()) if h.host is not None]
         n = sum(h.nbytes for h in todo)
-        if not n or (only_if_room and self._act_total - self._act_host + n > self._act_cap):
-            return False
+        if only_if_room and self._act_total - self._act_host + n > self._act_cap:
+            return
         for h in todo:
             self._act_fetch_one(h)
-        return True
 
     def _act_fetch_one(self, h):
         cuda = self.device.type == "cuda"

@@ -20,11 +20,11 @@ import argparse
 import copy
 import json
 import statistics
-import time
 
 import torch
 
 import tiermem
+from tiermem.examples import timed_step
 from tiermem.examples.gpt import GPT, GPTConfig, synthetic_batches
 
 _MODES = ("torch", "offload-auto", "offload-off", "outside")
@@ -97,13 +97,9 @@ def main(argv=None) -> int:
             s = systems[mode]
             st = s["rt"].stats().get("activations") if s["rt"] else None
             before = st["offloaded_bytes"] if st else 0
-            t0 = time.perf_counter()
-            s["opt"].zero_grad()
-            loss = s["model"](x, y)
-            loss.backward()
-            s["opt"].step()
-            s["losses"].append(loss.item())
-            s["times"].append(time.perf_counter() - t0)
+            loss, dt = timed_step(s["model"], s["opt"], x, y)
+            s["losses"].append(loss)
+            s["times"].append(dt)
             st = s["rt"].stats().get("activations") if s["rt"] else None
             s["off"].append((st["offloaded_bytes"] if st else 0) - before)
     a_losses = systems["offload-auto"]["losses"]

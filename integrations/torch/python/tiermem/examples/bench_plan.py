@@ -19,11 +19,11 @@ import os
 import shutil
 import statistics
 import tempfile
-import time
 
 import torch
 
 import tiermem
+from tiermem.examples import timed_step
 from tiermem.examples.gpt import GPT, GPTConfig, synthetic_batches
 
 
@@ -70,13 +70,9 @@ def main(argv=None) -> int:
             for mode in order:
                 s = systems[mode]
                 before = device_in(s["rt"].stats())
-                t0 = time.perf_counter()
-                s["opt"].zero_grad()
-                loss = s["model"](x, y)
-                loss.backward()
-                s["opt"].step()
-                s["losses"].append(loss.item())
-                s["times"].append(time.perf_counter() - t0)
+                loss, dt = timed_step(s["model"], s["opt"], x, y)
+                s["losses"].append(loss)
+                s["times"].append(dt)
                 s["dev_in"].append(device_in(s["rt"].stats()) - before)
         if systems["auto"]["losses"] != systems["off"]["losses"]:
             print("ERROR: the losses differ between plan auto and off")
