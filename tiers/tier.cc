@@ -74,6 +74,16 @@ void BudgetAccount::Release(Bytes bytes) {
   --live_;
 }
 
+Status MarkComputeUse(Tier& tier, const Region& region, ComputeStream stream) {
+  ComputeOrdering* o = tier.ordering();
+  return o == nullptr ? OkStatus() : o->ComputeUsed(region, stream);
+}
+
+Status OrderComputeAfterCopies(Tier& tier, const Region& region, ComputeStream stream) {
+  ComputeOrdering* o = tier.ordering();
+  return o == nullptr ? OkStatus() : o->ComputeWaits(region, stream);
+}
+
 TierStats BudgetAccount::Snapshot() const {
   std::lock_guard<std::mutex> lock(mu_);
   return TierStats{capacity_, used_, peak_, live_, total_};

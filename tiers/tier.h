@@ -87,6 +87,45 @@ struct CopyRequest {
   CopyDir dir = CopyDir::kToTier;
 };
 
+// ---- Ordering against compute (an optional capability of device tiers) -----------------
+//
+// A device's copies run asynchronously with respect to the compute that uses its regions
+// (torch's kernels, queued on a CUDA stream the tier does not own). A tier that can order the
+// two implements ComputeOrdering; every region then carries
+//   - its last *compute use* (ComputeUsed): a copy into or out of the region issued later
+//     waits for that work (a write-back never reads grads before the kernel that writes them
+//     has run), and so does every copy into memory the region occupied after it is freed and
+//     handed to another region (a prefetch never overwrites weights queued kernels still read:
+//     the fence travels with the memory, like c10's record_stream);
+//   - its last *copy in*: ComputeWaits makes work queued on a stream from now on wait for it.
+// Waits are device-side where the device has them (cudaStreamWaitEvent; a copy lane's own
+// thread on SimDevice): the calling thread does not block, except for kHostStream below.
+//
+// A ComputeStream is opaque to generic code: a cudaStream_t on the CUDA tier (0 = the legacy
+// default stream), a SimStream (tiers/fake/sim_stream.h) on SimDevice, where 0 (kHostStream)
+// is compute that runs on the calling thread at the call (CPU tensors): its work is done when
+// ComputeUsed is called (nothing to record), and ComputeWaits blocks the caller until the
+// region's copies in have landed.
+struct ComputeStream {
+  uintptr_t handle = 0;
+  // (Spelled out: headers also compile as CUDA C++17.)
+  bool operator==(const ComputeStream& o) const { return handle == o.handle; }
+  bool operator!=(const ComputeStream& o) const { return handle != o.handle; }
+};
+inline constexpr ComputeStream kHostStream{};
+
+class ComputeOrdering {
+ public:
+  virtual ~ComputeOrdering() = default;
+  // Work queued on `stream` so far reads or writes `region`. kInvalidArgument for an unknown
+  // region; a device error otherwise.
+  virtual Status ComputeUsed(const Region& region, ComputeStream stream) = 0;
+  // Work queued on `stream` from now on runs after every copy into `region` issued so far
+  // (and after the compute fences its memory inherited). kInvalidArgument for an unknown
+  // region; the copy's error when the caller had to wait for it and it failed.
+  virtual Status ComputeWaits(const Region& region, ComputeStream stream) = 0;
+};
+
 class Tier {
  public:
   virtual ~Tier() = default;
@@ -102,7 +141,14 @@ class Tier {
   // kInvalidArgument/kOutOfRange; I/O failures with kIOError/kDataLoss.
   virtual std::shared_ptr<Completion> Copy(const CopyRequest& request) = 0;
   virtual TierStats Stats() const = 0;
+  // The tier's ordering against compute, or nullptr when it needs none (host memory and NVMe
+  // are only touched by the CPU after a copy's completion fired). Owned by the tier.
+  virtual ComputeOrdering* ordering() { return nullptr; }
 };
+
+// The two ordering calls for any tier: no-ops (OK) on a tier without ComputeOrdering.
+Status MarkComputeUse(Tier& tier, const Region& region, ComputeStream stream);
+Status OrderComputeAfterCopies(Tier& tier, const Region& region, ComputeStream stream);
 
 // Shared budget/peak bookkeeping for tier implementations. Thread-safe.
 class BudgetAccount {

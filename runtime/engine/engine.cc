@@ -244,10 +244,18 @@ Status Engine::FillZero(ChunkId chunk, const Placed& dst, std::string_view cause
     std::memset(dst.region.addr, 0, n);
     return OkStatus();
   }
-  if (zeros_.size() < n) zeros_.assign(n, 0);
-  return WaitStall(TierOf(dst.tier)->Copy(CopyRequest{dst.region, 0, zeros_.data(), n,
+  return WaitStall(TierOf(dst.tier)->Copy(CopyRequest{dst.region, 0, Zeros(n), n,
                                                       CopyDir::kToTier}),
                    chunk, cause);
+}
+
+char* Engine::Zeros(Bytes n) {
+  if (zeros_.size() < n) {
+    // Copies in flight may still read the old buffer: keep it until the engine goes.
+    old_zeros_.push_back(std::move(zeros_));
+    zeros_.assign(n, 0);
+  }
+  return zeros_.data();
 }
 
 Status Engine::FreeRegion(const Placed& p, ChunkId chunk, bool clean) {
@@ -449,7 +457,16 @@ StatusOr<void*> Engine::AcquireImpl(ChunkId chunk, TierKind where, bool* must_ze
   ++stats_.acquires;
   ChunkRec* c = &chunks_[chunk];
   c->drop_after = false;  // planned to leave, needed after all: keep the copy (clean when written)
-  TIERMEM_RETURN_IF_ERROR(WaitInflight(chunk, "prefetch late"));
+  if (c->inflight && !c->writing_back && c->direct_fill && c->cache.tier == where &&
+      stream_ != kHostStream && TierOf(where)->ordering() != nullptr && !c->inflight->Poll()) {
+    // A prefetch of one copy still landing: the compute stream waits for it, not the caller.
+    // The chunk stays in flight (whatever touches it next from the host waits as usual).
+    // (Compute on the host stream is this thread: it waits below, as for any tier.)
+    TIERMEM_RETURN_IF_ERROR(OrderComputeAfterCopies(*TierOf(where), c->cache.region, stream_));
+    ++stats_.device_waits;
+  } else {
+    TIERMEM_RETURN_IF_ERROR(WaitInflight(chunk, "prefetch late"));
+  }
   const TierKind resident = c->cache.tier != TierKind::kNone ? c->cache.tier : c->home.tier;
   if (resident != where && c->pins > 0) {
     return FailedPreconditionError("engine: chunk " + std::to_string(chunk) +
@@ -538,9 +555,11 @@ void Engine::Prefetch() {
 void Engine::StartFill(ChunkId id, const Placed& dst) {
   RecordRegion(EventType::kAlloc, dst, id, kFlagNone);
   ChunkRec& cc = chunks_[id];
+  // One copy (zeros or a host home) vs a staged bounce (NVMe home): Acquire may order the
+  // compute stream after the first kind only (its one copy is all the tier sees).
+  cc.direct_fill = cc.zero || cc.home.tier == TierKind::kHost;
   if (cc.zero) {
-    if (zeros_.size() < cc.bytes) zeros_.assign(cc.bytes, 0);
-    cc.inflight = TierOf(dst.tier)->Copy(CopyRequest{dst.region, 0, zeros_.data(), cc.bytes,
+    cc.inflight = TierOf(dst.tier)->Copy(CopyRequest{dst.region, 0, Zeros(cc.bytes), cc.bytes,
                                                      CopyDir::kToTier});
     cc.dirty = true;
     cc.zero = false;
@@ -688,11 +707,19 @@ Status Engine::Release(ChunkId chunk, bool modified) {
   if (c.pins <= 0) {
     return FailedPreconditionError("engine: release of unpinned chunk " + std::to_string(chunk));
   }
+  TIERMEM_RETURN_IF_ERROR(MarkDeviceUse(chunk));
   --c.pins;
   if (modified) c.zero_content = false;
   if (modified && c.cache.tier != TierKind::kNone) c.dirty = true;
   if (modified) MaybeWriteBehind(chunk);
   return OkStatus();
+}
+
+Status Engine::MarkDeviceUse(ChunkId chunk) {
+  const ChunkRec& c = chunks_[chunk];
+  if (c.cache.tier != TierKind::kDevice) return OkStatus();
+  return MarkComputeUse(*tiers_.device, c.cache.region, stream_)
+      .WithContext("engine: recording the compute use of chunk " + std::to_string(chunk));
 }
 
 void Engine::MaybeWriteBehind(ChunkId chunk) {
@@ -738,6 +765,7 @@ Status Engine::ReadAt(ChunkId chunk, Bytes offset, void* dst, Bytes n) {
     std::memset(dst, 0, n);
     return OkStatus();
   }
+  TIERMEM_RETURN_IF_ERROR(MarkDeviceUse(chunk));  // after the work queued on it so far
   const Placed& at = c.cache.tier != TierKind::kNone ? c.cache : c.home;
   return WaitStall(TierOf(at.tier)->Copy(CopyRequest{at.region, offset, dst, n,
                                                      CopyDir::kFromTier}),
@@ -758,6 +786,7 @@ Status Engine::WriteAt(ChunkId chunk, Bytes offset, const void* src, Bytes n) {
   }
   const bool cached = c.cache.tier != TierKind::kNone;
   const Placed& at = cached ? c.cache : c.home;
+  TIERMEM_RETURN_IF_ERROR(MarkDeviceUse(chunk));  // not under work queued on it so far
   TIERMEM_RETURN_IF_ERROR(
       WaitStall(TierOf(at.tier)->Copy(CopyRequest{at.region, offset, const_cast<void*>(src), n,
                                                   CopyDir::kToTier}),

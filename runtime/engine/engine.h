@@ -45,6 +45,16 @@
 // end). Acquire is unchanged: it makes the chunk resident whatever the plan did, evicting by
 // farthest next use when the tier is full, so a plan can cost bytes but never change a value.
 //
+// Ordering against compute (tiers/tier.h; SetComputeStream): the caller computes on device
+// chunks with work queued on a stream (torch's current CUDA stream; a SimStream in tests;
+// kHostStream for CPU tensors, the default). Every Release of a chunk cached on the device
+// records a compute use of its region on that stream, and so do ReadAt/WriteAt before they
+// copy, so write-backs, reads and reuse of the memory wait for the work queued so far. An
+// Acquire on the device of a chunk whose prefetch from host memory (one direct copy) is still
+// in flight does not block: the stream is made to wait for the copy (a *device wait*,
+// counted); a prefetch that bounces through staging (NVMe home), and any prefetch when the
+// compute is the caller's own thread (kHostStream), is waited for on the host.
+//
 // Every allocation, free, move, stall, moment and phase goes to the timeline recorder when
 // one is attached (the external bytes as one region of category `activation`); moves go
 // through the Mover.
@@ -101,6 +111,9 @@ struct EngineStats {
   // Planned mode: actions applied, actions that did not apply (already there, pinned, no
   // room), prefetches deferred behind planned write-backs.
   uint64_t plan_prefetches = 0, plan_evictions = 0, plan_skipped = 0, plan_deferred = 0;
+  // Acquires that ordered the compute stream after a prefetch still in flight instead of
+  // blocking (devices with ComputeOrdering only).
+  uint64_t device_waits = 0;
 };
 
 class Engine {
@@ -149,6 +162,9 @@ class Engine {
   // iterations). On by default.
   void SetTracing(bool on) { tracing_ = on; }
   void SetCyclic(bool on) { cyclic_ = on; }
+  // The stream the caller's device work is queued on from now on (see the file comment).
+  void SetComputeStream(ComputeStream stream) { stream_ = stream; }
+  ComputeStream compute_stream() const { return stream_; }
   // Sets the external bytes of `tier` (kDevice or kHost; absolute, not a delta), evicting
   // unpinned cached chunks there until chunks + `bytes` fit the budget. kResourceExhausted,
   // before anything is evicted, when the pinned chunks (and, on the host, the homes) leave
@@ -201,6 +217,7 @@ class Engine {
     uint64_t last_use = 0;
     std::shared_ptr<Completion> inflight;  // prefetch into `cache`, or a write-behind from it
     bool writing_back = false;             // `inflight` is a write-behind (cache -> home)
+    bool direct_fill = false;  // `inflight` is a prefetch made of one copy into the cache
     bool drop_after = false;  // writing_back for a planned eviction: free the copy when done
   };
 
@@ -238,6 +255,8 @@ class Engine {
   void Prefetch();
   // Allocated `dst` for `id` (no cached copy yet): starts filling it from home (or zeros).
   void StartFill(ChunkId id, const Placed& dst);
+  // Records that the caller's stream used the chunk's device copy (no-op elsewhere).
+  Status MarkDeviceUse(ChunkId chunk);
   void MaybeWriteBehind(ChunkId chunk);
   // Evictions per tier (by TierKind index) in this iteration and in the previous one.
   std::array<uint64_t, kNumTierKinds> evictions_now_{}, evictions_before_{};
@@ -251,7 +270,11 @@ class Engine {
   TimelineRecorder* const recorder_;
   std::unique_ptr<EvictionPolicy> policy_;
   std::vector<ChunkRec> chunks_;
-  std::vector<char> zeros_;  // source of zero fills on non-host tiers
+  // Source of zero fills on non-host tiers (Zeros(n)); a smaller buffer it replaced stays in
+  // old_zeros_, since a copy in flight may still read it.
+  char* Zeros(Bytes n);
+  std::vector<char> zeros_;
+  std::vector<std::vector<char>> old_zeros_;
   uint64_t use_counter_ = 0;
   uint64_t stall_id_ = 0;
 
@@ -263,6 +286,7 @@ class Engine {
   bool following_ = false;
   bool tracing_ = true;
   bool cyclic_ = false;
+  ComputeStream stream_ = kHostStream;
   std::array<Bytes, kNumTierKinds> external_{};  // per TierKind (device and host only)
   bool planned_ = false;
   std::vector<std::pair<ChunkId, TierKind>> deferred_;  // planned prefetches waiting for room

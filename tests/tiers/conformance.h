@@ -14,6 +14,7 @@
 
 #include <gtest/gtest.h>
 
+#include "tests/tiers/ordering_scenarios.h"
 #include "tiers/tier.h"
 
 namespace tiermem::testing {
@@ -25,6 +26,9 @@ struct TierFactory {
   std::function<std::unique_ptr<Tier>()> make;
   // Capacity the factory configured (the suite checks budget exhaustion against it).
   Bytes capacity = 64 * kMiB;
+  // A compute stream for the ordering cases (tiers with ComputeOrdering); null: the tier has
+  // no ordering, and the suite checks that ordering() is null and the helpers are no-ops.
+  std::function<std::unique_ptr<ComputeHarness>()> make_compute = nullptr;
 };
 
 // gtest prints a failing case's parameter with this (the name, not the struct's bytes).

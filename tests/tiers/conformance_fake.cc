@@ -1,6 +1,7 @@
 // Instantiates the tier conformance suite for the tiers that exist on every machine:
 // SimDevice, the host tier, and FaultInjectingTier (nothing armed) over each.
 #include "tests/tiers/conformance.h"
+#include "tests/tiers/sim_compute_harness.h"
 #include "tiers/fake/fault_injecting.h"
 #include "tiers/fake/sim_device.h"
 #include "tiers/host/host_tier.h"
@@ -11,6 +12,10 @@ namespace {
 constexpr Bytes kCapacity = 64 * kMiB;
 
 std::unique_ptr<Tier> MakeSim() { return NewSimDevice({.capacity = kCapacity}); }
+std::unique_ptr<Tier> MakeSimAsync() {
+  return NewSimDevice({.capacity = kCapacity, .async = true, .async_max_delay_ns = 2'000'000});
+}
+std::unique_ptr<ComputeHarness> MakeSimCompute() { return std::make_unique<SimComputeHarness>(); }
 
 std::unique_ptr<Tier> MakeHost() {
   HostTierConfig c;
@@ -26,11 +31,12 @@ std::unique_ptr<Tier> MakeHost() {
 INSTANTIATE_TEST_SUITE_P(
     Fakes, TierConformance,
     ::testing::Values(
-        TierFactory{"sim_device", MakeSim, kCapacity},
+        TierFactory{"sim_device", MakeSim, kCapacity, MakeSimCompute},
+        TierFactory{"sim_device_async", MakeSimAsync, kCapacity, MakeSimCompute},
         TierFactory{"host", MakeHost, kCapacity},
         TierFactory{"fault_injecting_sim_device",
                     [] { return std::unique_ptr<Tier>(NewFaultInjectingTier(MakeSim())); },
-                    kCapacity},
+                    kCapacity, MakeSimCompute},
         TierFactory{"fault_injecting_host",
                     [] { return std::unique_ptr<Tier>(NewFaultInjectingTier(MakeHost())); },
                     kCapacity}),

@@ -334,5 +334,68 @@ TEST_P(TierConformance, OutOfBoundsAndUnknownRegionCopiesFailAndWriteNothing) {
             StatusCode::kInvalidArgument);
 }
 
+// ---- ordering against compute (tiers/tier.h) ----------------------------------------------
+
+#define TIERMEM_MAKE_ORDERED_TIER_OR_SKIP(tier, harness)                                 \
+  TIERMEM_MAKE_TIER_OR_SKIP(tier);                                                       \
+  if (!GetParam().make_compute) {                                                        \
+    EXPECT_EQ(tier->ordering(), nullptr) << "a tier with ordering needs a harness here"; \
+    GTEST_SKIP() << GetParam().name << " has no compute ordering";                       \
+  }                                                                                      \
+  ASSERT_NE(tier->ordering(), nullptr);                                                  \
+  std::unique_ptr<ComputeHarness> harness = GetParam().make_compute();                   \
+  if (harness == nullptr) GTEST_SKIP() << "no compute stream here"
+
+TEST_P(TierConformance, WithoutOrderingTheHelpersAreNoOps) {
+  TIERMEM_MAKE_TIER_OR_SKIP(tier);
+  if (tier->ordering() != nullptr) GTEST_SKIP() << "has ordering (the cases below)";
+  auto r = tier->Allocate(4096);
+  ASSERT_TRUE(r.ok());
+  EXPECT_TRUE(MarkComputeUse(*tier, *r, ComputeStream{12345}).ok());
+  EXPECT_TRUE(OrderComputeAfterCopies(*tier, *r, ComputeStream{12345}).ok());
+  ASSERT_TRUE(tier->Free(*r).ok());
+}
+
+TEST_P(TierConformance, CopyOutWaitsForTheComputeThatWroteTheRegion) {
+  TIERMEM_MAKE_ORDERED_TIER_OR_SKIP(tier, harness);
+  for (int round = 0; round < 3; ++round) {
+    auto bad = CopyOutAfterCompute(*tier, *harness, 4 * kMiB);
+    ASSERT_TRUE(bad.ok()) << bad.status().ToString();
+    EXPECT_EQ(*bad, 0u) << "round " << round << ": the copy read before the compute wrote";
+  }
+  EXPECT_EQ(tier->Stats().used, 0u);
+}
+
+TEST_P(TierConformance, ComputeAfterComputeWaitsReadsTheCopiedBytes) {
+  TIERMEM_MAKE_ORDERED_TIER_OR_SKIP(tier, harness);
+  for (int round = 0; round < 3; ++round) {
+    auto bad = ComputeAfterCopyIn(*tier, *harness, 4 * kMiB);
+    ASSERT_TRUE(bad.ok()) << bad.status().ToString();
+    EXPECT_EQ(*bad, 0u) << "round " << round << ": compute read before the copy landed";
+  }
+}
+
+TEST_P(TierConformance, ReusedMemoryIsWrittenOnlyAfterQueuedComputeReadIt) {
+  TIERMEM_MAKE_ORDERED_TIER_OR_SKIP(tier, harness);
+  for (int round = 0; round < 3; ++round) {
+    auto bad = ReuseAfterFreeWaitsForCompute(*tier, *harness, 4 * kMiB);
+    ASSERT_TRUE(bad.ok()) << bad.status().ToString();
+    EXPECT_EQ(*bad, 0u) << "round " << round << ": a copy overwrote memory compute still read";
+  }
+  EXPECT_EQ(tier->Stats().used, 0u);
+}
+
+TEST_P(TierConformance, OrderingOfAnUnknownRegionIsInvalidArgument) {
+  TIERMEM_MAKE_ORDERED_TIER_OR_SKIP(tier, harness);
+  auto r = tier->Allocate(4096);
+  ASSERT_TRUE(r.ok());
+  Region bogus{r->id + 1000, r->bytes, r->addr};
+  EXPECT_EQ(MarkComputeUse(*tier, bogus, harness->stream()).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(OrderComputeAfterCopies(*tier, bogus, harness->stream()).code(),
+            StatusCode::kInvalidArgument);
+  ASSERT_TRUE(tier->Free(*r).ok());
+  EXPECT_EQ(MarkComputeUse(*tier, *r, harness->stream()).code(), StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace tiermem::testing

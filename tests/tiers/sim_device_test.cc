@@ -5,7 +5,10 @@
 #include <gtest/gtest.h>
 
 #include "runtime/base/clock.h"
+#include "tests/tiers/ordering_scenarios.h"
+#include "tests/tiers/sim_compute_harness.h"
 #include "tiers/fake/sim_device.h"
+#include "tiers/fake/sim_stream.h"
 
 namespace tiermem {
 namespace {
@@ -78,6 +81,152 @@ TEST(SimDevice, BandwidthModelSlowsCopies) {
   const uint64_t t0 = Clock::Real()->NowNs();
   ASSERT_TRUE(dev->Copy({*r, 0, src.data(), src.size(), CopyDir::kToTier})->Wait().ok());
   EXPECT_GE(Clock::Real()->NowNs() - t0, 10'000'000u);
+}
+
+// ---- asynchronous mode and the ordering contract --------------------------------------------
+
+using testing::ComputeAfterCopyIn;
+using testing::CopyOutAfterCompute;
+using testing::ReuseAfterFreeWaitsForCompute;
+using testing::SimComputeHarness;
+
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kAsan = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+constexpr bool kAsan = true;
+#else
+constexpr bool kAsan = false;
+#endif
+#else
+constexpr bool kAsan = false;
+#endif
+#if defined(__SANITIZE_THREAD__)
+constexpr bool kTsan = true;
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+constexpr bool kTsan = true;
+#else
+constexpr bool kTsan = false;
+#endif
+#else
+constexpr bool kTsan = false;
+#endif
+// The dropped-wait cases race on purpose: TSan would (rightly) report them.
+#define TIERMEM_SKIP_RACY_UNDER_TSAN() \
+  if (kTsan) GTEST_SKIP() << "a deliberate data race (the wait is dropped)"
+
+// In asynchronous mode copies complete out of submission order: the last of 24 copies issued
+// at once (each delayed 0..2 ms) is not the last to land in every one of a few tries.
+TEST(SimDeviceAsync, CopiesCompleteOutOfSubmissionOrder) {
+  auto dev = NewSimDevice({.capacity = 64 << 20, .async = true, .async_max_delay_ns = 2'000'000});
+  std::vector<char> src(4096, 1);
+  bool reordered = false;
+  for (int attempt = 0; attempt < 5 && !reordered; ++attempt) {
+    std::vector<Region> rs;
+    std::vector<std::shared_ptr<Completion>> done;
+    std::mutex mu;
+    std::vector<int> order;
+    for (int i = 0; i < 24; ++i) {
+      rs.push_back(*dev->Allocate(4096));
+      done.push_back(dev->Copy({rs.back(), 0, src.data(), 4096, CopyDir::kToTier}));
+      done.back()->OnDone([&, i](const Status&) {
+        std::lock_guard<std::mutex> lock(mu);
+        order.push_back(i);
+      });
+    }
+    ASSERT_TRUE(WaitAll(done).ok());
+    std::lock_guard<std::mutex> lock(mu);
+    for (size_t k = 1; k < order.size(); ++k) reordered |= order[k] < order[k - 1];
+    for (const Region& r : rs) ASSERT_TRUE(dev->Free(r).ok());
+  }
+  EXPECT_TRUE(reordered);
+}
+
+// Each ordering scenario is lost once the wait it is about is dropped — so the conformance
+// cases (and the engine's asynchronous tests, which rely on the same waits) can fail.
+SimDeviceConfig Dropping(uint32_t drop) {
+  SimDeviceConfig c;
+  c.capacity = 64 << 20;
+  c.async = true;
+  c.async_min_delay_ns = 20'000'000;  // every copy lands 20 ms late
+  c.async_max_delay_ns = 20'000'000;
+  c.drop_waits_for_test = drop;
+  return c;
+}
+
+TEST(SimDeviceOrdering, EachScenarioPassesWithItsWaits) {
+  auto dev = NewSimDevice(Dropping(0));
+  SimComputeHarness h;
+  for (auto* scenario : {&CopyOutAfterCompute, &ComputeAfterCopyIn, &ReuseAfterFreeWaitsForCompute}) {
+    auto bad = (*scenario)(*dev, h, 1 << 20);
+    ASSERT_TRUE(bad.ok()) << bad.status().ToString();
+    EXPECT_EQ(*bad, 0u);
+  }
+}
+
+TEST(SimDeviceOrdering, WithoutTheCopyAfterComputeWaitTheCopyReadsStaleBytes) {
+  TIERMEM_SKIP_RACY_UNDER_TSAN();
+  auto dev = NewSimDevice(Dropping(kDropCopyAfterCompute));
+  SimComputeHarness h;
+  auto bad = CopyOutAfterCompute(*dev, h, 1 << 20);
+  ASSERT_TRUE(bad.ok()) << bad.status().ToString();
+  EXPECT_GT(*bad, 0u);
+}
+
+TEST(SimDeviceOrdering, WithoutTheComputeAfterCopyWaitComputeReadsOldBytes) {
+  TIERMEM_SKIP_RACY_UNDER_TSAN();
+  auto dev = NewSimDevice(Dropping(kDropComputeAfterCopy));
+  SimComputeHarness h;
+  auto bad = ComputeAfterCopyIn(*dev, h, 1 << 20);
+  ASSERT_TRUE(bad.ok()) << bad.status().ToString();
+  EXPECT_GT(*bad, 0u);
+}
+
+TEST(SimDeviceOrdering, WithoutFencesAReusedBlockIsOverwrittenUnderQueuedCompute) {
+  TIERMEM_SKIP_RACY_UNDER_TSAN();
+  if (kAsan) GTEST_SKIP() << "ASan builds never reuse blocks (they catch use after free)";
+  SimDeviceConfig c = Dropping(kDropCopyAfterCompute);
+  c.async = false;  // the copy into the reused block runs at once
+  auto dev = NewSimDevice(c);
+  SimComputeHarness h;
+  auto bad = ReuseAfterFreeWaitsForCompute(*dev, h, 1 << 20);
+  ASSERT_TRUE(bad.ok()) << bad.status().ToString();
+  EXPECT_GT(*bad, 0u);
+}
+
+TEST(SimDeviceOrdering, BogusStreamHandleIsInvalidArgument) {
+  auto dev = NewSimDevice({.capacity = 1 << 20});
+  auto r = dev->Allocate(4096);
+  ASSERT_TRUE(r.ok());
+  int not_a_stream = 0;
+  const ComputeStream bogus{reinterpret_cast<uintptr_t>(&not_a_stream)};
+  EXPECT_EQ(MarkComputeUse(*dev, *r, bogus).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(OrderComputeAfterCopies(*dev, *r, bogus).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(MarkComputeUse(*dev, *r, kHostStream).ok());
+  ASSERT_TRUE(dev->Free(*r).ok());
+}
+
+// Freed memory that queued compute still reads goes back to the heap only after that compute
+// ran (ASan builds, which do not reuse blocks, would report the stream's read otherwise).
+TEST(SimDeviceOrdering, FreedMemoryOutlivesTheComputeThatReadsIt) {
+  auto dev = NewSimDevice({.capacity = 1 << 20, .alignment = 256});
+  SimComputeHarness h;
+  std::vector<uint8_t> out(4096, 0);
+  auto a = dev->Allocate(4096);
+  ASSERT_TRUE(a.ok());
+  std::vector<uint8_t> v(4096, 0x77);
+  ASSERT_TRUE(dev->Copy({*a, 0, v.data(), 4096, CopyDir::kToTier})->Wait().ok());
+  h.CopyWithin(out.data(), a->addr, 4096, 20'000);
+  ASSERT_TRUE(MarkComputeUse(*dev, *a, h.stream()).ok());
+  ASSERT_TRUE(dev->Free(*a).ok());
+  for (int i = 0; i < 4; ++i) {  // churn: reap, allocate other sizes
+    auto b = dev->Allocate(8192 * (i + 1));
+    ASSERT_TRUE(b.ok());
+    ASSERT_TRUE(dev->Free(*b).ok());
+  }
+  ASSERT_TRUE(h.Synchronize().ok());
+  EXPECT_EQ(testing::CountNot(out, 0x77), 0u);
 }
 
 }  // namespace

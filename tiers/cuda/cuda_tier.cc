@@ -12,8 +12,24 @@
 //
 // Each Lane owns a stream and a FIFO of (event, completion). Copy() enqueues the memcpy and an
 // event record on the stream, then pushes the pair; the lane's thread waits on the events in
-// FIFO order (cudaEventSynchronize, blocking-sync events, no spinning), completes, and returns
-// the event to the lane's pool. The lane thread is the only one that completes its copies.
+// FIFO order (cudaEventSynchronize, blocking-sync events, no spinning), completes, and drops
+// its reference to the event. The lane thread is the only one that completes its copies.
+//
+// Ordering against compute (tiers/tier.h; all under mu_):
+//  * Events are reference-counted (EventPool hands out shared_ptrs whose deleter returns the
+//    event to the pool), so an event a region still waits on is never re-recorded.
+//  * live_[id].compute is the event recorded on the compute stream at the region's last
+//    ComputeUsed; copies_in the events after copies into it; fences the compute events of
+//    regions that held its bytes before (inherited from retired_ at Allocate).
+//  * Free moves a region's pending compute events (its own and inherited) to retired_ with its
+//    byte range; Allocate gives a new region every retired event whose range overlaps its
+//    own, and drops retired entries whose events completed. Nothing blocks: the memory is
+//    reusable at once, and the first copy into it waits on the device.
+//  * Copy() makes its lane stream wait (cudaStreamWaitEvent) for the region's compute event and
+//    fences before the memcpy; ComputeWaits makes the caller's stream wait for copies_in and
+//    fences. So a write-back never reads a chunk before torch's kernels wrote it, a prefetch
+//    never overwrites memory queued kernels still read, and a kernel never reads a chunk
+//    before its prefetch landed.
 #include "tiers/cuda/cuda_tier.h"
 
 #include <algorithm>
@@ -21,6 +37,7 @@
 #include <deque>
 #include <iterator>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -34,9 +51,60 @@
 namespace tiermem {
 namespace {
 
+// Reference-counted CUDA events (cudaEventDisableTiming | cudaEventBlockingSync). The pool
+// is shared with every event it handed out, so an event may outlive the tier's other parts.
+class EventPool : public std::enable_shared_from_this<EventPool> {
+ public:
+  explicit EventPool(int device) : device_(device) {}
+  ~EventPool() {
+    for (cudaEvent_t e : idle_) cudaEventDestroy(e);
+  }
+  // An unrecorded-or-finished event, or the CUDA error.
+  StatusOr<std::shared_ptr<CUevent_st>> Get() {
+    cudaEvent_t ev = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!idle_.empty()) {
+        ev = idle_.back();
+        idle_.pop_back();
+      }
+    }
+    if (ev == nullptr) {
+      cudaSetDevice(device_);
+      TIERMEM_CUDA_RETURN_IF_ERROR(
+          cudaEventCreateWithFlags(&ev, cudaEventDisableTiming | cudaEventBlockingSync),
+          "cuda tier: cudaEventCreate");
+    }
+    std::weak_ptr<EventPool> pool = weak_from_this();
+    return std::shared_ptr<CUevent_st>(ev, [pool](cudaEvent_t e) {
+      if (auto p = pool.lock()) {
+        std::lock_guard<std::mutex> lock(p->mu_);
+        p->idle_.push_back(e);
+      } else {
+        cudaEventDestroy(e);
+      }
+    });
+  }
+
+ private:
+  const int device_;
+  std::mutex mu_;
+  std::vector<cudaEvent_t> idle_;  // GUARDED_BY(mu_); owned
+};
+
+using Event = std::shared_ptr<CUevent_st>;  // a cudaEvent_t from the EventPool
+using Events = std::vector<Event>;
+
+// Drops the events that have completed (cudaEventQuery; an error counts as completed: the
+// stream that waits on it reports it).
+void Prune(Events* events) {
+  std::erase_if(*events, [](const Event& e) { return cudaEventQuery(e.get()) != cudaErrorNotReady; });
+}
+
 class Lane {
  public:
-  Lane(int device, cudaStream_t stream) : device_(device), stream_(stream), thread_([this] { Run(); }) {}
+  Lane(int device, cudaStream_t stream, std::shared_ptr<EventPool> pool)
+      : device_(device), stream_(stream), pool_(std::move(pool)), thread_([this] { Run(); }) {}
   ~Lane() {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -44,55 +112,40 @@ class Lane {
     }
     cv_.notify_all();
     thread_.join();  // drains the queue first
-    for (cudaEvent_t e : pool_) cudaEventDestroy(e);
     cudaStreamDestroy(stream_);
   }
 
   cudaStream_t stream() const { return stream_; }
 
   // Records an event after the work already enqueued on the stream and completes `done` when
-  // it has passed. On failure completes `done` with the error right away.
-  void Track(std::shared_ptr<Completion> done) {
-    cudaEvent_t ev = nullptr;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!pool_.empty()) {
-        ev = pool_.back();
-        pool_.pop_back();
-      }
+  // it has passed; returns the event (null after a failure, when `done` has completed with the
+  // error already).
+  Event Track(std::shared_ptr<Completion> done) {
+    StatusOr<Event> ev = pool_->Get();
+    if (!ev.ok()) {
+      // Fall back to a synchronous wait so the copy still completes correctly.
+      const cudaError_t sync = cudaStreamSynchronize(stream_);
+      done->Complete(CudaErrorToStatus(sync, "cuda tier: copy"));
+      return nullptr;
     }
-    if (ev == nullptr) {
-      const cudaError_t err = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming | cudaEventBlockingSync);
-      if (err != cudaSuccess) {
-        // Fall back to a synchronous wait so the copy still completes correctly.
-        const cudaError_t sync = cudaStreamSynchronize(stream_);
-        done->Complete(CudaErrorToStatus(sync, "cuda tier: copy"));
-        return;
-      }
-    }
-    const cudaError_t err = cudaEventRecord(ev, stream_);
+    const cudaError_t err = cudaEventRecord(ev->get(), stream_);
     if (err != cudaSuccess) {
       done->Complete(CudaErrorToStatus(err, "cuda tier: event record"));
-      Recycle(ev);
-      return;
+      return nullptr;
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
-      queue_.push_back({ev, std::move(done)});
+      queue_.push_back({*ev, std::move(done)});
     }
     cv_.notify_one();
+    return *ev;
   }
 
  private:
   struct Item {
-    cudaEvent_t event;
+    Event event;
     std::shared_ptr<Completion> done;
   };
-
-  void Recycle(cudaEvent_t ev) {
-    std::lock_guard<std::mutex> lock(mu_);
-    pool_.push_back(ev);
-  }
 
   void Run() {
     cudaSetDevice(device_);
@@ -105,23 +158,23 @@ class Lane {
         item = std::move(queue_.front());
         queue_.pop_front();
       }
-      const cudaError_t err = cudaEventSynchronize(item.event);
-      Recycle(item.event);
+      const cudaError_t err = cudaEventSynchronize(item.event.get());
+      item.event.reset();
       item.done->Complete(CudaErrorToStatus(err, "cuda tier: copy"));
     }
   }
 
   const int device_;
   const cudaStream_t stream_;  // owned
+  const std::shared_ptr<EventPool> pool_;
   std::mutex mu_;
   std::condition_variable cv_;
   bool stop_ = false;                // GUARDED_BY(mu_)
   std::deque<Item> queue_;           // GUARDED_BY(mu_)
-  std::vector<cudaEvent_t> pool_;    // GUARDED_BY(mu_); idle events, owned
   std::thread thread_;               // last: starts after the members above exist
 };
 
-class CudaTier final : public Tier {
+class CudaTier final : public Tier, public ComputeOrdering {
  public:
   CudaTier(const CudaTierConfig& config, void* arena, Bytes arena_bytes, cudaStream_t h2d,
            cudaStream_t d2h)
@@ -129,18 +182,28 @@ class CudaTier final : public Tier {
         arena_(static_cast<unsigned char*>(arena)),
         arena_bytes_(arena_bytes),
         budget_(arena_bytes),
-        h2d_(config.device, h2d),
-        d2h_(config.device, d2h) {
+        events_(std::make_shared<EventPool>(config.device)),
+        h2d_(config.device, h2d, events_),
+        d2h_(config.device, d2h, events_) {
     free_[0] = arena_bytes;
   }
 
   ~CudaTier() override {
-    // Lanes are destroyed (drained) after this body; the arena must outlive their copies.
+    // Lanes are destroyed (drained) after this body; the arena must outlive their copies, and
+    // compute queued on other streams that touches it (its recorded events).
     cudaSetDevice(config_.device);
     cudaStreamSynchronize(h2d_.stream());
     cudaStreamSynchronize(d2h_.stream());
+    for (auto& [id, b] : live_) {
+      if (b.compute) cudaEventSynchronize(b.compute.get());
+    }
+    for (const Retired& r : retired_) {
+      for (const Event& e : r.events) cudaEventSynchronize(e.get());
+    }
     cudaFree(arena_);
   }
+
+  ComputeOrdering* ordering() override { return this; }
 
   TierKind kind() const override { return TierKind::kDevice; }
   std::string name() const override { return "cuda:" + std::to_string(config_.device); }
@@ -163,7 +226,10 @@ class CudaTier final : public Tier {
       free_.erase(it);
       if (rest > 0) free_[offset + size] = rest;
       const uint64_t id = next_id_++;
-      live_[id] = Block{offset, size};
+      Block& b = live_[id];
+      b.offset = offset;
+      b.size = size;
+      InheritFencesLocked(&b);
       return Region{id, size, arena_ + offset};
     }
     budget_.Release(size);
@@ -182,6 +248,12 @@ class CudaTier final : public Tier {
     }
     Bytes offset = it->second.offset;
     Bytes size = it->second.size;
+    {
+      Retired r{offset, size, std::move(it->second.fences)};
+      if (it->second.compute) r.events.push_back(std::move(it->second.compute));
+      Prune(&r.events);
+      if (!r.events.empty()) retired_.push_back(std::move(r));
+    }
     live_.erase(it);
     budget_.Release(size);
     // Merge with the free neighbours.
@@ -203,16 +275,16 @@ class CudaTier final : public Tier {
   }
 
   std::shared_ptr<Completion> Copy(const CopyRequest& request) override {
-    Region live;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = live_.find(request.region.id);
-      if (it == live_.end() || arena_ + it->second.offset != request.region.addr) {
-        return Completion::Done(InvalidArgumentError(name() + " tier: copy on an unknown region (id " +
-                                                     std::to_string(request.region.id) + ")"));
-      }
-      live = Region{request.region.id, it->second.size, arena_ + it->second.offset};
+    // Held across the enqueue: a ComputeUsed/ComputeWaits on this region is ordered entirely
+    // before or after this copy, and copies_in gets the copy's event before anyone looks.
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = live_.find(request.region.id);
+    if (it == live_.end() || arena_ + it->second.offset != request.region.addr) {
+      return Completion::Done(InvalidArgumentError(name() + " tier: copy on an unknown region (id " +
+                                                   std::to_string(request.region.id) + ")"));
     }
+    Block& b = it->second;
+    const Region live{request.region.id, b.size, arena_ + b.offset};
     if (Status s = ValidateCopy(request, live); !s.ok()) return Completion::Done(s);
     if (request.bytes == 0) return Completion::Done(OkStatus());
     if (request.host == nullptr) {
@@ -222,6 +294,12 @@ class CudaTier final : public Tier {
     const bool to_tier = request.dir == CopyDir::kToTier;
     Lane& lane = to_tier ? h2d_ : d2h_;
     cudaError_t err = cudaSetDevice(config_.device);
+    // The compute that used the region (and its memory's earlier regions) comes first.
+    Prune(&b.fences);
+    for (const Event& e : b.fences) {
+      if (err == cudaSuccess) err = cudaStreamWaitEvent(lane.stream(), e.get(), 0);
+    }
+    if (b.compute && err == cudaSuccess) err = cudaStreamWaitEvent(lane.stream(), b.compute.get(), 0);
     if (err == cudaSuccess) {
       err = to_tier ? cudaMemcpyAsync(dev, request.host, request.bytes, cudaMemcpyHostToDevice,
                                       lane.stream())
@@ -230,17 +308,80 @@ class CudaTier final : public Tier {
     }
     if (err != cudaSuccess) return Completion::Done(CudaErrorToStatus(err, name() + " tier: copy"));
     auto done = Completion::Make();
-    lane.Track(done);
+    Event ev = lane.Track(done);
+    if (to_tier && ev) {
+      Prune(&b.copies_in);
+      b.copies_in.push_back(std::move(ev));
+    }
     return done;
+  }
+
+  // ---- ComputeOrdering ----
+  Status ComputeUsed(const Region& region, ComputeStream stream) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    TIERMEM_ASSIGN_OR_RETURN(Block * b, FindLocked(region, "compute use"));
+    TIERMEM_ASSIGN_OR_RETURN(Event ev, events_->Get());
+    TIERMEM_CUDA_RETURN_IF_ERROR(cudaSetDevice(config_.device), "cuda tier: cudaSetDevice");
+    TIERMEM_CUDA_RETURN_IF_ERROR(
+        cudaEventRecord(ev.get(), reinterpret_cast<cudaStream_t>(stream.handle)),
+        "cuda tier: recording a compute use");
+    b->compute = std::move(ev);
+    return OkStatus();
+  }
+
+  Status ComputeWaits(const Region& region, ComputeStream stream) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    TIERMEM_ASSIGN_OR_RETURN(Block * b, FindLocked(region, "compute wait"));
+    Prune(&b->copies_in);
+    Prune(&b->fences);
+    auto s = reinterpret_cast<cudaStream_t>(stream.handle);
+    for (const Events* evs : {&b->copies_in, &b->fences}) {
+      for (const Event& e : *evs) {
+        TIERMEM_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s, e.get(), 0),
+                                     "cuda tier: compute waiting for a copy");
+      }
+    }
+    return OkStatus();
   }
 
   TierStats Stats() const override { return budget_.Snapshot(); }
 
  private:
   struct Block {
-    Bytes offset;
-    Bytes size;
+    Bytes offset = 0;
+    Bytes size = 0;
+    Event compute;     // the last ComputeUsed
+    Events copies_in;  // copies into it, maybe not done
+    Events fences;     // compute uses of earlier regions of its bytes
   };
+  // Freed bytes with compute still pending on them.
+  struct Retired {
+    Bytes offset = 0;
+    Bytes size = 0;
+    Events events;
+  };
+
+  StatusOr<Block*> FindLocked(const Region& region, const char* what) {
+    auto it = live_.find(region.id);
+    if (it == live_.end() || arena_ + it->second.offset != region.addr) {
+      return InvalidArgumentError(name() + " tier: " + what + " of an unknown region (id " +
+                                  std::to_string(region.id) + ")");
+    }
+    return &it->second;
+  }
+
+  // A new region over [offset, offset + size) waits for the compute of every retired region
+  // it overlaps; retired entries whose compute finished are dropped.
+  void InheritFencesLocked(Block* b) {
+    std::erase_if(retired_, [&](Retired& r) {
+      Prune(&r.events);
+      if (r.events.empty()) return true;
+      if (r.offset < b->offset + b->size && b->offset < r.offset + r.size) {
+        b->fences.insert(b->fences.end(), r.events.begin(), r.events.end());
+      }
+      return false;
+    });
+  }
 
   Bytes LargestFreeLocked() const {
     Bytes best = 0;
@@ -255,7 +396,9 @@ class CudaTier final : public Tier {
   mutable std::mutex mu_;
   std::map<Bytes, Bytes> free_;                  // GUARDED_BY(mu_); offset -> size
   std::unordered_map<uint64_t, Block> live_;     // GUARDED_BY(mu_)
+  std::vector<Retired> retired_;                 // GUARDED_BY(mu_)
   uint64_t next_id_ = 1;                         // GUARDED_BY(mu_)
+  const std::shared_ptr<EventPool> events_;
   Lane h2d_;
   Lane d2h_;
 };

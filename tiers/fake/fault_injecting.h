@@ -51,6 +51,8 @@ class FaultInjectingTier final : public Tier {
   Status Free(const Region& region) override;
   std::shared_ptr<Completion> Copy(const CopyRequest& request) override;
   TierStats Stats() const override;
+  // The inner tier's ordering, unchanged (faults are injected into copies only).
+  ComputeOrdering* ordering() override { return inner_->ordering(); }
 
  private:
   class Timer;
