@@ -411,6 +411,8 @@ Status Engine::SetExternalBytes(TierKind tier, Bytes bytes) {
   Bytes& ext = external_[static_cast<int>(tier)];
   if (bytes == ext) return OkStatus();
   ext = bytes;
+  Bytes& peak = stats_.external_peak[static_cast<int>(tier)];
+  peak = std::max(peak, bytes);
   if (recorder_ != nullptr) {
     // One pseudo-region per tier (a fixed id no tier hands out): re-allocating a live id
     // replaces it.

@@ -114,6 +114,8 @@ struct EngineStats {
   // Acquires that ordered the compute stream after a prefetch still in flight instead of
   // blocking (devices with ComputeOrdering only).
   uint64_t device_waits = 0;
+  // The most external bytes (SetExternalBytes) each tier held at once, by TierKind index.
+  std::array<Bytes, kNumTierKinds> external_peak{};
 };
 
 class Engine {

@@ -27,7 +27,7 @@ const std::set<std::string> kTopKeys = {
     "gradient_clipping", "chunk_size", "timeline",
     "prefetch_depth", "loss_scaling",  "device_kind",
     "cpu_threads",    "kernel_isa",    "log_level",
-    "unmaterialized_reads", "write_behind", "plan", "activations"};
+    "unmaterialized_reads", "write_behind", "plan", "activations", "optimizer_placement"};
 
 std::string Keys(const std::set<std::string>& keys) {
   std::string out = "[";
@@ -170,10 +170,11 @@ Status ChoiceVar(const EnvGetter& env, const char* var, std::string* out,
   return BadVar(var, v, "expected one of " + list);
 }
 
-constexpr std::initializer_list<const char*> kDeviceKinds = {"auto", "cuda", "sim"};
+constexpr std::initializer_list<const char*> kDeviceKinds = {"auto", "cuda", "sim", "sim-async"};
 constexpr std::initializer_list<const char*> kEngines = {"auto", "io_uring", "posix"};
 constexpr std::initializer_list<const char*> kIsas = {"auto", "scalar", "avx2", "avx512"};
 constexpr std::initializer_list<const char*> kPlanModes = {"off", "auto"};
+constexpr std::initializer_list<const char*> kPlacements = {"auto", "host"};
 constexpr std::initializer_list<const char*> kActivationModes = {"outside", "budget",
                                                                      "offload"};
 
@@ -316,6 +317,11 @@ Status ApplyJson(const json& config, SessionConfig* c, bool* nvme_given) {
   if (has("plan")) {
     TIERMEM_ASSIGN_OR_RETURN(c->plan, Choice("plan", config["plan"], kPlanModes));
   }
+  if (has("optimizer_placement")) {
+    TIERMEM_ASSIGN_OR_RETURN(c->optimizer_placement,
+                             Choice("optimizer_placement", config["optimizer_placement"],
+                                    kPlacements));
+  }
   if (has("unmaterialized_reads")) {
     TIERMEM_ASSIGN_OR_RETURN(c->unmaterialized_reads,
                              Choice("unmaterialized_reads", config["unmaterialized_reads"],
@@ -347,6 +353,8 @@ Status ApplyEnv(const EnvGetter& env, SessionConfig* c, bool* nvme_given) {
   TIERMEM_RETURN_IF_ERROR(ChoiceVar(env, "TIERMEM_PLAN", &c->plan, kPlanModes));
   TIERMEM_RETURN_IF_ERROR(
       ChoiceVar(env, "TIERMEM_ACTIVATIONS", &c->activations, kActivationModes));
+  TIERMEM_RETURN_IF_ERROR(ChoiceVar(env, "TIERMEM_OPTIMIZER_PLACEMENT", &c->optimizer_placement,
+                                    kPlacements));
   if (const char* t = Var(env, "TIERMEM_TIMELINE")) c->timeline = t;
   if (const char* l = Var(env, "TIERMEM_LOG_LEVEL")) {
     StatusOr<LogLevel> level = ParseLogLevel(l);
@@ -426,6 +434,7 @@ json ToJson(const SessionConfig& c) {
   j["unmaterialized_reads"] = c.unmaterialized_reads;
   j["plan"] = c.plan;
   j["activations"] = c.activations;
+  j["optimizer_placement"] = c.optimizer_placement;
   return j;
 }
 

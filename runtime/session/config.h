@@ -16,7 +16,9 @@
 //   nvme.path       TIERMEM_NVME_PATH              temp dir    directory for the NVMe files
 //   nvme.engine     TIERMEM_NVME_ENGINE            auto        auto | io_uring | posix
 //   nvme.queue_depth TIERMEM_IO_DEPTH              8           io_uring queue depth, 1..4096
-//   device_kind     TIERMEM_DEVICE                 auto        auto | cuda | sim
+//   device_kind     TIERMEM_DEVICE                 auto        auto | cuda | sim | sim-async
+//                                                              (sim-async: SimDevice's adversarial
+//                                                              asynchronous mode, for tests)
 //   timeline        TIERMEM_TIMELINE               temp file   binary timeline path
 //   cpu_threads     TIERMEM_CPU_THREADS            0           CPU kernel threads (0 = all)
 //   kernel_isa      TIERMEM_KERNEL_ISA             auto        auto | scalar | avx2 | avx512
@@ -35,6 +37,10 @@
 //                                                              in the device budget (offload:
 //                                                              and move them to host memory
 //                                                              when the device is short)
+//   optimizer_placement TIERMEM_OPTIMIZER_PLACEMENT auto    auto | host: auto steps a chunk
+//                                                              group on the device when its
+//                                                              optimizer state fits next to
+//                                                              the working set (session.h)
 //   loss_scaling.{initial_scale,growth_interval,growth_factor,backoff_factor}   (fp16)
 //   unmaterialized_reads                           materialize materialize | error (Python)
 //
@@ -98,6 +104,10 @@ struct SessionConfig {
   // "offload": counted too, and the binding offloads units' activations to host memory
   // (SetExternalHostBytes) when the device cannot hold them.
   std::string activations = "outside";
+  // "auto": chunk groups whose optimizer state fits the device next to the training working
+  // set step there (the CUDA kernels on CUDA, the CPU kernels on SimDevice's memory); "host":
+  // every group steps on host copies.
+  std::string optimizer_placement = "auto";
   LossScalingConfig loss_scaling;
   std::string unmaterialized_reads = "materialize";  // or "error"
 };

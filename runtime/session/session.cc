@@ -17,6 +17,7 @@
 #include <cstring>
 
 #include "runtime/base/logging.h"
+#include "runtime/session/device_kernels.h"
 #include "runtime/session/tier_stack.h"
 
 namespace tiermem::session {
@@ -150,7 +151,7 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
   sl.host_reserve = config.nvme_size == 0 ? 0
                     : (trainable.empty() ? 1 : 5) * AlignUp(sl.chunk_bytes, kPage);
   TIERMEM_ASSIGN_OR_RETURN(s->stack_, TierStack::Create(config, sl));
-  s->device_kind_ = s->stack_->cuda() ? "cuda" : "sim";
+  s->device_kind_ = s->stack_->device_kind();
   s->timeline_path_ = s->stack_->timeline_path();
   engine::Engine* eng = s->stack_->engine();
   for (ChunkKind kind : kCreationOrder) {
@@ -348,15 +349,22 @@ StatusOr<kernels::GradStats> Session::GradStats() {
     if (!g.trainable) continue;
     const std::vector<Run> runs = GradRuns(g, false);
     if (runs.empty()) continue;
-    TIERMEM_ASSIGN_OR_RETURN(void* base,
-                             Acquire(gi, ChunkKind::kGrad, ReadTier(gi, ChunkKind::kGrad)));
+    const TierKind where = ReadTier(gi, ChunkKind::kGrad);
+    TIERMEM_ASSIGN_OR_RETURN(void* base, Acquire(gi, ChunkKind::kGrad, where));
+    std::vector<GradSpan> spans;
     for (const Run& r : runs) {
-      const kernels::GradStats st = kernels::GradNormAndOverflow(
-          static_cast<const char*>(base) + r.lo * es, gd, r.hi - r.lo);
-      total.sq_norm += st.sq_norm;
-      total.overflow = total.overflow || st.overflow;
+      spans.push_back({static_cast<const char*>(base) + r.lo * es, r.hi - r.lo});
     }
-    TIERMEM_RETURN_IF_ERROR(Release(gi, ChunkKind::kGrad, false));
+    // On a CUDA device the reduction runs there (and waits for the stream); elsewhere the CPU
+    // reads the memory in place.
+    const bool dev = where == TierKind::kDevice;
+    StatusOr<kernels::GradStats> st =
+        DeviceGradStats(cuda() && dev, spans, gd, dev ? stream_ : kHostStream);
+    Status rel = Release(gi, ChunkKind::kGrad, false);
+    TIERMEM_RETURN_IF_ERROR(st.status());
+    TIERMEM_RETURN_IF_ERROR(rel);
+    total.sq_norm += st->sq_norm;
+    total.overflow = total.overflow || st->overflow;
   }
   total.sq_norm /= scaler_.scale * scaler_.scale;
   return total;
@@ -416,6 +424,7 @@ StatusOr<StepResult> Session::Step(const std::vector<GroupHyper>& hyper) {
   const kernels::DType gd = dtype(ChunkKind::kGrad);
   const size_t ges = kernels::DTypeSize(gd);
   const ChunkKind ck = compute_kind();
+  if (!opt_placed_) PlaceOptimizer();
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     const ChunkGroup& g = groups_[gi];
     if (!g.trainable) continue;
@@ -431,7 +440,7 @@ StatusOr<StepResult> Session::Step(const std::vector<GroupHyper>& hyper) {
     std::vector<ChunkKind> kinds = {ck, ChunkKind::kGrad, ChunkKind::kExpAvg,
                                     ChunkKind::kExpAvgSq};
     if (mixed()) kinds.push_back(ChunkKind::kParamFp32);
-    const TierKind where = OptimizerTier(gi, kinds);
+    const TierKind where = OptimizerTier(gi);
     Moment(where == TierKind::kDevice ? "optimizer-substep:device" : "optimizer-substep:host",
            planners::MomentKind::kOptimizerStep);
     uint64_t work = 0;
@@ -470,9 +479,11 @@ StatusOr<StepResult> Session::Step(const std::vector<GroupHyper>& hyper) {
         sp.out_dtype = compute_dtype();
       }
       sp.n = run.hi - run.lo;
-      s = kernels::ValidateAdam(ac, sp);
+      // On the device: enqueued on the compute stream (the releases below record it). On the
+      // host: the CPU kernel, now (host copies are the CPU's; nothing orders a stream there).
+      const bool dev = where == TierKind::kDevice;
+      s = DeviceAdamStep(cuda() && dev, ac, sp, dev ? stream_ : kHostStream);
       if (!s.ok()) break;
-      kernels::AdamStep(ac, sp);
     }
     // All acquired: the kernel ran (on some runs at least): the chunks are modified. An
     // acquire that failed came before any kernel: nothing was.
@@ -504,25 +515,47 @@ StatusOr<StepResult> Session::Step(const std::vector<GroupHyper>& hyper) {
   return r;
 }
 
-TierKind Session::OptimizerTier(size_t g, const std::vector<ChunkKind>& kinds) const {
-  // The CUDA tier's memory is not CPU-addressable and the CUDA kernels are not wired into the
-  // step yet: host. SimDevice's "device" memory is host memory, so the CPU kernel can run on
-  // it in place — worth it only when m and v can stay there across iterations, i.e. when
-  // every chunk of the model fits on the device (then nothing crosses the simulated PCIe);
-  // with less room, pulling m and v up would cost more traffic than stepping on the host.
-  // (The planner will place groups one by one from the trace; this is the safe rule.)
-  (void)g;
-  (void)kinds;
-  if (cuda()) return TierKind::kHost;
-  return stack_->device()->Stats().capacity >= total_chunk_bytes_ ? TierKind::kDevice
-                                                                  : TierKind::kHost;
+TierKind Session::OptimizerTier(size_t g) const {
+  return OptimizerOnDevice(g) ? TierKind::kDevice : TierKind::kHost;
+}
+
+void Session::PlaceOptimizer() {
+  // Device-placed optimizer state stays cached on the device between steps only if the
+  // forward and backward never need its room: so it gets only what the whole training working
+  // set leaves — every group's compute and grad chunks (all cached at once, as they are when
+  // nothing has to move) and the most activation/KV bytes the device held so far. Without
+  // that room a group steps on the host, where moving its param and grad (2 x compute dtype
+  // bytes per element) costs less than moving m and v up and back (16 bytes). Groups are
+  // taken in order while room is left.
+  opt_placed_ = true;
+  opt_device_.assign(groups_.size(), 0);
+  if (config_.optimizer_placement == "host") return;
+  engine::Engine* eng = stack_->engine();
+  Bytes working = eng->Stats().external_peak[static_cast<int>(TierKind::kDevice)];
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    working += ChunkBytes(gi, compute_kind());
+    if (groups_[gi].trainable) working += ChunkBytes(gi, ChunkKind::kGrad);
+  }
+  const Bytes capacity = stack_->device()->Stats().capacity;
+  Bytes left = capacity > working ? capacity - working : 0;
+  size_t placed = 0;
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    if (!groups_[gi].trainable) continue;
+    Bytes need = ChunkBytes(gi, ChunkKind::kExpAvg) + ChunkBytes(gi, ChunkKind::kExpAvgSq);
+    if (mixed()) need += ChunkBytes(gi, ChunkKind::kParamFp32);
+    if (need > left) break;
+    left -= need;
+    opt_device_[gi] = 1;
+    ++placed;
+  }
+  TIERMEM_LOG(kInfo) << "optimizer: " << placed << " chunk group(s) step on the device ("
+                     << device_kind_ << "), the others on the host";
 }
 
 TierKind Session::ReadTier(size_t g, ChunkKind kind) const {
   // Where a reduction over a chunk (GradStats) reads it without moving it: in place on the
-  // device when that is CPU memory (SimDevice) and the chunk is there, else on the host.
-  return (!cuda() && Resident(g, kind) == TierKind::kDevice) ? TierKind::kDevice
-                                                              : TierKind::kHost;
+  // device when it is there (a CUDA kernel on CUDA, the CPU on SimDevice), else on the host.
+  return Resident(g, kind) == TierKind::kDevice ? TierKind::kDevice : TierKind::kHost;
 }
 
 // ---- iterations and stats -----------------------------------------------------------------------
@@ -741,6 +774,11 @@ void Session::SetTracing(bool on) {
 
 void Session::SetCyclic(bool on) {
   if (!closed()) stack_->engine()->SetCyclic(on);
+}
+
+void Session::SetComputeStream(ComputeStream stream) {
+  stream_ = stream;
+  if (!closed()) stack_->engine()->SetComputeStream(stream);
 }
 
 Status Session::SetExternalDeviceBytes(Bytes bytes) {

@@ -17,10 +17,15 @@
 //   - the optimizer: AdamW over every group with gradients, with per-group hyper-parameters
 //     passed at each Step (LR schedules), gradient accumulation (every N-th Step applies),
 //     global-norm clipping and fp16 dynamic loss scaling (skipped steps lower the scale), all
-//     on the fused CPU kernels (kernels/cpu). Placement: on SimDevice, where the device tier
-//     is CPU memory, when every chunk of the model fits on the device the groups step there
-//     in place (no bytes move); otherwise, and always on the CUDA tier for now, on host
-//     copies. Same kernel, same bits either way;
+//     on fused kernels. Placement (config optimizer_placement, decided once at the first
+//     applied step): a group steps *on the device* when its optimizer state (m, v and, in
+//     mixed precision, the fp32 master) fits there next to the training working set — every
+//     group's compute and grad chunks plus the most activation/KV bytes the device held so
+//     far — taking groups in order while room is left (Deep Optimizer States' idea with a
+//     static rule; "host" turns it off). Its params and grads then never cross to the host:
+//     the CUDA kernels (kernels/cuda) run on the compute stream on CUDA, the CPU kernels on
+//     SimDevice's memory (its twin). Other groups step on host copies with the CPU kernels.
+//     The kernels agree bit for bit (device_kernels.h);
 //   - per-tensor step counts and "has a gradient" flags (torch's `p.grad is not None`: a
 //     tensor without a gradient is not stepped, like torch.optim);
 //   - checkpoints (SaveCheckpoint/LoadCheckpoint: a versioned, checksummed file streamed
@@ -140,7 +145,7 @@ class Session {
   Bytes total_chunk_bytes() const { return total_chunk_bytes_; }  // incl. padding and tails
   // The device bytes the layout needs at least: min-resident compute + grad chunks.
   Bytes minimum_device_budget() const { return min_device_budget_; }
-  const std::string& device_kind() const { return device_kind_; }  // "sim" or "cuda"
+  const std::string& device_kind() const { return device_kind_; }  // "sim", "sim-async", "cuda"
   bool cuda() const { return device_kind_ == "cuda"; }
   std::string nvme_engine() const;
   const std::string& timeline_path() const { return timeline_path_; }
@@ -207,6 +212,15 @@ class Session {
   // Serving: every iteration repeats the same forward, so prefetch runs across the iteration
   // boundary (engine.h, "Cyclic order").
   void SetCyclic(bool on);
+  // The stream the binding's device work is queued on from now on (torch's current CUDA
+  // stream; kHostStream for CPU tensors, the default): releases record their compute use on
+  // it, device-placed optimizer kernels run on it (tiers/tier.h "Ordering against compute").
+  void SetComputeStream(ComputeStream stream);
+  // Optimizer placement (see the file comment): decided at the first applied Step.
+  bool optimizer_placed() const { return opt_placed_; }
+  bool OptimizerOnDevice(size_t group) const {
+    return opt_placed_ && group < opt_device_.size() && opt_device_[group] != 0;
+  }
   // Device bytes the binding keeps live outside chunks (the KV cache of a served model),
   // counted in the device budget: device chunks are evicted to make room. kResourceExhausted
   // naming the bytes (nothing changes) when the chunks in use leave too little room.
@@ -297,7 +311,9 @@ class Session {
   };
   std::vector<Run> GradRuns(const ChunkGroup& g, bool same_step) const;
   // Where group g's optimizer step runs (its `kinds` acquired there): see session.cc.
-  TierKind OptimizerTier(size_t g, const std::vector<ChunkKind>& kinds) const;
+  TierKind OptimizerTier(size_t g) const;
+  // Decides opt_device_ (the file comment's rule).
+  void PlaceOptimizer();
   TierKind ReadTier(size_t g, ChunkKind kind) const;
   TraceRecorder::Probes TraceProbes() const;
   Status LoadCheckpointV1(const std::string& path, std::string* metadata);
@@ -331,6 +347,9 @@ class Session {
   planners::PlanEstimate plan_estimate_;
   uint32_t plan_actions_ = 0;
   bool warned_divergence_ = false;
+  bool opt_placed_ = false;
+  std::vector<uint8_t> opt_device_;  // per group: steps on the device
+  ComputeStream stream_ = kHostStream;
   std::unique_ptr<TierStack> stack_;
 };
 

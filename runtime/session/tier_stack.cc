@@ -47,10 +47,10 @@ bool TierStack::CudaBuilt() {
 }
 
 StatusOr<std::string> TierStack::ResolveDeviceKind(const std::string& kind) {
-  if (kind == "sim") return std::string("sim");
+  if (kind == "sim" || kind == "sim-async") return kind;
   if (kind != "auto" && kind != "cuda") {
-    return InvalidArgumentError("device_kind must be 'auto', 'cuda' or 'sim', got '" + kind +
-                                "'");
+    return InvalidArgumentError("device_kind must be 'auto', 'cuda', 'sim' or 'sim-async', got '" +
+                                kind + "'");
   }
 #ifdef TIERMEM_SESSION_WITH_CUDA
   StatusOr<int> count = CudaDeviceCount();
@@ -104,8 +104,10 @@ StatusOr<std::unique_ptr<TierStack>> TierStack::Create(const SessionConfig& conf
   } else {
     SimDeviceConfig dc;
     dc.capacity = config.device_budget;
+    dc.async = device == "sim-async";
     s->device_ = NewSimDevice(dc);
   }
+  s->device_kind_ = device;
   const Bytes slot = AlignUp(std::max<Bytes>(layout.chunk_bytes, kPage), kPage);
   Bytes staging_bytes = 0;
   if (config.nvme_size > 0) {

@@ -1,7 +1,8 @@
 // TierStack: the tier registry behind one session — which tiers exist, the Mover between
 // them, the timeline recorder and the chunk Engine over them. Built once from the session's
 // config; the one place that knows which device tier this build and machine have:
-//   device   SimDevice (host memory posing as HBM) for "sim", the CUDA tier for "cuda"
+//   device   SimDevice (host memory posing as HBM) for "sim" (its asynchronous mode for
+//            "sim-async"), the CUDA tier for "cuda"
 //            (this target is compiled with TIERMEM_SESSION_WITH_CUDA when CUDA is built;
 //            "auto" picks CUDA when a GPU is present, else SimDevice);
 //   host     the host tier, size classes = the chunk size and its halves; on the CUDA device
@@ -48,6 +49,7 @@ class TierStack {
   TierStack& operator=(const TierStack&) = delete;
 
   // "auto" resolved: "cuda" when this build has CUDA and a GPU is present, else "sim";
+  // "sim" and "sim-async" as given;
   // "cuda" without either is kUnavailable saying which is missing.
   static StatusOr<std::string> ResolveDeviceKind(const std::string& kind);
   static bool CudaBuilt();
@@ -59,6 +61,7 @@ class TierStack {
   Tier* device() { return device_.get(); }
   const Mover* mover() const { return mover_.get(); }
   bool cuda() const { return cuda_; }
+  const std::string& device_kind() const { return device_kind_; }  // "sim", "sim-async", "cuda"
   std::string nvme_engine() const;  // "" without NVMe
   const std::string& timeline_path() const { return timeline_path_; }
   // The timeline file so far (after waiting for moves and flushing), analysed by
@@ -76,6 +79,7 @@ class TierStack {
   std::unique_ptr<Mover> mover_;
   std::unique_ptr<engine::Engine> engine_;
   bool cuda_ = false;
+  std::string device_kind_;
 };
 
 }  // namespace tiermem::session

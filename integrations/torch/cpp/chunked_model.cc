@@ -142,7 +142,7 @@ StatusOr<std::unique_ptr<ChunkedModel>> ChunkedModel::Create(::torch::nn::Module
         "the LibTorch API runs on SimDevice only for now (config 'device_kind' / "
         "TIERMEM_DEVICE resolved to 'cuda'; set it to 'sim')");
   }
-  cfg.device_kind = "sim";
+  cfg.device_kind = device;  // "sim" or "sim-async" ("auto" without a GPU: "sim")
   if (cfg.activations != "outside") {
     // Counting (and offloading) saved activations needs saved-tensor hooks, which only the
     // Python binding installs: refused rather than a budget silently not applied.

@@ -258,6 +258,16 @@ class PySession {
     d["acquires"] = s.acquires;
     d["iterations"] = s.iterations;
     d["diverged"] = s.diverged;
+    d["device_waits"] = s.device_waits;
+    // Where each chunk group's optimizer steps (decided at the first applied step).
+    py::dict opt;
+    opt["placed"] = s_->optimizer_placed();
+    py::list on_device;
+    for (size_t g = 0; g < s_->num_groups(); ++g) {
+      if (s_->OptimizerOnDevice(g)) on_device.append(g);
+    }
+    opt["device_groups"] = on_device;
+    d["optimizer"] = opt;
     // Plans (plan: auto): the runner's counters and the engine's planned actions.
     const session::Session::PlanStatus ps = s_->plan_status();
     py::dict plan;
@@ -513,6 +523,10 @@ PYBIND11_MODULE(_C, m) {
       .def("phase", [](PySession& s, const std::string& l) { s.s().Phase(l); })
       .def("set_tracing", [](PySession& s, bool on) { s.s().SetTracing(on); })
       .def("set_cyclic", [](PySession& s, bool on) { s.s().SetCyclic(on); })
+      // The compute stream as an integer handle (torch.cuda.current_stream().cuda_stream on
+      // CUDA; 0 = work on the calling thread, CPU tensors).
+      .def("set_compute_stream",
+           [](PySession& s, uintptr_t handle) { s.s().SetComputeStream({handle}); })
       .def("set_external_device_bytes",
            [](PySession& s, uint64_t b) { Check(s.s().SetExternalDeviceBytes(b)); })
       .def("set_external_host_bytes",
