@@ -46,6 +46,15 @@ bool TierStack::CudaBuilt() {
 #endif
 }
 
+std::string TierStack::CudaRuntimeVersion() {
+#ifdef TIERMEM_SESSION_WITH_CUDA
+  const int v = CudaRuntimeBuildVersion();
+  return std::to_string(v / 1000) + "." + std::to_string(v % 1000 / 10);
+#else
+  return "";
+#endif
+}
+
 StatusOr<std::string> TierStack::ResolveDeviceKind(const std::string& kind) {
   if (kind == "sim" || kind == "sim-async") return kind;
   if (kind != "auto" && kind != "cuda") {

@@ -53,6 +53,8 @@ class TierStack {
   // "cuda" without either is kUnavailable saying which is missing.
   static StatusOr<std::string> ResolveDeviceKind(const std::string& kind);
   static bool CudaBuilt();
+  // The CUDA runtime version this build was compiled against ("13.0"), "" without CUDA.
+  static std::string CudaRuntimeVersion();
 
   void Close();  // idempotent
   bool closed() const { return engine_ == nullptr; }

@@ -405,6 +405,8 @@ class CudaTier final : public Tier, public ComputeOrdering {
 
 }  // namespace
 
+int CudaRuntimeBuildVersion() { return CUDART_VERSION; }
+
 StatusOr<int> CudaDeviceCount() {
   int count = 0;  // left unwritten by the runtime when there is no driver
   TIERMEM_CUDA_RETURN_IF_ERROR(cudaGetDeviceCount(&count), "cudaGetDeviceCount");

@@ -29,6 +29,8 @@ struct CudaTierConfig {
 
 // Number of CUDA devices; kUnavailable ("no CUDA device") when there is no driver or device.
 StatusOr<int> CudaDeviceCount();
+// CUDART_VERSION this tier was compiled against (e.g. 13000).
+int CudaRuntimeBuildVersion();
 
 // A CUDA tier on config.device. kUnavailable without a GPU, kInvalidArgument for a bad
 // config or device index, kResourceExhausted when the device cannot hold the arena.

@@ -588,6 +588,8 @@ PYBIND11_MODULE(_C, m) {
     return tiermem::torch_ext::ReportDict(Check(tiermem::prof::AnalyzeFile(path)));
   });
   m.def("cuda_built", [] { return se::TierStack::CudaBuilt(); });
+  // "13.0": the CUDA runtime this build links (the driver must support it); "" without CUDA.
+  m.def("cuda_runtime_version", [] { return se::TierStack::CudaRuntimeVersion(); });
   m.def("checkpoint_metadata", [](const std::string& path) {
     return Check(se::Session::CheckpointMetadata(path));
   });

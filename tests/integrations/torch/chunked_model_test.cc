@@ -428,6 +428,39 @@ TEST(ChunkedModel, APlanIsExecutedWithTheSameLosses) {
   EXPECT_EQ(losses[1], losses[0]);
 }
 
+// The asynchronous SimDevice (copies land late and out of order; tests/python/
+// test_async_device.py says what it proves on a CPU) under the LibTorch binding: the same
+// losses and values as the synchronous SimDevice, bit for bit, with and without a plan.
+TEST(ChunkedModel, TheAsynchronousSimDeviceTrainsBitForBitLikeTheSynchronousOne) {
+  const GPTConfig c = SmallConfig();
+  const auto batches = SyntheticBatches(c, 4, 8);
+  for (const char* plan : {"off", "auto"}) {
+    std::vector<double> losses[2];
+    std::vector<::torch::Tensor> params[2];
+    for (int k = 0; k < 2; ++k) {
+      GPT m = MakeModel(c);
+      const Bytes budget = static_cast<Bytes>(NumParams(m)) * 16 / 4;
+      auto cm = tiermem::torch::ChunkedModel::Create(
+          *m, {{"device", budget}, {"host", "64MiB"}, {"plan", plan},
+               {"device_kind", k == 0 ? "sim" : "sim-async"}});
+      ASSERT_TRUE(cm.ok()) << cm.status().ToString();
+      EXPECT_EQ((*cm)->session().device_kind(), k == 0 ? "sim" : "sim-async");
+      losses[k] = TrainSteps(m, **cm, batches, 0, batches.size());
+      EXPECT_GT((*cm)->session().Stats()->evictions, 0u);
+      for (const auto& item : m->named_parameters()) {
+        auto v = (*cm)->ParamValue(item.value());
+        ASSERT_TRUE(v.ok()) << v.status().ToString();
+        params[k].push_back(*v);
+      }
+    }
+    EXPECT_EQ(losses[1], losses[0]) << "plan " << plan;
+    ASSERT_EQ(params[1].size(), params[0].size());
+    for (size_t i = 0; i < params[0].size(); ++i) {
+      EXPECT_TRUE(::torch::equal(params[1][i], params[0][i])) << "plan " << plan << " param " << i;
+    }
+  }
+}
+
 TEST(ChunkedModel, TheEnvironmentOverridesTheConfigLikeInPython) {
   const GPTConfig c = SmallConfig();
   GPT model = MakeModel(c);

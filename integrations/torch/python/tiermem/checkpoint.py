@@ -62,6 +62,7 @@ def save_checkpoint(model, optimizer, path, extra=None):
     except (TypeError, ValueError) as e:
         raise ValueError(f"save_checkpoint: extra is not JSON-serializable: {e}") from None
     rt._set_tracing(False)  # its reads are not part of the order the next iteration follows
+    rt._on_stream()  # reads wait for the work queued on the chunks
     rt.s.save_checkpoint(str(path), text)
 
 
@@ -79,6 +80,7 @@ def load_checkpoint(model, optimizer, path):
         raise ValueError(f"checkpoint {path} has {len(groups)} optimizer param groups, the "
                          f"optimizer has {len(optimizer.param_groups)}: nothing was loaded")
     rt._set_tracing(False)
+    rt._on_stream()
     rt.s.load_checkpoint(str(path))  # verifies everything, then loads (or changes nothing)
     for r in rt.params:
         if r.trainable:

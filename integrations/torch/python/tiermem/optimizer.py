@@ -58,6 +58,7 @@ class ChunkedAdamW(torch.optim.Optimizer):
         hyper = self._hyper()
         rt.sync_grads()
         rt._set_tracing(True)
+        rt._on_stream()  # device-placed groups step on torch's current stream
         res = rt.s.step(hyper)
         self.last_step_skipped = res["skipped"]
         self.last_grad_norm = res["grad_norm"] if res["grad_norm"] >= 0 else None

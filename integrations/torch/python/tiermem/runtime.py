@@ -149,7 +149,18 @@ class TiermemRuntime:
         if kind == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("device_kind 'cuda': tiermem sees a GPU but torch does not "
                                "(torch.cuda.is_available() is False)")
+        if kind != "cuda" and cfg.device_kind == "auto" and torch.cuda.is_available():
+            # Never train on the CPU in silence on a GPU machine.
+            why = ("this tiermem build has no CUDA support (built without nvcc; reinstall with "
+                   "the CUDA toolkit present)" if not _C.cuda_built() else
+                   "tiermem's CUDA runtime finds no usable device (driver older than the CUDA "
+                   f"{_C.cuda_runtime_version()} runtime tiermem was built with?)")
+            raise RuntimeError(f"device_kind 'auto': torch sees a GPU but {why}. Set "
+                               "device_kind 'sim' (or TIERMEM_DEVICE=sim) to train on the CPU "
+                               "on purpose.")
         self.device = torch.device("cuda", 0) if kind == "cuda" else torch.device("cpu")
+        self._cuda = kind == "cuda"
+        self._stream_handle = None  # the compute stream the session was last told
         self._collect_params(param_groups)
         self.units = find_units(model, units)
         specs = [(r.name, r.numel, r.trainable, r.opt_group, list(r.shape)) for r in self.params]
@@ -363,6 +374,7 @@ class TiermemRuntime:
                 r = self.params[i]
                 r.compute.data = self._slice(base, r)  # for good: units only swap slots
             if self.groups[g][0]:
+                self._on_stream()
                 self._grad_hold[g] = self.s.acquire_for_write(g, _K.grad, _DEVICE)
                 self._resident_pins.append((g, _K.grad))
 
@@ -381,14 +393,27 @@ class TiermemRuntime:
             self.s.set_tracing(on)
             self._tracing = on
 
+    def _on_stream(self):
+        """CUDA: the session orders its copies and kernels with the stream torch queues work on
+        now (tiers/tier.h, "Ordering against compute"): releases record their use on it,
+        prefetches it reads are waited for on it. Checked at every chunk access, since the
+        backward (autograd's device thread) and user code may change the current stream."""
+        if self._cuda:
+            h = torch.cuda.current_stream(self.device).cuda_stream
+            if h != self._stream_handle:
+                self.s.set_compute_stream(h)
+                self._stream_handle = h
+
     def _acquire(self, group: int, kind, tier=_DEVICE) -> torch.Tensor:
         self._set_tracing(self._traced())
+        self._on_stream()
         base = self.s.acquire(group, kind, tier)
         if tier == _DEVICE and kind == self._compute_kind:
             self._live[base.data_ptr()] = group
         return base
 
     def _release(self, group: int, kind, modified: bool, base: torch.Tensor | None = None):
+        self._on_stream()
         self.s.release(group, kind, modified)
         if base is not None and kind == self._compute_kind and \
                 self.s.pins(group, kind) == 0 and self._live.get(base.data_ptr()) == group:
@@ -745,6 +770,7 @@ class TiermemRuntime:
             return  # pinned for the whole session
         del self._grad_hold[group]
         self._grad_pending.pop(group, None)
+        self._on_stream()
         self.s.release(group, _K.grad, True)
 
     def _grad_chunk(self, r: _Param) -> torch.Tensor:
@@ -754,6 +780,7 @@ class TiermemRuntime:
             if all(self.params[i].param.grad is None for i in tensors):
                 self.s.zero_chunk(r.group, _K.grad)  # nothing to keep: no fetch, a memset
             self._set_tracing(True)
+            self._on_stream()
             base = self.s.acquire_for_write(r.group, _K.grad, _DEVICE)
             self._grad_hold[r.group] = base
             self._grad_pending[r.group] = set(self._fwd_used.get(r.group, ()))
@@ -1001,6 +1028,7 @@ class TiermemRuntime:
     def _mark_modified(self, group, kind):
         # The chunk is pinned by someone else (a unit, the grad hold): take and drop one more
         # pin to mark it modified without moving it.
+        self._on_stream()
         base = self.s.acquire(group, kind, _DEVICE)
         self.s.release(group, kind, True)
         del base
@@ -1033,6 +1061,7 @@ class TiermemRuntime:
     # ---- state ---------------------------------------------------------------------------
     def param_value(self, r: _Param) -> torch.Tensor:
         """The fp32 value (the master in mixed precision) as an ordinary CPU tensor."""
+        self._on_stream()
         return self.s.read_param(r.index).view(r.shape)
 
     def _state_dict_hook(self, module, state_dict, prefix, local_metadata):
@@ -1061,6 +1090,7 @@ class TiermemRuntime:
 
     def grad_stats(self) -> tuple[float, bool]:
         self.sync_grads()
+        self._on_stream()
         return self.s.grad_stats()
 
     def grad_norm(self) -> torch.Tensor:
