@@ -1,5 +1,11 @@
-"""The CUDA path: TIERMEM_DEVICE=cuda without a GPU is a clear error; with a GPU (label gpu),
-20 training steps on the CUDA tier (params are CUDA tensors) equal plain torch on the GPU."""
+"""The CUDA path: the package is built with CUDA wherever the toolkit is; TIERMEM_DEVICE=cuda
+without a GPU is a clear error, and so is 'auto' when torch sees a GPU tiermem cannot use (never
+silent CPU training); with a GPU (marker gpu), training on the CUDA tier at a quarter of the
+model's training state equals plain torch on the GPU, with the optimizer on the device for the
+groups that fit and on the host for the others, over many steps."""
+import os
+import shutil
+
 import pytest
 import torch
 
@@ -21,6 +27,33 @@ def test_cuda_requested_without_a_gpu_is_a_clear_error_and_leaves_the_model(monk
     after = ours.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert getattr(ours, "_tiermem_runtime", None) is None
+
+
+def test_the_package_is_built_with_cuda_where_the_toolkit_and_a_cuda_torch_are():
+    nvcc = shutil.which("nvcc") or (os.path.exists("/usr/local/cuda/bin/nvcc") or None)
+    if not nvcc or torch.version.cuda is None:
+        pytest.skip("no CUDA toolkit or a CPU-only torch here")
+    assert _C.cuda_built(), "pip install . built tiermem without CUDA although nvcc is here"
+    major = torch.version.cuda.split(".")[0]
+    assert _C.cuda_runtime_version().split(".")[0] == major, \
+        (_C.cuda_runtime_version(), torch.version.cuda)
+
+
+def test_auto_on_a_gpu_tiermem_cannot_use_is_a_clear_error(monkeypatch):
+    # torch sees a GPU, tiermem's runtime does not (a build without CUDA, or an old driver):
+    # 'auto' must not fall back to training on the CPU in silence.
+    if HAVE_GPU:
+        pytest.skip("tiermem can use this machine's GPU")
+    ref, ours = make_pair()
+    before = {k: v.clone() for k, v in ours.state_dict().items()}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(RuntimeError, match="torch sees a GPU but .*device_kind 'sim'"):
+        tiermem.initialize(ours, {"device": model_bytes(ref) // 4, "device_kind": "auto"})
+    assert all(torch.equal(before[k], v) for k, v in ours.state_dict().items())
+    assert getattr(ours, "_tiermem_runtime", None) is None
+    # Asked for explicitly, the CPU is fine.
+    model, _ = tiermem.initialize(ours, {"device": model_bytes(ref) // 4, "device_kind": "sim"})
+    assert tiermem.runtime_of(model).s.device_kind == "sim"
 
 
 def test_bad_device_kind_is_a_clear_error(monkeypatch):
@@ -57,4 +90,99 @@ def test_cuda_20_steps_quarter_budget_matches_torch_adamw_on_gpu(monkeypatch):
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(ours_sd[k].cpu(), v.cpu(), rtol=END_TO_END_PARAM_RTOL,
                                    atol=END_TO_END_PARAM_ATOL, msg=k)
+    assert not rt.timeline_peaks()["over_budget"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_GPU, reason="needs a GPU and a CUDA build of tiermem")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_cuda_optimizer_placed_on_the_device_where_it_fits_equals_host_placement(precision):
+    # A budget that holds every param and grad chunk and about half the optimizer state: some
+    # groups step on the GPU (the CUDA kernels), the others on the host (the CPU kernels). The
+    # kernels agree bit for bit, so the run equals the all-host run exactly; fp32 also equals
+    # plain torch's AdamW within the end-to-end tolerance.
+    data = [(x.cuda(), y.cuda()) for x, y in batches(12)]
+    base = {"host": "1GiB", "device_kind": "cuda", "chunk_size": 4096,
+            "precision": precision, "optimizer": {"lr": 1e-3, "weight_decay": 0.01}}
+    _, probe = make_pair()
+    pm, _ = tiermem.initialize(probe, dict(base, device="64MiB"))
+    total = tiermem.runtime_of(pm).s.total_chunk_bytes
+    tiermem.runtime_of(pm).close()
+    # Chunk bytes per element — fp32: param 4, grad 4 | m 4, v 4; bf16: 2, 2 | 4, 4, master 4.
+    working = total * 8 // 16 if precision == "fp32" else total * 4 // 16
+    budget = working + (total - working) // 2
+    runs = {}
+    for placement in ("auto", "host"):
+        _, ours = make_pair()
+        model, opt = tiermem.initialize(ours, dict(base, device=budget,
+                                                   optimizer_placement=placement))
+        rt = tiermem.runtime_of(model)
+        losses = []
+        for x, y in data:
+            opt.zero_grad()
+            loss = model(x, y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        runs[placement] = (losses, {k: v.cpu() for k, v in model.state_dict().items()},
+                           rt.stats()["optimizer"]["device_groups"], rt.s.num_groups)
+        assert not rt.timeline_peaks()["over_budget"]
+    assert 0 < len(runs["auto"][2]) < runs["auto"][3], runs["auto"][2]
+    assert runs["host"][2] == []
+    assert runs["auto"][0] == runs["host"][0]
+    for k, v in runs["host"][1].items():
+        assert torch.equal(runs["auto"][1][k], v), k
+    if precision == "fp32":
+        ref, _ = make_pair()
+        ref = ref.cuda()
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
+        for i, (x, y) in enumerate(data):
+            ropt.zero_grad()
+            rl = ref(x, y)
+            rl.backward()
+            ropt.step()
+            assert_close_rel(runs["auto"][0][i], rl.item(), END_TO_END_LOSS_REL, f"step {i}")
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(runs["auto"][1][k], v.cpu(), rtol=END_TO_END_PARAM_RTOL,
+                                       atol=END_TO_END_PARAM_ATOL, msg=k)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_GPU, reason="needs a GPU and a CUDA build of tiermem")
+def test_cuda_stress_many_steps_small_budget_nvme_and_a_side_stream(tmp_path):
+    # 60 steps at an eighth of the training state, NVMe homes, a plan, and the model run on a
+    # non-default stream: every ordering edge (write-back after torch's writes, reuse after its
+    # reads, compute after prefetches) is crossed thousands of times. The reference is tiermem
+    # on the same GPU with everything fitting, on the default stream (nothing moves): a missing
+    # wait shows up as garbage, far outside GPU rounding.
+    data = [(x.cuda(), y.cuda()) for x, y in batches(60)]
+    opt_cfg = {"lr": 1e-3, "weight_decay": 0.01}
+
+    def run(cfg, stream):
+        _, ours = make_pair()
+        model, opt = tiermem.initialize(ours, dict(cfg, device_kind="cuda", optimizer=opt_cfg))
+        losses = []
+        stream.wait_stream(torch.cuda.current_stream())  # the data was made on the default one
+        with torch.cuda.stream(stream):
+            for x, y in data:
+                opt.zero_grad()
+                loss = model(x, y)
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+        return losses, model, tiermem.runtime_of(model)
+
+    ref, _ = make_pair()
+    want, ref_model, _ = run({"device": "1GiB", "host": "1GiB"}, torch.cuda.current_stream())
+    got, model, rt = run({"device": model_bytes(ref) // 8, "host": model_bytes(ref) // 2,
+                          "plan": "auto", "nvme": {"path": str(tmp_path), "size": "256MiB"}},
+                         torch.cuda.Stream())
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_close_rel(a, b, 1e-5, f"loss at step {i}")
+    sd, rsd = model.state_dict(), ref_model.state_dict()
+    for k, v in rsd.items():
+        torch.testing.assert_close(sd[k].cpu(), v.cpu(), rtol=END_TO_END_PARAM_RTOL,
+                                   atol=END_TO_END_PARAM_ATOL, msg=k)
+    st = rt.stats()
+    assert st["evictions"] > 0 and st["bytes_moved"].get("nvme->host", 0) > 0, st
     assert not rt.timeline_peaks()["over_budget"]
