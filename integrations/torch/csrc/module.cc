@@ -23,6 +23,7 @@
 #include "runtime/base/timeline_reader.h"
 #include "runtime/prof/analysis.h"
 #include "runtime/session/config.h"
+#include "runtime/session/device_kernels.h"
 #include "runtime/session/session.h"
 #include "runtime/session/tier_stack.h"
 
@@ -358,6 +359,37 @@ void AdamStepBinding(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_
   kernels::AdamStep(c, s);
 }
 
+// The device-placed optimizer step (session::DeviceAdamStep) on CUDA tensors, enqueued on
+// the stream `stream` (torch.cuda.current_stream().cuda_stream): the kernel the session runs
+// for groups placed on a CUDA device, for tests and benchmarks against torch's fused AdamW.
+void CudaAdamStepBinding(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg,
+                         torch::Tensor exp_avg_sq, double lr, double beta1, double beta2,
+                         double eps, double weight_decay, int64_t step, uintptr_t stream) {
+  for (const auto* t : {&param, &grad, &exp_avg, &exp_avg_sq}) {
+    if (!t->is_cuda() || !t->is_contiguous() || t->numel() != param.numel()) {
+      throw py::value_error("cuda_adam_step: contiguous CUDA tensors of one size expected");
+    }
+  }
+  for (const auto* t : {&param, &exp_avg, &exp_avg_sq}) {
+    if (t->scalar_type() != torch::kFloat32) throw py::value_error("cuda_adam_step: fp32 state");
+  }
+  kernels::AdamConfig c;
+  c.lr = static_cast<float>(lr);
+  c.beta1 = static_cast<float>(beta1);
+  c.beta2 = static_cast<float>(beta2);
+  c.eps = static_cast<float>(eps);
+  c.weight_decay = static_cast<float>(weight_decay);
+  c.step = step;
+  kernels::AdamSpans s;
+  s.param = param.data_ptr<float>();
+  s.exp_avg = exp_avg.data_ptr<float>();
+  s.exp_avg_sq = exp_avg_sq.data_ptr<float>();
+  s.grad = grad.data_ptr();
+  s.grad_dtype = KernelDType(grad);
+  s.n = static_cast<size_t>(param.numel());
+  Check(session::DeviceAdamStep(true, c, s, ComputeStream{stream}));
+}
+
 py::tuple GradStatsBinding(torch::Tensor grad) {
   if (!grad.is_contiguous() || grad.device().type() != torch::kCPU) {
     throw py::value_error("grad must be a contiguous CPU tensor");
@@ -579,6 +611,10 @@ PYBIND11_MODULE(_C, m) {
         py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
         py::arg("step"), py::arg("inv_loss_scale") = 1.0, py::arg("clip_factor") = 1.0);
   m.def("grad_stats", &tiermem::torch_ext::GradStatsBinding);
+  m.def("cuda_adam_step", &tiermem::torch_ext::CudaAdamStepBinding, py::arg("param"),
+        py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("lr"),
+        py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
+        py::arg("step"), py::arg("stream"));
   m.def("set_kernel_threads", [](int n) { tiermem::kernels::SetKernelThreads(n); },
         "threads of the CPU kernels (0 = all cores)");
   m.def("kernel_isa",
