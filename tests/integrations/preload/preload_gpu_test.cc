@@ -17,7 +17,7 @@
 namespace tiermem::preload::testing {
 namespace {
 
-const std::string kScript = std::string(TIERMEM_SOURCE_DIR) + "/tests/integrations/preload/gpu_train.py";
+std::string Script() { return TestSourceDir() + "/tests/integrations/preload/gpu_train.py"; }
 
 std::string Python() {
   const char* p = std::getenv("TIERMEM_PY");
@@ -43,8 +43,8 @@ double Median(std::vector<double> v) {
 TEST(PreloadGpu, RecordsTorchsPeakAndOffloadsHalfOfItWithTheSameLosses) {
   if (!HaveGpuAndTorch()) GTEST_SKIP() << "needs a GPU and torch";
   const std::string dir = ScratchDir();
-  const std::string cli = TIERMEM_TEST_CLI;
-  Output base = RunShell(cli + " run --record " + dir + "/base.tmt -- " + Python() + " " + kScript);
+  const std::string cli = TestCli();
+  Output base = RunShell(cli + " run --record " + dir + "/base.tmt -- " + Python() + " " + Script());
   ASSERT_EQ(base.code, 0) << base.out;
   nlohmann::json b = LastJsonLine(base.out);
   ASSERT_FALSE(b.is_null()) << base.out;
@@ -56,7 +56,7 @@ TEST(PreloadGpu, RecordsTorchsPeakAndOffloadsHalfOfItWithTheSameLosses) {
 
   const std::string budget = std::to_string(peak / 2);
   Output off = RunShell(cli + " run --record " + dir + "/offload.tmt --offload --device-budget " + budget +
-                   " -- " + Python() + " " + kScript);
+                   " -- " + Python() + " " + Script());
   ASSERT_EQ(off.code, 0) << off.out;
   EXPECT_NE(off.out.find("served from managed memory"), std::string::npos) << off.out;
   nlohmann::json o = LastJsonLine(off.out);
@@ -67,7 +67,7 @@ TEST(PreloadGpu, RecordsTorchsPeakAndOffloadsHalfOfItWithTheSameLosses) {
     EXPECT_NEAR(x, y, 1e-6 * std::fabs(x)) << "step " << i;
   }
   Output um = RunShell("TIERMEM_PRELOAD_PREFETCH=off " + cli + " run --record " + dir +
-                  "/um.tmt --offload --device-budget " + budget + " -- " + Python() + " " + kScript);
+                  "/um.tmt --offload --device-budget " + budget + " -- " + Python() + " " + Script());
   ASSERT_EQ(um.code, 0) << um.out;
   nlohmann::json u = LastJsonLine(um.out);
   ASSERT_FALSE(u.is_null()) << um.out;

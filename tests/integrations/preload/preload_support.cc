@@ -29,6 +29,17 @@ Output RunShell(const std::string& command) {
   return o;
 }
 
+namespace {
+std::string EnvOr(const char* name, const char* built) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? v : built;
+}
+}  // namespace
+
+std::string TestCli() { return EnvOr("TIERMEM_TEST_CLI", TIERMEM_TEST_CLI); }
+std::string TestShim() { return EnvOr("TIERMEM_TEST_SHIM", TIERMEM_TEST_SHIM); }
+std::string TestSourceDir() { return EnvOr("TIERMEM_TEST_SOURCE_DIR", TIERMEM_SOURCE_DIR); }
+
 std::string SanitizerPreloadEnv() {
   const std::string san = TIERMEM_TEST_SANITIZER_RUNTIME;
   return san.empty() ? "" : "LD_PRELOAD=" + san;
@@ -36,11 +47,11 @@ std::string SanitizerPreloadEnv() {
 
 std::string PreloadEnv() {
   const std::string san = TIERMEM_TEST_SANITIZER_RUNTIME;
-  return "LD_PRELOAD=" + (san.empty() ? "" : san + ":") + std::string(TIERMEM_TEST_SHIM);
+  return "LD_PRELOAD=" + (san.empty() ? "" : san + ":") + TestShim();
 }
 
 nlohmann::json ProfReport(const std::string& timeline) {
-  Output o = RunShell(std::string(TIERMEM_TEST_CLI) + " prof report --json " + timeline);
+  Output o = RunShell(TestCli() + " prof report --json " + timeline);
   EXPECT_EQ(o.code, 0) << o.out;
   if (o.code != 0) return nullptr;
   try {

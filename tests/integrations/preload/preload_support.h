@@ -17,6 +17,12 @@ struct Output {
 // Runs `command` through /bin/sh (so "A=1 B=2 prog args" works) and waits for it.
 Output RunShell(const std::string& command);
 
+// The built tiermem CLI, shim and source tree — or, when set, $TIERMEM_TEST_CLI,
+// $TIERMEM_TEST_SHIM and $TIERMEM_TEST_SOURCE_DIR (a relocated GPU bundle, scripts/gpu_check.sh).
+std::string TestCli();
+std::string TestShim();
+std::string TestSourceDir();
+
 // "LD_PRELOAD=<sanitizer runtime:>libtiermem_preload.so".
 std::string PreloadEnv();
 // What `tiermem run` needs to find the sanitizer runtime too: "LD_PRELOAD=<runtime>" or "".
