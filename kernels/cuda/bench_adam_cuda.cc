@@ -23,23 +23,8 @@ namespace {
 
 namespace k = tiermem::kernels;
 
-#define CHECK_CUDA(expr)                                                              \
-  do {                                                                                \
-    const cudaError_t e_ = (expr);                                                    \
-    if (e_ != cudaSuccess) {                                                          \
-      std::fprintf(stderr, "%s\n", tiermem::CudaErrorToStatus(e_, #expr).ToString().c_str()); \
-      std::exit(1);                                                                   \
-    }                                                                                 \
-  } while (0)
-
-#define CHECK_OK(expr)                                                                \
-  do {                                                                                \
-    const tiermem::Status s_ = (expr);                                                \
-    if (!s_.ok()) {                                                                   \
-      std::fprintf(stderr, "%s\n", s_.ToString().c_str());                           \
-      std::exit(1);                                                                   \
-    }                                                                                 \
-  } while (0)
+#define CHECK_CUDA TIERMEM_CUDA_CHECK_OR_DIE
+#define CHECK_OK TIERMEM_OK_OR_DIE
 
 // Median milliseconds of `reps` runs of fn() on `s`, after one warm-up.
 template <typename Fn>

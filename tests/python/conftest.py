@@ -103,3 +103,53 @@ def train_steps(model, opt, data):
         opt.step()
         losses.append(loss.item())
     return losses
+
+
+def chunk_total(config):
+    """Every chunk byte (padding included) tiermem lays out for the conftest GPT under
+    `config` (a probe session): budgets for optimizer-placement tests derive from it."""
+    import tiermem
+    _, probe = make_pair()
+    m, _ = tiermem.initialize(probe, dict(config, device="64MiB"))
+    rt = tiermem.runtime_of(m)
+    total = rt.s.total_chunk_bytes
+    rt.close()
+    return total
+
+
+def placement_budget(total, precision="fp32"):
+    """A device budget holding every param and grad chunk and about half of the optimizer
+    state. Chunk bytes per element — fp32: param 4, grad 4 | m 4, v 4; bf16/fp16: 2, 2 | m 4,
+    v 4, master 4."""
+    working = total // 2 if precision == "fp32" else total // 4
+    return working + (total - working) // 2
+
+
+def train_each_placement(config, data, budget):
+    """Trains a fresh conftest GPT under `config` at `budget` once per optimizer_placement
+    ('auto', 'host'); {placement: (losses, CPU state_dict, stats()['optimizer'] device groups,
+    number of chunk groups, bytes_moved)}."""
+    import tiermem
+    runs = {}
+    for placement in ("auto", "host"):
+        _, ours = make_pair()
+        model, opt = tiermem.initialize(ours, dict(config, device=budget,
+                                                   optimizer_placement=placement))
+        rt = tiermem.runtime_of(model)
+        losses = train_steps(model, opt, data)
+        st = rt.stats()
+        assert not rt.timeline_peaks()["over_budget"]
+        runs[placement] = (losses, {k: v.cpu() for k, v in model.state_dict().items()},
+                           st["optimizer"]["device_groups"], rt.s.num_groups, st["bytes_moved"])
+    return runs
+
+
+def assert_placement_changes_nothing(runs):
+    """Some groups but not all on the device with 'auto', none with 'host', and the same
+    losses and parameters bit for bit."""
+    losses, sd, placed, groups, _ = runs["auto"]
+    assert 0 < len(placed) < groups, placed
+    assert runs["host"][2] == []
+    assert losses == runs["host"][0]
+    for k, v in runs["host"][1].items():
+        assert torch.equal(sd[k], v), k

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 import tiermem
-from conftest import KernelAdamW, batches, make_pair, model_bytes, train_steps
+from conftest import (KernelAdamW, assert_placement_changes_nothing, batches, chunk_total,
+                      make_pair, model_bytes, placement_budget, train_each_placement,
+                      train_steps)
 
 
 def cfg(budget, **kw):
@@ -54,28 +56,15 @@ def test_quarter_budget_with_nvme_homes_equals_plain_torch(plan, tmp_path):
 
 def test_device_placed_optimizer_groups_equal_host_placed_and_plain_torch():
     # Room for every compute and grad chunk and the optimizer state of some groups, not all.
-    ref, ours, data, ref_losses = reference(8)
-    _, probe = make_pair()
-    pm, _ = tiermem.initialize(probe, cfg("64MiB", chunk_size=4096))
-    total = tiermem.runtime_of(pm).s.total_chunk_bytes  # fp32: param, grad, m, v alike
-    tiermem.runtime_of(pm).close()
-    results = {}
-    for placement in ("auto", "host"):
-        _, o = make_pair()
-        budget = total // 2 + total // 4  # every param and grad chunk, half the groups' m, v
-        model, opt = tiermem.initialize(o, cfg(budget, optimizer_placement=placement,
-                                               chunk_size=4096))
-        rt = tiermem.runtime_of(model)
-        assert train_steps(model, opt, data) == ref_losses
-        assert_same(model, ref)
-        results[placement] = rt.stats()
-    groups = tiermem.runtime_of(model).s.num_groups
-    placed = results["auto"]["optimizer"]["device_groups"]
-    assert 0 < len(placed) < groups, results["auto"]["optimizer"]
-    assert results["host"]["optimizer"]["device_groups"] == []
+    ref, _, data, ref_losses = reference(8)
+    base = cfg(0, chunk_size=4096)
+    runs = train_each_placement(base, data, placement_budget(chunk_total(base)))
+    assert_placement_changes_nothing(runs)
+    assert runs["auto"][0] == ref_losses
+    for k, v in ref.state_dict().items():
+        assert torch.equal(runs["auto"][1][k], v), k
     # Placed groups' params and grads never went down to the host.
-    assert results["auto"]["bytes_moved"].get("device->host", 0) < \
-        results["host"]["bytes_moved"].get("device->host", 0)
+    assert runs["auto"][4].get("device->host", 0) < runs["host"][4].get("device->host", 0)
 
 
 def test_activation_offload_equals_plain_torch():

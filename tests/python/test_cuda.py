@@ -11,7 +11,9 @@ import torch
 
 import tiermem
 from conftest import (END_TO_END_LOSS_REL, END_TO_END_PARAM_ATOL, END_TO_END_PARAM_RTOL,
-                      assert_close_rel, batches, make_pair, model_bytes)
+                      assert_close_rel, assert_placement_changes_nothing, batches, chunk_total,
+                      make_pair, model_bytes, placement_budget, train_each_placement,
+                      train_steps)
 from tiermem import _C
 
 HAVE_GPU = torch.cuda.is_available() and _C.cuda_built()
@@ -104,44 +106,14 @@ def test_cuda_optimizer_placed_on_the_device_where_it_fits_equals_host_placement
     data = [(x.cuda(), y.cuda()) for x, y in batches(12)]
     base = {"host": "1GiB", "device_kind": "cuda", "chunk_size": 4096,
             "precision": precision, "optimizer": {"lr": 1e-3, "weight_decay": 0.01}}
-    _, probe = make_pair()
-    pm, _ = tiermem.initialize(probe, dict(base, device="64MiB"))
-    total = tiermem.runtime_of(pm).s.total_chunk_bytes
-    tiermem.runtime_of(pm).close()
-    # Chunk bytes per element — fp32: param 4, grad 4 | m 4, v 4; bf16: 2, 2 | 4, 4, master 4.
-    working = total * 8 // 16 if precision == "fp32" else total * 4 // 16
-    budget = working + (total - working) // 2
-    runs = {}
-    for placement in ("auto", "host"):
-        _, ours = make_pair()
-        model, opt = tiermem.initialize(ours, dict(base, device=budget,
-                                                   optimizer_placement=placement))
-        rt = tiermem.runtime_of(model)
-        losses = []
-        for x, y in data:
-            opt.zero_grad()
-            loss = model(x, y)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        runs[placement] = (losses, {k: v.cpu() for k, v in model.state_dict().items()},
-                           rt.stats()["optimizer"]["device_groups"], rt.s.num_groups)
-        assert not rt.timeline_peaks()["over_budget"]
-    assert 0 < len(runs["auto"][2]) < runs["auto"][3], runs["auto"][2]
-    assert runs["host"][2] == []
-    assert runs["auto"][0] == runs["host"][0]
-    for k, v in runs["host"][1].items():
-        assert torch.equal(runs["auto"][1][k], v), k
+    runs = train_each_placement(base, data, placement_budget(chunk_total(base), precision))
+    assert_placement_changes_nothing(runs)
     if precision == "fp32":
         ref, _ = make_pair()
         ref = ref.cuda()
-        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
-        for i, (x, y) in enumerate(data):
-            ropt.zero_grad()
-            rl = ref(x, y)
-            rl.backward()
-            ropt.step()
-            assert_close_rel(runs["auto"][0][i], rl.item(), END_TO_END_LOSS_REL, f"step {i}")
+        ref_losses = train_steps(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3,
+                                                        weight_decay=0.01), data)
+        assert_close_rel(runs["auto"][0], ref_losses, END_TO_END_LOSS_REL, "losses")
         for k, v in ref.state_dict().items():
             torch.testing.assert_close(runs["auto"][1][k], v.cpu(), rtol=END_TO_END_PARAM_RTOL,
                                        atol=END_TO_END_PARAM_ATOL, msg=k)
@@ -161,15 +133,9 @@ def test_cuda_stress_many_steps_small_budget_nvme_and_a_side_stream(tmp_path):
     def run(cfg, stream):
         _, ours = make_pair()
         model, opt = tiermem.initialize(ours, dict(cfg, device_kind="cuda", optimizer=opt_cfg))
-        losses = []
         stream.wait_stream(torch.cuda.current_stream())  # the data was made on the default one
         with torch.cuda.stream(stream):
-            for x, y in data:
-                opt.zero_grad()
-                loss = model(x, y)
-                loss.backward()
-                opt.step()
-                losses.append(loss.item())
+            losses = train_steps(model, opt, data)
         return losses, model, tiermem.runtime_of(model)
 
     ref, _ = make_pair()

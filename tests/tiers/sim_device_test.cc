@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include "runtime/base/clock.h"
+#include "runtime/base/sanitizers.h"
 #include "tests/tiers/ordering_scenarios.h"
 #include "tests/tiers/sim_compute_harness.h"
 #include "tiers/fake/sim_device.h"
@@ -90,31 +91,9 @@ using testing::CopyOutAfterCompute;
 using testing::ReuseAfterFreeWaitsForCompute;
 using testing::SimComputeHarness;
 
-#if defined(__SANITIZE_ADDRESS__)
-constexpr bool kAsan = true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-constexpr bool kAsan = true;
-#else
-constexpr bool kAsan = false;
-#endif
-#else
-constexpr bool kAsan = false;
-#endif
-#if defined(__SANITIZE_THREAD__)
-constexpr bool kTsan = true;
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-constexpr bool kTsan = true;
-#else
-constexpr bool kTsan = false;
-#endif
-#else
-constexpr bool kTsan = false;
-#endif
 // The dropped-wait cases race on purpose: TSan would (rightly) report them.
 #define TIERMEM_SKIP_RACY_UNDER_TSAN() \
-  if (kTsan) GTEST_SKIP() << "a deliberate data race (the wait is dropped)"
+  if (kTsanBuild) GTEST_SKIP() << "a deliberate data race (the wait is dropped)"
 
 // In asynchronous mode copies complete out of submission order: the last of 24 copies issued
 // at once (each delayed 0..2 ms) is not the last to land in every one of a few tries.
@@ -185,7 +164,7 @@ TEST(SimDeviceOrdering, WithoutTheComputeAfterCopyWaitComputeReadsOldBytes) {
 
 TEST(SimDeviceOrdering, WithoutFencesAReusedBlockIsOverwrittenUnderQueuedCompute) {
   TIERMEM_SKIP_RACY_UNDER_TSAN();
-  if (kAsan) GTEST_SKIP() << "ASan builds never reuse blocks (they catch use after free)";
+  if (kAsanBuild) GTEST_SKIP() << "ASan builds never reuse blocks (they catch use after free)";
   SimDeviceConfig c = Dropping(kDropCopyAfterCompute);
   c.async = false;  // the copy into the reused block runs at once
   auto dev = NewSimDevice(c);

@@ -24,23 +24,8 @@ namespace {
 
 using tiermem::Bytes;
 
-#define CHECK_CUDA(expr)                                                                    \
-  do {                                                                                      \
-    const cudaError_t e_ = (expr);                                                          \
-    if (e_ != cudaSuccess) {                                                                \
-      std::fprintf(stderr, "%s\n", tiermem::CudaErrorToStatus(e_, #expr).ToString().c_str()); \
-      std::exit(1);                                                                         \
-    }                                                                                       \
-  } while (0)
-
-#define CHECK_OK(expr)                                          \
-  do {                                                          \
-    const tiermem::Status s_ = (expr);                          \
-    if (!s_.ok()) {                                             \
-      std::fprintf(stderr, "%s\n", s_.ToString().c_str());      \
-      std::exit(1);                                             \
-    }                                                           \
-  } while (0)
+#define CHECK_CUDA TIERMEM_CUDA_CHECK_OR_DIE
+#define CHECK_OK TIERMEM_OK_OR_DIE
 
 double NowS() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())

@@ -29,23 +29,14 @@
 #include <vector>
 
 #include "runtime/base/clock.h"
+#include "runtime/base/sanitizers.h"
 #include "tiers/fake/sim_stream.h"
 #include "tiers/worker_pool.h"
 
 namespace tiermem {
 namespace {
 
-#if defined(__SANITIZE_ADDRESS__)
-constexpr bool kReuseBlocks = false;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-constexpr bool kReuseBlocks = false;
-#else
-constexpr bool kReuseBlocks = true;
-#endif
-#else
-constexpr bool kReuseBlocks = true;
-#endif
+constexpr bool kReuseBlocks = !kAsanBuild;
 
 using Fences = std::vector<std::shared_ptr<Completion>>;
 

@@ -317,6 +317,31 @@ class PySession {
   std::unique_ptr<Session> s_;
 };
 
+kernels::AdamConfig AdamConfigOf(double lr, double beta1, double beta2, double eps,
+                                 double weight_decay, int64_t step) {
+  kernels::AdamConfig c;
+  c.lr = static_cast<float>(lr);
+  c.beta1 = static_cast<float>(beta1);
+  c.beta2 = static_cast<float>(beta2);
+  c.eps = static_cast<float>(eps);
+  c.weight_decay = static_cast<float>(weight_decay);
+  c.step = step;
+  return c;
+}
+
+// The spans of four checked tensors (fp32 param and state; grad in its own dtype).
+kernels::AdamSpans AdamSpansOf(torch::Tensor& param, torch::Tensor& grad, torch::Tensor& exp_avg,
+                               torch::Tensor& exp_avg_sq) {
+  kernels::AdamSpans s;
+  s.param = param.data_ptr<float>();
+  s.exp_avg = exp_avg.data_ptr<float>();
+  s.exp_avg_sq = exp_avg_sq.data_ptr<float>();
+  s.grad = grad.data_ptr();
+  s.grad_dtype = KernelDType(grad);
+  s.n = static_cast<size_t>(param.numel());
+  return s;
+}
+
 // One fused AdamW step (kernels::AdamStep) over host spans — the kernel as torch code can call
 // it (tests compare the engine with it bit for bit).
 void AdamStepBinding(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg,
@@ -330,21 +355,10 @@ void AdamStepBinding(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_
   if (!grad.is_contiguous() || grad.device().type() != torch::kCPU || grad.numel() != n) {
     throw py::value_error("grad must be a contiguous CPU tensor like param");
   }
-  kernels::AdamConfig c;
-  c.lr = static_cast<float>(lr);
-  c.beta1 = static_cast<float>(beta1);
-  c.beta2 = static_cast<float>(beta2);
-  c.eps = static_cast<float>(eps);
-  c.weight_decay = static_cast<float>(weight_decay);
-  c.step = step;
+  kernels::AdamConfig c = AdamConfigOf(lr, beta1, beta2, eps, weight_decay, step);
   c.inv_loss_scale = static_cast<float>(inv_loss_scale);
   c.clip_factor = static_cast<float>(clip_factor);
-  kernels::AdamSpans s;
-  s.param = param.data_ptr<float>();
-  s.exp_avg = exp_avg.data_ptr<float>();
-  s.exp_avg_sq = exp_avg_sq.data_ptr<float>();
-  s.grad = grad.data_ptr();
-  s.grad_dtype = KernelDType(grad);
+  kernels::AdamSpans s = AdamSpansOf(param, grad, exp_avg, exp_avg_sq);
   if (param_out) {
     if (!param_out->is_contiguous() || param_out->numel() != n) {
       throw py::value_error("param_out must be contiguous like param");
@@ -353,7 +367,6 @@ void AdamStepBinding(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_
     s.out_dtype = KernelDType(*param_out);
     if (s.out_dtype == kernels::DType::kF32) throw py::value_error("param_out must be bf16/fp16");
   }
-  s.n = static_cast<size_t>(n);
   Check(kernels::ValidateAdam(c, s));
   py::gil_scoped_release nogil;
   kernels::AdamStep(c, s);
@@ -373,21 +386,9 @@ void CudaAdamStepBinding(torch::Tensor param, torch::Tensor grad, torch::Tensor 
   for (const auto* t : {&param, &exp_avg, &exp_avg_sq}) {
     if (t->scalar_type() != torch::kFloat32) throw py::value_error("cuda_adam_step: fp32 state");
   }
-  kernels::AdamConfig c;
-  c.lr = static_cast<float>(lr);
-  c.beta1 = static_cast<float>(beta1);
-  c.beta2 = static_cast<float>(beta2);
-  c.eps = static_cast<float>(eps);
-  c.weight_decay = static_cast<float>(weight_decay);
-  c.step = step;
-  kernels::AdamSpans s;
-  s.param = param.data_ptr<float>();
-  s.exp_avg = exp_avg.data_ptr<float>();
-  s.exp_avg_sq = exp_avg_sq.data_ptr<float>();
-  s.grad = grad.data_ptr();
-  s.grad_dtype = KernelDType(grad);
-  s.n = static_cast<size_t>(param.numel());
-  Check(session::DeviceAdamStep(true, c, s, ComputeStream{stream}));
+  const kernels::AdamConfig c = AdamConfigOf(lr, beta1, beta2, eps, weight_decay, step);
+  Check(session::DeviceAdamStep(true, c, AdamSpansOf(param, grad, exp_avg, exp_avg_sq),
+                                ComputeStream{stream}));
 }
 
 py::tuple GradStatsBinding(torch::Tensor grad) {

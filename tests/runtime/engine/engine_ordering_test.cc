@@ -13,6 +13,7 @@
 #include <cstring>
 #include <vector>
 
+#include "runtime/base/sanitizers.h"
 #include "runtime/base/timeline.h"
 #include "runtime/engine/engine.h"
 #include "runtime/mover.h"
@@ -24,17 +25,6 @@
 namespace tiermem::engine {
 namespace {
 
-#if defined(__SANITIZE_THREAD__)
-constexpr bool kTsan = true;
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-constexpr bool kTsan = true;
-#else
-constexpr bool kTsan = false;
-#endif
-#else
-constexpr bool kTsan = false;
-#endif
 
 constexpr size_t kElems = 4096;  // floats per chunk
 constexpr Bytes kChunk = kElems * sizeof(float);
@@ -229,14 +219,14 @@ TEST(EngineOrdering, ReadAtAndWriteAtOfAPinnedChunkAreOrderedWithQueuedWork) {
 
 // The same loop with a wait dropped computes wrong numbers: the tests above can fail.
 TEST(EngineOrdering, DroppingTheCopyAfterComputeWaitBreaksTraining) {
-  if (kTsan) GTEST_SKIP() << "a deliberate data race (the wait is dropped)";
+  if (kTsanBuild) GTEST_SKIP() << "a deliberate data race (the wait is dropped)";
   auto got = Train({.drop_waits = kDropCopyAfterCompute});
   ASSERT_TRUE(got.ok()) << got.status().ToString();
   EXPECT_GT(Mismatches(*got, Expected()), 0u);
 }
 
 TEST(EngineOrdering, DroppingTheComputeAfterCopyWaitBreaksTraining) {
-  if (kTsan) GTEST_SKIP() << "a deliberate data race (the wait is dropped)";
+  if (kTsanBuild) GTEST_SKIP() << "a deliberate data race (the wait is dropped)";
   auto got = Train({.drop_waits = kDropComputeAfterCopy, .stream_delay_ns = 0});
   ASSERT_TRUE(got.ok()) << got.status().ToString();
   EXPECT_GT(Mismatches(*got, Expected()), 0u);
