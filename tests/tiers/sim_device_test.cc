@@ -1,5 +1,7 @@
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -102,21 +104,29 @@ TEST(SimDeviceAsync, CopiesCompleteOutOfSubmissionOrder) {
   std::vector<char> src(4096, 1);
   bool reordered = false;
   for (int attempt = 0; attempt < 5 && !reordered; ++attempt) {
+    // Shared with the callbacks, which run after the completion's waiters were woken.
+    struct Order {
+      std::mutex mu;
+      std::condition_variable cv;
+      std::vector<int> seen;
+    };
+    auto order = std::make_shared<Order>();
     std::vector<Region> rs;
     std::vector<std::shared_ptr<Completion>> done;
-    std::mutex mu;
-    std::vector<int> order;
     for (int i = 0; i < 24; ++i) {
       rs.push_back(*dev->Allocate(4096));
       done.push_back(dev->Copy({rs.back(), 0, src.data(), 4096, CopyDir::kToTier}));
-      done.back()->OnDone([&, i](const Status&) {
-        std::lock_guard<std::mutex> lock(mu);
-        order.push_back(i);
+      done.back()->OnDone([order, i](const Status&) {
+        std::lock_guard<std::mutex> lock(order->mu);
+        order->seen.push_back(i);
+        order->cv.notify_all();
       });
     }
     ASSERT_TRUE(WaitAll(done).ok());
-    std::lock_guard<std::mutex> lock(mu);
-    for (size_t k = 1; k < order.size(); ++k) reordered |= order[k] < order[k - 1];
+    std::unique_lock<std::mutex> lock(order->mu);
+    order->cv.wait(lock, [&] { return order->seen.size() == done.size(); });
+    const std::vector<int>& seen = order->seen;
+    for (size_t k = 1; k < seen.size(); ++k) reordered |= seen[k] < seen[k - 1];
     for (const Region& r : rs) ASSERT_TRUE(dev->Free(r).ok());
   }
   EXPECT_TRUE(reordered);
