@@ -30,6 +30,10 @@ enum class EventType : uint8_t {
   kPrefetch = 13,        // a prefetch of `bytes` of region `id` (on `tier`) to `tier2` was
                          // issued; asynchronous, its completion is not observed; `label` =
                          // the stream ("stream 0x...")
+  // Added for sharded sessions (2026-12; readers before it reject this type):
+  kCollective = 14,      // a collective `label` ("all_gather", "reduce_scatter", "all_reduce")
+                         // over `bytes` (the full buffer's size on this rank) ended at ts_ns;
+                         // `id` = its duration in ns (it began at ts_ns - id)
 };
 
 enum EventFlags : uint8_t {

@@ -47,7 +47,7 @@ bool ValidTier(TierKind t) {
 // Returns "" if `e` is well-formed, else what is wrong with it.
 std::string CheckEvent(const Event& e) {
   const int type = static_cast<int>(e.type);
-  if (type < static_cast<int>(EventType::kAlloc) || type > static_cast<int>(EventType::kPrefetch)) {
+  if (type < static_cast<int>(EventType::kAlloc) || type > static_cast<int>(EventType::kCollective)) {
     return "unknown event type " + std::to_string(type);
   }
   if (!ValidTier(e.tier) || !ValidTier(e.tier2)) {

@@ -98,6 +98,18 @@ void Engine::RecordRegion(EventType type, const Placed& p, ChunkId chunk, uint8_
   recorder_->Record(e);
 }
 
+void Engine::RecordScratch(EventType type, TierKind tier, const Region& r, Category category) {
+  if (recorder_ == nullptr) return;
+  Event e;
+  e.type = type;
+  e.id = r.id;
+  e.bytes = r.bytes;
+  e.tier = tier;
+  e.chunk = kNoChunk;
+  e.category = category;
+  recorder_->Record(e);
+}
+
 void Engine::RecordLabel(EventType type, std::string_view label, uint64_t id) {
   if (recorder_ == nullptr) return;
   Event e;
@@ -330,8 +342,14 @@ StatusOr<bool> Engine::EvictOne(TierKind tier, ChunkId chunk, bool for_prefetch,
 
 StatusOr<Region> Engine::AllocateOn(TierKind tier, ChunkId chunk, bool for_prefetch,
                                     uint64_t prefetch_pos) {
+  return AllocateBytes(tier, chunks_[chunk].bytes, chunk, chunks_[chunk].category, for_prefetch,
+                       prefetch_pos);
+}
+
+StatusOr<Region> Engine::AllocateBytes(TierKind tier, Bytes bytes, ChunkId chunk,
+                                       Category category, bool for_prefetch,
+                                       uint64_t prefetch_pos) {
   Tier* t = TierOf(tier);
-  const Bytes bytes = chunks_[chunk].bytes;
   for (;;) {
     // Allocate only when the budget has room: a failed Allocate is not an error here.
     const TierStats st = t->Stats();
@@ -352,7 +370,7 @@ StatusOr<Region> Engine::AllocateOn(TierKind tier, ChunkId chunk, bool for_prefe
                              EvictOne(tier, chunk, for_prefetch, prefetch_pos, &pinned));
     if (evicted) continue;
     if (for_prefetch) return ResourceExhaustedError("prefetch: no room");
-    RecordOom(tier, bytes, chunk, chunks_[chunk].category);
+    RecordOom(tier, bytes, chunk, category);
     std::string external;
     if (const Bytes ext = external_[static_cast<int>(tier)]; ext > 0) {
       external = ", " + std::to_string(ext) + " bytes of the budget held by non-chunk " +
@@ -361,8 +379,9 @@ StatusOr<Region> Engine::AllocateOn(TierKind tier, ChunkId chunk, bool for_prefe
                  ")";
     }
     return ResourceExhaustedError(
-        std::string(TierKindName(tier)) + " tier: need " + std::to_string(bytes) +
-        " bytes for chunk " + std::to_string(chunk) + ", but " + std::to_string(st.used) +
+        std::string(TierKindName(tier)) + " tier: need " + std::to_string(bytes) + " bytes for " +
+        (chunk == kNoChunk ? std::string("scratch") : "chunk " + std::to_string(chunk)) +
+        ", but " + std::to_string(st.used) +
         " of " + std::to_string(st.capacity) + " bytes are in use (" + std::to_string(pinned) +
         " bytes pinned" + external + ") and nothing is evictable");
   }
@@ -571,6 +590,35 @@ void Engine::StartFill(ChunkId id, const Placed& dst) {
   }
   cc.cache = dst;
   ++stats_.prefetches;
+}
+
+// ---- scratch ---------------------------------------------------------------------------------
+
+StatusOr<Region> Engine::AllocateScratch(TierKind tier, Bytes bytes, Category category) {
+  if (tier != TierKind::kDevice && tier != TierKind::kHost) {
+    return InvalidArgumentError("engine: scratch is on the device or the host tier");
+  }
+  if (bytes == 0) return InvalidArgumentError("engine: scratch of 0 bytes");
+  TIERMEM_ASSIGN_OR_RETURN(Region r, AllocateBytes(tier, bytes, kNoChunk, category, false, 0));
+  RecordScratch(EventType::kAlloc, tier, r, category);
+  Bytes& live = stats_.scratch[Idx(tier)];
+  live += r.bytes;
+  stats_.scratch_peak[Idx(tier)] = std::max(stats_.scratch_peak[Idx(tier)], live);
+  return r;
+}
+
+Status Engine::FreeScratch(TierKind tier, const Region& region, Category category) {
+  if (tier != TierKind::kDevice && tier != TierKind::kHost) {
+    return InvalidArgumentError("engine: scratch is on the device or the host tier");
+  }
+  Tier* t = TierOf(tier);
+  // Work the caller queued on it so far comes before any reuse of the memory.
+  TIERMEM_RETURN_IF_ERROR(MarkComputeUse(*t, region, stream_));
+  TIERMEM_RETURN_IF_ERROR(t->Free(region));
+  RecordScratch(EventType::kFree, tier, region, category);
+  Bytes& live = stats_.scratch[Idx(tier)];
+  live -= std::min(live, region.bytes);
+  return OkStatus();
 }
 
 // ---- planned mode -----------------------------------------------------------------------------
@@ -834,6 +882,16 @@ void Engine::Moment(std::string_view label) {
   }
 }
 void Engine::Phase(std::string_view label) { RecordLabel(EventType::kPhase, label, 0); }
+
+void Engine::RecordCollective(std::string_view op, Bytes bytes, uint64_t ns) {
+  if (recorder_ == nullptr) return;
+  Event e;
+  e.type = EventType::kCollective;
+  e.id = ns;
+  e.bytes = bytes;
+  e.label = recorder_->InternLabel(op);
+  recorder_->Record(e);
+}
 
 Status Engine::Synchronize() {
   for (ChunkId id = 0; id < chunks_.size(); ++id) {

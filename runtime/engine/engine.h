@@ -45,6 +45,12 @@
 // end). Acquire is unchanged: it makes the chunk resident whatever the plan did, evicting by
 // farthest next use when the tier is full, so a plan can cost bytes but never change a value.
 //
+// Scratch (AllocateScratch): a region on the device or host tier outside every chunk, for a
+// binding's temporaries that must count in the budget (a sharded session's gathered chunks).
+// It is allocated like a chunk's copy — evicting unpinned chunks for room — and shows in the
+// timeline as a region of its category without a chunk; FreeScratch records the caller's
+// compute use of it (tiers/tier.h) before the memory goes back.
+//
 // Ordering against compute (tiers/tier.h; SetComputeStream): the caller computes on device
 // chunks with work queued on a stream (torch's current CUDA stream; a SimStream in tests;
 // kHostStream for CPU tensors, the default). Every Release of a chunk cached on the device
@@ -116,6 +122,8 @@ struct EngineStats {
   uint64_t device_waits = 0;
   // The most external bytes (SetExternalBytes) each tier held at once, by TierKind index.
   std::array<Bytes, kNumTierKinds> external_peak{};
+  // Scratch bytes (AllocateScratch) live now and at most, by TierKind index.
+  std::array<Bytes, kNumTierKinds> scratch{}, scratch_peak{};
 };
 
 class Engine {
@@ -176,8 +184,17 @@ class Engine {
   Bytes external_bytes(TierKind tier) const { return external_[static_cast<int>(tier)]; }
   Bytes external_device_bytes() const { return external_bytes(TierKind::kDevice); }
   void Moment(std::string_view label);   // timeline moment
+  // A collective the binding ran (`op`, over `bytes`, `ns` long, ending now): a timeline
+  // kCollective event.
+  void RecordCollective(std::string_view op, Bytes bytes, uint64_t ns);
   void Phase(std::string_view label);    // timeline phase
   Status Synchronize();                  // waits for all moves in flight
+
+  // ---- scratch (see the file comment) ----
+  // kResourceExhausted (nothing changed, an OOM event recorded) when the pinned chunks leave
+  // too little room; kInvalidArgument for another tier or 0 bytes.
+  StatusOr<Region> AllocateScratch(TierKind tier, Bytes bytes, Category category);
+  Status FreeScratch(TierKind tier, const Region& region, Category category);
 
   // ---- planned mode (see the file comment) ----
   void SetPlanned(bool on) { planned_ = on; }
@@ -234,6 +251,9 @@ class Engine {
   StatusOr<void*> AcquireImpl(ChunkId chunk, TierKind where, bool* must_zero);
   StatusOr<Region> AllocateOn(TierKind tier, ChunkId chunk, bool for_prefetch,
                               uint64_t prefetch_pos);
+  // AllocateOn's loop for `bytes` (chunk: kNoChunk for scratch).
+  StatusOr<Region> AllocateBytes(TierKind tier, Bytes bytes, ChunkId chunk, Category category,
+                                 bool for_prefetch, uint64_t prefetch_pos);
   // Evicts one unpinned chunk of `tier` other than `chunk` (the policy's choice; for a
   // prefetch only clean chunks used after `prefetch_pos`). False when there is none;
   // `*pinned` gets the bytes of the pinned chunks seen.
@@ -264,6 +284,7 @@ class Engine {
   std::array<uint64_t, kNumTierKinds> evictions_now_{}, evictions_before_{};
   void RecordRegion(EventType type, const Placed& p, ChunkId chunk, uint8_t flags);
   void RecordLabel(EventType type, std::string_view label, uint64_t id);
+  void RecordScratch(EventType type, TierKind tier, const Region& r, Category category);
   void RecordOom(TierKind tier, Bytes bytes, ChunkId chunk, Category category);
 
   const EngineConfig config_;

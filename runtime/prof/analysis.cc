@@ -304,6 +304,16 @@ TierKind Analyzer::Add(const Event& e, std::string_view label) {
       r.prefetch_bytes += e.bytes;
       if (tier2 >= 0) r.tiers[tier2].seen = true;
       break;
+    case EventType::kCollective: {
+      const std::string op = label.empty() ? std::string("(unlabelled)") : std::string(label);
+      auto it = std::find_if(r.collectives.begin(), r.collectives.end(),
+                             [&](const CollectiveStats& c) { return c.op == op; });
+      if (it == r.collectives.end()) it = r.collectives.insert(it, CollectiveStats{op});
+      ++it->count;
+      it->bytes += e.bytes;
+      it->ns += e.id;
+      break;
+    }
   }
   return changed;
 }

@@ -119,6 +119,14 @@ struct StallStats {
   uint64_t count = 0;
 };
 
+// Collectives of a sharded session, by operation (kCollective events).
+struct CollectiveStats {
+  std::string op;
+  uint64_t count = 0;
+  Bytes bytes = 0;
+  uint64_t ns = 0;
+};
+
 struct ChunkStats {
   ChunkId chunk = kNoChunk;
   uint64_t moves = 0;  // completed copies of the chunk
@@ -157,6 +165,7 @@ struct Report {
   uint64_t kernel_launch_intervals = 0;   // kKernelLaunches events
   uint64_t prefetches = 0;                // kPrefetch events (issued)
   Bytes prefetch_bytes = 0;
+  std::vector<CollectiveStats> collectives;  // in order of first appearance
   uint64_t step_mean_ns = 0, step_min_ns = 0, step_max_ns = 0;
   // Pairing problems (reported, never fatal).
   uint64_t unmatched_frees = 0;

@@ -20,6 +20,7 @@ namespace {
 constexpr int kMainPid = 10;
 constexpr int kTidPhases = 1, kTidIterations = 2, kTidMoments = 3, kTidStalls = 4;
 constexpr int kTidPrefetches = 5;
+constexpr int kTidCollectives = 6;
 constexpr int kTidLaneBase = 100;
 
 std::string Hex(uint64_t v) {
@@ -43,6 +44,7 @@ class Exporter {
     Meta("thread_name", kMainPid, kTidMoments, "moments");
     Meta("thread_name", kMainPid, kTidStalls, "stalls & OOMs");
     Meta("thread_name", kMainPid, kTidPrefetches, "prefetches");
+    Meta("thread_name", kMainPid, kTidCollectives, "collectives");
   }
 
   // Allocation args: bytes, chunk, and what the preload shim adds (stream label, managed).
@@ -149,6 +151,19 @@ class Exporter {
         out_->Uint(e.bytes) << ",\"total\":";
         out_->Uint(launches_) << "}}";
         break;
+      case EventType::kCollective: {  // a slice ending now, `id` ns long
+        const uint64_t dur = std::min(now_, e.id);
+        Sep();
+        *out_ << "{\"ph\":\"X\",\"pid\":";
+        out_->Uint(kMainPid) << ",\"tid\":";
+        out_->Uint(kTidCollectives) << ",\"name\":";
+        out_->Quoted(entry.label.empty() ? std::string("collective") : std::string(entry.label))
+            << ",\"ts\":";
+        out_->Micros(now_ - dur) << ",\"dur\":";
+        out_->Micros(dur) << ",\"args\":{\"bytes\":";
+        out_->Uint(e.bytes) << "}}";
+        break;
+      }
       case EventType::kPrefetch:
         Record('i', kMainPid, kTidPrefetches,
                "prefetch to " + std::string(TierKindName(e.tier2)));

@@ -128,6 +128,11 @@ nlohmann::json ReportToJson(const Report& r) {
   j["kernel_launches"] = {{"total", r.kernel_launches},
                           {"intervals", r.kernel_launch_intervals}};
   j["prefetches"] = {{"count", r.prefetches}, {"bytes", r.prefetch_bytes}};
+  nlohmann::json coll = nlohmann::json::array();
+  for (const CollectiveStats& c : r.collectives) {
+    coll.push_back({{"op", c.op}, {"count", c.count}, {"bytes", c.bytes}, {"ns", c.ns}});
+  }
+  j["collectives"] = coll;
   j["unmatched"] = {{"frees", r.unmatched_frees},
                     {"copy_ends", r.unmatched_copy_ends},
                     {"stall_ends", r.unmatched_stall_ends},
@@ -221,6 +226,17 @@ std::string RenderReportText(const Report& r, const std::string& name) {
                     static_cast<unsigned long long>(r.kernel_launches),
                     static_cast<unsigned long long>(r.kernel_launch_intervals),
                     static_cast<unsigned long long>(r.prefetches), Fb(r.prefetch_bytes).c_str()));
+  }
+
+  if (!r.collectives.empty()) {
+    Line(&o, "");
+    Line(&o, "Collectives (sharded across ranks; bytes of the full buffers on this rank)");
+    Line(&o, "  operation          count        bytes        time");
+    for (const CollectiveStats& c : r.collectives) {
+      Line(&o, Printf("  %-16s %7llu %12s %11s", c.op.c_str(),
+                      static_cast<unsigned long long>(c.count), Fb(c.bytes).c_str(),
+                      FormatDuration(c.ns).c_str()));
+    }
   }
 
   if (!r.top_chunks.empty()) {

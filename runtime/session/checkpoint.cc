@@ -360,6 +360,29 @@ Status Session::SaveCheckpoint(const std::string& path, const std::string& metad
   const std::string placeholder = HeaderText(header);
   const uint64_t header_bytes = placeholder.size();
 
+  if (sharded()) {
+    // Every rank takes part in the gathers, chunk by chunk (cached while consecutive tensors
+    // share one); rank 0 writes the file.
+    gather_cache_ = true;
+    gathered_key_ = {SIZE_MAX, -1};
+  }
+  struct CacheOff {
+    Session* s;
+    ~CacheOff() {
+      s->gather_cache_ = false;
+      s->gathered_key_ = {SIZE_MAX, -1};
+    }
+  } cache_off{this};
+  if (sharded() && rank() != 0) {
+    std::vector<float> buf(max_numel);
+    const ChunkKind kinds[] = {ChunkKind::kParamFp32, ChunkKind::kExpAvg, ChunkKind::kExpAvgSq};
+    for (size_t i = 0; i < specs_.size(); ++i) {
+      for (size_t k = 0; k < Keys(specs_[i]).size(); ++k) {
+        TIERMEM_RETURN_IF_ERROR(ReadTensor(i, kinds[k], buf.data()).WithContext("checkpoint"));
+      }
+    }
+    return OkStatus();
+  }
   const std::string tmp = path + ".tmp";
   const int fd = open(tmp.c_str(), O_CREAT | O_WRONLY | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return Errno("checkpoint: cannot create " + tmp, errno);
@@ -373,12 +396,16 @@ Status Session::SaveCheckpoint(const std::string& path, const std::string& metad
   if (s.ok()) s = w.Put(placeholder.data(), placeholder.size());
   w.TakeCrc();
   std::vector<float> buf(max_numel);
-  for (size_t i = 0; i < specs_.size() && s.ok(); ++i) {
+  // Sharded, the reads are collective: after a write error rank 0 still takes part in every
+  // gather (the other ranks would wait for it), then reports the error.
+  Status gathers;
+  for (size_t i = 0; i < specs_.size() && gathers.ok() && (s.ok() || sharded()); ++i) {
     const TensorSpec& t = specs_[i];
     const std::vector<std::string> keys = Keys(t);
     const ChunkKind kinds[] = {ChunkKind::kParamFp32, ChunkKind::kExpAvg, ChunkKind::kExpAvgSq};
-    for (size_t k = 0; k < keys.size() && s.ok(); ++k) {
-      s = ReadTensor(i, kinds[k], buf.data());
+    for (size_t k = 0; k < keys.size() && gathers.ok() && (s.ok() || sharded()); ++k) {
+      gathers = ReadTensor(i, kinds[k], buf.data());
+      if (s.ok()) s = gathers;
       if (s.ok()) s = w.Put(buf.data(), t.numel * sizeof(float));
       crcs[keys[k]] = Hex8(w.TakeCrc());
     }
@@ -437,20 +464,22 @@ StatusOr<std::string> Session::CheckpointMetadata(const std::string& path) {
   return meta;
 }
 
-Status Session::LoadCheckpoint(const std::string& path, std::string* metadata) {
+Status Session::LoadCheckpoint(const std::string& path, std::string* metadata,
+                               bool verify_only) {
   TIERMEM_RETURN_IF_ERROR(Live());
   const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return Errno("checkpoint: cannot open " + path, errno);
   if (IsV1(fd)) {
     close(fd);
+    if (verify_only) return UnimplementedError("checkpoint: format-1 files load unverified only");
     return LoadCheckpointV1(path, metadata);
   }
-  Status s = LoadCheckpointV2(fd, metadata);
+  Status s = LoadCheckpointV2(fd, metadata, verify_only);
   close(fd);
   return s.WithContext("checkpoint " + path);
 }
 
-Status Session::LoadCheckpointV2(int fd, std::string* metadata) {
+Status Session::LoadCheckpointV2(int fd, std::string* metadata, bool verify_only) {
   TIERMEM_ASSIGN_OR_RETURN(Header2 h, ReadHeader2(fd));
   // Everything the load needs, taken out of the header first (a malformed header is an error
   // here, before anything changes): every tensor of this model and nothing else, all F32.
@@ -510,7 +539,7 @@ Status Session::LoadCheckpointV2(int fd, std::string* metadata) {
   std::vector<float> buf(max_numel);
   const ChunkKind kinds[] = {ChunkKind::kParamFp32, ChunkKind::kExpAvg, ChunkKind::kExpAvgSq};
   // Pass 0 verifies every tensor's checksum; pass 1 applies.
-  for (int pass = 0; pass < 2; ++pass) {
+  for (int pass = 0; pass < (verify_only ? 1 : 2); ++pass) {
     for (size_t i = 0; i < specs_.size(); ++i) {
       const TensorSpec& t = specs_[i];
       for (size_t k = 0; k < entries[i].size(); ++k) {
@@ -527,6 +556,10 @@ Status Session::LoadCheckpointV2(int fd, std::string* metadata) {
         }
       }
     }
+  }
+  if (verify_only) {
+    if (metadata != nullptr) *metadata = h.meta["binding"];
+    return OkStatus();
   }
   steps_ = steps;
   // Gradients are not part of a checkpoint: the next backward starts them afresh.

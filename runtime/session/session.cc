@@ -55,8 +55,16 @@ float ClipCoefficient(double max_norm, double total_norm) {
 }
 
 StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
-                                                   std::vector<TensorSpec> tensors) {
+                                                   std::vector<TensorSpec> tensors,
+                                                   Sharding sharding) {
   if (tensors.empty()) return InvalidArgumentError("session: the model has no parameters");
+  if (sharding.world < 1 || sharding.rank < 0 || sharding.rank >= sharding.world) {
+    return InvalidArgumentError("session: rank " + std::to_string(sharding.rank) +
+                                " of a world of " + std::to_string(sharding.world));
+  }
+  if (sharding.world > 1 && sharding.collectives == nullptr) {
+    return InvalidArgumentError("session: a sharded session needs its collectives");
+  }
   std::vector<size_t> trainable, frozen;
   uint64_t max_numel = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
@@ -104,6 +112,15 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
           std::to_string(s->chunk_elems_));
     }
   }
+  // Sharded: every rank holds an equal, aligned slice of every chunk (64 elements keep the
+  // kernels' vectors and the host tier's classes aligned).
+  s->sharding_ = sharding;
+  if (sharding.world > 1) {
+    const uint64_t unit = static_cast<uint64_t>(sharding.world) * 64;
+    s->chunk_elems_ = (s->chunk_elems_ + unit - 1) / unit * unit;
+  }
+  s->shard_elems_ = s->chunk_elems_ / static_cast<uint64_t>(sharding.world);
+  s->shard_begin_ = s->shard_elems_ * static_cast<uint64_t>(sharding.rank);
   // Pack trainable tensors, then frozen ones, into their own groups.
   s->tensors_.resize(tensors.size());
   for (const std::vector<size_t>* subset : {&trainable, &frozen}) {
@@ -145,7 +162,7 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
       config.precision == Precision::kFp16 ? config.loss_scaling.initial_scale : 1.0;
 
   StackLayout sl;
-  sl.chunk_bytes = s->chunk_elems_ * 4;  // the largest (fp32) chunk of a group
+  sl.chunk_bytes = s->shard_elems_ * 4;  // the largest (fp32) chunk of a group held here
   // Host room for caches of NVMe-homed chunks: every kind of one group at once (the optimizer
   // step holds them there); without trainable tensors (serving) one chunk, for value reads.
   sl.host_reserve = config.nvme_size == 0 ? 0
@@ -160,7 +177,7 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
                         : kind == ChunkKind::kParamFp32 ? true
                                                          : g.trainable;
       if (!need) continue;
-      auto id = eng->AddChunk(s->chunk_elems_ * kernels::DTypeSize(s->dtype(kind)),
+      auto id = eng->AddChunk(s->shard_elems_ * kernels::DTypeSize(s->dtype(kind)),
                               chunks::ChunkKindCategory(kind));
       if (!id.ok()) return id.status();  // `s` is destroyed: every region freed
       g.chunks[K(kind)] = *id;
@@ -291,6 +308,11 @@ Status Session::ReadTensor(size_t tensor, ChunkKind kind, void* out) {
   const TensorPlace& t = tensors_[tensor];
   TIERMEM_RETURN_IF_ERROR(CheckKind(t.group, kind));
   const size_t es = kernels::DTypeSize(dtype(kind));
+  if (sharded()) {  // collective: the chunk from every rank's shard
+    TIERMEM_ASSIGN_OR_RETURN(const char* full, GatherChunk(t.group, kind));
+    std::memcpy(out, full + t.offset * es, t.numel * es);
+    return OkStatus();
+  }
   return stack_->engine()->ReadAt(Chunk(t.group, kind), t.offset * es, out, t.numel * es);
 }
 
@@ -300,7 +322,31 @@ Status Session::WriteTensor(size_t tensor, ChunkKind kind, const void* values) {
   const TensorPlace& t = tensors_[tensor];
   TIERMEM_RETURN_IF_ERROR(CheckKind(t.group, kind));
   const size_t es = kernels::DTypeSize(dtype(kind));
-  return stack_->engine()->WriteAt(Chunk(t.group, kind), t.offset * es, values, t.numel * es);
+  // This rank's part of the tensor (all of it when not sharded).
+  const uint64_t lo = std::max(t.offset, shard_begin_);
+  const uint64_t hi = std::min(t.offset + t.numel, shard_begin_ + shard_elems_);
+  if (lo >= hi) return OkStatus();
+  gathered_key_ = {SIZE_MAX, -1};  // a cached gather is stale now
+  return stack_->engine()->WriteAt(Chunk(t.group, kind), (lo - shard_begin_) * es,
+                                   static_cast<const char*>(values) + (lo - t.offset) * es,
+                                   (hi - lo) * es);
+}
+
+StatusOr<const char*> Session::GatherChunk(size_t group, ChunkKind kind) {
+  const std::pair<size_t, int> key{group, K(kind)};
+  if (gather_cache_ && gathered_key_ == key) return gathered_.data();
+  const size_t es = kernels::DTypeSize(dtype(kind));
+  shard_buf_.resize(shard_elems_ * es);
+  gathered_.resize(chunk_elems_ * es);
+  TIERMEM_RETURN_IF_ERROR(
+      stack_->engine()->ReadAt(Chunk(group, kind), 0, shard_buf_.data(), shard_buf_.size()));
+  gathered_key_ = {SIZE_MAX, -1};
+  TIERMEM_RETURN_IF_ERROR(
+      sharding_.collectives->AllGather(shard_buf_.data(), gathered_.data(), shard_buf_.size())
+          .WithContext("gathering chunk group " + std::to_string(group) + " (" +
+                       std::string(chunks::ChunkKindName(kind)) + ") from every rank"));
+  gathered_key_ = key;
+  return gathered_.data();
 }
 
 Status Session::ReadParam(size_t tensor, float* out) {
@@ -339,6 +385,20 @@ std::vector<Session::Run> Session::GradRuns(const ChunkGroup& g, bool same_step)
   return runs;
 }
 
+std::vector<Session::Run> Session::LocalRuns(std::vector<Run> runs) const {
+  if (!sharded()) return runs;
+  std::vector<Run> out;
+  const uint64_t b = shard_begin_, e = shard_begin_ + shard_elems_;
+  for (Run r : runs) {
+    const uint64_t lo = std::max(r.lo, b), hi = std::min(r.hi, e);
+    if (lo >= hi) continue;
+    r.lo = lo - b;
+    r.hi = hi - b;
+    out.push_back(r);
+  }
+  return out;
+}
+
 StatusOr<kernels::GradStats> Session::GradStats() {
   TIERMEM_RETURN_IF_ERROR(Live());
   kernels::GradStats total;
@@ -347,7 +407,7 @@ StatusOr<kernels::GradStats> Session::GradStats() {
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     const ChunkGroup& g = groups_[gi];
     if (!g.trainable) continue;
-    const std::vector<Run> runs = GradRuns(g, false);
+    const std::vector<Run> runs = LocalRuns(GradRuns(g, false));
     if (runs.empty()) continue;
     const TierKind where = ReadTier(gi, ChunkKind::kGrad);
     TIERMEM_ASSIGN_OR_RETURN(void* base, Acquire(gi, ChunkKind::kGrad, where));
@@ -387,7 +447,8 @@ StatusOr<bool> Session::ZeroGrad() {
 
 // ---- optimizer --------------------------------------------------------------------------------
 
-StatusOr<StepResult> Session::Step(const std::vector<GroupHyper>& hyper) {
+StatusOr<StepResult> Session::Step(const std::vector<GroupHyper>& hyper,
+                                   const kernels::GradStats* global) {
   TIERMEM_RETURN_IF_ERROR(Live());
   for (size_t i = 0; i < tensors_.size(); ++i) {
     if (tensors_[i].trainable && static_cast<size_t>(tensors_[i].opt_group) >= hyper.size()) {
@@ -406,9 +467,19 @@ StatusOr<StepResult> Session::Step(const std::vector<GroupHyper>& hyper) {
   accumulating_ = false;
   stack_->engine()->Phase("optimizer");
   const bool fp16 = config_.precision == Precision::kFp16;
+  if ((config_.gradient_clipping > 0 || fp16) && sharded() && global == nullptr) {
+    return FailedPreconditionError(
+        "optimizer step of a sharded session with clipping or fp16: the gradient stats of the "
+        "whole model (summed over ranks) are required");
+  }
   if (config_.gradient_clipping > 0 || fp16) {
     Moment("optimizer:grad-stats");
-    TIERMEM_ASSIGN_OR_RETURN(const kernels::GradStats st, GradStats());
+    kernels::GradStats st;
+    if (global != nullptr) {
+      st = *global;
+    } else {
+      TIERMEM_ASSIGN_OR_RETURN(st, GradStats());
+    }
     r.grad_norm = std::sqrt(st.sq_norm);
     if (fp16 && st.overflow) {
       scaler_.scale *= config_.loss_scaling.backoff_factor;
@@ -436,6 +507,7 @@ StatusOr<StepResult> Session::Step(const std::vector<GroupHyper>& hyper) {
       }
     }
     if (!any) continue;
+    if (LocalRuns(GradRuns(g, true)).empty()) continue;  // none of it in this rank's shard
     // Acquired in this order (compute params first), released in any order.
     std::vector<ChunkKind> kinds = {ck, ChunkKind::kGrad, ChunkKind::kExpAvg,
                                     ChunkKind::kExpAvgSq};
@@ -444,7 +516,7 @@ StatusOr<StepResult> Session::Step(const std::vector<GroupHyper>& hyper) {
     Moment(where == TierKind::kDevice ? "optimizer-substep:device" : "optimizer-substep:host",
            planners::MomentKind::kOptimizerStep);
     uint64_t work = 0;
-    for (const Run& run : GradRuns(g, false)) work += run.hi - run.lo;
+    for (const Run& run : LocalRuns(GradRuns(g, false))) work += run.hi - run.lo;
     trace_.SetWorkElems(work, where == TierKind::kDevice);
     std::array<char*, chunks::kNumChunkKinds> v{};
     size_t acquired = 0;
@@ -457,7 +529,7 @@ StatusOr<StepResult> Session::Step(const std::vector<GroupHyper>& hyper) {
       }
       v[K(kinds[acquired])] = static_cast<char*>(*p);
     }
-    for (const Run& run : s.ok() ? GradRuns(g, true) : std::vector<Run>{}) {
+    for (const Run& run : s.ok() ? LocalRuns(GradRuns(g, true)) : std::vector<Run>{}) {
       const GroupHyper& h = hyper[run.opt_group];
       kernels::AdamConfig ac;
       ac.lr = static_cast<float>(h.lr);
@@ -531,7 +603,10 @@ void Session::PlaceOptimizer() {
   opt_device_.assign(groups_.size(), 0);
   if (config_.optimizer_placement == "host") return;
   engine::Engine* eng = stack_->engine();
-  Bytes working = eng->Stats().external_peak[static_cast<int>(TierKind::kDevice)];
+  // (Sharded: the gathered full chunks the binding held as scratch count too.)
+  const engine::EngineStats est = eng->Stats();
+  Bytes working = est.external_peak[static_cast<int>(TierKind::kDevice)] +
+                  est.scratch_peak[static_cast<int>(TierKind::kDevice)];
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     working += ChunkBytes(gi, compute_kind());
     if (groups_[gi].trainable) working += ChunkBytes(gi, ChunkKind::kGrad);
@@ -765,6 +840,9 @@ void Session::DeclareTraceChunks() {
 void Session::Phase(std::string_view label) {
   if (!closed()) stack_->engine()->Phase(label);
 }
+void Session::RecordCollective(std::string_view op, Bytes bytes, uint64_t ns) {
+  if (!closed()) stack_->engine()->RecordCollective(op, bytes, ns);
+}
 void Session::SetTracing(bool on) {
   if (closed()) return;
   stack_->engine()->SetTracing(on);
@@ -789,6 +867,16 @@ Status Session::SetExternalDeviceBytes(Bytes bytes) {
 Status Session::SetExternalHostBytes(Bytes bytes) {
   TIERMEM_RETURN_IF_ERROR(Live());
   return stack_->engine()->SetExternalBytes(TierKind::kHost, bytes);
+}
+
+StatusOr<Region> Session::AllocateScratch(TierKind tier, Bytes bytes) {
+  TIERMEM_RETURN_IF_ERROR(Live());
+  return stack_->engine()->AllocateScratch(tier, bytes, Category::kOther);
+}
+
+Status Session::FreeScratch(TierKind tier, const Region& region) {
+  TIERMEM_RETURN_IF_ERROR(Live());
+  return stack_->engine()->FreeScratch(tier, region, Category::kOther);
 }
 
 Status Session::Synchronize() {

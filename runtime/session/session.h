@@ -31,6 +31,20 @@
 //   - checkpoints (SaveCheckpoint/LoadCheckpoint: a versioned, checksummed file streamed
 //     tensor by tensor, so a model larger than RAM can be saved), stats and the timeline.
 //
+// Sharding (ZeRO-3 style; collectives.h): with Sharding{world, rank, collectives}, world > 1,
+// the layout (groups, chunk size, tensor offsets — "full" coordinates) is the same on every
+// rank, but each rank's chunks hold only its shard of every chunk: elements
+// [rank * shard_elems, (rank + 1) * shard_elems) of every kind (params, grads, m, v, masters),
+// in this rank's own tiers and budgets. Acquire/Release hand out shards; the binding gathers
+// a unit's full chunks into scratch (AllocateScratch) with torch.distributed and
+// reduce-scatters its full gradients into the grad shards. Values are written locally (each
+// rank keeps its part of WriteParam/WriteTensor) and read collectively (ReadParam/ReadTensor
+// gather the chunk through Collectives: every rank must call them). The step runs on each
+// rank's shard only, with per-tensor step counts shared by all ranks; with clipping or fp16 the
+// binding passes the global gradient stats (its all-reduce of every rank's GradStats()).
+// Checkpoints are the same file at any world size: every rank gathers, rank 0 writes; every
+// rank loads its part.
+//
 // Gradients: bindings accumulate into kGrad chunks themselves (they own the autograd glue)
 // and say which tensors received one (SetHasGrad). Only the spans of tensors that have a
 // gradient are read, so a tensor whose gradient was dropped (torch's zero_grad(set_to_none))
@@ -52,6 +66,7 @@
 #include "runtime/base/status.h"
 #include "runtime/engine/engine.h"
 #include "runtime/prof/analysis.h"
+#include "runtime/session/collectives.h"
 #include "runtime/session/config.h"
 #include "runtime/session/plan_runner.h"
 #include "runtime/session/trace_recorder.h"
@@ -113,8 +128,10 @@ class Session {
   // a device budget below the minimum for the largest tensor (the message names the minimum
   // bytes), or no host/NVMe room for the chunks; kUnavailable: "cuda" without a GPU; tier and
   // timeline errors as their factories report them. On failure nothing is left behind.
+  // kInvalidArgument also for a bad Sharding (rank outside [0, world), no collectives).
   static StatusOr<std::unique_ptr<Session>> Create(const SessionConfig& config,
-                                                   std::vector<TensorSpec> tensors);
+                                                   std::vector<TensorSpec> tensors,
+                                                   Sharding sharding = {});
   ~Session();
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
@@ -132,7 +149,13 @@ class Session {
   ChunkKind compute_kind() const {             // the chunks the model computes with
     return mixed() ? ChunkKind::kParamLowp : ChunkKind::kParamFp32;
   }
-  uint64_t chunk_elems() const { return chunk_elems_; }
+  uint64_t chunk_elems() const { return chunk_elems_; }  // full chunks (every rank alike)
+  // Sharding (see the file comment): world 1 = not sharded, one shard = the whole chunk.
+  int world() const { return sharding_.world; }
+  int rank() const { return sharding_.rank; }
+  bool sharded() const { return sharding_.world > 1; }
+  uint64_t shard_elems() const { return shard_elems_; }   // elements of each kind per chunk here
+  uint64_t shard_begin() const { return shard_begin_; }   // its first element, full coordinates
   size_t num_tensors() const { return tensors_.size(); }
   size_t num_groups() const { return groups_.size(); }
   const TensorSpec& spec(size_t tensor) const { return specs_[tensor]; }
@@ -180,7 +203,8 @@ class Session {
   void SetHasGrad(size_t tensor, bool has) { has_grad_[tensor] = has ? 1 : 0; }
   bool has_grad(size_t tensor) const { return has_grad_[tensor] != 0; }
   // Sum of squares of the unscaled gradients of every tensor that has one, and whether any is
-  // NaN/Inf (the kernels' GradNormAndOverflow, accumulated in double).
+  // NaN/Inf (the kernels' GradNormAndOverflow, accumulated in double). Sharded: of this rank's
+  // shard only (the binding sums over ranks).
   StatusOr<kernels::GradStats> GradStats();
   // Clears every gradient (lazily) unless an accumulation window is open (the last Step did
   // not apply); returns whether it cleared.
@@ -188,12 +212,19 @@ class Session {
   // True while gradients are being accumulated across micro-steps (the last Step did not
   // apply because of gradient_accumulation_steps).
   bool accumulating() const { return accumulating_; }
+  // Whether the next Step applies (not a micro-step of an accumulation window).
+  bool next_step_applies() const {
+    return (micro_ + 1) % static_cast<uint64_t>(config_.gradient_accumulation_steps) == 0;
+  }
 
   // ---- optimizer ---------------------------------------------------------------------------
   // One AdamW step (see the file comment). `hyper[g]` are the hyper-parameters of optimizer
   // group g; every trainable tensor's opt_group must have an entry. kInvalidArgument for bad
-  // hyper-parameters (nothing changes); chunk errors otherwise.
-  StatusOr<StepResult> Step(const std::vector<GroupHyper>& hyper);
+  // hyper-parameters (nothing changes); chunk errors otherwise. `global`: the gradient stats
+  // of the whole model (unscaled sum of squares, overflow) when the binding computed them
+  // across ranks; required when sharded with clipping or fp16 (kFailedPrecondition).
+  StatusOr<StepResult> Step(const std::vector<GroupHyper>& hyper,
+                            const kernels::GradStats* global = nullptr);
   double loss_scale() const { return scaler_.scale; }
   ScalerState scaler() const { return scaler_; }
   void set_scaler(const ScalerState& s) { scaler_ = s; }
@@ -206,6 +237,8 @@ class Session {
   void Moment(std::string_view label, planners::MomentKind kind = planners::MomentKind::kOther,
               uint32_t unit = planners::kNoUnit);
   void Phase(std::string_view label);
+  // A collective the (sharded) binding ran: the timeline's kCollective event.
+  void RecordCollective(std::string_view op, Bytes bytes, uint64_t ns);
   // Off: acquires are not part of the recorded order (eval, no_grad inference), so they
   // neither disturb nor follow the order the next training iteration replays.
   void SetTracing(bool on);
@@ -230,6 +263,12 @@ class Session {
   // kResourceExhausted naming the bytes (nothing changes) when homes and chunks in use leave
   // too little room.
   Status SetExternalHostBytes(Bytes bytes);
+  // A device or host region outside chunks, counted in that tier's budget (chunks are evicted
+  // for it): a sharded binding's gathered chunks. kResourceExhausted naming the bytes when the
+  // pinned chunks leave too little room. FreeScratch orders its reuse after the compute
+  // stream's work so far.
+  StatusOr<Region> AllocateScratch(TierKind tier, Bytes bytes);
+  Status FreeScratch(TierKind tier, const Region& region);
   // activations: offload, while an executed plan is followed (plan_runner.h, "Activations"):
   // whether the plan offloads `unit`'s saved activations after its forward, and the units
   // whose activations the moments since the last call fetch back.
@@ -293,7 +332,10 @@ class Session {
   // and only then loads it: a torn or mismatched file is kDataLoss / kInvalidArgument and
   // changes nothing. `metadata` gets the saved metadata. Reads the format-1 files of earlier
   // builds too.
-  Status LoadCheckpoint(const std::string& path, std::string* metadata = nullptr);
+  // `verify_only`: every check of a load, nothing applied (a sharded binding verifies on every
+  // rank before any rank loads).
+  Status LoadCheckpoint(const std::string& path, std::string* metadata = nullptr,
+                        bool verify_only = false);
   // The metadata of a checkpoint (its header verified), without loading anything.
   static StatusOr<std::string> CheckpointMetadata(const std::string& path);
 
@@ -310,6 +352,12 @@ class Session {
     int64_t step = 0;
   };
   std::vector<Run> GradRuns(const ChunkGroup& g, bool same_step) const;
+  // `runs` clipped to this rank's shard and moved to shard coordinates (the identity when not
+  // sharded).
+  std::vector<Run> LocalRuns(std::vector<Run> runs) const;
+  // Sharded reads: the whole chunk of `kind` of `group` gathered from every rank into
+  // gathered_ (host); cached for (group, kind) while gather_cache_ is on.
+  StatusOr<const char*> GatherChunk(size_t group, ChunkKind kind);
   // Where group g's optimizer step runs (its `kinds` acquired there): see session.cc.
   TierKind OptimizerTier(size_t g) const;
   // Decides opt_device_ (the file comment's rule).
@@ -317,13 +365,19 @@ class Session {
   TierKind ReadTier(size_t g, ChunkKind kind) const;
   TraceRecorder::Probes TraceProbes() const;
   Status LoadCheckpointV1(const std::string& path, std::string* metadata);
-  Status LoadCheckpointV2(int fd, std::string* metadata);
+  Status LoadCheckpointV2(int fd, std::string* metadata, bool verify_only);
   planners::TraceBudgets TraceBudgets() const;
   void DeclareTraceChunks();
   // plan: auto at an iteration boundary (`diverged`: the iteration that ended left its plan).
   void PlanAtBoundary(bool diverged);
 
   SessionConfig config_;
+  Sharding sharding_;
+  uint64_t shard_elems_ = 0;
+  uint64_t shard_begin_ = 0;
+  std::vector<char> gathered_, shard_buf_;  // GatherChunk's buffers
+  bool gather_cache_ = false;
+  std::pair<size_t, int> gathered_key_{SIZE_MAX, -1};  // (group, kind) in gathered_
   std::string device_kind_;
   std::string timeline_path_;
   std::vector<TensorSpec> specs_;

@@ -146,10 +146,43 @@ SessionConfig ParseConfigText(const std::string& json_text,
   return Check(session::ParseConfig(j, EnvArg(env)));
 }
 
+// session::Collectives implemented by a Python object (tiermem.distributed's, over
+// torch.distributed): `all_gather(shard, full)` with uint8 CPU tensors viewing the session's
+// buffers. The GIL is taken for the call (the session calls it from a bound method).
+class PyCollectives final : public session::Collectives {
+ public:
+  explicit PyCollectives(py::object impl) : impl_(std::move(impl)) {}
+  ~PyCollectives() override {
+    py::gil_scoped_acquire gil;
+    impl_ = py::object();
+  }
+  Status AllGather(const void* shard, void* full, Bytes bytes) override {
+    py::gil_scoped_acquire gil;
+    auto opts = torch::TensorOptions().dtype(torch::kUInt8);
+    torch::Tensor s = torch::from_blob(const_cast<void*>(shard), {static_cast<int64_t>(bytes)}, opts);
+    torch::Tensor f = torch::from_blob(full, {static_cast<int64_t>(bytes) * world()}, opts);
+    try {
+      impl_.attr("all_gather")(s, f);
+    } catch (py::error_already_set& e) {
+      return UnavailableError(std::string("collective all_gather failed: ") + e.what());
+    }
+    return OkStatus();
+  }
+  int world() const {
+    py::gil_scoped_acquire gil;
+    return impl_.attr("world").cast<int>();
+  }
+
+ private:
+  py::object impl_;
+};
+
 // The Python face of session::Session. Views are made here; everything else forwards.
 class PySession {
  public:
-  PySession(const SessionConfig& config, const std::vector<py::tuple>& tensors) {
+  // `sharding`: None, or (world, rank, collectives) with a Python collectives object.
+  PySession(const SessionConfig& config, const std::vector<py::tuple>& tensors,
+            const py::object& sharding) {
     std::vector<session::TensorSpec> specs;
     for (const py::tuple& t : tensors) {
       if (t.size() != 4 && t.size() != 5) {
@@ -159,13 +192,37 @@ class PySession {
                                           t[2].cast<bool>(), t[3].cast<int>()});
       if (t.size() == 5) specs.back().shape = t[4].cast<std::vector<int64_t>>();
     }
-    s_ = Check(Session::Create(config, std::move(specs)));
+    session::Sharding sh;
+    if (!sharding.is_none()) {
+      const py::tuple t = sharding.cast<py::tuple>();
+      if (t.size() != 3) throw py::value_error("sharding must be (world, rank, collectives)");
+      sh.world = t[0].cast<int>();
+      sh.rank = t[1].cast<int>();
+      collectives_ = std::make_unique<PyCollectives>(t[2]);
+      sh.collectives = collectives_.get();
+    }
+    s_ = Check(Session::Create(config, std::move(specs), sh));
   }
+
 
   torch::Tensor View(void* addr, size_t group, ChunkKind kind, TierKind where) const {
     auto opts = torch::TensorOptions().dtype(TorchDType(s_->dtype(kind)));
     if (where == TierKind::kDevice && s_->cuda()) opts = opts.device(torch::kCUDA, 0);
-    return torch::from_blob(addr, {static_cast<int64_t>(s_->group(group).used_elems)}, opts);
+    // Sharded: this rank's whole shard; else the chunk up to its last tensor.
+    const uint64_t n = s_->sharded() ? s_->shard_elems() : s_->group(group).used_elems;
+    return torch::from_blob(addr, {static_cast<int64_t>(n)}, opts);
+  }
+  // A scratch region of `bytes` (sharded gathers) as (token, uint8 view); FreeScratch(token).
+  py::tuple AllocateScratch(TierKind where, uint64_t bytes) {
+    const Region r = Check(s_->AllocateScratch(where, bytes));
+    auto opts = torch::TensorOptions().dtype(torch::kUInt8);
+    if (where == TierKind::kDevice && s_->cuda()) opts = opts.device(torch::kCUDA, 0);
+    torch::Tensor v = torch::from_blob(r.addr, {static_cast<int64_t>(bytes)}, opts);
+    return py::make_tuple(py::make_tuple(r.id, r.bytes, reinterpret_cast<uintptr_t>(r.addr)), v);
+  }
+  void FreeScratch(TierKind where, const std::tuple<uint64_t, uint64_t, uintptr_t>& token) {
+    Region r{std::get<0>(token), std::get<1>(token), reinterpret_cast<void*>(std::get<2>(token))};
+    Check(s_->FreeScratch(where, r));
   }
   torch::Tensor Acquire(size_t group, ChunkKind kind, TierKind where) {
     return View(Check(s_->Acquire(group, kind, where)), group, kind, where);
@@ -206,13 +263,21 @@ class PySession {
     if (flags.size() != s_->num_tensors()) throw py::value_error("one flag per tensor");
     for (size_t i = 0; i < flags.size(); ++i) s_->SetHasGrad(i, flags[i]);
   }
-  py::dict Step(const std::vector<std::tuple<double, double, double, double, double>>& hyper) {
+  // `global_stats`: None, or (sum of squares, overflow) of the whole model's gradients (a
+  // sharded binding's all-reduce of every rank's grad_stats()).
+  py::dict Step(const std::vector<std::tuple<double, double, double, double, double>>& hyper,
+                const py::object& global_stats) {
     std::vector<session::GroupHyper> h;
     for (const auto& [lr, b1, b2, eps, wd] : hyper) h.push_back({lr, b1, b2, eps, wd});
+    std::optional<kernels::GradStats> global;
+    if (!global_stats.is_none()) {
+      const auto [sq, overflow] = global_stats.cast<std::tuple<double, bool>>();
+      global = kernels::GradStats{sq, overflow};
+    }
     StatusOr<session::StepResult> r = InternalError("not run");
     {
       py::gil_scoped_release nogil;
-      r = s_->Step(h);
+      r = s_->Step(h, global ? &*global : nullptr);
     }
     const session::StepResult res = Check(std::move(r));
     py::dict d;
@@ -300,9 +365,9 @@ class PySession {
     const session::TensorPlace& p = s_->place(t);
     return py::make_tuple(p.group, p.offset, p.numel);
   }
-  std::string LoadCheckpoint(const std::string& path) {
+  std::string LoadCheckpoint(const std::string& path, bool verify_only) {
     std::string meta;
-    Check(s_->LoadCheckpoint(path, &meta));
+    Check(s_->LoadCheckpoint(path, &meta, verify_only));
     return meta;
   }
 
@@ -314,6 +379,7 @@ class PySession {
     if (t >= s_->num_tensors()) throw py::value_error("unknown tensor " + std::to_string(t));
     return static_cast<int64_t>(s_->place(t).numel);
   }
+  std::unique_ptr<PyCollectives> collectives_;  // outlives s_ (declared first)
   std::unique_ptr<Session> s_;
 };
 
@@ -492,8 +558,15 @@ PYBIND11_MODULE(_C, m) {
 
   using K = tiermem::chunks::ChunkKind;
   py::class_<PySession>(m, "Session")
-      .def(py::init<const se::SessionConfig&, const std::vector<py::tuple>&>(),
-           py::arg("config"), py::arg("tensors"))
+      .def(py::init<const se::SessionConfig&, const std::vector<py::tuple>&, const py::object&>(),
+           py::arg("config"), py::arg("tensors"), py::arg("sharding") = py::none())
+      .def_property_readonly("world", [](const PySession& s) { return s.s().world(); })
+      .def_property_readonly("rank", [](const PySession& s) { return s.s().rank(); })
+      .def_property_readonly("sharded", [](const PySession& s) { return s.s().sharded(); })
+      .def_property_readonly("shard_elems", [](const PySession& s) { return s.s().shard_elems(); })
+      .def_property_readonly("shard_begin", [](const PySession& s) { return s.s().shard_begin(); })
+      .def("allocate_scratch", &PySession::AllocateScratch)
+      .def("free_scratch", &PySession::FreeScratch)
       .def("close", [](PySession& s) { s.s().Close(); })
       .def_property_readonly("closed", [](const PySession& s) { return s.s().closed(); })
       .def("acquire", &PySession::Acquire)
@@ -518,7 +591,9 @@ PYBIND11_MODULE(_C, m) {
       .def("grad_stats", &PySession::GradStats)
       .def("zero_grad", [](PySession& s) { return Check(s.s().ZeroGrad()); })
       .def_property_readonly("accumulating", [](const PySession& s) { return s.s().accumulating(); })
-      .def("step", &PySession::Step)
+      .def_property_readonly("next_step_applies",
+                             [](const PySession& s) { return s.s().next_step_applies(); })
+      .def("step", &PySession::Step, py::arg("hyper"), py::arg("global_stats") = py::none())
       .def_property_readonly("loss_scale", [](const PySession& s) { return s.s().loss_scale(); })
       .def_property(
           "scaler",
@@ -554,6 +629,10 @@ PYBIND11_MODULE(_C, m) {
                              [](const PySession& s) { return s.s().written_trace(); })
       .def("add_saved_bytes", [](PySession& s, uint64_t b) { s.s().AddSavedBytes(b); })
       .def("phase", [](PySession& s, const std::string& l) { s.s().Phase(l); })
+      .def("record_collective",
+           [](PySession& s, const std::string& op, uint64_t bytes, uint64_t ns) {
+             s.s().RecordCollective(op, bytes, ns);
+           })
       .def("set_tracing", [](PySession& s, bool on) { s.s().SetTracing(on); })
       .def("set_cyclic", [](PySession& s, bool on) { s.s().SetCyclic(on); })
       // The compute stream as an integer handle (torch.cuda.current_stream().cuda_stream on
@@ -580,7 +659,8 @@ PYBIND11_MODULE(_C, m) {
              Check(s.s().SaveCheckpoint(path, meta));
            },
            py::arg("path"), py::arg("metadata") = "")
-      .def("load_checkpoint", &PySession::LoadCheckpoint)
+      .def("load_checkpoint", &PySession::LoadCheckpoint, py::arg("path"),
+           py::arg("verify_only") = false)
       .def("group", &PySession::Group)
       .def("place", &PySession::Place)
       .def_property_readonly("num_groups", [](const PySession& s) { return s.s().num_groups(); })

@@ -21,14 +21,16 @@ from .tensor import ChunkTensor
 __all__ = ["initialize", "inference", "runtime_of", "save_checkpoint", "load_checkpoint", "Config", "parse_config", "ChunkedAdamW", "ChunkTensor"]
 
 
-def initialize(model, config=None, param_groups=None, units=None):
+def initialize(model, config=None, param_groups=None, units=None, process_group=None):
     """Places `model`'s parameters in chunks and returns (model, optimizer).
 
     `config`: a dict or a JSON file path (docs/python.md, docs/configuration.md).
     `param_groups`: torch-style groups of the trainable parameters with their own
     lr/betas/eps/weight_decay. `units`: which module subtrees are materialized together
     (module classes or a predicate ``fn(name, module)``; default: each block of a repeated
-    ModuleList/Sequential, see tiermem.units). On error (ValueError for bad input,
+    ModuleList/Sequential, see tiermem.units). `process_group`: shard the chunks across the
+    ranks of this torch.distributed group (default: the default group when torch.distributed
+    is initialized with more than one rank; docs/distributed.md). On error (ValueError for bad input,
     MemoryError for budgets too small, RuntimeError for a missing GPU) the model is left
     exactly as it was.
     """
@@ -39,7 +41,7 @@ def initialize(model, config=None, param_groups=None, units=None):
     cfg = parse_config(config)
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("initialize: the model has no trainable parameters")
-    runtime = TiermemRuntime(model, cfg, param_groups, units)
+    runtime = TiermemRuntime(model, cfg, param_groups, units, process_group)
     try:
         optimizer = ChunkedAdamW(runtime)
     except BaseException:

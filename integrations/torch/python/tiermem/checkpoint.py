@@ -17,6 +17,11 @@ are fp32). The file loads without tiermem too::
     sd = load_file(path)
     model.load_state_dict({k: v for k, v in sd.items() if "/" not in k})
 
+Sharded across ranks (docs/distributed.md): every rank calls both. ``save_checkpoint``
+gathers every chunk from the ranks and rank 0 writes the same single file (with rank 0's RNG
+state); ``load_checkpoint`` verifies the file on every rank before any rank loads, then each
+rank keeps its part — so a checkpoint saved at N ranks loads at M ranks, or in one process.
+
 Threading: the training thread, between iterations.
 """
 from __future__ import annotations
@@ -63,7 +68,20 @@ def save_checkpoint(model, optimizer, path, extra=None):
         raise ValueError(f"save_checkpoint: extra is not JSON-serializable: {e}") from None
     rt._set_tracing(False)  # its reads are not part of the order the next iteration follows
     rt._on_stream()  # reads wait for the work queued on the chunks
-    rt.s.save_checkpoint(str(path), text)
+    if rt._shards is None:
+        rt.s.save_checkpoint(str(path), text)
+        return
+    # Sharded: collective gathers, rank 0 writes; every rank learns whether it worked.
+    err = None
+    try:
+        rt.s.save_checkpoint(str(path), text)
+    except (OSError, ValueError, RuntimeError) as e:
+        err = e
+    if not rt._shards.all_ok(err is None):
+        if err is not None:
+            raise err
+        raise OSError(f"save_checkpoint: {path}: another rank failed (see its error); the "
+                      "previous file, if any, is intact")
 
 
 def load_checkpoint(model, optimizer, path):
@@ -81,6 +99,18 @@ def load_checkpoint(model, optimizer, path):
                          f"optimizer has {len(optimizer.param_groups)}: nothing was loaded")
     rt._set_tracing(False)
     rt._on_stream()
+    if rt._shards is not None:
+        # Every rank verifies the whole file before any rank changes anything.
+        err = None
+        try:
+            rt.s.load_checkpoint(str(path), verify_only=True)
+        except (OSError, ValueError, RuntimeError) as e:
+            err = e
+        if not rt._shards.all_ok(err is None):
+            if err is not None:
+                raise err
+            raise ValueError(f"load_checkpoint: {path}: another rank could not verify it (see "
+                             "its error); nothing was loaded")
     rt.s.load_checkpoint(str(path))  # verifies everything, then loads (or changes nothing)
     for r in rt.params:
         if r.trainable:

@@ -59,7 +59,13 @@ class ChunkedAdamW(torch.optim.Optimizer):
         rt.sync_grads()
         rt._set_tracing(True)
         rt._on_stream()  # device-placed groups step on torch's current stream
-        res = rt.s.step(hyper)
+        stats = None
+        if rt._shards is not None and (rt.cfg.gradient_clipping > 0 or rt.fp16) and \
+                rt.s.next_step_applies:
+            # Sharded: the norm and overflow of the whole model, summed over ranks.
+            sq, overflow = rt.s.grad_stats()
+            stats = rt._shards.all_reduce_stats(sq, overflow)
+        res = rt.s.step(hyper, stats)
         self.last_step_skipped = res["skipped"]
         self.last_grad_norm = res["grad_norm"] if res["grad_norm"] >= 0 else None
         return loss

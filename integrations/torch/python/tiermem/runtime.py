@@ -137,7 +137,7 @@ class TiermemRuntime:
 
     _serving = False  # serve.ServingRuntime: inference only (every parameter frozen)
 
-    def __init__(self, model: nn.Module, cfg, param_groups, units=None):
+    def __init__(self, model: nn.Module, cfg, param_groups, units=None, process_group=None):
         self.model = model
         self.cfg = cfg
         self._closed = True  # until everything is in place
@@ -164,12 +164,26 @@ class TiermemRuntime:
         self._collect_params(param_groups)
         self.units = find_units(model, units)
         specs = [(r.name, r.numel, r.trainable, r.opt_group, list(r.shape)) for r in self.params]
-        self.s = _C.Session(cfg, specs)
+        # Sharded across the ranks of a torch.distributed job (distributed.py) when a process
+        # group of more than one rank is given or initialized.
+        from . import distributed
+        pg = distributed.process_group_for(process_group)
+        if pg is not None and self._serving:
+            raise ValueError("tiermem.inference: serving is not sharded across ranks (run one "
+                             "model per process, without a process group)")
+        self._shards = distributed.Shards(self, pg) if pg is not None else None
+        self.s = _C.Session(cfg, specs, self._shards.sharding() if self._shards else None)
         try:
+            if self._shards:
+                self._shards.check_layout(self.s)
             with torch.no_grad():
                 for r in self.params:
                     r.group, r.offset, _ = self.s.place(r.index)
-                    self.s.write_param(r.index, r.orig.detach().reshape(-1).contiguous())
+                    v = r.orig.detach().reshape(-1).contiguous()
+                    if self._shards:  # every rank starts from rank 0's values (as DDP)
+                        v = v.clone()
+                        self._shards.broadcast_(v)
+                    self.s.write_param(r.index, v)
         except BaseException:
             self.s.close()
             raise
@@ -179,13 +193,15 @@ class TiermemRuntime:
         # it: worth it only when every compute and grad chunk fits on the device at once.
         esize = 2 if self.mixed else 4
         per_group = self.s.chunk_elems * esize * 2
-        self._hold_grads = cfg.device_budget >= per_group * len(self.groups)
+        self._hold_grads = (cfg.device_budget >= per_group * len(self.groups)
+                            or self._shards is not None)  # sharded: reduce-scatter whole groups
+        self._fresh: dict[int, list] = {}  # sharded: group -> params whose grad began this backward
         # Resident training: when every chunk of every kind fits on the device at once (and
         # the device is CPU memory: SimDevice), the compute and grad chunks are pinned there
         # for the whole session — nothing ever moves, no unit acquires, no saved-tensor hooks
         # (saved views of chunk memory stay valid), and the optimizer steps in place.
         # Not with activations counted in the budget: they need the hooks that count them.
-        self._resident = (not self._serving and not self.s.cuda
+        self._resident = (not self._serving and not self.s.cuda and self._shards is None
                           and cfg.activations == "outside"
                           and cfg.device_budget >= self.s.total_chunk_bytes)
         self._device_budget = cfg.device_budget
@@ -407,6 +423,11 @@ class TiermemRuntime:
     def _acquire(self, group: int, kind, tier=_DEVICE) -> torch.Tensor:
         self._set_tracing(self._traced())
         self._on_stream()
+        if self._shards is not None and tier == _DEVICE:
+            base = self._shards.gather(group, kind)  # the full chunk, from every rank's shard
+            if kind == self._compute_kind:
+                self._live[base.data_ptr()] = group
+            return base
         base = self.s.acquire(group, kind, tier)
         if tier == _DEVICE and kind == self._compute_kind:
             self._live[base.data_ptr()] = group
@@ -414,6 +435,11 @@ class TiermemRuntime:
 
     def _release(self, group: int, kind, modified: bool, base: torch.Tensor | None = None):
         self._on_stream()
+        if self._shards is not None and self._shards.held(group, kind) is not None:
+            ptr = self._shards.held(group, kind).data_ptr()
+            if self._shards.release(group, kind, modified) and self._live.get(ptr) == group:
+                del self._live[ptr]
+            return
         self.s.release(group, kind, modified)
         if base is not None and kind == self._compute_kind and \
                 self.s.pins(group, kind) == 0 and self._live.get(base.data_ptr()) == group:
@@ -771,6 +797,9 @@ class TiermemRuntime:
         del self._grad_hold[group]
         self._grad_pending.pop(group, None)
         self._on_stream()
+        if self._shards is not None:  # the group's full gradient, reduce-scattered into shards
+            self._shards.scatter_grad(group, self._fresh.pop(group, ()))
+            return
         self.s.release(group, _K.grad, True)
 
     def _grad_chunk(self, r: _Param) -> torch.Tensor:
@@ -781,7 +810,10 @@ class TiermemRuntime:
                 self.s.zero_chunk(r.group, _K.grad)  # nothing to keep: no fetch, a memset
             self._set_tracing(True)
             self._on_stream()
-            base = self.s.acquire_for_write(r.group, _K.grad, _DEVICE)
+            if self._shards is not None:
+                base = self._shards.grad_buffer(r.group)
+            else:
+                base = self.s.acquire_for_write(r.group, _K.grad, _DEVICE)
             self._grad_hold[r.group] = base
             self._grad_pending[r.group] = set(self._fwd_used.get(r.group, ()))
         return base
@@ -790,6 +822,8 @@ class TiermemRuntime:
         """Adds `g` to r's gradient with torch's semantics (prev None: g becomes the grad)."""
         base = self._grad_chunk(r)
         dst = base[r.offset:r.offset + r.numel]
+        if self._shards is not None and prev is not r.grad:
+            self._fresh.setdefault(r.group, []).append(r)  # its shard span restarts from 0
         with torch.no_grad():
             if prev is None:
                 dst.copy_(g.reshape(-1))
@@ -1027,7 +1061,12 @@ class TiermemRuntime:
 
     def _mark_modified(self, group, kind):
         # The chunk is pinned by someone else (a unit, the grad hold): take and drop one more
-        # pin to mark it modified without moving it.
+        # pin to mark it modified without moving it. Sharded: the held full chunk is written
+        # back into this rank's shard when its last holder lets go (a held grad buffer is
+        # reduce-scattered anyway).
+        if self._shards is not None:
+            self._shards.mark_dirty(group, kind)
+            return
         self._on_stream()
         base = self.s.acquire(group, kind, _DEVICE)
         self.s.release(group, kind, True)
@@ -1089,9 +1128,14 @@ class TiermemRuntime:
         return True
 
     def grad_stats(self) -> tuple[float, bool]:
+        """(sum of squares, overflow) of the unscaled gradients of the whole model — summed over
+        ranks when sharded (collective)."""
         self.sync_grads()
         self._on_stream()
-        return self.s.grad_stats()
+        sq, overflow = self.s.grad_stats()
+        if self._shards is not None:
+            sq, overflow = self._shards.all_reduce_stats(sq, overflow)
+        return sq, overflow
 
     def grad_norm(self) -> torch.Tensor:
         return torch.tensor(math.sqrt(self.grad_stats()[0]), dtype=torch.float32)
@@ -1104,6 +1148,9 @@ class TiermemRuntime:
         st = self.s.stats()
         if self._offload_act:
             st["activations"] = dict(self._act_stats)
+        if self._shards is not None:
+            st["distributed"] = dict(self._shards.stats, world=self._shards.world,
+                                     rank=self._shards.rank, backend=self._shards.backend)
         return st
 
     def timeline_peaks(self) -> dict:
@@ -1181,6 +1228,8 @@ class TiermemRuntime:
             for m, name in r.slots:
                 m._parameters[name] = r.orig
         self._closed = True
+        if self._shards is not None:
+            self._shards.close()
         self.s.close()
         if getattr(self.model, "_tiermem_runtime", None) is self:
             del self.model._tiermem_runtime

@@ -1,0 +1,271 @@
+"""Sharded chunk groups across the ranks of a torch.distributed job (ZeRO-3 style,
+docs/distributed.md).
+
+Each rank's session holds only its shard of every chunk (params, grads, AdamW m and v, fp32
+masters) in its own tiers and budgets (runtime/session/session.h, "Sharding"). This module is
+the binding's side of it, and the only place bytes cross processes — always through
+torch.distributed (Gloo on CPU, NCCL on GPUs), never a transport of tiermem's own:
+
+- ``gather(group, kind)``: a unit about to compute gets the group's full chunk: this rank's
+  shard is acquired and all-gathered into a scratch region of the session (counted in the
+  device budget; chunks are evicted for it). Reference-counted per (group, kind) while held.
+- ``release(...)``: the last holder frees the scratch; a chunk written in place (a parameter
+  changed inside a forward, a gradient scaled by ``clip_grad_norm_``) first writes this rank's
+  part back into its shard.
+- ``grad_buffer(group)`` / ``scatter_grad(...)``: the backward accumulates a group's gradients
+  into a full-size zeroed buffer; once the group is complete it is reduce-scattered (summed,
+  then divided by the world size: the gradient of the global batch's mean loss) and added into
+  this rank's grad shard.
+- ``all_reduce_stats``: the global gradient norm and overflow for clipping / fp16.
+- ``Collectives.all_gather``: what the C++ core calls to read whole tensors (state_dict,
+  checkpoints, close()).
+
+Every rank makes the same calls in the same order (the same model, the same graph, every rank
+calling state_dict/save_checkpoint) — as with DDP/FSDP. A rank that stops answering makes the
+others fail after the process group's timeout (``torch.distributed.init_process_group(...,
+timeout=...)``) instead of hanging. Collectives are recorded in the timeline (lane
+"collective", docs/distributed.md).
+
+Threading: the training thread (and autograd's, for the backward hooks), one at a time.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+
+_K = _C.ChunkKind
+_DEVICE = _C.Tier.device
+
+
+class CollectiveError(RuntimeError):
+    """A collective of a sharded session failed: another rank failed, exited or did not answer
+    within the process group's timeout. The original error is the __cause__."""
+
+
+def _collective(what, fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError as e:
+        raise CollectiveError(
+            f"tiermem: {what} across ranks failed — another rank failed, exited or did not "
+            f"answer within the process group's timeout: {e}") from e
+
+
+def process_group_for(process_group):
+    """The process group to shard over: `process_group` when given; else the default group
+    when torch.distributed is initialized with more than one rank; else None (one process)."""
+    if process_group is not None:
+        return process_group
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.group.WORLD
+    return None
+
+
+class Collectives:
+    """session::Collectives for the C++ core (host buffers)."""
+
+    def __init__(self, group, backend):
+        self.group, self.backend = group, backend
+        self.world = dist.get_world_size(group)
+
+    def all_gather(self, shard, full):
+        if self.backend == "nccl":  # NCCL moves device tensors only
+            out = torch.empty(full.numel(), dtype=torch.uint8, device="cuda")
+            _collective("all-gather of a chunk for a value read", dist.all_gather_into_tensor,
+                        out, shard.cuda(), group=self.group)
+            full.copy_(out.cpu())
+        else:
+            _collective("all-gather of a chunk for a value read", dist.all_gather_into_tensor,
+                        full, shard, group=self.group)
+
+
+class _Held:
+    __slots__ = ("tensor", "token", "refs", "dirty")
+
+    def __init__(self, tensor, token):
+        self.tensor, self.token, self.refs, self.dirty = tensor, token, 1, False
+
+
+class Shards:
+    def __init__(self, rt, group):
+        self.rt, self.group = rt, group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.backend = dist.get_backend(group)
+        self.collectives = Collectives(group, self.backend)
+        self._held: dict = {}  # (group, kind) -> _Held
+        self.stats = {"all_gather_bytes": 0, "reduce_scatter_bytes": 0, "all_reduce_bytes": 0,
+                      "all_gathers": 0, "reduce_scatters": 0, "seconds": 0.0}
+
+    def sharding(self):
+        return (self.world, self.rank, self.collectives)
+
+    # ---- set-up ----------------------------------------------------------------------------
+    def check_layout(self, s):
+        """Every rank must lay the model out alike (same tensors, same budgets): compared."""
+        mine = torch.tensor([s.chunk_elems, s.num_groups, s.num_tensors, s.total_chunk_bytes],
+                            dtype=torch.int64)
+        every = [torch.empty_like(mine) for _ in range(self.world)]
+        _collective("comparing the model's layout", self._all_gather_list, every, mine)
+        for r, other in enumerate(every):
+            if not torch.equal(other, mine):
+                raise ValueError(
+                    f"tiermem: rank {r} lays the model out as (chunk elements, groups, tensors, "
+                    f"chunk bytes) = {tuple(other.tolist())}, rank {self.rank} as "
+                    f"{tuple(mine.tolist())}: every rank needs the same model and config "
+                    "(device budget, chunk_size, precision)")
+
+    def broadcast_(self, t):
+        """Rank 0's value of `t` on every rank (the initial parameters, as DDP does)."""
+        if self.backend == "nccl":
+            d = t.cuda()
+            _collective("broadcast of the initial parameters", dist.broadcast, d, 0,
+                        group=self.group)
+            t.copy_(d.cpu())
+        else:
+            _collective("broadcast of the initial parameters", dist.broadcast, t, 0,
+                        group=self.group)
+
+    def _all_gather_list(self, out, t):
+        if self.backend == "nccl":
+            outs = [o.cuda() for o in out]
+            dist.all_gather(outs, t.cuda(), group=self.group)
+            for o, d in zip(out, outs):
+                o.copy_(d.cpu())
+        else:
+            dist.all_gather(out, t, group=self.group)
+
+    # ---- full chunks -----------------------------------------------------------------------
+    def _record(self, op, nbytes, t0):
+        dt = time.perf_counter() - t0
+        self.stats["seconds"] += dt
+        self.rt.s.record_collective(op, nbytes, int(dt * 1e9))
+
+    def gather(self, g, kind):
+        h = self._held.get((g, kind))
+        if h is not None:
+            h.refs += 1
+            return h.tensor
+        s = self.rt.s
+        dtype = self.rt.dtype
+        esize = torch.empty((), dtype=dtype).element_size()
+        full_bytes = s.chunk_elems * esize
+        token, raw = s.allocate_scratch(_DEVICE, full_bytes)
+        full = raw.view(dtype)
+        try:
+            shard = s.acquire(g, kind, _DEVICE)
+            try:
+                t0 = time.perf_counter()
+                _collective(f"all-gather of chunk group {g}", dist.all_gather_into_tensor, full,
+                            shard, group=self.group)
+                self._record("all_gather", full_bytes, t0)
+                self.stats["all_gather_bytes"] += full_bytes
+                self.stats["all_gathers"] += 1
+            finally:
+                s.release(g, kind, False)
+        except BaseException:
+            s.free_scratch(_DEVICE, token)
+            raise
+        self._held[(g, kind)] = _Held(full, token)
+        return full
+
+    def held(self, g, kind):
+        h = self._held.get((g, kind))
+        return h.tensor if h is not None else None
+
+    def mark_dirty(self, g, kind):
+        h = self._held.get((g, kind))
+        if h is not None:
+            h.dirty = True
+
+    def release(self, g, kind, modified=False):
+        """True when this was the last holder (the full chunk is gone)."""
+        h = self._held[(g, kind)]
+        h.dirty = h.dirty or modified
+        h.refs -= 1
+        if h.refs > 0:
+            return False
+        del self._held[(g, kind)]
+        s = self.rt.s
+        try:
+            if h.dirty:  # this rank's part back into its shard
+                begin, n = s.shard_begin, s.shard_elems
+                shard = s.acquire(g, kind, _DEVICE)
+                shard.copy_(h.tensor[begin:begin + n])
+                s.release(g, kind, True)
+        finally:
+            s.free_scratch(_DEVICE, h.token)
+        return True
+
+    # ---- gradients ---------------------------------------------------------------------------
+    def grad_buffer(self, g):
+        """A zeroed full-size gradient buffer for group `g` (held until scatter_grad)."""
+        s = self.rt.s
+        esize = torch.empty((), dtype=self.rt.dtype).element_size()
+        token, raw = s.allocate_scratch(_DEVICE, s.chunk_elems * esize)
+        full = raw.view(self.rt.dtype)
+        full.zero_()
+        self._held[(g, "grad-buffer")] = _Held(full, token)
+        return full
+
+    def scatter_grad(self, g, fresh):
+        """Reduce-scatters group `g`'s full gradient buffer into this rank's grad shard: the
+        mean over ranks is added to the shard, after zeroing the local spans of the tensors in
+        `fresh` (their gradient started in this backward: torch's copy semantics)."""
+        h = self._held.pop((g, "grad-buffer"))
+        s = self.rt.s
+        try:
+            n, begin = s.shard_elems, s.shard_begin
+            part = torch.empty(n, dtype=h.tensor.dtype, device=h.tensor.device)
+            t0 = time.perf_counter()
+            _collective(f"reduce-scatter of chunk group {g}'s gradients",
+                        dist.reduce_scatter_tensor, part, h.tensor, op=dist.ReduceOp.SUM,
+                        group=self.group)
+            self._record("reduce_scatter", h.tensor.numel() * h.tensor.element_size(), t0)
+            self.stats["reduce_scatter_bytes"] += h.tensor.numel() * h.tensor.element_size()
+            self.stats["reduce_scatters"] += 1
+            part.div_(self.world)
+            shard = s.acquire_for_write(g, _K.grad, _DEVICE)
+            try:
+                for r in fresh:
+                    lo, hi = max(r.offset, begin), min(r.offset + r.numel, begin + n)
+                    if lo < hi:
+                        shard[lo - begin:hi - begin].zero_()
+                shard.add_(part)
+            finally:
+                s.release(g, _K.grad, True)
+        finally:
+            s.free_scratch(_DEVICE, h.token)
+
+    def all_reduce_stats(self, sq_norm, overflow):
+        t = torch.tensor([sq_norm, 1.0 if overflow else 0.0], dtype=torch.float64)
+        t0 = time.perf_counter()
+        if self.backend == "nccl":
+            d = t.cuda()
+            _collective("all-reduce of the gradient norm", dist.all_reduce, d, group=self.group)
+            t = d.cpu()
+        else:
+            _collective("all-reduce of the gradient norm", dist.all_reduce, t, group=self.group)
+        self._record("all_reduce", 16, t0)
+        self.stats["all_reduce_bytes"] += 16
+        return float(t[0]), bool(t[1] > 0)
+
+    def all_ok(self, ok: bool) -> bool:
+        t = torch.tensor([0 if ok else 1], dtype=torch.int64)
+        if self.backend == "nccl":
+            d = t.cuda()
+            _collective("agreeing on a result", dist.all_reduce, d, group=self.group)
+            t = d.cpu()
+        else:
+            _collective("agreeing on a result", dist.all_reduce, t, group=self.group)
+        return int(t[0]) == 0
+
+    def close(self):
+        s = self.rt.s
+        for h in self._held.values():
+            s.free_scratch(_DEVICE, h.token)
+        self._held.clear()
