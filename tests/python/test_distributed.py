@@ -92,6 +92,14 @@ def test_sharded_training_equals_one_process_on_the_global_batch(world):
         # The rank's device budget held, gathered chunks included.
         assert not res["peaks"]["over_budget"], res["peaks"]
         assert res["peaks"]["peak"]["device"] <= res["peaks"]["budget"]["device"]
+        # The timeline has the collectives (tiermem prof reads them back).
+        coll = res["peaks"]["collectives"]
+        assert coll["all_gather"][0] == st["all_gathers"], (coll, st)
+        assert coll["reduce_scatter"][0] == st["reduce_scatters"], (coll, st)
+        assert coll["all_gather"][1] == st["all_gather_bytes"]
+        # Bytes per iteration at the ZeRO-3 ideal: each parameter gathered at most twice
+        # (forward, backward; the cache of recent chunks saves some), gradients once.
+        assert st["reused"] > 0
 
 
 def test_clipping_uses_the_global_norm_and_accumulation_and_bf16_shard_too():
@@ -204,3 +212,38 @@ def test_ranks_with_different_layouts_are_refused_on_every_rank():
     res = run_ranks(2, _mismatch_rank)
     for msg in res:
         assert "every rank needs the same model and config" in msg, msg
+
+
+def test_torchrun_launches_the_example_and_its_checkpoint_loads_in_one_process(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from dist_harness import free_port
+    ckpt = tmp_path / "ckpt.safetensors"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--master_port", str(free_port()), "-m", "tiermem.examples.train_distributed",
+         "--steps", "3", "--layers", "2", "--width", "64", "--checkpoint", str(ckpt)],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "tiermem: 2 ranks (gloo)" in out.stdout and "step 3/3 loss" in out.stdout, out.stdout
+    from tiermem.examples.gpt import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64))
+    model, opt = tiermem.initialize(model, {"device": "64MiB", "host": "256MiB"})
+    tiermem.load_checkpoint(model, opt, ckpt)
+    rt = tiermem.runtime_of(model)
+    assert {rt.s.step_count(r.index) for r in rt.params if r.trainable} == {3}
+
+
+def test_the_distributed_benchmark_runs(capsys):
+    from tiermem.examples import bench_distributed
+    bench_distributed.main(["--worlds", "1,2", "--rounds", "1", "--steps", "1", "--warmup", "1",
+                            "--layers", "1", "--width", "64"])
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| 2 |"))
+    ratio = float(row.split("|")[6])
+    # Bytes at most the ZeRO-3 ideal plus chunk padding (with room to keep full chunks, the
+    # backward reuses the forward's: below it).
+    assert 0 < ratio <= 1.3, row

@@ -132,6 +132,11 @@ py::dict ReportDict(const prof::Report& r) {
   d["events"] = r.events;
   d["iterations"] = r.iterations;
   d["step_mean_ns"] = r.step_mean_ns;
+  py::dict coll;  // sharded sessions: {op: (count, bytes, ns)}
+  for (const prof::CollectiveStats& c : r.collectives) {
+    coll[py::str(c.op)] = py::make_tuple(c.count, c.bytes, c.ns);
+  }
+  d["collectives"] = coll;
   return d;
 }
 

@@ -100,6 +100,7 @@ def load_checkpoint(model, optimizer, path):
     rt._set_tracing(False)
     rt._on_stream()
     if rt._shards is not None:
+        rt._shards.flush()
         # Every rank verifies the whole file before any rank changes anything.
         err = None
         try:

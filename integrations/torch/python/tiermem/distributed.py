@@ -9,9 +9,15 @@ torch.distributed (Gloo on CPU, NCCL on GPUs), never a transport of tiermem's ow
 - ``gather(group, kind)``: a unit about to compute gets the group's full chunk: this rank's
   shard is acquired and all-gathered into a scratch region of the session (counted in the
   device budget; chunks are evicted for it). Reference-counted per (group, kind) while held.
-- ``release(...)``: the last holder frees the scratch; a chunk written in place (a parameter
-  changed inside a forward, a gradient scaled by ``clip_grad_norm_``) first writes this rank's
-  part back into its shard.
+- ``release(...)``: when the last holder lets go, a chunk written in place (a parameter changed
+  inside a forward, a gradient scaled by ``clip_grad_norm_``) first writes this rank's part
+  back into its shard; the full chunk then stays in a small cache of recently released chunks
+  (``recent``, a few units' worth) so the next unit sharing the group, or the backward of the
+  last forward unit, needs no second all-gather. ``flush()`` drops the cache whenever shards
+  change under it (the optimizer step, loads, the end of an iteration).
+- ``prefetch(group, kind)``: starts the all-gather of a chunk the next unit needs
+  (async_op), so communication overlaps the current unit's compute; ``gather`` then waits for
+  it.
 - ``grad_buffer(group)`` / ``scatter_grad(...)``: the backward accumulates a group's gradients
   into a full-size zeroed buffer; once the group is complete it is reduce-scattered (summed,
   then divided by the world size: the gradient of the global batch's mean loss) and added into
@@ -84,10 +90,11 @@ class Collectives:
 
 
 class _Held:
-    __slots__ = ("tensor", "token", "refs", "dirty")
+    __slots__ = ("tensor", "token", "refs", "dirty", "work", "t0")
 
-    def __init__(self, tensor, token):
-        self.tensor, self.token, self.refs, self.dirty = tensor, token, 1, False
+    def __init__(self, tensor, token, refs=1):
+        self.tensor, self.token, self.refs, self.dirty = tensor, token, refs, False
+        self.work, self.t0 = None, 0.0  # an async all-gather in flight (prefetch)
 
 
 class Shards:
@@ -97,9 +104,13 @@ class Shards:
         self.rank = dist.get_rank(group)
         self.backend = dist.get_backend(group)
         self.collectives = Collectives(group, self.backend)
-        self._held: dict = {}  # (group, kind) -> _Held
+        self._held: dict = {}    # (group, kind) -> _Held, in use
+        self._recent: dict = {}  # (group, kind) -> _Held, released, clean, kept for reuse
+        self._pending: dict = {}  # (group, kind) -> _Held with an all-gather in flight
+        self.recent_capacity = 0  # full chunks kept (the runtime sets a few units' worth)
         self.stats = {"all_gather_bytes": 0, "reduce_scatter_bytes": 0, "all_reduce_bytes": 0,
-                      "all_gathers": 0, "reduce_scatters": 0, "seconds": 0.0}
+                      "all_gathers": 0, "reduce_scatters": 0, "seconds": 0.0,
+                      "wait_seconds": 0.0, "reused": 0, "prefetched": 0}
 
     def sharding(self):
         return (self.world, self.rank, self.collectives)
@@ -140,38 +151,102 @@ class Shards:
             dist.all_gather(out, t, group=self.group)
 
     # ---- full chunks -----------------------------------------------------------------------
-    def _record(self, op, nbytes, t0):
-        dt = time.perf_counter() - t0
-        self.stats["seconds"] += dt
-        self.rt.s.record_collective(op, nbytes, int(dt * 1e9))
+    def _record(self, op, nbytes, t0, waited_since=None):
+        """A collective issued at t0 has ended now: its span goes to the timeline; the time
+        the training thread was blocked on it (since `waited_since` for a prefetch, else all
+        of it) to wait_seconds."""
+        now = time.perf_counter()
+        self.stats["seconds"] += now - t0
+        self.stats["wait_seconds"] += now - (t0 if waited_since is None else waited_since)
+        self.rt.s.record_collective(op, nbytes, int((now - t0) * 1e9))
+
+    def _scratch(self, evict_recent=True):
+        """A full-chunk scratch region of the compute dtype; when the budget is short, the
+        cache of recently released chunks goes first (unless `evict_recent` is off: a
+        prefetch never pushes out what is already there)."""
+        s = self.rt.s
+        nbytes = s.chunk_elems * torch.empty((), dtype=self.rt.dtype).element_size()
+        try:
+            token, raw = s.allocate_scratch(_DEVICE, nbytes)
+        except MemoryError:
+            if not (evict_recent and self._recent):
+                raise
+            self.drop_recent()
+            token, raw = s.allocate_scratch(_DEVICE, nbytes)
+        return token, raw.view(self.rt.dtype), nbytes
 
     def gather(self, g, kind):
-        h = self._held.get((g, kind))
+        key = (g, kind)
+        h = self._held.get(key)
         if h is not None:
             h.refs += 1
             return h.tensor
-        s = self.rt.s
-        dtype = self.rt.dtype
-        esize = torch.empty((), dtype=dtype).element_size()
-        full_bytes = s.chunk_elems * esize
-        token, raw = s.allocate_scratch(_DEVICE, full_bytes)
-        full = raw.view(dtype)
+        h = self._recent.pop(key, None)
+        if h is not None:
+            self.stats["reused"] += 1
+        else:
+            h = self._pending.pop(key, None)
+            if h is not None:
+                self._finish(g, h)
+            else:
+                h = self._start(g, kind)
+                self._finish(g, h)
+        h.refs = 1
+        self._held[key] = h
+        return h.tensor
+
+    def prefetch(self, g, kind):
+        """Starts gathering (g, kind) for a unit about to run; a no-op when it is held,
+        cached or already on its way."""
+        key = (g, kind)
+        if key in self._held or key in self._recent or key in self._pending:
+            return
         try:
-            shard = s.acquire(g, kind, _DEVICE)
+            self._pending[key] = self._start(g, kind, async_op=True, evict_recent=False)
+        except MemoryError:
+            return  # no room now: gathered when needed
+        self.stats["prefetched"] += 1
+
+    def _start(self, g, kind, async_op=False, evict_recent=True):
+        s = self.rt.s
+        token, full, nbytes = self._scratch(evict_recent)
+        h = _Held(full, token, refs=0)
+        try:
             try:
-                t0 = time.perf_counter()
-                _collective(f"all-gather of chunk group {g}", dist.all_gather_into_tensor, full,
-                            shard, group=self.group)
-                self._record("all_gather", full_bytes, t0)
-                self.stats["all_gather_bytes"] += full_bytes
-                self.stats["all_gathers"] += 1
+                shard = s.acquire(g, kind, _DEVICE)
+            except MemoryError:
+                if not (evict_recent and self._recent):
+                    raise
+                self.drop_recent()  # the cache's room, for the shard
+                shard = s.acquire(g, kind, _DEVICE)
+            try:
+                h.t0 = time.perf_counter()
+                # An async op keeps reading the shard: a copy of it, so the pin ends now.
+                src = shard.clone() if async_op else shard
+                h.work = _collective(f"all-gather of chunk group {g}",
+                                     dist.all_gather_into_tensor, full, src, group=self.group,
+                                     async_op=async_op)
             finally:
                 s.release(g, kind, False)
         except BaseException:
             s.free_scratch(_DEVICE, token)
             raise
-        self._held[(g, kind)] = _Held(full, token)
-        return full
+        self.stats["all_gather_bytes"] += nbytes
+        self.stats["all_gathers"] += 1
+        return h
+
+    def _finish(self, g, h):
+        waited_since = time.perf_counter() if h.work is not None else None
+        if h.work is not None and hasattr(h.work, "wait"):
+            try:
+                _collective(f"all-gather of chunk group {g}", h.work.wait)
+            except BaseException:
+                self.rt.s.free_scratch(_DEVICE, h.token)
+                raise
+        async_op = h.work is not None and hasattr(h.work, "wait")
+        h.work = None
+        self._record("all_gather", h.tensor.numel() * h.tensor.element_size(), h.t0,
+                     waited_since if async_op else None)
 
     def held(self, g, kind):
         h = self._held.get((g, kind))
@@ -183,13 +258,14 @@ class Shards:
             h.dirty = True
 
     def release(self, g, kind, modified=False):
-        """True when this was the last holder (the full chunk is gone)."""
-        h = self._held[(g, kind)]
+        """True when this was the last holder (the full chunk is no longer in use)."""
+        key = (g, kind)
+        h = self._held[key]
         h.dirty = h.dirty or modified
         h.refs -= 1
         if h.refs > 0:
             return False
-        del self._held[(g, kind)]
+        del self._held[key]
         s = self.rt.s
         try:
             if h.dirty:  # this rank's part back into its shard
@@ -197,9 +273,35 @@ class Shards:
                 shard = s.acquire(g, kind, _DEVICE)
                 shard.copy_(h.tensor[begin:begin + n])
                 s.release(g, kind, True)
-        finally:
+                h.dirty = False
+        except BaseException:
             s.free_scratch(_DEVICE, h.token)
+            raise
+        if kind != self.rt._compute_kind:  # gradients change with every scatter: not cached
+            s.free_scratch(_DEVICE, h.token)
+            return True
+        self._recent[key] = h  # most recent last
+        while len(self._recent) > self.recent_capacity:
+            old = next(iter(self._recent))
+            s.free_scratch(_DEVICE, self._recent.pop(old).token)
         return True
+
+    def drop_recent(self):
+        s = self.rt.s
+        for h in self._recent.values():
+            s.free_scratch(_DEVICE, h.token)
+        self._recent.clear()
+
+    def flush(self):
+        """Shards may change now (the optimizer step, a load, user writes between iterations):
+        no cached or prefetched full chunk survives."""
+        self.drop_recent()
+        for key, h in list(self._pending.items()):
+            try:
+                self._finish(key[0], h)
+            finally:
+                self.rt.s.free_scratch(_DEVICE, h.token)
+        self._pending.clear()
 
     # ---- gradients ---------------------------------------------------------------------------
     def grad_buffer(self, g):
@@ -266,6 +368,15 @@ class Shards:
 
     def close(self):
         s = self.rt.s
-        for h in self._held.values():
+        for h in list(self._held.values()) + list(self._recent.values()):
+            s.free_scratch(_DEVICE, h.token)
+        for h in self._pending.values():
+            if h.work is not None and hasattr(h.work, "wait"):
+                try:
+                    h.work.wait()
+                except RuntimeError:
+                    pass
             s.free_scratch(_DEVICE, h.token)
         self._held.clear()
+        self._recent.clear()
+        self._pending.clear()

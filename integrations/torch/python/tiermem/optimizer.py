@@ -59,6 +59,8 @@ class ChunkedAdamW(torch.optim.Optimizer):
         rt.sync_grads()
         rt._set_tracing(True)
         rt._on_stream()  # device-placed groups step on torch's current stream
+        if rt._shards is not None:
+            rt._shards.flush()  # the shards change: no cached full chunk outlives the step
         stats = None
         if rt._shards is not None and (rt.cfg.gradient_clipping > 0 or rt.fp16) and \
                 rt.s.next_step_applies:

@@ -246,6 +246,14 @@ class TiermemRuntime:
         self._install()
         most = max((len(u.groups) for u in self.units), default=1)
         self._act_cap = max(0, cfg.device_budget - 2 * most * per_group)
+        if self._shards is not None:
+            # Full chunks kept after use: the next unit's shared groups and the backward's
+            # first unit need no second all-gather. At most a quarter of the device budget.
+            full = self.s.chunk_elems * esize
+            self._shards.recent_capacity = min(2 * most + 1, cfg.device_budget // (4 * full))
+        self._fwd_units: list = []   # units entered by the last training forward, in order
+        self._fwd_pos: dict = {}     # unit index -> its position there
+        self._fwd_seq: list = []     # this forward's, so far
         # The chunks hold the values now. The user's Parameter objects keep no copy (close()
         # gives them their data back), so the model is not in host RAM twice, and a stale
         # reference to one fails loudly (an empty tensor) instead of reading old values.
@@ -469,6 +477,9 @@ class TiermemRuntime:
             grad = torch.is_grad_enabled()
             if grad and not self._in_iteration:
                 self._act_reset()
+                if self._shards is not None and self._fwd_seq:
+                    self._fwd_units, self._fwd_seq = self._fwd_seq, []
+                    self._fwd_pos = {u: i for i, u in enumerate(self._fwd_units)}
                 self.s.begin_iteration()
                 self._recording_trace = self.s.recording_trace
                 self._trace_seen.clear()
@@ -510,6 +521,9 @@ class TiermemRuntime:
                             f"budget or a smaller batch; the model is unchanged.") from None
                     raise
                 u.pins = pins
+                if self._shards is not None and grad:
+                    self._fwd_seq.append(u.index)
+                    self._prefetch_after(u.index, +1)  # the next unit's chunks, meanwhile
                 for r in u.params:
                     if r.mat == 0:
                         r.compute.data = self._slice(views[r.group], r)
@@ -845,12 +859,24 @@ class TiermemRuntime:
                 self._release(r.group, self._compute_kind, False, self._bwd_hold.pop(r.group))
                 del self._bwd_pending[r.group]
 
+    def _prefetch_after(self, unit: int, step: int):
+        """Sharded: starts gathering the chunks of the unit that ran after (`step` +1, the
+        forward) or before (-1, the backward) `unit` in the last training forward."""
+        i = self._fwd_pos.get(unit)
+        if i is None or not 0 <= i + step < len(self._fwd_units):
+            return
+        nxt = self.units[self._fwd_units[i + step]]
+        for g in nxt.groups:
+            self._shards.prefetch(g, self._compute_kind)
+
     def _bwd_moment(self, unit: int):
         """The backward reached `unit` (its saved chunk views, or a gradient of one of its
         params): a timeline moment, and while recording a pre-backward trace moment."""
         if unit != self._bwd_unit:
             prev = self._bwd_unit
             self._bwd_unit = unit
+            if self._shards is not None and unit >= 0:
+                self._prefetch_after(unit, -1)
             self.s.moment(self.units[unit].bwd_label if unit >= 0 else "pre-backward", 1, unit)
             if self._count_act:
                 # After the moment's planned actions: the previous unit's activations are
