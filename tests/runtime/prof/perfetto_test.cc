@@ -49,7 +49,15 @@ size_t Validate(const nlohmann::json& trace) {
     }
     used_pids.insert(pid);
     EXPECT_TRUE(e.at("ts").is_number()) << e;
-    const double ts = e["ts"];
+    double ts = e["ts"];
+    if (ph == "X") {
+      // A complete slice is written when it ends (it may have begun before the events just
+      // written): its end time is what keeps the track's order.
+      EXPECT_TRUE(e.at("dur").is_number()) << e;
+      EXPECT_GE(e["dur"].get<double>(), 0.0);
+      ts += e["dur"].get<double>();
+      used_threads.insert({pid, tid});
+    }
     EXPECT_GE(ts, 0.0);
     auto [it, inserted] = last_ts.try_emplace({pid, tid}, ts);
     EXPECT_GE(ts, it->second) << "timestamps go backwards on pid " << pid << " tid " << tid;
@@ -78,6 +86,8 @@ size_t Validate(const nlohmann::json& trace) {
         EXPECT_EQ(s.back(), e["name"].get<std::string>());
         s.pop_back();
       }
+    } else if (ph == "X") {
+      EXPECT_TRUE(e.at("args").is_object());
     } else if (ph == "i") {
       const std::string scope = e.at("s");
       EXPECT_TRUE(scope == "g" || scope == "p" || scope == "t") << e;
@@ -134,6 +144,39 @@ TEST(PerfettoExportTest, GoldenTimelineIsValidAndExact) {
   EXPECT_EQ(allocs, 3);
   EXPECT_EQ(phases, 3);
   EXPECT_EQ(iterations, 2);
+}
+
+// A kCollective event becomes a complete slice on the "collectives" track, ending at the
+// event's time and lasting its `id` ns.
+TEST(PerfettoExportTest, CollectivesAreSlices) {
+  const std::string path = TempPath("collectives.tmt");
+  {
+    auto rec = std::move(TimelineRecorder::Open(path).value());
+    Event a;
+    a.ts_ns = 1'000'000;
+    a.type = EventType::kMoment;
+    rec->Record(a);
+    Event e;
+    e.ts_ns = 5'000'000;
+    e.type = EventType::kCollective;
+    e.id = 2'000'000;
+    e.bytes = 4096;
+    e.label = rec->InternLabel("all_gather");
+    rec->Record(e);
+    ASSERT_TRUE(rec->Close().ok());
+  }
+  const nlohmann::json trace = Export(path);
+  Validate(trace);
+  int slices = 0;
+  for (const auto& e : trace["traceEvents"]) {
+    if (e["ph"] == "X" && e["name"] == "all_gather") {
+      ++slices;
+      EXPECT_DOUBLE_EQ(e["ts"].get<double>(), 2000.0);   // us since the first event
+      EXPECT_DOUBLE_EQ(e["dur"].get<double>(), 2000.0);
+      EXPECT_EQ(e["args"]["bytes"], 4096);
+    }
+  }
+  EXPECT_EQ(slices, 1);
 }
 
 TEST(PerfettoExportTest, SyntheticRunIsValid) {

@@ -278,4 +278,39 @@ TEST(ProfReportTest, KernelLaunchesPrefetchesAndManagedAllocations) {
 }
 
 }  // namespace
+// Collectives of a sharded session (kCollective: op label, bytes, duration in id) are summed
+// per operation, in the JSON and the text report.
+TEST(ProfReportTest, CollectivesAreSummedPerOperation) {
+  const std::string path = TempPath("collectives.tmt");
+  {
+    auto rec = std::move(TimelineRecorder::Open(path).value());
+    auto coll = [&](uint64_t ts, const char* op, uint64_t bytes, uint64_t ns) {
+      Event e;
+      e.ts_ns = ts;
+      e.type = EventType::kCollective;
+      e.id = ns;
+      e.bytes = bytes;
+      e.label = rec->InternLabel(op);
+      rec->Record(e);
+    };
+    coll(1000, "all_gather", M, 400);
+    coll(2000, "reduce_scatter", 2 * M, 700);
+    coll(3000, "all_gather", M, 100);
+    ASSERT_TRUE(rec->Close().ok());
+  }
+  auto report = AnalyzeFile(path);
+  ASSERT_TRUE(report.ok()) << report.status().ToString();
+  const nlohmann::json j = ReportToJson(*report);
+  ASSERT_EQ(j["collectives"].size(), 2u);
+  EXPECT_EQ(j["collectives"][0]["op"], "all_gather");
+  EXPECT_EQ(j["collectives"][0]["count"], 2);
+  EXPECT_EQ(j["collectives"][0]["bytes"], 2 * M);
+  EXPECT_EQ(j["collectives"][0]["ns"], 500);
+  EXPECT_EQ(j["collectives"][1]["op"], "reduce_scatter");
+  EXPECT_EQ(j["collectives"][1]["ns"], 700);
+  const std::string text = RenderReportText(*report, path);
+  EXPECT_NE(text.find("Collectives"), std::string::npos) << text;
+  EXPECT_NE(text.find("reduce_scatter"), std::string::npos) << text;
+}
+
 }  // namespace tiermem::prof
