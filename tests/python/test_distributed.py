@@ -114,33 +114,24 @@ def test_clipping_uses_the_global_norm_and_accumulation_bf16_fp16_and_plans_shar
 
 
 def _hf_rank(rank, world):
+    """HF GPT-2 for 10 steps on this rank's part of a batch of 4 (world 1: all of it)."""
     hf = pytest.importorskip("test_hf")
     torch.manual_seed(0)
     m = hf.gpt2()
     model, opt = tiermem.initialize(m, {"device": hf.budget(m), "host": "256MiB",
                                         "device_kind": "sim",
                                         "optimizer": {"lr": 1e-3, "weight_decay": 0.01}})
-    data = hf.batches(10, batch=4)
     n = 4 // world
-    out = []
-    for ids in data:
-        opt.zero_grad()
-        loss = model(input_ids=ids[rank * n:(rank + 1) * n],
-                     labels=ids[rank * n:(rank + 1) * n]).loss
-        loss.backward()
-        opt.step()
-        out.append(global_loss(loss, world))
-    return out
+    part = [ids[rank * n:(rank + 1) * n] for ids in hf.batches(10, batch=4)]
+    losses = hf.train(model, opt, part)
+    if world == 1:
+        return losses
+    return [global_loss(torch.tensor(v), world) for v in losses]
 
 
 def test_hugging_face_gpt2_sharded_equals_one_process():
-    hf = pytest.importorskip("test_hf")
-    torch.manual_seed(0)
-    m = hf.gpt2()
-    model, opt = tiermem.initialize(m, {"device": hf.budget(m), "host": "256MiB",
-                                        "device_kind": "sim",
-                                        "optimizer": {"lr": 1e-3, "weight_decay": 0.01}})
-    want = hf.train(model, opt, hf.batches(10, batch=4))
+    pytest.importorskip("test_hf")
+    want = _hf_rank(0, 1)
     got = run_ranks(2, _hf_rank)
     # HF's causal LM loss is a mean over tokens; every rank has the same token count.
     assert_close_rel(got[0], want, 2e-6, "losses")

@@ -378,6 +378,13 @@ class PySession {
 
   Session& s() { return *s_; }
   const Session& s() const { return *s_; }
+  // Closes the session, then lets go of the Python collectives (and so of its process
+  // group): a group kept alive until interpreter exit takes its threads down during
+  // finalization, which aborts the process.
+  void Close() {
+    s_->Close();
+    collectives_.reset();
+  }
 
  private:
   int64_t Numel(size_t t) const {
@@ -572,7 +579,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("shard_begin", [](const PySession& s) { return s.s().shard_begin(); })
       .def("allocate_scratch", &PySession::AllocateScratch)
       .def("free_scratch", &PySession::FreeScratch)
-      .def("close", [](PySession& s) { s.s().Close(); })
+      .def("close", &PySession::Close)
       .def_property_readonly("closed", [](const PySession& s) { return s.s().closed(); })
       .def("acquire", &PySession::Acquire)
       .def("acquire_for_write", &PySession::AcquireForWrite)

@@ -72,16 +72,9 @@ def save_checkpoint(model, optimizer, path, extra=None):
         rt.s.save_checkpoint(str(path), text)
         return
     # Sharded: collective gathers, rank 0 writes; every rank learns whether it worked.
-    err = None
-    try:
-        rt.s.save_checkpoint(str(path), text)
-    except (OSError, ValueError, RuntimeError) as e:
-        err = e
-    if not rt._shards.all_ok(err is None):
-        if err is not None:
-            raise err
-        raise OSError(f"save_checkpoint: {path}: another rank failed (see its error); the "
-                      "previous file, if any, is intact")
+    rt._shards.agree(lambda: rt.s.save_checkpoint(str(path), text), lambda: OSError(
+        f"save_checkpoint: {path}: another rank failed (see its error); the previous file, if "
+        "any, is intact"))
 
 
 def load_checkpoint(model, optimizer, path):
@@ -102,16 +95,9 @@ def load_checkpoint(model, optimizer, path):
     if rt._shards is not None:
         rt._shards.flush()
         # Every rank verifies the whole file before any rank changes anything.
-        err = None
-        try:
-            rt.s.load_checkpoint(str(path), verify_only=True)
-        except (OSError, ValueError, RuntimeError) as e:
-            err = e
-        if not rt._shards.all_ok(err is None):
-            if err is not None:
-                raise err
-            raise ValueError(f"load_checkpoint: {path}: another rank could not verify it (see "
-                             "its error); nothing was loaded")
+        rt._shards.agree(lambda: rt.s.load_checkpoint(str(path), verify_only=True),
+                         lambda: ValueError(f"load_checkpoint: {path}: another rank could not "
+                                            "verify it (see its error); nothing was loaded"))
     rt.s.load_checkpoint(str(path))  # verifies everything, then loads (or changes nothing)
     for r in rt.params:
         if r.trainable:

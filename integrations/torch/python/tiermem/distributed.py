@@ -343,28 +343,38 @@ class Shards:
         finally:
             s.free_scratch(_DEVICE, h.token)
 
-    def all_reduce_stats(self, sq_norm, overflow):
-        t = torch.tensor([sq_norm, 1.0 if overflow else 0.0], dtype=torch.float64)
-        t0 = time.perf_counter()
+    def _sum_host(self, t, what):
+        """The sum over ranks of a small CPU tensor (through the device for NCCL)."""
         if self.backend == "nccl":
             d = t.cuda()
-            _collective("all-reduce of the gradient norm", dist.all_reduce, d, group=self.group)
-            t = d.cpu()
-        else:
-            _collective("all-reduce of the gradient norm", dist.all_reduce, t, group=self.group)
+            _collective(what, dist.all_reduce, d, group=self.group)
+            return d.cpu()
+        _collective(what, dist.all_reduce, t, group=self.group)
+        return t
+
+    def all_reduce_stats(self, sq_norm, overflow):
+        t0 = time.perf_counter()
+        t = self._sum_host(torch.tensor([sq_norm, 1.0 if overflow else 0.0],
+                                        dtype=torch.float64), "all-reduce of the gradient norm")
         self._record("all_reduce", 16, t0)
         self.stats["all_reduce_bytes"] += 16
         return float(t[0]), bool(t[1] > 0)
 
     def all_ok(self, ok: bool) -> bool:
-        t = torch.tensor([0 if ok else 1], dtype=torch.int64)
-        if self.backend == "nccl":
-            d = t.cuda()
-            _collective("agreeing on a result", dist.all_reduce, d, group=self.group)
-            t = d.cpu()
-        else:
-            _collective("agreeing on a result", dist.all_reduce, t, group=self.group)
+        t = self._sum_host(torch.tensor([0 if ok else 1], dtype=torch.int64),
+                           "agreeing on a result")
         return int(t[0]) == 0
+
+    def agree(self, fn, elsewhere):
+        """Runs `fn` on every rank and makes them agree: this rank's error if it failed, else
+        `elsewhere()` (an exception) if another rank failed."""
+        err = None
+        try:
+            fn()
+        except (OSError, ValueError, RuntimeError) as e:
+            err = e
+        if not self.all_ok(err is None):
+            raise err if err is not None else elsewhere()
 
     def close(self):
         s = self.rt.s

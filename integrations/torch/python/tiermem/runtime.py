@@ -1257,6 +1257,7 @@ class TiermemRuntime:
         if self._shards is not None:
             self._shards.close()
         self.s.close()
+        self._shards = None  # nor does the runtime keep the process group alive
         if getattr(self.model, "_tiermem_runtime", None) is self:
             del self.model._tiermem_runtime
 
