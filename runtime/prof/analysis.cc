@@ -109,6 +109,23 @@ struct Analyzer::Impl {
   std::unordered_map<uint64_t, OpenCopy> copies;
   std::unordered_map<uint64_t, OpenStall> stalls;
   std::map<std::pair<int, int>, MoveStats> moves;
+  // Copies in flight and since when, for the unions of their intervals: per (src, dst) pair
+  // and per tier as source (read) and as destination (write).
+  struct Busy {
+    uint64_t open = 0;
+    uint64_t since = 0;
+    // Opens (ts) or closes one copy; returns the interval to add when the last one closes.
+    uint64_t Begin(uint64_t ts) {
+      if (open++ == 0) since = ts;
+      return 0;
+    }
+    uint64_t End(uint64_t ts) {
+      if (open == 0) return 0;
+      return --open == 0 ? ts - since : 0;
+    }
+  };
+  std::map<std::pair<int, int>, Busy> pair_busy;
+  std::array<Busy, kNumTierKinds> read_busy{}, write_busy{};
   std::unordered_map<std::string, size_t> cause_index;
   std::unordered_map<ChunkId, ChunkStats> chunks;
   std::unordered_map<std::string, int> phase_index;
@@ -211,9 +228,13 @@ TierKind Analyzer::Add(const Event& e, std::string_view label) {
       changed = e.tier;
       break;
     }
-    case EventType::kCopyBegin:
+    case EventType::kCopyBegin: {
       s.copies[e.id] = Impl::OpenCopy{ts, e.tier, e.tier2, e.bytes, e.chunk, s.phase};
+      s.pair_busy[{static_cast<int>(e.tier), static_cast<int>(e.tier2)}].Begin(ts);
+      if (tier >= 0) s.read_busy[tier].Begin(ts);
+      if (tier2 >= 0) s.write_busy[tier2].Begin(ts);
       break;
+    }
     case EventType::kCopyEnd: {
       auto it = s.copies.find(e.id);
       if (it == s.copies.end()) {
@@ -224,6 +245,14 @@ TierKind Analyzer::Add(const Event& e, std::string_view label) {
       MoveStats& m = s.moves[{static_cast<int>(c.src), static_cast<int>(c.dst)}];
       m.src = c.src;
       m.dst = c.dst;
+      m.active_ns += s.pair_busy[{static_cast<int>(c.src), static_cast<int>(c.dst)}].End(ts);
+      const int src = TierIndex(c.src), dst = TierIndex(c.dst);
+      if (src >= 0) r.io[src].read_active_ns += s.read_busy[src].End(ts);
+      if (dst >= 0) r.io[dst].write_active_ns += s.write_busy[dst].End(ts);
+      if (!(e.flags & kFlagFailed)) {
+        if (src >= 0) r.io[src].read_bytes += c.bytes;
+        if (dst >= 0) r.io[dst].write_bytes += c.bytes;
+      }
       if (e.flags & kFlagFailed) {
         ++m.failed;
       } else {

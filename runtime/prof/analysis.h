@@ -111,6 +111,18 @@ struct MoveStats {
   uint64_t count = 0;   // completed copies
   uint64_t failed = 0;  // copies that ended with kFlagFailed
   uint64_t busy_ns = 0; // sum of (end - begin) over completed copies
+  // Time at least one copy of this pair was in flight (the union of the copies' intervals,
+  // failed ones included): bytes / active_ns is the pair's achieved rate with copies
+  // overlapping, where bytes / busy_ns is the rate of one copy.
+  uint64_t active_ns = 0;
+};
+
+// Copies out of (read) and into (write) one tier, whatever the other end: completed bytes and
+// the union of the copies' intervals — the tier's achieved rate while it was moving data
+// (an NVMe tier's disk rate inside a training step, to compare with fio's).
+struct IoStats {
+  Bytes read_bytes = 0, write_bytes = 0;
+  uint64_t read_active_ns = 0, write_active_ns = 0;
 };
 
 struct StallStats {
@@ -155,6 +167,7 @@ struct Report {
   uint64_t duration_ns = 0;  // t_end - t0
   std::array<TierStats, kNumTierKinds> tiers;
   std::vector<MoveStats> moves;     // by bytes, descending
+  std::array<IoStats, kNumTierKinds> io;  // per TierKind
   uint64_t stall_ns = 0;
   uint64_t stall_count = 0;
   std::vector<StallStats> stalls;   // by ns, descending

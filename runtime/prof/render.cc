@@ -97,9 +97,21 @@ nlohmann::json ReportToJson(const Report& r) {
                      {"bytes", m.bytes},
                      {"count", m.count},
                      {"failed", m.failed},
-                     {"busy_ns", m.busy_ns}});
+                     {"busy_ns", m.busy_ns},
+                     {"active_ns", m.active_ns}});
   }
   j["moves"] = moves;
+  nlohmann::json io = nlohmann::json::object();
+  for (int t = 0; t < kNumTierKinds; ++t) {
+    const IoStats& x = r.io[t];
+    if (x.read_active_ns == 0 && x.write_active_ns == 0) continue;
+    io[std::string(TierKindName(static_cast<TierKind>(t)))] = {
+        {"read_bytes", x.read_bytes},
+        {"read_active_ns", x.read_active_ns},
+        {"write_bytes", x.write_bytes},
+        {"write_active_ns", x.write_active_ns}};
+  }
+  j["io"] = io;
   j["bytes_moved"] = TotalMoved(r);
   nlohmann::json causes = nlohmann::json::array();
   for (const StallStats& s : r.stalls) {
@@ -201,14 +213,27 @@ std::string RenderReportText(const Report& r, const std::string& name) {
   Line(&o, "");
   Line(&o, Printf("Bytes moved: %s in total", Fb(TotalMoved(r)).c_str()));
   if (!r.moves.empty()) {
-    Line(&o, "  from -> to             bytes   copies  failed   busy time     GB/s");
+    // GB/s: bytes over the time copies of the pair were in flight (overlapping copies count
+    // once), i.e. the rate the pair achieved while it was moving data.
+    Line(&o, "  from -> to             bytes   copies  failed active time     GB/s");
     for (const MoveStats& m : r.moves) {
-      const double gbps = m.busy_ns ? m.bytes / static_cast<double>(m.busy_ns) : 0.0;
+      const double gbps = m.active_ns ? m.bytes / static_cast<double>(m.active_ns) : 0.0;
       Line(&o, Printf("  %-6s -> %-6s %12s %8llu %7llu %11s %8.2f", Name(m.src), Name(m.dst),
                       Fb(m.bytes).c_str(), static_cast<unsigned long long>(m.count),
-                      static_cast<unsigned long long>(m.failed), FormatDuration(m.busy_ns).c_str(),
-                      gbps));
+                      static_cast<unsigned long long>(m.failed),
+                      FormatDuration(m.active_ns).c_str(), gbps));
     }
+  }
+  const IoStats& nvme = r.io[static_cast<int>(TierKind::kNvme)];
+  if (nvme.read_active_ns > 0 || nvme.write_active_ns > 0) {
+    auto rate = [](Bytes b, uint64_t ns) { return ns ? b / static_cast<double>(ns) : 0.0; };
+    // The disk's achieved rate while the engine was moving data to or from it.
+    Line(&o, Printf("  NVMe reads while busy:  %s in %s, %.2f GB/s", Fb(nvme.read_bytes).c_str(),
+                    FormatDuration(nvme.read_active_ns).c_str(),
+                    rate(nvme.read_bytes, nvme.read_active_ns)));
+    Line(&o, Printf("  NVMe writes while busy: %s in %s, %.2f GB/s", Fb(nvme.write_bytes).c_str(),
+                    FormatDuration(nvme.write_active_ns).c_str(),
+                    rate(nvme.write_bytes, nvme.write_active_ns)));
   }
 
   Line(&o, "");

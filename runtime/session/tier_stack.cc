@@ -2,7 +2,8 @@
 //
 // Invariants: members are destroyed in the reverse order of their dependencies — the engine
 // (which frees its regions after waiting for moves) before the mover, the mover before the
-// tiers, the tiers before the pinner, all of them before the recorder is closed — both in
+// tiers, the host tiers before the NVMe tier (their slabs are registered with it), the tiers
+// before the pinners, all of them before the recorder is closed — both in
 // Close() and when Create() fails half-way (the partially built stack is destroyed).
 #include "runtime/session/tier_stack.h"
 
@@ -10,9 +11,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <mutex>
+#include <unordered_set>
 
 #include "kernels/cpu/optim.h"
 #include "runtime/base/fs.h"
+#include "runtime/base/logging.h"
 #include "tiers/fake/sim_device.h"
 #include "tiers/nvme/nvme_tier.h"
 #ifdef TIERMEM_SESSION_WITH_CUDA
@@ -35,6 +39,50 @@ HostTierConfig HostConfig(Bytes capacity, Bytes slot, HostPinner* pinner) {
   hc.pinner = pinner;
   return hc;
 }
+
+// The host tiers' pinner when there is an NVMe tier: every slab (and dedicated mapping) is
+// registered with the NVMe tier as io_uring fixed buffers, so that its reads and writes into
+// chunk homes and staging slots skip the kernel's per-I/O page pinning (what fio's
+// --fixedbufs gives fio); then it goes to the CUDA pinner when there is one. Registration is
+// an optimization: a refusal (the posix engine, RLIMIT_MEMLOCK, a full buffer table) leaves
+// the slab unregistered, logged once, and copies work either way. Only the CUDA pinner's
+// failure fails the allocation.
+// Threading: the host tiers call it from any thread; the NVMe tier's registration is
+// thread-safe, the set of registered addresses is guarded here.
+class NvmeRegisteringPinner final : public HostPinner {
+ public:
+  NvmeRegisteringPinner(NvmeTier* nvme, HostPinner* next) : nvme_(nvme), next_(next) {}
+
+  Status Register(void* addr, Bytes bytes) override {
+    if (next_ != nullptr) TIERMEM_RETURN_IF_ERROR(next_->Register(addr, bytes));
+    const Status s = nvme_->RegisterHostMemory(addr, bytes);
+    if (s.ok()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      registered_.insert(addr);
+    } else if (s.code() != StatusCode::kUnavailable) {  // kUnavailable: posix or refused at start
+      LogOnce(LogLevel::kWarn, "nvme: host slab not registered",
+              "nvme tier: host memory left unregistered for io_uring (" + s.message() +
+                  "); its copies take the kernel's page-pinning path");
+    }
+    return OkStatus();
+  }
+
+  void Unregister(void* addr) override {
+    bool was = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      was = registered_.erase(addr) > 0;
+    }
+    if (was) nvme_->UnregisterHostMemory(addr).IgnoreError();
+    if (next_ != nullptr) next_->Unregister(addr);
+  }
+
+ private:
+  NvmeTier* const nvme_;
+  HostPinner* const next_;
+  std::mutex mu_;
+  std::unordered_set<void*> registered_;
+};
 
 }  // namespace
 
@@ -107,7 +155,8 @@ StatusOr<std::unique_ptr<TierStack>> TierStack::Create(const SessionConfig& conf
     CudaTierConfig cc;
     cc.capacity = config.device_budget;
     TIERMEM_ASSIGN_OR_RETURN(s->device_, NewCudaTier(cc));
-    s->pinner_ = NewCudaHostPinner();
+    s->cuda_pinner_ = NewCudaHostPinner();
+    s->pinner_ = s->cuda_pinner_.get();
     s->cuda_ = true;
 #endif
   } else {
@@ -135,8 +184,20 @@ StatusOr<std::unique_ptr<TierStack>> TierStack::Create(const SessionConfig& conf
           std::to_string(slot) + " bytes; the chunk size follows the device budget, or set "
           "chunk_size)");
     }
+    // The NVMe tier before the host tiers, so that their slabs are registered with it as they
+    // are mapped (NvmeRegisteringPinner); it is destroyed after them.
+    NvmeTierConfig nc;
+    nc.dir = config.nvme_path;
+    TIERMEM_ASSIGN_OR_RETURN(nc.engine, ParseNvmeEngine(config.nvme_engine));
+    nc.queue_depth = config.io_depth;
+    nc.capacity = AlignUp(config.nvme_size, nc.block_bytes);
+    TIERMEM_ASSIGN_OR_RETURN(s->nvme_, NewNvmeTier(nc));
+    if (auto* nvme = dynamic_cast<NvmeTier*>(s->nvme_.get())) {
+      s->nvme_pinner_ = std::make_unique<NvmeRegisteringPinner>(nvme, s->cuda_pinner_.get());
+      s->pinner_ = s->nvme_pinner_.get();
+    }
     TIERMEM_ASSIGN_OR_RETURN(s->staging_,
-                             NewHostTier(HostConfig(staging_bytes, slot, s->pinner_.get())));
+                             NewHostTier(HostConfig(staging_bytes, slot, s->pinner_)));
   }
   if (config.host_budget <= staging_bytes) {
     return ResourceExhaustedError("host budget of " + std::to_string(config.host_budget) +
@@ -144,15 +205,7 @@ StatusOr<std::unique_ptr<TierStack>> TierStack::Create(const SessionConfig& conf
   }
   TIERMEM_ASSIGN_OR_RETURN(
       s->host_,
-      NewHostTier(HostConfig(config.host_budget - staging_bytes, slot, s->pinner_.get())));
-  if (config.nvme_size > 0) {
-    NvmeTierConfig nc;
-    nc.dir = config.nvme_path;
-    TIERMEM_ASSIGN_OR_RETURN(nc.engine, ParseNvmeEngine(config.nvme_engine));
-    nc.queue_depth = config.io_depth;
-    nc.capacity = AlignUp(config.nvme_size, nc.block_bytes);
-    TIERMEM_ASSIGN_OR_RETURN(s->nvme_, NewNvmeTier(nc));
-  }
+      NewHostTier(HostConfig(config.host_budget - staging_bytes, slot, s->pinner_)));
   MoverConfig mc;
   mc.staging_slot_bytes = slot;
   mc.staging_slots = 1;
@@ -174,11 +227,13 @@ TierStack::~TierStack() { Close(); }
 void TierStack::Close() {
   engine_.reset();
   mover_.reset();
-  nvme_.reset();
-  host_.reset();
+  host_.reset();  // unregisters its slabs from the NVMe tier and the CUDA pinner
   staging_.reset();
+  nvme_.reset();
   device_.reset();
-  pinner_.reset();
+  pinner_ = nullptr;
+  nvme_pinner_.reset();
+  cuda_pinner_.reset();
   if (recorder_) {
     recorder_->Close().IgnoreError();
     recorder_.reset();

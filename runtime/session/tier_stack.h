@@ -6,7 +6,8 @@
 //            (this target is compiled with TIERMEM_SESSION_WITH_CUDA when CUDA is built;
 //            "auto" picks CUDA when a GPU is present, else SimDevice);
 //   host     the host tier, size classes = the chunk size and its halves; on the CUDA device
-//            its slabs are registered with cudaHostRegister (NewCudaHostPinner);
+//            its slabs are registered with cudaHostRegister (NewCudaHostPinner), and with
+//            NVMe as io_uring fixed buffers (so are the staging slots);
 //   nvme     the file-backed NVMe tier (io_uring or pread/pwrite) when nvme_size > 0;
 //   staging  a small host tier of its own for the Mover's device<->NVMe bounce slots
 //            (prefetch_depth + 2 slots, carved out of the host budget), pinned likewise;
@@ -76,8 +77,12 @@ class TierStack {
   std::string timeline_path_;
   bool own_timeline_ = false;                   // a temporary file: removed at Close()
   std::unique_ptr<TimelineRecorder> recorder_;  // outlives everything below
-  std::unique_ptr<HostPinner> pinner_;          // outlives the host tiers
-  std::unique_ptr<Tier> device_, staging_, host_, nvme_;
+  // The host tiers' pinner: nvme_pinner_ (which chains to cuda_pinner_) with NVMe, else
+  // cuda_pinner_ on CUDA, else none. Both outlive the host tiers.
+  std::unique_ptr<HostPinner> cuda_pinner_, nvme_pinner_;
+  HostPinner* pinner_ = nullptr;
+  // Destroyed after the host tiers (members are destroyed in reverse order): nvme_, device_.
+  std::unique_ptr<Tier> device_, nvme_, staging_, host_;
   std::unique_ptr<Mover> mover_;
   std::unique_ptr<engine::Engine> engine_;
   bool cuda_ = false;

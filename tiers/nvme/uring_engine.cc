@@ -33,7 +33,7 @@
 namespace tiermem::nvme {
 namespace {
 
-constexpr unsigned kBufferSlots = 64;          // sparse fixed-buffer table size
+constexpr unsigned kBufferSlots = 1024;        // sparse fixed-buffer table size (64 GiB of 64 MiB slabs)
 constexpr Bytes kMaxFixedBuffer = 1 * kGiB;    // kernel limit per registered buffer
 
 Status Refused(int err, std::string_view what) {

@@ -5,6 +5,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <thread>
 
@@ -23,6 +24,65 @@ std::string TempPath(const std::string& name) {
   std::filesystem::create_directories(dir);
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
   return (dir / (std::string(info->name()) + "_" + name)).string();
+}
+
+// Overlapping copies count once in a pair's active time and in a tier's read/write time; the
+// achieved rate is bytes over that union, not over the summed copy durations.
+TEST(ProfReportTest, ActiveTimeIsTheUnionOfOverlappingCopies) {
+  const std::string path = TempPath("overlap.tmt");
+  {
+    ManualClock clock(0);
+    auto rec = std::move(TimelineRecorder::Open(path, &clock).value());
+    auto copy = [&](uint64_t ts, bool begin, TierKind src, TierKind dst, uint64_t id,
+                    uint64_t bytes, uint8_t flags = 0) {
+      Event e;
+      e.ts_ns = ts;
+      e.type = begin ? EventType::kCopyBegin : EventType::kCopyEnd;
+      e.tier = src;
+      e.tier2 = dst;
+      e.id = id;
+      e.bytes = bytes;
+      e.flags = flags;
+      rec->Record(e);
+    };
+    const auto nvme = TierKind::kNvme, host = TierKind::kHost, dev = TierKind::kDevice;
+    // NVMe reads: [1000, 3000) and [2000, 4000) to host overlap (active 3000 ns for 8 MiB),
+    // [6000, 7000) to the device (a bounce) — 4000 ns of NVMe read time for 10 MiB in all.
+    // NVMe writes: [2500, 5000) and a failed one inside it [3000, 3500): 2500 ns, 6 MiB.
+    // (Recorded in time order.)
+    copy(1000, true, nvme, host, 1, 4 * M);
+    copy(2000, true, nvme, host, 2, 4 * M);
+    copy(2500, true, host, nvme, 4, 6 * M);
+    copy(3000, false, nvme, host, 1, 0);
+    copy(3000, true, host, nvme, 5, 6 * M);
+    copy(3500, false, host, nvme, 5, 0, kFlagFailed);
+    copy(4000, false, nvme, host, 2, 0);
+    copy(5000, false, host, nvme, 4, 0);
+    copy(6000, true, nvme, dev, 3, 2 * M);
+    copy(7000, false, nvme, dev, 3, 0);
+  }
+  auto report = AnalyzeFile(path);
+  ASSERT_TRUE(report.ok()) << report.status().ToString();
+  const nlohmann::json j = ReportToJson(*report);
+  std::map<std::string, nlohmann::json> moves;
+  for (const auto& m : j["moves"]) {
+    moves[m["src"].get<std::string>() + ">" + m["dst"].get<std::string>()] = m;
+  }
+  EXPECT_EQ(moves["nvme>host"]["busy_ns"], 4000);
+  EXPECT_EQ(moves["nvme>host"]["active_ns"], 3000);
+  EXPECT_EQ(moves["nvme>device"]["active_ns"], 1000);
+  EXPECT_EQ(moves["host>nvme"]["active_ns"], 2500);
+  EXPECT_EQ(moves["host>nvme"]["busy_ns"], 2500);  // completed copies only
+  const auto& io = j["io"]["nvme"];
+  EXPECT_EQ(io["read_bytes"], 10 * M);
+  EXPECT_EQ(io["read_active_ns"], 4000);
+  EXPECT_EQ(io["write_bytes"], 6 * M);
+  EXPECT_EQ(io["write_active_ns"], 2500);
+  EXPECT_EQ(j["io"]["host"]["write_bytes"], 8 * M);
+  EXPECT_EQ(j["io"]["host"]["write_active_ns"], 3000);
+  EXPECT_EQ(j["io"]["device"]["write_active_ns"], 1000);
+  const std::string text = RenderReportText(*report, "overlap.tmt");
+  EXPECT_NE(text.find("NVMe reads while busy:  10.00 MiB in 4.00 us"), std::string::npos) << text;
 }
 
 TEST(ProfReportTest, GoldenNumbers) {
@@ -75,6 +135,7 @@ TEST(ProfReportTest, GoldenNumbers) {
   EXPECT_EQ(j["moves"][0]["dst"], "host");
   EXPECT_EQ(j["moves"][0]["bytes"], 8 * M);
   EXPECT_EQ(j["moves"][0]["busy_ns"], 2000);
+  EXPECT_EQ(j["moves"][0]["active_ns"], 2000);  // one copy: active = busy
   EXPECT_EQ(j["moves"][1]["src"], "host");
   EXPECT_EQ(j["moves"][1]["dst"], "device");
   EXPECT_EQ(j["moves"][1]["bytes"], 4 * M);

@@ -32,13 +32,13 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import tempfile
 import time
 
 import torch
 
 import tiermem
+from tiermem.examples.fio import fio_rates
 
 
 def make_model(layers, width, vocab, positions):
@@ -59,26 +59,6 @@ def nvme_bytes_read(stats):
     return sum(v for k, v in stats["bytes_moved"].items() if k.startswith("nvme->"))
 
 
-def fio_read_rate(directory, size, block, depth):
-    """Sequential O_DIRECT read GB/s by fio with our advantages (registered buffers/files)."""
-    if shutil.which("fio") is None:
-        return None
-    path = os.path.join(directory, "fio-read.dat")
-    base = ["fio", "--name=r", f"--filename={path}", "--ioengine=io_uring", "--direct=1",
-            f"--bs={block}", f"--iodepth={depth}", f"--size={size}", "--fixedbufs",
-            "--registerfiles", "--output-format=json"]
-    try:
-        subprocess.run(base + ["--rw=write"], check=True, capture_output=True)
-        out = subprocess.run(base + ["--rw=read"], check=True, capture_output=True, text=True)
-        job = json.loads(out.stdout)["jobs"][0]["read"]
-        return job["bw_bytes"] / 1e9
-    except (subprocess.CalledProcessError, KeyError, ValueError):
-        return None
-    finally:
-        if os.path.exists(path):
-            os.remove(path)
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,8,32")
@@ -92,8 +72,11 @@ def main(argv=None):
     ap.add_argument("--host-frac", type=float, default=0.10)
     ap.add_argument("--systems", default="plain,tiermem-host,tiermem-nvme,acc-cpu,acc-disk")
     ap.add_argument("--dir", default=None, help="directory for NVMe files and disk_offload")
+    ap.add_argument("--prefetch-depth", type=int, default=None,
+                    help="tiermem's prefetch_depth (acquires of lookahead; default: the config's)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
+    extra = {} if a.prefetch_depth is None else {"prefetch_depth": a.prefetch_depth}
     batches = [int(b) for b in a.batches.split(",")]
     systems = a.systems.split(",")
     workdir = tempfile.mkdtemp(prefix="tiermem-bench-inf-", dir=a.dir)
@@ -119,10 +102,10 @@ def main(argv=None):
         if name == "plain":
             return m
         if name == "tiermem-host":
-            return tiermem.inference(m, {"device": device_budget(b), "host": 4 * wbytes})
+            return tiermem.inference(m, {"device": device_budget(b), "host": 4 * wbytes, **extra})
         if name == "tiermem-nvme":
             return tiermem.inference(m, {"device": device_budget(b), "host": host_nvme, "nvme": {
-                "size": 2 * wbytes, "path": os.path.join(workdir, f"nvme-{b}")}})
+                "size": 2 * wbytes, "path": os.path.join(workdir, f"nvme-{b}")}, **extra})
         import accelerate
         if name == "acc-cpu":
             return accelerate.cpu_offload(m, execution_device=torch.device("cpu"))
@@ -174,7 +157,8 @@ def main(argv=None):
         if r > 0:
             print(f"round {r}: " + ", ".join(
                 f"{s}@{b} {times[(s, b)][-1]:.2f}s" for b in batches for s in systems), flush=True)
-    fio = fio_read_rate(workdir, "1G", "4M", 8) if "tiermem-nvme" in systems else None
+    rates = fio_rates(workdir, "1G", "4M", 8, 4 << 20) if "tiermem-nvme" in systems else None
+    fio = rates["read"] if rates else None
     rows = []
     for b in batches:
         new = b * a.new_tokens
@@ -199,8 +183,8 @@ def main(argv=None):
             row["nvme bound s/forward"] = bound
             row["nvme / bound"] = t_fwd / bound
         rows.append(row)
-    print(f"fio read (io_uring, O_DIRECT, 4 MiB, depth 8, fixedbufs+registerfiles): "
-          f"{fio:.2f} GB/s" if fio else "fio: not measured")
+    print(f"fio read (io_uring, O_DIRECT, 4 MiB, depth 8, fixedbufs+registerfiles, "
+          f"iomem={rates['iomem']}): {fio:.2f} GB/s" if fio else "fio: not measured")
     for row in rows:
         print("  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
                         for k, v in row.items()))

@@ -1,0 +1,125 @@
+"""NVMe inside a training step (CPU): the disk rate the engine achieves while it moves chunks
+to and from NVMe during training, against fio's on the same file system in the same run.
+
+The model and budgets are the main job's (GPT 12 x 768, 85 M params, 1.3 GiB of fp32 training
+state; device 128 MiB, host 512 MiB, NVMe in `--dir`), so the optimizer state that does not
+fit in host memory lives on NVMe and moves every step. Each round, alternating which goes
+first: fio (sequential write then read, O_DIRECT, io_uring, `--fixedbufs --registerfiles`,
+huge-page buffers when the kernel has hugetlb pages free; the tier's block of 1 MiB and queue
+depth) and `--steps` training steps. The engine's rate comes from the session's timeline
+(tiermem::prof): NVMe bytes read (written) over the time at least one NVMe read (write) was in
+flight — the union of the copies' intervals, so overlapping copies count once. A bounced move
+(NVMe <-> device through a staging slot) counts with its staging copy, which only lowers our
+rate. Also printed: the share of the step time the disk was busy reading or writing.
+
+    python -m tiermem.examples.bench_nvme_step [--rounds 3] [--steps 4] [--dir DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+import torch
+
+import tiermem
+from tiermem.examples.fio import fio_rates
+from tiermem.examples.gpt import GPT, GPTConfig, synthetic_batches
+
+
+def nvme_io(rt):
+    io = rt.s.timeline_report()["io"]["nvme"]
+    return {k: io[k] for k in ("read_bytes", "read_active_ns", "write_bytes", "write_active_ns")}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=4, help="training steps per round")
+    ap.add_argument("--warmup", type=int, default=3, help="steps before the first round")
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--width", type=int, default=768)
+    ap.add_argument("--device", default="128MiB")
+    ap.add_argument("--host", default="512MiB")
+    ap.add_argument("--dir", default=None, help="directory for the NVMe tier and fio's file")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    workdir = tempfile.mkdtemp(prefix="tiermem-bench-nvme-step-", dir=a.dir)
+    try:
+        return run(a, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def run(a, workdir):
+    torch.manual_seed(0)
+    c = GPTConfig(vocab_size=256, block_size=64, n_layer=a.layers, n_head=max(1, a.width // 64),
+                  n_embd=a.width)
+    model = GPT(c)
+    n = sum(p.numel() for p in model.parameters())
+    config = {"device": a.device, "host": a.host,
+              "nvme": {"path": os.path.join(workdir, "nvme"), "size": "4GiB"},
+              "timeline": os.path.join(workdir, "t.tmt")}
+    os.makedirs(config["nvme"]["path"])
+    model, opt = tiermem.initialize(model, config)
+    rt = tiermem.runtime_of(model)
+    total = a.warmup + a.rounds * a.steps
+    data = iter(synthetic_batches(c, 8, total, seed=1))
+
+    def steps(k):
+        t0 = time.perf_counter()
+        for _ in range(k):
+            x, y = next(data)
+            opt.zero_grad()
+            model(x, y).backward()
+            opt.step()
+        return time.perf_counter() - t0
+
+    print(f"model: GPT {a.layers} x {a.width} ({n / 1e6:.1f} M params), device {a.device}, "
+          f"host {a.host}, NVMe in {workdir} ({rt.s.nvme_engine})", flush=True)
+    steps(a.warmup)
+    rows = []
+    for r in range(a.rounds):
+        def train():
+            before = nvme_io(rt)
+            wall = steps(a.steps)
+            after = nvme_io(rt)
+            return wall, {k: after[k] - before[k] for k in after}
+
+        if r % 2 == 0:
+            fio = fio_rates(workdir)
+            wall, io = train()
+        else:
+            wall, io = train()
+            fio = fio_rates(workdir)
+        if fio is None:
+            raise SystemExit("fio is needed for this benchmark (apt-get install fio)")
+        rd = io["read_bytes"] / io["read_active_ns"] if io["read_active_ns"] else 0.0
+        wr = io["write_bytes"] / io["write_active_ns"] if io["write_active_ns"] else 0.0
+        row = {"round": r + 1, "s/step": wall / a.steps,
+               "read GB/step": io["read_bytes"] / a.steps / 1e9,
+               "write GB/step": io["write_bytes"] / a.steps / 1e9,
+               "ours read GB/s": rd, "fio read GB/s": fio["read"], "read ours/fio": rd / fio["read"],
+               "ours write GB/s": wr, "fio write GB/s": fio["write"],
+               "write ours/fio": wr / fio["write"],
+               "disk busy reading": io["read_active_ns"] / 1e9 / wall,
+               "disk busy writing": io["write_active_ns"] / 1e9 / wall, "fio iomem": fio["iomem"]}
+        rows.append(row)
+        print("  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                        for k, v in row.items()), flush=True)
+    rt.close()
+    med = {k: statistics.median(row[k] for row in rows)
+           for k in ("read ours/fio", "write ours/fio", "ours read GB/s", "ours write GB/s",
+                     "fio read GB/s", "fio write GB/s", "s/step")}
+    print("median of rounds: " + "  ".join(f"{k}={v:.3f}" for k, v in med.items()))
+    if a.json:
+        print(json.dumps({"rows": rows, "median": med}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
