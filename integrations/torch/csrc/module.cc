@@ -137,6 +137,17 @@ py::dict ReportDict(const prof::Report& r) {
     coll[py::str(c.op)] = py::make_tuple(c.count, c.bytes, c.ns);
   }
   d["collectives"] = coll;
+  py::dict io;  // per tier: bytes copied out of / into it and the union of those copies' times
+  for (int k = 0; k < kNumTierKinds; ++k) {
+    const prof::IoStats& x = r.io[k];
+    py::dict t;
+    t["read_bytes"] = x.read_bytes;
+    t["read_active_ns"] = x.read_active_ns;
+    t["write_bytes"] = x.write_bytes;
+    t["write_active_ns"] = x.write_active_ns;
+    io[py::str(std::string(TierKindName(static_cast<TierKind>(k))))] = t;
+  }
+  d["io"] = io;
   return d;
 }
 
