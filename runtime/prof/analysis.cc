@@ -125,7 +125,7 @@ struct Analyzer::Impl {
     }
   };
   std::map<std::pair<int, int>, Busy> pair_busy;
-  std::array<Busy, kNumTierKinds> read_busy{}, write_busy{};
+  std::array<Busy, kNumTierKinds> read_busy{}, write_busy{}, any_busy{};
   std::unordered_map<std::string, size_t> cause_index;
   std::unordered_map<ChunkId, ChunkStats> chunks;
   std::unordered_map<std::string, int> phase_index;
@@ -233,6 +233,8 @@ TierKind Analyzer::Add(const Event& e, std::string_view label) {
       s.pair_busy[{static_cast<int>(e.tier), static_cast<int>(e.tier2)}].Begin(ts);
       if (tier >= 0) s.read_busy[tier].Begin(ts);
       if (tier2 >= 0) s.write_busy[tier2].Begin(ts);
+      if (tier >= 0) s.any_busy[tier].Begin(ts);
+      if (tier2 >= 0 && tier2 != tier) s.any_busy[tier2].Begin(ts);
       break;
     }
     case EventType::kCopyEnd: {
@@ -249,6 +251,8 @@ TierKind Analyzer::Add(const Event& e, std::string_view label) {
       const int src = TierIndex(c.src), dst = TierIndex(c.dst);
       if (src >= 0) r.io[src].read_active_ns += s.read_busy[src].End(ts);
       if (dst >= 0) r.io[dst].write_active_ns += s.write_busy[dst].End(ts);
+      if (src >= 0) r.io[src].active_ns += s.any_busy[src].End(ts);
+      if (dst >= 0 && dst != src) r.io[dst].active_ns += s.any_busy[dst].End(ts);
       if (!(e.flags & kFlagFailed)) {
         if (src >= 0) r.io[src].read_bytes += c.bytes;
         if (dst >= 0) r.io[dst].write_bytes += c.bytes;

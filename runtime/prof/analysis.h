@@ -123,6 +123,7 @@ struct MoveStats {
 struct IoStats {
   Bytes read_bytes = 0, write_bytes = 0;
   uint64_t read_active_ns = 0, write_active_ns = 0;
+  uint64_t active_ns = 0;  // the union over both directions (reads and writes share a disk)
 };
 
 struct StallStats {

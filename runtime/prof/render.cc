@@ -109,7 +109,8 @@ nlohmann::json ReportToJson(const Report& r) {
         {"read_bytes", x.read_bytes},
         {"read_active_ns", x.read_active_ns},
         {"write_bytes", x.write_bytes},
-        {"write_active_ns", x.write_active_ns}};
+        {"write_active_ns", x.write_active_ns},
+        {"active_ns", x.active_ns}};
   }
   j["io"] = io;
   j["bytes_moved"] = TotalMoved(r);
@@ -234,6 +235,10 @@ std::string RenderReportText(const Report& r, const std::string& name) {
     Line(&o, Printf("  NVMe writes while busy: %s in %s, %.2f GB/s", Fb(nvme.write_bytes).c_str(),
                     FormatDuration(nvme.write_active_ns).c_str(),
                     rate(nvme.write_bytes, nvme.write_active_ns)));
+    Line(&o, Printf("  NVMe busy either way:   %s in %s, %.2f GB/s",
+                    Fb(nvme.read_bytes + nvme.write_bytes).c_str(),
+                    FormatDuration(nvme.active_ns).c_str(),
+                    rate(nvme.read_bytes + nvme.write_bytes, nvme.active_ns)));
   }
 
   Line(&o, "");

@@ -167,6 +167,10 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
   // step holds them there); without trainable tensors (serving) one chunk, for value reads.
   sl.host_reserve = config.nvme_size == 0 ? 0
                     : (trainable.empty() ? 1 : 5) * AlignUp(sl.chunk_bytes, kPage);
+  // State beyond the host budget with NVMe: homes fill the host budget, so map it all now,
+  // registered with the NVMe tier (tier_stack.h).
+  sl.host_prefault = config.nvme_size > 0 && s->model_bytes_ > config.host_budget
+                         ? config.host_budget : 0;
   TIERMEM_ASSIGN_OR_RETURN(s->stack_, TierStack::Create(config, sl));
   s->device_kind_ = s->stack_->device_kind();
   s->timeline_path_ = s->stack_->timeline_path();
@@ -223,6 +227,9 @@ kernels::DType Session::dtype(ChunkKind kind) const {
 }
 
 std::string Session::nvme_engine() const { return stack_ ? stack_->nvme_engine() : ""; }
+Bytes Session::nvme_registered_bytes() const {
+  return stack_ ? stack_->nvme_registered_bytes() : 0;
+}
 
 ChunkId Session::Chunk(size_t group, ChunkKind kind) const {
   return groups_[group].chunks[K(kind)];

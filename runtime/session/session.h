@@ -171,6 +171,8 @@ class Session {
   const std::string& device_kind() const { return device_kind_; }  // "sim", "sim-async", "cuda"
   bool cuda() const { return device_kind_ == "cuda"; }
   std::string nvme_engine() const;
+  // Host bytes registered with the NVMe tier as io_uring fixed buffers (TierStack).
+  Bytes nvme_registered_bytes() const;
   const std::string& timeline_path() const { return timeline_path_; }
 
   // ---- chunk access (the bindings' views) -------------------------------------------------

@@ -12,7 +12,7 @@
 
 #include <algorithm>
 #include <mutex>
-#include <unordered_set>
+#include <unordered_map>
 
 #include "kernels/cpu/optim.h"
 #include "runtime/base/fs.h"
@@ -40,25 +40,35 @@ HostTierConfig HostConfig(Bytes capacity, Bytes slot, HostPinner* pinner) {
   return hc;
 }
 
-// The host tiers' pinner when there is an NVMe tier: every slab (and dedicated mapping) is
-// registered with the NVMe tier as io_uring fixed buffers, so that its reads and writes into
-// chunk homes and staging slots skip the kernel's per-I/O page pinning (what fio's
-// --fixedbufs gives fio); then it goes to the CUDA pinner when there is one. Registration is
-// an optimization: a refusal (the posix engine, RLIMIT_MEMLOCK, a full buffer table) leaves
-// the slab unregistered, logged once, and copies work either way. Only the CUDA pinner's
-// failure fails the allocation.
+// The host tiers' pinner when there is an NVMe tier: the slabs mapped while the stack is built
+// (the staging slots and, when the training state exceeds the host budget, the whole host
+// budget: both prefaulted at creation) are registered with the NVMe tier as io_uring fixed
+// buffers, so that its reads and writes into chunk homes, caches and staging slots skip the
+// kernel's per-I/O page pinning (what fio's --fixedbufs gives fio); every mapping also goes to
+// the CUDA pinner when there is one. After Seal() (the end of TierStack::Create) nothing more
+// is registered with NVMe: the NVMe tier registers on its I/O thread and waits for it, while
+// the host tier calls the pinner under its lock, which a completion on that I/O thread may be
+// waiting for (a bounce freeing its staging slot) — registering then could deadlock. Memory
+// mapped later works unregistered. Registration is an optimization: a refusal (the posix
+// engine, RLIMIT_MEMLOCK, a full buffer table) leaves the memory unregistered, logged once.
+// Only the CUDA pinner's failure fails the allocation.
 // Threading: the host tiers call it from any thread; the NVMe tier's registration is
-// thread-safe, the set of registered addresses is guarded here.
+// thread-safe, the state here is guarded by mu_.
 class NvmeRegisteringPinner final : public HostPinner {
  public:
   NvmeRegisteringPinner(NvmeTier* nvme, HostPinner* next) : nvme_(nvme), next_(next) {}
 
   Status Register(void* addr, Bytes bytes) override {
     if (next_ != nullptr) TIERMEM_RETURN_IF_ERROR(next_->Register(addr, bytes));
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (sealed_) return OkStatus();
+    }
     const Status s = nvme_->RegisterHostMemory(addr, bytes);
     if (s.ok()) {
       std::lock_guard<std::mutex> lock(mu_);
-      registered_.insert(addr);
+      registered_.emplace(addr, bytes);
+      total_ += bytes;
     } else if (s.code() != StatusCode::kUnavailable) {  // kUnavailable: posix or refused at start
       LogOnce(LogLevel::kWarn, "nvme: host slab not registered",
               "nvme tier: host memory left unregistered for io_uring (" + s.message() +
@@ -67,11 +77,27 @@ class NvmeRegisteringPinner final : public HostPinner {
     return OkStatus();
   }
 
+  // From now on memory is no longer registered with NVMe (see above); unregistering goes on.
+  void Seal() {
+    std::lock_guard<std::mutex> lock(mu_);
+    sealed_ = true;
+  }
+
+  Bytes registered_bytes() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return total_;
+  }
+
   void Unregister(void* addr) override {
     bool was = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      was = registered_.erase(addr) > 0;
+      auto it = registered_.find(addr);
+      if (it != registered_.end()) {
+        was = true;
+        total_ -= it->second;
+        registered_.erase(it);
+      }
     }
     if (was) nvme_->UnregisterHostMemory(addr).IgnoreError();
     if (next_ != nullptr) next_->Unregister(addr);
@@ -80,8 +106,10 @@ class NvmeRegisteringPinner final : public HostPinner {
  private:
   NvmeTier* const nvme_;
   HostPinner* const next_;
-  std::mutex mu_;
-  std::unordered_set<void*> registered_;
+  mutable std::mutex mu_;
+  std::unordered_map<void*, Bytes> registered_;  // GUARDED_BY(mu_)
+  Bytes total_ = 0;                              // GUARDED_BY(mu_)
+  bool sealed_ = false;                          // GUARDED_BY(mu_)
 };
 
 }  // namespace
@@ -196,19 +224,24 @@ StatusOr<std::unique_ptr<TierStack>> TierStack::Create(const SessionConfig& conf
       s->nvme_pinner_ = std::make_unique<NvmeRegisteringPinner>(nvme, s->cuda_pinner_.get());
       s->pinner_ = s->nvme_pinner_.get();
     }
-    TIERMEM_ASSIGN_OR_RETURN(s->staging_,
-                             NewHostTier(HostConfig(staging_bytes, slot, s->pinner_)));
+    HostTierConfig staging = HostConfig(staging_bytes, slot, s->pinner_);
+    staging.prefault_bytes = staging_bytes;  // mapped (and registered) now
+    TIERMEM_ASSIGN_OR_RETURN(s->staging_, NewHostTier(staging));
   }
   if (config.host_budget <= staging_bytes) {
     return ResourceExhaustedError("host budget of " + std::to_string(config.host_budget) +
                                   " bytes leaves no room for chunks");
   }
-  TIERMEM_ASSIGN_OR_RETURN(
-      s->host_,
-      NewHostTier(HostConfig(config.host_budget - staging_bytes, slot, s->pinner_)));
+  HostTierConfig host = HostConfig(config.host_budget - staging_bytes, slot, s->pinner_);
+  host.prefault_bytes = std::min(layout.host_prefault, host.capacity);
+  TIERMEM_ASSIGN_OR_RETURN(s->host_, NewHostTier(host));
+  if (s->nvme_pinner_) static_cast<NvmeRegisteringPinner*>(s->nvme_pinner_.get())->Seal();
+  // A bounced move (device <-> NVMe) goes in four pieces of a quarter chunk (a size class of
+  // the staging tier), so its device copy and its NVMe I/O overlap piece by piece instead of
+  // running one after the other; the staging bytes per move stay one chunk.
   MoverConfig mc;
-  mc.staging_slot_bytes = slot;
-  mc.staging_slots = 1;
+  mc.staging_slot_bytes = slot >= 4 * kMiB ? AlignUp(slot / 4, kPage) : slot;
+  mc.staging_slots = slot >= 4 * kMiB ? 4 : 1;
   s->mover_ = NewMover(mc, s->staging_.get(), s->recorder_.get());
   engine::EngineConfig cfg;
   cfg.prefetch_depth = config.prefetch_depth;
@@ -242,6 +275,12 @@ void TierStack::Close() {
     unlink(timeline_path_.c_str());
     own_timeline_ = false;
   }
+}
+
+Bytes TierStack::nvme_registered_bytes() const {
+  return nvme_pinner_ ? static_cast<const NvmeRegisteringPinner*>(nvme_pinner_.get())
+                            ->registered_bytes()
+                      : 0;
 }
 
 std::string TierStack::nvme_engine() const {

@@ -7,10 +7,12 @@
 //            "auto" picks CUDA when a GPU is present, else SimDevice);
 //   host     the host tier, size classes = the chunk size and its halves; on the CUDA device
 //            its slabs are registered with cudaHostRegister (NewCudaHostPinner), and with
-//            NVMe as io_uring fixed buffers (so are the staging slots);
+//            NVMe as io_uring fixed buffers when mapped at creation (so are the staging
+//            slots; see NvmeRegisteringPinner in the .cc);
 //   nvme     the file-backed NVMe tier (io_uring or pread/pwrite) when nvme_size > 0;
 //   staging  a small host tier of its own for the Mover's device<->NVMe bounce slots
-//            (prefetch_depth + 2 slots, carved out of the host budget), pinned likewise;
+//            (prefetch_depth + 2 chunks, carved out of the host budget; a move pipelines
+//            four quarter-chunk pieces through it), pinned likewise;
 //   timeline TimelineRecorder at config.timeline, or a temporary file removed at Close().
 //
 // Thread-safety: externally synchronized (the session's thread).
@@ -36,6 +38,9 @@ namespace tiermem::session {
 struct StackLayout {
   Bytes chunk_bytes = 0;   // the largest chunk; sizes the host slots and the staging slots
   Bytes host_reserve = 0;  // host bytes never used for homes (caches of NVMe-homed chunks)
+  // Host bytes mapped (faulted, locked, registered) at creation: the whole host budget when the
+  // training state exceeds it with NVMe, so that all of it is registered with NVMe up front.
+  Bytes host_prefault = 0;
 };
 
 class TierStack {
@@ -66,6 +71,9 @@ class TierStack {
   bool cuda() const { return cuda_; }
   const std::string& device_kind() const { return device_kind_; }  // "sim", "sim-async", "cuda"
   std::string nvme_engine() const;  // "" without NVMe
+  // Host memory (chunk homes, caches, staging slots) registered with the NVMe tier as io_uring
+  // fixed buffers now; 0 without NVMe or with the posix engine.
+  Bytes nvme_registered_bytes() const;
   const std::string& timeline_path() const { return timeline_path_; }
   // The timeline file so far (after waiting for moves and flushing), analysed by
   // tiermem::prof — not the engine's own counters.

@@ -145,6 +145,7 @@ py::dict ReportDict(const prof::Report& r) {
     t["read_active_ns"] = x.read_active_ns;
     t["write_bytes"] = x.write_bytes;
     t["write_active_ns"] = x.write_active_ns;
+    t["active_ns"] = x.active_ns;
     io[py::str(std::string(TierKindName(static_cast<TierKind>(k))))] = t;
   }
   d["io"] = io;
@@ -699,6 +700,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("cuda", [](const PySession& s) { return s.s().cuda(); })
       .def_property_readonly("device_kind", [](const PySession& s) { return s.s().device_kind(); })
       .def_property_readonly("nvme_engine", [](const PySession& s) { return s.s().nvme_engine(); })
+      .def_property_readonly("nvme_registered_bytes",
+                             [](const PySession& s) { return s.s().nvme_registered_bytes(); })
       .def_property_readonly("timeline_path",
                              [](const PySession& s) { return s.s().timeline_path(); });
 

@@ -78,6 +78,7 @@ TEST(ProfReportTest, ActiveTimeIsTheUnionOfOverlappingCopies) {
   EXPECT_EQ(io["read_active_ns"], 4000);
   EXPECT_EQ(io["write_bytes"], 6 * M);
   EXPECT_EQ(io["write_active_ns"], 2500);
+  EXPECT_EQ(io["active_ns"], 5000);  // [1000, 5000) and [6000, 7000)
   EXPECT_EQ(j["io"]["host"]["write_bytes"], 8 * M);
   EXPECT_EQ(j["io"]["host"]["write_active_ns"], 3000);
   EXPECT_EQ(j["io"]["device"]["write_active_ns"], 1000);

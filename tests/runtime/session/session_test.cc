@@ -561,6 +561,33 @@ TEST(SessionCheckpoint, SavingInsideAnAccumulationWindowIsRefused) {
   std::filesystem::remove_all(dir);
 }
 
+// The host memory NVMe moves go to and from (homes, caches, staging slots) is registered with
+// the NVMe tier as io_uring fixed buffers, as fio's --fixedbufs; none is left registered once
+// the host tiers are gone.
+TEST(SessionNvme, HostMemoryIsRegisteredAsFixedBuffersWithIoUring) {
+  const std::string dir = TempDir();
+  std::vector<TensorSpec> specs;
+  for (int i = 0; i < 8; ++i) specs.push_back({"t" + std::to_string(i), 16384, true, 0});
+  auto s = Make({{"device", "1MiB"},
+                 {"host", "2MiB"},
+                 {"chunk_size", 16384},
+                 {"prefetch_depth", 1},
+                 {"nvme", {{"path", dir}, {"size", "16MiB"}}}},
+                specs);
+  ASSERT_TRUE(s);
+  if (s->nvme_engine() != "io_uring") GTEST_SKIP() << "io_uring refused here: " << s->nvme_engine();
+  // Staging slots and the host homes: at least the host budget's slabs mapped so far.
+  EXPECT_GT(s->nvme_registered_bytes(), 0u);
+  EXPECT_LE(s->nvme_registered_bytes(), 2 * kMiB);
+  for (size_t t = 0; t < 8; ++t) SetGrad(*s, t, Random(16384, t));
+  ASSERT_TRUE(s->Step({GroupHyper{}}).ok());  // m and v move through NVMe
+  EXPECT_GT(s->nvme_registered_bytes(), 0u);
+  s->Close();
+  EXPECT_EQ(s->nvme_registered_bytes(), 0u);
+  s.reset();
+  std::filesystem::remove_all(dir);
+}
+
 TEST(SessionNvme, OptimizerStateSpillsToNvmeFirstAndTrainingMatches) {
   const std::string dir = TempDir();
   // Host room for the params and grads (and the reserve) but not for m and v.
