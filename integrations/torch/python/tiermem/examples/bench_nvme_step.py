@@ -45,6 +45,10 @@ def nvme_io(rt):
                                "active_ns")}
 
 
+def io_seen(rows):
+    return all(r["read GB/step"] > 0 and r["write GB/step"] > 0 for r in rows)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
@@ -56,6 +60,8 @@ def main(argv=None):
     ap.add_argument("--host", default="512MiB")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--dir", default=None, help="directory for the NVMe tier and fio's file")
+    ap.add_argument("--nvme-size", default="4GiB")
+    ap.add_argument("--fio-size", default="1G", help="bytes fio writes then reads per round")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     workdir = tempfile.mkdtemp(prefix="tiermem-bench-nvme-step-", dir=a.dir)
@@ -74,7 +80,7 @@ def run(a, workdir):
     model = GPT(c)
     n = sum(p.numel() for p in model.parameters())
     config = {"device": a.device, "host": a.host,
-              "nvme": {"path": os.path.join(workdir, "nvme"), "size": "4GiB"},
+              "nvme": {"path": os.path.join(workdir, "nvme"), "size": a.nvme_size},
               "timeline": os.path.join(workdir, "t.tmt")}
     os.makedirs(config["nvme"]["path"])
     model, opt = tiermem.initialize(model, config)
@@ -104,11 +110,11 @@ def run(a, workdir):
             return wall, {k: after[k] - before[k] for k in after}
 
         if r % 2 == 0:
-            fio = fio_rates(workdir)
+            fio = fio_rates(workdir, a.fio_size)
             wall, io = train()
         else:
             wall, io = train()
-            fio = fio_rates(workdir)
+            fio = fio_rates(workdir, a.fio_size)
         if fio is None:
             raise SystemExit("fio is needed for this benchmark (apt-get install fio)")
         rd = io["read_bytes"] / io["read_active_ns"] if io["read_active_ns"] else 0.0
@@ -125,6 +131,9 @@ def run(a, workdir):
         rows.append(row)
         print("  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
                         for k, v in row.items()), flush=True)
+    if not io_seen(rows):
+        raise SystemExit("no NVMe traffic in the timed steps: the state fits above NVMe at "
+                         "these budgets")
     rt.close()
     med = {k: statistics.median(row[k] for row in rows)
            for k in ("disk efficiency vs fio", "read ours/fio", "write ours/fio", "ours read GB/s", "ours write GB/s",
