@@ -7,6 +7,11 @@ highest VmRSS sampled every 5 ms during the operation minus VmRSS just before it
 measurement runs in its own fresh process).
 
     python -m tiermem.examples.bench_checkpoint [--dir DIR] [--layers 12] [--width 768]
+
+`--xl`: the main job's `--size xl` model instead (width 2304, enough layers that params + grads
++ AdamW state exceed this machine's RAM; device 1 GiB, host 4 GiB, the rest on NVMe in
+`--dir`), one round of save and load only: `torch.save` of its state dicts would need the whole
+fp32 state in RAM at once, more than the machine has.
 """
 from __future__ import annotations
 
@@ -22,10 +27,11 @@ CHILD = r"""
 import json, os, sys, threading, time, torch, tiermem
 from tiermem.examples.gpt import GPT, GPTConfig, synthetic_batches
 mode, d, layers, width = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+budgets = json.loads(sys.argv[5])
 cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=layers, n_head=width // 64, n_embd=width)
 torch.manual_seed(0)
-model, opt = tiermem.initialize(GPT(cfg), {"device": "128MiB", "host": "512MiB",
-                                           "nvme": {"size": "4GiB", "path": d + "/nvme"}})
+model, opt = tiermem.initialize(GPT(cfg), {"device": budgets["device"], "host": budgets["host"],
+                                           "nvme": {"size": budgets["nvme"], "path": d + "/nvme"}})
 for x, y in synthetic_batches(cfg, 2, 1, 1):
     opt.zero_grad(); model(x, y).backward(); opt.step()
 def rss():
@@ -63,15 +69,34 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--width", type=int, default=768)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--xl", action="store_true", help="the main job's --size xl model")
     a = ap.parse_args(argv)
+    budgets = {"device": "128MiB", "host": "512MiB", "nvme": "4GiB"}
+    if a.xl:
+        import math
+
+        from tiermem.examples.train_gpt import mem_total_bytes
+        a.width = 2304
+        per_layer = 12 * a.width * a.width + 13 * a.width
+        a.layers = math.ceil(mem_total_bytes() * 1.05 / (16 * per_layer))
+        state = 16 * (a.layers * per_layer + (256 + 64) * a.width + 2 * a.width)
+        budgets = {"device": "1GiB", "host": "4GiB", "nvme": str(int(state * 1.1))}
+        a.rounds = 1
+        print(f"xl: GPT {a.layers} x {a.width}, params + grads + AdamW {state / 2**30:.1f} GiB, "
+              f"RAM {mem_total_bytes() / 2**30:.1f} GiB, host budget 4 GiB", flush=True)
     d = tempfile.mkdtemp(prefix="tiermem-bench-ckpt-", dir=a.dir)
     rows = []
     try:
         for r in range(a.rounds):
-            for mode in (["save", "load", "torch_save"] if r % 2 == 0
-                         else ["torch_save", "save", "load"]):
+            modes = ["save", "load", "torch_save"] if r % 2 == 0 else ["torch_save", "save", "load"]
+            if a.xl:
+                modes = ["save", "load"]
+            for mode in modes:
                 out = subprocess.run([sys.executable, "-c", CHILD, mode, d, str(a.layers),
-                                      str(a.width)], capture_output=True, text=True, check=True)
+                                      str(a.width), json.dumps(budgets)],
+                                     capture_output=True, text=True)
+                if out.returncode != 0:
+                    raise SystemExit(f"{mode} failed:\n{out.stderr[-3000:]}")
                 row = json.loads(out.stdout.strip().splitlines()[-1])
                 rows.append(row)
                 print(f"round {r + 1} {mode:10s}: {row['s']:.2f} s, "

@@ -10,7 +10,8 @@ Systems (docs/inference.md):
                 budget, so the weights get the same share at every batch size)
   tiermem-nvme  the same device budget, host budget `--host-frac` of the weights, the rest of
                 the weights homed on NVMe (`--dir`); its time per token is compared with the
-                bound set by the NVMe bytes it read per token at the fio read rate measured in
+                bound set by the NVMe bytes it read per token at the fio read rate measured
+                right after each of its runs (per round; the ratio's median is reported) in
                 the same run with the same advantages (O_DIRECT, io_uring, --fixedbufs
                 --registerfiles, the same block size and depth)
   acc-cpu       accelerate.cpu_offload(model, execution_device=cpu)
@@ -22,7 +23,12 @@ largest tensor (the tied embedding) is small enough for a 10% budget: tiermem's 
 whole tensors and the layout keeps four chunks resident.
 
     python -m tiermem.examples.bench_inference [--batches 1,8,32] [--new-tokens 16]
-        [--rounds 2] [--layers 24] [--width 1024] [--vocab 4096] [--dir DIR] [--json]
+        [--rounds 2] [--layers 24] [--width 1024] [--vocab 4096] [--dir DIR]
+        [--prefetch-depth N] [--drop-caches] [--json]
+
+`--drop-caches` (root) empties the page cache before every acc-disk run, as a cold start
+would find it: disk_offload then reads its weights from the disk (tiermem-nvme reads with
+O_DIRECT and never uses the page cache).
 """
 from __future__ import annotations
 
@@ -74,6 +80,9 @@ def main(argv=None):
     ap.add_argument("--dir", default=None, help="directory for NVMe files and disk_offload")
     ap.add_argument("--prefetch-depth", type=int, default=None,
                     help="tiermem's prefetch_depth (acquires of lookahead; default: the config's)")
+    ap.add_argument("--drop-caches", action="store_true",
+                    help="sync and drop the page cache before each acc-disk run (root), so "
+                         "disk_offload reads its weights from the disk, not from RAM")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     extra = {} if a.prefetch_depth is None else {"prefetch_depth": a.prefetch_depth}
@@ -126,8 +135,18 @@ def main(argv=None):
     g = torch.Generator().manual_seed(7)
     prompts = {b: torch.randint(1, a.vocab, (b, a.prompt), generator=g) for b in batches}
 
+    def drop_caches():
+        os.sync()
+        try:
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("3\n")
+        except OSError as e:
+            raise SystemExit(f"--drop-caches: cannot drop the page cache ({e}); run as root")
+
     def run(name, b):
         ids = prompts[b]
+        if a.drop_caches and name == "acc-disk":
+            drop_caches()  # outside the timed part
         m = models[(name, b)]
         rt = tiermem.runtime_of(m) if name.startswith("tiermem") else None
         before = rt.stats() if rt else None
@@ -140,6 +159,8 @@ def main(argv=None):
 
     times = {(s, b): [] for s in systems for b in batches}
     nvme_bytes = {b: [] for b in batches}
+    fio_read = {b: [] for b in batches}  # fio's read GB/s right after each timed tiermem-nvme run
+    fio_iomem = None
     expected = {}
     for r in range(a.rounds + 1):  # round 0 warms up (records the order, faults pages in)
         order = systems[r % len(systems):] + systems[:r % len(systems)]
@@ -154,11 +175,14 @@ def main(argv=None):
                     times[(s, b)].append(dt)
                     if s == "tiermem-nvme":
                         nvme_bytes[b].append(nr)
+                        # The disk's rate varies by the minute here: measure it next to the run.
+                        rates = fio_rates(workdir, "1G", "4M", 8, 4 << 20)
+                        if rates:
+                            fio_read[b].append(rates["read"])
+                            fio_iomem = rates["iomem"]
         if r > 0:
             print(f"round {r}: " + ", ".join(
                 f"{s}@{b} {times[(s, b)][-1]:.2f}s" for b in batches for s in systems), flush=True)
-    rates = fio_rates(workdir, "1G", "4M", 8, 4 << 20) if "tiermem-nvme" in systems else None
-    fio = rates["read"] if rates else None
     rows = []
     for b in batches:
         new = b * a.new_tokens
@@ -174,22 +198,25 @@ def main(argv=None):
                 if base in systems and s in systems:
                     row[f"speedup {s} vs {base}"] = statistics.median(
                         tb / ts for ts, tb in zip(times[(s, b)], times[(base, b)]))
-        if fio and nvme_bytes[b]:
-            per_forward = statistics.median(nvme_bytes[b]) / a.new_tokens
-            bound = per_forward / (fio * 1e9)
-            t_fwd = statistics.median(times[("tiermem-nvme", b)]) / a.new_tokens
-            row["nvme GB/forward"] = per_forward / 1e9
-            row["nvme s/forward"] = t_fwd
-            row["nvme bound s/forward"] = bound
-            row["nvme / bound"] = t_fwd / bound
+        if nvme_bytes[b] and len(fio_read[b]) == len(nvme_bytes[b]):
+            # Per round: the forward's time against its NVMe bytes at that round's fio rate.
+            t_fwd = [t / a.new_tokens for t in times[("tiermem-nvme", b)]]
+            bound = [n / a.new_tokens / (f * 1e9) for n, f in zip(nvme_bytes[b], fio_read[b])]
+            row["nvme GB/forward"] = statistics.median(nvme_bytes[b]) / a.new_tokens / 1e9
+            row["fio read GB/s"] = statistics.median(fio_read[b])
+            row["nvme s/forward"] = statistics.median(t_fwd)
+            row["nvme bound s/forward"] = statistics.median(bound)
+            row["nvme / bound"] = statistics.median(t / x for t, x in zip(t_fwd, bound))
         rows.append(row)
-    print(f"fio read (io_uring, O_DIRECT, 4 MiB, depth 8, fixedbufs+registerfiles, "
-          f"iomem={rates['iomem']}): {fio:.2f} GB/s" if fio else "fio: not measured")
+    print(f"fio read after each tiermem-nvme run (io_uring, O_DIRECT, 4 MiB, depth 8, "
+          f"fixedbufs+registerfiles, iomem={fio_iomem}): " +
+          (", ".join(f"batch {b}: " + " ".join(f"{x:.2f}" for x in fio_read[b]) + " GB/s"
+                     for b in batches) if fio_iomem else "not measured"))
     for row in rows:
         print("  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
                         for k, v in row.items()))
     if a.json:
-        print(json.dumps({"rows": rows, "fio_read_gbps": fio, "params": nparams,
+        print(json.dumps({"rows": rows, "fio_read_gbps": fio_read, "params": nparams,
                           "device_budgets": {b: device_budget(b) for b in batches},
                           "host_budget_nvme": host_nvme}))
     for m in {id(m): m for m in models.values()}.values():
