@@ -41,6 +41,9 @@
 //                                                              group on the device when its
 //                                                              optimizer state fits next to
 //                                                              the working set (session.h)
+//   checkpoint_io   TIERMEM_CHECKPOINT_IO          auto        auto | direct | buffered: how
+//                                                              checkpoints are written and read
+//                                                              (auto = direct: O_DIRECT)
 //   loss_scaling.{initial_scale,growth_interval,growth_factor,backoff_factor}   (fp16)
 //   unmaterialized_reads                           materialize materialize | error (Python)
 //
@@ -108,6 +111,12 @@ struct SessionConfig {
   // set step there (the CUDA kernels on CUDA, the CPU kernels on SimDevice's memory); "host":
   // every group steps on host copies.
   std::string optimizer_placement = "auto";
+  // Checkpoint file I/O: "auto" and "direct" write and read with O_DIRECT where the file
+  // system allows it (else through the page cache): the page cache's writeback and readahead
+  // run far below the disk's rate here, and a checkpoint larger than RAM only churns it;
+  // "buffered" always goes through the page cache (a file still cached from a recent save
+  // loads faster that way).
+  std::string checkpoint_io = "auto";
   LossScalingConfig loss_scaling;
   std::string unmaterialized_reads = "materialize";  // or "error"
 };

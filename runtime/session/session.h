@@ -367,7 +367,10 @@ class Session {
   TierKind ReadTier(size_t g, ChunkKind kind) const;
   TraceRecorder::Probes TraceProbes() const;
   Status LoadCheckpointV1(const std::string& path, std::string* metadata);
-  Status LoadCheckpointV2(int fd, std::string* metadata, bool verify_only);
+  // The header through `fd`; tensor bytes through `data_fd`, opened with O_DIRECT when
+  // `direct` (block-aligned reads).
+  Status LoadCheckpointV2(int fd, int data_fd, bool direct, std::string* metadata,
+                          bool verify_only);
   planners::TraceBudgets TraceBudgets() const;
   void DeclareTraceChunks();
   // plan: auto at an iteration boundary (`diverged`: the iteration that ended left its plan).
