@@ -32,25 +32,15 @@
 #include <utility>
 
 #include "runtime/base/clock.h"
+#include "runtime/base/sanitizers.h"
 #include "tiers/worker_pool.h"
 
 namespace tiermem {
 namespace {
 
-// libtbb is not instrumented: TSan cannot see that parallel_for's tasks start after the lane
-// thread hands them the buffers and finish before parallel_for returns, so it would report
-// the pieces' memcpys as racing with whatever touched those bytes before or after (the
-// caller's writes, a later move reusing the region). These annotations state exactly those
-// two edges; everything else stays checked. No-ops outside TSan builds.
-#if defined(__SANITIZE_THREAD__)
-extern "C" void __tsan_acquire(void* addr);
-extern "C" void __tsan_release(void* addr);
-void TsanAcquire(void* a) { __tsan_acquire(a); }
-void TsanRelease(void* a) { __tsan_release(a); }
-#else
-void TsanAcquire(void*) {}
-void TsanRelease(void*) {}
-#endif
+// libtbb is not instrumented: the parallel memcpy's pieces are annotated with TsanRelease /
+// TsanAcquire (runtime/base/sanitizers.h) so TSan sees the hand-off of the buffers to them and
+// their end before the move completes.
 
 bool HostSide(const Endpoint& e) {
   return e.tier->kind() == TierKind::kHost && e.region.addr != nullptr;
@@ -353,10 +343,13 @@ std::unique_ptr<Mover> NewMover(const MoverConfig& config, Tier* staging,
 #if defined(__SANITIZE_THREAD__)
 // libtbb is not built with TSan: the hand-off of a parallel_for task from one TBB thread to
 // another happens inside the uninstrumented library, so TSan reports the task object's fields
-// (written by the spawning thread, read by the stealing one) as races. Those reports are about
-// TBB's own objects; races in our code (the lambdas' captures, the buffers) still show.
+// (written by the spawning thread, read by the stealing one) as races — in the partitioner,
+// the small-object pool and parallel_for's own task (its finalize(), seen when the CPU
+// kernels split a large tensor across threads). Those reports are about TBB's own objects;
+// races in our code (the lambdas' captures, the buffers) still show.
 extern "C" const char* __tsan_default_suppressions() {
   return "race:oneapi/tbb/partitioner.h\n"
+         "race:oneapi/tbb/parallel_for.h\n"
          "race:oneapi/tbb/detail/_small_object_pool.h\n";
 }
 #endif

@@ -36,6 +36,7 @@
 #include "kernels/cpu/kernel_table.h"
 #include "runtime/base/logging.h"
 #include "runtime/base/env.h"
+#include "runtime/base/sanitizers.h"
 
 namespace tiermem::kernels {
 namespace {
@@ -184,16 +185,21 @@ void ForTiles(size_t n, const Fn& fn) {
     return;
   }
   std::shared_ptr<tbb::task_arena> arena = Arena();
+  int hb = 0;        // TSan happens-before token (runtime/base/sanitizers.h): libtbb is not
+  TsanRelease(&hb);  // instrumented; the caller's data -> the tiles -> the caller again
   arena->execute([&] {
     tbb::parallel_for(
         tbb::blocked_range<size_t>(0, tiles, 1),
         [&](const tbb::blocked_range<size_t>& r) {
+          TsanAcquire(&hb);
           for (size_t t = r.begin(); t < r.end(); ++t) {
             fn(t * kTile, std::min(n, (t + 1) * kTile));
           }
+          TsanRelease(&hb);
         },
         tbb::static_partitioner());
   });
+  TsanAcquire(&hb);
 }
 
 bool ValidDType(DType t) { return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16; }
