@@ -38,10 +38,6 @@
 namespace tiermem {
 namespace {
 
-// libtbb is not instrumented: the parallel memcpy's pieces are annotated with TsanRelease /
-// TsanAcquire (runtime/base/sanitizers.h) so TSan sees the hand-off of the buffers to them and
-// their end before the move completes.
-
 bool HostSide(const Endpoint& e) {
   return e.tier->kind() == TierKind::kHost && e.region.addr != nullptr;
 }
@@ -242,7 +238,7 @@ class MoverImpl final : public Mover {
           std::memmove(dst, src, n);
         } else {
           constexpr Bytes kPiece = 1 * kMiB;
-          int hb = 0;  // TSan happens-before token (see TsanRelease)
+          int hb = 0;  // TSan token: libtbb is uninstrumented (runtime/base/sanitizers.h)
           TsanRelease(&hb);  // this thread's view of src/dst -> the pieces
           arena->execute([&] {
             tbb::parallel_for(tbb::blocked_range<Bytes>(0, (n + kPiece - 1) / kPiece),

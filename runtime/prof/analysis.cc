@@ -114,11 +114,10 @@ struct Analyzer::Impl {
   struct Busy {
     uint64_t open = 0;
     uint64_t since = 0;
-    // Opens (ts) or closes one copy; returns the interval to add when the last one closes.
-    uint64_t Begin(uint64_t ts) {
+    void Begin(uint64_t ts) {
       if (open++ == 0) since = ts;
-      return 0;
     }
+    // Closes one copy; returns the interval to add when it was the last one in flight.
     uint64_t End(uint64_t ts) {
       if (open == 0) return 0;
       return --open == 0 ? ts - since : 0;

@@ -33,10 +33,11 @@
 // than RAM can be saved) into `path`.tmp — with O_DIRECT where the file system allows it,
 // 8 MiB at a time (DirectWriter), the header padded so the tensor bytes start block-aligned —
 // fsyncs it, renames it over `path` and fsyncs the directory. Loading reads the tensor bytes
-// with O_DIRECT likewise (a block-aligned bounce buffer of the largest tensor). Config
-// checkpoint_io "buffered" goes through the page cache instead, both ways. Loading reads the tensors twice: a verification pass (checksums, names, sizes)
-// that changes nothing, then the pass that writes the values — so a torn, corrupt or
-// mismatched file leaves the session exactly as it was.
+// with O_DIRECT likewise (a block-aligned buffer of the largest tensor). Config checkpoint_io
+// "buffered" goes through the page cache instead, both ways. Loading reads the tensors twice:
+// a verification pass (checksums, names, sizes) that changes nothing, then the pass that
+// writes the values — so a torn, corrupt or mismatched file leaves the session exactly as it
+// was.
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -89,6 +90,36 @@ int OpenMaybeDirect(const std::string& path, int flags, mode_t mode, bool want_d
   return fd;
 }
 
+Status PWriteAll(int fd, const void* p, size_t n, off_t off) {
+  const char* c = static_cast<const char*>(p);
+  while (n > 0) {
+    const ssize_t w = pwrite(fd, c, n, off);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return Errno("checkpoint write", errno);
+    }
+    c += w;
+    n -= static_cast<size_t>(w);
+    off += w;
+  }
+  return OkStatus();
+}
+
+Status PReadAll(int fd, void* p, size_t n, off_t off) {
+  char* c = static_cast<char*>(p);
+  while (n > 0) {
+    const ssize_t r = pread(fd, c, n, off);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return Errno("checkpoint read", errno);
+    }
+    if (r == 0) return DataLossError("checkpoint is truncated (torn file)");
+    c += r;
+    n -= static_cast<size_t>(r);
+    off += r;
+  }
+  return OkStatus();
+}
 
 // Sequential writer of a checkpoint: bytes are gathered in a block-aligned buffer and written
 // kDirectBuf at a time at block-aligned offsets, through O_DIRECT when the file is open with
@@ -124,11 +155,11 @@ class DirectWriter {
   Status Finish() {
     if (!buf_) return ResourceExhaustedError("checkpoint: no memory for the write buffer");
     if (used_ == 0) return OkStatus();
-    const uint64_t size = offset_ + used_;
+    const uint64_t size = offset_ + used_;  // Flush moves offset_ and clears used_
     const size_t padded = direct_ ? AlignUp(used_, kBlock) : used_;
     std::memset(buf_.get() + used_, 0, padded - used_);
     TIERMEM_RETURN_IF_ERROR(Flush(padded));
-    if (padded != 0 && ftruncate(fd_, static_cast<off_t>(size)) != 0) {
+    if (padded != used_ && ftruncate(fd_, static_cast<off_t>(size)) != 0) {
       return Errno("checkpoint truncate", errno);
     }
     return OkStatus();
@@ -136,15 +167,7 @@ class DirectWriter {
 
  private:
   Status Flush(size_t n) {
-    size_t done = 0;
-    while (done < n) {
-      const ssize_t w = pwrite(fd_, buf_.get() + done, n - done, static_cast<off_t>(offset_ + done));
-      if (w < 0) {
-        if (errno == EINTR) continue;
-        return Errno("checkpoint write", errno);
-      }
-      done += static_cast<size_t>(w);
-    }
+    TIERMEM_RETURN_IF_ERROR(PWriteAll(fd_, buf_.get(), n, static_cast<off_t>(offset_)));
     offset_ += n;
     used_ = 0;
     return OkStatus();
@@ -158,11 +181,15 @@ class DirectWriter {
   uint32_t crc_ = 0;
 };
 
-// Reads [off, off + n) of a file open with O_DIRECT (`direct`) through a block-aligned
-// buffer `scratch` of at least n + 2 * kBlock bytes, or straight into `p` without O_DIRECT.
-Status PReadAll(int fd, void* p, size_t n, off_t off);
-Status ReadRange(int fd, bool direct, char* scratch, void* p, size_t n, uint64_t off) {
-  if (!direct) return PReadAll(fd, p, n, static_cast<off_t>(off));
+// Reads [off, off + n) of the file and returns where the bytes are: in `buf` without O_DIRECT;
+// with it (`direct`), inside the block-aligned `scratch` (at least n + 2 * kBlock bytes) that
+// the covering blocks are read into.
+StatusOr<const char*> ReadRange(int fd, bool direct, char* scratch, char* buf, size_t n,
+                                uint64_t off) {
+  if (!direct) {
+    TIERMEM_RETURN_IF_ERROR(PReadAll(fd, buf, n, static_cast<off_t>(off)));
+    return static_cast<const char*>(buf);
+  }
   const uint64_t a = off / kBlock * kBlock;
   const size_t need = static_cast<size_t>(off + n - a);
   const size_t want = AlignUp(need, kBlock);
@@ -179,8 +206,7 @@ Status ReadRange(int fd, bool direct, char* scratch, void* p, size_t n, uint64_t
       return DataLossError("checkpoint is truncated (torn file)");  // a short read before the end
     }
   }
-  std::memcpy(p, scratch + (off - a), n);
-  return OkStatus();
+  return static_cast<const char*>(scratch + (off - a));
 }
 
 class Reader {
@@ -307,37 +333,6 @@ StatusOr<std::string> ZeroHeaderCrc(std::string text, std::string* value) {
   if (value != nullptr) *value = text.substr(at + key.size(), 8);
   text.replace(at + key.size(), 8, kCrcPlaceholder);
   return text;
-}
-
-Status PWriteAll(int fd, const void* p, size_t n, off_t off) {
-  const char* c = static_cast<const char*>(p);
-  while (n > 0) {
-    const ssize_t w = pwrite(fd, c, n, off);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      return Errno("checkpoint write", errno);
-    }
-    c += w;
-    n -= static_cast<size_t>(w);
-    off += w;
-  }
-  return OkStatus();
-}
-
-Status PReadAll(int fd, void* p, size_t n, off_t off) {
-  char* c = static_cast<char*>(p);
-  while (n > 0) {
-    const ssize_t r = pread(fd, c, n, off);
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      return Errno("checkpoint read", errno);
-    }
-    if (r == 0) return DataLossError("checkpoint is truncated (torn file)");
-    c += r;
-    n -= static_cast<size_t>(r);
-    off += r;
-  }
-  return OkStatus();
 }
 
 // A parsed format-2 header.
@@ -632,6 +627,9 @@ Status Session::LoadCheckpointV2(int fd, int data_fd, bool direct, std::string* 
     return DataLossError(std::string("checkpoint header is malformed (") + e.what() +
                          "): nothing was loaded");
   }
+  // The read target without O_DIRECT; with it the values are used where they land in
+  // `scratch`, copied here only when a file puts a tensor at an offset that is not a multiple
+  // of 4 (safetensors does not require one; tiermem's files never do it).
   std::vector<float> buf(max_numel);
   AlignedBuf scratch = direct ? NewAligned(max_numel * 4 + 2 * kBlock) : nullptr;
   if (direct && !scratch) return ResourceExhaustedError("checkpoint: no memory for the read buffer");
@@ -642,13 +640,21 @@ Status Session::LoadCheckpointV2(int fd, int data_fd, bool direct, std::string* 
       const TensorSpec& t = specs_[i];
       for (size_t k = 0; k < entries[i].size(); ++k) {
         const Entry& e = entries[i][k];
-        Status s = ReadRange(data_fd, direct, scratch.get(), buf.data(), t.numel * 4,
-                             h.data_start + e.begin);
-        if (s.ok() && Hex8(Crc32c(buf.data(), t.numel * 4)) != e.crc) {
+        StatusOr<const char*> at =
+            ReadRange(data_fd, direct, scratch.get(), reinterpret_cast<char*>(buf.data()),
+                      t.numel * 4, h.data_start + e.begin);
+        Status s = at.status();
+        if (s.ok() && Hex8(Crc32c(*at, t.numel * 4)) != e.crc) {
           s = DataLossError("tensor '" + Keys(t)[k] + "': checksum mismatch");
         }
         if (s.ok() && pass == 1) {
-          s = k == 0 ? WriteParam(i, buf.data()) : WriteTensor(i, kinds[k], buf.data());
+          const char* bytes = *at;
+          if (reinterpret_cast<uintptr_t>(bytes) % alignof(float) != 0) {
+            std::memcpy(buf.data(), bytes, t.numel * 4);
+            bytes = reinterpret_cast<const char*>(buf.data());
+          }
+          const float* values = reinterpret_cast<const float*>(bytes);
+          s = k == 0 ? WriteParam(i, values) : WriteTensor(i, kinds[k], values);
         }
         if (!s.ok()) {
           return s.WithContext(pass == 0 ? "nothing was loaded" : "the file changed while loading");

@@ -612,19 +612,25 @@ TEST(SessionCheckpoint, SavingInsideAnAccumulationWindowIsRefused) {
   std::filesystem::remove_all(dir);
 }
 
+// 8 trainable tensors of one 16 Ki-element chunk each; host room for the params and grads (and
+// the reserve) but not for m and v, which go to NVMe in `dir`.
+std::unique_ptr<Session> MakeNvmeSpill(const std::string& dir) {
+  std::vector<TensorSpec> specs;
+  for (int i = 0; i < 8; ++i) specs.push_back({"t" + std::to_string(i), 16384, true, 0});
+  return Make({{"device", "1MiB"},
+               {"host", "2MiB"},
+               {"chunk_size", 16384},
+               {"prefetch_depth", 1},
+               {"nvme", {{"path", dir}, {"size", "16MiB"}}}},
+              specs);
+}
+
 // The host memory NVMe moves go to and from (homes, caches, staging slots) is registered with
 // the NVMe tier as io_uring fixed buffers, as fio's --fixedbufs; none is left registered once
 // the host tiers are gone.
 TEST(SessionNvme, HostMemoryIsRegisteredAsFixedBuffersWithIoUring) {
   const std::string dir = TempDir();
-  std::vector<TensorSpec> specs;
-  for (int i = 0; i < 8; ++i) specs.push_back({"t" + std::to_string(i), 16384, true, 0});
-  auto s = Make({{"device", "1MiB"},
-                 {"host", "2MiB"},
-                 {"chunk_size", 16384},
-                 {"prefetch_depth", 1},
-                 {"nvme", {{"path", dir}, {"size", "16MiB"}}}},
-                specs);
+  auto s = MakeNvmeSpill(dir);
   ASSERT_TRUE(s);
   if (s->nvme_engine() != "io_uring") GTEST_SKIP() << "io_uring refused here: " << s->nvme_engine();
   // Staging slots and the host homes: at least the host budget's slabs mapped so far.
@@ -641,15 +647,7 @@ TEST(SessionNvme, HostMemoryIsRegisteredAsFixedBuffersWithIoUring) {
 
 TEST(SessionNvme, OptimizerStateSpillsToNvmeFirstAndTrainingMatches) {
   const std::string dir = TempDir();
-  // Host room for the params and grads (and the reserve) but not for m and v.
-  std::vector<TensorSpec> specs;
-  for (int i = 0; i < 8; ++i) specs.push_back({"t" + std::to_string(i), 16384, true, 0});
-  auto s = Make({{"device", "1MiB"},
-                 {"host", "2MiB"},
-                 {"chunk_size", 16384},
-                 {"prefetch_depth", 1},
-                 {"nvme", {{"path", dir}, {"size", "16MiB"}}}},
-                specs);
+  auto s = MakeNvmeSpill(dir);
   ASSERT_TRUE(s);
   int nvme_optim = 0, host_params = 0;
   for (size_t g = 0; g < s->num_groups(); ++g) {
