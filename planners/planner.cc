@@ -913,18 +913,11 @@ bool DivergenceChecker::OnAccess(ChunkId chunk, AccessMode mode, TierKind tier) 
 bool DivergenceChecker::EndIteration() {
   if (div_.diverged()) return false;
   if (!CloseMoment()) return false;
-  if (next_stream_ < stream_.size() || next_step_ < steps_.size()) {
-    uint32_t missing = 0;
-    if (next_stream_ < stream_.size()) {
-      missing = stream_[next_stream_];
-    } else {
-      for (size_t k = 0; k < steps_.size(); ++k) {
-        if (!step_seen_[k]) {
-          missing = steps_[k];
-          break;
-        }
-      }
-    }
+  // A planned optimizer step that did not come is not a divergence: a deferred update runs
+  // unannounced when something touches its group before the forward does (session.h), and a
+  // group without gradients is not stepped; the step's actions are only copies.
+  if (next_stream_ < stream_.size()) {
+    const uint32_t missing = stream_[next_stream_];
     ++observed_;
     cur_ = missing;
     return Fail(DivergenceKind::kShorter, "the iteration ended before planned moment " +

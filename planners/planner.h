@@ -196,7 +196,8 @@ struct Divergence {
 // a later step) with the plan. Every moment but the optimizer sub-steps is compared in order,
 // with its accesses' tiers; a sub-step is matched by label with a planned one not seen yet,
 // without tiers (steps may run on the CPU lane in any order and interleaving with the
-// backward, and on the tier the plan put them).
+// backward, and on the tier the plan put them). A planned sub-step that does not come is not
+// a divergence (a deferred update that ran unannounced, a group without gradients).
 Divergence FindDivergence(const Plan& plan, const Trace& trace, const TraceIteration& observed);
 
 // The same check, incremental, for the runtime's hot path: feed moments and accesses as they

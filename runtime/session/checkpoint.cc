@@ -394,6 +394,7 @@ StatusOr<Header2> ReadHeader2(int fd) {
 
 Status Session::SaveCheckpoint(const std::string& path, const std::string& metadata) {
   TIERMEM_RETURN_IF_ERROR(Live());
+  TIERMEM_RETURN_IF_ERROR(RunAllPending(true));  // the deferred updates belong to the state
   if (accumulating_) {
     return FailedPreconditionError(
         "checkpoint: saving inside a gradient accumulation window would lose the accumulated "
@@ -550,6 +551,9 @@ StatusOr<std::string> Session::CheckpointMetadata(const std::string& path) {
 Status Session::LoadCheckpoint(const std::string& path, std::string* metadata,
                                bool verify_only) {
   TIERMEM_RETURN_IF_ERROR(Live());
+  // The last step's deferred updates come first (a load then replaces what they wrote; a
+  // failed one leaves the stepped state, as without deferral).
+  TIERMEM_RETURN_IF_ERROR(RunAllPending(true));
   const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return Errno("checkpoint: cannot open " + path, errno);
   if (IsV1(fd)) {

@@ -28,7 +28,7 @@ const std::set<std::string> kTopKeys = {
     "prefetch_depth", "loss_scaling",  "device_kind",
     "cpu_threads",    "kernel_isa",    "log_level",
     "unmaterialized_reads", "write_behind", "plan", "activations", "optimizer_placement",
-    "checkpoint_io"};
+    "optimizer_overlap", "checkpoint_io"};
 
 std::string Keys(const std::set<std::string>& keys) {
   std::string out = "[";
@@ -176,6 +176,7 @@ constexpr std::initializer_list<const char*> kEngines = {"auto", "io_uring", "po
 constexpr std::initializer_list<const char*> kIsas = {"auto", "scalar", "avx2", "avx512"};
 constexpr std::initializer_list<const char*> kPlanModes = {"off", "auto"};
 constexpr std::initializer_list<const char*> kPlacements = {"auto", "host"};
+constexpr std::initializer_list<const char*> kOverlaps = {"next-forward", "off"};
 constexpr std::initializer_list<const char*> kCheckpointIo = {"auto", "direct", "buffered"};
 constexpr std::initializer_list<const char*> kActivationModes = {"outside", "budget",
                                                                      "offload"};
@@ -324,6 +325,10 @@ Status ApplyJson(const json& config, SessionConfig* c, bool* nvme_given) {
                              Choice("optimizer_placement", config["optimizer_placement"],
                                     kPlacements));
   }
+  if (has("optimizer_overlap")) {
+    TIERMEM_ASSIGN_OR_RETURN(c->optimizer_overlap,
+                             Choice("optimizer_overlap", config["optimizer_overlap"], kOverlaps));
+  }
   if (has("checkpoint_io")) {
     TIERMEM_ASSIGN_OR_RETURN(c->checkpoint_io,
                              Choice("checkpoint_io", config["checkpoint_io"], kCheckpointIo));
@@ -361,6 +366,8 @@ Status ApplyEnv(const EnvGetter& env, SessionConfig* c, bool* nvme_given) {
       ChoiceVar(env, "TIERMEM_ACTIVATIONS", &c->activations, kActivationModes));
   TIERMEM_RETURN_IF_ERROR(ChoiceVar(env, "TIERMEM_OPTIMIZER_PLACEMENT", &c->optimizer_placement,
                                     kPlacements));
+  TIERMEM_RETURN_IF_ERROR(
+      ChoiceVar(env, "TIERMEM_OPTIMIZER_OVERLAP", &c->optimizer_overlap, kOverlaps));
   TIERMEM_RETURN_IF_ERROR(
       ChoiceVar(env, "TIERMEM_CHECKPOINT_IO", &c->checkpoint_io, kCheckpointIo));
   if (const char* t = Var(env, "TIERMEM_TIMELINE")) c->timeline = t;
@@ -443,6 +450,7 @@ json ToJson(const SessionConfig& c) {
   j["plan"] = c.plan;
   j["activations"] = c.activations;
   j["optimizer_placement"] = c.optimizer_placement;
+  j["optimizer_overlap"] = c.optimizer_overlap;
   j["checkpoint_io"] = c.checkpoint_io;
   return j;
 }

@@ -41,6 +41,10 @@
 //                                                              group on the device when its
 //                                                              optimizer state fits next to
 //                                                              the working set (session.h)
+//   optimizer_overlap TIERMEM_OPTIMIZER_OVERLAP next-forward  next-forward | off: a group's
+//                                                              optimizer step runs when the
+//                                                              next forward first needs it
+//                                                              (session.h, "Deferred steps")
 //   checkpoint_io   TIERMEM_CHECKPOINT_IO          auto        auto | direct | buffered: how
 //                                                              checkpoints are written and read
 //                                                              (auto = direct: O_DIRECT)
@@ -111,6 +115,12 @@ struct SessionConfig {
   // set step there (the CUDA kernels on CUDA, the CPU kernels on SimDevice's memory); "host":
   // every group steps on host copies.
   std::string optimizer_placement = "auto";
+  // "next-forward": Step() computes the gradient stats and the clip/scale factors and
+  // captures the hyper-parameters, and each chunk group's AdamW update runs later, just before
+  // anything reads or writes that group (the next forward's first use): its optimizer-state
+  // reads and write-backs overlap the forward's compute. Exact: the same kernels on the same
+  // values. "off": every group is updated inside Step().
+  std::string optimizer_overlap = "next-forward";
   // Checkpoint file I/O: "auto" and "direct" write and read with O_DIRECT where the file
   // system allows it (else through the page cache): the page cache's writeback and readahead
   // run far below the disk's rate here, and a checkpoint larger than RAM only churns it;

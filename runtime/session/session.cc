@@ -249,6 +249,7 @@ Status Session::CheckKind(size_t group, ChunkKind kind) const {
 
 StatusOr<void*> Session::Acquire(size_t group, ChunkKind kind, TierKind where) {
   TIERMEM_RETURN_IF_ERROR(CheckKind(group, kind));
+  TIERMEM_RETURN_IF_ERROR(RunPending(group, true));
   const ChunkId c = Chunk(group, kind);
   StatusOr<void*> p = stack_->engine()->Acquire(c, where);
   if (p.ok()) {
@@ -261,6 +262,7 @@ StatusOr<void*> Session::Acquire(size_t group, ChunkKind kind, TierKind where) {
 StatusOr<void*> Session::AcquireForWrite(size_t group, ChunkKind kind, TierKind where,
                                          bool* must_zero) {
   TIERMEM_RETURN_IF_ERROR(CheckKind(group, kind));
+  TIERMEM_RETURN_IF_ERROR(RunPending(group, true));
   const ChunkId c = Chunk(group, kind);
   // Lazily zero content is not needed from below (nothing has to be copied in): a write.
   const bool zero = stack_->engine()->ZeroContent(c);
@@ -282,6 +284,11 @@ Status Session::Release(size_t group, ChunkKind kind, bool modified) {
 
 Status Session::ZeroChunk(size_t group, ChunkKind kind) {
   TIERMEM_RETURN_IF_ERROR(CheckKind(group, kind));
+  if (kind == ChunkKind::kGrad && group < pending_.size() && pending_[group].active) {
+    pending_[group].zero_grad_after = true;  // the update reads these grads first
+    return OkStatus();
+  }
+  TIERMEM_RETURN_IF_ERROR(RunPending(group, true));
   return stack_->engine()->Zero(Chunk(group, kind));
 }
 
@@ -314,6 +321,7 @@ Status Session::ReadTensor(size_t tensor, ChunkKind kind, void* out) {
   if (tensor >= tensors_.size()) return OutOfRangeError("session: unknown tensor");
   const TensorPlace& t = tensors_[tensor];
   TIERMEM_RETURN_IF_ERROR(CheckKind(t.group, kind));
+  TIERMEM_RETURN_IF_ERROR(RunPending(t.group, true));
   const size_t es = kernels::DTypeSize(dtype(kind));
   if (sharded()) {  // collective: the chunk from every rank's shard
     TIERMEM_ASSIGN_OR_RETURN(const char* full, GatherChunk(t.group, kind));
@@ -328,6 +336,7 @@ Status Session::WriteTensor(size_t tensor, ChunkKind kind, const void* values) {
   if (tensor >= tensors_.size()) return OutOfRangeError("session: unknown tensor");
   const TensorPlace& t = tensors_[tensor];
   TIERMEM_RETURN_IF_ERROR(CheckKind(t.group, kind));
+  TIERMEM_RETURN_IF_ERROR(RunPending(t.group, true));
   const size_t es = kernels::DTypeSize(dtype(kind));
   // This rank's part of the tensor (all of it when not sharded).
   const uint64_t lo = std::max(t.offset, shard_begin_);
@@ -371,6 +380,9 @@ Status Session::WriteParam(size_t tensor, const float* values) {
 Status Session::SetStepCount(size_t tensor, int64_t steps) {
   if (tensor >= steps_.size()) return OutOfRangeError("session: unknown tensor");
   if (steps < 0) return InvalidArgumentError("session: negative step count");
+  TIERMEM_RETURN_IF_ERROR(Live());
+  // The pending update counted the old value.
+  TIERMEM_RETURN_IF_ERROR(RunPending(tensors_[tensor].group, true));
   steps_[tensor] = steps;
   return OkStatus();
 }
@@ -457,6 +469,7 @@ StatusOr<bool> Session::ZeroGrad() {
 StatusOr<StepResult> Session::Step(const std::vector<GroupHyper>& hyper,
                                    const kernels::GradStats* global) {
   TIERMEM_RETURN_IF_ERROR(Live());
+  TIERMEM_RETURN_IF_ERROR(RunAllPending(true));  // the last step's updates come first
   for (size_t i = 0; i < tensors_.size(); ++i) {
     if (tensors_[i].trainable && static_cast<size_t>(tensors_[i].opt_group) >= hyper.size()) {
       return InvalidArgumentError("optimizer step: tensor " + specs_[i].name + " is in param "
@@ -472,7 +485,7 @@ StatusOr<StepResult> Session::Step(const std::vector<GroupHyper>& hyper,
     return r;
   }
   accumulating_ = false;
-  stack_->engine()->Phase("optimizer");
+  Phase("optimizer");
   const bool fp16 = config_.precision == Precision::kFp16;
   if ((config_.gradient_clipping > 0 || fp16) && sharded() && global == nullptr) {
     return FailedPreconditionError(
@@ -499,85 +512,38 @@ StatusOr<StepResult> Session::Step(const std::vector<GroupHyper>& hyper,
       r.clip_coef = ClipCoefficient(config_.gradient_clipping, r.grad_norm);
     }
   }
-  const kernels::DType gd = dtype(ChunkKind::kGrad);
-  const size_t ges = kernels::DTypeSize(gd);
-  const ChunkKind ck = compute_kind();
   if (!opt_placed_) PlaceOptimizer();
+  step_args_.hyper = hyper;
+  step_args_.clip_coef = r.clip_coef;
+  step_args_.inv_loss_scale = static_cast<float>(1.0 / scaler_.scale);
+  const bool defer = config_.optimizer_overlap == "next-forward";
+  pending_.resize(groups_.size());
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     const ChunkGroup& g = groups_[gi];
     if (!g.trainable) continue;
-    bool any = false;
+    std::vector<uint32_t> stepped;
     for (uint32_t i : g.tensors) {
       if (has_grad_[i]) {
         ++steps_[i];
-        any = true;
+        stepped.push_back(i);
       }
     }
-    if (!any) continue;
-    if (LocalRuns(GradRuns(g, true)).empty()) continue;  // none of it in this rank's shard
-    // Acquired in this order (compute params first), released in any order.
-    std::vector<ChunkKind> kinds = {ck, ChunkKind::kGrad, ChunkKind::kExpAvg,
-                                    ChunkKind::kExpAvgSq};
-    if (mixed()) kinds.push_back(ChunkKind::kParamFp32);
-    const TierKind where = OptimizerTier(gi);
-    Moment(where == TierKind::kDevice ? "optimizer-substep:device" : "optimizer-substep:host",
-           planners::MomentKind::kOptimizerStep);
+    if (stepped.empty()) continue;
+    std::vector<Run> runs = LocalRuns(GradRuns(g, true));
+    if (runs.empty()) continue;  // none of it in this rank's shard
     uint64_t work = 0;
     for (const Run& run : LocalRuns(GradRuns(g, false))) work += run.hi - run.lo;
-    trace_.SetWorkElems(work, where == TierKind::kDevice);
-    std::array<char*, chunks::kNumChunkKinds> v{};
-    size_t acquired = 0;
-    Status s;
-    for (; acquired < kinds.size(); ++acquired) {
-      StatusOr<void*> p = Acquire(gi, kinds[acquired], where);
-      if (!p.ok()) {
-        s = p.status();
-        break;
-      }
-      v[K(kinds[acquired])] = static_cast<char*>(*p);
+    if (defer && !GroupPinned(gi)) {
+      Pending& p = pending_[gi];
+      p.active = true;
+      p.zero_grad_after = false;
+      p.runs = std::move(runs);
+      p.work = work;
+      p.stepped = std::move(stepped);
+      ++num_pending_;
+      continue;
     }
-    for (const Run& run : s.ok() ? LocalRuns(GradRuns(g, true)) : std::vector<Run>{}) {
-      const GroupHyper& h = hyper[run.opt_group];
-      kernels::AdamConfig ac;
-      ac.lr = static_cast<float>(h.lr);
-      ac.beta1 = static_cast<float>(h.beta1);
-      ac.beta2 = static_cast<float>(h.beta2);
-      ac.eps = static_cast<float>(h.eps);
-      ac.weight_decay = static_cast<float>(h.weight_decay);
-      ac.step = run.step;
-      ac.inv_loss_scale = static_cast<float>(1.0 / scaler_.scale);
-      ac.clip_factor = r.clip_coef;
-      kernels::AdamSpans sp;
-      sp.param = reinterpret_cast<float*>(v[K(ChunkKind::kParamFp32)]) + run.lo;
-      sp.exp_avg = reinterpret_cast<float*>(v[K(ChunkKind::kExpAvg)]) + run.lo;
-      sp.exp_avg_sq = reinterpret_cast<float*>(v[K(ChunkKind::kExpAvgSq)]) + run.lo;
-      sp.grad = v[K(ChunkKind::kGrad)] + run.lo * ges;
-      sp.grad_dtype = gd;
-      if (mixed()) {
-        sp.param_out = v[K(ChunkKind::kParamLowp)] + run.lo * 2;
-        sp.out_dtype = compute_dtype();
-      }
-      sp.n = run.hi - run.lo;
-      // On the device: enqueued on the compute stream (the releases below record it). On the
-      // host: the CPU kernel, now (host copies are the CPU's; nothing orders a stream there).
-      const bool dev = where == TierKind::kDevice;
-      s = DeviceAdamStep(cuda() && dev, ac, sp, dev ? stream_ : kHostStream);
-      if (!s.ok()) break;
-    }
-    // All acquired: the kernel ran (on some runs at least): the chunks are modified. An
-    // acquire that failed came before any kernel: nothing was.
-    const bool ran = acquired == kinds.size();
-    for (size_t k = 0; k < acquired; ++k) {
-      Status rel = Release(gi, kinds[k], ran && kinds[k] != ChunkKind::kGrad);
-      if (s.ok()) s = rel;
-    }
-    if (!s.ok() && !ran) {
-      // This group was not stepped: its step counts stay as they were. (Groups before it
-      // were stepped; the error says which one failed.)
-      for (uint32_t i : g.tensors) {
-        if (has_grad_[i]) --steps_[i];
-      }
-    }
+    Status s = UpdateGroup(gi, runs, work, stepped);
     if (!s.ok()) {
       return s.WithContext("optimizer step of chunk group " + std::to_string(gi) + " of " +
                            std::to_string(groups_.size()) + " (groups before it were stepped)");
@@ -592,6 +558,128 @@ StatusOr<StepResult> Session::Step(const std::vector<GroupHyper>& hyper,
   }
   r.applied = true;
   return r;
+}
+
+Status Session::UpdateGroup(size_t gi, const std::vector<Run>& runs, uint64_t work,
+                            const std::vector<uint32_t>& stepped, bool quiet) {
+  const kernels::DType gd = dtype(ChunkKind::kGrad);
+  const size_t ges = kernels::DTypeSize(gd);
+  // Acquired in this order (compute params first), released in any order.
+  std::vector<ChunkKind> kinds = {compute_kind(), ChunkKind::kGrad, ChunkKind::kExpAvg,
+                                  ChunkKind::kExpAvgSq};
+  if (mixed()) kinds.push_back(ChunkKind::kParamFp32);
+  const TierKind where = OptimizerTier(gi);
+  engine::Engine* eng = stack_->engine();
+  if (!quiet) {
+    // Named by group: a plan matches a deferred update by its label, whichever unit's
+    // forward runs it.
+    const std::string label = where == TierKind::kDevice ? "optimizer-substep:device:g"
+                                                         : "optimizer-substep:host:g";
+    Moment(label + std::to_string(gi), planners::MomentKind::kOptimizerStep);
+    trace_.SetWorkElems(work, where == TierKind::kDevice);
+  }
+  std::array<char*, chunks::kNumChunkKinds> v{};
+  size_t acquired = 0;
+  Status s;
+  for (; acquired < kinds.size(); ++acquired) {
+    StatusOr<void*> p = quiet ? eng->Acquire(Chunk(gi, kinds[acquired]), where)
+                              : Acquire(gi, kinds[acquired], where);
+    if (!p.ok()) {
+      s = p.status();
+      break;
+    }
+    v[K(kinds[acquired])] = static_cast<char*>(*p);
+  }
+  for (const Run& run : s.ok() ? runs : std::vector<Run>{}) {
+    const GroupHyper& h = step_args_.hyper[run.opt_group];
+    kernels::AdamConfig ac;
+    ac.lr = static_cast<float>(h.lr);
+    ac.beta1 = static_cast<float>(h.beta1);
+    ac.beta2 = static_cast<float>(h.beta2);
+    ac.eps = static_cast<float>(h.eps);
+    ac.weight_decay = static_cast<float>(h.weight_decay);
+    ac.step = run.step;
+    ac.inv_loss_scale = step_args_.inv_loss_scale;
+    ac.clip_factor = step_args_.clip_coef;
+    kernels::AdamSpans sp;
+    sp.param = reinterpret_cast<float*>(v[K(ChunkKind::kParamFp32)]) + run.lo;
+    sp.exp_avg = reinterpret_cast<float*>(v[K(ChunkKind::kExpAvg)]) + run.lo;
+    sp.exp_avg_sq = reinterpret_cast<float*>(v[K(ChunkKind::kExpAvgSq)]) + run.lo;
+    sp.grad = v[K(ChunkKind::kGrad)] + run.lo * ges;
+    sp.grad_dtype = gd;
+    if (mixed()) {
+      sp.param_out = v[K(ChunkKind::kParamLowp)] + run.lo * 2;
+      sp.out_dtype = compute_dtype();
+    }
+    sp.n = run.hi - run.lo;
+    // On the device: enqueued on the compute stream (the releases below record it). On the
+    // host: the CPU kernel, now (host copies are the CPU's; nothing orders a stream there).
+    const bool dev = where == TierKind::kDevice;
+    s = DeviceAdamStep(cuda() && dev, ac, sp, dev ? stream_ : kHostStream);
+    if (!s.ok()) break;
+  }
+  // All acquired: the kernel ran (on some runs at least): the chunks are modified. An
+  // acquire that failed came before any kernel: nothing was.
+  const bool ran = acquired == kinds.size();
+  for (size_t k = 0; k < acquired; ++k) {
+    const bool modified = ran && kinds[k] != ChunkKind::kGrad;
+    Status rel = quiet ? eng->Release(Chunk(gi, kinds[k]), modified)
+                       : Release(gi, kinds[k], modified);
+    if (s.ok()) s = rel;
+  }
+  if (!s.ok() && !ran) {
+    for (uint32_t i : stepped) --steps_[i];  // this group was not stepped
+  }
+  return s;
+}
+
+bool Session::GroupPinned(size_t gi) const {
+  for (ChunkId c : groups_[gi].chunks) {
+    if (c != kNoChunk && stack_->engine()->Pins(c) > 0) return true;
+  }
+  return false;
+}
+
+Status Session::RunPending(size_t group, bool quiet) {
+  if (group >= pending_.size() || !pending_[group].active) return OkStatus();
+  Pending p = std::move(pending_[group]);
+  pending_[group] = Pending();  // inactive before the update's own acquires come through here
+  --num_pending_;
+  const std::string phase = phase_;
+  engine::Engine* eng = stack_->engine();
+  Phase("optimizer");
+  if (quiet && tracing_) eng->SetTracing(false);
+  Status s = UpdateGroup(group, p.runs, p.work, p.stepped, quiet);
+  if (quiet && tracing_) eng->SetTracing(true);
+  if (s.ok() && p.zero_grad_after && Pins(group, ChunkKind::kGrad) == 0) {
+    s = eng->Zero(Chunk(group, ChunkKind::kGrad));
+  }
+  if (!phase.empty()) Phase(phase);
+  if (!s.ok()) {
+    return s.WithContext("the optimizer update of chunk group " + std::to_string(group) +
+                         ", deferred from the last step() (optimizer_overlap: next-forward)");
+  }
+  return OkStatus();
+}
+
+Status Session::RunAllPending(bool quiet) {
+  for (size_t gi = 0; gi < pending_.size() && num_pending_ > 0; ++gi) {
+    TIERMEM_RETURN_IF_ERROR(RunPending(gi, quiet));
+  }
+  return OkStatus();
+}
+
+Status Session::FinishStep(size_t group) {
+  TIERMEM_RETURN_IF_ERROR(Live());
+  if (group >= groups_.size()) {
+    return OutOfRangeError("session: unknown chunk group " + std::to_string(group));
+  }
+  return RunPending(group, false);
+}
+
+Status Session::FinishSteps() {
+  TIERMEM_RETURN_IF_ERROR(Live());
+  return RunAllPending(true);
 }
 
 TierKind Session::OptimizerTier(size_t g) const {
@@ -845,13 +933,16 @@ void Session::DeclareTraceChunks() {
   trace_.ChunksDeclared();
 }
 void Session::Phase(std::string_view label) {
-  if (!closed()) stack_->engine()->Phase(label);
+  if (closed()) return;
+  phase_ = std::string(label);
+  stack_->engine()->Phase(label);
 }
 void Session::RecordCollective(std::string_view op, Bytes bytes, uint64_t ns) {
   if (!closed()) stack_->engine()->RecordCollective(op, bytes, ns);
 }
 void Session::SetTracing(bool on) {
   if (closed()) return;
+  tracing_ = on;
   stack_->engine()->SetTracing(on);
   runner_.SetPaused(!on);
   trace_.SetPaused(!on, trace_.recording() ? TraceProbes() : TraceRecorder::Probes{});
@@ -888,11 +979,13 @@ Status Session::FreeScratch(TierKind tier, const Region& region) {
 
 Status Session::Synchronize() {
   TIERMEM_RETURN_IF_ERROR(Live());
+  TIERMEM_RETURN_IF_ERROR(RunAllPending(true));
   return stack_->engine()->Synchronize();
 }
 
 Status Session::Flush() {
   TIERMEM_RETURN_IF_ERROR(Live());
+  TIERMEM_RETURN_IF_ERROR(RunAllPending(true));
   return stack_->engine()->Flush();
 }
 

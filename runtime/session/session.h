@@ -26,6 +26,20 @@
 //     the CUDA kernels (kernels/cuda) run on the compute stream on CUDA, the CPU kernels on
 //     SimDevice's memory (its twin). Other groups step on host copies with the CPU kernels.
 //     The kernels agree bit for bit (device_kernels.h);
+//   - deferred steps (config optimizer_overlap: next-forward, the default): Step() validates,
+//     computes the gradient stats, the clip factor and the fp16 verdict, counts the steps and
+//     captures, per chunk group, the runs it updates and the hyper-parameters; each group's
+//     AdamW update then runs when anything next touches that group's chunks or values —
+//     normally the next forward's first use of the group, which the bindings announce with
+//     FinishStep before the unit's moment so the update is its own optimizer moment. So the
+//     update's optimizer-state reads from NVMe and its write-backs overlap the previous
+//     unit's forward instead of stalling a separate optimizer phase. Exact by construction:
+//     the same kernels on the same values, only later; every access path (Acquire, values,
+//     ZeroChunk, GradStats, checkpoints, Flush, Synchronize, the next Step) first runs the
+//     pending update of what it touches. ZeroGrad on a pending group zeroes its grads after
+//     the update. A group any of whose chunks is pinned at Step (the binding may use the
+//     pointer without acquiring again: resident training) is updated inside Step. An update
+//     that fails later returns its error from the call that ran it, naming the group;
 //   - per-tensor step counts and "has a gradient" flags (torch's `p.grad is not None`: a
 //     tensor without a gradient is not stepped, like torch.optim);
 //   - checkpoints (SaveCheckpoint/LoadCheckpoint: a versioned, checksummed file streamed
@@ -227,6 +241,12 @@ class Session {
   // across ranks; required when sharded with clipping or fp16 (kFailedPrecondition).
   StatusOr<StepResult> Step(const std::vector<GroupHyper>& hyper,
                             const kernels::GradStats* global = nullptr);
+  // Runs group `group`'s deferred update now, if one is pending (the file comment): the
+  // bindings call it for a unit's groups before the unit's pre-forward moment. OK when none is.
+  Status FinishStep(size_t group);
+  // Runs every pending update (in group order).
+  Status FinishSteps();
+  size_t pending_steps() const { return num_pending_; }
   double loss_scale() const { return scaler_.scale; }
   ScalerState scaler() const { return scaler_; }
   void set_scaler(const ScalerState& s) { scaler_ = s; }
@@ -365,6 +385,18 @@ class Session {
   // Decides opt_device_ (the file comment's rule).
   void PlaceOptimizer();
   TierKind ReadTier(size_t g, ChunkKind kind) const;
+  // One group's AdamW update over `runs` (step_args_ as captured by Step), on OptimizerTier;
+  // `quiet`: see RunPending. On an acquire failure nothing ran and the `stepped` tensors' step
+  // counts are restored.
+  Status UpdateGroup(size_t gi, const std::vector<Run>& runs, uint64_t work,
+                     const std::vector<uint32_t>& stepped, bool quiet = false);
+  // Runs `group`'s pending update (if any) before something touches the group. `quiet`: an
+  // access path other than the announced forward (values, checkpoints, an eval forward, the
+  // next Step): the update is not a moment and its acquires are neither recorded nor checked
+  // against a plan — as untraced acquires, it must not disturb the training order.
+  Status RunPending(size_t group, bool quiet);
+  Status RunAllPending(bool quiet);
+  bool GroupPinned(size_t gi) const;
   TraceRecorder::Probes TraceProbes() const;
   Status LoadCheckpointV1(const std::string& path, std::string* metadata);
   // The header through `fd`; tensor bytes through `data_fd`, opened with O_DIRECT when
@@ -406,6 +438,25 @@ class Session {
   planners::PlanEstimate plan_estimate_;
   uint32_t plan_actions_ = 0;
   bool warned_divergence_ = false;
+  // The applied step's factors (Step), used by every group's update of that step.
+  struct StepArgs {
+    std::vector<GroupHyper> hyper;
+    float clip_coef = 1.0f;
+    float inv_loss_scale = 1.0f;
+  };
+  StepArgs step_args_;
+  // Deferred updates by group (optimizer_overlap: next-forward).
+  struct Pending {
+    bool active = false;
+    bool zero_grad_after = false;  // ZeroGrad/ZeroChunk(grad) came while pending
+    std::vector<Run> runs;         // LocalRuns(GradRuns(g, true)) at Step
+    uint64_t work = 0;             // elements updated
+    std::vector<uint32_t> stepped; // tensors whose step count Step incremented
+  };
+  std::vector<Pending> pending_;
+  size_t num_pending_ = 0;
+  std::string phase_;              // the binding's current phase (restored after an update)
+  bool tracing_ = true;            // SetTracing's state
   bool opt_placed_ = false;
   std::vector<uint8_t> opt_device_;  // per group: steps on the device
   ComputeStream stream_ = kHostStream;

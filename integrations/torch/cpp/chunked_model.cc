@@ -349,6 +349,11 @@ StatusOr<::torch::Tensor> ChunkedModel::Run(::torch::nn::Module& segment, const 
     in_iteration_ = true;
   }
   session_->Phase(grad ? "forward" : "eval");
+  // The last step's deferred updates of this segment's groups (session.h), each its own
+  // optimizer moment, before the segment's.
+  for (ParamRec* p : params) {
+    TIERMEM_RETURN_IF_ERROR(session_->FinishStep(session_->place(p->index).group));
+  }
   session_->Moment(segment.name() + ":pre-forward");
 
   auto call = c10::make_intrusive<SegmentCall>();

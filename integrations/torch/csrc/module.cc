@@ -675,6 +675,21 @@ PYBIND11_MODULE(_C, m) {
            [](PySession& s) { return s.s().TakeActivationFetches(); })
       .def("synchronize", [](PySession& s) { Check(s.s().Synchronize()); })
       .def("flush", [](PySession& s) { Check(s.s().Flush()); })
+      // Deferred optimizer updates (session.h): a unit's groups before its forward moment.
+      .def("finish_steps",
+           [](PySession& s, const std::vector<size_t>& groups) {
+             tiermem::Status st;
+             {
+               py::gil_scoped_release nogil;
+               for (size_t g : groups) {
+                 st = s.s().FinishStep(g);
+                 if (!st.ok()) break;
+               }
+             }
+             Check(st);
+           },
+           py::arg("groups"))
+      .def_property_readonly("pending_steps", [](PySession& s) { return s.s().pending_steps(); })
       .def("stats", &PySession::Stats)
       .def("timeline_report",
            [](PySession& s) { return tiermem::torch_ext::ReportDict(Check(s.s().TimelineReport())); })

@@ -55,7 +55,8 @@ TEST(OptimizerPlacement, GroupsGetTheRoomTheWorkingSetLeavesInOrder) {
     EXPECT_TRUE(s->OptimizerOnDevice(1));
     EXPECT_FALSE(s->OptimizerOnDevice(2));
     EXPECT_FALSE(s->OptimizerOnDevice(3));
-    // The device groups' m and v live on the device now; the others' on the host.
+    // The device groups' m and v live on the device once updated; the others' on the host.
+    ASSERT_THAT(s->FinishSteps(), IsOk());
     EXPECT_EQ(s->Resident(0, ChunkKind::kExpAvg), TierKind::kDevice);
     EXPECT_EQ(s->Resident(3, ChunkKind::kExpAvg), TierKind::kHost);
   }

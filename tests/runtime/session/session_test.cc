@@ -315,6 +315,103 @@ TEST(SessionStep, AGroupThatCannotBeAcquiredIsNotSteppedAndSaysWhich) {
   EXPECT_NE(Param(*s, 1), b_before);
 }
 
+// optimizer_overlap: next-forward defers each group's update until something touches the group;
+// every access path must see exactly what the immediate step ("off") gives.
+TEST(SessionStep, DeferredUpdatesEqualImmediateOnesOnEveryAccessPath) {
+  // Three groups (a | b | c+d), host copies for the step (the device holds two groups).
+  const std::vector<TensorSpec> specs = {{"a", 1000, true, 0}, {"b", 1000, true, 1},
+                                         {"c", 600, true, 0}, {"d", 400, true, 1}};
+  std::unique_ptr<Session> s[2];
+  for (int k = 0; k < 2; ++k) {
+    s[k] = Make({{"device", "32KiB"}, {"chunk_size", 1024}, {"gradient_clipping", 0.5},
+                 {"optimizer_overlap", k == 0 ? "off" : "next-forward"}},
+                specs);
+    ASSERT_TRUE(s[k]);
+    ASSERT_EQ(s[k]->num_groups(), 3u);
+    for (size_t t = 0; t < specs.size(); ++t) {
+      ASSERT_THAT(s[k]->WriteParam(t, Random(specs[t].numel, t).data()), IsOk());
+    }
+  }
+  auto same = [&](const char* when) {
+    for (size_t t = 0; t < specs.size(); ++t) {
+      EXPECT_EQ(Param(*s[0], t), Param(*s[1], t)) << when << ": " << specs[t].name;
+      for (ChunkKind kind : {ChunkKind::kExpAvg, ChunkKind::kExpAvgSq, ChunkKind::kGrad}) {
+        std::vector<float> x(specs[t].numel), y(specs[t].numel);
+        ASSERT_THAT(s[0]->ReadTensor(t, kind, x.data()), IsOk());
+        ASSERT_THAT(s[1]->ReadTensor(t, kind, y.data()), IsOk());
+        EXPECT_EQ(x, y) << when << ": " << specs[t].name << " " << chunks::ChunkKindName(kind);
+      }
+      EXPECT_EQ(s[0]->step_count(t), s[1]->step_count(t));
+    }
+  };
+  for (int step = 0; step < 5; ++step) {
+    // LR changes every step; group 1's decay too (captured at each Step).
+    const std::vector<GroupHyper> hyper = {{1e-2 / (step + 1), 0.9, 0.99, 1e-8, 0.01},
+                                           {3e-3, 0.8, 0.95, 1e-6, 0.1 * step}};
+    for (int k = 0; k < 2; ++k) {
+      for (size_t t = 0; t < specs.size(); ++t) {
+        if (step == 2 && t == 1) continue;  // b has no gradient in step 2
+        SetGrad(*s[k], t, Random(specs[t].numel, 50 * step + t, 0.3f));
+      }
+      auto r = s[k]->Step(hyper);
+      ASSERT_TRUE(r.ok()) << r.status().ToString();
+      EXPECT_LT(r->clip_coef, 1.0f);  // the norm is above 0.5: clipped
+      EXPECT_EQ(s[k]->pending_steps(), k == 0 ? 0u : 3u);
+    }
+    switch (step) {
+      case 0:  // grads dropped while pending: the update still reads them, then they are zero
+        for (int k = 0; k < 2; ++k) ASSERT_THAT(s[k]->ZeroGrad(), IsOk());
+        EXPECT_EQ(s[1]->pending_steps(), 3u);
+        same("after zero_grad");
+        EXPECT_EQ(s[1]->pending_steps(), 0u);
+        break;
+      case 1:  // one tensor read: only its group is updated
+        EXPECT_EQ(Param(*s[0], 2), Param(*s[1], 2));
+        EXPECT_EQ(s[1]->pending_steps(), 2u);
+        break;
+      case 2:  // the binding's announcement, group by group, as a forward would
+        for (size_t g = 0; g < 3; ++g) ASSERT_THAT(s[1]->FinishStep(g), IsOk());
+        EXPECT_EQ(s[1]->pending_steps(), 0u);
+        same("after FinishStep");
+        break;
+      case 3:  // a value written while pending lands after the update (not overwritten by it)
+        for (int k = 0; k < 2; ++k) {
+          ASSERT_THAT(s[k]->WriteParam(0, Random(1000, 999).data()), IsOk());
+        }
+        same("after a write");
+        break;
+      default:  // nothing in between: the next Step runs them first
+        break;
+    }
+  }
+  ASSERT_THAT(s[1]->Flush(), IsOk());
+  EXPECT_EQ(s[1]->pending_steps(), 0u);
+  same("at the end");
+}
+
+TEST(SessionStep, ADeferredUpdateIsAlsoInTheCheckpoint) {
+  const std::string dir = TempDir();
+  auto s = Make({{"device", "32KiB"}, {"chunk_size", 1024}}, kThree);
+  auto ref = Make({{"device", "32KiB"}, {"chunk_size", 1024}, {"optimizer_overlap", "off"}},
+                  kThree);
+  ASSERT_TRUE(s && ref);
+  for (Session* x : {s.get(), ref.get()}) {
+    for (size_t t = 0; t < 3; ++t) {
+      ASSERT_THAT(x->WriteParam(t, Random(kThree[t].numel, t).data()), IsOk());
+      SetGrad(*x, t, Random(kThree[t].numel, 7 + t));
+    }
+    ASSERT_TRUE(x->Step({GroupHyper{}}).ok());
+  }
+  ASSERT_GT(s->pending_steps(), 0u);
+  ASSERT_THAT(s->SaveCheckpoint(dir + "/ck"), IsOk());
+  EXPECT_EQ(s->pending_steps(), 0u);
+  auto loaded = Make({{"device", "32KiB"}, {"chunk_size", 1024}}, kThree);
+  ASSERT_TRUE(loaded);
+  ASSERT_THAT(loaded->LoadCheckpoint(dir + "/ck"), IsOk());
+  for (size_t t = 0; t < 3; ++t) EXPECT_EQ(Param(*loaded, t), Param(*ref, t)) << t;
+  std::filesystem::remove_all(dir);
+}
+
 TEST(SessionStep, BadHyperParametersChangeNothing) {
   auto s = Make({{"device", "1MiB"}}, kThree);
   ASSERT_TRUE(s);
@@ -741,6 +838,7 @@ void ScriptedIteration(Session& s, bool write_param_in_forward = false) {
   s.BeginIteration();
   const uint32_t n = static_cast<uint32_t>(s.num_groups());
   for (uint32_t g = 0; g < n; ++g) {
+    ASSERT_THAT(s.FinishStep(g), IsOk());  // as the bindings do before a unit's moment
     s.Moment("fwd:" + std::to_string(g), MomentKind::kPreForward, g);
     ASSERT_TRUE(s.Acquire(g, ChunkKind::kParamFp32, TierKind::kDevice).ok());
     s.AddSavedBytes(1000 * (g + 1));
@@ -919,6 +1017,7 @@ void TrainIteration(Session& s, int it, bool branch = false) {
   const uint32_t n = static_cast<uint32_t>(s.num_groups());
   for (uint32_t g = 0; g < n; ++g) {
     if (branch && g == 1) continue;
+    ASSERT_THAT(s.FinishStep(g), IsOk());  // as the bindings do before a unit's moment
     s.Moment("fwd:" + std::to_string(g), MomentKind::kPreForward, g);
     ASSERT_TRUE(s.Acquire(g, ChunkKind::kParamFp32, TierKind::kDevice).ok());
     ASSERT_THAT(s.Release(g, ChunkKind::kParamFp32, false), IsOk());

@@ -493,6 +493,16 @@ class TiermemRuntime:
                     m._parameters[name] = r.compute
             elif u.depth == 1:
                 self._set_tracing(self._traced())  # before the moment: eval isn't traced
+                if self.s.pending_steps:
+                    # The last step's deferred updates of this unit's groups (and, sharded, of
+                    # the next unit's, which it prefetches), each its own optimizer moment,
+                    # before the unit's (session.h, "deferred steps").
+                    groups = list(u.groups)
+                    if self._shards is not None and grad:
+                        i = self._fwd_pos.get(u.index)
+                        if i is not None and i + 1 < len(self._fwd_units):
+                            groups += self.units[self._fwd_units[i + 1]].groups
+                    self.s.finish_steps(groups)
                 self.s.moment(label, 0, u.index)
                 pins = []
                 try:
