@@ -77,26 +77,47 @@ struct MoveRecord {
   }
 };
 
+class Bounce;
+
+// The staging tier's slots, shared by every bounce: a bounce that finds none free while others
+// hold some waits for them (they come back when those finish) instead of failing.
+struct StagingPool {
+  explicit StagingPool(Tier* t) : tier(t) {}
+  Tier* const tier;
+  std::mutex mu;
+  int holders = 0;                                // GUARDED_BY(mu) bounces holding slots
+  std::vector<std::shared_ptr<Bounce>> waiting;   // GUARDED_BY(mu) started again at a Finish
+};
+
 // One device<->NVMe style move through staging slots. Shared by the callbacks of its pieces.
 class Bounce : public std::enable_shared_from_this<Bounce> {
  public:
-  Bounce(const MoveRequest& req, Tier* staging, std::shared_ptr<Completion> done)
-      : req_(req), staging_(staging), done_(std::move(done)) {}
+  Bounce(const MoveRequest& req, std::shared_ptr<StagingPool> pool,
+         std::shared_ptr<Completion> done, Bytes slot_bytes, int slots)
+      : req_(req), pool_(std::move(pool)), done_(std::move(done)),
+        slot_bytes_(std::min(slot_bytes, req.bytes)), max_slots_(slots) {}
 
-  // Allocates up to `slots` slots of `slot_bytes` (fewer if the staging tier is short; fails
-  // only if none can be had) and starts one piece per slot.
-  void Start(Bytes slot_bytes, int slots) {
-    slot_bytes_ = std::min(slot_bytes, req_.bytes);
+  // Allocates up to max_slots_ slots (fewer if the staging tier is short) and starts one piece
+  // per slot. With none free: waits for a holder's Finish if there is one, else fails.
+  void Start() {
     const Bytes pieces = (req_.bytes + slot_bytes_ - 1) / slot_bytes_;
-    const int want = static_cast<int>(std::min<Bytes>(static_cast<Bytes>(slots), pieces));
+    const int want = static_cast<int>(std::min<Bytes>(static_cast<Bytes>(max_slots_), pieces));
     Status alloc_error;
-    for (int i = 0; i < want; ++i) {
-      StatusOr<Region> r = staging_->Allocate(slot_bytes_);
-      if (!r.ok()) {
-        alloc_error = r.status();
-        break;
+    {
+      std::lock_guard<std::mutex> lock(pool_->mu);
+      for (int i = 0; i < want; ++i) {
+        StatusOr<Region> r = pool_->tier->Allocate(slot_bytes_);
+        if (!r.ok()) {
+          alloc_error = r.status();
+          break;
+        }
+        slots_.push_back(*r);
       }
-      slots_.push_back(*r);
+      if (slots_.empty() && pool_->holders > 0) {
+        pool_->waiting.push_back(shared_from_this());
+        return;
+      }
+      if (!slots_.empty()) ++pool_->holders;
     }
     if (slots_.empty()) {
       done_->Complete(alloc_error.WithContext("mover: no staging slot for a bounced move"));
@@ -153,19 +174,27 @@ class Bounce : public std::enable_shared_from_this<Bounce> {
   // Runs once (finished_ was set by the caller): no piece is in flight and none will be
   // issued, so the slots are idle and error_ is final.
   void Finish() {
-    for (const Region& r : slots_) staging_->Free(r).IgnoreError();
+    std::vector<std::shared_ptr<Bounce>> waiting;
+    {
+      std::lock_guard<std::mutex> lock(pool_->mu);
+      for (const Region& r : slots_) pool_->tier->Free(r).IgnoreError();
+      --pool_->holders;
+      waiting.swap(pool_->waiting);
+    }
     Status s;
     {
       std::lock_guard<std::mutex> lock(mu_);
       s = error_;
     }
     done_->Complete(std::move(s));
+    for (const std::shared_ptr<Bounce>& b : waiting) b->Start();  // each waits again if short
   }
 
   const MoveRequest req_;
-  Tier* const staging_;
+  const std::shared_ptr<StagingPool> pool_;
   const std::shared_ptr<Completion> done_;
-  Bytes slot_bytes_ = 0;
+  const Bytes slot_bytes_;
+  const int max_slots_;
   std::vector<Region> slots_;  // written by Start only, before any piece is issued
 
   std::mutex mu_;
@@ -180,6 +209,7 @@ class MoverImpl final : public Mover {
   MoverImpl(const MoverConfig& config, Tier* staging, TimelineRecorder* recorder)
       : config_(config),
         staging_(staging),
+        pool_(std::make_shared<StagingPool>(staging)),
         recorder_(recorder),
         arena_(config.memcpy_threads > 0 ? config.memcpy_threads
                                          : tbb::task_arena::automatic) {}
@@ -262,8 +292,9 @@ class MoverImpl final : public Mover {
           {req.src.region, req.src.offset, HostAddr(req.dst), req.bytes, CopyDir::kFromTier});
     } else {
       inner = Completion::Make();
-      auto b = std::make_shared<Bounce>(req, staging_, inner);
-      b->Start(config_.staging_slot_bytes, std::max(1, config_.staging_slots));
+      auto b = std::make_shared<Bounce>(req, pool_, inner, config_.staging_slot_bytes,
+                                        std::max(1, config_.staging_slots));
+      b->Start();
     }
     const int si = static_cast<int>(req.src.tier->kind()), di = static_cast<int>(req.dst.tier->kind());
     std::shared_ptr<Counters> counters = counters_;
@@ -320,6 +351,7 @@ class MoverImpl final : public Mover {
   const MoverConfig config_;
   const std::shared_ptr<Counters> counters_ = std::make_shared<Counters>();
   Tier* const staging_;
+  const std::shared_ptr<StagingPool> pool_;  // staging_'s slots, shared with the bounces
   TimelineRecorder* const recorder_;
   tbb::task_arena arena_;
   std::atomic<uint64_t> next_copy_id_{1};

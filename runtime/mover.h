@@ -3,7 +3,8 @@
 // Lanes: device<->host goes straight to the device tier's Copy (host side = the host region's
 // address); host<->NVMe to the NVMe tier's Copy; host<->host is a (parallel) memcpy;
 // device<->NVMe bounces through pinned host staging slots (device->host->NVMe and back),
-// pipelined slot by slot. Every move is recorded in the timeline (copy begin/end, with the
+// pipelined slot by slot; a bounce that finds no free slot while other bounces hold some waits
+// for them (a failure only when the staging tier is full of something else). Every move is recorded in the timeline (copy begin/end, with the
 // source and destination tier, bytes, chunk and category) when a recorder is attached.
 //
 // Ordering: moves are independent; a caller that needs B after A waits on A's completion

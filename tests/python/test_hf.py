@@ -95,7 +95,10 @@ def test_generate_equals_plain_and_does_not_disturb_training():
     for m in (model, ref):
         m.train()
     assert train(model, opt, data[4:]) == train(ref, ropt, data[4:])
-    assert rt.stats()["diverged"] == diverged
+    # generate() ran the last step's deferred updates (docs/python.md "When the optimizer
+    # runs"): the next training forward has none, the one after has them again — two
+    # iterations leave the recorded order, nothing more (values: equal above).
+    assert rt.stats()["diverged"] == diverged + 2
 
 
 class _Ids(torch.utils.data.Dataset):

@@ -354,6 +354,46 @@ TEST_F(MoverTest, FailingInnerCopyPropagatesItsStatusAndReturnsSlots) {
   EXPECT_EQ(staging_->Stats().used, 0u);
 }
 
+// More bounced moves in flight than the staging tier has slots: the ones that find none wait
+// for a holder to finish (before: kResourceExhausted for a move the engine issued in good faith).
+TEST_F(MoverTest, BouncesBeyondTheStagingSlotsWaitForThem) {
+  auto one_slot = MakeHost(1 * kMiB, 1 * kMiB);
+  auto mover = NewMover({.staging_slot_bytes = 1 * kMiB, .staging_slots = 4}, one_slot.get(),
+                        nullptr);
+  constexpr int kMoves = 12;
+  constexpr Bytes kBytes = 3 * kMiB + 123;
+  std::vector<Region> src, dst;
+  std::vector<std::vector<char>> data;
+  std::vector<std::shared_ptr<Completion>> done;
+  for (int i = 0; i < kMoves; ++i) {
+    const bool up = i % 2 == 0;  // device->NVMe and NVMe->device alternately
+    Tier* from = up ? sim_.get() : nvme_.get();
+    Tier* to = up ? nvme_.get() : sim_.get();
+    auto rs = from->Allocate(kBytes);
+    auto rd = to->Allocate(kBytes);
+    ASSERT_TRUE(rs.ok() && rd.ok());
+    data.push_back(RandomBytes(kBytes, 500 + i));
+    ASSERT_TRUE(from->Copy({*rs, 0, data.back().data(), kBytes, CopyDir::kToTier})->Wait().ok());
+    src.push_back(*rs);
+    dst.push_back(*rd);
+  }
+  for (int i = 0; i < kMoves; ++i) {  // all in flight before the first wait
+    const bool up = i % 2 == 0;
+    done.push_back(mover->Move({{up ? sim_.get() : nvme_.get(), src[i]},
+                                {up ? nvme_.get() : sim_.get(), dst[i]}, kBytes}));
+  }
+  for (int i = 0; i < kMoves; ++i) {
+    const Status st = done[i]->Wait();
+    ASSERT_TRUE(st.ok()) << i << ": " << st.ToString();
+    Tier* to = i % 2 == 0 ? nvme_.get() : sim_.get();
+    std::vector<char> back(kBytes);
+    ASSERT_TRUE(to->Copy({dst[i], 0, back.data(), kBytes, CopyDir::kFromTier})->Wait().ok());
+    EXPECT_EQ(back, data[i]) << i;
+  }
+  EXPECT_EQ(one_slot->Stats().used, 0u);
+  EXPECT_EQ(one_slot->Stats().peak, 1 * kMiB);
+}
+
 TEST_F(MoverTest, BadRequestsGetSpecificCodes) {
   auto mover = NewMover({}, nullptr, nullptr);
   auto h = host_->Allocate(4096);

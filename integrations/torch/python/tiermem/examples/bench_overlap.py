@@ -1,0 +1,120 @@
+"""Deferred optimizer updates (config optimizer_overlap) vs updates inside step() vs plain
+torch (CPU, SimDevice): the main job's GPT trained three times in one process — tiermem with
+`optimizer_overlap: next-forward`, tiermem with `off`, and plain torch with
+`torch.optim.AdamW(fused=True)` — same model, same data, stepped in turn (the order rotates
+every step; these machines are noisy, so each step's three are measured in the same seconds),
+then per-step ratios and their medians. A whole step is timed: zero_grad, forward, backward,
+step (the deferred updates run in the next step's forward, so they are inside the timing).
+
+    python -m tiermem.examples.bench_overlap [--layers 12] [--width 768] [--steps 10]
+        [--device 128MiB] [--host 512MiB] [--nvme 4GiB | --nvme 0] [--dir DIR] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import shutil
+import statistics
+import tempfile
+
+import torch
+
+import tiermem
+from tiermem.examples import timed_step
+from tiermem.examples.gpt import GPT, GPTConfig, synthetic_batches
+
+MODES = ("next-forward", "off")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--width", type=int, default=768)
+    ap.add_argument("--steps", type=int, default=10, help="steps per system (3 are warm-up)")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--device", default="128MiB")
+    ap.add_argument("--host", default="512MiB")
+    ap.add_argument("--nvme", default="4GiB", help="0: no NVMe tier")
+    ap.add_argument("--dir", default=None, help="NVMe directory (default: a temporary one)")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    if a.steps < 5:
+        ap.error("--steps must be >= 5 (3 are warm-up)")
+    c = GPTConfig(vocab_size=256, block_size=64, n_layer=a.layers, n_head=max(1, a.width // 64),
+                  n_embd=a.width)
+    torch.manual_seed(0)
+    base = GPT(c)
+    data = list(synthetic_batches(c, a.batch, a.steps, seed=1))
+    root = a.dir or tempfile.mkdtemp(prefix="tiermem-bench-overlap-")
+    systems = {}
+    try:
+        for mode in MODES:
+            cfg = {"device": a.device, "host": a.host, "optimizer_overlap": mode,
+                   "optimizer": {"lr": 1e-4, "weight_decay": 0.01}}
+            if a.nvme != "0":
+                os.makedirs(f"{root}/{mode}", exist_ok=True)
+                cfg["nvme"] = {"path": f"{root}/{mode}", "size": a.nvme}
+            model, opt = tiermem.initialize(copy.deepcopy(base), cfg)
+            systems[mode] = dict(model=model, opt=opt, times=[], losses=[])
+        plain = copy.deepcopy(base)
+        systems["torch"] = dict(model=plain, times=[], losses=[],
+                                opt=torch.optim.AdamW(plain.parameters(), lr=1e-4,
+                                                      weight_decay=0.01, fused=True))
+        names = list(systems)
+        for i, (x, y) in enumerate(data):
+            for k in range(len(names)):
+                s = systems[names[(i + k) % len(names)]]
+                loss, dt = timed_step(s["model"], s["opt"], x, y)
+                s["losses"].append(loss)
+                s["times"].append(dt)
+        if systems["next-forward"]["losses"] != systems["off"]["losses"]:
+            print("ERROR: the losses differ between optimizer_overlap next-forward and off")
+            return 1
+        warm = 3
+        t = {n: s["times"][warm:] for n, s in systems.items()}
+
+        def ratios(p, q):
+            return [x / y for x, y in zip(t[p], t[q])]
+
+        pairs = {"next-forward/off": ratios("next-forward", "off"),
+                 "next-forward/torch": ratios("next-forward", "torch"),
+                 "off/torch": ratios("off", "torch")}
+        stats = tiermem.runtime_of(systems["next-forward"]["model"]).stats()
+        out = {
+            "model": f"{a.layers} x {a.width}",
+            "params_m": sum(p.numel() for p in base.parameters()) / 1e6,
+            "budgets": {"device": a.device, "host": a.host, "nvme": a.nvme},
+            "s_per_step": {n: statistics.median(v) for n, v in t.items()},
+            "ratio_medians": {k: statistics.median(v) for k, v in pairs.items()},
+            "ratios": pairs,
+            "losses_first_last": (systems["off"]["losses"][0], systems["off"]["losses"][-1]),
+            "torch_losses_first_last": (systems["torch"]["losses"][0],
+                                        systems["torch"]["losses"][-1]),
+            "stalls_s": stats.get("stall_seconds"),
+        }
+        for mode in MODES:
+            tiermem.runtime_of(systems[mode]["model"]).close()
+    finally:
+        if a.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    if a.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    print(f"GPT {out['model']} ({out['params_m']:.1f} M params), device {a.device}, host "
+          f"{a.host}, NVMe {a.nvme}; {a.steps} steps each, rotating, first {warm} not measured")
+    for n in names:
+        print(f"  {n:13}: {out['s_per_step'][n]:.3f} s/step (median)")
+    for k, v in pairs.items():
+        print(f"  {k:19}: median {out['ratio_medians'][k]:.3f} "
+              f"({min(v):.3f}-{max(v):.3f}) per step: {', '.join(f'{r:.3f}' for r in v)}")
+    print(f"  losses (tiermem, equal in both modes): {out['losses_first_last'][0]:.4f} -> "
+          f"{out['losses_first_last'][1]:.4f}; plain torch {out['torch_losses_first_last'][0]:.4f}"
+          f" -> {out['torch_losses_first_last'][1]:.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
