@@ -7,7 +7,8 @@ then per-step ratios and their medians. A whole step is timed: zero_grad, forwar
 step (the deferred updates run in the next step's forward, so they are inside the timing).
 
     python -m tiermem.examples.bench_overlap [--layers 12] [--width 768] [--steps 10]
-        [--device 128MiB] [--host 512MiB] [--nvme 4GiB | --nvme 0] [--dir DIR] [--json]
+        [--device 128MiB] [--host 512MiB] [--nvme 4GiB | --nvme 0] [--plan off|auto] [--dir DIR]
+        [--json]
 """
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="128MiB")
     ap.add_argument("--host", default="512MiB")
     ap.add_argument("--nvme", default="4GiB", help="0: no NVMe tier")
+    ap.add_argument("--plan", choices=["off", "auto"], default="off",
+                    help="both tiermem systems: the engine's reactive policy or an executed plan")
     ap.add_argument("--dir", default=None, help="NVMe directory (default: a temporary one)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
@@ -52,7 +55,7 @@ def main(argv=None) -> int:
     systems = {}
     try:
         for mode in MODES:
-            cfg = {"device": a.device, "host": a.host, "optimizer_overlap": mode,
+            cfg = {"device": a.device, "host": a.host, "optimizer_overlap": mode, "plan": a.plan,
                    "optimizer": {"lr": 1e-4, "weight_decay": 0.01}}
             if a.nvme != "0":
                 os.makedirs(f"{root}/{mode}", exist_ok=True)
@@ -87,6 +90,7 @@ def main(argv=None) -> int:
             "model": f"{a.layers} x {a.width}",
             "params_m": sum(p.numel() for p in base.parameters()) / 1e6,
             "budgets": {"device": a.device, "host": a.host, "nvme": a.nvme},
+            "plan": a.plan,
             "s_per_step": {n: statistics.median(v) for n, v in t.items()},
             "ratio_medians": {k: statistics.median(v) for k, v in pairs.items()},
             "ratios": pairs,
@@ -104,7 +108,8 @@ def main(argv=None) -> int:
         print(json.dumps(out, indent=1))
         return 0
     print(f"GPT {out['model']} ({out['params_m']:.1f} M params), device {a.device}, host "
-          f"{a.host}, NVMe {a.nvme}; {a.steps} steps each, rotating, first {warm} not measured")
+          f"{a.host}, NVMe {a.nvme}, plan {a.plan}; {a.steps} steps each, rotating, first {warm} "
+          "not measured")
     for n in names:
         print(f"  {n:13}: {out['s_per_step'][n]:.3f} s/step (median)")
     for k, v in pairs.items():

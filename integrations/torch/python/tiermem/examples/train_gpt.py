@@ -15,8 +15,9 @@ Sizes (byte-level vocabulary, context 64, batch 8):
 
 The progress bar shows the loss, tokens/s and each tier's use. At the end it prints the
 timeline report (tiermem prof report: peak per tier and category, bytes per tier pair, stalls
-by cause), writes the HTML timeline next to the .tmt, and says how to reopen both. The first
-two iterations are recorded as a warm-up trace next to the timeline (.tmtrace), and the
+by cause), writes the HTML timeline next to the .tmt, and says how to reopen both. The second
+and third iterations are recorded as a warm-up trace next to the timeline (.tmtrace: the
+first is cold, and the optimizer updates of each step run in the next one's forward), and the
 planner's simulated schedules over it are printed (tiermem plan compare). The run itself
 executes a plan made from its warm-up (--plan auto, the default; --plan off keeps the engine's
 reactive policy); the `plan:` line says what the plan did. --activations budget|offload
@@ -186,12 +187,12 @@ def train(args, c, steps, preset, nvme_dir, nvme_size) -> int:
     model, opt = tiermem.initialize(model, config)
     rt = tiermem.runtime_of(model)
     budget = rt.cfg.device_budget
-    # The warm-up trace of the first two iterations, next to the timeline: what the planner
-    # (tiermem plan) reads. Nothing moves at all when everything fits (resident): no trace.
+    # The warm-up trace of iterations 2 and 3, next to the timeline: what the planner (tiermem
+    # plan) reads. Not the first: it is cold and has no deferred optimizer updates in its
+    # forward (docs/python.md "When the optimizer runs"), so it would not look like the rest.
+    # Nothing moves at all when everything fits (resident): no trace.
     trace = os.path.splitext(args.timeline)[0] + ".tmtrace" if args.timeline else None
-    if trace and not rt._resident and steps >= 2:
-        rt.record_trace(trace, iterations=2)
-    else:
+    if not trace or rt._resident or steps < 3:
         trace = None
     print(f"model: {n_params / 1e6:.2f} M params ({c.n_layer} x {c.n_embd}); "
           f"params+grads+AdamW = {fmt(rt.model_bytes)} = {rt.model_bytes / budget:.1f}x the "
@@ -214,6 +215,8 @@ def train(args, c, steps, preset, nvme_dir, nvme_size) -> int:
         loss = model(x, y)
         loss.backward()
         opt.step()
+        if trace and not losses:
+            rt.record_trace(trace, iterations=2)  # from the next iteration
         tokens += x.numel()
         losses.append(loss.item())
         if bar:
@@ -232,7 +235,7 @@ def train(args, c, steps, preset, nvme_dir, nvme_size) -> int:
     timeline = rt.timeline_path
     if trace:
         try:
-            rt.finish_trace()  # written at step 3 already; this raises if that write failed
+            rt.finish_trace()  # written at step 4 already; this raises if that write failed
         except RuntimeError as e:
             print(f"(the warm-up trace could not be written: {e})")
             trace = None
