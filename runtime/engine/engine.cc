@@ -467,11 +467,23 @@ StatusOr<void*> Engine::AcquireImpl(ChunkId chunk, TierKind where, bool* must_ze
   if (tracing_) {
     recording_.emplace_back(chunk, where);
     if (following_) {
-      if (pos_ < order_.size() && order_[pos_] == std::make_pair(chunk, where)) {
+      const std::pair<ChunkId, TierKind> key{chunk, where};
+      if (pos_ < order_.size() && order_[pos_] == key) {
         ++pos_;
       } else {
-        following_ = false;  // diverged: reactive (LRU) for the rest of the iteration
-        ++stats_.diverged;
+        // Entries that did not come: skip to this acquire if it is close ahead.
+        constexpr uint64_t kResyncWindow = 32;
+        const uint64_t end = std::min<uint64_t>(order_.size(), pos_ + kResyncWindow);
+        uint64_t j = pos_ + 1;
+        while (j < end && order_[j] != key) ++j;
+        if (j < end) {
+          pos_ = j + 1;
+          skipped_ = true;
+          ++stats_.resynced;
+        } else {
+          following_ = false;  // diverged: reactive (LRU) for the rest of the iteration
+          ++stats_.diverged;
+        }
       }
     }
   }
@@ -859,10 +871,16 @@ Status Engine::Flush() {
 
 void Engine::BeginIteration() {
   if (!recording_.empty()) {
-    order_ = std::move(recording_);
-    order_positions_.clear();
-    for (uint64_t i = 0; i < order_.size(); ++i) order_positions_[order_[i].first].push_back(i);
+    // Followed only by skipping: keep the old order once (see the file comment).
+    const bool keep = following_ && skipped_ && !kept_order_;
+    if (!keep) {
+      order_ = std::move(recording_);
+      order_positions_.clear();
+      for (uint64_t i = 0; i < order_.size(); ++i) order_positions_[order_[i].first].push_back(i);
+    }
+    kept_order_ = keep;
   }
+  skipped_ = false;
   recording_.clear();
   evictions_before_ = evictions_now_;
   evictions_now_ = {};

@@ -15,6 +15,10 @@
 // first. While the order is followed, each Acquire also prefetches the next
 // `prefetch_depth` acquires asynchronously, evicting for them only clean chunks needed later.
 // Waiting for an unfinished prefetch or a write-back is a *stall*, recorded with its cause.
+// Following tolerates accesses of the order that do not come (an optimizer update that ran
+// early, before an eval forward): an acquire found a few entries ahead (kResyncWindow) skips
+// to it; an iteration followed only by skipping keeps the old order for the next one (the
+// skipped accesses usually come back), and the new one is adopted when it skips again.
 //
 // Write-behind: while the order is followed, a chunk released modified and unpinned whose
 // next use is more than 2 x `prefetch_depth` acquires away (or not again this iteration), on
@@ -114,6 +118,7 @@ struct EngineStats {
   uint64_t acquires = 0;
   uint64_t iterations = 0;
   uint64_t diverged = 0;  // iterations whose acquires left the recorded order
+  uint64_t resynced = 0;  // acquires that skipped ahead in it (accesses that did not come)
   // Planned mode: actions applied, actions that did not apply (already there, pinned, no
   // room), prefetches deferred behind planned write-backs.
   uint64_t plan_prefetches = 0, plan_evictions = 0, plan_skipped = 0, plan_deferred = 0;
@@ -307,6 +312,8 @@ class Engine {
   std::unordered_map<ChunkId, std::vector<uint64_t>> order_positions_;
   uint64_t pos_ = 0;
   bool following_ = false;
+  bool skipped_ = false;     // this iteration skipped entries of order_ (and did not diverge)
+  bool kept_order_ = false;  // the last BeginIteration kept order_ over a skipping recording
   bool tracing_ = true;
   bool cyclic_ = false;
   ComputeStream stream_ = kHostStream;

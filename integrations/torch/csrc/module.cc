@@ -341,6 +341,7 @@ class PySession {
     d["acquires"] = s.acquires;
     d["iterations"] = s.iterations;
     d["diverged"] = s.diverged;
+    d["resynced"] = s.resynced;
     d["device_waits"] = s.device_waits;
     // Where each chunk group's optimizer steps (decided at the first applied step).
     py::dict opt;
