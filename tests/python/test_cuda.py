@@ -152,3 +152,40 @@ def test_cuda_stress_many_steps_small_budget_nvme_and_a_side_stream(tmp_path):
     st = rt.stats()
     assert st["evictions"] > 0 and st["bytes_moved"].get("nvme->host", 0) > 0, st
     assert not rt.timeline_peaks()["over_budget"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_GPU, reason="needs a GPU and a CUDA build of tiermem")
+def test_cuda_deferred_updates_equal_updates_inside_step_across_stream_changes():
+    # optimizer_overlap: next-forward on the GPU: some groups update with the CUDA kernels on
+    # the device, queued on torch's stream at the next forward — which here alternates between
+    # the default stream and a side stream every step (the update of step k runs on the stream
+    # of step k+1). Bit for bit the run with every update inside step() ("off").
+    data = [(x.cuda(), y.cuda()) for x, y in batches(10)]
+    base = {"host": "1GiB", "device_kind": "cuda", "chunk_size": 4096,
+            "optimizer": {"lr": 1e-3, "weight_decay": 0.01}}
+    budget = placement_budget(chunk_total(base))
+    side = torch.cuda.Stream()
+    out = {}
+    for overlap in ("off", "next-forward"):
+        _, ours = make_pair()
+        model, opt = tiermem.initialize(ours, dict(base, device=budget,
+                                                   optimizer_overlap=overlap))
+        rt = tiermem.runtime_of(model)
+        losses = []
+        for i, (x, y) in enumerate(data):
+            stream = side if i % 2 else torch.cuda.current_stream()
+            stream.wait_stream(torch.cuda.default_stream())
+            with torch.cuda.stream(stream):
+                opt.zero_grad()
+                loss = model(x, y)
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+            torch.cuda.default_stream().wait_stream(stream)
+        assert rt.stats()["optimizer"]["device_groups"], "no group updated on the device"
+        out[overlap] = (losses, {k: v.cpu() for k, v in model.state_dict().items()})
+        rt.close()
+    assert out["off"][0] == out["next-forward"][0]
+    for k, v in out["off"][1].items():
+        assert torch.equal(v, out["next-forward"][1][k]), k

@@ -502,6 +502,7 @@ class TiermemRuntime:
                         i = self._fwd_pos.get(u.index)
                         if i is not None and i + 1 < len(self._fwd_units):
                             groups += self.units[self._fwd_units[i + 1]].groups
+                    self._on_stream()  # device-placed updates queue on torch's stream
                     self.s.finish_steps(groups)
                 self.s.moment(label, 0, u.index)
                 pins = []
