@@ -842,7 +842,9 @@ Status Session::ExecutePlanFrom(const planners::Trace& trace, int64_t iteration)
   o.start = &start;
   o.homes = &homes;
   o.place_optimizer = false;    // the session steps where OptimizerTier says
-  o.overlap_optimizer = false;  // the step runs after the backward
+  // Updates run where the trace has them (after the backward, or deferred into the next
+  // forward): the runtime does not overlap them with the backward.
+  o.overlap_optimizer = false;
   // "offload": the binding offloads whole units' activations to the host as the plan says
   // (it does not recompute); otherwise they stay where torch keeps them.
   o.activation_policy = config_.activations == "offload";
