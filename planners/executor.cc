@@ -198,7 +198,8 @@ Status Executor::FreeAt(TierKind t, Bytes bytes, uint64_t at) {
 }
 
 uint64_t Executor::Copy(TierKind src, TierKind dst, Bytes bytes, uint64_t at, uint32_t tag) {
-  Lane& lane = lanes_[Idx(src)][Idx(dst)];
+  const auto [ls, ld] = MachineModel::LaneOf(src, dst);
+  Lane& lane = lanes_[ls][ld];
   const uint64_t start = std::max(at, lane.free_at);
   const uint64_t end = start + machine_->CopyNs(src, dst, bytes);
   lane.free_at = end;

@@ -86,6 +86,12 @@ std::vector<std::string> MachineModel::FillMissingLinks() {
   return filled;
 }
 
+std::pair<int, int> MachineModel::LaneOf(TierKind src, TierKind dst) {
+  constexpr int kNvmeLane = static_cast<int>(TierKind::kNvme);
+  if (src == TierKind::kNvme || dst == TierKind::kNvme) return {kNvmeLane, kNvmeLane};
+  return {static_cast<int>(src), static_cast<int>(dst)};
+}
+
 uint64_t MachineModel::CopyNs(TierKind src, TierKind dst, Bytes bytes) const {
   const LinkRate& l = Link(src, dst);
   return l.latency_ns +

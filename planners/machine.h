@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 #include <string_view>
+#include <utility>
 
 #include "planners/trace.h"
 #include "runtime/base/status.h"
@@ -39,6 +40,11 @@ struct MachineModel {
   }
   // Nanoseconds one copy of `bytes` occupies the (src, dst) lane. Requires a rate > 0.
   uint64_t CopyNs(TierKind src, TierKind dst, Bytes bytes) const;
+  // The lane a (src, dst) copy occupies, as [src][dst] indices: every copy to or from NVMe
+  // shares one lane, the disk's (reads and writes time-share it: mixed reads and writes
+  // together reach about one direction's rate, docs/benchmarks.md "NVMe inside a training
+  // step"); device<->host pairs have a lane per direction (copy engines).
+  static std::pair<int, int> LaneOf(TierKind src, TierKind dst);
 
   // Fills device<->NVMe links that have no rate from the host legs.
   void DeriveNvmeLinks();

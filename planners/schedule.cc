@@ -123,7 +123,8 @@ StatusOr<Schedule> MakeSchedule(const ScheduleInput& in) {
   };
   std::array<std::array<uint64_t, kNumTierKinds>, kNumTierKinds> lane{};  // demand-pass clocks
   auto writeback_end = [&](auto& clocks, int tier, ChunkId c, int64_t at) {
-    uint64_t& clock = clocks[tier][static_cast<int>(in.homes[c])];
+    const auto [ls, ld] = MachineModel::LaneOf(static_cast<TierKind>(tier), in.homes[c]);
+    uint64_t& clock = clocks[ls][ld];
     clock = std::max(clock, t_at[at]) +
             in.machine->CopyNs(static_cast<TierKind>(tier), in.homes[c], trace.chunks[c].bytes);
     return clock;
