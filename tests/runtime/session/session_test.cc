@@ -772,6 +772,47 @@ TEST(SessionNvme, OptimizerStateSpillsToNvmeFirstAndTrainingMatches) {
   std::filesystem::remove_all(dir);
 }
 
+// A deferred update that meets a failing disk (here: the NVMe file overwritten behind the
+// session's back, so the chunk checksums fail) returns the error from the call that ran it,
+// naming the group and the deferral; the group is not stepped (its step counts stay).
+TEST(SessionNvme, ADeferredUpdateThatFailsSaysSoAndLeavesTheGroupUnstepped) {
+  const std::string dir = TempDir();
+  auto s = MakeNvmeSpill(dir);
+  ASSERT_TRUE(s);
+  for (size_t t = 0; t < 8; ++t) {
+    ASSERT_THAT(s->WriteParam(t, Random(16384, t).data()), IsOk());
+  }
+  for (int step = 0; step < 2; ++step) {
+    for (size_t t = 0; t < 8; ++t) SetGrad(*s, t, Random(16384, 300 + 10 * step + t));
+    ASSERT_TRUE(s->Step({GroupHyper{}}).ok());
+    EXPECT_EQ(s->pending_steps(), 8u);
+    if (step == 0) ASSERT_THAT(s->FinishSteps(), IsOk());
+  }
+  ASSERT_EQ(s->Home(0, ChunkKind::kExpAvgSq), TierKind::kNvme);
+  ASSERT_NE(s->Resident(0, ChunkKind::kExpAvgSq), TierKind::kHost);  // must be read from disk
+  // The tier's file is unnamed (O_TMPFILE): reach it through this process's descriptors.
+  int overwritten = 0;
+  for (const auto& f : std::filesystem::directory_iterator("/proc/self/fd")) {
+    std::error_code ec;
+    const std::string target = std::filesystem::read_symlink(f.path(), ec).string();
+    if (ec || target.rfind(dir + "/", 0) != 0) continue;
+    std::fstream io(f.path(), std::ios::in | std::ios::out | std::ios::binary);
+    const std::string junk(16 << 20, '\x5a');
+    io.write(junk.data(), static_cast<std::streamsize>(junk.size()));
+    overwritten += io.good();
+  }
+  ASSERT_GT(overwritten, 0);
+  sync();
+  const Status st = s->FinishStep(0);
+  EXPECT_EQ(st.code(), StatusCode::kDataLoss) << st.ToString();  // the chunk's checksum
+  EXPECT_NE(st.message().find("chunk group 0"), std::string::npos) << st.ToString();
+  EXPECT_NE(st.message().find("deferred"), std::string::npos) << st.ToString();
+  EXPECT_EQ(s->step_count(0), 1);  // step 2 did not happen for it
+  EXPECT_EQ(s->pending_steps(), 7u);
+  s.reset();
+  std::filesystem::remove_all(dir);
+}
+
 TEST(SessionTimeline, TemporaryTimelineGoesAwayAtCloseAConfiguredOneStays) {
   const std::string dir = TempDir();
   auto s = Make({{"device", "1MiB"}}, kThree);
