@@ -83,7 +83,7 @@ class Bounce;
 // hold some waits for them (they come back when those finish) instead of failing.
 struct StagingPool {
   explicit StagingPool(Tier* t) : tier(t) {}
-  Tier* const tier;
+  Tier* const tier;  // null: the mover has no staging tier (bounces fail at once)
   std::mutex mu;
   int holders = 0;                                // GUARDED_BY(mu) bounces holding slots
   std::vector<std::shared_ptr<Bounce>> waiting;   // GUARDED_BY(mu) started again at a Finish
@@ -208,7 +208,6 @@ class MoverImpl final : public Mover {
  public:
   MoverImpl(const MoverConfig& config, Tier* staging, TimelineRecorder* recorder)
       : config_(config),
-        staging_(staging),
         pool_(std::make_shared<StagingPool>(staging)),
         recorder_(recorder),
         arena_(config.memcpy_threads > 0 ? config.memcpy_threads
@@ -234,7 +233,7 @@ class MoverImpl final : public Mover {
     }
     if (req.bytes == 0) return Completion::Done(OkStatus());
     const bool bounce = !src_host && !dst_host;
-    if (bounce && (staging_ == nullptr || staging_->kind() != TierKind::kHost)) {
+    if (bounce && (pool_->tier == nullptr || pool_->tier->kind() != TierKind::kHost)) {
       return Completion::Done(FailedPreconditionError(
           "mover: " + req.src.tier->name() + " -> " + req.dst.tier->name() +
           " needs host staging slots, and the mover has no host staging tier"));
@@ -350,8 +349,7 @@ class MoverImpl final : public Mover {
 
   const MoverConfig config_;
   const std::shared_ptr<Counters> counters_ = std::make_shared<Counters>();
-  Tier* const staging_;
-  const std::shared_ptr<StagingPool> pool_;  // staging_'s slots, shared with the bounces
+  const std::shared_ptr<StagingPool> pool_;  // the staging tier's slots, shared with the bounces
   TimelineRecorder* const recorder_;
   tbb::task_arena arena_;
   std::atomic<uint64_t> next_copy_id_{1};
