@@ -1,4 +1,5 @@
-"""Examples and benchmarks; ``timed_step`` is the one training step the benchmarks time."""
+"""Examples and benchmarks; ``timed_step`` is the one training step the benchmarks time,
+``bench_gpt`` the model and data they train."""
 import time
 
 
@@ -10,3 +11,16 @@ def timed_step(model, opt, x, y):
     loss.backward()
     opt.step()
     return loss.item(), time.perf_counter() - t0
+
+
+def bench_gpt(layers, width, batch, steps, block=64):
+    """The benchmarks' GPT (vocabulary 256, a head per 64 channels; seed 0) and `steps`
+    synthetic batches of `batch` x `block` tokens (seed 1): (model, batches)."""
+    import torch
+
+    from tiermem.examples.gpt import GPT, GPTConfig, synthetic_batches
+    c = GPTConfig(vocab_size=256, block_size=block, n_layer=layers, n_head=max(1, width // 64),
+                  n_embd=width)
+    torch.manual_seed(0)
+    model = GPT(c)
+    return model, list(synthetic_batches(c, batch, steps, seed=1))

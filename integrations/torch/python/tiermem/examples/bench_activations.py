@@ -24,8 +24,7 @@ import statistics
 import torch
 
 import tiermem
-from tiermem.examples import timed_step
-from tiermem.examples.gpt import GPT, GPTConfig, synthetic_batches
+from tiermem.examples import bench_gpt, timed_step
 
 _MODES = ("torch", "offload-auto", "offload-off", "outside")
 
@@ -44,11 +43,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.steps < 5:
         ap.error("--steps must be >= 5 (2 warm-up, 1 recorded, then planned steps)")
-    c = GPTConfig(vocab_size=256, block_size=a.block, n_layer=a.layers,
-                  n_head=max(1, a.width // 64), n_embd=a.width)
-    torch.manual_seed(0)
-    base = GPT(c)
-    data = list(synthetic_batches(c, a.batch, a.steps, seed=1))
+    base, data = bench_gpt(a.layers, a.width, a.batch, a.steps, block=a.block)
     opt_args = dict(lr=1e-3, weight_decay=0.01)
 
     def cfg(activations, plan):

@@ -36,7 +36,7 @@ import torch
 
 import tiermem
 from tiermem.examples.fio import fio_rates
-from tiermem.examples.gpt import GPT, GPTConfig, synthetic_batches
+from tiermem.examples import bench_gpt
 
 
 def nvme_io(rt):
@@ -74,10 +74,8 @@ def main(argv=None):
 def run(a, workdir):
     if a.threads:
         torch.set_num_threads(a.threads)
-    torch.manual_seed(0)
-    c = GPTConfig(vocab_size=256, block_size=64, n_layer=a.layers, n_head=max(1, a.width // 64),
-                  n_embd=a.width)
-    model = GPT(c)
+    total = a.warmup + a.rounds * a.steps
+    model, batches = bench_gpt(a.layers, a.width, 8, total)
     n = sum(p.numel() for p in model.parameters())
     config = {"device": a.device, "host": a.host,
               "nvme": {"path": os.path.join(workdir, "nvme"), "size": a.nvme_size},
@@ -85,8 +83,7 @@ def run(a, workdir):
     os.makedirs(config["nvme"]["path"])
     model, opt = tiermem.initialize(model, config)
     rt = tiermem.runtime_of(model)
-    total = a.warmup + a.rounds * a.steps
-    data = iter(synthetic_batches(c, 8, total, seed=1))
+    data = iter(batches)
 
     def steps(k):
         t0 = time.perf_counter()

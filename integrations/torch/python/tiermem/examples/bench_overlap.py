@@ -23,8 +23,7 @@ import tempfile
 import torch
 
 import tiermem
-from tiermem.examples import timed_step
-from tiermem.examples.gpt import GPT, GPTConfig, synthetic_batches
+from tiermem.examples import bench_gpt, timed_step
 
 MODES = ("next-forward", "off")
 
@@ -46,11 +45,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.steps < 5:
         ap.error("--steps must be >= 5 (3 are warm-up)")
-    c = GPTConfig(vocab_size=256, block_size=64, n_layer=a.layers, n_head=max(1, a.width // 64),
-                  n_embd=a.width)
-    torch.manual_seed(0)
-    base = GPT(c)
-    data = list(synthetic_batches(c, a.batch, a.steps, seed=1))
+    base, data = bench_gpt(a.layers, a.width, a.batch, a.steps)
     root = a.dir or tempfile.mkdtemp(prefix="tiermem-bench-overlap-")
     systems = {}
     try:
