@@ -178,8 +178,8 @@ constexpr std::initializer_list<const char*> kPlanModes = {"off", "auto"};
 constexpr std::initializer_list<const char*> kPlacements = {"auto", "host"};
 constexpr std::initializer_list<const char*> kOverlaps = {"next-forward", "off"};
 constexpr std::initializer_list<const char*> kCheckpointIo = {"auto", "direct", "buffered"};
-constexpr std::initializer_list<const char*> kActivationModes = {"outside", "budget",
-                                                                     "offload"};
+constexpr std::initializer_list<const char*> kActivationModes = {"outside", "budget", "offload",
+                                                                     "recompute", "auto"};
 
 Status ApplyJson(const json& config, SessionConfig* c, bool* nvme_given) {
   TIERMEM_RETURN_IF_ERROR(CheckKeys(config, kTopKeys, "config"));

@@ -32,11 +32,15 @@
 //   write_behind                                   true        background write-back (engine.h)
 //   plan            TIERMEM_PLAN                   off         off | auto: plan from a warm-up
 //                                                              iteration and execute the plan
-//   activations     TIERMEM_ACTIVATIONS            outside     outside | budget | offload: the
-//                                                              bindings count saved activations
-//                                                              in the device budget (offload:
-//                                                              and move them to host memory
-//                                                              when the device is short)
+//   activations     TIERMEM_ACTIVATIONS            outside     outside | budget | offload |
+//                                                              recompute | auto: the bindings
+//                                                              count saved activations in the
+//                                                              device budget (offload: and move
+//                                                              them to host memory when the
+//                                                              device is short; recompute:
+//                                                              units recompute them in the
+//                                                              backward; auto: the executed
+//                                                              plan picks per unit)
 //   optimizer_placement TIERMEM_OPTIMIZER_PLACEMENT auto    auto | host: auto steps a chunk
 //                                                              group on the device when its
 //                                                              optimizer state fits next to
@@ -109,7 +113,10 @@ struct SessionConfig {
   // "outside": saved activations are torch's, outside the device budget; "budget": the
   // bindings count them in it (SetExternalDeviceBytes), and plans account for them;
   // "offload": counted too, and the binding offloads units' activations to host memory
-  // (SetExternalHostBytes) when the device cannot hold them.
+  // (SetExternalHostBytes) when the device cannot hold them; "recompute": counted, and every
+  // unit that contains no other unit drops what its forward saves and recomputes it in its
+  // backward (activation checkpointing per unit); "auto": counted, and an executed plan chooses
+  // per unit keep / offload / recompute (without one, or off it: offload).
   std::string activations = "outside";
   // "auto": chunk groups whose optimizer state fits the device next to the training working
   // set step there (the CUDA kernels on CUDA, the CPU kernels on SimDevice's memory); "host":

@@ -93,12 +93,18 @@ void PlanRunner::Issue(int64_t planned_moment) {
   }
 }
 
-bool PlanRunner::OffloadsUnit(uint32_t unit) const {
+bool PlanRunner::UnitIs(uint32_t unit, planners::ActivationPolicy policy) const {
   if (!following()) return false;
   for (const planners::UnitPlan& u : plan_->units) {
-    if (u.unit == unit) return u.policy == planners::ActivationPolicy::kOffload;
+    if (u.unit == unit) return u.policy == policy;
   }
   return false;
+}
+bool PlanRunner::OffloadsUnit(uint32_t unit) const {
+  return UnitIs(unit, planners::ActivationPolicy::kOffload);
+}
+bool PlanRunner::RecomputesUnit(uint32_t unit) const {
+  return UnitIs(unit, planners::ActivationPolicy::kRecompute);
 }
 
 std::vector<uint32_t> PlanRunner::TakeActivationFetches() {

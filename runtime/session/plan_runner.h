@@ -17,7 +17,8 @@
 //
 // Activations (a plan made with an activation policy): the binding moves saved activations,
 // not the engine, so the runner only tells it what the plan decided — which units' activations
-// go to the host after their forward (OffloadsUnit) and, per moment, whose come back
+// go to the host after their forward (OffloadsUnit), which units drop theirs and recompute
+// them in the backward (RecomputesUnit) and, per moment, whose come back
 // (TakeActivationFetches) — while the iteration follows the plan.
 //
 // A moment the trace recorder split (a chunk accessed on a second tier within one moment
@@ -63,9 +64,10 @@ class PlanRunner {
   void Access(ChunkId chunk, TierKind tier);
   void SetPaused(bool paused) { paused_ = paused; }
   // While following the plan: whether it offloads `unit`'s saved activations after its
-  // forward; the units whose offloaded activations the moments issued since the last call
-  // fetch back (cleared by the call).
+  // forward, or recomputes them in its backward; the units whose offloaded activations the
+  // moments issued since the last call fetch back (cleared by the call).
   bool OffloadsUnit(uint32_t unit) const;
+  bool RecomputesUnit(uint32_t unit) const;
   bool following() const { return active() && in_iteration_ && !diverged_ && !paused_; }
   std::vector<uint32_t> TakeActivationFetches();
   // Whether the current iteration has diverged from the plan.
@@ -74,6 +76,7 @@ class PlanRunner {
 
  private:
   void Issue(int64_t planned_moment);
+  bool UnitIs(uint32_t unit, planners::ActivationPolicy policy) const;
   void Diverge();
   void Open(std::string_view label, planners::MomentKind kind);
 

@@ -845,10 +845,11 @@ Status Session::ExecutePlanFrom(const planners::Trace& trace, int64_t iteration)
   // Updates run where the trace has them (after the backward, or deferred into the next
   // forward): the runtime does not overlap them with the backward.
   o.overlap_optimizer = false;
-  // "offload": the binding offloads whole units' activations to the host as the plan says
-  // (it does not recompute); otherwise they stay where torch keeps them.
-  o.activation_policy = config_.activations == "offload";
-  o.allow_recompute = false;
+  // "offload": the binding offloads whole units' activations to the host as the plan says;
+  // "auto": it also recomputes the units the plan recomputes. Otherwise they stay where the
+  // binding keeps them ("recompute": every unit recomputes, whatever a plan would choose).
+  o.activation_policy = config_.activations == "offload" || config_.activations == "auto";
+  o.allow_recompute = config_.activations == "auto";
   if (iteration > 0) o.earlier_iteration = iteration - 1;
   // SimDevice's copies are memcpys on the same CPU cores as the compute, which the machine
   // model (copy lanes concurrent with compute) does not see: fewest bytes is the right goal

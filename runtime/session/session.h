@@ -291,10 +291,12 @@ class Session {
   // stream's work so far.
   StatusOr<Region> AllocateScratch(TierKind tier, Bytes bytes);
   Status FreeScratch(TierKind tier, const Region& region);
-  // activations: offload, while an executed plan is followed (plan_runner.h, "Activations"):
-  // whether the plan offloads `unit`'s saved activations after its forward, and the units
-  // whose activations the moments since the last call fetch back.
+  // activations: offload / auto, while an executed plan is followed (plan_runner.h,
+  // "Activations"): whether the plan offloads `unit`'s saved activations after its forward
+  // (or, auto, recomputes them in its backward), and the units whose activations the moments
+  // since the last call fetch back.
   bool PlanOffloadsUnit(uint32_t unit) const { return runner_.OffloadsUnit(unit); }
+  bool PlanRecomputesUnit(uint32_t unit) const { return runner_.RecomputesUnit(unit); }
   bool PlanFollowed() const { return runner_.following(); }
   std::vector<uint32_t> TakeActivationFetches() { return runner_.TakeActivationFetches(); }
   Status Synchronize();

@@ -174,10 +174,13 @@ def test_the_activation_offload_benchmark_runs_and_holds_the_budget(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["activation_bytes_per_step"] > 3 * 2 ** 20  # more than the device budget
     assert out["budget_mode"].startswith("tiermem: the activations")
-    for m in ("offload-auto", "offload-off"):
+    for m in ("offload-auto", "offload-off", "recompute", "auto-auto"):
         d = out["device_peak"][m]
         assert not d["over_budget"] and d["chunks_and_activations"] <= 3 * 2 ** 20, d
+    for m in ("offload-auto", "offload-off"):
         assert out["offloaded_bytes_per_step"][m] > 0
+    assert out["recomputed_units_per_step"]["recompute"] >= 2  # the blocks
+    assert out["offloaded_bytes_per_step"]["recompute"] == 0
     assert out["loss_max_rel_diff_vs_torch"] < 1e-5
 
 
@@ -209,11 +212,13 @@ class _Stack(torch.nn.Module):
 
 
 @pytest.mark.parametrize("what", ["activation", "weight"])
-@pytest.mark.parametrize("acts", ["outside", "budget", "offload"])
+@pytest.mark.parametrize("acts", ["outside", "budget", "offload", "recompute"])
 def test_in_place_changes_to_saved_tensors_raise_as_in_torch(acts, what):
     # torch skips its version check for tensors that pass through saved-tensor hooks; the
     # hooks check it instead, so tiermem raises where torch does instead of using the
-    # modified values (a silently wrong gradient).
+    # modified values (a silently wrong gradient). Recomputed, the activation is checked
+    # after its recompute (which modifies it again); a forward that writes its weights in
+    # place cannot be recomputed at all (the write would happen twice): refused at once.
     torch.manual_seed(0)
     ref = _Stack(what)
     ours = copy.deepcopy(ref)
@@ -222,22 +227,210 @@ def test_in_place_changes_to_saved_tensors_raise_as_in_torch(acts, what):
         ref(x).backward()
     model, opt = tiermem.initialize(ours, config(3_000_000, activations=acts, host="64MiB"))
     assert not tiermem.runtime_of(model)._resident
+    if acts == "recompute" and what == "weight":
+        with pytest.raises(RuntimeError, match=r"unit 'blocks.2' writes its parameters in place"):
+            model(x)
+        return
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         model(x).backward()
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_offloaded_low_precision_activations_give_the_same_losses(precision):
-    # Mixed precision saves bf16/fp16 tensors: offloaded and back, byte for byte, so the run
-    # equals the same run with activations outside the budget.
+    # Mixed precision saves bf16/fp16 tensors: offloaded and back, byte for byte, or
+    # recomputed from the same bf16/fp16 chunks, so the run equals the same run with
+    # activations outside the budget.
     data = batches(5, batch=32)
     runs = {}
-    for acts, budget in (("outside", 1_200_000), ("offload", 1_200_000)):
+    for acts in ("outside", "offload", "recompute"):
         _, ours = make_pair()
-        model, opt = tiermem.initialize(ours, config(budget, activations=acts, host="256MiB",
+        model, opt = tiermem.initialize(ours, config(1_200_000, activations=acts, host="256MiB",
                                                      precision=precision))
         runs[acts] = train_steps(model, opt, data)
+        st = tiermem.runtime_of(model).stats().get("activations")
         if acts == "offload":
-            st = tiermem.runtime_of(model).stats()["activations"]
             assert st["offloaded_bytes"] > 0, st
+        if acts == "recompute":
+            assert st["recomputed_units"] > 0 and st["offloaded_bytes"] == 0, st
     assert runs["offload"] == runs["outside"]
+    assert runs["recompute"] == runs["outside"]
+
+
+# ---- activations: recompute / auto ---------------------------------------------------------
+def test_recomputed_activations_train_exactly_within_a_budget_below_them():
+    # 3.5 MB of saved activations per step against a 2.4 MB device budget: kept, they cannot
+    # fit; recomputed, the device holds the blocks' inputs and one unit's recomputed
+    # activations at a time. Bit for bit the reference, and nothing goes to the host.
+    ref, ours = make_pair()
+    data = batches(8, batch=32)
+    ref_losses = train_steps(ref, KernelAdamW(ref.parameters(), lr=1e-3, weight_decay=0.01),
+                             data)
+    budget = 2_400_000
+    model, opt = tiermem.initialize(ours, config(budget, activations="recompute",
+                                                 host="256MiB"))
+    rt, act, _ = trains_exactly_within_the_budget(model, opt, ref, ref_losses, data, budget)
+    st = rt.stats()["activations"]
+    blocks = len(ref.blocks)  # the units that contain no other unit and save activations
+    assert st["recomputed_units"] >= blocks * len(data), st
+    assert st["recomputed_bytes"] > 8 * 1_000_000 and st["offloaded_bytes"] == 0, st
+    assert 0 < act < budget and host_activation_peak(rt) == 0
+    # The timeline shows where the time went: a 'recompute' phase inside the backward.
+    phases = {e[8] for e in rt.timeline_events() if e[8]}
+    assert "recompute" in phases, sorted(phases)
+    # Kept (counted, not recomputed), the same budget cannot hold them.
+    _, ours2 = make_pair()
+    m2, o2 = tiermem.initialize(ours2, config(budget, host="256MiB"))
+    with pytest.raises(MemoryError, match=r"activations"):
+        train_steps(m2, o2, data[:1])
+
+
+@pytest.mark.parametrize("plan", ["off", "auto"])
+def test_a_plan_chooses_recompute_or_offload_per_unit_and_trains_exactly(plan):
+    # activations: auto — without a plan (and during the warm-up) units offload as
+    # 'offload' does; an executed plan recomputes the units it chose (the SimDevice plan
+    # minimises bytes moved, so recomputing wins there) and the runtime executes that choice.
+    ref, ours = make_pair()
+    data = batches(8, batch=32)
+    ref_losses = train_steps(ref, KernelAdamW(ref.parameters(), lr=1e-3, weight_decay=0.01),
+                             data)
+    budget = 2_400_000
+    model, opt = tiermem.initialize(ours, config(budget, plan=plan, activations="auto",
+                                                 host="256MiB"))
+    rt, act, _ = trains_exactly_within_the_budget(model, opt, ref, ref_losses, data, budget)
+    st = rt.stats()["activations"]
+    assert st["offloaded_bytes"] > 0, st  # the warm-up iteration (and plan off: every one)
+    if plan == "auto":
+        p = rt.stats()["plan"]
+        assert p["active"] and p["divergences"] == 0 and p["followed_iterations"] >= 4, p
+        assert st["recomputed_units"] >= p["followed_iterations"], st
+    else:
+        assert st["recomputed_units"] == 0, st
+
+
+def test_recomputed_torch_modules_with_dropout_match_plain_torch():
+    # The recompute replays the RNG of the first run: nn.TransformerEncoder with dropout
+    # gives plain torch's losses and weights bit for bit (and leaves the RNG where torch's
+    # run leaves it: the next step's dropout masks agree too).
+    torch.manual_seed(3)
+    layer = torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.1, batch_first=True)
+    ref = torch.nn.Sequential(torch.nn.TransformerEncoder(layer, 4, enable_nested_tensor=False),
+                              torch.nn.Linear(64, 8))
+    ours = copy.deepcopy(ref)
+    g = torch.Generator().manual_seed(4)
+    data = [(torch.randn(16, 32, 64, generator=g), torch.randint(0, 8, (16, 32), generator=g))
+            for _ in range(5)]
+
+    def loop(model, opt):
+        torch.manual_seed(11)
+        out = []
+        for x, y in data:
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss.backward()
+            opt.step()
+            out.append(loss.item())
+        return out
+
+    want = loop(ref, KernelAdamW(ref.parameters(), lr=1e-3, weight_decay=0.01))
+    nbytes = sum(p.numel() for p in ref.parameters()) * 16
+    model, opt = tiermem.initialize(ours, config(nbytes // 2 + 4_000_000, activations="recompute",
+                                                 host="256MiB"),
+                                    units=[torch.nn.TransformerEncoderLayer, torch.nn.Linear])
+    rt = tiermem.runtime_of(model)
+    assert loop(model, opt) == want
+    assert rt.stats()["activations"]["recomputed_units"] >= 4 * 5  # the encoder layers
+    assert not rt.timeline_peaks()["over_budget"]
+    for k, v in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+
+
+class _Moody(torch.nn.Module):
+    """A forward that does not run the same way twice: every other call skips a sigmoid."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(64, 64)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        y = self.lin(x)
+        return y.sigmoid() if self.calls % 2 else y
+
+
+def test_a_forward_that_runs_differently_when_recomputed_raises():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Moody(), torch.nn.Linear(64, 1))
+    model, opt = tiermem.initialize(model, config(3_000_000, activations="recompute"))
+    loss = model(torch.randn(8, 64)).sum()
+    # (x needs no grad: the Linear saves x only; the sigmoid its output, the one that goes.)
+    with pytest.raises(RuntimeError, match=r"recomputing unit '0'.*saved 1 tensors for backward "
+                                           r"where its forward saved 2"):
+        loss.backward()
+
+
+def test_an_input_changed_in_place_after_the_forward_raises_as_in_torch():
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 1))
+    ours = copy.deepcopy(ref)
+    for m, acts in ((ref, None), (ours, "recompute")):
+        if acts:
+            m, _ = tiermem.initialize(m, config(3_000_000, activations=acts))
+        x = torch.randn(8, 64)
+        loss = m(x).sum()
+        x.mul_(2)  # the first Linear saved x (for its weight's gradient)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.lin(x * 2).sigmoid()  # saves x * 2 and the sigmoid's output, not x
+
+
+def test_an_input_changed_after_the_forward_that_torch_does_not_need_raises_when_recomputed():
+    # Plain torch does not save x here, so changing it after the forward is harmless there;
+    # a recompute would start from the changed x: tiermem refuses instead of computing with it.
+    torch.manual_seed(0)
+    model, opt = tiermem.initialize(torch.nn.Sequential(_Scaled(), torch.nn.Linear(64, 1)),
+                                    config(3_000_000, activations="recompute"))
+    x = torch.randn(8, 64)
+    loss = model(x).sum()
+    x.add_(1)
+    with pytest.raises(RuntimeError, match=r"modified by an inplace operation: an input of unit "
+                                           r"'0' \(recomputed in the backward"):
+        loss.backward()
+
+
+def test_a_kv_cache_with_recompute_is_refused_before_anything_runs():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=3, n_head=2,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    ref = transformers.GPT2LMHeadModel(cfg)
+    ours = copy.deepcopy(ref)
+    ids = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(1))
+    budget = sum(p.numel() for p in ref.parameters()) * 16 // 3 + 1_000_000
+    model, opt = tiermem.initialize(ours, config(budget, activations="recompute",
+                                                 host="256MiB",
+                                                 optimizer={"lr": 2e-3, "weight_decay": 0.01}))
+    with pytest.raises(ValueError, match=r"use_cache=False"):
+        model(input_ids=ids, labels=ids, use_cache=True)
+    # Refused before it ran: training with use_cache=False equals the plain model's.
+    ropt = KernelAdamW(ref.parameters(), lr=2e-3, weight_decay=0.01)
+    for m, o in ((ref, ropt), (model, opt)):
+        m.losses = []
+        for _ in range(4):
+            o.zero_grad()
+            loss = m(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            o.step()
+            m.losses.append(loss.item())
+    assert model.losses == ref.losses
+    assert tiermem.runtime_of(model).stats()["activations"]["recomputed_units"] >= 4 * 3
+    for k, v in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k

@@ -189,3 +189,44 @@ def test_cuda_deferred_updates_equal_updates_inside_step_across_stream_changes()
     assert out["off"][0] == out["next-forward"][0]
     for k, v in out["off"][1].items():
         assert torch.equal(v, out["next-forward"][1][k]), k
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_GPU, reason="needs a GPU and a CUDA build of tiermem")
+def test_cuda_recomputed_activations_with_dropout_equal_kept_ones():
+    # activations: recompute on the GPU: the recompute restores the CUDA RNG state of the
+    # first run (dropout masks) and runs on torch's stream; bit for bit the run that keeps
+    # every activation (outside), at a device budget below the activations.
+    torch.manual_seed(3)
+    layer = torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.1, batch_first=True)
+    base = torch.nn.Sequential(torch.nn.TransformerEncoder(layer, 4, enable_nested_tensor=False),
+                               torch.nn.Linear(64, 8))
+    g = torch.Generator().manual_seed(4)
+    data = [(torch.randn(64, 64, 64, generator=g).cuda(),
+             torch.randint(0, 8, (64, 64), generator=g).cuda()) for _ in range(6)]
+    nbytes = sum(p.numel() for p in base.parameters()) * 16
+    out = {}
+    import copy
+    for acts in ("outside", "recompute"):
+        model, opt = tiermem.initialize(
+            copy.deepcopy(base), {"device": nbytes // 2 + 16_000_000, "host": "1GiB",
+                                  "device_kind": "cuda", "activations": acts,
+                                  "optimizer": {"lr": 1e-3, "weight_decay": 0.01}},
+            units=[torch.nn.TransformerEncoderLayer, torch.nn.Linear])
+        rt = tiermem.runtime_of(model)
+        torch.manual_seed(11)
+        losses = []
+        for x, y in data:
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        if acts == "recompute":
+            assert rt.stats()["activations"]["recomputed_units"] >= 4 * len(data)
+            assert not rt.timeline_peaks()["over_budget"]
+        out[acts] = (losses, {k: v.cpu() for k, v in model.state_dict().items()})
+        rt.close()
+    assert out["recompute"][0] == out["outside"][0]
+    for k, v in out["outside"][1].items():
+        assert torch.equal(v, out["recompute"][1][k]), k

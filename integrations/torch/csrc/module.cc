@@ -670,6 +670,8 @@ PYBIND11_MODULE(_C, m) {
            [](PySession& s, uint64_t b) { Check(s.s().SetExternalHostBytes(b)); })
       .def("plan_offloads_unit",
            [](const PySession& s, uint32_t u) { return s.s().PlanOffloadsUnit(u); })
+      .def("plan_recomputes_unit",
+           [](const PySession& s, uint32_t u) { return s.s().PlanRecomputesUnit(u); })
       .def_property_readonly("plan_followed",
                              [](const PySession& s) { return s.s().PlanFollowed(); })
       .def("take_activation_fetches",

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from . import _C
+from .recompute import Frame, _RecomputeRef, kv_cache_in
 from .tensor import ChunkTensor, is_view_op, meta_mutating, mutated_args, unwrap
 from .units import find_units, unit_modules
 
@@ -220,7 +221,7 @@ class TiermemRuntime:
         self._bwd_unit = None          # the unit the backward's current moment belongs to
         # activations: budget — bytes of non-chunk tensors saved for backward, per unit (-1:
         # outside every unit), counted in the device budget (the session's external bytes).
-        self._count_act = cfg.activations in ("budget", "offload")
+        self._count_act = cfg.activations in ("budget", "offload", "recompute", "auto")
         self._act_units: dict[int, int] = {}
         self._act_total = 0            # device + host bytes of the activations counted
         self._act_given = 0            # what the session was last told (device)
@@ -231,13 +232,22 @@ class TiermemRuntime:
         # one moment earlier when there is room. The device keeps `_act_cap` bytes at most:
         # its budget less room for the chunks of two units (a backward holds the current
         # unit's compute and grad chunks while the next one's arrive).
-        self._offload_act = cfg.activations == "offload"
+        self._offload_act = cfg.activations in ("offload", "auto")
+        # activations: recompute — every unit that contains no other unit keeps only its inputs
+        # and recomputes what its forward saved in its backward (recompute.py); auto — the
+        # units an executed plan recomputes, the others as 'offload'.
+        self._recompute_all = cfg.activations == "recompute"
+        self._recompute_planned = cfg.activations == "auto"
+        self._rc_frames: dict[int, list] = {}  # unit -> its frames holding recomputed values
+        self._rc_inputs: set = set()           # storages kept as recomputed units' inputs
+        self._recomputing = None               # the unit being recomputed now
         self._act_saved: dict[int, _Saved] = {}   # device data_ptr -> its _Saved (forward)
         self._act_by_unit: dict[int, list] = {}   # unit -> its _Saved, in save order
         self._act_order: list[int] = []           # units in the order they first saved
         self._act_host = 0                        # tracked bytes offloaded now
         self._act_host_given = 0
-        self._act_stats = {"offloaded_bytes": 0, "fetched_bytes": 0, "sync_fetches": 0}
+        self._act_stats = {"offloaded_bytes": 0, "fetched_bytes": 0, "sync_fetches": 0,
+                           "recomputed_units": 0, "recomputed_bytes": 0}
         self._active_units: list = []
         self._root_depth = 0
         self._handles: list = []
@@ -372,7 +382,10 @@ class TiermemRuntime:
             u.depth = 0
             u.pins = []
             u.pushed = []
-            _wrap_forward(u.module, self._unit_enter(u), self._unit_exit(u), self._wrapped)
+            u.frame = None  # the current call's Frame while it recomputes (recompute.py)
+            _wrap_forward(u.module, self._unit_enter(u), self._unit_exit(u), self._wrapped,
+                          cls=_UnitForward)
+            u.inner = u.module.__dict__["forward"].inner  # the forward a recompute runs again
         self._wrap_root()
         # state_dict of any module gives plain tensors.
         for m in {id(m): m for r in self.params for m, _ in r.slots}.values():
@@ -471,10 +484,21 @@ class TiermemRuntime:
     def _unit_enter(self, u):
         label = f"{u.name or type(u.module).__name__}:pre-forward"
 
-        def hook():
-            if self._closed:
-                return None
+        def hook(args, kwargs):
+            if self._closed or self._recomputing is not None:
+                return None  # a recompute runs the unit's own forward, not these hooks
             grad = torch.is_grad_enabled()
+            if grad and self._recompute_all and u.depth == 0 and self._recomputable(u) \
+                    and not self._resident:
+                cache = kv_cache_in(args, kwargs)
+                if cache is not None:
+                    raise ValueError(
+                        f"tiermem: unit {label.split(':')[0]!r} was called with a "
+                        f"{type(cache).__name__} (a KV cache its forward updates in place) "
+                        f"while training with activations 'recompute', which runs the forward "
+                        f"again in the backward and would update the cache twice. Pass "
+                        f"use_cache=False when training (as Hugging Face does for gradient "
+                        f"checkpointing), or use activations 'offload'; the model is unchanged.")
             if grad and not self._in_iteration:
                 self._act_reset()
                 if self._shards is not None and self._fwd_seq:
@@ -547,14 +571,21 @@ class TiermemRuntime:
             self._active_units.append(u)
             pushed = grad and not self._resident
             if pushed:
-                torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
+                if u.depth == 1:
+                    u.frame = self._recompute_frame(u, args, kwargs)
+                if u.frame is not None:  # the unit's saves are recomputed in its backward
+                    pack = functools.partial(self._recompute_pack, u.frame)
+                    torch._C._autograd._push_saved_tensors_default_hooks(pack, self._rc_unpack)
+                else:
+                    torch._C._autograd._push_saved_tensors_default_hooks(self._pack,
+                                                                         self._unpack)
             u.pushed.append(pushed)
             return None
         return hook
 
     def _unit_exit(self, u):
         def hook():
-            if self._closed or not u.pushed:
+            if self._closed or not u.pushed or self._recomputing is not None:
                 return None
             if u.pushed.pop():
                 torch._C._autograd._pop_saved_tensors_default_hooks()
@@ -580,6 +611,15 @@ class TiermemRuntime:
             for g, b in u.pins:
                 self._release(g, self._compute_kind, g in modified, b)
             u.pins = []
+            frame, u.frame = u.frame, None
+            if frame is not None and modified:
+                # Its recompute would write them a second time: refuse before the backward.
+                self._act_abandon()
+                raise RuntimeError(
+                    f"tiermem: the forward of unit {frame.name()!r} writes its parameters in "
+                    f"place, so it cannot be recomputed in the backward (activations: "
+                    f"'recompute' would apply the write twice); use activations 'offload' or "
+                    f"'budget'")
             return None
         return hook
 
@@ -602,6 +642,9 @@ class TiermemRuntime:
                 self._act_abandon()
                 how = ("the activations of the units running now and those outside every unit "
                        "stay there (activations: 'offload')" if self._offload_act else
+                       "activations: 'recompute' keeps the units' inputs, the activations "
+                       "outside every unit and, in the backward, one unit's recomputed ones"
+                       if self._recompute_all else
                        "activations: 'budget' counts them in it; 'offload' moves them to the "
                        "host")
                 raise MemoryError(
@@ -618,6 +661,10 @@ class TiermemRuntime:
         self._fwd_used.clear()
 
     def _act_reset(self):
+        for frames in self._rc_frames.values():
+            self._rc_drop(frames)
+        self._rc_frames.clear()
+        self._rc_inputs.clear()
         self._act_units.clear()
         self._act_seen.clear()
         self._act_total = 0
@@ -634,6 +681,7 @@ class TiermemRuntime:
 
     def _act_done(self, unit):
         """The backward moved past `unit`: its saved activations are freed."""
+        self._rc_drop(self._rc_frames.pop(unit, ()))
         n = self._act_units.pop(unit, 0)
         for h in self._act_by_unit.pop(unit, ()):
             # Autograd may still hold it (a node of a later unit that saved the same storage);
@@ -672,13 +720,13 @@ class TiermemRuntime:
                 return False  # this and every later forward unit is needed now or was used
             if unit in active:
                 continue
-            if any(h.storage is not None and h.tracked for h in self._act_by_unit.get(unit, ())):
+            if any(self._offloadable(h) for h in self._act_by_unit.get(unit, ())):
                 self._act_offload(unit)
                 return True
         return False
 
     def _act_offload(self, unit):
-        todo = [h for h in self._act_by_unit.get(unit, ()) if h.storage is not None and h.tracked]
+        todo = [h for h in self._act_by_unit.get(unit, ()) if self._offloadable(h)]
         n = sum(h.nbytes for h in todo)
         if not n:
             return
@@ -702,6 +750,10 @@ class TiermemRuntime:
             h.storage = None  # the device memory goes when autograd's views of it do
         self._act_host = host
         self._act_stats["offloaded_bytes"] += n
+
+    def _offloadable(self, h) -> bool:
+        # Not a storage a recomputed unit keeps as its input: that one stays on the device.
+        return h.storage is not None and h.tracked and h.storage.data_ptr() not in self._rc_inputs
 
     def _act_fetch(self, unit, only_if_room=False):
         todo = [h for h in self._act_by_unit.get(unit, ()) if h.host is not None]
@@ -734,6 +786,138 @@ class TiermemRuntime:
                 self._act_sync()
         return torch.empty(0, dtype=ref.dtype, device=self.device).set_(
             h.storage, ref.offset, ref.size, ref.stride)
+
+    # ---- recomputed activations (activations: recompute / auto; recompute.py) --------------
+    def _recomputable(self, u) -> bool:
+        # A unit holding other units would recompute them (their hooks, their moments) too.
+        return not u.direct_only
+
+    def _is_chunk_memory(self, t) -> bool:
+        if isinstance(t, ChunkTensor) or t.layout != torch.strided:
+            return True
+        try:
+            return t.untyped_storage().data_ptr() in self._live
+        except (RuntimeError, NotImplementedError):
+            return True
+
+    def _recompute_frame(self, u, args, kwargs):
+        """A Frame when this outermost training call of `u` recomputes its saves, else None.
+        Its inputs are kept until the unit's backward: counted as the unit's activations."""
+        if not self._in_iteration or not self._recomputable(u):
+            return None
+        if self._recompute_planned:
+            if not (self.s.plan_followed and self.s.plan_recomputes_unit(u.index)) \
+                    or kv_cache_in(args, kwargs) is not None:
+                return None  # kept or offloaded as 'offload' does
+        elif not self._recompute_all:
+            return None
+        frame = Frame(u, u.inner, args, kwargs, self.device, self._is_chunk_memory)
+        for t, _ in frame.inputs:
+            if t.device != self.device:
+                continue
+            st = t.untyped_storage()
+            ptr = st.data_ptr()
+            self._rc_inputs.add(ptr)
+            frame.input_ptrs.add(ptr)
+            if ptr in self._act_seen:
+                continue  # counted already (saved by an earlier unit)
+            self._act_seen.add(ptr)
+            self._act_units[u.index] = self._act_units.get(u.index, 0) + st.nbytes()
+            self._act_total += st.nbytes()
+            if self._recording_trace and ptr not in self._trace_seen:
+                self._trace_seen.add(ptr)
+                self.s.add_saved_bytes(st.nbytes())
+        return frame
+
+    def _recompute_pack(self, frame, t: torch.Tensor):
+        if self._is_chunk_memory(t):
+            frame.n += 1  # its position, kept by the recompute's saves
+            return self._pack(t)  # a chunk view: re-acquired in the backward, not recomputed
+        if t.untyped_storage().data_ptr() in frame.input_ptrs:
+            frame.n += 1
+            return _Plain(t)  # (a view of) an input: held anyway, nothing to recompute
+        if self._recompute_planned and self._recording_trace:
+            # What the unit saves, as if kept: the planner chooses its policy from it.
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in self._trace_seen:
+                self._trace_seen.add(ptr)
+                self.s.add_saved_bytes(t.untyped_storage().nbytes())
+        return frame.record(t)
+
+    def _rc_unpack(self, ref):
+        if not isinstance(ref, _RecomputeRef):
+            return self._unpack(ref)
+        frame = ref.frame
+        self._begin_backward()
+        self._bwd_moment(frame.unit.index)  # frees the previous unit's activations first
+        if frame.values is None:
+            self._recompute(frame)
+        return frame.values[ref.index]
+
+    def _recompute(self, frame):
+        """Runs the unit's forward again with its chunks on the device (held like the
+        backward's own: released once the unit's gradients are in) and keeps what it saves,
+        counted in the device budget until the backward leaves the unit."""
+        u = frame.unit
+        frame.check_inputs()
+        views = {}
+        for g in u.groups:
+            base = self._bwd_hold.get(g)
+            if base is None:
+                base = self._acquire(g, self._compute_kind)
+                self._bwd_hold[g] = base
+                self._bwd_pending[g] = set(self._fwd_used.get(g, ()))
+            views[g] = base
+        for r in u.params:
+            if r.mat == 0:
+                r.compute.data = self._slice(views[r.group], r)
+            r.mat += 1
+        for m, name, r in u.slots:
+            m._parameters[name] = r.compute
+        saved = []
+
+        def capture(t):
+            saved.append((t, _guard(t)))
+            return None
+
+        self._recomputing = u
+        self.s.phase("recompute")
+        try:
+            frame.run(capture)
+        finally:
+            self._recomputing = None
+            self.s.phase("backward")
+            for m, name, r in u.slots:
+                m._parameters[name] = r.param
+            for r in u.params:
+                r.mat -= 1
+                if r.mat == 0:
+                    r.compute.data = r.placeholder
+        frame.take(saved, _check)
+        n = 0
+        for t in frame.values.values():
+            if t.device != self.device or self._is_chunk_memory(t):
+                continue
+            st = t.untyped_storage()
+            if st.data_ptr() in self._act_seen:
+                continue  # an input, or counted already
+            self._act_seen.add(st.data_ptr())
+            frame.counted.add(st.data_ptr())
+            n += st.nbytes()
+        self._act_units[u.index] = self._act_units.get(u.index, 0) + n
+        self._act_total += n
+        self._rc_frames.setdefault(u.index, []).append(frame)
+        self._act_stats["recomputed_units"] += 1
+        self._act_stats["recomputed_bytes"] += n
+        self._act_sync()
+
+    def _rc_drop(self, frames):
+        """The backward left the frames' unit: their recomputed tensors are no longer held
+        (autograd keeps those it unpacked until their nodes run) nor counted."""
+        for frame in frames:
+            frame.values = None
+            self._act_seen -= frame.counted
+            frame.counted = set()
 
     # ---- saved tensors -----------------------------------------------------------------
     def _pack(self, t: torch.Tensor):
@@ -1183,7 +1367,7 @@ class TiermemRuntime:
 
     def stats(self) -> dict:
         st = self.s.stats()
-        if self._offload_act:
+        if self._offload_act or self._recompute_all:
             st["activations"] = dict(self._act_stats)
         if self._shards is not None:
             st["distributed"] = dict(self._shards.stats, world=self._shards.world,
@@ -1301,6 +1485,17 @@ class _Forward:
 
     def __deepcopy__(self, memo):
         return copy.deepcopy(self.inner, memo)
+
+
+class _UnitForward(_Forward):
+    """A unit's forward: enter sees the call's arguments (a recomputed unit keeps them)."""
+
+    def __call__(self, *args, **kwargs):
+        self.enter(args, kwargs)
+        try:
+            return self.inner(*args, **kwargs)
+        finally:
+            self.exit()
 
 
 def _wrap_forward(module, enter, exit_, registry, cls=None):

@@ -1,5 +1,6 @@
-"""Activation offload (CPU, SimDevice): a GPT whose saved activations alone exceed the device
-budget, trained by tiermem with `activations: offload` (plan auto and off) in one process
+"""Activation offload and recompute (CPU, SimDevice): a GPT whose saved activations alone
+exceed the device budget, trained by tiermem with `activations: offload` (plan auto and off),
+`activations: recompute` and `activations: auto` (the plan picks per unit) in one process
 next to plain torch (`torch.optim.AdamW(fused=True)`, no budget at all) and tiermem with
 activations outside the budget (the same device budget bounding the chunks only: what a user
 gets without offload, on a real GPU an out-of-memory). All systems get the same model and
@@ -9,7 +10,8 @@ machines are noisy); per-step ratios and their medians are printed. `activations
 raises.
 
 Also per system: the device peak of chunks + activations from the timeline (must be within
-the budget for the counted modes), activation bytes saved per step, bytes offloaded per step.
+the budget for the counted modes), activation bytes saved per step, bytes offloaded and units
+recomputed per step.
 
     python -m tiermem.examples.bench_activations [--layers 6] [--width 384] [--block 128]
         [--batch 8] [--steps 7] [--device 96MiB] [--host 2GiB] [--json]
@@ -26,7 +28,7 @@ import torch
 import tiermem
 from tiermem.examples import bench_gpt, timed_step
 
-_MODES = ("torch", "offload-auto", "offload-off", "outside")
+_MODES = ("torch", "offload-auto", "offload-off", "recompute", "auto-auto", "outside")
 
 
 def main(argv=None) -> int:
@@ -81,24 +83,28 @@ def main(argv=None) -> int:
                                                               **opt_args), rt=None)
     for mode, (acts, plan) in {"offload-auto": ("offload", "auto"),
                                "offload-off": ("offload", "off"),
+                               "recompute": ("recompute", "auto"),
+                               "auto-auto": ("auto", "auto"),
                                "outside": ("outside", "auto")}.items():
         model, opt = tiermem.initialize(copy.deepcopy(base), cfg(acts, plan))
         systems[mode] = dict(model=model, opt=opt, rt=tiermem.runtime_of(model))
     for s in systems.values():
-        s.update(times=[], losses=[], off=[])
+        s.update(times=[], losses=[], off=[], rc=[])
     for i, (x, y) in enumerate(data):
         order = _MODES if i % 2 == 0 else tuple(reversed(_MODES))
         for mode in order:
             s = systems[mode]
             st = s["rt"].stats().get("activations") if s["rt"] else None
-            before = st["offloaded_bytes"] if st else 0
+            before = (st["offloaded_bytes"], st["recomputed_units"]) if st else (0, 0)
             loss, dt = timed_step(s["model"], s["opt"], x, y)
             s["losses"].append(loss)
             s["times"].append(dt)
             st = s["rt"].stats().get("activations") if s["rt"] else None
-            s["off"].append((st["offloaded_bytes"] if st else 0) - before)
+            after = (st["offloaded_bytes"], st["recomputed_units"]) if st else (0, 0)
+            s["off"].append(after[0] - before[0])
+            s["rc"].append(after[1] - before[1])
     a_losses = systems["offload-auto"]["losses"]
-    if a_losses != systems["offload-off"]["losses"] or a_losses != systems["outside"]["losses"]:
+    if any(systems[m]["losses"] != a_losses for m in _MODES if m != "torch"):
         print("ERROR: the losses differ between tiermem's modes")
         return 1
     worst = max(abs(p - q) / abs(q) for p, q in zip(a_losses, systems["torch"]["losses"]))
@@ -119,12 +125,18 @@ def main(argv=None) -> int:
         "s_per_step": med,
         "ratio_median": {f"{n}/{d}": statistics.median(ratios(n, d))
                          for n, d in (("offload-auto", "torch"), ("offload-off", "torch"),
-                                      ("offload-auto", "outside"), ("outside", "torch"),
-                                      ("offload-auto", "offload-off"))},
+                                      ("recompute", "torch"), ("auto-auto", "torch"),
+                                      ("offload-auto", "outside"), ("recompute", "outside"),
+                                      ("outside", "torch"), ("offload-auto", "offload-off"),
+                                      ("recompute", "offload-auto"),
+                                      ("auto-auto", "offload-auto"))},
         "loss_max_rel_diff_vs_torch": worst,
         "offloaded_bytes_per_step": {m: statistics.median(s["off"][warm:])
                                      for m, s in systems.items() if s["rt"]},
+        "recomputed_units_per_step": {m: statistics.median(s["rc"][warm:])
+                                      for m, s in systems.items() if s["rt"]},
         "device_peak": {}, "plan": systems["offload-auto"]["rt"].stats()["plan"],
+        "plan_auto": systems["auto-auto"]["rt"].stats()["plan"],
     }
     for m, s in systems.items():
         if s["rt"]:
@@ -151,14 +163,16 @@ def main(argv=None) -> int:
             extra = (f"; device peak {d['chunks_and_activations'] / mib:.1f} MiB (activations "
                      f"{d['activation'] / mib:.1f}), host activations "
                      f"{d['host_activation'] / mib:.1f} MiB, offloaded "
-                     f"{out['offloaded_bytes_per_step'][m] / mib:.0f} MiB/step")
+                     f"{out['offloaded_bytes_per_step'][m] / mib:.0f} MiB/step, recomputed "
+                     f"{out['recomputed_units_per_step'][m]:g} units/step")
         print(f"  {m:12}: {med[m]:.3f} s/step{extra}")
     for k, v in out["ratio_median"].items():
         print(f"  {k}: {v:.3f} (median of per-step ratios)")
     print(f"  losses: tiermem modes equal; max relative difference vs torch fused AdamW {worst:.2e}")
-    p = out["plan"]
-    print(f"  plan: {p['followed_iterations']} of {p['planned_iterations']} planned steps "
-          f"followed, {p['divergences']} diverged")
+    for name, key in (("offload-auto", "plan"), ("auto-auto", "plan_auto")):
+        p = out[key]
+        print(f"  plan ({name}): {p['followed_iterations']} of {p['planned_iterations']} "
+              f"planned steps followed, {p['divergences']} diverged")
     return 0
 
 

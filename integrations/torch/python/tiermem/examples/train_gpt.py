@@ -132,11 +132,13 @@ def main(argv=None):
     ap.add_argument("--plan", choices=["auto", "off"], default="auto",
                     help="execute a plan made from a warm-up iteration (auto, the default) "
                          "or keep the engine's reactive policy (off)")
-    ap.add_argument("--activations", choices=["outside", "budget", "offload"],
+    ap.add_argument("--activations",
+                    choices=["outside", "budget", "offload", "recompute", "auto"],
                     default="outside",
                     help="saved activations outside the device budget (default), counted in "
-                         "it, or counted and offloaded to host memory when the device is "
-                         "short (docs/python.md)")
+                         "it, counted and offloaded to host memory when the device is short, "
+                         "counted and recomputed per unit in the backward, or counted with "
+                         "the executed plan choosing per unit (docs/python.md)")
     args = ap.parse_args(argv)
     preset = PRESETS[args.size]
     if args.threads:

@@ -1,0 +1,165 @@
+"""Recomputed activations (``activations: recompute``, or a plan's choice under ``auto``).
+
+A unit whose activations are recomputed keeps nothing its forward saves for backward but its
+inputs: the saved-tensor hooks of that forward (runtime.TiermemRuntime._recompute_pack) hand
+autograd a _RecomputeRef per saved tensor instead of the tensor. When the backward first
+unpacks one, the runtime runs the unit's forward again on the same inputs, with the RNG and
+autocast state of the first run and the unit's chunks on the device, captures what that run
+saves in the same order, and gives autograd the tensor at the same position — the same values,
+so gradients are bit for bit those of keeping them (torch.utils.checkpoint's non-reentrant
+scheme, per unit, with tiermem's chunks and budget).
+
+Checked, never silently wrong: the recompute must save as many tensors, of the same shapes,
+dtypes and devices, as the forward did; the inputs must not have been modified in place since
+the forward; a tensor the recompute saves and then modifies in place raises as torch does; a
+unit called with a KV cache (an object it updates in place: it would be updated twice) is
+refused before anything runs.
+
+Ownership: a _Recompute belongs to the _RecomputeRef objects autograd keeps in the graph, so
+its inputs live as long as the graph (as torch.utils.checkpoint's do); the recomputed tensors
+are held from the recompute until the backward leaves the unit (the runtime drops them then,
+and a later unpack — retain_graph, a revisited unit — recomputes again).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _map(x, fn):
+    """fn over the leaves of tuples, lists and dicts (not torch's pytree: that also flattens
+    registered objects such as Hugging Face caches, which must stay the same object)."""
+    if type(x) in (tuple, list):
+        return type(x)(_map(e, fn) for e in x)
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
+        return type(x)(*(_map(e, fn) for e in x))
+    if type(x) is dict:
+        return {k: _map(v, fn) for k, v in x.items()}
+    return fn(x)
+
+
+def _leaves(x):
+    out = []
+    _map(x, lambda e: out.append(e))
+    return out
+
+
+class _RecomputeRef:
+    """What autograd holds for a tensor a recomputed unit saved: its position in the unit's
+    saves, and the frame that can produce it again."""
+    __slots__ = ("frame", "index")
+
+    def __init__(self, frame, index):
+        self.frame, self.index = frame, index
+
+
+def _autocast_state(device_type: str):
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return dict(device_type=device_type, dtype=torch.get_autocast_dtype(device_type),
+                cache_enabled=torch.is_autocast_cache_enabled())
+
+
+def kv_cache_in(args, kwargs):
+    """The first argument that looks like a Hugging Face KV cache (an object the forward
+    updates in place), or None."""
+    for x in _leaves((args, kwargs)):
+        if isinstance(x, torch.Tensor) or x is None:
+            continue
+        names = [c.__name__ for c in type(x).__mro__]
+        if any(n.endswith("Cache") for n in names) and callable(getattr(x, "update", None)):
+            return x
+    return None
+
+
+class Frame:
+    """One outermost call of a recomputed unit (see the module docstring)."""
+
+    def __init__(self, unit, fn, args, kwargs, device: torch.device, is_chunk):
+        self.unit = unit
+        self.fn = fn
+        self.inputs = []  # (tensor, version at the call)
+
+        def keep(x):
+            if not isinstance(x, torch.Tensor) or is_chunk(x):
+                return x
+            d = x.detach().requires_grad_(x.requires_grad)  # same storage and version counter
+            self.inputs.append((d, d._version))
+            return d
+
+        self.args, self.kwargs = _map((tuple(args), dict(kwargs)), keep)
+        self.rng = torch.get_rng_state()
+        self.cuda = device if device.type == "cuda" else None
+        self.cuda_rng = torch.cuda.get_rng_state(device) if self.cuda is not None else None
+        self.autocast = [s for s in (_autocast_state("cpu"), _autocast_state(device.type)
+                                     if device.type != "cpu" else None) if s is not None]
+        self.n = 0         # tensors the forward saved so far (the next one's index)
+        self.meta = {}     # index -> (shape, dtype, device) of each save to recompute
+        self.values = None  # index -> recomputed tensor, from the recompute until it is dropped
+        self.counted = set()  # storages of `values` counted in the device budget
+        self.input_ptrs = set()  # storages of the inputs on the device (set by the runtime)
+
+    def name(self) -> str:
+        u = self.unit
+        return u.name or type(u.module).__name__
+
+    def record(self, t: torch.Tensor) -> _RecomputeRef:
+        i = self.n
+        self.n += 1
+        self.meta[i] = (tuple(t.shape), t.dtype, t.device)
+        return _RecomputeRef(self, i)
+
+    def check_inputs(self):
+        for t, v in self.inputs:
+            if t._version != v:
+                raise RuntimeError(
+                    f"one of the variables needed for gradient computation has been modified by "
+                    f"an inplace operation: an input of unit {self.name()!r} (recomputed in the "
+                    f"backward, activations: recompute) is at version {t._version}; expected "
+                    f"version {v} instead")
+
+    def run(self, capture):
+        """Runs the unit's forward again as the first run did; `capture` is the saved-tensor
+        pack hook collecting what it saves. The caller has the unit's parameters in place."""
+        devices = [self.cuda] if self.cuda is not None else []
+        with torch.random.fork_rng(devices=devices, enabled=True):
+            torch.set_rng_state(self.rng)
+            if self.cuda is not None:
+                torch.cuda.set_rng_state(self.cuda_rng, self.cuda)
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(capture, _unused):
+                ctx = [torch.autocast(**s) for s in self.autocast]
+                for c in ctx:
+                    c.__enter__()
+                try:
+                    self.fn(*self.args, **self.kwargs)
+                finally:
+                    for c in reversed(ctx):
+                        c.__exit__(None, None, None)
+
+    def take(self, saved, check):
+        """Checks the recompute's saves (tensor, version guard) against the forward's — `check`
+        raises for a guard whose tensor was modified in place since it was saved — and keeps
+        those autograd will ask for."""
+        if len(saved) != self.n:
+            raise RuntimeError(
+                f"tiermem: recomputing unit {self.name()!r} in the backward (activations: "
+                f"recompute) saved {len(saved)} tensors for backward where its forward saved "
+                f"{self.n}: its forward does not run the same way twice (data-dependent "
+                f"control flow, state it changes, a KV cache) — use activations 'offload' or "
+                f"'budget' for it")
+        values = {}
+        for i, (shape, dtype, device) in self.meta.items():
+            t, guard = saved[i]
+            if (tuple(t.shape), t.dtype, t.device) != (shape, dtype, device):
+                raise RuntimeError(
+                    f"tiermem: recomputing unit {self.name()!r} in the backward (activations: "
+                    f"recompute) gave saved tensor {i} shape {tuple(t.shape)}, {t.dtype} on "
+                    f"{t.device} where its forward saved {shape}, {dtype} on {device}: its "
+                    f"forward does not run the same way twice — use activations 'offload' or "
+                    f"'budget' for it")
+            check(guard)
+            values[i] = t
+        self.values = values
+
+
+def _unused(_):
+    raise RuntimeError("tiermem: a recompute's own graph is never differentiated")
