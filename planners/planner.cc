@@ -13,7 +13,9 @@
 //      with overlap off;
 //   3. the activation search again under the chosen optimizer placement.
 // A candidate that does not fit is skipped; the least modelled iteration time wins (ties:
-// fewer bytes into the device, then the earlier candidate).
+// fewer bytes into the device, then the earlier candidate) — or, with PlanObjective::kBytes,
+// the fewest bytes into the device, a recompute's compute counted as the bytes a host->device
+// copy moves in that time (ties: less time).
 #include "planners/planner.h"
 
 #include <algorithm>
@@ -27,6 +29,9 @@
 
 namespace tiermem::planners {
 namespace {
+
+// Bytes of the copy whose modelled time gives the host->device rate (the latency negligible).
+constexpr Bytes kRecomputeProbe = Bytes{1} << 30;
 
 int CategoryRank(Category c) {
   switch (c) {
@@ -173,7 +178,17 @@ class Search {
  private:
   bool Better(const Candidate& a, const Candidate& b) const {
     const auto time = [](const Candidate& c) { return c.score_ns; };
-    const auto bytes = [](const Candidate& c) { return c.stats.DeviceInBytes(); };
+    // kBytes is for devices whose copies are memcpys on the compute's own cores (SimDevice):
+    // a recompute costs compute on those cores too, so it counts as the bytes a copy into
+    // the device moves in the same time — else dropping activations would always look free.
+    const double per_ns = static_cast<double>(kRecomputeProbe) /
+                          static_cast<double>(std::max<uint64_t>(
+                              1, machine_.CopyNs(TierKind::kHost, TierKind::kDevice,
+                                                 kRecomputeProbe)));
+    const auto bytes = [per_ns](const Candidate& c) {
+      return c.stats.DeviceInBytes() +
+             static_cast<Bytes>(per_ns * static_cast<double>(c.stats.recompute_ns));
+    };
     if (opt_.objective == PlanObjective::kBytes) {
       if (bytes(a) != bytes(b)) return bytes(a) < bytes(b);
       return time(a) < time(b);

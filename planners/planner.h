@@ -121,7 +121,9 @@ struct Plan {
 // What candidate plans are compared on (their modelled steady-state iteration).
 enum class PlanObjective : uint8_t {
   kTime = 0,   // least iteration time, then fewest bytes into the device
-  kBytes = 1,  // fewest bytes into the device, then least time (eviction-only problems)
+  kBytes = 1,  // fewest bytes into the device (a recompute counted as the bytes a host->device
+               // copy moves in its compute time), then least time (eviction-only problems;
+               // SimDevice, whose copies use the compute's cores)
 };
 
 struct PlanOptions {

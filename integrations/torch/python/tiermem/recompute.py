@@ -97,6 +97,7 @@ class Frame:
         self.values = None  # index -> recomputed tensor, from the recompute until it is dropped
         self.counted = set()  # storages of `values` counted in the device budget
         self.input_ptrs = set()  # storages of the inputs on the device (set by the runtime)
+        self.handles = []  # auto: the runtime's _Saved its refs point to (kept, maybe dropped)
 
     def name(self) -> str:
         u = self.unit

@@ -110,23 +110,27 @@ class _ChunkRef:
 
 
 class _Saved:
-    """One storage saved for backward by a unit (activations: offload): on the device
-    (``storage``) or offloaded to host memory (``host``, a byte tensor), never both."""
-    __slots__ = ("unit", "nbytes", "storage", "host", "tracked")
+    """One storage saved for backward by a unit (activations: offload / auto): on the device
+    (``storage``), offloaded to host memory (``host``, a byte tensor) or, auto, dropped (to be
+    recomputed by the frames of the refs to it) — one of the three."""
+    __slots__ = ("unit", "nbytes", "storage", "host", "tracked", "dropped", "free_refs")
 
     def __init__(self, unit, storage):
         self.unit, self.storage, self.host = unit, storage, None
         self.nbytes = storage.nbytes()
         self.tracked = True  # counted in the activation bytes (until its unit's backward ends)
+        self.dropped = False
+        self.free_refs = 0   # refs to it without a frame that could recompute them
 
 
 class _ActRef:
-    __slots__ = ("saved", "dtype", "offset", "size", "stride", "unit", "guard")
+    __slots__ = ("saved", "dtype", "offset", "size", "stride", "unit", "guard", "frame", "index")
 
     def __init__(self, saved, t, unit):
         self.saved, self.dtype, self.unit = saved, t.dtype, unit  # unit: the one saving it
         self.guard = _guard(t)
         self.offset, self.size, self.stride = t.storage_offset(), tuple(t.size()), tuple(t.stride())
+        self.frame, self.index = None, 0  # auto: the Frame that can recompute it, its position
 
 
 def _placeholder(shape, dtype, device) -> torch.Tensor:
@@ -247,7 +251,7 @@ class TiermemRuntime:
         self._act_host = 0                        # tracked bytes offloaded now
         self._act_host_given = 0
         self._act_stats = {"offloaded_bytes": 0, "fetched_bytes": 0, "sync_fetches": 0,
-                           "recomputed_units": 0, "recomputed_bytes": 0}
+                           "recomputed_units": 0, "recomputed_bytes": 0, "dropped_bytes": 0}
         self._active_units: list = []
         self._root_depth = 0
         self._handles: list = []
@@ -383,6 +387,7 @@ class TiermemRuntime:
             u.pins = []
             u.pushed = []
             u.frame = None  # the current call's Frame while it recomputes (recompute.py)
+            u.frame_drops = False  # auto: its saves are kept/offloaded unless the host is full
             _wrap_forward(u.module, self._unit_enter(u), self._unit_exit(u), self._wrapped,
                           cls=_UnitForward)
             u.inner = u.module.__dict__["forward"].inner  # the forward a recompute runs again
@@ -572,8 +577,11 @@ class TiermemRuntime:
             pushed = grad and not self._resident
             if pushed:
                 if u.depth == 1:
-                    u.frame = self._recompute_frame(u, args, kwargs)
-                if u.frame is not None:  # the unit's saves are recomputed in its backward
+                    u.frame, u.frame_drops = self._recompute_frame(u, args, kwargs)
+                if u.frame is not None and u.frame_drops:  # kept or offloaded, or dropped
+                    pack = functools.partial(self._droppable_pack, u.frame)
+                    torch._C._autograd._push_saved_tensors_default_hooks(pack, self._unpack)
+                elif u.frame is not None:  # the unit's saves are recomputed in its backward
                     pack = functools.partial(self._recompute_pack, u.frame)
                     torch._C._autograd._push_saved_tensors_default_hooks(pack, self._rc_unpack)
                 else:
@@ -612,7 +620,11 @@ class TiermemRuntime:
                 self._release(g, self._compute_kind, g in modified, b)
             u.pins = []
             frame, u.frame = u.frame, None
-            if frame is not None and modified:
+            if frame is not None and u.frame_drops and modified:
+                # A recompute would write the parameters again: its saves are never dropped.
+                for h in frame.handles:
+                    h.free_refs += 1
+            elif frame is not None and modified:
                 # Its recompute would write them a second time: refuse before the backward.
                 self._act_abandon()
                 raise RuntimeError(
@@ -734,6 +746,9 @@ class TiermemRuntime:
         try:
             self.s.set_external_host_bytes(host)  # room first (evicts host caches)
         except MemoryError as e:
+            if self._recompute_planned and all(h.free_refs == 0 for h in todo):
+                self._act_drop(unit, todo, n)  # auto: recomputed in the backward instead
+                return
             self._act_abandon()
             raise MemoryError(
                 f"tiermem: offloading the activations of unit {self.units[unit].name!r} "
@@ -750,6 +765,18 @@ class TiermemRuntime:
             h.storage = None  # the device memory goes when autograd's views of it do
         self._act_host = host
         self._act_stats["offloaded_bytes"] += n
+
+    def _act_drop(self, unit, todo, n):
+        """auto: the host has no room for `unit`'s activations either: they are dropped and
+        each ref to them recomputes from its frame when the backward unpacks it."""
+        for h in todo:
+            ptr = h.storage.data_ptr()
+            self._act_saved.pop(ptr, None)
+            self._act_seen.discard(ptr)
+            h.storage, h.dropped, h.tracked = None, True, False
+        self._act_units[unit] = self._act_units.get(unit, 0) - n
+        self._act_total -= n
+        self._act_stats["dropped_bytes"] += n
 
     def _offloadable(self, h) -> bool:
         # Not a storage a recomputed unit keeps as its input: that one stays on the device.
@@ -779,6 +806,11 @@ class TiermemRuntime:
         self._begin_backward()
         self._bwd_moment(ref.unit)
         h = ref.saved
+        if h.dropped:  # auto: the host had no room for it either: recomputed
+            frame = ref.frame
+            if frame.values is None:
+                self._recompute(frame)
+            return frame.values[ref.index]
         if h.storage is None:  # not fetched ahead: fetch it now (a stall)
             self._act_stats["sync_fetches"] += 1
             self._act_fetch_one(h)
@@ -801,16 +833,20 @@ class TiermemRuntime:
             return True
 
     def _recompute_frame(self, u, args, kwargs):
-        """A Frame when this outermost training call of `u` recomputes its saves, else None.
-        Its inputs are kept until the unit's backward: counted as the unit's activations."""
+        """(Frame, drops) for this outermost training call of `u`: a Frame that recomputes
+        every save (drops False: recompute, or the plan's choice under auto), or under auto one
+        that keeps what it saves as 'offload' does and can recompute what the host budget
+        leaves no room for (drops True); (None, False): no frame. A frame's inputs are kept
+        until the unit's backward, counted as the unit's activations."""
         if not self._in_iteration or not self._recomputable(u):
-            return None
+            return None, False
+        drops = False
         if self._recompute_planned:
-            if not (self.s.plan_followed and self.s.plan_recomputes_unit(u.index)) \
-                    or kv_cache_in(args, kwargs) is not None:
-                return None  # kept or offloaded as 'offload' does
+            if kv_cache_in(args, kwargs) is not None:
+                return None, False  # never recomputed: kept or offloaded as 'offload' does
+            drops = not (self.s.plan_followed and self.s.plan_recomputes_unit(u.index))
         elif not self._recompute_all:
-            return None
+            return None, False
         frame = Frame(u, u.inner, args, kwargs, self.device, self._is_chunk_memory)
         for t, _ in frame.inputs:
             if t.device != self.device:
@@ -827,7 +863,22 @@ class TiermemRuntime:
             if self._recording_trace and ptr not in self._trace_seen:
                 self._trace_seen.add(ptr)
                 self.s.add_saved_bytes(st.nbytes())
-        return frame
+        return frame, drops
+
+    def _droppable_pack(self, frame, t: torch.Tensor):
+        """auto, a unit the plan does not recompute: saved as 'offload' saves it, and the ref
+        knows its position in the frame's saves, so it can be recomputed if dropped."""
+        if not self._is_chunk_memory(t) and t.untyped_storage().data_ptr() in frame.input_ptrs:
+            frame.n += 1
+            return _Plain(t)  # an input: held by the frame anyway
+        ref = self._pack(t)
+        if isinstance(ref, _ActRef):
+            ref.frame, ref.index = frame, frame.n
+            frame.meta[frame.n] = (tuple(t.shape), t.dtype, t.device)
+            ref.saved.free_refs -= 1  # _pack counted it as a ref without a frame
+            frame.handles.append(ref.saved)
+        frame.n += 1
+        return ref
 
     def _recompute_pack(self, frame, t: torch.Tensor):
         if self._is_chunk_memory(t):
@@ -877,7 +928,11 @@ class TiermemRuntime:
         saved = []
 
         def capture(t):
-            saved.append((t, _guard(t)))
+            # Detached (same storage and version counter): the recompute's graph holds this
+            # hook, so a tensor with that graph's grad_fn here would make a reference cycle
+            # through autograd that Python's collector cannot see (a leak per recompute).
+            d = t.detach()
+            saved.append((d, _guard(d)))
             return None
 
         self._recomputing = u
@@ -944,6 +999,7 @@ class TiermemRuntime:
                     self._trace_seen.add(ptr)
                     self.s.add_saved_bytes(h.nbytes)
             if h is not None:
+                h.free_refs += 1
                 return _ActRef(h, t, unit)
             return _Plain(t)  # counted already, outside every unit: it stays
         if g is None:
