@@ -90,21 +90,32 @@ def main(argv=None) -> int:
         systems[mode] = dict(model=model, opt=opt, rt=tiermem.runtime_of(model))
     for s in systems.values():
         s.update(times=[], losses=[], off=[], rc=[])
+    failed = {}  # a mode that cannot run at these budgets (MemoryError at its first step)
     for i, (x, y) in enumerate(data):
         order = _MODES if i % 2 == 0 else tuple(reversed(_MODES))
         for mode in order:
+            if mode in failed:
+                continue
             s = systems[mode]
             st = s["rt"].stats().get("activations") if s["rt"] else None
             before = (st["offloaded_bytes"], st["recomputed_units"]) if st else (0, 0)
-            loss, dt = timed_step(s["model"], s["opt"], x, y)
+            try:
+                loss, dt = timed_step(s["model"], s["opt"], x, y)
+            except MemoryError as e:
+                if i:
+                    raise
+                failed[mode] = str(e)
+                s["rt"].close()
+                del systems[mode]
+                continue
             s["losses"].append(loss)
             s["times"].append(dt)
             st = s["rt"].stats().get("activations") if s["rt"] else None
             after = (st["offloaded_bytes"], st["recomputed_units"]) if st else (0, 0)
             s["off"].append(after[0] - before[0])
             s["rc"].append(after[1] - before[1])
-    a_losses = systems["offload-auto"]["losses"]
-    if any(systems[m]["losses"] != a_losses for m in _MODES if m != "torch"):
+    a_losses = systems["auto-auto"]["losses"]
+    if any(s["losses"] != a_losses for m, s in systems.items() if m != "torch"):
         print("ERROR: the losses differ between tiermem's modes")
         return 1
     worst = max(abs(p - q) / abs(q) for p, q in zip(a_losses, systems["torch"]["losses"]))
@@ -123,20 +134,24 @@ def main(argv=None) -> int:
         "budgets": {"device": a.device, "host": a.host},
         "budget_mode": budget_error or "ran",
         "s_per_step": med,
+        "cannot_run": failed,
         "ratio_median": {f"{n}/{d}": statistics.median(ratios(n, d))
                          for n, d in (("offload-auto", "torch"), ("offload-off", "torch"),
                                       ("recompute", "torch"), ("auto-auto", "torch"),
                                       ("offload-auto", "outside"), ("recompute", "outside"),
                                       ("outside", "torch"), ("offload-auto", "offload-off"),
                                       ("recompute", "offload-auto"),
-                                      ("auto-auto", "offload-auto"))},
+                                      ("auto-auto", "offload-auto"),
+                                      ("auto-auto", "recompute"))
+                         if n in systems and d in systems},
         "loss_max_rel_diff_vs_torch": worst,
         "offloaded_bytes_per_step": {m: statistics.median(s["off"][warm:])
                                      for m, s in systems.items() if s["rt"]},
         "recomputed_units_per_step": {m: statistics.median(s["rc"][warm:])
                                       for m, s in systems.items() if s["rt"]},
-        "device_peak": {}, "plan": systems["offload-auto"]["rt"].stats()["plan"],
-        "plan_auto": systems["auto-auto"]["rt"].stats()["plan"],
+        "device_peak": {},
+        "plan": {m: systems[m]["rt"].stats()["plan"] for m in ("offload-auto", "auto-auto")
+                 if m in systems},
     }
     for m, s in systems.items():
         if s["rt"]:
@@ -144,6 +159,7 @@ def main(argv=None) -> int:
             out["device_peak"][m] = {"chunks_and_activations": rep["peak"]["device"],
                                      "activation": rep["category_peak"]["device"]["activation"],
                                      "host_activation": rep["category_peak"]["host"]["activation"],
+                                     "host": rep["peak"]["host"],
                                      "over_budget": rep["over_budget"]}
             s["rt"].close()
     if a.json:
@@ -157,6 +173,9 @@ def main(argv=None) -> int:
     print(f"  activations: budget at this budget: "
           f"{'cannot run (MemoryError: ' + budget_error[:110] + '...)' if budget_error else 'ran'}")
     for m in _MODES:
+        if m in failed:
+            print(f"  {m:12}: cannot run (MemoryError: {failed[m][:100]}...)")
+            continue
         extra = ""
         if m in out["device_peak"]:
             d = out["device_peak"][m]
@@ -164,13 +183,13 @@ def main(argv=None) -> int:
                      f"{d['activation'] / mib:.1f}), host activations "
                      f"{d['host_activation'] / mib:.1f} MiB, offloaded "
                      f"{out['offloaded_bytes_per_step'][m] / mib:.0f} MiB/step, recomputed "
-                     f"{out['recomputed_units_per_step'][m]:g} units/step")
+                     f"{out['recomputed_units_per_step'][m]:g} units/step, host peak "
+                     f"{d['host'] / mib:.1f} MiB")
         print(f"  {m:12}: {med[m]:.3f} s/step{extra}")
     for k, v in out["ratio_median"].items():
         print(f"  {k}: {v:.3f} (median of per-step ratios)")
     print(f"  losses: tiermem modes equal; max relative difference vs torch fused AdamW {worst:.2e}")
-    for name, key in (("offload-auto", "plan"), ("auto-auto", "plan_auto")):
-        p = out[key]
+    for name, p in out["plan"].items():
         print(f"  plan ({name}): {p['followed_iterations']} of {p['planned_iterations']} "
               f"planned steps followed, {p['divergences']} diverged")
     return 0
