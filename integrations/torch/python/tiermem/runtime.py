@@ -1128,12 +1128,15 @@ class TiermemRuntime:
             self._bwd_unit = unit
             if self._shards is not None and unit >= 0:
                 self._prefetch_after(unit, -1)
+            if self._count_act and prev is not None:
+                # The previous unit's activations are freed before this moment's planned
+                # actions: a plan's span of them ends at that unit's moment, so this moment's
+                # prefetches were planned into their room (planners/effective.h).
+                self._act_done(prev)
             self.s.moment(self.units[unit].bwd_label if unit >= 0 else "pre-backward", 1, unit)
             if self._count_act:
-                # After the moment's planned actions: the previous unit's activations are
-                # freed; the forward's last ones (not yet counted) take their room.
-                if prev is not None:
-                    self._act_done(prev)
+                # After the moment's planned actions: the forward's last activations (not yet
+                # counted) take their room.
                 if self._offload_act and unit >= 0:
                     # This unit's offloaded activations now (the backward needs them next),
                     # the one before it in the forward when the device has room for it.
