@@ -1128,6 +1128,18 @@ class TiermemRuntime:
             self._bwd_unit = unit
             if self._shards is not None and unit >= 0:
                 self._prefetch_after(unit, -1)
+            if prev is not None:
+                # The compute chunks the previous unit's saved views came from, unless this
+                # unit uses them too: its nodes have run (autograd runs a unit's nodes before
+                # it reaches the next unit's; one it comes back to acquires again), and the
+                # device's queued work is ordered by the release (tiers/tier.h). Held longer —
+                # until every gradient of the group is in — a tied embedding's chunk stayed
+                # pinned from the head's backward to the embedding's, where a plan had
+                # evicted it (the trace records acquires, not pins).
+                keep = set(self.units[unit].groups) if unit >= 0 else set()
+                for g in [g for g in self._bwd_hold if g not in keep]:
+                    self._release(g, self._compute_kind, False, self._bwd_hold.pop(g))
+                    self._bwd_pending.pop(g, None)
             if self._count_act and prev is not None:
                 # The previous unit's activations are freed before this moment's planned
                 # actions: a plan's span of them ends at that unit's moment, so this moment's
