@@ -348,6 +348,24 @@ def test_recompute_leaves_nothing_behind_after_a_step():
     assert counts[2:] == [counts[2]] * 4, counts
 
 
+def test_a_retained_graph_recomputes_again_in_its_second_backward():
+    # The recomputed tensors are dropped when the backward leaves a unit; a second backward
+    # through the same graph (retain_graph) recomputes them: gradients equal plain torch's.
+    ref, ours = make_pair()
+    x, y = batches(1, batch=8)[0]
+    loss = ref(x, y)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    model, _ = tiermem.initialize(ours, config(2_400_000, activations="recompute"))
+    loss = model(x, y)
+    loss.backward(retain_graph=True)
+    once = tiermem.runtime_of(model).stats()["activations"]["recomputed_units"]
+    loss.backward()
+    assert tiermem.runtime_of(model).stats()["activations"]["recomputed_units"] == 2 * once > 0
+    for (n, p), (_, q) in zip(ref.named_parameters(), model.named_parameters()):
+        assert torch.equal(p.grad, q.grad), n
+
+
 def test_recomputed_torch_modules_with_dropout_match_plain_torch():
     # The recompute replays the RNG of the first run: nn.TransformerEncoder with dropout
     # gives plain torch's losses and weights bit for bit (and leaves the RNG where torch's
