@@ -348,6 +348,24 @@ def test_recompute_leaves_nothing_behind_after_a_step():
     assert counts[2:] == [counts[2]] * 4, counts
 
 
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_hugging_face_models_recompute_exactly(name):
+    # Llama (rotary embeddings passed to each layer as a tuple of tensors, the mask as a
+    # kwarg) and GPT-2, with use_cache off in the config as for HF's gradient checkpointing.
+    hf = pytest.importorskip("test_hf")
+    torch.manual_seed(0)
+    ref = getattr(hf, name)()
+    ref.config.use_cache = False
+    ours = copy.deepcopy(ref)
+    data = hf.batches(6)
+    want = hf.train(ref, KernelAdamW(ref.parameters(), lr=2e-3, weight_decay=0.01), data)
+    model, opt = tiermem.initialize(ours, config(hf.budget(ours) + 2_000_000,
+                                                 activations="recompute", host="256MiB",
+                                                 optimizer={"lr": 2e-3, "weight_decay": 0.01}))
+    assert hf.train(model, opt, data) == want
+    assert tiermem.runtime_of(model).stats()["activations"]["recomputed_units"] >= 3 * 6
+
+
 def test_a_retained_graph_recomputes_again_in_its_second_backward():
     # The recomputed tensors are dropped when the backward leaves a unit; a second backward
     # through the same graph (retain_graph) recomputes them: gradients equal plain torch's.
