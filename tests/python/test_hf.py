@@ -151,3 +151,23 @@ def test_trainer_with_clipping_and_lr_schedule_equals_plain_and_its_checkpoint_l
     ids = rows[0][None]
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+@pytest.mark.parametrize("make", [gpt2, llama], ids=["gpt2", "llama"])
+def test_hf_gradient_checkpointing_equals_plain(make, reentrant):
+    # The user's own activation checkpointing (HF gradient_checkpointing_enable, both of
+    # torch.utils.checkpoint's schemes) inside tiermem's units, activations counted in the
+    # budget: the recomputed blocks re-enter their units inside the backward.
+    torch.manual_seed(0)
+    ref = make()
+    ref.config.use_cache = False
+    ref.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    ref.train()
+    ours = copy.deepcopy(ref)
+    data = batches(5)
+    want = train(ref, KernelAdamW(ref.parameters(), lr=2e-3, weight_decay=0.01), data)
+    model, opt = tiermem.initialize(ours, {"device": budget(ours) + 2_000_000, "host": "256MiB",
+                                           "activations": "budget",
+                                           "optimizer": {"lr": 2e-3, "weight_decay": 0.01}})
+    assert train(model, opt, data) == want
