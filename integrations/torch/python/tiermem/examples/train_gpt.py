@@ -42,11 +42,15 @@ from tiermem.examples.gpt import GPT, GPTConfig, synthetic_batches
 
 PRESETS = {
     "tiny": dict(n_layer=4, n_embd=192, n_head=4, steps=40, device="7MiB", host="24MiB",
-                 nvme="64MiB"),
+                 nvme="64MiB", lr=1e-3),
     "default": dict(n_layer=12, n_embd=768, n_head=12, steps=30, device="128MiB",
-                    host="512MiB", nvme="4GiB"),
+                    host="512MiB", nvme="4GiB", lr=1e-3),
+    # xl: without warm-up, AdamW's first steps (each weight moves by ~lr, in the sign of its
+    # gradient) throw a model this wide off: at 24 x 2304 the loss went 5.87 -> 16.4 -> 13.8
+    # at 1e-3 and 5.87 -> 14.3 -> 7.9 at 1e-4 (plain torch at 4 x 2304 the same: 6.26 ->
+    # 12.6 at 1e-4; 6.26 -> 5.00 -> 4.86 at 1e-5).
     "xl": dict(n_layer=None, n_embd=2304, n_head=16, steps=3, device="1GiB", host="4GiB",
-               nvme=None),
+               nvme=None, lr=1e-5),
 }
 
 
@@ -126,7 +130,8 @@ def main(argv=None):
     ap.add_argument("--nvme-path", default=None,
                     help="directory for the NVMe tier (default: a temporary one, removed)")
     ap.add_argument("--nvme-size", default=None)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lr", type=float, default=None,
+                    help="AdamW learning rate (default: the size's: 1e-3, xl 1e-5)")
     ap.add_argument("--timeline", default="build/tiermem-timeline.tmt")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--plan", choices=["auto", "off"], default="auto",
@@ -184,7 +189,7 @@ def train(args, c, steps, preset, nvme_dir, nvme_size) -> int:
               "host": args.host_budget or preset["host"],
               "nvme": {"path": nvme_dir, "size": nvme_size},
               "timeline": args.timeline or None,
-              "optimizer": {"lr": args.lr, "weight_decay": 0.01},
+              "optimizer": {"lr": args.lr or preset["lr"], "weight_decay": 0.01},
               "plan": args.plan, "activations": args.activations}
     model, opt = tiermem.initialize(model, config)
     rt = tiermem.runtime_of(model)
