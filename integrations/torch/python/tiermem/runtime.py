@@ -386,7 +386,7 @@ class TiermemRuntime:
             u.depth = 0
             u.pins = []
             u.pushed = []
-            u.frame = None  # the current call's Frame while it recomputes (recompute.py)
+            u.frame = None  # the current call's Frame (recompute.py), if it has one
             u.frame_drops = False  # auto: its saves are kept/offloaded unless the host is full
             _wrap_forward(u.module, self._unit_enter(u), self._unit_exit(u), self._wrapped,
                           cls=_UnitForward)
@@ -855,14 +855,8 @@ class TiermemRuntime:
             ptr = st.data_ptr()
             self._rc_inputs.add(ptr)
             frame.input_ptrs.add(ptr)
-            if ptr in self._act_seen:
-                continue  # counted already (saved by an earlier unit)
-            self._act_seen.add(ptr)
-            self._act_units[u.index] = self._act_units.get(u.index, 0) + st.nbytes()
-            self._act_total += st.nbytes()
-            if self._recording_trace and ptr not in self._trace_seen:
-                self._trace_seen.add(ptr)
-                self.s.add_saved_bytes(st.nbytes())
+            if self._count_saved(u.index, ptr, st.nbytes()):  # else saved by an earlier unit
+                self._trace_saved(ptr, st.nbytes())
         return frame, drops
 
     def _droppable_pack(self, frame, t: torch.Tensor):
@@ -887,12 +881,10 @@ class TiermemRuntime:
         if t.untyped_storage().data_ptr() in frame.input_ptrs:
             frame.n += 1
             return _Plain(t)  # (a view of) an input: held anyway, nothing to recompute
-        if self._recompute_planned and self._recording_trace:
+        if self._recompute_planned:
             # What the unit saves, as if kept: the planner chooses its policy from it.
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in self._trace_seen:
-                self._trace_seen.add(ptr)
-                self.s.add_saved_bytes(t.untyped_storage().nbytes())
+            st = t.untyped_storage()
+            self._trace_saved(st.data_ptr(), st.nbytes())
         return frame.record(t)
 
     def _rc_unpack(self, ref):
@@ -906,19 +898,12 @@ class TiermemRuntime:
         return frame.values[ref.index]
 
     def _recompute(self, frame):
-        """Runs the unit's forward again with its chunks on the device (held like the
-        backward's own: released once the unit's gradients are in) and keeps what it saves,
-        counted in the device budget until the backward leaves the unit."""
+        """Runs the unit's forward again with its chunks on the device (held as the
+        backward's own, _bwd_base) and keeps what it saves, counted in the device budget until
+        the backward leaves the unit."""
         u = frame.unit
         frame.check_inputs()
-        views = {}
-        for g in u.groups:
-            base = self._bwd_hold.get(g)
-            if base is None:
-                base = self._acquire(g, self._compute_kind)
-                self._bwd_hold[g] = base
-                self._bwd_pending[g] = set(self._fwd_used.get(g, ()))
-            views[g] = base
+        views = {g: self._bwd_base(g) for g in u.groups}
         for r in u.params:
             if r.mat == 0:
                 r.compute.data = self._slice(views[r.group], r)
@@ -954,13 +939,9 @@ class TiermemRuntime:
             if t.device != self.device or self._is_chunk_memory(t):
                 continue
             st = t.untyped_storage()
-            if st.data_ptr() in self._act_seen:
-                continue  # an input, or counted already
-            self._act_seen.add(st.data_ptr())
-            frame.counted.add(st.data_ptr())
-            n += st.nbytes()
-        self._act_units[u.index] = self._act_units.get(u.index, 0) + n
-        self._act_total += n
+            if self._count_saved(u.index, st.data_ptr(), st.nbytes()):  # else an input, or
+                frame.counted.add(st.data_ptr())                        # counted already
+                n += st.nbytes()
         self._rc_frames.setdefault(u.index, []).append(frame)
         self._act_stats["recomputed_units"] += 1
         self._act_stats["recomputed_bytes"] += n
@@ -975,6 +956,32 @@ class TiermemRuntime:
             frame.counted = set()
 
     # ---- saved tensors -----------------------------------------------------------------
+    def _count_saved(self, unit, ptr, nbytes) -> bool:
+        """Counts storage `ptr` once per iteration as `unit`'s activation bytes. False: it
+        was counted already."""
+        if ptr in self._act_seen:
+            return False
+        self._act_seen.add(ptr)
+        self._act_units[unit] = self._act_units.get(unit, 0) + nbytes
+        self._act_total += nbytes
+        return True
+
+    def _trace_saved(self, ptr, nbytes):
+        """While recording: storage `ptr`'s bytes, once, as the current unit's saved bytes."""
+        if self._recording_trace and ptr not in self._trace_seen:
+            self._trace_seen.add(ptr)
+            self.s.add_saved_bytes(nbytes)
+
+    def _bwd_base(self, group):
+        """The compute chunk of `group` held for the backward (acquired on first use; released
+        when its gradients are in or the backward moves to a unit that does not use it)."""
+        base = self._bwd_hold.get(group)
+        if base is None:
+            base = self._acquire(group, self._compute_kind)
+            self._bwd_hold[group] = base
+            self._bwd_pending[group] = set(self._fwd_used.get(group, ()))
+        return base
+
     def _pack(self, t: torch.Tensor):
         if isinstance(t, ChunkTensor) or t.layout != torch.strided:
             return t
@@ -989,30 +996,21 @@ class TiermemRuntime:
             if h is None and ptr not in self._act_seen:
                 h = _Saved(unit, t.untyped_storage())
                 self._act_saved[ptr] = h
-                self._act_seen.add(ptr)
+                self._count_saved(unit, ptr, h.nbytes)
                 if unit not in self._act_by_unit:
                     self._act_order.append(unit)
                 self._act_by_unit.setdefault(unit, []).append(h)
-                self._act_units[unit] = self._act_units.get(unit, 0) + h.nbytes
-                self._act_total += h.nbytes
-                if self._recording_trace and ptr not in self._trace_seen:
-                    self._trace_seen.add(ptr)
-                    self.s.add_saved_bytes(h.nbytes)
+                self._trace_saved(ptr, h.nbytes)
             if h is not None:
                 h.free_refs += 1
                 return _ActRef(h, t, unit)
             return _Plain(t)  # counted already, outside every unit: it stays
         if g is None:
-            if self._count_act and ptr not in self._act_seen:
-                self._act_seen.add(ptr)
-                unit = self._active_units[-1].index if self._active_units else -1
-                n = t.untyped_storage().nbytes()
-                self._act_units[unit] = self._act_units.get(unit, 0) + n
-                self._act_total += n
-            if self._recording_trace and ptr not in self._trace_seen:
-                # Saved for backward by the current unit: its activation bytes in the trace.
-                self._trace_seen.add(ptr)
-                self.s.add_saved_bytes(t.untyped_storage().nbytes())
+            n = t.untyped_storage().nbytes()
+            if self._count_act:
+                self._count_saved(self._active_units[-1].index if self._active_units else -1,
+                                  ptr, n)
+            self._trace_saved(ptr, n)  # saved by the current unit: its bytes in the trace
             return _Plain(t)
         unit = self._active_units[-1].index if self._active_units else -1
         return _ChunkRef(g, t.storage_offset(), tuple(t.size()), tuple(t.stride()), unit,
@@ -1027,12 +1025,7 @@ class TiermemRuntime:
         _check(ref.guard)
         self._begin_backward()
         self._bwd_moment(ref.unit)
-        base = self._bwd_hold.get(ref.group)
-        if base is None:
-            base = self._acquire(ref.group, self._compute_kind)
-            self._bwd_hold[ref.group] = base
-            self._bwd_pending[ref.group] = set(self._fwd_used.get(ref.group, ()))
-        return base.as_strided(ref.size, ref.stride, ref.offset)
+        return self._bwd_base(ref.group).as_strided(ref.size, ref.stride, ref.offset)
 
     def _begin_backward(self):
         if not self._in_backward:
