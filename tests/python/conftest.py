@@ -8,6 +8,34 @@ from tiermem.examples.gpt import GPT, GPTConfig, synthetic_batches
 torch.set_num_threads(1)
 
 
+def encoder_lm(dropout=0.0):
+    """torch's own nn.TransformerEncoder (4 layers of 64) with a Linear head, seed 3."""
+    torch.manual_seed(3)
+    layer = torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=dropout, batch_first=True)
+    return torch.nn.Sequential(torch.nn.TransformerEncoder(layer, 4, enable_nested_tensor=False),
+                               torch.nn.Linear(64, 8))
+
+
+def encoder_batches(steps, batch=16, seq=32, device="cpu"):
+    g = torch.Generator().manual_seed(4)
+    return [(torch.randn(batch, seq, 64, generator=g).to(device),
+             torch.randint(0, 8, (batch, seq), generator=g).to(device)) for _ in range(steps)]
+
+
+def train_encoder(model, opt, data, seed=None):
+    """encoder_lm's training loop; `seed` (dropout) is set first. Returns the losses."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    out = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        out.append(loss.item())
+    return out
+
+
 def small_config(**kw):
     c = dict(vocab_size=128, block_size=16, n_layer=3, n_head=2, n_embd=32)
     c.update(kw)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import tiermem
-from conftest import KernelAdamW, batches, make_pair, model_bytes, train_steps
+from conftest import (KernelAdamW, batches, encoder_batches, encoder_lm, make_pair,
+                      model_bytes, train_encoder, train_steps)
 
 
 def config(budget, **kw):
@@ -136,32 +137,16 @@ def test_offload_to_a_full_host_budget_raises_and_leaves_the_model_as_it_was():
 
 
 def test_offloaded_activations_of_torch_modules_match_plain_torch():
-    torch.manual_seed(3)
-    layer = torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
-    ref = torch.nn.Sequential(torch.nn.TransformerEncoder(layer, 4, enable_nested_tensor=False),
-                              torch.nn.Linear(64, 8))
+    ref = encoder_lm()
     ours = copy.deepcopy(ref)
-    g = torch.Generator().manual_seed(4)
-    data = [(torch.randn(16, 32, 64, generator=g), torch.randint(0, 8, (16, 32), generator=g))
-            for _ in range(5)]
-
-    def loop(model, opt):
-        out = []
-        for x, y in data:
-            opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
-            loss.backward()
-            opt.step()
-            out.append(loss.item())
-        return out
-
-    want = loop(ref, KernelAdamW(ref.parameters(), lr=1e-3, weight_decay=0.01))
+    data = encoder_batches(5)
+    want = train_encoder(ref, KernelAdamW(ref.parameters(), lr=1e-3, weight_decay=0.01), data)
     nbytes = sum(p.numel() for p in ref.parameters()) * 16
     model, opt = tiermem.initialize(ours, config(nbytes // 2 + 1_000_000, activations="offload",
                                                  host="256MiB"),
                                     units=[torch.nn.TransformerEncoderLayer, torch.nn.Linear])
     rt = tiermem.runtime_of(model)
-    assert loop(model, opt) == want
+    assert train_encoder(model, opt, data) == want
     assert rt.stats()["activations"]["offloaded_bytes"] > 0
     assert not rt.timeline_peaks()["over_budget"]
 
@@ -388,33 +373,17 @@ def test_recomputed_torch_modules_with_dropout_match_plain_torch():
     # The recompute replays the RNG of the first run: nn.TransformerEncoder with dropout
     # gives plain torch's losses and weights bit for bit (and leaves the RNG where torch's
     # run leaves it: the next step's dropout masks agree too).
-    torch.manual_seed(3)
-    layer = torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.1, batch_first=True)
-    ref = torch.nn.Sequential(torch.nn.TransformerEncoder(layer, 4, enable_nested_tensor=False),
-                              torch.nn.Linear(64, 8))
+    ref = encoder_lm(dropout=0.1)
     ours = copy.deepcopy(ref)
-    g = torch.Generator().manual_seed(4)
-    data = [(torch.randn(16, 32, 64, generator=g), torch.randint(0, 8, (16, 32), generator=g))
-            for _ in range(5)]
-
-    def loop(model, opt):
-        torch.manual_seed(11)
-        out = []
-        for x, y in data:
-            opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
-            loss.backward()
-            opt.step()
-            out.append(loss.item())
-        return out
-
-    want = loop(ref, KernelAdamW(ref.parameters(), lr=1e-3, weight_decay=0.01))
+    data = encoder_batches(5)
+    want = train_encoder(ref, KernelAdamW(ref.parameters(), lr=1e-3, weight_decay=0.01), data,
+                         seed=11)
     nbytes = sum(p.numel() for p in ref.parameters()) * 16
     model, opt = tiermem.initialize(ours, config(nbytes // 2 + 4_000_000, activations="recompute",
                                                  host="256MiB"),
                                     units=[torch.nn.TransformerEncoderLayer, torch.nn.Linear])
     rt = tiermem.runtime_of(model)
-    assert loop(model, opt) == want
+    assert train_encoder(model, opt, data, seed=11) == want
     assert rt.stats()["activations"]["recomputed_units"] >= 4 * 5  # the encoder layers
     assert not rt.timeline_peaks()["over_budget"]
     for k, v in ref.state_dict().items():

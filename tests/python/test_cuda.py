@@ -12,8 +12,8 @@ import torch
 import tiermem
 from conftest import (END_TO_END_LOSS_REL, END_TO_END_PARAM_ATOL, END_TO_END_PARAM_RTOL,
                       assert_close_rel, assert_placement_changes_nothing, batches, chunk_total,
-                      make_pair, model_bytes, placement_budget, train_each_placement,
-                      train_steps)
+                      encoder_batches, encoder_lm, make_pair, model_bytes, placement_budget,
+                      train_each_placement, train_encoder, train_steps)
 from tiermem import _C
 
 HAVE_GPU = torch.cuda.is_available() and _C.cuda_built()
@@ -197,13 +197,8 @@ def test_cuda_recomputed_activations_with_dropout_equal_kept_ones():
     # activations: recompute on the GPU: the recompute restores the CUDA RNG state of the
     # first run (dropout masks) and runs on torch's stream; bit for bit the run that keeps
     # every activation (outside), at a device budget below the activations.
-    torch.manual_seed(3)
-    layer = torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.1, batch_first=True)
-    base = torch.nn.Sequential(torch.nn.TransformerEncoder(layer, 4, enable_nested_tensor=False),
-                               torch.nn.Linear(64, 8))
-    g = torch.Generator().manual_seed(4)
-    data = [(torch.randn(64, 64, 64, generator=g).cuda(),
-             torch.randint(0, 8, (64, 64), generator=g).cuda()) for _ in range(6)]
+    base = encoder_lm(dropout=0.1)
+    data = encoder_batches(6, batch=64, seq=64, device="cuda")
     nbytes = sum(p.numel() for p in base.parameters()) * 16
     out = {}
     import copy
@@ -214,14 +209,7 @@ def test_cuda_recomputed_activations_with_dropout_equal_kept_ones():
                                   "optimizer": {"lr": 1e-3, "weight_decay": 0.01}},
             units=[torch.nn.TransformerEncoderLayer, torch.nn.Linear])
         rt = tiermem.runtime_of(model)
-        torch.manual_seed(11)
-        losses = []
-        for x, y in data:
-            opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+        losses = train_encoder(model, opt, data, seed=11)
         if acts == "recompute":
             assert rt.stats()["activations"]["recomputed_units"] >= 4 * len(data)
             assert not rt.timeline_peaks()["over_budget"]
