@@ -607,11 +607,19 @@ void Engine::StartFill(ChunkId id, const Placed& dst) {
 // ---- scratch ---------------------------------------------------------------------------------
 
 StatusOr<Region> Engine::AllocateScratch(TierKind tier, Bytes bytes, Category category) {
-  if (tier != TierKind::kDevice && tier != TierKind::kHost) {
-    return InvalidArgumentError("engine: scratch is on the device or the host tier");
+  Tier* t = TierOf(tier);
+  if (t == nullptr) {
+    return InvalidArgumentError(std::string("engine: no ") + std::string(TierKindName(tier)) +
+                                " tier for scratch");
   }
   if (bytes == 0) return InvalidArgumentError("engine: scratch of 0 bytes");
-  TIERMEM_ASSIGN_OR_RETURN(Region r, AllocateBytes(tier, bytes, kNoChunk, category, false, 0));
+  Region r;
+  if (tier == TierKind::kNvme) {
+    // Nothing is ever evicted from NVMe (it holds homes): its free room or kResourceExhausted.
+    TIERMEM_ASSIGN_OR_RETURN(r, t->Allocate(bytes));
+  } else {
+    TIERMEM_ASSIGN_OR_RETURN(r, AllocateBytes(tier, bytes, kNoChunk, category, false, 0));
+  }
   RecordScratch(EventType::kAlloc, tier, r, category);
   Bytes& live = stats_.scratch[Idx(tier)];
   live += r.bytes;
@@ -620,10 +628,11 @@ StatusOr<Region> Engine::AllocateScratch(TierKind tier, Bytes bytes, Category ca
 }
 
 Status Engine::FreeScratch(TierKind tier, const Region& region, Category category) {
-  if (tier != TierKind::kDevice && tier != TierKind::kHost) {
-    return InvalidArgumentError("engine: scratch is on the device or the host tier");
-  }
   Tier* t = TierOf(tier);
+  if (t == nullptr) {
+    return InvalidArgumentError(std::string("engine: no ") + std::string(TierKindName(tier)) +
+                                " tier for scratch");
+  }
   // Work the caller queued on it so far comes before any reuse of the memory.
   TIERMEM_RETURN_IF_ERROR(MarkComputeUse(*t, region, stream_));
   TIERMEM_RETURN_IF_ERROR(t->Free(region));

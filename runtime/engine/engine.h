@@ -49,11 +49,13 @@
 // end). Acquire is unchanged: it makes the chunk resident whatever the plan did, evicting by
 // farthest next use when the tier is full, so a plan can cost bytes but never change a value.
 //
-// Scratch (AllocateScratch): a region on the device or host tier outside every chunk, for a
-// binding's temporaries that must count in the budget (a sharded session's gathered chunks).
-// It is allocated like a chunk's copy — evicting unpinned chunks for room — and shows in the
-// timeline as a region of its category without a chunk; FreeScratch records the caller's
-// compute use of it (tiers/tier.h) before the memory goes back.
+// Scratch (AllocateScratch): a region on a tier outside every chunk, for a binding's
+// temporaries that must count in the budget (a sharded session's gathered chunks, an
+// activation spilled to NVMe and its host bounce). On the device or host it is allocated like
+// a chunk's copy — evicting unpinned chunks for room —, on NVMe from its free room (homes are
+// never evicted); it shows in the timeline as a region of its category without a chunk;
+// FreeScratch records the caller's compute use of it (tiers/tier.h) before the memory goes
+// back.
 //
 // Ordering against compute (tiers/tier.h; SetComputeStream): the caller computes on device
 // chunks with work queued on a stream (torch's current CUDA stream; a SimStream in tests;
@@ -196,8 +198,9 @@ class Engine {
   Status Synchronize();                  // waits for all moves in flight
 
   // ---- scratch (see the file comment) ----
-  // kResourceExhausted (nothing changed, an OOM event recorded) when the pinned chunks leave
-  // too little room; kInvalidArgument for another tier or 0 bytes.
+  // kResourceExhausted (nothing changed; on the device or host an OOM event recorded) when the
+  // pinned chunks (NVMe: the homes) leave too little room; kInvalidArgument for a tier this
+  // engine lacks or 0 bytes.
   StatusOr<Region> AllocateScratch(TierKind tier, Bytes bytes, Category category);
   Status FreeScratch(TierKind tier, const Region& region, Category category);
 

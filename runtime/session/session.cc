@@ -980,6 +980,40 @@ Status Session::FreeScratch(TierKind tier, const Region& region) {
   return stack_->engine()->FreeScratch(tier, region, Category::kOther);
 }
 
+StatusOr<Region> Session::AllocateSpill(Bytes bytes) {
+  TIERMEM_RETURN_IF_ERROR(Live());
+  if (stack_->nvme() == nullptr) {
+    return FailedPreconditionError("session: no NVMe tier to spill " + std::to_string(bytes) +
+                                   " bytes to (config 'nvme')");
+  }
+  return stack_->engine()->AllocateScratch(TierKind::kNvme, bytes, Category::kActivation);
+}
+
+Status Session::FreeSpill(const Region& spill) {
+  TIERMEM_RETURN_IF_ERROR(Live());
+  return stack_->engine()->FreeScratch(TierKind::kNvme, spill, Category::kActivation);
+}
+
+Status Session::SpillCopy(const Region& spill, Bytes spill_offset, const Region& host,
+                          Bytes host_offset, Bytes bytes, bool to_nvme) {
+  TIERMEM_RETURN_IF_ERROR(Live());
+  if (stack_->nvme() == nullptr) return FailedPreconditionError("session: no NVMe tier");
+  if (bytes == 0) return OkStatus();
+  if (host_offset > host.bytes || bytes > host.bytes - host_offset) {
+    return OutOfRangeError("session: spill copy of " + std::to_string(bytes) + " bytes at " +
+                           std::to_string(host_offset) + " of a host region of " +
+                           std::to_string(host.bytes));
+  }
+  const Endpoint h{stack_->host(), host, host_offset};
+  const Endpoint n{stack_->nvme(), spill, spill_offset};
+  MoveRequest req;
+  req.src = to_nvme ? h : n;
+  req.dst = to_nvme ? n : h;
+  req.bytes = bytes;
+  req.category = Category::kActivation;
+  return stack_->mover()->Move(req)->Wait();  // the NVMe tier checks the spill's bounds
+}
+
 Status Session::Synchronize() {
   TIERMEM_RETURN_IF_ERROR(Live());
   TIERMEM_RETURN_IF_ERROR(RunAllPending(true));

@@ -291,6 +291,19 @@ class Session {
   // stream's work so far.
   StatusOr<Region> AllocateScratch(TierKind tier, Bytes bytes);
   Status FreeScratch(TierKind tier, const Region& region);
+  // Activations spilled to NVMe (activations: offload / auto when the host budget has no room
+  // for them): a region of the NVMe tier, counted in its budget (the timeline's NVMe
+  // `activation` category); kFailedPrecondition without NVMe, kResourceExhausted naming the
+  // bytes when its free room is short (nothing changes). The binding copies through host
+  // scratch (AllocateScratch(kHost): the bounce counts in the host budget) with SpillCopy:
+  // `bytes` between `host` at `host_offset` and `spill` at `spill_offset`, NVMe-ward when
+  // `to_nvme`, through the mover (timeline copy events of category activation); it returns
+  // when the copy is done, with its error (kIOError; kDataLoss for bytes that read back
+  // other than written, a torn or overwritten block). Thread-safety: the training thread.
+  StatusOr<Region> AllocateSpill(Bytes bytes);
+  Status FreeSpill(const Region& spill);
+  Status SpillCopy(const Region& spill, Bytes spill_offset, const Region& host, Bytes host_offset,
+                   Bytes bytes, bool to_nvme);
   // activations: offload / auto, while an executed plan is followed (plan_runner.h,
   // "Activations"): whether the plan offloads `unit`'s saved activations after its forward
   // (or, auto, recomputes them in its backward), and the units whose activations the moments

@@ -68,6 +68,9 @@ class TierStack {
   engine::Engine* engine() { return engine_.get(); }
   Tier* device() { return device_.get(); }
   const Mover* mover() const { return mover_.get(); }
+  Mover* mover() { return mover_.get(); }
+  Tier* host() { return host_.get(); }
+  Tier* nvme() { return nvme_.get(); }  // null without NVMe
   bool cuda() const { return cuda_; }
   const std::string& device_kind() const { return device_kind_; }  // "sim", "sim-async", "cuda"
   std::string nvme_engine() const;  // "" without NVMe

@@ -136,6 +136,44 @@ def test_offload_to_a_full_host_budget_raises_and_leaves_the_model_as_it_was():
         r"does not fit the host budget")
 
 
+# ---- offload with the host budget short: spilled to NVMe -------------------------------------
+def nvme_activation_peak(rt):
+    return rt.timeline_peaks()["category_peak"]["nvme"].get("activation", 0)
+
+
+@pytest.mark.parametrize("plan", ["off", "auto"])
+def test_offload_spills_to_nvme_what_the_host_cannot_hold_and_trains_exactly(plan, tmp_path):
+    # The host budget of the test above that 'offload' without NVMe refuses
+    # (test_offload_to_a_full_host_budget_raises...): with an NVMe tier the activations the
+    # host cannot take go there through a host bounce, and come back in the backward. Bit for
+    # bit the reference; every budget held (device over time, host and NVMe peaks).
+    ref, ours = make_pair()
+    data = batches(8, batch=32)
+    ref_losses = train_steps(ref, KernelAdamW(ref.parameters(), lr=1e-3, weight_decay=0.01),
+                             data)
+    budget, host = 2_400_000, 2_500_000
+    model, opt = tiermem.initialize(ours, config(
+        budget, plan=plan, activations="offload", host=host,
+        nvme={"path": str(tmp_path), "size": "64MiB"}))
+    rt, act, _ = trains_exactly_within_the_budget(model, opt, ref, ref_losses, data, budget)
+    st = rt.stats()["activations"]
+    assert st["spilled_bytes"] > 8 * 1_000_000, st
+    assert st["offloaded_bytes"] == st["fetched_bytes"] >= st["spilled_bytes"], st
+    peaks = rt.timeline_peaks()
+    assert nvme_activation_peak(rt) > 1_000_000, peaks["category_peak"]["nvme"]
+    assert peaks["peak"]["host"] <= host and not peaks["over_budget"], peaks
+    # Nothing stays behind on NVMe between steps: the spilled regions went back.
+    assert tiermem.runtime_of(model)._act_spilled == []
+
+
+def test_offload_to_full_host_and_nvme_budgets_raises_and_leaves_the_model_as_it_was(tmp_path):
+    # An NVMe tier with room for the model's chunks only (its homes), none for activations.
+    raises_and_leaves_the_model_as_it_was(
+        lambda ref: config(2_400_000, activations="offload", host=2_500_000,
+                           nvme={"path": str(tmp_path), "size": "4MiB"}), 64, 4,
+        r"fits neither the host budget .* nor the NVMe tier")
+
+
 def test_offloaded_activations_of_torch_modules_match_plain_torch():
     ref = encoder_lm()
     ours = copy.deepcopy(ref)

@@ -218,3 +218,34 @@ def test_cuda_recomputed_activations_with_dropout_equal_kept_ones():
     assert out["recompute"][0] == out["outside"][0]
     for k, v in out["outside"][1].items():
         assert torch.equal(v, out["recompute"][1][k]), k
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_GPU, reason="needs a GPU and a CUDA build")
+def test_cuda_activations_spilled_to_nvme_equal_kept_ones(tmp_path):
+    # activations: offload with a host budget too small for them and an NVMe tier: they go
+    # device -> pinned host bounce -> NVMe in the forward and back in the backward; bit for
+    # bit the run that keeps every activation (outside), every budget held.
+    base = encoder_lm()
+    data = encoder_batches(6, batch=64, seq=64, device="cuda")
+    nbytes = sum(p.numel() for p in base.parameters()) * 16
+    out = {}
+    import copy
+    for acts in ("outside", "offload"):
+        model, opt = tiermem.initialize(
+            copy.deepcopy(base), {"device": nbytes // 2 + 16_000_000, "host": "8MiB",
+                                  "nvme": {"path": str(tmp_path), "size": "1GiB"},
+                                  "device_kind": "cuda", "activations": acts,
+                                  "optimizer": {"lr": 1e-3, "weight_decay": 0.01}},
+            units=[torch.nn.TransformerEncoderLayer, torch.nn.Linear])
+        rt = tiermem.runtime_of(model)
+        losses = train_encoder(model, opt, data, seed=11)
+        if acts == "offload":
+            st = rt.stats()["activations"]
+            assert st["spilled_bytes"] > 0 and st["fetched_bytes"] == st["offloaded_bytes"], st
+            assert not rt.timeline_peaks()["over_budget"]
+        out[acts] = (losses, {k: v.cpu() for k, v in model.state_dict().items()})
+        rt.close()
+    assert out["offload"][0] == out["outside"][0]
+    for k, v in out["outside"][1].items():
+        assert torch.equal(v, out["offload"][1][k]), k

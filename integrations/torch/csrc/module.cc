@@ -241,6 +241,30 @@ class PySession {
     Region r{std::get<0>(token), std::get<1>(token), reinterpret_cast<void*>(std::get<2>(token))};
     Check(s_->FreeScratch(where, r));
   }
+  // An NVMe region for spilled activations as a token (id, bytes, 0); SpillCopy moves bytes
+  // between it and host scratch (AllocateScratch's token), waiting without the GIL.
+  py::tuple AllocateSpill(uint64_t bytes) {
+    const Region r = Check(s_->AllocateSpill(bytes));
+    return py::make_tuple(r.id, r.bytes, uintptr_t{0});
+  }
+  void FreeSpill(const std::tuple<uint64_t, uint64_t, uintptr_t>& token) {
+    Check(s_->FreeSpill(FromToken(token)));
+  }
+  void SpillCopy(const std::tuple<uint64_t, uint64_t, uintptr_t>& spill, uint64_t spill_offset,
+                 const std::tuple<uint64_t, uint64_t, uintptr_t>& host, uint64_t host_offset,
+                 uint64_t bytes, bool to_nvme) {
+    Status st;
+    {
+      py::gil_scoped_release nogil;
+      st = s_->SpillCopy(FromToken(spill), spill_offset, FromToken(host), host_offset, bytes,
+                         to_nvme);
+    }
+    Check(st);
+  }
+  static Region FromToken(const std::tuple<uint64_t, uint64_t, uintptr_t>& token) {
+    return Region{std::get<0>(token), std::get<1>(token),
+                  reinterpret_cast<void*>(std::get<2>(token))};
+  }
   torch::Tensor Acquire(size_t group, ChunkKind kind, TierKind where) {
     return View(Check(s_->Acquire(group, kind, where)), group, kind, where);
   }
@@ -592,6 +616,9 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("shard_begin", [](const PySession& s) { return s.s().shard_begin(); })
       .def("allocate_scratch", &PySession::AllocateScratch)
       .def("free_scratch", &PySession::FreeScratch)
+      .def("allocate_spill", &PySession::AllocateSpill)
+      .def("free_spill", &PySession::FreeSpill)
+      .def("spill_copy", &PySession::SpillCopy)
       .def("close", &PySession::Close)
       .def_property_readonly("closed", [](const PySession& s) { return s.s().closed(); })
       .def("acquire", &PySession::Acquire)

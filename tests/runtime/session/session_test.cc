@@ -813,6 +813,67 @@ TEST(SessionNvme, ADeferredUpdateThatFailsSaysSoAndLeavesTheGroupUnstepped) {
   std::filesystem::remove_all(dir);
 }
 
+// Activations spilled to NVMe (the binding's offload when the host budget is short): bytes
+// copied through host scratch into an NVMe region come back as written, in pieces at any
+// offset; the region counts in the NVMe budget (too much is kResourceExhausted and changes
+// nothing); bytes that read back other than written (the file overwritten behind the
+// session's back) are kDataLoss, never other bytes.
+TEST(SessionNvme, SpilledBytesComeBackAsWrittenAndACorruptedSpillIsDataLoss) {
+  const std::string dir = TempDir();
+  auto s = MakeNvmeSpill(dir);
+  ASSERT_TRUE(s);
+  const Bytes n = 64 * kKiB + 100;  // not a whole number of NVMe blocks
+  StatusOr<Region> host = s->AllocateScratch(TierKind::kHost, 64 * kKiB);
+  ASSERT_THAT(host.status(), IsOk());
+  StatusOr<Region> spill = s->AllocateSpill(n);
+  ASSERT_THAT(spill.status(), IsOk());
+  std::vector<char> want(n);
+  for (size_t i = 0; i < n; ++i) want[i] = static_cast<char>((i * 131 + 7) % 251);
+  char* bounce = static_cast<char*>(host->addr);
+  for (Bytes lo = 0; lo < n; lo += 64 * kKiB) {
+    const Bytes k = std::min<Bytes>(64 * kKiB, n - lo);
+    std::memcpy(bounce, want.data() + lo, k);
+    ASSERT_THAT(s->SpillCopy(*spill, lo, *host, 0, k, true), IsOk());
+  }
+  std::vector<char> got(n, 0);
+  for (Bytes lo = 0; lo < n; lo += 64 * kKiB) {
+    const Bytes k = std::min<Bytes>(64 * kKiB, n - lo);
+    std::memset(bounce, 0, k);
+    ASSERT_THAT(s->SpillCopy(*spill, lo, *host, 0, k, false), IsOk());
+    std::memcpy(got.data() + lo, bounce, k);
+  }
+  EXPECT_EQ(got, want);
+  EXPECT_THAT(s->SpillCopy(*spill, 0, *host, 4, 64 * kKiB, true),
+              StatusIs(StatusCode::kOutOfRange, "host region"));
+  // The NVMe budget (16 MiB, the homes in it): a spill larger than its free room.
+  EXPECT_THAT(s->AllocateSpill(16 * kMiB), StatusIs(StatusCode::kResourceExhausted, "need"));
+  // The file overwritten (its unnamed O_TMPFILE, through this process's descriptors).
+  int overwritten = 0;
+  for (const auto& f : std::filesystem::directory_iterator("/proc/self/fd")) {
+    std::error_code ec;
+    const std::string target = std::filesystem::read_symlink(f.path(), ec).string();
+    if (ec || target.rfind(dir + "/", 0) != 0) continue;
+    std::fstream io(f.path(), std::ios::in | std::ios::out | std::ios::binary);
+    const std::string junk(16 << 20, '\x5a');
+    io.write(junk.data(), static_cast<std::streamsize>(junk.size()));
+    overwritten += io.good();
+  }
+  ASSERT_GT(overwritten, 0);
+  sync();
+  EXPECT_THAT(s->SpillCopy(*spill, 0, *host, 0, 64 * kKiB, false),
+              StatusIs(StatusCode::kDataLoss, ""));
+  EXPECT_THAT(s->FreeSpill(*spill), IsOk());
+  EXPECT_THAT(s->FreeScratch(TierKind::kHost, *host), IsOk());
+  s.reset();
+  std::filesystem::remove_all(dir);
+}
+
+TEST(SessionNvme, NoSpillWithoutAnNvmeTier) {
+  auto s = Make({{"device", "1MiB"}}, kThree);
+  ASSERT_TRUE(s);
+  EXPECT_THAT(s->AllocateSpill(4096), StatusIs(StatusCode::kFailedPrecondition, "no NVMe"));
+}
+
 TEST(SessionTimeline, TemporaryTimelineGoesAwayAtCloseAConfiguredOneStays) {
   const std::string dir = TempDir();
   auto s = Make({{"device", "1MiB"}}, kThree);

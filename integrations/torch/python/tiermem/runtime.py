@@ -28,6 +28,7 @@ Threading: one training thread (like the model itself).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import math
@@ -111,12 +112,14 @@ class _ChunkRef:
 
 class _Saved:
     """One storage saved for backward by a unit (activations: offload / auto): on the device
-    (``storage``), offloaded to host memory (``host``, a byte tensor) or, auto, dropped (to be
-    recomputed by the frames of the refs to it) — one of the three."""
-    __slots__ = ("unit", "nbytes", "storage", "host", "tracked", "dropped", "free_refs")
+    (``storage``), offloaded to host memory (``host``, a byte tensor), spilled to NVMe
+    (``spill``, the session's region token) when the host budget has no room, or, auto,
+    dropped (to be recomputed by the frames of the refs to it) — one of the four."""
+    __slots__ = ("unit", "nbytes", "storage", "host", "spill", "tracked", "dropped",
+                 "free_refs")
 
     def __init__(self, unit, storage):
-        self.unit, self.storage, self.host = unit, storage, None
+        self.unit, self.storage, self.host, self.spill = unit, storage, None, None
         self.nbytes = storage.nbytes()
         self.tracked = True  # counted in the activation bytes (until its unit's backward ends)
         self.dropped = False
@@ -248,10 +251,16 @@ class TiermemRuntime:
         self._act_saved: dict[int, _Saved] = {}   # device data_ptr -> its _Saved (forward)
         self._act_by_unit: dict[int, list] = {}   # unit -> its _Saved, in save order
         self._act_order: list[int] = []           # units in the order they first saved
-        self._act_host = 0                        # tracked bytes offloaded now
+        self._act_host = 0                        # tracked bytes offloaded to the host now
+        self._act_nvme = 0                        # tracked bytes spilled to NVMe now
         self._act_host_given = 0
+        # Spilled to NVMe (the host budget had no room): every _Saved holding a region, freed
+        # when it is fetched back or the iteration is reset.
+        self._act_spilled: list = []
+        self._spill_ok = cfg.nvme_size > 0
         self._act_stats = {"offloaded_bytes": 0, "fetched_bytes": 0, "sync_fetches": 0,
-                           "recomputed_units": 0, "recomputed_bytes": 0, "dropped_bytes": 0}
+                           "recomputed_units": 0, "recomputed_bytes": 0, "dropped_bytes": 0,
+                           "spilled_bytes": 0}
         self._active_units: list = []
         self._root_depth = 0
         self._handles: list = []
@@ -640,7 +649,7 @@ class TiermemRuntime:
         if self._offload_act:
             self._act_make_room()
         while True:
-            device = self._act_total - self._act_host
+            device = self._act_total - self._act_host - self._act_nvme
             if device == self._act_given:
                 return
             try:
@@ -684,6 +693,8 @@ class TiermemRuntime:
         self._act_by_unit.clear()
         self._act_order.clear()
         self._act_host = 0
+        self._act_nvme = 0
+        self._spill_free_all()
         if self._count_act and self._act_given:
             self.s.set_external_device_bytes(0)
             self._act_given = 0
@@ -701,6 +712,8 @@ class TiermemRuntime:
             h.tracked = False
             if h.host is not None:
                 self._act_host -= h.nbytes
+            elif h.spill is not None:
+                self._act_nvme -= h.nbytes
         if n:
             self._act_total -= n
             self._act_sync()
@@ -719,7 +732,8 @@ class TiermemRuntime:
             for unit in self._act_order:
                 if unit not in active and self.s.plan_offloads_unit(unit):
                     self._act_offload(unit)
-        while self._act_total - self._act_host > self._act_cap and self._act_offload_oldest():
+        while self._act_total - self._act_host - self._act_nvme > self._act_cap \
+                and self._act_offload_oldest():
             pass
 
     def _act_offload_oldest(self) -> bool:
@@ -749,11 +763,15 @@ class TiermemRuntime:
             if self._recompute_planned and all(h.free_refs == 0 for h in todo):
                 self._act_drop(unit, todo, n)  # auto: recomputed in the backward instead
                 return
+            if self._spill_ok:
+                self._act_spill(unit, todo, n, e)  # to NVMe, through a host bounce
+                return
             self._act_abandon()
             raise MemoryError(
                 f"tiermem: offloading the activations of unit {self.units[unit].name!r} "
-                f"({n} bytes) does not fit the host budget: {e}. Use a larger host budget or a "
-                f"smaller batch; the model is unchanged.") from None
+                f"({n} bytes) does not fit the host budget: {e}. Use a larger host budget, an "
+                f"NVMe tier (config 'nvme': spilled there) or a smaller batch; the model is "
+                f"unchanged.") from None
         self._act_host_given = host
         cuda = self.device.type == "cuda"
         for h in todo:
@@ -778,14 +796,98 @@ class TiermemRuntime:
         self._act_total -= n
         self._act_stats["dropped_bytes"] += n
 
+    # ---- activations spilled to NVMe (offload / auto, the host budget short) ------------------
+    # The host bounce: at most 4 MiB (a few of the NVMe tier's I/Os) and one fp32 chunk (the
+    # host reserve keeps that much of the host budget for caches, which scratch evicts).
+
+    def _act_spill(self, unit, todo, n, host_error):
+        """The host budget has no room for `unit`'s activations: they go to NVMe regions (the
+        NVMe budget), copied through a host scratch bounce (the host budget). Every region is
+        allocated before anything moves, so a full NVMe tier leaves everything as it was."""
+        regions = []
+        try:
+            for h in todo:
+                regions.append(self.s.allocate_spill(h.nbytes))
+        except MemoryError as e:
+            for r in regions:
+                self.s.free_spill(r)
+            self._act_abandon()
+            raise MemoryError(
+                f"tiermem: offloading the activations of unit {self._unit_name(unit)!r} "
+                f"({n} bytes) fits neither the host budget ({host_error}) nor the NVMe tier "
+                f"({e}). Use a larger host or NVMe budget or a smaller batch; the model is "
+                f"unchanged.") from None
+        try:
+            with self._spill_bounce() as (token, bounce):
+                for h, region in zip(todo, regions):
+                    src = torch.empty(0, dtype=torch.uint8, device=self.device).set_(h.storage)
+                    for lo in range(0, h.nbytes, bounce.numel()):
+                        k = min(bounce.numel(), h.nbytes - lo)
+                        bounce[:k].copy_(src[lo:lo + k])  # D2H waits for the kernels on CUDA
+                        self.s.spill_copy(region, lo, token, 0, k, True)
+        except BaseException:
+            for r in regions:
+                self.s.free_spill(r)
+            self._act_abandon()
+            raise
+        for h, region in zip(todo, regions):
+            ptr = h.storage.data_ptr()
+            self._act_saved.pop(ptr, None)
+            self._act_seen.discard(ptr)
+            h.spill, h.storage = region, None
+            self._act_spilled.append(h)
+        self._act_nvme += n
+        self._act_stats["offloaded_bytes"] += n
+        self._act_stats["spilled_bytes"] += n
+
+    def _spill_read(self, h, dev):
+        with self._spill_bounce() as (token, bounce):
+            for lo in range(0, h.nbytes, bounce.numel()):
+                k = min(bounce.numel(), h.nbytes - lo)
+                self.s.spill_copy(h.spill, lo, token, 0, k, False)
+                dev[lo:lo + k].copy_(bounce[:k])  # synchronous: the bounce is reused next
+        self.s.free_spill(h.spill)
+        h.spill = None
+        self._act_spilled.remove(h)
+
+    @contextlib.contextmanager
+    def _spill_bounce(self):
+        """A host scratch region for spill copies, counted in the host budget while held."""
+        piece = min(4 << 20, self.s.chunk_elems * 4) // 4096 * 4096 or 4096
+        try:
+            token, raw = self.s.allocate_scratch(_HOST, piece)
+        except MemoryError as e:
+            raise MemoryError(
+                f"tiermem: activations spilled to NVMe go through {piece} bytes of host "
+                f"memory, and the host budget has no room for them: {e}. Use a larger host "
+                f"budget; the model is unchanged.") from None
+        try:
+            yield token, raw
+        finally:
+            self.s.free_scratch(_HOST, token)
+
+    def _spill_free_all(self):
+        for h in self._act_spilled:
+            if not self.s.closed:
+                self.s.free_spill(h.spill)
+            h.spill = None
+        self._act_spilled.clear()
+
+    def _unit_name(self, unit) -> str:
+        if 0 <= unit < len(self.units):
+            u = self.units[unit]
+            return u.name or type(u.module).__name__
+        return "(outside every unit)"
+
     def _offloadable(self, h) -> bool:
         # Not a storage a recomputed unit keeps as its input: that one stays on the device.
         return h.storage is not None and h.tracked and h.storage.data_ptr() not in self._rc_inputs
 
     def _act_fetch(self, unit, only_if_room=False):
-        todo = [h for h in self._act_by_unit.get(unit, ()) if h.host is not None]
+        todo = [h for h in self._act_by_unit.get(unit, ())
+                if h.host is not None or h.spill is not None]
         n = sum(h.nbytes for h in todo)
-        if only_if_room and self._act_total - self._act_host + n > self._act_cap:
+        if only_if_room and self._act_total - self._act_host - self._act_nvme + n > self._act_cap:
             return
         for h in todo:
             self._act_fetch_one(h)
@@ -793,11 +895,23 @@ class TiermemRuntime:
     def _act_fetch_one(self, h):
         cuda = self.device.type == "cuda"
         dev = torch.empty(h.nbytes, dtype=torch.uint8, device=self.device)
-        dev.copy_(h.host, non_blocking=cuda)
-        h.storage, h.host = dev.untyped_storage(), None
+        if h.spill is not None:
+            self._spill_read(h, dev)
+            if h.tracked:
+                self._act_nvme -= h.nbytes
+        elif h.host is not None:
+            dev.copy_(h.host, non_blocking=cuda)
+            h.host = None
+            if h.tracked:
+                self._act_host -= h.nbytes
+        else:
+            raise RuntimeError(
+                f"tiermem: an activation saved by unit {self._unit_name(h.unit)!r} was spilled "
+                f"to NVMe and freed when a new iteration began; a backward through a graph of "
+                f"an earlier iteration cannot read it (use activations 'budget' or 'outside' "
+                f"for such graphs)")
+        h.storage = dev.untyped_storage()
         self._act_stats["fetched_bytes"] += h.nbytes
-        if h.tracked:
-            self._act_host -= h.nbytes
 
     def _act_unpack(self, ref):
         # Like a saved chunk view: the backward reached the unit that saved it (whose

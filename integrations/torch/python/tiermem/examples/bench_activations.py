@@ -10,18 +10,24 @@ machines are noisy); per-step ratios and their medians are printed. `activations
 raises.
 
 Also per system: the device peak of chunks + activations from the timeline (must be within
-the budget for the counted modes), activation bytes saved per step, bytes offloaded and units
-recomputed per step.
+the budget for the counted modes), activation bytes saved per step, bytes offloaded (of them
+spilled to NVMe) and units recomputed per step.
+
+`--nvme DIR` gives every tiermem system an NVMe tier there (a temporary directory inside it,
+removed at the end): with a host budget too small for the activations, `offload` then spills
+what the host cannot hold to NVMe instead of raising.
 
     python -m tiermem.examples.bench_activations [--layers 6] [--width 384] [--block 128]
-        [--batch 8] [--steps 7] [--device 96MiB] [--host 2GiB] [--json]
+        [--batch 8] [--steps 7] [--device 96MiB] [--host 2GiB] [--nvme DIR] [--json]
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import json
+import shutil
 import statistics
+import tempfile
 
 import torch
 
@@ -41,6 +47,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=7, help="steps per system (3 are warm-up)")
     ap.add_argument("--device", default="96MiB")
     ap.add_argument("--host", default="2GiB")
+    ap.add_argument("--nvme", default=None, help="directory for an NVMe tier (default: none)")
+    ap.add_argument("--nvme-size", default="8GiB")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     if a.steps < 5:
@@ -48,9 +56,21 @@ def main(argv=None) -> int:
     base, data = bench_gpt(a.layers, a.width, a.batch, a.steps, block=a.block)
     opt_args = dict(lr=1e-3, weight_decay=0.01)
 
+    nvme_dir = tempfile.mkdtemp(prefix="tiermem-bench-act-", dir=a.nvme) if a.nvme else None
+    try:
+        return _run(a, base, data, opt_args, nvme_dir)
+    finally:
+        if nvme_dir:
+            shutil.rmtree(nvme_dir, ignore_errors=True)
+
+
+def _run(a, base, data, opt_args, nvme_dir) -> int:
     def cfg(activations, plan):
-        return {"device": a.device, "host": a.host, "plan": plan, "activations": activations,
-                "optimizer": opt_args}
+        c = {"device": a.device, "host": a.host, "plan": plan, "activations": activations,
+             "optimizer": opt_args}
+        if nvme_dir:
+            c["nvme"] = {"path": nvme_dir, "size": a.nvme_size}
+        return c
 
     # Saved-activation bytes per step, from plain torch's own saved-tensor hooks.
     saved = {}
@@ -89,7 +109,7 @@ def main(argv=None) -> int:
         model, opt = tiermem.initialize(copy.deepcopy(base), cfg(acts, plan))
         systems[mode] = dict(model=model, opt=opt, rt=tiermem.runtime_of(model))
     for s in systems.values():
-        s.update(times=[], losses=[], off=[], rc=[])
+        s.update(times=[], losses=[], off=[], rc=[], spill=[])
     failed = {}  # a mode that cannot run at these budgets (MemoryError at its first step)
     for i, (x, y) in enumerate(data):
         order = _MODES if i % 2 == 0 else tuple(reversed(_MODES))
@@ -98,7 +118,8 @@ def main(argv=None) -> int:
                 continue
             s = systems[mode]
             st = s["rt"].stats().get("activations") if s["rt"] else None
-            before = (st["offloaded_bytes"], st["recomputed_units"]) if st else (0, 0)
+            before = (st["offloaded_bytes"], st["recomputed_units"], st["spilled_bytes"]) \
+                if st else (0, 0, 0)
             try:
                 loss, dt = timed_step(s["model"], s["opt"], x, y)
             except MemoryError as e:
@@ -111,9 +132,11 @@ def main(argv=None) -> int:
             s["losses"].append(loss)
             s["times"].append(dt)
             st = s["rt"].stats().get("activations") if s["rt"] else None
-            after = (st["offloaded_bytes"], st["recomputed_units"]) if st else (0, 0)
+            after = (st["offloaded_bytes"], st["recomputed_units"], st["spilled_bytes"]) \
+                if st else (0, 0, 0)
             s["off"].append(after[0] - before[0])
             s["rc"].append(after[1] - before[1])
+            s["spill"].append(after[2] - before[2])
     a_losses = systems["auto-auto"]["losses"]
     if any(s["losses"] != a_losses for m, s in systems.items() if m != "torch"):
         print("ERROR: the losses differ between tiermem's modes")
@@ -131,7 +154,8 @@ def main(argv=None) -> int:
         "params_m": sum(p.numel() for p in base.parameters()) / 1e6,
         "training_state_bytes": sum(p.numel() for p in base.parameters()) * 16,
         "activation_bytes_per_step": act_bytes,
-        "budgets": {"device": a.device, "host": a.host},
+        "budgets": {"device": a.device, "host": a.host,
+                    "nvme": a.nvme_size if nvme_dir else None},
         "budget_mode": budget_error or "ran",
         "s_per_step": med,
         "cannot_run": failed,
@@ -149,6 +173,8 @@ def main(argv=None) -> int:
                                      for m, s in systems.items() if s["rt"]},
         "recomputed_units_per_step": {m: statistics.median(s["rc"][warm:])
                                       for m, s in systems.items() if s["rt"]},
+        "spilled_bytes_per_step": {m: statistics.median(s["spill"][warm:])
+                                   for m, s in systems.items() if s["rt"]},
         "device_peak": {},
         "plan": {m: systems[m]["rt"].stats()["plan"] for m in ("offload-auto", "auto-auto")
                  if m in systems},
@@ -159,6 +185,8 @@ def main(argv=None) -> int:
             out["device_peak"][m] = {"chunks_and_activations": rep["peak"]["device"],
                                      "activation": rep["category_peak"]["device"]["activation"],
                                      "host_activation": rep["category_peak"]["host"]["activation"],
+                                     "nvme_activation":
+                                         rep["category_peak"]["nvme"].get("activation", 0),
                                      "host": rep["peak"]["host"],
                                      "over_budget": rep["over_budget"]}
             s["rt"].close()
@@ -168,7 +196,8 @@ def main(argv=None) -> int:
     mib = 2 ** 20
     print(f"GPT {out['model']} ({out['params_m']:.1f} M params, training state "
           f"{out['training_state_bytes'] / mib:.0f} MiB), saved activations "
-          f"{act_bytes / mib:.0f} MiB per step; device {a.device}, host {a.host}; {a.steps} "
+          f"{act_bytes / mib:.0f} MiB per step; device {a.device}, host {a.host}"
+          f"{', NVMe ' + a.nvme_size if nvme_dir else ''}; {a.steps} "
           f"steps each, alternating, first {warm} not measured")
     print(f"  activations: budget at this budget: "
           f"{'cannot run (MemoryError: ' + budget_error[:110] + '...)' if budget_error else 'ran'}")
@@ -182,7 +211,8 @@ def main(argv=None) -> int:
             extra = (f"; device peak {d['chunks_and_activations'] / mib:.1f} MiB (activations "
                      f"{d['activation'] / mib:.1f}), host activations "
                      f"{d['host_activation'] / mib:.1f} MiB, offloaded "
-                     f"{out['offloaded_bytes_per_step'][m] / mib:.0f} MiB/step, recomputed "
+                     f"{out['offloaded_bytes_per_step'][m] / mib:.0f} MiB/step (to NVMe "
+                     f"{out['spilled_bytes_per_step'][m] / mib:.0f}), recomputed "
                      f"{out['recomputed_units_per_step'][m]:g} units/step, host peak "
                      f"{d['host'] / mib:.1f} MiB")
         print(f"  {m:12}: {med[m]:.3f} s/step{extra}")
