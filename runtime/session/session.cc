@@ -996,9 +996,19 @@ Status Session::FreeSpill(const Region& spill) {
 
 Status Session::SpillCopy(const Region& spill, Bytes spill_offset, const Region& host,
                           Bytes host_offset, Bytes bytes, bool to_nvme) {
+  TIERMEM_ASSIGN_OR_RETURN(std::shared_ptr<Completion> c,
+                           StartSpillCopy(spill, spill_offset, host, host_offset, bytes, to_nvme));
+  return c->Wait();
+}
+
+StatusOr<std::shared_ptr<Completion>> Session::StartSpillCopy(const Region& spill,
+                                                              Bytes spill_offset,
+                                                              const Region& host,
+                                                              Bytes host_offset, Bytes bytes,
+                                                              bool to_nvme) {
   TIERMEM_RETURN_IF_ERROR(Live());
   if (stack_->nvme() == nullptr) return FailedPreconditionError("session: no NVMe tier");
-  if (bytes == 0) return OkStatus();
+  if (bytes == 0) return Completion::Done(OkStatus());
   if (host_offset > host.bytes || bytes > host.bytes - host_offset) {
     return OutOfRangeError("session: spill copy of " + std::to_string(bytes) + " bytes at " +
                            std::to_string(host_offset) + " of a host region of " +
@@ -1011,7 +1021,7 @@ Status Session::SpillCopy(const Region& spill, Bytes spill_offset, const Region&
   req.dst = to_nvme ? n : h;
   req.bytes = bytes;
   req.category = Category::kActivation;
-  return stack_->mover()->Move(req)->Wait();  // the NVMe tier checks the spill's bounds
+  return stack_->mover()->Move(req);  // the NVMe tier checks the spill's bounds
 }
 
 Status Session::Synchronize() {

@@ -304,6 +304,11 @@ class Session {
   Status FreeSpill(const Region& spill);
   Status SpillCopy(const Region& spill, Bytes spill_offset, const Region& host, Bytes host_offset,
                    Bytes bytes, bool to_nvme);
+  // SpillCopy without the wait: the copy's completion (its error there). Until it is done the
+  // host bytes must stay untouched (to_nvme) or unread (from NVMe), and neither region freed.
+  StatusOr<std::shared_ptr<Completion>> StartSpillCopy(const Region& spill, Bytes spill_offset,
+                                                       const Region& host, Bytes host_offset,
+                                                       Bytes bytes, bool to_nvme);
   // activations: offload / auto, while an executed plan is followed (plan_runner.h,
   // "Activations"): whether the plan offloads `unit`'s saved activations after its forward
   // (or, auto, recomputes them in its backward), and the units whose activations the moments

@@ -174,6 +174,37 @@ def test_offload_to_full_host_and_nvme_budgets_raises_and_leaves_the_model_as_it
         r"fits neither the host budget .* nor the NVMe tier")
 
 
+def test_a_spill_that_reads_back_other_bytes_raises_instead_of_training_on_them(tmp_path):
+    # The NVMe file overwritten between the forward and the backward (a failing disk, or
+    # another process): the backward raises the tier's checksum error, never hands autograd
+    # the wrong bytes. Params and grads all live on the host here (only some optimizer state
+    # is on NVMe, read by the next step): the backward's NVMe reads are the spills'.
+    import os
+    _, ours = make_pair()
+    model, opt = tiermem.initialize(ours, config(
+        2_400_000, activations="offload", host=2_500_000,
+        nvme={"path": str(tmp_path), "size": "64MiB"}))
+    rt = tiermem.runtime_of(model)
+    x, y = batches(1, batch=32)[0]
+    loss = model(x, y)
+    assert rt.stats()["activations"]["spilled_bytes"] > 0
+    nvme = rt.timeline_peaks()["category_peak"]["nvme"]
+    assert nvme["activation"] > 0 and nvme["param"] == nvme["grad"] == 0, nvme
+    overwritten = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(tmp_path) + "/"):
+            with open(f"/proc/self/fd/{fd}", "r+b") as f:  # its own descriptor: not O_DIRECT
+                f.write(b"\x5a" * (64 << 20))
+            overwritten += 1
+    assert overwritten
+    with pytest.raises(OSError, match=r"activation spill.*checksum mismatch"):
+        loss.backward()
+
+
 def test_offloaded_activations_of_torch_modules_match_plain_torch():
     ref = encoder_lm()
     ours = copy.deepcopy(ref)

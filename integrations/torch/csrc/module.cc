@@ -250,16 +250,13 @@ class PySession {
   void FreeSpill(const std::tuple<uint64_t, uint64_t, uintptr_t>& token) {
     Check(s_->FreeSpill(FromToken(token)));
   }
-  void SpillCopy(const std::tuple<uint64_t, uint64_t, uintptr_t>& spill, uint64_t spill_offset,
-                 const std::tuple<uint64_t, uint64_t, uintptr_t>& host, uint64_t host_offset,
-                 uint64_t bytes, bool to_nvme) {
-    Status st;
-    {
-      py::gil_scoped_release nogil;
-      st = s_->SpillCopy(FromToken(spill), spill_offset, FromToken(host), host_offset, bytes,
-                         to_nvme);
-    }
-    Check(st);
+  // Starts the copy; the returned Pending's wait() (without the GIL) raises its error.
+  std::shared_ptr<Completion> StartSpillCopy(
+      const std::tuple<uint64_t, uint64_t, uintptr_t>& spill, uint64_t spill_offset,
+      const std::tuple<uint64_t, uint64_t, uintptr_t>& host, uint64_t host_offset,
+      uint64_t bytes, bool to_nvme) {
+    return Check(s_->StartSpillCopy(FromToken(spill), spill_offset, FromToken(host),
+                                    host_offset, bytes, to_nvme));
   }
   static Region FromToken(const std::tuple<uint64_t, uint64_t, uintptr_t>& token) {
     return Region{std::get<0>(token), std::get<1>(token),
@@ -606,6 +603,18 @@ PYBIND11_MODULE(_C, m) {
       py::arg("path"), py::arg("env") = py::none());
 
   using K = tiermem::chunks::ChunkKind;
+  // An asynchronous copy in flight (Session::StartSpillCopy).
+  py::class_<tiermem::Completion, std::shared_ptr<tiermem::Completion>>(m, "Pending")
+      .def_property_readonly("done", [](const tiermem::Completion& c) { return c.Poll(); })
+      .def("wait", [](const tiermem::Completion& c) {
+        tiermem::Status st;
+        {
+          py::gil_scoped_release nogil;
+          st = c.Wait();
+        }
+        Check(st);
+      });
+
   py::class_<PySession>(m, "Session")
       .def(py::init<const se::SessionConfig&, const std::vector<py::tuple>&, const py::object&>(),
            py::arg("config"), py::arg("tensors"), py::arg("sharding") = py::none())
@@ -618,7 +627,7 @@ PYBIND11_MODULE(_C, m) {
       .def("free_scratch", &PySession::FreeScratch)
       .def("allocate_spill", &PySession::AllocateSpill)
       .def("free_spill", &PySession::FreeSpill)
-      .def("spill_copy", &PySession::SpillCopy)
+      .def("start_spill_copy", &PySession::StartSpillCopy)
       .def("close", &PySession::Close)
       .def_property_readonly("closed", [](const PySession& s) { return s.s().closed(); })
       .def("acquire", &PySession::Acquire)

@@ -835,14 +835,22 @@ TEST(SessionNvme, SpilledBytesComeBackAsWrittenAndACorruptedSpillIsDataLoss) {
     std::memcpy(bounce, want.data() + lo, k);
     ASSERT_THAT(s->SpillCopy(*spill, lo, *host, 0, k, true), IsOk());
   }
+  // Read back with both pieces in flight at once (StartSpillCopy), into two host regions.
+  StatusOr<Region> host2 = s->AllocateScratch(TierKind::kHost, 64 * kKiB);
+  ASSERT_THAT(host2.status(), IsOk());
+  std::memset(bounce, 0, 64 * kKiB);
+  std::memset(host2->addr, 0, 64 * kKiB);
+  auto first = s->StartSpillCopy(*spill, 0, *host, 0, 64 * kKiB, false);
+  auto second = s->StartSpillCopy(*spill, 64 * kKiB, *host2, 0, 100, false);
+  ASSERT_THAT(first.status(), IsOk());
+  ASSERT_THAT(second.status(), IsOk());
+  ASSERT_THAT((*first)->Wait(), IsOk());
+  ASSERT_THAT((*second)->Wait(), IsOk());
   std::vector<char> got(n, 0);
-  for (Bytes lo = 0; lo < n; lo += 64 * kKiB) {
-    const Bytes k = std::min<Bytes>(64 * kKiB, n - lo);
-    std::memset(bounce, 0, k);
-    ASSERT_THAT(s->SpillCopy(*spill, lo, *host, 0, k, false), IsOk());
-    std::memcpy(got.data() + lo, bounce, k);
-  }
+  std::memcpy(got.data(), bounce, 64 * kKiB);
+  std::memcpy(got.data() + 64 * kKiB, host2->addr, 100);
   EXPECT_EQ(got, want);
+  EXPECT_THAT(s->FreeScratch(TierKind::kHost, *host2), IsOk());
   EXPECT_THAT(s->SpillCopy(*spill, 0, *host, 4, 64 * kKiB, true),
               StatusIs(StatusCode::kOutOfRange, "host region"));
   // The NVMe budget (16 MiB, the homes in it): a spill larger than its free room.

@@ -103,6 +103,10 @@ class Frame:
         u = self.unit
         return u.name or type(u.module).__name__
 
+    def holds_input(self, t: torch.Tensor) -> bool:
+        """`t` is (a view of) one of the inputs the frame keeps anyway: saved as it is."""
+        return t.untyped_storage().data_ptr() in self.input_ptrs
+
     def record(self, t: torch.Tensor) -> _RecomputeRef:
         i = self.n
         self.n += 1

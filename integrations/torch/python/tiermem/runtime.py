@@ -28,7 +28,6 @@ Threading: one training thread (like the model itself).
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import math
@@ -258,6 +257,8 @@ class TiermemRuntime:
         # when it is fetched back or the iteration is reset.
         self._act_spilled: list = []
         self._spill_ok = cfg.nvme_size > 0
+        self._spill_bufs: list = []            # host scratch bounces (token, uint8 tensor)
+        self._spill_pending = [None, None]     # the copy in flight through each bounce
         self._act_stats = {"offloaded_bytes": 0, "fetched_bytes": 0, "sync_fetches": 0,
                            "recomputed_units": 0, "recomputed_bytes": 0, "dropped_bytes": 0,
                            "spilled_bytes": 0}
@@ -802,8 +803,11 @@ class TiermemRuntime:
 
     def _act_spill(self, unit, todo, n, host_error):
         """The host budget has no room for `unit`'s activations: they go to NVMe regions (the
-        NVMe budget), copied through a host scratch bounce (the host budget). Every region is
-        allocated before anything moves, so a full NVMe tier leaves everything as it was."""
+        NVMe budget), copied through two host scratch bounces (the host budget) with the
+        device->bounce copy of one piece overlapping the NVMe write of the other. The writes
+        may still be in flight when this returns (_spill_drain waits for them). Every region
+        is allocated before anything moves, so a full NVMe tier leaves everything as it
+        was."""
         regions = []
         try:
             for h in todo:
@@ -818,14 +822,18 @@ class TiermemRuntime:
                 f"({e}). Use a larger host or NVMe budget or a smaller batch; the model is "
                 f"unchanged.") from None
         try:
-            with self._spill_bounce() as (token, bounce):
-                for h, region in zip(todo, regions):
-                    src = torch.empty(0, dtype=torch.uint8, device=self.device).set_(h.storage)
-                    for lo in range(0, h.nbytes, bounce.numel()):
-                        k = min(bounce.numel(), h.nbytes - lo)
-                        bounce[:k].copy_(src[lo:lo + k])  # D2H waits for the kernels on CUDA
-                        self.s.spill_copy(region, lo, token, 0, k, True)
+            piece = 0
+            for h, region in zip(todo, regions):
+                src = torch.empty(0, dtype=torch.uint8, device=self.device).set_(h.storage)
+                for lo in range(0, h.nbytes, self._spill_piece()):
+                    token, buf = self._spill_buffer(piece)  # its last write is done
+                    k = min(buf.numel(), h.nbytes - lo)
+                    buf[:k].copy_(src[lo:lo + k])  # synchronous (D2H waits for the kernels)
+                    self._spill_pending[piece % 2] = self.s.start_spill_copy(
+                        region, lo, token, 0, k, True)
+                    piece += 1
         except BaseException:
+            self._spill_drain(quiet=True)  # no copy may be in flight into a freed region
             for r in regions:
                 self.s.free_spill(r)
             self._act_abandon()
@@ -841,32 +849,80 @@ class TiermemRuntime:
         self._act_stats["spilled_bytes"] += n
 
     def _spill_read(self, h, dev):
-        with self._spill_bounce() as (token, bounce):
-            for lo in range(0, h.nbytes, bounce.numel()):
-                k = min(bounce.numel(), h.nbytes - lo)
-                self.s.spill_copy(h.spill, lo, token, 0, k, False)
-                dev[lo:lo + k].copy_(bounce[:k])  # synchronous: the bounce is reused next
+        """Reads `h`'s region into `dev` (the NVMe read of one piece overlapping the copy of
+        the other to the device) and frees the region."""
+        self._spill_drain()  # the writes first (this region's among them)
+        step = self._spill_piece()
+        los = list(range(0, h.nbytes, step))
+
+        def start(i):
+            token, buf = self._spill_buffer(i)
+            k = min(buf.numel(), h.nbytes - los[i])
+            self._spill_pending[i % 2] = self.s.start_spill_copy(h.spill, los[i], token, 0, k,
+                                                                 False)
+        start(0)
+        for i, lo in enumerate(los):
+            if i + 1 < len(los):
+                start(i + 1)
+            pending, self._spill_pending[i % 2] = self._spill_pending[i % 2], None
+            self._spill_wait(pending)
+            k = min(step, h.nbytes - lo)
+            dev[lo:lo + k].copy_(self._spill_bufs[i % 2][1][:k])  # synchronous
         self.s.free_spill(h.spill)
         h.spill = None
         self._act_spilled.remove(h)
+        if not self._act_spilled:
+            self._spill_drain()  # and the bounces go back to the host budget
 
-    @contextlib.contextmanager
-    def _spill_bounce(self):
-        """A host scratch region for spill copies, counted in the host budget while held."""
-        piece = min(4 << 20, self.s.chunk_elems * 4) // 4096 * 4096 or 4096
+    def _spill_piece(self) -> int:
+        # At most 4 MiB (a few of the NVMe tier's I/Os) and one fp32 chunk (the host reserve
+        # keeps that much of the host budget for caches, which scratch evicts).
+        return min(4 << 20, self.s.chunk_elems * 4) // 4096 * 4096 or 4096
+
+    def _spill_buffer(self, i):
+        """Bounce i % 2 as (token, uint8 tensor), allocated on first use (host scratch), once
+        its previous copy is done."""
+        j = i % 2
+        pending = self._spill_pending[j]
+        if pending is not None:
+            self._spill_pending[j] = None
+            self._spill_wait(pending)
+        while len(self._spill_bufs) <= j:
+            piece = self._spill_piece()
+            try:
+                self._spill_bufs.append(self.s.allocate_scratch(_HOST, piece))
+            except MemoryError as e:
+                raise MemoryError(
+                    f"tiermem: activations spilled to NVMe go through two bounces of {piece} "
+                    f"bytes of host memory, and the host budget has no room for them: {e}. Use "
+                    f"a larger host budget; the model is unchanged.") from None
+        return self._spill_bufs[j]
+
+    def _spill_wait(self, pending):
         try:
-            token, raw = self.s.allocate_scratch(_HOST, piece)
-        except MemoryError as e:
-            raise MemoryError(
-                f"tiermem: activations spilled to NVMe go through {piece} bytes of host "
-                f"memory, and the host budget has no room for them: {e}. Use a larger host "
-                f"budget; the model is unchanged.") from None
-        try:
-            yield token, raw
-        finally:
-            self.s.free_scratch(_HOST, token)
+            pending.wait()
+        except (OSError, RuntimeError) as e:  # the I/O error's type (OSError) is kept
+            raise type(e)(f"tiermem: an activation spill to or from NVMe failed: {e}") from None
+
+    def _spill_drain(self, quiet=False):
+        """Waits for the spill copies in flight and gives the bounces back."""
+        err = None
+        for j, pending in enumerate(self._spill_pending):
+            self._spill_pending[j] = None
+            if pending is not None:
+                try:
+                    self._spill_wait(pending)
+                except (OSError, RuntimeError) as e:
+                    err = err or e
+        if not self.s.closed:
+            for token, _ in self._spill_bufs:
+                self.s.free_scratch(_HOST, token)
+        self._spill_bufs.clear()
+        if err is not None and not quiet:
+            raise err
 
     def _spill_free_all(self):
+        self._spill_drain(quiet=True)  # the iteration is over or abandoned: its spills go
         for h in self._act_spilled:
             if not self.s.closed:
                 self.s.free_spill(h.spill)
@@ -976,7 +1032,7 @@ class TiermemRuntime:
     def _droppable_pack(self, frame, t: torch.Tensor):
         """auto, a unit the plan does not recompute: saved as 'offload' saves it, and the ref
         knows its position in the frame's saves, so it can be recomputed if dropped."""
-        if not self._is_chunk_memory(t) and t.untyped_storage().data_ptr() in frame.input_ptrs:
+        if not self._is_chunk_memory(t) and frame.holds_input(t):
             frame.n += 1
             return _Plain(t)  # an input: held by the frame anyway
         ref = self._pack(t)
@@ -992,7 +1048,7 @@ class TiermemRuntime:
         if self._is_chunk_memory(t):
             frame.n += 1  # its position, kept by the recompute's saves
             return self._pack(t)  # a chunk view: re-acquired in the backward, not recomputed
-        if t.untyped_storage().data_ptr() in frame.input_ptrs:
+        if frame.holds_input(t):
             frame.n += 1
             return _Plain(t)  # (a view of) an input: held anyway, nothing to recompute
         if self._recompute_planned:
@@ -1629,6 +1685,7 @@ class TiermemRuntime:
         self._closed = True
         if self._shards is not None:
             self._shards.close()
+        self._spill_free_all()  # no spill copy in flight when the tiers go
         self.s.close()
         self._shards = None  # nor does the runtime keep the process group alive
         if getattr(self.model, "_tiermem_runtime", None) is self:
