@@ -196,7 +196,7 @@ Status ApplyJson(const json& config, SessionConfig* c, bool* nvme_given) {
       return Bad("nvme", "expected {'path': ..., 'size': ...}, got " + nv.dump());
     }
     TIERMEM_RETURN_IF_ERROR(
-        CheckKeys(nv, {"path", "size", "engine", "queue_depth"}, "config 'nvme'"));
+        CheckKeys(nv, {"path", "size", "engine", "queue_depth", "piece_size"}, "config 'nvme'"));
     if (!nv.contains("size")) return Bad("nvme", "'size' is required");
     TIERMEM_ASSIGN_OR_RETURN(c->nvme_size, Size("nvme.size", nv["size"]));
     *nvme_given = true;
@@ -208,6 +208,13 @@ Status ApplyJson(const json& config, SessionConfig* c, bool* nvme_given) {
     }
     if (nv.contains("queue_depth")) {
       TIERMEM_ASSIGN_OR_RETURN(c->io_depth, Int("nvme.queue_depth", nv["queue_depth"], 1, 4096));
+    }
+    if (nv.contains("piece_size")) {
+      TIERMEM_ASSIGN_OR_RETURN(c->io_piece, Size("nvme.piece_size", nv["piece_size"]));
+      if (c->io_piece < 4 * kKiB || c->io_piece > 64 * kMiB || c->io_piece % (4 * kKiB) != 0) {
+        return Bad("nvme.piece_size", "must be a multiple of 4 KiB from 4 KiB to 64 MiB, got " +
+                                          std::to_string(c->io_piece));
+      }
     }
   }
   if (has("precision")) {
@@ -423,7 +430,8 @@ json ToJson(const SessionConfig& c) {
   j["device"] = c.device_budget;
   j["host"] = c.host_budget;
   if (c.nvme_size > 0) {
-    j["nvme"] = {{"size", c.nvme_size}, {"engine", c.nvme_engine}, {"queue_depth", c.io_depth}};
+    j["nvme"] = {{"size", c.nvme_size}, {"engine", c.nvme_engine}, {"queue_depth", c.io_depth},
+                 {"piece_size", c.io_piece}};
     if (!c.nvme_path.empty()) j["nvme"]["path"] = c.nvme_path;
   }
   j["device_kind"] = c.device_kind;

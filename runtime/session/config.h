@@ -97,6 +97,7 @@ struct SessionConfig {
   std::string nvme_path;         // "" = a fresh directory under $TMPDIR
   std::string nvme_engine = "auto";
   int io_depth = 8;
+  Bytes io_piece = kMiB;         // NVMe I/O size: larger copies go in pieces of this size
   std::string device_kind = "auto";
   std::string timeline;          // "" = a temporary file, removed when the session closes
   int cpu_threads = 0;

@@ -218,6 +218,7 @@ StatusOr<std::unique_ptr<TierStack>> TierStack::Create(const SessionConfig& conf
     nc.dir = config.nvme_path;
     TIERMEM_ASSIGN_OR_RETURN(nc.engine, ParseNvmeEngine(config.nvme_engine));
     nc.queue_depth = config.io_depth;
+    nc.piece_bytes = config.io_piece;
     nc.capacity = AlignUp(config.nvme_size, nc.block_bytes);
     TIERMEM_ASSIGN_OR_RETURN(s->nvme_, NewNvmeTier(nc));
     if (auto* nvme = dynamic_cast<NvmeTier*>(s->nvme_.get())) {
