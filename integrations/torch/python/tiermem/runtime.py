@@ -798,9 +798,6 @@ class TiermemRuntime:
         self._act_stats["dropped_bytes"] += n
 
     # ---- activations spilled to NVMe (offload / auto, the host budget short) ------------------
-    # The host bounce: at most 4 MiB (a few of the NVMe tier's I/Os) and one fp32 chunk (the
-    # host reserve keeps that much of the host budget for caches, which scratch evicts).
-
     def _act_spill(self, unit, todo, n, host_error):
         """The host budget has no room for `unit`'s activations: they go to NVMe regions (the
         NVMe budget), copied through two host scratch bounces (the host budget) with the
@@ -851,7 +848,7 @@ class TiermemRuntime:
     def _spill_read(self, h, dev):
         """Reads `h`'s region into `dev` (the NVMe read of one piece overlapping the copy of
         the other to the device) and frees the region."""
-        self._spill_drain()  # the writes first (this region's among them)
+        self._spill_drain(release=False)  # the writes first (this region's among them)
         step = self._spill_piece()
         los = list(range(0, h.nbytes, step))
 
@@ -904,8 +901,8 @@ class TiermemRuntime:
         except (OSError, RuntimeError) as e:  # the I/O error's type (OSError) is kept
             raise type(e)(f"tiermem: an activation spill to or from NVMe failed: {e}") from None
 
-    def _spill_drain(self, quiet=False):
-        """Waits for the spill copies in flight and gives the bounces back."""
+    def _spill_drain(self, quiet=False, release=True):
+        """Waits for the spill copies in flight and (`release`) gives the bounces back."""
         err = None
         for j, pending in enumerate(self._spill_pending):
             self._spill_pending[j] = None
@@ -914,10 +911,11 @@ class TiermemRuntime:
                     self._spill_wait(pending)
                 except (OSError, RuntimeError) as e:
                     err = err or e
-        if not self.s.closed:
-            for token, _ in self._spill_bufs:
-                self.s.free_scratch(_HOST, token)
-        self._spill_bufs.clear()
+        if release:
+            if not self.s.closed:
+                for token, _ in self._spill_bufs:
+                    self.s.free_scratch(_HOST, token)
+            self._spill_bufs.clear()
         if err is not None and not quiet:
             raise err
 
