@@ -772,6 +772,24 @@ TEST(SessionNvme, OptimizerStateSpillsToNvmeFirstAndTrainingMatches) {
   std::filesystem::remove_all(dir);
 }
 
+// Overwrites the first 16 MiB of every NVMe file of a session under `dir` with junk, as a
+// failing disk or another process would, and syncs; returns how many files. The tier's files
+// are unnamed (O_TMPFILE): they are reached through this process's descriptors.
+int OverwriteNvmeFiles(const std::string& dir) {
+  int overwritten = 0;
+  for (const auto& f : std::filesystem::directory_iterator("/proc/self/fd")) {
+    std::error_code ec;
+    const std::string target = std::filesystem::read_symlink(f.path(), ec).string();
+    if (ec || target.rfind(dir + "/", 0) != 0) continue;
+    std::fstream io(f.path(), std::ios::in | std::ios::out | std::ios::binary);
+    const std::string junk(16 << 20, '\x5a');
+    io.write(junk.data(), static_cast<std::streamsize>(junk.size()));
+    overwritten += io.good();
+  }
+  sync();
+  return overwritten;
+}
+
 // A deferred update that meets a failing disk (here: the NVMe file overwritten behind the
 // session's back, so the chunk checksums fail) returns the error from the call that ran it,
 // naming the group and the deferral; the group is not stepped (its step counts stay).
@@ -790,19 +808,7 @@ TEST(SessionNvme, ADeferredUpdateThatFailsSaysSoAndLeavesTheGroupUnstepped) {
   }
   ASSERT_EQ(s->Home(0, ChunkKind::kExpAvgSq), TierKind::kNvme);
   ASSERT_NE(s->Resident(0, ChunkKind::kExpAvgSq), TierKind::kHost);  // must be read from disk
-  // The tier's file is unnamed (O_TMPFILE): reach it through this process's descriptors.
-  int overwritten = 0;
-  for (const auto& f : std::filesystem::directory_iterator("/proc/self/fd")) {
-    std::error_code ec;
-    const std::string target = std::filesystem::read_symlink(f.path(), ec).string();
-    if (ec || target.rfind(dir + "/", 0) != 0) continue;
-    std::fstream io(f.path(), std::ios::in | std::ios::out | std::ios::binary);
-    const std::string junk(16 << 20, '\x5a');
-    io.write(junk.data(), static_cast<std::streamsize>(junk.size()));
-    overwritten += io.good();
-  }
-  ASSERT_GT(overwritten, 0);
-  sync();
+  ASSERT_GT(OverwriteNvmeFiles(dir), 0);
   const Status st = s->FinishStep(0);
   EXPECT_EQ(st.code(), StatusCode::kDataLoss) << st.ToString();  // the chunk's checksum
   EXPECT_NE(st.message().find("chunk group 0"), std::string::npos) << st.ToString();
@@ -855,19 +861,7 @@ TEST(SessionNvme, SpilledBytesComeBackAsWrittenAndACorruptedSpillIsDataLoss) {
               StatusIs(StatusCode::kOutOfRange, "host region"));
   // The NVMe budget (16 MiB, the homes in it): a spill larger than its free room.
   EXPECT_THAT(s->AllocateSpill(16 * kMiB), StatusIs(StatusCode::kResourceExhausted, "need"));
-  // The file overwritten (its unnamed O_TMPFILE, through this process's descriptors).
-  int overwritten = 0;
-  for (const auto& f : std::filesystem::directory_iterator("/proc/self/fd")) {
-    std::error_code ec;
-    const std::string target = std::filesystem::read_symlink(f.path(), ec).string();
-    if (ec || target.rfind(dir + "/", 0) != 0) continue;
-    std::fstream io(f.path(), std::ios::in | std::ios::out | std::ios::binary);
-    const std::string junk(16 << 20, '\x5a');
-    io.write(junk.data(), static_cast<std::streamsize>(junk.size()));
-    overwritten += io.good();
-  }
-  ASSERT_GT(overwritten, 0);
-  sync();
+  ASSERT_GT(OverwriteNvmeFiles(dir), 0);
   EXPECT_THAT(s->SpillCopy(*spill, 0, *host, 0, 64 * kKiB, false),
               StatusIs(StatusCode::kDataLoss, ""));
   EXPECT_THAT(s->FreeSpill(*spill), IsOk());

@@ -574,15 +574,11 @@ class TiermemRuntime:
                 if self._shards is not None and grad:
                     self._fwd_seq.append(u.index)
                     self._prefetch_after(u.index, +1)  # the next unit's chunks, meanwhile
-                for r in u.params:
-                    if r.mat == 0:
-                        r.compute.data = self._slice(views[r.group], r)
-                        r.version = r.compute._version
-                    r.mat += 1
-                    if grad and r.trainable:
-                        self._fwd_used.setdefault(r.group, set()).add(r.index)
-                for m, name, r in u.slots:
-                    m._parameters[name] = r.compute
+                self._materialize(u, views)
+                if grad:
+                    for r in u.params:
+                        if r.trainable:
+                            self._fwd_used.setdefault(r.group, set()).add(r.index)
             self._active_units.append(u)
             pushed = grad and not self._resident
             if pushed:
@@ -601,6 +597,31 @@ class TiermemRuntime:
             return None
         return hook
 
+    def _materialize(self, u, views):
+        """`u`'s parameters become views of their chunks (`views`: group -> the acquired
+        chunk) for the module's forward; `mat` counts the units holding each one so."""
+        for r in u.params:
+            if r.mat == 0:
+                r.compute.data = self._slice(views[r.group], r)
+                r.version = r.compute._version
+            r.mat += 1
+        for m, name, r in u.slots:
+            m._parameters[name] = r.compute
+
+    def _unmaterialize(self, u) -> set:
+        """Undoes _materialize for `u`'s parameters (the caller restores its slots); returns
+        the groups of the parameters written in place meanwhile (their master synced)."""
+        modified = set()
+        for r in u.params:
+            r.mat -= 1
+            if r.mat == 0:
+                if r.compute._version != r.version:  # written in place inside the forward
+                    modified.add(r.group)
+                    if self.mixed:
+                        self._sync_master(r, (), r.compute.data, None)
+                r.compute.data = r.placeholder
+        return modified
+
     def _unit_exit(self, u):
         def hook():
             if self._closed or not u.pushed or self._recomputing is not None:
@@ -617,15 +638,7 @@ class TiermemRuntime:
                 for r in u.params:
                     r.mat -= 1
                 return None
-            modified = set()
-            for r in u.params:
-                r.mat -= 1
-                if r.mat == 0:
-                    if r.compute._version != r.version:  # written in place inside the forward
-                        modified.add(r.group)
-                        if self.mixed:
-                            self._sync_master(r, (), r.compute.data, None)
-                    r.compute.data = r.placeholder
+            modified = self._unmaterialize(u)
             for g, b in u.pins:
                 self._release(g, self._compute_kind, g in modified, b)
             u.pins = []
@@ -1071,13 +1084,7 @@ class TiermemRuntime:
         the backward leaves the unit."""
         u = frame.unit
         frame.check_inputs()
-        views = {g: self._bwd_base(g) for g in u.groups}
-        for r in u.params:
-            if r.mat == 0:
-                r.compute.data = self._slice(views[r.group], r)
-            r.mat += 1
-        for m, name, r in u.slots:
-            m._parameters[name] = r.compute
+        self._materialize(u, {g: self._bwd_base(g) for g in u.groups})
         saved = []
 
         def capture(t):
@@ -1097,10 +1104,7 @@ class TiermemRuntime:
             self.s.phase("backward")
             for m, name, r in u.slots:
                 m._parameters[name] = r.param
-            for r in u.params:
-                r.mat -= 1
-                if r.mat == 0:
-                    r.compute.data = r.placeholder
+            self._unmaterialize(u)  # (its forward cannot write them: refused after the first)
         frame.take(saved, _check)
         n = 0
         for t in frame.values.values():
