@@ -191,61 +191,55 @@ def test_cuda_deferred_updates_equal_updates_inside_step_across_stream_changes()
         assert torch.equal(v, out["next-forward"][1][k]), k
 
 
+def encoder_on_cuda_equals_outside(acts, extra, dropout, check, room=16_000_000):
+    """The nn.TransformerEncoder LM trained on the GPU with `activations: acts` (and config
+    `extra`) at a device budget of half its training state + `room` (below its activations),
+    and with every activation kept (outside): bit for bit the same losses and weights;
+    `check(runtime, steps)` on the first."""
+    import copy
+    base = encoder_lm(dropout=dropout)
+    data = encoder_batches(6, batch=64, seq=64, device="cuda")
+    nbytes = sum(p.numel() for p in base.parameters()) * 16
+    out = {}
+    for mode in ("outside", acts):
+        model, opt = tiermem.initialize(
+            copy.deepcopy(base), {"device": nbytes // 2 + room, "host": "1GiB",
+                                  "device_kind": "cuda", "activations": mode,
+                                  "optimizer": {"lr": 1e-3, "weight_decay": 0.01}, **extra},
+            units=[torch.nn.TransformerEncoderLayer, torch.nn.Linear])
+        rt = tiermem.runtime_of(model)
+        losses = train_encoder(model, opt, data, seed=11)
+        if mode == acts:
+            check(rt, len(data))
+            assert not rt.timeline_peaks()["over_budget"]
+        out[mode] = (losses, {k: v.cpu() for k, v in model.state_dict().items()})
+        rt.close()
+    assert out[acts][0] == out["outside"][0]
+    for k, v in out["outside"][1].items():
+        assert torch.equal(v, out[acts][1][k]), k
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAVE_GPU, reason="needs a GPU and a CUDA build of tiermem")
 def test_cuda_recomputed_activations_with_dropout_equal_kept_ones():
     # activations: recompute on the GPU: the recompute restores the CUDA RNG state of the
-    # first run (dropout masks) and runs on torch's stream; bit for bit the run that keeps
-    # every activation (outside), at a device budget below the activations.
-    base = encoder_lm(dropout=0.1)
-    data = encoder_batches(6, batch=64, seq=64, device="cuda")
-    nbytes = sum(p.numel() for p in base.parameters()) * 16
-    out = {}
-    import copy
-    for acts in ("outside", "recompute"):
-        model, opt = tiermem.initialize(
-            copy.deepcopy(base), {"device": nbytes // 2 + 16_000_000, "host": "1GiB",
-                                  "device_kind": "cuda", "activations": acts,
-                                  "optimizer": {"lr": 1e-3, "weight_decay": 0.01}},
-            units=[torch.nn.TransformerEncoderLayer, torch.nn.Linear])
-        rt = tiermem.runtime_of(model)
-        losses = train_encoder(model, opt, data, seed=11)
-        if acts == "recompute":
-            assert rt.stats()["activations"]["recomputed_units"] >= 4 * len(data)
-            assert not rt.timeline_peaks()["over_budget"]
-        out[acts] = (losses, {k: v.cpu() for k, v in model.state_dict().items()})
-        rt.close()
-    assert out["recompute"][0] == out["outside"][0]
-    for k, v in out["outside"][1].items():
-        assert torch.equal(v, out["recompute"][1][k]), k
+    # first run (dropout masks) and runs on torch's stream.
+    def check(rt, steps):
+        assert rt.stats()["activations"]["recomputed_units"] >= 4 * steps
+
+    # The encoder layers hold Linear units, so only those recompute; the rest of a layer's
+    # activations (36 MB at this batch) stay: room for them.
+    encoder_on_cuda_equals_outside("recompute", {}, 0.1, check, room=40_000_000)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAVE_GPU, reason="needs a GPU and a CUDA build")
 def test_cuda_activations_spilled_to_nvme_equal_kept_ones(tmp_path):
     # activations: offload with a host budget too small for them and an NVMe tier: they go
-    # device -> pinned host bounce -> NVMe in the forward and back in the backward; bit for
-    # bit the run that keeps every activation (outside), every budget held.
-    base = encoder_lm()
-    data = encoder_batches(6, batch=64, seq=64, device="cuda")
-    nbytes = sum(p.numel() for p in base.parameters()) * 16
-    out = {}
-    import copy
-    for acts in ("outside", "offload"):
-        model, opt = tiermem.initialize(
-            copy.deepcopy(base), {"device": nbytes // 2 + 16_000_000, "host": "8MiB",
-                                  "nvme": {"path": str(tmp_path), "size": "1GiB"},
-                                  "device_kind": "cuda", "activations": acts,
-                                  "optimizer": {"lr": 1e-3, "weight_decay": 0.01}},
-            units=[torch.nn.TransformerEncoderLayer, torch.nn.Linear])
-        rt = tiermem.runtime_of(model)
-        losses = train_encoder(model, opt, data, seed=11)
-        if acts == "offload":
-            st = rt.stats()["activations"]
-            assert st["spilled_bytes"] > 0 and st["fetched_bytes"] == st["offloaded_bytes"], st
-            assert not rt.timeline_peaks()["over_budget"]
-        out[acts] = (losses, {k: v.cpu() for k, v in model.state_dict().items()})
-        rt.close()
-    assert out["offload"][0] == out["outside"][0]
-    for k, v in out["outside"][1].items():
-        assert torch.equal(v, out["offload"][1][k]), k
+    # device -> pinned host bounce -> NVMe in the forward and back in the backward.
+    def check(rt, steps):
+        st = rt.stats()["activations"]
+        assert st["spilled_bytes"] > 0 and st["fetched_bytes"] == st["offloaded_bytes"], st
+
+    encoder_on_cuda_equals_outside(
+        "offload", {"host": "8MiB", "nvme": {"path": str(tmp_path), "size": "1GiB"}}, 0.0, check)
