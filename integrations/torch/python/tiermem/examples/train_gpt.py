@@ -251,12 +251,16 @@ def train(args, c, steps, preset, nvme_dir, nvme_size) -> int:
           f"{tokens / wall:.0f} tokens/s, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     print(plan_line(args.plan, plan))
     if acts is not None:
+        spilled = (f" (of them {fmt(acts['spilled_bytes'] // steps)} spilled to NVMe: the host "
+                   f"budget had no room)" if acts.get("spilled_bytes") else "")
         print(f"activations: {args.activations} — {fmt(acts['offloaded_bytes'] // steps)} per "
-              f"step moved to host memory and back ({acts['sync_fetches']} fetched on demand), "
+              f"step moved to host memory and back{spilled} ({acts['sync_fetches']} fetched on "
+              f"demand), "
               f"{acts['recomputed_units'] / steps:g} units recomputed per step"
               f"{', ' + fmt(acts['dropped_bytes'] // steps) + ' dropped per step' if acts['dropped_bytes'] else ''}"
               f"; device activation peak {fmt(peaks['category_peak']['device']['activation'])}, "
-              f"host {fmt(peaks['category_peak']['host']['activation'])}")
+              f"host {fmt(peaks['category_peak']['host']['activation'])}"
+              f"{', NVMe ' + fmt(peaks['category_peak']['nvme']['activation']) if spilled else ''}")
     if args.timeline:
         rep = run_cli("prof", "report", timeline)
         print(rep.stdout if rep.returncode == 0 else rep.stderr)
