@@ -241,8 +241,8 @@ class PySession {
     Region r{std::get<0>(token), std::get<1>(token), reinterpret_cast<void*>(std::get<2>(token))};
     Check(s_->FreeScratch(where, r));
   }
-  // An NVMe region for spilled activations as a token (id, bytes, 0); SpillCopy moves bytes
-  // between it and host scratch (AllocateScratch's token), waiting without the GIL.
+  // An NVMe region for spilled activations as a token (id, bytes, 0); StartSpillCopy moves
+  // bytes between it and host scratch (a token AllocateScratch(host) returned).
   py::tuple AllocateSpill(uint64_t bytes) {
     const Region r = Check(s_->AllocateSpill(bytes));
     return py::make_tuple(r.id, r.bytes, uintptr_t{0});
