@@ -804,7 +804,9 @@ TEST(SessionNvme, ADeferredUpdateThatFailsSaysSoAndLeavesTheGroupUnstepped) {
     for (size_t t = 0; t < 8; ++t) SetGrad(*s, t, Random(16384, 300 + 10 * step + t));
     ASSERT_TRUE(s->Step({GroupHyper{}}).ok());
     EXPECT_EQ(s->pending_steps(), 8u);
-    if (step == 0) ASSERT_THAT(s->FinishSteps(), IsOk());
+    if (step == 0) {
+      ASSERT_THAT(s->FinishSteps(), IsOk());
+    }
   }
   ASSERT_EQ(s->Home(0, ChunkKind::kExpAvgSq), TierKind::kNvme);
   ASSERT_NE(s->Resident(0, ChunkKind::kExpAvgSq), TierKind::kHost);  // must be read from disk
