@@ -792,20 +792,24 @@ class TiermemRuntime:
             src = torch.empty(0, dtype=torch.uint8, device=self.device).set_(h.storage)
             h.host = torch.empty(h.nbytes, dtype=torch.uint8, pin_memory=cuda)
             h.host.copy_(src, non_blocking=cuda)
-            self._act_saved.pop(src.data_ptr(), None)
-            self._act_seen.discard(src.data_ptr())
-            h.storage = None  # the device memory goes when autograd's views of it do
+            self._act_leave_device(h)
         self._act_host = host
         self._act_stats["offloaded_bytes"] += n
+
+    def _act_leave_device(self, h):
+        """`h`'s bytes are elsewhere now (host, NVMe) or dropped: its device storage is
+        forgotten."""
+        ptr = h.storage.data_ptr()
+        self._act_saved.pop(ptr, None)
+        self._act_seen.discard(ptr)
+        h.storage = None  # the device memory goes when autograd's views of it do
 
     def _act_drop(self, unit, todo, n):
         """auto: the host has no room for `unit`'s activations either: they are dropped and
         each ref to them recomputes from its frame when the backward unpacks it."""
         for h in todo:
-            ptr = h.storage.data_ptr()
-            self._act_saved.pop(ptr, None)
-            self._act_seen.discard(ptr)
-            h.storage, h.dropped, h.tracked = None, True, False
+            self._act_leave_device(h)
+            h.dropped, h.tracked = True, False
         self._act_units[unit] = self._act_units.get(unit, 0) - n
         self._act_total -= n
         self._act_stats["dropped_bytes"] += n
@@ -849,10 +853,8 @@ class TiermemRuntime:
             self._act_abandon()
             raise
         for h, region in zip(todo, regions):
-            ptr = h.storage.data_ptr()
-            self._act_saved.pop(ptr, None)
-            self._act_seen.discard(ptr)
-            h.spill, h.storage = region, None
+            self._act_leave_device(h)
+            h.spill = region
             self._act_spilled.append(h)
         self._act_nvme += n
         self._act_stats["offloaded_bytes"] += n
