@@ -642,6 +642,47 @@ Status Engine::FreeScratch(TierKind tier, const Region& region, Category categor
   return OkStatus();
 }
 
+// ---- adopting a host copy -----------------------------------------------------------------------
+
+Status Engine::PrepareAdopt(ChunkId chunk) {
+  TIERMEM_RETURN_IF_ERROR(CheckChunk(chunk));
+  if (chunks_[chunk].pins > 0) {
+    return FailedPreconditionError("engine: chunk " + std::to_string(chunk) +
+                                   " is pinned: a new copy of it cannot be adopted");
+  }
+  return WaitInflight(chunk, "adopt: move in flight");
+}
+
+Status Engine::AdoptHostCopy(ChunkId chunk, const Region& region) {
+  TIERMEM_RETURN_IF_ERROR(PrepareAdopt(chunk));
+  ChunkRec& c = chunks_[chunk];
+  if (region.bytes < c.bytes || region.addr == nullptr) {
+    return InvalidArgumentError("engine: the region adopted for chunk " + std::to_string(chunk) +
+                                " is not a host region of its size");
+  }
+  RecordScratch(EventType::kFree, TierKind::kHost, region, c.category);
+  Bytes& live = stats_.scratch[Idx(TierKind::kHost)];
+  live -= std::min(live, region.bytes);
+  // The old copies are superseded (clean as far as the timeline goes: nothing is written).
+  Status s = FreeRegion(c.cache, chunk, true);
+  c.cache = Placed{};
+  const Placed mine{TierKind::kHost, region};
+  if (c.home.tier == TierKind::kHost) {
+    Status h = FreeRegion(c.home, chunk, true);
+    if (s.ok()) s = h;
+    c.home = mine;
+    c.dirty = false;
+  } else {
+    c.cache = mine;
+    c.dirty = true;
+  }
+  RecordRegion(EventType::kAlloc, mine, chunk, kFlagNone);
+  c.zero = false;
+  c.zero_content = false;
+  c.last_use = ++use_counter_;
+  return s;
+}
+
 // ---- planned mode -----------------------------------------------------------------------------
 
 bool Engine::PlannedDropPending(TierKind tier) const {

@@ -204,6 +204,19 @@ class Engine {
   StatusOr<Region> AllocateScratch(TierKind tier, Bytes bytes, Category category);
   Status FreeScratch(TierKind tier, const Region& region, Category category);
 
+  // ---- adopting a host copy (the session's speculative optimizer step) ----
+  // Makes `region` — host scratch of this engine (AllocateScratch(kHost), at least
+  // ChunkBytes(chunk) bytes) that the caller filled with the chunk's new content — that
+  // content, without copying: for a host-homed chunk it becomes the home (the old home is
+  // freed); for an NVMe-homed one its host cached copy, dirty (written home later like any
+  // dirty copy). Every other cached copy is dropped: the caller vouches that `region` is newer
+  // than all of them. The region stops counting as scratch. kFailedPrecondition while the
+  // chunk is pinned; a move of it in flight is waited for first (its error returned, nothing
+  // changed). PrepareAdopt does those checks and waits alone: a caller adopting several chunks
+  // as one update prepares them all first, after which AdoptHostCopy does not fail.
+  Status PrepareAdopt(ChunkId chunk);
+  Status AdoptHostCopy(ChunkId chunk, const Region& region);
+
   // ---- planned mode (see the file comment) ----
   void SetPlanned(bool on) { planned_ = on; }
   bool planned() const { return planned_; }

@@ -45,10 +45,13 @@
 //                                                              group on the device when its
 //                                                              optimizer state fits next to
 //                                                              the working set (session.h)
-//   optimizer_overlap TIERMEM_OPTIMIZER_OVERLAP next-forward  next-forward | off: a group's
-//                                                              optimizer step runs when the
-//                                                              next forward first needs it
-//                                                              (session.h, "Deferred steps")
+//   optimizer_overlap TIERMEM_OPTIMIZER_OVERLAP next-forward  next-forward | backward | off:
+//                                                              a group's optimizer step runs
+//                                                              when the next forward first
+//                                                              needs it (session.h, "deferred
+//                                                              steps"); backward: also
+//                                                              speculatively in the backward
+//                                                              (session.h, "speculative steps")
 //   checkpoint_io   TIERMEM_CHECKPOINT_IO          auto        auto | direct | buffered: how
 //                                                              checkpoints are written and read
 //                                                              (auto = direct: O_DIRECT)

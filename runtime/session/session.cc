@@ -158,6 +158,10 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
   s->specs_ = std::move(tensors);
   s->steps_.assign(s->specs_.size(), 0);
   s->has_grad_.assign(s->specs_.size(), 0);
+  s->spec_.resize(s->groups_.size());
+  s->spec_tried_.assign(s->groups_.size(), 0);
+  s->grad_done_.assign(s->groups_.size(), kNotWritten);
+  s->grad_done_prev_.assign(s->groups_.size(), kNotWritten);
   s->scaler_.scale =
       config.precision == Precision::kFp16 ? config.loss_scaling.initial_scale : 1.0;
 
@@ -202,6 +206,7 @@ void Session::Close() {
     }
   }
   runner_.Stop();  // before the engine goes
+  DropSpeculations();
   stack_->Close();
 }
 
@@ -263,6 +268,7 @@ StatusOr<void*> Session::AcquireForWrite(size_t group, ChunkKind kind, TierKind 
                                          bool* must_zero) {
   TIERMEM_RETURN_IF_ERROR(CheckKind(group, kind));
   TIERMEM_RETURN_IF_ERROR(RunPending(group, true));
+  DropSpeculation(group);  // about to be written
   const ChunkId c = Chunk(group, kind);
   // Lazily zero content is not needed from below (nothing has to be copied in): a write.
   const bool zero = stack_->engine()->ZeroContent(c);
@@ -278,7 +284,11 @@ StatusOr<void*> Session::AcquireForWrite(size_t group, ChunkKind kind, TierKind 
 Status Session::Release(size_t group, ChunkKind kind, bool modified) {
   TIERMEM_RETURN_IF_ERROR(CheckKind(group, kind));
   const ChunkId c = Chunk(group, kind);
-  if (modified) trace_.MarkWritten(c);
+  if (modified) {
+    trace_.MarkWritten(c);
+    DropSpeculation(group);  // its inputs changed after it ran
+    if (kind == ChunkKind::kGrad) grad_done_[group] = bwd_moments_;
+  }
   return stack_->engine()->Release(c, modified);
 }
 
@@ -289,6 +299,7 @@ Status Session::ZeroChunk(size_t group, ChunkKind kind) {
     return OkStatus();
   }
   TIERMEM_RETURN_IF_ERROR(RunPending(group, true));
+  DropSpeculation(group);
   return stack_->engine()->Zero(Chunk(group, kind));
 }
 
@@ -337,6 +348,7 @@ Status Session::WriteTensor(size_t tensor, ChunkKind kind, const void* values) {
   const TensorPlace& t = tensors_[tensor];
   TIERMEM_RETURN_IF_ERROR(CheckKind(t.group, kind));
   TIERMEM_RETURN_IF_ERROR(RunPending(t.group, true));
+  DropSpeculation(t.group);
   const size_t es = kernels::DTypeSize(dtype(kind));
   // This rank's part of the tensor (all of it when not sharded).
   const uint64_t lo = std::max(t.offset, shard_begin_);
@@ -383,6 +395,7 @@ Status Session::SetStepCount(size_t tensor, int64_t steps) {
   TIERMEM_RETURN_IF_ERROR(Live());
   // The pending update counted the old value.
   TIERMEM_RETURN_IF_ERROR(RunPending(tensors_[tensor].group, true));
+  DropSpeculation(tensors_[tensor].group);
   steps_[tensor] = steps;
   return OkStatus();
 }
@@ -481,6 +494,7 @@ StatusOr<StepResult> Session::Step(const std::vector<GroupHyper>& hyper,
   StepResult r;
   ++micro_;
   if (micro_ % static_cast<uint64_t>(config_.gradient_accumulation_steps) != 0) {
+    DropSpeculations();  // more gradients come
     accumulating_ = true;
     return r;
   }
@@ -502,6 +516,7 @@ StatusOr<StepResult> Session::Step(const std::vector<GroupHyper>& hyper,
     }
     r.grad_norm = std::sqrt(st.sq_norm);
     if (fp16 && st.overflow) {
+      DropSpeculations();
       scaler_.scale *= config_.loss_scaling.backoff_factor;
       scaler_.good_steps = 0;
       ++scaler_.skipped_steps;
@@ -516,7 +531,7 @@ StatusOr<StepResult> Session::Step(const std::vector<GroupHyper>& hyper,
   step_args_.hyper = hyper;
   step_args_.clip_coef = r.clip_coef;
   step_args_.inv_loss_scale = static_cast<float>(1.0 / scaler_.scale);
-  const bool defer = config_.optimizer_overlap == "next-forward";
+  const bool defer = config_.optimizer_overlap != "off";
   pending_.resize(groups_.size());
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     const ChunkGroup& g = groups_[gi];
@@ -531,6 +546,12 @@ StatusOr<StepResult> Session::Step(const std::vector<GroupHyper>& hyper,
     if (stepped.empty()) continue;
     std::vector<Run> runs = LocalRuns(GradRuns(g, true));
     if (runs.empty()) continue;  // none of it in this rank's shard
+    if (spec_[gi].active) {
+      // Committed: the update is done (the step counts above are its). Dropped, or a commit
+      // that could not be made: updated as without speculation, below.
+      if (SpeculationHolds(gi, runs) && CommitSpeculation(gi).ok()) continue;
+      DropSpeculation(gi);
+    }
     uint64_t work = 0;
     for (const Run& run : LocalRuns(GradRuns(g, false))) work += run.hi - run.lo;
     if (defer && !GroupPinned(gi)) {
@@ -657,7 +678,8 @@ Status Session::RunPending(size_t group, bool quiet) {
   if (!phase.empty()) Phase(phase);
   if (!s.ok()) {
     return s.WithContext("the optimizer update of chunk group " + std::to_string(group) +
-                         ", deferred from the last step() (optimizer_overlap: next-forward)");
+                         ", deferred from the last step() (optimizer_overlap: " +
+                         config_.optimizer_overlap + ")");
   }
   return OkStatus();
 }
@@ -667,6 +689,194 @@ Status Session::RunAllPending(bool quiet) {
     TIERMEM_RETURN_IF_ERROR(RunPending(gi, quiet));
   }
   return OkStatus();
+}
+
+// ---- speculative steps -------------------------------------------------------------------------
+
+void Session::SpeculateReady() {
+  if (!spec_hyper_set_ || !opt_placed_ || sharded() || !next_step_applies()) return;
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    if (!groups_[gi].trainable || spec_tried_[gi] || spec_[gi].active) continue;
+    // Complete as far as the last iteration shows, and written in this one.
+    if (grad_done_prev_[gi] >= bwd_moments_ || grad_done_[gi] == kNotWritten) continue;
+    spec_tried_[gi] = 1;
+    if (OptimizerOnDevice(gi) || (gi < pending_.size() && pending_[gi].active) ||
+        GroupPinned(gi)) {
+      continue;
+    }
+    Status st = Speculate(gi);
+    if (!st.ok()) {
+      // The update itself will run in Step or after it, and report what it meets.
+      TIERMEM_LOG(kDebug) << "speculative step of chunk group " << gi << ": " << st.message();
+    }
+  }
+}
+
+Status Session::Speculate(size_t gi) {
+  const ChunkGroup& g = groups_[gi];
+  Speculation sp;
+  // Every trainable tensor stepped (the binding says which have a gradient only at step()),
+  // runs merged as GradRuns(g, true) merges them, step counts as Step will make them.
+  for (uint32_t i : g.tensors) {
+    const TensorPlace& t = tensors_[i];
+    if (!t.trainable) continue;
+    if (static_cast<size_t>(t.opt_group) >= spec_hyper_.size()) return OkStatus();
+    const int64_t step = steps_[i] + 1;
+    if (!sp.runs.empty() && sp.runs.back().hi == t.offset &&
+        sp.runs.back().opt_group == t.opt_group && sp.runs.back().step == step) {
+      sp.runs.back().hi = t.offset + t.numel;
+    } else {
+      sp.runs.push_back(Run{t.offset, t.offset + t.numel, t.opt_group, step});
+    }
+  }
+  if (sp.runs.empty()) return OkStatus();
+  std::vector<ChunkKind> state = {compute_kind(), ChunkKind::kExpAvg, ChunkKind::kExpAvgSq};
+  if (mixed()) state.push_back(ChunkKind::kParamFp32);
+  Bytes need = 0;
+  for (ChunkKind k : state) need += ChunkBytes(gi, k);
+  engine::Engine* eng = stack_->engine();
+  const TierStats hs = stack_->host()->Stats();
+  const Bytes ext = eng->external_bytes(TierKind::kHost);
+  const Bytes room = hs.capacity > hs.used + ext ? hs.capacity - hs.used - ext : 0;
+  if (room < 2 * need) {
+    ++spec_stats_.no_room;
+    return OkStatus();
+  }
+  sp.hyper = spec_hyper_;
+  sp.inv_loss_scale = static_cast<float>(1.0 / scaler_.scale);
+  std::array<char*, chunks::kNumChunkKinds> in{}, out{};
+  std::vector<ChunkKind> acquired;
+  Status s;
+  for (ChunkKind k : state) {
+    StatusOr<Region> r = eng->AllocateScratch(TierKind::kHost, ChunkBytes(gi, k),
+                                              Category::kOptimState);
+    if (!r.ok()) {
+      s = r.status();
+      break;
+    }
+    sp.shadow[K(k)] = *r;
+    out[K(k)] = static_cast<char*>(r->addr);
+  }
+  // The inputs on the host, traced (the next iteration's order prefetches them here).
+  std::vector<ChunkKind> inputs = state;
+  inputs.push_back(ChunkKind::kGrad);
+  for (size_t i = 0; s.ok() && i < inputs.size(); ++i) {
+    StatusOr<void*> p = Acquire(gi, inputs[i], TierKind::kHost);
+    if (!p.ok()) {
+      s = p.status();
+      break;
+    }
+    acquired.push_back(inputs[i]);
+    in[K(inputs[i])] = static_cast<char*>(*p);
+  }
+  if (s.ok()) {
+    for (ChunkKind k : state) std::memcpy(out[K(k)], in[K(k)], ChunkBytes(gi, k));
+    const kernels::DType gd = dtype(ChunkKind::kGrad);
+    const size_t ges = kernels::DTypeSize(gd);
+    for (const Run& run : sp.runs) {
+      const GroupHyper& h = sp.hyper[run.opt_group];
+      kernels::AdamConfig ac;
+      ac.lr = static_cast<float>(h.lr);
+      ac.beta1 = static_cast<float>(h.beta1);
+      ac.beta2 = static_cast<float>(h.beta2);
+      ac.eps = static_cast<float>(h.eps);
+      ac.weight_decay = static_cast<float>(h.weight_decay);
+      ac.step = run.step;
+      ac.inv_loss_scale = sp.inv_loss_scale;
+      ac.clip_factor = 1.0f;
+      kernels::AdamSpans spans;
+      spans.param = reinterpret_cast<float*>(out[K(ChunkKind::kParamFp32)]) + run.lo;
+      spans.exp_avg = reinterpret_cast<float*>(out[K(ChunkKind::kExpAvg)]) + run.lo;
+      spans.exp_avg_sq = reinterpret_cast<float*>(out[K(ChunkKind::kExpAvgSq)]) + run.lo;
+      spans.grad = in[K(ChunkKind::kGrad)] + run.lo * ges;
+      spans.grad_dtype = gd;
+      if (mixed()) {
+        spans.param_out = out[K(ChunkKind::kParamLowp)] + run.lo * 2;
+        spans.out_dtype = compute_dtype();
+      }
+      spans.n = run.hi - run.lo;
+      s = DeviceAdamStep(false, ac, spans, kHostStream);  // UpdateGroup's host kernel
+      if (!s.ok()) break;
+    }
+  }
+  for (ChunkKind k : acquired) {
+    Status rel = eng->Release(Chunk(gi, k), false);
+    if (s.ok()) s = rel;
+  }
+  if (!s.ok()) {
+    FreeShadows(sp);
+    return s;
+  }
+  sp.active = true;
+  spec_[gi] = std::move(sp);
+  ++spec_stats_.speculated;
+  return OkStatus();
+}
+
+bool Session::SpeculationHolds(size_t gi, const std::vector<Run>& runs) const {
+  const Speculation& sp = spec_[gi];
+  if (!sp.active || step_args_.clip_coef != 1.0f ||
+      step_args_.inv_loss_scale != sp.inv_loss_scale || runs.size() != sp.runs.size()) {
+    return false;
+  }
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const Run &a = runs[i], &b = sp.runs[i];
+    if (a.lo != b.lo || a.hi != b.hi || a.opt_group != b.opt_group || a.step != b.step) {
+      return false;
+    }
+    const GroupHyper &x = step_args_.hyper[a.opt_group], &y = sp.hyper[a.opt_group];
+    if (x.lr != y.lr || x.beta1 != y.beta1 || x.beta2 != y.beta2 || x.eps != y.eps ||
+        x.weight_decay != y.weight_decay) {
+      return false;
+    }
+  }
+  return true;
+}
+
+Status Session::CommitSpeculation(size_t gi) {
+  Speculation& sp = spec_[gi];
+  engine::Engine* eng = stack_->engine();
+  for (int k = 0; k < chunks::kNumChunkKinds; ++k) {
+    if (sp.shadow[k].bytes == 0) continue;
+    Status s = eng->PrepareAdopt(Chunk(gi, static_cast<ChunkKind>(k)));
+    if (!s.ok()) {
+      DropSpeculation(gi);
+      return s;
+    }
+  }
+  // Prepared: every adoption installs its region (an error left is the old copies' free).
+  for (int k = 0; k < chunks::kNumChunkKinds; ++k) {
+    if (sp.shadow[k].bytes == 0) continue;
+    Status a = eng->AdoptHostCopy(Chunk(gi, static_cast<ChunkKind>(k)), sp.shadow[k]);
+    if (!a.ok()) {
+      TIERMEM_LOG(kWarn) << "speculative step: committing: " << a.message();
+    }
+  }
+  sp = Speculation{};
+  ++spec_stats_.committed;
+  return OkStatus();
+}
+
+void Session::FreeShadows(Speculation& sp) {
+  for (Region& r : sp.shadow) {
+    if (r.bytes == 0) continue;
+    Status s = stack_->engine()->FreeScratch(TierKind::kHost, r, Category::kOptimState);
+    if (!s.ok()) {
+      TIERMEM_LOG(kWarn) << "speculative step: freeing its scratch: " << s.message();
+    }
+    r = Region{};
+  }
+}
+
+void Session::DropSpeculation(size_t gi) {
+  if (gi >= spec_.size() || !spec_[gi].active) return;
+  FreeShadows(spec_[gi]);
+  spec_[gi] = Speculation{};
+  ++spec_stats_.dropped;
+}
+
+void Session::DropSpeculations() {
+  for (size_t gi = 0; gi < spec_.size(); ++gi) DropSpeculation(gi);
 }
 
 Status Session::FinishStep(size_t group) {
@@ -732,6 +942,11 @@ TierKind Session::ReadTier(size_t g, ChunkKind kind) const {
 
 void Session::BeginIteration() {
   if (closed()) return;
+  DropSpeculations();  // a backward whose step never came
+  grad_done_prev_.swap(grad_done_);
+  std::fill(grad_done_.begin(), grad_done_.end(), kNotWritten);
+  std::fill(spec_tried_.begin(), spec_tried_.end(), 0);
+  bwd_moments_ = 0;
   const bool was_planned = runner_.active() && runner_.in_iteration();
   const bool diverged = was_planned && !runner_.EndIteration();
   stack_->engine()->BeginIteration();
@@ -878,9 +1093,13 @@ Session::PlanStatus Session::plan_status() const {
 
 void Session::Moment(std::string_view label, planners::MomentKind kind, uint32_t unit) {
   if (closed()) return;
+  const bool backward = kind == planners::MomentKind::kPreBackward;
+  if (backward) ++bwd_moments_;
   stack_->engine()->Moment(label);
   if (trace_.recording()) trace_.Moment(label, kind, unit, TraceProbes());
   runner_.Moment(label, kind);
+  // After the moment's planned actions: the speculative updates' acquires are this moment's.
+  if (backward && config_.optimizer_overlap == "backward") SpeculateReady();
 }
 
 // ---- warm-up trace ------------------------------------------------------------------------------

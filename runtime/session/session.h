@@ -40,6 +40,24 @@
 //     the update. A group any of whose chunks is pinned at Step (the binding may use the
 //     pointer without acquiring again: resident training) is updated inside Step. An update
 //     that fails later returns its error from the call that ran it, naming the group;
+//   - speculative steps (optimizer_overlap: backward): deferred steps as above, and in the
+//     backward, once a host-stepped group's gradients are complete — judged from the previous
+//     iteration: at the first backward moment after the one in which its grad chunk was last
+//     written then — its AdamW update runs speculatively and out of place: params, m, v (and
+//     the master) are copied into host scratch and updated there with the gradients as they
+//     are, every trainable tensor of the group stepped, clip factor 1, the current loss scale
+//     and the hyper-parameters the binding announced for this iteration (SetStepHyper). The
+//     scratch counts in the host budget and is taken only from free room (the group's bytes
+//     plus as much again left over): nothing is evicted for it. Nothing anyone reads changes.
+//     Step() commits a speculation — the scratch becomes the chunks' content
+//     (Engine::AdoptHostCopy: no bytes move) — when the update Step would run is the same
+//     one: the same runs and step counts, a clip factor of exactly 1 (no clipping, or the
+//     norm at or below max_norm), no fp16 overflow, the same loss scale and hyper-parameters;
+//     otherwise it drops it and the group is updated as without speculation (deferred).
+//     Bit-identical to the unoverlapped step by construction: the same kernel on the same
+//     inputs (a clip factor of 1 multiplies by 1). Anything that writes the group between the
+//     speculation and Step (a later gradient, zero_grad, a value, a checkpoint load, an
+//     accumulation micro-step) drops it first; reads see the old values;
 //   - per-tensor step counts and "has a gradient" flags (torch's `p.grad is not None`: a
 //     tensor without a gradient is not stepped, like torch.optim);
 //   - checkpoints (SaveCheckpoint/LoadCheckpoint: a versioned, checksummed file streamed
@@ -247,6 +265,20 @@ class Session {
   // Runs every pending update (in group order).
   Status FinishSteps();
   size_t pending_steps() const { return num_pending_; }
+  // Speculative steps (the file comment; optimizer_overlap: backward): the hyper-parameters
+  // the next Step will be given, announced before the backward (the bindings do it at an
+  // iteration's first forward); nothing is speculated until they are.
+  void SetStepHyper(std::vector<GroupHyper> hyper) {
+    spec_hyper_ = std::move(hyper);
+    spec_hyper_set_ = true;
+  }
+  struct SpeculationStats {
+    uint64_t speculated = 0;  // groups updated speculatively in a backward
+    uint64_t committed = 0;   // of those, adopted by Step
+    uint64_t dropped = 0;     // of those, dropped (then updated as without speculation)
+    uint64_t no_room = 0;     // groups not speculated for lack of free host room
+  };
+  const SpeculationStats& speculation_stats() const { return spec_stats_; }
   double loss_scale() const { return scaler_.scale; }
   ScalerState scaler() const { return scaler_; }
   void set_scaler(const ScalerState& s) { scaler_ = s; }
@@ -416,6 +448,17 @@ class Session {
   // against a plan — as untraced acquires, it must not disturb the training order.
   Status RunPending(size_t group, bool quiet);
   Status RunAllPending(bool quiet);
+  // Speculative steps (the file comment). SpeculateReady: at a pre-backward moment, every
+  // group complete per the previous iteration. Speculate: one group (not speculated when the
+  // host lacks the room or an input cannot be acquired: the step then runs as without).
+  void SpeculateReady();
+  Status Speculate(size_t gi);
+  // Whether Step's update of `gi` over `runs` with step_args_ is the one speculated.
+  bool SpeculationHolds(size_t gi, const std::vector<Run>& runs) const;
+  // Adopts the speculated values; on an error nothing is adopted and the speculation is gone.
+  Status CommitSpeculation(size_t gi);
+  void DropSpeculation(size_t gi);
+  void DropSpeculations();
   bool GroupPinned(size_t gi) const;
   TraceRecorder::Probes TraceProbes() const;
   Status LoadCheckpointV1(const std::string& path, std::string* metadata);
@@ -475,6 +518,25 @@ class Session {
   };
   std::vector<Pending> pending_;
   size_t num_pending_ = 0;
+  // Speculative updates by group (optimizer_overlap: backward).
+  struct Speculation {
+    bool active = false;
+    std::vector<Run> runs;          // every trainable tensor, steps as Step will count them
+    std::vector<GroupHyper> hyper;  // by optimizer group, as used
+    float inv_loss_scale = 1.0f;
+    std::array<Region, chunks::kNumChunkKinds> shadow{};  // host scratch by kind (bytes 0: none)
+  };
+  void FreeShadows(Speculation& sp);
+  std::vector<Speculation> spec_;
+  std::vector<uint8_t> spec_tried_;   // this backward
+  std::vector<GroupHyper> spec_hyper_;
+  bool spec_hyper_set_ = false;
+  // Per group: the count of pre-backward moments when its grad chunk was last written, in this
+  // iteration and in the previous one (kNotWritten: not at all).
+  static constexpr uint32_t kNotWritten = UINT32_MAX;
+  std::vector<uint32_t> grad_done_, grad_done_prev_;
+  uint32_t bwd_moments_ = 0;
+  SpeculationStats spec_stats_;
   std::string phase_;              // the binding's current phase (restored after an update)
   bool tracing_ = true;            // SetTracing's state
   bool opt_placed_ = false;

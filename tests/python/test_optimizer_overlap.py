@@ -10,7 +10,7 @@ import tiermem
 from conftest import KernelAdamW, batches, make_pair, model_bytes
 
 
-def _train(overlap, config, data, between=None, **model):
+def _train(overlap, config, data, between=None, after_backward=None, **model):
     _, ours = make_pair(**model)
     model, opt = tiermem.initialize(ours, dict(config, optimizer_overlap=overlap))
     rt = tiermem.runtime_of(model)
@@ -19,6 +19,8 @@ def _train(overlap, config, data, between=None, **model):
     for i, (x, y) in enumerate(data):
         loss = model(x, y)
         loss.backward()
+        if after_backward is not None:
+            seen.append(after_backward(i, model, opt))
         opt.step()
         sched.step()
         pending.append(rt.s.pending_steps)
@@ -28,6 +30,7 @@ def _train(overlap, config, data, between=None, **model):
         losses.append(loss.item())
     state = {k: v.clone() for k, v in model.state_dict().items()}
     ostate = opt.state_dict()["state"]
+    _train.speculation = rt.s.speculation
     rt.close()
     return losses, state, ostate, pending, seen
 
@@ -47,8 +50,9 @@ def _same(a, b):
             assert torch.equal(u, v)
 
 
+@pytest.mark.parametrize("overlap", ["next-forward", "backward"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_deferred_updates_train_bit_for_bit_like_immediate_ones(precision, tmp_path):
+def test_deferred_updates_train_bit_for_bit_like_immediate_ones(precision, overlap, tmp_path):
     # Device for a fraction of the chunks; host too small for the optimizer state (NVMe).
     shape = dict(n_layer=4, n_embd=64)
     _, probe = make_pair(**shape)
@@ -58,13 +62,14 @@ def test_deferred_updates_train_bit_for_bit_like_immediate_ones(precision, tmp_p
            "gradient_clipping": 0.05}
     data = batches(6, **shape)
     off = _train("off", cfg, data, **shape)
-    on = _train("next-forward", cfg, data, **shape)
+    on = _train(overlap, cfg, data, **shape)
     _same(off, on)
     assert all(p == 0 for p in off[3])
     assert all(p > 0 for p in on[3]), on[3]  # the updates were deferred after every step
 
 
-def test_what_user_code_sees_between_step_and_the_next_forward():
+@pytest.mark.parametrize("overlap", ["next-forward", "backward"])
+def test_what_user_code_sees_between_step_and_the_next_forward(overlap):
     # Reads of parameters, grads and optimizer state after step() (they run the update of
     # what they touch first), an eval forward, and zero_grad while updates are pending.
     _, probe = make_pair()
@@ -88,12 +93,13 @@ def test_what_user_code_sees_between_step_and_the_next_forward():
         return out
 
     data = batches(6)
-    _same(_train("off", cfg, data, between), _train("next-forward", cfg, data, between))
+    _same(_train("off", cfg, data, between), _train(overlap, cfg, data, between))
 
 
-def test_deferred_updates_equal_the_kernel_reference_on_torch_modules():
-    # nn.TransformerEncoder (nn.MultiheadAttention inside) with the default overlap, against
-    # the plain module stepped by the same AdamW kernel, clipping on.
+@pytest.mark.parametrize("overlap", ["next-forward", "backward"])
+def test_deferred_updates_equal_the_kernel_reference_on_torch_modules(overlap):
+    # nn.TransformerEncoder (nn.MultiheadAttention inside) with deferred (and speculative)
+    # updates, against the plain module stepped by the same AdamW kernel, clipping on.
     torch.manual_seed(0)
     ref = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0,
                                                            batch_first=True), 3)
@@ -102,7 +108,8 @@ def test_deferred_updates_equal_the_kernel_reference_on_torch_modules():
     ours.load_state_dict(ref.state_dict())
     total = sum(p.numel() for p in ref.parameters()) * 16
     model, opt = tiermem.initialize(ours, {"device": f"{total // 4}B", "gradient_clipping": 0.5,
-                                           "optimizer": {"lr": 1e-2}})
+                                           "optimizer": {"lr": 1e-2},
+                                           "optimizer_overlap": overlap})
     ref_opt = KernelAdamW(ref.parameters(), lr=1e-2, clip=0.5)
     rt = tiermem.runtime_of(model)
     g = torch.Generator().manual_seed(3)
@@ -116,10 +123,45 @@ def test_deferred_updates_equal_the_kernel_reference_on_torch_modules():
             o.step()
             losses.append(loss.item())
         assert losses[0] == losses[1]
-        assert rt.s.pending_steps > 0
+        assert rt.s.pending_steps > 0 or overlap == "backward"
     for (k, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b), k
+    if overlap == "backward":
+        assert rt.s.speculation["speculated"] > 0, rt.s.speculation
     rt.close()
+
+
+def test_speculative_steps_are_bit_identical_whether_the_clip_factor_holds_or_not():
+    # optimizer_overlap "backward" (session.h, "speculative steps"): groups are updated
+    # speculatively in the backward with a clip factor of 1; step() keeps those updates when
+    # the norm turns out at or below max_norm and redoes the others. The threshold sits
+    # inside the range of this run's gradient norms, so both happen; an LR schedule moves the
+    # hyper-parameters every step; parameters read between backward() and step() are the old
+    # ones.
+    shape = dict(n_layer=4, n_embd=64)
+    _, probe = make_pair(**shape)
+    total = model_bytes(probe)
+    data = batches(8, **shape)
+    base = {"device": f"{total // 3}B", "host": "256MiB"}
+    norms = []
+
+    def norm_of(i, model, opt):
+        norms.append(opt.grad_norm().item())
+        return []
+
+    _train("off", dict(base, gradient_clipping=1e9), data, after_backward=norm_of, **shape)
+    clip = sorted(norms)[len(norms) // 2]  # the median: about half the steps clip
+    cfg = dict(base, gradient_clipping=clip)
+
+    def params(i, model, opt):
+        return [p.detach().clone() for p in model.parameters()]
+
+    off = _train("off", cfg, data, after_backward=params, **shape)
+    on = _train("backward", cfg, data, after_backward=params, **shape)
+    spec = _train.speculation
+    _same(off, on)
+    assert spec["committed"] > 0 and spec["dropped"] > 0, (spec, norms, clip)
+    assert spec["no_room"] == 0, spec
 
 
 def test_resident_training_updates_inside_step():
@@ -137,5 +179,5 @@ def test_bad_overlap_value_is_refused_naming_the_key():
     _, ours = make_pair()
     before = {k: v.clone() for k, v in ours.state_dict().items()}
     with pytest.raises(ValueError, match="optimizer_overlap"):
-        tiermem.initialize(ours, {"optimizer_overlap": "backward"})
+        tiermem.initialize(ours, {"optimizer_overlap": "forward"})
     assert all(torch.equal(before[k], v) for k, v in ours.state_dict().items())

@@ -325,6 +325,12 @@ class PySession {
     d["clip_coef"] = res.clip_coef;
     return d;
   }
+  // The hyper-parameters the next step() will pass (speculative steps, session.h).
+  void SetStepHyper(const std::vector<std::tuple<double, double, double, double, double>>& hyper) {
+    std::vector<session::GroupHyper> h;
+    for (const auto& [lr, b1, b2, eps, wd] : hyper) h.push_back({lr, b1, b2, eps, wd});
+    s_->SetStepHyper(std::move(h));
+  }
   py::tuple GradStats() {
     StatusOr<kernels::GradStats> st = InternalError("not run");
     {
@@ -586,6 +592,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("unmaterialized_reads", &se::SessionConfig::unmaterialized_reads)
       .def_readonly("plan", &se::SessionConfig::plan)
       .def_readonly("activations", &se::SessionConfig::activations)
+      .def_readonly("optimizer_overlap", &se::SessionConfig::optimizer_overlap)
       .def("to_dict",
            [](const se::SessionConfig& c) {
              return py::module_::import("json").attr("loads")(se::ToJson(c).dump());
@@ -729,6 +736,17 @@ PYBIND11_MODULE(_C, m) {
            },
            py::arg("groups"))
       .def_property_readonly("pending_steps", [](PySession& s) { return s.s().pending_steps(); })
+      .def("set_step_hyper", &PySession::SetStepHyper, py::arg("hyper"))
+      .def_property_readonly("speculation",
+                             [](PySession& s) {
+                               const auto& st = s.s().speculation_stats();
+                               py::dict d;
+                               d["speculated"] = st.speculated;
+                               d["committed"] = st.committed;
+                               d["dropped"] = st.dropped;
+                               d["no_room"] = st.no_room;
+                               return d;
+                             })
       .def("stats", &PySession::Stats)
       .def("timeline_report",
            [](PySession& s) { return tiermem::torch_ext::ReportDict(Check(s.s().TimelineReport())); })

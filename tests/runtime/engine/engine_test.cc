@@ -816,6 +816,65 @@ TEST(Engine, ZeroIsLazyAndReadsZeros) {
   for (Bytes i = 0; i < kChunk; ++i) ASSERT_EQ(static_cast<uint8_t*>(*h)[i], 0) << i;
 }
 
+TEST(Engine, AnAdoptedHostCopyBecomesTheContentWithoutACopy) {
+  constexpr int kHost = static_cast<int>(TierKind::kHost);
+  constexpr int kNvme = static_cast<int>(TierKind::kNvme);
+  Rig r(2 * kChunk, 16 * kChunk, 16 * kChunk);
+  ChunkId a = Add(r);  // homed on the host, with a clean device copy
+  r.Fill(a, 1);
+  ASSERT_TRUE(r.engine->Acquire(a, TierKind::kDevice).ok());
+  ASSERT_TRUE(r.engine->Release(a, false).ok());
+  auto nv = r.engine->AddChunk(kChunk, Category::kOptimState, TierKind::kNvme);
+  ASSERT_TRUE(nv.ok());
+  const ChunkId n = *nv;
+  r.Fill(n, 2);  // a dirty host copy of an NVMe-homed chunk
+  auto fill = [&](uint8_t seed) {
+    auto s = r.engine->AllocateScratch(TierKind::kHost, kChunk, Category::kParam);
+    EXPECT_TRUE(s.ok()) << s.status().ToString();
+    auto* b = static_cast<uint8_t*>(s->addr);
+    for (Bytes i = 0; i < kChunk; ++i) b[i] = static_cast<uint8_t>(seed + i * 7);
+    return *s;
+  };
+  // Pinned: refused, nothing changes.
+  ASSERT_TRUE(r.engine->Acquire(a, TierKind::kDevice).ok());
+  Region sa = fill(9);
+  EXPECT_EQ(r.engine->AdoptHostCopy(a, sa).code(), StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(r.engine->Release(a, false).ok());
+  std::vector<uint8_t> out(kChunk);
+  ASSERT_TRUE(r.engine->ReadAt(a, 0, out.data(), kChunk).ok());
+  EXPECT_TRUE(Rig::Holds(out.data(), kChunk, 1));
+  EXPECT_EQ(r.engine->Stats().scratch[kHost], kChunk);
+
+  const engine::EngineStats before = r.engine->Stats();
+  ASSERT_TRUE(r.engine->AdoptHostCopy(a, sa).ok());
+  EXPECT_EQ(r.engine->Resident(a), TierKind::kHost);  // the device copy is gone (stale)
+  EXPECT_EQ(r.engine->Home(a), TierKind::kHost);
+  ASSERT_TRUE(r.engine->ReadAt(a, 0, out.data(), kChunk).ok());
+  EXPECT_TRUE(Rig::Holds(out.data(), kChunk, 9));
+  Region sn = fill(8);
+  ASSERT_TRUE(r.engine->AdoptHostCopy(n, sn).ok());
+  EXPECT_TRUE(r.engine->Dirty(n));
+  EXPECT_EQ(r.engine->Resident(n), TierKind::kHost);
+  ASSERT_TRUE(r.engine->ReadAt(n, 0, out.data(), kChunk).ok());
+  EXPECT_TRUE(Rig::Holds(out.data(), kChunk, 8));
+  engine::EngineStats after = r.engine->Stats();
+  EXPECT_EQ(after.scratch[kHost], 0u);
+  // a's home and n's host copy only: the scratch regions became them, the old ones are gone.
+  EXPECT_EQ(after.tiers[kHost].used, 2 * kChunk);
+  for (int s = 0; s < 3; ++s) {
+    for (int d = 0; d < 3; ++d) EXPECT_EQ(after.bytes_moved[s][d], before.bytes_moved[s][d]);
+  }
+  // The NVMe home gets the adopted bytes like any dirty copy's.
+  ASSERT_TRUE(r.engine->Flush().ok());
+  EXPECT_FALSE(r.engine->Dirty(n));
+  EXPECT_EQ(r.engine->Stats().bytes_moved[kHost][kNvme], after.bytes_moved[kHost][kNvme] + kChunk);
+  auto d = r.engine->Acquire(a, TierKind::kDevice);
+  ASSERT_TRUE(d.ok());
+  EXPECT_TRUE(Rig::Holds(*d, kChunk, 9));
+  ASSERT_TRUE(r.engine->Release(a, false).ok());
+  EXPECT_EQ(r.engine->Stats().tiers[static_cast<int>(TierKind::kDevice)].used, kChunk);
+}
+
 TEST(Engine, AcquireForWriteLeavesTheZeroFillToTheCaller) {
   Rig r(2 * kChunk, 8 * kChunk);
   ChunkId a = Add(r, Category::kGrad);

@@ -389,6 +389,152 @@ TEST(SessionStep, DeferredUpdatesEqualImmediateOnesOnEveryAccessPath) {
   same("at the end");
 }
 
+// One training iteration as a binding runs it with speculative steps: the hyper-parameters
+// announced at the first forward, a forward moment per group, the backward writing each
+// group's gradient (group n-1 first) after its pre-backward moment, then step() with `hyper`.
+// `rewrite`: group n-1 gets a second gradient at the last backward moment (after its
+// speculation); `between`: runs after the backward, before step().
+struct SpecIt {
+  std::vector<GroupHyper> announced, hyper;
+  float grad_scale = 0.3f;
+  bool rewrite = false;
+  bool overflow = false;  // an Inf in group 0's gradient (fp16: the step is skipped)
+  std::function<void(Session&)> between;
+};
+
+StepResult SpecIteration(Session& s, int it, const SpecIt& o) {
+  using planners::MomentKind;
+  s.BeginIteration();
+  s.SetStepHyper(o.announced);
+  const uint32_t n = static_cast<uint32_t>(s.num_groups());
+  for (uint32_t g = 0; g < n; ++g) {
+    EXPECT_THAT(s.FinishStep(g), IsOk());
+    s.Moment("fwd:" + std::to_string(g), MomentKind::kPreForward, g);
+    EXPECT_TRUE(s.Acquire(g, s.compute_kind(), TierKind::kDevice).ok());
+    EXPECT_THAT(s.Release(g, s.compute_kind(), false), IsOk());
+  }
+  auto grad = [&](uint32_t t, int salt) {
+    // Scaled by the loss scale (fp16), as a scaled loss's backward gives them.
+    std::vector<float> v = Random(s.place(t).numel, 1000 * it + 10 * t + salt,
+                                  o.grad_scale * static_cast<float>(s.loss_scale()));
+    if (o.overflow && s.place(t).group == 0) v[3] = INFINITY;
+    return v;
+  };
+  for (uint32_t g = n; g-- > 0;) {
+    s.Moment("bwd:" + std::to_string(g), MomentKind::kPreBackward, g);
+    for (uint32_t t : s.group(g).tensors) SetGrad(s, t, grad(t, 0));
+  }
+  if (o.rewrite) {
+    for (uint32_t t : s.group(n - 1).tensors) SetGrad(s, t, grad(t, 1));
+  }
+  if (o.between) o.between(s);
+  auto r = s.Step(o.hyper);
+  EXPECT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_TRUE(s.ZeroGrad().ok());
+  return r.ok() ? *r : StepResult{};
+}
+
+// Everything the optimizer leaves: fp32 values, m, v and step counts of every tensor.
+std::vector<std::vector<float>> TrainingState(Session& s) {
+  std::vector<std::vector<float>> out;
+  for (size_t t = 0; t < s.num_tensors(); ++t) {
+    out.push_back(Param(s, t));
+    for (ChunkKind kind : {ChunkKind::kExpAvg, ChunkKind::kExpAvgSq}) {
+      std::vector<float> x(s.place(t).numel);
+      EXPECT_THAT(s.ReadTensor(t, kind, x.data()), IsOk());
+      out.push_back(std::move(x));
+    }
+    out.push_back({static_cast<float>(s.step_count(t))});
+  }
+  return out;
+}
+
+TEST(SessionStep, SpeculativeStepsInTheBackwardAreBitIdenticalWithClippingOn) {
+  // Three groups (a | b | c+d), two optimizer param groups, clipping at 1.0: gradients of
+  // scale 0.1 clip (norm ~ 5), of 0.003 do not (~ 0.16). In every precision (bf16: the rounded
+  // compute copy is speculated too; fp16: an overflowing step drops every speculation).
+  const std::vector<TensorSpec> specs = {{"a", 1000, true, 0}, {"b", 1000, true, 1},
+                                         {"c", 600, true, 0}, {"d", 400, true, 1}};
+  for (const char* precision : {"fp32", "bf16", "fp16"}) {
+    SCOPED_TRACE(precision);
+    std::unique_ptr<Session> s[2];
+    for (int k = 0; k < 2; ++k) {
+      s[k] = Make({{"device", "32KiB"}, {"chunk_size", 1024}, {"gradient_clipping", 1.0},
+                   {"precision", precision}, {"optimizer_placement", "host"},
+                   {"optimizer_overlap", k == 0 ? "off" : "backward"}},
+                  specs);
+      ASSERT_TRUE(s[k]);
+      ASSERT_EQ(s[k]->num_groups(), 3u);
+      for (size_t t = 0; t < specs.size(); ++t) {
+        ASSERT_THAT(s[k]->WriteParam(t, Random(specs[t].numel, t).data()), IsOk());
+      }
+    }
+    const bool fp16 = std::string(precision) == "fp16";
+    for (int it = 0; it < 9; ++it) {
+      SCOPED_TRACE("iteration " + std::to_string(it));
+      SpecIt o;
+      // The LR schedule moves every step; the announcement is what step() gets.
+      o.hyper = {{1e-2 / (it + 1), 0.9, 0.99, 1e-8, 0.01}, {3e-3, 0.8, 0.95, 1e-6, 0.1}};
+      o.announced = o.hyper;
+      o.grad_scale = it % 3 == 1 ? 0.1f : 0.003f;  // clipped at 1, 4, 7
+      if (it == 5) o.announced[1].lr = 1.0;  // the user changed it after the forward
+      o.rewrite = it == 6;                   // a later gradient for the speculated group
+      o.overflow = fp16 && it == 8;
+      std::vector<std::vector<float>> seen[2];
+      if (it == 3) {  // reads between backward and step see the values before the step
+        for (int k = 0; k < 2; ++k) {
+          o.between = [&seen, k](Session& x) { seen[k] = TrainingState(x); };
+          StepResult r = SpecIteration(*s[k], it, o);
+          EXPECT_TRUE(r.applied);
+        }
+        EXPECT_EQ(seen[0], seen[1]);
+      } else {
+        StepResult r[2];
+        for (int k = 0; k < 2; ++k) r[k] = SpecIteration(*s[k], it, o);
+        EXPECT_EQ(r[0].clip_coef, r[1].clip_coef);
+        EXPECT_EQ(r[0].skipped, r[1].skipped);
+        EXPECT_EQ(r[0].clip_coef < 1.0f, it % 3 == 1) << r[0].grad_norm;
+      }
+      EXPECT_EQ(TrainingState(*s[0]), TrainingState(*s[1]));
+    }
+    const Session::SpeculationStats& st = s[1]->speculation_stats();
+    // Two of three groups per backward (group 0's gradient completes at the last moment)
+    // from the second iteration, less group 2 after its rewrite (its last gradient came at
+    // the last moment then): 8 x 2 - 1. Dropped: the clipped steps (2 + 2 + 1), the changed
+    // LR (param group 1 has tensors in groups 1 and 2), the rewrite, the fp16 overflow.
+    EXPECT_EQ(st.speculated, 15u);
+    EXPECT_EQ(st.no_room, 0u);
+    EXPECT_EQ(st.dropped, 5u + 2u + 1u + (fp16 ? 2u : 0u));
+    EXPECT_EQ(st.committed + st.dropped, st.speculated);
+    EXPECT_EQ(s[0]->speculation_stats().speculated, 0u);
+  }
+}
+
+TEST(SessionStep, SpeculativeStepsTakeOnlyFreeHostRoom) {
+  // A host budget the homes almost fill: nothing is speculated (nor evicted for it); the
+  // steps run deferred, with the same values.
+  const std::vector<TensorSpec> specs = {{"a", 4096, true, 0}, {"b", 4096, true, 0}};
+  std::unique_ptr<Session> s[2];
+  for (int k = 0; k < 2; ++k) {
+    s[k] = Make({{"device", "256KiB"}, {"host", "160KiB"}, {"chunk_size", 4096},
+                 {"optimizer_placement", "host"},
+                 {"optimizer_overlap", k == 0 ? "off" : "backward"}},
+                specs);
+    ASSERT_TRUE(s[k]);
+    for (size_t t = 0; t < specs.size(); ++t) {
+      ASSERT_THAT(s[k]->WriteParam(t, Random(4096, t).data()), IsOk());
+    }
+  }
+  for (int it = 0; it < 4; ++it) {
+    SpecIt o;
+    o.hyper = o.announced = {GroupHyper{}};
+    for (int k = 0; k < 2; ++k) SpecIteration(*s[k], it, o);
+    EXPECT_EQ(TrainingState(*s[0]), TrainingState(*s[1]));
+  }
+  EXPECT_EQ(s[1]->speculation_stats().speculated, 0u);
+  EXPECT_GT(s[1]->speculation_stats().no_room, 0u);
+}
+
 TEST(SessionStep, ADeferredUpdateIsAlsoInTheCheckpoint) {
   const std::string dir = TempDir();
   auto s = Make({{"device", "32KiB"}, {"chunk_size", 1024}}, kThree);

@@ -47,6 +47,10 @@ def initialize(model, config=None, param_groups=None, units=None, process_group=
     except BaseException:
         runtime.close()
         raise
+    # Speculative steps (optimizer_overlap "backward") announce the next step's
+    # hyper-parameters at each iteration's first forward.
+    if cfg.optimizer_overlap == "backward":
+        runtime._hyper_of_next_step = optimizer._hyper
     model._tiermem_runtime = runtime
     return model, optimizer
 

@@ -143,6 +143,7 @@ class TiermemRuntime:
     """Owns the session and the hooks of one initialized model."""
 
     _serving = False  # serve.ServingRuntime: inference only (every parameter frozen)
+    _hyper_of_next_step = None  # the optimizer's hyper-parameters (optimizer_overlap backward)
 
     def __init__(self, model: nn.Module, cfg, param_groups, units=None, process_group=None):
         self.model = model
@@ -520,6 +521,10 @@ class TiermemRuntime:
                     self._fwd_units, self._fwd_seq = self._fwd_seq, []
                     self._fwd_pos = {u: i for i, u in enumerate(self._fwd_units)}
                 self.s.begin_iteration()
+                if self._hyper_of_next_step is not None:
+                    # What step() will pass, unless the user changes it before (then the
+                    # speculative updates are dropped at step(): session.h).
+                    self.s.set_step_hyper(self._hyper_of_next_step())
                 self._recording_trace = self.s.recording_trace
                 self._trace_seen.clear()
                 self._in_iteration = True

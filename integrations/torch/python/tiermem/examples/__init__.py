@@ -3,12 +3,17 @@
 import time
 
 
-def timed_step(model, opt, x, y):
-    """zero_grad, forward (the model returns the loss), backward, step: (loss, seconds)."""
+def timed_step(model, opt, x, y, clip=0.0):
+    """zero_grad, forward (the model returns the loss), backward, step: (loss, seconds).
+    `clip` > 0: torch.nn.utils.clip_grad_norm_ before the step (plain torch; tiermem clips
+    inside its step through the config)."""
     t0 = time.perf_counter()
     opt.zero_grad()
     loss = model(x, y)
     loss.backward()
+    if clip > 0:
+        import torch
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     opt.step()
     return loss.item(), time.perf_counter() - t0
 

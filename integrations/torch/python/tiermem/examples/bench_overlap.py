@@ -1,14 +1,18 @@
-"""Deferred optimizer updates (config optimizer_overlap) vs updates inside step() vs plain
-torch (CPU, SimDevice): the main job's GPT trained three times in one process — tiermem with
-`optimizer_overlap: next-forward`, tiermem with `off`, and plain torch with
+"""Speculative and deferred optimizer updates (config optimizer_overlap) vs updates inside
+step() vs plain torch (CPU, SimDevice): the main job's GPT trained four times in one process —
+tiermem with `optimizer_overlap: backward` (speculative updates in the backward, the rest
+deferred), `next-forward` (deferred), `off`, and plain torch with
 `torch.optim.AdamW(fused=True)` — same model, same data, stepped in turn (the order rotates
-every step; these machines are noisy, so each step's three are measured in the same seconds),
+every step; these machines are noisy, so each step's four are measured in the same seconds),
 then per-step ratios and their medians. A whole step is timed: zero_grad, forward, backward,
 step (the deferred updates run in the next step's forward, so they are inside the timing).
+The three tiermem systems must give equal losses (checked); `--clip` turns global-norm
+clipping on for all of them (plain torch too, with clip_grad_norm_), so speculative updates
+are kept or redone as the norm falls.
 
     python -m tiermem.examples.bench_overlap [--layers 12] [--width 768] [--steps 10]
         [--device 128MiB] [--host 512MiB] [--nvme 4GiB | --nvme 0] [--plan off|auto] [--dir DIR]
-        [--json]
+        [--clip 0] [--modes backward,next-forward,off] [--json]
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ import torch
 import tiermem
 from tiermem.examples import bench_gpt, timed_step
 
-MODES = ("next-forward", "off")
+MODES = ("backward", "next-forward", "off")
 
 
 def main(argv=None) -> int:
@@ -41,16 +45,23 @@ def main(argv=None) -> int:
     ap.add_argument("--plan", choices=["off", "auto"], default="off",
                     help="both tiermem systems: the engine's reactive policy or an executed plan")
     ap.add_argument("--dir", default=None, help="NVMe directory (default: a temporary one)")
+    ap.add_argument("--clip", type=float, default=0.0, help="gradient_clipping (0: off)")
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help="the optimizer_overlap values to run (comma-separated)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
+    modes = [m for m in a.modes.split(",") if m]
+    if not modes or any(m not in MODES for m in modes):
+        ap.error(f"--modes: a comma-separated subset of {','.join(MODES)}")
     if a.steps < 5:
         ap.error("--steps must be >= 5 (3 are warm-up)")
     base, data = bench_gpt(a.layers, a.width, a.batch, a.steps)
     root = a.dir or tempfile.mkdtemp(prefix="tiermem-bench-overlap-")
     systems = {}
     try:
-        for mode in MODES:
+        for mode in modes:
             cfg = {"device": a.device, "host": a.host, "optimizer_overlap": mode, "plan": a.plan,
+                   "gradient_clipping": a.clip,
                    "optimizer": {"lr": 1e-4, "weight_decay": 0.01}}
             if a.nvme != "0":
                 os.makedirs(f"{root}/{mode}", exist_ok=True)
@@ -65,22 +76,23 @@ def main(argv=None) -> int:
         for i, (x, y) in enumerate(data):
             for k in range(len(names)):
                 s = systems[names[(i + k) % len(names)]]
-                loss, dt = timed_step(s["model"], s["opt"], x, y)
+                clip = a.clip if s["model"] is plain else 0.0
+                loss, dt = timed_step(s["model"], s["opt"], x, y, clip=clip)
                 s["losses"].append(loss)
                 s["times"].append(dt)
-        if systems["next-forward"]["losses"] != systems["off"]["losses"]:
-            print("ERROR: the losses differ between optimizer_overlap next-forward and off")
-            return 1
+        for mode in modes[1:]:
+            if systems[mode]["losses"] != systems[modes[0]]["losses"]:
+                print(f"ERROR: the losses differ between optimizer_overlap {modes[0]} and {mode}")
+                return 1
         warm = 3
         t = {n: s["times"][warm:] for n, s in systems.items()}
 
         def ratios(p, q):
             return [x / y for x, y in zip(t[p], t[q])]
 
-        pairs = {"next-forward/off": ratios("next-forward", "off"),
-                 "next-forward/torch": ratios("next-forward", "torch"),
-                 "off/torch": ratios("off", "torch")}
-        stats = tiermem.runtime_of(systems["next-forward"]["model"]).stats()
+        pairs = {f"{p}/{q}": ratios(p, q) for i, p in enumerate(modes) for q in modes[i + 1:]}
+        pairs.update({f"{p}/torch": ratios(p, "torch") for p in modes})
+        stats = tiermem.runtime_of(systems[modes[0]]["model"]).stats()
         out = {
             "model": f"{a.layers} x {a.width}",
             "params_m": sum(p.numel() for p in base.parameters()) / 1e6,
@@ -89,12 +101,18 @@ def main(argv=None) -> int:
             "s_per_step": {n: statistics.median(v) for n, v in t.items()},
             "ratio_medians": {k: statistics.median(v) for k, v in pairs.items()},
             "ratios": pairs,
-            "losses_first_last": (systems["off"]["losses"][0], systems["off"]["losses"][-1]),
+            "clip": a.clip,
+            "losses_first_last": (systems[modes[0]]["losses"][0],
+                                  systems[modes[0]]["losses"][-1]),
             "torch_losses_first_last": (systems["torch"]["losses"][0],
                                         systems["torch"]["losses"][-1]),
-            "stalls_s": stats.get("stall_seconds"),
+            "stalls_s": {m: tiermem.runtime_of(systems[m]["model"]).stats().get("stall_seconds")
+                         for m in modes},
+            "speculation": (tiermem.runtime_of(systems["backward"]["model"]).s.speculation
+                            if "backward" in modes else None),
         }
-        for mode in MODES:
+        del stats
+        for mode in modes:
             tiermem.runtime_of(systems[mode]["model"]).close()
     finally:
         if a.dir is None:
@@ -103,14 +121,18 @@ def main(argv=None) -> int:
         print(json.dumps(out, indent=1))
         return 0
     print(f"GPT {out['model']} ({out['params_m']:.1f} M params), device {a.device}, host "
-          f"{a.host}, NVMe {a.nvme}, plan {a.plan}; {a.steps} steps each, rotating, first {warm} "
-          "not measured")
+          f"{a.host}, NVMe {a.nvme}, plan {a.plan}, clipping {a.clip or 'off'}; {a.steps} steps "
+          f"each, rotating, first {warm} not measured")
     for n in names:
         print(f"  {n:13}: {out['s_per_step'][n]:.3f} s/step (median)")
     for k, v in pairs.items():
         print(f"  {k:19}: median {out['ratio_medians'][k]:.3f} "
               f"({min(v):.3f}-{max(v):.3f}) per step: {', '.join(f'{r:.3f}' for r in v)}")
-    print(f"  losses (tiermem, equal in both modes): {out['losses_first_last'][0]:.4f} -> "
+    print(f"  stalls (s, whole run): "
+          + ", ".join(f"{m} {v:.2f}" for m, v in out["stalls_s"].items() if v is not None))
+    if out["speculation"] is not None:
+        print(f"  speculative updates (backward): {out['speculation']}")
+    print(f"  losses (tiermem, equal in every mode): {out['losses_first_last'][0]:.4f} -> "
           f"{out['losses_first_last'][1]:.4f}; plain torch {out['torch_losses_first_last'][0]:.4f}"
           f" -> {out['torch_losses_first_last'][1]:.4f}")
     return 0
