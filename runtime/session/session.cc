@@ -583,8 +583,6 @@ StatusOr<StepResult> Session::Step(const std::vector<GroupHyper>& hyper,
 
 Status Session::UpdateGroup(size_t gi, const std::vector<Run>& runs, uint64_t work,
                             const std::vector<uint32_t>& stepped, bool quiet) {
-  const kernels::DType gd = dtype(ChunkKind::kGrad);
-  const size_t ges = kernels::DTypeSize(gd);
   // Acquired in this order (compute params first), released in any order.
   std::vector<ChunkKind> kinds = {compute_kind(), ChunkKind::kGrad, ChunkKind::kExpAvg,
                                   ChunkKind::kExpAvgSq};
@@ -612,31 +610,10 @@ Status Session::UpdateGroup(size_t gi, const std::vector<Run>& runs, uint64_t wo
     v[K(kinds[acquired])] = static_cast<char*>(*p);
   }
   for (const Run& run : s.ok() ? runs : std::vector<Run>{}) {
-    const GroupHyper& h = step_args_.hyper[run.opt_group];
-    kernels::AdamConfig ac;
-    ac.lr = static_cast<float>(h.lr);
-    ac.beta1 = static_cast<float>(h.beta1);
-    ac.beta2 = static_cast<float>(h.beta2);
-    ac.eps = static_cast<float>(h.eps);
-    ac.weight_decay = static_cast<float>(h.weight_decay);
-    ac.step = run.step;
-    ac.inv_loss_scale = step_args_.inv_loss_scale;
-    ac.clip_factor = step_args_.clip_coef;
-    kernels::AdamSpans sp;
-    sp.param = reinterpret_cast<float*>(v[K(ChunkKind::kParamFp32)]) + run.lo;
-    sp.exp_avg = reinterpret_cast<float*>(v[K(ChunkKind::kExpAvg)]) + run.lo;
-    sp.exp_avg_sq = reinterpret_cast<float*>(v[K(ChunkKind::kExpAvgSq)]) + run.lo;
-    sp.grad = v[K(ChunkKind::kGrad)] + run.lo * ges;
-    sp.grad_dtype = gd;
-    if (mixed()) {
-      sp.param_out = v[K(ChunkKind::kParamLowp)] + run.lo * 2;
-      sp.out_dtype = compute_dtype();
-    }
-    sp.n = run.hi - run.lo;
     // On the device: enqueued on the compute stream (the releases below record it). On the
     // host: the CPU kernel, now (host copies are the CPU's; nothing orders a stream there).
-    const bool dev = where == TierKind::kDevice;
-    s = DeviceAdamStep(cuda() && dev, ac, sp, dev ? stream_ : kHostStream);
+    s = RunAdam(v, run, step_args_.hyper[run.opt_group], step_args_.inv_loss_scale,
+                step_args_.clip_coef, where == TierKind::kDevice);
     if (!s.ok()) break;
   }
   // All acquired: the kernel ran (on some runs at least): the chunks are modified. An
@@ -652,6 +629,32 @@ Status Session::UpdateGroup(size_t gi, const std::vector<Run>& runs, uint64_t wo
     for (uint32_t i : stepped) --steps_[i];  // this group was not stepped
   }
   return s;
+}
+
+Status Session::RunAdam(const std::array<char*, chunks::kNumChunkKinds>& v, const Run& run,
+                        const GroupHyper& h, float inv_loss_scale, float clip, bool device) {
+  const kernels::DType gd = dtype(ChunkKind::kGrad);
+  kernels::AdamConfig ac;
+  ac.lr = static_cast<float>(h.lr);
+  ac.beta1 = static_cast<float>(h.beta1);
+  ac.beta2 = static_cast<float>(h.beta2);
+  ac.eps = static_cast<float>(h.eps);
+  ac.weight_decay = static_cast<float>(h.weight_decay);
+  ac.step = run.step;
+  ac.inv_loss_scale = inv_loss_scale;
+  ac.clip_factor = clip;
+  kernels::AdamSpans sp;
+  sp.param = reinterpret_cast<float*>(v[K(ChunkKind::kParamFp32)]) + run.lo;
+  sp.exp_avg = reinterpret_cast<float*>(v[K(ChunkKind::kExpAvg)]) + run.lo;
+  sp.exp_avg_sq = reinterpret_cast<float*>(v[K(ChunkKind::kExpAvgSq)]) + run.lo;
+  sp.grad = v[K(ChunkKind::kGrad)] + run.lo * kernels::DTypeSize(gd);
+  sp.grad_dtype = gd;
+  if (mixed()) {
+    sp.param_out = v[K(ChunkKind::kParamLowp)] + run.lo * 2;
+    sp.out_dtype = compute_dtype();
+  }
+  sp.n = run.hi - run.lo;
+  return DeviceAdamStep(cuda() && device, ac, sp, device ? stream_ : kHostStream);
 }
 
 bool Session::GroupPinned(size_t gi) const {
@@ -771,31 +774,9 @@ Status Session::Speculate(size_t gi) {
   }
   if (s.ok()) {
     for (ChunkKind k : state) std::memcpy(out[K(k)], in[K(k)], ChunkBytes(gi, k));
-    const kernels::DType gd = dtype(ChunkKind::kGrad);
-    const size_t ges = kernels::DTypeSize(gd);
+    out[K(ChunkKind::kGrad)] = in[K(ChunkKind::kGrad)];  // read only
     for (const Run& run : sp.runs) {
-      const GroupHyper& h = sp.hyper[run.opt_group];
-      kernels::AdamConfig ac;
-      ac.lr = static_cast<float>(h.lr);
-      ac.beta1 = static_cast<float>(h.beta1);
-      ac.beta2 = static_cast<float>(h.beta2);
-      ac.eps = static_cast<float>(h.eps);
-      ac.weight_decay = static_cast<float>(h.weight_decay);
-      ac.step = run.step;
-      ac.inv_loss_scale = sp.inv_loss_scale;
-      ac.clip_factor = 1.0f;
-      kernels::AdamSpans spans;
-      spans.param = reinterpret_cast<float*>(out[K(ChunkKind::kParamFp32)]) + run.lo;
-      spans.exp_avg = reinterpret_cast<float*>(out[K(ChunkKind::kExpAvg)]) + run.lo;
-      spans.exp_avg_sq = reinterpret_cast<float*>(out[K(ChunkKind::kExpAvgSq)]) + run.lo;
-      spans.grad = in[K(ChunkKind::kGrad)] + run.lo * ges;
-      spans.grad_dtype = gd;
-      if (mixed()) {
-        spans.param_out = out[K(ChunkKind::kParamLowp)] + run.lo * 2;
-        spans.out_dtype = compute_dtype();
-      }
-      spans.n = run.hi - run.lo;
-      s = DeviceAdamStep(false, ac, spans, kHostStream);  // UpdateGroup's host kernel
+      s = RunAdam(out, run, sp.hyper[run.opt_group], sp.inv_loss_scale, 1.0f, false);
       if (!s.ok()) break;
     }
   }

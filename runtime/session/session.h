@@ -459,6 +459,10 @@ class Session {
   Status CommitSpeculation(size_t gi);
   void DropSpeculation(size_t gi);
   void DropSpeculations();
+  // AdamW over one run of a group whose chunks (by kind) are at `v`: on the device's stream
+  // when `device`, else the CPU kernel now.
+  Status RunAdam(const std::array<char*, chunks::kNumChunkKinds>& v, const Run& run,
+                 const GroupHyper& h, float inv_loss_scale, float clip, bool device);
   bool GroupPinned(size_t gi) const;
   TraceRecorder::Probes TraceProbes() const;
   Status LoadCheckpointV1(const std::string& path, std::string* metadata);

@@ -92,7 +92,6 @@ def main(argv=None) -> int:
 
         pairs = {f"{p}/{q}": ratios(p, q) for i, p in enumerate(modes) for q in modes[i + 1:]}
         pairs.update({f"{p}/torch": ratios(p, "torch") for p in modes})
-        stats = tiermem.runtime_of(systems[modes[0]]["model"]).stats()
         out = {
             "model": f"{a.layers} x {a.width}",
             "params_m": sum(p.numel() for p in base.parameters()) / 1e6,
@@ -106,12 +105,11 @@ def main(argv=None) -> int:
                                   systems[modes[0]]["losses"][-1]),
             "torch_losses_first_last": (systems["torch"]["losses"][0],
                                         systems["torch"]["losses"][-1]),
-            "stalls_s": {m: tiermem.runtime_of(systems[m]["model"]).stats().get("stall_seconds")
+            "stalls_s": {m: tiermem.runtime_of(systems[m]["model"]).stats()["stall_ns"] / 1e9
                          for m in modes},
             "speculation": (tiermem.runtime_of(systems["backward"]["model"]).s.speculation
                             if "backward" in modes else None),
         }
-        del stats
         for mode in modes:
             tiermem.runtime_of(systems[mode]["model"]).close()
     finally:
@@ -129,7 +127,7 @@ def main(argv=None) -> int:
         print(f"  {k:19}: median {out['ratio_medians'][k]:.3f} "
               f"({min(v):.3f}-{max(v):.3f}) per step: {', '.join(f'{r:.3f}' for r in v)}")
     print(f"  stalls (s, whole run): "
-          + ", ".join(f"{m} {v:.2f}" for m, v in out["stalls_s"].items() if v is not None))
+          + ", ".join(f"{m} {v:.2f}" for m, v in out["stalls_s"].items()))
     if out["speculation"] is not None:
         print(f"  speculative updates (backward): {out['speculation']}")
     print(f"  losses (tiermem, equal in every mode): {out['losses_first_last'][0]:.4f} -> "
