@@ -402,10 +402,11 @@ Status Session::SetStepCount(size_t tensor, int64_t steps) {
 
 // ---- gradients -------------------------------------------------------------------------------
 
-std::vector<Session::Run> Session::GradRuns(const ChunkGroup& g, bool same_step) const {
+std::vector<Session::Run> Session::GradRuns(const ChunkGroup& g, bool same_step,
+                                            bool every_trainable) const {
   std::vector<Run> runs;
   for (uint32_t i : g.tensors) {
-    if (!has_grad_[i]) continue;
+    if (every_trainable ? !tensors_[i].trainable : !has_grad_[i]) continue;
     const TensorPlace& t = tensors_[i];
     if (!runs.empty() && runs.back().hi == t.offset &&
         (!same_step || (runs.back().opt_group == t.opt_group && runs.back().step == steps_[i]))) {
@@ -719,18 +720,11 @@ Status Session::Speculate(size_t gi) {
   const ChunkGroup& g = groups_[gi];
   Speculation sp;
   // Every trainable tensor stepped (the binding says which have a gradient only at step()),
-  // runs merged as GradRuns(g, true) merges them, step counts as Step will make them.
-  for (uint32_t i : g.tensors) {
-    const TensorPlace& t = tensors_[i];
-    if (!t.trainable) continue;
-    if (static_cast<size_t>(t.opt_group) >= spec_hyper_.size()) return OkStatus();
-    const int64_t step = steps_[i] + 1;
-    if (!sp.runs.empty() && sp.runs.back().hi == t.offset &&
-        sp.runs.back().opt_group == t.opt_group && sp.runs.back().step == step) {
-      sp.runs.back().hi = t.offset + t.numel;
-    } else {
-      sp.runs.push_back(Run{t.offset, t.offset + t.numel, t.opt_group, step});
-    }
+  // step counts as Step will make them (one more each: the runs merge alike).
+  sp.runs = GradRuns(g, true, true);
+  for (Run& r : sp.runs) {
+    if (static_cast<size_t>(r.opt_group) >= spec_hyper_.size()) return OkStatus();
+    ++r.step;
   }
   if (sp.runs.empty()) return OkStatus();
   std::vector<ChunkKind> state = {compute_kind(), ChunkKind::kExpAvg, ChunkKind::kExpAvgSq};

@@ -418,14 +418,16 @@ class Session {
   Status Live() const;
   ChunkId Chunk(size_t group, ChunkKind kind) const;
   Status CheckKind(size_t group, ChunkKind kind) const;
-  // Runs of tensors of `group` with a gradient that are adjacent in the chunk (one kernel
-  // call each); with `same_step`, a run also needs one opt_group and one step count.
+  // Runs of tensors of `group` with a gradient (`every_trainable`: of every trainable one) that
+  // are adjacent in the chunk (one kernel call each); with `same_step`, a run also needs one
+  // opt_group and one step count.
   struct Run {
     uint64_t lo = 0, hi = 0;  // elements
     int opt_group = 0;
     int64_t step = 0;
   };
-  std::vector<Run> GradRuns(const ChunkGroup& g, bool same_step) const;
+  std::vector<Run> GradRuns(const ChunkGroup& g, bool same_step,
+                            bool every_trainable = false) const;
   // `runs` clipped to this rank's shard and moved to shard coordinates (the identity when not
   // sharded).
   std::vector<Run> LocalRuns(std::vector<Run> runs) const;
