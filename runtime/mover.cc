@@ -93,9 +93,10 @@ struct StagingPool {
 class Bounce : public std::enable_shared_from_this<Bounce> {
  public:
   Bounce(const MoveRequest& req, std::shared_ptr<StagingPool> pool,
-         std::shared_ptr<Completion> done, Bytes slot_bytes, int slots)
+         std::shared_ptr<Completion> done, Bytes slot_bytes, int slots, bool inline_work)
       : req_(req), pool_(std::move(pool)), done_(std::move(done)),
-        slot_bytes_(std::min(slot_bytes, req.bytes)), max_slots_(slots) {}
+        slot_bytes_(std::min(slot_bytes, req.bytes)), max_slots_(slots),
+        inline_work_(inline_work) {}
 
   // Allocates up to max_slots_ slots (fewer if the staging tier is short) and starts one piece
   // per slot. With none free: waits for a holder's Finish if there is one, else fails.
@@ -149,15 +150,18 @@ class Bounce : public std::enable_shared_from_this<Bounce> {
     }
     auto self = shared_from_this();
     void* buf = slots_[slot].addr;
+    // inline_work: this pipeline's threads (the caller's, then each copy's completing one)
+    // do the pieces' checksums themselves instead of handing each to another pool.
     auto read = req_.src.tier->Copy(
-        {req_.src.region, req_.src.offset + off, buf, n, CopyDir::kFromTier});
+        {req_.src.region, req_.src.offset + off, buf, n, CopyDir::kFromTier, inline_work_});
     read->OnDone([self, slot, off, n, buf](const Status& s) {
       if (!s.ok()) {
         self->PieceDone(slot, s);
         return;
       }
       auto write = self->req_.dst.tier->Copy(
-          {self->req_.dst.region, self->req_.dst.offset + off, buf, n, CopyDir::kToTier});
+          {self->req_.dst.region, self->req_.dst.offset + off, buf, n, CopyDir::kToTier,
+           self->inline_work_});
       write->OnDone([self, slot](const Status& s2) { self->PieceDone(slot, s2); });
     });
   }
@@ -195,6 +199,7 @@ class Bounce : public std::enable_shared_from_this<Bounce> {
   const std::shared_ptr<Completion> done_;
   const Bytes slot_bytes_;
   const int max_slots_;
+  const bool inline_work_;
   std::vector<Region> slots_;  // written by Start only, before any piece is issued
 
   std::mutex mu_;
@@ -292,7 +297,7 @@ class MoverImpl final : public Mover {
     } else {
       inner = Completion::Make();
       auto b = std::make_shared<Bounce>(req, pool_, inner, config_.staging_slot_bytes,
-                                        std::max(1, config_.staging_slots));
+                                        std::max(1, config_.staging_slots), config_.inline_work);
       b->Start();
     }
     const int si = static_cast<int>(req.src.tier->kind()), di = static_cast<int>(req.dst.tier->kind());
@@ -358,6 +363,19 @@ class MoverImpl final : public Mover {
 };
 
 }  // namespace
+
+MoverConfig BounceMoverConfig(Bytes chunk_bytes, Bytes io_piece, int io_depth) {
+  MoverConfig mc;
+  if (io_piece == 0 || chunk_bytes <= io_piece) {
+    mc.staging_slot_bytes = std::max<Bytes>(chunk_bytes, 1);
+    mc.staging_slots = 1;
+    return mc;
+  }
+  const Bytes depth = static_cast<Bytes>(std::max(io_depth, 1));
+  mc.staging_slot_bytes = std::max(io_piece, chunk_bytes / depth / io_piece * io_piece);
+  mc.staging_slots = static_cast<int>(std::min(depth, chunk_bytes / mc.staging_slot_bytes));
+  return mc;
+}
 
 std::unique_ptr<Mover> NewMover(const MoverConfig& config, Tier* staging,
                                 TimelineRecorder* recorder) {

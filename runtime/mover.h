@@ -41,7 +41,19 @@ struct MoverConfig {
   int staging_slots = 4;                 // slots in flight per device<->NVMe move
   int memcpy_threads = 0;                // host<->host parallel memcpy threads (0 = all cores)
   Bytes parallel_memcpy_min_bytes = 8 * kMiB;  // host<->host copies this big are split over them
+  // A bounce's piece copies ask the tiers to do their checksum work on the threads that drive
+  // them (CopyRequest::inline_work) rather than hand each piece to a worker pool.
+  bool inline_work = true;
 };
+
+// The staging of a session's device <-> NVMe bounces for chunks of `chunk_bytes`, given the
+// NVMe tier's I/O size and queue depth: io_depth slots (fewer for a chunk of fewer pieces) of
+// whole I/O pieces, as small as that allows — one piece for chunks up to 2 x io_depth pieces.
+// A lone move (one chunk's write-back in the backward, one fetch) then has the disk's queue
+// full as soon as the first staging copies land, and its tail is one small piece, not a
+// quarter chunk; the staging bytes per move stay at most one chunk. A chunk no larger than a
+// piece: one slot of it.
+MoverConfig BounceMoverConfig(Bytes chunk_bytes, Bytes io_piece, int io_depth);
 
 // What the moves of one directed tier pair cost, summed over successful moves: bytes, count
 // and busy_ns, the sum of each move's duration from Move() to its completion (a move queued

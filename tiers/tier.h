@@ -85,6 +85,13 @@ struct CopyRequest {
   void* host = nullptr;  // host memory; must stay valid (and untouched) until completion
   Bytes bytes = 0;       // offset + bytes <= region.bytes
   CopyDir dir = CopyDir::kToTier;
+  // The copy's own CPU work (the NVMe tier's checksums) may run on the threads that drive it —
+  // the caller's, before Copy() returns, for a write; the I/O completion's for a read —
+  // instead of being handed to a worker pool: one thread hand-off less per piece, and a write
+  // checksums bytes the caller just wrote while they are still in its cache. For callers that
+  // are copy-pipeline workers themselves (the Mover's bounce); never set it on a compute
+  // thread. A hint: tiers without such work ignore it.
+  bool inline_work = false;
 };
 
 // ---- Ordering against compute (an optional capability of device tiers) -----------------

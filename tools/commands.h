@@ -11,6 +11,7 @@ void RegisterBenchNvme(CLI::App& bench);      // NVMe tier vs fio
 void RegisterBenchCopy(CLI::App& bench);      // host<->SimDevice vs memcpy
 void RegisterBenchTimeline(CLI::App& bench);  // timeline recorder events/s
 void RegisterBenchAdam(CLI::App& bench);      // CPU optimizer kernels vs roofline and torch
+void RegisterBenchBounce(CLI::App& bench);    // lone device<->NVMe moves vs streaming
 
 // `tiermem prof report|html|export|diff` (tools/prof/).
 void RegisterProf(CLI::App& app);

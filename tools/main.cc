@@ -13,6 +13,7 @@ int main(int argc, char** argv) {
   tiermem::tools::RegisterBenchCopy(*bench);
   tiermem::tools::RegisterBenchTimeline(*bench);
   tiermem::tools::RegisterBenchAdam(*bench);
+  tiermem::tools::RegisterBenchBounce(*bench);
   tiermem::tools::RegisterProf(app);
   tiermem::tools::RegisterRun(app);
   tiermem::tools::RegisterPlan(app);

@@ -237,14 +237,10 @@ StatusOr<std::unique_ptr<TierStack>> TierStack::Create(const SessionConfig& conf
   host.prefault_bytes = std::min(layout.host_prefault, host.capacity);
   TIERMEM_ASSIGN_OR_RETURN(s->host_, NewHostTier(host));
   if (s->nvme_pinner_) static_cast<NvmeRegisteringPinner*>(s->nvme_pinner_.get())->Seal();
-  // A bounced move (device <-> NVMe) pipelines pieces through four staging slots of a
-  // quarter chunk (a size class of the staging tier; the staging bytes per move stay one
-  // chunk), so the device copy of one piece overlaps the NVMe I/O of another instead of the
-  // two running one after the other. Pieces are whole MiB (the NVMe tier's I/O size) so that
-  // only a move's last piece ends in a short I/O.
-  MoverConfig mc;
-  mc.staging_slot_bytes = slot >= 4 * kMiB ? slot / 4 / kMiB * kMiB : slot;
-  mc.staging_slots = slot >= 4 * kMiB ? 4 : 1;
+  // A bounced move (device <-> NVMe) pipelines I/O-sized pieces through several staging
+  // slots (BounceMoverConfig), so the device copy of one piece overlaps the NVMe I/O of others
+  // and a lone move keeps the disk's queue full.
+  MoverConfig mc = BounceMoverConfig(slot, config.io_piece, config.io_depth);
   s->mover_ = NewMover(mc, s->staging_.get(), s->recorder_.get());
   engine::EngineConfig cfg;
   cfg.prefetch_depth = config.prefetch_depth;

@@ -12,7 +12,8 @@
 //   nvme     the file-backed NVMe tier (io_uring or pread/pwrite) when nvme_size > 0;
 //   staging  a small host tier of its own for the Mover's device<->NVMe bounce slots
 //            (prefetch_depth + 2 chunks, carved out of the host budget; a move pipelines
-//            four quarter-chunk pieces through it), pinned likewise;
+//            I/O-sized pieces through up to io_depth slots of it: BounceMoverConfig),
+//            pinned likewise;
 //   timeline TimelineRecorder at config.timeline, or a temporary file removed at Close().
 //
 // Thread-safety: externally synchronized (the session's thread).

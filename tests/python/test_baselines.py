@@ -36,3 +36,28 @@ def test_the_in_step_nvme_benchmark_measures_real_traffic(capsys, tmp_path):
     assert row["read GB/step"] > 0 and row["write GB/step"] > 0
     assert row["ours read GB/s"] > 0 and row["fio read GB/s"] > 0
     assert 0 < row["disk efficiency vs fio"] < 10
+
+
+def test_the_bounce_benchmark_moves_lone_chunks_both_ways_and_refuses_a_bad_config(tmp_path):
+    """`tiermem bench bounce`: each configuration's lone moves and the streaming baseline are
+    measured (positive rates, one per round), the round trip checked inside; a malformed
+    --configs entry is refused with its name."""
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "tiermem", "bench", "bounce", "--dir", str(tmp_path),
+           "--chunk", "4MiB", "--moves", "3", "--rounds", "2"]
+    out = subprocess.run(cmd + ["--configs", "session,2x2MiB/pool", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    j = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [c["config"] for c in j["configs"]] == ["session", "2x2MiB/pool"]
+    for c in j["configs"]:
+        for key in ("lone_write_bytes_per_s", "lone_read_bytes_per_s",
+                    "stream_write_bytes_per_s", "stream_read_bytes_per_s"):
+            assert len(c[key]) == 2 and all(v > 0 for v in c[key]), (key, c)
+    bad = subprocess.run(cmd + ["--configs", "session,3y1MiB"], capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode != 0
+    assert "'3y1MiB'" in bad.stderr, bad.stderr

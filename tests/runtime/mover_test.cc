@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <map>
@@ -50,6 +51,7 @@ class LocalNvme final : public Tier {
     return OkStatus();
   }
   std::shared_ptr<Completion> Copy(const CopyRequest& req) override {
+    (req.inline_work ? inline_copies : pooled_copies).fetch_add(1);
     Region live;
     std::shared_ptr<std::vector<char>> data;
     {
@@ -74,6 +76,8 @@ class LocalNvme final : public Tier {
     return done;
   }
   TierStats Stats() const override { return budget_.Snapshot(); }
+
+  std::atomic<int> inline_copies{0}, pooled_copies{0};  // by CopyRequest::inline_work
 
  private:
   BudgetAccount budget_;
@@ -392,6 +396,50 @@ TEST_F(MoverTest, BouncesBeyondTheStagingSlotsWaitForThem) {
   }
   EXPECT_EQ(one_slot->Stats().used, 0u);
   EXPECT_EQ(one_slot->Stats().peak, 1 * kMiB);
+}
+
+// A bounce asks the NVMe side to checksum on its own threads (inline_work) unless configured
+// not to; a direct host <-> NVMe move is the caller's copy and never asks.
+TEST_F(MoverTest, BouncePiecesAskForInlineWorkAsConfigured) {
+  auto* nvme = static_cast<LocalNvme*>(nvme_.get());
+  auto d = sim_->Allocate(3 * kMiB);
+  auto n = nvme_->Allocate(3 * kMiB);
+  auto h = host_->Allocate(3 * kMiB);
+  ASSERT_TRUE(d.ok() && n.ok() && h.ok());
+  for (bool inline_work : {true, false}) {
+    MoverConfig mc{.staging_slot_bytes = 1 * kMiB, .staging_slots = 2};
+    mc.inline_work = inline_work;
+    auto mover = NewMover(mc, staging_.get(), nullptr);
+    nvme->inline_copies = 0;
+    nvme->pooled_copies = 0;
+    ASSERT_TRUE(mover->Move({{sim_.get(), *d}, {nvme_.get(), *n}, 3 * kMiB})->Wait().ok());
+    ASSERT_TRUE(mover->Move({{nvme_.get(), *n}, {sim_.get(), *d}, 3 * kMiB})->Wait().ok());
+    EXPECT_EQ(nvme->inline_copies.load(), inline_work ? 6 : 0);  // 3 pieces each way
+    EXPECT_EQ(nvme->pooled_copies.load(), inline_work ? 0 : 6);
+    ASSERT_TRUE(mover->Move({{host_.get(), *h}, {nvme_.get(), *n}, 3 * kMiB})->Wait().ok());
+    EXPECT_EQ(nvme->pooled_copies.load(), inline_work ? 1 : 7);
+  }
+}
+
+// The session's bounce staging: whole I/O pieces, the disk's queue depth of them per move (as
+// many as the chunk has), the slots no smaller than the chunk needs to fit in that many.
+TEST(BounceMoverConfig, SlotsOfWholePiecesUpToTheQueueDepth) {
+  struct Case {
+    Bytes chunk, piece;
+    int depth;
+    Bytes slot;
+    int slots;
+  };
+  for (const Case& c : {Case{9 * kMiB, kMiB, 8, kMiB, 8}, Case{64 * kMiB, kMiB, 8, 8 * kMiB, 8},
+                        Case{64 * kMiB, kMiB, 32, 2 * kMiB, 32}, Case{4 * kMiB, kMiB, 8, kMiB, 4},
+                        Case{5 * kMiB / 2, kMiB, 8, kMiB, 2}, Case{kMiB, kMiB, 8, kMiB, 1},
+                        Case{512 * kKiB, kMiB, 8, 512 * kKiB, 1},
+                        Case{36 * kMiB, 4 * kMiB, 8, 4 * kMiB, 8}}) {
+    const MoverConfig mc = BounceMoverConfig(c.chunk, c.piece, c.depth);
+    EXPECT_EQ(mc.staging_slot_bytes, c.slot) << c.chunk << " / " << c.piece << " / " << c.depth;
+    EXPECT_EQ(mc.staging_slots, c.slots) << c.chunk << " / " << c.piece << " / " << c.depth;
+    EXPECT_LE(mc.staging_slot_bytes * static_cast<Bytes>(mc.staging_slots), c.chunk);
+  }
 }
 
 TEST_F(MoverTest, BadRequestsGetSpecificCodes) {

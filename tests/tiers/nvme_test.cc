@@ -46,11 +46,12 @@ void FillRandom(char* p, size_t n, std::mt19937_64& rng) {
   for (size_t i = 0; i < n; ++i) p[i] = static_cast<char>(rng());
 }
 
-Status Write(Tier& t, const Region& r, Bytes off, const void* src, Bytes n) {
-  return t.Copy({r, off, const_cast<void*>(src), n, CopyDir::kToTier})->Wait();
+Status Write(Tier& t, const Region& r, Bytes off, const void* src, Bytes n,
+             bool inline_work = false) {
+  return t.Copy({r, off, const_cast<void*>(src), n, CopyDir::kToTier, inline_work})->Wait();
 }
-Status Read(Tier& t, const Region& r, Bytes off, void* dst, Bytes n) {
-  return t.Copy({r, off, dst, n, CopyDir::kFromTier})->Wait();
+Status Read(Tier& t, const Region& r, Bytes off, void* dst, Bytes n, bool inline_work = false) {
+  return t.Copy({r, off, dst, n, CopyDir::kFromTier, inline_work})->Wait();
 }
 
 // ---- The extent allocator --------------------------------------------------------
@@ -320,6 +321,56 @@ TEST_P(NvmeEngineTest, TornWriteIsDataLoss) {
   ASSERT_TRUE(Write(*t, *r, 0, data.data, data.size).ok());
   ASSERT_TRUE(Read(*t, *r, 0, back.data, back.size).ok());
   EXPECT_EQ(std::memcmp(back.data, data.data, data.size), 0);
+}
+
+// CopyRequest::inline_work moves the checksum work onto the copy's own threads: what one
+// kind of copy stamps, the other verifies, and a bad block or a torn write is still caught.
+TEST_P(NvmeEngineTest, InlineChecksumsStampAndVerifyLikePooledOnes) {
+  NvmeTierConfig c = BaseConfig(GetParam());
+  c.piece_bytes = 64 * kKiB;  // several pieces per copy
+  OPEN_OR_SKIP(t, Open(c));
+  std::mt19937_64 rng(11);
+  auto r = t->Allocate(1 * kMiB);
+  ASSERT_TRUE(r.ok());
+  AlignedBuffer data(1 * kMiB), back(1 * kMiB);
+  FillRandom(data.data, data.size, rng);
+  for (bool write_inline : {false, true}) {
+    for (bool read_inline : {false, true}) {
+      FillRandom(data.data, data.size, rng);
+      ASSERT_TRUE(Write(*t, *r, 0, data.data, data.size, write_inline).ok());
+      std::memset(back.data, 0, back.size);
+      Status s = Read(*t, *r, 0, back.data, back.size, read_inline);
+      ASSERT_TRUE(s.ok()) << s.ToString() << " write inline " << write_inline;
+      EXPECT_EQ(std::memcmp(back.data, data.data, data.size), 0)
+          << "write inline " << write_inline << ", read inline " << read_inline;
+    }
+  }
+  // A flipped byte in the file: the inline read reports it like the pooled one.
+  auto loc = t->LocateForTest(*r, 200 * kKiB + 5);
+  ASSERT_TRUE(loc.ok()) << loc.status().ToString();
+  const int fd = ::open(loc->path.c_str(), O_RDWR);
+  ASSERT_GE(fd, 0) << loc->path;
+  char byte;
+  ASSERT_EQ(::pread(fd, &byte, 1, loc->file_offset), 1);
+  byte = static_cast<char>(~byte);
+  ASSERT_EQ(::pwrite(fd, &byte, 1, loc->file_offset), 1);
+  ASSERT_EQ(::fsync(fd), 0);
+  ::close(fd);
+  for (bool read_inline : {false, true}) {
+    Status s = Read(*t, *r, 0, back.data, back.size, read_inline);
+    EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s.ToString() << " inline " << read_inline;
+    EXPECT_NE(s.message().find("at offset " + std::to_string(200 * kKiB)), std::string::npos)
+        << s.message();
+  }
+  // A torn inline write: the next read says so.
+  NvmeTierConfig torn = BaseConfig(GetParam());
+  torn.tear_next_write_after_bytes = 6000;
+  OPEN_OR_SKIP(t2, Open(torn));
+  auto r2 = t2->Allocate(16 * kKiB);
+  ASSERT_TRUE(r2.ok());
+  ASSERT_TRUE(Write(*t2, *r2, 0, data.data, 16 * kKiB, /*inline_work=*/true).ok());
+  EXPECT_EQ(Read(*t2, *r2, 0, back.data, 16 * kKiB, /*inline_work=*/true).code(),
+            StatusCode::kDataLoss);
 }
 
 TEST_P(NvmeEngineTest, RegisteredHostMemoryRoundTrips) {

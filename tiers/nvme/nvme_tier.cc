@@ -173,6 +173,7 @@ struct Request {
   char* host = nullptr;
   Bytes offset = 0;
   Bytes bytes = 0;
+  bool inline_work = false;  // CopyRequest::inline_work: checksums without the worker pool
   std::atomic<int> pending{0};
   std::function<void()> on_done;  // runs after `done` completes (the tier's drain count)
   std::mutex mu;
@@ -588,6 +589,7 @@ std::shared_ptr<Completion> NvmeTierImpl::Copy(const CopyRequest& req) {
   r->host = static_cast<char*>(req.host);
   r->offset = req.offset;
   r->bytes = req.bytes;
+  r->inline_work = req.inline_work;
   const Bytes piece = config_.piece_bytes;
   const bool direct = reinterpret_cast<uintptr_t>(req.host) % kDirectAlign == 0 &&
                       req.offset % block_ == 0 && req.bytes % block_ == 0;
@@ -639,13 +641,19 @@ void NvmeTierImpl::StartDirect(const std::shared_ptr<Request>& r, uint64_t off, 
       r->PieceDone(s);
       delete &o;  // nothing touches `o` or this lambda's captures after this
     };
+    if (r->inline_work) {
+      PrepareWrite(*op);
+      engine_->Submit(op);
+      return;
+    }
     checksum_pool_->Push([this, op] {
       PrepareWrite(*op);
       engine_->Submit(op);
     });
   } else {
     op->complete = [this, r, off](IoOp& o, Status s) {
-      if (!s.ok()) {
+      if (!s.ok() || r->inline_work) {  // verified here, on the engine's completing thread
+        if (s.ok()) s = Verify(*r, off, o.buf, o.len);
         r->PieceDone(s);
         delete &o;
         return;
