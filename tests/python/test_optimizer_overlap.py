@@ -181,3 +181,30 @@ def test_bad_overlap_value_is_refused_naming_the_key():
     with pytest.raises(ValueError, match="optimizer_overlap"):
         tiermem.initialize(ours, {"optimizer_overlap": "forward"})
     assert all(torch.equal(before[k], v) for k, v in ours.state_dict().items())
+
+
+def test_an_executed_plan_follows_speculative_steps_from_the_first_planned_iteration():
+    # plan "auto" records the second iteration and executes the plan made from it. With
+    # speculative steps (optimizer_overlap "backward") the first iteration has none (no
+    # earlier backward says which grads complete when), every later one has them in its
+    # backward: the plan must come from one of those, and every planned iteration must
+    # follow it — no divergence, no re-plan. (Recording the first iteration instead: two
+    # divergences here.)
+    shape = dict(n_layer=4, n_embd=64)
+    _, probe = make_pair(**shape)
+    total = model_bytes(probe)
+    cfg = {"device": f"{total // 3}B", "host": "256MiB", "plan": "auto",
+           "optimizer_overlap": "backward"}
+    _, ours = make_pair(**shape)
+    model, opt = tiermem.initialize(ours, cfg)
+    rt = tiermem.runtime_of(model)
+    for x, y in batches(7, **shape):
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    plan = rt.stats()["plan"]
+    spec = rt.s.speculation
+    rt.close()
+    assert spec["committed"] > 0 and spec["dropped"] == 0, spec
+    assert plan["planned_iterations"] >= 3, plan
+    assert plan["divergences"] == 0 and plan["plans"] == 1, plan
