@@ -288,6 +288,9 @@ Status ValidateAdam(const AdamConfig& c, const AdamSpans& s) {
   if (!ValidDType(s.grad_dtype) || (s.param_out != nullptr && !ValidDType(s.out_dtype))) {
     return InvalidArgumentError("AdamStep: unknown dtype");
   }
+  if (s.max_exp_avg_sq_in != nullptr && s.max_exp_avg_sq == nullptr) {
+    return InvalidArgumentError("AdamStep: max_exp_avg_sq_in without max_exp_avg_sq");
+  }
   return OkStatus();
 }
 
@@ -295,7 +298,10 @@ void AdamStep(const AdamConfig& config, const AdamSpans& spans) {
   assert(ValidateAdam(config, spans).ok());
   if (spans.n == 0) return;
   AdamSpans s = spans;
-  if (!config.amsgrad) s.max_exp_avg_sq = nullptr;
+  if (!config.amsgrad) {
+    s.max_exp_avg_sq = nullptr;
+    s.max_exp_avg_sq_in = nullptr;
+  }
   internal::AdamConsts k = internal::MakeAdamConsts(config);
   // Non-temporal stores for the low-precision copy once it cannot stay in cache anyway.
   k.stream_out = s.param_out != nullptr && s.n * DTypeSize(s.out_dtype) >= kStreamOutBytes;

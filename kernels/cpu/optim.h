@@ -58,6 +58,15 @@ struct AdamSpans {
   void* param_out = nullptr;     // optional low-precision copy of the updated param
   DType out_dtype = DType::kBF16;
   size_t n = 0;
+  // Out of place: when set, the old values are read here and the new ones written to the
+  // spans above (which then need not hold anything), each independently; null = in place.
+  // An input either is its output or does not overlap it (nor any other output). Bit for bit
+  // the in-place step's results. (The session's speculative updates write into scratch this
+  // way instead of copying the state there first.) CPU kernels only.
+  const float* param_in = nullptr;
+  const float* exp_avg_in = nullptr;
+  const float* exp_avg_sq_in = nullptr;
+  const float* max_exp_avg_sq_in = nullptr;
 };
 
 void AdamStep(const AdamConfig& config, const AdamSpans& spans);

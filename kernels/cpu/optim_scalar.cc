@@ -99,20 +99,25 @@ inline void StoreAs(void* p, DType t, size_t i, float v) {
 }
 
 void Adam(const AdamConsts& c, const AdamSpans& s, size_t begin, size_t end) {
+  // The old values: at the *_in spans when out of place, else at the outputs.
+  const float* p_in = s.param_in ? s.param_in : s.param;
+  const float* m_in = s.exp_avg_in ? s.exp_avg_in : s.exp_avg;
+  const float* v_in = s.exp_avg_sq_in ? s.exp_avg_sq_in : s.exp_avg_sq;
+  const float* vm_in = s.max_exp_avg_sq_in ? s.max_exp_avg_sq_in : s.max_exp_avg_sq;
   for (size_t i = begin; i < end; ++i) {
     float g = LoadAs(s.grad, s.grad_dtype, i);
     g = g * c.inv_loss_scale;
     g = g * c.clip_factor;
-    float p = s.param[i];
+    float p = p_in[i];
     if (c.use_l2) g = std::fma(p, c.l2_decay, g);
     p = p * c.param_decay;
-    float m = s.exp_avg[i];
+    float m = m_in[i];
     m = std::fma(c.beta1_comp, g - m, m);
-    float v = s.exp_avg_sq[i];
+    float v = v_in[i];
     v = std::fma(v, c.beta2, (c.beta2_comp * g) * g);
     float v_hat = v;
     if (s.max_exp_avg_sq != nullptr) {
-      const float vm = s.max_exp_avg_sq[i];
+      const float vm = vm_in[i];
       v_hat = vm > v ? vm : v;
       s.max_exp_avg_sq[i] = v_hat;
     }

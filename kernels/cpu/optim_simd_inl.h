@@ -77,22 +77,29 @@ template <class V, DType G, Out O, bool kAmsgrad>
 struct AdamKernel {
   using F = typename V::F;
   // One vector at element i of the given arrays.
+  // Reads the old values at the *_in pointers (the outputs themselves when in place).
+  struct In {
+    const float* p;
+    const float* m;
+    const float* v;
+    const float* vm;
+  };
   template <bool kStream = false>
-  static inline void Body(const AdamVecs<V>& c, float* param, float* m_p, float* v_p,
-                          float* vm_p, const void* grad, void* out, size_t i) {
+  static inline void Body(const AdamVecs<V>& c, const In& in, float* param, float* m_p,
+                          float* v_p, float* vm_p, const void* grad, void* out, size_t i) {
     F g = LoadGrad<V, G>(grad, i);
     g = V::Mul(g, c.ils);
     g = V::Mul(g, c.clip);
-    F p = V::Load(param + i);
+    F p = V::Load(in.p + i);
     if (c.use_l2) g = V::Fma(p, c.l2, g);
     p = V::Mul(p, c.decay);
-    F m = V::Load(m_p + i);
+    F m = V::Load(in.m + i);
     m = V::Fma(c.b1c, V::Sub(g, m), m);
-    F v = V::Load(v_p + i);
+    F v = V::Load(in.v + i);
     v = V::Fma(v, c.b2, V::Mul(V::Mul(c.b2c, g), g));
     F v_hat = v;
     if constexpr (kAmsgrad) {
-      v_hat = V::Max(V::Load(vm_p + i), v);  // vm > v ? vm : v, as the reference
+      v_hat = V::Max(V::Load(in.vm + i), v);  // vm > v ? vm : v, as the reference
       V::Store(vm_p + i, v_hat);
     }
     const F denom = V::Add(V::Div(V::Sqrt(v_hat), c.bc2), c.eps);
@@ -112,24 +119,27 @@ struct AdamKernel {
     float* const vm_p = s.max_exp_avg_sq;
     const void* const grad = s.grad;
     void* const out = s.param_out;
+    const In in{s.param_in ? s.param_in : param, s.exp_avg_in ? s.exp_avg_in : m_p,
+                s.exp_avg_sq_in ? s.exp_avg_sq_in : v_p,
+                s.max_exp_avg_sq_in ? s.max_exp_avg_sq_in : vm_p};
     size_t i = begin;
     if (CanStream<V, O>(consts.stream_out, out, begin)) {
-      for (; i + W <= end; i += W) Body<true>(c, param, m_p, v_p, vm_p, grad, out, i);
+      for (; i + W <= end; i += W) Body<true>(c, in, param, m_p, v_p, vm_p, grad, out, i);
       _mm_sfence();  // order the non-temporal stores before whatever reads `out` next
     } else {
-      for (; i + W <= end; i += W) Body(c, param, m_p, v_p, vm_p, grad, out, i);
+      for (; i + W <= end; i += W) Body(c, in, param, m_p, v_p, vm_p, grad, out, i);
     }
     const size_t rem = end - i;
     if (rem == 0) return;
     alignas(64) float p[W] = {}, m[W] = {}, v[W] = {}, vm[W] = {}, o[W] = {};
     alignas(64) unsigned char g[W * 4] = {};
     const size_t gsize = DTypeSize(G);
-    std::memcpy(p, s.param + i, rem * 4);
-    std::memcpy(m, s.exp_avg + i, rem * 4);
-    std::memcpy(v, s.exp_avg_sq + i, rem * 4);
-    if constexpr (kAmsgrad) std::memcpy(vm, s.max_exp_avg_sq + i, rem * 4);
+    std::memcpy(p, in.p + i, rem * 4);
+    std::memcpy(m, in.m + i, rem * 4);
+    std::memcpy(v, in.v + i, rem * 4);
+    if constexpr (kAmsgrad) std::memcpy(vm, in.vm + i, rem * 4);
     std::memcpy(g, static_cast<const unsigned char*>(s.grad) + i * gsize, rem * gsize);
-    Body(c, p, m, v, vm, g, o, 0);
+    Body(c, In{p, m, v, vm}, p, m, v, vm, g, o, 0);
     std::memcpy(s.param + i, p, rem * 4);
     std::memcpy(s.exp_avg + i, m, rem * 4);
     std::memcpy(s.exp_avg_sq + i, v, rem * 4);

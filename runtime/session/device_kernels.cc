@@ -26,6 +26,11 @@ Status DeviceAdamStep(bool cuda, const kernels::AdamConfig& config,
     s->Enqueue([config, spans] { kernels::AdamStep(config, spans); });
     return OkStatus();
   }
+  if (spans.param_in != nullptr || spans.exp_avg_in != nullptr ||
+      spans.exp_avg_sq_in != nullptr || spans.max_exp_avg_sq_in != nullptr) {
+    return InvalidArgumentError("optimizer step: out-of-place spans on the CUDA kernels (the "
+                                "CPU kernels only take them)");
+  }
 #ifdef TIERMEM_SESSION_WITH_CUDA
   kernels::cuda::AdamChunk c;
   c.param = spans.param;

@@ -633,7 +633,8 @@ Status Session::UpdateGroup(size_t gi, const std::vector<Run>& runs, uint64_t wo
 }
 
 Status Session::RunAdam(const std::array<char*, chunks::kNumChunkKinds>& v, const Run& run,
-                        const GroupHyper& h, float inv_loss_scale, float clip, bool device) {
+                        const GroupHyper& h, float inv_loss_scale, float clip, bool device,
+                        const std::array<char*, chunks::kNumChunkKinds>* in) {
   const kernels::DType gd = dtype(ChunkKind::kGrad);
   kernels::AdamConfig ac;
   ac.lr = static_cast<float>(h.lr);
@@ -655,6 +656,11 @@ Status Session::RunAdam(const std::array<char*, chunks::kNumChunkKinds>& v, cons
     sp.out_dtype = compute_dtype();
   }
   sp.n = run.hi - run.lo;
+  if (in != nullptr) {
+    sp.param_in = reinterpret_cast<const float*>((*in)[K(ChunkKind::kParamFp32)]) + run.lo;
+    sp.exp_avg_in = reinterpret_cast<const float*>((*in)[K(ChunkKind::kExpAvg)]) + run.lo;
+    sp.exp_avg_sq_in = reinterpret_cast<const float*>((*in)[K(ChunkKind::kExpAvgSq)]) + run.lo;
+  }
   return DeviceAdamStep(cuda() && device, ac, sp, device ? stream_ : kHostStream);
 }
 
@@ -767,10 +773,24 @@ Status Session::Speculate(size_t gi) {
     in[K(inputs[i])] = static_cast<char*>(*p);
   }
   if (s.ok()) {
-    for (ChunkKind k : state) std::memcpy(out[K(k)], in[K(k)], ChunkBytes(gi, k));
+    // The shadows become the homes at commit: the runs are written by the out-of-place
+    // update, every other byte (tensors without grads, padding) is copied.
+    std::vector<std::pair<uint64_t, uint64_t>> covered;
+    for (const Run& run : sp.runs) covered.emplace_back(run.lo, run.hi);
+    std::sort(covered.begin(), covered.end());
+    for (ChunkKind k : state) {
+      const Bytes es = kernels::DTypeSize(dtype(k));
+      const uint64_t elems = ChunkBytes(gi, k) / es;
+      uint64_t at = 0;
+      for (const auto& [lo, hi] : covered) {
+        if (lo > at) std::memcpy(out[K(k)] + at * es, in[K(k)] + at * es, (lo - at) * es);
+        at = std::max(at, hi);
+      }
+      if (elems > at) std::memcpy(out[K(k)] + at * es, in[K(k)] + at * es, (elems - at) * es);
+    }
     out[K(ChunkKind::kGrad)] = in[K(ChunkKind::kGrad)];  // read only
     for (const Run& run : sp.runs) {
-      s = RunAdam(out, run, sp.hyper[run.opt_group], sp.inv_loss_scale, 1.0f, false);
+      s = RunAdam(out, run, sp.hyper[run.opt_group], sp.inv_loss_scale, 1.0f, false, &in);
       if (!s.ok()) break;
     }
   }

@@ -463,8 +463,11 @@ class Session {
   void DropSpeculations();
   // AdamW over one run of a group whose chunks (by kind) are at `v`: on the device's stream
   // when `device`, else the CPU kernel now.
+  // The AdamW update of `run` on the chunks at `v` (by kind), in place; with `in`, out of
+  // place: the old params, m and v read there (host only).
   Status RunAdam(const std::array<char*, chunks::kNumChunkKinds>& v, const Run& run,
-                 const GroupHyper& h, float inv_loss_scale, float clip, bool device);
+                 const GroupHyper& h, float inv_loss_scale, float clip, bool device,
+                 const std::array<char*, chunks::kNumChunkKinds>* in = nullptr);
   bool GroupPinned(size_t gi) const;
   TraceRecorder::Probes TraceProbes() const;
   Status LoadCheckpointV1(const std::string& path, std::string* metadata);

@@ -237,6 +237,91 @@ TEST(Variants, AdamMatchesScalarBitForBit) {
   if (SupportedIsas().size() == 1) GTEST_SKIP() << "this CPU has no SIMD variant";
 }
 
+// Out of place (AdamSpans::*_in): the same bits as the in-place step on every ISA, grad and
+// out dtype, amsgrad or not, through ragged tails and the threaded large-call path; the inputs
+// are left as they were; outputs start as garbage.
+TEST(Variants, OutOfPlaceAdamEqualsInPlaceBitForBit) {
+  std::mt19937 rng(17);
+  int checked = 0;
+  for (Isa isa : SupportedIsas()) {
+    for (DType gd : kDTypes) {
+      for (int out = -1; out < 3; ++out) {
+        for (int variant = 0; variant < 2; ++variant) {
+          const bool amsgrad = variant & 1;
+          // Mostly small and ragged; every fourth one spans several tiles (threads, streaming).
+          const size_t n = (checked++ % 4 == 3 ? 140000 : kSizes[checked % std::size(kSizes)]) +
+                           rng() % 40;
+          const size_t off = rng() % 16;
+          Problem in_place(n, off, gd, rng);
+          const Problem pristine = in_place;
+          Problem inputs = in_place;
+          Problem outputs = in_place;
+          for (auto* v : {&outputs.param, &outputs.m, &outputs.v, &outputs.vm}) {
+            for (float& x : *v) x = FromBits(0x7fc0dead);  // NaN garbage: must be overwritten
+          }
+          AdamConfig c;
+          c.lr = 1e-2f;
+          c.weight_decay = 0.05f;
+          c.amsgrad = amsgrad;
+          c.step = 1 + rng() % 50;
+          c.inv_loss_scale = 1.0f / 1024;
+          c.clip_factor = 0.37f;
+          std::vector<unsigned char> out_a((n + off) * 4, 0xAB), out_b = out_a;
+          auto spans = [&](Problem& p, std::vector<unsigned char>& o) {
+            AdamSpans s;
+            s.param = p.param.data() + off;
+            s.exp_avg = p.m.data() + off;
+            s.exp_avg_sq = p.v.data() + off;
+            s.max_exp_avg_sq = p.vm.data() + off;
+            s.grad = p.g();
+            s.grad_dtype = gd;
+            if (out >= 0) {
+              s.out_dtype = static_cast<DType>(out);
+              s.param_out = o.data() + off * DTypeSize(s.out_dtype);
+            }
+            s.n = n;
+            return s;
+          };
+          IsaGuard guard;
+          ASSERT_TRUE(SetKernelIsa(isa).ok());
+          AdamStep(c, spans(in_place, out_a));
+          AdamSpans oop = spans(outputs, out_b);
+          oop.grad = inputs.g();
+          oop.param_in = inputs.param.data() + off;
+          oop.exp_avg_in = inputs.m.data() + off;
+          oop.exp_avg_sq_in = inputs.v.data() + off;
+          oop.max_exp_avg_sq_in = inputs.vm.data() + off;
+          ASSERT_TRUE(ValidateAdam(c, oop).ok());
+          AdamStep(c, oop);
+          SCOPED_TRACE(std::string(IsaName(isa)) + " grad " + std::string(DTypeName(gd)) +
+                       " out " + std::to_string(out) + " amsgrad " + std::to_string(amsgrad) +
+                       " n " + std::to_string(n) + " off " + std::to_string(off));
+          auto span_of = [&](const std::vector<float>& v) {
+            return std::vector<float>(v.begin() + off, v.begin() + off + n);
+          };
+          ExpectBitEqual(span_of(in_place.param), span_of(outputs.param), "param");
+          ExpectBitEqual(span_of(in_place.m), span_of(outputs.m), "exp_avg");
+          ExpectBitEqual(span_of(in_place.v), span_of(outputs.v), "exp_avg_sq");
+          if (amsgrad) ExpectBitEqual(span_of(in_place.vm), span_of(outputs.vm), "max_exp_avg_sq");
+          ASSERT_EQ(out_a, out_b) << "param_out";
+          // The inputs are untouched: what the in-place step started from.
+          ExpectBitEqual(inputs.param, pristine.param, "param_in");
+          ExpectBitEqual(inputs.m, pristine.m, "exp_avg_in");
+          ExpectBitEqual(inputs.v, pristine.v, "exp_avg_sq_in");
+          ExpectBitEqual(inputs.vm, pristine.vm, "max_exp_avg_sq_in");
+        }
+      }
+    }
+  }
+  AdamSpans bad;
+  float x = 0;
+  bad.param = bad.exp_avg = bad.exp_avg_sq = &x;
+  bad.grad = &x;
+  bad.n = 1;
+  bad.max_exp_avg_sq_in = &x;  // an amsgrad input without its output
+  EXPECT_EQ(ValidateAdam(AdamConfig{}, bad).code(), StatusCode::kInvalidArgument);
+}
+
 TEST(Variants, LargeCallWithStreamingStoresMatchesScalar) {
   // Big enough (>= 8 MiB of copy) for the non-temporal store path; the copy buffer aligned so
   // that path is really taken, plus an odd tail.
