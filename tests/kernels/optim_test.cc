@@ -176,6 +176,24 @@ void ExpectBitEqual(const std::vector<float>& a, const std::vector<float>& b, co
   }
 }
 
+// The in-place spans of `p` (its n elements at its offset); `out` < 0: no low-precision copy,
+// else that DType's copy into `o` at the same element offset.
+AdamSpans AdamSpansOf(Problem& p, std::vector<unsigned char>& o, int out) {
+  AdamSpans s;
+  s.param = p.param.data() + p.off;
+  s.exp_avg = p.m.data() + p.off;
+  s.exp_avg_sq = p.v.data() + p.off;
+  s.max_exp_avg_sq = p.vm.data() + p.off;
+  s.grad = p.g();
+  s.grad_dtype = p.grad_dtype;
+  if (out >= 0) {
+    s.out_dtype = static_cast<DType>(out);
+    s.param_out = o.data() + p.off * DTypeSize(s.out_dtype);
+  }
+  s.n = p.n;
+  return s;
+}
+
 const size_t kSizes[] = {1, 7, 15, 16, 17, 33, 100, 1000, 4099};
 const DType kDTypes[] = {DType::kF32, DType::kBF16, DType::kF16};
 
@@ -202,19 +220,7 @@ TEST(Variants, AdamMatchesScalarBitForBit) {
           c.clip_factor = (variant == 3) ? 0.37f : 1.0f;
           std::vector<unsigned char> out_a((n + off) * 4, 0xAB), out_b = out_a;
           auto spans = [&](Problem& p, std::vector<unsigned char>& o) {
-            AdamSpans s;
-            s.param = p.param.data() + off;
-            s.exp_avg = p.m.data() + off;
-            s.exp_avg_sq = p.v.data() + off;
-            s.max_exp_avg_sq = p.vm.data() + off;
-            s.grad = p.g();
-            s.grad_dtype = gd;
-            if (out >= 0) {
-              s.out_dtype = static_cast<DType>(out);
-              s.param_out = o.data() + off * DTypeSize(s.out_dtype);
-            }
-            s.n = n;
-            return s;
+            return AdamSpansOf(p, o, out);
           };
           IsaGuard guard;
           ASSERT_TRUE(SetKernelIsa(Isa::kScalar).ok());
@@ -268,19 +274,7 @@ TEST(Variants, OutOfPlaceAdamEqualsInPlaceBitForBit) {
           c.clip_factor = 0.37f;
           std::vector<unsigned char> out_a((n + off) * 4, 0xAB), out_b = out_a;
           auto spans = [&](Problem& p, std::vector<unsigned char>& o) {
-            AdamSpans s;
-            s.param = p.param.data() + off;
-            s.exp_avg = p.m.data() + off;
-            s.exp_avg_sq = p.v.data() + off;
-            s.max_exp_avg_sq = p.vm.data() + off;
-            s.grad = p.g();
-            s.grad_dtype = gd;
-            if (out >= 0) {
-              s.out_dtype = static_cast<DType>(out);
-              s.param_out = o.data() + off * DTypeSize(s.out_dtype);
-            }
-            s.n = n;
-            return s;
+            return AdamSpansOf(p, o, out);
           };
           IsaGuard guard;
           ASSERT_TRUE(SetKernelIsa(isa).ok());
