@@ -13,7 +13,10 @@
 // the checksum work runs on a small pool of checksum workers, not on the engine's thread: a
 // write piece is stamped there and then submitted; a read piece is handed there on completion
 // and verified. The single io_uring thread thus only moves requests, and checksumming spreads
-// over cores and overlaps with the I/O in flight. Bounce pieces checksum on the engine thread.
+// over cores and overlaps with the I/O in flight — unless the copy asks for inline work
+// (CopyRequest::inline_work, the Mover's bounce): then a write piece is stamped on the calling
+// thread and a read piece verified on the engine's completing thread, one hand-off less.
+// The tier's own bounce pieces (unaligned copies) checksum on the engine thread.
 // Checksum cost is what decides throughput against fio on a busy machine: see
 // docs/benchmarks.md ("NVMe tier vs fio") for the measurements behind the VPCLMULQDQ CRC.
 //
