@@ -230,7 +230,6 @@ int Run(const BounceOptions& o) {
     for (int round = 0; round < o.rounds; ++round) {
       auto sw = stream(CopyDir::kToTier);
       if (!sw.ok()) return fail(sw.status());
-      std::vector<std::pair<double, double>> lone_rates;
       for (size_t c = 0; c < configs.size(); ++c) {
         // Rotate which configuration goes first, so drift in the disk hits each alike.
         const size_t k = (c + round) % configs.size();
