@@ -1330,8 +1330,19 @@ class TiermemRuntime:
                         self._act_fetch(self._act_order[i - 1], only_if_room=True)
                 self._act_sync()
 
+    # The two grad hooks live in torch's C++ autograd metadata of the parameters, which the
+    # garbage collector does not traverse: a hook that referred to the runtime, or to anything
+    # that leads to it (a _Param record refers to the modules, whose wrapped forwards refer to
+    # the runtime), would keep the runtime, the model and the tiers' memory alive after the
+    # model and optimizer are dropped. So they hold the runtime weakly and the record by index.
     def _compute_grad_hook(self, r: _Param):
+        rt_ref, index = weakref.ref(self), r.index
+
         def hook(p):
+            self = rt_ref()
+            if self is None:
+                return
+            r = self.params[index]
             self._begin_backward()
             # A unit whose backward saves no param view (an embedding) shows up here; always
             # (not only while recording), so executed iterations have the recorded moments.
@@ -1345,7 +1356,13 @@ class TiermemRuntime:
     def _param_grad_hook(self, r: _Param):
         # The ChunkTensor parameter itself was used (read outside its unit). AccumulateGrad
         # either set p.grad to a plain tensor (the new total) or added in place into r.grad.
+        rt_ref, index = weakref.ref(self), r.index
+
         def hook(p):
+            self = rt_ref()
+            if self is None:
+                return
+            r = self.params[index]
             self._begin_backward()
             g = p.grad
             if g is None or g is r.grad:

@@ -19,9 +19,18 @@ aliases of chunk memory). Operations that would change a ChunkTensor's metadata 
 Inside a unit's forward and backward the model computes on plain tensors (views of the pinned
 chunks), not on ChunkTensors: the dispatch path is for code outside the units.
 
+Lifetime: a parameter (and its views) holds its runtime, as a torch parameter holds its
+storage: a tensor the user keeps after dropping the model keeps the runtime, and its values,
+alive. A gradient (``p.grad`` and its views) holds it weakly: torch keeps ``p.grad`` in the
+parameter's C++ autograd metadata, where Python's garbage collector cannot see it, so a strong
+reference there would keep the runtime, the model and the tiers' memory alive forever. A
+gradient used after its model, optimizer and parameters are gone raises.
+
 Threading: like the model (one training thread).
 """
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
@@ -43,16 +52,35 @@ class ChunkTensor(torch.Tensor):
                 requires_grad=False):
         t = torch.Tensor._make_wrapper_subclass(cls, size, strides=stride, dtype=dtype,
                                                 device=device, requires_grad=requires_grad)
-        t._tm_runtime = runtime
-        t._tm_rec = rec
+        t._tm_refs = (weakref.ref(runtime), weakref.ref(rec))
+        t._tm_keep = (runtime, rec) if kind != "grad" else None  # the file's "Lifetime"
         t._tm_kind = kind
         t._tm_views = tuple(views)
         return t
 
+    @property
+    def _tm_runtime(self):
+        rt = self._tm_refs[0]()
+        if rt is None:
+            raise RuntimeError(
+                f"tiermem: this {self._tm_kind} tensor outlived its model: the tiermem runtime "
+                "it belonged to was collected after its model, optimizer and parameters were "
+                "dropped (keep a parameter or the model to keep its gradients usable)")
+        return rt
+
+    @property
+    def _tm_rec(self):
+        rec = self._tm_refs[1]()
+        if rec is None:
+            self._tm_runtime  # noqa: B018 — raises the message above
+        return rec
+
     # ---- what plain tensors do by themselves --------------------------------------------
     def __repr__(self, *, tensor_contents=None):
-        rt = self._tm_runtime
+        rt = self._tm_refs[0]()
         what = "grad of " if self._tm_kind == "grad" else ""
+        if rt is None:
+            return f"ChunkTensor({what}a collected tiermem runtime's tensor)"
         if rt._closed:
             return f"ChunkTensor({what}{self._tm_rec.name}: the tiermem runtime is closed)"
         value = rt._materialized_copy(self)

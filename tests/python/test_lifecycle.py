@@ -1,0 +1,106 @@
+"""A dropped model gives its memory back.
+
+Nothing outside the model and its optimizer may keep a runtime alive: the hooks tiermem puts in
+torch's C++ autograd metadata (which Python's garbage collector does not traverse) hold the
+runtime weakly, so ``del model, opt`` and the collector close the session — its tiers' memory,
+its NVMe files and its temporary timeline go with it. Before, every training runtime stayed
+alive until the process ended: a sweep that built models in a loop kept every host budget, and
+each run left a ``tiermem-*.tmt`` file in $TMPDIR.
+"""
+import copy
+import gc
+import glob
+import os
+import weakref
+
+import pytest
+import torch
+
+import tiermem
+from conftest import batches, make_pair, model_bytes
+from test_training import train_ours
+
+CONFIGS = {
+    "default": {},
+    "plan, offloaded activations, speculative steps": {
+        "device": "1MiB", "plan": "auto", "activations": "offload",
+        "optimizer_overlap": "backward"},
+    "host short: state on NVMe": {"host": "nvme"},
+}
+
+
+def _timelines(d):
+    return glob.glob(os.path.join(d, "tiermem-*.tmt"))
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_a_dropped_training_model_is_collected_with_its_session(name, tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # where the session's temporary timeline goes
+    _, ours = make_pair()
+    cfg = {"device": model_bytes(ours) // 4, "host": "1GiB", **CONFIGS[name]}  # 1/4 of the state
+    if cfg["host"] == "nvme":  # the host below the training state: NVMe holds the rest
+        cfg.update(host=model_bytes(ours) // 2 + 16 * 2**20,
+                   nvme={"size": "256MiB", "path": str(tmp_path / "nvme")})
+    model, opt = tiermem.initialize(ours, cfg)
+    losses = train_ours(model, opt, batches(3))
+    assert all(l == l for l in losses)  # trained (finite losses; exactness is tested elsewhere)
+    rt = weakref.ref(tiermem.runtime_of(model))
+    assert len(_timelines(tmp_path)) == 1  # the session's temporary timeline, while it lives
+    del model, opt, ours
+    gc.collect()
+    assert rt() is None, "the runtime outlived its model and optimizer"
+    assert _timelines(tmp_path) == [], "the closed session left its temporary timeline behind"
+    if "nvme" in cfg:
+        assert os.listdir(tmp_path / "nvme") == []  # the NVMe files went with it
+
+
+def test_a_dropped_serving_model_is_collected_with_its_session(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    ref, _ = make_pair()
+    model = tiermem.inference(copy.deepcopy(ref), {"device": model_bytes(ref) // 8,
+                                                   "host": "256MiB"})
+    x, _ = batches(1)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+    rt = weakref.ref(tiermem.runtime_of(model))
+    del model
+    gc.collect()
+    assert rt() is None
+    assert _timelines(tmp_path) == []
+
+
+def test_a_parameter_kept_after_the_model_is_dropped_keeps_its_values(tmp_path, monkeypatch):
+    """The other side of holding the runtime weakly in hooks: a tensor of the model the user
+    still holds keeps the runtime (and its values) alive, as a torch parameter would."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    ref, ours = make_pair()
+    model, opt = tiermem.initialize(ours, {"device": model_bytes(ours) // 4, "host": "1GiB"})
+    w = model.lm_head.weight if hasattr(model, "lm_head") else next(model.parameters())
+    expected = dict(ref.named_parameters())
+    name = next(n for n, p in model.named_parameters() if p is w)
+    rt = weakref.ref(tiermem.runtime_of(model))
+    del model, opt, ours
+    gc.collect()
+    assert rt() is not None
+    torch.testing.assert_close(w.detach().clone(), expected[name].detach(), rtol=0, atol=0)
+    del w
+    gc.collect()
+    assert rt() is None
+    assert _timelines(tmp_path) == []
+
+
+def test_a_gradient_kept_after_everything_else_is_dropped_raises_clearly(tmp_path, monkeypatch):
+    """A gradient holds its runtime weakly (torch keeps ``p.grad`` where the collector cannot
+    see it): once the model, optimizer and parameters are gone, using it is an error naming
+    why — never values from freed memory."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    _, ours = make_pair()
+    model, opt = tiermem.initialize(ours, {"device": model_bytes(ours) // 4, "host": "1GiB"})
+    train_ours(model, opt, batches(1))
+    g = next(model.parameters()).grad
+    assert g is not None and float(g.abs().sum()) > 0
+    del model, opt, ours
+    gc.collect()
+    with pytest.raises(RuntimeError, match="outlived its model"):
+        g.sum()
+    assert "collected" in repr(g)
