@@ -11,7 +11,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <mutex>
+#include <set>
+#include <string>
 #include <unordered_map>
 
 #include "kernels/cpu/optim.h"
@@ -27,6 +30,42 @@ namespace tiermem::session {
 namespace {
 
 constexpr Bytes kPage = 4096;
+
+// Temporary timelines of stacks not closed yet, removed by an atexit handler: a session that
+// is never destroyed (an object a binding leaks, one kept alive by a reference cycle through
+// torch's C++ objects) still leaves no file behind at a normal exit. A killed process can.
+// The set and its mutex are never destroyed, so a stack closed during static destruction
+// (after the handler ran) still finds them. Thread-safe.
+struct TempTimelines {
+  std::mutex mu;
+  std::set<std::string> paths;  // GUARDED_BY(mu)
+};
+
+TempTimelines& Temps() {
+  static TempTimelines* t = new TempTimelines();  // leaked on purpose (the comment above)
+  return *t;
+}
+
+void RemoveTempTimelinesAtExit() {
+  TempTimelines& t = Temps();
+  std::lock_guard<std::mutex> lock(t.mu);
+  for (const std::string& p : t.paths) unlink(p.c_str());
+  t.paths.clear();
+}
+
+void TrackTempTimeline(const std::string& path) {
+  static std::once_flag registered;
+  std::call_once(registered, [] { std::atexit(RemoveTempTimelinesAtExit); });
+  TempTimelines& t = Temps();
+  std::lock_guard<std::mutex> lock(t.mu);
+  t.paths.insert(path);
+}
+
+void ForgetTempTimeline(const std::string& path) {
+  TempTimelines& t = Temps();
+  std::lock_guard<std::mutex> lock(t.mu);
+  t.paths.erase(path);
+}
 
 HostTierConfig HostConfig(Bytes capacity, Bytes slot, HostPinner* pinner) {
   HostTierConfig hc;
@@ -171,6 +210,7 @@ StatusOr<std::unique_ptr<TierStack>> TierStack::Create(const SessionConfig& conf
     close(fd);
     s->timeline_path_ = tmpl;
     s->own_timeline_ = true;
+    TrackTempTimeline(tmpl);
   } else {
     s->timeline_path_ = config.timeline;
     Status made = MakeDirs(DirName(config.timeline));
@@ -272,6 +312,7 @@ void TierStack::Close() {
   }
   if (own_timeline_) {
     unlink(timeline_path_.c_str());
+    ForgetTempTimeline(timeline_path_);
     own_timeline_ = false;
   }
 }

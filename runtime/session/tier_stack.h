@@ -14,7 +14,8 @@
 //            (prefetch_depth + 2 chunks, carved out of the host budget; a move pipelines
 //            I/O-sized pieces through up to io_depth slots of it: BounceMoverConfig),
 //            pinned likewise;
-//   timeline TimelineRecorder at config.timeline, or a temporary file removed at Close().
+//   timeline TimelineRecorder at config.timeline, or a temporary file removed at Close() (or,
+//            for a stack never closed, at a normal process exit).
 //
 // Thread-safety: externally synchronized (the session's thread).
 // Ownership: the stack owns everything above. Close() (or destruction) frees every region

@@ -1046,6 +1046,34 @@ TEST(SessionTimeline, TemporaryTimelineGoesAwayAtCloseAConfiguredOneStays) {
   std::filesystem::remove_all(dir);
 }
 
+// A session that is never closed (leaked, as a binding's object kept alive by a reference
+// cycle can be) removes its temporary timeline when the process exits normally. Held by a
+// global, so LeakSanitizer does not report it as a leak.
+Session* g_never_closed = nullptr;
+
+TEST(SessionTimelineDeathTest, ANeverClosedSessionsTemporaryTimelineGoesAwayAtExit) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  // The threadsafe style runs this test again in a fresh process for the statement: the
+  // child takes the parent's directory from the environment instead of making its own.
+  const char* given = getenv("TIERMEM_TEST_EXIT_DIR");
+  const std::string dir = given != nullptr ? given : TempDir();
+  setenv("TIERMEM_TEST_EXIT_DIR", dir.c_str(), 1);
+  EXPECT_EXIT(
+      {
+        setenv("TMPDIR", dir.c_str(), 1);
+        auto s = Make({{"device", "1MiB"}}, kThree);
+        if (!s || !std::filesystem::exists(s->timeline_path())) std::_Exit(3);
+        auto closed = Make({{"device", "1MiB"}}, kThree);  // closed: forgotten by the handler
+        closed->Close();
+        g_never_closed = s.release();  // never destroyed
+        std::exit(0);
+      },
+      ::testing::ExitedWithCode(0), "");
+  unsetenv("TIERMEM_TEST_EXIT_DIR");
+  EXPECT_TRUE(std::filesystem::is_empty(dir)) << "a temporary timeline was left in " << dir;
+  std::filesystem::remove_all(dir);
+}
+
 TEST(SessionTracing, UntracedAcquiresDoNotDisturbTheRecordedOrder) {
   auto s = Make({{"device", "1MiB"}, {"chunk_size", 1100}}, kThree);
   ASSERT_TRUE(s);
