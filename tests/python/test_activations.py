@@ -549,3 +549,39 @@ def test_a_kv_cache_with_recompute_is_refused_before_anything_runs():
     assert tiermem.runtime_of(model).stats()["activations"]["recomputed_units"] >= 4 * 3
     for k, v in ref.state_dict().items():
         assert torch.equal(model.state_dict()[k], v), k
+
+
+@pytest.mark.parametrize("mode", ["budget", "offload"])
+def test_a_forward_whose_graph_is_dropped_without_backward_stops_counting(mode):
+    """A forward with grad enabled and no backward (an evaluation loss computed without
+    no_grad, then dropped) frees its activations in torch; tiermem must not keep counting
+    them. Before, each such forward added its activations to the next one's: in 'budget' the
+    second raised a MemoryError plain torch would not, in 'offload' the host took copies of
+    activations nobody could use. While a forward's loss is kept, its activations still count
+    (torch keeps them too)."""
+    ref, ours = make_pair()
+    data = batches(3, batch=32)  # 3.5 MB of saved activations per forward
+    budget = 6_000_000  # one forward's activations and the chunks, not two forwards'
+    ref_opt = KernelAdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
+    model, opt = tiermem.initialize(ours, config(budget, activations=mode, host="256MiB"))
+    rt = tiermem.runtime_of(model)
+    for x, y in data:  # forward only, the loss dropped: plain torch frees the graph each time
+        loss = model(x, y)
+        assert loss.item() == ref(x, y).item()
+        del loss
+    if mode == "offload":
+        st = rt.stats()["activations"]
+        assert st["offloaded_bytes"] == 0, st  # nothing was moved out for a dead graph
+    # Training afterwards: the same losses as plain torch, within the budget.
+    ref_losses = train_steps(ref, ref_opt, data)
+    trains_exactly_within_the_budget(model, opt, ref, ref_losses, data, budget)
+    # A kept loss keeps its forward's activations counted: the next forward adds its own.
+    kept = model(*data[0])
+    if mode == "budget":
+        with pytest.raises(MemoryError, match="activations saved for backward"):
+            model(*data[1])
+    else:
+        before = rt.stats()["activations"]["offloaded_bytes"]
+        model(*data[1])
+        assert rt.stats()["activations"]["offloaded_bytes"] > before  # room made for both
+    del kept

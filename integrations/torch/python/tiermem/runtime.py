@@ -32,6 +32,7 @@ import copy
 import functools
 import math
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -230,6 +231,7 @@ class TiermemRuntime:
         # outside every unit), counted in the device budget (the session's external bytes).
         self._count_act = cfg.activations in ("budget", "offload", "recompute", "auto")
         self._act_units: dict[int, int] = {}
+        self._open_graphs = []         # weakrefs to the open iteration's sentinels (_watch_graph)
         self._act_total = 0            # device + host bytes of the activations counted
         self._act_given = 0            # what the session was last told (device)
         self._act_seen: set = set()    # storages counted this iteration
@@ -433,8 +435,10 @@ class TiermemRuntime:
 
     # ---- chunk access --------------------------------------------------------------------
     def _wrap_root(self):
-        # The root's forward: to tell "inside the model's forward" from "outside" in messages.
-        _wrap_forward(self.model, self._root_enter, self._root_exit, self._wrapped)
+        # The root's forward: to tell "inside the model's forward" from "outside" in messages,
+        # and to see its output (_root_exit).
+        _wrap_forward(self.model, self._root_enter, self._root_exit, self._wrapped,
+                      cls=_RootForward)
 
     def _traced(self) -> bool:
         """Whether acquires now are part of the order the engine records and follows:
@@ -489,13 +493,34 @@ class TiermemRuntime:
     def _root_enter(self):
         self._root_depth += 1
 
-    def _root_exit(self):
+    def _root_exit(self, out=None):
         self._root_depth -= 1
-        if self._root_depth == 0 and self._count_act and self._in_iteration \
-                and not self._in_backward:
-            # The whole forward's activations hold their room before the backward starts (a
-            # MemoryError here leaves nothing pinned; the backward then only gives room back).
-            self._act_sync()
+        if self._root_depth == 0 and self._in_iteration and not self._in_backward:
+            self._watch_graph(out)
+            if self._count_act:
+                # The whole forward's activations hold their room before the backward starts
+                # (a MemoryError here leaves nothing pinned; the backward then only gives room
+                # back).
+                self._act_sync()
+
+    # A forward with grad enabled that no backward follows (an evaluation loss computed
+    # without no_grad, then dropped) leaves its iteration open: its saved activations would
+    # stay counted, and the next forward would count its own on top (a MemoryError that
+    # plain torch would not raise, or offloads of activations nobody can use). So each
+    # completed forward of the open iteration hangs a sentinel on the autograd nodes of its
+    # outputs (a no-op pre-hook owns it; the nodes own their hooks); when every sentinel is
+    # gone, no graph of the iteration can run backward any more, and the next forward
+    # abandons it. Outputs without a node (nothing differentiable) leave it open, as before.
+    def _watch_graph(self, out):
+        nodes = {id(t.grad_fn): t.grad_fn for t in tree_leaves_tensors(out)
+                 if t.grad_fn is not None}
+        for node in nodes.values():
+            sentinel = _GraphSentinel()
+            node.register_prehook(lambda grad_outputs, _keep=sentinel: None)
+            self._open_graphs.append(weakref.ref(sentinel))
+
+    def _open_graphs_dropped(self) -> bool:
+        return bool(self._open_graphs) and all(r() is None for r in self._open_graphs)
 
     def _unit_enter(self, u):
         label = f"{u.name or type(u.module).__name__}:pre-forward"
@@ -515,6 +540,9 @@ class TiermemRuntime:
                         f"again in the backward and would update the cache twice. Pass "
                         f"use_cache=False when training (as Hugging Face does for gradient "
                         f"checkpointing), or use activations 'offload'; the model is unchanged.")
+            if grad and self._in_iteration and not self._in_backward \
+                    and self._open_graphs_dropped():
+                self._act_abandon()  # _watch_graph: the open iteration's graphs are gone
             if grad and not self._in_iteration:
                 self._act_reset()
                 if self._shards is not None and self._fwd_seq:
@@ -701,6 +729,7 @@ class TiermemRuntime:
         self._fwd_used.clear()
 
     def _act_reset(self):
+        self._open_graphs.clear()
         for frames in self._rc_frames.values():
             self._rc_drop(frames)
         self._rc_frames.clear()
@@ -1748,6 +1777,23 @@ class _Forward:
         return copy.deepcopy(self.inner, memo)
 
 
+class _RootForward(_Forward):
+    """The model's own forward: exit sees what it returned (None when it raised)."""
+
+    def __call__(self, *args, **kwargs):
+        self.enter()
+        out = None
+        try:
+            out = self.inner(*args, **kwargs)
+            return out
+        finally:
+            self.exit(out)
+
+
+class _GraphSentinel:
+    """Owned by a no-op pre-hook on an output's autograd node: alive while the graph is."""
+
+
 class _UnitForward(_Forward):
     """A unit's forward: enter sees the call's arguments (a recomputed unit keeps them)."""
 
@@ -1789,6 +1835,19 @@ def _foreach_length(args) -> int:
         if isinstance(x, (list, tuple)) and any(isinstance(e, ChunkTensor) for e in x):
             return len(x)
     return 0
+
+
+def tree_leaves_tensors(obj):
+    """The tensors in a forward's output (nested tuples, lists, dicts, Hugging Face
+    ModelOutputs)."""
+    from torch.utils._pytree import tree_flatten
+    found = []
+    for x in tree_flatten(obj)[0]:
+        if isinstance(x, torch.Tensor):
+            found.append(x)
+        elif isinstance(x, Mapping):  # a mapping pytree does not know (a ModelOutput)
+            found.extend(tree_leaves_tensors(list(x.values())))
+    return found
 
 
 def tree_leaves_ct(obj):
