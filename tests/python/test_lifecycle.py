@@ -105,3 +105,70 @@ def test_a_gradient_kept_after_everything_else_is_dropped_raises_clearly(tmp_pat
     with pytest.raises(RuntimeError, match="outlived its model"):
         g.sum()
     assert "collected" in repr(g)
+
+
+# ---- graphs that never run backward ---------------------------------------------------------
+# The saved-tensor hooks keep what a node saves; an output the node saves for itself (softmax,
+# exp) has that node as its grad_fn, so keeping the tensor itself would be a cycle through
+# autograd's C++ nodes that Python's collector cannot break. Backward frees saved tensors, so
+# training hid it; a graph dropped without backward (an evaluation loss computed without
+# no_grad) or cut short by an error stayed forever, with every activation it saved and the
+# runtime its unpack hook is bound to (~880 MiB over 30 dropped forwards at batch 256 here).
+class _Marker:
+    pass
+
+
+def _mark_graph(module):
+    """Hangs a marker on the autograd node of `module`'s output (its metadata, owned by the
+    node): the returned weakrefs die when the graph does."""
+    refs = []
+
+    def hook(m, i, out):
+        marker = _Marker()
+        out.grad_fn.metadata["lifecycle-probe"] = marker
+        refs.append(weakref.ref(marker))
+    module.register_forward_hook(hook)
+    return refs
+
+
+@pytest.mark.parametrize("activations", ["outside", "budget", "offload", "recompute", "auto"])
+def test_a_forward_dropped_without_backward_frees_its_graph(activations, tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    _, ours = make_pair()
+    model, opt = tiermem.initialize(ours, {"device": model_bytes(ours) // 4 + 200_000,
+                                           "host": "256MiB", "activations": activations})
+    outs = _mark_graph(model.blocks[0])
+    x, y = batches(1, batch=2)[0]
+    loss = model(x, y)  # with grad enabled, and no backward
+    assert loss.grad_fn is not None and outs[0]() is not None  # the graph holds the marker
+    del loss
+    gc.collect()
+    assert outs[0]() is None, "the dropped forward's graph (and its activations) stayed alive"
+    # The model trains on as before, and is collected once dropped.
+    assert all(l == l for l in train_ours(model, opt, batches(2, batch=2)))
+    rt = weakref.ref(tiermem.runtime_of(model))
+    del model, opt, ours
+    gc.collect()
+    assert rt() is None
+    assert _timelines(tmp_path) == []
+
+
+def test_a_step_that_raises_frees_its_graph_and_the_model_can_be_dropped(tmp_path, monkeypatch):
+    """A MemoryError in the middle of a forward (activations that do not fit) leaves the
+    partial graph to the caller's traceback only: once that is gone, so is the graph, and
+    dropping the model frees its session."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    _, ours = make_pair()
+    model, opt = tiermem.initialize(ours, {"device": 2_400_000, "host": "64MiB",
+                                           "activations": "budget"})
+    outs = _mark_graph(model.blocks[0])
+    x, y = batches(1, batch=32, seed=9)[0]
+    with pytest.raises(MemoryError, match="device budget"):
+        model(x, y).backward()
+    gc.collect()
+    assert outs and outs[0]() is None, "the failed forward's partial graph stayed alive"
+    rt = weakref.ref(tiermem.runtime_of(model))
+    del model, opt, ours
+    gc.collect()
+    assert rt() is None
+    assert _timelines(tmp_path) == []

@@ -94,11 +94,19 @@ def _check(guard):
 
 
 class _Plain:
-    """A saved non-chunk tensor that stays as it is (with its version guard)."""
+    """A saved non-chunk tensor that stays as it is (with its version guard).
+
+    It keeps ``t.detach()`` (same storage and version counter), never ``t``: the autograd
+    node that saves it owns this object, and an output a node saves for itself (exp, tanh,
+    softmax) has that node as its grad_fn — keeping ``t`` would be a cycle through C++ that
+    Python's collector cannot see, so a graph dropped without backward (or cut short by an
+    error) would never be freed, nor the runtime its unpack hook is bound to. torch saves
+    such outputs without their grad_fn for the same reason and gives the unpacked tensor its
+    grad_fn back itself."""
     __slots__ = ("t", "guard")
 
     def __init__(self, t):
-        self.t, self.guard = t, _guard(t)
+        self.t, self.guard = t.detach(), _guard(t)
 
 
 class _ChunkRef:
@@ -368,9 +376,9 @@ class TiermemRuntime:
                 r.grad = ChunkTensor(self, r, "grad", r.shape, _contiguous_strides(r.shape),
                                      self.dtype, self.device)
                 self._handles.append(r.compute.register_post_accumulate_grad_hook(
-                    self._compute_grad_hook(r)))
+                    self._weak_grad_hook(r, TiermemRuntime._on_compute_grad)))
                 self._handles.append(r.param.register_post_accumulate_grad_hook(
-                    self._param_grad_hook(r)))
+                    self._weak_grad_hook(r, TiermemRuntime._on_param_grad)))
             for m, name in r.slots:
                 m._parameters[name] = r.param
         self.by_param = {id(r.param): r for r in self.params}
@@ -1191,12 +1199,14 @@ class TiermemRuntime:
         return base
 
     def _pack(self, t: torch.Tensor):
-        if isinstance(t, ChunkTensor) or t.layout != torch.strided:
-            return t
+        if isinstance(t, ChunkTensor):
+            return t  # a parameter: a leaf, no node to make a cycle with
+        if t.layout != torch.strided:
+            return t.detach()  # as _Plain: never the saving node's own output
         try:
             ptr = t.untyped_storage().data_ptr()
         except (RuntimeError, NotImplementedError):
-            return t
+            return t.detach()
         g = self._live.get(ptr)
         if g is None and self._offload_act and self._active_units and t.device == self.device:
             unit = self._active_units[-1].index
@@ -1364,41 +1374,38 @@ class TiermemRuntime:
     # that leads to it (a _Param record refers to the modules, whose wrapped forwards refer to
     # the runtime), would keep the runtime, the model and the tiers' memory alive after the
     # model and optimizer are dropped. So they hold the runtime weakly and the record by index.
-    def _compute_grad_hook(self, r: _Param):
+    def _weak_grad_hook(self, r: _Param, method):
+        """A post-accumulate-grad hook calling ``method(runtime, record, p)``. torch keeps the
+        hook in the parameter's C++ autograd metadata, out of the collector's sight, so it
+        holds the runtime weakly and the record by index (test_lifecycle.py): a strong
+        reference there would keep a dropped model's runtime alive for good."""
         rt_ref, index = weakref.ref(self), r.index
 
         def hook(p):
-            self = rt_ref()
-            if self is None:
-                return
-            r = self.params[index]
-            self._begin_backward()
-            # A unit whose backward saves no param view (an embedding) shows up here; always
-            # (not only while recording), so executed iterations have the recorded moments.
-            self._bwd_moment(r.unit)
-            g = p.grad
-            p.grad = None
-            if g is not None:
-                self._accumulate(r, g, r.param.grad)
+            rt = rt_ref()
+            if rt is not None:
+                method(rt, rt.params[index], p)
         return hook
 
-    def _param_grad_hook(self, r: _Param):
+    def _on_compute_grad(self, r: _Param, p):
+        self._begin_backward()
+        # A unit whose backward saves no param view (an embedding) shows up here; always
+        # (not only while recording), so executed iterations have the recorded moments.
+        self._bwd_moment(r.unit)
+        g = p.grad
+        p.grad = None
+        if g is not None:
+            self._accumulate(r, g, r.param.grad)
+
+    def _on_param_grad(self, r: _Param, p):
         # The ChunkTensor parameter itself was used (read outside its unit). AccumulateGrad
         # either set p.grad to a plain tensor (the new total) or added in place into r.grad.
-        rt_ref, index = weakref.ref(self), r.index
-
-        def hook(p):
-            self = rt_ref()
-            if self is None:
-                return
-            r = self.params[index]
-            self._begin_backward()
-            g = p.grad
-            if g is None or g is r.grad:
-                return
-            p.grad = None
-            self._accumulate(r, g, None)
-        return hook
+        self._begin_backward()
+        g = p.grad
+        if g is None or g is r.grad:
+            return
+        p.grad = None
+        self._accumulate(r, g, None)
 
     def sync_grads(self):
         """Before a step: tells the core which tensors have a gradient (``p.grad`` not None)
