@@ -406,6 +406,7 @@ class TiermemRuntime:
             u.groups = sorted({r.group for r in params})
             u.depth = 0
             u.pins = []
+            u.placed = []  # the slots this call put compute views in (_place)
             u.pushed = []
             u.frame = None  # the current call's Frame (recompute.py), if it has one
             u.frame_drops = False  # auto: its saves are kept/offloaded unless the host is full
@@ -499,7 +500,27 @@ class TiermemRuntime:
 
     # ---- units -----------------------------------------------------------------------------
     def _root_enter(self):
+        if self._root_depth == 0 and torch.is_grad_enabled():
+            self._follow_requires_grad()
         self._root_depth += 1
+
+    def _follow_requires_grad(self):
+        """A forward computes with each unit's compute views, not with the parameters the user
+        sees: a parameter frozen after initialize (``requires_grad_(False)``) must freeze its
+        view too, or it would still get a gradient and the optimizer would update it. One
+        frozen at initialize has no gradient chunk nor optimizer state: unfreezing it is an
+        error, raised before the forward changes anything."""
+        for r in self.params:
+            want = r.param.requires_grad
+            if want == r.compute.requires_grad:
+                continue
+            if want and not r.trainable:
+                raise RuntimeError(
+                    f"tiermem: parameter {r.name!r} was frozen (requires_grad=False) when the "
+                    f"model was initialized, so it has no gradient nor optimizer state; it "
+                    f"cannot be unfrozen afterwards. Unfreeze it before tiermem.initialize "
+                    f"(a parameter may be frozen later); nothing was changed.")
+            r.compute.requires_grad_(want)
 
     def _root_exit(self, out=None):
         self._root_depth -= 1
@@ -569,8 +590,7 @@ class TiermemRuntime:
             if u.depth == 1 and self._resident:
                 for r in u.params:
                     r.mat += 1
-                for m, name, r in u.slots:
-                    m._parameters[name] = r.compute
+                u.placed = self._place(u)
             elif u.depth == 1:
                 self._set_tracing(self._traced())  # before the moment: eval isn't traced
                 if self.s.pending_steps:
@@ -616,8 +636,9 @@ class TiermemRuntime:
                     self._fwd_seq.append(u.index)
                     self._prefetch_after(u.index, +1)  # the next unit's chunks, meanwhile
                 self._materialize(u, views)
+                u.placed = self._place(u)
                 if grad:
-                    for r in u.params:
+                    for _, _, r in u.placed:
                         if r.trainable:
                             self._fwd_used.setdefault(r.group, set()).add(r.index)
             self._active_units.append(u)
@@ -640,14 +661,24 @@ class TiermemRuntime:
 
     def _materialize(self, u, views):
         """`u`'s parameters become views of their chunks (`views`: group -> the acquired
-        chunk) for the module's forward; `mat` counts the units holding each one so."""
+        chunk) for the module's forward; `mat` counts the units holding each one so. The
+        caller then puts them in the unit's slots (_place)."""
         for r in u.params:
             if r.mat == 0:
                 r.compute.data = self._slice(views[r.group], r)
                 r.version = r.compute._version
             r.mat += 1
-        for m, name, r in u.slots:
+
+    @staticmethod
+    def _place(u) -> list:
+        """Puts `u`'s compute views in the slots that hold the managed parameter and returns
+        those slots (the caller gives them back their parameter). A slot holding anything else
+        was swapped by the caller — torch.func.functional_call, torch.nn.utils.stateless —
+        and keeps the caller's tensor, as on the plain model: the forward computes with it."""
+        placed = [(m, name, r) for m, name, r in u.slots if m._parameters.get(name) is r.param]
+        for m, name, r in placed:
             m._parameters[name] = r.compute
+        return placed
 
     def _unmaterialize(self, u) -> set:
         """Undoes _materialize for `u`'s parameters (the caller restores its slots); returns
@@ -673,8 +704,9 @@ class TiermemRuntime:
             u.depth -= 1
             if u.depth > 0:
                 return None
-            for m, name, r in u.slots:
+            for m, name, r in u.placed:
                 m._parameters[name] = r.param
+            u.placed = []
             if self._resident:
                 for r in u.params:
                     r.mat -= 1
@@ -1065,6 +1097,11 @@ class TiermemRuntime:
         until the unit's backward, counted as the unit's activations."""
         if not self._in_iteration or not self._recomputable(u):
             return None, False
+        if len(u.placed) < len(u.slots):
+            # The caller swapped some of its parameters for this call (_place) and swaps
+            # them back before the backward: a recompute would run with the wrong ones, so
+            # this call's saves are kept (or offloaded) instead.
+            return None, False
         drops = False
         if self._recompute_planned:
             if kv_cache_in(args, kwargs) is not None:
@@ -1129,6 +1166,7 @@ class TiermemRuntime:
         u = frame.unit
         frame.check_inputs()
         self._materialize(u, {g: self._bwd_base(g) for g in u.groups})
+        placed = self._place(u)
         saved = []
 
         def capture(t):
@@ -1146,7 +1184,7 @@ class TiermemRuntime:
         finally:
             self._recomputing = None
             self.s.phase("backward")
-            for m, name, r in u.slots:
+            for m, name, r in placed:
                 m._parameters[name] = r.param
             self._unmaterialize(u)  # (its forward cannot write them: refused after the first)
         frame.take(saved, _check)
@@ -1757,6 +1795,30 @@ class TiermemRuntime:
         return None  # a deep copy of a managed model is an ordinary model (see tensor.py)
 
 
+try:
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback as _eval_frame_callback
+except ImportError:  # a torch without dynamo: nothing can compile
+    def _eval_frame_callback():
+        return None
+
+
+def _refuse_compile(inner):
+    """torch.compile cannot run a managed forward: tiermem's wrappers swap each unit's
+    parameters for views of chunks acquired just then and give them back after, and a compiled
+    graph would bake in the tensors of one call (inductor then fails deep inside with a stride
+    assertion, or a graph could read memory the budget has moved on from). Checked in the
+    traced code (is_compiling) and in frames dynamo runs eagerly inside a compiled region (its
+    frame callback is set, the test torch's own set_stance uses), so the user gets this error
+    naming what to do instead."""
+    if torch.compiler.is_compiling() or _eval_frame_callback() not in (None, False):
+        what = getattr(inner, "__qualname__", None) or type(inner).__name__
+        raise RuntimeError(
+            f"tiermem: torch.compile cannot compile {what} of a tiermem-managed model: its "
+            f"parameters are views of chunks that tiermem acquires and gives back around each "
+            f"unit's forward, which a compiled graph would capture as fixed tensors. Run the "
+            f"managed model without torch.compile; nothing was changed.")
+
+
 class _Forward:
     """An instance-level ``forward`` that runs enter/exit around the module's own forward.
 
@@ -1774,6 +1836,7 @@ class _Forward:
         self.inner, self.enter, self.exit = inner, enter, exit_
 
     def __call__(self, *args, **kwargs):
+        _refuse_compile(self.inner)
         self.enter()
         try:
             return self.inner(*args, **kwargs)
@@ -1788,6 +1851,7 @@ class _RootForward(_Forward):
     """The model's own forward: exit sees what it returned (None when it raised)."""
 
     def __call__(self, *args, **kwargs):
+        _refuse_compile(self.inner)
         self.enter()
         out = None
         try:
@@ -1805,6 +1869,7 @@ class _UnitForward(_Forward):
     """A unit's forward: enter sees the call's arguments (a recomputed unit keeps them)."""
 
     def __call__(self, *args, **kwargs):
+        _refuse_compile(self.inner)
         self.enter(args, kwargs)
         try:
             return self.inner(*args, **kwargs)
