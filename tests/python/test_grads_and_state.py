@@ -242,3 +242,95 @@ def test_eval_and_no_grad_between_iterations_do_not_disturb_the_recorded_order(o
     # the recorded order (resynced), keeps the order, and the one after has them again.
     assert rt.stats()["diverged"] == before
     assert (rt.stats()["resynced"] > 0) == (overlap == "next-forward")
+
+
+# ---- torch.autograd.grad and backward(inputs=...) with respect to the parameters -----------
+# The forward computes with each unit's compute view of a parameter, not with the ChunkTensor
+# the user holds: before, autograd.grad(loss, model.parameters()) raised torch's "appears to
+# not have been used in the graph", with allow_unused=True returned None for every parameter,
+# and backward(inputs=params) silently left every .grad None.
+@pytest.mark.parametrize("activations", ["outside", "offload", "recompute"])
+def test_autograd_grad_with_respect_to_the_parameters_equals_plain_torch(activations):
+    ref, ours = make_pair()
+    model, opt = init(ours, activations=activations, device=model_bytes(ours) // 4 + 400_000)
+    x, y = batches(1, batch=2)[0]
+    for kw in ({}, {"allow_unused": True}):
+        g0 = torch.autograd.grad(ref(x, y), list(ref.parameters()), **kw)
+        g1 = torch.autograd.grad(model(x, y), list(model.parameters()), **kw)
+        for (n, _), a, b in zip(ref.named_parameters(), g0, g1):
+            assert b is not None and type(b) is torch.Tensor, n
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=n)
+    assert all(p.grad is None for p in model.parameters())  # grad() accumulates nothing
+    # One parameter, as a lone tensor (not a list), like torch.
+    (g,) = torch.autograd.grad(model(x, y), model.wte.weight)
+    (g_ref,) = torch.autograd.grad(ref(x, y), ref.wte.weight)
+    torch.testing.assert_close(g, g_ref, rtol=1e-6, atol=1e-7)
+
+
+def test_backward_with_inputs_accumulates_into_those_parameters_only():
+    ref, ours = make_pair()
+    model, opt = init(ours)
+    ref_opt = KernelAdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
+    x, y = batches(1, batch=2)[0]
+    picked = ["wte.weight", "blocks.0.fc.weight"]  # wte: tied with the head, two units
+
+    def pick(m):
+        d = dict(m.named_parameters())
+        return [d[n] for n in picked]
+    for _ in range(2):  # the second backward adds to the first, as torch's does
+        ref(x, y).backward(inputs=pick(ref))
+        model(x, y).backward(inputs=pick(model))
+    for (n, p), q in zip(ref.named_parameters(), model.parameters()):
+        if n in picked:
+            torch.testing.assert_close(q.grad.detach().clone(), p.grad, rtol=1e-6, atol=1e-7,
+                                       msg=n)
+        else:
+            assert p.grad is None and q.grad is None, n
+    ref_opt.step()
+    opt.step()  # updates the two parameters with a gradient, as torch's AdamW does
+    for (n, p), q in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q.detach().clone(), p.detach(), rtol=1e-6, atol=1e-7, msg=n)
+
+
+def test_autograd_grad_of_a_parameter_also_read_outside_its_unit_sums_both_uses():
+    from test_torch_modules import RootReads, VOCAB, budget_for
+    torch.manual_seed(0)
+    ref = RootReads()
+    ours = copy.deepcopy(ref)
+    model, _ = tiermem.initialize(ours, {"device": budget_for(ours, 0.5), "host": "64MiB"})
+    assert not tiermem.runtime_of(model)._resident  # the read goes through the ChunkTensor
+    x = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    with pytest.warns(UserWarning, match="was read by aten"):
+        g1 = torch.autograd.grad(model(x).square().mean(), list(model.parameters()))
+    g0 = torch.autograd.grad(ref(x).square().mean(), list(ref.parameters()))
+    for (n, _), a, b in zip(ref.named_parameters(), g0, g1):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=n)
+    model(x).square().mean().backward(inputs=[model.emb.weight])  # (warned once already)
+    ref(x).square().mean().backward(inputs=[ref.emb.weight])
+    torch.testing.assert_close(model.emb.weight.grad.detach().clone(), ref.emb.weight.grad,
+                               rtol=1e-6, atol=1e-7)
+
+
+def test_autograd_grad_of_a_view_of_a_parameter_is_a_clear_error():
+    _, ours = make_pair()
+    model, _ = init(ours)
+    x, y = batches(1, batch=2)[0]
+    with pytest.raises(RuntimeError, match=r"view or a gradient of managed parameter "
+                                           r"'blocks\.0\.fc\.weight'.*pass the parameter"):
+        torch.autograd.grad(model(x, y), [model.blocks[0].fc.weight.view(-1)])
+
+
+def test_a_gradient_penalty_through_autograd_grad_with_create_graph_equals_plain_torch():
+    """loss + |d loss / d params|^2 (create_graph=True, then backward through the gradients):
+    the double backward goes through the units' saved views again, as torch's does."""
+    ref, ours = make_pair()
+    model, _ = init(ours, device=model_bytes(ours) // 4 + 400_000)
+    x, y = batches(1, batch=2)[0]
+    grads = []
+    for m in (ref, model):
+        loss = m(x, y)
+        gs = torch.autograd.grad(loss, list(m.parameters()), create_graph=True)
+        (loss + sum(g.square().sum() for g in gs)).backward()
+        grads.append([p.grad.detach().clone() for p in m.parameters()])
+    for (n, _), a, b in zip(ref.named_parameters(), *grads):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=n)

@@ -18,6 +18,8 @@ aliases of chunk memory). Operations that would change a ChunkTensor's metadata 
 
 Inside a unit's forward and backward the model computes on plain tensors (views of the pinned
 chunks), not on ChunkTensors: the dispatch path is for code outside the units.
+``torch.autograd.grad`` and ``backward(inputs=...)`` given parameters differentiate with
+respect to what the forward used in their place (``_autograd_with_params``).
 
 Lifetime: a parameter (and its views) holds its runtime, as a torch parameter holds its
 storage: a tensor the user keeps after dropping the model keeps the runtime, and its values,
@@ -45,7 +47,16 @@ _META_MUTATING = {"t_", "transpose_", "squeeze_", "unsqueeze_", "as_strided_", "
 class ChunkTensor(torch.Tensor):
     """A view onto `kind` chunk memory of one managed tensor (see the module docstring)."""
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        # torch.autograd.grad / backward consult __torch_function__ on their `inputs`: a
+        # parameter there must mean the tensors the units computed with (autograd_inputs).
+        if func is torch.autograd.grad or func is torch.autograd.backward:
+            return _autograd_with_params(func, args, kwargs or {})
+        # Everything else as torch's _disabled_torch_function_impl: straight to dispatch,
+        # the result never converted to this class.
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
 
     @staticmethod
     def __new__(cls, runtime, rec, kind, size, stride, dtype, device, views=(),
@@ -155,3 +166,64 @@ def meta_mutating(func) -> bool:
 
 def unwrap(obj, fn):
     return tree_map(lambda x: fn(x) if isinstance(x, ChunkTensor) else x, obj)
+
+
+def _autograd_with_params(func, args, kwargs):
+    """``torch.autograd.grad(outputs, inputs=params)`` and ``backward(inputs=params)`` with
+    managed parameters among the inputs. A forward computes with each unit's compute view of
+    the parameter (a leaf of its own), and with the ChunkTensor parameter itself only where
+    code outside every unit reads it; neither is the tensor the user passes, so torch alone
+    would find the parameters "not used in the graph" — an error, or with ``allow_unused``
+    (and in ``backward(inputs=...)``, always) silently no gradient. Each parameter is asked
+    for as both leaves and its gradient is their sum, as torch's is for a parameter used in
+    several places; ``backward`` accumulates into ``p.grad`` through the usual hooks."""
+    import inspect
+
+    bound = inspect.signature(func).bind(*args, **kwargs)
+    a = bound.arguments
+    inputs = a.get("inputs")
+    single = isinstance(inputs, torch.Tensor)
+    given = (inputs,) if single else tuple(inputs or ())
+    expanded, spans = [], []
+    for t in given:
+        if isinstance(t, ChunkTensor):
+            if t._tm_kind != "param" or t is not t._tm_rec.param:
+                raise RuntimeError(
+                    f"tiermem: {func.__module__}.{func.__name__} was given a view or a gradient "
+                    f"of managed parameter {t._tm_rec.name!r} as an input; pass the parameter "
+                    f"itself (model.parameters() holds them)")
+            rec = t._tm_rec
+            spans.append((len(expanded), 2))
+            expanded += [rec.compute, rec.param]
+        else:
+            spans.append((len(expanded), 1))
+            expanded.append(t)
+    with torch._C.DisableTorchFunctionSubclass():
+        if func is torch.autograd.backward:
+            # Unused inputs are no error in backward(inputs=...): each leaf gets what reaches
+            # it, through the grad hooks that write managed gradients into their chunks.
+            a["inputs"] = expanded
+            return func(*bound.args, **bound.kwargs)
+        allow_unused = a.get("allow_unused") or a.get("materialize_grads", False)
+        materialize = a.get("materialize_grads", False)
+        a["inputs"] = expanded
+        a["allow_unused"] = True
+        a["materialize_grads"] = False
+        grads = func(*bound.args, **bound.kwargs)
+    out = []
+    for (start, n), t in zip(spans, given):
+        parts = [g for g in grads[start:start + n] if g is not None]
+        if not parts:
+            if not allow_unused:
+                raise RuntimeError(
+                    "One of the differentiated Tensors appears to not have been used in the "
+                    "graph. Set allow_unused=True if this is the desired behavior.")
+            out.append(torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+                       if materialize else None)
+            continue
+        g = parts[0]
+        for extra in parts[1:]:
+            g = g + extra
+        out.append(g)
+    return tuple(out)
+
