@@ -326,11 +326,16 @@ def test_torch_compile_of_a_managed_model_is_a_clear_error_and_changes_nothing(h
     compare(ref, model, ref_losses, train_ours(model, opt, data), rel=0)
 
 
-def test_torch_compile_of_a_served_model_is_a_clear_error():
+def served_pair():
+    """A plain model, the same served by tiermem with 1/8 of it on the device, and a batch."""
     ref, _ = make_pair()
     model = tiermem.inference(copy.deepcopy(ref), {"device": model_bytes(ref) // 8,
                                                    "host": "256MiB"})
-    x, _ = batches(1)[0]
+    return ref, model, batches(1)[0][0]
+
+
+def test_torch_compile_of_a_served_model_is_a_clear_error():
+    ref, model, x = served_pair()
     with torch.no_grad(), pytest.raises(RuntimeError, match=r"torch\.compile cannot compile"):
         torch.compile(model)(x)
     with torch.no_grad():
@@ -382,10 +387,7 @@ def test_functional_call_computes_with_the_tensors_passed(activations):
 
 def test_functional_call_on_a_served_model_computes_with_the_tensors_passed():
     from torch.func import functional_call
-    ref, _ = make_pair()
-    model = tiermem.inference(copy.deepcopy(ref), {"device": model_bytes(ref) // 8,
-                                                   "host": "256MiB"})
-    x, _ = batches(1)[0]
+    ref, model, x = served_pair()
     half = {n: p.detach() * 0.5 for n, p in ref.named_parameters() if n.startswith("blocks.0.")}
     with torch.no_grad():
         expected = functional_call(ref, half, (x,))

@@ -334,3 +334,71 @@ def test_a_gradient_penalty_through_autograd_grad_with_create_graph_equals_plain
         grads.append([p.grad.detach().clone() for p in m.parameters()])
     for (n, _), a, b in zip(ref.named_parameters(), *grads):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=n)
+
+
+# ---- gradient hooks on parameters ------------------------------------------------------------
+# Before, p.register_hook(fn) and p.register_post_accumulate_grad_hook(fn) on a managed
+# parameter registered on a tensor autograd never reaches (the forward computes with the
+# unit's compute view): the hooks silently never ran.
+def test_gradient_hooks_on_parameters_run_as_in_torch_and_can_be_removed():
+    ref, ours = make_pair()
+    model, opt = init(ours)
+    ref_opt = KernelAdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
+    data = batches(4, batch=2)
+    seen = {"ref": [], "ours": []}
+    handles = {}
+    for m, k in ((ref, "ref"), (model, "ours")):
+        handles[k] = [
+            m.blocks[0].fc.weight.register_hook(lambda g: g * 0),   # a mask
+            m.wte.weight.register_hook(lambda g: g * 0.5),          # tied: the total, once
+            m.blocks[1].out.bias.register_post_accumulate_grad_hook(
+                lambda p, k=k: seen[k].append(float(p.grad.norm()))),
+        ]
+    for step, (x, y) in enumerate(data):
+        if step == 2:
+            for k in handles:
+                for h in handles[k]:
+                    h.remove()
+        for m, o in ((ref, ref_opt), (model, opt)):
+            o.zero_grad()
+            m(x, y).backward()
+            if step < 2:
+                assert float(m.blocks[0].fc.weight.grad.abs().sum()) == 0
+            o.step()
+        for (n, p), q in zip(ref.named_parameters(), model.parameters()):
+            assert torch.equal(q.detach().clone(), p.detach()), (step, n)
+    assert len(seen["ours"]) == len(seen["ref"]) == 2
+    assert seen["ours"] == seen["ref"]
+
+
+@pytest.mark.filterwarnings("error::UserWarning")  # the hook's update is no stray read
+def test_an_update_in_a_post_accumulate_grad_hook_equals_plain_torch():
+    """The optimizer-in-backward pattern (torchtune's optimizer_in_bwd): each parameter is
+    updated by its own hook as soon as its gradient is in, and its gradient freed — also in
+    strict mode (unmaterialized_reads 'error'), which refuses stray reads of parameters."""
+    ref, ours = make_pair()
+    model, _ = init(ours, unmaterialized_reads="error")
+    x, y = batches(1, batch=2)[0]
+
+    def sgd(p):
+        with torch.no_grad():
+            p.add_(p.grad, alpha=-0.1)
+        p.grad = None
+    for m in (ref, model):
+        for p in m.parameters():
+            p.register_post_accumulate_grad_hook(sgd)
+        m(x, y).backward()
+        assert all(p.grad is None for p in m.parameters())
+    ours_sd = model.state_dict()  # plain tensors (strict mode refuses reads of parameters)
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(ours_sd[n], p.detach(), rtol=1e-6, atol=1e-7, msg=n)
+    assert not torch.equal(ours_sd["blocks.0.fc.weight"],
+                           make_pair()[0].blocks[0].fc.weight)  # the hooks did update
+
+
+def test_a_hook_on_a_frozen_parameter_is_torchs_error():
+    _, ours = make_pair()
+    ours.wpe.weight.requires_grad_(False)
+    model, _ = init(ours)
+    with pytest.raises(RuntimeError, match="doesn't require gradient"):
+        model.wpe.weight.register_hook(lambda g: g)

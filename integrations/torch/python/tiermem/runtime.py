@@ -32,6 +32,7 @@ import copy
 import functools
 import math
 import weakref
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,6 +68,7 @@ class _Param:
     mat: int = 0               # active units materializing it
     version: int = 0           # compute._version when materialized (detects in-place writes)
     slots: list = field(default_factory=list)  # (module, attribute name)
+    post_hooks: OrderedDict = field(default_factory=OrderedDict)  # a user's post-accumulate hooks
     warned: bool = False
     unit: int = -1             # the first unit computing with it (trace moments)
 
@@ -153,6 +155,7 @@ class TiermemRuntime:
 
     _serving = False  # serve.ServingRuntime: inference only (every parameter frozen)
     _hyper_of_next_step = None  # the optimizer's hyper-parameters (optimizer_overlap backward)
+    _in_user_hook = False  # running a user's post-accumulate-grad hook (_run_post_hooks)
 
     def __init__(self, model: nn.Module, cfg, param_groups, units=None, process_group=None):
         self.model = model
@@ -377,8 +380,9 @@ class TiermemRuntime:
                                      self.dtype, self.device)
                 self._handles.append(r.compute.register_post_accumulate_grad_hook(
                     self._weak_grad_hook(r, TiermemRuntime._on_compute_grad)))
-                self._handles.append(r.param.register_post_accumulate_grad_hook(
-                    self._weak_grad_hook(r, TiermemRuntime._on_param_grad)))
+                with torch._C.DisableTorchFunctionSubclass():  # ours, not a user's (below)
+                    self._handles.append(r.param.register_post_accumulate_grad_hook(
+                        self._weak_grad_hook(r, TiermemRuntime._on_param_grad)))
             for m, name in r.slots:
                 m._parameters[name] = r.param
         self.by_param = {id(r.param): r for r in self.params}
@@ -1425,6 +1429,38 @@ class TiermemRuntime:
                 method(rt, rt.params[index], p)
         return hook
 
+    def _user_grad_hook(self, r: _Param, register, hook):
+        """A user's ``p.register_hook(fn)`` / ``p.register_post_accumulate_grad_hook(fn)`` on
+        a managed parameter. Its gradient is computed for the unit's compute view (and for
+        the parameter itself where code outside every unit reads it), so a gradient hook goes
+        on both leaves (it sees, and may replace, the gradient before it is accumulated), and
+        a post-accumulate hook runs after tiermem has accumulated into the chunk, with the
+        parameter (``p.grad`` then holds the total). Returns a handle whose ``remove()``
+        undoes it, as torch's does."""
+        if not r.param.requires_grad:
+            raise RuntimeError("cannot register a hook on a tensor that doesn't require gradient")
+        if register is torch.Tensor.register_hook:
+            handles = [torch.Tensor.register_hook(r.compute, hook)]
+            with torch._C.DisableTorchFunctionSubclass():
+                handles.append(torch.Tensor.register_hook(r.param, hook))
+            return _Handles(handles)
+        handle = torch.utils.hooks.RemovableHandle(r.post_hooks)
+        r.post_hooks[handle.id] = hook
+        return handle
+
+    def _run_post_hooks(self, r: _Param):
+        """The user's post-accumulate-grad hooks of `r`, with the parameter. What they read or
+        write of it (an update in the backward, as optimizer-in-backward does) is theirs to
+        do there: not an unmaterialized read to warn about or refuse."""
+        if not r.post_hooks:
+            return
+        self._in_user_hook = True
+        try:
+            for hook in list(r.post_hooks.values()):
+                hook(r.param)
+        finally:
+            self._in_user_hook = False
+
     def _on_compute_grad(self, r: _Param, p):
         self._begin_backward()
         # A unit whose backward saves no param view (an embedding) shows up here; always
@@ -1434,6 +1470,7 @@ class TiermemRuntime:
         p.grad = None
         if g is not None:
             self._accumulate(r, g, r.param.grad)
+        self._run_post_hooks(r)
 
     def _on_param_grad(self, r: _Param, p):
         # The ChunkTensor parameter itself was used (read outside its unit). AccumulateGrad
@@ -1444,6 +1481,7 @@ class TiermemRuntime:
             return
         p.grad = None
         self._accumulate(r, g, None)
+        self._run_post_hooks(r)
 
     def sync_grads(self):
         """Before a step: tells the core which tensors have a gradient (``p.grad`` not None)
@@ -1599,6 +1637,8 @@ class TiermemRuntime:
                          for i, o in enumerate(out))
 
     def _on_unmaterialized_read(self, r: _Param, func):
+        if self._in_user_hook:
+            return  # _run_post_hooks
         where = self._where()
         if self.strict:
             raise RuntimeError(
@@ -1859,6 +1899,23 @@ class _RootForward(_Forward):
             return out
         finally:
             self.exit(out)
+
+
+class _Handles:
+    """Several hook handles removed as one (a user's hook on a parameter's two leaves)."""
+
+    def __init__(self, handles):
+        self.handles = handles
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()
 
 
 class _GraphSentinel:

@@ -20,6 +20,9 @@ Inside a unit's forward and backward the model computes on plain tensors (views 
 chunks), not on ChunkTensors: the dispatch path is for code outside the units.
 ``torch.autograd.grad`` and ``backward(inputs=...)`` given parameters differentiate with
 respect to what the forward used in their place (``_autograd_with_params``).
+Gradient hooks a user registers on a parameter (``register_hook``,
+``register_post_accumulate_grad_hook``) go where its gradient is computed and accumulated
+(``TiermemRuntime._user_grad_hook``).
 
 Lifetime: a parameter (and its views) holds its runtime, as a torch parameter holds its
 storage: a tensor the user keeps after dropping the model keeps the runtime, and its values,
@@ -44,6 +47,10 @@ _META_MUTATING = {"t_", "transpose_", "squeeze_", "unsqueeze_", "as_strided_", "
                   "resize_as_", "set_", "swapdims_", "swapaxes_", "detach_"}
 
 
+_REGISTER_HOOK = torch.Tensor.register_hook
+_REGISTER_POST_ACCUMULATE = torch.Tensor.register_post_accumulate_grad_hook
+
+
 class ChunkTensor(torch.Tensor):
     """A view onto `kind` chunk memory of one managed tensor (see the module docstring)."""
 
@@ -53,6 +60,11 @@ class ChunkTensor(torch.Tensor):
         # parameter there must mean the tensors the units computed with (autograd_inputs).
         if func is torch.autograd.grad or func is torch.autograd.backward:
             return _autograd_with_params(func, args, kwargs or {})
+        if func is _REGISTER_HOOK or func is _REGISTER_POST_ACCUMULATE:
+            self = args[0]
+            if self._tm_kind == "param" and self is self._tm_rec.param:
+                return self._tm_runtime._user_grad_hook(self._tm_rec, func, *args[1:],
+                                                        **(kwargs or {}))
         # Everything else as torch's _disabled_torch_function_impl: straight to dispatch,
         # the result never converted to this class.
         with torch._C.DisableTorchFunctionSubclass():
