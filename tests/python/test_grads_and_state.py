@@ -402,3 +402,18 @@ def test_a_hook_on_a_frozen_parameter_is_torchs_error():
     model, _ = init(ours)
     with pytest.raises(RuntimeError, match="doesn't require gradient"):
         model.wpe.weight.register_hook(lambda g: g)
+
+
+def test_a_hook_registered_on_a_parameter_unfrozen_since_the_last_forward():
+    _, ours = make_pair()
+    model, opt = init(ours)
+    x, y = batches(1, batch=2)[0]
+    w = model.blocks[0].fc.weight
+    w.requires_grad_(False)
+    model(x, y).backward()  # a forward with it frozen: its compute view follows
+    assert w.grad is None
+    w.requires_grad_(True)
+    calls = []
+    w.register_hook(lambda g: calls.append(1))
+    model(x, y).backward()
+    assert calls == [1] and w.grad is not None

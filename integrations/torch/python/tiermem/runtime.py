@@ -1439,6 +1439,8 @@ class TiermemRuntime:
         undoes it, as torch's does."""
         if not r.param.requires_grad:
             raise RuntimeError("cannot register a hook on a tensor that doesn't require gradient")
+        if r.trainable:
+            r.compute.requires_grad_(True)  # unfrozen since the last forward (_follow_...)
         if register is torch.Tensor.register_hook:
             handles = [torch.Tensor.register_hook(r.compute, hook)]
             with torch._C.DisableTorchFunctionSubclass():
