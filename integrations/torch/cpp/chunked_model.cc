@@ -18,6 +18,8 @@
 //    added (torch's accumulation semantics).
 #include "integrations/torch/cpp/chunked_model.h"
 
+#include <ATen/CPUGeneratorImpl.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -63,7 +65,28 @@ struct SegmentCall : ::torch::CustomClassHolder {
   std::vector<bool> input_requires_grad;
   std::vector<std::pair<size_t, ::torch::Tensor>>* views = nullptr;  // forward only
   std::string label;
+  // torch's default CPU generator as fn's forward run found it: the recompute in the
+  // backward runs from the same state (then puts the generator back), so dropout and other
+  // RNG in fn draw the same numbers twice, as torch.utils.checkpoint's preserve_rng_state.
+  ::torch::Tensor rng_state;
 };
+
+namespace {
+
+// The default CPU generator's state, and setting it, under the generator's lock.
+::torch::Tensor CpuRngState() {
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+
+void SetCpuRngState(const ::torch::Tensor& state) {
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
+
+}  // namespace
 
 struct SegmentFunction : public ::torch::autograd::Function<SegmentFunction> {
   static ::torch::Tensor forward(::torch::autograd::AutogradContext* ctx,
@@ -72,6 +95,7 @@ struct SegmentFunction : public ::torch::autograd::Function<SegmentFunction> {
     std::vector<::torch::Tensor> in(inputs.begin(), inputs.end());
     ctx->save_for_backward(in);
     ctx->saved_data["call"] = c10::IValue::make_capsule(call);
+    call->rng_state = CpuRngState();
     ::torch::Tensor out = call->fn(in);
     TORCH_CHECK(out.defined(), "tiermem: the segment function returned an undefined tensor");
     return Aliases(out, *call->views) ? out.clone() : out;
@@ -104,10 +128,13 @@ struct SegmentFunction : public ::torch::autograd::Function<SegmentFunction> {
     std::vector<std::pair<size_t, ::torch::Tensor>> views;
     CheckOk(m->Materialize(call->params, &views));
     ::torch::autograd::variable_list grads;
+    const ::torch::Tensor rng_now = CpuRngState();
     try {
       for (ChunkedModel::ParamRec* p : trainable) targets.push_back(p->param);
       ::torch::AutoGradMode enable(true);
+      SetCpuRngState(call->rng_state);
       ::torch::Tensor out = call->fn(in);
+      SetCpuRngState(rng_now);  // the caller's generator goes on as if fn ran once
       if (!targets.empty() && out.requires_grad()) {
         grads = ::torch::autograd::grad({out}, targets, {grad_out[0]}, /*retain_graph=*/false,
                                         /*create_graph=*/false, /*allow_unused=*/true);
@@ -118,6 +145,7 @@ struct SegmentFunction : public ::torch::autograd::Function<SegmentFunction> {
         if (g.defined()) CheckOk(m->AccumulateGrad(trainable[k], g));
       }
     } catch (...) {
+      SetCpuRngState(rng_now);
       m->Dematerialize(call->params, &views).IgnoreError();
       throw;
     }

@@ -33,8 +33,11 @@
 // own hyper-parameters, LR changes between steps (SetLearningRate), checkpoints (Save/Load,
 // the session's checksummed format), the TIERMEM_* environment, the timeline.
 //
-// Rules for fn: it must be deterministic (it runs twice: forward and recompute — no dropout
-// or other RNG), read parameters only of `segment` (any other managed parameter reads NaN,
+// Rules for fn: it must compute the same thing twice (it runs twice: forward and recompute);
+// RNG from torch's default CPU generator (dropout, rand) is fine — the recompute runs from the
+// generator state the forward found, as torch.utils.checkpoint does, and leaves the generator
+// where it was — but a generator of fn's own is not replayed. It must read parameters only of
+// `segment` (any other managed parameter reads NaN,
 // so a violation shows as a NaN loss at once, never as plausible numbers), take the
 // activations that need gradients through `inputs`, and return a new tensor.
 // Under ::torch::NoGradGuard, Run just runs fn on the chunk views (eval / inference), with

@@ -164,6 +164,49 @@ TEST(ChunkedModel, GradientsMatchPlainLibTorch) {
   }
 }
 
+// Dropout inside segments: the backward's recompute draws the same masks as the forward (the
+// default CPU generator is replayed), so gradients equal plain LibTorch's with the same seed,
+// and the generator ends where plain LibTorch's does. Before, the recompute drew new masks:
+// plausible, wrong gradients.
+TEST(ChunkedModel, DropoutInsideSegmentsGivesPlainLibTorchsGradients) {
+  const GPTConfig c = SmallConfig();
+  const auto batches = SyntheticBatches(c, 2, 1);
+  const auto& idx = batches[0].first;
+  constexpr double kP = 0.3;
+  auto drop = [](const ::torch::Tensor& t) { return ::torch::dropout(t, kP, /*train=*/true); };
+  GPT ref = MakeModel(c);
+  ::torch::manual_seed(7);
+  {
+    auto x = drop(ref->embed(idx));
+    for (auto& b : ref->blocks) x = drop(b(x));
+    LmLoss(ref->head(x), batches[0].second).backward();
+  }
+  const double ref_next = ::torch::rand({1}).item<double>();
+  GPT model = MakeModel(c);
+  auto created = tiermem::torch::ChunkedModel::Create(*model, {{"device", "1MiB"}, {"host", "64MiB"}});
+  ASSERT_TRUE(created.ok()) << created.status().ToString();
+  auto& cm = **created;
+  ::torch::manual_seed(7);
+  auto x = cm.Run(*model->embed, [&](const auto&) { return drop(model->embed(idx)); });
+  ASSERT_TRUE(x.ok()) << x.status().ToString();
+  for (auto& b : model->blocks) {
+    x = cm.Run(*b, [&](const auto& in) { return drop(b(in[0])); }, {*x});
+    ASSERT_TRUE(x.ok()) << x.status().ToString();
+  }
+  auto logits = cm.Run(*model->head, [&](const auto& in) { return model->head(in[0]); }, {*x});
+  ASSERT_TRUE(logits.ok()) << logits.status().ToString();
+  LmLoss(*logits, batches[0].second).backward();
+  EXPECT_EQ(::torch::rand({1}).item<double>(), ref_next);  // the generator where torch's is
+  auto ref_params = ref->named_parameters();
+  for (const auto& item : model->named_parameters()) {
+    auto g = cm.Grad(item.value());
+    ASSERT_TRUE(g.ok()) << g.status().ToString();
+    EXPECT_TRUE(::torch::allclose(*g, ref_params[item.key()].grad(), 1e-4, 1e-7))
+        << item.key() << " max diff "
+        << (*g - ref_params[item.key()].grad()).abs().max().item<double>();
+  }
+}
+
 TEST(ChunkedModel, NoGradForwardMatchesPlainForward) {
   const GPTConfig c = SmallConfig();
   const auto batches = SyntheticBatches(c, 2, 1);
