@@ -552,6 +552,38 @@ def test_a_kv_cache_with_recompute_is_refused_before_anything_runs():
 
 
 @pytest.mark.parametrize("mode", ["budget", "offload"])
+def test_units_called_on_their_own_without_backward_stop_counting(mode):
+    """A unit called outside the model's forward (features of one block, with grad enabled,
+    output dropped): its graph is watched as a whole forward's is. Before, every such call
+    added its activations to the count: in 'budget' a MemoryError after a few calls that
+    plain torch never raises. Units chained by hand still train exactly."""
+    ref, ours = make_pair()
+    budget = model_bytes(ours) // 4 + 400_000
+    model, opt = tiermem.initialize(ours, config(budget, activations=mode, host="256MiB"))
+    h = torch.randn(32, 16, 32, generator=torch.Generator().manual_seed(3))
+    for _ in range(8):  # ~0.6 MB of saved activations per call
+        out = model.blocks[0](h)
+        assert torch.equal(out, ref.blocks[0](h))
+        del out
+    if mode == "offload":  # nothing was moved out for a dead graph
+        assert tiermem.runtime_of(model).stats()["activations"]["offloaded_bytes"] == 0
+    # Two units chained by hand, then backward: plain torch's gradients.
+    for m in (ref, model):
+        m.zero_grad()
+        m.blocks[2](m.blocks[1](h[:2])).square().mean().backward()
+    for (n, p), q in zip(ref.named_parameters(), model.parameters()):
+        if p.grad is None:
+            assert q.grad is None, n
+        else:
+            torch.testing.assert_close(q.grad.detach().clone(), p.grad, rtol=1e-6, atol=1e-7,
+                                       msg=n)
+    ref_losses = train_steps(ref, KernelAdamW(ref.parameters(), lr=1e-3, weight_decay=0.01),
+                             batches(2, batch=2))
+    model.zero_grad()
+    assert train_steps(model, opt, batches(2, batch=2)) == ref_losses
+
+
+@pytest.mark.parametrize("mode", ["budget", "offload"])
 def test_a_forward_whose_graph_is_dropped_without_backward_stops_counting(mode):
     """A forward with grad enabled and no backward (an evaluation loss computed without
     no_grad, then dropped) frees its activations in torch; tiermem must not keep counting

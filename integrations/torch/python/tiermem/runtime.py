@@ -699,7 +699,7 @@ class TiermemRuntime:
         return modified
 
     def _unit_exit(self, u):
-        def hook():
+        def hook(out=None):
             if self._closed or not u.pushed or self._recomputing is not None:
                 return None
             if u.pushed.pop():
@@ -708,6 +708,12 @@ class TiermemRuntime:
             u.depth -= 1
             if u.depth > 0:
                 return None
+            if out is not None and self._root_depth == 0 and not self._active_units \
+                    and self._in_iteration and not self._in_backward:
+                # A unit called on its own, outside the model's forward (features of one
+                # block): its graph is watched as the root's is (_watch_graph), or the
+                # activations of calls whose outputs were dropped would stay counted.
+                self._watch_graph(out)
             for m, name, r in u.placed:
                 m._parameters[name] = r.param
             u.placed = []
@@ -1925,15 +1931,18 @@ class _GraphSentinel:
 
 
 class _UnitForward(_Forward):
-    """A unit's forward: enter sees the call's arguments (a recomputed unit keeps them)."""
+    """A unit's forward: enter sees the call's arguments (a recomputed unit keeps them), exit
+    what it returned (None when it raised)."""
 
     def __call__(self, *args, **kwargs):
         _refuse_compile(self.inner)
         self.enter(args, kwargs)
+        out = None
         try:
-            return self.inner(*args, **kwargs)
+            out = self.inner(*args, **kwargs)
+            return out
         finally:
-            self.exit()
+            self.exit(out)
 
 
 def _wrap_forward(module, enter, exit_, registry, cls=None):
