@@ -57,7 +57,7 @@ class ChunkTensor(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         # torch.autograd.grad / backward consult __torch_function__ on their `inputs`: a
-        # parameter there must mean the tensors the units computed with (autograd_inputs).
+        # parameter there must mean the tensors the units computed with.
         if func is torch.autograd.grad or func is torch.autograd.backward:
             return _autograd_with_params(func, args, kwargs or {})
         if func is _REGISTER_HOOK or func is _REGISTER_POST_ACCUMULATE:
