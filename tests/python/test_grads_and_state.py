@@ -417,3 +417,27 @@ def test_a_hook_registered_on_a_parameter_unfrozen_since_the_last_forward():
     w.register_hook(lambda g: calls.append(1))
     model(x, y).backward()
     assert calls == [1] and w.grad is not None
+
+
+def test_load_state_dict_with_assign_copies_into_the_chunks_and_trains_exactly():
+    """load_state_dict(sd, assign=True) on a managed model loads the values into the chunks
+    as without assign. Before, the state dict's tensors replaced the managed parameters in
+    the modules: the forward computed with them while the optimizer stepped the chunks, so
+    training silently went nowhere."""
+    ref, ours = make_pair()
+    model, opt = init(ours)
+    sd = {k: v * 0.5 for k, v in ref.state_dict().items()}
+    model.load_state_dict(sd, assign=True)
+    ref.load_state_dict(sd)  # (assign on the plain model would untie its tied weights)
+    assert all(type(p) is tiermem.ChunkTensor for p in model.parameters())
+    data = batches(3, batch=2)
+    ref_losses = _train_plain(ref, data)
+    assert _train(model, opt, data) == ref_losses
+    ours_sd = model.state_dict()
+    for k, v in ref.state_dict().items():
+        assert torch.equal(ours_sd[k], v), k
+
+
+def _train_plain(model, data):
+    opt = KernelAdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    return _train(model, opt, data)

@@ -146,6 +146,14 @@ class _ActRef:
         self.frame, self.index = None, 0  # auto: the Frame that can recompute it, its position
 
 
+def _load_copies(module, state_dict, prefix, local_metadata, *rest):
+    """A load_state_dict pre-hook of every module holding managed parameters:
+    ``load_state_dict(sd, assign=True)`` copies into the chunks as without ``assign``. Assigned,
+    the state dict's tensors would replace the ChunkTensors in the module: the forward would
+    compute with them while the optimizer stepped the chunks — silently no training."""
+    local_metadata["assign_to_params_buffers"] = False
+
+
 def _placeholder(shape, dtype, device) -> torch.Tensor:
     return torch.zeros((), dtype=dtype, device=device).expand(shape)
 
@@ -418,10 +426,11 @@ class TiermemRuntime:
                           cls=_UnitForward)
             u.inner = u.module.__dict__["forward"].inner  # the forward a recompute runs again
         self._wrap_root()
-        # state_dict of any module gives plain tensors.
+        # state_dict of any module gives plain tensors; load_state_dict copies into the chunks.
         for m in {id(m): m for r in self.params for m, _ in r.slots}.values():
             self._handles.append(m.register_state_dict_post_hook(
                 lambda *a: self._state_dict_hook(*a)))
+            self._handles.append(m.register_load_state_dict_pre_hook(_load_copies))
         if self._resident:
             self._pin_resident()
         # Buffers stay ordinary tensors, on the compute device and (like module.to(dtype))
