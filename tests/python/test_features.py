@@ -91,22 +91,46 @@ def test_a_parameter_frozen_after_initialize_gets_no_gradient_and_can_be_unfroze
 
 
 def test_unfreezing_a_parameter_frozen_at_initialize_is_a_clear_error():
+    """requires_grad_(True) (or the setter) on a parameter frozen at initialize raises at that
+    call, before its flag or anything else changes; it stays frozen and training goes on as
+    in torch."""
     ref, ours = make_pair()
     for m in (ref, ours):
         m.blocks[1].ln1.weight.requires_grad_(False)
     model, opt = init(ours)
     data = batches(2, batch=2)
     before = final_params(model)
-    model.blocks[1].ln1.weight.requires_grad_(True)
-    x, y = data[0]
+    w = model.blocks[1].ln1.weight
     with pytest.raises(RuntimeError, match=r"'blocks\.1\.ln1\.weight' was frozen .* initialized"):
-        model(x, y)
+        w.requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"'blocks\.1\.ln1\.weight' was frozen .* initialized"):
+        w.requires_grad = True
+    assert not w.requires_grad
     r = final_params(model)
     for k in before:
         assert torch.equal(r[k], before[k]), k
-    model.blocks[1].ln1.weight.requires_grad_(False)  # frozen again, it trains on as in torch
+    w.requires_grad_(False)  # freezing it again is no change
     ref_losses = train_ref(ref, data, groups=[p for p in ref.parameters() if p.requires_grad])
     compare(ref, model, ref_losses, train_ours(model, opt, data), rel=0)
+
+
+def test_freezing_with_the_requires_grad_setter_freezes_the_units_views():
+    """`p.requires_grad = False` (the attribute setter, not requires_grad_) on every
+    parameter of a block after initialize: it gets no gradient and is not updated, as in
+    torch."""
+    ref, ours = make_pair()
+    data = batches(4, batch=2)
+    model, opt = init(ours)
+    ref_opt = KernelAdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
+    for m in (ref, model):
+        for p in m.blocks[0].parameters():
+            p.requires_grad = False
+    assert train_ours(model, opt, data) == train_steps(ref, ref_opt, data)
+    for n, p in model.named_parameters():
+        assert (p.grad is None) == n.startswith("blocks.0."), n
+    r, o = final_params(ref), final_params(model)
+    for k in r:
+        assert torch.equal(o[k], r[k]), k
 
 
 def test_two_param_groups_no_decay_for_norms_and_biases():
@@ -332,6 +356,16 @@ def served_pair():
     model = tiermem.inference(copy.deepcopy(ref), {"device": model_bytes(ref) // 8,
                                                    "host": "256MiB"})
     return ref, model, batches(1)[0][0]
+
+
+def test_requires_grad_on_a_served_models_parameter_is_a_clear_error():
+    ref, model, x = served_pair()
+    w = next(model.parameters())
+    with pytest.raises(RuntimeError, match=r"belongs to a served model"):
+        w.requires_grad_(True)
+    assert not w.requires_grad
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
 
 
 def test_torch_compile_of_a_served_model_is_a_clear_error():

@@ -513,26 +513,27 @@ class TiermemRuntime:
 
     # ---- units -----------------------------------------------------------------------------
     def _root_enter(self):
-        if self._root_depth == 0 and torch.is_grad_enabled():
-            self._follow_requires_grad()
         self._root_depth += 1
 
-    def _follow_requires_grad(self):
-        """A forward computes with each unit's compute views, not with the parameters the user
-        sees: a parameter frozen after initialize (``requires_grad_(False)``) must freeze its
-        view too, or it would still get a gradient and the optimizer would update it. One
-        frozen at initialize has no gradient chunk nor optimizer state: unfreezing it is an
-        error, raised before the forward changes anything."""
-        for r in self.params:
-            want = r.param.requires_grad
-            if want == r.compute.requires_grad:
-                continue
-            if want and not r.trainable:
-                raise RuntimeError(
-                    f"tiermem: parameter {r.name!r} was frozen (requires_grad=False) when the "
-                    f"model was initialized, so it has no gradient nor optimizer state; it "
-                    f"cannot be unfrozen afterwards. Unfreeze it before tiermem.initialize "
-                    f"(a parameter may be frozen later); nothing was changed.")
+    def _follow_requires_grad(self, r: _Param, want: bool):
+        """Called by ``ChunkTensor.__torch_function__`` before the user's ``requires_grad_``
+        or ``requires_grad = flag`` on parameter `r` takes effect. A forward computes with
+        each unit's compute view, not with the parameter the user sees: a parameter frozen
+        after initialize must freeze its view too, or it would still get a gradient and the
+        optimizer would update it. One frozen at initialize has no gradient chunk nor
+        optimizer state: unfreezing it is an error, raised before anything changes."""
+        if want and not r.trainable and self._serving:
+            raise RuntimeError(
+                f"tiermem: parameter {r.name!r} belongs to a served model (tiermem.inference keeps "
+                f"no gradients nor optimizer state); it cannot require grad. Use "
+                f"tiermem.initialize to train; nothing was changed.")
+        if want and not r.trainable:
+            raise RuntimeError(
+                f"tiermem: parameter {r.name!r} was frozen (requires_grad=False) when the "
+                f"model was initialized, so it has no gradient nor optimizer state; it "
+                f"cannot be unfrozen afterwards. Unfreeze it before tiermem.initialize "
+                f"(a parameter may be frozen later); nothing was changed.")
+        if r.compute is not None:
             r.compute.requires_grad_(want)
 
     def _root_exit(self, out=None):
@@ -1454,8 +1455,6 @@ class TiermemRuntime:
         undoes it, as torch's does."""
         if not r.param.requires_grad:
             raise RuntimeError("cannot register a hook on a tensor that doesn't require gradient")
-        if r.trainable:
-            r.compute.requires_grad_(True)  # unfrozen since the last forward (_follow_...)
         if register is torch.Tensor.register_hook:
             handles = [torch.Tensor.register_hook(r.compute, hook)]
             with torch._C.DisableTorchFunctionSubclass():

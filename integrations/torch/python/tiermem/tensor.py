@@ -22,7 +22,9 @@ chunks), not on ChunkTensors: the dispatch path is for code outside the units.
 respect to what the forward used in their place (``_autograd_with_params``).
 Gradient hooks a user registers on a parameter (``register_hook``,
 ``register_post_accumulate_grad_hook``) go where its gradient is computed and accumulated
-(``TiermemRuntime._user_grad_hook``).
+(``TiermemRuntime._user_grad_hook``), and freezing or unfreezing one (``requires_grad_``, the
+``requires_grad`` setter, ``module.requires_grad_``) freezes or unfreezes what the units compute
+with (``TiermemRuntime._follow_requires_grad``).
 
 Lifetime: a parameter (and its views) holds its runtime, as a torch parameter holds its
 storage: a tensor the user keeps after dropping the model keeps the runtime, and its values,
@@ -35,6 +37,7 @@ Threading: like the model (one training thread).
 """
 from __future__ import annotations
 
+import inspect
 import weakref
 
 import torch
@@ -49,6 +52,8 @@ _META_MUTATING = {"t_", "transpose_", "squeeze_", "unsqueeze_", "as_strided_", "
 
 _REGISTER_HOOK = torch.Tensor.register_hook
 _REGISTER_POST_ACCUMULATE = torch.Tensor.register_post_accumulate_grad_hook
+_REQUIRES_GRAD_ = torch.Tensor.requires_grad_
+_SET_REQUIRES_GRAD = torch.Tensor.requires_grad.__set__  # `p.requires_grad = flag`
 
 
 class ChunkTensor(torch.Tensor):
@@ -65,6 +70,11 @@ class ChunkTensor(torch.Tensor):
             if self._tm_kind == "param" and self is self._tm_rec.param:
                 return self._tm_runtime._user_grad_hook(self._tm_rec, func, *args[1:],
                                                         **(kwargs or {}))
+        elif func is _REQUIRES_GRAD_ or func == _SET_REQUIRES_GRAD:
+            self = args[0]
+            if self._tm_kind == "param" and self is self._tm_rec.param:
+                want = args[1] if len(args) > 1 else (kwargs or {}).get("requires_grad", True)
+                self._tm_runtime._follow_requires_grad(self._tm_rec, bool(want))
         # Everything else as torch's _disabled_torch_function_impl: straight to dispatch,
         # the result never converted to this class.
         with torch._C.DisableTorchFunctionSubclass():
@@ -180,6 +190,9 @@ def unwrap(obj, fn):
     return tree_map(lambda x: fn(x) if isinstance(x, ChunkTensor) else x, obj)
 
 
+_SIGNATURES: dict = {}  # torch.autograd.grad / backward -> inspect.Signature (built once)
+
+
 def _autograd_with_params(func, args, kwargs):
     """``torch.autograd.grad(outputs, inputs=params)`` and ``backward(inputs=params)`` with
     managed parameters among the inputs. A forward computes with each unit's compute view of
@@ -189,9 +202,10 @@ def _autograd_with_params(func, args, kwargs):
     (and in ``backward(inputs=...)``, always) silently no gradient. Each parameter is asked
     for as both leaves and its gradient is their sum, as torch's is for a parameter used in
     several places; ``backward`` accumulates into ``p.grad`` through the usual hooks."""
-    import inspect
-
-    bound = inspect.signature(func).bind(*args, **kwargs)
+    sig = _SIGNATURES.get(func)
+    if sig is None:
+        sig = _SIGNATURES[func] = inspect.signature(func)
+    bound = sig.bind(*args, **kwargs)
     a = bound.arguments
     inputs = a.get("inputs")
     single = isinstance(inputs, torch.Tensor)
