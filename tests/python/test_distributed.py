@@ -207,6 +207,36 @@ def test_ranks_with_different_layouts_are_refused_on_every_rank():
         assert "every rank needs the same model and config" in msg, msg
 
 
+def _ddp_rank(rank, world):
+    from torch.nn.parallel import DistributedDataParallel
+    ref, ours = make_pair()
+    model, opt = tiermem.initialize(ours, config(ref))
+    data = local(batches(2, batch=GLOBAL_BATCH), rank, world)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    wrapped = DistributedDataParallel(model)
+    try:
+        wrapped(*data[0])
+        return "accepted"
+    except RuntimeError as e:
+        msg = str(e)
+    after = {k: v.clone() for k, v in model.state_dict().items()}
+    unchanged = all(torch.equal(before[k], after[k]) for k in before)
+    losses = train(model, opt, data, world)  # the model itself trains on
+    return {"msg": msg, "unchanged": unchanged, "losses": losses}
+
+
+def test_a_managed_model_wrapped_in_ddp_is_a_clear_error():
+    """DDP's reducer would never fire (it hooks tensors autograd never reaches) and tiermem
+    already syncs across ranks: DDP(model)(x) raises naming both, the model is unchanged and
+    trains on unwrapped."""
+    want, _, _, _ = single_process(steps=2)
+    for r in run_ranks(2, _ddp_rank):
+        assert isinstance(r, dict), f"DDP(model)(x) was {r}"
+        assert "wrapped in DistributedDataParallel" in r["msg"], r
+        assert r["unchanged"]
+        assert_close_rel(r["losses"], want, 2e-6, "after the refused DDP forward")
+
+
 def test_torchrun_launches_the_example_and_its_checkpoint_loads_in_one_process(tmp_path):
     import os
     import subprocess

@@ -441,3 +441,25 @@ def test_load_state_dict_with_assign_copies_into_the_chunks_and_trains_exactly()
 def _train_plain(model, data):
     opt = KernelAdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     return _train(model, opt, data)
+
+
+def test_cat_over_more_chunks_than_the_device_holds_reads_them_one_at_a_time():
+    """parameters_to_vector, torch.cat / torch.stack over every parameter or gradient: more
+    chunks than the device budget (1/4 of the model) holds at once. A read-only op runs on
+    copies taken one chunk at a time; before, a MemoryError ("nothing is evictable")."""
+    ref, ours = make_pair()
+    model, opt = init(ours)
+    x, y = batches(1)[0]
+    ref(x, y).backward()
+    model(x, y).backward()
+    vec = torch.nn.utils.parameters_to_vector
+    assert torch.equal(vec(model.parameters()), vec(ref.parameters()))
+    assert torch.equal(torch.cat([p.grad.flatten() for p in model.parameters()]),
+                       torch.cat([p.grad.flatten() for p in ref.parameters()]))
+    ws = lambda m: [b.fc.weight for b in m.blocks]
+    assert torch.equal(torch.stack(ws(model)), torch.stack(ws(ref)))
+    # A write over them all still goes chunk by chunk through torch's own loop: exact.
+    with torch.no_grad():
+        torch.nn.utils.vector_to_parameters(vec(ref.parameters()) * 0.5, model.parameters())
+        torch.nn.utils.vector_to_parameters(vec(ref.parameters()) * 0.5, ref.parameters())
+    assert torch.equal(vec(model.parameters()), vec(ref.parameters()))

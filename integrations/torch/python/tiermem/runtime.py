@@ -513,7 +513,26 @@ class TiermemRuntime:
 
     # ---- units -----------------------------------------------------------------------------
     def _root_enter(self):
+        if self._root_depth == 0:
+            self._refuse_ddp()
         self._root_depth += 1
+
+    def _refuse_ddp(self):
+        """A managed model inside ``DistributedDataParallel``: DDP's reducer hooks the
+        parameters' gradient accumulators, which autograd never reaches (the units compute
+        with their own views), so DDP would never all-reduce — and tiermem already averages
+        gradients across the process group itself (docs/distributed.md). Refused at the
+        forward, before anything changes. DDP marks its forward on the class (torch >= 2.0;
+        its Python-reducer mode does not, and is not caught)."""
+        ddp = getattr(torch.nn.parallel.DistributedDataParallel, "_active_ddp_module", None)
+        if ddp is None or not any(m is self.model for m in ddp.module.modules()):
+            return
+        raise RuntimeError(
+            f"tiermem: {type(self.model).__name__} is managed by tiermem and wrapped in "
+            f"DistributedDataParallel; DDP never sees its gradients (tiermem computes them in "
+            f"its chunks), and tiermem already shards and averages across the default process "
+            f"group by itself. Call the model tiermem.initialize returned directly, without "
+            f"DDP (docs/distributed.md); nothing was changed.")
 
     def _follow_requires_grad(self, r: _Param, want: bool):
         """Called by ``ChunkTensor.__torch_function__`` before the user's ``requires_grad_``
@@ -1579,9 +1598,22 @@ class TiermemRuntime:
         written_chunks = {(ct._tm_rec.group, ct._tm_kind) for ct in written}
         pins, real = [], {}
         try:
-            for ct in cts:
-                if id(ct) not in real:
-                    real[id(ct)] = self._view_base(ct, pins)
+            try:
+                for ct in cts:
+                    if id(ct) not in real:
+                        real[id(ct)] = self._view_base(ct, pins)
+            except MemoryError:
+                # More chunks than the device tier holds at once (torch.cat over every
+                # parameter: parameters_to_vector, DDP's broadcast at construction). An op
+                # that writes none of them runs on copies taken one chunk at a time.
+                if written or len({(c._tm_rec.group, c._tm_kind) for c in cts}) < 2:
+                    raise
+                for g, k, b in pins:
+                    self._release(g, k, False, b)
+                pins, real = [], {}
+                for ct in cts:
+                    if id(ct) not in real:
+                        real[id(ct)] = self._materialized_copy(ct)
             out = func(*unwrap(args, lambda c: real[id(c)]),
                        **unwrap(kwargs, lambda c: real[id(c)]))
             if self.mixed:
