@@ -175,12 +175,29 @@ std::shared_ptr<tbb::task_arena> Arena() {
   return st.arena;
 }
 
+thread_local const ParallelFor* tls_parallel_for = nullptr;  // ScopedParallelFor
+
 // Runs fn(begin, end) over [0, n) in tiles, in parallel when there is more than one tile.
 template <typename Fn>
 void ForTiles(size_t n, const Fn& fn) {
   if (n == 0) return;
   const size_t tiles = (n + kTile - 1) / kTile;
-  if (tiles == 1 || KernelThreads() == 1) {
+  if (tiles == 1) {
+    fn(0, n);
+    return;
+  }
+  if (const ParallelFor* pf = tls_parallel_for; pf != nullptr) {
+    int hb = 0;  // as below: the caller's pool is not TSan-instrumented either
+    TsanRelease(&hb);
+    pf->Run(tiles, [&](size_t b, size_t e) {
+      TsanAcquire(&hb);
+      for (size_t t = b; t < e; ++t) fn(t * kTile, std::min(n, (t + 1) * kTile));
+      TsanRelease(&hb);
+    });
+    TsanAcquire(&hb);
+    return;
+  }
+  if (KernelThreads() == 1) {
     for (size_t t = 0; t < tiles; ++t) fn(t * kTile, std::min(n, (t + 1) * kTile));
     return;
   }
@@ -252,6 +269,12 @@ Status SetKernelIsa(Isa isa) {
 }
 
 Isa KernelIsa() { return IsaChoice().load(std::memory_order_relaxed); }
+
+ScopedParallelFor::ScopedParallelFor(const ParallelFor* pf) : prev_(tls_parallel_for) {
+  tls_parallel_for = pf;
+}
+
+ScopedParallelFor::~ScopedParallelFor() { tls_parallel_for = prev_; }
 
 void SetKernelThreads(int threads) {
   ThreadState& st = Threads();

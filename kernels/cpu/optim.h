@@ -12,11 +12,13 @@
 // low-precision copy (round-to-nearest-even) into param_out.
 //
 // Threading: calls are thread-safe on disjoint spans; each call may use up to
-// KernelThreads() threads internally (oneTBB).
+// KernelThreads() threads internally (oneTBB), or the caller's own parallel loop while a
+// ScopedParallelFor is alive on the calling thread.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string_view>
 
 #include "runtime/base/status.h"
@@ -34,6 +36,31 @@ Status SetKernelIsa(Isa isa);            // kUnavailable if the CPU lacks it
 Isa KernelIsa();                         // current choice
 void SetKernelThreads(int threads);      // 0 = all cores
 int KernelThreads();
+
+// A parallel loop a front-end brings for the calls its own thread makes: the torch binding
+// passes torch's intra-op pool (at::parallel_for), so a step that follows torch's ops runs on
+// the threads those ops just used (libgomp keeps them spinning for a while after each op)
+// instead of waking oneTBB's workers to compete with them for the same cores. Run must call
+// body over disjoint [begin, end) ranges covering [0, n) and return when all are done; the
+// kernels give it the same tiles as oneTBB, so results are identical either way.
+class ParallelFor {
+ public:
+  virtual ~ParallelFor() = default;
+  virtual void Run(size_t n, const std::function<void(size_t, size_t)>& body) const = 0;
+};
+
+// While alive, kernel calls made on this thread run their tiles through `pf` (null: oneTBB).
+// Nests; other threads are unaffected.
+class ScopedParallelFor {
+ public:
+  explicit ScopedParallelFor(const ParallelFor* pf);
+  ~ScopedParallelFor();
+  ScopedParallelFor(const ScopedParallelFor&) = delete;
+  ScopedParallelFor& operator=(const ScopedParallelFor&) = delete;
+
+ private:
+  const ParallelFor* prev_;
+};
 
 struct AdamConfig {
   float lr = 1e-3f;

@@ -3,9 +3,11 @@
 // exhaustively, overflow detection and the skipped step.
 #include "kernels/cpu/optim.h"
 
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -484,6 +486,68 @@ TEST(Threads, ResultsDoNotDependOnThreadCount) {
   SetKernelThreads(saved);
   EXPECT_EQ(g1.sq_norm, g4.sq_norm);  // fixed tiles, summed in tile order
   ExpectBitEqual(a.param, b.param, "param");
+  ExpectBitEqual(a.v, b.v, "exp_avg_sq");
+  EXPECT_EQ(oa, ob);
+}
+
+// A caller's pool (ScopedParallelFor, as the torch binding passes torch's intra-op threads):
+// runs the ranges it is given on its own threads, last range first, and counts what it ran.
+class CountingPool final : public ParallelFor {
+ public:
+  void Run(size_t n, const std::function<void(size_t, size_t)>& body) const override {
+    ++calls;
+    std::vector<std::thread> threads;
+    const size_t half = n / 2;
+    threads.emplace_back([&] { body(half, n); });
+    threads.emplace_back([&] { body(0, half); });
+    for (std::thread& t : threads) t.join();
+    tiles += n;
+  }
+  mutable std::atomic<int> calls{0};
+  mutable std::atomic<size_t> tiles{0};
+};
+
+TEST(Threads, ACallersPoolRunsTheSameTilesOnThisThreadOnly) {
+  std::mt19937 rng(12);
+  const size_t n = 5 * 32768 + 77;
+  Problem a(n, 3, DType::kBF16, rng);
+  Problem b = a;
+  AdamConfig c;
+  c.step = 3;
+  auto spans = [&](Problem& p, std::vector<uint16_t>& o) {
+    AdamSpans s;
+    s.param = p.param.data() + 3;
+    s.exp_avg = p.m.data() + 3;
+    s.exp_avg_sq = p.v.data() + 3;
+    s.grad = p.g();
+    s.grad_dtype = DType::kBF16;
+    s.param_out = o.data();
+    s.n = n;
+    return s;
+  };
+  std::vector<uint16_t> oa(n), ob(n);
+  const GradStats ga = GradNormAndOverflow(a.g(), DType::kBF16, n);  // oneTBB
+  AdamStep(c, spans(a, oa));
+  CountingPool pool;
+  GradStats gb;
+  {
+    ScopedParallelFor scope(&pool);
+    gb = GradNormAndOverflow(b.g(), DType::kBF16, n);
+    AdamStep(c, spans(b, ob));
+    // Another thread's calls do not use it.
+    std::thread other([&] { GradNormAndOverflow(b.g(), DType::kBF16, n); });
+    other.join();
+    {
+      ScopedParallelFor none(nullptr);  // nests: oneTBB again inside
+      GradNormAndOverflow(b.g(), DType::kBF16, n);
+    }
+  }
+  GradNormAndOverflow(b.g(), DType::kBF16, n);  // the scope ended
+  EXPECT_EQ(pool.calls.load(), 2);
+  EXPECT_EQ(pool.tiles.load(), 2 * ((n + 32767) / 32768));
+  EXPECT_EQ(ga.sq_norm, gb.sq_norm);
+  ExpectBitEqual(a.param, b.param, "param");
+  ExpectBitEqual(a.m, b.m, "exp_avg");
   ExpectBitEqual(a.v, b.v, "exp_avg_sq");
   EXPECT_EQ(oa, ob);
 }

@@ -428,3 +428,47 @@ def test_functional_call_on_a_served_model_computes_with_the_tensors_passed():
         assert not torch.equal(expected, ref(x))
         torch.testing.assert_close(functional_call(model, half, (x,)), expected, rtol=0, atol=0)
         torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two cores")
+def test_the_cpu_optimizer_on_torchs_threads_equals_its_own_pool_bit_for_bit():
+    """Optimizer calls from torch's thread run their tiles on torch's intra-op pool
+    (at::parallel_for) when both pools have the same thread count: on both threads (the
+    extension is built with OpenMP; without it the loop silently ran on one), with the same
+    results bit for bit as the kernels' own oneTBB pool — the direct kernel calls and a whole
+    training run."""
+    from tiermem import _C
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    _C.set_kernel_threads(2)
+    try:
+        assert _C.kernel_pool() == "torch"
+        assert _C._torch_pool_width() == 2
+        with pytest.raises(ValueError, match="'torch' .* or 'own'"):
+            _C.set_kernel_pool("omp")
+        g = torch.Generator().manual_seed(3)
+        n = 5 * 32768 + 11
+        p0, gr = torch.randn(n, generator=g), torch.randn(n, generator=g)
+        out = {}
+        for pool in ("torch", "own"):
+            _C.set_kernel_pool(pool)
+            p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+            low = torch.empty(n, dtype=torch.bfloat16)
+            for step in (1, 2, 3):
+                _C.adam_step(p, gr, m, v, low, 1e-2, 0.9, 0.999, 1e-8, 0.01, step, 0.5, 0.7)
+            out[pool] = (p, m, v, low, _C.grad_stats(gr))
+        for a, b in zip(out["torch"], out["own"]):
+            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+        losses = {}
+        for pool in ("torch", "own"):
+            _C.set_kernel_pool(pool)
+            _, ours = make_pair()
+            model, opt = init(ours, gradient_clipping=1.0)
+            losses[pool] = (train_ours(model, opt, batches(4)), final_params(model))
+        assert losses["torch"][0] == losses["own"][0]
+        for k, t in losses["torch"][1].items():
+            assert torch.equal(t, losses["own"][1][k]), k
+    finally:
+        _C.set_kernel_pool("torch")
+        _C.set_kernel_threads(0)
+        torch.set_num_threads(saved)

@@ -12,10 +12,16 @@
 //
 // Threading: a Session is externally synchronized (the training thread); the GIL is held
 // except inside the optimizer step and the kernels.
+#include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <atomic>
+#include <chrono>
 #include <memory>
+#include <mutex>
+#include <set>
 #include <string>
+#include <thread>
 
 #include "chunks/chunk_layout.h"
 #include "kernels/cpu/optim.h"
@@ -70,6 +76,28 @@ torch::Dtype TorchDType(kernels::DType d) {
     case kernels::DType::kF32: break;
   }
   return torch::kFloat32;
+}
+
+// The CPU optimizer kernels' tiles on torch's intra-op pool (kernels::ParallelFor): a step
+// called from the thread that runs torch's ops uses the threads those ops just used instead
+// of waking oneTBB's workers beside them (torch's libgomp threads spin for a while after each
+// op, so two pools on the same cores take turns). Only while both agree on the thread count
+// (torch.set_num_threads and the kernels' cpu_threads); otherwise the kernels' own pool.
+class TorchPool final : public kernels::ParallelFor {
+ public:
+  void Run(size_t n, const std::function<void(size_t, size_t)>& body) const override {
+    at::parallel_for(0, static_cast<int64_t>(n), 1, [&](int64_t b, int64_t e) {
+      body(static_cast<size_t>(b), static_cast<size_t>(e));
+    });
+  }
+};
+
+std::atomic<bool> g_torch_pool{true};  // _C.set_kernel_pool("torch" | "own")
+
+const kernels::ParallelFor* TorchPoolForThisThread() {
+  static const TorchPool pool;
+  if (!g_torch_pool.load(std::memory_order_relaxed)) return nullptr;
+  return at::get_num_threads() == kernels::KernelThreads() ? &pool : nullptr;
 }
 
 kernels::DType KernelDType(const torch::Tensor& t) {
@@ -315,6 +343,7 @@ class PySession {
     StatusOr<session::StepResult> r = InternalError("not run");
     {
       py::gil_scoped_release nogil;
+      kernels::ScopedParallelFor pool(TorchPoolForThisThread());
       r = s_->Step(h, global ? &*global : nullptr);
     }
     const session::StepResult res = Check(std::move(r));
@@ -335,6 +364,7 @@ class PySession {
     StatusOr<kernels::GradStats> st = InternalError("not run");
     {
       py::gil_scoped_release nogil;
+      kernels::ScopedParallelFor pool(TorchPoolForThisThread());
       st = s_->GradStats();
     }
     const kernels::GradStats g = Check(std::move(st));
@@ -487,6 +517,7 @@ void AdamStepBinding(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_
   }
   Check(kernels::ValidateAdam(c, s));
   py::gil_scoped_release nogil;
+  kernels::ScopedParallelFor pool(TorchPoolForThisThread());
   kernels::AdamStep(c, s);
 }
 
@@ -517,6 +548,7 @@ py::tuple GradStatsBinding(torch::Tensor grad) {
   kernels::GradStats st;
   {
     py::gil_scoped_release nogil;
+    kernels::ScopedParallelFor pool(TorchPoolForThisThread());
     st = kernels::GradNormAndOverflow(grad.data_ptr(), dt, static_cast<size_t>(grad.numel()));
   }
   return py::make_tuple(st.sq_norm, st.overflow);
@@ -794,6 +826,28 @@ PYBIND11_MODULE(_C, m) {
         py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("lr"),
         py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
         py::arg("step"), py::arg("stream"));
+  m.def("set_kernel_pool", [](const std::string& pool) {
+    if (pool != "torch" && pool != "own") {
+      throw py::value_error("set_kernel_pool: 'torch' (torch's intra-op threads, the default) "
+                            "or 'own' (the kernels' oneTBB pool), not '" + pool + "'");
+    }
+    tiermem::torch_ext::g_torch_pool.store(pool == "torch");
+  }, "Where CPU optimizer calls from torch's thread run their tiles.");
+  m.def("kernel_pool", [] {
+    return std::string(tiermem::torch_ext::g_torch_pool.load() ? "torch" : "own");
+  });
+  // How many distinct threads the torch pool runs 64 tiles on (tests: the build compiled
+  // at::parallel_for's OpenMP region; without -fopenmp it silently runs on one thread).
+  m.def("_torch_pool_width", [] {
+    std::mutex mu;
+    std::set<std::thread::id> ids;
+    tiermem::torch_ext::TorchPool().Run(64, [&](size_t, size_t) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      std::lock_guard<std::mutex> lock(mu);
+      ids.insert(std::this_thread::get_id());
+    });
+    return ids.size();
+  });
   m.def("set_kernel_threads", [](int n) { tiermem::kernels::SetKernelThreads(n); },
         "threads of the CPU kernels (0 = all cores)");
   m.def("kernel_isa",

@@ -11,10 +11,12 @@ alternating rep by rep (ours, torch, torch, ours, ...) so both see the same memo
          foreach=True), AdamW(fused=True), torch._foreach_copy_ to the bf16 weights.
 
 Same params (--params, split into --tensor-size tensors), same hyper-parameters, same thread
-count for both (torch.set_num_threads and the kernels' threads).
+count for both (torch.set_num_threads and the kernels' threads). Ours runs once per --pools
+entry per round (torch = our tiles on torch's intra-op threads, the default when called from
+torch's thread; own = the kernels' oneTBB pool), rotating the order with torch's run.
 
     python -m tiermem.examples.bench_adam_vs_torch [--params 67108864] [--threads 1,2]
-        [--reps 7]
+        [--reps 7] [--pools torch,own]
 """
 from __future__ import annotations
 
@@ -44,6 +46,9 @@ def main(argv=None):
     ap.add_argument("--tensor-size", type=int, default=4 * 1024 * 1024)
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--pools", default="torch,own",
+                    help="where our kernels run their tiles, each measured alternating with "
+                         "torch: torch = torch's intra-op threads (the default), own = oneTBB")
     a = ap.parse_args(argv)
     sizes = [a.tensor_size] * (a.params // a.tensor_size)
     print(f"{a.params / 2**20:.0f} Mi params in {len(sizes)} tensors; torch {torch.__version__}; "
@@ -106,21 +111,30 @@ def main(argv=None):
             qopt.step()
             torch._foreach_copy_(tlow, [p.detach() for p in tq])
 
+        pools = a.pools.split(",")
         for name, ours, theirs in (("fp32 AdamW", ours_fp32, topt.step),
                                    ("mixed step", ours_mixed, torch_mixed)):
             ours(), theirs()  # warm-up (torch allocates its state)
-            to, tt = [], []
+            runs = {p: [] for p in pools}
+            tt = []
+            fns = [(p, ours) for p in pools] + [(None, theirs)]
             for r in range(a.reps):
-                order = (ours, theirs) if r % 2 == 0 else (theirs, ours)
-                for fn in order:
+                # Rotate which goes first; each of ours is paired with the torch run of its round.
+                for pool, fn in fns[r % len(fns):] + fns[:r % len(fns)]:
+                    if pool is not None:
+                        _C.set_kernel_pool(pool)
                     t0 = time.perf_counter()
                     fn()
-                    (to if fn is ours else tt).append(time.perf_counter() - t0)
-            ratio = statistics.median(b / o for o, b in zip(to, tt))
+                    (runs[pool] if pool is not None else tt).append(time.perf_counter() - t0)
+            _C.set_kernel_pool("torch")
             n = a.params
-            print(f"threads {threads} {name}: ours {n / statistics.median(to) / 1e6:7.1f} "
-                  f"Mparams/s, torch {n / statistics.median(tt) / 1e6:7.1f} Mparams/s, "
-                  f"ours/torch (paired median) {ratio:.3f}x", flush=True)
+            for pool in pools:
+                to = runs[pool]
+                ratio = statistics.median(b / o for o, b in zip(to, tt))
+                print(f"threads {threads} {name} [{pool} pool]: ours "
+                      f"{n / statistics.median(to) / 1e6:7.1f} Mparams/s, torch "
+                      f"{n / statistics.median(tt) / 1e6:7.1f} Mparams/s, ours/torch (paired "
+                      f"median) {ratio:.3f}x", flush=True)
 
 
 if __name__ == "__main__":
