@@ -463,3 +463,53 @@ def test_cat_over_more_chunks_than_the_device_holds_reads_them_one_at_a_time():
         torch.nn.utils.vector_to_parameters(vec(ref.parameters()) * 0.5, model.parameters())
         torch.nn.utils.vector_to_parameters(vec(ref.parameters()) * 0.5, ref.parameters())
     assert torch.equal(vec(model.parameters()), vec(ref.parameters()))
+
+
+def test_a_gradient_hook_reached_in_two_parts_raises_and_post_accumulate_gives_the_total():
+    """A per-parameter norm clip in a register_hook, with an L2 penalty on the parameters
+    added to the loss outside the forward: the gradient reaches the parameter in two parts
+    (its unit's compute view and the parameter itself). torch calls the hook once with their
+    sum; tiermem called it once per part — a silently different clip. Now the second part
+    raises, naming the parameter and the fix; the same clip as a post-accumulate hook equals
+    torch, and training goes on exactly after the error."""
+    ref, ours = make_pair()
+    model, opt = init(ours)
+    ref_opt = KernelAdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
+    data = batches(3, batch=2)
+
+    def clip(g):
+        return g * min(1.0, 0.01 / float(g.norm()))
+
+    def loss_of(m, x, y):
+        return m(x, y) + 1e-3 * m.blocks[0].fc.weight.pow(2).sum()
+
+    h = model.blocks[0].fc.weight.register_hook(clip)
+    x, y = data[0]
+    with pytest.raises(RuntimeError, match=r"'blocks\.0\.fc\.weight' has a gradient hook .* two "
+                                           r"parts.*register_post_accumulate_grad_hook"):
+        loss_of(model, x, y).backward()
+    h.remove()
+    opt.zero_grad()
+
+    def clip_in_place(p):
+        with torch.no_grad():
+            p.grad.mul_(min(1.0, 0.01 / float(p.grad.norm())))
+    for m in (ref, model):
+        m.blocks[0].fc.weight.register_post_accumulate_grad_hook(clip_in_place)
+    for x, y in data:
+        for m, o in ((ref, ref_opt), (model, opt)):
+            o.zero_grad()
+            loss_of(m, x, y).backward()
+            o.step()
+    for (n, p), q in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q.detach().clone(), p.detach(), rtol=END_TO_END_PARAM_RTOL,
+                                   atol=END_TO_END_PARAM_ATOL, msg=n)
+    # A hook reached in one part only (no penalty) runs as in torch, with the total.
+    model.blocks[1].fc.weight.register_hook(clip)
+    ref.blocks[1].fc.weight.register_hook(clip)
+    x, y = data[0]
+    for m, o in ((ref, ref_opt), (model, opt)):
+        o.zero_grad()
+        m(x, y).backward()
+    torch.testing.assert_close(model.blocks[1].fc.weight.grad.clone(),
+                               ref.blocks[1].fc.weight.grad, rtol=0, atol=0)

@@ -242,6 +242,7 @@ class TiermemRuntime:
         self._grad_pending: dict[int, set] = {}
         self._in_iteration = False
         self._in_backward = False
+        self._hook_task, self._hook_parts = None, {}  # _check_one_part: per backward
         self._tracing = True
         self._recording_trace = False  # the session records this iteration's warm-up trace
         self._trace_seen: set = set()  # storages whose saved bytes were counted this iteration
@@ -1475,13 +1476,49 @@ class TiermemRuntime:
         if not r.param.requires_grad:
             raise RuntimeError("cannot register a hook on a tensor that doesn't require gradient")
         if register is torch.Tensor.register_hook:
-            handles = [torch.Tensor.register_hook(r.compute, hook)]
+            key = object()  # this registration: its two parts are told apart per backward
+            handles = [torch.Tensor.register_hook(r.compute,
+                                                  self._one_part_hook(r, hook, key, 0))]
             with torch._C.DisableTorchFunctionSubclass():
-                handles.append(torch.Tensor.register_hook(r.param, hook))
+                handles.append(torch.Tensor.register_hook(r.param,
+                                                          self._one_part_hook(r, hook, key, 1)))
             return _Handles(handles)
         handle = torch.utils.hooks.RemovableHandle(r.post_hooks)
         r.post_hooks[handle.id] = hook
         return handle
+
+    def _one_part_hook(self, r: _Param, hook, key, leaf: int):
+        """The user's gradient hook `hook` on leaf `leaf` (0: the compute view, 1: the
+        parameter). A backward that reaches both leaves (the parameter used inside its unit
+        and by code outside every unit, such as a penalty on the parameters added to the
+        loss) would call it once per part of the gradient, where torch calls it once with
+        their sum: right for a linear hook (a mask), silently wrong for any other (a
+        per-parameter norm clip, logging). That second call raises instead. Held by torch's
+        C++ autograd metadata: the runtime weakly (test_lifecycle.py)."""
+        rt_ref, index = weakref.ref(self), r.index
+
+        def part(g):
+            rt = rt_ref()
+            if rt is not None:
+                rt._check_one_part(rt.params[index], key, leaf)
+            return hook(g)
+        return part
+
+    def _check_one_part(self, r: _Param, key, leaf: int):
+        task = torch._C._current_graph_task_id()
+        if task != self._hook_task:
+            self._hook_task, self._hook_parts = task, {}
+        if self._hook_parts.setdefault(key, leaf) != leaf:
+            raise RuntimeError(
+                f"tiermem: parameter {r.name!r} has a gradient hook (register_hook) and this "
+                f"backward reaches it in two parts: from its unit's forward and from code "
+                f"outside every unit (a penalty on the parameters added to the loss, or a read "
+                f"outside its unit in the forward). torch would call the hook once with their "
+                f"sum; tiermem can only call it per part, which is wrong unless the hook is "
+                f"linear. Use register_post_accumulate_grad_hook (called once; p.grad holds the "
+                f"total and may be changed in place), or compute that use inside the unit's "
+                f"forward. This backward's gradients are incomplete: zero them before the next "
+                f"step.")
 
     def _run_post_hooks(self, r: _Param):
         """The user's post-accumulate-grad hooks of `r`, with the parameter. What they read or
