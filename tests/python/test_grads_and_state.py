@@ -513,3 +513,43 @@ def test_a_gradient_hook_reached_in_two_parts_raises_and_post_accumulate_gives_t
         m(x, y).backward()
     torch.testing.assert_close(model.blocks[1].fc.weight.grad.clone(),
                                ref.blocks[1].fc.weight.grad, rtol=0, atol=0)
+
+
+def test_torch_save_of_the_whole_managed_model_loads_as_an_ordinary_module():
+    """torch.save(model) (the module, not its state_dict) raised "Can't pickle local object"
+    (a hook lambda), and the runtime itself was not picklable. Now it saves an ordinary
+    module with the current values, as copy.deepcopy gives: plain Parameters (requires_grad
+    kept), its class's forward, no tiermem hooks — load_state_dict(assign=True) assigns
+    there — and the managed model trains on exactly."""
+    ref, ours = make_pair()
+    model, opt = init(ours)
+    ref_opt = KernelAdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
+    data = batches(3, batch=2)
+    model.ln_f.weight.requires_grad_(False)
+    ref.ln_f.weight.requires_grad_(False)
+    for m, o in ((ref, ref_opt), (model, opt)):
+        o.zero_grad()
+        m(*data[0]).backward()
+        o.step()
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    plain = torch.load(buf, weights_only=False)
+    assert type(plain) is type(model) and getattr(plain, "_tiermem_runtime", None) is None
+    for (n, p), q in zip(ref.named_parameters(), plain.parameters()):
+        assert type(q) is torch.nn.Parameter and q.requires_grad == p.requires_grad, n
+        assert torch.equal(q.detach(), p.detach()), n
+    with torch.no_grad():
+        assert torch.equal(plain(*data[1]), ref(*data[1]))
+    sd = {k: v.clone() + 1 for k, v in plain.state_dict().items()}
+    plain.load_state_dict(sd, assign=True)
+    # Assigned (the same storage), as torch does: no tiermem pre-hook left there.
+    assert plain.ln_f.bias.data_ptr() == sd["ln_f.bias"].data_ptr()
+    assert tiermem.initialize(plain, dict(CFG, device=model_bytes(plain)))[0] is plain
+    for x, y in data[1:]:
+        for m, o in ((ref, ref_opt), (model, opt)):
+            o.zero_grad()
+            m(x, y).backward()
+            o.step()
+    for (n, p), q in zip(ref.named_parameters(), model.parameters()):
+        assert torch.equal(q.detach().clone(), p.detach()), n

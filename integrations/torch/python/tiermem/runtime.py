@@ -151,7 +151,39 @@ def _load_copies(module, state_dict, prefix, local_metadata, *rest):
     ``load_state_dict(sd, assign=True)`` copies into the chunks as without ``assign``. Assigned,
     the state dict's tensors would replace the ChunkTensors in the module: the forward would
     compute with them while the optimizer stepped the chunks — silently no training."""
-    local_metadata["assign_to_params_buffers"] = False
+    if any(isinstance(p, ChunkTensor) for p in module._parameters.values()):
+        local_metadata["assign_to_params_buffers"] = False
+
+
+# What a pickled (torch.save(model)) or deep-copied managed module keeps of tiermem: nothing.
+# The copy is an ordinary module holding the current values (ChunkTensor.__reduce_ex__); its
+# forwards are its own class's, its tiermem hooks no-ops, its `_tiermem_runtime` None.
+def _no_state_dict_hook(*args):
+    return None
+
+
+def _no_state_dict_hook_factory():
+    return _no_state_dict_hook
+
+
+def _no_runtime():
+    return None
+
+
+class _StateDictHook:
+    """The state_dict post-hook of a module holding managed parameters (runtime held weakly).
+    Pickled or deep-copied with the module, it becomes a no-op."""
+
+    def __init__(self, runtime):
+        self._rt = weakref.ref(runtime)
+
+    def __call__(self, *args):
+        rt = self._rt()
+        if rt is not None:
+            rt._state_dict_hook(*args)
+
+    def __reduce__(self):
+        return (_no_state_dict_hook_factory, ())
 
 
 def _placeholder(shape, dtype, device) -> torch.Tensor:
@@ -429,8 +461,7 @@ class TiermemRuntime:
         self._wrap_root()
         # state_dict of any module gives plain tensors; load_state_dict copies into the chunks.
         for m in {id(m): m for r in self.params for m, _ in r.slots}.values():
-            self._handles.append(m.register_state_dict_post_hook(
-                lambda *a: self._state_dict_hook(*a)))
+            self._handles.append(m.register_state_dict_post_hook(_StateDictHook(self)))
             self._handles.append(m.register_load_state_dict_pre_hook(_load_copies))
         if self._resident:
             self._pin_resident()
@@ -1919,6 +1950,9 @@ class TiermemRuntime:
     def __deepcopy__(self, memo):
         return None  # a deep copy of a managed model is an ordinary model (see tensor.py)
 
+    def __reduce__(self):
+        return (_no_runtime, ())  # torch.save(model): likewise (_StateDictHook)
+
 
 try:
     from torch._C._dynamo.eval_frame import get_eval_frame_callback as _eval_frame_callback
@@ -1970,6 +2004,11 @@ class _Forward:
 
     def __deepcopy__(self, memo):
         return copy.deepcopy(self.inner, memo)
+
+    def __reduce_ex__(self, protocol):
+        # torch.save(model): the module's own forward (a bound method pickles as getattr(module,
+        # "forward"), which on load finds the class's).
+        return self.inner.__reduce_ex__(protocol)
 
 
 class _RootForward(_Forward):

@@ -120,8 +120,12 @@ class ChunkTensor(torch.Tensor):
         return f"ChunkTensor({what}{self._tm_rec.name}, {value!r})"
 
     def __reduce_ex__(self, protocol):
-        # torch.save / pickle: the value, as an ordinary tensor.
-        return self._tm_runtime._materialized_copy(self).__reduce_ex__(protocol)
+        # torch.save / pickle: the value, as an ordinary tensor (a parameter as a Parameter, so
+        # torch.save(model) loads as an ordinary module).
+        value = self._tm_runtime._materialized_copy(self)
+        if isinstance(self, torch.nn.Parameter):
+            value = torch.nn.Parameter(value, requires_grad=self.requires_grad)
+        return value.__reduce_ex__(protocol)
 
     def __deepcopy__(self, memo):
         value = self._tm_runtime._materialized_copy(self)
