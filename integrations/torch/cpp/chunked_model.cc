@@ -25,6 +25,7 @@
 #include <limits>
 #include <set>
 
+#include "integrations/torch/cpp/torch_pool.h"
 #include "runtime/session/tier_stack.h"
 
 namespace tiermem::torch {
@@ -379,8 +380,11 @@ StatusOr<::torch::Tensor> ChunkedModel::Run(::torch::nn::Module& segment, const 
   session_->Phase(grad ? "forward" : "eval");
   // The last step's deferred updates of this segment's groups (session.h), each its own
   // optimizer moment, before the segment's.
-  for (ParamRec* p : params) {
-    TIERMEM_RETURN_IF_ERROR(session_->FinishStep(session_->place(p->index).group));
+  {
+    kernels::ScopedParallelFor pool(torch_pool::ForThisThread());  // torch_pool.h
+    for (ParamRec* p : params) {
+      TIERMEM_RETURN_IF_ERROR(session_->FinishStep(session_->place(p->index).group));
+    }
   }
   session_->Moment(segment.name() + ":pre-forward");
 
@@ -426,6 +430,7 @@ StatusOr<bool> ChunkedModel::Step() {
   if (closed_) return FailedPreconditionError("tiermem ChunkedModel is closed");
   in_iteration_ = false;
   session_->SetTracing(true);
+  kernels::ScopedParallelFor pool(torch_pool::ForThisThread());  // torch_pool.h
   TIERMEM_ASSIGN_OR_RETURN(const session::StepResult r, session_->Step(hyper_));
   return r.applied;
 }
@@ -437,6 +442,7 @@ Status ChunkedModel::ZeroGrad() {
 
 StatusOr<double> ChunkedModel::GradNorm() {
   if (closed_) return FailedPreconditionError("tiermem ChunkedModel is closed");
+  kernels::ScopedParallelFor pool(torch_pool::ForThisThread());
   TIERMEM_ASSIGN_OR_RETURN(const kernels::GradStats st, session_->GradStats());
   return std::sqrt(st.sq_norm);
 }

@@ -12,18 +12,13 @@
 //
 // Threading: a Session is externally synchronized (the training thread); the GIL is held
 // except inside the optimizer step and the kernels.
-#include <ATen/Parallel.h>
 #include <torch/extension.h>
 
-#include <atomic>
-#include <chrono>
 #include <memory>
-#include <mutex>
-#include <set>
 #include <string>
-#include <thread>
 
 #include "chunks/chunk_layout.h"
+#include "integrations/torch/cpp/torch_pool.h"
 #include "kernels/cpu/optim.h"
 #include "runtime/base/env.h"
 #include "runtime/base/timeline_reader.h"
@@ -76,28 +71,6 @@ torch::Dtype TorchDType(kernels::DType d) {
     case kernels::DType::kF32: break;
   }
   return torch::kFloat32;
-}
-
-// The CPU optimizer kernels' tiles on torch's intra-op pool (kernels::ParallelFor): a step
-// called from the thread that runs torch's ops uses the threads those ops just used instead
-// of waking oneTBB's workers beside them (torch's libgomp threads spin for a while after each
-// op, so two pools on the same cores take turns). Only while both agree on the thread count
-// (torch.set_num_threads and the kernels' cpu_threads); otherwise the kernels' own pool.
-class TorchPool final : public kernels::ParallelFor {
- public:
-  void Run(size_t n, const std::function<void(size_t, size_t)>& body) const override {
-    at::parallel_for(0, static_cast<int64_t>(n), 1, [&](int64_t b, int64_t e) {
-      body(static_cast<size_t>(b), static_cast<size_t>(e));
-    });
-  }
-};
-
-std::atomic<bool> g_torch_pool{true};  // _C.set_kernel_pool("torch" | "own")
-
-const kernels::ParallelFor* TorchPoolForThisThread() {
-  static const TorchPool pool;
-  if (!g_torch_pool.load(std::memory_order_relaxed)) return nullptr;
-  return at::get_num_threads() == kernels::KernelThreads() ? &pool : nullptr;
 }
 
 kernels::DType KernelDType(const torch::Tensor& t) {
@@ -343,7 +316,7 @@ class PySession {
     StatusOr<session::StepResult> r = InternalError("not run");
     {
       py::gil_scoped_release nogil;
-      kernels::ScopedParallelFor pool(TorchPoolForThisThread());
+      kernels::ScopedParallelFor pool(torch_pool::ForThisThread());
       r = s_->Step(h, global ? &*global : nullptr);
     }
     const session::StepResult res = Check(std::move(r));
@@ -364,7 +337,7 @@ class PySession {
     StatusOr<kernels::GradStats> st = InternalError("not run");
     {
       py::gil_scoped_release nogil;
-      kernels::ScopedParallelFor pool(TorchPoolForThisThread());
+      kernels::ScopedParallelFor pool(torch_pool::ForThisThread());
       st = s_->GradStats();
     }
     const kernels::GradStats g = Check(std::move(st));
@@ -517,7 +490,7 @@ void AdamStepBinding(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_
   }
   Check(kernels::ValidateAdam(c, s));
   py::gil_scoped_release nogil;
-  kernels::ScopedParallelFor pool(TorchPoolForThisThread());
+  kernels::ScopedParallelFor pool(torch_pool::ForThisThread());
   kernels::AdamStep(c, s);
 }
 
@@ -548,7 +521,7 @@ py::tuple GradStatsBinding(torch::Tensor grad) {
   kernels::GradStats st;
   {
     py::gil_scoped_release nogil;
-    kernels::ScopedParallelFor pool(TorchPoolForThisThread());
+    kernels::ScopedParallelFor pool(torch_pool::ForThisThread());
     st = kernels::GradNormAndOverflow(grad.data_ptr(), dt, static_cast<size_t>(grad.numel()));
   }
   return py::make_tuple(st.sq_norm, st.overflow);
@@ -759,6 +732,7 @@ PYBIND11_MODULE(_C, m) {
              tiermem::Status st;
              {
                py::gil_scoped_release nogil;
+               tiermem::kernels::ScopedParallelFor pool(tiermem::torch_pool::ForThisThread());
                for (size_t g : groups) {
                  st = s.s().FinishStep(g);
                  if (!st.ok()) break;
@@ -831,23 +805,10 @@ PYBIND11_MODULE(_C, m) {
       throw py::value_error("set_kernel_pool: 'torch' (torch's intra-op threads, the default) "
                             "or 'own' (the kernels' oneTBB pool), not '" + pool + "'");
     }
-    tiermem::torch_ext::g_torch_pool.store(pool == "torch");
-  }, "Where CPU optimizer calls from torch's thread run their tiles.");
-  m.def("kernel_pool", [] {
-    return std::string(tiermem::torch_ext::g_torch_pool.load() ? "torch" : "own");
-  });
-  // How many distinct threads the torch pool runs 64 tiles on (tests: the build compiled
-  // at::parallel_for's OpenMP region; without -fopenmp it silently runs on one thread).
-  m.def("_torch_pool_width", [] {
-    std::mutex mu;
-    std::set<std::thread::id> ids;
-    tiermem::torch_ext::TorchPool().Run(64, [&](size_t, size_t) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(2));
-      std::lock_guard<std::mutex> lock(mu);
-      ids.insert(std::this_thread::get_id());
-    });
-    return ids.size();
-  });
+    tiermem::torch_pool::SetEnabled(pool == "torch");
+  }, "Where CPU optimizer calls from torch's thread run their tiles (torch_pool.h).");
+  m.def("kernel_pool", [] { return std::string(tiermem::torch_pool::Enabled() ? "torch" : "own"); });
+  m.def("_torch_pool_width", &tiermem::torch_pool::Width);
   m.def("set_kernel_threads", [](int n) { tiermem::kernels::SetKernelThreads(n); },
         "threads of the CPU kernels (0 = all cores)");
   m.def("kernel_isa",

@@ -10,7 +10,9 @@
 #include <iterator>
 #include <fstream>
 #include <set>
+#include <thread>
 
+#include "integrations/torch/cpp/torch_pool.h"
 #include "integrations/torch/examples/gpt.h"
 
 namespace tiermem_example {
@@ -501,6 +503,45 @@ TEST(ChunkedModel, TheAsynchronousSimDeviceTrainsBitForBitLikeTheSynchronousOne)
     for (size_t i = 0; i < params[0].size(); ++i) {
       EXPECT_TRUE(::torch::equal(params[1][i], params[0][i])) << "plan " << plan << " param " << i;
     }
+  }
+}
+
+// Step() called from torch's thread runs the optimizer's tiles on torch's intra-op pool
+// (torch_pool.h) when the thread counts agree: on every one of its threads (the library is
+// built with OpenMP; without it the loop would silently run on one), with the same losses and
+// parameters bit for bit as on the kernels' own pool.
+TEST(ChunkedModel, TheOptimizerOnTorchsThreadsEqualsItsOwnPoolBitForBit) {
+  const int saved = at::get_num_threads();
+  at::set_num_threads(2);
+  tiermem::kernels::SetKernelThreads(2);
+  if (std::thread::hardware_concurrency() >= 2) {
+    EXPECT_EQ(tiermem::torch_pool::Width(), 2u);
+  }
+  const GPTConfig c = SmallConfig();
+  const auto batches = SyntheticBatches(c, 4, 6);
+  std::vector<double> losses[2];
+  std::vector<::torch::Tensor> params[2];
+  for (int k = 0; k < 2; ++k) {
+    tiermem::torch_pool::SetEnabled(k == 0);
+    GPT m = MakeModel(c);
+    const Bytes budget = static_cast<Bytes>(NumParams(m)) * 16 / 4;
+    auto cm = tiermem::torch::ChunkedModel::Create(
+        *m, {{"device", budget}, {"host", "64MiB"}, {"cpu_threads", 2}});
+    ASSERT_TRUE(cm.ok()) << cm.status().ToString();
+    EXPECT_EQ(tiermem::torch_pool::ForThisThread() != nullptr, k == 0);
+    losses[k] = TrainSteps(m, **cm, batches, 0, batches.size());
+    for (const auto& item : m->named_parameters()) {
+      auto v = (*cm)->ParamValue(item.value());
+      ASSERT_TRUE(v.ok()) << v.status().ToString();
+      params[k].push_back(*v);
+    }
+  }
+  tiermem::torch_pool::SetEnabled(true);
+  tiermem::kernels::SetKernelThreads(0);
+  at::set_num_threads(saved);
+  EXPECT_EQ(losses[1], losses[0]);
+  for (size_t i = 0; i < params[0].size(); ++i) {
+    EXPECT_TRUE(::torch::equal(params[1][i], params[0][i])) << "param " << i;
   }
 }
 

@@ -8,6 +8,10 @@ Configs: the device budget at 200% of params + grads + AdamW state (everything f
 host needs (every trainable param host->device once and every grad device->host once).
 
     python -m tiermem.examples.bench_engine [--rounds 5] [--steps 6] [--layers 4] [--width 256]
+        [--kernel-pool torch|own|both]
+
+--kernel-pool both measures each budget twice: the optimizer kernels on torch's intra-op
+threads (the default, docs/kernels.md "On torch's threads") and on their own oneTBB pool.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import time
 import torch
 
 import tiermem
+from tiermem import _C
 from tiermem.examples.gpt import GPT, GPTConfig, synthetic_batches
 
 
@@ -44,6 +49,8 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--write-behind", choices=["on", "off", "both"], default="on",
                     help="the engine's background write-back; both: each budget twice")
+    ap.add_argument("--kernel-pool", choices=["torch", "own", "both"], default="torch",
+                    help="where the CPU optimizer kernels run; both: each budget twice")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -55,21 +62,24 @@ def main(argv=None):
     data = list(synthetic_batches(c, 8, args.warmup + args.steps, seed=1))
     fracs = [float(f) for f in args.fractions.split(",")]
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.write_behind]
-    # A configuration: (budget fraction, write-behind); write-behind never acts when
-    # everything fits, so a fraction >= 1 is measured once.
-    fractions = [(f, wb) for f in fracs for wb in (modes if f < 1 else modes[:1])]
+    pools = ["torch", "own"] if args.kernel_pool == "both" else [args.kernel_pool]
+    # A configuration: (budget fraction, write-behind, kernel pool); write-behind never acts
+    # when everything fits, so a fraction >= 1 is measured once per pool.
+    fractions = [(f, wb, pool) for f in fracs for wb in (modes if f < 1 else modes[:1])
+                 for pool in pools]
 
     plain = copy.deepcopy(base)
     popt = torch.optim.AdamW(plain.parameters(), lr=1e-3, fused=True)
     ours = {}
-    for frac, wb in fractions:
+    for frac, wb, pool in fractions:
         m, o = tiermem.initialize(copy.deepcopy(base), {
             "device": int(16 * n * frac), "host": "1GiB", "optimizer": {"lr": 1e-3},
             "write_behind": wb})
-        ours[(frac, wb)] = (m, o, tiermem.runtime_of(m))
+        ours[(frac, wb, pool)] = (m, o, tiermem.runtime_of(m))
     # Warm up everything once (first-touch page faults, the recorded order).
     timed_steps(plain, popt, data[:args.warmup])
-    for m, o, _ in ours.values():
+    for f, (m, o, _) in ours.items():
+        _C.set_kernel_pool(f[2])
         timed_steps(m, o, data[:args.warmup])
     bytes_before = {f: dict(rt.stats()["bytes_moved"]) for f, (_, _, rt) in ours.items()}
 
@@ -82,6 +92,8 @@ def main(argv=None):
         times = {}
         for f in order:
             m, o = (plain, popt) if f is None else ours[f][:2]
+            if f is not None:
+                _C.set_kernel_pool(f[2])
             times[f] = statistics.median(timed_steps(m, o, timed))
         plain_med.append(times[None])
         for f in fractions:
@@ -104,12 +116,15 @@ def main(argv=None):
         r = ratios[f]
         label = f"{int(f[0] * 100)}%" + ("" if args.write_behind == "on" or f[0] >= 1 else
                                           (", write-behind" if f[1] else ", no write-behind"))
+        if args.kernel_pool == "both":
+            label += f", {f[2]} pool"
         print(f"| tiermem, device budget {label} | {statistics.median(our_med[f]) * 1e3:.1f}"
               f" | {statistics.median(r):.3f} ({min(r):.3f}-{max(r):.3f}) | "
               f"{h2d / 2**20:.2f} MiB | {d2h / 2**20:.2f} MiB | {h2d / (4 * n):.2f} | "
               f"{d2h / (4 * n):.2f} |")
     for _, _, rt in ours.values():
         rt.close()
+    _C.set_kernel_pool("torch")
 
 
 if __name__ == "__main__":
