@@ -807,7 +807,8 @@ PYBIND11_MODULE(_C, m) {
     }
     tiermem::torch_pool::SetEnabled(pool == "torch");
   }, "Where CPU optimizer calls from torch's thread run their tiles (torch_pool.h).");
-  m.def("kernel_pool", [] { return std::string(tiermem::torch_pool::Enabled() ? "torch" : "own"); });
+  m.def("kernel_pool",
+        [] { return std::string(tiermem::torch_pool::Enabled() ? "torch" : "own"); });
   m.def("_torch_pool_width", &tiermem::torch_pool::Width);
   m.def("set_kernel_threads", [](int n) { tiermem::kernels::SetKernelThreads(n); },
         "threads of the CPU kernels (0 = all cores)");

@@ -562,8 +562,8 @@ class TiermemRuntime:
         raise RuntimeError(
             f"tiermem: {type(self.model).__name__} is managed by tiermem and wrapped in "
             f"DistributedDataParallel; DDP never sees its gradients (tiermem computes them in "
-            f"its chunks), and tiermem already shards and averages across the default process "
-            f"group by itself. Call the model tiermem.initialize returned directly, without "
+            f"its chunks), and tiermem already shards and averages across its process group "
+            f"by itself. Call the model tiermem.initialize returned directly, without "
             f"DDP (docs/distributed.md); nothing was changed.")
 
     def _follow_requires_grad(self, r: _Param, want: bool):
