@@ -456,6 +456,19 @@ TEST(Variants, GradNormMatchesScalar) {
   }
 }
 
+// The spans of a Problem built at offset 3 with bf16 grads, and a bf16 copy into `out`.
+AdamSpans Bf16Spans(Problem& p, std::vector<uint16_t>& out, size_t n) {
+  AdamSpans s;
+  s.param = p.param.data() + 3;
+  s.exp_avg = p.m.data() + 3;
+  s.exp_avg_sq = p.v.data() + 3;
+  s.grad = p.g();
+  s.grad_dtype = DType::kBF16;
+  s.param_out = out.data();
+  s.n = n;
+  return s;
+}
+
 TEST(Threads, ResultsDoNotDependOnThreadCount) {
   const int saved = KernelThreads();
   std::mt19937 rng(11);
@@ -464,17 +477,7 @@ TEST(Threads, ResultsDoNotDependOnThreadCount) {
   Problem b = a;
   AdamConfig c;
   c.step = 5;
-  auto spans = [&](Problem& p, std::vector<uint16_t>& o) {
-    AdamSpans s;
-    s.param = p.param.data() + 3;
-    s.exp_avg = p.m.data() + 3;
-    s.exp_avg_sq = p.v.data() + 3;
-    s.grad = p.g();
-    s.grad_dtype = DType::kBF16;
-    s.param_out = o.data();
-    s.n = n;
-    return s;
-  };
+  auto spans = [&](Problem& p, std::vector<uint16_t>& o) { return Bf16Spans(p, o, n); };
   std::vector<uint16_t> oa(n), ob(n);
   SetKernelThreads(1);
   const GradStats g1 = GradNormAndOverflow(a.g(), DType::kBF16, n);
@@ -514,17 +517,7 @@ TEST(Threads, ACallersPoolRunsTheSameTilesOnThisThreadOnly) {
   Problem b = a;
   AdamConfig c;
   c.step = 3;
-  auto spans = [&](Problem& p, std::vector<uint16_t>& o) {
-    AdamSpans s;
-    s.param = p.param.data() + 3;
-    s.exp_avg = p.m.data() + 3;
-    s.exp_avg_sq = p.v.data() + 3;
-    s.grad = p.g();
-    s.grad_dtype = DType::kBF16;
-    s.param_out = o.data();
-    s.n = n;
-    return s;
-  };
+  auto spans = [&](Problem& p, std::vector<uint16_t>& o) { return Bf16Spans(p, o, n); };
   std::vector<uint16_t> oa(n), ob(n);
   const GradStats ga = GradNormAndOverflow(a.g(), DType::kBF16, n);  // oneTBB
   AdamStep(c, spans(a, oa));
