@@ -384,7 +384,7 @@ std::unique_ptr<Mover> NewMover(const MoverConfig& config, Tier* staging,
 
 }  // namespace tiermem
 
-#if defined(__SANITIZE_THREAD__)
+#if defined(TIERMEM_TSAN)  // runtime/base/sanitizers.h: gcc's and clang's TSan
 // libtbb is not built with TSan: the hand-off of a parallel_for task from one TBB thread to
 // another happens inside the uninstrumented library, so TSan reports the task object's fields
 // (written by the spawning thread, read by the stealing one) as races — in the partitioner,

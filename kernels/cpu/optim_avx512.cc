@@ -3,8 +3,11 @@
 // bf16 rounding is done in integer arithmetic (c10::BFloat16's RNE, NaN -> 0x7FC0) rather than
 // with AVX512-BF16's vcvtneps2bf16, which flushes subnormal inputs to zero and keeps NaN
 // payloads, and would therefore differ from the reference and from torch on those values.
-// GCC 12 warns about _mm512_undefined_*() inside its own intrinsics (GCC bug 105593).
+// GCC 12 warns about _mm512_undefined_*() inside its own intrinsics (GCC bug 105593); clang
+// has no such warning (and would warn about the unknown group).
+#if !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <immintrin.h>
 
 #include "kernels/cpu/optim_simd_inl.h"

@@ -114,7 +114,7 @@ class BlockLocks {
 // Fixed set of aligned buffers, handed out with a continuation. Thread-safe.
 class BouncePool {
  public:
-  BouncePool(int count, Bytes each) : each_(each), bytes_(each * count) {
+  BouncePool(int count, Bytes each) : bytes_(each * count) {
     // Huge pages where the kernel allows: a piece is then a few DMA segments, not one per
     // 4 KiB page (virtio-blk, for one, splits requests of more than 254 segments).
     const Bytes rounded = AlignUp(bytes_, kHugePage);
@@ -158,7 +158,6 @@ class BouncePool {
   }
 
  private:
-  const Bytes each_;
   const Bytes bytes_;
   char* base_ = nullptr;
   std::mutex mu_;
