@@ -11,37 +11,37 @@ std::shared_ptr<Completion> Completion::Done(Status s) {
 void Completion::Complete(Status s) {
   std::vector<std::function<void(const Status&)>> callbacks;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (done_) return;  // a bug in the caller; keep the first status
     status_ = std::move(s);
     done_ = true;
     callbacks.swap(callbacks_);
   }
-  cv_.notify_all();
+  cv_.NotifyAll();
   // status_ is immutable once done_, so reading it unlocked here is safe.
-  for (auto& fn : callbacks) fn(status_);
+  for (auto& fn : callbacks) fn(final_status());
 }
 
 bool Completion::Poll() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return done_;
 }
 
 Status Completion::Wait() const {
-  std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait(lock, [this] { return done_; });
+  MutexLock lock(mu_);
+  while (!done_) cv_.Wait(lock);
   return status_;
 }
 
 void Completion::OnDone(std::function<void(const Status&)> fn) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (!done_) {
       callbacks_.push_back(std::move(fn));
       return;
     }
   }
-  fn(status_);
+  fn(final_status());
 }
 
 Status WaitAll(const std::vector<std::shared_ptr<Completion>>& completions) {
@@ -54,7 +54,7 @@ Status WaitAll(const std::vector<std::shared_ptr<Completion>>& completions) {
 }
 
 Status BudgetAccount::Reserve(Bytes bytes, std::string_view tier_name) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (bytes > capacity_ - used_) {
     return ResourceExhaustedError(std::string(tier_name) + " tier: need " + std::to_string(bytes) +
                                   " bytes, " + std::to_string(capacity_ - used_) +
@@ -69,7 +69,7 @@ Status BudgetAccount::Reserve(Bytes bytes, std::string_view tier_name) {
 }
 
 void BudgetAccount::Release(Bytes bytes) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   used_ -= bytes;
   --live_;
 }
@@ -85,7 +85,7 @@ Status OrderComputeAfterCopies(Tier& tier, const Region& region, ComputeStream s
 }
 
 TierStats BudgetAccount::Snapshot() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return TierStats{capacity_, used_, peak_, live_, total_};
 }
 

@@ -14,14 +14,13 @@
 // Threading: every Tier implementation is thread-safe. Completions may fire on any thread.
 #pragma once
 
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include "runtime/base/mutex.h"
 #include "runtime/base/status.h"
 #include "runtime/base/units.h"
 
@@ -64,11 +63,14 @@ class Completion {
   void OnDone(std::function<void(const Status&)> fn);
 
  private:
-  mutable std::mutex mu_;
-  mutable std::condition_variable cv_;
-  bool done_ = false;  // GUARDED_BY(mu_)
-  Status status_;      // GUARDED_BY(mu_); final once done_
-  std::vector<std::function<void(const Status&)>> callbacks_;  // GUARDED_BY(mu_)
+  // status_ once done_ was seen true (under mu_): it never changes again, so no lock.
+  const Status& final_status() const TIERMEM_NO_THREAD_SAFETY_ANALYSIS { return status_; }
+
+  mutable Mutex mu_;
+  mutable CondVar cv_;
+  bool done_ TIERMEM_GUARDED_BY(mu_) = false;
+  Status status_ TIERMEM_GUARDED_BY(mu_);  // final once done_
+  std::vector<std::function<void(const Status&)>> callbacks_ TIERMEM_GUARDED_BY(mu_);
 };
 
 // Waits for all; returns the first failure (or OK).
@@ -167,12 +169,12 @@ class BudgetAccount {
   TierStats Snapshot() const;
 
  private:
-  mutable std::mutex mu_;
+  mutable Mutex mu_;
   const Bytes capacity_;
-  Bytes used_ = 0;             // GUARDED_BY(mu_)
-  Bytes peak_ = 0;             // GUARDED_BY(mu_)
-  uint64_t live_ = 0;          // GUARDED_BY(mu_)
-  uint64_t total_ = 0;         // GUARDED_BY(mu_)
+  Bytes used_ TIERMEM_GUARDED_BY(mu_) = 0;
+  Bytes peak_ TIERMEM_GUARDED_BY(mu_) = 0;
+  uint64_t live_ TIERMEM_GUARDED_BY(mu_) = 0;
+  uint64_t total_ TIERMEM_GUARDED_BY(mu_) = 0;
 };
 
 // Checks a CopyRequest against its region's bounds (shared by all tiers).

@@ -3,12 +3,12 @@
 // Threading: thread-safe. The destructor runs every job already pushed, then joins.
 #pragma once
 
-#include <condition_variable>
 #include <deque>
 #include <functional>
-#include <mutex>
 #include <thread>
 #include <vector>
+
+#include "runtime/base/mutex.h"
 
 namespace tiermem {
 
@@ -21,19 +21,19 @@ class WorkerPool {
   WorkerPool& operator=(const WorkerPool&) = delete;
   ~WorkerPool() {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       stop_ = true;
     }
-    cv_.notify_all();
+    cv_.NotifyAll();
     for (auto& t : threads_) t.join();
   }
 
   void Push(std::function<void()> job) {
     // Notified under the lock: a job may complete the last copy of a tier and let its owner
     // destroy this pool while the pushing thread would otherwise still be notifying.
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     jobs_.push_back(std::move(job));
-    cv_.notify_one();
+    cv_.NotifyOne();
   }
 
  private:
@@ -41,8 +41,8 @@ class WorkerPool {
     for (;;) {
       std::function<void()> job;
       {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [this] { return stop_ || !jobs_.empty(); });
+        MutexLock lock(mu_);
+        while (!stop_ && jobs_.empty()) cv_.Wait(lock);
         if (jobs_.empty()) return;  // stopping and drained
         job = std::move(jobs_.front());
         jobs_.pop_front();
@@ -51,10 +51,10 @@ class WorkerPool {
     }
   }
 
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> jobs_;  // GUARDED_BY(mu_)
-  bool stop_ = false;                       // GUARDED_BY(mu_)
+  Mutex mu_;
+  CondVar cv_;
+  std::deque<std::function<void()>> jobs_ TIERMEM_GUARDED_BY(mu_);
+  bool stop_ TIERMEM_GUARDED_BY(mu_) = false;
   std::vector<std::thread> threads_;        // last: started once the fields above exist
 };
 

@@ -33,12 +33,10 @@
 #include "tiers/cuda/cuda_tier.h"
 
 #include <algorithm>
-#include <condition_variable>
 #include <deque>
 #include <iterator>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -46,6 +44,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "runtime/base/mutex.h"
 #include "tiers/cuda/cuda_status.h"
 
 namespace tiermem {
@@ -63,7 +62,7 @@ class EventPool : public std::enable_shared_from_this<EventPool> {
   StatusOr<std::shared_ptr<CUevent_st>> Get() {
     cudaEvent_t ev = nullptr;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       if (!idle_.empty()) {
         ev = idle_.back();
         idle_.pop_back();
@@ -78,7 +77,7 @@ class EventPool : public std::enable_shared_from_this<EventPool> {
     std::weak_ptr<EventPool> pool = weak_from_this();
     return std::shared_ptr<CUevent_st>(ev, [pool](cudaEvent_t e) {
       if (auto p = pool.lock()) {
-        std::lock_guard<std::mutex> lock(p->mu_);
+        MutexLock lock(p->mu_);
         p->idle_.push_back(e);
       } else {
         cudaEventDestroy(e);
@@ -88,8 +87,8 @@ class EventPool : public std::enable_shared_from_this<EventPool> {
 
  private:
   const int device_;
-  std::mutex mu_;
-  std::vector<cudaEvent_t> idle_;  // GUARDED_BY(mu_); owned
+  Mutex mu_;
+  std::vector<cudaEvent_t> idle_ TIERMEM_GUARDED_BY(mu_);  // owned
 };
 
 using Event = std::shared_ptr<CUevent_st>;  // a cudaEvent_t from the EventPool
@@ -107,10 +106,10 @@ class Lane {
       : device_(device), stream_(stream), pool_(std::move(pool)), thread_([this] { Run(); }) {}
   ~Lane() {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       stop_ = true;
     }
-    cv_.notify_all();
+    cv_.NotifyAll();
     thread_.join();  // drains the queue first
     cudaStreamDestroy(stream_);
   }
@@ -134,10 +133,10 @@ class Lane {
       return nullptr;
     }
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       queue_.push_back({*ev, std::move(done)});
     }
-    cv_.notify_one();
+    cv_.NotifyOne();
     return *ev;
   }
 
@@ -152,8 +151,8 @@ class Lane {
     for (;;) {
       Item item;
       {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+        MutexLock lock(mu_);
+        while (!stop_ && queue_.empty()) cv_.Wait(lock);
         if (queue_.empty()) return;  // stop_ and drained
         item = std::move(queue_.front());
         queue_.pop_front();
@@ -167,10 +166,10 @@ class Lane {
   const int device_;
   const cudaStream_t stream_;  // owned
   const std::shared_ptr<EventPool> pool_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool stop_ = false;                // GUARDED_BY(mu_)
-  std::deque<Item> queue_;           // GUARDED_BY(mu_)
+  Mutex mu_;
+  CondVar cv_;
+  bool stop_ TIERMEM_GUARDED_BY(mu_) = false;
+  std::deque<Item> queue_ TIERMEM_GUARDED_BY(mu_);
   std::thread thread_;               // last: starts after the members above exist
 };
 
@@ -218,7 +217,7 @@ class CudaTier final : public Tier, public ComputeOrdering {
     }
     const Bytes size = AlignUp(bytes, config_.alignment);
     TIERMEM_RETURN_IF_ERROR(budget_.Reserve(size, name()));
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     for (auto it = free_.begin(); it != free_.end(); ++it) {
       if (it->second < size) continue;
       const Bytes offset = it->first;
@@ -240,7 +239,7 @@ class CudaTier final : public Tier, public ComputeOrdering {
   }
 
   Status Free(const Region& region) override {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     auto it = live_.find(region.id);
     if (it == live_.end() || arena_ + it->second.offset != region.addr) {
       return InvalidArgumentError(name() + " tier: Free of an unknown region (id " +
@@ -277,7 +276,7 @@ class CudaTier final : public Tier, public ComputeOrdering {
   std::shared_ptr<Completion> Copy(const CopyRequest& request) override {
     // Held across the enqueue: a ComputeUsed/ComputeWaits on this region is ordered entirely
     // before or after this copy, and copies_in gets the copy's event before anyone looks.
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     auto it = live_.find(request.region.id);
     if (it == live_.end() || arena_ + it->second.offset != request.region.addr) {
       return Completion::Done(InvalidArgumentError(name() + " tier: copy on an unknown region (id " +
@@ -318,7 +317,7 @@ class CudaTier final : public Tier, public ComputeOrdering {
 
   // ---- ComputeOrdering ----
   Status ComputeUsed(const Region& region, ComputeStream stream) override {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     TIERMEM_ASSIGN_OR_RETURN(Block * b, FindLocked(region, "compute use"));
     TIERMEM_ASSIGN_OR_RETURN(Event ev, events_->Get());
     TIERMEM_CUDA_RETURN_IF_ERROR(cudaSetDevice(config_.device), "cuda tier: cudaSetDevice");
@@ -330,7 +329,7 @@ class CudaTier final : public Tier, public ComputeOrdering {
   }
 
   Status ComputeWaits(const Region& region, ComputeStream stream) override {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     TIERMEM_ASSIGN_OR_RETURN(Block * b, FindLocked(region, "compute wait"));
     Prune(&b->copies_in);
     Prune(&b->fences);
@@ -361,7 +360,7 @@ class CudaTier final : public Tier, public ComputeOrdering {
     Events events;
   };
 
-  StatusOr<Block*> FindLocked(const Region& region, const char* what) {
+  StatusOr<Block*> FindLocked(const Region& region, const char* what) TIERMEM_REQUIRES(mu_) {
     auto it = live_.find(region.id);
     if (it == live_.end() || arena_ + it->second.offset != region.addr) {
       return InvalidArgumentError(name() + " tier: " + what + " of an unknown region (id " +
@@ -372,7 +371,7 @@ class CudaTier final : public Tier, public ComputeOrdering {
 
   // A new region over [offset, offset + size) waits for the compute of every retired region
   // it overlaps; retired entries whose compute finished are dropped.
-  void InheritFencesLocked(Block* b) {
+  void InheritFencesLocked(Block* b) TIERMEM_REQUIRES(mu_) {
     std::erase_if(retired_, [&](Retired& r) {
       Prune(&r.events);
       if (r.events.empty()) return true;
@@ -383,7 +382,7 @@ class CudaTier final : public Tier, public ComputeOrdering {
     });
   }
 
-  Bytes LargestFreeLocked() const {
+  Bytes LargestFreeLocked() const TIERMEM_REQUIRES(mu_) {
     Bytes best = 0;
     for (const auto& [offset, size] : free_) best = std::max(best, size);
     return best;
@@ -393,11 +392,11 @@ class CudaTier final : public Tier, public ComputeOrdering {
   unsigned char* const arena_;  // device memory, owned (cudaFree in the destructor)
   const Bytes arena_bytes_;
   BudgetAccount budget_;
-  mutable std::mutex mu_;
-  std::map<Bytes, Bytes> free_;                  // GUARDED_BY(mu_); offset -> size
-  std::unordered_map<uint64_t, Block> live_;     // GUARDED_BY(mu_)
-  std::vector<Retired> retired_;                 // GUARDED_BY(mu_)
-  uint64_t next_id_ = 1;                         // GUARDED_BY(mu_)
+  mutable Mutex mu_;
+  std::map<Bytes, Bytes> free_ TIERMEM_GUARDED_BY(mu_);  // offset -> size
+  std::unordered_map<uint64_t, Block> live_ TIERMEM_GUARDED_BY(mu_);
+  std::vector<Retired> retired_ TIERMEM_GUARDED_BY(mu_);
+  uint64_t next_id_ TIERMEM_GUARDED_BY(mu_) = 1;
   const std::shared_ptr<EventPool> events_;
   Lane h2d_;
   Lane d2h_;

@@ -14,6 +14,8 @@
 #include <thread>
 #include <vector>
 
+#include "runtime/base/mutex.h"
+
 namespace tiermem {
 
 // Completes completions at deadlines. Thread-safe.
@@ -22,18 +24,18 @@ class FaultInjectingTier::Timer {
   Timer() : thread_([this] { Run(); }) {}
   ~Timer() {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       stop_ = true;
     }
-    cv_.notify_all();
+    cv_.NotifyAll();
     thread_.join();
   }
   void At(std::chrono::steady_clock::time_point when, std::shared_ptr<Completion> c, Status s) {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       pending_.emplace(when, Item{std::move(c), std::move(s)});
     }
-    cv_.notify_all();
+    cv_.NotifyAll();
   }
 
  private:
@@ -42,44 +44,44 @@ class FaultInjectingTier::Timer {
     Status status;
   };
   void Run() {
-    std::unique_lock<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     for (;;) {
       if (pending_.empty()) {
         if (stop_) return;
-        cv_.wait(lock);
+        cv_.Wait(lock);
         continue;
       }
       auto first = pending_.begin();
       // On stop, fire the rest at once rather than sleeping out their delays.
       if (!stop_ && std::chrono::steady_clock::now() < first->first) {
-        cv_.wait_until(lock, first->first);
+        cv_.WaitUntil(lock, first->first);
         continue;
       }
       Item item = std::move(first->second);
       pending_.erase(first);
-      lock.unlock();
+      lock.Unlock();
       item.done->Complete(std::move(item.status));
-      lock.lock();
+      lock.Lock();
     }
   }
 
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::multimap<std::chrono::steady_clock::time_point, Item> pending_;  // GUARDED_BY(mu_)
-  bool stop_ = false;                                                   // GUARDED_BY(mu_)
+  Mutex mu_;
+  CondVar cv_;
+  std::multimap<std::chrono::steady_clock::time_point, Item> pending_ TIERMEM_GUARDED_BY(mu_);
+  bool stop_ TIERMEM_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };
 
 struct FaultInjectingTier::Impl {
-  mutable std::mutex mu;
-  int fail_allocs = 0;         // GUARDED_BY(mu)
-  int write_errno = 0;         // GUARDED_BY(mu) 0 = not armed
-  int read_errno = 0;          // GUARDED_BY(mu)
-  int64_t short_write = -1;    // GUARDED_BY(mu) bytes to write; -1 = not armed
-  int64_t short_read = -1;     // GUARDED_BY(mu)
-  int delay_copies = 0;        // GUARDED_BY(mu)
-  int delay_ms = 0;            // GUARDED_BY(mu)
-  uint64_t fired = 0;          // GUARDED_BY(mu)
+  mutable Mutex mu;
+  int fail_allocs TIERMEM_GUARDED_BY(mu) = 0;
+  int write_errno TIERMEM_GUARDED_BY(mu) = 0;  // 0 = not armed
+  int read_errno TIERMEM_GUARDED_BY(mu) = 0;
+  int64_t short_write TIERMEM_GUARDED_BY(mu) = -1;  // bytes to write; -1 = not armed
+  int64_t short_read TIERMEM_GUARDED_BY(mu) = -1;
+  int delay_copies TIERMEM_GUARDED_BY(mu) = 0;
+  int delay_ms TIERMEM_GUARDED_BY(mu) = 0;
+  uint64_t fired TIERMEM_GUARDED_BY(mu) = 0;
   Timer timer;
 };
 
@@ -94,39 +96,39 @@ FaultInjectingTier::~FaultInjectingTier() {
 }
 
 void FaultInjectingTier::FailNextAllocations(int n) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  MutexLock lock(impl_->mu);
   impl_->fail_allocs = n;
 }
 void FaultInjectingTier::FailNextWrite(int err) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  MutexLock lock(impl_->mu);
   impl_->write_errno = err;
 }
 void FaultInjectingTier::FailNextRead(int err) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  MutexLock lock(impl_->mu);
   impl_->read_errno = err;
 }
 void FaultInjectingTier::ShortNextWrite(Bytes bytes_written) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  MutexLock lock(impl_->mu);
   impl_->short_write = static_cast<int64_t>(bytes_written);
 }
 void FaultInjectingTier::ShortNextRead(Bytes bytes_read) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  MutexLock lock(impl_->mu);
   impl_->short_read = static_cast<int64_t>(bytes_read);
 }
 void FaultInjectingTier::DelayNextCompletions(int copies, int delay_ms) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  MutexLock lock(impl_->mu);
   impl_->delay_copies = copies;
   impl_->delay_ms = delay_ms;
 }
 void FaultInjectingTier::ClearFaults() {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  MutexLock lock(impl_->mu);
   impl_->fail_allocs = 0;
   impl_->write_errno = impl_->read_errno = 0;
   impl_->short_write = impl_->short_read = -1;
   impl_->delay_copies = 0;
 }
 uint64_t FaultInjectingTier::faults_fired() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  MutexLock lock(impl_->mu);
   return impl_->fired;
 }
 
@@ -137,7 +139,7 @@ Status FaultInjectingTier::Free(const Region& region) { return inner_->Free(regi
 
 StatusOr<Region> FaultInjectingTier::Allocate(Bytes bytes) {
   {
-    std::lock_guard<std::mutex> lock(impl_->mu);
+    MutexLock lock(impl_->mu);
     if (impl_->fail_allocs > 0) {
       --impl_->fail_allocs;
       ++impl_->fired;
@@ -154,7 +156,7 @@ std::shared_ptr<Completion> FaultInjectingTier::Copy(const CopyRequest& request)
   int64_t short_bytes = -1;
   int delay_ms = 0;
   {
-    std::lock_guard<std::mutex> lock(impl_->mu);
+    MutexLock lock(impl_->mu);
     int& armed_err = write ? impl_->write_errno : impl_->read_errno;
     int64_t& armed_short = write ? impl_->short_write : impl_->short_read;
     if (armed_err != 0) {
@@ -212,7 +214,7 @@ Status FaultInjectingTier::Corrupt(const Region& region, Bytes offset, Bytes byt
   TIERMEM_RETURN_IF_ERROR(
       inner_->Copy({region, offset, buf.data(), bytes, CopyDir::kFromTier})->Wait());
   {
-    std::lock_guard<std::mutex> lock(impl_->mu);
+    MutexLock lock(impl_->mu);
     ++impl_->fired;
   }
   if (inner_->kind() == TierKind::kHost && region.addr != nullptr) {

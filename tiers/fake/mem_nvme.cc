@@ -7,6 +7,7 @@
 #include <cstring>
 #include <unordered_map>
 
+#include "runtime/base/mutex.h"
 #include "tiers/worker_pool.h"
 
 namespace tiermem {
@@ -32,7 +33,7 @@ class MemNvme final : public Tier {
       return ResourceExhaustedError("mem-nvme: host allocation of " + std::to_string(rounded) +
                                     " bytes failed");
     }
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     Region r{next_id_++, rounded, nullptr};
     regions_.emplace(r.id, Block{r, std::move(data)});
     return r;
@@ -42,7 +43,7 @@ class MemNvme final : public Tier {
     std::unique_ptr<char[]> data;
     Bytes bytes;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       auto it = regions_.find(region.id);
       if (it == regions_.end()) {
         return InvalidArgumentError("mem-nvme: free of unknown region " +
@@ -59,7 +60,7 @@ class MemNvme final : public Tier {
   std::shared_ptr<Completion> Copy(const CopyRequest& req) override {
     Region live;
     char* data = nullptr;
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     auto it = regions_.find(req.region.id);
     if (it != regions_.end()) {
       live = it->second.region;
@@ -92,9 +93,9 @@ class MemNvme final : public Tier {
   };
   const Bytes block_;
   BudgetAccount budget_;
-  std::mutex mu_;
-  std::unordered_map<uint64_t, Block> regions_;  // GUARDED_BY(mu_)
-  uint64_t next_id_ = 1;                         // GUARDED_BY(mu_)
+  Mutex mu_;
+  std::unordered_map<uint64_t, Block> regions_ TIERMEM_GUARDED_BY(mu_);
+  uint64_t next_id_ TIERMEM_GUARDED_BY(mu_) = 1;
   // Last: destroyed first, running queued copies while the regions still exist.
   WorkerPool worker_{1};
 };

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "runtime/base/clock.h"
+#include "runtime/base/mutex.h"
 #include "runtime/base/sanitizers.h"
 #include "tiers/fake/sim_stream.h"
 #include "tiers/worker_pool.h"
@@ -63,7 +64,7 @@ class Lane {
             std::shared_ptr<Completion> done) {
     uint64_t delay = 0;
     if (max_delay_ns_ > 0) {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       delay = std::uniform_int_distribution<uint64_t>(min_delay_ns_, max_delay_ns_)(rng_);
     }
     pool_.Push([this, copy = std::move(copy), bytes, waits = std::move(waits), delay,
@@ -85,8 +86,8 @@ class Lane {
   const uint64_t latency_ns_;
   const uint64_t min_delay_ns_;
   const uint64_t max_delay_ns_;
-  std::mutex mu_;
-  std::mt19937_64 rng_;  // GUARDED_BY(mu_)
+  Mutex mu_;
+  std::mt19937_64 rng_ TIERMEM_GUARDED_BY(mu_);
   WorkerPool pool_;      // last: drained and joined first
 };
 
@@ -129,7 +130,7 @@ class SimDevice final : public Tier, public ComputeOrdering {
     TIERMEM_RETURN_IF_ERROR(budget_.Reserve(rounded, "device (sim)"));
     Block block;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       ReapRetiredLocked();
       auto it = free_.find(rounded);
       if (it != free_.end()) {
@@ -146,7 +147,7 @@ class SimDevice final : public Tier, public ComputeOrdering {
       return ResourceExhaustedError("sim-device: host allocation of " + std::to_string(rounded) +
                                     " bytes failed");
     }
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     Region r{next_id_++, rounded, block.addr};
     Live& l = live_[r.id];
     l.region = r;
@@ -158,7 +159,7 @@ class SimDevice final : public Tier, public ComputeOrdering {
   Status Free(const Region& region) override {
     Block dead;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       auto it = live_.find(region.id);
       if (it == live_.end()) {
         return InvalidArgumentError("sim-device: free of unknown region " +
@@ -189,7 +190,7 @@ class SimDevice final : public Tier, public ComputeOrdering {
     Fences waits;
     auto done = Completion::Make();
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       auto it = live_.find(req.region.id);
       if (it != live_.end()) {
         Live& l = it->second;
@@ -229,7 +230,7 @@ class SimDevice final : public Tier, public ComputeOrdering {
       s = SimStream::FromHandle(stream);
       if (s == nullptr) return InvalidArgumentError("sim-device: not a live SimStream handle");
     }
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     auto it = live_.find(region.id);
     if (it == live_.end()) {
       return InvalidArgumentError("sim-device: compute use of unknown region " +
@@ -248,7 +249,7 @@ class SimDevice final : public Tier, public ComputeOrdering {
     }
     Fences waits;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       auto it = live_.find(region.id);
       if (it == live_.end()) {
         return InvalidArgumentError("sim-device: compute wait on unknown region " +
@@ -278,7 +279,7 @@ class SimDevice final : public Tier, public ComputeOrdering {
     Fences fences;  // pending compute that may still touch it
   };
 
-  void ReapRetiredLocked() {
+  void ReapRetiredLocked() TIERMEM_REQUIRES(mu_) {
     std::erase_if(retired_, [](Block& b) {
       Prune(&b.fences);
       if (!b.fences.empty()) return false;
@@ -289,12 +290,12 @@ class SimDevice final : public Tier, public ComputeOrdering {
 
   const SimDeviceConfig config_;
   BudgetAccount budget_;
-  std::mutex mu_;
-  std::unordered_map<uint64_t, Live> live_;  // GUARDED_BY(mu_)
-  uint64_t next_id_ = 1;                     // GUARDED_BY(mu_)
-  std::multimap<Bytes, Block> free_;         // GUARDED_BY(mu_) size -> freed block
-  Bytes free_bytes_ = 0;                     // GUARDED_BY(mu_)
-  std::vector<Block> retired_;               // GUARDED_BY(mu_) freed, compute pending
+  Mutex mu_;
+  std::unordered_map<uint64_t, Live> live_ TIERMEM_GUARDED_BY(mu_);
+  uint64_t next_id_ TIERMEM_GUARDED_BY(mu_) = 1;
+  std::multimap<Bytes, Block> free_ TIERMEM_GUARDED_BY(mu_);  // size -> freed block
+  Bytes free_bytes_ TIERMEM_GUARDED_BY(mu_) = 0;
+  std::vector<Block> retired_ TIERMEM_GUARDED_BY(mu_);  // freed, compute pending
   std::unique_ptr<Lane> h2d_;
   std::unique_ptr<Lane> d2h_;
 };

@@ -4,41 +4,44 @@
 #include "tiers/fake/sim_stream.h"
 
 #include <chrono>
-#include <mutex>
 #include <thread>
 #include <unordered_set>
 
 namespace tiermem {
 namespace {
 
-std::mutex& RegistryMu() {
-  static std::mutex mu;
-  return mu;
-}
-std::unordered_set<const SimStream*>& Registry() {  // GUARDED_BY(RegistryMu())
-  static std::unordered_set<const SimStream*> live;
-  return live;
+struct Registry {
+  Mutex mu;
+  std::unordered_set<const SimStream*> live TIERMEM_GUARDED_BY(mu);
+};
+
+Registry& Streams() {
+  static Registry registry;
+  return registry;
 }
 
 }  // namespace
 
 SimStream::SimStream(uint64_t delay_ns) : delay_ns_(delay_ns) {
-  std::lock_guard<std::mutex> lock(RegistryMu());
-  Registry().insert(this);
+  Registry& r = Streams();
+  MutexLock lock(r.mu);
+  r.live.insert(this);
 }
 
 SimStream::~SimStream() {
   {
-    std::lock_guard<std::mutex> lock(RegistryMu());
-    Registry().erase(this);
+    Registry& r = Streams();
+    MutexLock lock(r.mu);
+    r.live.erase(this);
   }
   Synchronize().IgnoreError();  // the pool drains too; this just makes it explicit
 }
 
 SimStream* SimStream::FromHandle(ComputeStream stream) {
   auto* s = reinterpret_cast<SimStream*>(stream.handle);
-  std::lock_guard<std::mutex> lock(RegistryMu());
-  return Registry().count(s) != 0 ? s : nullptr;
+  Registry& r = Streams();
+  MutexLock lock(r.mu);
+  return r.live.count(s) != 0 ? s : nullptr;
 }
 
 void SimStream::Enqueue(std::function<void()> work) {
@@ -59,7 +62,7 @@ void SimStream::WaitFor(std::shared_ptr<Completion> c) {
   pool_.Push([this, c = std::move(c)] {
     Status s = c->Wait();
     if (!s.ok()) {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       if (broken_.ok()) broken_ = s.WithContext("sim stream: a waited-for copy failed");
     }
   });
@@ -67,7 +70,7 @@ void SimStream::WaitFor(std::shared_ptr<Completion> c) {
 
 Status SimStream::Synchronize() {
   Status s = Record()->Wait();
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return broken_.ok() ? s : broken_;
 }
 

@@ -21,6 +21,7 @@
 #include <functional>
 #include <memory>
 
+#include "runtime/base/mutex.h"
 #include "tiers/tier.h"
 #include "tiers/worker_pool.h"
 
@@ -48,8 +49,8 @@ class SimStream {
 
  private:
   const uint64_t delay_ns_;
-  std::mutex mu_;
-  Status broken_;  // GUARDED_BY(mu_): the first failed wait
+  Mutex mu_;
+  Status broken_ TIERMEM_GUARDED_BY(mu_);  // the first failed wait
   WorkerPool pool_{1};  // last: drained and joined first
 };
 

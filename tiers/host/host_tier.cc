@@ -33,6 +33,7 @@
 #include <unordered_map>
 
 #include "runtime/base/logging.h"
+#include "runtime/base/mutex.h"
 #include "tiers/worker_pool.h"
 
 #ifndef MADV_POPULATE_WRITE
@@ -93,7 +94,7 @@ class HostTierImpl final : public HostTier {
 
   // Creates the prefaulted slabs. Called once, before the tier is shared.
   Status Prefault() {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     while (mapped_ < config_.prefault_bytes) {
       TIERMEM_ASSIGN_OR_RETURN(size_t idx, NewSlabLocked());
       empty_slabs_.push_back(idx);
@@ -118,7 +119,7 @@ class HostTierImpl final : public HostTier {
     // Budget charges happen only under mu_ and frees only add room, so room seen here is
     // still there after the memory is found; a failure to find memory then changes nothing
     // (not even peak or total_allocations).
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     const TierStats now = budget_.Snapshot();
     if (size > now.capacity - now.used) return budget_.Reserve(size, "host");  // the error
     StatusOr<Region> r = cls >= 0 ? AllocateSlotLocked(cls) : AllocateDedicatedLocked(size);
@@ -133,7 +134,7 @@ class HostTierImpl final : public HostTier {
   Status Free(const Region& region) override {
     Bytes size = 0;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       auto it = regions_.find(region.id);
       if (it == regions_.end()) {
         return InvalidArgumentError("host tier: free of unknown region " + std::to_string(region.id));
@@ -166,7 +167,7 @@ class HostTierImpl final : public HostTier {
   std::shared_ptr<Completion> Copy(const CopyRequest& req) override {
     Region live;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       auto it = regions_.find(req.region.id);
       if (it != regions_.end()) live = it->second.region;
     }
@@ -191,7 +192,7 @@ class HostTierImpl final : public HostTier {
   TierStats Stats() const override { return budget_.Snapshot(); }
 
   std::vector<HostRange> Ranges() const override {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     std::vector<HostRange> out;
     for (const auto& s : slabs_) out.push_back({s.base, slab_bytes_, false});
     for (const auto& [addr, m] : dedicated_) out.push_back({addr, m.bytes, true});
@@ -199,11 +200,11 @@ class HostTierImpl final : public HostTier {
   }
   int numa_node() const override { return node_; }
   bool memory_locked() const override {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     return lock_memory_;
   }
   Bytes mapped_bytes() const override {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     Bytes total = mapped_;
     for (const auto& [addr, m] : dedicated_) total += m.bytes;
     return total;
@@ -227,7 +228,7 @@ class HostTierImpl final : public HostTier {
     uint32_t slot = 0;
   };
 
-  StatusOr<Region> AllocateSlotLocked(int cls) {
+  StatusOr<Region> AllocateSlotLocked(int cls) TIERMEM_REQUIRES(mu_) {
     size_t idx;
     if (!partial_[cls].empty()) {
       idx = partial_[cls].back();
@@ -258,7 +259,7 @@ class HostTierImpl final : public HostTier {
     return r;
   }
 
-  StatusOr<Region> AllocateDedicatedLocked(Bytes size) {
+  StatusOr<Region> AllocateDedicatedLocked(Bytes size) TIERMEM_REQUIRES(mu_) {
     Bytes map_bytes = 0;
     TIERMEM_ASSIGN_OR_RETURN(char* p, MapLocked(size, &map_bytes));
     dedicated_.emplace(p, Mapping{size, map_bytes});
@@ -267,7 +268,7 @@ class HostTierImpl final : public HostTier {
     return r;
   }
 
-  StatusOr<size_t> NewSlabLocked() {
+  StatusOr<size_t> NewSlabLocked() TIERMEM_REQUIRES(mu_) {
     Bytes map_bytes = 0;
     TIERMEM_ASSIGN_OR_RETURN(char* p, MapLocked(slab_bytes_, &map_bytes));
     slabs_.push_back(Slab{p, map_bytes, -1, 0, {}});
@@ -275,7 +276,7 @@ class HostTierImpl final : public HostTier {
     return slabs_.size() - 1;
   }
 
-  void RemoveFromPartial(int cls, size_t idx) {
+  void RemoveFromPartial(int cls, size_t idx) TIERMEM_REQUIRES(mu_) {
     if (cls < 0) return;
     auto& v = partial_[cls];
     for (size_t i = 0; i < v.size(); ++i) {
@@ -289,7 +290,7 @@ class HostTierImpl final : public HostTier {
 
   // Maps `bytes` of memory: NUMA-bound, huge-page advised, faulted once, locked when allowed,
   // registered with the pinner. Sets *map_bytes to the length to munmap.
-  StatusOr<char*> MapLocked(Bytes bytes, Bytes* map_bytes) {
+  StatusOr<char*> MapLocked(Bytes bytes, Bytes* map_bytes) TIERMEM_REQUIRES(mu_) {
     const Bytes align = config_.huge_pages ? kHugePage : kPage;
     const Bytes len = AlignUp(bytes, align);
     const Bytes over = len + (align > kPage ? align : 0);
@@ -363,15 +364,15 @@ class HostTierImpl final : public HostTier {
   const Bytes max_slab_bytes_;
   std::vector<Bytes> classes_;  // size classes, descending; immutable after construction
 
-  mutable std::mutex mu_;
-  bool lock_memory_;                                   // GUARDED_BY(mu_)
-  std::vector<Slab> slabs_;                            // GUARDED_BY(mu_)
-  std::vector<std::vector<size_t>> partial_;           // GUARDED_BY(mu_) per class
-  std::vector<size_t> empty_slabs_;                    // GUARDED_BY(mu_)
-  std::unordered_map<void*, Mapping> dedicated_;       // GUARDED_BY(mu_)
-  std::unordered_map<uint64_t, Live> regions_;         // GUARDED_BY(mu_)
-  Bytes mapped_ = 0;                                   // GUARDED_BY(mu_) slab bytes
-  uint64_t next_id_ = 1;                               // GUARDED_BY(mu_)
+  mutable Mutex mu_;
+  bool lock_memory_ TIERMEM_GUARDED_BY(mu_);
+  std::vector<Slab> slabs_ TIERMEM_GUARDED_BY(mu_);
+  std::vector<std::vector<size_t>> partial_ TIERMEM_GUARDED_BY(mu_);  // per class
+  std::vector<size_t> empty_slabs_ TIERMEM_GUARDED_BY(mu_);
+  std::unordered_map<void*, Mapping> dedicated_ TIERMEM_GUARDED_BY(mu_);
+  std::unordered_map<uint64_t, Live> regions_ TIERMEM_GUARDED_BY(mu_);
+  Bytes mapped_ TIERMEM_GUARDED_BY(mu_) = 0;  // slab bytes
+  uint64_t next_id_ TIERMEM_GUARDED_BY(mu_) = 1;
   std::unique_ptr<WorkerPool> workers_;
 };
 

@@ -45,17 +45,16 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
-#include <mutex>
 #include <thread>
 #include <unordered_map>
 #include <vector>
 
 #include "runtime/base/logging.h"
 #include "runtime/base/crc32c.h"
+#include "runtime/base/mutex.h"
 #include "tiers/worker_pool.h"
 #include "tiers/nvme/extent_allocator.h"
 #include "tiers/nvme/io_engine.h"
@@ -80,7 +79,7 @@ class BlockLocks {
   // Runs `fn` once `key` is held (now, on this thread, if it is free).
   void Acquire(uint64_t key, std::function<void()> fn) {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       auto [it, inserted] = held_.try_emplace(key);
       if (!inserted) {
         it->second.push_back(std::move(fn));
@@ -93,7 +92,7 @@ class BlockLocks {
   void Release(uint64_t key) {
     std::function<void()> next;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       auto it = held_.find(key);
       if (it->second.empty()) {
         held_.erase(it);
@@ -106,9 +105,9 @@ class BlockLocks {
   }
 
  private:
-  std::mutex mu_;
+  Mutex mu_;
   // A key is held iff present; the deque holds its waiters.
-  std::unordered_map<uint64_t, std::deque<std::function<void()>>> held_;  // GUARDED_BY(mu_)
+  std::unordered_map<uint64_t, std::deque<std::function<void()>>> held_ TIERMEM_GUARDED_BY(mu_);
 };
 
 // Fixed set of aligned buffers, handed out with a continuation. Thread-safe.
@@ -133,7 +132,7 @@ class BouncePool {
   void Acquire(std::function<void(char*)> fn) {
     char* buf;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       if (free_.empty()) {
         waiters_.push_back(std::move(fn));
         return;
@@ -146,7 +145,7 @@ class BouncePool {
   void Release(char* buf) {
     std::function<void(char*)> next;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       if (waiters_.empty()) {
         free_.push_back(buf);
         return;
@@ -160,9 +159,9 @@ class BouncePool {
  private:
   const Bytes bytes_;
   char* base_ = nullptr;
-  std::mutex mu_;
-  std::vector<char*> free_;                          // GUARDED_BY(mu_)
-  std::deque<std::function<void(char*)>> waiters_;   // GUARDED_BY(mu_)
+  Mutex mu_;
+  std::vector<char*> free_ TIERMEM_GUARDED_BY(mu_);
+  std::deque<std::function<void(char*)>> waiters_ TIERMEM_GUARDED_BY(mu_);
 };
 
 // One Copy() call: its pieces report here; the last one completes the Completion.
@@ -178,18 +177,18 @@ struct Request {
   bool inline_work = false;  // CopyRequest::inline_work: checksums without the worker pool
   std::atomic<int> pending{0};
   std::function<void()> on_done;  // runs after `done` completes (the tier's drain count)
-  std::mutex mu;
-  Status first;  // GUARDED_BY(mu)
+  Mutex mu;
+  Status first TIERMEM_GUARDED_BY(mu);
 
   void PieceDone(const Status& s) {
     if (!s.ok()) {
-      std::lock_guard<std::mutex> lock(mu);
+      MutexLock lock(mu);
       if (first.ok()) first = s;
     }
     if (pending.fetch_sub(1, std::memory_order_acq_rel) == 1) {
       Status result;
       {
-        std::lock_guard<std::mutex> lock(mu);
+        MutexLock lock(mu);
         result = first;
       }
       done->Complete(std::move(result));
@@ -220,7 +219,6 @@ class NvmeTierImpl final : public NvmeTier {
     int fd = -1;
     Bytes bytes = 0;
     uint64_t first_block = 0;  // global index of this file's first checksum block
-    std::unique_ptr<nvme::ExtentAllocator> extents;  // GUARDED_BY(mu_)
   };
 
   explicit NvmeTierImpl(const NvmeTierConfig& config)
@@ -231,8 +229,8 @@ class NvmeTierImpl final : public NvmeTier {
 
   ~NvmeTierImpl() override {
     {  // Copies still in flight (a caller bug) finish first: their pieces use everything below.
-      std::unique_lock<std::mutex> lock(drain_mu_);
-      drain_cv_.wait(lock, [this] { return requests_in_flight_ == 0; });
+      MutexLock lock(drain_mu_);
+      while (requests_in_flight_ != 0) drain_cv_.Wait(lock);
     }
     checksum_pool_.reset();
     engine_.reset();
@@ -258,7 +256,7 @@ class NvmeTierImpl final : public NvmeTier {
   Status UnregisterHostMemory(void* addr) override { return engine_->UnregisterHostMemory(addr); }
 
   StatusOr<FileLocation> LocateForTest(const Region& region, Bytes offset) const override {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     auto it = regions_.find(region.id);
     if (it == regions_.end() || offset >= it->second.region.bytes) {
       return InvalidArgumentError("nvme tier: no byte " + std::to_string(offset) + " in region " +
@@ -326,20 +324,22 @@ class NvmeTierImpl final : public NvmeTier {
   const Bytes block_;
   BudgetAccount budget_;
   std::atomic<Bytes> tear_after_;  // the torn-write hook; 0 = off
-  std::vector<File> files_;        // fixed after Init (extents GUARDED_BY(mu_))
+  std::vector<File> files_;        // fixed after Init
   std::unique_ptr<std::atomic<uint32_t>[]> crcs_;  // per global block
   BlockLocks locks_;
   std::unique_ptr<BouncePool> bounce_;
   std::unique_ptr<nvme::IoEngine> engine_;
   std::unique_ptr<WorkerPool> checksum_pool_;
 
-  std::mutex drain_mu_;
-  std::condition_variable drain_cv_;
-  uint64_t requests_in_flight_ = 0;  // GUARDED_BY(drain_mu_)
+  Mutex drain_mu_;
+  CondVar drain_cv_;
+  uint64_t requests_in_flight_ TIERMEM_GUARDED_BY(drain_mu_) = 0;
 
-  mutable std::mutex mu_;
-  std::unordered_map<uint64_t, Live> regions_;  // GUARDED_BY(mu_)
-  uint64_t next_id_ = 1;                        // GUARDED_BY(mu_)
+  mutable Mutex mu_;
+  // Per file (files_[i]'s extents); the vector is filled once by Init.
+  std::vector<std::unique_ptr<nvme::ExtentAllocator>> extents_ TIERMEM_GUARDED_BY(mu_);
+  std::unordered_map<uint64_t, Live> regions_ TIERMEM_GUARDED_BY(mu_);
+  uint64_t next_id_ TIERMEM_GUARDED_BY(mu_) = 1;
 };
 
 Status NvmeTierImpl::CreateFile(int index, Bytes bytes) {
@@ -470,12 +470,17 @@ Status NvmeTierImpl::Init() {
   const uint64_t blocks = c.capacity / block_;
   const uint64_t per_file = blocks / c.files;
   uint64_t first = 0;
+  std::vector<std::unique_ptr<nvme::ExtentAllocator>> extents;
   for (int i = 0; i < c.files; ++i) {
     const uint64_t n = i + 1 == c.files ? blocks - first : per_file;
     TIERMEM_RETURN_IF_ERROR(CreateFile(i, n * block_));
     files_[i].first_block = first;
-    files_[i].extents = std::make_unique<nvme::ExtentAllocator>(n * block_, block_);
+    extents.push_back(std::make_unique<nvme::ExtentAllocator>(n * block_, block_));
     first += n;
+  }
+  {
+    MutexLock lock(mu_);  // not shared yet; the lock is for the analysis
+    extents_ = std::move(extents);
   }
   crcs_ = std::make_unique<std::atomic<uint32_t>[]>(blocks);
   {
@@ -526,11 +531,11 @@ StatusOr<Region> NvmeTierImpl::Allocate(Bytes bytes) {
     return budget_.Reserve(bytes, "nvme");  // fails with the standard over-budget message
   }
   const Bytes rounded = AlignUp(bytes, block_);
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   const TierStats stats = budget_.Snapshot();
   if (rounded > stats.capacity - stats.used) return budget_.Reserve(rounded, "nvme");
   for (size_t i = 0; i < files_.size(); ++i) {
-    std::optional<uint64_t> off = files_[i].extents->Allocate(rounded);
+    std::optional<uint64_t> off = extents_[i]->Allocate(rounded);
     if (!off) continue;
     // Cannot fail: every Reserve/Release happens under mu_ and the check above passed.
     TIERMEM_RETURN_IF_ERROR(budget_.Reserve(rounded, "nvme"));
@@ -539,7 +544,7 @@ StatusOr<Region> NvmeTierImpl::Allocate(Bytes bytes) {
     return live.region;
   }
   Bytes largest = 0;
-  for (const File& f : files_) largest = std::max(largest, f.extents->largest_free_extent());
+  for (const auto& e : extents_) largest = std::max(largest, e->largest_free_extent());
   return ResourceExhaustedError("nvme tier: need a contiguous " + std::to_string(rounded) +
                                 " bytes; the budget has " +
                                 std::to_string(stats.capacity - stats.used) +
@@ -548,14 +553,14 @@ StatusOr<Region> NvmeTierImpl::Allocate(Bytes bytes) {
 }
 
 Status NvmeTierImpl::Free(const Region& region) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   auto it = regions_.find(region.id);
   if (it == regions_.end()) {
     return InvalidArgumentError("nvme tier: free of unknown region " + std::to_string(region.id));
   }
   const Live live = it->second;
   regions_.erase(it);
-  files_[live.file].extents->Free(live.base, live.region.bytes);
+  extents_[live.file]->Free(live.base, live.region.bytes);
   budget_.Release(live.region.bytes);
   return OkStatus();
 }
@@ -563,7 +568,7 @@ Status NvmeTierImpl::Free(const Region& region) {
 std::shared_ptr<Completion> NvmeTierImpl::Copy(const CopyRequest& req) {
   Live live;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     auto it = regions_.find(req.region.id);
     if (it != regions_.end()) live = it->second;
   }
@@ -577,12 +582,12 @@ std::shared_ptr<Completion> NvmeTierImpl::Copy(const CopyRequest& req) {
   auto r = std::make_shared<Request>();
   r->done = done;
   {
-    std::lock_guard<std::mutex> lock(drain_mu_);
+    MutexLock lock(drain_mu_);
     ++requests_in_flight_;
   }
   r->on_done = [this] {
-    std::lock_guard<std::mutex> lock(drain_mu_);
-    if (--requests_in_flight_ == 0) drain_cv_.notify_all();
+    MutexLock lock(drain_mu_);
+    if (--requests_in_flight_ == 0) drain_cv_.NotifyAll();
   };
   r->region_id = live.region.id;
   r->file = live.file;

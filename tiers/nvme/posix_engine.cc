@@ -6,12 +6,11 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <condition_variable>
 #include <deque>
-#include <mutex>
 #include <string>
 #include <thread>
 
+#include "runtime/base/mutex.h"
 #include "tiers/nvme/io_engine.h"
 
 namespace tiermem::nvme {
@@ -27,19 +26,19 @@ class PosixEngine final : public IoEngine {
   }
   ~PosixEngine() override {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       stop_ = true;
     }
-    cv_.notify_all();
+    cv_.NotifyAll();
     for (auto& t : workers_) t.join();
   }
 
   std::string_view name() const override { return "posix"; }
 
   void Submit(IoOp* op) override {
-    std::lock_guard<std::mutex> lock(mu_);  // notify under the lock: see TaskPool::Run
+    MutexLock lock(mu_);  // notify under the lock: see WorkerPool::Push
     queue_.push_back(op);
-    cv_.notify_one();
+    cv_.NotifyOne();
   }
 
  private:
@@ -47,8 +46,8 @@ class PosixEngine final : public IoEngine {
     for (;;) {
       IoOp* op;
       {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+        MutexLock lock(mu_);
+        while (!stop_ && queue_.empty()) cv_.Wait(lock);
         if (queue_.empty()) return;  // stopping and drained
         op = queue_.front();
         queue_.pop_front();
@@ -87,10 +86,10 @@ class PosixEngine final : public IoEngine {
   }
 
   const std::vector<int> fds_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<IoOp*> queue_;  // GUARDED_BY(mu_)
-  bool stop_ = false;        // GUARDED_BY(mu_)
+  Mutex mu_;
+  CondVar cv_;
+  std::deque<IoOp*> queue_ TIERMEM_GUARDED_BY(mu_);
+  bool stop_ TIERMEM_GUARDED_BY(mu_) = false;
   std::vector<std::thread> workers_;
 };
 

@@ -13,21 +13,20 @@
 // Registration refused (RLIMIT_MEMLOCK without CAP_IPC_LOCK): unregistered, logged once.
 //
 // Threading: Submit / RegisterHostMemory / UnregisterHostMemory are thread-safe; everything
-// named *_ below that is not GUARDED_BY(mu_) is owned by the I/O thread.
+// named *_ below that is not TIERMEM_GUARDED_BY(mu_) is owned by the I/O thread.
 #include <liburing.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
 #include <cerrno>
-#include <condition_variable>
 #include <deque>
 #include <future>
 #include <map>
-#include <mutex>
 #include <string>
 #include <thread>
 
 #include "runtime/base/logging.h"
+#include "runtime/base/mutex.h"
 #include "tiers/nvme/io_engine.h"
 
 namespace tiermem::nvme {
@@ -49,7 +48,7 @@ class UringEngine final : public IoEngine {
   ~UringEngine() override {
     if (!thread_.joinable()) return;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       stop_ = true;
     }
     Wake();
@@ -77,7 +76,7 @@ class UringEngine final : public IoEngine {
     }
     bool wake;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       queue_.push_back(op);
       wake = !wake_posted_;
       wake_posted_ = true;
@@ -112,7 +111,7 @@ class UringEngine final : public IoEngine {
     std::promise<Status> done;
     std::future<Status> result = done.get_future();
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       control_.push_back([&] { done.set_value(fn()); });
       wake_posted_ = true;
     }
@@ -341,7 +340,7 @@ class UringEngine final : public IoEngine {
       std::deque<std::function<void()>> control;
       bool stop;
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(mu_);
         wake_posted_ = false;
         while (!queue_.empty()) {
           local_.push_back(queue_.front());
@@ -357,7 +356,7 @@ class UringEngine final : public IoEngine {
         Issue(op);
       }
       if (stop && in_flight_ == 0 && local_.empty()) {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(mu_);
         if (queue_.empty() && control_.empty()) break;
         continue;
       }
@@ -396,11 +395,11 @@ class UringEngine final : public IoEngine {
   int event_fd_ = -1;
   uint64_t wake_counter_ = 0;  // the eventfd read's target; written by the kernel
 
-  std::mutex mu_;
-  std::deque<IoOp*> queue_;                       // GUARDED_BY(mu_)
-  std::deque<std::function<void()>> control_;     // GUARDED_BY(mu_)
-  bool wake_posted_ = false;                      // GUARDED_BY(mu_)
-  bool stop_ = false;                             // GUARDED_BY(mu_)
+  Mutex mu_;
+  std::deque<IoOp*> queue_ TIERMEM_GUARDED_BY(mu_);
+  std::deque<std::function<void()>> control_ TIERMEM_GUARDED_BY(mu_);
+  bool wake_posted_ TIERMEM_GUARDED_BY(mu_) = false;
+  bool stop_ TIERMEM_GUARDED_BY(mu_) = false;
 
   // Owned by the I/O thread.
   io_uring ring_{};
