@@ -32,6 +32,7 @@
 #include <utility>
 
 #include "runtime/base/clock.h"
+#include "runtime/base/mutex.h"
 #include "runtime/base/sanitizers.h"
 #include "tiers/worker_pool.h"
 
@@ -84,9 +85,9 @@ class Bounce;
 struct StagingPool {
   explicit StagingPool(Tier* t) : tier(t) {}
   Tier* const tier;  // null: the mover has no staging tier (bounces fail at once)
-  std::mutex mu;
-  int holders = 0;                                // GUARDED_BY(mu) bounces holding slots
-  std::vector<std::shared_ptr<Bounce>> waiting;   // GUARDED_BY(mu) started again at a Finish
+  Mutex mu;
+  int holders TIERMEM_GUARDED_BY(mu) = 0;                               // bounces holding slots
+  std::vector<std::shared_ptr<Bounce>> waiting TIERMEM_GUARDED_BY(mu);  // started again at a Finish
 };
 
 // One device<->NVMe style move through staging slots. Shared by the callbacks of its pieces.
@@ -105,7 +106,7 @@ class Bounce : public std::enable_shared_from_this<Bounce> {
     const int want = static_cast<int>(std::min<Bytes>(static_cast<Bytes>(max_slots_), pieces));
     Status alloc_error;
     {
-      std::lock_guard<std::mutex> lock(pool_->mu);
+      MutexLock lock(pool_->mu);
       for (int i = 0; i < want; ++i) {
         StatusOr<Region> r = pool_->tier->Allocate(slot_bytes_);
         if (!r.ok()) {
@@ -133,7 +134,7 @@ class Bounce : public std::enable_shared_from_this<Bounce> {
   void Pump(size_t slot) {
     Bytes off = 0, n = 0;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       if (!error_.ok() || next_ >= req_.bytes) {
         if (in_flight_ > 0 || finished_) return;
         finished_ = true;
@@ -168,7 +169,7 @@ class Bounce : public std::enable_shared_from_this<Bounce> {
 
   void PieceDone(size_t slot, const Status& s) {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       --in_flight_;
       if (!s.ok() && error_.ok()) error_ = s;
     }
@@ -180,14 +181,14 @@ class Bounce : public std::enable_shared_from_this<Bounce> {
   void Finish() {
     std::vector<std::shared_ptr<Bounce>> waiting;
     {
-      std::lock_guard<std::mutex> lock(pool_->mu);
+      MutexLock lock(pool_->mu);
       for (const Region& r : slots_) pool_->tier->Free(r).IgnoreError();
       --pool_->holders;
       waiting.swap(pool_->waiting);
     }
     Status s;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       s = error_;
     }
     done_->Complete(std::move(s));
@@ -202,11 +203,11 @@ class Bounce : public std::enable_shared_from_this<Bounce> {
   const bool inline_work_;
   std::vector<Region> slots_;  // written by Start only, before any piece is issued
 
-  std::mutex mu_;
-  Bytes next_ = 0;         // GUARDED_BY(mu_) offset of the next piece to issue
-  int in_flight_ = 0;      // GUARDED_BY(mu_)
-  bool finished_ = false;  // GUARDED_BY(mu_)
-  Status error_;           // GUARDED_BY(mu_) first failure
+  Mutex mu_;
+  Bytes next_ TIERMEM_GUARDED_BY(mu_) = 0;  // offset of the next piece to issue
+  int in_flight_ TIERMEM_GUARDED_BY(mu_) = 0;
+  bool finished_ TIERMEM_GUARDED_BY(mu_) = false;
+  Status error_ TIERMEM_GUARDED_BY(mu_);  // first failure
 };
 
 class MoverImpl final : public Mover {
@@ -219,7 +220,7 @@ class MoverImpl final : public Mover {
                                          : tbb::task_arena::automatic) {}
 
   ~MoverImpl() override {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     lanes_.clear();  // joins host->host lane threads after their queued memcpys
   }
 
@@ -319,7 +320,7 @@ class MoverImpl final : public Mover {
 
  private:
   Lane* LaneFor(Tier* src, Tier* dst, bool host_to_host) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     auto& lane = lanes_[{src, dst}];
     if (lane == nullptr) {
       lane = std::make_unique<Lane>();
@@ -358,8 +359,8 @@ class MoverImpl final : public Mover {
   TimelineRecorder* const recorder_;
   tbb::task_arena arena_;
   std::atomic<uint64_t> next_copy_id_{1};
-  std::mutex mu_;
-  std::map<std::pair<Tier*, Tier*>, std::unique_ptr<Lane>> lanes_;  // GUARDED_BY(mu_)
+  Mutex mu_;
+  std::map<std::pair<Tier*, Tier*>, std::unique_ptr<Lane>> lanes_ TIERMEM_GUARDED_BY(mu_);
 };
 
 }  // namespace

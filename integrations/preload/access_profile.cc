@@ -28,7 +28,7 @@ AccessProfile::AccessProfile(int ahead, uint64_t max_bytes, size_t max_ranges)
 }
 
 bool AccessProfile::AddRange(uint64_t base, uint64_t bytes) {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(mu_);
   if (ranges_.size() >= max_ranges_) return false;
   auto it = std::lower_bound(ranges_.begin(), ranges_.end(), base,
                              [](const Range& r, uint64_t b) { return r.base < b; });
@@ -37,14 +37,14 @@ bool AccessProfile::AddRange(uint64_t base, uint64_t bytes) {
 }
 
 void AccessProfile::RemoveRange(uint64_t base) {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(mu_);
   auto it = std::lower_bound(ranges_.begin(), ranges_.end(), base,
                              [](const Range& r, uint64_t b) { return r.base < b; });
   if (it != ranges_.end() && it->base == base) ranges_.erase(it);
 }
 
 size_t AccessProfile::ranges() const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(mu_);
   return ranges_.size();
 }
 
@@ -58,7 +58,7 @@ AccessProfile::Range* AccessProfile::FindLocked(uint64_t addr) {
 
 int AccessProfile::OnLaunch(uint64_t kernel, const uint64_t* args, int nargs,
                             PrefetchRequest* out) {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(mu_);
   if (ranges_.empty()) return 0;
   const uint64_t now = ++launches_;
   Touch touched[kMaxTouched];

@@ -22,8 +22,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <vector>
+
+#include "runtime/base/mutex.h"
 
 namespace tiermem::preload {
 
@@ -65,16 +66,16 @@ class AccessProfile {
     int n = 0;
     Touch succ[kMaxSuccessors];
   };
-  Range* FindLocked(uint64_t addr);
+  Range* FindLocked(uint64_t addr) TIERMEM_REQUIRES(mu_);
 
   const int ahead_;
   const uint64_t max_bytes_;
   const size_t max_ranges_;
-  mutable std::mutex mu_;
-  std::vector<Range> ranges_;       // sorted by base, capacity reserved; GUARDED_BY(mu_)
-  std::vector<Entry> table_;        // direct-mapped by key; GUARDED_BY(mu_)
-  uint64_t history_[kMaxAhead] = {};  // keys of the last `ahead` launches; GUARDED_BY(mu_)
-  uint64_t launches_ = 0;             // GUARDED_BY(mu_)
+  mutable Mutex mu_;
+  std::vector<Range> ranges_ TIERMEM_GUARDED_BY(mu_);         // sorted by base, capacity reserved
+  std::vector<Entry> table_ TIERMEM_GUARDED_BY(mu_);          // direct-mapped by key
+  uint64_t history_[kMaxAhead] TIERMEM_GUARDED_BY(mu_) = {};  // keys of the last `ahead` launches
+  uint64_t launches_ TIERMEM_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace tiermem::preload

@@ -8,14 +8,16 @@
 #include <sys/mman.h>
 
 #include <cerrno>
-#include <mutex>
+
+#include "runtime/base/mutex.h"
 
 namespace tiermem::preload {
 
 struct AllocTable::Shard {
-  mutable std::mutex mu;
-  Slot* slots = nullptr;  // slots_per_shard_ entries, GUARDED_BY(mu)
-  size_t used = 0;        // GUARDED_BY(mu)
+  mutable Mutex mu;
+  // slots_per_shard_ entries; the pointer is set once by the constructor, the slots need mu.
+  Slot* slots TIERMEM_PT_GUARDED_BY(mu) = nullptr;
+  size_t used TIERMEM_GUARDED_BY(mu) = 0;
 };
 
 namespace {
@@ -57,7 +59,7 @@ bool AllocTable::Insert(uint64_t key, const AllocInfo& info) {
   const uint64_t h = Hash(key);
   Shard& s = ShardOf(h);
   const size_t mask = slots_per_shard_ - 1;
-  std::lock_guard<std::mutex> l(s.mu);
+  MutexLock l(s.mu);
   for (size_t i = h & mask;; i = (i + 1) & mask) {
     Slot& slot = s.slots[i];
     if (slot.key == key) {
@@ -78,7 +80,7 @@ bool AllocTable::Find(uint64_t key, AllocInfo* out) const {
   const uint64_t h = Hash(key);
   Shard& s = ShardOf(h);
   const size_t mask = slots_per_shard_ - 1;
-  std::lock_guard<std::mutex> l(s.mu);
+  MutexLock l(s.mu);
   for (size_t i = h & mask;; i = (i + 1) & mask) {
     const Slot& slot = s.slots[i];
     if (slot.key == 0) return false;
@@ -93,7 +95,7 @@ bool AllocTable::Remove(uint64_t key, AllocInfo* out) {
   const uint64_t h = Hash(key);
   Shard& s = ShardOf(h);
   const size_t mask = slots_per_shard_ - 1;
-  std::lock_guard<std::mutex> l(s.mu);
+  MutexLock l(s.mu);
   size_t hole = h & mask;
   while (true) {
     if (s.slots[hole].key == 0) return false;

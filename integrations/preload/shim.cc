@@ -58,6 +58,7 @@
 #include "integrations/preload/alloc_table.h"
 #include "integrations/preload/cuda_abi.h"
 #include "integrations/preload/preload_options.h"
+#include "runtime/base/mutex.h"
 #include "runtime/base/timeline.h"
 #include "runtime/base/units.h"
 
@@ -228,7 +229,7 @@ class KernelParams {
   // Copies the layout of `func` into *out, querying it the first time.
   void Get(const void* func, Info* out) {
     const size_t slot = (reinterpret_cast<uintptr_t>(func) >> 4) % kSlots;
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(mu_);
     Info& e = table_[slot];
     if (e.func != func) e = Query(func);
     *out = e;
@@ -237,8 +238,8 @@ class KernelParams {
  private:
   static constexpr size_t kSlots = 1024;
   static Info Query(const void* func);
-  std::mutex mu_;
-  Info table_[kSlots];
+  Mutex mu_;
+  Info table_[kSlots] TIERMEM_GUARDED_BY(mu_);
 };
 
 // ---- the shim ------------------------------------------------------------------------------

@@ -19,7 +19,6 @@
 #include <cstdlib>
 #include <cmath>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -36,6 +35,7 @@
 #include "kernels/cpu/kernel_table.h"
 #include "runtime/base/logging.h"
 #include "runtime/base/env.h"
+#include "runtime/base/mutex.h"
 #include "runtime/base/sanitizers.h"
 
 namespace tiermem::kernels {
@@ -137,9 +137,9 @@ int HardwareThreads() {
 }
 
 struct ThreadState {
-  std::mutex mu;
-  int requested = -1;                      // GUARDED_BY(mu); -1 = not yet read from the env
-  std::shared_ptr<tbb::task_arena> arena;  // GUARDED_BY(mu); null until first parallel call
+  Mutex mu;
+  int requested TIERMEM_GUARDED_BY(mu) = -1;                      // -1 = not yet read from the env
+  std::shared_ptr<tbb::task_arena> arena TIERMEM_GUARDED_BY(mu);  // null until first parallel call
 };
 
 ThreadState& Threads() {
@@ -147,7 +147,7 @@ ThreadState& Threads() {
   return state;
 }
 
-int RequestedLocked(ThreadState& st) {
+int RequestedLocked(ThreadState& st) TIERMEM_REQUIRES(st.mu) {
   if (st.requested < 0) {
     st.requested = 0;
     if (const char* env = ProcessEnv()("TIERMEM_CPU_THREADS"); env != nullptr && *env != '\0') {
@@ -165,7 +165,7 @@ int RequestedLocked(ThreadState& st) {
 
 std::shared_ptr<tbb::task_arena> Arena() {
   ThreadState& st = Threads();
-  std::lock_guard<std::mutex> lock(st.mu);
+  MutexLock lock(st.mu);
   if (!st.arena) {
     const int r = RequestedLocked(st);
     // More threads than cores only oversubscribes (and oneTBB caps its workers there anyway).
@@ -278,14 +278,14 @@ ScopedParallelFor::~ScopedParallelFor() { tls_parallel_for = prev_; }
 
 void SetKernelThreads(int threads) {
   ThreadState& st = Threads();
-  std::lock_guard<std::mutex> lock(st.mu);
+  MutexLock lock(st.mu);
   st.requested = threads < 0 ? 0 : threads;
   st.arena.reset();  // running calls keep their own reference
 }
 
 int KernelThreads() {
   ThreadState& st = Threads();
-  std::lock_guard<std::mutex> lock(st.mu);
+  MutexLock lock(st.mu);
   const int r = RequestedLocked(st);
   return r == 0 ? HardwareThreads() : r;
 }

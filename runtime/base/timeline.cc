@@ -20,13 +20,13 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <unordered_map>
 #include <vector>
 
 #include "runtime/base/crc32c.h"
+#include "runtime/base/mutex.h"
 #include "runtime/base/timeline_format.h"
 
 namespace tiermem {
@@ -36,6 +36,7 @@ namespace fmt = timeline_format;
 
 constexpr size_t kEventsPerBlock = 2048;
 constexpr size_t kEventsOffset = fmt::kBlockHeaderBytes + fmt::kEventsPrefixBytes;
+constexpr size_t kBufferBytes = kEventsOffset + kEventsPerBlock * sizeof(Event);
 
 void PutU32(unsigned char* p, uint32_t v) { std::memcpy(p, &v, 4); }
 void PutU64(unsigned char* p, uint64_t v) { std::memcpy(p, &v, 8); }
@@ -53,10 +54,10 @@ void SealBlock(unsigned char* p, uint32_t kind, uint32_t payload_bytes) {
 std::atomic<uint64_t> g_next_serial{1};
 
 struct ThreadBuffer {
-  std::mutex mu;
+  Mutex mu;
   uint32_t thread_index = 0;
-  size_t count = 0;  // GUARDED_BY(mu)
-  alignas(64) unsigned char data[kEventsOffset + kEventsPerBlock * sizeof(Event)];
+  size_t count TIERMEM_GUARDED_BY(mu) = 0;
+  alignas(64) unsigned char data[kBufferBytes] TIERMEM_GUARDED_BY(mu);
 };
 
 // A tiny per-thread cache: recorder serial -> this thread's buffer in that recorder.
@@ -90,14 +91,14 @@ class FileTimelineRecorder final : public TimelineRecorder {
     PutU64(h + 24, static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + ts.tv_nsec);
     PutU32(h + 32, 0);
     PutU32(h + 36, Crc32c(h, 36));
-    std::lock_guard<std::mutex> l(file_mu_);
+    MutexLock l(file_mu_);
     WriteLocked(h, sizeof(h));
     blocks_written_ = 0;  // the header is not a block
     return status_;
   }
 
   uint32_t InternLabel(std::string_view text) override {
-    std::lock_guard<std::mutex> l(labels_mu_);
+    MutexLock l(labels_mu_);
     auto it = labels_.find(text);
     if (it != labels_.end()) return it->second;
     uint32_t id = next_label_++;
@@ -107,7 +108,7 @@ class FileTimelineRecorder final : public TimelineRecorder {
     PutU32(block.data() + fmt::kBlockHeaderBytes, id);
     std::memcpy(block.data() + fmt::kBlockHeaderBytes + 4, text.data(), text.size());
     SealBlock(block.data(), fmt::kBlockLabel, static_cast<uint32_t>(4 + text.size()));
-    std::lock_guard<std::mutex> fl(file_mu_);
+    MutexLock fl(file_mu_);
     if (fd_ >= 0) WriteLocked(block.data(), block.size());
     return id;
   }
@@ -115,7 +116,7 @@ class FileTimelineRecorder final : public TimelineRecorder {
   void Record(Event e) override {
     ThreadBuffer* b = BufferForThisThread();
     if (e.ts_ns == 0) e.ts_ns = clock_->NowNs();
-    std::lock_guard<std::mutex> l(b->mu);
+    MutexLock l(b->mu);
     // Relaxed is enough: Close sets closed_ before taking b->mu, so b->mu orders the two.
     if (closed_.load(std::memory_order_relaxed)) return;
     std::memcpy(b->data + kEventsOffset + b->count * sizeof(Event), &e, sizeof(Event));
@@ -123,20 +124,20 @@ class FileTimelineRecorder final : public TimelineRecorder {
   }
 
   Status Flush() override {
-    std::lock_guard<std::mutex> rl(registry_mu_);
+    MutexLock rl(registry_mu_);
     for (auto& b : buffers_) {
-      std::lock_guard<std::mutex> l(b->mu);
+      MutexLock l(b->mu);
       if (b->count > 0) WriteBufferLocked(b.get());
     }
-    std::lock_guard<std::mutex> fl(file_mu_);
+    MutexLock fl(file_mu_);
     return status_;
   }
 
   Status Close() override {
-    std::lock_guard<std::mutex> cl(close_mu_);
+    MutexLock cl(close_mu_);
     if (closed_.exchange(true, std::memory_order_relaxed)) return close_status_;
     Status flushed = Flush();
-    std::lock_guard<std::mutex> fl(file_mu_);
+    MutexLock fl(file_mu_);
     unsigned char end[fmt::kBlockHeaderBytes + 16];
     PutU64(end + fmt::kBlockHeaderBytes, events_written_);
     PutU64(end + fmt::kBlockHeaderBytes + 8, blocks_written_ + 1);
@@ -157,7 +158,7 @@ class FileTimelineRecorder final : public TimelineRecorder {
     }
     ThreadBuffer* b;
     {
-      std::lock_guard<std::mutex> l(registry_mu_);
+      MutexLock l(registry_mu_);
       auto [it, inserted] = by_thread_.try_emplace(std::this_thread::get_id(), nullptr);
       if (inserted) {
         buffers_.push_back(std::make_unique<ThreadBuffer>());
@@ -171,22 +172,21 @@ class FileTimelineRecorder final : public TimelineRecorder {
     return b;
   }
 
-  // Requires b->mu.
-  void WriteBufferLocked(ThreadBuffer* b) {
+  void WriteBufferLocked(ThreadBuffer* b) TIERMEM_REQUIRES(b->mu) {
     const uint32_t count = static_cast<uint32_t>(b->count);
     PutU32(b->data + fmt::kBlockHeaderBytes, b->thread_index);
     PutU32(b->data + fmt::kBlockHeaderBytes + 4, count);
     const uint32_t payload = static_cast<uint32_t>(fmt::kEventsPrefixBytes + count * sizeof(Event));
     SealBlock(b->data, fmt::kBlockEvents, payload);
     b->count = 0;
-    std::lock_guard<std::mutex> fl(file_mu_);
+    MutexLock fl(file_mu_);
     if (fd_ < 0) return;
     WriteLocked(b->data, fmt::kBlockHeaderBytes + payload);
     if (status_.ok()) events_written_ += count;
   }
 
-  // Requires file_mu_. Writes the whole range or records the first error.
-  void WriteLocked(const void* data, size_t n) {
+  // Writes the whole range or records the first error.
+  void WriteLocked(const void* data, size_t n) TIERMEM_REQUIRES(file_mu_) {
     if (!status_.ok() || fd_ < 0) return;
     const auto* p = static_cast<const unsigned char*>(data);
     while (n > 0) {
@@ -202,26 +202,27 @@ class FileTimelineRecorder final : public TimelineRecorder {
     ++blocks_written_;
   }
 
-  int fd_;                // GUARDED_BY(file_mu_); -1 once closed
+  int fd_ TIERMEM_GUARDED_BY(file_mu_);  // -1 once closed
   const Clock* clock_;    // not owned
   const uint64_t serial_;
   std::atomic<bool> closed_{false};
 
-  std::mutex close_mu_;
-  Status close_status_;  // GUARDED_BY(close_mu_)
+  Mutex close_mu_;
+  Status close_status_ TIERMEM_GUARDED_BY(close_mu_);
 
-  std::mutex registry_mu_;
-  std::vector<std::unique_ptr<ThreadBuffer>> buffers_;              // GUARDED_BY(registry_mu_)
-  std::unordered_map<std::thread::id, ThreadBuffer*> by_thread_;    // GUARDED_BY(registry_mu_)
+  Mutex registry_mu_;
+  std::vector<std::unique_ptr<ThreadBuffer>> buffers_ TIERMEM_GUARDED_BY(registry_mu_);
+  std::unordered_map<std::thread::id, ThreadBuffer*> by_thread_ TIERMEM_GUARDED_BY(registry_mu_);
 
-  std::mutex labels_mu_;
-  std::unordered_map<std::string, uint32_t, StringHash, std::equal_to<>> labels_;  // GUARDED_BY
-  uint32_t next_label_ = 1;                                                        // labels_mu_
+  Mutex labels_mu_;
+  std::unordered_map<std::string, uint32_t, StringHash, std::equal_to<>> labels_
+      TIERMEM_GUARDED_BY(labels_mu_);
+  uint32_t next_label_ TIERMEM_GUARDED_BY(labels_mu_) = 1;
 
-  std::mutex file_mu_;
-  Status status_;                // GUARDED_BY(file_mu_): first write error
-  uint64_t events_written_ = 0;  // GUARDED_BY(file_mu_)
-  uint64_t blocks_written_ = 0;  // GUARDED_BY(file_mu_)
+  Mutex file_mu_;
+  Status status_ TIERMEM_GUARDED_BY(file_mu_);  // first write error
+  uint64_t events_written_ TIERMEM_GUARDED_BY(file_mu_) = 0;
+  uint64_t blocks_written_ TIERMEM_GUARDED_BY(file_mu_) = 0;
 };
 
 }  // namespace

@@ -12,7 +12,7 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <mutex>
+#include <mutex>  // std::call_once
 #include <set>
 #include <string>
 #include <unordered_map>
@@ -20,6 +20,7 @@
 #include "kernels/cpu/optim.h"
 #include "runtime/base/fs.h"
 #include "runtime/base/logging.h"
+#include "runtime/base/mutex.h"
 #include "tiers/fake/sim_device.h"
 #include "tiers/nvme/nvme_tier.h"
 #ifdef TIERMEM_SESSION_WITH_CUDA
@@ -37,8 +38,8 @@ constexpr Bytes kPage = 4096;
 // The set and its mutex are never destroyed, so a stack closed during static destruction
 // (after the handler ran) still finds them. Thread-safe.
 struct TempTimelines {
-  std::mutex mu;
-  std::set<std::string> paths;  // GUARDED_BY(mu)
+  Mutex mu;
+  std::set<std::string> paths TIERMEM_GUARDED_BY(mu);
 };
 
 TempTimelines& Temps() {
@@ -48,7 +49,7 @@ TempTimelines& Temps() {
 
 void RemoveTempTimelinesAtExit() {
   TempTimelines& t = Temps();
-  std::lock_guard<std::mutex> lock(t.mu);
+  MutexLock lock(t.mu);
   for (const std::string& p : t.paths) unlink(p.c_str());
   t.paths.clear();
 }
@@ -57,13 +58,13 @@ void TrackTempTimeline(const std::string& path) {
   static std::once_flag registered;
   std::call_once(registered, [] { std::atexit(RemoveTempTimelinesAtExit); });
   TempTimelines& t = Temps();
-  std::lock_guard<std::mutex> lock(t.mu);
+  MutexLock lock(t.mu);
   t.paths.insert(path);
 }
 
 void ForgetTempTimeline(const std::string& path) {
   TempTimelines& t = Temps();
-  std::lock_guard<std::mutex> lock(t.mu);
+  MutexLock lock(t.mu);
   t.paths.erase(path);
 }
 
@@ -100,12 +101,12 @@ class NvmeRegisteringPinner final : public HostPinner {
   Status Register(void* addr, Bytes bytes) override {
     if (next_ != nullptr) TIERMEM_RETURN_IF_ERROR(next_->Register(addr, bytes));
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       if (sealed_) return OkStatus();
     }
     const Status s = nvme_->RegisterHostMemory(addr, bytes);
     if (s.ok()) {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       registered_.emplace(addr, bytes);
       total_ += bytes;
     } else if (s.code() != StatusCode::kUnavailable) {  // kUnavailable: posix or refused at start
@@ -118,19 +119,19 @@ class NvmeRegisteringPinner final : public HostPinner {
 
   // From now on memory is no longer registered with NVMe (see above); unregistering goes on.
   void Seal() {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     sealed_ = true;
   }
 
   Bytes registered_bytes() const {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     return total_;
   }
 
   void Unregister(void* addr) override {
     bool was = false;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       auto it = registered_.find(addr);
       if (it != registered_.end()) {
         was = true;
@@ -145,10 +146,10 @@ class NvmeRegisteringPinner final : public HostPinner {
  private:
   NvmeTier* const nvme_;
   HostPinner* const next_;
-  mutable std::mutex mu_;
-  std::unordered_map<void*, Bytes> registered_;  // GUARDED_BY(mu_)
-  Bytes total_ = 0;                              // GUARDED_BY(mu_)
-  bool sealed_ = false;                          // GUARDED_BY(mu_)
+  mutable Mutex mu_;
+  std::unordered_map<void*, Bytes> registered_ TIERMEM_GUARDED_BY(mu_);
+  Bytes total_ TIERMEM_GUARDED_BY(mu_) = 0;
+  bool sealed_ TIERMEM_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace

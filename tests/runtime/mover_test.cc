@@ -15,6 +15,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "runtime/base/mutex.h"
 #include "tiers/fake/fault_injecting.h"
 #include "tiers/fake/sim_device.h"
 #include "tiers/host/host_tier.h"
@@ -35,14 +36,14 @@ class LocalNvme final : public Tier {
     if (bytes == 0) return InvalidArgumentError("local-nvme: 0 bytes");
     const Bytes rounded = AlignUp(bytes, 4096);
     TIERMEM_RETURN_IF_ERROR(budget_.Reserve(rounded, "nvme (local)"));
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     Region r{next_id_++, rounded, nullptr};
     store_[r.id] = std::make_shared<std::vector<char>>(rounded);
     regions_[r.id] = r;
     return r;
   }
   Status Free(const Region& region) override {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     auto it = regions_.find(region.id);
     if (it == regions_.end()) return InvalidArgumentError("local-nvme: unknown region");
     budget_.Release(it->second.bytes);
@@ -55,7 +56,7 @@ class LocalNvme final : public Tier {
     Region live;
     std::shared_ptr<std::vector<char>> data;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       auto it = regions_.find(req.region.id);
       if (it != regions_.end()) {
         live = it->second;
@@ -81,10 +82,10 @@ class LocalNvme final : public Tier {
 
  private:
   BudgetAccount budget_;
-  std::mutex mu_;
-  std::unordered_map<uint64_t, Region> regions_;                            // GUARDED_BY(mu_)
-  std::unordered_map<uint64_t, std::shared_ptr<std::vector<char>>> store_;  // GUARDED_BY(mu_)
-  uint64_t next_id_ = 1;                                                    // GUARDED_BY(mu_)
+  Mutex mu_;
+  std::unordered_map<uint64_t, Region> regions_ TIERMEM_GUARDED_BY(mu_);
+  std::unordered_map<uint64_t, std::shared_ptr<std::vector<char>>> store_ TIERMEM_GUARDED_BY(mu_);
+  uint64_t next_id_ TIERMEM_GUARDED_BY(mu_) = 1;
   std::unique_ptr<WorkerPool> worker_ = std::make_unique<WorkerPool>(1);
 };
 
@@ -92,32 +93,32 @@ class LocalNvme final : public Tier {
 class VectorRecorder final : public TimelineRecorder {
  public:
   uint32_t InternLabel(std::string_view text) override {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     auto [it, fresh] = labels_.emplace(std::string(text), labels_.size() + 1);
     return it->second;
   }
   void Record(Event e) override {
     if (e.ts_ns == 0) e.ts_ns = Clock::Real()->NowNs();
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     events_.push_back(e);
   }
   Status Flush() override { return OkStatus(); }
   Status Close() override { return OkStatus(); }
   const Clock* clock() const override { return Clock::Real(); }
   std::vector<Event> events() {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     return events_;
   }
   uint32_t label(const std::string& s) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     auto it = labels_.find(s);
     return it == labels_.end() ? 0 : it->second;
   }
 
  private:
-  std::mutex mu_;
-  std::map<std::string, uint32_t> labels_;
-  std::vector<Event> events_;
+  Mutex mu_;
+  std::map<std::string, uint32_t> labels_ TIERMEM_GUARDED_BY(mu_);
+  std::vector<Event> events_ TIERMEM_GUARDED_BY(mu_);
 };
 
 std::vector<char> RandomBytes(Bytes n, uint32_t seed) {

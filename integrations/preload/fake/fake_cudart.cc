@@ -16,10 +16,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
 #include <unordered_set>
 
 #include "integrations/preload/fake/fake_cudart.h"
+#include "runtime/base/mutex.h"
 
 #ifndef FAKE_CUDART_MAJOR
 #define FAKE_CUDART_MAJOR 12
@@ -28,6 +28,8 @@
 namespace {
 
 using namespace tiermem::preload;  // NOLINT
+using tiermem::Mutex;
+using tiermem::MutexLock;
 
 constexpr size_t kHeader = 256;
 constexpr uint64_t kMagic = 0xFA4ECDA7ull;
@@ -80,11 +82,12 @@ CudaError Fail(CudaError rc) {
 
 // Live blocks, so that freeing a pointer the fake never returned fails cleanly instead of
 // reading memory in front of it.
-std::mutex g_live_mu;
-std::unordered_set<void*>* g_live = new std::unordered_set<void*>();  // GUARDED_BY(g_live_mu)
+Mutex g_live_mu;
+std::unordered_set<void*>* g_live TIERMEM_PT_GUARDED_BY(g_live_mu) =
+    new std::unordered_set<void*>();
 
 void* Remember(void* p) {
-  std::lock_guard<std::mutex> l(g_live_mu);
+  MutexLock l(g_live_mu);
   g_live->insert(p);
   return p;
 }
@@ -99,7 +102,7 @@ void* Allocate(size_t size, Kind kind) {
 
 Header* HeaderOf(void* p) {
   {
-    std::lock_guard<std::mutex> l(g_live_mu);
+    MutexLock l(g_live_mu);
     if (g_live->erase(p) == 0) return nullptr;
   }
   auto* h = reinterpret_cast<Header*>(static_cast<char*>(p) - kHeader);
@@ -136,8 +139,8 @@ CudaError FreeKind(void* p, bool device_or_managed) {
 }
 
 // Registered host ranges (cudaHostRegister): a small table, enough for tests.
-std::mutex g_reg_mu;
-void* g_registered[1024];  // GUARDED_BY(g_reg_mu)
+Mutex g_reg_mu;
+void* g_registered[1024] TIERMEM_GUARDED_BY(g_reg_mu);
 
 // Kernel layouts registered by the tests.
 struct KernelLayout {
@@ -145,15 +148,16 @@ struct KernelLayout {
   int n;
   size_t sizes[32];
 };
-std::mutex g_kernel_mu;
-KernelLayout g_kernels[256];  // GUARDED_BY(g_kernel_mu)
-int g_nkernels = 0;           // GUARDED_BY(g_kernel_mu)
+Mutex g_kernel_mu;
+KernelLayout g_kernels[256] TIERMEM_GUARDED_BY(g_kernel_mu);
+int g_nkernels TIERMEM_GUARDED_BY(g_kernel_mu) = 0;
 
 // ---- fake driver functions (reached through the entry-point lookup) --------------------------
 
 std::atomic<uint64_t> g_next_handle{0x1000};
-std::mutex g_handle_mu;
-uint64_t g_handles[4096][2];  // (handle, size); handle 0 = free slot. GUARDED_BY(g_handle_mu)
+Mutex g_handle_mu;
+// (handle, size); handle 0 = free slot.
+uint64_t g_handles[4096][2] TIERMEM_GUARDED_BY(g_handle_mu);
 
 CuResult FakeCuMemCreate(CuMemHandle* handle, size_t size, const void*, unsigned long long) {
   const uint64_t now = g_used.fetch_add(size) + size;
@@ -164,7 +168,7 @@ CuResult FakeCuMemCreate(CuMemHandle* handle, size_t size, const void*, unsigned
   }
   *handle = g_next_handle.fetch_add(0x10);
   {
-    std::lock_guard<std::mutex> l(g_handle_mu);
+    MutexLock l(g_handle_mu);
     for (auto& h : g_handles) {
       if (h[0] == 0) {
         h[0] = *handle;
@@ -180,7 +184,7 @@ CuResult FakeCuMemCreate(CuMemHandle* handle, size_t size, const void*, unsigned
 CuResult FakeCuMemRelease(CuMemHandle handle) {
   uint64_t size = 0;
   {
-    std::lock_guard<std::mutex> l(g_handle_mu);
+    MutexLock l(g_handle_mu);
     for (auto& h : g_handles) {
       if (h[0] == handle && handle != 0) {
         size = h[1];
@@ -219,7 +223,7 @@ CuResult FakeCuMemAddressReserve(CuDevicePtr* ptr, size_t size, size_t, CuDevice
 }
 
 CuResult FakeCuFuncGetParamInfo(CudaFunction f, size_t index, size_t* offset, size_t* size) {
-  std::lock_guard<std::mutex> l(g_kernel_mu);
+  MutexLock l(g_kernel_mu);
   for (int k = 0; k < g_nkernels; ++k) {
     if (g_kernels[k].func != f) continue;
     if (index >= static_cast<size_t>(g_kernels[k].n)) return 1;
@@ -315,7 +319,7 @@ CudaError cudaFreeHost(void* ptr) {
 CudaError cudaHostRegister(void* ptr, size_t size, unsigned flags) {
   CudaError rc = Fail(2);
   {
-    std::lock_guard<std::mutex> l(g_reg_mu);
+    MutexLock l(g_reg_mu);
     for (void*& r : g_registered) {
       if (r == nullptr) {
         r = ptr;
@@ -331,7 +335,7 @@ CudaError cudaHostRegister(void* ptr, size_t size, unsigned flags) {
 CudaError cudaHostUnregister(void* ptr) {
   CudaError rc = 1;
   {
-    std::lock_guard<std::mutex> l(g_reg_mu);
+    MutexLock l(g_reg_mu);
     for (void*& r : g_registered) {
       if (r == ptr && ptr != nullptr) {
         r = nullptr;
@@ -446,7 +450,7 @@ CuResult cuGetProcAddress_v2(const char* symbol, void** fn, int version, uint64_
 }
 
 void fake_cudart_register_kernel(const void* func, int n, const size_t* sizes) {
-  std::lock_guard<std::mutex> l(g_kernel_mu);
+  MutexLock l(g_kernel_mu);
   if (g_nkernels == 256 || n > 32) return;
   KernelLayout& k = g_kernels[g_nkernels++];
   k.func = func;
