@@ -12,7 +12,7 @@ _here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 APT_PACKAGES=(build-essential cmake pkg-config git
   liburing-dev libnuma-dev libhwloc-dev libtbb-dev libgtest-dev libbenchmark-dev
   nlohmann-json3-dev libcli11-dev fio chromium python3-venv
-  clang libclang-rt-14-dev)  # clang: the libFuzzer harness (scripts/fuzz_timeline.sh)
+  clang libclang-rt-14-dev)  # clang: the TSan build with -Wthread-safety, the libFuzzer harness
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The full test suite: set-up, C++ build + ctest (gpu-labelled tests skip without a GPU),
-# sanitizer builds (ASan+UBSan over everything, TSan over the concurrent parts), then the
-# Python package (pip install .) and pytest. Exits non-zero on any failure.
+# sanitizer builds (ASan+UBSan over everything; TSan over the concurrent parts, built with
+# clang and its -Wthread-safety analysis as an error), then the Python package (pip install .)
+# and pytest. Exits non-zero on any failure.
 #
 #   scripts/test.sh            everything
 #   TIERMEM_TEST_FAST=1 scripts/test.sh   skip the sanitizer builds
@@ -37,9 +38,17 @@ if [ "${TIERMEM_TEST_FAST:-0}" != 1 ]; then
   # HWLOC_COMPONENTS=-pci: hwloc's pci plugin (libpciaccess) leaks its scan state from a
   # dlclose'd module, which LeakSanitizer reports and cannot attribute; ours leak nothing.
   HWLOC_COMPONENTS=-pci ASAN_OPTIONS=detect_leaks=1 ctest --test-dir build-asan --output-on-failure -j "$JOBS" -LE "gpu|slow"
-  echo "== TSan build (build-tsan/): concurrent components"
+  echo "== TSan build (build-tsan/, clang with -Werror=thread-safety): concurrent components"
+  # A build-tsan/ configured with gcc before the switch to clang: CMake cannot change the
+  # compiler of an existing build tree, so start it afresh.
+  if [ -f build-tsan/CMakeCache.txt ] &&
+     ! grep -q '^CMAKE_CXX_COMPILER:.*clang' build-tsan/CMakeCache.txt; then
+    rm -rf build-tsan
+  fi
   cmake -S . -B build-tsan -DTIERMEM_SANITIZE=thread -DTIERMEM_WITH_CUDA=OFF \
-        -DTIERMEM_BUILD_TORCH=OFF -DTIERMEM_BUILD_BENCHMARKS=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+        -DTIERMEM_BUILD_TORCH=OFF -DTIERMEM_BUILD_BENCHMARKS=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+        -DCMAKE_C_COMPILER=clang-14 -DCMAKE_CXX_COMPILER=clang++-14 \
+        -DTIERMEM_THREAD_SAFETY=ON >/dev/null
   cmake --build build-tsan -j "$JOBS"
   TSAN_OPTIONS=halt_on_error=1 ctest --test-dir build-tsan --output-on-failure -j "$JOBS" -L concurrent
   echo "== libFuzzer: timeline reader (bounded)"
