@@ -257,7 +257,7 @@ StatusOr<std::unique_ptr<TierStack>> TierStack::Create(const SessionConfig& conf
     // are mapped (NvmeRegisteringPinner); it is destroyed after them.
     NvmeTierConfig nc;
     nc.dir = config.nvme_path;
-    TIERMEM_ASSIGN_OR_RETURN(nc.engine, ParseNvmeEngine(config.nvme_engine));
+    TIERMEM_ASSIGN_OR_RETURN(nc.io_backend, ParseNvmeIoBackend(config.nvme_engine));
     nc.queue_depth = config.io_depth;
     nc.piece_bytes = config.io_piece;
     nc.capacity = AlignUp(config.nvme_size, nc.block_bytes);
@@ -327,7 +327,7 @@ Bytes TierStack::nvme_registered_bytes() const {
 std::string TierStack::nvme_engine() const {
   if (nvme_ == nullptr) return "";
   auto* t = dynamic_cast<NvmeTier*>(nvme_.get());
-  return t ? std::string(t->engine_name()) : "";
+  return t ? std::string(t->io_backend_name()) : "";
 }
 
 StatusOr<prof::Report> TierStack::TimelineReport() {

@@ -12,11 +12,11 @@ namespace {
 
 constexpr Bytes kCapacity = 64 * kMiB;
 
-std::unique_ptr<Tier> MakeNvme(NvmeEngine engine) {
+std::unique_ptr<Tier> MakeNvme(NvmeIoBackend engine) {
   NvmeTierConfig config;
   config.dir = ::testing::TempDir();
   config.capacity = kCapacity;
-  config.engine = engine;
+  config.io_backend = engine;
   auto tier = NewNvmeTier(config);
   if (!tier.ok()) {
     // Only "io_uring refused by this kernel" is a skip; anything else is a real failure.
@@ -29,8 +29,8 @@ std::unique_ptr<Tier> MakeNvme(NvmeEngine engine) {
 INSTANTIATE_TEST_SUITE_P(
     Nvme, TierConformance,
     ::testing::Values(
-        TierFactory{"nvme_io_uring", [] { return MakeNvme(NvmeEngine::kIoUring); }, kCapacity},
-        TierFactory{"nvme_posix", [] { return MakeNvme(NvmeEngine::kPosix); }, kCapacity},
+        TierFactory{"nvme_io_uring", [] { return MakeNvme(NvmeIoBackend::kIoUring); }, kCapacity},
+        TierFactory{"nvme_posix", [] { return MakeNvme(NvmeIoBackend::kPosix); }, kCapacity},
         TierFactory{"mem_nvme", [] { return NewMemNvme({.capacity = kCapacity}); }, kCapacity}),
     TierFactoryName);
 

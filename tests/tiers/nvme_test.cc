@@ -80,17 +80,17 @@ TEST(ExtentAllocator, FirstFitAndCoalescing) {
 
 // ---- the tier, per engine --------------------------------------------------------------------
 
-NvmeTierConfig BaseConfig(NvmeEngine engine, Bytes capacity = 64 * kMiB) {
+NvmeTierConfig BaseConfig(NvmeIoBackend engine, Bytes capacity = 64 * kMiB) {
   NvmeTierConfig c;
   c.dir = TestDir();
   c.capacity = capacity;
-  c.engine = engine;
+  c.io_backend = engine;
   c.queue_depth = 8;
   c.piece_bytes = 256 * kKiB;  // small pieces: multi-piece copies at test sizes
   return c;
 }
 
-class NvmeEngineTest : public ::testing::TestWithParam<NvmeEngine> {
+class NvmeIoBackendTest : public ::testing::TestWithParam<NvmeIoBackend> {
  protected:
   std::unique_ptr<NvmeTier> Open(NvmeTierConfig c) {
     auto t = OpenNvmeTier(c);
@@ -105,13 +105,13 @@ class NvmeEngineTest : public ::testing::TestWithParam<NvmeEngine> {
   auto var = (expr);                                                       \
   if (var == nullptr) GTEST_SKIP() << "io_uring is unavailable here";
 
-TEST_P(NvmeEngineTest, NameSaysWhichEngine) {
+TEST_P(NvmeIoBackendTest, NameSaysWhichBackend) {
   OPEN_OR_SKIP(t, Open());
   EXPECT_EQ(t->kind(), TierKind::kNvme);
-  EXPECT_EQ(t->name(), GetParam() == NvmeEngine::kPosix ? "nvme-posix" : "nvme-io_uring");
+  EXPECT_EQ(t->name(), GetParam() == NvmeIoBackend::kPosix ? "nvme-posix" : "nvme-io_uring");
 }
 
-TEST_P(NvmeEngineTest, RandomRoundTripsAlignedAndUnaligned) {
+TEST_P(NvmeIoBackendTest, RandomRoundTripsAlignedAndUnaligned) {
   OPEN_OR_SKIP(t, Open());
   std::mt19937_64 rng(42);
   std::vector<Region> regions;
@@ -163,7 +163,7 @@ TEST_P(NvmeEngineTest, RandomRoundTripsAlignedAndUnaligned) {
   EXPECT_EQ(t->Stats().used, 0u);
 }
 
-TEST_P(NvmeEngineTest, ManyCopiesInFlightFromSeveralThreads) {
+TEST_P(NvmeIoBackendTest, ManyCopiesInFlightFromSeveralThreads) {
   OPEN_OR_SKIP(t, Open());
   constexpr int kThreads = 4;
   constexpr int kCopies = 16;
@@ -201,7 +201,7 @@ TEST_P(NvmeEngineTest, ManyCopiesInFlightFromSeveralThreads) {
   for (int th = 0; th < kThreads; ++th) EXPECT_EQ(failures[th], "") << "thread " << th;
 }
 
-TEST_P(NvmeEngineTest, BudgetExhaustionIsExact) {
+TEST_P(NvmeIoBackendTest, BudgetExhaustionIsExact) {
   OPEN_OR_SKIP(t, Open(BaseConfig(GetParam(), 1 * kMiB)));
   auto a = t->Allocate(1000);
   ASSERT_TRUE(a.ok());
@@ -226,7 +226,7 @@ TEST_P(NvmeEngineTest, BudgetExhaustionIsExact) {
   EXPECT_EQ(t->Stats().used, 0u);
 }
 
-TEST_P(NvmeEngineTest, FragmentationIsResourceExhaustedAndChangesNothing) {
+TEST_P(NvmeIoBackendTest, FragmentationIsResourceExhaustedAndChangesNothing) {
   OPEN_OR_SKIP(t, Open(BaseConfig(GetParam(), 4 * 4096)));
   std::vector<Region> r;
   for (int i = 0; i < 4; ++i) r.push_back(*t->Allocate(4096));
@@ -243,7 +243,7 @@ TEST_P(NvmeEngineTest, FragmentationIsResourceExhaustedAndChangesNothing) {
   ASSERT_TRUE(three.ok()) << three.status().ToString();
 }
 
-TEST_P(NvmeEngineTest, InvalidCopies) {
+TEST_P(NvmeIoBackendTest, InvalidCopies) {
   OPEN_OR_SKIP(t, Open());
   auto r = t->Allocate(8192);
   ASSERT_TRUE(r.ok());
@@ -253,7 +253,7 @@ TEST_P(NvmeEngineTest, InvalidCopies) {
   EXPECT_TRUE(Read(*t, *r, 8192, buf, 0).ok());
 }
 
-TEST_P(NvmeEngineTest, CorruptedBlockIsDataLossAndOthersStillRead) {
+TEST_P(NvmeIoBackendTest, CorruptedBlockIsDataLossAndOthersStillRead) {
   OPEN_OR_SKIP(t, Open());
   std::mt19937_64 rng(7);
   auto a = t->Allocate(64 * kKiB);
@@ -301,7 +301,7 @@ TEST_P(NvmeEngineTest, CorruptedBlockIsDataLossAndOthersStillRead) {
   EXPECT_EQ(back, da);
 }
 
-TEST_P(NvmeEngineTest, TornWriteIsDataLoss) {
+TEST_P(NvmeIoBackendTest, TornWriteIsDataLoss) {
   NvmeTierConfig c = BaseConfig(GetParam());
   c.tear_next_write_after_bytes = 6000;  // only the first 4096 bytes reach the file
   OPEN_OR_SKIP(t, Open(c));
@@ -325,7 +325,7 @@ TEST_P(NvmeEngineTest, TornWriteIsDataLoss) {
 
 // CopyRequest::inline_work moves the checksum work onto the copy's own threads: what one
 // kind of copy stamps, the other verifies, and a bad block or a torn write is still caught.
-TEST_P(NvmeEngineTest, InlineChecksumsStampAndVerifyLikePooledOnes) {
+TEST_P(NvmeIoBackendTest, InlineChecksumsStampAndVerifyLikePooledOnes) {
   NvmeTierConfig c = BaseConfig(GetParam());
   c.piece_bytes = 64 * kKiB;  // several pieces per copy
   OPEN_OR_SKIP(t, Open(c));
@@ -373,11 +373,11 @@ TEST_P(NvmeEngineTest, InlineChecksumsStampAndVerifyLikePooledOnes) {
             StatusCode::kDataLoss);
 }
 
-TEST_P(NvmeEngineTest, RegisteredHostMemoryRoundTrips) {
+TEST_P(NvmeIoBackendTest, RegisteredHostMemoryRoundTrips) {
   OPEN_OR_SKIP(t, Open());
   AlignedBuffer slab(2 * kMiB);
   ASSERT_TRUE(t->RegisterHostMemory(slab.data, slab.size).ok());
-  if (GetParam() != NvmeEngine::kPosix) {
+  if (GetParam() != NvmeIoBackend::kPosix) {
     EXPECT_EQ(t->RegisterHostMemory(slab.data, slab.size).code(), StatusCode::kAlreadyExists);
   }
   std::mt19937_64 rng(3);
@@ -390,12 +390,12 @@ TEST_P(NvmeEngineTest, RegisteredHostMemoryRoundTrips) {
   ASSERT_TRUE(Read(*t, *r, 0, slab.data, slab.size).ok());
   EXPECT_EQ(std::memcmp(slab.data, want.data(), slab.size), 0);
   ASSERT_TRUE(t->UnregisterHostMemory(slab.data).ok());
-  if (GetParam() != NvmeEngine::kPosix) {
+  if (GetParam() != NvmeIoBackend::kPosix) {
     EXPECT_EQ(t->UnregisterHostMemory(slab.data).code(), StatusCode::kNotFound);
   }
 }
 
-TEST_P(NvmeEngineTest, UnregisteredBuffersAndSeveralFiles) {
+TEST_P(NvmeIoBackendTest, UnregisteredBuffersAndSeveralFiles) {
   NvmeTierConfig c = BaseConfig(GetParam(), 8 * kMiB);
   c.register_buffers = false;
   c.register_files = false;
@@ -428,7 +428,7 @@ int OpenFileDescriptors() {
   return n;
 }
 
-TEST_P(NvmeEngineTest, DestroyingTheTierReleasesFilesAndSpace) {
+TEST_P(NvmeIoBackendTest, DestroyingTheTierReleasesFilesAndSpace) {
   const int fds = OpenFileDescriptors();
   std::string file;
   {
@@ -451,19 +451,19 @@ TEST_P(NvmeEngineTest, DestroyingTheTierReleasesFilesAndSpace) {
   EXPECT_NE(::stat(file.c_str(), &st), 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Engines, NvmeEngineTest,
-                         ::testing::Values(NvmeEngine::kIoUring, NvmeEngine::kPosix),
-                         [](const ::testing::TestParamInfo<NvmeEngine>& info) {
-                           return info.param == NvmeEngine::kPosix ? "posix" : "io_uring";
+INSTANTIATE_TEST_SUITE_P(Engines, NvmeIoBackendTest,
+                         ::testing::Values(NvmeIoBackend::kIoUring, NvmeIoBackend::kPosix),
+                         [](const ::testing::TestParamInfo<NvmeIoBackend>& info) {
+                           return info.param == NvmeIoBackend::kPosix ? "posix" : "io_uring";
                          });
 
 // ---- engine equivalence, creation errors -----------------------------------------------------
 
 TEST(NvmeTier, IoUringAndPosixProduceIdenticalBytes) {
-  auto u = OpenNvmeTier(BaseConfig(NvmeEngine::kIoUring, 8 * kMiB));
+  auto u = OpenNvmeTier(BaseConfig(NvmeIoBackend::kIoUring, 8 * kMiB));
   if (!u.ok() && u.status().code() == StatusCode::kUnavailable) GTEST_SKIP() << "no io_uring";
   ASSERT_TRUE(u.ok()) << u.status().ToString();
-  auto p = OpenNvmeTier(BaseConfig(NvmeEngine::kPosix, 8 * kMiB));
+  auto p = OpenNvmeTier(BaseConfig(NvmeIoBackend::kPosix, 8 * kMiB));
   ASSERT_TRUE(p.ok()) << p.status().ToString();
   NvmeTier* tiers[2] = {u->get(), p->get()};
   Region regions[2];
@@ -501,7 +501,7 @@ TEST(NvmeTier, IoUringAndPosixProduceIdenticalBytes) {
 }
 
 TEST(NvmeTier, MissingDirectoryIsNotFound) {
-  NvmeTierConfig c = BaseConfig(NvmeEngine::kPosix, 1 * kMiB);
+  NvmeTierConfig c = BaseConfig(NvmeIoBackend::kPosix, 1 * kMiB);
   c.dir = TestDir() + "/no/such/dir";
   auto t = OpenNvmeTier(c);
   ASSERT_FALSE(t.ok());
@@ -514,7 +514,7 @@ TEST(NvmeTier, FileInsteadOfDirectoryIsFailedPrecondition) {
   const int fd = ::open(path.c_str(), O_CREAT | O_WRONLY, 0600);
   ASSERT_GE(fd, 0);
   ::close(fd);
-  NvmeTierConfig c = BaseConfig(NvmeEngine::kPosix, 1 * kMiB);
+  NvmeTierConfig c = BaseConfig(NvmeIoBackend::kPosix, 1 * kMiB);
   c.dir = path;
   auto t = OpenNvmeTier(c);
   ::unlink(path.c_str());
@@ -544,7 +544,7 @@ void RemoveDeathTestDir(const char* env_name, const std::string& dir) {
 // child first becomes "nobody".
 void OpenInReadOnlyDirAndExit(const std::string& dir) {
   if (::geteuid() == 0 && (::setgid(65534) != 0 || ::setuid(65534) != 0)) std::_Exit(2);
-  NvmeTierConfig c = BaseConfig(NvmeEngine::kPosix, 1 * kMiB);
+  NvmeTierConfig c = BaseConfig(NvmeIoBackend::kPosix, 1 * kMiB);
   c.dir = dir;
   auto t = OpenNvmeTier(c);
   std::fprintf(stderr, "%s\n", t.ok() ? "opened" : t.status().ToString().c_str());
@@ -575,9 +575,9 @@ void OpenWithIoUringRefusedAndExit() {
       ::prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog) != 0) {
     std::_Exit(3);
   }
-  auto forced = OpenNvmeTier(BaseConfig(NvmeEngine::kIoUring, 1 * kMiB));
+  auto forced = OpenNvmeTier(BaseConfig(NvmeIoBackend::kIoUring, 1 * kMiB));
   if (forced.ok() || forced.status().code() != StatusCode::kUnavailable) std::_Exit(4);
-  auto t = OpenNvmeTier(BaseConfig(NvmeEngine::kAuto, 1 * kMiB));
+  auto t = OpenNvmeTier(BaseConfig(NvmeIoBackend::kAuto, 1 * kMiB));
   if (!t.ok() || (*t)->name() != "nvme-posix") std::_Exit(5);
   auto r = (*t)->Allocate(10000);
   std::vector<char> a(10000, 'x'), b(10000, 0);
@@ -600,7 +600,7 @@ void OpenWithLowMemlockAndExit(const std::string& dir) {
   rlimit lim{64 * 1024, 64 * 1024};
   if (::setrlimit(RLIMIT_MEMLOCK, &lim) != 0) std::_Exit(2);
   if (::geteuid() == 0 && (::setgid(65534) != 0 || ::setuid(65534) != 0)) std::_Exit(2);
-  NvmeTierConfig c = BaseConfig(NvmeEngine::kIoUring, 1 * kMiB);
+  NvmeTierConfig c = BaseConfig(NvmeIoBackend::kIoUring, 1 * kMiB);
   c.dir = dir;
   auto t = OpenNvmeTier(c);
   if (!t.ok()) {
@@ -635,7 +635,7 @@ TEST(NvmeTier, NoSpaceAtCreationIsResourceExhausted) {
   struct statvfs vfs{};
   ASSERT_EQ(::statvfs(TestDir().c_str(), &vfs), 0);
   const Bytes free_bytes = static_cast<Bytes>(vfs.f_bavail) * vfs.f_frsize;
-  NvmeTierConfig c = BaseConfig(NvmeEngine::kPosix, AlignUp(free_bytes + 64 * kGiB, 4096));
+  NvmeTierConfig c = BaseConfig(NvmeIoBackend::kPosix, AlignUp(free_bytes + 64 * kGiB, 4096));
   auto t = OpenNvmeTier(c);
   ASSERT_FALSE(t.ok());
   EXPECT_EQ(t.status().code(), StatusCode::kResourceExhausted);
@@ -646,16 +646,16 @@ TEST(NvmeTier, NoSpaceAtCreationIsResourceExhausted) {
 }
 
 TEST(NvmeTier, BadConfigIsInvalidArgument) {
-  NvmeTierConfig c = BaseConfig(NvmeEngine::kPosix, 1 * kMiB + 1);
+  NvmeTierConfig c = BaseConfig(NvmeIoBackend::kPosix, 1 * kMiB + 1);
   EXPECT_EQ(OpenNvmeTier(c).status().code(), StatusCode::kInvalidArgument);
-  c = BaseConfig(NvmeEngine::kPosix, 1 * kMiB);
+  c = BaseConfig(NvmeIoBackend::kPosix, 1 * kMiB);
   c.queue_depth = 0;
   EXPECT_EQ(OpenNvmeTier(c).status().code(), StatusCode::kInvalidArgument);
-  c = BaseConfig(NvmeEngine::kPosix, 1 * kMiB);
+  c = BaseConfig(NvmeIoBackend::kPosix, 1 * kMiB);
   c.piece_bytes = 1000;
   EXPECT_EQ(OpenNvmeTier(c).status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(ParseNvmeEngine("io_uring").value(), NvmeEngine::kIoUring);
-  EXPECT_EQ(ParseNvmeEngine("spdk").status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseNvmeIoBackend("io_uring").value(), NvmeIoBackend::kIoUring);
+  EXPECT_EQ(ParseNvmeIoBackend("spdk").status().code(), StatusCode::kInvalidArgument);
 }
 
 // ---- the in-memory fake ----------------------------------------------------------------------

@@ -57,7 +57,7 @@
 #include "runtime/base/mutex.h"
 #include "tiers/worker_pool.h"
 #include "tiers/nvme/extent_allocator.h"
-#include "tiers/nvme/io_engine.h"
+#include "tiers/nvme/io_backend.h"
 
 namespace tiermem {
 namespace {
@@ -233,7 +233,7 @@ class NvmeTierImpl final : public NvmeTier {
       while (requests_in_flight_ != 0) drain_cv_.Wait(lock);
     }
     checksum_pool_.reset();
-    engine_.reset();
+    backend_.reset();
     for (File& f : files_) {
       if (f.fd >= 0) ::close(f.fd);
     }
@@ -242,8 +242,8 @@ class NvmeTierImpl final : public NvmeTier {
   Status Init();
 
   TierKind kind() const override { return TierKind::kNvme; }
-  std::string name() const override { return "nvme-" + std::string(engine_->name()); }
-  std::string_view engine_name() const override { return engine_->name(); }
+  std::string name() const override { return "nvme-" + std::string(backend_->name()); }
+  std::string_view io_backend_name() const override { return backend_->name(); }
   TierStats Stats() const override { return budget_.Snapshot(); }
 
   StatusOr<Region> Allocate(Bytes bytes) override;
@@ -251,9 +251,9 @@ class NvmeTierImpl final : public NvmeTier {
   std::shared_ptr<Completion> Copy(const CopyRequest& request) override;
 
   Status RegisterHostMemory(void* addr, Bytes bytes) override {
-    return engine_->RegisterHostMemory(addr, bytes);
+    return backend_->RegisterHostMemory(addr, bytes);
   }
-  Status UnregisterHostMemory(void* addr) override { return engine_->UnregisterHostMemory(addr); }
+  Status UnregisterHostMemory(void* addr) override { return backend_->UnregisterHostMemory(addr); }
 
   StatusOr<FileLocation> LocateForTest(const Region& region, Bytes offset) const override {
     MutexLock lock(mu_);
@@ -328,7 +328,7 @@ class NvmeTierImpl final : public NvmeTier {
   std::unique_ptr<std::atomic<uint32_t>[]> crcs_;  // per global block
   BlockLocks locks_;
   std::unique_ptr<BouncePool> bounce_;
-  std::unique_ptr<nvme::IoEngine> engine_;
+  std::unique_ptr<nvme::IoBackend> backend_;
   std::unique_ptr<WorkerPool> checksum_pool_;
 
   Mutex drain_mu_;
@@ -496,7 +496,7 @@ Status NvmeTierImpl::Init() {
                                   " bytes of bounce buffers");
   }
 
-  nvme::EngineConfig ec;
+  nvme::IoBackendConfig ec;
   for (const File& f : files_) ec.fds.push_back(f.fd);
   ec.queue_depth = c.queue_depth;
   ec.posix_threads = c.posix_threads;
@@ -504,11 +504,11 @@ Status NvmeTierImpl::Init() {
   ec.register_buffers = c.register_buffers;
   ec.bounce = bounce_->base();
   ec.bounce_bytes = bounce_->bytes();
-  if (c.engine != NvmeEngine::kPosix) {
-    auto uring = nvme::NewUringEngine(ec);
+  if (c.io_backend != NvmeIoBackend::kPosix) {
+    auto uring = nvme::NewUringBackend(ec);
     if (uring.ok()) {
-      engine_ = std::move(uring).value();
-    } else if (c.engine == NvmeEngine::kIoUring) {
+      backend_ = std::move(uring).value();
+    } else if (c.io_backend == NvmeIoBackend::kIoUring) {
       return uring.status().WithContext("nvme tier (engine=io_uring)");
     } else {
       LogOnce(LogLevel::kWarn, "nvme: io_uring refused",
@@ -516,7 +516,7 @@ Status NvmeTierImpl::Init() {
                   "); using the pread/pwrite engine");
     }
   }
-  if (engine_ == nullptr) engine_ = nvme::NewPosixEngine(ec);
+  if (backend_ == nullptr) backend_ = nvme::NewPosixBackend(ec);
   int workers = c.checksum_threads;
   if (workers == 0) {
     workers = static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 4u));
@@ -650,12 +650,12 @@ void NvmeTierImpl::StartDirect(const std::shared_ptr<Request>& r, uint64_t off, 
     };
     if (r->inline_work) {
       PrepareWrite(*op);
-      engine_->Submit(op);
+      backend_->Submit(op);
       return;
     }
     checksum_pool_->Push([this, op] {
       PrepareWrite(*op);
-      engine_->Submit(op);
+      backend_->Submit(op);
     });
   } else {
     op->complete = [this, r, off](IoOp& o, Status s) {
@@ -671,7 +671,7 @@ void NvmeTierImpl::StartDirect(const std::shared_ptr<Request>& r, uint64_t off, 
         delete done_op;
       });
     };
-    engine_->Submit(op);
+    backend_->Submit(op);
   }
 }
 
@@ -712,7 +712,7 @@ void NvmeTierImpl::Issue(BouncePiece* p, BouncePiece::Stage stage, uint64_t off,
   } else {
     op.prepare = nullptr;
   }
-  engine_->Submit(&op);
+  backend_->Submit(&op);
 }
 
 void NvmeTierImpl::WriteBounce(BouncePiece* p) {
@@ -765,10 +765,10 @@ void NvmeTierImpl::FinishBounce(BouncePiece* p, const Status& s) {
 
 }  // namespace
 
-StatusOr<NvmeEngine> ParseNvmeEngine(std::string_view name) {
-  if (name == "auto") return NvmeEngine::kAuto;
-  if (name == "io_uring") return NvmeEngine::kIoUring;
-  if (name == "posix") return NvmeEngine::kPosix;
+StatusOr<NvmeIoBackend> ParseNvmeIoBackend(std::string_view name) {
+  if (name == "auto") return NvmeIoBackend::kAuto;
+  if (name == "io_uring") return NvmeIoBackend::kIoUring;
+  if (name == "posix") return NvmeIoBackend::kPosix;
   return InvalidArgumentError("nvme engine must be auto, io_uring or posix (got '" +
                               std::string(name) + "')");
 }

@@ -5,7 +5,7 @@
 //
 //   auto tier = NewNvmeTier({.dir = "/mnt/nvme/scratch", .capacity = 64 * kGiB});
 //
-// Threading: thread-safe (see tiers/tier.h). Completions fire on the engine's threads.
+// Threading: thread-safe (see tiers/tier.h). Completions fire on the I/O backend's threads.
 // Ownership: the caller owns the tier; it deletes its files (they are unlinked at creation).
 #pragma once
 
@@ -16,23 +16,23 @@
 
 namespace tiermem {
 
-enum class NvmeEngine : uint8_t {
+enum class NvmeIoBackend : uint8_t {
   kAuto = 0,     // io_uring if the kernel allows it, else posix (logged once)
   kIoUring = 1,  // io_uring or fail with kUnavailable
   kPosix = 2,    // pread/pwrite worker pool
 };
-StatusOr<NvmeEngine> ParseNvmeEngine(std::string_view name);  // "auto", "io_uring", "posix"
+StatusOr<NvmeIoBackend> ParseNvmeIoBackend(std::string_view name);  // "auto", "io_uring", "posix"
 
 struct NvmeTierConfig {
   std::string dir;                  // existing writable directory on the target filesystem
   Bytes capacity = 0;               // the budget; bytes preallocated (a multiple of block_bytes)
   int files = 1;                    // scratch files the capacity is split over (1..64)
-  NvmeEngine engine = NvmeEngine::kAuto;
+  NvmeIoBackend io_backend = NvmeIoBackend::kAuto;
   int queue_depth = 8;              // max I/Os in flight (1..4096)
   Bytes piece_bytes = 1 * kMiB;     // large copies are split into pieces of this size
   int bounce_buffers = 0;           // piece-sized aligned bounce buffers (0 = queue_depth)
   Bytes block_bytes = 4 * kKiB;     // allocation, checksum and read-modify-write unit
-  int posix_threads = 0;            // posix engine workers (0 = queue_depth, at most 16)
+  int posix_threads = 0;            // posix backend workers (0 = queue_depth, at most 16)
   int checksum_threads = 0;         // CRC32C workers for aligned copies (0 = cores, at most 4)
   bool register_buffers = true;     // io_uring fixed buffers (falls back when refused)
   bool register_files = true;       // io_uring fixed files
@@ -48,14 +48,14 @@ class NvmeTier : public Tier {
  public:
   // Lets io_uring use [addr, addr + bytes) (e.g. a host tier's slab) as fixed buffers for
   // copies whose host pointer lies inside it. The memory must outlive the registration.
-  // Posix engine: OK, no effect. kUnavailable when registered buffers were refused at
+  // Posix backend: OK, no effect. kUnavailable when registered buffers were refused at
   // creation; kResourceExhausted when this registration is refused (RLIMIT_MEMLOCK). Copies
   // work either way (unregistered).
   virtual Status RegisterHostMemory(void* addr, Bytes bytes) = 0;
   // Undoes RegisterHostMemory(addr, ...). No copy using the range may be in flight.
   virtual Status UnregisterHostMemory(void* addr) = 0;
   // "io_uring" or "posix".
-  virtual std::string_view engine_name() const = 0;
+  virtual std::string_view io_backend_name() const = 0;
 
   // For tests: where byte `offset` of `region` lives: a path that opens the backing file
   // (/proc/self/fd/N; the file itself is unlinked) and the byte's offset in that file.
@@ -66,10 +66,10 @@ class NvmeTier : public Tier {
   virtual StatusOr<FileLocation> LocateForTest(const Region& region, Bytes offset) const = 0;
 };
 
-// Creates the files (fallocate'd, unlinked) and starts the engine. Errors: missing directory
+// Creates the files (fallocate'd, unlinked) and starts the I/O backend. Errors: missing directory
 // kNotFound; not a directory or not writable kFailedPrecondition; not enough free space
 // kResourceExhausted naming the path, the bytes asked for and the bytes free; bad config
-// kInvalidArgument; engine=io_uring refused kUnavailable.
+// kInvalidArgument; io_backend = kIoUring refused: kUnavailable.
 StatusOr<std::unique_ptr<NvmeTier>> OpenNvmeTier(const NvmeTierConfig& config);
 StatusOr<std::unique_ptr<Tier>> NewNvmeTier(const NvmeTierConfig& config);
 

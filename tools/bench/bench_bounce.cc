@@ -267,7 +267,7 @@ int Run(const BounceOptions& o) {
   if (!o.json) {
     std::printf("bounce bench: %s, chunk %s, %d lone moves per direction, %d busy threads, "
                 "%d rounds (median; ratios paired per round)\n",
-                std::string(nvme->engine_name()).c_str(), FormatBytes(chunk).c_str(), o.moves,
+                std::string(nvme->io_backend_name()).c_str(), FormatBytes(chunk).c_str(), o.moves,
                 o.busy_threads, o.rounds);
     std::printf("  %-16s %12s %12s %14s %14s %12s %12s\n", "config", "lone write", "lone read",
                 "stream write", "stream read", "write ratio", "read ratio");
@@ -296,7 +296,7 @@ int Run(const BounceOptions& o) {
   }
   if (o.json) {
     nlohmann::json j = {{"bench", "bounce"},
-                        {"engine", std::string(nvme->engine_name())},
+                        {"engine", std::string(nvme->io_backend_name())},
                         {"chunk_bytes", chunk},
                         {"moves", o.moves},
                         {"rounds", o.rounds},

@@ -56,11 +56,11 @@ struct Throughput {
 };
 
 StatusOr<Throughput> RunOurs(const std::string& dir, Bytes size, Bytes block, int depth,
-                             NvmeEngine engine, std::string* engine_name) {
+                             NvmeIoBackend engine, std::string* engine_name) {
   NvmeTierConfig config;
   config.dir = dir;
   config.capacity = size;
-  config.engine = engine;
+  config.io_backend = engine;
   config.queue_depth = depth;
   config.piece_bytes = block;
   config.bounce_buffers = 2;  // the bench's copies are aligned: bounce buffers stay idle
@@ -171,7 +171,7 @@ int Run(const BenchNvmeOptions& o) {
   if (!size.ok()) return fail(size.status());
   auto block = ParseBytes(o.block);
   if (!block.ok()) return fail(block.status());
-  auto engine = ParseNvmeEngine(o.engine);
+  auto engine = ParseNvmeIoBackend(o.engine);
   if (!engine.ok()) return fail(engine.status());
   if (*block == 0 || *block % 4096 != 0 || *size % *block != 0) {
     return fail(InvalidArgumentError("--block must be a multiple of 4 KiB dividing --size"));

@@ -11,20 +11,20 @@
 #include <thread>
 
 #include "runtime/base/mutex.h"
-#include "tiers/nvme/io_engine.h"
+#include "tiers/nvme/io_backend.h"
 
 namespace tiermem::nvme {
 namespace {
 
-class PosixEngine final : public IoEngine {
+class PosixBackend final : public IoBackend {
  public:
-  explicit PosixEngine(const EngineConfig& config) : fds_(config.fds) {
+  explicit PosixBackend(const IoBackendConfig& config) : fds_(config.fds) {
     int n = config.posix_threads > 0 ? config.posix_threads : config.queue_depth;
     if (n < 1) n = 1;
     if (n > 16 && config.posix_threads == 0) n = 16;
     for (int i = 0; i < n; ++i) workers_.emplace_back([this] { Run(); });
   }
-  ~PosixEngine() override {
+  ~PosixBackend() override {
     {
       MutexLock lock(mu_);
       stop_ = true;
@@ -95,8 +95,8 @@ class PosixEngine final : public IoEngine {
 
 }  // namespace
 
-std::unique_ptr<IoEngine> NewPosixEngine(const EngineConfig& config) {
-  return std::make_unique<PosixEngine>(config);
+std::unique_ptr<IoBackend> NewPosixBackend(const IoBackendConfig& config) {
+  return std::make_unique<PosixBackend>(config);
 }
 
 }  // namespace tiermem::nvme

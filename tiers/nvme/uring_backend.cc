@@ -27,7 +27,7 @@
 
 #include "runtime/base/logging.h"
 #include "runtime/base/mutex.h"
-#include "tiers/nvme/io_engine.h"
+#include "tiers/nvme/io_backend.h"
 
 namespace tiermem::nvme {
 namespace {
@@ -41,11 +41,11 @@ Status Refused(int err, std::string_view what) {
   return s;
 }
 
-class UringEngine final : public IoEngine {
+class UringBackend final : public IoBackend {
  public:
-  explicit UringEngine(const EngineConfig& config) : config_(config) {}
+  explicit UringBackend(const IoBackendConfig& config) : config_(config) {}
 
-  ~UringEngine() override {
+  ~UringBackend() override {
     if (!thread_.joinable()) return;
     {
       MutexLock lock(mu_);
@@ -389,7 +389,7 @@ class UringEngine final : public IoEngine {
     io_uring_queue_exit(&ring_);
   }
 
-  const EngineConfig config_;
+  const IoBackendConfig config_;
   std::thread thread_;
   std::thread::id thread_id_;  // set by the I/O thread before the set-up promise is fulfilled
   int event_fd_ = -1;
@@ -428,11 +428,11 @@ Status ProbeOnce() {
 
 }  // namespace
 
-StatusOr<std::unique_ptr<IoEngine>> NewUringEngine(const EngineConfig& config) {
+StatusOr<std::unique_ptr<IoBackend>> NewUringBackend(const IoBackendConfig& config) {
   TIERMEM_RETURN_IF_ERROR(ProbeOnce());
-  auto engine = std::make_unique<UringEngine>(config);
+  auto engine = std::make_unique<UringBackend>(config);
   TIERMEM_RETURN_IF_ERROR(engine->Start());
-  return std::unique_ptr<IoEngine>(std::move(engine));
+  return std::unique_ptr<IoBackend>(std::move(engine));
 }
 
 }  // namespace tiermem::nvme
