@@ -186,19 +186,23 @@ void ForTiles(size_t n, const Fn& fn) {
     fn(0, n);
     return;
   }
+  // Tiles [b, e): element ranges of kTile, the last one cut at n. Every path below runs these.
+  const auto run_tiles = [&](size_t b, size_t e) {
+    for (size_t t = b; t < e; ++t) fn(t * kTile, std::min(n, (t + 1) * kTile));
+  };
   if (const ParallelFor* pf = tls_parallel_for; pf != nullptr) {
     int hb = 0;  // as below: the caller's pool is not TSan-instrumented either
     TsanRelease(&hb);
     pf->Run(tiles, [&](size_t b, size_t e) {
       TsanAcquire(&hb);
-      for (size_t t = b; t < e; ++t) fn(t * kTile, std::min(n, (t + 1) * kTile));
+      run_tiles(b, e);
       TsanRelease(&hb);
     });
     TsanAcquire(&hb);
     return;
   }
   if (KernelThreads() == 1) {
-    for (size_t t = 0; t < tiles; ++t) fn(t * kTile, std::min(n, (t + 1) * kTile));
+    run_tiles(0, tiles);
     return;
   }
   std::shared_ptr<tbb::task_arena> arena = Arena();
@@ -209,9 +213,7 @@ void ForTiles(size_t n, const Fn& fn) {
         tbb::blocked_range<size_t>(0, tiles, 1),
         [&](const tbb::blocked_range<size_t>& r) {
           TsanAcquire(&hb);
-          for (size_t t = r.begin(); t < r.end(); ++t) {
-            fn(t * kTile, std::min(n, (t + 1) * kTile));
-          }
+          run_tiles(r.begin(), r.end());
           TsanRelease(&hb);
         },
         tbb::static_partitioner());
