@@ -13,17 +13,10 @@
 
 #include "kernels/cpu/optim.h"
 #include "kernels/cuda/optim_cuda.h"
+#include "tests/support/gpu.h"
 
 namespace tiermem::kernels {
 namespace {
-
-bool HaveGpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-
-#define REQUIRE_GPU() \
-  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device";
 
 // Device copy of a host vector; freed by the owner.
 template <typename T>
@@ -49,7 +42,7 @@ std::vector<uint16_t> To16(const std::vector<float>& f, DType t) {
 }
 
 TEST(CudaAdam, MultiChunkStepEqualsScalarReferenceBitForBit) {
-  REQUIRE_GPU();
+  TIERMEM_REQUIRE_GPU();
   ASSERT_TRUE(SetKernelIsa(Isa::kScalar).ok());
   std::mt19937 rng(1);
   std::normal_distribution<float> normal;
@@ -120,7 +113,7 @@ TEST(CudaAdam, MultiChunkStepEqualsScalarReferenceBitForBit) {
 }
 
 TEST(CudaGradNorm, MatchesCpuAndFlagsOverflow) {
-  REQUIRE_GPU();
+  TIERMEM_REQUIRE_GPU();
   std::mt19937 rng(2);
   std::normal_distribution<float> normal;
   std::vector<float> a(100003), b(77);
@@ -151,7 +144,7 @@ TEST(CudaGradNorm, MatchesCpuAndFlagsOverflow) {
 }
 
 TEST(CudaCast, EqualsCpuCastsOnAllPatterns) {
-  REQUIRE_GPU();
+  TIERMEM_REQUIRE_GPU();
   ASSERT_TRUE(SetKernelIsa(Isa::kScalar).ok());
   std::vector<float> f;
   for (uint64_t u = 0; u < (1ull << 32); u += 65537) {

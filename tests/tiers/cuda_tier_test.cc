@@ -8,24 +8,25 @@
 #include <numeric>
 #include <vector>
 
+#include "tests/support/gpu.h"
 #include "tiers/cuda/cuda_tier.h"
 
 namespace tiermem {
 namespace {
 
+// With a device present (TIERMEM_REQUIRE_GPU first), creating the tier must succeed.
 std::unique_ptr<Tier> MakeTier(Bytes capacity) {
   CudaTierConfig c;
   c.capacity = capacity;
   StatusOr<std::unique_ptr<Tier>> t = NewCudaTier(c);
+  EXPECT_TRUE(t.ok()) << t.status().ToString();
   return t.ok() ? std::move(*t) : nullptr;
 }
 
-#define REQUIRE_GPU(tier)                                    \
-  if ((tier) == nullptr) GTEST_SKIP() << "no CUDA device";
-
 TEST(CudaTier, BudgetIsExactAndArenaCoalesces) {
+  TIERMEM_REQUIRE_GPU();
   auto tier = MakeTier(1 * kMiB);
-  REQUIRE_GPU(tier);
+  ASSERT_NE(tier, nullptr);
   EXPECT_EQ(tier->kind(), TierKind::kDevice);
   EXPECT_EQ(tier->Stats().capacity, 1 * kMiB);
   auto a = tier->Allocate(1000);  // rounded to 1024
@@ -53,8 +54,9 @@ TEST(CudaTier, BudgetIsExactAndArenaCoalesces) {
 }
 
 TEST(CudaTier, FragmentedArenaSaysSo) {
+  TIERMEM_REQUIRE_GPU();
   auto tier = MakeTier(4 * 256);
-  REQUIRE_GPU(tier);
+  ASSERT_NE(tier, nullptr);
   std::vector<Region> r;
   for (int i = 0; i < 4; ++i) r.push_back(*tier->Allocate(256));
   ASSERT_TRUE(tier->Free(r[0]).ok());
@@ -66,8 +68,9 @@ TEST(CudaTier, FragmentedArenaSaysSo) {
 }
 
 TEST(CudaTier, CopiesRoundTripOnBothLanes) {
+  TIERMEM_REQUIRE_GPU();
   auto tier = MakeTier(64 * kMiB);
-  REQUIRE_GPU(tier);
+  ASSERT_NE(tier, nullptr);
   const Bytes n = 8 * kMiB + 13;
   auto r = tier->Allocate(n);
   ASSERT_TRUE(r.ok());
@@ -94,8 +97,9 @@ TEST(CudaTier, CopiesRoundTripOnBothLanes) {
 }
 
 TEST(CudaTier, CompletionCallbacksMayCallTheTier) {
+  TIERMEM_REQUIRE_GPU();
   auto tier = MakeTier(1 * kMiB);
-  REQUIRE_GPU(tier);
+  ASSERT_NE(tier, nullptr);
   auto r = tier->Allocate(4096);
   ASSERT_TRUE(r.ok());
   std::vector<unsigned char> host(4096, 1), back(4096, 0);
@@ -112,8 +116,9 @@ TEST(CudaTier, CompletionCallbacksMayCallTheTier) {
 }
 
 TEST(CudaTier, BadRequestsFailWithSpecificCodes) {
+  TIERMEM_REQUIRE_GPU();
   auto tier = MakeTier(1 * kMiB);
-  REQUIRE_GPU(tier);
+  ASSERT_NE(tier, nullptr);
   auto r = tier->Allocate(4096);
   ASSERT_TRUE(r.ok());
   std::vector<unsigned char> host(8192);
@@ -129,7 +134,7 @@ TEST(CudaTier, BadRequestsFailWithSpecificCodes) {
 }
 
 TEST(CudaTier, HostRegistrationPinsAndUnpins) {
-  if (!CudaDeviceCount().ok()) GTEST_SKIP() << "no CUDA device";
+  TIERMEM_REQUIRE_GPU();
   std::vector<unsigned char> buf(1 * kMiB);
   {
     auto reg = CudaHostRegistration::Make(buf.data(), buf.size());
