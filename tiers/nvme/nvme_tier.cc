@@ -10,13 +10,13 @@
 // of the blocks it carries just before it is issued; a read verifies every block it brings in
 // before any byte reaches the caller. Blocks never written still verify: fallocate'd extents
 // read as zeros and every checksum starts as that of a zero block. On the direct (fast) path
-// the checksum work runs on a small pool of checksum workers, not on the engine's thread: a
+// the checksum work runs on a small pool of checksum workers, not on the I/O backend's thread: a
 // write piece is stamped there and then submitted; a read piece is handed there on completion
 // and verified. The single io_uring thread thus only moves requests, and checksumming spreads
 // over cores and overlaps with the I/O in flight — unless the copy asks for inline work
 // (CopyRequest::inline_work, the Mover's bounce): then a write piece is stamped on the calling
-// thread and a read piece verified on the engine's completing thread, one hand-off less.
-// The tier's own bounce pieces (unaligned copies) checksum on the engine thread.
+// thread and a read piece verified on the I/O backend's completing thread, one hand-off less.
+// The tier's own bounce pieces (unaligned copies) checksum on the I/O backend's thread.
 // Checksum cost is what decides throughput against fio on a busy machine: see
 // docs/benchmarks.md ("NVMe tier vs fio") for the measurements behind the VPCLMULQDQ CRC.
 //
@@ -25,13 +25,13 @@
 // goes through piece-sized aligned bounce buffers: reads read the covering blocks and copy
 // out the middle; writes that cover a block only partly read that block first
 // (read-modify-write). Every copy is cut into pieces of at most piece_bytes that are issued
-// together; the engine keeps queue_depth of them in flight. A copy completes when all its
+// together; the I/O backend keeps queue_depth of them in flight. A copy completes when all its
 // pieces have, with the first failure.
 //
 // Concurrency: copies to disjoint byte ranges may run concurrently even when they share a
 // block, because a bounce piece locks the (at most two) partly covered blocks it touches, in
 // ascending order, for the whole read-modify-write or read-verify. Locks and bounce buffers are
-// handed over asynchronously (continuations), so neither the caller nor an engine thread ever
+// handed over asynchronously (continuations), so neither the caller nor an I/O backend thread ever
 // blocks on them; a piece takes its bounce buffer before any lock, so there is no cycle.
 // Overlapping concurrent copies are the caller's bug (tiers/tier.h).
 #include "tiers/nvme/nvme_tier.h"
@@ -659,7 +659,7 @@ void NvmeTierImpl::StartDirect(const std::shared_ptr<Request>& r, uint64_t off, 
     });
   } else {
     op->complete = [this, r, off](IoOp& o, Status s) {
-      if (!s.ok() || r->inline_work) {  // verified here, on the engine's completing thread
+      if (!s.ok() || r->inline_work) {  // verified here, on the I/O backend's completing thread
         if (s.ok()) s = Verify(*r, off, o.buf, o.len);
         r->PieceDone(s);
         delete &o;

@@ -1,6 +1,6 @@
-// The pread/pwrite engine: a small pool of worker threads, each taking one op at a time from a
+// The pread/pwrite I/O backend: a small pool of worker threads, each taking one op at a time from a
 // FIFO and transferring it with blocking calls. In-flight ops = busy workers <= pool size.
-// Used where io_uring is refused (container seccomp profiles) or with engine=posix.
+// Used where io_uring is refused (container seccomp profiles) or with nvme.engine "posix".
 //
 // Threading: Submit is thread-safe; prepare/complete run on the workers.
 #include <unistd.h>

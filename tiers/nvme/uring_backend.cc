@@ -1,4 +1,4 @@
-// The io_uring engine. One ring, created and driven by one I/O thread (SINGLE_ISSUER and
+// The io_uring I/O backend. One ring, created and driven by one I/O thread (SINGLE_ISSUER and
 // DEFER_TASKRUN where the kernel has them): every submission, completion, and buffer
 // registration happens on that thread. Other threads hand ops over through a mutex-protected
 // queue and wake the thread through an eventfd that the ring itself keeps a read posted on.
@@ -430,9 +430,9 @@ Status ProbeOnce() {
 
 StatusOr<std::unique_ptr<IoBackend>> NewUringBackend(const IoBackendConfig& config) {
   TIERMEM_RETURN_IF_ERROR(ProbeOnce());
-  auto engine = std::make_unique<UringBackend>(config);
-  TIERMEM_RETURN_IF_ERROR(engine->Start());
-  return std::unique_ptr<IoBackend>(std::move(engine));
+  auto backend = std::make_unique<UringBackend>(config);
+  TIERMEM_RETURN_IF_ERROR(backend->Start());
+  return std::unique_ptr<IoBackend>(std::move(backend));
 }
 
 }  // namespace tiermem::nvme
