@@ -16,8 +16,8 @@
 #include <string_view>
 #include <vector>
 
-#include "runtime/base/status.h"
-#include "runtime/base/units.h"
+#include "base/status.h"
+#include "base/units.h"
 
 namespace tiermem::chunks {
 

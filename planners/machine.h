@@ -19,8 +19,8 @@
 #include <utility>
 
 #include "planners/trace.h"
-#include "runtime/base/status.h"
-#include "runtime/base/units.h"
+#include "base/status.h"
+#include "base/units.h"
 
 namespace tiermem::planners {
 

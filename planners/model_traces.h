@@ -26,7 +26,7 @@
 #include <string>
 
 #include "planners/trace.h"
-#include "runtime/base/status.h"
+#include "base/status.h"
 
 namespace tiermem::planners {
 

@@ -39,7 +39,7 @@
 #include <fstream>
 #include <map>
 
-#include "runtime/base/crc32c.h"
+#include "base/crc32c.h"
 
 namespace tiermem::planners {
 namespace {

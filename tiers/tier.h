@@ -20,9 +20,9 @@
 #include <string>
 #include <vector>
 
-#include "runtime/base/mutex.h"
-#include "runtime/base/status.h"
-#include "runtime/base/units.h"
+#include "base/mutex.h"
+#include "base/status.h"
+#include "base/units.h"
 
 namespace tiermem {
 

@@ -24,7 +24,7 @@
 #include <memory>
 #include <vector>
 
-#include "runtime/base/mutex.h"
+#include "base/mutex.h"
 
 namespace tiermem::preload {
 

@@ -9,7 +9,7 @@
 
 #include <cerrno>
 
-#include "runtime/base/mutex.h"
+#include "base/mutex.h"
 
 namespace tiermem::preload {
 

@@ -16,7 +16,7 @@
 #include <cstdint>
 #include <memory>
 
-#include "runtime/base/status.h"
+#include "base/status.h"
 
 namespace tiermem::preload {
 

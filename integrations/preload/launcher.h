@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
-#include "runtime/base/env.h"
-#include "runtime/base/status.h"
-#include "runtime/base/units.h"
+#include "base/env.h"
+#include "base/status.h"
+#include "base/units.h"
 
 namespace tiermem::preload {
 

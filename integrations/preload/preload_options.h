@@ -21,9 +21,9 @@
 
 #include <string>
 
-#include "runtime/base/env.h"
-#include "runtime/base/status.h"
-#include "runtime/base/units.h"
+#include "base/env.h"
+#include "base/status.h"
+#include "base/units.h"
 
 namespace tiermem::preload {
 

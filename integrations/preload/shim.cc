@@ -58,9 +58,9 @@
 #include "integrations/preload/alloc_table.h"
 #include "integrations/preload/cuda_abi.h"
 #include "integrations/preload/preload_options.h"
-#include "runtime/base/mutex.h"
-#include "runtime/base/timeline.h"
-#include "runtime/base/units.h"
+#include "base/mutex.h"
+#include "base/timeline.h"
+#include "base/units.h"
 
 #define TIERMEM_EXPORT extern "C" __attribute__((visibility("default")))
 

@@ -33,10 +33,10 @@
 #include <tbb/task_arena.h>
 
 #include "kernels/cpu/kernel_table.h"
-#include "runtime/base/logging.h"
-#include "runtime/base/env.h"
-#include "runtime/base/mutex.h"
-#include "runtime/base/sanitizers.h"
+#include "base/logging.h"
+#include "base/env.h"
+#include "base/mutex.h"
+#include "base/sanitizers.h"
 
 namespace tiermem::kernels {
 namespace {
@@ -206,7 +206,7 @@ void ForTiles(size_t n, const Fn& fn) {
     return;
   }
   std::shared_ptr<tbb::task_arena> arena = Arena();
-  int hb = 0;        // TSan happens-before token (runtime/base/sanitizers.h): libtbb is not
+  int hb = 0;        // TSan happens-before token (base/sanitizers.h): libtbb is not
   TsanRelease(&hb);  // instrumented; the caller's data -> the tiles -> the caller again
   arena->execute([&] {
     tbb::parallel_for(

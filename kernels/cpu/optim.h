@@ -21,7 +21,7 @@
 #include <functional>
 #include <string_view>
 
-#include "runtime/base/status.h"
+#include "base/status.h"
 
 namespace tiermem::kernels {
 

@@ -16,7 +16,7 @@
 #include <cstddef>
 
 #include "kernels/cpu/optim.h"
-#include "runtime/base/status.h"
+#include "base/status.h"
 
 namespace tiermem::kernels::cuda {
 

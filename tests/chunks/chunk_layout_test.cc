@@ -2,7 +2,6 @@
 
 #include <gtest/gtest.h>
 
-#include "chunks/tensor_states.h"
 
 namespace tiermem::chunks {
 namespace {
@@ -70,32 +69,6 @@ TEST(ChooseChunkElems, BudgetBelowMinimumNamesMinimumBytes) {
       << c.status().message();
   EXPECT_EQ(MinimumDeviceBudget(1000, 4, 3), 12000u);
   EXPECT_TRUE(ChooseChunkElems({1000, 10}, 12000, 4, 3).ok());
-}
-
-TEST(TensorStates, CountersTrackTransitions) {
-  auto l = PackTensors({40, 30, 50}, 100);
-  ASSERT_TRUE(l.ok());
-  TensorStates st(*l);
-  EXPECT_TRUE(st.AllFree(0));
-  EXPECT_TRUE(st.Movable(0));
-  EXPECT_EQ(st.Count(0, TensorState::kFree), 2u);
-  ASSERT_TRUE(st.Set(0, TensorState::kCompute).ok());
-  EXPECT_FALSE(st.Movable(0));
-  EXPECT_TRUE(st.Movable(1));
-  EXPECT_FALSE(st.AllFree(0));
-  auto prev = st.Set(0, TensorState::kHoldAfterFwd);
-  ASSERT_TRUE(prev.ok());
-  EXPECT_EQ(*prev, TensorState::kCompute);
-  EXPECT_TRUE(st.Movable(0));
-  EXPECT_EQ(st.Count(0, TensorState::kHoldAfterFwd), 1u);
-  EXPECT_EQ(st.Count(0, TensorState::kFree), 1u);
-  ASSERT_TRUE(st.Set(0, TensorState::kFree).ok());
-  EXPECT_TRUE(st.AllFree(0));
-  EXPECT_EQ(st.Set(7, TensorState::kFree).status().code(), StatusCode::kOutOfRange);
-  EXPECT_FALSE(st.dirty(1, ChunkKind::kGrad));
-  st.set_dirty(1, ChunkKind::kGrad, true);
-  EXPECT_TRUE(st.dirty(1, ChunkKind::kGrad));
-  EXPECT_FALSE(st.dirty(1, ChunkKind::kParamFp32));
 }
 
 }  // namespace

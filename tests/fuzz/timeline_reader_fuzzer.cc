@@ -5,8 +5,8 @@
 #include <cstdint>
 #include <string>
 
-#include "runtime/base/timeline_reader.h"
-#include "runtime/prof/analysis.h"
+#include "base/timeline_reader.h"
+#include "prof/analysis.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   auto reader = tiermem::TimelineReader::FromBytes(

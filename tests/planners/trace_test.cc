@@ -11,7 +11,7 @@
 #include <fstream>
 
 #include "planners/model_traces.h"
-#include "runtime/base/crc32c.h"
+#include "base/crc32c.h"
 #include "test_support.h"
 
 namespace tiermem::planners {

@@ -1,4 +1,4 @@
-"""The configuration table (tests/runtime/session/config_cases.json) through the Python
+"""The configuration table (tests/runtime/config_cases.json) through the Python
 package: the same cases, the same errors as the C++ parser (config_test.cc), since both call
 session::ParseConfig. Plus what only the Python shim does (dicts, paths, non-JSON values) and
 that a bad TIERMEM_* variable fails initialize before the model is touched."""
@@ -11,7 +11,7 @@ import torch
 tiermem = pytest.importorskip("tiermem")
 from tiermem.config import parse_config  # noqa: E402
 
-CASES = os.path.join(os.path.dirname(__file__), "..", "runtime", "session", "config_cases.json")
+CASES = os.path.join(os.path.dirname(__file__), "..", "runtime", "config_cases.json")
 
 
 def _cases():

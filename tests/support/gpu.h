@@ -8,7 +8,7 @@
 
 #include <gtest/gtest.h>
 
-#include "runtime/base/status.h"
+#include "base/status.h"
 #include "tiers/cuda/cuda_tier.h"
 
 #define TIERMEM_REQUIRE_GPU()                                                          \

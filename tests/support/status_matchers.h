@@ -9,7 +9,7 @@
 
 #include <string>
 
-#include "runtime/base/status.h"
+#include "base/status.h"
 
 namespace tiermem::testing {
 

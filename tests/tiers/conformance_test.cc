@@ -10,7 +10,7 @@
 #include <random>
 #include <thread>
 
-#include "runtime/mover.h"
+#include "chunks/mover.h"
 #include "tests/tiers/conformance.h"
 #include "tiers/fake/sim_device.h"
 #include "tiers/host/host_tier.h"

@@ -6,8 +6,8 @@
 
 #include <gtest/gtest.h>
 
-#include "runtime/base/clock.h"
-#include "runtime/base/sanitizers.h"
+#include "base/clock.h"
+#include "base/sanitizers.h"
 #include "tests/tiers/ordering_scenarios.h"
 #include "tests/tiers/sim_compute_harness.h"
 #include "tiers/fake/sim_device.h"

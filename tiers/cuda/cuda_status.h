@@ -18,7 +18,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "runtime/base/status.h"
+#include "base/status.h"
 
 namespace tiermem {
 

@@ -44,7 +44,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "runtime/base/mutex.h"
+#include "base/mutex.h"
 #include "tiers/cuda/cuda_status.h"
 
 namespace tiermem {

@@ -14,8 +14,8 @@
 
 #include <memory>
 
-#include "runtime/base/status.h"
-#include "runtime/base/units.h"
+#include "base/status.h"
+#include "base/units.h"
 #include "tiers/host/host_tier.h"
 #include "tiers/tier.h"
 

@@ -14,7 +14,7 @@
 #include <thread>
 #include <vector>
 
-#include "runtime/base/mutex.h"
+#include "base/mutex.h"
 
 namespace tiermem {
 

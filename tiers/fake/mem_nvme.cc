@@ -7,7 +7,7 @@
 #include <cstring>
 #include <unordered_map>
 
-#include "runtime/base/mutex.h"
+#include "base/mutex.h"
 #include "tiers/worker_pool.h"
 
 namespace tiermem {

@@ -28,9 +28,9 @@
 #include <unordered_map>
 #include <vector>
 
-#include "runtime/base/clock.h"
-#include "runtime/base/mutex.h"
-#include "runtime/base/sanitizers.h"
+#include "base/clock.h"
+#include "base/mutex.h"
+#include "base/sanitizers.h"
 #include "tiers/fake/sim_stream.h"
 #include "tiers/worker_pool.h"
 

@@ -21,7 +21,7 @@
 #include <functional>
 #include <memory>
 
-#include "runtime/base/mutex.h"
+#include "base/mutex.h"
 #include "tiers/tier.h"
 #include "tiers/worker_pool.h"
 

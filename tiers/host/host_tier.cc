@@ -32,8 +32,8 @@
 #include <cstring>
 #include <unordered_map>
 
-#include "runtime/base/logging.h"
-#include "runtime/base/mutex.h"
+#include "base/logging.h"
+#include "base/mutex.h"
 #include "tiers/worker_pool.h"
 
 #ifndef MADV_POPULATE_WRITE

@@ -52,9 +52,9 @@
 #include <unordered_map>
 #include <vector>
 
-#include "runtime/base/logging.h"
-#include "runtime/base/crc32c.h"
-#include "runtime/base/mutex.h"
+#include "base/logging.h"
+#include "base/crc32c.h"
+#include "base/mutex.h"
 #include "tiers/worker_pool.h"
 #include "tiers/nvme/extent_allocator.h"
 #include "tiers/nvme/io_backend.h"

@@ -10,7 +10,7 @@
 #include <string>
 #include <thread>
 
-#include "runtime/base/mutex.h"
+#include "base/mutex.h"
 #include "tiers/nvme/io_backend.h"
 
 namespace tiermem::nvme {

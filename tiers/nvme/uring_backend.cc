@@ -25,8 +25,8 @@
 #include <string>
 #include <thread>
 
-#include "runtime/base/logging.h"
-#include "runtime/base/mutex.h"
+#include "base/logging.h"
+#include "base/mutex.h"
 #include "tiers/nvme/io_backend.h"
 
 namespace tiermem::nvme {

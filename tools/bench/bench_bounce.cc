@@ -28,9 +28,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include "runtime/base/clock.h"
-#include "runtime/base/units.h"
-#include "runtime/mover.h"
+#include "base/clock.h"
+#include "base/units.h"
+#include "chunks/mover.h"
 #include "tiers/fake/sim_device.h"
 #include "tiers/host/host_tier.h"
 #include "tiers/nvme/nvme_tier.h"

@@ -13,8 +13,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "runtime/base/clock.h"
-#include "runtime/mover.h"
+#include "base/clock.h"
+#include "chunks/mover.h"
 #include "tiers/fake/sim_device.h"
 #include "tiers/host/host_tier.h"
 #include "tools/commands.h"

@@ -31,8 +31,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "runtime/base/clock.h"
-#include "runtime/base/units.h"
+#include "base/clock.h"
+#include "base/units.h"
 #include "tiers/nvme/nvme_tier.h"
 #include "tools/commands.h"
 

@@ -13,8 +13,8 @@
 #include <thread>
 #include <vector>
 
-#include "runtime/base/clock.h"
-#include "runtime/base/timeline.h"
+#include "base/clock.h"
+#include "base/timeline.h"
 #include "tools/commands.h"
 
 namespace tiermem::tools {

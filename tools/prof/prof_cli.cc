@@ -1,15 +1,15 @@
-// `tiermem prof report|html|export|diff`: a thin CLI over tiermem::prof (runtime/prof).
+// `tiermem prof report|html|export|diff`: a thin CLI over tiermem::prof (prof).
 #include <cstdio>
 #include <iostream>
 #include <memory>
 #include <string>
 
 #include "tools/commands.h"
-#include "runtime/prof/analysis.h"
-#include "runtime/prof/html.h"
-#include "runtime/prof/perfetto.h"
-#include "runtime/prof/render.h"
-#include "runtime/prof/synthetic.h"
+#include "prof/analysis.h"
+#include "prof/html.h"
+#include "prof/perfetto.h"
+#include "prof/render.h"
+#include "prof/synthetic.h"
 
 namespace tiermem::tools {
 namespace {

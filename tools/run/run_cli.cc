@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "integrations/preload/launcher.h"
-#include "runtime/base/units.h"
+#include "base/units.h"
 #include "tools/commands.h"
 
 namespace tiermem::tools {

@@ -19,7 +19,7 @@
 #include <unordered_set>
 
 #include "integrations/preload/fake/fake_cudart.h"
-#include "runtime/base/mutex.h"
+#include "base/mutex.h"
 
 #ifndef FAKE_CUDART_MAJOR
 #define FAKE_CUDART_MAJOR 12

@@ -26,7 +26,7 @@
 #include <set>
 
 #include "integrations/torch/cpp/torch_pool.h"
-#include "runtime/session/tier_stack.h"
+#include "runtime/tier_stack.h"
 
 namespace tiermem::torch {
 namespace {

@@ -1,5 +1,5 @@
 // tiermem::torch::ChunkedModel — the LibTorch (C++) API of tiermem: an adapter over the
-// torch-free session core (runtime/session/session.h), like the Python package.
+// torch-free session core (runtime/session.h), like the Python package.
 //
 // C++ modules have no forward hooks and C++ autograd has no saved-tensor hooks, so the model
 // says explicitly which *segment* (a submodule and the code that uses its parameters) runs
@@ -66,8 +66,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "runtime/base/status.h"
-#include "runtime/session/session.h"
+#include "base/status.h"
+#include "runtime/session.h"
 
 namespace tiermem::torch {
 

@@ -1,4 +1,4 @@
-// tiermem._C: the Python binding of the session core (runtime/session), pybind11 through
+// tiermem._C: the Python binding of the session core (runtime), pybind11 through
 // torch's headers. It is deliberately thin: a Config (the one parser, session::ParseConfig)
 // and a Session whose methods forward to session::Session, plus the conversions only a torch
 // binding can do — chunk memory as tensors, and the kernels' entry points for tests.
@@ -20,13 +20,13 @@
 #include "chunks/chunk_layout.h"
 #include "integrations/torch/cpp/torch_pool.h"
 #include "kernels/cpu/optim.h"
-#include "runtime/base/env.h"
-#include "runtime/base/timeline_reader.h"
-#include "runtime/prof/analysis.h"
-#include "runtime/session/config.h"
-#include "runtime/session/device_kernels.h"
-#include "runtime/session/session.h"
-#include "runtime/session/tier_stack.h"
+#include "base/env.h"
+#include "base/timeline_reader.h"
+#include "prof/analysis.h"
+#include "runtime/config.h"
+#include "runtime/device_kernels.h"
+#include "runtime/session.h"
+#include "runtime/tier_stack.h"
 
 namespace py = pybind11;
 

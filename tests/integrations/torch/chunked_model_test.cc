@@ -412,7 +412,7 @@ std::vector<double> TrainSteps(GPT& model, tiermem::torch::ChunkedModel& cm,
 }
 
 TEST(ChunkedModel, SaveAndLoadResumeBitForBitAndATornFileChangesNothing) {
-  // No std::filesystem in a binary linked with libtorch (see runtime/base/fs.h).
+  // No std::filesystem in a binary linked with libtorch (see base/fs.h).
   const std::string dir = ::testing::TempDir();
   const GPTConfig c = SmallConfig();
   const auto batches = SyntheticBatches(c, 4, 6);

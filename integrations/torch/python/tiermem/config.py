@@ -1,6 +1,6 @@
 """Configuration for tiermem.initialize: a thin shim over the C++ parser.
 
-The one parser is ``session::ParseConfig`` (runtime/session/config.h), reached through the
+The one parser is ``session::ParseConfig`` (runtime/config.h), reached through the
 extension: a dict is sent as JSON, a path is read by C++. The keys, defaults and error
 messages are therefore exactly those of the LibTorch API, and the TIERMEM_* environment
 variables override keys the same way in both (docs/configuration.md). An unknown key or a

@@ -2,7 +2,7 @@
 docs/distributed.md).
 
 Each rank's session holds only its shard of every chunk (params, grads, AdamW m and v, fp32
-masters) in its own tiers and budgets (runtime/session/session.h, "Sharding"). This module is
+masters) in its own tiers and budgets (runtime/session.h, "Sharding"). This module is
 the binding's side of it, and the only place bytes cross processes — always through
 torch.distributed (Gloo on CPU, NCCL on GPUs), never a transport of tiermem's own:
 

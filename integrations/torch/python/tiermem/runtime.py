@@ -1,4 +1,4 @@
-"""The PyTorch adapter over the session core (``_C.Session``, runtime/session in C++).
+"""The PyTorch adapter over the session core (``_C.Session``, runtime in C++).
 
 The core owns the layout, the tiers, the optimizer step and checkpoints. This file only
 translates torch events into core calls:

@@ -1,0 +1,996 @@
+// Engine implementation.
+//
+// Chunk lifecycle: AddChunk allocates the home region (host, else NVMe) and marks the content
+// zero. Acquire(c, T):
+//   - T is where c is resident: pin.
+//   - T is c's home and c has a cached copy above: write the copy back if dirty, free it.
+//   - otherwise: allocate on T (evicting), then fill it from the cached copy (moving it up or
+//     down a tier; dirty is kept), from zeros (dirty, home stale), or from home (clean).
+// AcquireForWrite is Acquire except that a zero chunk landing on a non-host tier is handed over
+// unfilled and the caller zeroes it (no synchronous copy from zeros_); it is dirty all the same.
+// Release unpins; a modified cached copy becomes dirty. Eviction frees a cached copy after
+// writing it back if dirty. Homes never move and are freed only by the destructor.
+// Invariants: a chunk has at most one cached copy; a pinned or in-flight chunk is never
+// chosen for eviction; a region is freed only with no move in flight on it (we wait first);
+// `zero` implies no cached copy holds unique data (it is set only after dropping the copy).
+#include "chunks/engine.h"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "base/clock.h"
+#include "base/logging.h"
+
+namespace tiermem::engine {
+namespace {
+int Idx(TierKind k) { return static_cast<int>(k); }
+}  // namespace
+
+StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config, EngineTiers tiers,
+                                                 Mover* mover, TimelineRecorder* recorder,
+                                                 std::unique_ptr<EvictionPolicy> policy) {
+  if (tiers.device == nullptr || tiers.host == nullptr) {
+    return InvalidArgumentError("engine: a device tier and a host tier are required");
+  }
+  if (tiers.host->kind() != TierKind::kHost) {
+    return InvalidArgumentError("engine: the host tier must be of kind host");
+  }
+  if (mover == nullptr) return InvalidArgumentError("engine: a mover is required");
+  if (config.prefetch_depth < 0) return InvalidArgumentError("engine: prefetch_depth < 0");
+  if (policy == nullptr) policy = NewDefaultEvictionPolicy();
+  std::unique_ptr<Engine> e(new Engine(config, tiers, mover, recorder, std::move(policy)));
+  if (recorder != nullptr) {
+    for (Tier* t : {tiers.device, tiers.host, tiers.nvme}) {
+      if (t == nullptr) continue;
+      Event ev;
+      ev.type = EventType::kBudget;
+      ev.tier = t->kind();
+      ev.bytes = t->Stats().capacity;
+      recorder->Record(ev);
+    }
+  }
+  return e;
+}
+
+Engine::Engine(const EngineConfig& config, EngineTiers tiers, Mover* mover,
+               TimelineRecorder* recorder, std::unique_ptr<EvictionPolicy> policy)
+    : config_(config), tiers_(tiers), mover_(mover), recorder_(recorder),
+      policy_(std::move(policy)) {}
+
+Engine::~Engine() {
+  for (ChunkRec& c : chunks_) {
+    if (c.inflight) c.inflight->Wait().IgnoreError();
+  }
+  for (ChunkId id = 0; id < chunks_.size(); ++id) {
+    ChunkRec& c = chunks_[id];
+    if (c.cache.tier != TierKind::kNone) FreeRegion(c.cache, id, !c.dirty).IgnoreError();
+    FreeRegion(c.home, id, true).IgnoreError();
+  }
+}
+
+Tier* Engine::TierOf(TierKind k) const {
+  switch (k) {
+    case TierKind::kDevice: return tiers_.device;
+    case TierKind::kHost: return tiers_.host;
+    case TierKind::kNvme: return tiers_.nvme;
+    default: return nullptr;
+  }
+}
+
+Status Engine::CheckChunk(ChunkId chunk) const {
+  if (chunk >= chunks_.size()) {
+    return OutOfRangeError("engine: unknown chunk " + std::to_string(chunk));
+  }
+  return OkStatus();
+}
+
+void Engine::RecordRegion(EventType type, const Placed& p, ChunkId chunk, uint8_t flags) {
+  if (recorder_ == nullptr) return;
+  Event e;
+  e.type = type;
+  e.id = p.region.id;
+  e.bytes = p.region.bytes;
+  e.tier = p.tier;
+  e.chunk = chunk;
+  e.category = chunk < chunks_.size() ? chunks_[chunk].category : Category::kOther;
+  e.flags = flags;
+  recorder_->Record(e);
+}
+
+void Engine::RecordScratch(EventType type, TierKind tier, const Region& r, Category category) {
+  if (recorder_ == nullptr) return;
+  Event e;
+  e.type = type;
+  e.id = r.id;
+  e.bytes = r.bytes;
+  e.tier = tier;
+  e.chunk = kNoChunk;
+  e.category = category;
+  recorder_->Record(e);
+}
+
+void Engine::RecordLabel(EventType type, std::string_view label, uint64_t id) {
+  if (recorder_ == nullptr) return;
+  Event e;
+  e.type = type;
+  e.id = id;
+  e.label = recorder_->InternLabel(label);
+  recorder_->Record(e);
+}
+
+void Engine::RecordOom(TierKind tier, Bytes bytes, ChunkId chunk, Category category) {
+  if (recorder_ == nullptr) return;
+  Event e;
+  e.type = EventType::kOom;
+  e.tier = tier;
+  e.bytes = bytes;
+  e.chunk = chunk;
+  e.category = category;
+  recorder_->Record(e);
+}
+
+StatusOr<ChunkId> Engine::AddChunk(Bytes bytes, Category category) {
+  if (bytes == 0) return InvalidArgumentError("engine: chunk of 0 bytes");
+  const TierStats host = tiers_.host->Stats();
+  if (host.used + bytes + config_.host_reserve_bytes <= host.capacity) {
+    auto id = AddChunk(bytes, category, TierKind::kHost);
+    if (id.ok() || tiers_.nvme == nullptr) return id;
+  }
+  if (tiers_.nvme == nullptr) {
+    RecordOom(TierKind::kHost, bytes, kNoChunk, category);  // refused like an allocation
+    return ResourceExhaustedError(
+        "engine: host tier cannot hold a chunk of " + std::to_string(bytes) + " bytes (" +
+        std::to_string(host.capacity - std::min(host.capacity, host.used)) + " of " +
+        std::to_string(host.capacity) + " bytes free, " +
+        std::to_string(config_.host_reserve_bytes) +
+        " reserved) and there is no NVMe tier; raise the host budget or configure nvme");
+  }
+  return AddChunk(bytes, category, TierKind::kNvme);
+}
+
+StatusOr<ChunkId> Engine::AddChunk(Bytes bytes, Category category, TierKind home) {
+  if (bytes == 0) return InvalidArgumentError("engine: chunk of 0 bytes");
+  if (home != TierKind::kHost && home != TierKind::kNvme) {
+    return InvalidArgumentError("engine: a chunk's home must be host or nvme");
+  }
+  Tier* t = TierOf(home);
+  if (t == nullptr) return FailedPreconditionError("engine: no nvme tier configured");
+  auto r = t->Allocate(bytes);
+  if (!r.ok()) {
+    RecordOom(home, bytes, kNoChunk, category);
+    return r.status().WithContext("engine: home of a " + std::to_string(bytes) + "-byte chunk");
+  }
+  const ChunkId id = static_cast<ChunkId>(chunks_.size());
+  ChunkRec c;
+  c.bytes = bytes;
+  c.category = category;
+  c.home = Placed{home, *r};
+  chunks_.push_back(std::move(c));
+  RecordRegion(EventType::kAlloc, chunks_[id].home, id, kFlagNone);
+  return id;
+}
+
+Status Engine::WaitStall(const std::shared_ptr<Completion>& c, ChunkId chunk,
+                         std::string_view cause) {
+  if (c->Poll()) return c->Wait();
+  const uint64_t id = ++stall_id_;
+  const uint64_t t0 = Clock::Real()->NowNs();
+  if (recorder_ != nullptr) {
+    Event e;
+    e.type = EventType::kStallBegin;
+    e.id = id;
+    e.chunk = chunk;
+    e.label = recorder_->InternLabel(cause);
+    recorder_->Record(e);
+  }
+  Status s = c->Wait();
+  stats_.stall_ns += Clock::Real()->NowNs() - t0;
+  ++stats_.stalls;
+  if (recorder_ != nullptr) {
+    Event e;
+    e.type = EventType::kStallEnd;
+    e.id = id;
+    e.chunk = chunk;
+    recorder_->Record(e);
+  }
+  return s;
+}
+
+Status Engine::WaitInflight(ChunkId chunk, std::string_view cause) {
+  ChunkRec& c = chunks_[chunk];
+  if (!c.inflight) return OkStatus();
+  std::shared_ptr<Completion> done = std::move(c.inflight);
+  c.inflight.reset();
+  if (c.writing_back) {
+    c.writing_back = false;
+    const bool drop = c.drop_after;
+    c.drop_after = false;
+    Status s = WaitStall(done, chunk, drop ? "planned write-back" : "write-behind late");
+    // Nothing touched the cached copy meanwhile (everything waits for `inflight` first).
+    if (s.ok()) {
+      c.dirty = false;
+      if (drop) {  // a planned eviction: its home copy is current now, free the cached one
+        ++evictions_now_[Idx(c.cache.tier)];
+        TIERMEM_RETURN_IF_ERROR(FreeRegion(c.cache, chunk, true));
+        c.cache = Placed{};
+        ++stats_.evictions;
+      }
+      return OkStatus();
+    }
+    return s.WithContext("engine: background write-back of chunk " + std::to_string(chunk) +
+                         " (its cached copy is kept, still dirty)");
+  }
+  Status s = WaitStall(done, chunk, cause);
+  if (!s.ok()) {
+    // The prefetched copy is unusable: drop it; home still holds the data.
+    FreeRegion(c.cache, chunk, true).IgnoreError();
+    c.cache = Placed{};
+    c.dirty = false;
+    return s.WithContext("engine: prefetch of chunk " + std::to_string(chunk));
+  }
+  return OkStatus();
+}
+
+std::shared_ptr<Completion> Engine::StartMove(ChunkId chunk, const Placed& src,
+                                              const Placed& dst) {
+  const ChunkRec& c = chunks_[chunk];
+  MoveRequest r;
+  r.src = Endpoint{TierOf(src.tier), src.region, 0};
+  r.dst = Endpoint{TierOf(dst.tier), dst.region, 0};
+  r.bytes = c.bytes;
+  r.chunk = chunk;
+  r.category = c.category;
+  stats_.bytes_moved[Idx(src.tier)][Idx(dst.tier)] += c.bytes;
+  return mover_->Move(r);
+}
+
+Status Engine::MoveSync(ChunkId chunk, const Placed& src, const Placed& dst,
+                        std::string_view cause) {
+  return WaitStall(StartMove(chunk, src, dst), chunk, cause);
+}
+
+Status Engine::FillZero(ChunkId chunk, const Placed& dst, std::string_view cause) {
+  const Bytes n = chunks_[chunk].bytes;
+  if (dst.tier == TierKind::kHost && dst.region.addr != nullptr) {
+    std::memset(dst.region.addr, 0, n);
+    return OkStatus();
+  }
+  return WaitStall(TierOf(dst.tier)->Copy(CopyRequest{dst.region, 0, Zeros(n), n,
+                                                      CopyDir::kToTier}),
+                   chunk, cause);
+}
+
+char* Engine::Zeros(Bytes n) {
+  if (zeros_.size() < n) {
+    // Copies in flight may still read the old buffer: keep it until the engine goes.
+    old_zeros_.push_back(std::move(zeros_));
+    zeros_.assign(n, 0);
+  }
+  return zeros_.data();
+}
+
+Status Engine::FreeRegion(const Placed& p, ChunkId chunk, bool clean) {
+  if (p.tier == TierKind::kNone) return OkStatus();
+  Status s = TierOf(p.tier)->Free(p.region);
+  if (s.ok()) RecordRegion(EventType::kFree, p, chunk, clean ? kFlagClean : kFlagNone);
+  return s;
+}
+
+Status Engine::Evict(ChunkId victim) {
+  ChunkRec& c = chunks_[victim];
+  TIERMEM_RETURN_IF_ERROR(WaitInflight(victim, "evict: prefetch in flight"));
+  if (c.cache.tier == TierKind::kNone) return OkStatus();  // a planned eviction just ended
+  const bool was_dirty = c.dirty;
+  if (was_dirty) TIERMEM_RETURN_IF_ERROR(MoveSync(victim, c.cache, c.home, "evict: write-back"));
+  ++evictions_now_[Idx(c.cache.tier)];
+  TIERMEM_RETURN_IF_ERROR(FreeRegion(c.cache, victim, !was_dirty));
+  c.cache = Placed{};
+  c.dirty = false;
+  ++stats_.evictions;
+  if (!was_dirty) ++stats_.clean_evictions;
+  return OkStatus();
+}
+
+uint64_t Engine::NextUse(ChunkId chunk) const {
+  if (!following_) return kNeverUsed;
+  auto it = order_positions_.find(chunk);
+  if (it == order_positions_.end()) return kNeverUsed;
+  auto p = std::lower_bound(it->second.begin(), it->second.end(), pos_);
+  if (p != it->second.end()) return *p;
+  // Cyclic: its first use in the next iteration, at virtual position size + first.
+  return cyclic_ ? order_.size() + it->second.front() : kNeverUsed;
+}
+
+Bytes Engine::ChunkCapacity(TierKind tier, const TierStats& st) const {
+  const Bytes ext = external_[static_cast<int>(tier)];
+  return st.capacity > ext ? st.capacity - ext : 0;
+}
+
+StatusOr<bool> Engine::EvictOne(TierKind tier, ChunkId chunk, bool for_prefetch,
+                                uint64_t prefetch_pos, Bytes* pinned) {
+  std::vector<EvictionCandidate> cands;
+  *pinned = 0;
+  for (ChunkId id = 0; id < chunks_.size(); ++id) {
+    ChunkRec& w = chunks_[id];
+    if (w.writing_back && w.inflight->Poll()) {
+      // A finished write-behind: the chunk is clean now. A failed one stays dirty with its
+      // copy kept; evicting it writes back synchronously, which reports a lasting fault.
+      Status wb = WaitInflight(id, "");
+      if (!wb.ok()) {
+        TIERMEM_LOG(kWarn) << wb.message() << "; retrying when evicted";
+      }
+    }
+    const ChunkRec& c = w;
+    if (c.cache.tier != tier || id == chunk) continue;
+    if (c.pins > 0) {
+      *pinned += c.cache.region.bytes;
+      continue;
+    }
+    EvictionCandidate e{id, c.bytes, c.dirty, c.last_use, NextUse(id), following_};
+    if (for_prefetch) {
+      if (c.dirty || c.inflight) continue;
+      if (e.next_use != kNeverUsed && e.next_use <= prefetch_pos) continue;
+    }
+    cands.push_back(e);
+  }
+  if (cands.empty()) return false;
+  const size_t v = policy_->ChooseVictim(cands);
+  TIERMEM_RETURN_IF_ERROR(Evict(cands[v].chunk));
+  return true;
+}
+
+StatusOr<Region> Engine::AllocateOn(TierKind tier, ChunkId chunk, bool for_prefetch,
+                                    uint64_t prefetch_pos) {
+  return AllocateBytes(tier, chunks_[chunk].bytes, chunk, chunks_[chunk].category, for_prefetch,
+                       prefetch_pos);
+}
+
+StatusOr<Region> Engine::AllocateBytes(TierKind tier, Bytes bytes, ChunkId chunk,
+                                       Category category, bool for_prefetch,
+                                       uint64_t prefetch_pos) {
+  Tier* t = TierOf(tier);
+  for (;;) {
+    // Allocate only when the budget has room: a failed Allocate is not an error here.
+    const TierStats st = t->Stats();
+    const Bytes cap = ChunkCapacity(tier, st);
+    if (st.used + bytes <= cap) {
+      auto r = t->Allocate(bytes);
+      if (r.ok()) return r;
+      if (r.status().code() != StatusCode::kResourceExhausted) return r.status();
+    }
+    if (!for_prefetch) {
+      // Chunks the plan already evicted are leaving anyway: wait for their write-back rather
+      // than evict another one.
+      TIERMEM_ASSIGN_OR_RETURN(const bool freed, ReclaimPlanned(tier, true));
+      if (freed) continue;
+    }
+    Bytes pinned = 0;
+    TIERMEM_ASSIGN_OR_RETURN(const bool evicted,
+                             EvictOne(tier, chunk, for_prefetch, prefetch_pos, &pinned));
+    if (evicted) continue;
+    if (for_prefetch) return ResourceExhaustedError("prefetch: no room");
+    RecordOom(tier, bytes, chunk, category);
+    std::string external;
+    if (const Bytes ext = external_[static_cast<int>(tier)]; ext > 0) {
+      external = ", " + std::to_string(ext) + " bytes of the budget held by non-chunk " +
+                 std::string(TierKindName(tier)) + " memory (" +
+                 (tier == TierKind::kDevice ? "KV cache, activations" : "offloaded activations") +
+                 ")";
+    }
+    return ResourceExhaustedError(
+        std::string(TierKindName(tier)) + " tier: need " + std::to_string(bytes) + " bytes for " +
+        (chunk == kNoChunk ? std::string("scratch") : "chunk " + std::to_string(chunk)) +
+        ", but " + std::to_string(st.used) +
+        " of " + std::to_string(st.capacity) + " bytes are in use (" + std::to_string(pinned) +
+        " bytes pinned" + external + ") and nothing is evictable");
+  }
+}
+
+Status Engine::SetExternalBytes(TierKind tier, Bytes bytes) {
+  if (tier != TierKind::kDevice && tier != TierKind::kHost) {
+    return InvalidArgumentError("engine: external bytes are on the device or the host tier");
+  }
+  Tier* t = TierOf(tier);
+  const std::string name(TierKindName(tier));
+  const std::string what = tier == TierKind::kDevice
+                               ? " bytes of non-chunk device memory (KV cache, activations)"
+                               : " bytes of offloaded activations";
+  // What cannot move: pinned chunks, and on the host the homes.
+  Bytes homes = 0, pinned_now = 0;
+  for (const ChunkRec& c : chunks_) {
+    if (c.cache.tier == tier && c.pins > 0) pinned_now += c.cache.region.bytes;
+    if (c.home.tier == tier) homes += c.home.region.bytes;
+  }
+  auto refuse = [&](Bytes capacity, Bytes fixed) {
+    std::string held = std::to_string(fixed) + " bytes of chunks in use now";
+    if (homes > 0) held += " and chunk homes";
+    return ResourceExhaustedError(name + " tier: " + std::to_string(bytes) + what +
+                                  " do not fit the budget of " + std::to_string(capacity) +
+                                  " bytes next to the " + held + "; the " + name +
+                                  " budget must be at least " + std::to_string(bytes + fixed) +
+                                  " bytes");
+  };
+  // Refused before anything is evicted when what cannot move leaves too little room.
+  const Bytes capacity = t->Stats().capacity;
+  if (bytes > capacity || homes + pinned_now > capacity - bytes) {
+    return refuse(capacity, homes + pinned_now);
+  }
+  for (;;) {
+    const TierStats st = t->Stats();
+    if (bytes <= st.capacity && st.used <= st.capacity - bytes) break;
+    // Chunks the plan already evicted are leaving anyway: wait for them first.
+    TIERMEM_ASSIGN_OR_RETURN(const bool freed, ReclaimPlanned(tier, true));
+    if (freed) continue;
+    Bytes pinned = 0;
+    TIERMEM_ASSIGN_OR_RETURN(const bool evicted, EvictOne(tier, kNoChunk, false, 0, &pinned));
+    if (evicted) continue;
+    return refuse(st.capacity, homes + pinned);
+  }
+  Bytes& ext = external_[static_cast<int>(tier)];
+  if (bytes == ext) return OkStatus();
+  ext = bytes;
+  Bytes& peak = stats_.external_peak[static_cast<int>(tier)];
+  peak = std::max(peak, bytes);
+  if (recorder_ != nullptr) {
+    // One pseudo-region per tier (a fixed id no tier hands out): re-allocating a live id
+    // replaces it.
+    Event e;
+    e.type = bytes > 0 ? EventType::kAlloc : EventType::kFree;
+    e.id = kExternalRegionId + (tier == TierKind::kDevice ? 0 : 1);
+    e.bytes = bytes;
+    e.tier = tier;
+    e.chunk = kNoChunk;
+    e.category = Category::kActivation;
+    recorder_->Record(e);
+  }
+  return OkStatus();
+}
+
+StatusOr<void*> Engine::Acquire(ChunkId chunk, TierKind where) {
+  return AcquireImpl(chunk, where, nullptr);
+}
+
+StatusOr<void*> Engine::AcquireForWrite(ChunkId chunk, TierKind where, bool* must_zero) {
+  if (must_zero == nullptr) return InvalidArgumentError("engine: AcquireForWrite needs must_zero");
+  *must_zero = false;
+  return AcquireImpl(chunk, where, must_zero);
+}
+
+StatusOr<void*> Engine::AcquireImpl(ChunkId chunk, TierKind where, bool* must_zero) {
+  TIERMEM_RETURN_IF_ERROR(CheckChunk(chunk));
+  if (where != TierKind::kDevice && where != TierKind::kHost) {
+    return InvalidArgumentError("engine: chunks are acquired on device or host, not " +
+                                std::string(TierKindName(where)));
+  }
+  // Follow (or leave) the recorded order, and record this iteration's.
+  if (tracing_) {
+    recording_.emplace_back(chunk, where);
+    if (following_) {
+      const std::pair<ChunkId, TierKind> key{chunk, where};
+      if (pos_ < order_.size() && order_[pos_] == key) {
+        ++pos_;
+      } else {
+        // Entries that did not come: skip to this acquire if it is close ahead.
+        constexpr uint64_t kResyncWindow = 32;
+        const uint64_t end = std::min<uint64_t>(order_.size(), pos_ + kResyncWindow);
+        uint64_t j = pos_ + 1;
+        while (j < end && order_[j] != key) ++j;
+        if (j < end) {
+          pos_ = j + 1;
+          skipped_ = true;
+          ++stats_.resynced;
+        } else {
+          following_ = false;  // diverged: reactive (LRU) for the rest of the iteration
+          ++stats_.diverged;
+        }
+      }
+    }
+  }
+  ++stats_.acquires;
+  ChunkRec* c = &chunks_[chunk];
+  c->drop_after = false;  // planned to leave, needed after all: keep the copy (clean when written)
+  if (c->inflight && !c->writing_back && c->direct_fill && c->cache.tier == where &&
+      stream_ != kHostStream && TierOf(where)->ordering() != nullptr && !c->inflight->Poll()) {
+    // A prefetch of one copy still landing: the compute stream waits for it, not the caller.
+    // The chunk stays in flight (whatever touches it next from the host waits as usual).
+    // (Compute on the host stream is this thread: it waits below, as for any tier.)
+    TIERMEM_RETURN_IF_ERROR(OrderComputeAfterCopies(*TierOf(where), c->cache.region, stream_));
+    ++stats_.device_waits;
+  } else {
+    TIERMEM_RETURN_IF_ERROR(WaitInflight(chunk, "prefetch late"));
+  }
+  const TierKind resident = c->cache.tier != TierKind::kNone ? c->cache.tier : c->home.tier;
+  if (resident != where && c->pins > 0) {
+    return FailedPreconditionError("engine: chunk " + std::to_string(chunk) +
+                                   " is pinned on the " + std::string(TierKindName(resident)) +
+                                   " tier");
+  }
+  if (resident != where) {
+    if (where == c->home.tier) {
+      // Down to home: write the cached copy back if needed and drop it.
+      if (c->dirty) TIERMEM_RETURN_IF_ERROR(MoveSync(chunk, c->cache, c->home, "write-back"));
+      TIERMEM_RETURN_IF_ERROR(FreeRegion(c->cache, chunk, !c->dirty));
+      c->cache = Placed{};
+      c->dirty = false;
+    } else {
+      TIERMEM_ASSIGN_OR_RETURN(Region r, AllocateOn(where, chunk, false, 0));
+      c = &chunks_[chunk];
+      Placed dst{where, r};
+      RecordRegion(EventType::kAlloc, dst, chunk, kFlagNone);
+      Status s;
+      if (c->cache.tier != TierKind::kNone) {
+        s = MoveSync(chunk, c->cache, dst, "move between caches");
+        if (s.ok()) s = FreeRegion(c->cache, chunk, !c->dirty);
+      } else if (c->zero) {
+        // The caller of AcquireForWrite zeroes it itself (no copy); host regions get a memset.
+        if (must_zero != nullptr && where != TierKind::kHost) {
+          *must_zero = true;
+        } else {
+          s = FillZero(chunk, dst, "zero fill");
+        }
+        c->dirty = true;
+      } else {
+        s = MoveSync(chunk, c->home, dst, "fetch");
+        c->dirty = false;
+      }
+      if (!s.ok()) {
+        FreeRegion(dst, chunk, true).IgnoreError();
+        return s;
+      }
+      c->cache = dst;
+    }
+  }
+  // Now resident on `where`.
+  Placed& at = c->cache.tier == where ? c->cache : c->home;
+  if (c->zero) {
+    if (&at == &c->home) TIERMEM_RETURN_IF_ERROR(FillZero(chunk, at, "zero fill"));
+    c->zero = false;
+  }
+  ++c->pins;
+  c->last_use = ++use_counter_;
+  void* addr = at.region.addr;
+  if (addr == nullptr) {
+    --c->pins;
+    return InternalError("engine: tier " + std::string(TierKindName(where)) +
+                         " gave no address for chunk " + std::to_string(chunk));
+  }
+  Prefetch();
+  return addr;
+}
+
+void Engine::Prefetch() {
+  if (planned_) {
+    Status s = PumpDeferred();
+    if (!s.ok()) {
+      TIERMEM_LOG(kWarn) << "engine: planned prefetch: " << s.message();
+    }
+    return;
+  }
+  if (!tracing_ || !following_ || config_.prefetch_depth == 0) return;
+  // Cyclic: the window may run one iteration past the end (positions size..2*size-1 are the
+  // next iteration's, as NextUse counts them).
+  const uint64_t limit = cyclic_ ? 2 * order_.size() : order_.size();
+  const uint64_t end = std::min<uint64_t>(limit, pos_ + config_.prefetch_depth);
+  for (uint64_t j = pos_; j < end; ++j) {
+    const auto [id, where] = order_[j < order_.size() ? j : j - order_.size()];
+    ChunkRec& c = chunks_[id];
+    if (c.cache.tier == where || c.home.tier == where || c.cache.tier != TierKind::kNone ||
+        c.inflight || c.pins > 0) {
+      continue;
+    }
+    auto r = AllocateOn(where, id, true, j);
+    if (!r.ok()) break;  // no room without hurting sooner uses: stop looking further ahead
+    StartFill(id, Placed{where, *r});
+  }
+}
+
+void Engine::StartFill(ChunkId id, const Placed& dst) {
+  RecordRegion(EventType::kAlloc, dst, id, kFlagNone);
+  ChunkRec& cc = chunks_[id];
+  // One copy (zeros or a host home) vs a staged bounce (NVMe home): Acquire may order the
+  // compute stream after the first kind only (its one copy is all the tier sees).
+  cc.direct_fill = cc.zero || cc.home.tier == TierKind::kHost;
+  if (cc.zero) {
+    cc.inflight = TierOf(dst.tier)->Copy(CopyRequest{dst.region, 0, Zeros(cc.bytes), cc.bytes,
+                                                     CopyDir::kToTier});
+    cc.dirty = true;
+    cc.zero = false;
+  } else {
+    cc.inflight = StartMove(id, cc.home, dst);
+    cc.dirty = false;
+  }
+  cc.cache = dst;
+  ++stats_.prefetches;
+}
+
+// ---- scratch ---------------------------------------------------------------------------------
+
+StatusOr<Region> Engine::AllocateScratch(TierKind tier, Bytes bytes, Category category) {
+  Tier* t = TierOf(tier);
+  if (t == nullptr) {
+    return InvalidArgumentError(std::string("engine: no ") + std::string(TierKindName(tier)) +
+                                " tier for scratch");
+  }
+  if (bytes == 0) return InvalidArgumentError("engine: scratch of 0 bytes");
+  Region r;
+  if (tier == TierKind::kNvme) {
+    // Nothing is ever evicted from NVMe (it holds homes): its free room or kResourceExhausted.
+    TIERMEM_ASSIGN_OR_RETURN(r, t->Allocate(bytes));
+  } else {
+    TIERMEM_ASSIGN_OR_RETURN(r, AllocateBytes(tier, bytes, kNoChunk, category, false, 0));
+  }
+  RecordScratch(EventType::kAlloc, tier, r, category);
+  Bytes& live = stats_.scratch[Idx(tier)];
+  live += r.bytes;
+  stats_.scratch_peak[Idx(tier)] = std::max(stats_.scratch_peak[Idx(tier)], live);
+  return r;
+}
+
+Status Engine::FreeScratch(TierKind tier, const Region& region, Category category) {
+  Tier* t = TierOf(tier);
+  if (t == nullptr) {
+    return InvalidArgumentError(std::string("engine: no ") + std::string(TierKindName(tier)) +
+                                " tier for scratch");
+  }
+  // Work the caller queued on it so far comes before any reuse of the memory.
+  TIERMEM_RETURN_IF_ERROR(MarkComputeUse(*t, region, stream_));
+  TIERMEM_RETURN_IF_ERROR(t->Free(region));
+  RecordScratch(EventType::kFree, tier, region, category);
+  Bytes& live = stats_.scratch[Idx(tier)];
+  live -= std::min(live, region.bytes);
+  return OkStatus();
+}
+
+// ---- adopting a host copy -----------------------------------------------------------------------
+
+Status Engine::PrepareAdopt(ChunkId chunk) {
+  TIERMEM_RETURN_IF_ERROR(CheckChunk(chunk));
+  if (chunks_[chunk].pins > 0) {
+    return FailedPreconditionError("engine: chunk " + std::to_string(chunk) +
+                                   " is pinned: a new copy of it cannot be adopted");
+  }
+  return WaitInflight(chunk, "adopt: move in flight");
+}
+
+Status Engine::AdoptHostCopy(ChunkId chunk, const Region& region) {
+  TIERMEM_RETURN_IF_ERROR(PrepareAdopt(chunk));
+  ChunkRec& c = chunks_[chunk];
+  if (region.bytes < c.bytes || region.addr == nullptr) {
+    return InvalidArgumentError("engine: the region adopted for chunk " + std::to_string(chunk) +
+                                " is not a host region of its size");
+  }
+  RecordScratch(EventType::kFree, TierKind::kHost, region, c.category);
+  Bytes& live = stats_.scratch[Idx(TierKind::kHost)];
+  live -= std::min(live, region.bytes);
+  // The old copies are superseded (clean as far as the timeline goes: nothing is written).
+  Status s = FreeRegion(c.cache, chunk, true);
+  c.cache = Placed{};
+  const Placed mine{TierKind::kHost, region};
+  if (c.home.tier == TierKind::kHost) {
+    Status h = FreeRegion(c.home, chunk, true);
+    if (s.ok()) s = h;
+    c.home = mine;
+    c.dirty = false;
+  } else {
+    c.cache = mine;
+    c.dirty = true;
+  }
+  RecordRegion(EventType::kAlloc, mine, chunk, kFlagNone);
+  c.zero = false;
+  c.zero_content = false;
+  c.last_use = ++use_counter_;
+  return s;
+}
+
+// ---- planned mode -----------------------------------------------------------------------------
+
+bool Engine::PlannedDropPending(TierKind tier) const {
+  for (const ChunkRec& c : chunks_) {
+    if (c.drop_after && c.cache.tier == tier) return true;
+  }
+  return false;
+}
+
+StatusOr<bool> Engine::ReclaimPlanned(TierKind tier, bool wait) {
+  bool freed = false;
+  ChunkId pending = kNoChunk;
+  for (ChunkId id = 0; id < chunks_.size(); ++id) {
+    ChunkRec& c = chunks_[id];
+    if (!c.drop_after || c.cache.tier != tier) continue;
+    if (!c.inflight->Poll()) {
+      if (pending == kNoChunk) pending = id;
+      continue;
+    }
+    // A failed write-back keeps the copy, dirty (nothing lost); evicting it later retries
+    // synchronously and reports a lasting fault.
+    Status s = WaitInflight(id, "");
+    if (s.ok()) {
+      freed = true;
+    } else {
+      TIERMEM_LOG(kWarn) << s.message() << "; retrying when evicted";
+    }
+  }
+  if (!freed && wait && pending != kNoChunk) {
+    Status s = WaitInflight(pending, "");
+    if (s.ok()) return true;
+    TIERMEM_LOG(kWarn) << s.message() << "; retrying when evicted";
+  }
+  return freed;
+}
+
+StatusOr<bool> Engine::PlanEvict(ChunkId chunk, TierKind tier) {
+  TIERMEM_RETURN_IF_ERROR(CheckChunk(chunk));
+  ChunkRec& c = chunks_[chunk];
+  if (c.cache.tier != tier || tier == TierKind::kNone || c.pins > 0 || c.inflight) {
+    ++stats_.plan_skipped;
+    return false;
+  }
+  ++stats_.plan_evictions;
+  if (!c.dirty) {
+    ++evictions_now_[Idx(tier)];
+    TIERMEM_RETURN_IF_ERROR(FreeRegion(c.cache, chunk, true));
+    c.cache = Placed{};
+    ++stats_.evictions;
+    ++stats_.clean_evictions;
+    return true;
+  }
+  c.inflight = StartMove(chunk, c.cache, c.home);
+  c.writing_back = true;
+  c.drop_after = true;
+  ++stats_.write_behinds;
+  return true;
+}
+
+StatusOr<int> Engine::TryPlanPrefetch(ChunkId chunk, TierKind tier) {
+  ChunkRec& c = chunks_[chunk];
+  if ((tier != TierKind::kDevice && tier != TierKind::kHost) || c.pins > 0 || c.inflight ||
+      c.cache.tier != TierKind::kNone || c.home.tier == tier) {
+    return 0;
+  }
+  Tier* t = TierOf(tier);
+  for (;;) {
+    const TierStats st = t->Stats();
+    if (st.used + c.bytes <= ChunkCapacity(tier, st)) {
+      auto r = t->Allocate(c.bytes);
+      if (r.ok()) {
+        StartFill(chunk, Placed{tier, *r});
+        return 1;
+      }
+      if (r.status().code() != StatusCode::kResourceExhausted) return r.status();
+    }
+    TIERMEM_ASSIGN_OR_RETURN(const bool freed, ReclaimPlanned(tier, false));
+    if (freed) continue;
+    return PlannedDropPending(tier) ? -1 : 0;
+  }
+}
+
+Status Engine::PumpDeferred() {
+  std::array<bool, kNumTierKinds> blocked{};
+  size_t keep = 0;
+  Status err;
+  for (size_t i = 0; i < deferred_.size(); ++i) {
+    const auto [chunk, tier] = deferred_[i];
+    if (blocked[Idx(tier)] || !err.ok()) {  // FIFO per tier, like the copy lanes
+      deferred_[keep++] = deferred_[i];
+      continue;
+    }
+    StatusOr<int> r = TryPlanPrefetch(chunk, tier);
+    if (!r.ok()) {
+      err = r.status();
+      continue;  // dropped
+    }
+    if (*r < 0) {
+      blocked[Idx(tier)] = true;
+      deferred_[keep++] = deferred_[i];
+    } else if (*r > 0) {
+      ++stats_.plan_prefetches;
+    } else {
+      ++stats_.plan_skipped;
+    }
+  }
+  deferred_.resize(keep);
+  return err;
+}
+
+StatusOr<bool> Engine::PlanPrefetch(ChunkId chunk, TierKind tier) {
+  TIERMEM_RETURN_IF_ERROR(CheckChunk(chunk));
+  TIERMEM_RETURN_IF_ERROR(PumpDeferred());
+  for (const auto& d : deferred_) {
+    if (d.second == tier) {  // behind earlier prefetches still waiting for room on this tier
+      deferred_.emplace_back(chunk, tier);
+      ++stats_.plan_deferred;
+      return false;
+    }
+  }
+  TIERMEM_ASSIGN_OR_RETURN(const int r, TryPlanPrefetch(chunk, tier));
+  if (r < 0) {
+    deferred_.emplace_back(chunk, tier);
+    ++stats_.plan_deferred;
+    return false;
+  }
+  ++(r > 0 ? stats_.plan_prefetches : stats_.plan_skipped);
+  return r > 0;
+}
+
+Status Engine::Release(ChunkId chunk, bool modified) {
+  TIERMEM_RETURN_IF_ERROR(CheckChunk(chunk));
+  ChunkRec& c = chunks_[chunk];
+  if (c.pins <= 0) {
+    return FailedPreconditionError("engine: release of unpinned chunk " + std::to_string(chunk));
+  }
+  TIERMEM_RETURN_IF_ERROR(MarkDeviceUse(chunk));
+  --c.pins;
+  if (modified) c.zero_content = false;
+  if (modified && c.cache.tier != TierKind::kNone) c.dirty = true;
+  if (modified) MaybeWriteBehind(chunk);
+  return OkStatus();
+}
+
+Status Engine::MarkDeviceUse(ChunkId chunk) {
+  const ChunkRec& c = chunks_[chunk];
+  if (c.cache.tier != TierKind::kDevice) return OkStatus();
+  return MarkComputeUse(*tiers_.device, c.cache.region, stream_)
+      .WithContext("engine: recording the compute use of chunk " + std::to_string(chunk));
+}
+
+void Engine::MaybeWriteBehind(ChunkId chunk) {
+  ChunkRec& c = chunks_[chunk];
+  if (planned_ || !config_.write_behind || !tracing_ || !following_ || c.pins > 0 || !c.dirty ||
+      c.inflight || c.cache.tier == TierKind::kNone ||
+      evictions_before_[Idx(c.cache.tier)] == 0) {
+    return;
+  }
+  const uint64_t next = NextUse(chunk);
+  const uint64_t soon = 2 * static_cast<uint64_t>(std::max(config_.prefetch_depth, 1));
+  if (next != kNeverUsed && next <= pos_ + soon) return;  // needed soon: may change again
+  c.inflight = StartMove(chunk, c.cache, c.home);
+  c.writing_back = true;
+  ++stats_.write_behinds;
+}
+
+Status Engine::Zero(ChunkId chunk) {
+  TIERMEM_RETURN_IF_ERROR(CheckChunk(chunk));
+  ChunkRec& c = chunks_[chunk];
+  if (c.pins > 0) {
+    return FailedPreconditionError("engine: zero of pinned chunk " + std::to_string(chunk));
+  }
+  TIERMEM_RETURN_IF_ERROR(WaitInflight(chunk, "zero: prefetch in flight"));
+  if (c.cache.tier != TierKind::kNone) {
+    TIERMEM_RETURN_IF_ERROR(FreeRegion(c.cache, chunk, true));
+    c.cache = Placed{};
+  }
+  c.dirty = false;
+  c.zero = true;
+  c.zero_content = true;
+  return OkStatus();
+}
+
+Status Engine::ReadAt(ChunkId chunk, Bytes offset, void* dst, Bytes n) {
+  TIERMEM_RETURN_IF_ERROR(CheckChunk(chunk));
+  ChunkRec& c = chunks_[chunk];
+  if (offset > c.bytes || n > c.bytes - offset) {
+    return OutOfRangeError("engine: read past the end of chunk " + std::to_string(chunk));
+  }
+  TIERMEM_RETURN_IF_ERROR(WaitInflight(chunk, "read: prefetch in flight"));
+  if (c.zero) {
+    std::memset(dst, 0, n);
+    return OkStatus();
+  }
+  TIERMEM_RETURN_IF_ERROR(MarkDeviceUse(chunk));  // after the work queued on it so far
+  const Placed& at = c.cache.tier != TierKind::kNone ? c.cache : c.home;
+  return WaitStall(TierOf(at.tier)->Copy(CopyRequest{at.region, offset, dst, n,
+                                                     CopyDir::kFromTier}),
+                   chunk, "read");
+}
+
+Status Engine::WriteAt(ChunkId chunk, Bytes offset, const void* src, Bytes n) {
+  TIERMEM_RETURN_IF_ERROR(CheckChunk(chunk));
+  ChunkRec& c = chunks_[chunk];
+  if (offset > c.bytes || n > c.bytes - offset) {
+    return OutOfRangeError("engine: write past the end of chunk " + std::to_string(chunk));
+  }
+  TIERMEM_RETURN_IF_ERROR(WaitInflight(chunk, "write: prefetch in flight"));
+  if (n > 0) c.zero_content = false;
+  if (c.zero) {  // no copy holds data: make the home copy real zeros first
+    TIERMEM_RETURN_IF_ERROR(FillZero(chunk, c.home, "zero fill"));
+    c.zero = false;
+  }
+  const bool cached = c.cache.tier != TierKind::kNone;
+  const Placed& at = cached ? c.cache : c.home;
+  TIERMEM_RETURN_IF_ERROR(MarkDeviceUse(chunk));  // not under work queued on it so far
+  TIERMEM_RETURN_IF_ERROR(
+      WaitStall(TierOf(at.tier)->Copy(CopyRequest{at.region, offset, const_cast<void*>(src), n,
+                                                  CopyDir::kToTier}),
+                chunk, "write"));
+  if (cached) c.dirty = true;
+  return OkStatus();
+}
+
+Status Engine::Flush() {
+  for (ChunkId id = 0; id < chunks_.size(); ++id) {
+    ChunkRec& c = chunks_[id];
+    TIERMEM_RETURN_IF_ERROR(WaitInflight(id, "flush: prefetch in flight"));
+    if (c.cache.tier != TierKind::kNone && c.dirty && c.pins == 0) {
+      TIERMEM_RETURN_IF_ERROR(MoveSync(id, c.cache, c.home, "flush"));
+      c.dirty = false;
+    }
+  }
+  return OkStatus();
+}
+
+void Engine::BeginIteration() {
+  if (!recording_.empty()) {
+    // Followed only by skipping: keep the old order once (see the file comment).
+    const bool keep = following_ && skipped_ && !kept_order_;
+    if (!keep) {
+      order_ = std::move(recording_);
+      order_positions_.clear();
+      for (uint64_t i = 0; i < order_.size(); ++i) order_positions_[order_[i].first].push_back(i);
+    }
+    kept_order_ = keep;
+  }
+  skipped_ = false;
+  recording_.clear();
+  evictions_before_ = evictions_now_;
+  evictions_now_ = {};
+  pos_ = 0;
+  following_ = !order_.empty();
+  RecordLabel(EventType::kIteration, "iteration", stats_.iterations);
+  ++stats_.iterations;
+}
+
+void Engine::Moment(std::string_view label) {
+  RecordLabel(EventType::kMoment, label, 0);
+  if (planned_ && !deferred_.empty()) {
+    Status s = PumpDeferred();
+    if (!s.ok()) {
+      TIERMEM_LOG(kWarn) << "engine: planned prefetch: " << s.message();
+    }
+  }
+}
+void Engine::Phase(std::string_view label) { RecordLabel(EventType::kPhase, label, 0); }
+
+void Engine::RecordCollective(std::string_view op, Bytes bytes, uint64_t ns) {
+  if (recorder_ == nullptr) return;
+  Event e;
+  e.type = EventType::kCollective;
+  e.id = ns;
+  e.bytes = bytes;
+  e.label = recorder_->InternLabel(op);
+  recorder_->Record(e);
+}
+
+Status Engine::Synchronize() {
+  for (ChunkId id = 0; id < chunks_.size(); ++id) {
+    TIERMEM_RETURN_IF_ERROR(WaitInflight(id, "synchronize"));
+  }
+  return OkStatus();
+}
+
+TierKind Engine::Resident(ChunkId chunk) const {
+  if (chunk >= chunks_.size()) return TierKind::kNone;
+  const ChunkRec& c = chunks_[chunk];
+  return c.cache.tier != TierKind::kNone ? c.cache.tier : c.home.tier;
+}
+TierKind Engine::Home(ChunkId chunk) const {
+  return chunk < chunks_.size() ? chunks_[chunk].home.tier : TierKind::kNone;
+}
+bool Engine::Dirty(ChunkId chunk) const { return chunk < chunks_.size() && chunks_[chunk].dirty; }
+bool Engine::ZeroContent(ChunkId chunk) const {
+  return chunk < chunks_.size() && chunks_[chunk].zero_content;
+}
+int Engine::Pins(ChunkId chunk) const { return chunk < chunks_.size() ? chunks_[chunk].pins : 0; }
+Bytes Engine::ChunkBytes(ChunkId chunk) const {
+  return chunk < chunks_.size() ? chunks_[chunk].bytes : 0;
+}
+
+EngineStats Engine::Stats() const {
+  EngineStats s = stats_;
+  for (Tier* t : {tiers_.device, tiers_.host, tiers_.nvme}) {
+    if (t != nullptr) s.tiers[Idx(t->kind())] = t->Stats();
+  }
+  return s;
+}
+
+}  // namespace tiermem::engine

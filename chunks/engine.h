@@ -1,0 +1,343 @@
+// Engine: the residency manager of chunks across the device, host and NVMe tiers.
+//
+// Every chunk has a *home* — a permanent region on the host tier when it fits there (keeping
+// `host_reserve_bytes` free as working space), else on NVMe — and at most one *cached copy*
+// on a tier above its home (device; or host for an NVMe-homed chunk). The chunk is *resident*
+// on the tier of its cached copy if it has one, else on its home tier; it is *in flight*
+// while a prefetch into its cached copy is running. `dirty` means the cached copy differs
+// from the home copy, so evicting a clean chunk only frees its region (no bytes move).
+//
+// Acquire(chunk, tier) makes the chunk resident on `tier` (device or host), pins it, and
+// returns its address there; Release unpins (and marks it modified if it was written). A
+// pinned chunk never moves. When a tier is full, the EvictionPolicy picks an unpinned cached
+// chunk to evict: farthest next use in the recorded order of acquires (the previous
+// iteration's) while the current iteration follows it, least recently used otherwise, clean
+// first. While the order is followed, each Acquire also prefetches the next
+// `prefetch_depth` acquires asynchronously, evicting for them only clean chunks needed later.
+// Waiting for an unfinished prefetch or a write-back is a *stall*, recorded with its cause.
+// Following tolerates accesses of the order that do not come (an optimizer update that ran
+// early, before an eval forward): an acquire found a few entries ahead (kResyncWindow) skips
+// to it; an iteration followed only by skipping keeps the old order for the next one (the
+// skipped accesses usually come back), and the new one is adopted when it skips again.
+//
+// Write-behind: while the order is followed, a chunk released modified and unpinned whose
+// next use is more than 2 x `prefetch_depth` acquires away (or not again this iteration), on
+// a tier that had to evict during the previous iteration (without pressure the copy would
+// just stay), is written home in the background right away, so that its later eviction only frees the
+// region instead of stalling on the write. The copy is in flight like a prefetch: anything
+// that touches the chunk (acquire, evict, read, write, zero, flush) waits for it first, so
+// nothing writes the cached copy while it is being read; when it is done the chunk is clean.
+// A failed write-back leaves the cached copy in place and dirty (nothing is lost) and is
+// returned by whatever waited for it.
+//
+// Cyclic order (SetCyclic, for serving: every iteration is the same forward): the recorded
+// order is taken to repeat, so the prefetch window runs past the end of the iteration into
+// the start of the next one and a chunk's next use after its last one this iteration is its
+// first one in the next (farthest-next-use then keeps what the next forward needs soonest).
+//
+// External bytes (SetExternalBytes): device or host memory the caller keeps live outside
+// chunks (a KV cache and activations on the device, offloaded activations on the host) counts
+// against that tier's budget: cached chunks are evicted to make room for it (homes are not:
+// a host budget full of homes refuses), and chunk allocations only use what is left.
+//
+// Planned mode (SetPlanned; runtime/plan_runner.h drives it from a planner's plan):
+// the plan's actions replace the lookahead prefetch and write-behind above. PlanEvict drops a
+// cached copy — a dirty one is first written home in the background (a write-behind that
+// frees the region when it ends, so the room is reusable then) — and PlanPrefetch starts a
+// copy into a tier, using only free room (it waits for no one and evicts nothing: a prefetch
+// that finds the room still held by planned write-backs is deferred, in order, until they
+// end). Acquire is unchanged: it makes the chunk resident whatever the plan did, evicting by
+// farthest next use when the tier is full, so a plan can cost bytes but never change a value.
+//
+// Scratch (AllocateScratch): a region on a tier outside every chunk, for a binding's
+// temporaries that must count in the budget (a sharded session's gathered chunks, an
+// activation spilled to NVMe and its host bounce). On the device or host it is allocated like
+// a chunk's copy — evicting unpinned chunks for room —, on NVMe from its free room (homes are
+// never evicted); it shows in the timeline as a region of its category without a chunk;
+// FreeScratch records the caller's compute use of it (tiers/tier.h) before the memory goes
+// back.
+//
+// Ordering against compute (tiers/tier.h; SetComputeStream): the caller computes on device
+// chunks with work queued on a stream (torch's current CUDA stream; a SimStream in tests;
+// kHostStream for CPU tensors, the default). Every Release of a chunk cached on the device
+// records a compute use of its region on that stream, and so do ReadAt/WriteAt before they
+// copy, so write-backs, reads and reuse of the memory wait for the work queued so far. An
+// Acquire on the device of a chunk whose prefetch from host memory (one direct copy) is still
+// in flight does not block: the stream is made to wait for the copy (a *device wait*,
+// counted); a prefetch that bounces through staging (NVMe home), and any prefetch when the
+// compute is the caller's own thread (kHostStream), is waited for on the host.
+//
+// Every allocation, free, move, stall, moment and phase goes to the timeline recorder when
+// one is attached (the external bytes as one region of category `activation`); moves go
+// through the Mover.
+//
+// Thread-safety: externally synchronized (one thread drives the engine; completions of moves
+// fire on the tiers' threads and touch only their Completion objects).
+// Ownership: tiers, mover and recorder must outlive the engine; the engine owns its regions
+// and frees them on destruction (after waiting for moves in flight).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "base/timeline.h"
+#include "chunks/eviction_policy.h"
+#include "chunks/mover.h"
+#include "tiers/tier.h"
+
+namespace tiermem::engine {
+
+// The timeline id of the external-bytes pseudo-region of the device tier; the host's is the
+// next one (tiers count ids up from 1).
+inline constexpr uint64_t kExternalRegionId = 0xffffffffffffff00ull;
+
+struct EngineConfig {
+  int prefetch_depth = 4;        // acquires of lookahead in the recorded order (0 = off)
+  bool write_behind = true;      // background write-back of dirty chunks not needed soon
+  Bytes host_reserve_bytes = 0;  // host bytes never used for homes (caches of NVMe chunks)
+};
+
+struct EngineTiers {
+  Tier* device = nullptr;  // required
+  Tier* host = nullptr;    // required, byte-addressable
+  Tier* nvme = nullptr;    // optional
+};
+
+struct EngineStats {
+  std::array<TierStats, kNumTierKinds> tiers{};  // per TierKind (device, host, nvme)
+  // bytes_moved[src][dst] by TierKind index.
+  std::array<std::array<Bytes, kNumTierKinds>, kNumTierKinds> bytes_moved{};
+  uint64_t stall_ns = 0;
+  uint64_t stalls = 0;
+  uint64_t evictions = 0;
+  uint64_t clean_evictions = 0;  // evictions that moved no bytes
+  uint64_t prefetches = 0;
+  uint64_t write_behinds = 0;    // background write-backs started
+  uint64_t acquires = 0;
+  uint64_t iterations = 0;
+  uint64_t diverged = 0;  // iterations whose acquires left the recorded order
+  uint64_t resynced = 0;  // acquires that skipped ahead in it (accesses that did not come)
+  // Planned mode: actions applied, actions that did not apply (already there, pinned, no
+  // room), prefetches deferred behind planned write-backs.
+  uint64_t plan_prefetches = 0, plan_evictions = 0, plan_skipped = 0, plan_deferred = 0;
+  // Acquires that ordered the compute stream after a prefetch still in flight instead of
+  // blocking (devices with ComputeOrdering only).
+  uint64_t device_waits = 0;
+  // The most external bytes (SetExternalBytes) each tier held at once, by TierKind index.
+  std::array<Bytes, kNumTierKinds> external_peak{};
+  // Scratch bytes (AllocateScratch) live now and at most, by TierKind index.
+  std::array<Bytes, kNumTierKinds> scratch{}, scratch_peak{};
+};
+
+class Engine {
+ public:
+  // kInvalidArgument without a device or a byte-addressable host tier.
+  static StatusOr<std::unique_ptr<Engine>> Create(const EngineConfig& config, EngineTiers tiers,
+                                                  Mover* mover, TimelineRecorder* recorder,
+                                                  std::unique_ptr<EvictionPolicy> policy = nullptr);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Adds a chunk of `bytes` (content: zeros) homed on host if it fits, else on NVMe.
+  // kResourceExhausted naming the bytes needed when neither has room.
+  StatusOr<ChunkId> AddChunk(Bytes bytes, Category category);
+  // Same with the home tier forced (kHost or kNvme).
+  StatusOr<ChunkId> AddChunk(Bytes bytes, Category category, TierKind home);
+
+  // Makes `chunk` resident on `where` (kDevice or kHost) and pins it. Returns its address
+  // there. kFailedPrecondition if it is pinned on another tier; kResourceExhausted if the
+  // tier is full of pinned chunks.
+  StatusOr<void*> Acquire(ChunkId chunk, TierKind where);
+  // Same, but when the content is lazily zero and would be filled by a synchronous copy from
+  // a zeros buffer (a non-host tier), the region is handed over unfilled and `*must_zero` is
+  // set: the caller then owes writing zeros over all ChunkBytes(chunk) bytes before anything
+  // else reads them (e.g. a device-side memset ordered before its own writes). Otherwise
+  // `*must_zero` is false and the content is as Acquire gives it. `must_zero` is required.
+  StatusOr<void*> AcquireForWrite(ChunkId chunk, TierKind where, bool* must_zero);
+  // Unpins; `modified`: the caller wrote to it (its lower copy is now stale).
+  Status Release(ChunkId chunk, bool modified);
+  // Its content becomes zeros (lazily: no bytes move now). kFailedPrecondition if pinned.
+  Status Zero(ChunkId chunk);
+  // Copies bytes [offset, offset + n) of the chunk's current content out to / in from host
+  // memory, from / into the copy it is resident in, without moving it (also while pinned:
+  // the caller orders these with its own use of the memory). WriteAt makes a cached copy
+  // dirty. kOutOfRange past the chunk's end. Synchronous.
+  Status ReadAt(ChunkId chunk, Bytes offset, void* dst, Bytes n);
+  Status WriteAt(ChunkId chunk, Bytes offset, const void* src, Bytes n);
+  // Writes back every dirty unpinned cached copy and keeps it cached clean, so the home
+  // copies are current (e.g. before a checkpoint).
+  Status Flush();
+
+  void BeginIteration();                 // ends the recorded order of the previous one
+  // Off: acquires are neither recorded into this iteration's order nor matched against the
+  // previous one, and start no prefetch (eval / no-grad forwards between training
+  // iterations). On by default.
+  void SetTracing(bool on) { tracing_ = on; }
+  void SetCyclic(bool on) { cyclic_ = on; }
+  // The stream the caller's device work is queued on from now on (see the file comment).
+  void SetComputeStream(ComputeStream stream) { stream_ = stream; }
+  ComputeStream compute_stream() const { return stream_; }
+  // Sets the external bytes of `tier` (kDevice or kHost; absolute, not a delta), evicting
+  // unpinned cached chunks there until chunks + `bytes` fit the budget. kResourceExhausted,
+  // before anything is evicted, when the pinned chunks (and, on the host, the homes) leave
+  // too little room; the message names the bytes.
+  Status SetExternalBytes(TierKind tier, Bytes bytes);
+  Status SetExternalDeviceBytes(Bytes bytes) { return SetExternalBytes(TierKind::kDevice, bytes); }
+  Bytes external_bytes(TierKind tier) const { return external_[static_cast<int>(tier)]; }
+  Bytes external_device_bytes() const { return external_bytes(TierKind::kDevice); }
+  void Moment(std::string_view label);   // timeline moment
+  // A collective the binding ran (`op`, over `bytes`, `ns` long, ending now): a timeline
+  // kCollective event.
+  void RecordCollective(std::string_view op, Bytes bytes, uint64_t ns);
+  void Phase(std::string_view label);    // timeline phase
+  Status Synchronize();                  // waits for all moves in flight
+
+  // ---- scratch (see the file comment) ----
+  // kResourceExhausted (nothing changed; on the device or host an OOM event recorded) when the
+  // pinned chunks (NVMe: the homes) leave too little room; kInvalidArgument for a tier this
+  // engine lacks or 0 bytes.
+  StatusOr<Region> AllocateScratch(TierKind tier, Bytes bytes, Category category);
+  Status FreeScratch(TierKind tier, const Region& region, Category category);
+
+  // ---- adopting a host copy (the session's speculative optimizer step) ----
+  // Makes `region` — host scratch of this engine (AllocateScratch(kHost), at least
+  // ChunkBytes(chunk) bytes) that the caller filled with the chunk's new content — that
+  // content, without copying: for a host-homed chunk it becomes the home (the old home is
+  // freed); for an NVMe-homed one its host cached copy, dirty (written home later like any
+  // dirty copy). Every other cached copy is dropped: the caller vouches that `region` is newer
+  // than all of them. The region stops counting as scratch. kFailedPrecondition while the
+  // chunk is pinned; a move of it in flight is waited for first (its error returned, nothing
+  // changed). PrepareAdopt does those checks and waits alone: a caller adopting several chunks
+  // as one update prepares them all first, after which AdoptHostCopy does not fail.
+  Status PrepareAdopt(ChunkId chunk);
+  Status AdoptHostCopy(ChunkId chunk, const Region& region);
+
+  // ---- planned mode (see the file comment) ----
+  void SetPlanned(bool on) { planned_ = on; }
+  bool planned() const { return planned_; }
+  // Drops the cached copy of `chunk` on `tier` (a dirty one after a background write-back).
+  // False (nothing done) when it has no unpinned, idle copy there.
+  StatusOr<bool> PlanEvict(ChunkId chunk, TierKind tier);
+  // Starts bringing `chunk` from its home to `tier` (device or host), zero-filling instead
+  // when its content is lazily zero. False when it is already there or in flight, is cached
+  // on another tier, or finds no free room (deferred while planned write-backs on the tier
+  // still hold room; retried in order at later calls, Moment and Acquire).
+  StatusOr<bool> PlanPrefetch(ChunkId chunk, TierKind tier);
+
+  TierKind Resident(ChunkId chunk) const;
+  TierKind Home(ChunkId chunk) const;
+  bool Dirty(ChunkId chunk) const;
+  // The content is all zeros as far as the engine knows: not modified (Release(modified) or
+  // WriteAt) since it was added or last Zero()ed, whether or not a zero-filled copy exists.
+  bool ZeroContent(ChunkId chunk) const;
+  int Pins(ChunkId chunk) const;
+  Bytes ChunkBytes(ChunkId chunk) const;
+  size_t num_chunks() const { return chunks_.size(); }
+  EngineStats Stats() const;
+
+ private:
+  struct Placed {
+    TierKind tier = TierKind::kNone;
+    Region region;
+  };
+  struct ChunkRec {
+    Bytes bytes = 0;
+    Category category = Category::kOther;
+    Placed home;
+    Placed cache;  // tier kNone: no cached copy
+    bool dirty = false;
+    bool zero = true;  // content is all zeros, whatever the regions hold
+    bool zero_content = true;  // ZeroContent(): also true after a zero-filled copy was made
+    int pins = 0;
+    uint64_t last_use = 0;
+    std::shared_ptr<Completion> inflight;  // prefetch into `cache`, or a write-behind from it
+    bool writing_back = false;             // `inflight` is a write-behind (cache -> home)
+    bool direct_fill = false;  // `inflight` is a prefetch made of one copy into the cache
+    bool drop_after = false;  // writing_back for a planned eviction: free the copy when done
+  };
+
+  Engine(const EngineConfig& config, EngineTiers tiers, Mover* mover,
+         TimelineRecorder* recorder, std::unique_ptr<EvictionPolicy> policy);
+  Tier* TierOf(TierKind k) const;
+  Status CheckChunk(ChunkId chunk) const;
+  Status WaitInflight(ChunkId chunk, std::string_view cause);
+  Status WaitStall(const std::shared_ptr<Completion>& c, ChunkId chunk, std::string_view cause);
+  // Allocates on `tier`, evicting unpinned chunks as needed (any chunk when `for_prefetch` is
+  // false; only clean ones used after `prefetch_pos` otherwise).
+  StatusOr<void*> AcquireImpl(ChunkId chunk, TierKind where, bool* must_zero);
+  StatusOr<Region> AllocateOn(TierKind tier, ChunkId chunk, bool for_prefetch,
+                              uint64_t prefetch_pos);
+  // AllocateOn's loop for `bytes` (chunk: kNoChunk for scratch).
+  StatusOr<Region> AllocateBytes(TierKind tier, Bytes bytes, ChunkId chunk, Category category,
+                                 bool for_prefetch, uint64_t prefetch_pos);
+  // Evicts one unpinned chunk of `tier` other than `chunk` (the policy's choice; for a
+  // prefetch only clean chunks used after `prefetch_pos`). False when there is none;
+  // `*pinned` gets the bytes of the pinned chunks seen.
+  StatusOr<bool> EvictOne(TierKind tier, ChunkId chunk, bool for_prefetch, uint64_t prefetch_pos,
+                          Bytes* pinned);
+  // The tier's budget for chunks: its capacity less its external bytes.
+  Bytes ChunkCapacity(TierKind tier, const TierStats& st) const;
+  Status Evict(ChunkId victim);
+  Status FreeRegion(const Placed& p, ChunkId chunk, bool clean);
+  std::shared_ptr<Completion> StartMove(ChunkId chunk, const Placed& src, const Placed& dst);
+  Status MoveSync(ChunkId chunk, const Placed& src, const Placed& dst, std::string_view cause);
+  Status FillZero(ChunkId chunk, const Placed& dst, std::string_view cause);
+  uint64_t NextUse(ChunkId chunk) const;
+  // Frees finished planned write-backs on `tier`; with `wait`, waits for one still in flight
+  // if none had finished. True when room was freed.
+  StatusOr<bool> ReclaimPlanned(TierKind tier, bool wait);
+  bool PlannedDropPending(TierKind tier) const;
+  // 1: started, 0: not applicable, -1: no room only because planned write-backs hold it.
+  StatusOr<int> TryPlanPrefetch(ChunkId chunk, TierKind tier);
+  Status PumpDeferred();  // retries deferred planned prefetches in order
+  void Prefetch();
+  // Allocated `dst` for `id` (no cached copy yet): starts filling it from home (or zeros).
+  void StartFill(ChunkId id, const Placed& dst);
+  // Records that the caller's stream used the chunk's device copy (no-op elsewhere).
+  Status MarkDeviceUse(ChunkId chunk);
+  void MaybeWriteBehind(ChunkId chunk);
+  // Evictions per tier (by TierKind index) in this iteration and in the previous one.
+  std::array<uint64_t, kNumTierKinds> evictions_now_{}, evictions_before_{};
+  void RecordRegion(EventType type, const Placed& p, ChunkId chunk, uint8_t flags);
+  void RecordLabel(EventType type, std::string_view label, uint64_t id);
+  void RecordScratch(EventType type, TierKind tier, const Region& r, Category category);
+  void RecordOom(TierKind tier, Bytes bytes, ChunkId chunk, Category category);
+
+  const EngineConfig config_;
+  const EngineTiers tiers_;
+  Mover* const mover_;
+  TimelineRecorder* const recorder_;
+  std::unique_ptr<EvictionPolicy> policy_;
+  std::vector<ChunkRec> chunks_;
+  // Source of zero fills on non-host tiers (Zeros(n)); a smaller buffer it replaced stays in
+  // old_zeros_, since a copy in flight may still read it.
+  char* Zeros(Bytes n);
+  std::vector<char> zeros_;
+  std::vector<std::vector<char>> old_zeros_;
+  uint64_t use_counter_ = 0;
+  uint64_t stall_id_ = 0;
+
+  // The order of acquires: recorded this iteration, followed from the previous one.
+  std::vector<std::pair<ChunkId, TierKind>> recording_;
+  std::vector<std::pair<ChunkId, TierKind>> order_;
+  std::unordered_map<ChunkId, std::vector<uint64_t>> order_positions_;
+  uint64_t pos_ = 0;
+  bool following_ = false;
+  bool skipped_ = false;     // this iteration skipped entries of order_ (and did not diverge)
+  bool kept_order_ = false;  // the last BeginIteration kept order_ over a skipping recording
+  bool tracing_ = true;
+  bool cyclic_ = false;
+  ComputeStream stream_ = kHostStream;
+  std::array<Bytes, kNumTierKinds> external_{};  // per TierKind (device and host only)
+  bool planned_ = false;
+  std::vector<std::pair<ChunkId, TierKind>> deferred_;  // planned prefetches waiting for room
+
+  EngineStats stats_;
+};
+
+}  // namespace tiermem::engine

@@ -1,0 +1,770 @@
+// Session checkpoints (SaveCheckpoint / LoadCheckpoint, see session.h).
+//
+// Format 2 (written): a safetensors file (https://huggingface.co/docs/safetensors), so any
+// tool loads it without tiermem (`safetensors.torch.load_file`, or `safe_open` tensor by
+// tensor for a model larger than RAM):
+//   u64 header_bytes | JSON header (padded with spaces to 8 bytes) | tensor bytes
+//   tensors   per session tensor, in session order: "<name>" (its fp32 value, in the
+//             binding's shape) and, when trainable, "exp_avg/<name>" and "exp_avg_sq/<name>"
+//             (Adam m and v, same shape); every one F32, laid out back to back
+//   __metadata__ (all strings): format "tiermem-checkpoint", version "2", micro_steps,
+//             loss_scale, good_steps, skipped_steps, steps (JSON {name: step count}),
+//             binding (the binding's metadata), crc32c (JSON {key: 8 hex digits} of every
+//             tensor's bytes), header_crc32c (of the header text with its own value zeroed)
+// The checksums are written as fixed-width placeholders first and filled in once the data is
+// streamed (the header is rewritten in place, same length).
+//
+// Format 1 (read only, from earlier builds; little-endian, no padding):
+//   header   "TMCKPT01" | u32 version | u64 num_tensors | u64 micro_steps | f64 loss_scale |
+//            i32 good_steps | u64 skipped_steps | u32 metadata_bytes | metadata |
+//            u32 crc32c(everything before it)
+//   record   per tensor, in session order: u32 name_bytes | name | u64 numel | u8 trainable |
+//            i64 step | f32 value[numel] | (trainable) f32 exp_avg[numel] |
+//            f32 exp_avg_sq[numel] | u32 crc32c(the record before it)
+//   trailer  "TMCKEND1" | u32 crc32c(all record checksums, concatenated)
+//
+// Values are fp32 whatever the session's precision (the master copy), so a checkpoint moves
+// between fp32, bf16 and fp16 sessions of the same model (the loss-scaling state is restored
+// only into an fp16 session), and tensors are matched by name and size, so the same model
+// loads at any budget or chunk size. Gradients are not saved: saving inside an accumulation
+// window is refused, and a load clears every "has a gradient" flag.
+//
+// Saving streams tensor by tensor through one buffer of the largest tensor (a model larger
+// than RAM can be saved) into `path`.tmp — with O_DIRECT where the file system allows it,
+// 8 MiB at a time (DirectWriter), the header padded so the tensor bytes start block-aligned —
+// fsyncs it, renames it over `path` and fsyncs the directory. Loading reads the tensor bytes
+// with O_DIRECT likewise (a block-aligned buffer of the largest tensor). Config checkpoint_io
+// "buffered" goes through the page cache instead, both ways. Loading reads the tensors twice:
+// a verification pass (checksums, names, sizes) that changes nothing, then the pass that
+// writes the values — so a torn, corrupt or mismatched file leaves the session exactly as it
+// was.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cinttypes>
+#include <cstdio>
+#include <cstring>
+#include <cstdlib>
+#include <memory>
+#include <map>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "base/crc32c.h"
+#include "base/fs.h"
+#include "runtime/session.h"
+
+namespace tiermem::session {
+namespace {
+
+constexpr char kMagic[8] = {'T', 'M', 'C', 'K', 'P', 'T', '0', '1'};
+constexpr char kEndMagic[8] = {'T', 'M', 'C', 'K', 'E', 'N', 'D', '1'};
+constexpr uint32_t kVersion = 1;
+
+Status Errno(const std::string& what, int err) {
+  return IOError(what + ": " + std::strerror(err));
+}
+
+// O_DIRECT I/O: offsets, lengths and buffers aligned to kBlock (the logical block size of any
+// disk we meet is at most 4 KiB).
+constexpr size_t kBlock = 4096;
+constexpr size_t kDirectBuf = 8 << 20;  // bytes per O_DIRECT write
+
+struct FreeAligned {
+  void operator()(char* p) const { std::free(p); }
+};
+using AlignedBuf = std::unique_ptr<char, FreeAligned>;
+AlignedBuf NewAligned(size_t bytes) {
+  return AlignedBuf(static_cast<char*>(std::aligned_alloc(kBlock, AlignUp(bytes, kBlock))));
+}
+
+// Opens `path` with O_DIRECT added to `flags` when `want_direct` and the file system allows
+// it, else without; *direct says which.
+int OpenMaybeDirect(const std::string& path, int flags, mode_t mode, bool want_direct,
+                    bool* direct) {
+  int fd = want_direct ? open(path.c_str(), flags | O_DIRECT, mode) : -1;
+  *direct = fd >= 0;
+  if (fd < 0 && (!want_direct || errno == EINVAL)) fd = open(path.c_str(), flags, mode);
+  return fd;
+}
+
+Status PWriteAll(int fd, const void* p, size_t n, off_t off) {
+  const char* c = static_cast<const char*>(p);
+  while (n > 0) {
+    const ssize_t w = pwrite(fd, c, n, off);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return Errno("checkpoint write", errno);
+    }
+    c += w;
+    n -= static_cast<size_t>(w);
+    off += w;
+  }
+  return OkStatus();
+}
+
+Status PReadAll(int fd, void* p, size_t n, off_t off) {
+  char* c = static_cast<char*>(p);
+  while (n > 0) {
+    const ssize_t r = pread(fd, c, n, off);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return Errno("checkpoint read", errno);
+    }
+    if (r == 0) return DataLossError("checkpoint is truncated (torn file)");
+    c += r;
+    n -= static_cast<size_t>(r);
+    off += r;
+  }
+  return OkStatus();
+}
+
+// Sequential writer of a checkpoint: bytes are gathered in a block-aligned buffer and written
+// kDirectBuf at a time at block-aligned offsets, through O_DIRECT when the file is open with
+// it — the page cache's writeback plus fsync is what bounds buffered checkpoint writes, at a
+// fraction of the disk's rate. Finish() writes the last partial block zero-padded and cuts
+// the file back to its true size. Keeps a running CRC32C over what was Put since TakeCrc().
+class DirectWriter {
+ public:
+  DirectWriter(int fd, bool direct) : fd_(fd), direct_(direct), buf_(NewAligned(kDirectBuf)) {}
+  Status Put(const void* p, size_t n) {
+    if (!buf_) return ResourceExhaustedError("checkpoint: no memory for the write buffer");
+    crc_ = Crc32c(p, n, crc_);
+    const char* c = static_cast<const char*>(p);
+    while (n > 0) {
+      const size_t k = std::min(n, kDirectBuf - used_);
+      std::memcpy(buf_.get() + used_, c, k);
+      used_ += k;
+      c += k;
+      n -= k;
+      if (used_ == kDirectBuf) TIERMEM_RETURN_IF_ERROR(Flush(kDirectBuf));
+    }
+    return OkStatus();
+  }
+  template <typename T>
+  Status PutValue(const T& v) {
+    return Put(&v, sizeof(v));
+  }
+  uint32_t TakeCrc() {
+    const uint32_t c = crc_;
+    crc_ = 0;
+    return c;
+  }
+  Status Finish() {
+    if (!buf_) return ResourceExhaustedError("checkpoint: no memory for the write buffer");
+    if (used_ == 0) return OkStatus();
+    const uint64_t size = offset_ + used_;  // Flush moves offset_ and clears used_
+    const size_t padded = direct_ ? AlignUp(used_, kBlock) : used_;
+    std::memset(buf_.get() + used_, 0, padded - used_);
+    TIERMEM_RETURN_IF_ERROR(Flush(padded));
+    if (padded != used_ && ftruncate(fd_, static_cast<off_t>(size)) != 0) {
+      return Errno("checkpoint truncate", errno);
+    }
+    return OkStatus();
+  }
+
+ private:
+  Status Flush(size_t n) {
+    TIERMEM_RETURN_IF_ERROR(PWriteAll(fd_, buf_.get(), n, static_cast<off_t>(offset_)));
+    offset_ += n;
+    used_ = 0;
+    return OkStatus();
+  }
+
+  int fd_;
+  bool direct_;
+  AlignedBuf buf_;
+  size_t used_ = 0;
+  uint64_t offset_ = 0;
+  uint32_t crc_ = 0;
+};
+
+// Reads [off, off + n) of the file and returns where the bytes are: in `buf` without O_DIRECT;
+// with it (`direct`), inside the block-aligned `scratch` (at least n + 2 * kBlock bytes) that
+// the covering blocks are read into.
+StatusOr<const char*> ReadRange(int fd, bool direct, char* scratch, char* buf, size_t n,
+                                uint64_t off) {
+  if (!direct) {
+    TIERMEM_RETURN_IF_ERROR(PReadAll(fd, buf, n, static_cast<off_t>(off)));
+    return static_cast<const char*>(buf);
+  }
+  const uint64_t a = off / kBlock * kBlock;
+  const size_t need = static_cast<size_t>(off + n - a);
+  const size_t want = AlignUp(need, kBlock);
+  size_t got = 0;
+  while (got < need) {
+    const ssize_t r = pread(fd, scratch + got, want - got, static_cast<off_t>(a + got));
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return Errno("checkpoint read", errno);
+    }
+    if (r == 0) return DataLossError("checkpoint is truncated (torn file)");
+    got += static_cast<size_t>(r);
+    if (got % kBlock != 0 && got < need) {
+      return DataLossError("checkpoint is truncated (torn file)");  // a short read before the end
+    }
+  }
+  return static_cast<const char*>(scratch + (off - a));
+}
+
+class Reader {
+ public:
+  explicit Reader(int fd) : fd_(fd) {}
+  Status Get(void* p, size_t n) {
+    char* c = static_cast<char*>(p);
+    size_t got = 0;
+    while (got < n) {
+      const ssize_t r = read(fd_, c + got, n - got);
+      if (r < 0) {
+        if (errno == EINTR) continue;
+        return Errno("checkpoint read", errno);
+      }
+      if (r == 0) return DataLossError("checkpoint is truncated (torn file)");
+      got += static_cast<size_t>(r);
+    }
+    crc_ = Crc32c(p, n, crc_);
+    return OkStatus();
+  }
+  template <typename T>
+  Status GetValue(T* v) {
+    return Get(v, sizeof(*v));
+  }
+  uint32_t TakeCrc() {
+    const uint32_t c = crc_;
+    crc_ = 0;
+    return c;
+  }
+  // Reads a stored checksum (not itself checksummed) and compares it with the running one.
+  Status CheckCrc(const std::string& what) {
+    const uint32_t want = TakeCrc();
+    uint32_t stored = 0;
+    TIERMEM_RETURN_IF_ERROR(Get(&stored, sizeof(stored)));
+    crc_ = 0;
+    if (stored != want) return DataLossError("checkpoint " + what + ": checksum mismatch");
+    return OkStatus();
+  }
+
+ private:
+  int fd_;
+  uint32_t crc_ = 0;
+};
+
+struct Header {
+  uint64_t num_tensors = 0;
+  uint64_t micro = 0;
+  double scale = 1;
+  int32_t good_steps = 0;
+  uint64_t skipped = 0;
+  std::string metadata;
+};
+
+Status ReadHeader(Reader& r, Header* h) {
+  char magic[8];
+  TIERMEM_RETURN_IF_ERROR(r.Get(magic, 8));
+  if (std::memcmp(magic, kMagic, 8) != 0) {
+    return InvalidArgumentError("not a tiermem checkpoint (bad magic)");
+  }
+  uint32_t version = 0;
+  TIERMEM_RETURN_IF_ERROR(r.GetValue(&version));
+  if (version != kVersion) {
+    return InvalidArgumentError("checkpoint version " + std::to_string(version) +
+                                " is not supported (this build reads version " +
+                                std::to_string(kVersion) + ")");
+  }
+  uint32_t meta_bytes = 0;
+  TIERMEM_RETURN_IF_ERROR(r.GetValue(&h->num_tensors));
+  TIERMEM_RETURN_IF_ERROR(r.GetValue(&h->micro));
+  TIERMEM_RETURN_IF_ERROR(r.GetValue(&h->scale));
+  TIERMEM_RETURN_IF_ERROR(r.GetValue(&h->good_steps));
+  TIERMEM_RETURN_IF_ERROR(r.GetValue(&h->skipped));
+  TIERMEM_RETURN_IF_ERROR(r.GetValue(&meta_bytes));
+  if (meta_bytes > (64u << 20)) return DataLossError("checkpoint header: metadata too large");
+  h->metadata.resize(meta_bytes);
+  TIERMEM_RETURN_IF_ERROR(r.Get(h->metadata.data(), meta_bytes));
+  return r.CheckCrc("header");
+}
+
+// ---- format 2: safetensors -----------------------------------------------------------------
+
+constexpr char kFormat[] = "tiermem-checkpoint";
+constexpr char kCrcPlaceholder[] = "00000000";
+
+std::string Hex8(uint32_t v) {
+  char b[9];
+  std::snprintf(b, sizeof(b), "%08" PRIx32, v);
+  return b;
+}
+
+std::string Num(double v) {
+  char b[40];
+  std::snprintf(b, sizeof(b), "%.17g", v);
+  return b;
+}
+
+// The safetensors keys of tensor `t`'s entries: its value, then (trainable) m and v.
+std::vector<std::string> Keys(const TensorSpec& t) {
+  std::vector<std::string> k = {t.name};
+  if (t.trainable) k.insert(k.end(), {"exp_avg/" + t.name, "exp_avg_sq/" + t.name});
+  return k;
+}
+
+std::vector<int64_t> ShapeOf(const TensorSpec& t) {
+  return t.shape.empty() ? std::vector<int64_t>{static_cast<int64_t>(t.numel)} : t.shape;
+}
+
+// The header text: the JSON dump (keys sorted) padded with spaces (safetensors allows it) so
+// that the 8-byte length plus the text end on a kBlock boundary: the tensor bytes start
+// block-aligned, which O_DIRECT needs (and the text stays a multiple of 8 bytes).
+std::string HeaderText(const nlohmann::json& h) {
+  std::string text = h.dump();
+  text.append(AlignUp(8 + text.size(), kBlock) - 8 - text.size(), ' ');
+  return text;
+}
+
+// `text` with the value of "header_crc32c" replaced by the placeholder; npos-safe.
+StatusOr<std::string> ZeroHeaderCrc(std::string text, std::string* value) {
+  const std::string key = "\"header_crc32c\":\"";
+  const size_t at = text.find(key);
+  if (at == std::string::npos || at + key.size() + 8 > text.size()) {
+    return DataLossError("checkpoint header has no header checksum");
+  }
+  if (value != nullptr) *value = text.substr(at + key.size(), 8);
+  text.replace(at + key.size(), 8, kCrcPlaceholder);
+  return text;
+}
+
+// A parsed format-2 header.
+struct Header2 {
+  nlohmann::json tensors;  // key -> {"dtype", "shape", "data_offsets"}
+  std::map<std::string, std::string> meta;
+  nlohmann::json steps, crcs;
+  uint64_t data_start = 0;  // file offset of the tensor bytes
+};
+
+bool IsV1(int fd) {
+  char magic[8] = {};
+  return pread(fd, magic, 8, 0) == 8 && std::memcmp(magic, kMagic, 8) == 0;
+}
+
+StatusOr<Header2> ReadHeader2(int fd) {
+  uint64_t n = 0;
+  TIERMEM_RETURN_IF_ERROR(PReadAll(fd, &n, 8, 0));
+  if (n == 0 || n > (256u << 20)) {
+    return InvalidArgumentError("not a tiermem checkpoint (no safetensors header)");
+  }
+  std::string text(n, '\0');
+  TIERMEM_RETURN_IF_ERROR(PReadAll(fd, text.data(), n, 8));
+  nlohmann::json h = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (h.is_discarded() || !h.is_object()) {
+    return InvalidArgumentError("not a tiermem checkpoint (the safetensors header is not JSON)");
+  }
+  Header2 out;
+  out.data_start = 8 + n;
+  const auto meta = h.find("__metadata__");
+  if (meta == h.end() || !meta->is_object() || meta->value("format", "") != kFormat) {
+    return InvalidArgumentError(
+        "not a tiermem checkpoint (a safetensors file without tiermem's metadata)");
+  }
+  for (const auto& [k, v] : meta->items()) {
+    if (!v.is_string()) return DataLossError("checkpoint metadata '" + k + "' is not a string");
+    out.meta[k] = v.get<std::string>();
+  }
+  if (out.meta["version"] != "2") {
+    return InvalidArgumentError("checkpoint version " + out.meta["version"] +
+                                " is not supported (this build reads versions 1 and 2)");
+  }
+  std::string stored;
+  TIERMEM_ASSIGN_OR_RETURN(const std::string zeroed, ZeroHeaderCrc(text, &stored));
+  if (Hex8(Crc32c(zeroed.data(), zeroed.size())) != stored) {
+    return DataLossError("checkpoint header: checksum mismatch");
+  }
+  out.steps = nlohmann::json::parse(out.meta["steps"], nullptr, false);
+  out.crcs = nlohmann::json::parse(out.meta["crc32c"], nullptr, false);
+  if (!out.steps.is_object() || !out.crcs.is_object()) {
+    return DataLossError("checkpoint header: bad steps or checksums");
+  }
+  h.erase("__metadata__");
+  out.tensors = std::move(h);
+  return out;
+}
+
+}  // namespace
+
+Status Session::SaveCheckpoint(const std::string& path, const std::string& metadata) {
+  TIERMEM_RETURN_IF_ERROR(Live());
+  TIERMEM_RETURN_IF_ERROR(RunAllPending(true));  // the deferred updates belong to the state
+  if (accumulating_) {
+    return FailedPreconditionError(
+        "checkpoint: saving inside a gradient accumulation window would lose the accumulated "
+        "gradients; save after a step that applied");
+  }
+  // The header, with checksum placeholders (fixed width: the final header has the same size).
+  nlohmann::json header = nlohmann::json::object();
+  nlohmann::json steps = nlohmann::json::object(), crcs = nlohmann::json::object();
+  uint64_t offset = 0, max_numel = 0;
+  for (size_t i = 0; i < specs_.size(); ++i) {
+    const TensorSpec& t = specs_[i];
+    max_numel = std::max(max_numel, t.numel);
+    steps[t.name] = steps_[i];
+    for (const std::string& key : Keys(t)) {
+      if (header.contains(key)) {
+        return InvalidArgumentError("checkpoint: two tensors are named '" + key + "'");
+      }
+      header[key] = {{"dtype", "F32"}, {"shape", ShapeOf(t)},
+                     {"data_offsets", {offset, offset + t.numel * 4}}};
+      offset += t.numel * 4;
+      crcs[key] = kCrcPlaceholder;
+    }
+  }
+  auto meta_json = [&] {
+    return nlohmann::json{{"format", kFormat},
+                          {"version", "2"},
+                          {"micro_steps", std::to_string(micro_)},
+                          {"loss_scale", Num(scaler_.scale)},
+                          {"good_steps", std::to_string(scaler_.good_steps)},
+                          {"skipped_steps", std::to_string(scaler_.skipped_steps)},
+                          {"steps", steps.dump()},
+                          {"binding", metadata},
+                          {"crc32c", crcs.dump()},
+                          {"header_crc32c", kCrcPlaceholder}};
+  };
+  header["__metadata__"] = meta_json();
+  const std::string placeholder = HeaderText(header);
+  const uint64_t header_bytes = placeholder.size();
+
+  if (sharded()) {
+    // Every rank takes part in the gathers, chunk by chunk (cached while consecutive tensors
+    // share one); rank 0 writes the file.
+    gather_cache_ = true;
+    gathered_key_ = {SIZE_MAX, -1};
+  }
+  struct CacheOff {
+    Session* s;
+    ~CacheOff() {
+      s->gather_cache_ = false;
+      s->gathered_key_ = {SIZE_MAX, -1};
+    }
+  } cache_off{this};
+  if (sharded() && rank() != 0) {
+    std::vector<float> buf(max_numel);
+    const ChunkKind kinds[] = {ChunkKind::kParamFp32, ChunkKind::kExpAvg, ChunkKind::kExpAvgSq};
+    for (size_t i = 0; i < specs_.size(); ++i) {
+      for (size_t k = 0; k < Keys(specs_[i]).size(); ++k) {
+        TIERMEM_RETURN_IF_ERROR(ReadTensor(i, kinds[k], buf.data()).WithContext("checkpoint"));
+      }
+    }
+    return OkStatus();
+  }
+  const std::string tmp = path + ".tmp";
+  bool direct = false;
+  const int fd = OpenMaybeDirect(tmp, O_CREAT | O_WRONLY | O_TRUNC | O_CLOEXEC, 0644,
+                                 config_.checkpoint_io != "buffered", &direct);
+  if (fd < 0) return Errno("checkpoint: cannot create " + tmp, errno);
+  auto fail = [&](Status s) {
+    close(fd);
+    unlink(tmp.c_str());
+    return s.WithContext("checkpoint " + path);
+  };
+  DirectWriter w(fd, direct);
+  Status s = w.PutValue(header_bytes);
+  if (s.ok()) s = w.Put(placeholder.data(), placeholder.size());
+  w.TakeCrc();
+  std::vector<float> buf(max_numel);
+  // Sharded, the reads are collective: after a write error rank 0 still takes part in every
+  // gather (the other ranks would wait for it), then reports the error.
+  Status gathers;
+  for (size_t i = 0; i < specs_.size() && gathers.ok() && (s.ok() || sharded()); ++i) {
+    const TensorSpec& t = specs_[i];
+    const std::vector<std::string> keys = Keys(t);
+    const ChunkKind kinds[] = {ChunkKind::kParamFp32, ChunkKind::kExpAvg, ChunkKind::kExpAvgSq};
+    for (size_t k = 0; k < keys.size() && gathers.ok() && (s.ok() || sharded()); ++k) {
+      gathers = ReadTensor(i, kinds[k], buf.data());
+      if (s.ok()) s = gathers;
+      if (s.ok()) s = w.Put(buf.data(), t.numel * sizeof(float));
+      crcs[keys[k]] = Hex8(w.TakeCrc());
+    }
+  }
+  if (s.ok()) s = w.Finish();
+  if (s.ok()) {
+    // The real checksums, then the header's own over the text with it zeroed.
+    header["__metadata__"] = meta_json();
+    const std::string zeroed = HeaderText(header);
+    header["__metadata__"]["header_crc32c"] = Hex8(Crc32c(zeroed.data(), zeroed.size()));
+    const std::string text = HeaderText(header);
+    if (text.size() != header_bytes) {
+      s = InternalError("checkpoint header changed size");
+    } else {
+      // The length and the text end on a block boundary: rewrite them as whole blocks.
+      AlignedBuf head = NewAligned(8 + text.size());
+      if (!head) {
+        s = ResourceExhaustedError("checkpoint: no memory for the header");
+      } else {
+        std::memcpy(head.get(), &header_bytes, 8);
+        std::memcpy(head.get() + 8, text.data(), text.size());
+        s = PWriteAll(fd, head.get(), 8 + text.size(), 0);
+      }
+    }
+  }
+  if (s.ok() && fsync(fd) != 0) s = Errno("checkpoint fsync", errno);
+  if (!s.ok()) return fail(s);
+  if (close(fd) != 0) {
+    unlink(tmp.c_str());
+    return Errno("checkpoint close " + tmp, errno);
+  }
+  if (rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    unlink(tmp.c_str());
+    return Errno("checkpoint: rename to " + path, err);
+  }
+  std::string dir = DirName(path);
+  if (dir.empty()) dir = ".";
+  const int dfd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    fsync(dfd);  // best effort: the rename is durable once the directory is
+    close(dfd);
+  }
+  return OkStatus();
+}
+
+StatusOr<std::string> Session::CheckpointMetadata(const std::string& path) {
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return Errno("checkpoint: cannot open " + path, errno);
+  std::string meta;
+  Status s;
+  if (IsV1(fd)) {
+    Reader r(fd);
+    Header h;
+    s = ReadHeader(r, &h);
+    meta = h.metadata;
+  } else {
+    auto h = ReadHeader2(fd);
+    s = h.status();
+    if (h.ok()) meta = h->meta["binding"];
+  }
+  close(fd);
+  if (!s.ok()) return s.WithContext("checkpoint " + path);
+  return meta;
+}
+
+Status Session::LoadCheckpoint(const std::string& path, std::string* metadata,
+                               bool verify_only) {
+  TIERMEM_RETURN_IF_ERROR(Live());
+  // The last step's deferred updates come first (a load then replaces what they wrote; a
+  // failed one leaves the stepped state, as without deferral).
+  TIERMEM_RETURN_IF_ERROR(RunAllPending(true));
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return Errno("checkpoint: cannot open " + path, errno);
+  if (IsV1(fd)) {
+    close(fd);
+    if (verify_only) return UnimplementedError("checkpoint: format-1 files load unverified only");
+    return LoadCheckpointV1(path, metadata);
+  }
+  // The tensor bytes are read with O_DIRECT when checkpoint_io says so and the file system
+  // allows it (a second descriptor; the header is read through the first).
+  bool direct = false;
+  const int dfd = config_.checkpoint_io != "buffered"
+                      ? OpenMaybeDirect(path, O_RDONLY | O_CLOEXEC, 0, true, &direct)
+                      : -1;
+  Status s = LoadCheckpointV2(fd, dfd >= 0 ? dfd : fd, dfd >= 0 && direct, metadata, verify_only);
+  if (dfd >= 0) close(dfd);
+  close(fd);
+  return s.WithContext("checkpoint " + path);
+}
+
+Status Session::LoadCheckpointV2(int fd, int data_fd, bool direct, std::string* metadata,
+                                 bool verify_only) {
+  TIERMEM_ASSIGN_OR_RETURN(Header2 h, ReadHeader2(fd));
+  // Everything the load needs, taken out of the header first (a malformed header is an error
+  // here, before anything changes): every tensor of this model and nothing else, all F32.
+  struct Entry {
+    uint64_t begin = 0;
+    std::string crc;
+  };
+  std::vector<std::vector<Entry>> entries(specs_.size());
+  std::vector<int64_t> steps(specs_.size());
+  uint64_t micro = 0, max_numel = 0;
+  ScalerState scaler;
+  try {
+    size_t expected = 0;
+    for (size_t i = 0; i < specs_.size(); ++i) {
+      const TensorSpec& t = specs_[i];
+      max_numel = std::max(max_numel, t.numel);
+      expected += Keys(t).size();
+      for (const std::string& key : Keys(t)) {
+        const auto e = h.tensors.find(key);
+        if (e == h.tensors.end()) {
+          const bool frozen_there = key != t.name && h.tensors.contains(t.name);
+          return InvalidArgumentError(
+              "checkpoint has no tensor '" + key + "'" +
+              (frozen_there ? " (the parameter was frozen when it was saved)" : "") +
+              "; this model has '" + t.name + "' (" + std::to_string(t.numel) + " elements" +
+              (t.trainable ? "" : ", frozen") + "): nothing was loaded");
+        }
+        const nlohmann::json& off = e->at("data_offsets");
+        uint64_t numel = 1;
+        for (const auto& d : e->at("shape")) numel *= d.get<uint64_t>();
+        const std::string dtype = e->at("dtype").get<std::string>();
+        if (dtype != "F32" || numel != t.numel || off.size() != 2 ||
+            off[1].get<uint64_t>() - off[0].get<uint64_t>() != t.numel * 4) {
+          return InvalidArgumentError("checkpoint tensor '" + key + "' has " +
+                                      std::to_string(numel) + " elements of " + dtype +
+                                      ", this model has '" + t.name + "' (" +
+                                      std::to_string(t.numel) + " elements, F32): nothing was "
+                                      "loaded");
+        }
+        entries[i].push_back({off[0].get<uint64_t>(), h.crcs.at(key).get<std::string>()});
+      }
+      steps[i] = h.steps.at(t.name).get<int64_t>();
+    }
+    if (h.tensors.size() != expected) {
+      return InvalidArgumentError("checkpoint holds " + std::to_string(h.tensors.size()) +
+                                  " tensors (values and Adam state), this model has " +
+                                  std::to_string(expected) + ": nothing was loaded");
+    }
+    micro = std::stoull(h.meta.at("micro_steps"));
+    scaler.scale = std::stod(h.meta.at("loss_scale"));
+    scaler.good_steps = std::stoi(h.meta.at("good_steps"));
+    scaler.skipped_steps = std::stoull(h.meta.at("skipped_steps"));
+  } catch (const std::exception& e) {
+    return DataLossError(std::string("checkpoint header is malformed (") + e.what() +
+                         "): nothing was loaded");
+  }
+  // The read target without O_DIRECT; with it the values are used where they land in
+  // `scratch`, copied here only when a file puts a tensor at an offset that is not a multiple
+  // of 4 (safetensors does not require one; tiermem's files never do it).
+  std::vector<float> buf(max_numel);
+  AlignedBuf scratch = direct ? NewAligned(max_numel * 4 + 2 * kBlock) : nullptr;
+  if (direct && !scratch) return ResourceExhaustedError("checkpoint: no memory for the read buffer");
+  const ChunkKind kinds[] = {ChunkKind::kParamFp32, ChunkKind::kExpAvg, ChunkKind::kExpAvgSq};
+  // Pass 0 verifies every tensor's checksum; pass 1 applies.
+  for (int pass = 0; pass < (verify_only ? 1 : 2); ++pass) {
+    for (size_t i = 0; i < specs_.size(); ++i) {
+      const TensorSpec& t = specs_[i];
+      for (size_t k = 0; k < entries[i].size(); ++k) {
+        const Entry& e = entries[i][k];
+        StatusOr<const char*> at =
+            ReadRange(data_fd, direct, scratch.get(), reinterpret_cast<char*>(buf.data()),
+                      t.numel * 4, h.data_start + e.begin);
+        Status s = at.status();
+        if (s.ok() && Hex8(Crc32c(*at, t.numel * 4)) != e.crc) {
+          s = DataLossError("tensor '" + Keys(t)[k] + "': checksum mismatch");
+        }
+        if (s.ok() && pass == 1) {
+          const char* bytes = *at;
+          if (reinterpret_cast<uintptr_t>(bytes) % alignof(float) != 0) {
+            std::memcpy(buf.data(), bytes, t.numel * 4);
+            bytes = reinterpret_cast<const char*>(buf.data());
+          }
+          const float* values = reinterpret_cast<const float*>(bytes);
+          s = k == 0 ? WriteParam(i, values) : WriteTensor(i, kinds[k], values);
+        }
+        if (!s.ok()) {
+          return s.WithContext(pass == 0 ? "nothing was loaded" : "the file changed while loading");
+        }
+      }
+    }
+  }
+  if (verify_only) {
+    if (metadata != nullptr) *metadata = h.meta["binding"];
+    return OkStatus();
+  }
+  steps_ = steps;
+  // Gradients are not part of a checkpoint: the next backward starts them afresh.
+  micro_ = micro;
+  accumulating_ = false;
+  std::fill(has_grad_.begin(), has_grad_.end(), 0);
+  if (config_.precision == Precision::kFp16) scaler_ = scaler;
+  if (metadata != nullptr) *metadata = h.meta["binding"];
+  return OkStatus();
+}
+
+Status Session::LoadCheckpointV1(const std::string& path, std::string* metadata) {
+  uint64_t max_numel = 0;
+  for (const TensorSpec& t : specs_) max_numel = std::max(max_numel, t.numel);
+  std::vector<float> buf(max_numel);
+  // Pass 0 verifies; pass 1 applies. Both read the whole file the same way.
+  for (int pass = 0; pass < 2; ++pass) {
+    const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return Errno("checkpoint: cannot open " + path, errno);
+    Reader r(fd);
+    Status s;
+    Header h;
+    s = ReadHeader(r, &h);
+    if (s.ok() && h.num_tensors != specs_.size()) {
+      s = InvalidArgumentError("checkpoint holds " + std::to_string(h.num_tensors) +
+                               " tensors, this model has " + std::to_string(specs_.size()));
+    }
+    std::vector<uint32_t> record_crcs;
+    for (size_t i = 0; i < specs_.size() && s.ok(); ++i) {
+      const TensorSpec& t = specs_[i];
+      uint32_t name_bytes = 0;
+      s = r.GetValue(&name_bytes);
+      if (s.ok() && name_bytes > 65536) s = DataLossError("checkpoint record: bad name length");
+      std::string name(s.ok() ? name_bytes : 0, '\0');
+      if (s.ok()) s = r.Get(name.data(), name_bytes);
+      uint64_t numel = 0;
+      uint8_t trainable = 0;
+      int64_t step = 0;
+      if (s.ok()) s = r.GetValue(&numel);
+      if (s.ok()) s = r.GetValue(&trainable);
+      if (s.ok()) s = r.GetValue(&step);
+      if (s.ok() && (name != t.name || numel != t.numel || (trainable != 0) != t.trainable)) {
+        s = InvalidArgumentError("checkpoint tensor " + std::to_string(i) + " is '" + name +
+                                 "' (" + std::to_string(numel) + " elements" +
+                                 (trainable ? "" : ", frozen") + "), this model has '" + t.name +
+                                 "' (" + std::to_string(t.numel) + " elements" +
+                                 (t.trainable ? "" : ", frozen") + ")");
+      }
+      std::vector<ChunkKind> kinds = {ChunkKind::kParamFp32};
+      if (t.trainable) kinds.insert(kinds.end(), {ChunkKind::kExpAvg, ChunkKind::kExpAvgSq});
+      for (ChunkKind k : kinds) {
+        if (s.ok()) s = r.Get(buf.data(), t.numel * sizeof(float));
+        if (s.ok() && pass == 1) {
+          s = k == ChunkKind::kParamFp32 ? WriteParam(i, buf.data()) : WriteTensor(i, k, buf.data());
+        }
+      }
+      if (pass == 1 && s.ok()) steps_[i] = step;
+      uint32_t crc = r.TakeCrc();
+      record_crcs.push_back(crc);
+      uint32_t stored = 0;
+      if (s.ok()) s = r.GetValue(&stored);
+      r.TakeCrc();
+      if (s.ok() && stored != crc) {
+        s = DataLossError("checkpoint record " + std::to_string(i) + " (" + t.name +
+                          "): checksum mismatch");
+      }
+    }
+    char end[8];
+    uint32_t all = 0;
+    if (s.ok()) s = r.Get(end, 8);
+    if (s.ok() && std::memcmp(end, kEndMagic, 8) != 0) {
+      s = DataLossError("checkpoint trailer missing (torn file)");
+    }
+    if (s.ok()) s = r.GetValue(&all);
+    if (s.ok() && all != Crc32c(record_crcs.data(), record_crcs.size() * sizeof(uint32_t))) {
+      s = DataLossError("checkpoint trailer: checksum mismatch");
+    }
+    close(fd);
+    if (!s.ok()) {
+      return s.WithContext(pass == 0 ? "checkpoint " + path + " (nothing was loaded)"
+                                     : "checkpoint " + path + " changed while loading");
+    }
+    if (pass == 1) {
+      // Gradients are not part of a checkpoint: the next backward starts them afresh.
+      micro_ = h.micro;
+      accumulating_ = false;
+      std::fill(has_grad_.begin(), has_grad_.end(), 0);
+      if (config_.precision == Precision::kFp16) {
+        scaler_.scale = h.scale;
+        scaler_.good_steps = h.good_steps;
+        scaler_.skipped_steps = h.skipped;
+      }
+      if (metadata != nullptr) *metadata = h.metadata;
+    }
+  }
+  return OkStatus();
+}
+
+}  // namespace tiermem::session

@@ -1,0 +1,157 @@
+// SessionConfig: the one configuration of a tiermem session, parsed once from JSON (the
+// Python `config` dict / JSON file, the LibTorch `nlohmann::json`) and then overridden by the
+// TIERMEM_* environment. Both bindings call ParseConfig; nothing else parses configuration,
+// so the keys, the defaults and the error messages are the same in Python and C++
+// (tests/runtime/config_cases.json is run through both).
+//
+// Every key is checked: an unknown key or a bad value is kInvalidArgument naming the key
+// ("optimizer.eps") or the variable ("TIERMEM_NVME_SIZE") and the offending value. Sizes are
+// strings like "2GiB" (ParseBytes) or positive byte counts. An environment variable that is
+// set but empty counts as unset.
+//
+//   key / variable                                 default     meaning
+//   device          TIERMEM_DEVICE_BUDGET          2GiB        device tier budget
+//   host            TIERMEM_HOST_BUDGET            8GiB        host tier budget
+//   nvme.size       TIERMEM_NVME_SIZE              (none)      NVMe tier budget; no key = no NVMe
+//   nvme.path       TIERMEM_NVME_PATH              temp dir    directory for the NVMe files
+//   nvme.engine     TIERMEM_NVME_ENGINE            auto        auto | io_uring | posix
+//   nvme.queue_depth TIERMEM_IO_DEPTH              8           io_uring queue depth, 1..4096
+//   device_kind     TIERMEM_DEVICE                 auto        auto | cuda | sim | sim-async
+//                                                              (sim-async: SimDevice's adversarial
+//                                                              asynchronous mode, for tests)
+//   timeline        TIERMEM_TIMELINE               temp file   binary timeline path
+//   cpu_threads     TIERMEM_CPU_THREADS            0           CPU kernel threads (0 = all)
+//   kernel_isa      TIERMEM_KERNEL_ISA             auto        auto | scalar | avx2 | avx512
+//   log_level       TIERMEM_LOG_LEVEL              warn        error | warn | info | debug
+//   precision                                      fp32        fp32 | bf16 | fp16
+//   optimizer.{type,lr,betas,eps,weight_decay}     adamw, 1e-3, [0.9, 0.999], 1e-8, 0.01
+//   gradient_accumulation_steps                    1           step every N-th call
+//   gradient_clipping                              0 (off)     global-norm clip
+//   chunk_size                                     automatic   elements per chunk
+//   prefetch_depth                                 4           acquires of lookahead
+//   write_behind                                   true        background write-back (engine.h)
+//   plan            TIERMEM_PLAN                   off         off | auto: plan from a warm-up
+//                                                              iteration and execute the plan
+//   activations     TIERMEM_ACTIVATIONS            outside     outside | budget | offload |
+//                                                              recompute | auto: the bindings
+//                                                              count saved activations in the
+//                                                              device budget (offload: and move
+//                                                              them to host memory when the
+//                                                              device is short; recompute:
+//                                                              units recompute them in the
+//                                                              backward; auto: the executed
+//                                                              plan picks per unit)
+//   optimizer_placement TIERMEM_OPTIMIZER_PLACEMENT auto    auto | host: auto steps a chunk
+//                                                              group on the device when its
+//                                                              optimizer state fits next to
+//                                                              the working set (session.h)
+//   optimizer_overlap TIERMEM_OPTIMIZER_OVERLAP next-forward  next-forward | backward | off:
+//                                                              a group's optimizer step runs
+//                                                              when the next forward first
+//                                                              needs it (session.h, "deferred
+//                                                              steps"); backward: also
+//                                                              speculatively in the backward
+//                                                              (session.h, "speculative steps")
+//   checkpoint_io   TIERMEM_CHECKPOINT_IO          auto        auto | direct | buffered: how
+//                                                              checkpoints are written and read
+//                                                              (auto = direct: O_DIRECT)
+//   loss_scaling.{initial_scale,growth_interval,growth_factor,backoff_factor}   (fp16)
+//   unmaterialized_reads                           materialize materialize | error (Python)
+//
+// Thread-safety: values and pure functions (ParseConfig reads the environment only through
+// the getter it is given).
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "base/logging.h"
+#include "base/env.h"
+#include "base/status.h"
+#include "base/units.h"
+
+namespace tiermem::session {
+
+enum class Precision : uint8_t { kFp32 = 0, kBf16 = 1, kFp16 = 2 };
+std::string_view PrecisionName(Precision p);  // "fp32", "bf16", "fp16"
+
+struct OptimizerConfig {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.01;
+};
+
+// fp16 dynamic loss scaling: torch.amp.GradScaler's defaults and semantics.
+struct LossScalingConfig {
+  double initial_scale = 65536.0;
+  int growth_interval = 2000;
+  double growth_factor = 2.0;
+  double backoff_factor = 0.5;
+};
+
+struct SessionConfig {
+  Bytes device_budget = 2 * kGiB;
+  Bytes host_budget = 8 * kGiB;
+  Bytes nvme_size = 0;           // 0 = no NVMe tier (only when no nvme key/variable is given)
+  std::string nvme_path;         // "" = a fresh directory under $TMPDIR
+  std::string nvme_engine = "auto";
+  int io_depth = 8;
+  Bytes io_piece = kMiB;         // NVMe I/O size: larger copies go in pieces of this size
+  std::string device_kind = "auto";
+  std::string timeline;          // "" = a temporary file, removed when the session closes
+  int cpu_threads = 0;
+  std::string kernel_isa = "auto";
+  LogLevel log_level = LogLevel::kWarn;
+  Precision precision = Precision::kFp32;
+  OptimizerConfig optimizer;
+  int gradient_accumulation_steps = 1;
+  double gradient_clipping = 0.0;       // 0 = off
+  std::optional<uint64_t> chunk_size;   // elements per chunk; nullopt = automatic
+  int prefetch_depth = 4;
+  bool write_behind = true;
+  std::string plan = "off";  // "off" | "auto" (session.h, "Plans")
+  // "outside": saved activations are torch's, outside the device budget; "budget": the
+  // bindings count them in it (SetExternalDeviceBytes), and plans account for them;
+  // "offload": counted too, and the binding offloads units' activations to host memory
+  // (SetExternalHostBytes) when the device cannot hold them; "recompute": counted, and every
+  // unit that contains no other unit drops what its forward saves and recomputes it in its
+  // backward (activation checkpointing per unit); "auto": counted, and an executed plan chooses
+  // per unit keep / offload / recompute (without one, or off it: offload).
+  std::string activations = "outside";
+  // "auto": chunk groups whose optimizer state fits the device next to the training working
+  // set step there (the CUDA kernels on CUDA, the CPU kernels on SimDevice's memory); "host":
+  // every group steps on host copies.
+  std::string optimizer_placement = "auto";
+  // "next-forward": Step() computes the gradient stats and the clip/scale factors and
+  // captures the hyper-parameters, and each chunk group's AdamW update runs later, just before
+  // anything reads or writes that group (the next forward's first use): its optimizer-state
+  // reads and write-backs overlap the forward's compute. Exact: the same kernels on the same
+  // values. "off": every group is updated inside Step().
+  std::string optimizer_overlap = "next-forward";
+  // Checkpoint file I/O: "auto" and "direct" write and read with O_DIRECT where the file
+  // system allows it (else through the page cache): the page cache's writeback and readahead
+  // run far below the disk's rate here, and a checkpoint larger than RAM only churns it;
+  // "buffered" always goes through the page cache (a file still cached from a recent save
+  // loads faster that way).
+  std::string checkpoint_io = "auto";
+  LossScalingConfig loss_scaling;
+  std::string unmaterialized_reads = "materialize";  // or "error"
+};
+
+// `config`: a JSON object (null = all defaults). `env`: the TIERMEM_* source (tests pass a
+// map; the bindings pass ProcessEnv()).
+StatusOr<SessionConfig> ParseConfig(const nlohmann::json& config,
+                                    const EnvGetter& env = ProcessEnv());
+// Reads `path` as JSON, then ParseConfig. An unreadable file or invalid JSON is
+// kInvalidArgument naming the file.
+StatusOr<SessionConfig> ParseConfigFile(const std::string& path,
+                                        const EnvGetter& env = ProcessEnv());
+// The config as JSON with every key present (defaults filled in): what the session runs
+// with, for logs and the Python repr. Parsing it again gives the same config.
+nlohmann::json ToJson(const SessionConfig& config);
+
+}  // namespace tiermem::session

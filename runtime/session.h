@@ -1,0 +1,557 @@
+// Session: one model's training state in chunks, torch-free. Both bindings (the Python
+// package and the LibTorch API) are adapters over this class: they describe the model's
+// tensors once, move values in and out, mark iterations, and call Step(); everything about
+// where bytes live and how the optimizer runs is here.
+//
+// A session owns
+//   - the tier stack (tier_stack.h): device (SimDevice or CUDA), host, NVMe, staging, the
+//     mover, the timeline recorder and the chunk engine;
+//   - the layout: tensors (in the order given — first use, i.e. module registration order)
+//     packed into chunk groups; every group has one chunk per ChunkKind it needs, all at the
+//     same element offsets. Trainable groups: the compute params (kParamFp32 in fp32 training,
+//     kParamLowp in bf16/fp16), kGrad (compute dtype), kExpAvg and kExpAvgSq (fp32), and in
+//     mixed precision the fp32 master (kParamFp32). Frozen groups: the compute params, plus
+//     the fp32 master in mixed precision (so their values stay exact). Chunks are created
+//     compute params first, then grads, masters, m and v, so the optimizer state is what
+//     spills to NVMe first when the host budget is short;
+//   - the optimizer: AdamW over every group with gradients, with per-group hyper-parameters
+//     passed at each Step (LR schedules), gradient accumulation (every N-th Step applies),
+//     global-norm clipping and fp16 dynamic loss scaling (skipped steps lower the scale), all
+//     on fused kernels. Placement (config optimizer_placement, decided once at the first
+//     applied step): a group steps *on the device* when its optimizer state (m, v and, in
+//     mixed precision, the fp32 master) fits there next to the training working set — every
+//     group's compute and grad chunks plus the most activation/KV bytes the device held so
+//     far — taking groups in order while room is left (Deep Optimizer States' idea with a
+//     static rule; "host" turns it off). Its params and grads then never cross to the host:
+//     the CUDA kernels (kernels/cuda) run on the compute stream on CUDA, the CPU kernels on
+//     SimDevice's memory (its twin). Other groups step on host copies with the CPU kernels.
+//     The kernels agree bit for bit (device_kernels.h);
+//   - deferred steps (config optimizer_overlap: next-forward, the default): Step() validates,
+//     computes the gradient stats, the clip factor and the fp16 verdict, counts the steps and
+//     captures, per chunk group, the runs it updates and the hyper-parameters; each group's
+//     AdamW update then runs when anything next touches that group's chunks or values —
+//     normally the next forward's first use of the group, which the bindings announce with
+//     FinishStep before the unit's moment so the update is its own optimizer moment. So the
+//     update's optimizer-state reads from NVMe and its write-backs overlap the previous
+//     unit's forward instead of stalling a separate optimizer phase. Exact by construction:
+//     the same kernels on the same values, only later; every access path (Acquire, values,
+//     ZeroChunk, GradStats, checkpoints, Flush, Synchronize, the next Step) first runs the
+//     pending update of what it touches. ZeroGrad on a pending group zeroes its grads after
+//     the update. A group any of whose chunks is pinned at Step (the binding may use the
+//     pointer without acquiring again: resident training) is updated inside Step. An update
+//     that fails later returns its error from the call that ran it, naming the group;
+//   - speculative steps (optimizer_overlap: backward): deferred steps as above, and in the
+//     backward, once a host-stepped group's gradients are complete — judged from the previous
+//     iteration: at the first backward moment after the one in which its grad chunk was last
+//     written then — its AdamW update runs speculatively and out of place: params, m, v (and
+//     the master) are copied into host scratch and updated there with the gradients as they
+//     are, every trainable tensor of the group stepped, clip factor 1, the current loss scale
+//     and the hyper-parameters the binding announced for this iteration (SetStepHyper). The
+//     scratch counts in the host budget and is taken only from free room (the group's bytes
+//     plus as much again left over): nothing is evicted for it. Nothing anyone reads changes.
+//     Step() commits a speculation — the scratch becomes the chunks' content
+//     (Engine::AdoptHostCopy: no bytes move) — when the update Step would run is the same
+//     one: the same runs and step counts, a clip factor of exactly 1 (no clipping, or the
+//     norm at or below max_norm), no fp16 overflow, the same loss scale and hyper-parameters;
+//     otherwise it drops it and the group is updated as without speculation (deferred).
+//     Bit-identical to the unoverlapped step by construction: the same kernel on the same
+//     inputs (a clip factor of 1 multiplies by 1). Anything that writes the group between the
+//     speculation and Step (a later gradient, zero_grad, a value, a checkpoint load, an
+//     accumulation micro-step) drops it first; reads see the old values;
+//   - per-tensor step counts and "has a gradient" flags (torch's `p.grad is not None`: a
+//     tensor without a gradient is not stepped, like torch.optim);
+//   - checkpoints (SaveCheckpoint/LoadCheckpoint: a versioned, checksummed file streamed
+//     tensor by tensor, so a model larger than RAM can be saved), stats and the timeline.
+//
+// Sharding (ZeRO-3 style; collectives.h): with Sharding{world, rank, collectives}, world > 1,
+// the layout (groups, chunk size, tensor offsets — "full" coordinates) is the same on every
+// rank, but each rank's chunks hold only its shard of every chunk: elements
+// [rank * shard_elems, (rank + 1) * shard_elems) of every kind (params, grads, m, v, masters),
+// in this rank's own tiers and budgets. Acquire/Release hand out shards; the binding gathers
+// a unit's full chunks into scratch (AllocateScratch) with torch.distributed and
+// reduce-scatters its full gradients into the grad shards. Values are written locally (each
+// rank keeps its part of WriteParam/WriteTensor) and read collectively (ReadParam/ReadTensor
+// gather the chunk through Collectives: every rank must call them). The step runs on each
+// rank's shard only, with per-tensor step counts shared by all ranks; with clipping or fp16 the
+// binding passes the global gradient stats (its all-reduce of every rank's GradStats()).
+// Checkpoints are the same file at any world size: every rank gathers, rank 0 writes; every
+// rank loads its part.
+//
+// Gradients: bindings accumulate into kGrad chunks themselves (they own the autograd glue)
+// and say which tensors received one (SetHasGrad). Only the spans of tensors that have a
+// gradient are read, so a tensor whose gradient was dropped (torch's zero_grad(set_to_none))
+// may leave stale bytes in its span; ZeroGrad() additionally zeroes every grad chunk lazily.
+//
+// Thread-safety: externally synchronized (the training thread), like the model.
+// Ownership: the session owns every chunk and tier. Close() (or destruction) frees them and
+// completes the timeline; afterwards only the const accessors work, everything else is
+// kFailedPrecondition.
+#pragma once
+
+#include <array>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "chunks/chunk_layout.h"
+#include "kernels/cpu/optim.h"
+#include "base/status.h"
+#include "chunks/engine.h"
+#include "prof/analysis.h"
+#include "runtime/collectives.h"
+#include "runtime/config.h"
+#include "runtime/plan_runner.h"
+#include "runtime/trace_recorder.h"
+
+namespace tiermem::session {
+
+using chunks::ChunkKind;
+class TierStack;
+
+struct TensorSpec {
+  std::string name;       // for messages and checkpoints, e.g. "blocks.0.attn.c_attn.weight"
+  uint64_t numel = 0;     // > 0
+  bool trainable = true;  // false: frozen (no grad or optimizer chunks)
+  int opt_group = 0;      // optimizer param group (trainable tensors only), >= 0
+  std::vector<int64_t> shape = {};  // as the binding's tensor (checkpoints); empty = {numel}
+};
+
+// Where a tensor lives: the same element offset in every chunk of its group.
+struct TensorPlace {
+  uint32_t group = 0;
+  uint64_t offset = 0;  // elements
+  uint64_t numel = 0;
+  bool trainable = true;
+  int opt_group = 0;
+};
+
+struct ChunkGroup {
+  bool trainable = false;
+  uint64_t used_elems = 0;                       // end of its last tensor
+  std::array<ChunkId, chunks::kNumChunkKinds> chunks;  // by ChunkKind; kNoChunk if absent
+  std::vector<uint32_t> tensors;                 // its tensors, in offset order
+};
+
+// AdamW hyper-parameters of one optimizer param group, as of this step (the config's
+// `optimizer` keys are the defaults of every group).
+using GroupHyper = OptimizerConfig;
+
+struct StepResult {
+  bool applied = false;   // false between accumulation micro-steps and when skipped
+  bool skipped = false;   // fp16: the gradients overflowed; nothing changed but the scale
+  double grad_norm = -1;  // total (unscaled) norm when it was computed (clipping or fp16)
+  float clip_coef = 1.0f; // the factor the step applied (1 = no clipping)
+};
+
+// fp16 dynamic loss scaling state (torch.amp.GradScaler's).
+struct ScalerState {
+  double scale = 1.0;
+  int good_steps = 0;
+  uint64_t skipped_steps = 0;
+};
+
+// The factor global-norm clipping multiplies every gradient by, exactly as
+// torch.nn.utils.clip_grad_norm_(max_norm) computes it in fp32 (1 when the norm is below).
+float ClipCoefficient(double max_norm, double total_norm);
+
+class Session {
+ public:
+  // kInvalidArgument: no tensors, a tensor of 0 elements, a negative group; kResourceExhausted:
+  // a device budget below the minimum for the largest tensor (the message names the minimum
+  // bytes), or no host/NVMe room for the chunks; kUnavailable: "cuda" without a GPU; tier and
+  // timeline errors as their factories report them. On failure nothing is left behind.
+  // kInvalidArgument also for a bad Sharding (rank outside [0, world), no collectives).
+  static StatusOr<std::unique_ptr<Session>> Create(const SessionConfig& config,
+                                                   std::vector<TensorSpec> tensors,
+                                                   Sharding sharding = {});
+  ~Session();
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+
+  // Frees every chunk and tier and completes the timeline. Idempotent.
+  void Close();
+  bool closed() const;
+
+  // ---- layout (valid after Close too) ---------------------------------------------------
+  const SessionConfig& config() const { return config_; }
+  Precision precision() const { return config_.precision; }
+  bool mixed() const { return config_.precision != Precision::kFp32; }
+  kernels::DType compute_dtype() const;
+  kernels::DType dtype(ChunkKind kind) const;  // element type of that kind's chunks
+  ChunkKind compute_kind() const {             // the chunks the model computes with
+    return mixed() ? ChunkKind::kParamLowp : ChunkKind::kParamFp32;
+  }
+  uint64_t chunk_elems() const { return chunk_elems_; }  // full chunks (every rank alike)
+  // Sharding (see the file comment): world 1 = not sharded, one shard = the whole chunk.
+  int world() const { return sharding_.world; }
+  int rank() const { return sharding_.rank; }
+  bool sharded() const { return sharding_.world > 1; }
+  uint64_t shard_elems() const { return shard_elems_; }   // elements of each kind per chunk here
+  uint64_t shard_begin() const { return shard_begin_; }   // its first element, full coordinates
+  size_t num_tensors() const { return tensors_.size(); }
+  size_t num_groups() const { return groups_.size(); }
+  const TensorSpec& spec(size_t tensor) const { return specs_[tensor]; }
+  const TensorPlace& place(size_t tensor) const { return tensors_[tensor]; }
+  const ChunkGroup& group(size_t g) const { return groups_[g]; }
+  bool has_kind(size_t g, ChunkKind kind) const {
+    return groups_[g].chunks[static_cast<int>(kind)] != kNoChunk;
+  }
+  Bytes model_bytes() const { return model_bytes_; }  // every chunk byte of tensor data
+  Bytes total_chunk_bytes() const { return total_chunk_bytes_; }  // incl. padding and tails
+  // The device bytes the layout needs at least: min-resident compute + grad chunks.
+  Bytes minimum_device_budget() const { return min_device_budget_; }
+  const std::string& device_kind() const { return device_kind_; }  // "sim", "sim-async", "cuda"
+  bool cuda() const { return device_kind_ == "cuda"; }
+  std::string nvme_engine() const;
+  // Host bytes registered with the NVMe tier as io_uring fixed buffers (TierStack).
+  Bytes nvme_registered_bytes() const;
+  const std::string& timeline_path() const { return timeline_path_; }
+
+  // ---- chunk access (the bindings' views) -------------------------------------------------
+  // Makes the chunk resident on `where` (device or host), pins it and returns its address.
+  // Errors as engine::Engine::Acquire; kInvalidArgument for a kind the group lacks.
+  StatusOr<void*> Acquire(size_t group, ChunkKind kind, TierKind where);
+  // As Acquire for a caller about to overwrite: a lazily zero chunk on the device is handed
+  // over unfilled and `*must_zero` set (the caller zeroes all of it first).
+  StatusOr<void*> AcquireForWrite(size_t group, ChunkKind kind, TierKind where, bool* must_zero);
+  Status Release(size_t group, ChunkKind kind, bool modified);
+  // Its content becomes zeros lazily (no bytes move). kFailedPrecondition while pinned.
+  Status ZeroChunk(size_t group, ChunkKind kind);
+  int Pins(size_t group, ChunkKind kind) const;
+  TierKind Resident(size_t group, ChunkKind kind) const;
+  TierKind Home(size_t group, ChunkKind kind) const;
+  Bytes ChunkBytes(size_t group, ChunkKind kind) const;
+
+  // ---- values (through host copies; each call acquires and releases) ---------------------
+  // The fp32 value of a tensor: its master (mixed precision) or its fp32 param.
+  Status ReadParam(size_t tensor, float* out);
+  // Sets the fp32 master and the compute copy (rounded to nearest even in mixed precision).
+  Status WriteParam(size_t tensor, const float* values);
+  // Raw bytes of `kind` for the tensor (numel * element size of that kind).
+  Status ReadTensor(size_t tensor, ChunkKind kind, void* out);
+  Status WriteTensor(size_t tensor, ChunkKind kind, const void* values);
+  int64_t step_count(size_t tensor) const { return steps_[tensor]; }
+  Status SetStepCount(size_t tensor, int64_t steps);
+
+  // ---- gradients ---------------------------------------------------------------------------
+  void SetHasGrad(size_t tensor, bool has) { has_grad_[tensor] = has ? 1 : 0; }
+  bool has_grad(size_t tensor) const { return has_grad_[tensor] != 0; }
+  // Sum of squares of the unscaled gradients of every tensor that has one, and whether any is
+  // NaN/Inf (the kernels' GradNormAndOverflow, accumulated in double). Sharded: of this rank's
+  // shard only (the binding sums over ranks).
+  StatusOr<kernels::GradStats> GradStats();
+  // Clears every gradient (lazily) unless an accumulation window is open (the last Step did
+  // not apply); returns whether it cleared.
+  StatusOr<bool> ZeroGrad();
+  // True while gradients are being accumulated across micro-steps (the last Step did not
+  // apply because of gradient_accumulation_steps).
+  bool accumulating() const { return accumulating_; }
+  // Whether the next Step applies (not a micro-step of an accumulation window).
+  bool next_step_applies() const {
+    return (micro_ + 1) % static_cast<uint64_t>(config_.gradient_accumulation_steps) == 0;
+  }
+
+  // ---- optimizer ---------------------------------------------------------------------------
+  // One AdamW step (see the file comment). `hyper[g]` are the hyper-parameters of optimizer
+  // group g; every trainable tensor's opt_group must have an entry. kInvalidArgument for bad
+  // hyper-parameters (nothing changes); chunk errors otherwise. `global`: the gradient stats
+  // of the whole model (unscaled sum of squares, overflow) when the binding computed them
+  // across ranks; required when sharded with clipping or fp16 (kFailedPrecondition).
+  StatusOr<StepResult> Step(const std::vector<GroupHyper>& hyper,
+                            const kernels::GradStats* global = nullptr);
+  // Runs group `group`'s deferred update now, if one is pending (the file comment): the
+  // bindings call it for a unit's groups before the unit's pre-forward moment. OK when none is.
+  Status FinishStep(size_t group);
+  // Runs every pending update (in group order).
+  Status FinishSteps();
+  size_t pending_steps() const { return num_pending_; }
+  // Speculative steps (the file comment; optimizer_overlap: backward): the hyper-parameters
+  // the next Step will be given, announced before the backward (the bindings do it at an
+  // iteration's first forward); nothing is speculated until they are.
+  void SetStepHyper(std::vector<GroupHyper> hyper) {
+    spec_hyper_ = std::move(hyper);
+    spec_hyper_set_ = true;
+  }
+  struct SpeculationStats {
+    uint64_t speculated = 0;  // groups updated speculatively in a backward
+    uint64_t committed = 0;   // of those, adopted by Step
+    uint64_t dropped = 0;     // of those, dropped (then updated as without speculation)
+    uint64_t no_room = 0;     // groups not speculated for lack of free host room
+  };
+  const SpeculationStats& speculation_stats() const { return spec_stats_; }
+  double loss_scale() const { return scaler_.scale; }
+  ScalerState scaler() const { return scaler_; }
+  void set_scaler(const ScalerState& s) { scaler_ = s; }
+  uint64_t micro_steps() const { return micro_; }
+
+  // ---- iterations and the timeline ----------------------------------------------------------
+  void BeginIteration();
+  // A timeline moment; while a warm-up trace is recorded also a trace moment of that kind
+  // (a unit's pre-forward / pre-backward: `unit` is the binding's unit index).
+  void Moment(std::string_view label, planners::MomentKind kind = planners::MomentKind::kOther,
+              uint32_t unit = planners::kNoUnit);
+  void Phase(std::string_view label);
+  // A collective the (sharded) binding ran: the timeline's kCollective event.
+  void RecordCollective(std::string_view op, Bytes bytes, uint64_t ns);
+  // Off: acquires are not part of the recorded order (eval, no_grad inference), so they
+  // neither disturb nor follow the order the next training iteration replays.
+  void SetTracing(bool on);
+  // Serving: every iteration repeats the same forward, so prefetch runs across the iteration
+  // boundary (engine.h, "Cyclic order").
+  void SetCyclic(bool on);
+  // The stream the binding's device work is queued on from now on (torch's current CUDA
+  // stream; kHostStream for CPU tensors, the default): releases record their compute use on
+  // it, device-placed optimizer kernels run on it (tiers/tier.h "Ordering against compute").
+  void SetComputeStream(ComputeStream stream);
+  // Optimizer placement (see the file comment): decided at the first applied Step.
+  bool optimizer_placed() const { return opt_placed_; }
+  bool OptimizerOnDevice(size_t group) const {
+    return opt_placed_ && group < opt_device_.size() && opt_device_[group] != 0;
+  }
+  // Device bytes the binding keeps live outside chunks (the KV cache of a served model),
+  // counted in the device budget: device chunks are evicted to make room. kResourceExhausted
+  // naming the bytes (nothing changes) when the chunks in use leave too little room.
+  Status SetExternalDeviceBytes(Bytes bytes);
+  // Host bytes the binding keeps outside chunks (activations offloaded from the device),
+  // counted in the host budget: host caches of NVMe-homed chunks are evicted to make room.
+  // kResourceExhausted naming the bytes (nothing changes) when homes and chunks in use leave
+  // too little room.
+  Status SetExternalHostBytes(Bytes bytes);
+  // A device or host region outside chunks, counted in that tier's budget (chunks are evicted
+  // for it): a sharded binding's gathered chunks. kResourceExhausted naming the bytes when the
+  // pinned chunks leave too little room. FreeScratch orders its reuse after the compute
+  // stream's work so far.
+  StatusOr<Region> AllocateScratch(TierKind tier, Bytes bytes);
+  Status FreeScratch(TierKind tier, const Region& region);
+  // Activations spilled to NVMe (activations: offload / auto when the host budget has no room
+  // for them): a region of the NVMe tier, counted in its budget (the timeline's NVMe
+  // `activation` category); kFailedPrecondition without NVMe, kResourceExhausted naming the
+  // bytes when its free room is short (nothing changes). The binding copies through host
+  // scratch (AllocateScratch(kHost): the bounce counts in the host budget) with SpillCopy:
+  // `bytes` between `host` at `host_offset` and `spill` at `spill_offset`, NVMe-ward when
+  // `to_nvme`, through the mover (timeline copy events of category activation); it returns
+  // when the copy is done, with its error (kIOError; kDataLoss for bytes that read back
+  // other than written, a torn or overwritten block). Thread-safety: the training thread.
+  StatusOr<Region> AllocateSpill(Bytes bytes);
+  Status FreeSpill(const Region& spill);
+  Status SpillCopy(const Region& spill, Bytes spill_offset, const Region& host, Bytes host_offset,
+                   Bytes bytes, bool to_nvme);
+  // SpillCopy without the wait: the copy's completion (its error there). Until it is done the
+  // host bytes must stay untouched (to_nvme) or unread (from NVMe), and neither region freed.
+  StatusOr<std::shared_ptr<Completion>> StartSpillCopy(const Region& spill, Bytes spill_offset,
+                                                       const Region& host, Bytes host_offset,
+                                                       Bytes bytes, bool to_nvme);
+  // activations: offload / auto, while an executed plan is followed (plan_runner.h,
+  // "Activations"): whether the plan offloads `unit`'s saved activations after its forward
+  // (or, auto, recomputes them in its backward), and the units whose activations the moments
+  // since the last call fetch back.
+  bool PlanOffloadsUnit(uint32_t unit) const { return runner_.OffloadsUnit(unit); }
+  bool PlanRecomputesUnit(uint32_t unit) const { return runner_.RecomputesUnit(unit); }
+  bool PlanFollowed() const { return runner_.following(); }
+  std::vector<uint32_t> TakeActivationFetches() { return runner_.TakeActivationFetches(); }
+  Status Synchronize();
+  Status Flush();  // home copies current (e.g. before reading many values)
+  StatusOr<engine::EngineStats> Stats() const;
+  // The timeline so far, analysed by tiermem::prof from the file (not from counters).
+  StatusOr<prof::Report> TimelineReport();
+
+  // ---- warm-up trace (planners/trace.h, docs/trace-format.md) ----------------------------------
+  // Records the next `iterations` iterations (from the next BeginIteration: chunk accesses
+  // per moment, saved-activation bytes, compute times, measured copy and optimizer rates,
+  // the budgets) and writes the trace to `path` at the BeginIteration after the last one, at
+  // FinishTrace or at Close. kInvalidArgument / kFailedPrecondition (already recording):
+  // nothing changes. Recording never changes what the session computes or moves.
+  Status RecordTrace(const std::string& path, int iterations);
+  bool recording_trace() const { return trace_.recording(); }
+  bool trace_armed() const { return trace_.armed(); }
+  // Bytes of non-chunk tensors the current unit saved for backward (the bindings' saved-tensor
+  // hooks see each one), and the non-chunk device bytes live now when the binding knows them.
+  void AddSavedBytes(Bytes b) { trace_.AddSavedBytes(b); }
+  void SetActivationBytes(Bytes b) { trace_.SetActivationBytes(b); }
+  // Ends a recording now and writes what was recorded. False when nothing was armed or
+  // recorded; the write's error (or an earlier one, from the automatic write) otherwise.
+  StatusOr<bool> FinishTrace();
+  // True once a recording was written; its path.
+  const std::string& written_trace() const { return written_trace_; }
+
+  // ---- plans (docs/planner.md, "Executing plans") -------------------------------------------
+  // With config `plan: auto` the session records its second training iteration in memory (or
+  // uses the user's own recording when one completes), makes a plan from it
+  // (planners::MakePlan with this run's homes, residency, budgets and measured rates) and
+  // executes it (plan_runner.h) from the next iteration on. An iteration that diverges from
+  // the plan runs reactive from there (warned once); the next one is recorded, and if it
+  // diverges too, the plan is remade from it. A plan that cannot be made is logged and the
+  // engine stays reactive. Plans move copies only: every value is the same without them.
+  struct PlanStatus {
+    bool active = false;
+    PlanRunner::Stats runner;
+    planners::PlanEstimate estimate;  // of the plan executing (or the last one)
+    uint32_t actions = 0;             // of that plan, per iteration
+    std::string error;                // why planning stopped, "" if it did not
+  };
+  PlanStatus plan_status() const;
+  // Makes a plan from iteration `iteration` of `trace` (-1: its last) and executes it from the
+  // next BeginIteration (with any `plan` config). kInvalidArgument for a trace of another
+  // layout; the planner's errors otherwise (nothing changes then).
+  Status ExecutePlanFrom(const planners::Trace& trace, int64_t iteration = -1);
+
+  // ---- checkpoints (checkpoint.cc: a safetensors file, torch-loadable without tiermem) ------
+  // Every tensor's fp32 value, its Adam m and v and step count, the loss-scaling state and
+  // the micro-step counter, plus `metadata` (the binding's own, e.g. optimizer groups as
+  // JSON), streamed tensor by tensor (never the whole model in RAM), with a CRC32C per tensor.
+  // Written to `path`.tmp, fsync'ed, then renamed over `path`: a crash never leaves a torn
+  // file under `path`. kIOError for disk trouble (the old file, if any, stays).
+  Status SaveCheckpoint(const std::string& path, const std::string& metadata = "");
+  // Verifies the whole file first (checksums, tensor names and sizes, precision-independent)
+  // and only then loads it: a torn or mismatched file is kDataLoss / kInvalidArgument and
+  // changes nothing. `metadata` gets the saved metadata. Reads the format-1 files of earlier
+  // builds too.
+  // `verify_only`: every check of a load, nothing applied (a sharded binding verifies on every
+  // rank before any rank loads).
+  Status LoadCheckpoint(const std::string& path, std::string* metadata = nullptr,
+                        bool verify_only = false);
+  // The metadata of a checkpoint (its header verified), without loading anything.
+  static StatusOr<std::string> CheckpointMetadata(const std::string& path);
+
+ private:
+  Session() = default;
+  Status Live() const;
+  ChunkId Chunk(size_t group, ChunkKind kind) const;
+  Status CheckKind(size_t group, ChunkKind kind) const;
+  // Runs of tensors of `group` with a gradient (`every_trainable`: of every trainable one) that
+  // are adjacent in the chunk (one kernel call each); with `same_step`, a run also needs one
+  // opt_group and one step count.
+  struct Run {
+    uint64_t lo = 0, hi = 0;  // elements
+    int opt_group = 0;
+    int64_t step = 0;
+  };
+  std::vector<Run> GradRuns(const ChunkGroup& g, bool same_step,
+                            bool every_trainable = false) const;
+  // `runs` clipped to this rank's shard and moved to shard coordinates (the identity when not
+  // sharded).
+  std::vector<Run> LocalRuns(std::vector<Run> runs) const;
+  // Sharded reads: the whole chunk of `kind` of `group` gathered from every rank into
+  // gathered_ (host); cached for (group, kind) while gather_cache_ is on.
+  StatusOr<const char*> GatherChunk(size_t group, ChunkKind kind);
+  // Where group g's optimizer step runs (its `kinds` acquired there): see session.cc.
+  TierKind OptimizerTier(size_t g) const;
+  // Decides opt_device_ (the file comment's rule).
+  void PlaceOptimizer();
+  TierKind ReadTier(size_t g, ChunkKind kind) const;
+  // One group's AdamW update over `runs` (step_args_ as captured by Step), on OptimizerTier;
+  // `quiet`: see RunPending. On an acquire failure nothing ran and the `stepped` tensors' step
+  // counts are restored.
+  Status UpdateGroup(size_t gi, const std::vector<Run>& runs, uint64_t work,
+                     const std::vector<uint32_t>& stepped, bool quiet = false);
+  // Runs `group`'s pending update (if any) before something touches the group. `quiet`: an
+  // access path other than the announced forward (values, checkpoints, an eval forward, the
+  // next Step): the update is not a moment and its acquires are neither recorded nor checked
+  // against a plan — as untraced acquires, it must not disturb the training order.
+  Status RunPending(size_t group, bool quiet);
+  Status RunAllPending(bool quiet);
+  // Speculative steps (the file comment). SpeculateReady: at a pre-backward moment, every
+  // group complete per the previous iteration. Speculate: one group (not speculated when the
+  // host lacks the room or an input cannot be acquired: the step then runs as without).
+  void SpeculateReady();
+  Status Speculate(size_t gi);
+  // Whether Step's update of `gi` over `runs` with step_args_ is the one speculated.
+  bool SpeculationHolds(size_t gi, const std::vector<Run>& runs) const;
+  // Adopts the speculated values; on an error nothing is adopted and the speculation is gone.
+  Status CommitSpeculation(size_t gi);
+  void DropSpeculation(size_t gi);
+  void DropSpeculations();
+  // AdamW over one run of a group whose chunks (by kind) are at `v`: on the device's stream
+  // when `device`, else the CPU kernel now.
+  // The AdamW update of `run` on the chunks at `v` (by kind), in place; with `in`, out of
+  // place: the old params, m and v read there (host only).
+  Status RunAdam(const std::array<char*, chunks::kNumChunkKinds>& v, const Run& run,
+                 const GroupHyper& h, float inv_loss_scale, float clip, bool device,
+                 const std::array<char*, chunks::kNumChunkKinds>* in = nullptr);
+  bool GroupPinned(size_t gi) const;
+  TraceRecorder::Probes TraceProbes() const;
+  Status LoadCheckpointV1(const std::string& path, std::string* metadata);
+  // The header through `fd`; tensor bytes through `data_fd`, opened with O_DIRECT when
+  // `direct` (block-aligned reads).
+  Status LoadCheckpointV2(int fd, int data_fd, bool direct, std::string* metadata,
+                          bool verify_only);
+  planners::TraceBudgets TraceBudgets() const;
+  void DeclareTraceChunks();
+  // plan: auto at an iteration boundary (`diverged`: the iteration that ended left its plan).
+  void PlanAtBoundary(bool diverged);
+
+  SessionConfig config_;
+  Sharding sharding_;
+  uint64_t shard_elems_ = 0;
+  uint64_t shard_begin_ = 0;
+  std::vector<char> gathered_, shard_buf_;  // GatherChunk's buffers
+  bool gather_cache_ = false;
+  std::pair<size_t, int> gathered_key_{SIZE_MAX, -1};  // (group, kind) in gathered_
+  std::string device_kind_;
+  std::string timeline_path_;
+  std::vector<TensorSpec> specs_;
+  std::vector<TensorPlace> tensors_;
+  std::vector<ChunkGroup> groups_;
+  uint64_t chunk_elems_ = 0;
+  Bytes model_bytes_ = 0;
+  Bytes total_chunk_bytes_ = 0;  // every chunk of every kind
+  Bytes min_device_budget_ = 0;
+  std::vector<int64_t> steps_;
+  std::vector<uint8_t> has_grad_;
+  ScalerState scaler_;
+  uint64_t micro_ = 0;
+  bool accumulating_ = false;
+  TraceRecorder trace_;
+  Status trace_error_;         // an automatic trace write that failed (FinishTrace reports it)
+  std::string written_trace_;  // the last trace file written
+  PlanRunner runner_;
+  uint64_t train_iterations_ = 0;  // BeginIteration calls
+  std::string plan_error_;         // planning stopped (plan: auto)
+  planners::PlanEstimate plan_estimate_;
+  uint32_t plan_actions_ = 0;
+  bool warned_divergence_ = false;
+  // The applied step's factors (Step), used by every group's update of that step.
+  struct StepArgs {
+    std::vector<GroupHyper> hyper;
+    float clip_coef = 1.0f;
+    float inv_loss_scale = 1.0f;
+  };
+  StepArgs step_args_;
+  // Deferred updates by group (optimizer_overlap: next-forward).
+  struct Pending {
+    bool active = false;
+    bool zero_grad_after = false;  // ZeroGrad/ZeroChunk(grad) came while pending
+    std::vector<Run> runs;         // LocalRuns(GradRuns(g, true)) at Step
+    uint64_t work = 0;             // elements updated
+    std::vector<uint32_t> stepped; // tensors whose step count Step incremented
+  };
+  std::vector<Pending> pending_;
+  size_t num_pending_ = 0;
+  // Speculative updates by group (optimizer_overlap: backward).
+  struct Speculation {
+    bool active = false;
+    std::vector<Run> runs;          // every trainable tensor, steps as Step will count them
+    std::vector<GroupHyper> hyper;  // by optimizer group, as used
+    float inv_loss_scale = 1.0f;
+    std::array<Region, chunks::kNumChunkKinds> shadow{};  // host scratch by kind (bytes 0: none)
+  };
+  void FreeShadows(Speculation& sp);
+  std::vector<Speculation> spec_;
+  std::vector<uint8_t> spec_tried_;   // this backward
+  std::vector<GroupHyper> spec_hyper_;
+  bool spec_hyper_set_ = false;
+  // Per group: the count of pre-backward moments when its grad chunk was last written, in this
+  // iteration and in the previous one (kNotWritten: not at all).
+  static constexpr uint32_t kNotWritten = UINT32_MAX;
+  std::vector<uint32_t> grad_done_, grad_done_prev_;
+  uint32_t bwd_moments_ = 0;
+  SpeculationStats spec_stats_;
+  std::string phase_;              // the binding's current phase (restored after an update)
+  bool tracing_ = true;            // SetTracing's state
+  bool opt_placed_ = false;
+  std::vector<uint8_t> opt_device_;  // per group: steps on the device
+  ComputeStream stream_ = kHostStream;
+  std::unique_ptr<TierStack> stack_;
+};
+
+}  // namespace tiermem::session

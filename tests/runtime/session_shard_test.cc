@@ -1,0 +1,251 @@
+// Sharded sessions (session.h, "Sharding"): N sessions, one per rank, each in its own thread,
+// exchange shards through a test fake of the Collectives interface (threads and a barrier; the
+// product's collectives are torch.distributed's, tested in tests/python/test_distributed.py).
+// Checked here: the layout is the unsharded one split N ways; local writes and collective
+// reads give back the full values; the step on shards equals the unsharded step bit for bit
+// (fp32 and bf16, with clipping from summed stats); a checkpoint written at one world size
+// loads at another.
+#include <gtest/gtest.h>
+
+#include <barrier>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <thread>
+#include <vector>
+
+#include "runtime/session.h"
+#include "tests/support/status_matchers.h"
+
+namespace tiermem::session {
+namespace {
+
+using ::tiermem::testing::IsOk;
+using nlohmann::json;
+
+// All-gather among `world` threads: each puts its shard in its slot, all wait, each copies
+// every slot, all wait again (so slots are not overwritten before everyone has read them).
+class ThreadCollectives {
+ public:
+  explicit ThreadCollectives(int world) : world_(world), slots_(world), barrier_(world) {}
+  class Rank final : public Collectives {
+   public:
+    Rank(ThreadCollectives* c, int rank) : c_(c), rank_(rank) {}
+    Status AllGather(const void* shard, void* full, Bytes bytes) override {
+      c_->slots_[rank_] = static_cast<const char*>(shard);
+      c_->barrier_.arrive_and_wait();
+      for (int r = 0; r < c_->world_; ++r) {
+        std::memcpy(static_cast<char*>(full) + r * bytes, c_->slots_[r], bytes);
+      }
+      c_->barrier_.arrive_and_wait();
+      return OkStatus();
+    }
+    double SumOverRanks(double v) {
+      c_->sums_[rank_] = v;
+      c_->barrier_.arrive_and_wait();
+      double total = 0;
+      for (int r = 0; r < c_->world_; ++r) total += c_->sums_[r];
+      c_->barrier_.arrive_and_wait();
+      return total;
+    }
+
+   private:
+    ThreadCollectives* c_;
+    int rank_;
+  };
+
+ private:
+  const int world_;
+  std::vector<const char*> slots_;
+  std::vector<double> sums_ = std::vector<double>(64);
+  std::barrier<> barrier_;
+};
+
+const std::vector<TensorSpec> kTensors = {{"emb", 3000, true, 0}, {"w", 2048, true, 0},
+                                          {"b", 77, true, 0},     {"ln", 500, true, 0},
+                                          {"frozen", 900, false, 0}};
+
+std::unique_ptr<Session> Make(json config, Sharding sharding) {
+  config["device_kind"] = "sim";
+  config["host"] = "64MiB";
+  config["chunk_size"] = 4096;
+  auto c = ParseConfig(config, MapEnv({}));
+  EXPECT_TRUE(c.ok()) << c.status().ToString();
+  auto s = Session::Create(*c, kTensors, sharding);
+  EXPECT_TRUE(s.ok()) << s.status().ToString();
+  return s.ok() ? std::move(s).value() : nullptr;
+}
+
+float Init(size_t t, size_t k) { return std::sin(0.01f * (k + 1) + t); }
+
+// Ten steps; each step's gradient is a function of the current value (read collectively),
+// written into this rank's grad shard the way a binding's reduce-scatter leaves it.
+std::vector<std::vector<float>> Train(Session& s, ThreadCollectives::Rank* comm, bool mixed) {
+  for (size_t t = 0; t < kTensors.size(); ++t) {
+    std::vector<float> v(kTensors[t].numel);
+    for (size_t k = 0; k < v.size(); ++k) v[k] = Init(t, k);
+    EXPECT_THAT(s.WriteParam(t, v.data()), IsOk());
+  }
+  const std::vector<GroupHyper> hyper = {GroupHyper{1e-2, 0.9, 0.999, 1e-8, 0.01}};
+  for (int step = 0; step < 10; ++step) {
+    s.BeginIteration();
+    for (size_t t = 0; t < kTensors.size(); ++t) {
+      if (!kTensors[t].trainable) continue;
+      const TensorPlace& p = s.place(t);
+      std::vector<float> cur(p.numel), g(p.numel);
+      EXPECT_THAT(s.ReadParam(t, cur.data()), IsOk());
+      for (size_t k = 0; k < g.size(); ++k) g[k] = 0.3f * cur[k] + std::cos(0.2f * step + k);
+      // This rank's part of the tensor's gradient, at its place in the shard.
+      const uint64_t lo = std::max(p.offset, s.shard_begin());
+      const uint64_t hi = std::min(p.offset + p.numel, s.shard_begin() + s.shard_elems());
+      auto base = s.Acquire(p.group, ChunkKind::kGrad, TierKind::kDevice);
+      EXPECT_TRUE(base.ok()) << base.status().ToString();
+      if (lo < hi) {
+        const size_t es = kernels::DTypeSize(s.dtype(ChunkKind::kGrad));
+        char* dst = static_cast<char*>(*base) + (lo - s.shard_begin()) * es;
+        if (!mixed) {
+          std::memcpy(dst, g.data() + (lo - p.offset), (hi - lo) * 4);
+        } else {
+          kernels::CastFromF32(g.data() + (lo - p.offset), dst, s.dtype(ChunkKind::kGrad),
+                               hi - lo);
+        }
+      }
+      EXPECT_THAT(s.Release(p.group, ChunkKind::kGrad, true), IsOk());
+      s.SetHasGrad(t, true);
+    }
+    StatusOr<StepResult> r = InternalError("not run");
+    if (s.sharded()) {
+      auto local = s.GradStats();
+      EXPECT_TRUE(local.ok());
+      kernels::GradStats global;
+      global.sq_norm = comm->SumOverRanks(local->sq_norm);
+      global.overflow = comm->SumOverRanks(local->overflow ? 1 : 0) > 0;
+      r = s.Step(hyper, &global);
+    } else {
+      r = s.Step(hyper);
+    }
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_THAT(s.ZeroGrad(), IsOk());
+  }
+  std::vector<std::vector<float>> out;
+  for (size_t t = 0; t < kTensors.size(); ++t) {
+    out.emplace_back(kTensors[t].numel);
+    EXPECT_THAT(s.ReadParam(t, out.back().data()), IsOk());
+  }
+  return out;
+}
+
+// Runs `fn(session, comm)` on `world` threads, one sharded session each.
+std::vector<std::vector<std::vector<float>>> OnRanks(
+    int world, json config,
+    const std::function<std::vector<std::vector<float>>(Session&, ThreadCollectives::Rank*)>& fn,
+    std::vector<Bytes>* chunk_bytes = nullptr) {
+  ThreadCollectives tc(world);
+  std::vector<std::vector<std::vector<float>>> out(world);
+  if (chunk_bytes) chunk_bytes->assign(world, 0);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      ThreadCollectives::Rank comm(&tc, r);
+      auto s = Make(config, Sharding{world, r, &comm});
+      if (!s) return;
+      if (chunk_bytes) (*chunk_bytes)[r] = s->total_chunk_bytes();
+      out[r] = fn(*s, &comm);
+    });
+  }
+  for (auto& t : threads) t.join();
+  return out;
+}
+
+TEST(SessionShard, BadShardingIsRefused) {
+  auto c = ParseConfig(json{{"device_kind", "sim"}}, MapEnv({}));
+  ASSERT_TRUE(c.ok());
+  EXPECT_THAT(Session::Create(*c, kTensors, Sharding{2, 2, nullptr}),
+              ::tiermem::testing::StatusIs(StatusCode::kInvalidArgument, "rank 2 of a world of 2"));
+  EXPECT_THAT(Session::Create(*c, kTensors, Sharding{2, 0, nullptr}),
+              ::tiermem::testing::StatusIs(StatusCode::kInvalidArgument, "collectives"));
+}
+
+TEST(SessionShard, StepsOnShardsEqualTheUnshardedStepBitForBit) {
+  for (bool mixed : {false, true}) {
+    for (double clip : {0.0, 0.5}) {
+      const json config = {{"device", "1MiB"},
+                           {"precision", mixed ? "bf16" : "fp32"},
+                           {"gradient_clipping", clip}};
+      auto one = Make(config, {});
+      ASSERT_TRUE(one);
+      const auto want = Train(*one, nullptr, mixed);
+      for (int world : {2, 3}) {
+        SCOPED_TRACE("world " + std::to_string(world) + (mixed ? " bf16" : " fp32") + " clip " +
+                     std::to_string(clip));
+        std::vector<Bytes> bytes;
+        const auto got = OnRanks(world, config,
+                                 [&](Session& s, ThreadCollectives::Rank* c) {
+                                   EXPECT_EQ(s.chunk_elems() % (64 * world), 0u);
+                                   EXPECT_EQ(s.shard_elems() * world, s.chunk_elems());
+                                   return Train(s, c, mixed);
+                                 },
+                                 &bytes);
+        for (int r = 0; r < world; ++r) {
+          ASSERT_EQ(got[r].size(), want.size());
+          for (size_t t = 0; t < want.size(); ++t) {
+            EXPECT_EQ(std::memcmp(got[r][t].data(), want[t].data(), want[t].size() * 4), 0)
+                << "rank " << r << " tensor " << kTensors[t].name;
+          }
+          // Each rank holds its share of the chunks (the chunk size rounds up a little).
+          EXPECT_LE(bytes[r], one->total_chunk_bytes() / world + one->total_chunk_bytes() / 8);
+        }
+      }
+    }
+  }
+}
+
+TEST(SessionShard, ACheckpointSavedAtOneWorldSizeLoadsAtAnother) {
+  const std::string dir = ::testing::TempDir() + "tiermem_shard_ckpt";
+  std::filesystem::create_directories(dir);
+  const std::string path = dir + "/ckpt.safetensors";
+  const json config = {{"device", "1MiB"}};
+  // Trained at 2 ranks, saved (rank 0 writes).
+  const auto trained = OnRanks(2, config, [&](Session& s, ThreadCollectives::Rank* c) {
+    auto v = Train(s, c, false);
+    EXPECT_THAT(s.SaveCheckpoint(path, "{}"), IsOk());
+    return v;
+  });
+  // Loaded at 3 ranks and at 1: the same values (every rank reads the file, keeps its part;
+  // the reads gather).
+  for (int world : {3, 1}) {
+    std::vector<std::vector<std::vector<float>>> got;
+    if (world == 1) {
+      auto s = Make(config, {});
+      ASSERT_THAT(s->LoadCheckpoint(path), IsOk());
+      std::vector<std::vector<float>> v;
+      for (size_t t = 0; t < kTensors.size(); ++t) {
+        v.emplace_back(kTensors[t].numel);
+        EXPECT_THAT(s->ReadParam(t, v.back().data()), IsOk());
+        EXPECT_EQ(s->step_count(t), kTensors[t].trainable ? 10 : 0);
+      }
+      got.push_back(v);
+    } else {
+      got = OnRanks(world, config, [&](Session& s, ThreadCollectives::Rank*) {
+        EXPECT_THAT(s.LoadCheckpoint(path, nullptr, /*verify_only=*/true), IsOk());
+        EXPECT_THAT(s.LoadCheckpoint(path), IsOk());
+        std::vector<std::vector<float>> v;
+        for (size_t t = 0; t < kTensors.size(); ++t) {
+          v.emplace_back(kTensors[t].numel);
+          EXPECT_THAT(s.ReadParam(t, v.back().data()), IsOk());
+        }
+        return v;
+      });
+    }
+    for (const auto& rank_values : got) {
+      for (size_t t = 0; t < kTensors.size(); ++t) {
+        EXPECT_EQ(rank_values[t], trained[0][t]) << "world " << world << " " << kTensors[t].name;
+      }
+    }
+  }
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace tiermem::session
