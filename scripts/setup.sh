@@ -11,8 +11,8 @@ _here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
 APT_PACKAGES=(build-essential cmake pkg-config git
   liburing-dev libnuma-dev libhwloc-dev libtbb-dev libgtest-dev libbenchmark-dev
-  nlohmann-json3-dev libcli11-dev fio chromium python3-venv
-  clang libclang-rt-14-dev)  # clang: the TSan build with -Wthread-safety, the libFuzzer harness
+  nlohmann-json3-dev libcli11-dev fio chromium python3-venv ninja-build ccache
+  clang libclang-rt-14-dev)  # clang: the ASan+UBSan/fuzzer and TSan (-Wthread-safety) builds
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do

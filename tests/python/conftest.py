@@ -118,6 +118,8 @@ END_TO_END_PARAM_RTOL, END_TO_END_PARAM_ATOL = 2e-5, 1e-5
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skips without one)")
+    config.addinivalue_line("markers", "slow: benchmark-sized; run by scripts/test.sh --all "
+                            "(before every update of docs/benchmarks.md), not by default")
 
 
 def train_steps(model, opt, data):

@@ -102,17 +102,18 @@ def test_sharded_training_equals_one_process_on_the_global_batch(world):
         assert st["reused"] > 0
 
 
-def test_clipping_uses_the_global_norm_and_accumulation_bf16_fp16_plans_and_recompute_shard_too():
-    for kw in ({"gradient_clipping": 0.5}, {"gradient_accumulation_steps": 2},
-               {"precision": "bf16"}, {"precision": "fp16"}, {"plan": "auto"},
-               # units recomputed in the backward gather their shards again for it
-               {"activations": "recompute", "device": 600_000}):
-        want_losses, want_state, _, _ = single_process(**kw)
-        results = run_ranks(2, _train_rank, kw, STEPS)
-        if "precision" in kw:  # half-precision grads summed in another order: their resolution
-            assert_close_rel(results[0]["losses"], want_losses, 1e-2, f"{kw} losses")
-        else:
-            assert_same_training(results[0], want_losses, want_state)
+@pytest.mark.parametrize("kw", [
+    {"gradient_clipping": 0.5}, {"gradient_accumulation_steps": 2},
+    {"precision": "bf16"}, {"precision": "fp16"}, {"plan": "auto"},
+    # units recomputed in the backward gather their shards again for it
+    {"activations": "recompute", "device": 600_000}], ids=str)
+def test_clipping_uses_the_global_norm_and_accumulation_bf16_fp16_plans_and_recompute_shard_too(kw):
+    want_losses, want_state, _, _ = single_process(**kw)
+    results = run_ranks(2, _train_rank, kw, STEPS)
+    if "precision" in kw:  # half-precision grads summed in another order: their resolution
+        assert_close_rel(results[0]["losses"], want_losses, 1e-2, f"{kw} losses")
+    else:
+        assert_same_training(results[0], want_losses, want_state)
 
 
 def _hf_rank(rank, world):
