@@ -69,3 +69,24 @@ def test_tiny_main_job_with_activation_offload_and_nothing_on_nvme(tmp_path):
     table = text.split("warm-up trace (2 iterations)")[1].split("rerun with:")[0]
     row = [l for l in table.splitlines() if l.startswith("planned ")]
     assert row and "cannot run" not in row[0], text + out.stderr
+
+
+@pytest.mark.slow
+def test_default_size_main_job_end_to_end(tmp_path):
+    # README command 1 at its own size (85 M params, state 10x the device budget, part of the
+    # optimizer state on NVMe) for a few steps: the benchmark-sized twin of the tiny test.
+    tl = tmp_path / "run.tmt"
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-m", "tiermem.examples.train_gpt", "--steps", "6",
+                          "--timeline", str(tl)],
+                         capture_output=True, text=True, env=env, timeout=1800)
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = out.stdout
+    assert "params+grads+AdamW" in text and "NVMe" in text
+    first, last = [float(v) for v in text.split("loss ")[-1].split()[0:3:2]]
+    assert last < first
+    assert "tiermem prof report:" in text
+    plan = [l for l in text.splitlines() if l.startswith("plan: ")]
+    assert plan and " 0 diverged" in plan[0], text
+    assert "nvme" in text.split("Bytes moved")[1].split("Stalls")[0]
+    assert not glob.glob(str(tmp_path / "tiermem-nvme-*")), "the temporary NVMe dir stays"
