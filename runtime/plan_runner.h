@@ -33,6 +33,7 @@
 #include <string_view>
 #include <vector>
 
+#include "planners/divergence.h"
 #include "planners/planner.h"
 #include "chunks/engine.h"
 
