@@ -37,7 +37,9 @@ Status CheckHyper(const GroupHyper& h, size_t g) {
   auto bad = [&](const std::string& what) {
     return InvalidArgumentError("optimizer param group " + std::to_string(g) + ": " + what);
   };
-  if (!(h.lr >= 0) || !std::isfinite(h.lr)) return bad("lr must be >= 0, got " + std::to_string(h.lr));
+  if (!(h.lr >= 0) || !std::isfinite(h.lr)) {
+    return bad("lr must be >= 0, got " + std::to_string(h.lr));
+  }
   if (!(h.beta1 >= 0 && h.beta1 < 1)) return bad("betas[0] must be in [0, 1)");
   if (!(h.beta2 >= 0 && h.beta2 < 1)) return bad("betas[1] must be in [0, 1)");
   if (!(h.eps > 0) || !std::isfinite(h.eps)) return bad("eps must be > 0");
