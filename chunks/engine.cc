@@ -13,6 +13,8 @@
 // Invariants: a chunk has at most one cached copy; a pinned or in-flight chunk is never
 // chosen for eviction; a region is freed only with no move in flight on it (we wait first);
 // `zero` implies no cached copy holds unique data (it is set only after dropping the copy).
+// The recorded order of acquires — following it, resyncing, next uses, the cyclic window — is
+// AccessOrder's (access_order.cc); the engine feeds it only while tracing_ is on.
 #include "chunks/engine.h"
 
 #include <algorithm>
@@ -292,16 +294,6 @@ Status Engine::Evict(ChunkId victim) {
   return OkStatus();
 }
 
-uint64_t Engine::NextUse(ChunkId chunk) const {
-  if (!following_) return kNeverUsed;
-  auto it = order_positions_.find(chunk);
-  if (it == order_positions_.end()) return kNeverUsed;
-  auto p = std::lower_bound(it->second.begin(), it->second.end(), pos_);
-  if (p != it->second.end()) return *p;
-  // Cyclic: its first use in the next iteration, at virtual position size + first.
-  return cyclic_ ? order_.size() + it->second.front() : kNeverUsed;
-}
-
 Bytes Engine::ChunkCapacity(TierKind tier, const TierStats& st) const {
   const Bytes ext = external_[static_cast<int>(tier)];
   return st.capacity > ext ? st.capacity - ext : 0;
@@ -327,7 +319,8 @@ StatusOr<bool> Engine::EvictOne(TierKind tier, ChunkId chunk, bool for_prefetch,
       *pinned += c.cache.region.bytes;
       continue;
     }
-    EvictionCandidate e{id, c.bytes, c.dirty, c.last_use, NextUse(id), following_};
+    EvictionCandidate e{id, c.bytes, c.dirty, c.last_use, order_.NextUse(id),
+                        order_.following()};
     if (for_prefetch) {
       if (c.dirty || c.inflight) continue;
       if (e.next_use != kNeverUsed && e.next_use <= prefetch_pos) continue;
@@ -465,26 +458,11 @@ StatusOr<void*> Engine::AcquireImpl(ChunkId chunk, TierKind where, bool* must_ze
   }
   // Follow (or leave) the recorded order, and record this iteration's.
   if (tracing_) {
-    recording_.emplace_back(chunk, where);
-    if (following_) {
-      const std::pair<ChunkId, TierKind> key{chunk, where};
-      if (pos_ < order_.size() && order_[pos_] == key) {
-        ++pos_;
-      } else {
-        // Entries that did not come: skip to this acquire if it is close ahead.
-        constexpr uint64_t kResyncWindow = 32;
-        const uint64_t end = std::min<uint64_t>(order_.size(), pos_ + kResyncWindow);
-        uint64_t j = pos_ + 1;
-        while (j < end && order_[j] != key) ++j;
-        if (j < end) {
-          pos_ = j + 1;
-          skipped_ = true;
-          ++stats_.resynced;
-        } else {
-          following_ = false;  // diverged: reactive (LRU) for the rest of the iteration
-          ++stats_.diverged;
-        }
-      }
+    switch (order_.Observe(chunk, where)) {
+      case AccessOrder::Follow::kResynced: ++stats_.resynced; break;
+      case AccessOrder::Follow::kDiverged: ++stats_.diverged; break;  // reactive (LRU) now
+      case AccessOrder::Follow::kNotFollowing:
+      case AccessOrder::Follow::kMatched: break;
     }
   }
   ++stats_.acquires;
@@ -567,13 +545,11 @@ void Engine::Prefetch() {
     }
     return;
   }
-  if (!tracing_ || !following_ || config_.prefetch_depth == 0) return;
-  // Cyclic: the window may run one iteration past the end (positions size..2*size-1 are the
-  // next iteration's, as NextUse counts them).
-  const uint64_t limit = cyclic_ ? 2 * order_.size() : order_.size();
-  const uint64_t end = std::min<uint64_t>(limit, pos_ + config_.prefetch_depth);
-  for (uint64_t j = pos_; j < end; ++j) {
-    const auto [id, where] = order_[j < order_.size() ? j : j - order_.size()];
+  if (!tracing_ || !order_.following() || config_.prefetch_depth == 0) return;
+  // Cyclic: the window may run into the next iteration's copy of the order.
+  const uint64_t end = order_.WindowEnd(static_cast<uint64_t>(config_.prefetch_depth));
+  for (uint64_t j = order_.position(); j < end; ++j) {
+    const auto [id, where] = order_.At(j);
     ChunkRec& c = chunks_[id];
     if (c.cache.tier == where || c.home.tier == where || c.cache.tier != TierKind::kNone ||
         c.inflight || c.pins > 0) {
@@ -836,14 +812,15 @@ Status Engine::MarkDeviceUse(ChunkId chunk) {
 
 void Engine::MaybeWriteBehind(ChunkId chunk) {
   ChunkRec& c = chunks_[chunk];
-  if (planned_ || !config_.write_behind || !tracing_ || !following_ || c.pins > 0 || !c.dirty ||
-      c.inflight || c.cache.tier == TierKind::kNone ||
+  if (planned_ || !config_.write_behind || !tracing_ || !order_.following() || c.pins > 0 ||
+      !c.dirty || c.inflight || c.cache.tier == TierKind::kNone ||
       evictions_before_[Idx(c.cache.tier)] == 0) {
     return;
   }
-  const uint64_t next = NextUse(chunk);
+  const uint64_t next = order_.NextUse(chunk);
   const uint64_t soon = 2 * static_cast<uint64_t>(std::max(config_.prefetch_depth, 1));
-  if (next != kNeverUsed && next <= pos_ + soon) return;  // needed soon: may change again
+  // Needed soon: it may change again.
+  if (next != kNeverUsed && next <= order_.position() + soon) return;
   c.inflight = StartMove(chunk, c.cache, c.home);
   c.writing_back = true;
   ++stats_.write_behinds;
@@ -920,22 +897,9 @@ Status Engine::Flush() {
 }
 
 void Engine::BeginIteration() {
-  if (!recording_.empty()) {
-    // Followed only by skipping: keep the old order once (see the file comment).
-    const bool keep = following_ && skipped_ && !kept_order_;
-    if (!keep) {
-      order_ = std::move(recording_);
-      order_positions_.clear();
-      for (uint64_t i = 0; i < order_.size(); ++i) order_positions_[order_[i].first].push_back(i);
-    }
-    kept_order_ = keep;
-  }
-  skipped_ = false;
-  recording_.clear();
+  order_.BeginIteration();
   evictions_before_ = evictions_now_;
   evictions_now_ = {};
-  pos_ = 0;
-  following_ = !order_.empty();
   RecordLabel(EventType::kIteration, "iteration", stats_.iterations);
   ++stats_.iterations;
 }

@@ -18,7 +18,8 @@
 // Following tolerates accesses of the order that do not come (an optimizer update that ran
 // early, before an eval forward): an acquire found a few entries ahead (kResyncWindow) skips
 // to it; an iteration followed only by skipping keeps the old order for the next one (the
-// skipped accesses usually come back), and the new one is adopted when it skips again.
+// skipped accesses usually come back), and the new one is adopted when it skips again
+// (chunks/access_order.h keeps the order).
 //
 // Write-behind: while the order is followed, a chunk released modified and unpinned whose
 // next use is more than 2 x `prefetch_depth` acquires away (or not again this iteration), on
@@ -81,10 +82,10 @@
 #include <cstdint>
 #include <memory>
 #include <string_view>
-#include <unordered_map>
 #include <vector>
 
 #include "base/timeline.h"
+#include "chunks/access_order.h"
 #include "chunks/eviction_policy.h"
 #include "chunks/mover.h"
 #include "tiers/tier.h"
@@ -178,7 +179,7 @@ class Engine {
   // previous one, and start no prefetch (eval / no-grad forwards between training
   // iterations). On by default.
   void SetTracing(bool on) { tracing_ = on; }
-  void SetCyclic(bool on) { cyclic_ = on; }
+  void SetCyclic(bool on) { order_.SetCyclic(on); }
   // The stream the caller's device work is queued on from now on (see the file comment).
   void SetComputeStream(ComputeStream stream) { stream_ = stream; }
   ComputeStream compute_stream() const { return stream_; }
@@ -287,7 +288,6 @@ class Engine {
   std::shared_ptr<Completion> StartMove(ChunkId chunk, const Placed& src, const Placed& dst);
   Status MoveSync(ChunkId chunk, const Placed& src, const Placed& dst, std::string_view cause);
   Status FillZero(ChunkId chunk, const Placed& dst, std::string_view cause);
-  uint64_t NextUse(ChunkId chunk) const;
   // Frees finished planned write-backs on `tier`; with `wait`, waits for one still in flight
   // if none had finished. True when room was freed.
   StatusOr<bool> ReclaimPlanned(TierKind tier, bool wait);
@@ -322,16 +322,10 @@ class Engine {
   uint64_t use_counter_ = 0;
   uint64_t stall_id_ = 0;
 
-  // The order of acquires: recorded this iteration, followed from the previous one.
-  std::vector<std::pair<ChunkId, TierKind>> recording_;
-  std::vector<std::pair<ChunkId, TierKind>> order_;
-  std::unordered_map<ChunkId, std::vector<uint64_t>> order_positions_;
-  uint64_t pos_ = 0;
-  bool following_ = false;
-  bool skipped_ = false;     // this iteration skipped entries of order_ (and did not diverge)
-  bool kept_order_ = false;  // the last BeginIteration kept order_ over a skipping recording
+  // The order of acquires: recorded this iteration, followed from the previous one (only
+  // while tracing_).
+  AccessOrder order_;
   bool tracing_ = true;
-  bool cyclic_ = false;
   ComputeStream stream_ = kHostStream;
   std::array<Bytes, kNumTierKinds> external_{};  // per TierKind (device and host only)
   bool planned_ = false;

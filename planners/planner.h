@@ -9,7 +9,7 @@
 //     backward / recompute in the backward);
 //   - the expected moments in execution order (an overlapped step right after the moment that
 //     completes its grads) with their accesses on the planned tiers: what the runtime checks
-//     it follows (FindDivergence, DivergenceChecker);
+//     it follows (divergence.h: FindDivergence, DivergenceChecker);
 //   - per moment, the actions to issue at its start, in order: evictions (a dirty copy is
 //     written back to its home asynchronously; the room is reusable when that copy ends),
 //     then prefetches in the order they are needed, then activation fetch-backs.
@@ -175,63 +175,5 @@ Status CheckFeasible(const Trace& trace, uint32_t iteration, const MachineModel&
 // Byte-exact, deterministic encoding of a plan (for equality checks and for storing it).
 std::string EncodePlan(const Plan& plan);
 std::string DescribePlan(const Plan& plan, const Trace& trace);  // human-readable summary
-
-// ---- divergence --------------------------------------------------------------------------
-enum class DivergenceKind : uint8_t {
-  kNone = 0,
-  kMoment = 1,   // a different moment (label or kind) than planned: control flow changed
-  kAccess = 2,   // the planned moment, but other chunks or modes (e.g. MoE routing)
-  kShorter = 3,  // the iteration ended before the planned moments did
-  kLonger = 4,   // more moments than planned
-};
-std::string_view DivergenceKindName(DivergenceKind k);
-
-struct Divergence {
-  DivergenceKind kind = DivergenceKind::kNone;
-  uint32_t observed_moment = 0;  // index in the observed iteration where it shows
-  uint32_t planned_moment = 0;   // the planned moment it was compared with
-  std::string reason;            // e.g. "moment 12: expected fwd:blocks.3, got fwd:blocks.4"
-  bool diverged() const { return kind != DivergenceKind::kNone; }
-};
-
-// Compares an observed iteration (recorded while executing `plan`, or the trace iteration of
-// a later step) with the plan. Every moment but the optimizer sub-steps is compared in order,
-// with its accesses' tiers; a sub-step is matched by label with a planned one not seen yet,
-// without tiers (steps may run on the CPU lane in any order and interleaving with the
-// backward, and on the tier the plan put them). A planned sub-step that does not come is not
-// a divergence (a deferred update that ran unannounced, a group without gradients).
-Divergence FindDivergence(const Plan& plan, const Trace& trace, const TraceIteration& observed);
-
-// The same check, incremental, for the runtime's hot path: feed moments and accesses as they
-// happen; each call returns false once the iteration diverged (and keeps returning false until
-// Reset). An unexpected chunk is detected at its access; a missing one at the moment's end.
-// Externally synchronized; `plan` must outlive the checker.
-class DivergenceChecker {
- public:
-  // `check_modes` false: a planned access counts as followed whatever its mode (a runtime that
-  // learns a chunk was modified only at its release, possibly moments later, checks chunks
-  // and tiers only).
-  explicit DivergenceChecker(const Plan* plan, bool check_modes = true);
-  void Reset();  // start of an iteration
-  bool OnMoment(std::string_view label, MomentKind kind);
-  bool OnAccess(ChunkId chunk, AccessMode mode, TierKind tier);
-  bool EndIteration();
-  const Divergence& divergence() const { return div_; }
-  // The planned moment being observed (its index in Plan::moments), -1 before the first.
-  int64_t current() const { return cur_; }
-
- private:
-  bool CloseMoment();
-  bool Fail(DivergenceKind kind, std::string reason);
-  const Plan* plan_;
-  bool check_modes_ = true;
-  std::vector<uint32_t> stream_, steps_;  // planned moments of each subsequence
-  std::vector<bool> step_seen_;           // per entry of steps_
-  size_t next_stream_ = 0, next_step_ = 0;
-  int64_t cur_ = -1;                               // planned moment being observed
-  uint32_t observed_ = 0;                          // observed moments so far
-  std::vector<std::pair<ChunkId, uint8_t>> seen_;  // (chunk, flags) of the current moment
-  Divergence div_;
-};
 
 }  // namespace tiermem::planners

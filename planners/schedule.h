@@ -13,6 +13,7 @@
 
 #include "planners/effective.h"
 #include "planners/executor.h"
+#include "planners/divergence.h"
 #include "planners/planner.h"
 
 namespace tiermem::planners {

@@ -394,7 +394,8 @@ StatusOr<Header2> ReadHeader2(int fd) {
 
 Status Session::SaveCheckpoint(const std::string& path, const std::string& metadata) {
   TIERMEM_RETURN_IF_ERROR(Live());
-  TIERMEM_RETURN_IF_ERROR(RunAllPending(true));  // the deferred updates belong to the state
+  // The deferred updates belong to the state.
+  TIERMEM_RETURN_IF_ERROR(stepper_->RunAllPending(true));
   if (accumulating_) {
     return FailedPreconditionError(
         "checkpoint: saving inside a gradient accumulation window would lose the accumulated "
@@ -407,7 +408,7 @@ Status Session::SaveCheckpoint(const std::string& path, const std::string& metad
   for (size_t i = 0; i < specs_.size(); ++i) {
     const TensorSpec& t = specs_[i];
     max_numel = std::max(max_numel, t.numel);
-    steps[t.name] = steps_[i];
+    steps[t.name] = stepper_->step_count(i);
     for (const std::string& key : Keys(t)) {
       if (header.contains(key)) {
         return InvalidArgumentError("checkpoint: two tensors are named '" + key + "'");
@@ -553,7 +554,7 @@ Status Session::LoadCheckpoint(const std::string& path, std::string* metadata,
   TIERMEM_RETURN_IF_ERROR(Live());
   // The last step's deferred updates come first (a load then replaces what they wrote; a
   // failed one leaves the stepped state, as without deferral).
-  TIERMEM_RETURN_IF_ERROR(RunAllPending(true));
+  TIERMEM_RETURN_IF_ERROR(stepper_->RunAllPending(true));
   const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return Errno("checkpoint: cannot open " + path, errno);
   if (IsV1(fd)) {
@@ -670,7 +671,7 @@ Status Session::LoadCheckpointV2(int fd, int data_fd, bool direct, std::string* 
     if (metadata != nullptr) *metadata = h.meta["binding"];
     return OkStatus();
   }
-  steps_ = steps;
+  for (size_t i = 0; i < steps.size(); ++i) stepper_->set_step_count(i, steps[i]);
   // Gradients are not part of a checkpoint: the next backward starts them afresh.
   micro_ = micro;
   accumulating_ = false;
@@ -725,7 +726,7 @@ Status Session::LoadCheckpointV1(const std::string& path, std::string* metadata)
           s = k == ChunkKind::kParamFp32 ? WriteParam(i, buf.data()) : WriteTensor(i, k, buf.data());
         }
       }
-      if (pass == 1 && s.ok()) steps_[i] = step;
+      if (pass == 1 && s.ok()) stepper_->set_step_count(i, step);
       uint32_t crc = r.TakeCrc();
       record_crcs.push_back(crc);
       uint32_t stored = 0;

@@ -1,8 +1,26 @@
+// PlanRunner (plan_runner.h): following a plan on the engine, and planning at iteration
+// boundaries.
+//
+// Invariants: BeginIteration of a planned iteration puts the engine in planned mode, and
+// only Diverge and Stop take it out; a diverged iteration stays diverged until the next
+// BeginIteration, and the checker keeps its first reason; Issue runs at the start of every
+// planned moment, the split ones ("<label>+") included, so actions fire in the plan's order.
+// Planning: a plan is made only from a trace whose chunk table matches the engine's (count
+// and bytes per chunk); once making one failed (error_), no later boundary plans again; the
+// estimate and action count stay those of the last plan started, also after Stop.
+//
+// Ownership and threading: the runner owns its plan and checker; the engine is borrowed (the
+// session's, outliving it); the trace recorder is only read and drained at a boundary, never
+// kept. Everything runs on the session's thread: no locks.
 #include "runtime/plan_runner.h"
 
+#include <optional>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "base/logging.h"
+#include "runtime/trace_recorder.h"
 
 namespace tiermem::session {
 
@@ -111,6 +129,114 @@ std::vector<uint32_t> PlanRunner::TakeActivationFetches() {
   std::vector<uint32_t> out;
   out.swap(fetches_);
   return out;
+}
+
+bool PlanRunner::AtBoundary(bool diverged, TraceRecorder* trace, const PlanContext& ctx) {
+  ++train_iterations_;
+  if (diverged && !warned_divergence_) {
+    warned_divergence_ = true;
+    TIERMEM_LOG(kWarn) << "plan: training iteration " << train_iterations_ - 1
+                       << " left the plan (" << stats_.last_divergence
+                       << "); it ran on the reactive policy from there (same values). The "
+                          "next iteration is recorded and planned again if it diverges too. "
+                          "(Warned once.)";
+  }
+  if (!error_.empty()) return false;
+  std::optional<planners::Trace> t = trace->TakeTrace();
+  if (t && (!active() || diverged)) {
+    Status s = ExecuteFrom(*t, -1, ctx);
+    if (!s.ok()) {
+      error_ = s.message();
+      Stop();
+      TIERMEM_LOG(kWarn) << "plan: no plan (" << error_ << "); the engine stays reactive";
+    }
+    return false;
+  }
+  if (trace->armed()) return false;
+  // Nothing moves when every chunk fits on the device: nothing to plan.
+  // (Counted activations can still push chunks out.)
+  if (ctx.activations == "outside" && ctx.device_holds_every_chunk) return false;
+  // The first iteration is cold (lazily zero chunks, first moves): record the second.
+  return diverged || (!active() && train_iterations_ == 2);
+}
+
+Status PlanRunner::ExecuteFrom(const planners::Trace& trace, int64_t iteration,
+                               const PlanContext& ctx) {
+  engine::Engine* eng = ctx.engine;
+  if (trace.chunks.size() != eng->num_chunks()) {
+    return InvalidArgumentError("plan: the trace has " + std::to_string(trace.chunks.size()) +
+                                " chunks, this model " + std::to_string(eng->num_chunks()));
+  }
+  if (trace.iterations.empty()) return InvalidArgumentError("plan: the trace has no iteration");
+  const int64_t last = static_cast<int64_t>(trace.iterations.size()) - 1;
+  if (iteration < 0) iteration = last;
+  if (iteration > last) {
+    return InvalidArgumentError("plan: the trace has no iteration " + std::to_string(iteration));
+  }
+  planners::Trace t = trace;
+  const bool counted = ctx.activations != "outside";
+  if (!counted) {
+    // Activations and temporaries are not in the engine's device budget (on SimDevice they
+    // live in CPU memory; on CUDA in torch's allocator): the chunks get the whole budget.
+    for (planners::TraceIteration& it : t.iterations) {
+      for (planners::Moment& m : it.moments) m.activation_bytes = m.saved_bytes = 0;
+    }
+  }
+  std::vector<TierKind> homes(eng->num_chunks());
+  planners::StartState start;
+  start.cache.assign(eng->num_chunks(), TierKind::kNone);
+  start.dirty.assign(eng->num_chunks(), false);
+  for (ChunkId c = 0; c < eng->num_chunks(); ++c) {
+    homes[c] = eng->Home(c);
+    t.chunks[c].home = homes[c];
+    if (t.chunks[c].bytes != eng->ChunkBytes(c)) {
+      return InvalidArgumentError("plan: trace chunk " + std::to_string(c) + " has " +
+                                  std::to_string(t.chunks[c].bytes) + " bytes, this model's " +
+                                  std::to_string(eng->ChunkBytes(c)));
+    }
+    const TierKind r = eng->Resident(c);
+    if (r != homes[c]) {
+      start.cache[c] = r;
+      start.dirty[c] = eng->Dirty(c);
+    }
+  }
+  planners::MachineModel m = planners::MachineModel::FromTrace(t);
+  const engine::EngineStats st = eng->Stats();
+  for (int k = 0; k < kNumTierKinds; ++k) m.budget[k] = st.tiers[k].capacity;
+  // Counted activations are in the trace already; other external bytes (a KV cache) are not.
+  const Bytes ext = counted ? 0 : eng->external_device_bytes();
+  Bytes& dev = m.budget[static_cast<int>(TierKind::kDevice)];
+  dev = dev > ext ? dev - ext : 0;
+  // Links the recorded iteration did not use: the reverse direction's rate, else a
+  // conservative default (they matter only for moves the recording never needed).
+  m.FillMissingLinks();
+  planners::PlanOptions o;
+  o.iteration = static_cast<uint32_t>(iteration);
+  o.start = &start;
+  o.homes = &homes;
+  o.place_optimizer = false;    // groups step where the session's OptimizerStepper put them
+  // Updates run where the trace has them (after the backward, or deferred into the next
+  // forward): the runtime does not overlap them with the backward.
+  o.overlap_optimizer = false;
+  // "offload": the binding offloads whole units' activations to the host as the plan says;
+  // "auto": it also recomputes the units the plan recomputes. Otherwise they stay where the
+  // binding keeps them ("recompute": every unit recomputes, whatever a plan would choose).
+  o.activation_policy = ctx.activations == "offload" || ctx.activations == "auto";
+  o.allow_recompute = ctx.activations == "auto";
+  if (iteration > 0) o.earlier_iteration = iteration - 1;
+  // SimDevice's copies are memcpys on the same CPU cores as the compute, which the machine
+  // model (copy lanes concurrent with compute) does not see: fewest bytes is the right goal
+  // there. On CUDA the copy engines run beside the kernels: least modelled time.
+  o.objective = ctx.cuda ? planners::PlanObjective::kTime : planners::PlanObjective::kBytes;
+  TIERMEM_ASSIGN_OR_RETURN(planners::Plan p, planners::MakePlan(t, m, o));
+  estimate_ = p.estimate;
+  actions_ = static_cast<uint32_t>(p.actions.size());
+  TIERMEM_LOG(kInfo) << "plan: " << p.actions.size() << " actions over " << p.moments.size()
+                     << " moments; modelled iteration "
+                     << p.estimate.steady_iteration_ns / 1e6 << " ms, stall "
+                     << p.estimate.steady_stall_ns / 1e6 << " ms";
+  Start(std::move(p), eng);
+  return OkStatus();
 }
 
 void PlanRunner::Diverge() {

@@ -24,6 +24,18 @@
 // A moment the trace recorder split (a chunk accessed on a second tier within one moment
 // becomes "<label>+", trace_recorder.h) is split here the same way, so the moments line up.
 //
+// Planning at the iteration boundary (config `plan: auto`; the session calls AtBoundary from
+// its BeginIteration, between EndIteration and BeginIteration here): the session records its
+// second training iteration in memory (the first is cold: lazily zero chunks, first moves) —
+// or uses the user's own recording when one completes — and the runner makes a plan from it
+// (ExecuteFrom: planners::MakePlan with this run's homes, residency, budgets and measured rates)
+// and executes it from the next iteration on. An iteration that diverges from the plan runs
+// reactive from there (warned once); the next one is recorded, and if it diverges too, the
+// plan is remade from it. Nothing is planned when every chunk fits on the device and
+// activations are outside its budget (nothing would move). A plan that cannot be made is
+// logged and planning stops for good (error()): the engine stays reactive. Plans move copies
+// only: every value is the same without them.
+//
 // Thread-safety: externally synchronized (the session's thread).
 #pragma once
 
@@ -33,10 +45,14 @@
 #include <string_view>
 #include <vector>
 
-#include "planners/planner.h"
+#include "base/status.h"
 #include "chunks/engine.h"
+#include "planners/divergence.h"
+#include "planners/planner.h"
 
 namespace tiermem::session {
+
+class TraceRecorder;
 
 class PlanRunner {
  public:
@@ -74,6 +90,29 @@ class PlanRunner {
   bool diverged() const { return diverged_; }
   const Stats& stats() const { return stats_; }
 
+  // ---- planning (see the file comment) ----
+  // What making a plan reads from the session.
+  struct PlanContext {
+    engine::Engine* engine = nullptr;  // homes, residency, budgets; must outlive the runner
+    std::string_view activations;      // config `activations`
+    bool cuda = false;                 // least modelled time on CUDA, fewest bytes elsewhere
+    bool device_holds_every_chunk = false;  // the device's budget >= every chunk's bytes
+  };
+  // Makes a plan from iteration `iteration` of `trace` (-1: its last) and executes it from
+  // the next BeginIteration (Start). kInvalidArgument for a trace of another layout; the
+  // planner's errors otherwise (nothing changes then).
+  Status ExecuteFrom(const planners::Trace& trace, int64_t iteration, const PlanContext& ctx);
+  // plan: auto at an iteration boundary (`diverged`: the iteration that ended left its plan).
+  // Plans from a recording `trace` completed (TraceRecorder::TakeTrace) when no plan executes
+  // or the last one diverged. True when the session should record the iteration beginning
+  // now, in memory, for a plan (TraceRecorder::ArmInMemory(1)).
+  bool AtBoundary(bool diverged, TraceRecorder* trace, const PlanContext& ctx);
+  // Why planning stopped ("" if it did not).
+  const std::string& error() const { return error_; }
+  // The plan executing (or the last one): its estimate and its actions per iteration.
+  const planners::PlanEstimate& estimate() const { return estimate_; }
+  uint32_t actions() const { return actions_; }
+
  private:
   void Issue(int64_t planned_moment);
   bool UnitIs(uint32_t unit, planners::ActivationPolicy policy) const;
@@ -92,6 +131,12 @@ class PlanRunner {
   std::string label_;
   std::vector<uint32_t> fetches_;  // kFetchActivation units issued, not yet taken
   Stats stats_;
+  // Planning.
+  uint64_t train_iterations_ = 0;  // boundaries seen (AtBoundary calls)
+  std::string error_;
+  planners::PlanEstimate estimate_;
+  uint32_t actions_ = 0;
+  bool warned_divergence_ = false;
 };
 
 }  // namespace tiermem::session

@@ -17,49 +17,16 @@
 //   - the optimizer: AdamW over every group with gradients, with per-group hyper-parameters
 //     passed at each Step (LR schedules), gradient accumulation (every N-th Step applies),
 //     global-norm clipping and fp16 dynamic loss scaling (skipped steps lower the scale), all
-//     on fused kernels. Placement (config optimizer_placement, decided once at the first
-//     applied step): a group steps *on the device* when its optimizer state (m, v and, in
-//     mixed precision, the fp32 master) fits there next to the training working set — every
-//     group's compute and grad chunks plus the most activation/KV bytes the device held so
-//     far — taking groups in order while room is left (Deep Optimizer States' idea with a
-//     static rule; "host" turns it off). Its params and grads then never cross to the host:
-//     the CUDA kernels (kernels/cuda) run on the compute stream on CUDA, the CPU kernels on
-//     SimDevice's memory (its twin). Other groups step on host copies with the CPU kernels.
-//     The kernels agree bit for bit (device_kernels.h);
-//   - deferred steps (config optimizer_overlap: next-forward, the default): Step() validates,
-//     computes the gradient stats, the clip factor and the fp16 verdict, counts the steps and
-//     captures, per chunk group, the runs it updates and the hyper-parameters; each group's
-//     AdamW update then runs when anything next touches that group's chunks or values —
-//     normally the next forward's first use of the group, which the bindings announce with
-//     FinishStep before the unit's moment so the update is its own optimizer moment. So the
-//     update's optimizer-state reads from NVMe and its write-backs overlap the previous
-//     unit's forward instead of stalling a separate optimizer phase. Exact by construction:
-//     the same kernels on the same values, only later; every access path (Acquire, values,
-//     ZeroChunk, GradStats, checkpoints, Flush, Synchronize, the next Step) first runs the
-//     pending update of what it touches. ZeroGrad on a pending group zeroes its grads after
-//     the update. A group any of whose chunks is pinned at Step (the binding may use the
-//     pointer without acquiring again: resident training) is updated inside Step. An update
-//     that fails later returns its error from the call that ran it, naming the group;
-//   - speculative steps (optimizer_overlap: backward): deferred steps as above, and in the
-//     backward, once a host-stepped group's gradients are complete — judged from the previous
-//     iteration: at the first backward moment after the one in which its grad chunk was last
-//     written then — its AdamW update runs speculatively and out of place: params, m, v (and
-//     the master) are copied into host scratch and updated there with the gradients as they
-//     are, every trainable tensor of the group stepped, clip factor 1, the current loss scale
-//     and the hyper-parameters the binding announced for this iteration (SetStepHyper). The
-//     scratch counts in the host budget and is taken only from free room (the group's bytes
-//     plus as much again left over): nothing is evicted for it. Nothing anyone reads changes.
-//     Step() commits a speculation — the scratch becomes the chunks' content
-//     (Engine::AdoptHostCopy: no bytes move) — when the update Step would run is the same
-//     one: the same runs and step counts, a clip factor of exactly 1 (no clipping, or the
-//     norm at or below max_norm), no fp16 overflow, the same loss scale and hyper-parameters;
-//     otherwise it drops it and the group is updated as without speculation (deferred).
-//     Bit-identical to the unoverlapped step by construction: the same kernel on the same
-//     inputs (a clip factor of 1 multiplies by 1). Anything that writes the group between the
-//     speculation and Step (a later gradient, zero_grad, a value, a checkpoint load, an
-//     accumulation micro-step) drops it first; reads see the old values;
-//   - per-tensor step counts and "has a gradient" flags (torch's `p.grad is not None`: a
-//     tensor without a gradient is not stepped, like torch.optim);
+//     on fused kernels. The session decides each step (validation, micro-steps, gradient
+//     stats, clip factor, fp16 verdict, loss scale); its OptimizerStepper
+//     (optimizer_stepper.h) applies it: where each group steps (device or host, decided at
+//     the first applied step: optimizer_placement), and when (optimizer_overlap: inside Step,
+//     deferred into the next forward, or speculated in the backward and adopted by Step).
+//     Every access path of the session first runs the pending update of what it touches, and
+//     anything that writes a group drops its speculation: values are those of the
+//     unoverlapped step, bit for bit;
+//   - per-tensor "has a gradient" flags (torch's `p.grad is not None`: a tensor without a
+//     gradient is not stepped, like torch.optim) and, through the stepper, step counts;
 //   - checkpoints (SaveCheckpoint/LoadCheckpoint: a versioned, checksummed file streamed
 //     tensor by tensor, so a model larger than RAM can be saved), stats and the timeline.
 //
@@ -100,6 +67,7 @@
 #include "prof/analysis.h"
 #include "runtime/collectives.h"
 #include "runtime/config.h"
+#include "runtime/optimizer_stepper.h"
 #include "runtime/plan_runner.h"
 #include "runtime/trace_recorder.h"
 
@@ -131,10 +99,6 @@ struct ChunkGroup {
   std::array<ChunkId, chunks::kNumChunkKinds> chunks;  // by ChunkKind; kNoChunk if absent
   std::vector<uint32_t> tensors;                 // its tensors, in offset order
 };
-
-// AdamW hyper-parameters of one optimizer param group, as of this step (the config's
-// `optimizer` keys are the defaults of every group).
-using GroupHyper = OptimizerConfig;
 
 struct StepResult {
   bool applied = false;   // false between accumulation micro-steps and when skipped
@@ -230,7 +194,7 @@ class Session {
   // Raw bytes of `kind` for the tensor (numel * element size of that kind).
   Status ReadTensor(size_t tensor, ChunkKind kind, void* out);
   Status WriteTensor(size_t tensor, ChunkKind kind, const void* values);
-  int64_t step_count(size_t tensor) const { return steps_[tensor]; }
+  int64_t step_count(size_t tensor) const { return stepper_->step_count(tensor); }
   Status SetStepCount(size_t tensor, int64_t steps);
 
   // ---- gradients ---------------------------------------------------------------------------
@@ -252,33 +216,26 @@ class Session {
   }
 
   // ---- optimizer ---------------------------------------------------------------------------
-  // One AdamW step (see the file comment). `hyper[g]` are the hyper-parameters of optimizer
-  // group g; every trainable tensor's opt_group must have an entry. kInvalidArgument for bad
-  // hyper-parameters (nothing changes); chunk errors otherwise. `global`: the gradient stats
-  // of the whole model (unscaled sum of squares, overflow) when the binding computed them
-  // across ranks; required when sharded with clipping or fp16 (kFailedPrecondition).
+  // One AdamW step (see the file comment; applied by the OptimizerStepper). `hyper[g]` are
+  // the hyper-parameters of optimizer group g; every trainable tensor's opt_group must have an
+  // entry. kInvalidArgument for bad hyper-parameters (nothing changes); chunk errors
+  // otherwise. `global`: the gradient stats of the whole model (unscaled sum of squares,
+  // overflow) when the binding computed them across ranks; required when sharded with
+  // clipping or fp16 (kFailedPrecondition).
   StatusOr<StepResult> Step(const std::vector<GroupHyper>& hyper,
                             const kernels::GradStats* global = nullptr);
-  // Runs group `group`'s deferred update now, if one is pending (the file comment): the
+  // Runs group `group`'s deferred update now, if one is pending (optimizer_stepper.h): the
   // bindings call it for a unit's groups before the unit's pre-forward moment. OK when none is.
   Status FinishStep(size_t group);
   // Runs every pending update (in group order).
   Status FinishSteps();
-  size_t pending_steps() const { return num_pending_; }
-  // Speculative steps (the file comment; optimizer_overlap: backward): the hyper-parameters
-  // the next Step will be given, announced before the backward (the bindings do it at an
-  // iteration's first forward); nothing is speculated until they are.
-  void SetStepHyper(std::vector<GroupHyper> hyper) {
-    spec_hyper_ = std::move(hyper);
-    spec_hyper_set_ = true;
-  }
-  struct SpeculationStats {
-    uint64_t speculated = 0;  // groups updated speculatively in a backward
-    uint64_t committed = 0;   // of those, adopted by Step
-    uint64_t dropped = 0;     // of those, dropped (then updated as without speculation)
-    uint64_t no_room = 0;     // groups not speculated for lack of free host room
-  };
-  const SpeculationStats& speculation_stats() const { return spec_stats_; }
+  size_t pending_steps() const { return stepper_->pending_steps(); }
+  // Speculative steps (optimizer_stepper.h; optimizer_overlap: backward): the
+  // hyper-parameters the next Step will be given, announced before the backward (the
+  // bindings do it at an iteration's first forward); nothing is speculated until they are.
+  void SetStepHyper(std::vector<GroupHyper> hyper) { stepper_->SetStepHyper(std::move(hyper)); }
+  using SpeculationStats = OptimizerStepper::SpeculationStats;
+  const SpeculationStats& speculation_stats() const { return stepper_->speculation_stats(); }
   double loss_scale() const { return scaler_.scale; }
   ScalerState scaler() const { return scaler_; }
   void set_scaler(const ScalerState& s) { scaler_ = s; }
@@ -291,11 +248,13 @@ class Session {
   void Moment(std::string_view label, planners::MomentKind kind = planners::MomentKind::kOther,
               uint32_t unit = planners::kNoUnit);
   void Phase(std::string_view label);
+  const std::string& phase() const { return phase_; }  // the last Phase label ("" before any)
   // A collective the (sharded) binding ran: the timeline's kCollective event.
   void RecordCollective(std::string_view op, Bytes bytes, uint64_t ns);
   // Off: acquires are not part of the recorded order (eval, no_grad inference), so they
   // neither disturb nor follow the order the next training iteration replays.
   void SetTracing(bool on);
+  bool tracing() const { return tracing_; }
   // Serving: every iteration repeats the same forward, so prefetch runs across the iteration
   // boundary (engine.h, "Cyclic order").
   void SetCyclic(bool on);
@@ -303,11 +262,10 @@ class Session {
   // stream; kHostStream for CPU tensors, the default): releases record their compute use on
   // it, device-placed optimizer kernels run on it (tiers/tier.h "Ordering against compute").
   void SetComputeStream(ComputeStream stream);
-  // Optimizer placement (see the file comment): decided at the first applied Step.
-  bool optimizer_placed() const { return opt_placed_; }
-  bool OptimizerOnDevice(size_t group) const {
-    return opt_placed_ && group < opt_device_.size() && opt_device_[group] != 0;
-  }
+  ComputeStream compute_stream() const { return stream_; }
+  // Optimizer placement (optimizer_stepper.h): decided at the first applied Step.
+  bool optimizer_placed() const { return stepper_->placed(); }
+  bool OptimizerOnDevice(size_t group) const { return stepper_->OnDevice(group); }
   // Device bytes the binding keeps live outside chunks (the KV cache of a served model),
   // counted in the device budget: device chunks are evicted to make room. kResourceExhausted
   // naming the bytes (nothing changes) when the chunks in use leave too little room.
@@ -375,13 +333,10 @@ class Session {
   const std::string& written_trace() const { return written_trace_; }
 
   // ---- plans (docs/planner.md, "Executing plans") -------------------------------------------
-  // With config `plan: auto` the session records its second training iteration in memory (or
-  // uses the user's own recording when one completes), makes a plan from it
-  // (planners::MakePlan with this run's homes, residency, budgets and measured rates) and
-  // executes it (plan_runner.h) from the next iteration on. An iteration that diverges from
-  // the plan runs reactive from there (warned once); the next one is recorded, and if it
-  // diverges too, the plan is remade from it. A plan that cannot be made is logged and the
-  // engine stays reactive. Plans move copies only: every value is the same without them.
+  // With config `plan: auto` the session records an iteration in memory, and its plan runner
+  // plans from it at the iteration boundary and executes the plan from the next iteration on
+  // (plan_runner.h, "Planning at the iteration boundary": when it records, re-plans or stops).
+  // Plans move copies only: every value is the same without them.
   struct PlanStatus {
     bool active = false;
     PlanRunner::Stats runner;
@@ -418,57 +373,11 @@ class Session {
   Status Live() const;
   ChunkId Chunk(size_t group, ChunkKind kind) const;
   Status CheckKind(size_t group, ChunkKind kind) const;
-  // Runs of tensors of `group` with a gradient (`every_trainable`: of every trainable one) that
-  // are adjacent in the chunk (one kernel call each); with `same_step`, a run also needs one
-  // opt_group and one step count.
-  struct Run {
-    uint64_t lo = 0, hi = 0;  // elements
-    int opt_group = 0;
-    int64_t step = 0;
-  };
-  std::vector<Run> GradRuns(const ChunkGroup& g, bool same_step,
-                            bool every_trainable = false) const;
-  // `runs` clipped to this rank's shard and moved to shard coordinates (the identity when not
-  // sharded).
-  std::vector<Run> LocalRuns(std::vector<Run> runs) const;
   // Sharded reads: the whole chunk of `kind` of `group` gathered from every rank into
   // gathered_ (host); cached for (group, kind) while gather_cache_ is on.
   StatusOr<const char*> GatherChunk(size_t group, ChunkKind kind);
-  // Where group g's optimizer step runs (its `kinds` acquired there): see session.cc.
-  TierKind OptimizerTier(size_t g) const;
-  // Decides opt_device_ (the file comment's rule).
-  void PlaceOptimizer();
+  // Where a reduction over a chunk (GradStats) reads it without moving it.
   TierKind ReadTier(size_t g, ChunkKind kind) const;
-  // One group's AdamW update over `runs` (step_args_ as captured by Step), on OptimizerTier;
-  // `quiet`: see RunPending. On an acquire failure nothing ran and the `stepped` tensors' step
-  // counts are restored.
-  Status UpdateGroup(size_t gi, const std::vector<Run>& runs, uint64_t work,
-                     const std::vector<uint32_t>& stepped, bool quiet = false);
-  // Runs `group`'s pending update (if any) before something touches the group. `quiet`: an
-  // access path other than the announced forward (values, checkpoints, an eval forward, the
-  // next Step): the update is not a moment and its acquires are neither recorded nor checked
-  // against a plan — as untraced acquires, it must not disturb the training order.
-  Status RunPending(size_t group, bool quiet);
-  Status RunAllPending(bool quiet);
-  // Speculative steps (the file comment). SpeculateReady: at a pre-backward moment, every
-  // group complete per the previous iteration. Speculate: one group (not speculated when the
-  // host lacks the room or an input cannot be acquired: the step then runs as without).
-  void SpeculateReady();
-  Status Speculate(size_t gi);
-  // Whether Step's update of `gi` over `runs` with step_args_ is the one speculated.
-  bool SpeculationHolds(size_t gi, const std::vector<Run>& runs) const;
-  // Adopts the speculated values; on an error nothing is adopted and the speculation is gone.
-  Status CommitSpeculation(size_t gi);
-  void DropSpeculation(size_t gi);
-  void DropSpeculations();
-  // AdamW over one run of a group whose chunks (by kind) are at `v`: on the device's stream
-  // when `device`, else the CPU kernel now.
-  // The AdamW update of `run` on the chunks at `v` (by kind), in place; with `in`, out of
-  // place: the old params, m and v read there (host only).
-  Status RunAdam(const std::array<char*, chunks::kNumChunkKinds>& v, const Run& run,
-                 const GroupHyper& h, float inv_loss_scale, float clip, bool device,
-                 const std::array<char*, chunks::kNumChunkKinds>* in = nullptr);
-  bool GroupPinned(size_t gi) const;
   TraceRecorder::Probes TraceProbes() const;
   Status LoadCheckpointV1(const std::string& path, std::string* metadata);
   // The header through `fd`; tensor bytes through `data_fd`, opened with O_DIRECT when
@@ -477,8 +386,8 @@ class Session {
                           bool verify_only);
   planners::TraceBudgets TraceBudgets() const;
   void DeclareTraceChunks();
-  // plan: auto at an iteration boundary (`diverged`: the iteration that ended left its plan).
-  void PlanAtBoundary(bool diverged);
+  // What the plan runner plans with: this session's engine and configuration.
+  PlanRunner::PlanContext RunnerContext() const;
 
   SessionConfig config_;
   Sharding sharding_;
@@ -496,7 +405,6 @@ class Session {
   Bytes model_bytes_ = 0;
   Bytes total_chunk_bytes_ = 0;  // every chunk of every kind
   Bytes min_device_budget_ = 0;
-  std::vector<int64_t> steps_;
   std::vector<uint8_t> has_grad_;
   ScalerState scaler_;
   uint64_t micro_ = 0;
@@ -505,51 +413,9 @@ class Session {
   Status trace_error_;         // an automatic trace write that failed (FinishTrace reports it)
   std::string written_trace_;  // the last trace file written
   PlanRunner runner_;
-  uint64_t train_iterations_ = 0;  // BeginIteration calls
-  std::string plan_error_;         // planning stopped (plan: auto)
-  planners::PlanEstimate plan_estimate_;
-  uint32_t plan_actions_ = 0;
-  bool warned_divergence_ = false;
-  // The applied step's factors (Step), used by every group's update of that step.
-  struct StepArgs {
-    std::vector<GroupHyper> hyper;
-    float clip_coef = 1.0f;
-    float inv_loss_scale = 1.0f;
-  };
-  StepArgs step_args_;
-  // Deferred updates by group (optimizer_overlap: next-forward).
-  struct Pending {
-    bool active = false;
-    bool zero_grad_after = false;  // ZeroGrad/ZeroChunk(grad) came while pending
-    std::vector<Run> runs;         // LocalRuns(GradRuns(g, true)) at Step
-    uint64_t work = 0;             // elements updated
-    std::vector<uint32_t> stepped; // tensors whose step count Step incremented
-  };
-  std::vector<Pending> pending_;
-  size_t num_pending_ = 0;
-  // Speculative updates by group (optimizer_overlap: backward).
-  struct Speculation {
-    bool active = false;
-    std::vector<Run> runs;          // every trainable tensor, steps as Step will count them
-    std::vector<GroupHyper> hyper;  // by optimizer group, as used
-    float inv_loss_scale = 1.0f;
-    std::array<Region, chunks::kNumChunkKinds> shadow{};  // host scratch by kind (bytes 0: none)
-  };
-  void FreeShadows(Speculation& sp);
-  std::vector<Speculation> spec_;
-  std::vector<uint8_t> spec_tried_;   // this backward
-  std::vector<GroupHyper> spec_hyper_;
-  bool spec_hyper_set_ = false;
-  // Per group: the count of pre-backward moments when its grad chunk was last written, in this
-  // iteration and in the previous one (kNotWritten: not at all).
-  static constexpr uint32_t kNotWritten = UINT32_MAX;
-  std::vector<uint32_t> grad_done_, grad_done_prev_;
-  uint32_t bwd_moments_ = 0;
-  SpeculationStats spec_stats_;
+  std::unique_ptr<OptimizerStepper> stepper_;  // made right after stack_, never null then
   std::string phase_;              // the binding's current phase (restored after an update)
   bool tracing_ = true;            // SetTracing's state
-  bool opt_placed_ = false;
-  std::vector<uint8_t> opt_device_;  // per group: steps on the device
   ComputeStream stream_ = kHostStream;
   std::unique_ptr<TierStack> stack_;
 };

@@ -1,4 +1,4 @@
-// Optimizer placement (session.h) and the session under the ordering contract: chunk groups
+// Optimizer placement (optimizer_stepper.h) and the session under the ordering contract: chunk groups
 // whose optimizer state fits next to the working set step on the device; placed or not, with
 // the binding's device work on a lagging SimStream over the asynchronous SimDevice or on the
 // calling thread, the values are the same bit for bit (fp32 and bf16, with clipping).

@@ -378,7 +378,7 @@ StatusOr<::torch::Tensor> ChunkedModel::Run(::torch::nn::Module& segment, const 
     in_iteration_ = true;
   }
   session_->Phase(grad ? "forward" : "eval");
-  // The last step's deferred updates of this segment's groups (session.h), each its own
+  // The last step's deferred updates of this segment's groups (optimizer_stepper.h), each its own
   // optimizer moment, before the segment's.
   {
     kernels::ScopedParallelFor pool(torch_pool::ForThisThread());  // torch_pool.h

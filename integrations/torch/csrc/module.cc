@@ -327,7 +327,7 @@ class PySession {
     d["clip_coef"] = res.clip_coef;
     return d;
   }
-  // The hyper-parameters the next step() will pass (speculative steps, session.h).
+  // The hyper-parameters the next step() will pass (speculative steps, runtime/optimizer_stepper.h).
   void SetStepHyper(const std::vector<std::tuple<double, double, double, double, double>>& hyper) {
     std::vector<session::GroupHyper> h;
     for (const auto& [lr, b1, b2, eps, wd] : hyper) h.push_back({lr, b1, b2, eps, wd});
@@ -726,7 +726,7 @@ PYBIND11_MODULE(_C, m) {
            [](PySession& s) { return s.s().TakeActivationFetches(); })
       .def("synchronize", [](PySession& s) { Check(s.s().Synchronize()); })
       .def("flush", [](PySession& s) { Check(s.s().Flush()); })
-      // Deferred optimizer updates (session.h): a unit's groups before its forward moment.
+      // Deferred optimizer updates (optimizer_stepper.h): a unit's groups before its forward moment.
       .def("finish_steps",
            [](PySession& s, const std::vector<size_t>& groups) {
              tiermem::Status st;

@@ -1,0 +1,504 @@
+// OptimizerStepper (optimizer_stepper.h): placement, deferred and speculative updates.
+//
+// Invariants. A tensor's step count is incremented exactly when its AdamW update is counted —
+// in Apply, for every tensor with a gradient of every trainable group — and given back only
+// when an acquire of that update failed before any kernel ran (UpdateGroup). A group has at
+// most one of: a pending update (pending_[g].active), a speculation (spec_[g].active);
+// SpeculateReady skips pending, pinned and device-placed groups, and Apply resolves a
+// speculation (commit or drop) before it defers or runs the group's update. A pending update
+// is marked inactive before it runs, so the session's access paths it goes through
+// (Acquire/Release call RunPending) see nothing pending and do not recurse. num_pending_
+// counts the active entries of pending_. A speculation's shadows are live host scratch
+// exactly while it is active; committing hands them to the engine (AdoptHostCopy), dropping
+// frees them. Placement is decided once (placed_) and never revised: on_device_ is what
+// UpdateTier and SpeculateReady read from then on. grad_done_ holds, per group, the
+// pre-backward moment count (bwd_moments_) of this iteration's last grad write; at
+// BeginIteration it becomes grad_done_prev_, the guide for when the next backward has
+// completed a group's gradients.
+//
+// Ownership and threading: the stepper owns its bookkeeping and the speculation scratch
+// (through the engine's AllocateScratch); it borrows the session (its layout, traced chunk
+// access, moments and phases), the tier stack (the engine, tier stats) and the trace recorder
+// (the optimizer work per sub-step), all of which outlive it. It runs on the session's
+// thread only; device-placed kernels are enqueued on the session's compute stream and
+// ordered by the chunk releases, host kernels run on that thread now.
+#include "runtime/optimizer_stepper.h"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <utility>
+
+#include "base/logging.h"
+#include "runtime/device_kernels.h"
+#include "runtime/session.h"
+#include "runtime/tier_stack.h"
+#include "runtime/trace_recorder.h"
+
+namespace tiermem::session {
+namespace {
+
+int K(ChunkKind k) { return static_cast<int>(k); }
+
+}  // namespace
+
+OptimizerStepper::OptimizerStepper(Session* session, TierStack* stack, TraceRecorder* trace)
+    : session_(session), stack_(stack), trace_(trace) {
+  const size_t groups = session_->num_groups();
+  steps_.assign(session_->num_tensors(), 0);
+  pending_.resize(groups);
+  spec_.resize(groups);
+  spec_tried_.assign(groups, 0);
+  grad_done_.assign(groups, kNotWritten);
+  grad_done_prev_.assign(groups, kNotWritten);
+}
+
+engine::Engine* OptimizerStepper::engine() const { return stack_->engine(); }
+
+ChunkId OptimizerStepper::Chunk(size_t group, ChunkKind kind) const {
+  return session_->group(group).chunks[K(kind)];
+}
+
+// ---- runs --------------------------------------------------------------------------------------
+
+std::vector<OptimizerStepper::Run> OptimizerStepper::GradRuns(size_t group, bool same_step,
+                                                             bool every_trainable) const {
+  const ChunkGroup& g = session_->group(group);
+  std::vector<Run> runs;
+  for (uint32_t i : g.tensors) {
+    if (every_trainable ? !session_->place(i).trainable : !session_->has_grad(i)) continue;
+    const TensorPlace& t = session_->place(i);
+    if (!runs.empty() && runs.back().hi == t.offset &&
+        (!same_step || (runs.back().opt_group == t.opt_group && runs.back().step == steps_[i]))) {
+      runs.back().hi = t.offset + t.numel;
+    } else {
+      runs.push_back(Run{t.offset, t.offset + t.numel, t.opt_group, steps_[i]});
+    }
+  }
+  return runs;
+}
+
+std::vector<OptimizerStepper::Run> OptimizerStepper::LocalRuns(std::vector<Run> runs) const {
+  if (!session_->sharded()) return runs;
+  std::vector<Run> out;
+  const uint64_t b = session_->shard_begin();
+  const uint64_t e = b + session_->shard_elems();
+  for (Run r : runs) {
+    const uint64_t lo = std::max(r.lo, b), hi = std::min(r.hi, e);
+    if (lo >= hi) continue;
+    r.lo = lo - b;
+    r.hi = hi - b;
+    out.push_back(r);
+  }
+  return out;
+}
+
+// ---- the applied step ---------------------------------------------------------------------------
+
+Status OptimizerStepper::Apply(const std::vector<GroupHyper>& hyper, float clip_coef,
+                               float inv_loss_scale) {
+  if (!placed_) Place();
+  step_args_.hyper = hyper;
+  step_args_.clip_coef = clip_coef;
+  step_args_.inv_loss_scale = inv_loss_scale;
+  const bool defer = session_->config().optimizer_overlap != "off";
+  for (size_t gi = 0; gi < session_->num_groups(); ++gi) {
+    const ChunkGroup& g = session_->group(gi);
+    if (!g.trainable) continue;
+    std::vector<uint32_t> stepped;
+    for (uint32_t i : g.tensors) {
+      if (session_->has_grad(i)) {
+        ++steps_[i];
+        stepped.push_back(i);
+      }
+    }
+    if (stepped.empty()) continue;
+    std::vector<Run> runs = LocalRuns(GradRuns(gi, true));
+    if (runs.empty()) continue;  // none of it in this rank's shard
+    if (spec_[gi].active) {
+      // Committed: the update is done (the step counts above are its). Dropped, or a commit
+      // that could not be made: updated as without speculation, below.
+      if (SpeculationHolds(gi, runs) && CommitSpeculation(gi).ok()) continue;
+      DropSpeculation(gi);
+    }
+    uint64_t work = 0;
+    for (const Run& run : LocalRuns(GradRuns(gi, false))) work += run.hi - run.lo;
+    if (defer && !GroupPinned(gi)) {
+      Pending& p = pending_[gi];
+      p.active = true;
+      p.zero_grad_after = false;
+      p.runs = std::move(runs);
+      p.work = work;
+      p.stepped = std::move(stepped);
+      ++num_pending_;
+      continue;
+    }
+    Status s = UpdateGroup(gi, runs, work, stepped);
+    if (!s.ok()) {
+      return s.WithContext("optimizer step of chunk group " + std::to_string(gi) + " of " +
+                           std::to_string(session_->num_groups()) +
+                           " (groups before it were stepped)");
+    }
+  }
+  return OkStatus();
+}
+
+Status OptimizerStepper::UpdateGroup(size_t gi, const std::vector<Run>& runs, uint64_t work,
+                                     const std::vector<uint32_t>& stepped, bool quiet) {
+  // Acquired in this order (compute params first), released in any order.
+  std::vector<ChunkKind> kinds = {session_->compute_kind(), ChunkKind::kGrad,
+                                  ChunkKind::kExpAvg, ChunkKind::kExpAvgSq};
+  if (session_->mixed()) kinds.push_back(ChunkKind::kParamFp32);
+  const TierKind where = UpdateTier(gi);
+  engine::Engine* eng = engine();
+  if (!quiet) {
+    // Named by group: a plan matches a deferred update by its label, whichever unit's
+    // forward runs it.
+    const std::string label = where == TierKind::kDevice ? "optimizer-substep:device:g"
+                                                         : "optimizer-substep:host:g";
+    session_->Moment(label + std::to_string(gi), planners::MomentKind::kOptimizerStep);
+    trace_->SetWorkElems(work, where == TierKind::kDevice);
+  }
+  std::array<char*, chunks::kNumChunkKinds> v{};
+  size_t acquired = 0;
+  Status s;
+  for (; acquired < kinds.size(); ++acquired) {
+    StatusOr<void*> p = quiet ? eng->Acquire(Chunk(gi, kinds[acquired]), where)
+                              : session_->Acquire(gi, kinds[acquired], where);
+    if (!p.ok()) {
+      s = p.status();
+      break;
+    }
+    v[K(kinds[acquired])] = static_cast<char*>(*p);
+  }
+  for (const Run& run : s.ok() ? runs : std::vector<Run>{}) {
+    // On the device: enqueued on the compute stream (the releases below record it). On the
+    // host: the CPU kernel, now (host copies are the CPU's; nothing orders a stream there).
+    s = RunAdam(v, run, step_args_.hyper[run.opt_group], step_args_.inv_loss_scale,
+                step_args_.clip_coef, where == TierKind::kDevice);
+    if (!s.ok()) break;
+  }
+  // All acquired: the kernel ran (on some runs at least): the chunks are modified. An
+  // acquire that failed came before any kernel: nothing was.
+  const bool ran = acquired == kinds.size();
+  for (size_t k = 0; k < acquired; ++k) {
+    const bool modified = ran && kinds[k] != ChunkKind::kGrad;
+    Status rel = quiet ? eng->Release(Chunk(gi, kinds[k]), modified)
+                       : session_->Release(gi, kinds[k], modified);
+    if (s.ok()) s = rel;
+  }
+  if (!s.ok() && !ran) {
+    for (uint32_t i : stepped) --steps_[i];  // this group was not stepped
+  }
+  return s;
+}
+
+Status OptimizerStepper::RunAdam(const std::array<char*, chunks::kNumChunkKinds>& v,
+                                 const Run& run, const GroupHyper& h, float inv_loss_scale,
+                                 float clip, bool device,
+                                 const std::array<char*, chunks::kNumChunkKinds>* in) {
+  const kernels::DType gd = session_->dtype(ChunkKind::kGrad);
+  kernels::AdamConfig ac;
+  ac.lr = static_cast<float>(h.lr);
+  ac.beta1 = static_cast<float>(h.beta1);
+  ac.beta2 = static_cast<float>(h.beta2);
+  ac.eps = static_cast<float>(h.eps);
+  ac.weight_decay = static_cast<float>(h.weight_decay);
+  ac.step = run.step;
+  ac.inv_loss_scale = inv_loss_scale;
+  ac.clip_factor = clip;
+  kernels::AdamSpans sp;
+  sp.param = reinterpret_cast<float*>(v[K(ChunkKind::kParamFp32)]) + run.lo;
+  sp.exp_avg = reinterpret_cast<float*>(v[K(ChunkKind::kExpAvg)]) + run.lo;
+  sp.exp_avg_sq = reinterpret_cast<float*>(v[K(ChunkKind::kExpAvgSq)]) + run.lo;
+  sp.grad = v[K(ChunkKind::kGrad)] + run.lo * kernels::DTypeSize(gd);
+  sp.grad_dtype = gd;
+  if (session_->mixed()) {
+    sp.param_out = v[K(ChunkKind::kParamLowp)] + run.lo * 2;
+    sp.out_dtype = session_->compute_dtype();
+  }
+  sp.n = run.hi - run.lo;
+  if (in != nullptr) {
+    sp.param_in = reinterpret_cast<const float*>((*in)[K(ChunkKind::kParamFp32)]) + run.lo;
+    sp.exp_avg_in = reinterpret_cast<const float*>((*in)[K(ChunkKind::kExpAvg)]) + run.lo;
+    sp.exp_avg_sq_in = reinterpret_cast<const float*>((*in)[K(ChunkKind::kExpAvgSq)]) + run.lo;
+  }
+  return DeviceAdamStep(session_->cuda() && device, ac, sp,
+                        device ? session_->compute_stream() : kHostStream);
+}
+
+bool OptimizerStepper::GroupPinned(size_t gi) const {
+  for (ChunkId c : session_->group(gi).chunks) {
+    if (c != kNoChunk && engine()->Pins(c) > 0) return true;
+  }
+  return false;
+}
+
+// ---- deferred updates ------------------------------------------------------------------------
+
+Status OptimizerStepper::RunPending(size_t group, bool quiet) {
+  if (group >= pending_.size() || !pending_[group].active) return OkStatus();
+  Pending p = std::move(pending_[group]);
+  pending_[group] = Pending();  // inactive before the update's own acquires come through here
+  --num_pending_;
+  const std::string phase = session_->phase();
+  engine::Engine* eng = engine();
+  session_->Phase("optimizer");
+  if (quiet && session_->tracing()) eng->SetTracing(false);
+  Status s = UpdateGroup(group, p.runs, p.work, p.stepped, quiet);
+  if (quiet && session_->tracing()) eng->SetTracing(true);
+  if (s.ok() && p.zero_grad_after && session_->Pins(group, ChunkKind::kGrad) == 0) {
+    s = eng->Zero(Chunk(group, ChunkKind::kGrad));
+  }
+  if (!phase.empty()) session_->Phase(phase);
+  if (!s.ok()) {
+    return s.WithContext("the optimizer update of chunk group " + std::to_string(group) +
+                         ", deferred from the last step() (optimizer_overlap: " +
+                         session_->config().optimizer_overlap + ")");
+  }
+  return OkStatus();
+}
+
+Status OptimizerStepper::RunAllPending(bool quiet) {
+  for (size_t gi = 0; gi < pending_.size() && num_pending_ > 0; ++gi) {
+    TIERMEM_RETURN_IF_ERROR(RunPending(gi, quiet));
+  }
+  return OkStatus();
+}
+
+bool OptimizerStepper::ZeroGradsAfterPending(size_t group) {
+  if (group >= pending_.size() || !pending_[group].active) return false;
+  pending_[group].zero_grad_after = true;  // the update reads these grads first
+  return true;
+}
+
+// ---- speculative updates ---------------------------------------------------------------------
+
+void OptimizerStepper::SpeculateReady() {
+  if (!spec_hyper_set_ || !placed_ || session_->sharded() || !session_->next_step_applies()) {
+    return;
+  }
+  for (size_t gi = 0; gi < session_->num_groups(); ++gi) {
+    if (!session_->group(gi).trainable || spec_tried_[gi] || spec_[gi].active) continue;
+    // Complete as far as the last iteration shows, and written in this one.
+    if (grad_done_prev_[gi] >= bwd_moments_ || grad_done_[gi] == kNotWritten) continue;
+    spec_tried_[gi] = 1;
+    if (OnDevice(gi) || (gi < pending_.size() && pending_[gi].active) || GroupPinned(gi)) {
+      continue;
+    }
+    Status st = Speculate(gi);
+    if (!st.ok()) {
+      // The update itself will run in Step or after it, and report what it meets.
+      TIERMEM_LOG(kDebug) << "speculative step of chunk group " << gi << ": " << st.message();
+    }
+  }
+}
+
+Status OptimizerStepper::Speculate(size_t gi) {
+  Speculation sp;
+  // Every trainable tensor stepped (the binding says which have a gradient only at step()),
+  // step counts as Step will make them (one more each: the runs merge alike).
+  sp.runs = GradRuns(gi, true, true);
+  for (Run& r : sp.runs) {
+    if (static_cast<size_t>(r.opt_group) >= spec_hyper_.size()) return OkStatus();
+    ++r.step;
+  }
+  if (sp.runs.empty()) return OkStatus();
+  std::vector<ChunkKind> state = {session_->compute_kind(), ChunkKind::kExpAvg,
+                                  ChunkKind::kExpAvgSq};
+  if (session_->mixed()) state.push_back(ChunkKind::kParamFp32);
+  Bytes need = 0;
+  for (ChunkKind k : state) need += session_->ChunkBytes(gi, k);
+  engine::Engine* eng = engine();
+  const TierStats hs = stack_->host()->Stats();
+  const Bytes ext = eng->external_bytes(TierKind::kHost);
+  const Bytes room = hs.capacity > hs.used + ext ? hs.capacity - hs.used - ext : 0;
+  if (room < 2 * need) {
+    ++spec_stats_.no_room;
+    return OkStatus();
+  }
+  sp.hyper = spec_hyper_;
+  sp.inv_loss_scale = static_cast<float>(1.0 / session_->loss_scale());
+  std::array<char*, chunks::kNumChunkKinds> in{}, out{};
+  std::vector<ChunkKind> acquired;
+  Status s;
+  for (ChunkKind k : state) {
+    StatusOr<Region> r = eng->AllocateScratch(TierKind::kHost, session_->ChunkBytes(gi, k),
+                                              Category::kOptimState);
+    if (!r.ok()) {
+      s = r.status();
+      break;
+    }
+    sp.shadow[K(k)] = *r;
+    out[K(k)] = static_cast<char*>(r->addr);
+  }
+  // The inputs on the host, traced (the next iteration's order prefetches them here).
+  std::vector<ChunkKind> inputs = state;
+  inputs.push_back(ChunkKind::kGrad);
+  for (size_t i = 0; s.ok() && i < inputs.size(); ++i) {
+    StatusOr<void*> p = session_->Acquire(gi, inputs[i], TierKind::kHost);
+    if (!p.ok()) {
+      s = p.status();
+      break;
+    }
+    acquired.push_back(inputs[i]);
+    in[K(inputs[i])] = static_cast<char*>(*p);
+  }
+  if (s.ok()) {
+    // The shadows become the homes at commit: the runs are written by the out-of-place
+    // update, every other byte (tensors without grads, padding) is copied.
+    std::vector<std::pair<uint64_t, uint64_t>> covered;
+    for (const Run& run : sp.runs) covered.emplace_back(run.lo, run.hi);
+    std::sort(covered.begin(), covered.end());
+    for (ChunkKind k : state) {
+      const Bytes es = kernels::DTypeSize(session_->dtype(k));
+      const uint64_t elems = session_->ChunkBytes(gi, k) / es;
+      uint64_t at = 0;
+      for (const auto& [lo, hi] : covered) {
+        if (lo > at) std::memcpy(out[K(k)] + at * es, in[K(k)] + at * es, (lo - at) * es);
+        at = std::max(at, hi);
+      }
+      if (elems > at) std::memcpy(out[K(k)] + at * es, in[K(k)] + at * es, (elems - at) * es);
+    }
+    out[K(ChunkKind::kGrad)] = in[K(ChunkKind::kGrad)];  // read only
+    for (const Run& run : sp.runs) {
+      s = RunAdam(out, run, sp.hyper[run.opt_group], sp.inv_loss_scale, 1.0f, false, &in);
+      if (!s.ok()) break;
+    }
+  }
+  for (ChunkKind k : acquired) {
+    Status rel = eng->Release(Chunk(gi, k), false);
+    if (s.ok()) s = rel;
+  }
+  if (!s.ok()) {
+    FreeShadows(sp);
+    return s;
+  }
+  sp.active = true;
+  spec_[gi] = std::move(sp);
+  ++spec_stats_.speculated;
+  return OkStatus();
+}
+
+bool OptimizerStepper::SpeculationHolds(size_t gi, const std::vector<Run>& runs) const {
+  const Speculation& sp = spec_[gi];
+  if (!sp.active || step_args_.clip_coef != 1.0f ||
+      step_args_.inv_loss_scale != sp.inv_loss_scale || runs.size() != sp.runs.size()) {
+    return false;
+  }
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const Run &a = runs[i], &b = sp.runs[i];
+    if (a.lo != b.lo || a.hi != b.hi || a.opt_group != b.opt_group || a.step != b.step) {
+      return false;
+    }
+    const GroupHyper &x = step_args_.hyper[a.opt_group], &y = sp.hyper[a.opt_group];
+    if (x.lr != y.lr || x.beta1 != y.beta1 || x.beta2 != y.beta2 || x.eps != y.eps ||
+        x.weight_decay != y.weight_decay) {
+      return false;
+    }
+  }
+  return true;
+}
+
+Status OptimizerStepper::CommitSpeculation(size_t gi) {
+  Speculation& sp = spec_[gi];
+  engine::Engine* eng = engine();
+  for (int k = 0; k < chunks::kNumChunkKinds; ++k) {
+    if (sp.shadow[k].bytes == 0) continue;
+    Status s = eng->PrepareAdopt(Chunk(gi, static_cast<ChunkKind>(k)));
+    if (!s.ok()) {
+      DropSpeculation(gi);
+      return s;
+    }
+  }
+  // Prepared: every adoption installs its region (an error left is the old copies' free).
+  for (int k = 0; k < chunks::kNumChunkKinds; ++k) {
+    if (sp.shadow[k].bytes == 0) continue;
+    Status a = eng->AdoptHostCopy(Chunk(gi, static_cast<ChunkKind>(k)), sp.shadow[k]);
+    if (!a.ok()) {
+      TIERMEM_LOG(kWarn) << "speculative step: committing: " << a.message();
+    }
+  }
+  sp = Speculation{};
+  ++spec_stats_.committed;
+  return OkStatus();
+}
+
+void OptimizerStepper::FreeShadows(Speculation& sp) {
+  for (Region& r : sp.shadow) {
+    if (r.bytes == 0) continue;
+    Status s = engine()->FreeScratch(TierKind::kHost, r, Category::kOptimState);
+    if (!s.ok()) {
+      TIERMEM_LOG(kWarn) << "speculative step: freeing its scratch: " << s.message();
+    }
+    r = Region{};
+  }
+}
+
+void OptimizerStepper::DropSpeculation(size_t gi) {
+  if (gi >= spec_.size() || !spec_[gi].active) return;
+  FreeShadows(spec_[gi]);
+  spec_[gi] = Speculation{};
+  ++spec_stats_.dropped;
+}
+
+void OptimizerStepper::DropSpeculations() {
+  for (size_t gi = 0; gi < spec_.size(); ++gi) DropSpeculation(gi);
+}
+
+// ---- what the session reports ------------------------------------------------------------------
+
+void OptimizerStepper::BeginIteration() {
+  DropSpeculations();  // a backward whose step never came
+  grad_done_prev_.swap(grad_done_);
+  std::fill(grad_done_.begin(), grad_done_.end(), kNotWritten);
+  std::fill(spec_tried_.begin(), spec_tried_.end(), 0);
+  bwd_moments_ = 0;
+}
+
+void OptimizerStepper::AfterMoment(planners::MomentKind kind) {
+  if (kind != planners::MomentKind::kPreBackward) return;
+  ++bwd_moments_;
+  if (session_->config().optimizer_overlap == "backward") SpeculateReady();
+}
+
+// ---- placement ---------------------------------------------------------------------------------
+
+void OptimizerStepper::Place() {
+  // Device-placed optimizer state stays cached on the device between steps only if the
+  // forward and backward never need its room: so it gets only what the whole training working
+  // set leaves — every group's compute and grad chunks (all cached at once, as they are when
+  // nothing has to move) and the most activation/KV bytes the device held so far. Without
+  // that room a group steps on the host, where moving its param and grad (2 x compute dtype
+  // bytes per element) costs less than moving m and v up and back (16 bytes). Groups are
+  // taken in order while room is left.
+  placed_ = true;
+  on_device_.assign(session_->num_groups(), 0);
+  if (session_->config().optimizer_placement == "host") return;
+  engine::Engine* eng = engine();
+  // (Sharded: the gathered full chunks the binding held as scratch count too.)
+  const engine::EngineStats est = eng->Stats();
+  Bytes working = est.external_peak[static_cast<int>(TierKind::kDevice)] +
+                  est.scratch_peak[static_cast<int>(TierKind::kDevice)];
+  for (size_t gi = 0; gi < session_->num_groups(); ++gi) {
+    working += session_->ChunkBytes(gi, session_->compute_kind());
+    if (session_->group(gi).trainable) working += session_->ChunkBytes(gi, ChunkKind::kGrad);
+  }
+  const Bytes capacity = stack_->device()->Stats().capacity;
+  Bytes left = capacity > working ? capacity - working : 0;
+  size_t count = 0;
+  for (size_t gi = 0; gi < session_->num_groups(); ++gi) {
+    if (!session_->group(gi).trainable) continue;
+    Bytes need = session_->ChunkBytes(gi, ChunkKind::kExpAvg) +
+                 session_->ChunkBytes(gi, ChunkKind::kExpAvgSq);
+    if (session_->mixed()) need += session_->ChunkBytes(gi, ChunkKind::kParamFp32);
+    if (need > left) break;
+    left -= need;
+    on_device_[gi] = 1;
+    ++count;
+  }
+  TIERMEM_LOG(kInfo) << "optimizer: " << count << " chunk group(s) step on the device ("
+                     << session_->device_kind() << "), the others on the host";
+}
+
+}  // namespace tiermem::session
