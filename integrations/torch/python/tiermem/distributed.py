@@ -158,13 +158,13 @@ class Shards:
         now = time.perf_counter()
         self.stats["seconds"] += now - t0
         self.stats["wait_seconds"] += now - (t0 if waited_since is None else waited_since)
-        self.rt.s.record_collective(op, nbytes, int((now - t0) * 1e9))
+        self.rt.session.record_collective(op, nbytes, int((now - t0) * 1e9))
 
     def _scratch(self, evict_recent=True):
         """A full-chunk scratch region of the compute dtype; when the budget is short, the
         cache of recently released chunks goes first (unless `evict_recent` is off: a
         prefetch never pushes out what is already there)."""
-        s = self.rt.s
+        s = self.rt.session
         nbytes = s.chunk_elems * torch.empty((), dtype=self.rt.dtype).element_size()
         try:
             token, raw = s.allocate_scratch(_DEVICE, nbytes)
@@ -208,7 +208,7 @@ class Shards:
         self.stats["prefetched"] += 1
 
     def _start(self, g, kind, async_op=False, evict_recent=True):
-        s = self.rt.s
+        s = self.rt.session
         token, full, nbytes = self._scratch(evict_recent)
         h = _Held(full, token, refs=0)
         try:
@@ -241,7 +241,7 @@ class Shards:
             try:
                 _collective(f"all-gather of chunk group {g}", h.work.wait)
             except BaseException:
-                self.rt.s.free_scratch(_DEVICE, h.token)
+                self.rt.session.free_scratch(_DEVICE, h.token)
                 raise
         async_op = h.work is not None and hasattr(h.work, "wait")
         h.work = None
@@ -266,7 +266,7 @@ class Shards:
         if h.refs > 0:
             return False
         del self._held[key]
-        s = self.rt.s
+        s = self.rt.session
         try:
             if h.dirty:  # this rank's part back into its shard
                 begin, n = s.shard_begin, s.shard_elems
@@ -287,7 +287,7 @@ class Shards:
         return True
 
     def drop_recent(self):
-        s = self.rt.s
+        s = self.rt.session
         for h in self._recent.values():
             s.free_scratch(_DEVICE, h.token)
         self._recent.clear()
@@ -300,13 +300,13 @@ class Shards:
             try:
                 self._finish(key[0], h)
             finally:
-                self.rt.s.free_scratch(_DEVICE, h.token)
+                self.rt.session.free_scratch(_DEVICE, h.token)
         self._pending.clear()
 
     # ---- gradients ---------------------------------------------------------------------------
     def grad_buffer(self, g):
         """A zeroed full-size gradient buffer for group `g` (held until scatter_grad)."""
-        s = self.rt.s
+        s = self.rt.session
         esize = torch.empty((), dtype=self.rt.dtype).element_size()
         token, raw = s.allocate_scratch(_DEVICE, s.chunk_elems * esize)
         full = raw.view(self.rt.dtype)
@@ -319,7 +319,7 @@ class Shards:
         mean over ranks is added to the shard, after zeroing the local spans of the tensors in
         `fresh` (their gradient started in this backward: torch's copy semantics)."""
         h = self._held.pop((g, "grad-buffer"))
-        s = self.rt.s
+        s = self.rt.session
         try:
             n, begin = s.shard_elems, s.shard_begin
             part = torch.empty(n, dtype=h.tensor.dtype, device=h.tensor.device)
@@ -377,7 +377,7 @@ class Shards:
             raise err if err is not None else elsewhere()
 
     def close(self):
-        s = self.rt.s
+        s = self.rt.session
         for h in list(self._held.values()) + list(self._recent.values()):
             s.free_scratch(_DEVICE, h.token)
         for h in self._pending.values():

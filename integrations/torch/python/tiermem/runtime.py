@@ -232,27 +232,28 @@ class TiermemRuntime:
             raise ValueError("tiermem.inference: serving is not sharded across ranks (run one "
                              "model per process, without a process group)")
         self._shards = distributed.Shards(self, pg) if pg is not None else None
-        self.s = _C.Session(cfg, specs, self._shards.sharding() if self._shards else None)
+        self.session = _C.Session(cfg, specs, self._shards.sharding() if self._shards else None)
         try:
             if self._shards:
-                self._shards.check_layout(self.s)
+                self._shards.check_layout(self.session)
             with torch.no_grad():
                 for r in self.params:
-                    r.group, r.offset, _ = self.s.place(r.index)
+                    r.group, r.offset, _ = self.session.place(r.index)
                     v = r.orig.detach().reshape(-1).contiguous()
                     if self._shards:  # every rank starts from rank 0's values (as DDP)
                         v = v.clone()
                         self._shards.broadcast_(v)
-                    self.s.write_param(r.index, v)
+                    self.session.write_param(r.index, v)
         except BaseException:
-            self.s.close()
+            self.session.close()
             raise
-        self._compute_kind = self.s.compute_kind
-        self.groups = [self.s.group(g) for g in range(self.s.num_groups)]  # (trainable, used, tensors)
+        self._compute_kind = self.session.compute_kind
+        # (trainable, used, tensors) per group
+        self.groups = [self.session.group(g) for g in range(self.session.num_groups)]
         # Holding a group's grad chunk across its backward saves an acquire per param but pins
         # it: worth it only when every compute and grad chunk fits on the device at once.
         esize = 2 if self.mixed else 4
-        per_group = self.s.chunk_elems * esize * 2
+        per_group = self.session.chunk_elems * esize * 2
         self._hold_grads = (cfg.device_budget >= per_group * len(self.groups)
                             or self._shards is not None)  # sharded: reduce-scatter whole groups
         self._fresh: dict[int, list] = {}  # sharded: group -> params whose grad began this backward
@@ -261,9 +262,9 @@ class TiermemRuntime:
         # for the whole session — nothing ever moves, no unit acquires, no saved-tensor hooks
         # (saved views of chunk memory stay valid), and the optimizer steps in place.
         # Not with activations counted in the budget: they need the hooks that count them.
-        self._resident = (not self._serving and not self.s.cuda and self._shards is None
+        self._resident = (not self._serving and not self.session.cuda and self._shards is None
                           and cfg.activations == "outside"
-                          and cfg.device_budget >= self.s.total_chunk_bytes)
+                          and cfg.device_budget >= self.session.total_chunk_bytes)
         self._device_budget = cfg.device_budget
         # State of the current iteration.
         self._live: dict[int, int] = {}          # device data_ptr -> group (compute chunks)
@@ -328,7 +329,7 @@ class TiermemRuntime:
         if self._shards is not None:
             # Full chunks kept after use: the next unit's shared groups and the backward's
             # first unit need no second all-gather. At most a quarter of the device budget.
-            full = self.s.chunk_elems * esize
+            full = self.session.chunk_elems * esize
             self._shards.recent_capacity = min(2 * most + 1, cfg.device_budget // (4 * full))
         self._fwd_units: list = []   # units entered by the last training forward, in order
         self._fwd_pos: dict = {}     # unit index -> its position there
@@ -476,7 +477,7 @@ class TiermemRuntime:
 
     def _pin_resident(self):
         self._resident_pins = []
-        for g in range(self.s.num_groups):
+        for g in range(self.session.num_groups):
             base = self._acquire(g, self._compute_kind)
             self._resident_pins.append((g, self._compute_kind))
             for i in self.groups[g][2]:
@@ -484,7 +485,7 @@ class TiermemRuntime:
                 r.compute.data = self._slice(base, r)  # for good: units only swap slots
             if self.groups[g][0]:
                 self._on_stream()
-                self._grad_hold[g] = self.s.acquire_for_write(g, _K.grad, _DEVICE)
+                self._grad_hold[g] = self.session.acquire_for_write(g, _K.grad, _DEVICE)
                 self._resident_pins.append((g, _K.grad))
 
     # ---- chunk access --------------------------------------------------------------------
@@ -501,7 +502,7 @@ class TiermemRuntime:
 
     def _set_tracing(self, on: bool):
         if on != self._tracing:
-            self.s.set_tracing(on)
+            self.session.set_tracing(on)
             self._tracing = on
 
     def _on_stream(self):
@@ -512,7 +513,7 @@ class TiermemRuntime:
         if self._cuda:
             h = torch.cuda.current_stream(self.device).cuda_stream
             if h != self._stream_handle:
-                self.s.set_compute_stream(h)
+                self.session.set_compute_stream(h)
                 self._stream_handle = h
 
     def _acquire(self, group: int, kind, tier=_DEVICE) -> torch.Tensor:
@@ -523,7 +524,7 @@ class TiermemRuntime:
             if kind == self._compute_kind:
                 self._live[base.data_ptr()] = group
             return base
-        base = self.s.acquire(group, kind, tier)
+        base = self.session.acquire(group, kind, tier)
         if tier == _DEVICE and kind == self._compute_kind:
             self._live[base.data_ptr()] = group
         return base
@@ -535,9 +536,9 @@ class TiermemRuntime:
             if self._shards.release(group, kind, modified) and self._live.get(ptr) == group:
                 del self._live[ptr]
             return
-        self.s.release(group, kind, modified)
+        self.session.release(group, kind, modified)
         if base is not None and kind == self._compute_kind and \
-                self.s.pins(group, kind) == 0 and self._live.get(base.data_ptr()) == group:
+                self.session.pins(group, kind) == 0 and self._live.get(base.data_ptr()) == group:
             del self._live[base.data_ptr()]
 
     def _slice(self, base, r: _Param):
@@ -642,15 +643,15 @@ class TiermemRuntime:
                 if self._shards is not None and self._fwd_seq:
                     self._fwd_units, self._fwd_seq = self._fwd_seq, []
                     self._fwd_pos = {u: i for i, u in enumerate(self._fwd_units)}
-                self.s.begin_iteration()
+                self.session.begin_iteration()
                 if self._hyper_of_next_step is not None:
                     # What step() will pass, unless the user changes it before (then the
                     # speculative updates are dropped at step(): session.h).
-                    self.s.set_step_hyper(self._hyper_of_next_step())
-                self._recording_trace = self.s.recording_trace
+                    self.session.set_step_hyper(self._hyper_of_next_step())
+                self._recording_trace = self.session.recording_trace
                 self._trace_seen.clear()
                 self._in_iteration = True
-                self.s.phase("forward")
+                self.session.phase("forward")
             u.depth += 1
             if u.depth == 1 and self._resident:
                 for r in u.params:
@@ -658,7 +659,7 @@ class TiermemRuntime:
                 u.placed = self._place(u)
             elif u.depth == 1:
                 self._set_tracing(self._traced())  # before the moment: eval isn't traced
-                if self.s.pending_steps:
+                if self.session.pending_steps:
                     # The last step's deferred updates of this unit's groups (and, sharded, of
                     # the next unit's, which it prefetches), each its own optimizer moment,
                     # before the unit's (session.h, "deferred steps").
@@ -668,8 +669,8 @@ class TiermemRuntime:
                         if i is not None and i + 1 < len(self._fwd_units):
                             groups += self.units[self._fwd_units[i + 1]].groups
                     self._on_stream()  # device-placed updates queue on torch's stream
-                    self.s.finish_steps(groups)
-                self.s.moment(label, 0, u.index)
+                    self.session.finish_steps(groups)
+                self.session.moment(label, 0, u.index)
                 pins = []
                 try:
                     if self._count_act and self._in_iteration:
@@ -811,7 +812,7 @@ class TiermemRuntime:
             if device == self._act_given:
                 return
             try:
-                self.s.set_external_device_bytes(device)
+                self.session.set_external_device_bytes(device)
                 break
             except MemoryError as e:
                 # The chunks in use need more room than `_act_cap` foresaw (or a plan kept
@@ -855,10 +856,10 @@ class TiermemRuntime:
         self._act_nvme = 0
         self._spill_free_all()
         if self._count_act and self._act_given:
-            self.s.set_external_device_bytes(0)
+            self.session.set_external_device_bytes(0)
             self._act_given = 0
         if self._act_host_given:
-            self.s.set_external_host_bytes(0)
+            self.session.set_external_host_bytes(0)
             self._act_host_given = 0
 
     def _act_done(self, unit):
@@ -882,14 +883,14 @@ class TiermemRuntime:
         """Fetches what an executed plan fetches now; offloads the units the plan offloads
         (once their forward is done), then whole units, oldest forward unit first, until the
         device's activation bytes fit `_act_cap`."""
-        for unit in self.s.take_activation_fetches():
+        for unit in self.session.take_activation_fetches():
             # Like a planned chunk prefetch: into free room only (the backward moment of the
             # unit fetches whatever is still on the host).
             self._act_fetch(unit, only_if_room=True)
-        if not self._in_backward and self.s.plan_followed:
+        if not self._in_backward and self.session.plan_followed:
             active = {u.index for u in self._active_units}
             for unit in self._act_order:
-                if unit not in active and self.s.plan_offloads_unit(unit):
+                if unit not in active and self.session.plan_offloads_unit(unit):
                     self._act_offload(unit)
         while self._act_total - self._act_host - self._act_nvme > self._act_cap \
                 and self._act_offload_oldest():
@@ -917,7 +918,7 @@ class TiermemRuntime:
             return
         host = self._act_host + n
         try:
-            self.s.set_external_host_bytes(host)  # room first (evicts host caches)
+            self.session.set_external_host_bytes(host)  # room first (evicts host caches)
         except MemoryError as e:
             if self._recompute_planned and all(h.free_refs == 0 for h in todo):
                 self._act_drop(unit, todo, n)  # auto: recomputed in the backward instead
@@ -970,10 +971,10 @@ class TiermemRuntime:
         regions = []
         try:
             for h in todo:
-                regions.append(self.s.allocate_spill(h.nbytes))
+                regions.append(self.session.allocate_spill(h.nbytes))
         except MemoryError as e:
             for r in regions:
-                self.s.free_spill(r)
+                self.session.free_spill(r)
             self._act_abandon()
             raise MemoryError(
                 f"tiermem: offloading the activations of unit {self._unit_name(unit)!r} "
@@ -988,13 +989,13 @@ class TiermemRuntime:
                     token, buf = self._spill_buffer(piece)  # its last write is done
                     k = min(buf.numel(), h.nbytes - lo)
                     buf[:k].copy_(src[lo:lo + k])  # synchronous (D2H waits for the kernels)
-                    self._spill_pending[piece % 2] = self.s.start_spill_copy(
+                    self._spill_pending[piece % 2] = self.session.start_spill_copy(
                         region, lo, token, 0, k, True)
                     piece += 1
         except BaseException:
             self._spill_drain(quiet=True)  # no copy may be in flight into a freed region
             for r in regions:
-                self.s.free_spill(r)
+                self.session.free_spill(r)
             self._act_abandon()
             raise
         for h, region in zip(todo, regions):
@@ -1015,7 +1016,7 @@ class TiermemRuntime:
         def start(i):
             token, buf = self._spill_buffer(i)
             k = min(buf.numel(), h.nbytes - los[i])
-            self._spill_pending[i % 2] = self.s.start_spill_copy(h.spill, los[i], token, 0, k,
+            self._spill_pending[i % 2] = self.session.start_spill_copy(h.spill, los[i], token, 0, k,
                                                                  False)
         start(0)
         for i, lo in enumerate(los):
@@ -1025,7 +1026,7 @@ class TiermemRuntime:
             self._spill_wait(pending)
             k = min(step, h.nbytes - lo)
             dev[lo:lo + k].copy_(self._spill_bufs[i % 2][1][:k])  # synchronous
-        self.s.free_spill(h.spill)
+        self.session.free_spill(h.spill)
         h.spill = None
         self._act_spilled.remove(h)
         if not self._act_spilled:
@@ -1034,7 +1035,7 @@ class TiermemRuntime:
     def _spill_piece(self) -> int:
         # At most 4 MiB (a few of the NVMe tier's I/Os) and one fp32 chunk (the host reserve
         # keeps that much of the host budget for caches, which scratch evicts).
-        return min(4 << 20, self.s.chunk_elems * 4) // 4096 * 4096 or 4096
+        return min(4 << 20, self.session.chunk_elems * 4) // 4096 * 4096 or 4096
 
     def _spill_buffer(self, i):
         """Bounce i % 2 as (token, uint8 tensor), allocated on first use (host scratch), once
@@ -1047,7 +1048,7 @@ class TiermemRuntime:
         while len(self._spill_bufs) <= j:
             piece = self._spill_piece()
             try:
-                self._spill_bufs.append(self.s.allocate_scratch(_HOST, piece))
+                self._spill_bufs.append(self.session.allocate_scratch(_HOST, piece))
             except MemoryError as e:
                 raise MemoryError(
                     f"tiermem: activations spilled to NVMe go through two bounces of {piece} "
@@ -1072,9 +1073,9 @@ class TiermemRuntime:
                 except (OSError, RuntimeError) as e:
                     err = err or e
         if release:
-            if not self.s.closed:
+            if not self.session.closed:
                 for token, _ in self._spill_bufs:
-                    self.s.free_scratch(_HOST, token)
+                    self.session.free_scratch(_HOST, token)
             self._spill_bufs.clear()
         if err is not None and not quiet:
             raise err
@@ -1082,8 +1083,8 @@ class TiermemRuntime:
     def _spill_free_all(self):
         self._spill_drain(quiet=True)  # the iteration is over or abandoned: its spills go
         for h in self._act_spilled:
-            if not self.s.closed:
-                self.s.free_spill(h.spill)
+            if not self.session.closed:
+                self.session.free_spill(h.spill)
             h.spill = None
         self._act_spilled.clear()
 
@@ -1177,7 +1178,7 @@ class TiermemRuntime:
         if self._recompute_planned:
             if kv_cache_in(args, kwargs) is not None:
                 return None, False  # never recomputed: kept or offloaded as 'offload' does
-            drops = not (self.s.plan_followed and self.s.plan_recomputes_unit(u.index))
+            drops = not (self.session.plan_followed and self.session.plan_recomputes_unit(u.index))
         elif not self._recompute_all:
             return None, False
         frame = Frame(u, u.inner, args, kwargs, self.device, self._is_chunk_memory)
@@ -1249,12 +1250,12 @@ class TiermemRuntime:
             return None
 
         self._recomputing = u
-        self.s.phase("recompute")
+        self.session.phase("recompute")
         try:
             frame.run(capture)
         finally:
             self._recomputing = None
-            self.s.phase("backward")
+            self.session.phase("backward")
             for m, name, r in placed:
                 m._parameters[name] = r.param
             self._unmaterialize(u)  # (its forward cannot write them: refused after the first)
@@ -1295,7 +1296,7 @@ class TiermemRuntime:
         """While recording: storage `ptr`'s bytes, once, as the current unit's saved bytes."""
         if self._recording_trace and ptr not in self._trace_seen:
             self._trace_seen.add(ptr)
-            self.s.add_saved_bytes(nbytes)
+            self.session.add_saved_bytes(nbytes)
 
     def _bwd_base(self, group):
         """The compute chunk of `group` held for the backward (acquired on first use; released
@@ -1357,7 +1358,7 @@ class TiermemRuntime:
     def _begin_backward(self):
         if not self._in_backward:
             self._in_backward = True
-            self.s.phase("backward")
+            self.session.phase("backward")
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self):
@@ -1385,20 +1386,20 @@ class TiermemRuntime:
         if self._shards is not None:  # the group's full gradient, reduce-scattered into shards
             self._shards.scatter_grad(group, self._fresh.pop(group, ()))
             return
-        self.s.release(group, _K.grad, True)
+        self.session.release(group, _K.grad, True)
 
     def _grad_chunk(self, r: _Param) -> torch.Tensor:
         base = self._grad_hold.get(r.group)
         if base is None:
             tensors = self.groups[r.group][2]
             if all(self.params[i].param.grad is None for i in tensors):
-                self.s.zero_chunk(r.group, _K.grad)  # nothing to keep: no fetch, a memset
+                self.session.zero_chunk(r.group, _K.grad)  # nothing to keep: no fetch, a memset
             self._set_tracing(True)
             self._on_stream()
             if self._shards is not None:
                 base = self._shards.grad_buffer(r.group)
             else:
-                base = self.s.acquire_for_write(r.group, _K.grad, _DEVICE)
+                base = self.session.acquire_for_write(r.group, _K.grad, _DEVICE)
             self._grad_hold[r.group] = base
             self._grad_pending[r.group] = set(self._fwd_used.get(r.group, ()))
         return base
@@ -1465,7 +1466,8 @@ class TiermemRuntime:
                 # actions: a plan's span of them ends at that unit's moment, so this moment's
                 # prefetches were planned into their room (planners/effective.h).
                 self._act_done(prev)
-            self.s.moment(self.units[unit].bwd_label if unit >= 0 else "pre-backward", 1, unit)
+            self.session.moment(self.units[unit].bwd_label if unit >= 0 else "pre-backward", 1,
+                                unit)
             if self._count_act:
                 # After the moment's planned actions: the forward's last activations (not yet
                 # counted) take their room.
@@ -1474,7 +1476,7 @@ class TiermemRuntime:
                     # the one before it in the forward when the device has room for it.
                     self._act_fetch(unit)
                     i = self._act_order.index(unit) if unit in self._act_by_unit else -1
-                    if i > 0 and not self.s.plan_followed:  # a plan fetches them itself
+                    if i > 0 and not self.session.plan_followed:  # a plan fetches them itself
                         self._act_fetch(self._act_order[i - 1], only_if_room=True)
                 self._act_sync()
 
@@ -1602,7 +1604,7 @@ class TiermemRuntime:
                 for h in list(self._grad_hold):
                     self._release_grad(h)
             flags.append(g is not None)
-        self.s.set_has_grad(flags)
+        self.session.set_has_grad(flags)
 
     # ---- ChunkTensor dispatch ------------------------------------------------------------
     def _where(self) -> str:
@@ -1656,9 +1658,9 @@ class TiermemRuntime:
                 if ct._tm_kind == "grad":
                     raise RuntimeError(
                         f"tiermem: the gradient of '{ct._tm_rec.name}' is held loss-scaled in "
-                        f"fp16 (precision 'fp16', scale {self.s.loss_scale:g}), so {func} would "
-                        "see scaled values. Clip with the config key 'gradient_clipping', read "
-                        "the norm with optimizer.grad_norm(), or train in 'bf16'")
+                        f"fp16 (precision 'fp16', scale {self.session.loss_scale:g}), so {func} "
+                        "would see scaled values. Clip with the config key 'gradient_clipping', "
+                        "read the norm with optimizer.grad_norm(), or train in 'bf16'")
         for ct in cts:
             if ct._tm_kind == "param" and ct._tm_rec.mat == 0 and \
                     not any(ct is w for w in write_only):
@@ -1779,15 +1781,15 @@ class TiermemRuntime:
             self._shards.mark_dirty(group, kind)
             return
         self._on_stream()
-        base = self.s.acquire(group, kind, _DEVICE)
-        self.s.release(group, kind, True)
+        base = self.session.acquire(group, kind, _DEVICE)
+        self.session.release(group, kind, True)
         del base
 
     def _sync_master(self, r: _Param, views, compute_view, exact_src):
         """Mixed precision: after (a view `views` of) r's compute copy changed, the same region
         of its fp32 master follows: from the fp32 source of a copy_ exactly, else from the
         compute value. (Read-modify-write of the master through the core, wherever it is.)"""
-        master = self.s.read_tensor(r.index, _K.param_fp32).view(r.shape)
+        master = self.session.read_tensor(r.index, _K.param_fp32).view(r.shape)
         mv = master
         for f, a, kw, idx in views:
             mv = f(mv, *a, **kw)
@@ -1795,7 +1797,7 @@ class TiermemRuntime:
                 mv = mv[idx]
         with torch.no_grad():
             mv.copy_(exact_src if exact_src is not None else compute_view)
-        self.s.write_tensor(r.index, _K.param_fp32, master.reshape(-1))
+        self.session.write_tensor(r.index, _K.param_fp32, master.reshape(-1))
 
     def _materialized_copy(self, ct: ChunkTensor) -> torch.Tensor:
         """An ordinary tensor with ct's current value (a copy)."""
@@ -1812,7 +1814,7 @@ class TiermemRuntime:
     def param_value(self, r: _Param) -> torch.Tensor:
         """The fp32 value (the master in mixed precision) as an ordinary CPU tensor."""
         self._on_stream()
-        return self.s.read_param(r.index).view(r.shape)
+        return self.session.read_param(r.index).view(r.shape)
 
     def _state_dict_hook(self, module, state_dict, prefix, local_metadata):
         if self._closed or module._parameters is None:
@@ -1831,7 +1833,7 @@ class TiermemRuntime:
     # ---- optimizer glue --------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> bool:
         """Clears every gradient unless an accumulation window is open; True when it did."""
-        if not self.s.zero_grad():
+        if not self.session.zero_grad():
             return False
         for r in self.params:
             if r.trainable:
@@ -1843,7 +1845,7 @@ class TiermemRuntime:
         ranks when sharded (collective)."""
         self.sync_grads()
         self._on_stream()
-        sq, overflow = self.s.grad_stats()
+        sq, overflow = self.session.grad_stats()
         if self._shards is not None:
             sq, overflow = self._shards.all_reduce_stats(sq, overflow)
         return sq, overflow
@@ -1853,10 +1855,10 @@ class TiermemRuntime:
 
     @property
     def loss_scale(self) -> float:
-        return self.s.loss_scale
+        return self.session.loss_scale
 
     def stats(self) -> dict:
-        st = self.s.stats()
+        st = self.session.stats()
         if self._offload_act or self._recompute_all:
             st["activations"] = dict(self._act_stats)
         if self._shards is not None:
@@ -1867,23 +1869,23 @@ class TiermemRuntime:
     def timeline_peaks(self) -> dict:
         """Peak and budget per tier, bytes per tier pair and stalls, computed by tiermem::prof
         from the binary timeline file (not from the engine's counters)."""
-        return self.s.timeline_report()
+        return self.session.timeline_report()
 
     def timeline_events(self) -> list:
-        self.s.timeline_report()  # waits for moves and flushes
-        return _C.read_timeline(self.s.timeline_path)
+        self.session.timeline_report()  # waits for moves and flushes
+        return _C.read_timeline(self.session.timeline_path)
 
     @property
     def timeline_path(self) -> str:
-        return self.s.timeline_path
+        return self.session.timeline_path
 
     @property
     def model_bytes(self) -> int:
-        return self.s.model_bytes
+        return self.session.model_bytes
 
     @property
     def chunk_elems(self) -> int:
-        return self.s.chunk_elems
+        return self.session.chunk_elems
 
     # ---- warm-up trace --------------------------------------------------------------------
     def record_trace(self, path, iterations: int = 1):
@@ -1902,22 +1904,22 @@ class TiermemRuntime:
                 "tiermem: record_trace: every chunk of this model fits in the device budget "
                 f"({self._device_budget} bytes), so nothing moves and there is no schedule to "
                 "plan; record with a device budget below the model's "
-                f"{self.s.total_chunk_bytes} chunk bytes")
-        self.s.record_trace(os.fspath(path), int(iterations))
+                f"{self.session.total_chunk_bytes} chunk bytes")
+        self.session.record_trace(os.fspath(path), int(iterations))
 
     def finish_trace(self):
         """Writes the trace being recorded now (what was recorded so far). Returns its path,
         or None when no recording was armed; raises if writing failed."""
         if self._closed:
             return None
-        path = self.s.written_trace if self.s.finish_trace() else None
+        path = self.session.written_trace if self.session.finish_trace() else None
         self._recording_trace = False
         return path
 
     @property
     def written_trace(self):
         """The path of the last warm-up trace written, or None."""
-        p = self.s.written_trace
+        p = self.session.written_trace
         return p or None
 
     def close(self):
@@ -1925,7 +1927,7 @@ class TiermemRuntime:
         and gradients), detaches the hooks and frees every chunk."""
         if self._closed:
             return
-        self.s.finish_trace()  # a recording in progress ends before the values are read
+        self.session.finish_trace()  # a recording in progress ends before the values are read
         values = [self.param_value(r) for r in self.params]
         grads = [self._materialized_copy(r.grad) if r.trainable and r.param.grad is r.grad
                  else None for r in self.params]
@@ -1942,7 +1944,7 @@ class TiermemRuntime:
         if self._shards is not None:
             self._shards.close()
         self._spill_free_all()  # no spill copy in flight when the tiers go
-        self.s.close()
+        self.session.close()
         self._shards = None  # nor does the runtime keep the process group alive
         if getattr(self.model, "_tiermem_runtime", None) is self:
             del self.model._tiermem_runtime
