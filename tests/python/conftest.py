@@ -142,7 +142,7 @@ def chunk_total(config):
     _, probe = make_pair()
     m, _ = tiermem.initialize(probe, dict(config, device="64MiB"))
     rt = tiermem.runtime_of(m)
-    total = rt.s.total_chunk_bytes
+    total = rt.session.total_chunk_bytes
     rt.close()
     return total
 
@@ -170,7 +170,7 @@ def train_each_placement(config, data, budget):
         st = rt.stats()
         assert not rt.timeline_peaks()["over_budget"]
         runs[placement] = (losses, {k: v.cpu() for k, v in model.state_dict().items()},
-                           st["optimizer"]["device_groups"], rt.s.num_groups, st["bytes_moved"])
+                           st["optimizer"]["device_groups"], rt.session.num_groups, st["bytes_moved"])
     return runs
 
 

@@ -55,7 +55,7 @@ def test_auto_on_a_gpu_tiermem_cannot_use_is_a_clear_error(monkeypatch):
     assert getattr(ours, "_tiermem_runtime", None) is None
     # Asked for explicitly, the CPU is fine.
     model, _ = tiermem.initialize(ours, {"device": model_bytes(ref) // 4, "device_kind": "sim"})
-    assert tiermem.runtime_of(model).s.device_kind == "sim"
+    assert tiermem.runtime_of(model).session.device_kind == "sim"
 
 
 def test_bad_device_kind_is_a_clear_error(monkeypatch):
@@ -77,7 +77,7 @@ def test_cuda_20_steps_quarter_budget_matches_torch_adamw_on_gpu(monkeypatch):
     model, opt = tiermem.initialize(ours, {"device": budget, "host": "1GiB",
                                            "optimizer": {"lr": 1e-3, "weight_decay": 0.01}})
     rt = tiermem.runtime_of(model)
-    assert rt.s.cuda
+    assert rt.session.cuda
     for i, (x, y) in enumerate(data):
         ropt.zero_grad()
         rl = ref(x, y)

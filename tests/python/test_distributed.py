@@ -60,12 +60,12 @@ def _train_rank(rank, world, cfg_kw, steps):
     ref, ours = make_pair()
     model, opt = tiermem.initialize(ours, config(ref, **cfg_kw))
     rt = tiermem.runtime_of(model)
-    assert rt.s.sharded and rt.s.world == world
+    assert rt.session.sharded and rt.session.world == world
     losses = train(model, opt, local(batches(steps, batch=GLOBAL_BATCH), rank, world), world)
     sd = {k: v.clone() for k, v in model.state_dict().items()}  # collective: every rank
     peaks = rt.timeline_peaks()
     return {"losses": losses, "state": sd if rank == 0 else None, "stats": rt.stats(),
-            "peaks": peaks, "chunk_bytes": rt.s.total_chunk_bytes}
+            "peaks": peaks, "chunk_bytes": rt.session.total_chunk_bytes}
 
 
 def assert_same_training(got, want_losses, want_state, rel=2e-6):
@@ -78,7 +78,7 @@ def assert_same_training(got, want_losses, want_state, rel=2e-6):
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_training_equals_one_process_on_the_global_batch(world):
     want_losses, want_state, model, _ = single_process()
-    one_rank_bytes = tiermem.runtime_of(model).s.total_chunk_bytes
+    one_rank_bytes = tiermem.runtime_of(model).session.total_chunk_bytes
     results = run_ranks(world, _train_rank, {}, STEPS)
     assert_same_training(results[0], want_losses, want_state)
     for r, res in enumerate(results):
@@ -258,7 +258,7 @@ def test_torchrun_launches_the_example_and_its_checkpoint_loads_in_one_process(t
     model, opt = tiermem.initialize(model, {"device": "64MiB", "host": "256MiB"})
     tiermem.load_checkpoint(model, opt, ckpt)
     rt = tiermem.runtime_of(model)
-    assert {rt.s.step_count(r.index) for r in rt.params if r.trainable} == {3}
+    assert {rt.session.step_count(r.index) for r in rt.params if r.trainable} == {3}
 
 
 def test_the_distributed_benchmark_runs(capsys):

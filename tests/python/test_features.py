@@ -58,11 +58,11 @@ def test_frozen_params_get_no_optimizer_state_and_match_torch():
     compare(ref, model, ref_losses, losses)
     rt = tiermem.runtime_of(model)
     K = tiermem._C.ChunkKind
-    frozen_groups = [g for g in range(rt.s.num_groups) if not rt.s.group(g)[0]]
+    frozen_groups = [g for g in range(rt.session.num_groups) if not rt.session.group(g)[0]]
     assert frozen_groups
     for g in frozen_groups:
-        assert rt.s.has_kind(g, K.param_fp32)
-        assert not any(rt.s.has_kind(g, k) for k in (K.grad, K.exp_avg, K.exp_avg_sq))
+        assert rt.session.has_kind(g, K.param_fp32)
+        assert not any(rt.session.has_kind(g, k) for k in (K.grad, K.exp_avg, K.exp_avg_sq))
     assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
 
 
@@ -244,12 +244,12 @@ def test_host_too_small_puts_state_on_nvme_same_losses(tmp_path):
     compare(ref, model, ref_losses, train_ours(model, opt, data))
     rt = tiermem.runtime_of(model)
     K, T = tiermem._C.ChunkKind, tiermem._C.Tier
-    homes = [rt.s.home(g, k) for g in range(rt.s.num_groups)
-             for k in (K.param_fp32, K.grad, K.exp_avg, K.exp_avg_sq) if rt.s.has_kind(g, k)]
+    homes = [rt.session.home(g, k) for g in range(rt.session.num_groups)
+             for k in (K.param_fp32, K.grad, K.exp_avg, K.exp_avg_sq) if rt.session.has_kind(g, k)]
     assert T.nvme in homes and T.host in homes
     # Optimizer state spills first: every Adam v chunk (created last) is on NVMe.
-    assert all(rt.s.home(g, K.exp_avg_sq) == T.nvme for g in range(rt.s.num_groups)
-               if rt.s.group(g)[0])
+    assert all(rt.session.home(g, K.exp_avg_sq) == T.nvme for g in range(rt.session.num_groups)
+               if rt.session.group(g)[0])
     moved = rt.stats()["bytes_moved"]
     assert any(k.startswith("nvme->") for k in moved) and any(k.endswith("->nvme") for k in moved)
 

@@ -131,7 +131,7 @@ def test_fp16_grads_are_scaled_and_clip_grad_norm_refuses_them():
     rt = tiermem.runtime_of(model)
     total = 0.0
     for r in rt.params:
-        total += float((rt.s.read_tensor(r.index, tiermem._C.ChunkKind.grad).double() ** 2).sum())
+        total += float((rt.session.read_tensor(r.index, tiermem._C.ChunkKind.grad).double() ** 2).sum())
     assert abs(n - total ** 0.5 / 1024) <= 1e-6 * n
 
 

@@ -23,14 +23,14 @@ def _train(overlap, config, data, between=None, after_backward=None, **model):
             seen.append(after_backward(i, model, opt))
         opt.step()
         sched.step()
-        pending.append(rt.s.pending_steps)
+        pending.append(rt.session.pending_steps)
         if between is not None:
             seen.append(between(i, model, opt))
         opt.zero_grad()
         losses.append(loss.item())
     state = {k: v.clone() for k, v in model.state_dict().items()}
     ostate = opt.state_dict()["state"]
-    _train.speculation = rt.s.speculation
+    _train.speculation = rt.session.speculation
     rt.close()
     return losses, state, ostate, pending, seen
 
@@ -123,11 +123,11 @@ def test_deferred_updates_equal_the_kernel_reference_on_torch_modules(overlap):
             o.step()
             losses.append(loss.item())
         assert losses[0] == losses[1]
-        assert rt.s.pending_steps > 0 or overlap == "backward"
+        assert rt.session.pending_steps > 0 or overlap == "backward"
     for (k, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b), k
     if overlap == "backward":
-        assert rt.s.speculation["speculated"] > 0, rt.s.speculation
+        assert rt.session.speculation["speculated"] > 0, rt.session.speculation
     rt.close()
 
 
@@ -171,7 +171,7 @@ def test_resident_training_updates_inside_step():
     x, y = batches(1)[0]
     model(x, y).backward()
     opt.step()
-    assert tiermem.runtime_of(model).s.pending_steps == 0
+    assert tiermem.runtime_of(model).session.pending_steps == 0
     tiermem.runtime_of(model).close()
 
 
@@ -203,7 +203,7 @@ def test_an_executed_plan_follows_speculative_steps_from_the_first_planned_itera
         opt.step()
         opt.zero_grad()
     plan = rt.stats()["plan"]
-    spec = rt.s.speculation
+    spec = rt.session.speculation
     rt.close()
     assert spec["committed"] > 0 and spec["dropped"] == 0, spec
     assert plan["planned_iterations"] >= 3, plan

@@ -103,7 +103,7 @@ def test_bf16_20_steps_quarter_budget_matches_fp32_master_reference():
     assert losses[-1] < losses[0]
     # Device chunks hold bf16: half the bytes of fp32 per element.
     K = tiermem._C.ChunkKind
-    assert rt.s.chunk_bytes(0, K.param_lowp) * 2 == rt.s.chunk_bytes(0, K.param_fp32)
+    assert rt.session.chunk_bytes(0, K.param_lowp) * 2 == rt.session.chunk_bytes(0, K.param_fp32)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     peaks = rt.timeline_peaks()
     assert not peaks["over_budget"] and 0 < peaks["peak"]["device"] <= budget

@@ -276,14 +276,14 @@ def test_read_outside_every_unit_is_a_clear_error_in_strict_mode(resident):
                                             "unmaterialized_reads": "error"})
     rt = tiermem.runtime_of(model)
     assert rt._resident == resident
-    pins = [rt.s.pins(g, rt._compute_kind) for g in range(rt.s.num_groups)]
+    pins = [rt.session.pins(g, rt._compute_kind) for g in range(rt.session.num_groups)]
     x, y = data(1)[0]
     with pytest.raises(RuntimeError, match=r"parameter 'emb.weight' was read by aten\.\w+.* "
                                            r"inside the forward of RootReads, outside every "
                                            r"unit.*units="):
         model(x)
     # The failed forward left nothing pinned and nothing changed.
-    assert [rt.s.pins(g, rt._compute_kind) for g in range(rt.s.num_groups)] == pins
+    assert [rt.session.pins(g, rt._compute_kind) for g in range(rt.session.num_groups)] == pins
     assert all(p == (1 if resident else 0) for p in pins)
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k

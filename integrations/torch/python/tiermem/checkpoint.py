@@ -69,10 +69,10 @@ def save_checkpoint(model, optimizer, path, extra=None):
     rt._set_tracing(False)  # its reads are not part of the order the next iteration follows
     rt._on_stream()  # reads wait for the work queued on the chunks
     if rt._shards is None:
-        rt.s.save_checkpoint(str(path), text)
+        rt.session.save_checkpoint(str(path), text)
         return
     # Sharded: collective gathers, rank 0 writes; every rank learns whether it worked.
-    rt._shards.agree(lambda: rt.s.save_checkpoint(str(path), text), lambda: OSError(
+    rt._shards.agree(lambda: rt.session.save_checkpoint(str(path), text), lambda: OSError(
         f"save_checkpoint: {path}: another rank failed (see its error); the previous file, if "
         "any, is intact"))
 
@@ -95,10 +95,10 @@ def load_checkpoint(model, optimizer, path):
     if rt._shards is not None:
         rt._shards.flush()
         # Every rank verifies the whole file before any rank changes anything.
-        rt._shards.agree(lambda: rt.s.load_checkpoint(str(path), verify_only=True),
+        rt._shards.agree(lambda: rt.session.load_checkpoint(str(path), verify_only=True),
                          lambda: ValueError(f"load_checkpoint: {path}: another rank could not "
                                             "verify it (see its error); nothing was loaded"))
-    rt.s.load_checkpoint(str(path))  # verifies everything, then loads (or changes nothing)
+    rt.session.load_checkpoint(str(path))  # verifies everything, then loads (or changes nothing)
     for r in rt.params:
         if r.trainable:
             r.param.grad = None  # gradients are not part of a checkpoint

@@ -26,6 +26,16 @@ torch.distributed (Gloo on CPU, NCCL on GPUs), never a transport of tiermem's ow
 - ``Collectives.all_gather``: what the C++ core calls to read whole tensors (state_dict,
   checkpoints, close()).
 
+Layering: this module is one layer below the runtime's unit code, never beside it. Inside an
+iteration only chunks.ChunkAccess calls it (``gather``/``held``/``release``/``mark_dirty``/
+``prefetch``, ``grad_buffer``/``scatter_grad``): a unit, the backward, a recompute or a
+ChunkTensor operation asks the chunk access for a gathered group and gives it back there,
+and decides itself which groups (the unit order, the next unit's prefetch). The runtime
+builds the shards before the session (``sharding()`` is part of the session's construction)
+and ``attach``es the session once it exists; besides it, the shards know only the compute
+dtype. Nothing here calls back into the runtime. Between iterations the optimizer's step,
+the checkpoints and the gradient norm call ``flush``, ``all_reduce_stats`` and ``agree``.
+
 Every rank makes the same calls in the same order (the same model, the same graph, every rank
 calling state_dict/save_checkpoint) — as with DDP/FSDP. A rank that stops answering makes the
 others fail after the process group's timeout (``torch.distributed.init_process_group(...,
@@ -98,8 +108,13 @@ class _Held:
 
 
 class Shards:
-    def __init__(self, rt, group):
-        self.rt, self.group = rt, group
+    """This rank's side of the sharded chunk groups (see the module docstring)."""
+
+    def __init__(self, group, dtype):
+        self.group = group
+        self.dtype = dtype        # the compute dtype: full chunks and gradient buffers
+        self.session = None       # attach(), once the session exists
+        self.compute_kind = None
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.backend = dist.get_backend(group)
@@ -113,11 +128,18 @@ class Shards:
                       "wait_seconds": 0.0, "reused": 0, "prefetched": 0}
 
     def sharding(self):
+        """What the session is built with (``_C.Session(cfg, specs, sharding)``)."""
         return (self.world, self.rank, self.collectives)
 
+    def attach(self, session):
+        """The session built with sharding(): the shards' home from now on."""
+        self.session = session
+        self.compute_kind = session.compute_kind
+
     # ---- set-up ----------------------------------------------------------------------------
-    def check_layout(self, s):
+    def check_layout(self):
         """Every rank must lay the model out alike (same tensors, same budgets): compared."""
+        s = self.session
         mine = torch.tensor([s.chunk_elems, s.num_groups, s.num_tensors, s.total_chunk_bytes],
                             dtype=torch.int64)
         every = [torch.empty_like(mine) for _ in range(self.world)]
@@ -158,14 +180,14 @@ class Shards:
         now = time.perf_counter()
         self.stats["seconds"] += now - t0
         self.stats["wait_seconds"] += now - (t0 if waited_since is None else waited_since)
-        self.rt.s.record_collective(op, nbytes, int((now - t0) * 1e9))
+        self.session.record_collective(op, nbytes, int((now - t0) * 1e9))
 
     def _scratch(self, evict_recent=True):
         """A full-chunk scratch region of the compute dtype; when the budget is short, the
         cache of recently released chunks goes first (unless `evict_recent` is off: a
         prefetch never pushes out what is already there)."""
-        s = self.rt.s
-        nbytes = s.chunk_elems * torch.empty((), dtype=self.rt.dtype).element_size()
+        s = self.session
+        nbytes = s.chunk_elems * torch.empty((), dtype=self.dtype).element_size()
         try:
             token, raw = s.allocate_scratch(_DEVICE, nbytes)
         except MemoryError:
@@ -173,7 +195,7 @@ class Shards:
                 raise
             self.drop_recent()
             token, raw = s.allocate_scratch(_DEVICE, nbytes)
-        return token, raw.view(self.rt.dtype), nbytes
+        return token, raw.view(self.dtype), nbytes
 
     def gather(self, g, kind):
         key = (g, kind)
@@ -208,7 +230,7 @@ class Shards:
         self.stats["prefetched"] += 1
 
     def _start(self, g, kind, async_op=False, evict_recent=True):
-        s = self.rt.s
+        s = self.session
         token, full, nbytes = self._scratch(evict_recent)
         h = _Held(full, token, refs=0)
         try:
@@ -241,7 +263,7 @@ class Shards:
             try:
                 _collective(f"all-gather of chunk group {g}", h.work.wait)
             except BaseException:
-                self.rt.s.free_scratch(_DEVICE, h.token)
+                self.session.free_scratch(_DEVICE, h.token)
                 raise
         async_op = h.work is not None and hasattr(h.work, "wait")
         h.work = None
@@ -266,7 +288,7 @@ class Shards:
         if h.refs > 0:
             return False
         del self._held[key]
-        s = self.rt.s
+        s = self.session
         try:
             if h.dirty:  # this rank's part back into its shard
                 begin, n = s.shard_begin, s.shard_elems
@@ -277,7 +299,7 @@ class Shards:
         except BaseException:
             s.free_scratch(_DEVICE, h.token)
             raise
-        if kind != self.rt._compute_kind:  # gradients change with every scatter: not cached
+        if kind != self.compute_kind:  # gradients change with every scatter: not cached
             s.free_scratch(_DEVICE, h.token)
             return True
         self._recent[key] = h  # most recent last
@@ -287,7 +309,7 @@ class Shards:
         return True
 
     def drop_recent(self):
-        s = self.rt.s
+        s = self.session
         for h in self._recent.values():
             s.free_scratch(_DEVICE, h.token)
         self._recent.clear()
@@ -300,16 +322,16 @@ class Shards:
             try:
                 self._finish(key[0], h)
             finally:
-                self.rt.s.free_scratch(_DEVICE, h.token)
+                self.session.free_scratch(_DEVICE, h.token)
         self._pending.clear()
 
     # ---- gradients ---------------------------------------------------------------------------
     def grad_buffer(self, g):
         """A zeroed full-size gradient buffer for group `g` (held until scatter_grad)."""
-        s = self.rt.s
-        esize = torch.empty((), dtype=self.rt.dtype).element_size()
+        s = self.session
+        esize = torch.empty((), dtype=self.dtype).element_size()
         token, raw = s.allocate_scratch(_DEVICE, s.chunk_elems * esize)
-        full = raw.view(self.rt.dtype)
+        full = raw.view(self.dtype)
         full.zero_()
         self._held[(g, "grad-buffer")] = _Held(full, token)
         return full
@@ -319,7 +341,7 @@ class Shards:
         mean over ranks is added to the shard, after zeroing the local spans of the tensors in
         `fresh` (their gradient started in this backward: torch's copy semantics)."""
         h = self._held.pop((g, "grad-buffer"))
-        s = self.rt.s
+        s = self.session
         try:
             n, begin = s.shard_elems, s.shard_begin
             part = torch.empty(n, dtype=h.tensor.dtype, device=h.tensor.device)
@@ -377,7 +399,7 @@ class Shards:
             raise err if err is not None else elsewhere()
 
     def close(self):
-        s = self.rt.s
+        s = self.session
         for h in list(self._held.values()) + list(self._recent.values()):
             s.free_scratch(_DEVICE, h.token)
         for h in self._pending.values():

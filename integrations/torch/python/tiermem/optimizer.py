@@ -63,11 +63,11 @@ class ChunkedAdamW(torch.optim.Optimizer):
             rt._shards.flush()  # the shards change: no cached full chunk outlives the step
         stats = None
         if rt._shards is not None and (rt.cfg.gradient_clipping > 0 or rt.fp16) and \
-                rt.s.next_step_applies:
+                rt.session.next_step_applies:
             # Sharded: the norm and overflow of the whole model, summed over ranks.
-            sq, overflow = rt.s.grad_stats()
+            sq, overflow = rt.session.grad_stats()
             stats = rt._shards.all_reduce_stats(sq, overflow)
-        res = rt.s.step(hyper, stats)
+        res = rt.session.step(hyper, stats)
         self.last_step_skipped = res["skipped"]
         self.last_grad_norm = res["grad_norm"] if res["grad_norm"] >= 0 else None
         return loss
@@ -93,7 +93,7 @@ class ChunkedAdamW(torch.optim.Optimizer):
         return [self._runtime.by_param[id(p)] for g in self.param_groups for p in g["params"]]
 
     def state_dict(self):
-        s = self._runtime.s
+        s = self._runtime.session
         state, groups, idx = {}, [], 0
         for g in self.param_groups:
             ids = []
@@ -138,7 +138,7 @@ class ChunkedAdamW(torch.optim.Optimizer):
                                      f"{tuple(st[k].shape)} != {tuple(r.shape)}")
             todo[r.index] = (r, st)
         # Validated: now write (zero first, so parameters without state start fresh).
-        s = self._runtime.s
+        s = self._runtime.session
         for g in range(s.num_groups):
             if self._runtime.groups[g][0]:
                 s.zero_chunk(g, _C.ChunkKind.exp_avg)

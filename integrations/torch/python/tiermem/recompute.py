@@ -1,9 +1,9 @@
 """Recomputed activations (``activations: recompute``, or a plan's choice under ``auto``).
 
 A unit whose activations are recomputed keeps nothing its forward saves for backward but its
-inputs: the saved-tensor hooks of that forward (runtime.TiermemRuntime._recompute_pack) hand
+inputs: the saved-tensor hooks of that forward (saved.SavedTensors.recompute_pack) hand
 autograd a _RecomputeRef per saved tensor instead of the tensor. When the backward first
-unpacks one, the runtime runs the unit's forward again on the same inputs, with the RNG and
+unpacks one, Recompute.run runs the unit's forward again on the same inputs, with the RNG and
 autocast state of the first run and the unit's chunks on the device, captures what that run
 saves in the same order, and gives autograd the tensor at the same position — the same values,
 so gradients are bit for bit those of keeping them (torch.utils.checkpoint's non-reentrant
@@ -17,12 +17,28 @@ refused before anything runs.
 
 Ownership: a _Recompute belongs to the _RecomputeRef objects autograd keeps in the graph, so
 its inputs live as long as the graph (as torch.utils.checkpoint's do); the recomputed tensors
-are held from the recompute until the backward leaves the unit (the runtime drops them then,
+are held from the recompute until the backward leaves the unit (Recompute drops them then,
 and a later unpack — retain_graph, a revisited unit — recomputes again).
+
+Recompute is the runtime's side: which calls get a Frame (``frame_for``: every unit that
+contains no other unit under ``recompute``; under ``auto`` the units an executed plan
+recomputes, and the others a frame that can recompute what the host budget leaves no room
+for), running one (``run``), and dropping the recomputed values when the backward leaves the
+unit or the iteration ends. Owns: the frames holding recomputed values, per unit; which unit
+is being recomputed now (the unit hooks do nothing meanwhile). Reads: the session (phase,
+plan), the chunk access (what is chunk memory), the materializer (the unit's parameters in
+place), the backward's held compute chunks, the activation ledger (a frame's inputs and
+recomputed values are counted there as the unit's activations; the inputs are ``kept`` on the
+device).
+
+Threading: frames are made on the training thread (a unit's pre-forward) and run on
+autograd's backward thread (the first unpack of one of their refs), one at a time.
 """
 from __future__ import annotations
 
 import torch
+
+from .shared import _check, _guard
 
 
 def _map(x, fn):
@@ -168,3 +184,132 @@ class Frame:
 
 def _unused(_):
     raise RuntimeError("tiermem: a recompute's own graph is never differentiated")
+
+
+class Recompute:
+    """Recomputed activations of one runtime (see the module docstring)."""
+
+    def __init__(self, cfg, session, chunks, state, materializer, activations, backward,
+                 device: torch.device):
+        self.session = session
+        self.chunks = chunks
+        self.state = state
+        self.materializer = materializer
+        self.activations = activations
+        self.backward = backward
+        self.device = device
+        # activations: recompute — every unit that contains no other unit keeps only its inputs
+        # and recomputes what its forward saved in its backward; auto — the units an executed
+        # plan recomputes, the others as 'offload'.
+        self.all_units = cfg.activations == "recompute"
+        self.planned = cfg.activations == "auto"
+        self._frames: dict[int, list] = {}  # unit -> its frames holding recomputed values
+        self.recomputing = None             # the unit being recomputed now
+        activations.on_reset(self.reset)
+        activations.on_unit_done(self.unit_done)
+
+    @staticmethod
+    def recomputable(u) -> bool:
+        # A unit holding other units would recompute them (their hooks, their moments) too.
+        return not u.direct_only
+
+    def frame_for(self, u, args, kwargs):
+        """(Frame, drops) for this outermost training call of `u`: a Frame that recomputes
+        every save (drops False: recompute, or the plan's choice under auto), or under auto one
+        that keeps what it saves as 'offload' does and can recompute what the host budget
+        leaves no room for (drops True); (None, False): no frame. A frame's inputs are kept
+        until the unit's backward, counted as the unit's activations."""
+        if not self.state.in_iteration or not self.recomputable(u):
+            return None, False
+        if len(u.placed) < len(u.slots):
+            # The caller swapped some of its parameters for this call (Materializer.place) and
+            # swaps them back before the backward: a recompute would run with the wrong ones,
+            # so this call's saves are kept (or offloaded) instead.
+            return None, False
+        drops = False
+        if self.planned:
+            if kv_cache_in(args, kwargs) is not None:
+                return None, False  # never recomputed: kept or offloaded as 'offload' does
+            drops = not (self.session.plan_followed and self.session.plan_recomputes_unit(u.index))
+        elif not self.all_units:
+            return None, False
+        frame = Frame(u, u.inner, args, kwargs, self.device, self.chunks.is_chunk_memory)
+        acts = self.activations
+        for t, _ in frame.inputs:
+            if t.device != self.device:
+                continue
+            st = t.untyped_storage()
+            ptr = st.data_ptr()
+            acts.kept.add(ptr)
+            frame.input_ptrs.add(ptr)
+            if acts.count_saved(u.index, ptr, st.nbytes()):  # else saved by an earlier unit
+                acts.trace_saved(ptr, st.nbytes())
+        return frame, drops
+
+    def values(self, frame) -> dict:
+        """index -> tensor of what `frame`'s unit saved, recomputed now unless it is held."""
+        if frame.values is None:
+            self.run(frame)
+        return frame.values
+
+    def run(self, frame):
+        """Runs the unit's forward again with its chunks on the device (held as the
+        backward's own, Backward.base) and keeps what it saves, counted in the device budget
+        until the backward leaves the unit."""
+        u = frame.unit
+        frame.check_inputs()
+        mat = self.materializer
+        mat.materialize(u, {g: self.backward.base(g) for g in u.groups})
+        placed = mat.place(u)
+        saved = []
+
+        def capture(t):
+            # Detached (same storage and version counter): the recompute's graph holds this
+            # hook, so a tensor with that graph's grad_fn here would make a reference cycle
+            # through autograd that Python's collector cannot see (a leak per recompute).
+            d = t.detach()
+            saved.append((d, _guard(d)))
+            return None
+
+        self.recomputing = u
+        self.session.phase("recompute")
+        try:
+            frame.run(capture)
+        finally:
+            self.recomputing = None
+            self.session.phase("backward")
+            for m, name, r in placed:
+                m._parameters[name] = r.param
+            mat.unmaterialize(u)  # (its forward cannot write them: refused after the first)
+        frame.take(saved, _check)
+        n = 0
+        acts = self.activations
+        for t in frame.values.values():
+            if t.device != self.device or self.chunks.is_chunk_memory(t):
+                continue
+            st = t.untyped_storage()
+            if acts.count_saved(u.index, st.data_ptr(), st.nbytes()):  # else an input, or
+                frame.counted.add(st.data_ptr())                       # counted already
+                n += st.nbytes()
+        self._frames.setdefault(u.index, []).append(frame)
+        acts.stats["recomputed_units"] += 1
+        acts.stats["recomputed_bytes"] += n
+        acts.sync()
+
+    def unit_done(self, unit):
+        """The backward left `unit` (Activations.unit_done): its recomputed values go."""
+        self._drop(self._frames.pop(unit, ()))
+
+    def reset(self):
+        """The iteration ended or was abandoned (Activations.reset)."""
+        for frames in self._frames.values():
+            self._drop(frames)
+        self._frames.clear()
+
+    def _drop(self, frames):
+        """The backward left the frames' unit: their recomputed tensors are no longer held
+        (autograd keeps those it unpacked until their nodes run) nor counted."""
+        for frame in frames:
+            frame.values = None
+            self.activations.seen -= frame.counted
+            frame.counted = set()

@@ -52,7 +52,7 @@ class ServingRuntime(TiermemRuntime):
         # Each unit pins all its chunk groups at once: the budget must hold the largest.
         need, unit = 0, None
         for u in self.units:
-            b = sum(self.s.chunk_bytes(g, self._compute_kind) for g in u.groups)
+            b = sum(self.session.chunk_bytes(g, self._compute_kind) for g in u.groups)
             if b > need:
                 need, unit = b, u
         if need > cfg.device_budget:
@@ -62,7 +62,7 @@ class ServingRuntime(TiermemRuntime):
                 f"{need} bytes the chunks of unit '{unit.name or type(unit.module).__name__}' "
                 f"need at once; set 'device' to at least {need} bytes (more leaves room for "
                 "prefetch and the KV cache)")
-        self.s.set_cyclic(True)
+        self.session.set_cyclic(True)
         self.cache_bytes = 0   # the KV cache's bytes after the last forward
         self.forwards = 0
 
@@ -77,8 +77,8 @@ class ServingRuntime(TiermemRuntime):
         if self._closed:
             return None
         if self._root_depth == 0:
-            self.s.begin_iteration()
-            self.s.phase("forward")
+            self.session.begin_iteration()
+            self.session.phase("forward")
             self.forwards += 1
         self._root_depth += 1
         return self
@@ -92,7 +92,7 @@ class ServingRuntime(TiermemRuntime):
             return
         n = cache_bytes(out)
         if n != self.cache_bytes:
-            self.s.set_external_device_bytes(n)  # MemoryError: budget too small for it
+            self.session.set_external_device_bytes(n)  # MemoryError: budget too small for it
             self.cache_bytes = n
 
 

@@ -22,9 +22,10 @@ chunks), not on ChunkTensors: the dispatch path is for code outside the units.
 respect to what the forward used in their place (``_autograd_with_params``).
 Gradient hooks a user registers on a parameter (``register_hook``,
 ``register_post_accumulate_grad_hook``) go where its gradient is computed and accumulated
-(``TiermemRuntime._user_grad_hook``), and freezing or unfreezing one (``requires_grad_``, the
+(``grads.Grads.user_hook``), and freezing or unfreezing one (``requires_grad_``, the
 ``requires_grad`` setter, ``module.requires_grad_``) freezes or unfreezes what the units compute
-with (``TiermemRuntime._follow_requires_grad``).
+with (``materialize.Materializer.follow_requires_grad``). The operations themselves are
+dispatch.py's (``ChunkOps``).
 
 Lifetime: a parameter (and its views) holds its runtime, as a torch parameter holds its
 storage: a tensor the user keeps after dropping the model keeps the runtime, and its values,
@@ -68,13 +69,13 @@ class ChunkTensor(torch.Tensor):
         if func is _REGISTER_HOOK or func is _REGISTER_POST_ACCUMULATE:
             self = args[0]
             if self._tm_kind == "param" and self is self._tm_rec.param:
-                return self._tm_runtime._user_grad_hook(self._tm_rec, func, *args[1:],
-                                                        **(kwargs or {}))
+                return self._tm_runtime.grads.user_hook(self._tm_rec, func, *args[1:],
+                                                       **(kwargs or {}))
         elif func is _REQUIRES_GRAD_ or func == _SET_REQUIRES_GRAD:
             self = args[0]
             if self._tm_kind == "param" and self is self._tm_rec.param:
                 want = args[1] if len(args) > 1 else (kwargs or {}).get("requires_grad", True)
-                self._tm_runtime._follow_requires_grad(self._tm_rec, bool(want))
+                self._tm_runtime.materializer.follow_requires_grad(self._tm_rec, bool(want))
         # Everything else as torch's _disabled_torch_function_impl: straight to dispatch,
         # the result never converted to this class.
         with torch._C.DisableTorchFunctionSubclass():
@@ -116,19 +117,19 @@ class ChunkTensor(torch.Tensor):
             return f"ChunkTensor({what}a collected tiermem runtime's tensor)"
         if rt._closed:
             return f"ChunkTensor({what}{self._tm_rec.name}: the tiermem runtime is closed)"
-        value = rt._materialized_copy(self)
+        value = rt.ops.materialized_copy(self)
         return f"ChunkTensor({what}{self._tm_rec.name}, {value!r})"
 
     def __reduce_ex__(self, protocol):
         # torch.save / pickle: the value, as an ordinary tensor (a parameter as a Parameter, so
         # torch.save(model) loads as an ordinary module).
-        value = self._tm_runtime._materialized_copy(self)
+        value = self._tm_runtime.ops.materialized_copy(self)
         if isinstance(self, torch.nn.Parameter):
             value = torch.nn.Parameter(value, requires_grad=self.requires_grad)
         return value.__reduce_ex__(protocol)
 
     def __deepcopy__(self, memo):
-        value = self._tm_runtime._materialized_copy(self)
+        value = self._tm_runtime.ops.materialized_copy(self)
         if isinstance(self, torch.nn.Parameter):
             value = torch.nn.Parameter(value, requires_grad=self.requires_grad)
         memo[id(self)] = value
@@ -157,7 +158,7 @@ class ChunkTensor(torch.Tensor):
         kwargs = kwargs or {}
         flat, _ = tree_flatten((args, kwargs))
         owner = next(x for x in flat if isinstance(x, ChunkTensor))._tm_runtime
-        return owner._dispatch(func, args, kwargs)
+        return owner.ops.dispatch(func, args, kwargs)
 
 
 def is_view_op(func) -> bool:

@@ -66,7 +66,7 @@ def _rank(rank, world, port, args, out):
         losses.append(loss.item())
     st = rt.stats().get("distributed", {})
     res = {"times": times, "params": n_params, "losses": losses,
-           "chunk_bytes": rt.s.total_chunk_bytes}
+           "chunk_bytes": rt.session.total_chunk_bytes}
     if world > 1:
         res["gather_bytes"] = (st["all_gather_bytes"] - before["all_gather_bytes"]) / args["steps"]
         res["scatter_bytes"] = ((st["reduce_scatter_bytes"] - before["reduce_scatter_bytes"])

@@ -137,7 +137,7 @@ def bench_training(layers, width, batch, seq, steps, rounds):
         "plain_torch_step_s": statistics.median(t_ref), "tiermem_step_s": statistics.median(t_ours),
         "tiermem_vs_plain_torch": statistics.median(ratios), "round_ratios": ratios,
         "max_rel_loss_diff": rel, "device_groups": len(st["optimizer"]["device_groups"]),
-        "groups": rt.s.num_groups, "stall_s_total": st["stall_ns"] / 1e9,
+        "groups": rt.session.num_groups, "stall_s_total": st["stall_ns"] / 1e9,
         "bytes_moved": st["bytes_moved"], "over_budget": rt.timeline_peaks()["over_budget"],
     }
 

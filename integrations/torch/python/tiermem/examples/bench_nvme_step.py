@@ -40,7 +40,7 @@ from tiermem.examples import bench_gpt
 
 
 def nvme_io(rt):
-    io = rt.s.timeline_report()["io"]["nvme"]
+    io = rt.session.timeline_report()["io"]["nvme"]
     return {k: io[k] for k in ("read_bytes", "read_active_ns", "write_bytes", "write_active_ns",
                                "active_ns")}
 
@@ -95,7 +95,7 @@ def run(a, workdir):
         return time.perf_counter() - t0
 
     print(f"model: GPT {a.layers} x {a.width} ({n / 1e6:.1f} M params), device {a.device}, "
-          f"host {a.host}, NVMe in {workdir} ({rt.s.nvme_engine}); torch threads "
+          f"host {a.host}, NVMe in {workdir} ({rt.session.nvme_engine}); torch threads "
           f"{torch.get_num_threads()}", flush=True)
     steps(a.warmup)
     rows = []

@@ -107,7 +107,7 @@ def main(argv=None) -> int:
                                         systems["torch"]["losses"][-1]),
             "stalls_s": {m: tiermem.runtime_of(systems[m]["model"]).stats()["stall_ns"] / 1e9
                          for m in modes},
-            "speculation": (tiermem.runtime_of(systems["backward"]["model"]).s.speculation
+            "speculation": (tiermem.runtime_of(systems["backward"]["model"]).session.speculation
                             if "backward" in modes else None),
         }
         for mode in modes:

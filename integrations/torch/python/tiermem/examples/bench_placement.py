@@ -42,7 +42,7 @@ def main(argv=None):
     data = list(synthetic_batches(c, 8, args.warmup + args.steps, seed=1))
     # The chunk bytes (padding included) from a probe: fp32 param, grad, m, v are alike.
     pm, _ = tiermem.initialize(copy.deepcopy(base), {"device": "4GiB", "host": "1GiB"})
-    total = tiermem.runtime_of(pm).s.total_chunk_bytes
+    total = tiermem.runtime_of(pm).session.total_chunk_bytes
     tiermem.runtime_of(pm).close()
     budget = total // 2 + int(total // 2 * args.state_fraction)
 
@@ -84,7 +84,7 @@ def main(argv=None):
         d2h = (moved.get("device->host", 0) - before[k].get("device->host", 0)) / steps
         r = [a / b for a, b in zip(med[k], med[None])]
         print(f"| tiermem, optimizer_placement {k} | {len(st['optimizer']['device_groups'])} of "
-              f"{rt.s.num_groups} | {statistics.median(med[k]) * 1e3:.1f} | "
+              f"{rt.session.num_groups} | {statistics.median(med[k]) * 1e3:.1f} | "
               f"{statistics.median(r):.3f} ({min(r):.3f}-{max(r):.3f}) | {h2d / 2**20:.2f} MiB "
               f"| {d2h / 2**20:.2f} MiB |")
     ra = [a / b for a, b in zip(med["auto"], med["host"])]

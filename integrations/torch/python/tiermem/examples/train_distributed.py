@@ -52,8 +52,8 @@ def main(argv=None):
     b = args.batch // world
     if rank == 0:
         print(f"tiermem: {world} ranks ({dist.get_backend()}), GPT {args.layers} x {args.width} "
-              f"({n / 1e6:.2f} M params), {rt.s.total_chunk_bytes / 2**20:.1f} MiB of chunks "
-              f"per rank, device {rt.s.device_kind}", flush=True)
+              f"({n / 1e6:.2f} M params), {rt.session.total_chunk_bytes / 2**20:.1f} MiB of chunks "
+              f"per rank, device {rt.session.device_kind}", flush=True)
     dev = "cuda" if cuda else "cpu"
     for step, (x, y) in enumerate(synthetic_batches(c, args.batch, args.steps, seed=1)):
         opt.zero_grad()

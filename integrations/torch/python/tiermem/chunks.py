@@ -1,0 +1,171 @@
+"""Chunk access: the one layer between the runtime's parts and the session's chunks.
+
+Every part that needs chunk memory on the device — a unit's forward, a saved chunk view in
+the backward, a gradient accumulation, a ChunkTensor operation, a recompute — asks this layer
+for it and gives it back here. Sharded across ranks (distributed.py), the layer asks the
+shards for the group's gathered full chunk instead of the session's shard, gives it back to
+them, and reduce-scatters a group's full gradient into this rank's shard; the parts above do
+not know which. The shards never call back: they only see (group, kind) requests.
+
+Invariants:
+
+- ``live`` maps the data pointer of every compute chunk acquired on the device (or gathered)
+  and still pinned to its group: saved-tensor hooks tell a view of chunk memory from an
+  activation by it. An entry goes when the chunk's last pin does.
+- The session is told the stream torch queues work on now before every chunk access
+  (``on_stream``), and whether the access is part of the order the engine records and follows
+  (``traced``: the runtime's rule, serve.py's for serving) before every acquire.
+- ``sync_master``: in mixed precision, a write to a parameter's compute copy is followed by
+  the same write into its fp32 master.
+
+Owns: ``live``, the tracing flag the session was last told, the stream it was last told.
+Reads: the session, the shards (None: one process), the compute kind, the device.
+
+Threading: the training thread, and autograd's backward thread where hooks run (one at a
+time). CUDA: the backward may run on another stream; hence ``on_stream`` at every access.
+"""
+from __future__ import annotations
+
+import torch
+
+from .shared import _DEVICE, _K, _Param
+from .tensor import ChunkTensor
+
+
+class ChunkAccess:
+    """Acquires and releases chunk groups on the device, through the shards when sharded (see
+    the module docstring)."""
+
+    def __init__(self, session, shards, device: torch.device, traced):
+        self.session = session
+        self.shards = shards        # distributed.Shards, or None (close() drops it)
+        self.compute_kind = session.compute_kind
+        self._cuda = device.type == "cuda"
+        self.device = device
+        self._traced = traced       # () -> bool: whether acquires now are part of the order
+        self._tracing = True
+        self._stream_handle = None  # the compute stream the session was last told
+        self.live: dict[int, int] = {}  # device data_ptr -> group (compute chunks)
+
+    @property
+    def sharded(self) -> bool:
+        return self.shards is not None
+
+    def set_tracing(self, on: bool):
+        if on != self._tracing:
+            self.session.set_tracing(on)
+            self._tracing = on
+
+    def follow_tracing(self):
+        """Tells the session whether what comes now is traced (training forwards and
+        backward, not eval / no_grad forwards)."""
+        self.set_tracing(self._traced())
+
+    def on_stream(self):
+        """CUDA: the session orders its copies and kernels with the stream torch queues work on
+        now (tiers/tier.h, "Ordering against compute"): releases record their use on it,
+        prefetches it reads are waited for on it. Checked at every chunk access, since the
+        backward (autograd's device thread) and user code may change the current stream."""
+        if self._cuda:
+            h = torch.cuda.current_stream(self.device).cuda_stream
+            if h != self._stream_handle:
+                self.session.set_compute_stream(h)
+                self._stream_handle = h
+
+    def acquire(self, group: int, kind, tier=_DEVICE) -> torch.Tensor:
+        self.set_tracing(self._traced())
+        self.on_stream()
+        if self.shards is not None and tier == _DEVICE:
+            base = self.shards.gather(group, kind)  # the full chunk, from every rank's shard
+            if kind == self.compute_kind:
+                self.live[base.data_ptr()] = group
+            return base
+        base = self.session.acquire(group, kind, tier)
+        if tier == _DEVICE and kind == self.compute_kind:
+            self.live[base.data_ptr()] = group
+        return base
+
+    def release(self, group: int, kind, modified: bool, base: torch.Tensor | None = None):
+        self.on_stream()
+        if self.shards is not None and self.shards.held(group, kind) is not None:
+            ptr = self.shards.held(group, kind).data_ptr()
+            if self.shards.release(group, kind, modified) and self.live.get(ptr) == group:
+                del self.live[ptr]
+            return
+        self.session.release(group, kind, modified)
+        if base is not None and kind == self.compute_kind and \
+                self.session.pins(group, kind) == 0 and self.live.get(base.data_ptr()) == group:
+            del self.live[base.data_ptr()]
+
+    @staticmethod
+    def slice(base, r: _Param):
+        return base[r.offset:r.offset + r.numel].view(r.shape)
+
+    def prefetch(self, group: int):
+        """Sharded: starts gathering `group`'s compute chunk for a unit about to run."""
+        self.shards.prefetch(group, self.compute_kind)
+
+    def mark_modified(self, group, kind):
+        # The chunk is pinned by someone else (a unit, the grad hold): take and drop one more
+        # pin to mark it modified without moving it. Sharded: the held full chunk is written
+        # back into this rank's shard when its last holder lets go (a held grad buffer is
+        # reduce-scattered anyway).
+        if self.shards is not None:
+            self.shards.mark_dirty(group, kind)
+            return
+        self.on_stream()
+        base = self.session.acquire(group, kind, _DEVICE)
+        self.session.release(group, kind, True)
+        del base
+
+    def is_chunk_memory(self, t) -> bool:
+        if isinstance(t, ChunkTensor) or t.layout != torch.strided:
+            return True
+        try:
+            return t.untyped_storage().data_ptr() in self.live
+        except (RuntimeError, NotImplementedError):
+            return True
+
+    # ---- gradient chunks -------------------------------------------------------------------
+    def acquire_grad(self, group: int) -> torch.Tensor:
+        """`group`'s gradient chunk on the device to accumulate into (traced): the grad chunk,
+        or sharded a zeroed full-size buffer, reduce-scattered at release_grad."""
+        self.set_tracing(True)
+        self.on_stream()
+        if self.shards is not None:
+            return self.shards.grad_buffer(group)
+        return self.session.acquire_for_write(group, _K.grad, _DEVICE)
+
+    def release_grad(self, group: int, fresh):
+        """Gives back what acquire_grad gave, modified. Sharded: the group's full gradient,
+        reduce-scattered into the shards (`fresh`: the params whose gradient began in this
+        backward, their shard spans restarted from 0)."""
+        self.on_stream()
+        if self.shards is not None:  # the group's full gradient, reduce-scattered into shards
+            self.shards.scatter_grad(group, fresh)
+            return
+        self.session.release(group, _K.grad, True)
+
+    def grad_stats(self) -> tuple[float, bool]:
+        """(sum of squares, overflow) of the unscaled gradients — over every rank when
+        sharded (collective)."""
+        self.on_stream()
+        sq, overflow = self.session.grad_stats()
+        if self.shards is not None:
+            sq, overflow = self.shards.all_reduce_stats(sq, overflow)
+        return sq, overflow
+
+    # ---- mixed precision -------------------------------------------------------------------
+    def sync_master(self, r: _Param, views, compute_view, exact_src):
+        """Mixed precision: after (a view `views` of) r's compute copy changed, the same region
+        of its fp32 master follows: from the fp32 source of a copy_ exactly, else from the
+        compute value. (Read-modify-write of the master through the core, wherever it is.)"""
+        master = self.session.read_tensor(r.index, _K.param_fp32).view(r.shape)
+        mv = master
+        for f, a, kw, idx in views:
+            mv = f(mv, *a, **kw)
+            if idx is not None:
+                mv = mv[idx]
+        with torch.no_grad():
+            mv.copy_(exact_src if exact_src is not None else compute_view)
+        self.session.write_tensor(r.index, _K.param_fp32, master.reshape(-1))

@@ -1,0 +1,156 @@
+"""Saved-tensor hooks: what a unit's training forward saves for backward, and how the backward
+gets it back. Every pack/unpack pair a unit pushes (materialize.UnitHooks) is here:
+
+- ``pack`` / ``unpack``: a saved tensor that aliases chunk memory is packed as a chunk
+  reference (``_ChunkRef``) and unpacked in backward as a view of the chunk's *current* device
+  copy (Backward.base: re-acquired, and held until every parameter of the group used in the
+  forward has its gradient). Any other tensor stays as it is (``_Plain``), counted in the
+  activation ledger — or, under offload / auto, is handed to activations.py (``_ActRef``:
+  offloaded, spilled, fetched back at its unit's backward moment).
+- ``recompute_pack`` / ``rc_unpack``: a recomputed unit's saves become refs into its frame
+  (recompute.py), recomputed at the first unpack; chunk views and the unit's own inputs stay
+  as above.
+- ``droppable_pack``: auto, a unit the plan does not recompute: saved as offload saves, each
+  ref knowing its position in the frame's saves, so that what the host budget had no room for
+  (dropped) is recomputed instead.
+
+Invariants: a saved tensor is checked for in-place modification at unpack as torch checks it
+without hooks (shared._guard/_check); nothing packed keeps the saving node's own output (a
+cycle through C++ the collector cannot see: ``_Plain`` keeps ``t.detach()``); every unpack
+first begins the backward and marks the moment of the unit whose forward saved the tensor.
+
+Owns nothing but the ref types: the state is the chunk access's (live chunk memory), the
+activation ledger's, the recompute frames' and the backward's. Reads the run state (the
+innermost running unit saves).
+
+Threading: pack on the training thread (the forward); unpack on autograd's backward thread.
+"""
+from __future__ import annotations
+
+import torch
+
+from .activations import _ActRef
+from .recompute import _RecomputeRef
+from .shared import _check, _guard
+from .tensor import ChunkTensor
+
+
+class _Plain:
+    """A saved non-chunk tensor that stays as it is (with its version guard).
+
+    It keeps ``t.detach()`` (same storage and version counter), never ``t``: the autograd
+    node that saves it owns this object, and an output a node saves for itself (exp, tanh,
+    softmax) has that node as its grad_fn — keeping ``t`` would be a cycle through C++ that
+    Python's collector cannot see, so a graph dropped without backward (or cut short by an
+    error) would never be freed, nor the runtime its unpack hook is bound to. torch saves
+    such outputs without their grad_fn for the same reason and gives the unpacked tensor its
+    grad_fn back itself."""
+    __slots__ = ("t", "guard")
+
+    def __init__(self, t):
+        self.t, self.guard = t.detach(), _guard(t)
+
+
+class _ChunkRef:
+    __slots__ = ("group", "offset", "size", "stride", "unit", "guard")
+
+    def __init__(self, group, offset, size, stride, unit, guard):
+        self.group, self.offset, self.size, self.stride = group, offset, size, stride
+        self.unit = unit  # index of the innermost unit whose forward saved it (-1: none)
+        self.guard = guard
+
+
+class SavedTensors:
+    """The saved-tensor hooks of one runtime's units (see the module docstring)."""
+
+    def __init__(self, chunks, state, activations, recompute, backward, device: torch.device):
+        self.chunks = chunks
+        self.state = state
+        self.activations = activations
+        self.recompute = recompute
+        self.backward = backward
+        self.device = device
+
+    def pack(self, t: torch.Tensor):
+        if isinstance(t, ChunkTensor):
+            return t  # a parameter: a leaf, no node to make a cycle with
+        if t.layout != torch.strided:
+            return t.detach()  # as _Plain: never the saving node's own output
+        try:
+            ptr = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return t.detach()
+        g = self.chunks.live.get(ptr)
+        acts, active = self.activations, self.state.active_units
+        if g is None and acts.offload and active and t.device == self.device:
+            ref = acts.save(t, ptr)
+            if ref is not None:
+                return ref
+            return _Plain(t)  # counted already, outside every unit: it stays
+        if g is None:
+            n = t.untyped_storage().nbytes()
+            if acts.count:
+                acts.count_saved(active[-1].index if active else -1, ptr, n)
+            acts.trace_saved(ptr, n)  # saved by the current unit: its bytes in the trace
+            return _Plain(t)
+        unit = active[-1].index if active else -1
+        return _ChunkRef(g, t.storage_offset(), tuple(t.size()), tuple(t.stride()), unit,
+                         _guard(t))
+
+    def unpack(self, ref):
+        if isinstance(ref, _Plain):
+            _check(ref.guard)
+            return ref.t
+        if not isinstance(ref, _ChunkRef):
+            return self._act_unpack(ref) if isinstance(ref, _ActRef) else ref
+        _check(ref.guard)
+        self.backward.begin()
+        self.backward.moment(ref.unit)
+        return self.backward.base(ref.group).as_strided(ref.size, ref.stride, ref.offset)
+
+    def _act_unpack(self, ref):
+        # Like a saved chunk view: the backward reached the unit that saved it (whose
+        # activations that moment fetches, and the next unit's when there is room).
+        _check(ref.guard)
+        self.backward.begin()
+        self.backward.moment(ref.unit)
+        if ref.saved.dropped:  # auto: the host had no room for it either: recomputed
+            return self.recompute.values(ref.frame)[ref.index]
+        return self.activations.fetched(ref)
+
+    # ---- recomputed units (recompute.py) ----------------------------------------------------
+    def droppable_pack(self, frame, t: torch.Tensor):
+        """auto, a unit the plan does not recompute: saved as 'offload' saves it, and the ref
+        knows its position in the frame's saves, so it can be recomputed if dropped."""
+        if not self.chunks.is_chunk_memory(t) and frame.holds_input(t):
+            frame.n += 1
+            return _Plain(t)  # an input: held by the frame anyway
+        ref = self.pack(t)
+        if isinstance(ref, _ActRef):
+            ref.frame, ref.index = frame, frame.n
+            frame.meta[frame.n] = (tuple(t.shape), t.dtype, t.device)
+            ref.saved.free_refs -= 1  # pack counted it as a ref without a frame
+            frame.handles.append(ref.saved)
+        frame.n += 1
+        return ref
+
+    def recompute_pack(self, frame, t: torch.Tensor):
+        if self.chunks.is_chunk_memory(t):
+            frame.n += 1  # its position, kept by the recompute's saves
+            return self.pack(t)  # a chunk view: re-acquired in the backward, not recomputed
+        if frame.holds_input(t):
+            frame.n += 1
+            return _Plain(t)  # (a view of) an input: held anyway, nothing to recompute
+        if self.recompute.planned:
+            # What the unit saves, as if kept: the planner chooses its policy from it.
+            st = t.untyped_storage()
+            self.activations.trace_saved(st.data_ptr(), st.nbytes())
+        return frame.record(t)
+
+    def rc_unpack(self, ref):
+        if not isinstance(ref, _RecomputeRef):
+            return self.unpack(ref)
+        frame = ref.frame
+        self.backward.begin()
+        self.backward.moment(frame.unit.index)  # frees the previous unit's activations first
+        return self.recompute.values(frame)[ref.index]

@@ -1,0 +1,100 @@
+"""What the parts of the runtime share: the parameter record, the run state, version guards.
+
+runtime.TiermemRuntime composes one object per job (chunks.py, materialize.py,
+activations.py, recompute.py, saved.py, backward.py, grads.py, dispatch.py); they import the
+types they share from here, and nothing here imports them, so the imports stay acyclic.
+
+- ``_Param``: one managed parameter — the user's object, its place in the session's chunks,
+  the ChunkTensor the model exposes and the compute view the units swap in. Created by
+  params.collect_params, completed by the runtime's install; the parts read it and update
+  only the fields their docstrings name (``mat``, ``version`` and ``compute.data``:
+  materialize.py; ``param.grad`` and ``post_hooks``: grads.py; ``warned``: dispatch.py).
+- ``RunState``: where the runtime is now (closed, inside an iteration, a forward, a backward,
+  which unit the backward is at). One object, shared by reference: each field has one writer,
+  named next to it; everyone else reads it.
+- ``_guard`` / ``_check``: torch's in-place check for saved tensors, which tiermem's
+  saved-tensor hooks do themselves.
+
+Threading: the training thread, and autograd's backward thread where hooks run (one at a
+time: a backward blocks the thread that started it).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import _C
+
+_LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_K = _C.ChunkKind
+_DEVICE, _HOST = _C.Tier.device, _C.Tier.host
+
+
+@dataclass(eq=False)
+class _Param:
+    index: int                 # tensor index in the session
+    name: str
+    shape: torch.Size
+    numel: int
+    trainable: bool
+    orig: nn.Parameter         # the user's parameter object (given back by close())
+    group: int = 0
+    offset: int = 0
+    opt_group: int = 0
+    param: Any = None          # the ChunkTensor parameter the model exposes
+    compute: Any = None        # plain Parameter: the chunk view inside a unit
+    placeholder: Any = None    # compute.data while not materialized
+    grad: Any = None           # the grad ChunkTensor (trainable only)
+    mat: int = 0               # active units materializing it
+    version: int = 0           # compute._version when materialized (detects in-place writes)
+    slots: list = field(default_factory=list)  # (module, attribute name)
+    post_hooks: OrderedDict = field(default_factory=OrderedDict)  # a user's post-accumulate hooks
+    warned: bool = False
+    unit: int = -1             # the first unit computing with it (trace moments)
+
+
+class RunState:
+    """Where the runtime is now. Each field names its writer; the other parts only read it."""
+
+    def __init__(self):
+        self.closed = True          # runtime: False once installed, True again at close()
+        self.in_iteration = False   # materialize.UnitHooks sets it (the first training forward
+        #                             of an iteration); backward.Backward (its end) and
+        #                             activations.Activations.abandon clear it
+        self.in_backward = False    # backward.Backward: from the first hook of a backward on
+        self.root_depth = 0         # materialize.UnitHooks (serve.py's root forward too):
+        #                             nesting of the model's own forward
+        self.active_units: list = []  # materialize.UnitHooks: units whose forward runs now,
+        #                               innermost last
+        self.fwd_used: dict[int, set] = {}  # materialize.UnitHooks: group -> trainable params
+        #                                     this forward computed with (cleared by the
+        #                                     backward's end and by an abandoned iteration)
+        self.bwd_unit = None        # backward.Backward: the unit the backward's current moment
+        #                             belongs to
+        self.in_user_hook = False   # grads.Grads: running a user's post-accumulate-grad hook
+
+
+def _guard(t):
+    """torch checks that a saved tensor was not modified in place before the backward uses
+    it, but not for tensors that go through saved-tensor hooks: the hooks keep the tensor's
+    version counter (shared by its views and aliases; not the tensor nor its storage) and the
+    version at save time, and check them themselves (_check)."""
+    try:
+        c = _C.version_counter(t)
+        return c, c.version
+    except RuntimeError:  # a tensor without a version counter (inference mode)
+        return None, 0
+
+
+def _check(guard):
+    counter, version = guard
+    if counter is not None and counter.version != version:
+        raise RuntimeError(
+            f"one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: a tensor saved for backward is at version {counter.version}; "
+            f"expected version {version} instead (checked by tiermem's saved-tensor hooks, "
+            f"as torch checks it without them)")
