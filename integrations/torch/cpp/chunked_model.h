@@ -93,7 +93,7 @@ class ChunkedModel {
 
   // kInvalidArgument: bad config key/value (the TIERMEM_* environment applies), a non-fp32
   // or non-CPU parameter, no parameters, bad groups (a tensor in no group, in two, frozen or
-  // not managed); kUnimplemented: a CUDA device; kResourceExhausted: a device budget below
+  // not managed: the session's rule and messages, runtime/param_groups.h); kUnimplemented: a CUDA device; kResourceExhausted: a device budget below
   // the minimum (the message names the minimum bytes) or no host/NVMe room. `groups` empty:
   // one group of every trainable parameter. On failure the model is untouched.
   static StatusOr<std::unique_ptr<ChunkedModel>> Create(::torch::nn::Module& model,

@@ -25,6 +25,7 @@
 #include "prof/analysis.h"
 #include "runtime/config.h"
 #include "runtime/device_kernels.h"
+#include "runtime/param_groups.h"
 #include "runtime/session.h"
 #include "runtime/tier_stack.h"
 
@@ -824,6 +825,18 @@ PYBIND11_MODULE(_C, m) {
   m.def("checkpoint_metadata", [](const std::string& path) {
     return Check(se::Session::CheckpointMetadata(path));
   });
+  // Optimizer param groups (runtime/param_groups.h): tensors as (name, trainable), `members`
+  // as lists of tensor indices (-1: not the model's) or None (one group) -> each tensor's group.
+  m.def("assign_param_groups",
+        [](const std::vector<std::pair<std::string, bool>>& tensors,
+           const std::optional<std::vector<std::vector<int64_t>>>& members) {
+          std::vector<se::TensorSpec> specs;
+          for (const auto& [name, trainable] : tensors) {
+            specs.push_back(se::TensorSpec{name, 1, trainable, 0});
+          }
+          return tiermem::torch_ext::Check(se::AssignParamGroups(specs, members));
+        },
+        py::arg("tensors"), py::arg("members"));
   m.def("resolve_device_kind",
         [](const std::string& kind) { return Check(se::TierStack::ResolveDeviceKind(kind)); });
 }

@@ -262,12 +262,21 @@ TEST(ChunkedModel, BadInputIsAClearStatusAndLeavesTheModelUntouched) {
   auto twice = tiermem::torch::ChunkedModel::Create(
       *model, {{"device", "1MiB"}, {"host", "64MiB"}}, {frozen_bad, frozen_bad});
   ASSERT_FALSE(twice.ok());
-  EXPECT_NE(twice.status().message().find("more than one param group"), std::string::npos)
-      << twice.status().ToString();
+  EXPECT_EQ(twice.status().message(),  // the session's rule and words (runtime/param_groups.h)
+            "param_groups[1]: parameter block0.fc.weight appears in more than one group");
   auto missing = tiermem::torch::ChunkedModel::Create(
       *model, {{"device", "1MiB"}, {"host", "64MiB"}}, {frozen_bad});
   ASSERT_FALSE(missing.ok());
   EXPECT_NE(missing.status().message().find("is in no param group"), std::string::npos);
+  model->blocks[1]->fc->bias.set_requires_grad(false);
+  tiermem::torch::ParamGroup with_frozen;
+  with_frozen.params.push_back(model->blocks[1]->fc->bias);
+  auto frozen = tiermem::torch::ChunkedModel::Create(
+      *model, {{"device", "1MiB"}, {"host", "64MiB"}}, {with_frozen});
+  model->blocks[1]->fc->bias.set_requires_grad(true);
+  ASSERT_FALSE(frozen.ok());
+  EXPECT_EQ(frozen.status().message(),
+            "param_groups[0]: parameter block1.fc.bias is frozen (requires_grad=False)");
 
   auto ref_params = ref->named_parameters();
   for (const auto& item : model->named_parameters()) {

@@ -377,7 +377,7 @@ class TiermemRuntime:
             param_groups = [] if self._serving else [
                 {"params": [r.orig for r in self.params if r.trainable]}]
         self.opt_groups = []
-        assigned = set()
+        members = []  # per group: its tensors' indices (-1: not a parameter of the model)
         for gi, g in enumerate(param_groups):
             if not isinstance(g, dict) or "params" not in g:
                 raise ValueError(f"param_groups[{gi}] must be a dict with 'params'")
@@ -387,24 +387,16 @@ class TiermemRuntime:
             og = dict(defaults)
             og.update({k: v for k, v in g.items() if k != "params"})
             plist = list(g["params"])
-            for p in plist:
-                r = self.by_orig.get(id(p))
-                if r is None:
-                    raise ValueError(f"param_groups[{gi}] holds a tensor that is not a parameter "
-                                     "of the model")
-                if id(p) in assigned:
-                    raise ValueError(f"param_groups[{gi}]: parameter {r.name} appears in more "
-                                     "than one group")
-                if not r.trainable:
-                    raise ValueError(f"param_groups[{gi}]: parameter {r.name} is frozen "
-                                     "(requires_grad=False)")
-                assigned.add(id(p))
-                r.opt_group = gi
-            og["params"] = [self.by_orig[id(p)] for p in plist]  # _Param records for now
+            members.append([self.by_orig[id(p)].index if id(p) in self.by_orig else -1
+                            for p in plist])
+            og["plist"] = plist
             self.opt_groups.append(og)
-        for r in self.params:
-            if r.trainable and id(r.orig) not in assigned:
-                raise ValueError(f"trainable parameter {r.name} is in no param group")
+        # The session's rule (runtime/param_groups.h): ValueError naming the group and tensor.
+        group_of = _C.assign_param_groups([(r.name, r.trainable) for r in self.params], members)
+        for r, gi in zip(self.params, group_of):
+            r.opt_group = gi
+        for og in self.opt_groups:
+            og["params"] = [self.by_orig[id(p)] for p in og.pop("plist")]  # _Param records for now
 
     def _install(self):
         """Takes over the model. Nothing here can fail on valid input."""
