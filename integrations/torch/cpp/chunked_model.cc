@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <set>
 
@@ -501,37 +502,33 @@ StatusOr<::torch::Tensor> ChunkedModel::OptimizerState(const ::torch::Tensor& pa
   return out;
 }
 
-Status ChunkedModel::Save(const std::string& path) {
+Status ChunkedModel::Save(const std::string& path, const nlohmann::json& extra) {
   if (closed_) return FailedPreconditionError("tiermem ChunkedModel is closed");
-  nlohmann::json groups = nlohmann::json::array();
-  for (const session::GroupHyper& h : hyper_) {
-    groups.push_back({{"lr", h.lr}, {"betas", {h.beta1, h.beta2}}, {"eps", h.eps},
-                      {"weight_decay", h.weight_decay}});
-  }
-  return session_->SaveCheckpoint(path, nlohmann::json{{"param_groups", groups}}.dump());
+  session::CheckpointMeta meta;
+  for (const session::GroupHyper& h : hyper_) meta.groups.push_back({h});
+  const ::torch::Tensor rng = CpuRngState().contiguous();
+  meta.rng_state.assign(static_cast<const char*>(rng.data_ptr()), rng.nbytes());
+  meta.extra = extra;
+  return session_->SaveCheckpoint(path, meta);
 }
 
-Status ChunkedModel::Load(const std::string& path) {
+Status ChunkedModel::Load(const std::string& path, nlohmann::json* extra) {
   if (closed_) return FailedPreconditionError("tiermem ChunkedModel is closed");
-  // The groups are checked before anything is loaded (LoadCheckpoint itself verifies every
-  // tensor before it writes one), so a failed Load changes nothing.
-  TIERMEM_ASSIGN_OR_RETURN(const std::string meta, session::Session::CheckpointMetadata(path));
-  nlohmann::json j = nlohmann::json::parse(meta, nullptr, false);
-  if (j.is_discarded() || !j.contains("param_groups") || !j["param_groups"].is_array()) {
-    return InvalidArgumentError("checkpoint " + path + " was not saved by ChunkedModel::Save");
+  // The session checks the groups and the RNG state's size against ours before it loads
+  // anything (and verifies every tensor before it writes one): a failed Load changes nothing.
+  session::CheckpointMeta meta;
+  session::CheckpointLoad how;
+  how.num_groups = hyper_.size();
+  how.rng_state_bytes = static_cast<size_t>(CpuRngState().nbytes());
+  TIERMEM_RETURN_IF_ERROR(session_->LoadCheckpoint(path, &meta, how));
+  for (size_t g = 0; g < hyper_.size(); ++g) hyper_[g] = meta.groups[g].hyper;
+  if (!meta.rng_state.empty()) {
+    ::torch::Tensor rng = ::torch::empty({static_cast<int64_t>(meta.rng_state.size())},
+                                         ::torch::kUInt8);
+    std::memcpy(rng.data_ptr(), meta.rng_state.data(), meta.rng_state.size());
+    SetCpuRngState(rng);
   }
-  if (j["param_groups"].size() != hyper_.size()) {
-    return InvalidArgumentError("checkpoint " + path + " has " +
-                                std::to_string(j["param_groups"].size()) +
-                                " param groups, this model " + std::to_string(hyper_.size()));
-  }
-  std::vector<session::GroupHyper> hyper;
-  for (const nlohmann::json& h : j["param_groups"]) {
-    hyper.push_back(session::GroupHyper{h.at("lr"), h.at("betas").at(0), h.at("betas").at(1),
-                                        h.at("eps"), h.at("weight_decay")});
-  }
-  TIERMEM_RETURN_IF_ERROR(session_->LoadCheckpoint(path));
-  hyper_ = std::move(hyper);
+  if (extra != nullptr) *extra = std::move(meta.extra);
   return OkStatus();
 }
 

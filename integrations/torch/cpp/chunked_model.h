@@ -135,11 +135,15 @@ class ChunkedModel {
   // Its Adam state: `kind` "exp_avg" or "exp_avg_sq".
   StatusOr<::torch::Tensor> OptimizerState(const ::torch::Tensor& param, const std::string& kind);
 
-  // Checkpoints: every parameter's fp32 value, the Adam state, step counts, the loss scale and
-  // the groups' hyper-parameters, in the session's checksummed format (atomic rename). Load
-  // verifies the whole file before changing anything.
-  Status Save(const std::string& path);
-  Status Load(const std::string& path);
+  // Checkpoints: every parameter's fp32 value, the Adam state, step counts, the loss scale,
+  // the groups' hyper-parameters, torch's default CPU generator state and `extra` (any JSON),
+  // in the session's checksummed format (atomic rename) — the format the Python package
+  // writes and reads too (runtime/checkpoint_meta.h), so either binding resumes the other's.
+  // Load verifies the whole file (and that it has as many param groups as this model) before
+  // changing anything, then sets the groups' hyper-parameters and the generator state (when
+  // the file has one) and gives back `extra`.
+  Status Save(const std::string& path, const nlohmann::json& extra = nullptr);
+  Status Load(const std::string& path, nlohmann::json* extra = nullptr);
 
   StatusOr<Stats> GetStats();
 
