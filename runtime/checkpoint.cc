@@ -1,20 +1,26 @@
 // Session checkpoints (SaveCheckpoint / LoadCheckpoint, see session.h).
 //
-// Format 2 (written): a safetensors file (https://huggingface.co/docs/safetensors), so any
+// Format 3 (written): a safetensors file (https://huggingface.co/docs/safetensors), so any
 // tool loads it without tiermem (`safetensors.torch.load_file`, or `safe_open` tensor by
 // tensor for a model larger than RAM):
 //   u64 header_bytes | JSON header (padded with spaces to 8 bytes) | tensor bytes
 //   tensors   per session tensor, in session order: "<name>" (its fp32 value, in the
 //             binding's shape) and, when trainable, "exp_avg/<name>" and "exp_avg_sq/<name>"
 //             (Adam m and v, same shape); every one F32, laid out back to back
-//   __metadata__ (all strings): format "tiermem-checkpoint", version "2", micro_steps,
+//   __metadata__ (all strings): format "tiermem-checkpoint", version "3", micro_steps,
 //             loss_scale, good_steps, skipped_steps, steps (JSON {name: step count}),
-//             binding (the binding's metadata), crc32c (JSON {key: 8 hex digits} of every
-//             tensor's bytes), header_crc32c (of the header text with its own value zeroed)
+//             param_groups, rng_state, extra (CheckpointMeta, checkpoint_meta.h: the one
+//             format of both bindings), crc32c (JSON {key: 8 hex digits} of every tensor's
+//             bytes), header_crc32c (of the header text with its own value zeroed)
 // The checksums are written as fixed-width placeholders first and filled in once the data is
 // streamed (the header is rewritten in place, same length).
 //
-// Format 1 (read only, from earlier builds; little-endian, no padding):
+// Format 2 (read only, from earlier builds): the same file with version "2", whose metadata
+// has one `binding` entry instead of param_groups, rng_state and extra: the binding's own JSON
+// in one of two shapes (Python's, LibTorch's), which ParseLegacyCheckpointMeta reads.
+//
+// Format 1 (read only, from earlier builds; little-endian, no padding; its metadata is the
+// LibTorch shape of format 2's `binding`):
 //   header   "TMCKPT01" | u32 version | u64 num_tensors | u64 micro_steps | f64 loss_scale |
 //            i32 good_steps | u64 skipped_steps | u32 metadata_bytes | metadata |
 //            u32 crc32c(everything before it)
@@ -37,7 +43,8 @@
 // "buffered" goes through the page cache instead, both ways. Loading reads the tensors twice:
 // a verification pass (checksums, names, sizes) that changes nothing, then the pass that
 // writes the values — so a torn, corrupt or mismatched file leaves the session exactly as it
-// was.
+// was. The metadata is parsed and checked against the binding (CheckpointLoad: its number of
+// param groups, its RNG state's size) before the first pass.
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -371,9 +378,9 @@ StatusOr<Header2> ReadHeader2(int fd) {
     if (!v.is_string()) return DataLossError("checkpoint metadata '" + k + "' is not a string");
     out.meta[k] = v.get<std::string>();
   }
-  if (out.meta["version"] != "2") {
+  if (out.meta["version"] != "2" && out.meta["version"] != "3") {
     return InvalidArgumentError("checkpoint version " + out.meta["version"] +
-                                " is not supported (this build reads versions 1 and 2)");
+                                " is not supported (this build reads versions 1 to 3)");
   }
   std::string stored;
   TIERMEM_ASSIGN_OR_RETURN(const std::string zeroed, ZeroHeaderCrc(text, &stored));
@@ -390,9 +397,18 @@ StatusOr<Header2> ReadHeader2(int fd) {
   return out;
 }
 
+// The metadata of a format-2/3 header: version 3's own entries, version 2's binding string.
+StatusOr<CheckpointMeta> MetaOf(const Header2& h) {
+  if (h.meta.at("version") == "2") {
+    const auto b = h.meta.find("binding");
+    return ParseLegacyCheckpointMeta(b == h.meta.end() ? "" : b->second);
+  }
+  return DecodeCheckpointMeta(h.meta);
+}
+
 }  // namespace
 
-Status Session::SaveCheckpoint(const std::string& path, const std::string& metadata) {
+Status Session::SaveCheckpoint(const std::string& path, const CheckpointMeta& metadata) {
   TIERMEM_RETURN_IF_ERROR(Live());
   // The deferred updates belong to the state.
   TIERMEM_RETURN_IF_ERROR(stepper_->RunAllPending(true));
@@ -419,17 +435,19 @@ Status Session::SaveCheckpoint(const std::string& path, const std::string& metad
       crcs[key] = kCrcPlaceholder;
     }
   }
+  const std::map<std::string, std::string> entries = EncodeCheckpointMeta(metadata);
   auto meta_json = [&] {
-    return nlohmann::json{{"format", kFormat},
-                          {"version", "2"},
-                          {"micro_steps", std::to_string(micro_)},
-                          {"loss_scale", Num(scaler_.scale)},
-                          {"good_steps", std::to_string(scaler_.good_steps)},
-                          {"skipped_steps", std::to_string(scaler_.skipped_steps)},
-                          {"steps", steps.dump()},
-                          {"binding", metadata},
-                          {"crc32c", crcs.dump()},
-                          {"header_crc32c", kCrcPlaceholder}};
+    nlohmann::json m = {{"format", kFormat},
+                        {"version", "3"},
+                        {"micro_steps", std::to_string(micro_)},
+                        {"loss_scale", Num(scaler_.scale)},
+                        {"good_steps", std::to_string(scaler_.good_steps)},
+                        {"skipped_steps", std::to_string(scaler_.skipped_steps)},
+                        {"steps", steps.dump()},
+                        {"crc32c", crcs.dump()},
+                        {"header_crc32c", kCrcPlaceholder}};
+    for (const auto& [k, v] : entries) m[k] = v;
+    return m;
   };
   header["__metadata__"] = meta_json();
   const std::string placeholder = HeaderText(header);
@@ -529,28 +547,26 @@ Status Session::SaveCheckpoint(const std::string& path, const std::string& metad
   return OkStatus();
 }
 
-StatusOr<std::string> Session::CheckpointMetadata(const std::string& path) {
+StatusOr<CheckpointMeta> Session::CheckpointMetadata(const std::string& path) {
   const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return Errno("checkpoint: cannot open " + path, errno);
-  std::string meta;
-  Status s;
+  StatusOr<CheckpointMeta> meta = InternalError("unread");
   if (IsV1(fd)) {
     Reader r(fd);
     Header h;
-    s = ReadHeader(r, &h);
-    meta = h.metadata;
+    Status s = ReadHeader(r, &h);
+    meta = s.ok() ? ParseLegacyCheckpointMeta(h.metadata) : StatusOr<CheckpointMeta>(s);
   } else {
     auto h = ReadHeader2(fd);
-    s = h.status();
-    if (h.ok()) meta = h->meta["binding"];
+    meta = h.ok() ? MetaOf(*h) : StatusOr<CheckpointMeta>(h.status());
   }
   close(fd);
-  if (!s.ok()) return s.WithContext("checkpoint " + path);
+  if (!meta.ok()) return meta.status().WithContext("checkpoint " + path);
   return meta;
 }
 
-Status Session::LoadCheckpoint(const std::string& path, std::string* metadata,
-                               bool verify_only) {
+Status Session::LoadCheckpoint(const std::string& path, CheckpointMeta* metadata,
+                               const CheckpointLoad& how) {
   TIERMEM_RETURN_IF_ERROR(Live());
   // The last step's deferred updates come first (a load then replaces what they wrote; a
   // failed one leaves the stepped state, as without deferral).
@@ -559,8 +575,10 @@ Status Session::LoadCheckpoint(const std::string& path, std::string* metadata,
   if (fd < 0) return Errno("checkpoint: cannot open " + path, errno);
   if (IsV1(fd)) {
     close(fd);
-    if (verify_only) return UnimplementedError("checkpoint: format-1 files load unverified only");
-    return LoadCheckpointV1(path, metadata);
+    if (how.verify_only) {
+      return UnimplementedError("checkpoint: format-1 files load unverified only");
+    }
+    return LoadCheckpointV1(path, metadata, how);
   }
   // The tensor bytes are read with O_DIRECT when checkpoint_io says so and the file system
   // allows it (a second descriptor; the header is read through the first).
@@ -568,15 +586,18 @@ Status Session::LoadCheckpoint(const std::string& path, std::string* metadata,
   const int dfd = config_.checkpoint_io != "buffered"
                       ? OpenMaybeDirect(path, O_RDONLY | O_CLOEXEC, 0, true, &direct)
                       : -1;
-  Status s = LoadCheckpointV2(fd, dfd >= 0 ? dfd : fd, dfd >= 0 && direct, metadata, verify_only);
+  Status s = LoadCheckpointV2(fd, dfd >= 0 ? dfd : fd, dfd >= 0 && direct, metadata, how);
   if (dfd >= 0) close(dfd);
   close(fd);
   return s.WithContext("checkpoint " + path);
 }
 
-Status Session::LoadCheckpointV2(int fd, int data_fd, bool direct, std::string* metadata,
-                                 bool verify_only) {
+Status Session::LoadCheckpointV2(int fd, int data_fd, bool direct, CheckpointMeta* metadata,
+                                 const CheckpointLoad& how) {
+  const bool verify_only = how.verify_only;
   TIERMEM_ASSIGN_OR_RETURN(Header2 h, ReadHeader2(fd));
+  TIERMEM_ASSIGN_OR_RETURN(CheckpointMeta meta, MetaOf(h));
+  TIERMEM_RETURN_IF_ERROR(CheckCheckpointMeta(meta, how));
   // Everything the load needs, taken out of the header first (a malformed header is an error
   // here, before anything changes): every tensor of this model and nothing else, all F32.
   struct Entry {
@@ -668,7 +689,7 @@ Status Session::LoadCheckpointV2(int fd, int data_fd, bool direct, std::string* 
     }
   }
   if (verify_only) {
-    if (metadata != nullptr) *metadata = h.meta["binding"];
+    if (metadata != nullptr) *metadata = std::move(meta);
     return OkStatus();
   }
   for (size_t i = 0; i < steps.size(); ++i) stepper_->set_step_count(i, steps[i]);
@@ -677,11 +698,12 @@ Status Session::LoadCheckpointV2(int fd, int data_fd, bool direct, std::string* 
   accumulating_ = false;
   std::fill(has_grad_.begin(), has_grad_.end(), 0);
   if (config_.precision == Precision::kFp16) scaler_ = scaler;
-  if (metadata != nullptr) *metadata = h.meta["binding"];
+  if (metadata != nullptr) *metadata = std::move(meta);
   return OkStatus();
 }
 
-Status Session::LoadCheckpointV1(const std::string& path, std::string* metadata) {
+Status Session::LoadCheckpointV1(const std::string& path, CheckpointMeta* metadata,
+                                 const CheckpointLoad& how) {
   uint64_t max_numel = 0;
   for (const TensorSpec& t : specs_) max_numel = std::max(max_numel, t.numel);
   std::vector<float> buf(max_numel);
@@ -693,6 +715,12 @@ Status Session::LoadCheckpointV1(const std::string& path, std::string* metadata)
     Status s;
     Header h;
     s = ReadHeader(r, &h);
+    CheckpointMeta meta;
+    if (s.ok()) {
+      StatusOr<CheckpointMeta> m = ParseLegacyCheckpointMeta(h.metadata);
+      s = m.ok() ? CheckCheckpointMeta(*m, how) : m.status();
+      if (s.ok()) meta = *std::move(m);
+    }
     if (s.ok() && h.num_tensors != specs_.size()) {
       s = InvalidArgumentError("checkpoint holds " + std::to_string(h.num_tensors) +
                                " tensors, this model has " + std::to_string(specs_.size()));
@@ -762,7 +790,7 @@ Status Session::LoadCheckpointV1(const std::string& path, std::string* metadata)
         scaler_.good_steps = h.good_steps;
         scaler_.skipped_steps = h.skipped;
       }
-      if (metadata != nullptr) *metadata = h.metadata;
+      if (metadata != nullptr) *metadata = std::move(meta);
     }
   }
   return OkStatus();

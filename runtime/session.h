@@ -65,6 +65,7 @@
 #include "base/status.h"
 #include "chunks/engine.h"
 #include "prof/analysis.h"
+#include "runtime/checkpoint_meta.h"
 #include "runtime/collectives.h"
 #include "runtime/config.h"
 #include "runtime/optimizer_stepper.h"
@@ -352,21 +353,23 @@ class Session {
 
   // ---- checkpoints (checkpoint.cc: a safetensors file, torch-loadable without tiermem) ------
   // Every tensor's fp32 value, its Adam m and v and step count, the loss-scaling state and
-  // the micro-step counter, plus `metadata` (the binding's own, e.g. optimizer groups as
-  // JSON), streamed tensor by tensor (never the whole model in RAM), with a CRC32C per tensor.
+  // the micro-step counter, plus `metadata` (the optimizer param groups, the binding's RNG
+  // state and the user's extra: checkpoint_meta.h, the one format of both bindings), streamed
+  // tensor by tensor (never the whole model in RAM), with a CRC32C per tensor.
   // Written to `path`.tmp, fsync'ed, then renamed over `path`: a crash never leaves a torn
   // file under `path`. kIOError for disk trouble (the old file, if any, stays).
-  Status SaveCheckpoint(const std::string& path, const std::string& metadata = "");
-  // Verifies the whole file first (checksums, tensor names and sizes, precision-independent)
-  // and only then loads it: a torn or mismatched file is kDataLoss / kInvalidArgument and
-  // changes nothing. `metadata` gets the saved metadata. Reads the format-1 files of earlier
-  // builds too.
-  // `verify_only`: every check of a load, nothing applied (a sharded binding verifies on every
-  // rank before any rank loads).
-  Status LoadCheckpoint(const std::string& path, std::string* metadata = nullptr,
-                        bool verify_only = false);
+  Status SaveCheckpoint(const std::string& path, const CheckpointMeta& metadata = {});
+  // Verifies the whole file first (checksums, tensor names and sizes, precision-independent;
+  // the metadata against `how`: the binding's number of param groups and RNG state size) and
+  // only then loads it: a torn or mismatched file is kDataLoss / kInvalidArgument and changes
+  // nothing. `metadata` gets the saved metadata (the earlier formats' binding metadata
+  // converted). Reads the format-1 and format-2 files of earlier builds too.
+  // `how.verify_only`: every check of a load, nothing applied (a sharded binding verifies on
+  // every rank before any rank loads).
+  Status LoadCheckpoint(const std::string& path, CheckpointMeta* metadata = nullptr,
+                        const CheckpointLoad& how = {});
   // The metadata of a checkpoint (its header verified), without loading anything.
-  static StatusOr<std::string> CheckpointMetadata(const std::string& path);
+  static StatusOr<CheckpointMeta> CheckpointMetadata(const std::string& path);
 
  private:
   Session() = default;
@@ -379,11 +382,12 @@ class Session {
   // Where a reduction over a chunk (GradStats) reads it without moving it.
   TierKind ReadTier(size_t g, ChunkKind kind) const;
   TraceRecorder::Probes TraceProbes() const;
-  Status LoadCheckpointV1(const std::string& path, std::string* metadata);
+  Status LoadCheckpointV1(const std::string& path, CheckpointMeta* metadata,
+                          const CheckpointLoad& how);
   // The header through `fd`; tensor bytes through `data_fd`, opened with O_DIRECT when
   // `direct` (block-aligned reads).
-  Status LoadCheckpointV2(int fd, int data_fd, bool direct, std::string* metadata,
-                          bool verify_only);
+  Status LoadCheckpointV2(int fd, int data_fd, bool direct, CheckpointMeta* metadata,
+                          const CheckpointLoad& how);
   planners::TraceBudgets TraceBudgets() const;
   void DeclareTraceChunks();
   // What the plan runner plans with: this session's engine and configuration.

@@ -2,7 +2,9 @@
 exact resume in a fresh process, a safetensors file that loads without tiermem, loads at
 another budget and precision, a killed save that leaves the previous checkpoint intact, and
 bad files that change nothing."""
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -188,4 +190,99 @@ def test_a_killed_save_leaves_the_previous_checkpoint_intact(tmp_path):
     model, opt = tiermem.initialize(GPT(small_config(n_embd=256, n_layer=4, vocab_size=256)),
                                     {"device": "64MiB"})
     tiermem.load_checkpoint(model, opt, path)  # the last complete save: verifies and loads
+    tiermem.runtime_of(model).close()
+
+
+# ---- files of earlier builds (tests/data/README.md) and metadata tiermem cannot read --------
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data")
+TINY = {"device": "1MiB", "host": "16MiB"}
+
+
+def _crc32c(data):
+    crc = 0xFFFFFFFF
+    for b in data:
+        crc ^= b
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 & -(crc & 1))
+    return crc ^ 0xFFFFFFFF
+
+
+def _with_metadata(src, dst, edit):
+    """`src` with its safetensors metadata edited by `edit(dict)`, the header checksum made
+    right again (over the padded header text with its own value zeroed, as the writer does)."""
+    import struct
+    raw = open(src, "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    edit(header["__metadata__"])
+    header["__metadata__"]["header_crc32c"] = "00000000"
+    text = json.dumps(header, separators=(",", ":"), sort_keys=True)
+    text += " " * (-(8 + len(text)) % 4096)
+    crc = "%08x" % _crc32c(text.encode())
+    text = text.replace('"header_crc32c":"00000000"', f'"header_crc32c":"{crc}"')
+    open(dst, "wb").write(struct.pack("<Q", len(text)) + text.encode() + raw[8 + n:])
+
+
+def test_a_version_2_file_of_save_checkpoint_still_loads():
+    path = os.path.join(DATA, "legacy-python.safetensors")
+    torch.manual_seed(11)  # the values must come from the file
+    model, opt = tiermem.initialize(
+        torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1)), TINY)
+    assert tiermem.load_checkpoint(model, opt, path) == {"epoch": 7}
+    drawn = torch.rand(3)
+    torch.manual_seed(5)  # the state the file holds
+    assert torch.equal(drawn, torch.rand(3))
+    g = opt.param_groups[0]
+    assert (g["lr"], g["betas"], g["eps"], g["weight_decay"]) == (2e-3, (0.9, 0.999), 1e-8, 0.01)
+    sd = safetensors.load_file(path)
+    osd = opt.state_dict()["state"]
+    for i, (n, v) in enumerate(model.state_dict().items()):
+        assert torch.equal(v, sd[n]), n
+        assert torch.equal(osd[i]["exp_avg_sq"], sd[f"exp_avg_sq/{n}"]), n
+        assert int(osd[i]["step"]) == 2, n
+    opt.zero_grad()
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()  # and it trains on
+    tiermem.runtime_of(model).close()
+
+
+def test_a_version_2_file_of_the_libtorch_api_loads_here_too():
+    """ChunkedModel::Save's earlier shape ({"param_groups": [...]}, no RNG state, no extra)
+    loads into a torch Linear with the same names (weight, bias)."""
+    model, opt = tiermem.initialize(torch.nn.Linear(3, 2), TINY)
+    torch.manual_seed(4)
+    assert tiermem.load_checkpoint(model, opt,
+                                   os.path.join(DATA, "legacy-libtorch.safetensors")) is None
+    drawn = torch.rand(2)
+    torch.manual_seed(4)
+    assert torch.equal(drawn, torch.rand(2))  # no RNG state saved: the generator is untouched
+    assert opt.param_groups[0]["lr"] == 5e-4
+    assert torch.equal(model.state_dict()["weight"], torch.arange(6.0).view(2, 3) / 8)
+    tiermem.runtime_of(model).close()
+
+
+def test_metadata_of_neither_earlier_shape_or_other_groups_is_refused_and_changes_nothing(
+        tmp_path):
+    src = os.path.join(DATA, "legacy-libtorch.safetensors")
+    model, opt = tiermem.initialize(torch.nn.Linear(3, 2), TINY)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    bad = tmp_path / "bad.safetensors"
+    _with_metadata(src, bad, lambda m: m.update(binding='{"groups": 1}'))
+    with pytest.raises(ValueError,
+                       match=re.escape(f"checkpoint {bad}: ") + ".*no optimizer param groups"):
+        tiermem.load_checkpoint(model, opt, bad)
+    v3 = tmp_path / "v3.safetensors"  # a version-3 file without its param_groups entry
+    _with_metadata(src, v3, lambda m: m.update(version="3", rng_state="", extra="null"))
+    with pytest.raises(ValueError, match="no 'param_groups' entry"):
+        tiermem.load_checkpoint(model, opt, v3)
+    two = tmp_path / "two.safetensors"
+    _with_metadata(src, two, lambda m: m.update(binding=json.dumps(
+        {"param_groups": 2 * [{"lr": 1, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0}]})))
+    with pytest.raises(ValueError, match="2 optimizer param groups, the optimizer has 1: "
+                                         "nothing was loaded"):
+        tiermem.load_checkpoint(model, opt, two)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert opt.param_groups[0]["lr"] == 1e-3
     tiermem.runtime_of(model).close()

@@ -1,6 +1,7 @@
 """Each feature of tiermem.initialize against plain torch (same seed, same data)."""
 import copy
 import os
+import re
 import stat
 
 import pytest
@@ -284,6 +285,30 @@ def test_invalid_config_is_a_clear_error(cfg, match):
     before = copy.deepcopy(ours.state_dict())
     with pytest.raises(ValueError, match=match):
         tiermem.initialize(ours, cfg)
+    _untouched(ours, before)
+
+
+@pytest.mark.parametrize("case,message", [
+    ("twice", "param_groups[1]: parameter blocks.0.fc.weight appears in more than one group"),
+    ("frozen", "param_groups[0]: parameter blocks.0.fc.bias is frozen (requires_grad=False)"),
+    ("foreign", "param_groups[1] holds a tensor that is not a parameter of the model"),
+    ("missing", "trainable parameter wte.weight is in no param group"),
+])
+def test_bad_param_groups_are_the_cores_errors(case, message):
+    """The rule and its words are the session's (runtime/param_groups.h), as in LibTorch."""
+    _, ours = make_pair()
+    before = copy.deepcopy(ours.state_dict())
+    rest = [p for n, p in ours.named_parameters() if n != "blocks.0.fc.weight"]
+    w = ours.blocks[0].fc.weight
+    groups = {"twice": [{"params": [w]}, {"params": [w] + rest}],
+              "frozen": [{"params": [w] + rest}],
+              "foreign": [{"params": [w] + rest}, {"params": [torch.zeros(3)]}],
+              "missing": [{"params": [p for n, p in ours.named_parameters()
+                                      if n != "wte.weight"]}]}[case]
+    if case == "frozen":
+        ours.blocks[0].fc.bias.requires_grad_(False)
+    with pytest.raises(ValueError, match=re.escape(message) + "$"):
+        tiermem.initialize(ours, {"device": "4MiB"}, param_groups=groups)
     _untouched(ours, before)
 
 

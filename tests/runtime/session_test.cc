@@ -632,7 +632,11 @@ TEST(SessionCheckpoint, RoundTripRestoresValuesStateAndSteps) {
   }
   ASSERT_TRUE(s->Step({GroupHyper{}}).ok());
   const std::string path = dir + "/ckpt.tmc";
-  ASSERT_THAT(s->SaveCheckpoint(path, R"({"groups": 1})"), IsOk());
+  CheckpointMeta meta_in;
+  meta_in.groups.push_back({GroupHyper{5e-4, 0.8, 0.99, 1e-7, 0.1}, {{"amsgrad", false}}});
+  meta_in.rng_state = std::string("\0\1\xff", 3);
+  meta_in.extra = {{"epoch", 3}};
+  ASSERT_THAT(s->SaveCheckpoint(path, meta_in), IsOk());
   EXPECT_FALSE(std::filesystem::exists(path + ".tmp"));
   std::vector<std::vector<float>> saved, saved_v;
   for (size_t t = 0; t < 3; ++t) {
@@ -644,9 +648,17 @@ TEST(SessionCheckpoint, RoundTripRestoresValuesStateAndSteps) {
   // Train on, then load: back to the saved state; and into a fresh bf16 session too.
   for (size_t t = 0; t < 3; ++t) SetGrad(*s, t, Random(kThree[t].numel, 17 + t));
   ASSERT_TRUE(s->Step({GroupHyper{}}).ok());
-  std::string meta;
+  CheckpointMeta meta;
   ASSERT_THAT(s->LoadCheckpoint(path, &meta), IsOk());
-  EXPECT_EQ(meta, R"({"groups": 1})");
+  ASSERT_EQ(meta.groups.size(), 1u);
+  EXPECT_EQ(meta.groups[0].hyper.lr, 5e-4);
+  EXPECT_EQ(meta.groups[0].hyper.beta1, 0.8);
+  EXPECT_EQ(meta.groups[0].hyper.beta2, 0.99);
+  EXPECT_EQ(meta.groups[0].hyper.eps, 1e-7);
+  EXPECT_EQ(meta.groups[0].hyper.weight_decay, 0.1);
+  EXPECT_EQ(meta.groups[0].other, json({{"amsgrad", false}}));
+  EXPECT_EQ(meta.rng_state, meta_in.rng_state);
+  EXPECT_EQ(meta.extra, meta_in.extra);
   for (size_t t = 0; t < 3; ++t) {
     EXPECT_EQ(Param(*s, t), saved[t]);
     EXPECT_EQ(s->step_count(t), 1);
@@ -764,7 +776,11 @@ TEST(SessionCheckpoint, FileIsSafetensorsWithShapesAndMetadata) {
   const std::vector<float> w = {1, 2, 3, 4, 5, 6};
   ASSERT_THAT(s->WriteParam(0, w.data()), IsOk());
   const std::string path = dir + "/c.safetensors";
-  ASSERT_THAT(s->SaveCheckpoint(path, "binding-meta"), IsOk());
+  CheckpointMeta meta_in;
+  meta_in.groups.push_back({GroupHyper{}});
+  meta_in.rng_state = "rng";
+  meta_in.extra = "x";
+  ASSERT_THAT(s->SaveCheckpoint(path, meta_in), IsOk());
   std::ifstream in(path, std::ios::binary);
   uint64_t n = 0;
   in.read(reinterpret_cast<char*>(&n), 8);
@@ -781,7 +797,13 @@ TEST(SessionCheckpoint, FileIsSafetensorsWithShapesAndMetadata) {
   EXPECT_EQ(h["frozen"]["data_offsets"], json::array({72, 88}));
   EXPECT_FALSE(h.contains("exp_avg/frozen"));
   EXPECT_EQ(h["__metadata__"]["format"], "tiermem-checkpoint");
-  EXPECT_EQ(h["__metadata__"]["binding"], "binding-meta");
+  EXPECT_EQ(h["__metadata__"]["version"], "3");
+  EXPECT_EQ(json::parse(h["__metadata__"]["param_groups"].get<std::string>()),
+            json::parse(R"([{"lr": 0.001, "betas": [0.9, 0.999], "eps": 1e-8,
+                             "weight_decay": 0.01}])"));
+  EXPECT_EQ(h["__metadata__"]["rng_state"], "cm5n");  // base64 of "rng"
+  EXPECT_EQ(h["__metadata__"]["extra"], "\"x\"");
+  EXPECT_FALSE(h["__metadata__"].contains("binding"));
   std::vector<float> back(6);
   in.read(reinterpret_cast<char*>(back.data()), 24);
   EXPECT_EQ(back, w);
@@ -789,7 +811,9 @@ TEST(SessionCheckpoint, FileIsSafetensorsWithShapesAndMetadata) {
   EXPECT_EQ(static_cast<uint64_t>(in.tellg()), 8 + n + 88);
   auto meta = Session::CheckpointMetadata(path);
   ASSERT_TRUE(meta.ok()) << meta.status().ToString();
-  EXPECT_EQ(*meta, "binding-meta");
+  EXPECT_EQ(meta->groups.size(), 1u);
+  EXPECT_EQ(meta->rng_state, "rng");
+  EXPECT_EQ(meta->extra, "x");
   // A byte of the header changed (a step count: not a tensor): the header checksum catches it.
   std::ifstream whole(path, std::ios::binary);
   std::string bytes((std::istreambuf_iterator<char>(whole)), std::istreambuf_iterator<char>());
@@ -802,20 +826,19 @@ TEST(SessionCheckpoint, FileIsSafetensorsWithShapesAndMetadata) {
   std::filesystem::remove_all(dir);
 }
 
-// Files of the earlier format (1) still load.
-TEST(SessionCheckpoint, ReadsFormatOneFiles) {
-  const std::string dir = TempDir();
+// A format-1 file (earlier builds) with one tensor "a" of 3 elements and `meta` as its
+// metadata (what ChunkedModel::Save wrote then).
+std::string FormatOneFile(const std::string& meta) {
   std::string f;
   auto put = [&](const void* p, size_t n) { f.append(static_cast<const char*>(p), n); };
   auto crc_of = [&](size_t from) { return Crc32c(f.data() + from, f.size() - from); };
-  const std::string meta = "old";
   put("TMCKPT01", 8);
-  const uint32_t version = 1, meta_bytes = 3;
+  const uint32_t version = 1, meta_bytes = static_cast<uint32_t>(meta.size());
   const uint64_t ntensors = 1, micro = 5, skipped = 0;
   const double scale = 1.0;
   const int32_t good = 0;
   put(&version, 4); put(&ntensors, 8); put(&micro, 8); put(&scale, 8); put(&good, 4);
-  put(&skipped, 8); put(&meta_bytes, 4); put(meta.data(), 3);
+  put(&skipped, 8); put(&meta_bytes, 4); put(meta.data(), meta.size());
   uint32_t c = crc_of(0);
   put(&c, 4);
   const size_t rec = f.size();
@@ -831,12 +854,29 @@ TEST(SessionCheckpoint, ReadsFormatOneFiles) {
   put("TMCKEND1", 8);
   const uint32_t all = Crc32c(&rc, 4);
   put(&all, 4);
-  std::ofstream(dir + "/v1.tmc", std::ios::binary) << f;
+  return f;
+}
+
+// Files of the earliest format (1) still load, their LibTorch-shaped metadata converted; one
+// whose metadata has neither earlier shape is refused before anything changes.
+TEST(SessionCheckpoint, ReadsFormatOneFiles) {
+  const std::string dir = TempDir();
+  std::ofstream(dir + "/v1.tmc", std::ios::binary) << FormatOneFile(
+      R"({"param_groups":[{"betas":[0.9,0.999],"eps":1e-08,"lr":0.0005,"weight_decay":0.01}]})");
+  std::ofstream(dir + "/bad.tmc", std::ios::binary) << FormatOneFile("old");
   auto s = Make({{"device", "1MiB"}}, {{"a", 3, true, 0}});
   ASSERT_TRUE(s);
-  std::string got;
+  const std::vector<float> before = Param(*s, 0);
+  EXPECT_THAT(s->LoadCheckpoint(dir + "/bad.tmc"),
+              StatusIs(StatusCode::kInvalidArgument, "no optimizer param groups"));
+  EXPECT_EQ(Param(*s, 0), before);
+  EXPECT_EQ(s->micro_steps(), 0u);
+  CheckpointMeta got;
   ASSERT_THAT(s->LoadCheckpoint(dir + "/v1.tmc", &got), IsOk());
-  EXPECT_EQ(got, "old");
+  ASSERT_EQ(got.groups.size(), 1u);
+  EXPECT_EQ(got.groups[0].hyper.lr, 5e-4);
+  EXPECT_TRUE(got.rng_state.empty());
+  EXPECT_TRUE(got.extra.is_null());
   EXPECT_EQ(Param(*s, 0), std::vector<float>({1, 2, 3}));
   EXPECT_EQ(s->step_count(0), 4);
   EXPECT_EQ(s->micro_steps(), 5u);

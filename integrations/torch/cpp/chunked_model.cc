@@ -22,10 +22,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <set>
 
 #include "integrations/torch/cpp/torch_pool.h"
+#include "runtime/param_groups.h"
 #include "runtime/tier_stack.h"
 
 namespace tiermem::torch {
@@ -205,51 +207,37 @@ StatusOr<std::unique_ptr<ChunkedModel>> ChunkedModel::Create(::torch::nn::Module
     m->params_.push_back(std::move(rec));
   }
   if (m->params_.empty()) return InvalidArgumentError("the model has no parameters");
-  // Optimizer groups: every trainable parameter in exactly one.
-  std::vector<int> group_of(m->params_.size(), -1);
+  std::vector<session::TensorSpec> specs;
+  for (auto& p : m->params_) {
+    specs.push_back(session::TensorSpec{p->name, static_cast<uint64_t>(p->param.numel()),
+                                        p->param.requires_grad(), 0, p->param.sizes().vec()});
+  }
+  // Optimizer groups: the session's rule (param_groups.h), default one group.
+  std::optional<std::vector<std::vector<int64_t>>> members;
   if (groups.empty()) {
     groups.push_back(ParamGroup{});
-    for (auto& p : m->params_) {
-      if (p->param.requires_grad()) groups[0].params.push_back(p->param);
+  } else {
+    members.emplace();
+    for (const ParamGroup& pg : groups) {
+      std::vector<int64_t>& mine = members->emplace_back();
+      for (const ::torch::Tensor& t : pg.params) {
+        auto it = m->by_impl_.find(t.unsafeGetTensorImpl());
+        mine.push_back(it == m->by_impl_.end() ? session::kNotAModelTensor
+                                               : static_cast<int64_t>(it->second->index));
+      }
     }
   }
-  for (size_t g = 0; g < groups.size(); ++g) {
-    const ParamGroup& pg = groups[g];
-    session::GroupHyper h{cfg.optimizer.lr, cfg.optimizer.beta1, cfg.optimizer.beta2,
-                          cfg.optimizer.eps, cfg.optimizer.weight_decay};
+  TIERMEM_ASSIGN_OR_RETURN(const std::vector<int> group_of,
+                           session::AssignParamGroups(specs, members));
+  for (size_t i = 0; i < specs.size(); ++i) specs[i].opt_group = group_of[i];
+  for (const ParamGroup& pg : groups) {
+    session::GroupHyper h = cfg.optimizer;
     if (pg.lr) h.lr = *pg.lr;
     if (pg.beta1) h.beta1 = *pg.beta1;
     if (pg.beta2) h.beta2 = *pg.beta2;
     if (pg.eps) h.eps = *pg.eps;
     if (pg.weight_decay) h.weight_decay = *pg.weight_decay;
     m->hyper_.push_back(h);
-    for (const ::torch::Tensor& t : pg.params) {
-      auto it = m->by_impl_.find(t.unsafeGetTensorImpl());
-      if (it == m->by_impl_.end()) {
-        return InvalidArgumentError("param group " + std::to_string(g) +
-                                    " holds a tensor that is not a parameter of the model");
-      }
-      const size_t i = it->second->index;
-      if (!t.requires_grad()) {
-        return InvalidArgumentError("param group " + std::to_string(g) + ": parameter " +
-                                    it->second->name + " is frozen (requires_grad false)");
-      }
-      if (group_of[i] >= 0) {
-        return InvalidArgumentError("parameter " + it->second->name +
-                                    " is in more than one param group");
-      }
-      group_of[i] = static_cast<int>(g);
-    }
-  }
-  std::vector<session::TensorSpec> specs;
-  for (auto& p : m->params_) {
-    const bool trainable = p->param.requires_grad();
-    if (trainable && group_of[p->index] < 0) {
-      return InvalidArgumentError("trainable parameter " + p->name + " is in no param group");
-    }
-    specs.push_back(session::TensorSpec{p->name, static_cast<uint64_t>(p->param.numel()),
-                                        trainable, std::max(group_of[p->index], 0),
-                                        p->param.sizes().vec()});
   }
   TIERMEM_ASSIGN_OR_RETURN(m->session_, session::Session::Create(cfg, std::move(specs)));
   for (auto& p : m->params_) {
@@ -514,37 +502,33 @@ StatusOr<::torch::Tensor> ChunkedModel::OptimizerState(const ::torch::Tensor& pa
   return out;
 }
 
-Status ChunkedModel::Save(const std::string& path) {
+Status ChunkedModel::Save(const std::string& path, const nlohmann::json& extra) {
   if (closed_) return FailedPreconditionError("tiermem ChunkedModel is closed");
-  nlohmann::json groups = nlohmann::json::array();
-  for (const session::GroupHyper& h : hyper_) {
-    groups.push_back({{"lr", h.lr}, {"betas", {h.beta1, h.beta2}}, {"eps", h.eps},
-                      {"weight_decay", h.weight_decay}});
-  }
-  return session_->SaveCheckpoint(path, nlohmann::json{{"param_groups", groups}}.dump());
+  session::CheckpointMeta meta;
+  for (const session::GroupHyper& h : hyper_) meta.groups.push_back({h});
+  const ::torch::Tensor rng = CpuRngState().contiguous();
+  meta.rng_state.assign(static_cast<const char*>(rng.data_ptr()), rng.nbytes());
+  meta.extra = extra;
+  return session_->SaveCheckpoint(path, meta);
 }
 
-Status ChunkedModel::Load(const std::string& path) {
+Status ChunkedModel::Load(const std::string& path, nlohmann::json* extra) {
   if (closed_) return FailedPreconditionError("tiermem ChunkedModel is closed");
-  // The groups are checked before anything is loaded (LoadCheckpoint itself verifies every
-  // tensor before it writes one), so a failed Load changes nothing.
-  TIERMEM_ASSIGN_OR_RETURN(const std::string meta, session::Session::CheckpointMetadata(path));
-  nlohmann::json j = nlohmann::json::parse(meta, nullptr, false);
-  if (j.is_discarded() || !j.contains("param_groups") || !j["param_groups"].is_array()) {
-    return InvalidArgumentError("checkpoint " + path + " was not saved by ChunkedModel::Save");
+  // The session checks the groups and the RNG state's size against ours before it loads
+  // anything (and verifies every tensor before it writes one): a failed Load changes nothing.
+  session::CheckpointMeta meta;
+  session::CheckpointLoad how;
+  how.num_groups = hyper_.size();
+  how.rng_state_bytes = static_cast<size_t>(CpuRngState().nbytes());
+  TIERMEM_RETURN_IF_ERROR(session_->LoadCheckpoint(path, &meta, how));
+  for (size_t g = 0; g < hyper_.size(); ++g) hyper_[g] = meta.groups[g].hyper;
+  if (!meta.rng_state.empty()) {
+    ::torch::Tensor rng = ::torch::empty({static_cast<int64_t>(meta.rng_state.size())},
+                                         ::torch::kUInt8);
+    std::memcpy(rng.data_ptr(), meta.rng_state.data(), meta.rng_state.size());
+    SetCpuRngState(rng);
   }
-  if (j["param_groups"].size() != hyper_.size()) {
-    return InvalidArgumentError("checkpoint " + path + " has " +
-                                std::to_string(j["param_groups"].size()) +
-                                " param groups, this model " + std::to_string(hyper_.size()));
-  }
-  std::vector<session::GroupHyper> hyper;
-  for (const nlohmann::json& h : j["param_groups"]) {
-    hyper.push_back(session::GroupHyper{h.at("lr"), h.at("betas").at(0), h.at("betas").at(1),
-                                        h.at("eps"), h.at("weight_decay")});
-  }
-  TIERMEM_RETURN_IF_ERROR(session_->LoadCheckpoint(path));
-  hyper_ = std::move(hyper);
+  if (extra != nullptr) *extra = std::move(meta.extra);
   return OkStatus();
 }
 

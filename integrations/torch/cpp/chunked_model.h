@@ -93,7 +93,7 @@ class ChunkedModel {
 
   // kInvalidArgument: bad config key/value (the TIERMEM_* environment applies), a non-fp32
   // or non-CPU parameter, no parameters, bad groups (a tensor in no group, in two, frozen or
-  // not managed); kUnimplemented: a CUDA device; kResourceExhausted: a device budget below
+  // not managed: the session's rule and messages, runtime/param_groups.h); kUnimplemented: a CUDA device; kResourceExhausted: a device budget below
   // the minimum (the message names the minimum bytes) or no host/NVMe room. `groups` empty:
   // one group of every trainable parameter. On failure the model is untouched.
   static StatusOr<std::unique_ptr<ChunkedModel>> Create(::torch::nn::Module& model,
@@ -135,11 +135,15 @@ class ChunkedModel {
   // Its Adam state: `kind` "exp_avg" or "exp_avg_sq".
   StatusOr<::torch::Tensor> OptimizerState(const ::torch::Tensor& param, const std::string& kind);
 
-  // Checkpoints: every parameter's fp32 value, the Adam state, step counts, the loss scale and
-  // the groups' hyper-parameters, in the session's checksummed format (atomic rename). Load
-  // verifies the whole file before changing anything.
-  Status Save(const std::string& path);
-  Status Load(const std::string& path);
+  // Checkpoints: every parameter's fp32 value, the Adam state, step counts, the loss scale,
+  // the groups' hyper-parameters, torch's default CPU generator state and `extra` (any JSON),
+  // in the session's checksummed format (atomic rename) — the format the Python package
+  // writes and reads too (runtime/checkpoint_meta.h), so either binding resumes the other's.
+  // Load verifies the whole file (and that it has as many param groups as this model) before
+  // changing anything, then sets the groups' hyper-parameters and the generator state (when
+  // the file has one) and gives back `extra`.
+  Status Save(const std::string& path, const nlohmann::json& extra = nullptr);
+  Status Load(const std::string& path, nlohmann::json* extra = nullptr);
 
   StatusOr<Stats> GetStats();
 

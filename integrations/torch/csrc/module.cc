@@ -23,8 +23,10 @@
 #include "base/env.h"
 #include "base/timeline_reader.h"
 #include "prof/analysis.h"
+#include "runtime/checkpoint_meta.h"
 #include "runtime/config.h"
 #include "runtime/device_kernels.h"
+#include "runtime/param_groups.h"
 #include "runtime/session.h"
 #include "runtime/tier_stack.h"
 
@@ -194,6 +196,30 @@ class PyCollectives final : public session::Collectives {
  private:
   py::object impl_;
 };
+
+// Checkpoint metadata (runtime/checkpoint_meta.h) across the boundary, in the file's own
+// encoding: param_groups and extra as JSON text (json.loads / json.dumps on the Python side),
+// the RNG state as bytes.
+py::dict MetaDict(const session::CheckpointMeta& meta) {
+  std::map<std::string, std::string> e = session::EncodeCheckpointMeta(meta);
+  py::dict d;
+  d["param_groups"] = e["param_groups"];
+  d["rng_state"] = py::bytes(meta.rng_state);
+  d["extra"] = e["extra"];
+  return d;
+}
+
+session::CheckpointMeta MetaFrom(const std::string& param_groups, const std::string& rng_state,
+                                 const std::string& extra) {
+  session::CheckpointMeta meta;
+  const nlohmann::json groups = nlohmann::json::parse(param_groups, nullptr, false);
+  if (groups.is_discarded()) throw py::value_error("checkpoint: param_groups is not JSON");
+  meta.groups = Check(session::ParseCheckpointGroups(groups));
+  meta.rng_state = rng_state;
+  meta.extra = nlohmann::json::parse(extra, nullptr, false);
+  if (meta.extra.is_discarded()) throw py::value_error("checkpoint: extra is not JSON");
+  return meta;
+}
 
 // The Python face of session::Session. Views are made here; everything else forwards.
 class PySession {
@@ -413,10 +439,16 @@ class PySession {
     const session::TensorPlace& p = s_->place(t);
     return py::make_tuple(p.group, p.offset, p.numel);
   }
-  std::string LoadCheckpoint(const std::string& path, bool verify_only) {
-    std::string meta;
-    Check(s_->LoadCheckpoint(path, &meta, verify_only));
-    return meta;
+  py::dict LoadCheckpoint(const std::string& path, bool verify_only,
+                          std::optional<size_t> num_groups,
+                          std::optional<size_t> rng_state_bytes) {
+    session::CheckpointMeta meta;
+    session::CheckpointLoad how;
+    how.verify_only = verify_only;
+    how.num_groups = num_groups;
+    how.rng_state_bytes = rng_state_bytes;
+    Check(s_->LoadCheckpoint(path, &meta, how));
+    return MetaDict(meta);
   }
 
   Session& s() { return *s_; }
@@ -756,13 +788,19 @@ PYBIND11_MODULE(_C, m) {
       .def("stats", &PySession::Stats)
       .def("timeline_report",
            [](PySession& s) { return tiermem::torch_ext::ReportDict(Check(s.s().TimelineReport())); })
+      // param_groups and extra: JSON text; rng_state: bytes (runtime/checkpoint_meta.h).
       .def("save_checkpoint",
-           [](PySession& s, const std::string& path, const std::string& meta) {
-             Check(s.s().SaveCheckpoint(path, meta));
+           [](PySession& s, const std::string& path, const std::string& param_groups,
+              const py::bytes& rng_state, const std::string& extra) {
+             Check(s.s().SaveCheckpoint(
+                 path, tiermem::torch_ext::MetaFrom(param_groups, rng_state, extra)));
            },
-           py::arg("path"), py::arg("metadata") = "")
+           py::arg("path"), py::arg("param_groups") = "[]", py::arg("rng_state") = py::bytes(),
+           py::arg("extra") = "null")
+      // -> {"param_groups": JSON text, "rng_state": bytes, "extra": JSON text}
       .def("load_checkpoint", &PySession::LoadCheckpoint, py::arg("path"),
-           py::arg("verify_only") = false)
+           py::arg("verify_only") = false, py::arg("num_groups") = py::none(),
+           py::arg("rng_state_bytes") = py::none())
       .def("group", &PySession::Group)
       .def("place", &PySession::Place)
       .def_property_readonly("num_groups", [](const PySession& s) { return s.s().num_groups(); })
@@ -822,8 +860,20 @@ PYBIND11_MODULE(_C, m) {
   // "13.0": the CUDA runtime this build links (the driver must support it); "" without CUDA.
   m.def("cuda_runtime_version", [] { return se::TierStack::CudaRuntimeVersion(); });
   m.def("checkpoint_metadata", [](const std::string& path) {
-    return Check(se::Session::CheckpointMetadata(path));
+    return tiermem::torch_ext::MetaDict(Check(se::Session::CheckpointMetadata(path)));
   });
+  // Optimizer param groups (runtime/param_groups.h): tensors as (name, trainable), `members`
+  // as lists of tensor indices (-1: not the model's) or None (one group) -> each tensor's group.
+  m.def("assign_param_groups",
+        [](const std::vector<std::pair<std::string, bool>>& tensors,
+           const std::optional<std::vector<std::vector<int64_t>>>& members) {
+          std::vector<se::TensorSpec> specs;
+          for (const auto& [name, trainable] : tensors) {
+            specs.push_back(se::TensorSpec{name, 1, trainable, 0});
+          }
+          return tiermem::torch_ext::Check(se::AssignParamGroups(specs, members));
+        },
+        py::arg("tensors"), py::arg("members"));
   m.def("resolve_device_kind",
         [](const std::string& kind) { return Check(se::TierStack::ResolveDeviceKind(kind)); });
 }

@@ -1,6 +1,8 @@
 // The main job's GPT-style decoder (integrations/torch/python/tiermem/examples/gpt.py) in
 // LibTorch: pre-norm blocks with causal self-attention and a GELU MLP, tied embeddings
-// (the head's weight is the token embedding's), GPT-2 initialisation (std 0.02). The model
+// (the head's weight is the token embedding's), GPT-2 initialisation (std 0.02), and optional
+// residual dropout (GPT-2's resid_pdrop: after the attention projection and the MLP; 0 by
+// default, which draws nothing from the generator). The model
 // is split into segments for tiermem::torch::ChunkedModel::Run: `embed`, each of `blocks`, `head`.
 // Header-only so the example and its test share one definition. It lives outside namespace
 // tiermem: inside it, `torch::` would name tiermem::torch (TORCH_MODULE spells it unqualified).
@@ -21,6 +23,7 @@ struct GPTConfig {
   int64_t n_layer = 4;
   int64_t n_head = 4;
   int64_t n_embd = 256;
+  double dropout = 0.0;  // residual dropout probability (training mode only)
 };
 
 inline void InitLinear(::torch::nn::Linear& l) {
@@ -60,18 +63,20 @@ struct BlockImpl : ::torch::nn::Module {
         attn(register_module("attn", CausalSelfAttention(c))),
         ln2(register_module("ln2", ::torch::nn::LayerNorm(::torch::nn::LayerNormOptions({c.n_embd})))),
         fc(register_module("fc", ::torch::nn::Linear(c.n_embd, 4 * c.n_embd))),
-        out(register_module("out", ::torch::nn::Linear(4 * c.n_embd, c.n_embd))) {
+        out(register_module("out", ::torch::nn::Linear(4 * c.n_embd, c.n_embd))),
+        dropout(c.dropout) {
     InitLinear(fc);
     InitLinear(out);
   }
   ::torch::Tensor forward(::torch::Tensor x) {
-    x = x + attn(ln1(x));
-    return x + out(::torch::gelu(fc(ln2(x))));
+    x = x + ::torch::dropout(attn(ln1(x)), dropout, is_training());
+    return x + ::torch::dropout(out(::torch::gelu(fc(ln2(x)))), dropout, is_training());
   }
   ::torch::nn::LayerNorm ln1;
   CausalSelfAttention attn;
   ::torch::nn::LayerNorm ln2;
   ::torch::nn::Linear fc, out;
+  double dropout;
 };
 TORCH_MODULE(Block);
 

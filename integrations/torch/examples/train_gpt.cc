@@ -5,6 +5,17 @@
 //
 //   build/integrations/torch/tiermem_train_gpt [--steps 10] [--n-layer 4] [--n-embd 128]
 //       [--batch 8] [--budget-fraction 0.25] [--timeline build/train_gpt_cpp.tmt]
+//       [--seed 0] [--data-seed 0] [--dropout 0] [--threads N]
+//       [--resume PATH] [--save PATH] [--print-losses] [--print-data]
+//
+// Checkpoints: --save PATH saves after the last step (the step count in `extra`); --resume
+// PATH loads one first (ChunkedModel::Save's or tiermem.save_checkpoint's: one format) and
+// trains on from the step it holds up to --steps, on the same batches an uninterrupted run
+// would use. --seed seeds torch (the initialisation, then dropout); --data-seed the synthetic
+// text. --print-losses ends the output with one JSON line {"start": first step, "losses":
+// [...]} (each loss exactly, as a double), plus "data": the batches' input tokens with
+// --print-data. tests/python/test_checkpoint_cross_binding.py runs it against Python.
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -21,7 +32,9 @@ double Mib(tiermem::Bytes b) { return static_cast<double>(b) / (1 << 20); }
 int Usage(const char* argv0) {
   std::fprintf(stderr,
                "usage: %s [--steps N] [--n-layer N] [--n-embd N] [--n-head N] "
-               "[--block-size N] [--batch N] [--lr X] [--budget-fraction X] [--timeline PATH]\n",
+               "[--block-size N] [--batch N] [--lr X] [--budget-fraction X] [--timeline PATH] "
+               "[--seed N] [--data-seed N] [--dropout X] [--threads N] [--resume PATH] "
+               "[--save PATH] [--print-losses] [--print-data]\n",
                argv0);
   return 2;
 }
@@ -40,6 +53,10 @@ int main(int argc, char** argv) {
   int64_t batch = 8;
   double lr = 1e-3, fraction = 0.25;
   std::string timeline = "build/train_gpt_cpp.tmt";
+  uint64_t seed = 0, data_seed = 0;
+  int threads = 0;
+  std::string resume, save;
+  bool print_losses = false, print_data = false;
   for (int i = 1; i < argc; ++i) {
     auto next = [&](const char* flag) -> const char* {
       if (std::strcmp(argv[i], flag) != 0 || i + 1 >= argc) return nullptr;
@@ -54,13 +71,23 @@ int main(int argc, char** argv) {
     else if (const char* v = next("--lr")) lr = std::atof(v);
     else if (const char* v = next("--budget-fraction")) fraction = std::atof(v);
     else if (const char* v = next("--timeline")) timeline = v;
+    else if (const char* v = next("--seed")) seed = std::strtoull(v, nullptr, 10);
+    else if (const char* v = next("--data-seed")) data_seed = std::strtoull(v, nullptr, 10);
+    else if (const char* v = next("--dropout")) c.dropout = std::atof(v);
+    else if (const char* v = next("--threads")) threads = std::atoi(v);
+    else if (const char* v = next("--resume")) resume = v;
+    else if (const char* v = next("--save")) save = v;
+    else if (std::strcmp(argv[i], "--print-losses") == 0) print_losses = true;
+    else if (std::strcmp(argv[i], "--print-data") == 0) print_data = true;
     else return Usage(argv[0]);
   }
-  if (steps < 1 || batch < 1 || c.n_layer < 1 || c.n_embd % c.n_head != 0 || fraction <= 0) {
+  if (steps < 0 || batch < 1 || c.n_layer < 1 || c.n_embd % c.n_head != 0 || fraction <= 0 ||
+      c.dropout < 0 || c.dropout >= 1 || threads < 0) {
     return Usage(argv[0]);
   }
+  if (threads > 0) ::at::set_num_threads(threads);
 
-  ::torch::manual_seed(0);
+  ::torch::manual_seed(seed);
   GPT model(c);
   int64_t n_params = 0;
   std::set<const void*> seen;
@@ -84,9 +111,22 @@ int main(int argc, char** argv) {
               static_cast<double>(engine.model_bytes()) / budget, Mib(budget),
               static_cast<unsigned long long>(engine.chunk_elems()), engine.num_chunk_groups());
 
-  const auto batches = tiermem_example::SyntheticBatches(c, batch, steps);
+  int start = 0;
+  if (!resume.empty()) {
+    nlohmann::json extra;
+    if (tiermem::Status s = engine.Load(resume, &extra); !s.ok()) {
+      std::fprintf(stderr, "tiermem: %s\n", s.ToString().c_str());
+      return 1;
+    }
+    if (extra.is_object() && extra.contains("step") && extra["step"].is_number_integer()) {
+      start = extra["step"].get<int>();
+    }
+    std::printf("resumed from %s at step %d\n", resume.c_str(), start);
+  }
+  const auto batches = tiermem_example::SyntheticBatches(c, batch, steps, data_seed);
+  nlohmann::json losses = nlohmann::json::array(), data = nlohmann::json::array();
   const auto t0 = std::chrono::steady_clock::now();
-  for (int s = 0; s < steps; ++s) {
+  for (int s = start; s < steps; ++s) {
     const auto& [x, y] = batches[s];
     auto logits = model->forward(engine, x);
     if (!logits.ok()) {
@@ -104,7 +144,21 @@ int main(int argc, char** argv) {
     const double secs =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     std::printf("step %3d  loss %.4f  %.0f tokens/s\n", s + 1, loss.item<double>(),
-                (s + 1) * batch * c.block_size / secs);
+                (s + 1 - start) * batch * c.block_size / secs);
+    losses.push_back(loss.item<double>());
+    if (print_data) {
+      const ::torch::Tensor xs = x.contiguous();
+      data.push_back(std::vector<int64_t>(xs.data_ptr<int64_t>(),
+                                          xs.data_ptr<int64_t>() + xs.numel()));
+    }
+  }
+  if (!save.empty()) {
+    const int at = std::max(start, steps);  // a resume past --steps trains nothing
+    if (tiermem::Status s = engine.Save(save, {{"step", at}}); !s.ok()) {
+      std::fprintf(stderr, "tiermem: %s\n", s.ToString().c_str());
+      return 1;
+    }
+    std::printf("saved %s at step %d\n", save.c_str(), at);
   }
   auto stats = engine.GetStats();
   if (!stats.ok()) {
@@ -125,6 +179,11 @@ int main(int argc, char** argv) {
   if (tiermem::Status s = engine.Close(); !s.ok()) {
     std::fprintf(stderr, "tiermem: %s\n", s.ToString().c_str());
     return 1;
+  }
+  if (print_losses) {
+    nlohmann::json out = {{"start", start}, {"losses", losses}};
+    if (print_data) out["data"] = data;
+    std::printf("%s\n", out.dump().c_str());
   }
   return 0;
 }

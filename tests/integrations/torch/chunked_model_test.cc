@@ -262,12 +262,21 @@ TEST(ChunkedModel, BadInputIsAClearStatusAndLeavesTheModelUntouched) {
   auto twice = tiermem::torch::ChunkedModel::Create(
       *model, {{"device", "1MiB"}, {"host", "64MiB"}}, {frozen_bad, frozen_bad});
   ASSERT_FALSE(twice.ok());
-  EXPECT_NE(twice.status().message().find("more than one param group"), std::string::npos)
-      << twice.status().ToString();
+  EXPECT_EQ(twice.status().message(),  // the session's rule and words (runtime/param_groups.h)
+            "param_groups[1]: parameter block0.fc.weight appears in more than one group");
   auto missing = tiermem::torch::ChunkedModel::Create(
       *model, {{"device", "1MiB"}, {"host", "64MiB"}}, {frozen_bad});
   ASSERT_FALSE(missing.ok());
   EXPECT_NE(missing.status().message().find("is in no param group"), std::string::npos);
+  model->blocks[1]->fc->bias.set_requires_grad(false);
+  tiermem::torch::ParamGroup with_frozen;
+  with_frozen.params.push_back(model->blocks[1]->fc->bias);
+  auto frozen = tiermem::torch::ChunkedModel::Create(
+      *model, {{"device", "1MiB"}, {"host", "64MiB"}}, {with_frozen});
+  model->blocks[1]->fc->bias.set_requires_grad(true);
+  ASSERT_FALSE(frozen.ok());
+  EXPECT_EQ(frozen.status().message(),
+            "param_groups[0]: parameter block1.fc.bias is frozen (requires_grad=False)");
 
   auto ref_params = ref->named_parameters();
   for (const auto& item : model->named_parameters()) {
@@ -443,8 +452,69 @@ TEST(ChunkedModel, SaveAndLoadResumeBitForBitAndATornFileChangesNothing) {
   ASSERT_TRUE((*cb)->Load(dir + "/ckpt").ok());
   EXPECT_EQ((*cb)->group_options(0).lr, 5e-4);
   EXPECT_EQ(TrainSteps(b, **cb, batches, 3, 6), cont);
+  // A file with another number of param groups is refused before anything changes.
+  GPT d = MakeModel(c);
+  std::vector<tiermem::torch::ParamGroup> two(2);
+  for (const auto& t : UniqueParams(d)) two[t.dim() > 1 ? 0 : 1].params.push_back(t);
+  auto cd = tiermem::torch::ChunkedModel::Create(*d, cfg, two);
+  ASSERT_TRUE(cd.ok()) << cd.status().ToString();
+  auto d_before = (*cd)->ParamValue(d->blocks[0]->fc->weight);
+  tiermem::Status groups = (*cd)->Load(dir + "/ckpt");
+  EXPECT_EQ(groups.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(groups.message().find("has 1 optimizer param groups, the optimizer has 2: nothing "
+                                  "was loaded"),
+            std::string::npos)
+      << groups.ToString();
+  EXPECT_TRUE(::torch::equal(*(*cd)->ParamValue(d->blocks[0]->fc->weight), *d_before));
   unlink((dir + "/ckpt").c_str());
   unlink((dir + "/torn").c_str());
+}
+
+// A Load puts torch's default CPU generator back where the Save found it (so dropout after a
+// resume draws what it would have drawn) and gives back `extra`.
+TEST(ChunkedModel, SaveAndLoadRestoreTheCpuGeneratorAndExtra) {
+  const std::string dir = ::testing::TempDir();
+  ::torch::nn::Linear lin(3, 2);
+  auto cm = tiermem::torch::ChunkedModel::Create(*lin, {{"device", "1MiB"}, {"host", "16MiB"}});
+  ASSERT_TRUE(cm.ok()) << cm.status().ToString();
+  ::torch::manual_seed(5);
+  ASSERT_TRUE((*cm)->Save(dir + "/rng", {{"epoch", 3}, {"batch", 17}}).ok());
+  const ::torch::Tensor expected = ::torch::rand({4});
+  ::torch::manual_seed(6);
+  nlohmann::json extra;
+  ASSERT_TRUE((*cm)->Load(dir + "/rng", &extra).ok());
+  EXPECT_TRUE(::torch::equal(::torch::rand({4}), expected));
+  EXPECT_EQ(extra, nlohmann::json({{"epoch", 3}, {"batch", 17}}));
+  unlink((dir + "/rng").c_str());
+}
+
+// A checkpoint ChunkedModel::Save wrote before the metadata had one format (version 2, its
+// {"param_groups": [...]} string; tests/data/README.md) still loads: values, Adam state, step
+// counts and the group's learning rate; then it trains on.
+TEST(ChunkedModel, LoadsItsVersion2Checkpoint) {
+  ::torch::nn::Linear lin(3, 2);
+  auto cm = tiermem::torch::ChunkedModel::Create(*lin, {{"device", "1MiB"}, {"host", "16MiB"}});
+  ASSERT_TRUE(cm.ok()) << cm.status().ToString();
+  ::torch::manual_seed(5);
+  const ::torch::Tensor rng_before = ::torch::rand({2});
+  ::torch::manual_seed(5);
+  nlohmann::json extra = "unset";
+  tiermem::Status s =
+      (*cm)->Load(std::string(TIERMEM_TEST_DATA) + "/legacy-libtorch.safetensors", &extra);
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  EXPECT_TRUE(extra.is_null());
+  EXPECT_EQ((*cm)->group_options(0).lr, 5e-4);
+  EXPECT_TRUE(::torch::equal(::torch::rand({2}), rng_before));  // the file has no RNG state
+  EXPECT_TRUE(::torch::equal(*(*cm)->ParamValue(lin->weight),
+                             ::torch::arange(6, ::torch::kFloat32).view({2, 3}) / 8));
+  EXPECT_TRUE(::torch::equal(*(*cm)->OptimizerState(lin->bias, "exp_avg_sq"),
+                             (::torch::arange(2, ::torch::kFloat32) + 10) / 512));
+  EXPECT_EQ((*cm)->session().step_count(0), 3);
+  auto out = (*cm)->Run(*lin, [&](const auto&) { return lin(::torch::ones({1, 3})); });
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  out->sum().backward();
+  ASSERT_TRUE((*cm)->Step().ok());
+  EXPECT_EQ((*cm)->session().step_count(0), 4);
 }
 
 // plan: auto through the LibTorch binding: the same session core records step 2, plans it and

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _C
 from .shared import _Param
 from .tensor import ChunkTensor
 
@@ -56,7 +57,7 @@ def collect_params(model, cfg, param_groups, serving: bool):
         param_groups = [] if serving else [
             {"params": [r.orig for r in params if r.trainable]}]
     opt_groups = []
-    assigned = set()
+    members = []  # per group: its tensors' indices (-1: not a parameter of the model)
     for gi, g in enumerate(param_groups):
         if not isinstance(g, dict) or "params" not in g:
             raise ValueError(f"param_groups[{gi}] must be a dict with 'params'")
@@ -66,24 +67,15 @@ def collect_params(model, cfg, param_groups, serving: bool):
         og = dict(defaults)
         og.update({k: v for k, v in g.items() if k != "params"})
         plist = list(g["params"])
-        for p in plist:
-            r = by_orig.get(id(p))
-            if r is None:
-                raise ValueError(f"param_groups[{gi}] holds a tensor that is not a parameter "
-                                 "of the model")
-            if id(p) in assigned:
-                raise ValueError(f"param_groups[{gi}]: parameter {r.name} appears in more "
-                                 "than one group")
-            if not r.trainable:
-                raise ValueError(f"param_groups[{gi}]: parameter {r.name} is frozen "
-                                 "(requires_grad=False)")
-            assigned.add(id(p))
-            r.opt_group = gi
-        og["params"] = [by_orig[id(p)] for p in plist]  # _Param records for now
+        members.append([by_orig[id(p)].index if id(p) in by_orig else -1 for p in plist])
+        og["plist"] = plist
         opt_groups.append(og)
-    for r in params:
-        if r.trainable and id(r.orig) not in assigned:
-            raise ValueError(f"trainable parameter {r.name} is in no param group")
+    # The session's rule (runtime/param_groups.h): ValueError naming the group and tensor.
+    group_of = _C.assign_param_groups([(r.name, r.trainable) for r in params], members)
+    for r, gi in zip(params, group_of):
+        r.opt_group = gi
+    for og in opt_groups:
+        og["params"] = [by_orig[id(p)] for p in og.pop("plist")]  # _Param records for now
     return params, by_orig, opt_groups
 
 
