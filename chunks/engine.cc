@@ -32,8 +32,11 @@ int Idx(TierKind k) { return static_cast<int>(k); }
 StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config, EngineTiers tiers,
                                                  Mover* mover, TimelineRecorder* recorder,
                                                  std::unique_ptr<EvictionPolicy> policy) {
-  if (tiers.device == nullptr || tiers.host == nullptr) {
-    return InvalidArgumentError("engine: a device tier and a host tier are required");
+  if (tiers.host == nullptr) {
+    return InvalidArgumentError("engine: a host tier is required");
+  }
+  if (tiers.device != nullptr && tiers.device->kind() != TierKind::kDevice) {
+    return InvalidArgumentError("engine: the device tier must be of kind device");
   }
   if (tiers.host->kind() != TierKind::kHost) {
     return InvalidArgumentError("engine: the host tier must be of kind host");
@@ -78,6 +81,13 @@ Tier* Engine::TierOf(TierKind k) const {
     case TierKind::kNvme: return tiers_.nvme;
     default: return nullptr;
   }
+}
+
+Status Engine::NoTier(TierKind tier, std::string_view what) {
+  return FailedPreconditionError("engine: " + std::string(what) + " on the " +
+                                 std::string(TierKindName(tier)) +
+                                 " tier, but this stack has none (device_kind 'host' computes "
+                                 "on host memory: use the host tier)");
 }
 
 Status Engine::CheckChunk(ChunkId chunk) const {
@@ -368,7 +378,7 @@ StatusOr<Region> Engine::AllocateBytes(TierKind tier, Bytes bytes, ChunkId chunk
     if (const Bytes ext = external_[static_cast<int>(tier)]; ext > 0) {
       external = ", " + std::to_string(ext) + " bytes of the budget held by non-chunk " +
                  std::string(TierKindName(tier)) + " memory (" +
-                 (tier == TierKind::kDevice ? "KV cache, activations" : "offloaded activations") +
+                 (tier == TierKind::kDevice ? "KV cache, activations" : "activations") +
                  ")";
     }
     return ResourceExhaustedError(
@@ -385,10 +395,11 @@ Status Engine::SetExternalBytes(TierKind tier, Bytes bytes) {
     return InvalidArgumentError("engine: external bytes are on the device or the host tier");
   }
   Tier* t = TierOf(tier);
+  if (t == nullptr) return NoTier(tier, "external bytes");
   const std::string name(TierKindName(tier));
   const std::string what = tier == TierKind::kDevice
                                ? " bytes of non-chunk device memory (KV cache, activations)"
-                               : " bytes of offloaded activations";
+                               : " bytes of non-chunk host memory (activations)";
   // What cannot move: pinned chunks, and on the host the homes.
   Bytes homes = 0, pinned_now = 0;
   for (const ChunkRec& c : chunks_) {
@@ -456,6 +467,7 @@ StatusOr<void*> Engine::AcquireImpl(ChunkId chunk, TierKind where, bool* must_ze
     return InvalidArgumentError("engine: chunks are acquired on device or host, not " +
                                 std::string(TierKindName(where)));
   }
+  if (TierOf(where) == nullptr) return NoTier(where, "acquire");
   // Follow (or leave) the recorded order, and record this iteration's.
   if (tracing_) {
     switch (order_.Observe(chunk, where)) {
@@ -584,10 +596,7 @@ void Engine::StartFill(ChunkId id, const Placed& dst) {
 
 StatusOr<Region> Engine::AllocateScratch(TierKind tier, Bytes bytes, Category category) {
   Tier* t = TierOf(tier);
-  if (t == nullptr) {
-    return InvalidArgumentError(std::string("engine: no ") + std::string(TierKindName(tier)) +
-                                " tier for scratch");
-  }
+  if (t == nullptr) return NoTier(tier, "scratch");
   if (bytes == 0) return InvalidArgumentError("engine: scratch of 0 bytes");
   Region r;
   if (tier == TierKind::kNvme) {
@@ -605,10 +614,7 @@ StatusOr<Region> Engine::AllocateScratch(TierKind tier, Bytes bytes, Category ca
 
 Status Engine::FreeScratch(TierKind tier, const Region& region, Category category) {
   Tier* t = TierOf(tier);
-  if (t == nullptr) {
-    return InvalidArgumentError(std::string("engine: no ") + std::string(TierKindName(tier)) +
-                                " tier for scratch");
-  }
+  if (t == nullptr) return NoTier(tier, "scratch");
   // Work the caller queued on it so far comes before any reuse of the memory.
   TIERMEM_RETURN_IF_ERROR(MarkComputeUse(*t, region, stream_));
   TIERMEM_RETURN_IF_ERROR(t->Free(region));
@@ -721,7 +727,7 @@ StatusOr<bool> Engine::PlanEvict(ChunkId chunk, TierKind tier) {
 StatusOr<int> Engine::TryPlanPrefetch(ChunkId chunk, TierKind tier) {
   ChunkRec& c = chunks_[chunk];
   if ((tier != TierKind::kDevice && tier != TierKind::kHost) || c.pins > 0 || c.inflight ||
-      c.cache.tier != TierKind::kNone || c.home.tier == tier) {
+      c.cache.tier != TierKind::kNone || c.home.tier == tier || TierOf(tier) == nullptr) {
     return 0;
   }
   Tier* t = TierOf(tier);

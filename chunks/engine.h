@@ -103,7 +103,9 @@ struct EngineConfig {
 };
 
 struct EngineTiers {
-  Tier* device = nullptr;  // required
+  // Optional: without one (device_kind "host") the host tier is where compute acquires
+  // chunks, and every device call (Acquire, external bytes, scratch) is kFailedPrecondition.
+  Tier* device = nullptr;
   Tier* host = nullptr;    // required, byte-addressable
   Tier* nvme = nullptr;    // optional
 };
@@ -136,7 +138,7 @@ struct EngineStats {
 
 class Engine {
  public:
-  // kInvalidArgument without a device or a byte-addressable host tier.
+  // kInvalidArgument without a byte-addressable host tier.
   static StatusOr<std::unique_ptr<Engine>> Create(const EngineConfig& config, EngineTiers tiers,
                                                   Mover* mover, TimelineRecorder* recorder,
                                                   std::unique_ptr<EvictionPolicy> policy = nullptr);
@@ -266,6 +268,8 @@ class Engine {
          TimelineRecorder* recorder, std::unique_ptr<EvictionPolicy> policy);
   Tier* TierOf(TierKind k) const;
   Status CheckChunk(ChunkId chunk) const;
+  // kFailedPrecondition for `what` on a tier this stack does not have (no device: host mode).
+  static Status NoTier(TierKind tier, std::string_view what);
   Status WaitInflight(ChunkId chunk, std::string_view cause);
   Status WaitStall(const std::shared_ptr<Completion>& c, ChunkId chunk, std::string_view cause);
   // Allocates on `tier`, evicting unpinned chunks as needed (any chunk when `for_prefetch` is

@@ -171,7 +171,8 @@ Status ChoiceVar(const EnvGetter& env, const char* var, std::string* out,
   return BadVar(var, v, "expected one of " + list);
 }
 
-constexpr std::initializer_list<const char*> kDeviceKinds = {"auto", "cuda", "sim", "sim-async"};
+constexpr std::initializer_list<const char*> kDeviceKinds = {"auto", "cuda", "host", "sim",
+                                                            "sim-async"};
 constexpr std::initializer_list<const char*> kEngines = {"auto", "io_uring", "posix"};
 constexpr std::initializer_list<const char*> kIsas = {"auto", "scalar", "avx2", "avx512"};
 constexpr std::initializer_list<const char*> kPlanModes = {"off", "auto"};
@@ -186,6 +187,7 @@ Status ApplyJson(const json& config, SessionConfig* c, bool* nvme_given) {
   auto has = [&](const char* k) { return config.contains(k) && !config[k].is_null(); };
   if (has("device")) {
     TIERMEM_ASSIGN_OR_RETURN(c->device_budget, Size("device", config["device"]));
+    c->device_budget_given = true;
   }
   if (has("host")) {
     TIERMEM_ASSIGN_OR_RETURN(c->host_budget, Size("host", config["host"]));
@@ -350,7 +352,10 @@ Status ApplyJson(const json& config, SessionConfig* c, bool* nvme_given) {
 
 Status ApplyEnv(const EnvGetter& env, SessionConfig* c, bool* nvme_given) {
   TIERMEM_RETURN_IF_ERROR(ChoiceVar(env, "TIERMEM_DEVICE", &c->device_kind, kDeviceKinds));
-  TIERMEM_RETURN_IF_ERROR(SizeVar(env, "TIERMEM_DEVICE_BUDGET", &c->device_budget));
+  if (Var(env, "TIERMEM_DEVICE_BUDGET") != nullptr) {
+    TIERMEM_RETURN_IF_ERROR(SizeVar(env, "TIERMEM_DEVICE_BUDGET", &c->device_budget));
+    c->device_budget_given = true;
+  }
   TIERMEM_RETURN_IF_ERROR(SizeVar(env, "TIERMEM_HOST_BUDGET", &c->host_budget));
   if (Var(env, "TIERMEM_NVME_SIZE") != nullptr) {
     TIERMEM_RETURN_IF_ERROR(SizeVar(env, "TIERMEM_NVME_SIZE", &c->nvme_size));
@@ -408,6 +413,13 @@ StatusOr<SessionConfig> ParseConfig(const json& config, const EnvGetter& env) {
   if (nvme_given && !c.nvme_path.empty()) {
     TIERMEM_RETURN_IF_ERROR(CheckWritableDir("nvme.path", c.nvme_path));
   }
+  if (c.device_kind == "host" && c.device_budget_given) {
+    return InvalidArgumentError(
+        "config 'device' (or TIERMEM_DEVICE_BUDGET) = " + std::to_string(c.device_budget) +
+        " bytes with device_kind 'host': host mode has no device tier (compute runs on the "
+        "CPU against host memory, whose budget is 'host'); drop 'device', or pick "
+        "device_kind 'sim' to simulate a device of that budget");
+  }
   return c;
 }
 
@@ -427,7 +439,8 @@ StatusOr<SessionConfig> ParseConfigFile(const std::string& path, const EnvGetter
 
 json ToJson(const SessionConfig& c) {
   json j;
-  j["device"] = c.device_budget;
+  // Not given: null, so that parsing it again keeps it "not given" (host mode refuses one).
+  j["device"] = c.device_budget_given ? json(c.device_budget) : json(nullptr);
   j["host"] = c.host_budget;
   if (c.nvme_size > 0) {
     j["nvme"] = {{"size", c.nvme_size}, {"engine", c.nvme_engine}, {"queue_depth", c.io_depth},

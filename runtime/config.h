@@ -10,14 +10,21 @@
 // set but empty counts as unset.
 //
 //   key / variable                                 default     meaning
-//   device          TIERMEM_DEVICE_BUDGET          2GiB        device tier budget
+//   device          TIERMEM_DEVICE_BUDGET          2GiB        device tier budget (an error with
+//                                                              device_kind host; ignored, with
+//                                                              a warning, when auto picks host)
 //   host            TIERMEM_HOST_BUDGET            8GiB        host tier budget
 //   nvme.size       TIERMEM_NVME_SIZE              (none)      NVMe tier budget; no key = no NVMe
 //   nvme.path       TIERMEM_NVME_PATH              temp dir    directory for the NVMe files
 //   nvme.engine     TIERMEM_NVME_ENGINE            auto        auto | io_uring | posix
 //   nvme.queue_depth TIERMEM_IO_DEPTH              8           io_uring queue depth, 1..4096
-//   device_kind     TIERMEM_DEVICE                 auto        auto | cuda | sim | sim-async
-//                                                              (sim-async: SimDevice's adversarial
+//   device_kind     TIERMEM_DEVICE                 auto        auto | cuda | host | sim | sim-async
+//                                                              host: compute on the CPU against
+//                                                              chunks in host memory (two tiers:
+//                                                              host, NVMe); auto: cuda with a
+//                                                              GPU, else host; sim: SimDevice, a
+//                                                              simulated device of `device` bytes
+//                                                              (sim-async: its adversarial
 //                                                              asynchronous mode, for tests)
 //   timeline        TIERMEM_TIMELINE               temp file   binary timeline path
 //   cpu_threads     TIERMEM_CPU_THREADS            0           CPU kernel threads (0 = all)
@@ -95,6 +102,7 @@ struct LossScalingConfig {
 
 struct SessionConfig {
   Bytes device_budget = 2 * kGiB;
+  bool device_budget_given = false;  // `device` / TIERMEM_DEVICE_BUDGET was set
   Bytes host_budget = 8 * kGiB;
   Bytes nvme_size = 0;           // 0 = no NVMe tier (only when no nvme key/variable is given)
   std::string nvme_path;         // "" = a fresh directory under $TMPDIR

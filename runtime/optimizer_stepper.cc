@@ -474,7 +474,8 @@ void OptimizerStepper::Place() {
   // taken in order while room is left.
   placed_ = true;
   on_device_.assign(session_->num_groups(), 0);
-  if (session_->config().optimizer_placement == "host") return;
+  // Host mode: there is no device; every group steps on the host, in place.
+  if (session_->config().optimizer_placement == "host" || stack_->host_compute()) return;
   engine::Engine* eng = engine();
   // (Sharded: the gathered full chunks the binding held as scratch count too.)
   const engine::EngineStats est = eng->Stats();

@@ -100,16 +100,44 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
   const Bytes per_elem = esize + (trainable.empty() ? 0 : esize);
   std::vector<uint64_t> numels;
   for (const TensorSpec& t : tensors) numels.push_back(t.numel);
-  s->min_device_budget_ = chunks::MinimumDeviceBudget(max_numel, per_elem, kMinResidentChunks);
+  TIERMEM_ASSIGN_OR_RETURN(s->device_kind_, TierStack::ResolveDeviceKind(config.device_kind));
+  const bool host = s->device_kind_ == "host";
+  if (host && config.device_budget_given) {
+    // ParseConfig refuses a budget with an explicit "host": this is "auto" on a machine
+    // without a GPU, so a script written for one still runs.
+    TIERMEM_LOG(kWarn) << "config 'device' (" << config.device_budget
+                       << " bytes) is ignored: there is no GPU, so device_kind 'auto' computes "
+                          "on the host (device_kind 'host'; 'sim' simulates a device of that "
+                          "budget)";
+  }
+  if (host && (config.activations == "offload" || config.activations == "auto")) {
+    return InvalidArgumentError(
+        "activations '" + config.activations + "' moves saved activations from the device to "
+        "host memory, but with device_kind 'host' they are in host memory already: use "
+        "'budget' (counted in the host budget), 'recompute' or 'outside'");
+  }
+  // Host mode: no device budget. The chunk size follows the host budget instead: an fp32
+  // chunk is at most 1/32 of it (per_elem x budget / 32 passed as the working budget), so the
+  // host room held for NVMe-homed chunks in use (below) stays a small part of it.
+  const Bytes sizing_budget = host ? per_elem * (config.host_budget / 32) : config.device_budget;
+  s->min_device_budget_ =
+      host ? 0 : chunks::MinimumDeviceBudget(max_numel, per_elem, kMinResidentChunks);
   if (!config.chunk_size) {
-    TIERMEM_ASSIGN_OR_RETURN(const chunks::ChunkSizeChoice choice,
-                             chunks::ChooseChunkElems(numels, config.device_budget, per_elem,
-                                                      kMinResidentChunks));
-    s->chunk_elems_ = choice.chunk_elems;
+    StatusOr<chunks::ChunkSizeChoice> choice =
+        chunks::ChooseChunkElems(numels, sizing_budget, per_elem, kMinResidentChunks);
+    if (!choice.ok() && host) {
+      // The largest tensor alone is more than 1/32 of the host budget: one chunk per tensor
+      // of that size (the host tier's own minimum is checked when it is built).
+      choice = chunks::ChooseChunkElems(
+          numels, chunks::MinimumDeviceBudget(max_numel, per_elem, kMinResidentChunks),
+          per_elem, kMinResidentChunks);
+    }
+    if (!choice.ok()) return choice.status();
+    s->chunk_elems_ = choice->chunk_elems;
   } else {
     s->chunk_elems_ = *config.chunk_size;
     const Bytes need = s->chunk_elems_ * per_elem * kMinResidentChunks;
-    if (need > config.device_budget) {
+    if (!host && need > config.device_budget) {
       return ResourceExhaustedError(
           "device budget of " + std::to_string(config.device_budget) +
           " bytes is below the minimum of " + std::to_string(need) + " bytes for chunk_size=" +
@@ -168,15 +196,18 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
   sl.chunk_bytes = s->shard_elems_ * 4;  // the largest (fp32) chunk of a group held here
   // Host room for caches of NVMe-homed chunks: every kind of one group at once (the optimizer
   // step holds them there); without trainable tensors (serving) one chunk, for value reads.
-  sl.host_reserve = config.nvme_size == 0 ? 0
-                    : (trainable.empty() ? 1 : 5) * AlignUp(sl.chunk_bytes, kPage);
+  // Host mode computes on host copies too: the chunks a unit computes with and the next ones
+  // prefetched (two more) need that room beside the optimizer step's group.
+  const Bytes reserve_chunks = (trainable.empty() ? 1 : 5) + (host ? 2 : 0);
+  sl.host_reserve = config.nvme_size == 0 ? 0 : reserve_chunks * AlignUp(sl.chunk_bytes, kPage);
   // State beyond the host budget with NVMe: homes fill the host budget, so map it all now,
   // registered with the NVMe tier (tier_stack.h).
   sl.host_prefault = config.nvme_size > 0 && s->model_bytes_ > config.host_budget
                          ? config.host_budget : 0;
-  TIERMEM_ASSIGN_OR_RETURN(s->stack_, TierStack::Create(config, sl));
+  SessionConfig resolved = config;
+  resolved.device_kind = s->device_kind_;  // the stack builds what was resolved above
+  TIERMEM_ASSIGN_OR_RETURN(s->stack_, TierStack::Create(resolved, sl));
   s->stepper_ = std::make_unique<OptimizerStepper>(s.get(), s->stack_.get(), &s->trace_);
-  s->device_kind_ = s->stack_->device_kind();
   s->timeline_path_ = s->stack_->timeline_path();
   engine::Engine* eng = s->stack_->engine();
   for (ChunkKind kind : kCreationOrder) {
@@ -566,7 +597,10 @@ PlanRunner::PlanContext Session::RunnerContext() const {
   ctx.engine = stack_->engine();
   ctx.activations = config_.activations;
   ctx.cuda = cuda();
-  ctx.device_holds_every_chunk = stack_->device()->Stats().capacity >= total_chunk_bytes_;
+  // Host mode: the compute tier holds every chunk when none is homed on NVMe.
+  ctx.device_holds_every_chunk =
+      host_compute() ? stack_->nvme() == nullptr
+                     : stack_->device()->Stats().capacity >= total_chunk_bytes_;
   return ctx;
 }
 
@@ -623,7 +657,7 @@ TraceRecorder::Probes Session::TraceProbes() const {
 }
 
 planners::TraceBudgets Session::TraceBudgets() const {
-  return {config_.device_budget, config_.host_budget, config_.nvme_size};
+  return {host_compute() ? 0 : config_.device_budget, config_.host_budget, config_.nvme_size};
 }
 
 void Session::DeclareTraceChunks() {
@@ -674,6 +708,11 @@ void Session::SetComputeStream(ComputeStream stream) {
 Status Session::SetExternalDeviceBytes(Bytes bytes) {
   TIERMEM_RETURN_IF_ERROR(Live());
   return stack_->engine()->SetExternalDeviceBytes(bytes);
+}
+
+Status Session::SetExternalComputeBytes(Bytes bytes) {
+  TIERMEM_RETURN_IF_ERROR(Live());
+  return stack_->engine()->SetExternalBytes(compute_tier(), bytes);
 }
 
 Status Session::SetExternalHostBytes(Bytes bytes) {

@@ -4,8 +4,9 @@
 // where bytes live and how the optimizer runs is here.
 //
 // A session owns
-//   - the tier stack (tier_stack.h): device (SimDevice or CUDA), host, NVMe, staging, the
-//     mover, the timeline recorder and the chunk engine;
+//   - the tier stack (tier_stack.h): device (SimDevice or CUDA; none in host mode, where the
+//     host tier is the compute tier), host, NVMe, staging, the mover, the timeline recorder
+//     and the chunk engine;
 //   - the layout: tensors (in the order given — first use, i.e. module registration order)
 //     packed into chunk groups; every group has one chunk per ChunkKind it needs, all at the
 //     same element offsets. Trainable groups: the compute params (kParamFp32 in fp32 training,
@@ -165,8 +166,15 @@ class Session {
   Bytes total_chunk_bytes() const { return total_chunk_bytes_; }  // incl. padding and tails
   // The device bytes the layout needs at least: min-resident compute + grad chunks.
   Bytes minimum_device_budget() const { return min_device_budget_; }
-  const std::string& device_kind() const { return device_kind_; }  // "sim", "sim-async", "cuda"
+  // "host", "sim", "sim-async" or "cuda" ("auto" resolved).
+  const std::string& device_kind() const { return device_kind_; }
   bool cuda() const { return device_kind_ == "cuda"; }
+  // Host mode (device_kind "host"): no device tier; the bindings compute on chunks acquired
+  // on the host tier, in place for host-homed chunks (no copy), NVMe-homed ones read into
+  // host room before use and written back (dirty) or dropped (clean) after.
+  bool host_compute() const { return device_kind_ == "host"; }
+  // Where the bindings acquire the chunks they compute with: kDevice, or kHost in host mode.
+  TierKind compute_tier() const { return host_compute() ? TierKind::kHost : TierKind::kDevice; }
   std::string nvme_engine() const;
   // Host bytes registered with the NVMe tier as io_uring fixed buffers (TierStack).
   Bytes nvme_registered_bytes() const;
@@ -271,6 +279,9 @@ class Session {
   // counted in the device budget: device chunks are evicted to make room. kResourceExhausted
   // naming the bytes (nothing changes) when the chunks in use leave too little room.
   Status SetExternalDeviceBytes(Bytes bytes);
+  // The same on the compute tier (the device; the host in host mode): saved activations the
+  // binding counts, a served model's KV cache.
+  Status SetExternalComputeBytes(Bytes bytes);
   // Host bytes the binding keeps outside chunks (activations offloaded from the device),
   // counted in the host budget: host caches of NVMe-homed chunks are evicted to make room.
   // kResourceExhausted naming the bytes (nothing changes) when homes and chunks in use leave

@@ -172,19 +172,19 @@ std::string TierStack::CudaRuntimeVersion() {
 }
 
 StatusOr<std::string> TierStack::ResolveDeviceKind(const std::string& kind) {
-  if (kind == "sim" || kind == "sim-async") return kind;
+  if (kind == "sim" || kind == "sim-async" || kind == "host") return kind;
   if (kind != "auto" && kind != "cuda") {
-    return InvalidArgumentError("device_kind must be 'auto', 'cuda', 'sim' or 'sim-async', got '" +
-                                kind + "'");
+    return InvalidArgumentError(
+        "device_kind must be 'auto', 'cuda', 'host', 'sim' or 'sim-async', got '" + kind + "'");
   }
 #ifdef TIERMEM_SESSION_WITH_CUDA
   StatusOr<int> count = CudaDeviceCount();
   if (count.ok()) return std::string("cuda");
-  if (kind == "auto") return std::string("sim");
+  if (kind == "auto") return std::string("host");
   return UnavailableError("device_kind 'cuda' (config or TIERMEM_DEVICE) but there is no CUDA "
                           "device: " + count.status().message());
 #else
-  if (kind == "auto") return std::string("sim");
+  if (kind == "auto") return std::string("host");
   return UnavailableError("device_kind 'cuda' (config or TIERMEM_DEVICE) but there is no CUDA "
                           "device: this tiermem build has no CUDA support");
 #endif
@@ -228,7 +228,7 @@ StatusOr<std::unique_ptr<TierStack>> TierStack::Create(const SessionConfig& conf
     s->pinner_ = s->cuda_pinner_.get();
     s->cuda_ = true;
 #endif
-  } else {
+  } else if (device != "host") {
     SimDeviceConfig dc;
     dc.capacity = config.device_budget;
     dc.async = device == "sim-async";
@@ -237,21 +237,29 @@ StatusOr<std::unique_ptr<TierStack>> TierStack::Create(const SessionConfig& conf
   s->device_kind_ = device;
   const Bytes slot = AlignUp(std::max<Bytes>(layout.chunk_bytes, kPage), kPage);
   Bytes staging_bytes = 0;
+  const bool host_compute = device == "host";  // no device tier: NVMe <-> host directly
   if (config.nvme_size > 0) {
-    staging_bytes = slot * static_cast<Bytes>(config.prefetch_depth + 2);
+    staging_bytes = host_compute ? 0 : slot * static_cast<Bytes>(config.prefetch_depth + 2);
     // Besides the staging slots, room to cache NVMe-homed chunks on the host: the optimizer
     // step holds one chunk group's chunks there at once (the reserve). Below that every home
     // would go to NVMe and the first step would fail half-way through the groups.
     const Bytes room = std::max(slot, layout.host_reserve);
     if (staging_bytes + room > config.host_budget) {
-      return ResourceExhaustedError(
-          "host budget of " + std::to_string(config.host_budget) +
-          " bytes is below the minimum of " + std::to_string(staging_bytes + room) +
-          " bytes with NVMe: " + std::to_string(staging_bytes) +
-          " for the staging slots of device<->NVMe moves plus " + std::to_string(room) +
-          " to hold one chunk group's NVMe-homed chunks during the optimizer step (chunks of " +
-          std::to_string(slot) + " bytes; the chunk size follows the device budget, or set "
-          "chunk_size)");
+      const std::string why =
+          host_compute
+              ? std::to_string(room) + " to hold the NVMe-homed chunks that compute and the "
+                "optimizer step use at once (chunks of " + std::to_string(slot) +
+                " bytes; in host mode the chunk size follows the host budget, or set "
+                "chunk_size)"
+              : std::to_string(staging_bytes) +
+                " for the staging slots of device<->NVMe moves plus " + std::to_string(room) +
+                " to hold one chunk group's NVMe-homed chunks during the optimizer step "
+                "(chunks of " + std::to_string(slot) + " bytes; the chunk size follows the "
+                "device budget, or set chunk_size)";
+      return ResourceExhaustedError("host budget of " + std::to_string(config.host_budget) +
+                                    " bytes is below the minimum of " +
+                                    std::to_string(staging_bytes + room) +
+                                    " bytes with NVMe: " + why);
     }
     // The NVMe tier before the host tiers, so that their slabs are registered with it as they
     // are mapped (NvmeRegisteringPinner); it is destroyed after them.
@@ -266,9 +274,11 @@ StatusOr<std::unique_ptr<TierStack>> TierStack::Create(const SessionConfig& conf
       s->nvme_pinner_ = std::make_unique<NvmeRegisteringPinner>(nvme, s->cuda_pinner_.get());
       s->pinner_ = s->nvme_pinner_.get();
     }
-    HostTierConfig staging = HostConfig(staging_bytes, slot, s->pinner_);
-    staging.prefault_bytes = staging_bytes;  // mapped (and registered) now
-    TIERMEM_ASSIGN_OR_RETURN(s->staging_, NewHostTier(staging));
+    if (!host_compute) {
+      HostTierConfig staging = HostConfig(staging_bytes, slot, s->pinner_);
+      staging.prefault_bytes = staging_bytes;  // mapped (and registered) now
+      TIERMEM_ASSIGN_OR_RETURN(s->staging_, NewHostTier(staging));
+    }
   }
   if (config.host_budget <= staging_bytes) {
     return ResourceExhaustedError("host budget of " + std::to_string(config.host_budget) +

@@ -2,15 +2,17 @@
 // them, the timeline recorder and the chunk Engine over them. Built once from the session's
 // config; the one place that knows which device tier this build and machine have:
 //   device   SimDevice (host memory posing as HBM) for "sim" (its asynchronous mode for
-//            "sim-async"), the CUDA tier for "cuda"
+//            "sim-async"), the CUDA tier for "cuda", none for "host" (compute runs on the
+//            CPU against chunks in place in the host tier: the host is the compute tier)
 //            (this target is compiled with TIERMEM_SESSION_WITH_CUDA when CUDA is built;
-//            "auto" picks CUDA when a GPU is present, else SimDevice);
+//            "auto" picks CUDA when a GPU is present, else "host");
 //   host     the host tier, size classes = the chunk size and its halves; on the CUDA device
 //            its slabs are registered with cudaHostRegister (NewCudaHostPinner), and with
 //            NVMe as io_uring fixed buffers when mapped at creation (so are the staging
 //            slots; see NvmeRegisteringPinner in the .cc);
 //   nvme     the file-backed NVMe tier (io_uring or pread/pwrite) when nvme_size > 0;
-//   staging  a small host tier of its own for the Mover's device<->NVMe bounce slots
+//   staging  (not in host mode, which moves NVMe <-> host directly) a small host tier of
+//            its own for the Mover's device<->NVMe bounce slots
 //            (prefetch_depth + 2 chunks, carved out of the host budget; a move pipelines
 //            I/O-sized pieces through up to io_depth slots of it: BounceMoverConfig),
 //            pinned likewise;
@@ -56,8 +58,8 @@ class TierStack {
   TierStack(const TierStack&) = delete;
   TierStack& operator=(const TierStack&) = delete;
 
-  // "auto" resolved: "cuda" when this build has CUDA and a GPU is present, else "sim";
-  // "sim" and "sim-async" as given;
+  // "auto" resolved: "cuda" when this build has CUDA and a GPU is present, else "host";
+  // "host", "sim" and "sim-async" as given;
   // "cuda" without either is kUnavailable saying which is missing.
   static StatusOr<std::string> ResolveDeviceKind(const std::string& kind);
   static bool CudaBuilt();
@@ -68,13 +70,15 @@ class TierStack {
   bool closed() const { return engine_ == nullptr; }
 
   engine::Engine* engine() { return engine_.get(); }
-  Tier* device() { return device_.get(); }
+  Tier* device() { return device_.get(); }  // null in host mode
+  bool host_compute() const { return device_kind_ == "host"; }
   const Mover* mover() const { return mover_.get(); }
   Mover* mover() { return mover_.get(); }
   Tier* host() { return host_.get(); }
   Tier* nvme() { return nvme_.get(); }  // null without NVMe
   bool cuda() const { return cuda_; }
-  const std::string& device_kind() const { return device_kind_; }  // "sim", "sim-async", "cuda"
+  // "host", "sim", "sim-async", "cuda"
+  const std::string& device_kind() const { return device_kind_; }
   std::string nvme_engine() const;  // "" without NVMe
   // Host memory (chunk homes, caches, staging slots) registered with the NVMe tier as io_uring
   // fixed buffers now; 0 without NVMe or with the posix engine.

@@ -140,7 +140,7 @@ def chunk_total(config):
     `config` (a probe session): budgets for optimizer-placement tests derive from it."""
     import tiermem
     _, probe = make_pair()
-    m, _ = tiermem.initialize(probe, dict(config, device="64MiB"))
+    m, _ = tiermem.initialize(probe, dict(config, device_kind="sim", device="64MiB"))
     rt = tiermem.runtime_of(m)
     total = rt.session.total_chunk_bytes
     rt.close()
@@ -163,7 +163,7 @@ def train_each_placement(config, data, budget):
     runs = {}
     for placement in ("auto", "host"):
         _, ours = make_pair()
-        model, opt = tiermem.initialize(ours, dict(config, device=budget,
+        model, opt = tiermem.initialize(ours, dict(config, device_kind="sim", device=budget,
                                                    optimizer_placement=placement))
         rt = tiermem.runtime_of(model)
         losses = train_steps(model, opt, data)

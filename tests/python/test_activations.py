@@ -13,7 +13,7 @@ from conftest import (KernelAdamW, batches, encoder_batches, encoder_lm, make_pa
 
 
 def config(budget, **kw):
-    c = {"device": budget, "host": "64MiB", "activations": "budget",
+    c = {"device_kind": "sim", "device": budget, "host": "64MiB", "activations": "budget",
          "optimizer": {"lr": 1e-3, "weight_decay": 0.01}}
     c.update(kw)
     return c

@@ -23,7 +23,7 @@ STEPS_BEFORE, STEPS_AFTER = 3, 3
 
 
 def tiny_budget(model):
-    return {"device": model_bytes(model) // 4, "host": "64MiB"}
+    return {"device_kind": "sim", "device": model_bytes(model) // 4, "host": "64MiB"}
 
 
 def trained_and_saved(seed, tmp_path, steps):
@@ -111,7 +111,7 @@ def test_loads_at_another_budget_and_precision(tmp_path, precision):
     saved_opt = opt.state_dict()
     torch.manual_seed(77)
     from tiermem.examples.gpt import GPT
-    m2, o2 = tiermem.initialize(GPT(small_config()), {"device": 4 * model_bytes(ref),
+    m2, o2 = tiermem.initialize(GPT(small_config()), {"device_kind": "sim", "device": 4 * model_bytes(ref),
                                                       "precision": precision})
     tiermem.load_checkpoint(m2, o2, path)
     for k, v in m2.state_dict().items():
@@ -141,13 +141,13 @@ def test_bad_files_and_mismatched_models_change_nothing(tmp_path):
     with pytest.raises(OSError):
         tiermem.load_checkpoint(model, opt, tmp_path / "missing.safetensors")
     _, other = make_pair(seed=6, n_embd=48)
-    m2, o2 = tiermem.initialize(other, {"device": "4MiB"})
+    m2, o2 = tiermem.initialize(other, {"device_kind": "sim", "device": "4MiB"})
     with pytest.raises(ValueError, match="nothing was loaded"):
         tiermem.load_checkpoint(m2, o2, path)
     for k, v in model.state_dict().items():
         assert torch.equal(v, now[k]), k
     # Inside an accumulation window a save is refused (the gradients would be lost).
-    m3, o3 = tiermem.initialize(make_pair(seed=6)[1], {"device": "4MiB",
+    m3, o3 = tiermem.initialize(make_pair(seed=6)[1], {"device_kind": "sim", "device": "4MiB",
                                                        "gradient_accumulation_steps": 2})
     train_steps(m3, o3, batches(1))
     with pytest.raises(Exception, match="accumulation"):
@@ -165,7 +165,7 @@ def test_a_killed_save_leaves_the_previous_checkpoint_intact(tmp_path):
         from conftest import batches, small_config, train_steps
         from tiermem.examples.gpt import GPT
         model, opt = tiermem.initialize(GPT(small_config(n_embd=256, n_layer=4, vocab_size=256)),
-                                        {{"device": "64MiB"}})
+                                        {{"device_kind": "sim", "device": "64MiB"}})
         tiermem.save_checkpoint(model, opt, {str(path)!r})
         print("saved", flush=True)
         while True:  # keep saving new states until killed
@@ -188,7 +188,7 @@ def test_a_killed_save_leaves_the_previous_checkpoint_intact(tmp_path):
     assert proc.returncode == -signal.SIGKILL
     from tiermem.examples.gpt import GPT
     model, opt = tiermem.initialize(GPT(small_config(n_embd=256, n_layer=4, vocab_size=256)),
-                                    {"device": "64MiB"})
+                                    {"device_kind": "sim", "device": "64MiB"})
     tiermem.load_checkpoint(model, opt, path)  # the last complete save: verifies and loads
     tiermem.runtime_of(model).close()
 
@@ -196,7 +196,7 @@ def test_a_killed_save_leaves_the_previous_checkpoint_intact(tmp_path):
 # ---- files of earlier builds (tests/data/README.md) and metadata tiermem cannot read --------
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data")
-TINY = {"device": "1MiB", "host": "16MiB"}
+TINY = {"device_kind": "sim", "device": "1MiB", "host": "16MiB"}
 
 
 def _crc32c(data):

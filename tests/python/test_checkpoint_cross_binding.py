@@ -183,7 +183,7 @@ def run_python(steps, save=None, resume=None):
     """The example's loop in Python: losses of the steps run (from the checkpoint's step)."""
     torch.manual_seed(SEED if resume is None else 123)  # resumed: all from the checkpoint
     model = MirrorGPT()
-    config = {"device": int(n_params(model) * 16 * FRACTION), "host": "1GiB",
+    config = {"device_kind": "sim", "device": int(n_params(model) * 16 * FRACTION), "host": "1GiB",
               "optimizer": {"lr": LR, "weight_decay": WD}}
     model, opt = tiermem.initialize(model, config, units=segments)
     start = 0

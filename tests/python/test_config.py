@@ -64,11 +64,11 @@ def test_table_is_big_enough_to_mean_something():
 
 def test_json_file_path_and_bad_files(tmp_path):
     p = tmp_path / "c.json"
-    p.write_text('{"device": "3MiB", "precision": "bf16"}')
+    p.write_text('{"device_kind": "sim", "device": "3MiB", "precision": "bf16"}')
     c = parse_config(str(p), env={})
     assert c.device_budget == 3 << 20 and c.precision == "bf16"
     assert parse_config(p, env={}).device_budget == 3 << 20  # PathLike
-    (tmp_path / "bad.json").write_text('{"device": ')
+    (tmp_path / "bad.json").write_text('{"device_kind": "sim", "device": ')
     with pytest.raises(ValueError, match="invalid JSON"):
         parse_config(str(tmp_path / "bad.json"), env={})
     with pytest.raises(ValueError, match="No such file"):
@@ -77,13 +77,13 @@ def test_json_file_path_and_bad_files(tmp_path):
 
 def test_values_that_are_not_json_are_a_value_error():
     with pytest.raises(ValueError, match="not JSON-serializable"):
-        parse_config({"device": torch.float32}, env={})
+        parse_config({"device_kind": "sim", "device": torch.float32}, env={})
     with pytest.raises(ValueError, match="not JSON-serializable"):
         parse_config({"optimizer": {"lr": float("nan")}}, env={})
 
 
 def test_attributes_the_runtime_reads():
-    c = parse_config({"device": "5MiB", "optimizer": {"betas": [0.8, 0.9]}}, env={})
+    c = parse_config({"device_kind": "sim", "device": "5MiB", "optimizer": {"betas": [0.8, 0.9]}}, env={})
     assert c.device_budget == 5 << 20 and c.betas == (0.8, 0.9)
     assert c.nvme_size == 0 and c.nvme_path is None and c.timeline is None
     assert c.chunk_size is None and c.gradient_accumulation_steps == 1
@@ -98,11 +98,11 @@ def test_bad_runtime_variable_fails_initialize_and_leaves_the_model_untouched(mo
                        ("TIERMEM_DEVICE_BUDGET", "lots")]:
         monkeypatch.setenv(var, value)
         with pytest.raises(ValueError, match=var):
-            tiermem.initialize(model, {"device": "1MiB", "host": "16MiB"})
+            tiermem.initialize(model, {"device_kind": "sim", "device": "1MiB", "host": "16MiB"})
         monkeypatch.delenv(var)
         assert all(type(p) is torch.nn.Parameter for p in model.parameters())
         assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     monkeypatch.setenv("TIERMEM_DEVICE_BUDGET", "2MiB")  # the process environment applies
-    m, opt = tiermem.initialize(model, {"device": "1MiB", "host": "16MiB"})
+    m, opt = tiermem.initialize(model, {"device_kind": "sim", "device": "1MiB", "host": "16MiB"})
     assert tiermem.runtime_of(m).cfg.device_budget == 2 << 20
     tiermem.runtime_of(m).close()

@@ -25,7 +25,7 @@ def test_cuda_requested_without_a_gpu_is_a_clear_error_and_leaves_the_model(monk
     before = {k: v.clone() for k, v in ours.state_dict().items()}
     monkeypatch.setenv("TIERMEM_DEVICE", "cuda")
     with pytest.raises(RuntimeError, match="no CUDA device"):
-        tiermem.initialize(ours, {"device": model_bytes(ref) // 4})
+        tiermem.initialize(ours, {"device_kind": "sim", "device": model_bytes(ref) // 4})
     after = ours.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert getattr(ours, "_tiermem_runtime", None) is None
@@ -74,7 +74,7 @@ def test_cuda_20_steps_quarter_budget_matches_torch_adamw_on_gpu(monkeypatch):
     data = [(x.cuda(), y.cuda()) for x, y in batches(20)]
     ref = ref.cuda()
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
-    model, opt = tiermem.initialize(ours, {"device": budget, "host": "1GiB",
+    model, opt = tiermem.initialize(ours, {"device_kind": "sim", "device": budget, "host": "1GiB",
                                            "optimizer": {"lr": 1e-3, "weight_decay": 0.01}})
     rt = tiermem.runtime_of(model)
     assert rt.session.cuda
@@ -139,8 +139,8 @@ def test_cuda_stress_many_steps_small_budget_nvme_and_a_side_stream(tmp_path):
         return losses, model, tiermem.runtime_of(model)
 
     ref, _ = make_pair()
-    want, ref_model, _ = run({"device": "1GiB", "host": "1GiB"}, torch.cuda.current_stream())
-    got, model, rt = run({"device": model_bytes(ref) // 8, "host": model_bytes(ref) // 2,
+    want, ref_model, _ = run({"device_kind": "sim", "device": "1GiB", "host": "1GiB"}, torch.cuda.current_stream())
+    got, model, rt = run({"device_kind": "sim", "device": model_bytes(ref) // 8, "host": model_bytes(ref) // 2,
                           "plan": "auto", "nvme": {"path": str(tmp_path), "size": "256MiB"}},
                          torch.cuda.Stream())
     for i, (a, b) in enumerate(zip(got, want)):

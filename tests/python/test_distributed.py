@@ -106,7 +106,7 @@ def test_sharded_training_equals_one_process_on_the_global_batch(world):
     {"gradient_clipping": 0.5}, {"gradient_accumulation_steps": 2},
     {"precision": "bf16"}, {"precision": "fp16"}, {"plan": "auto"},
     # units recomputed in the backward gather their shards again for it
-    {"activations": "recompute", "device": 600_000}], ids=str)
+    {"activations": "recompute", "device_kind": "sim", "device": 600_000}], ids=str)
 def test_clipping_uses_the_global_norm_and_accumulation_bf16_fp16_plans_and_recompute_shard_too(kw):
     want_losses, want_state, _, _ = single_process(**kw)
     results = run_ranks(2, _train_rank, kw, STEPS)
@@ -255,7 +255,7 @@ def test_torchrun_launches_the_example_and_its_checkpoint_loads_in_one_process(t
     from tiermem.examples.gpt import GPT, GPTConfig
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64))
-    model, opt = tiermem.initialize(model, {"device": "64MiB", "host": "256MiB"})
+    model, opt = tiermem.initialize(model, {"device_kind": "sim", "device": "64MiB", "host": "256MiB"})
     tiermem.load_checkpoint(model, opt, ckpt)
     rt = tiermem.runtime_of(model)
     assert {rt.session.step_count(r.index) for r in rt.params if r.trainable} == {3}

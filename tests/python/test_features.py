@@ -16,7 +16,7 @@ from tiermem.examples.gpt import GPT
 
 
 def init(model, budget_frac=0.25, **cfg):
-    c = {"device": model_bytes(model) // 4 if budget_frac == 0.25 else int(model_bytes(model) * budget_frac),
+    c = {"device_kind": "sim", "device": model_bytes(model) // 4 if budget_frac == 0.25 else int(model_bytes(model) * budget_frac),
          "host": "1GiB", "optimizer": {"lr": 1e-3, "weight_decay": 0.01}}
     c.update(cfg)
     return tiermem.initialize(model, c)
@@ -144,7 +144,7 @@ def test_two_param_groups_no_decay_for_norms_and_biases():
                                                          "lr": 3e-3}]
     data = batches(5)
     ref_losses = train_ref(ref, data, groups=groups(ref))
-    model, opt = tiermem.initialize(ours, {"device": model_bytes(ours) // 4, "host": "1GiB",
+    model, opt = tiermem.initialize(ours, {"device_kind": "sim", "device": model_bytes(ours) // 4, "host": "1GiB",
                                            "optimizer": {"lr": 1e-3}}, param_groups=groups(ours))
     compare(ref, model, ref_losses, train_ours(model, opt, data))
 
@@ -174,7 +174,7 @@ def test_module_called_twice_and_buffers_match_torch():
     data = [(torch.randint(0, 50, (4, 8), generator=g), torch.randint(0, 50, (4, 8), generator=g))
             for _ in range(6)]
     ref_losses = train_ref(ref, data)
-    model, opt = tiermem.initialize(ours, {"device": 32768, "host": "64MiB",
+    model, opt = tiermem.initialize(ours, {"device_kind": "sim", "device": 32768, "host": "64MiB",
                                            "optimizer": {"lr": 1e-3, "weight_decay": 0.01}})
     losses = train_ours(model, opt, data)
     compare(ref, model, ref_losses, losses)
@@ -266,14 +266,14 @@ def test_budget_below_minimum_names_minimum_bytes():
     _, ours = make_pair()
     before = copy.deepcopy(ours.state_dict())
     with pytest.raises(MemoryError, match=r"minimum of \d+ bytes"):
-        tiermem.initialize(ours, {"device": 1000})
+        tiermem.initialize(ours, {"device_kind": "sim", "device": 1000})
     _untouched(ours, before)
 
 
 @pytest.mark.parametrize("cfg,match", [
     ({"devise": "1GiB"}, "unknown key"),
-    ({"device": "lots"}, "'device'"),
-    ({"device": -5}, "'device'"),
+    ({"device_kind": "sim", "device": "lots"}, "'device'"),
+    ({"device_kind": "sim", "device": -5}, "'device'"),
     ({"precision": "fp8"}, "'precision'"),
     ({"optimizer": {"lr": "fast"}}, "optimizer.lr"),
     ({"optimizer": {"betas": [0.9]}}, "optimizer.betas"),
@@ -308,7 +308,7 @@ def test_bad_param_groups_are_the_cores_errors(case, message):
     if case == "frozen":
         ours.blocks[0].fc.bias.requires_grad_(False)
     with pytest.raises(ValueError, match=re.escape(message) + "$"):
-        tiermem.initialize(ours, {"device": "4MiB"}, param_groups=groups)
+        tiermem.initialize(ours, {"device_kind": "sim", "device": "4MiB"}, param_groups=groups)
     _untouched(ours, before)
 
 
@@ -332,7 +332,7 @@ def test_unwritable_nvme_path_is_a_clear_error(tmp_path):
 def test_config_from_json_file(tmp_path):
     import json
     p = tmp_path / "c.json"
-    p.write_text(json.dumps({"device": "4MiB", "host": "64MiB"}))
+    p.write_text(json.dumps({"device_kind": "sim", "device": "4MiB", "host": "64MiB"}))
     _, ours = make_pair()
     model, _ = tiermem.initialize(ours, str(p))
     assert tiermem.runtime_of(model).cfg.device_budget == 4 << 20
@@ -378,7 +378,7 @@ def test_torch_compile_of_a_managed_model_is_a_clear_error_and_changes_nothing(h
 def served_pair():
     """A plain model, the same served by tiermem with 1/8 of it on the device, and a batch."""
     ref, _ = make_pair()
-    model = tiermem.inference(copy.deepcopy(ref), {"device": model_bytes(ref) // 8,
+    model = tiermem.inference(copy.deepcopy(ref), {"device_kind": "sim", "device": model_bytes(ref) // 8,
                                                    "host": "256MiB"})
     return ref, model, batches(1)[0][0]
 

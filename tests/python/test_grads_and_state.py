@@ -15,7 +15,7 @@ from test_training import train_ours as _train
 from conftest import (END_TO_END_LOSS_REL, END_TO_END_PARAM_ATOL, END_TO_END_PARAM_RTOL,
                       KernelAdamW, assert_close_rel, batches, make_pair, model_bytes)
 
-CFG = {"host": "1GiB", "optimizer": {"lr": 1e-3, "weight_decay": 0.01}}
+CFG = {"device_kind": "sim", "host": "1GiB", "optimizer": {"lr": 1e-3, "weight_decay": 0.01}}
 
 
 def init(model, frac=0.25, **kw):
@@ -297,7 +297,7 @@ def test_autograd_grad_of_a_parameter_also_read_outside_its_unit_sums_both_uses(
     torch.manual_seed(0)
     ref = RootReads()
     ours = copy.deepcopy(ref)
-    model, _ = tiermem.initialize(ours, {"device": budget_for(ours, 0.5), "host": "64MiB"})
+    model, _ = tiermem.initialize(ours, {"device_kind": "sim", "device": budget_for(ours, 0.5), "host": "64MiB"})
     assert not tiermem.runtime_of(model)._resident  # the read goes through the ChunkTensor
     x = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
     with pytest.warns(UserWarning, match="was read by aten"):

@@ -66,7 +66,7 @@ def test_hf_causal_lm_trains_exactly(make, frac):
     ours = copy.deepcopy(ref)
     data = batches(10)
     ref_losses = train(ref, KernelAdamW(ref.parameters(), lr=2e-3, weight_decay=0.01), data)
-    model, opt = tiermem.initialize(ours, {"device": budget(ours, frac), "host": "256MiB",
+    model, opt = tiermem.initialize(ours, {"device_kind": "sim", "device": budget(ours, frac), "host": "256MiB",
                                            "optimizer": {"lr": 2e-3, "weight_decay": 0.01}})
     assert tiermem.runtime_of(model)._resident == (frac > 1)
     assert train(model, opt, data) == ref_losses
@@ -81,7 +81,7 @@ def test_generate_equals_plain_and_does_not_disturb_training():
     ours = copy.deepcopy(ref)
     data = batches(8)
     ropt = KernelAdamW(ref.parameters(), lr=2e-3, weight_decay=0.01)
-    model, opt = tiermem.initialize(ours, {"device": budget(ours), "host": "256MiB",
+    model, opt = tiermem.initialize(ours, {"device_kind": "sim", "device": budget(ours), "host": "256MiB",
                                            "optimizer": {"lr": 2e-3, "weight_decay": 0.01}})
     rt = tiermem.runtime_of(model)
     assert train(model, opt, data[:4]) == train(ref, ropt, data[:4])
@@ -131,7 +131,7 @@ def test_trainer_with_clipping_and_lr_schedule_equals_plain_and_its_checkpoint_l
     plain_tr = _trainer(ref, KernelAdamW(ref.parameters(), lr=2e-3, weight_decay=0.0),
                         tmp_path / "plain", rows)
     plain_tr.train()
-    model, opt = tiermem.initialize(ours, {"device": budget(ours), "host": "256MiB",
+    model, opt = tiermem.initialize(ours, {"device_kind": "sim", "device": budget(ours), "host": "256MiB",
                                            "optimizer": {"lr": 2e-3, "weight_decay": 0.0}})
     tr = _trainer(model, opt, tmp_path / "ours", rows)
     tr.train()
@@ -167,7 +167,7 @@ def test_hf_gradient_checkpointing_equals_plain(make, reentrant):
     ours = copy.deepcopy(ref)
     data = batches(5)
     want = train(ref, KernelAdamW(ref.parameters(), lr=2e-3, weight_decay=0.01), data)
-    model, opt = tiermem.initialize(ours, {"device": budget(ours) + 2_000_000, "host": "256MiB",
+    model, opt = tiermem.initialize(ours, {"device_kind": "sim", "device": budget(ours) + 2_000_000, "host": "256MiB",
                                            "activations": "budget",
                                            "optimizer": {"lr": 2e-3, "weight_decay": 0.01}})
     assert train(model, opt, data) == want

@@ -51,7 +51,7 @@ def test_generate_equals_plain_model_with_weights_streamed(make, frac, tmp_path)
     ref = make()
     model = copy.deepcopy(ref)
     budget = int(weight_bytes(ref) * frac)
-    model = tiermem.inference(model, {"device": budget, "host": "256MiB",
+    model = tiermem.inference(model, {"device_kind": "sim", "device": budget, "host": "256MiB",
                                       "timeline": str(tmp_path / "serve.tmt")})
     rt = tiermem.runtime_of(model)
     ids = prompts(3)
@@ -85,7 +85,7 @@ def test_weights_homed_on_nvme(tmp_path):
     ref = gpt2()
     wb = weight_bytes(ref)
     model = tiermem.inference(copy.deepcopy(ref), {
-        "device": int(wb * 0.35), "host": int(wb * 0.5), "nvme": {"size": "64MiB", "path": str(tmp_path / "nvme")}})
+        "device_kind": "sim", "device": int(wb * 0.35), "host": int(wb * 0.5), "nvme": {"size": "64MiB", "path": str(tmp_path / "nvme")}})
     rt = tiermem.runtime_of(model)
     ids = prompts(2)
     assert torch.equal(generate(model, ids, 6), generate(ref, ids, 6))
@@ -97,7 +97,7 @@ def test_weights_homed_on_nvme(tmp_path):
 
 def test_kv_cache_too_large_for_the_budget_is_a_clear_error():
     ref = gpt2(layers=2)
-    model = tiermem.inference(copy.deepcopy(ref), {"device": int(weight_bytes(ref) * 0.9)})
+    model = tiermem.inference(copy.deepcopy(ref), {"device_kind": "sim", "device": int(weight_bytes(ref) * 0.9)})
     rt = tiermem.runtime_of(model)
     big = prompts(48, seq=60)  # KV cache: 2 layers x 2 x 48 x 60 x 64 x 4 B = 2.9 MB
     with pytest.raises(MemoryError, match="non-chunk device memory.*KV cache"):
@@ -112,7 +112,7 @@ def test_kv_cache_too_large_for_the_budget_is_a_clear_error():
 def test_kv_cache_evicts_weights_to_make_room(tmp_path):
     ref = gpt2(layers=4)
     wb = weight_bytes(ref)
-    model = tiermem.inference(copy.deepcopy(ref), {"device": wb + (1 << 20)})
+    model = tiermem.inference(copy.deepcopy(ref), {"device_kind": "sim", "device": wb + (1 << 20)})
     rt = tiermem.runtime_of(model)
     ids = prompts(4)
     generate(model, ids, 2)  # everything fits: after it the weights sit on the device
@@ -132,7 +132,7 @@ def test_torch_transformer_encoder_and_mha_equal_plain():
     ref = nn.Sequential(nn.Linear(16, 64), nn.TransformerEncoder(layer, 4,
                                                                  enable_nested_tensor=False),
                         nn.Linear(64, 8)).eval()
-    model = tiermem.inference(copy.deepcopy(ref), {"device": int(weight_bytes(ref) * 0.6)},
+    model = tiermem.inference(copy.deepcopy(ref), {"device_kind": "sim", "device": int(weight_bytes(ref) * 0.6)},
                               units=[nn.TransformerEncoderLayer, nn.Linear])
     x = torch.randn(3, 10, 16)
     with torch.no_grad():  # served forwards run under no_grad: the encoder's fast path, as here
@@ -140,7 +140,7 @@ def test_torch_transformer_encoder_and_mha_equal_plain():
     for _ in range(3):
         torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
     mha_ref = nn.MultiheadAttention(32, 4, batch_first=True).eval()
-    mha = tiermem.inference(copy.deepcopy(mha_ref), {"device": "1MiB"})
+    mha = tiermem.inference(copy.deepcopy(mha_ref), {"device_kind": "sim", "device": "1MiB"})
     q = torch.randn(2, 5, 32)
     a, w = mha(q, q, q)
     with torch.no_grad():
@@ -161,12 +161,12 @@ def test_bad_input_leaves_the_model_as_it_was():
     model = copy.deepcopy(ref)
     params = list(model.parameters())
     with pytest.raises(MemoryError, match="device budget"):
-        tiermem.inference(model, {"device": 4096})
+        tiermem.inference(model, {"device_kind": "sim", "device": 4096})
     with pytest.raises(ValueError):
-        tiermem.inference(model, {"device": "lots"})
+        tiermem.inference(model, {"device_kind": "sim", "device": "lots"})
     assert list(model.parameters()) == params and not hasattr(model, "_tiermem_runtime")
     assert torch.equal(generate(model, prompts(1), 3), generate(ref, prompts(1), 3))
-    tiermem.inference(model, {"device": "1MiB"})
+    tiermem.inference(model, {"device_kind": "sim", "device": "1MiB"})
     with pytest.raises(ValueError, match="already managed"):
         tiermem.inference(model)
     tiermem.runtime_of(model).close()
@@ -181,9 +181,9 @@ def test_budget_below_one_unit_names_the_bytes_needed():
     # alone fill 8 chunks (32 KiB).
     with pytest.raises(MemoryError, match=r"chunks of unit '0' need at once; set 'device' to "
                                           r"at least (\d+) bytes") as e:
-        tiermem.inference(model, {"device": 20000, "chunk_size": 1024})
+        tiermem.inference(model, {"device_kind": "sim", "device": 20000, "chunk_size": 1024})
     need = int(re.search(r"at least (\d+) bytes", str(e.value)).group(1))
     assert need >= 8 * 4096
-    tiermem.runtime_of(tiermem.inference(model, {"device": need, "chunk_size": 1024})).close()
+    tiermem.runtime_of(tiermem.inference(model, {"device_kind": "sim", "device": need, "chunk_size": 1024})).close()
     assert list(model.parameters()) == params and not hasattr(model, "_tiermem_runtime")
     assert all(type(p) is nn.Parameter for p in model.parameters())

@@ -23,7 +23,7 @@ from test_training import train_ours
 CONFIGS = {
     "default": {},
     "plan, offloaded activations, speculative steps": {
-        "device": "1MiB", "plan": "auto", "activations": "offload",
+        "device_kind": "sim", "device": "1MiB", "plan": "auto", "activations": "offload",
         "optimizer_overlap": "backward"},
     "host short: state on NVMe": {"host": "nvme"},
 }
@@ -37,7 +37,7 @@ def _timelines(d):
 def test_a_dropped_training_model_is_collected_with_its_session(name, tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # where the session's temporary timeline goes
     _, ours = make_pair()
-    cfg = {"device": model_bytes(ours) // 4, "host": "1GiB", **CONFIGS[name]}  # 1/4 of the state
+    cfg = {"device_kind": "sim", "device": model_bytes(ours) // 4, "host": "1GiB", **CONFIGS[name]}  # 1/4 of the state
     if cfg["host"] == "nvme":  # the host below the training state: NVMe holds the rest
         mb = model_bytes(ours)
         cfg.update(host=mb // 2, nvme={"size": mb * 2, "path": str(tmp_path / "nvme")})
@@ -58,7 +58,7 @@ def test_a_dropped_training_model_is_collected_with_its_session(name, tmp_path, 
 def test_a_dropped_serving_model_is_collected_with_its_session(tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     ref, _ = make_pair()
-    model = tiermem.inference(copy.deepcopy(ref), {"device": model_bytes(ref) // 8,
+    model = tiermem.inference(copy.deepcopy(ref), {"device_kind": "sim", "device": model_bytes(ref) // 8,
                                                    "host": "256MiB"})
     x, _ = batches(1)[0]
     with torch.no_grad():
@@ -75,7 +75,7 @@ def test_a_parameter_kept_after_the_model_is_dropped_keeps_its_values(tmp_path, 
     still holds keeps the runtime (and its values) alive, as a torch parameter would."""
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     ref, ours = make_pair()
-    model, opt = tiermem.initialize(ours, {"device": model_bytes(ours) // 4, "host": "1GiB"})
+    model, opt = tiermem.initialize(ours, {"device_kind": "sim", "device": model_bytes(ours) // 4, "host": "1GiB"})
     w = model.lm_head.weight if hasattr(model, "lm_head") else next(model.parameters())
     expected = dict(ref.named_parameters())
     name = next(n for n, p in model.named_parameters() if p is w)
@@ -96,7 +96,7 @@ def test_a_gradient_kept_after_everything_else_is_dropped_raises_clearly(tmp_pat
     why — never values from freed memory."""
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     _, ours = make_pair()
-    model, opt = tiermem.initialize(ours, {"device": model_bytes(ours) // 4, "host": "1GiB"})
+    model, opt = tiermem.initialize(ours, {"device_kind": "sim", "device": model_bytes(ours) // 4, "host": "1GiB"})
     train_ours(model, opt, batches(1))
     g = next(model.parameters()).grad
     assert g is not None and float(g.abs().sum()) > 0
@@ -135,7 +135,7 @@ def _mark_graph(module):
 def test_a_forward_dropped_without_backward_frees_its_graph(activations, tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     _, ours = make_pair()
-    model, opt = tiermem.initialize(ours, {"device": model_bytes(ours) // 4 + 200_000,
+    model, opt = tiermem.initialize(ours, {"device_kind": "sim", "device": model_bytes(ours) // 4 + 200_000,
                                            "host": "256MiB", "activations": activations})
     outs = _mark_graph(model.blocks[0])
     x, y = batches(1, batch=2)[0]
@@ -159,7 +159,7 @@ def test_a_step_that_raises_frees_its_graph_and_the_model_can_be_dropped(tmp_pat
     dropping the model frees its session."""
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     _, ours = make_pair()
-    model, opt = tiermem.initialize(ours, {"device": 2_400_000, "host": "64MiB",
+    model, opt = tiermem.initialize(ours, {"device_kind": "sim", "device": 2_400_000, "host": "64MiB",
                                            "activations": "budget"})
     outs = _mark_graph(model.blocks[0])
     x, y = batches(1, batch=32, seed=9)[0]

@@ -57,7 +57,7 @@ def test_deferred_updates_train_bit_for_bit_like_immediate_ones(precision, overl
     shape = dict(n_layer=4, n_embd=64)
     _, probe = make_pair(**shape)
     total = model_bytes(probe)  # 3.4 MB
-    cfg = {"device": f"{total // 4}B", "host": f"{total // 3}B",
+    cfg = {"device_kind": "sim", "device": f"{total // 4}B", "host": f"{total // 3}B",
            "nvme": {"path": str(tmp_path), "size": "64MiB"}, "precision": precision,
            "gradient_clipping": 0.05}
     data = batches(6, **shape)
@@ -73,7 +73,7 @@ def test_what_user_code_sees_between_step_and_the_next_forward(overlap):
     # Reads of parameters, grads and optimizer state after step() (they run the update of
     # what they touch first), an eval forward, and zero_grad while updates are pending.
     _, probe = make_pair()
-    cfg = {"device": f"{model_bytes(probe) // 4}B"}
+    cfg = {"device_kind": "sim", "device": f"{model_bytes(probe) // 4}B"}
 
     def between(i, model, opt):
         out = []
@@ -107,7 +107,7 @@ def test_deferred_updates_equal_the_kernel_reference_on_torch_modules(overlap):
                                                             batch_first=True), 3)
     ours.load_state_dict(ref.state_dict())
     total = sum(p.numel() for p in ref.parameters()) * 16
-    model, opt = tiermem.initialize(ours, {"device": f"{total // 4}B", "gradient_clipping": 0.5,
+    model, opt = tiermem.initialize(ours, {"device_kind": "sim", "device": f"{total // 4}B", "gradient_clipping": 0.5,
                                            "optimizer": {"lr": 1e-2},
                                            "optimizer_overlap": overlap})
     ref_opt = KernelAdamW(ref.parameters(), lr=1e-2, clip=0.5)
@@ -142,7 +142,7 @@ def test_speculative_steps_are_bit_identical_whether_the_clip_factor_holds_or_no
     _, probe = make_pair(**shape)
     total = model_bytes(probe)
     data = batches(8, **shape)
-    base = {"device": f"{total // 3}B", "host": "256MiB"}
+    base = {"device_kind": "sim", "device": f"{total // 3}B", "host": "256MiB"}
     norms = []
 
     def norm_of(i, model, opt):
@@ -167,7 +167,7 @@ def test_speculative_steps_are_bit_identical_whether_the_clip_factor_holds_or_no
 def test_resident_training_updates_inside_step():
     # Everything fits: the binding keeps the chunks pinned, so nothing can be deferred.
     _, ours = make_pair()
-    model, opt = tiermem.initialize(ours, {"device": "64MiB"})
+    model, opt = tiermem.initialize(ours, {"device_kind": "sim", "device": "64MiB"})
     x, y = batches(1)[0]
     model(x, y).backward()
     opt.step()
@@ -193,7 +193,7 @@ def test_an_executed_plan_follows_speculative_steps_from_the_first_planned_itera
     shape = dict(n_layer=4, n_embd=64)
     _, probe = make_pair(**shape)
     total = model_bytes(probe)
-    cfg = {"device": f"{total // 3}B", "host": "256MiB", "plan": "auto",
+    cfg = {"device_kind": "sim", "device": f"{total // 3}B", "host": "256MiB", "plan": "auto",
            "optimizer_overlap": "backward"}
     _, ours = make_pair(**shape)
     model, opt = tiermem.initialize(ours, cfg)

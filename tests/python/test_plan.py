@@ -16,7 +16,7 @@ import test_hf as hf_models  # noqa: E402  (the same HF models, data and loop as
 
 
 def config(budget, plan="auto", nvme_dir=None, host="256MiB"):
-    c = {"device": budget, "host": host, "plan": plan,
+    c = {"device_kind": "sim", "device": budget, "host": host, "plan": plan,
          "optimizer": {"lr": 1e-3, "weight_decay": 0.01}}
     if nvme_dir is not None:
         c["nvme"] = {"path": str(nvme_dir), "size": "256MiB"}
@@ -66,7 +66,7 @@ def test_executed_plan_moves_the_bytes_it_predicted_with_activations_in_the_budg
     # engine evicted another chunk instead and fetched it back — 10-12% over the prediction.)
     from tiermem.examples import bench_gpt
     base, data = bench_gpt(12, 256, 2, 7, block=64)
-    model, opt = tiermem.initialize(base, {"device": device, "host": "1GiB",
+    model, opt = tiermem.initialize(base, {"device_kind": "sim", "device": device, "host": "1GiB",
                                            "activations": "budget", "plan": "auto",
                                            "chunk_size": 1_600_000,
                                            "optimizer": {"lr": 1e-3, "weight_decay": 0.01}})

@@ -95,7 +95,7 @@ def test_bf16_20_steps_quarter_budget_matches_fp32_master_reference():
     data = batches(20)
     ref_losses, ref_master, _, _ = train_ref_mixed(ref, data, torch.bfloat16)
     budget = model_bytes(ref) // 4
-    model, opt = tiermem.initialize(ours, {"device": budget, "host": "1GiB", "precision": "bf16",
+    model, opt = tiermem.initialize(ours, {"device_kind": "sim", "device": budget, "host": "1GiB", "precision": "bf16",
                                            "optimizer": {"lr": 1e-3, "weight_decay": 0.01}})
     rt = tiermem.runtime_of(model)
     losses, _ = train_ours_mixed(model, opt, data, scaled=False)
@@ -117,7 +117,7 @@ def test_fp16_dynamic_loss_scaling_skips_overflow_steps_like_the_reference():
     ref_losses, ref_master, ref_skipped, ref_scale = train_ref_mixed(
         ref, data, torch.float16, scale=float(2 ** 20), growth_interval=4)
     model, opt = tiermem.initialize(ours, {
-        "device": model_bytes(ref) // 4, "host": "1GiB", "precision": "fp16",
+        "device_kind": "sim", "device": model_bytes(ref) // 4, "host": "1GiB", "precision": "fp16",
         "loss_scaling": {"initial_scale": 2 ** 20, "growth_interval": 4},
         "optimizer": {"lr": 1e-3, "weight_decay": 0.01}})
     losses, skipped = train_ours_mixed(model, opt, data, scaled=True)

@@ -74,7 +74,7 @@ def check_equal_training(make_model, budget_frac=0.5, units=None, steps=STEPS, c
                        batches, clip)
     exact_losses = train(exact, KernelAdamW(exact.parameters(), lr=3e-3, weight_decay=0.01),
                          batches, clip)
-    config = {"device": budget_for(ours, budget_frac), "host": "256MiB",
+    config = {"device_kind": "sim", "device": budget_for(ours, budget_frac), "host": "256MiB",
               "optimizer": {"lr": 3e-3, "weight_decay": 0.01}}
     config.update(cfg)
     model, opt = tiermem.initialize(ours, config, units=units)
@@ -122,7 +122,7 @@ def test_everything_fits_means_nothing_moves_after_the_first_step():
     device, a training step moves no bytes between tiers (per the engine's counters and the
     timeline)."""
     torch.manual_seed(0)
-    model, opt = tiermem.initialize(MhaLM(), {"device": "64MiB", "host": "256MiB"})
+    model, opt = tiermem.initialize(MhaLM(), {"device_kind": "sim", "device": "64MiB", "host": "256MiB"})
     rt = tiermem.runtime_of(model)
     assert rt._resident
     batches = data(4)
@@ -163,7 +163,7 @@ def test_transformer_encoder_eval_fast_path_equals_plain():
     reads every weight of the layer at once."""
     torch.manual_seed(0)
     ref = EncoderLM(3).eval()
-    model, _ = tiermem.initialize(copy.deepcopy(ref), {"device": budget_for(ref, 0.5),
+    model, _ = tiermem.initialize(copy.deepcopy(ref), {"device_kind": "sim", "device": budget_for(ref, 0.5),
                                                        "host": "256MiB"})
     model.eval()
     x = data(1)[0][0]
@@ -272,7 +272,7 @@ def test_read_outside_every_unit_is_a_clear_error_in_strict_mode(resident):
     model = RootReads()
     before = copy.deepcopy(model.state_dict())
     budget = "64MiB" if resident else budget_for(model, 0.5)
-    model, opt = tiermem.initialize(model, {"device": budget, "host": "64MiB",
+    model, opt = tiermem.initialize(model, {"device_kind": "sim", "device": budget, "host": "64MiB",
                                             "unmaterialized_reads": "error"})
     rt = tiermem.runtime_of(model)
     assert rt._resident == resident
@@ -328,7 +328,7 @@ def test_reading_a_parameter_outside_forward_gives_its_true_value():
     """EMA, logging, parameters_to_vector: plain torch code on model.parameters()."""
     torch.manual_seed(0)
     ref = ParentLM()
-    model, opt = tiermem.initialize(copy.deepcopy(ref), {"device": budget_for(ref, 0.5),
+    model, opt = tiermem.initialize(copy.deepcopy(ref), {"device_kind": "sim", "device": budget_for(ref, 0.5),
                                                          "host": "256MiB"})
     ema = [p.detach().clone() for p in ref.parameters()]
     ropt = torch.optim.AdamW(ref.parameters(), lr=3e-3)
@@ -366,7 +366,7 @@ def test_deepcopy_data_copy_and_close_give_ordinary_tensors():
     torch.manual_seed(0)
     orig = ParentLM()
     params_before = list(orig.parameters())
-    model, opt = tiermem.initialize(orig, {"device": budget_for(orig, 0.5), "host": "256MiB"})
+    model, opt = tiermem.initialize(orig, {"device_kind": "sim", "device": budget_for(orig, 0.5), "host": "256MiB"})
     x, y = data(1)[0]
     opt.zero_grad()
     lm_loss(model(x), y).backward()

@@ -23,7 +23,7 @@ def plan(*args):
 
 def moving_config(model):
     # A quarter of the data on the device: chunks move every iteration (not resident).
-    return {"device": model_bytes(model) // 4, "host": "256MiB", "chunk_size": 4096}
+    return {"device_kind": "sim", "device": model_bytes(model) // 4, "host": "256MiB", "chunk_size": 4096}
 
 
 def test_recorded_trace_matches_the_run_and_the_planner_reads_it(tmp_path):
@@ -92,7 +92,7 @@ def test_record_trace_refuses_bad_use_and_close_writes_it(tmp_path):
 
     # Resident (everything fits on the SimDevice): nothing moves, nothing to plan.
     ref2, ours2 = make_pair(seed=5)
-    m2, _ = tiermem.initialize(ours2, {"device": 4 * model_bytes(ref2), "host": "256MiB"})
+    m2, _ = tiermem.initialize(ours2, {"device_kind": "sim", "device": 4 * model_bytes(ref2), "host": "256MiB"})
     with pytest.raises(RuntimeError, match="fits in the device budget"):
         tiermem.runtime_of(m2).record_trace(tmp_path / "r.tmtrace")
     tiermem.runtime_of(m2).close()

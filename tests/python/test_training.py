@@ -55,7 +55,7 @@ def test_fp32_20_steps_quarter_budget_matches_torch_adamw():
     budget = model_bytes(ref) // 4
     data = batches(20)
     ref_losses = train_ref(ref, data, torch_adamw=True)
-    model, opt = tiermem.initialize(ours, {"device": budget, "host": "1GiB",
+    model, opt = tiermem.initialize(ours, {"device_kind": "sim", "device": budget, "host": "1GiB",
                                            "optimizer": {"lr": 1e-3, "weight_decay": 0.01}})
     losses = train_ours(model, opt, data)
     for i, (a, b) in enumerate(zip(losses, ref_losses)):
@@ -72,7 +72,7 @@ def test_each_step_equals_torch_adamw_on_the_same_state():
     kernels' verified tolerance (rtol 1e-6, atol 1e-7, as test_kernels_vs_torch.py)."""
     ref, ours = make_pair()
     data = batches(20)
-    model, opt = tiermem.initialize(ours, {"device": model_bytes(ref) // 4, "host": "1GiB",
+    model, opt = tiermem.initialize(ours, {"device_kind": "sim", "device": model_bytes(ref) // 4, "host": "1GiB",
                                            "optimizer": {"lr": 1e-3, "weight_decay": 0.01}})
     rt = tiermem.runtime_of(model)
     names = [r.name for r in rt.params]
@@ -98,7 +98,7 @@ def test_fp32_20_steps_quarter_budget_matches_plain_torch_exactly():
     budget = model_bytes(ref) // 4
     data = batches(20)
     ref_losses = train_ref(ref, data)
-    model, opt = tiermem.initialize(ours, {"device": budget, "host": "1GiB",
+    model, opt = tiermem.initialize(ours, {"device_kind": "sim", "device": budget, "host": "1GiB",
                                            "optimizer": {"lr": 1e-3, "weight_decay": 0.01}})
     losses = train_ours(model, opt, data)
     for i, (a, b) in enumerate(zip(losses, ref_losses)):

@@ -170,10 +170,11 @@ StatusOr<std::unique_ptr<ChunkedModel>> ChunkedModel::Create(::torch::nn::Module
                            session::TierStack::ResolveDeviceKind(cfg.device_kind));
   if (device == "cuda") {
     return UnimplementedError(
-        "the LibTorch API runs on SimDevice only for now (config 'device_kind' / "
-        "TIERMEM_DEVICE resolved to 'cuda'; set it to 'sim')");
+        "the LibTorch API runs on the CPU only for now (config 'device_kind' / "
+        "TIERMEM_DEVICE resolved to 'cuda'; set it to 'host', or 'sim' for a simulated "
+        "device)");
   }
-  cfg.device_kind = device;  // "sim" or "sim-async" ("auto" without a GPU: "sim")
+  cfg.device_kind = device;  // "host", "sim" or "sim-async" ("auto" without a GPU: "host")
   if (cfg.activations != "outside") {
     // Counting (and offloading) saved activations needs saved-tensor hooks, which only the
     // Python binding installs: refused rather than a budget silently not applied.
@@ -299,7 +300,7 @@ Status ChunkedModel::Materialize(const std::vector<ParamRec*>& params,
     auto it = std::find_if(views->begin(), views->end(),
                            [&](const auto& v) { return v.first == pl.group; });
     if (it == views->end()) {
-      StatusOr<void*> addr = session_->Acquire(pl.group, ck, TierKind::kDevice);
+      StatusOr<void*> addr = session_->Acquire(pl.group, ck, session_->compute_tier());
       if (!addr.ok()) {
         Dematerialize(params, views).IgnoreError();
         return addr.status();
@@ -337,7 +338,8 @@ Status ChunkedModel::AccumulateGrad(ParamRec* p, const ::torch::Tensor& grad) {
   bool must_zero = false;
   TIERMEM_ASSIGN_OR_RETURN(
       void* addr,
-      session_->AcquireForWrite(pl.group, ChunkKind::kGrad, TierKind::kDevice, &must_zero));
+      session_->AcquireForWrite(pl.group, ChunkKind::kGrad, session_->compute_tier(),
+                                &must_zero));
   ::torch::Tensor base = View(addr, pl.group, ChunkKind::kGrad);
   {
     ::torch::NoGradGuard no_grad;
@@ -537,7 +539,8 @@ StatusOr<Stats> ChunkedModel::GetStats() {
   Stats s;
   TIERMEM_ASSIGN_OR_RETURN(s.counters, session_->Stats());
   TIERMEM_ASSIGN_OR_RETURN(s.timeline, session_->TimelineReport());
-  s.device_budget = session_->config().device_budget;
+  s.device_budget = session_->host_compute() ? 0 : session_->config().device_budget;
+  s.compute_tier = session_->compute_tier();
   return s;
 }
 

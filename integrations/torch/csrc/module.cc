@@ -746,6 +746,8 @@ PYBIND11_MODULE(_C, m) {
            [](PySession& s, uintptr_t handle) { s.s().SetComputeStream({handle}); })
       .def("set_external_device_bytes",
            [](PySession& s, uint64_t b) { Check(s.s().SetExternalDeviceBytes(b)); })
+      .def("set_external_compute_bytes",
+           [](PySession& s, uint64_t b) { Check(s.s().SetExternalComputeBytes(b)); })
       .def("set_external_host_bytes",
            [](PySession& s, uint64_t b) { Check(s.s().SetExternalHostBytes(b)); })
       .def("plan_offloads_unit",
@@ -815,6 +817,10 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("mixed", [](const PySession& s) { return s.s().mixed(); })
       .def_property_readonly("cuda", [](const PySession& s) { return s.s().cuda(); })
       .def_property_readonly("device_kind", [](const PySession& s) { return s.s().device_kind(); })
+      .def_property_readonly("host_compute",
+                             [](const PySession& s) { return s.s().host_compute(); })
+      .def_property_readonly("compute_tier",
+                             [](const PySession& s) { return s.s().compute_tier(); })
       .def_property_readonly("nvme_engine", [](const PySession& s) { return s.s().nvme_engine(); })
       .def_property_readonly("nvme_registered_bytes",
                              [](const PySession& s) { return s.s().nvme_registered_bytes(); })

@@ -97,7 +97,7 @@ TEST(ChunkedModel, TrainsLikePlainLibTorchWithin25PercentDeviceBudget) {
   const Bytes model_bytes = static_cast<Bytes>(NumParams(model)) * 16;
   const Bytes budget = model_bytes / 4;
   auto created = tiermem::torch::ChunkedModel::Create(
-      *model, {{"device", budget}, {"host", "256MiB"},
+      *model, {{"device_kind", "sim"}, {"device", budget}, {"host", "256MiB"},
                {"optimizer", {{"lr", kLr}, {"weight_decay", 0.01}}}});
   ASSERT_TRUE(created.ok()) << created.status().ToString();
   auto& engine = **created;
@@ -151,7 +151,7 @@ TEST(ChunkedModel, GradientsMatchPlainLibTorch) {
   GPT ref = MakeModel(c);
   LmLoss(ref->forward(batches[0].first), batches[0].second).backward();
   GPT model = MakeModel(c);
-  auto created = tiermem::torch::ChunkedModel::Create(*model, {{"device", "1MiB"}, {"host", "64MiB"}});
+  auto created = tiermem::torch::ChunkedModel::Create(*model, {{"device_kind", "sim"}, {"device", "1MiB"}, {"host", "64MiB"}});
   ASSERT_TRUE(created.ok()) << created.status().ToString();
   auto logits = model->forward(**created, batches[0].first);
   ASSERT_TRUE(logits.ok()) << logits.status().ToString();
@@ -185,7 +185,7 @@ TEST(ChunkedModel, DropoutInsideSegmentsGivesPlainLibTorchsGradients) {
   }
   const double ref_next = ::torch::rand({1}).item<double>();
   GPT model = MakeModel(c);
-  auto created = tiermem::torch::ChunkedModel::Create(*model, {{"device", "1MiB"}, {"host", "64MiB"}});
+  auto created = tiermem::torch::ChunkedModel::Create(*model, {{"device_kind", "sim"}, {"device", "1MiB"}, {"host", "64MiB"}});
   ASSERT_TRUE(created.ok()) << created.status().ToString();
   auto& cm = **created;
   ::torch::manual_seed(7);
@@ -214,7 +214,7 @@ TEST(ChunkedModel, NoGradForwardMatchesPlainForward) {
   const auto batches = SyntheticBatches(c, 2, 1);
   GPT ref = MakeModel(c);
   GPT model = MakeModel(c);
-  auto created = tiermem::torch::ChunkedModel::Create(*model, {{"device", "1MiB"}, {"host", "64MiB"}});
+  auto created = tiermem::torch::ChunkedModel::Create(*model, {{"device_kind", "sim"}, {"device", "1MiB"}, {"host", "64MiB"}});
   ASSERT_TRUE(created.ok()) << created.status().ToString();
   ::torch::NoGradGuard no_grad;
   auto logits = model->forward(**created, batches[0].first);
@@ -226,7 +226,7 @@ TEST(ChunkedModel, BadInputIsAClearStatusAndLeavesTheModelUntouched) {
   const GPTConfig c = SmallConfig();
   GPT model = MakeModel(c);
   GPT ref = MakeModel(c);
-  auto tiny = tiermem::torch::ChunkedModel::Create(*model, {{"device", "4KiB"}});
+  auto tiny = tiermem::torch::ChunkedModel::Create(*model, {{"device_kind", "sim"}, {"device", "4KiB"}});
   ASSERT_FALSE(tiny.ok());
   EXPECT_EQ(tiny.status().code(), StatusCode::kResourceExhausted);
   EXPECT_NE(tiny.status().message().find("minimum"), std::string::npos)
@@ -260,19 +260,19 @@ TEST(ChunkedModel, BadInputIsAClearStatusAndLeavesTheModelUntouched) {
   tiermem::torch::ParamGroup frozen_bad;
   frozen_bad.params.push_back(model->blocks[0]->fc->weight);
   auto twice = tiermem::torch::ChunkedModel::Create(
-      *model, {{"device", "1MiB"}, {"host", "64MiB"}}, {frozen_bad, frozen_bad});
+      *model, {{"device_kind", "sim"}, {"device", "1MiB"}, {"host", "64MiB"}}, {frozen_bad, frozen_bad});
   ASSERT_FALSE(twice.ok());
   EXPECT_EQ(twice.status().message(),  // the session's rule and words (runtime/param_groups.h)
             "param_groups[1]: parameter block0.fc.weight appears in more than one group");
   auto missing = tiermem::torch::ChunkedModel::Create(
-      *model, {{"device", "1MiB"}, {"host", "64MiB"}}, {frozen_bad});
+      *model, {{"device_kind", "sim"}, {"device", "1MiB"}, {"host", "64MiB"}}, {frozen_bad});
   ASSERT_FALSE(missing.ok());
   EXPECT_NE(missing.status().message().find("is in no param group"), std::string::npos);
   model->blocks[1]->fc->bias.set_requires_grad(false);
   tiermem::torch::ParamGroup with_frozen;
   with_frozen.params.push_back(model->blocks[1]->fc->bias);
   auto frozen = tiermem::torch::ChunkedModel::Create(
-      *model, {{"device", "1MiB"}, {"host", "64MiB"}}, {with_frozen});
+      *model, {{"device_kind", "sim"}, {"device", "1MiB"}, {"host", "64MiB"}}, {with_frozen});
   model->blocks[1]->fc->bias.set_requires_grad(true);
   ASSERT_FALSE(frozen.ok());
   EXPECT_EQ(frozen.status().message(),
@@ -288,7 +288,7 @@ TEST(ChunkedModel, RunRefusesASegmentWithUnmanagedParameters) {
   const GPTConfig c = SmallConfig();
   GPT model = MakeModel(c);
   ::torch::nn::Linear stranger(4, 4);
-  auto created = tiermem::torch::ChunkedModel::Create(*model, {{"device", "1MiB"}, {"host", "64MiB"}});
+  auto created = tiermem::torch::ChunkedModel::Create(*model, {{"device_kind", "sim"}, {"device", "1MiB"}, {"host", "64MiB"}});
   ASSERT_TRUE(created.ok()) << created.status().ToString();
   auto out = (*created)->Run(*stranger, [&](const auto&) { return stranger(::torch::ones({1, 4})); });
   ASSERT_FALSE(out.ok());
@@ -298,7 +298,7 @@ TEST(ChunkedModel, RunRefusesASegmentWithUnmanagedParameters) {
 TEST(ChunkedModel, ReadingAnotherSegmentsParameterIsLoudNaNNeverPlausibleNumbers) {
   const GPTConfig c = SmallConfig();
   GPT model = MakeModel(c);
-  auto created = tiermem::torch::ChunkedModel::Create(*model, {{"device", "1MiB"}, {"host", "64MiB"}});
+  auto created = tiermem::torch::ChunkedModel::Create(*model, {{"device_kind", "sim"}, {"device", "1MiB"}, {"host", "64MiB"}});
   ASSERT_TRUE(created.ok()) << created.status().ToString();
   ::torch::NoGradGuard no_grad;
   // The segment is block 0 but fn also uses block 1's weights.
@@ -341,7 +341,7 @@ TEST(ChunkedModel, ParamGroupsAndLearningRateChangesMatchLibTorch) {
   g1.lr = 3e-3;
   g1.weight_decay = 0.0;
   auto created = tiermem::torch::ChunkedModel::Create(
-      *model, {{"device", "1MiB"}, {"host", "64MiB"}}, {g0, g1});
+      *model, {{"device_kind", "sim"}, {"device", "1MiB"}, {"host", "64MiB"}}, {g0, g1});
   ASSERT_TRUE(created.ok()) << created.status().ToString();
   auto& cm = **created;
   ASSERT_EQ(cm.num_groups(), 2u);
@@ -375,7 +375,7 @@ TEST(ChunkedModel, Bf16TrainsWithFp32MastersAndTracksFp32) {
   ::torch::optim::AdamW opt(UniqueParams(ref), ::torch::optim::AdamWOptions(1e-3));
   GPT model = MakeModel(c);
   auto created = tiermem::torch::ChunkedModel::Create(
-      *model, {{"device", "1MiB"}, {"host", "64MiB"}, {"precision", "bf16"},
+      *model, {{"device_kind", "sim"}, {"device", "1MiB"}, {"host", "64MiB"}, {"precision", "bf16"},
                {"optimizer", {{"weight_decay", 0.01}}}});
   ASSERT_TRUE(created.ok()) << created.status().ToString();
   auto& cm = **created;
@@ -425,7 +425,7 @@ TEST(ChunkedModel, SaveAndLoadResumeBitForBitAndATornFileChangesNothing) {
   const std::string dir = ::testing::TempDir();
   const GPTConfig c = SmallConfig();
   const auto batches = SyntheticBatches(c, 4, 6);
-  const nlohmann::json cfg = {{"device", "1MiB"}, {"host", "64MiB"}};
+  const nlohmann::json cfg = {{"device_kind", "sim"}, {"device", "1MiB"}, {"host", "64MiB"}};
   GPT a = MakeModel(c);
   auto ca = tiermem::torch::ChunkedModel::Create(*a, cfg);
   ASSERT_TRUE(ca.ok()) << ca.status().ToString();
@@ -475,7 +475,7 @@ TEST(ChunkedModel, SaveAndLoadResumeBitForBitAndATornFileChangesNothing) {
 TEST(ChunkedModel, SaveAndLoadRestoreTheCpuGeneratorAndExtra) {
   const std::string dir = ::testing::TempDir();
   ::torch::nn::Linear lin(3, 2);
-  auto cm = tiermem::torch::ChunkedModel::Create(*lin, {{"device", "1MiB"}, {"host", "16MiB"}});
+  auto cm = tiermem::torch::ChunkedModel::Create(*lin, {{"device_kind", "sim"}, {"device", "1MiB"}, {"host", "16MiB"}});
   ASSERT_TRUE(cm.ok()) << cm.status().ToString();
   ::torch::manual_seed(5);
   ASSERT_TRUE((*cm)->Save(dir + "/rng", {{"epoch", 3}, {"batch", 17}}).ok());
@@ -493,7 +493,7 @@ TEST(ChunkedModel, SaveAndLoadRestoreTheCpuGeneratorAndExtra) {
 // counts and the group's learning rate; then it trains on.
 TEST(ChunkedModel, LoadsItsVersion2Checkpoint) {
   ::torch::nn::Linear lin(3, 2);
-  auto cm = tiermem::torch::ChunkedModel::Create(*lin, {{"device", "1MiB"}, {"host", "16MiB"}});
+  auto cm = tiermem::torch::ChunkedModel::Create(*lin, {{"device_kind", "sim"}, {"device", "1MiB"}, {"host", "16MiB"}});
   ASSERT_TRUE(cm.ok()) << cm.status().ToString();
   ::torch::manual_seed(5);
   const ::torch::Tensor rng_before = ::torch::rand({2});
@@ -527,7 +527,7 @@ TEST(ChunkedModel, APlanIsExecutedWithTheSameLosses) {
     GPT m = MakeModel(c);
     const Bytes budget = static_cast<Bytes>(NumParams(m)) * 16 / 4;
     auto cm = tiermem::torch::ChunkedModel::Create(
-        *m, {{"device", budget}, {"host", "64MiB"}, {"plan", k == 0 ? "off" : "auto"}});
+        *m, {{"device_kind", "sim"}, {"device", budget}, {"host", "64MiB"}, {"plan", k == 0 ? "off" : "auto"}});
     ASSERT_TRUE(cm.ok()) << cm.status().ToString();
     losses[k] = TrainSteps(m, **cm, batches, 0, batches.size());
     const auto ps = (*cm)->session().plan_status();
@@ -596,7 +596,7 @@ TEST(ChunkedModel, TheOptimizerOnTorchsThreadsEqualsItsOwnPoolBitForBit) {
     GPT m = MakeModel(c);
     const Bytes budget = static_cast<Bytes>(NumParams(m)) * 16 / 4;
     auto cm = tiermem::torch::ChunkedModel::Create(
-        *m, {{"device", budget}, {"host", "64MiB"}, {"cpu_threads", 2}});
+        *m, {{"device_kind", "sim"}, {"device", budget}, {"host", "64MiB"}, {"cpu_threads", 2}});
     ASSERT_TRUE(cm.ok()) << cm.status().ToString();
     EXPECT_EQ(tiermem::torch_pool::ForThisThread() != nullptr, k == 0);
     losses[k] = TrainSteps(m, **cm, batches, 0, batches.size());
@@ -620,7 +620,7 @@ TEST(ChunkedModel, TheEnvironmentOverridesTheConfigLikeInPython) {
   GPT model = MakeModel(c);
   setenv("TIERMEM_DEVICE_BUDGET", "3MiB", 1);
   setenv("TIERMEM_HOST_BUDGET", "48MiB", 1);
-  auto created = tiermem::torch::ChunkedModel::Create(*model, {{"device", "1MiB"}, {"host", "64MiB"}});
+  auto created = tiermem::torch::ChunkedModel::Create(*model, {{"device_kind", "sim"}, {"device", "1MiB"}, {"host", "64MiB"}});
   unsetenv("TIERMEM_DEVICE_BUDGET");
   unsetenv("TIERMEM_HOST_BUDGET");
   ASSERT_TRUE(created.ok()) << created.status().ToString();
@@ -628,7 +628,7 @@ TEST(ChunkedModel, TheEnvironmentOverridesTheConfigLikeInPython) {
   EXPECT_EQ((*created)->config().host_budget, 48u << 20);
   ASSERT_TRUE((*created)->Close().ok());
   setenv("TIERMEM_NVME_SIZE", "0", 1);
-  auto bad = tiermem::torch::ChunkedModel::Create(*model, {{"device", "1MiB"}});
+  auto bad = tiermem::torch::ChunkedModel::Create(*model, {{"device_kind", "sim"}, {"device", "1MiB"}});
   unsetenv("TIERMEM_NVME_SIZE");
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("TIERMEM_NVME_SIZE='0'"), std::string::npos);

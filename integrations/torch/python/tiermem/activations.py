@@ -150,7 +150,7 @@ class Activations:
             if device == self.given:
                 return
             try:
-                self.session.set_external_device_bytes(device)
+                self.session.set_external_compute_bytes(device)
                 break
             except MemoryError as e:
                 # The chunks in use need more room than `cap` foresaw (or a plan kept
@@ -192,7 +192,7 @@ class Activations:
         self.nvme = 0
         self.spill_free_all()
         if self.count and self.given:
-            self.session.set_external_device_bytes(0)
+            self.session.set_external_compute_bytes(0)
             self.given = 0
         if self._host_given:
             self.session.set_external_host_bytes(0)

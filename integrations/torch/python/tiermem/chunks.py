@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from .shared import _DEVICE, _K, _Param
+from .shared import _K, _Param
 from .tensor import ChunkTensor
 
 
@@ -40,6 +40,8 @@ class ChunkAccess:
         self.session = session
         self.shards = shards        # distributed.Shards, or None (close() drops it)
         self.compute_kind = session.compute_kind
+        # Where compute acquires chunks: the device, or the host in host mode (session.h).
+        self.tier = session.compute_tier
         self._cuda = device.type == "cuda"
         self.device = device
         self._traced = traced       # () -> bool: whether acquires now are part of the order
@@ -72,16 +74,17 @@ class ChunkAccess:
                 self.session.set_compute_stream(h)
                 self._stream_handle = h
 
-    def acquire(self, group: int, kind, tier=_DEVICE) -> torch.Tensor:
+    def acquire(self, group: int, kind, tier=None) -> torch.Tensor:
+        tier = self.tier if tier is None else tier
         self.set_tracing(self._traced())
         self.on_stream()
-        if self.shards is not None and tier == _DEVICE:
+        if self.shards is not None and tier == self.tier:
             base = self.shards.gather(group, kind)  # the full chunk, from every rank's shard
             if kind == self.compute_kind:
                 self.live[base.data_ptr()] = group
             return base
         base = self.session.acquire(group, kind, tier)
-        if tier == _DEVICE and kind == self.compute_kind:
+        if tier == self.tier and kind == self.compute_kind:
             self.live[base.data_ptr()] = group
         return base
 
@@ -114,7 +117,7 @@ class ChunkAccess:
             self.shards.mark_dirty(group, kind)
             return
         self.on_stream()
-        base = self.session.acquire(group, kind, _DEVICE)
+        base = self.session.acquire(group, kind, self.tier)
         self.session.release(group, kind, True)
         del base
 
@@ -134,7 +137,7 @@ class ChunkAccess:
         self.on_stream()
         if self.shards is not None:
             return self.shards.grad_buffer(group)
-        return self.session.acquire_for_write(group, _K.grad, _DEVICE)
+        return self.session.acquire_for_write(group, _K.grad, self.tier)
 
     def release_grad(self, group: int, fresh):
         """Gives back what acquire_grad gave, modified. Sharded: the group's full gradient,

@@ -189,12 +189,12 @@ class Shards:
         s = self.session
         nbytes = s.chunk_elems * torch.empty((), dtype=self.dtype).element_size()
         try:
-            token, raw = s.allocate_scratch(_DEVICE, nbytes)
+            token, raw = s.allocate_scratch(s.compute_tier, nbytes)
         except MemoryError:
             if not (evict_recent and self._recent):
                 raise
             self.drop_recent()
-            token, raw = s.allocate_scratch(_DEVICE, nbytes)
+            token, raw = s.allocate_scratch(s.compute_tier, nbytes)
         return token, raw.view(self.dtype), nbytes
 
     def gather(self, g, kind):
@@ -235,12 +235,12 @@ class Shards:
         h = _Held(full, token, refs=0)
         try:
             try:
-                shard = s.acquire(g, kind, _DEVICE)
+                shard = s.acquire(g, kind, s.compute_tier)
             except MemoryError:
                 if not (evict_recent and self._recent):
                     raise
                 self.drop_recent()  # the cache's room, for the shard
-                shard = s.acquire(g, kind, _DEVICE)
+                shard = s.acquire(g, kind, s.compute_tier)
             try:
                 h.t0 = time.perf_counter()
                 # An async op keeps reading the shard: a copy of it, so the pin ends now.
@@ -251,7 +251,7 @@ class Shards:
             finally:
                 s.release(g, kind, False)
         except BaseException:
-            s.free_scratch(_DEVICE, token)
+            s.free_scratch(s.compute_tier, token)
             raise
         self.stats["all_gather_bytes"] += nbytes
         self.stats["all_gathers"] += 1
@@ -263,7 +263,7 @@ class Shards:
             try:
                 _collective(f"all-gather of chunk group {g}", h.work.wait)
             except BaseException:
-                self.session.free_scratch(_DEVICE, h.token)
+                self.session.free_scratch(self.session.compute_tier, h.token)
                 raise
         async_op = h.work is not None and hasattr(h.work, "wait")
         h.work = None
@@ -292,26 +292,26 @@ class Shards:
         try:
             if h.dirty:  # this rank's part back into its shard
                 begin, n = s.shard_begin, s.shard_elems
-                shard = s.acquire(g, kind, _DEVICE)
+                shard = s.acquire(g, kind, s.compute_tier)
                 shard.copy_(h.tensor[begin:begin + n])
                 s.release(g, kind, True)
                 h.dirty = False
         except BaseException:
-            s.free_scratch(_DEVICE, h.token)
+            s.free_scratch(s.compute_tier, h.token)
             raise
         if kind != self.compute_kind:  # gradients change with every scatter: not cached
-            s.free_scratch(_DEVICE, h.token)
+            s.free_scratch(s.compute_tier, h.token)
             return True
         self._recent[key] = h  # most recent last
         while len(self._recent) > self.recent_capacity:
             old = next(iter(self._recent))
-            s.free_scratch(_DEVICE, self._recent.pop(old).token)
+            s.free_scratch(s.compute_tier, self._recent.pop(old).token)
         return True
 
     def drop_recent(self):
         s = self.session
         for h in self._recent.values():
-            s.free_scratch(_DEVICE, h.token)
+            s.free_scratch(s.compute_tier, h.token)
         self._recent.clear()
 
     def flush(self):
@@ -322,7 +322,7 @@ class Shards:
             try:
                 self._finish(key[0], h)
             finally:
-                self.session.free_scratch(_DEVICE, h.token)
+                self.session.free_scratch(self.session.compute_tier, h.token)
         self._pending.clear()
 
     # ---- gradients ---------------------------------------------------------------------------
@@ -330,7 +330,7 @@ class Shards:
         """A zeroed full-size gradient buffer for group `g` (held until scatter_grad)."""
         s = self.session
         esize = torch.empty((), dtype=self.dtype).element_size()
-        token, raw = s.allocate_scratch(_DEVICE, s.chunk_elems * esize)
+        token, raw = s.allocate_scratch(s.compute_tier, s.chunk_elems * esize)
         full = raw.view(self.dtype)
         full.zero_()
         self._held[(g, "grad-buffer")] = _Held(full, token)
@@ -353,7 +353,7 @@ class Shards:
             self.stats["reduce_scatter_bytes"] += h.tensor.numel() * h.tensor.element_size()
             self.stats["reduce_scatters"] += 1
             part.div_(self.world)
-            shard = s.acquire_for_write(g, _K.grad, _DEVICE)
+            shard = s.acquire_for_write(g, _K.grad, s.compute_tier)
             try:
                 for r in fresh:
                     lo, hi = max(r.offset, begin), min(r.offset + r.numel, begin + n)
@@ -363,7 +363,7 @@ class Shards:
             finally:
                 s.release(g, _K.grad, True)
         finally:
-            s.free_scratch(_DEVICE, h.token)
+            s.free_scratch(s.compute_tier, h.token)
 
     def _sum_host(self, t, what):
         """The sum over ranks of a small CPU tensor (through the device for NCCL)."""
@@ -401,14 +401,14 @@ class Shards:
     def close(self):
         s = self.session
         for h in list(self._held.values()) + list(self._recent.values()):
-            s.free_scratch(_DEVICE, h.token)
+            s.free_scratch(s.compute_tier, h.token)
         for h in self._pending.values():
             if h.work is not None and hasattr(h.work, "wait"):
                 try:
                     h.work.wait()
                 except RuntimeError:
                     pass
-            s.free_scratch(_DEVICE, h.token)
+            s.free_scratch(s.compute_tier, h.token)
         self._held.clear()
         self._recent.clear()
         self._pending.clear()

@@ -72,7 +72,7 @@ from .materialize import ForwardOrder, Materializer, UnitHooks, tree_leaves_tens
 from .params import _contiguous_strides, _placeholder, collect_params
 from .recompute import Recompute
 from .saved import SavedTensors
-from .shared import _DEVICE, _K, _LOW, _Param, RunState
+from .shared import _HOST, _K, _LOW, _Param, RunState
 from .tensor import ChunkTensor
 from .units import find_units
 
@@ -184,7 +184,18 @@ class TiermemRuntime:
         # it: worth it only when every compute and grad chunk fits on the device at once.
         esize = 2 if self.mixed else 4
         per_group = self.session.chunk_elems * esize * 2
-        self._hold_grads = (cfg.device_budget >= per_group * len(self.groups)
+        # The budget of the tier compute acquires chunks on: the device's, or in host mode the
+        # host's when every chunk is homed there (nothing to move), else none (NVMe-homed
+        # chunks come and go through the host room the session keeps for them).
+        if self.session.host_compute:
+            on_host = all(self.session.home(g, k) == _HOST
+                          for g in range(self.session.num_groups)
+                          for k in _K.__members__.values() if self.session.has_kind(g, k))
+            budget = cfg.host_budget if on_host else 0
+        else:
+            budget = cfg.device_budget
+        self._compute_budget = budget
+        self._hold_grads = (budget >= per_group * len(self.groups)
                             or self._shards is not None)  # sharded: reduce-scatter whole groups
         # Resident training: when every chunk of every kind fits on the device at once (and
         # the device is CPU memory: SimDevice), the compute and grad chunks are pinned there
@@ -193,8 +204,7 @@ class TiermemRuntime:
         # Not with activations counted in the budget: they need the hooks that count them.
         self._resident = (not self._serving and not self.session.cuda and self._shards is None
                           and cfg.activations == "outside"
-                          and cfg.device_budget >= self.session.total_chunk_bytes)
-        self._device_budget = cfg.device_budget
+                          and budget >= self.session.total_chunk_bytes)
         # The parts, each over the state it needs (its module's docstring), lowest first.
         st, s = self.state, self.session
         self.chunks = ChunkAccess(s, self._shards, self.device, self._traced)
@@ -218,12 +228,14 @@ class TiermemRuntime:
         self.state.closed = False
         self._install()
         most = max((len(u.groups) for u in self.units), default=1)
-        self.activations.cap = max(0, cfg.device_budget - 2 * most * per_group)
+        self.activations.cap = max(0, budget - 2 * most * per_group)
         if self._shards is not None:
             # Full chunks kept after use: the next unit's shared groups and the backward's
             # first unit need no second all-gather. At most a quarter of the device budget.
             full = self.session.chunk_elems * esize
-            self._shards.recent_capacity = min(2 * most + 1, cfg.device_budget // (4 * full))
+            self._shards.recent_capacity = min(2 * most + 1, max(budget, cfg.host_budget
+                                                                  if self.session.host_compute
+                                                                  else 0) // (4 * full))
         # The chunks hold the values now. The user's Parameter objects keep no copy (close()
         # gives them their data back), so the model is not in host RAM twice, and a stale
         # reference to one fails loudly (an empty tensor) instead of reading old values.
@@ -278,7 +290,7 @@ class TiermemRuntime:
                 r.compute.data = self.chunks.slice(base, r)  # for good: units only swap slots
             if self.groups[g][0]:
                 self.chunks.on_stream()
-                self.grads.hold[g] = self.session.acquire_for_write(g, _K.grad, _DEVICE)
+                self.grads.hold[g] = self.session.acquire_for_write(g, _K.grad, self.session.compute_tier)
                 self._resident_pins.append((g, _K.grad))
 
     def _wrap_root(self):
@@ -418,10 +430,11 @@ class TiermemRuntime:
         if self.state.closed:
             raise RuntimeError("tiermem: record_trace on a closed model")
         if self._resident:
+            where = "host" if self.session.host_compute else "device"
             raise RuntimeError(
-                "tiermem: record_trace: every chunk of this model fits in the device budget "
-                f"({self._device_budget} bytes), so nothing moves and there is no schedule to "
-                "plan; record with a device budget below the model's "
+                f"tiermem: record_trace: every chunk of this model fits in the {where} budget "
+                f"({self._compute_budget} bytes), so nothing moves and there is no schedule to "
+                f"plan; record with a {where} budget below the model's "
                 f"{self.session.total_chunk_bytes} chunk bytes")
         self.session.record_trace(os.fspath(path), int(iterations))
 

@@ -55,7 +55,7 @@ class ServingRuntime(TiermemRuntime):
             b = sum(self.session.chunk_bytes(g, self._compute_kind) for g in u.groups)
             if b > need:
                 need, unit = b, u
-        if need > cfg.device_budget:
+        if not self.session.host_compute and need > cfg.device_budget:
             self.close()
             raise MemoryError(
                 f"inference: the device budget of {cfg.device_budget} bytes is below the "
@@ -92,7 +92,7 @@ class ServingRuntime(TiermemRuntime):
             return
         n = cache_bytes(out)
         if n != self.cache_bytes:
-            self.session.set_external_device_bytes(n)  # MemoryError: budget too small for it
+            self.session.set_external_compute_bytes(n)  # MemoryError: budget too small for it
             self.cache_bytes = n
 
 
