@@ -30,6 +30,15 @@ Bytes IterationStats::DeviceInBytes() const {
          bytes[static_cast<int>(TierKind::kNvme)][static_cast<int>(TierKind::kDevice)];
 }
 
+Bytes IterationStats::NvmeBytes() const {
+  Bytes n = 0;
+  for (int t = 0; t < kNumTierKinds; ++t) {
+    if (t == static_cast<int>(TierKind::kNvme)) continue;
+    n += bytes[t][static_cast<int>(TierKind::kNvme)] + bytes[static_cast<int>(TierKind::kNvme)][t];
+  }
+  return n;
+}
+
 // ---- OccupancyProfile --------------------------------------------------------------------
 void OccupancyProfile::Advance(uint64_t now) {
   while (!delta_.empty() && delta_.begin()->first <= now) {

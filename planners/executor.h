@@ -77,6 +77,7 @@ struct IterationStats {
   uint64_t fetches = 0, evictions = 0, writebacks = 0;
   std::vector<MomentTiming> moments;  // when recording
   Bytes DeviceInBytes() const;        // into the device tier from host and NVMe
+  Bytes NvmeBytes() const;            // to and from the NVMe tier, either way
 };
 
 // Program-order per-chunk state visible to policies.

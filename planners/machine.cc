@@ -99,20 +99,26 @@ uint64_t MachineModel::CopyNs(TierKind src, TierKind dst, Bytes bytes) const {
 }
 
 Status MachineModel::Validate() const {
-  if (Budget(kD) == 0) return InvalidArgumentError("machine: no device budget (--device)");
+  // No device budget: a host-mode machine (compute on the host tier; MakePlan refuses a trace
+  // that accesses chunks on a device it does not have).
+  const bool device = Budget(kD) > 0;
   if (Budget(kH) == 0) return InvalidArgumentError("machine: no host budget (--host)");
   auto need = [this](TierKind a, TierKind b, const char* name) {
     if (Link(a, b).bytes_per_s > 0) return OkStatus();
     return InvalidArgumentError(std::string("machine: no ") + name +
                                 " copy rate (the trace has none; give --bw " + name + "=RATE)");
   };
-  TIERMEM_RETURN_IF_ERROR(need(kH, kD, "h2d"));
-  TIERMEM_RETURN_IF_ERROR(need(kD, kH, "d2h"));
+  if (device) {
+    TIERMEM_RETURN_IF_ERROR(need(kH, kD, "h2d"));
+    TIERMEM_RETURN_IF_ERROR(need(kD, kH, "d2h"));
+  }
   if (Budget(kN) > 0) {
     TIERMEM_RETURN_IF_ERROR(need(kH, kN, "h2n"));
     TIERMEM_RETURN_IF_ERROR(need(kN, kH, "n2h"));
-    TIERMEM_RETURN_IF_ERROR(need(kD, kN, "d2n"));
-    TIERMEM_RETURN_IF_ERROR(need(kN, kD, "n2d"));
+    if (device) {
+      TIERMEM_RETURN_IF_ERROR(need(kD, kN, "d2n"));
+      TIERMEM_RETURN_IF_ERROR(need(kN, kD, "n2d"));
+    }
   }
   if (!std::isfinite(cpu_optim_elems_per_s) || cpu_optim_elems_per_s < 0 ||
       !std::isfinite(device_optim_elems_per_s) || device_optim_elems_per_s < 0) {

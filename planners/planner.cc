@@ -185,7 +185,11 @@ class Search {
                           static_cast<double>(std::max<uint64_t>(
                               1, machine_.CopyNs(TierKind::kHost, TierKind::kDevice,
                                                  kRecomputeProbe)));
-    const auto bytes = [per_ns](const Candidate& c) {
+    // A host-mode machine (no device: compute on the host tier) moves bytes only to and
+    // from NVMe, so those are what kBytes counts there.
+    const bool host_mode = machine_.Budget(TierKind::kDevice) == 0;
+    const auto bytes = [per_ns, host_mode](const Candidate& c) {
+      if (host_mode) return c.stats.NvmeBytes();
       return c.stats.DeviceInBytes() +
              static_cast<Bytes>(per_ns * static_cast<double>(c.stats.recompute_ns));
     };
@@ -560,6 +564,15 @@ StatusOr<Plan> MakePlan(const Trace& trace, const MachineModel& machine,
     return InvalidArgumentError(
         "planner: the trace has " + std::to_string(trace.iterations.size()) +
         " iterations, there is no iteration " + std::to_string(options.iteration));
+  }
+  if (machine.Budget(TierKind::kDevice) == 0) {
+    for (const TraceAccess& a : trace.iterations[options.iteration].accesses) {
+      if (a.tier == TierKind::kDevice) {
+        return InvalidArgumentError(
+            "planner: the trace accesses chunks on the device, but the machine has no device "
+            "budget (a host-mode machine; give --device)");
+      }
+    }
   }
   if (options.homes != nullptr && options.homes->size() != trace.chunks.size()) {
     return InvalidArgumentError("planner: the fixed homes do not cover the chunks");

@@ -226,7 +226,8 @@ Status PlanRunner::ExecuteFrom(const planners::Trace& trace, int64_t iteration,
   if (iteration > 0) o.earlier_iteration = iteration - 1;
   // SimDevice's copies are memcpys on the same CPU cores as the compute, which the machine
   // model (copy lanes concurrent with compute) does not see: fewest bytes is the right goal
-  // there. On CUDA the copy engines run beside the kernels: least modelled time.
+  // there; in host mode the bytes are NVMe's (the planner counts those there). On CUDA the
+  // copy engines run beside the kernels: least modelled time.
   o.objective = ctx.cuda ? planners::PlanObjective::kTime : planners::PlanObjective::kBytes;
   TIERMEM_ASSIGN_OR_RETURN(planners::Plan p, planners::MakePlan(t, m, o));
   estimate_ = p.estimate;

@@ -336,8 +336,16 @@ class Session {
   bool trace_armed() const { return trace_.armed(); }
   // Bytes of non-chunk tensors the current unit saved for backward (the bindings' saved-tensor
   // hooks see each one), and the non-chunk device bytes live now when the binding knows them.
-  void AddSavedBytes(Bytes b) { trace_.AddSavedBytes(b); }
-  void SetActivationBytes(Bytes b) { trace_.SetActivationBytes(b); }
+  // Host mode: not recorded. The trace's non-chunk bytes are device bytes (the planner and
+  // the simulator count them in the device budget); there is none, and the activations are
+  // torch's host memory outside every budget ('outside') — or, counted ('budget'), in the
+  // host's external bytes, which the planner does not model yet.
+  void AddSavedBytes(Bytes b) {
+    if (!host_compute()) trace_.AddSavedBytes(b);
+  }
+  void SetActivationBytes(Bytes b) {
+    if (!host_compute()) trace_.SetActivationBytes(b);
+  }
   // Ends a recording now and writes what was recorded. False when nothing was armed or
   // recorded; the write's error (or an earlier one, from the automatic write) otherwise.
   StatusOr<bool> FinishTrace();

@@ -125,7 +125,14 @@ def main(argv=None):
     ap.add_argument("--n-layer", type=int, default=None)
     ap.add_argument("--n-embd", type=int, default=None)
     ap.add_argument("--n-head", type=int, default=None)
-    ap.add_argument("--device-budget", default=None)
+    ap.add_argument("--device", choices=["auto", "host", "sim", "sim-async", "cuda"],
+                    default="auto",
+                    help="where compute runs: auto (the GPU when there is one, else host), "
+                         "host (the CPU against chunks in host memory: tiers host + NVMe), "
+                         "sim (SimDevice: a simulated device of --device-budget in host "
+                         "memory, for what a GPU of that budget would do; a simulation)")
+    ap.add_argument("--device-budget", default=None,
+                    help="device budget (default: the size's; not with --device host)")
     ap.add_argument("--host-budget", default=None)
     ap.add_argument("--nvme-path", default=None,
                     help="directory for the NVMe tier (default: a temporary one, removed)")
@@ -185,15 +192,27 @@ def train(args, c, steps, preset, nvme_dir, nvme_size) -> int:
     t_build = time.perf_counter()
     model = GPT(c)
     n_params = sum(p.numel() for p in model.parameters())
-    config = {"device": args.device_budget or preset["device"],
+    # What runs (TIERMEM_DEVICE overrides --device, as it does every config).
+    kind = tiermem._C.resolve_device_kind(
+        tiermem.parse_config({"device_kind": args.device}).device_kind)
+    if kind == "host" and args.device_budget:
+        print(f"--device-budget {args.device_budget}: there is no device in host mode "
+              "(compute runs on the CPU against host memory, sized by --host-budget); use "
+              "--device sim to simulate a device of that budget", file=sys.stderr)
+        return 2
+    config = {"device_kind": args.device,
               "host": args.host_budget or preset["host"],
               "nvme": {"path": nvme_dir, "size": nvme_size},
               "timeline": args.timeline or None,
               "optimizer": {"lr": args.lr or preset["lr"], "weight_decay": 0.01},
               "plan": args.plan, "activations": args.activations}
+    if kind != "host":
+        config["device"] = args.device_budget or preset["device"]
     model, opt = tiermem.initialize(model, config)
     rt = tiermem.runtime_of(model)
-    budget = rt.cfg.device_budget
+    host_mode = rt.session.host_compute
+    # The budget of the tier compute runs from: the host's in host mode, else the device's.
+    budget = rt.cfg.host_budget if host_mode else rt.cfg.device_budget
     # The warm-up trace of iterations 2 and 3, next to the timeline: what the planner (tiermem
     # plan) reads. Not the first: it is cold and has no deferred optimizer updates in its
     # forward (docs/python.md "When the optimizer runs"), so it would not look like the rest.
@@ -201,9 +220,19 @@ def train(args, c, steps, preset, nvme_dir, nvme_size) -> int:
     trace = os.path.splitext(args.timeline)[0] + ".tmtrace" if args.timeline else None
     if not trace or rt._resident or steps < 3:
         trace = None
+    if host_mode:
+        print("mode: host — compute on the CPU against the chunks in host memory (tiers: "
+              "host, NVMe); --device sim simulates a device instead")
+        where = f"host budget of {fmt(budget)}"
+    else:
+        print(f"mode: {rt.session.device_kind} — "
+              + ("a CUDA device" if rt.session.cuda else
+                 "SimDevice, a simulated device in host memory: step times are a simulation")
+              + " (tiers: device, host, NVMe)")
+        where = f"device budget of {fmt(budget)}; host {fmt(rt.cfg.host_budget)}"
     print(f"model: {n_params / 1e6:.2f} M params ({c.n_layer} x {c.n_embd}); "
           f"params+grads+AdamW = {fmt(rt.model_bytes)} = {rt.model_bytes / budget:.1f}x the "
-          f"device budget of {fmt(budget)}; host {fmt(rt.cfg.host_budget)}, NVMe "
+          f"{where}, NVMe "
           f"{fmt(rt.cfg.nvme_size)} in {nvme_dir} ({rt.session.nvme_engine}); chunk "
           f"{rt.chunk_elems} elements x {rt.session.num_groups} groups "
           f"(set up in {time.perf_counter() - t_build:.1f} s)")
@@ -228,10 +257,12 @@ def train(args, c, steps, preset, nvme_dir, nvme_size) -> int:
         losses.append(loss.item())
         if bar:
             st = rt.stats()["tiers"]
+            dev = ("" if host_mode else
+                   f"device {fmt(st['device']['used'])}/{fmt(st['device']['capacity'])} ")
             bar.set_postfix_str(
                 f"loss {losses[-1]:.3f} | {tokens / (time.perf_counter() - t0):.0f} tok/s | "
-                f"device {fmt(st['device']['used'])}/{fmt(st['device']['capacity'])} "
-                f"host {fmt(st['host']['used'])} nvme {fmt(st['nvme']['used'])}")
+                f"{dev}host {fmt(st['host']['used'])}/{fmt(st['host']['capacity'])} "
+                f"nvme {fmt(st['nvme']['used'])}")
             bar.update(1)
     if bar:
         bar.close()
@@ -274,7 +305,15 @@ def train(args, c, steps, preset, nvme_dir, nvme_size) -> int:
         print(f"reopen them with: {cli_command()} prof report {timeline}\n"
               f"                  {cli_command()} prof html {timeline} -o {html}  "
               f"(then open {html} in a browser)")
-    if trace:
+    if trace and host_mode:
+        # Every schedule policy simulated over this run's own warm-up trace: the host tier
+        # caching NVMe-homed chunks (activations are torch's, outside the host budget).
+        cmp_ = run_cli("plan", "compare", trace)
+        print(f"\nwarm-up trace (2 iterations) -> {trace}; schedules simulated over it "
+              f"(tiermem plan compare, host mode: host {fmt(budget)} + NVMe):")
+        print(cmp_.stdout if cmp_.returncode == 0 else cmp_.stderr)
+        print(f"rerun with: {cli_command()} plan compare {trace}")
+    elif trace:
         # Every schedule policy simulated over this run's own warm-up trace, with room for
         # the activations (on the SimDevice they live in CPU memory, outside the budget).
         room = f"{budget + rt_peak_activation(trace)}"
