@@ -58,7 +58,7 @@ def test_tiny_main_job_with_activation_offload_and_nothing_on_nvme(tmp_path):
     env = dict(os.environ, TMPDIR=str(tmp_path))
     out = subprocess.run([sys.executable, "-m", "tiermem.examples.train_gpt", "--size", "tiny",
                           "--steps", "6", "--timeline", str(tl), "--activations", "offload",
-                          "--device-budget", "12MiB", "--host-budget", "96MiB"],
+                          "--device", "sim", "--device-budget", "12MiB", "--host-budget", "96MiB"],
                          capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     text = out.stdout

@@ -66,7 +66,7 @@ def main(argv=None) -> int:
 
 def _run(a, base, data, opt_args, nvme_dir) -> int:
     def cfg(activations, plan):
-        c = {"device": a.device, "host": a.host, "plan": plan, "activations": activations,
+        c = {"device_kind": "sim", "device": a.device, "host": a.host, "plan": plan, "activations": activations,
              "optimizer": opt_args}
         if nvme_dir:
             c["nvme"] = {"path": nvme_dir, "size": a.nvme_size}

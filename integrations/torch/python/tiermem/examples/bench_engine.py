@@ -73,6 +73,7 @@ def main(argv=None):
     ours = {}
     for frac, wb, pool in fractions:
         m, o = tiermem.initialize(copy.deepcopy(base), {
+            "device_kind": "sim",  # the subject is the device budget: SimDevice
             "device": int(16 * n * frac), "host": "1GiB", "optimizer": {"lr": 1e-3},
             "write_behind": wb})
         ours[(frac, wb, pool)] = (m, o, tiermem.runtime_of(m))

@@ -35,6 +35,7 @@ import time
 import torch
 
 import tiermem
+from tiermem.examples.gpt import tier_config
 from tiermem.examples.fio import fio_rates
 from tiermem.examples import bench_gpt
 
@@ -56,7 +57,11 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3, help="steps before the first round")
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--width", type=int, default=768)
-    ap.add_argument("--device", default="128MiB")
+    ap.add_argument("--device-kind", default="auto",
+                    choices=["auto", "host", "sim", "sim-async", "cuda"],
+                    help="auto: the GPU when there is one, else host mode (compute on the CPU "
+                         "against host memory); sim: SimDevice, a simulated device")
+    ap.add_argument("--device", default="128MiB", help="device budget (not in host mode)")
     ap.add_argument("--host", default="512MiB")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--dir", default=None, help="directory for the NVMe tier and fio's file")
@@ -77,7 +82,7 @@ def run(a, workdir):
     total = a.warmup + a.rounds * a.steps
     model, batches = bench_gpt(a.layers, a.width, 8, total)
     n = sum(p.numel() for p in model.parameters())
-    config = {"device": a.device, "host": a.host,
+    config = {**tier_config(a.device_kind, a.device, a.host),
               "nvme": {"path": os.path.join(workdir, "nvme"), "size": a.nvme_size},
               "timeline": os.path.join(workdir, "t.tmt")}
     os.makedirs(config["nvme"]["path"])

@@ -27,6 +27,7 @@ import tempfile
 import torch
 
 import tiermem
+from tiermem.examples.gpt import tier_config
 from tiermem.examples import bench_gpt, timed_step
 
 MODES = ("backward", "next-forward", "off")
@@ -39,7 +40,11 @@ def main(argv=None) -> int:
     ap.add_argument("--width", type=int, default=768)
     ap.add_argument("--steps", type=int, default=10, help="steps per system (3 are warm-up)")
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--device", default="128MiB")
+    ap.add_argument("--device-kind", default="auto",
+                    choices=["auto", "host", "sim", "sim-async", "cuda"],
+                    help="auto: the GPU when there is one, else host mode (compute on the CPU "
+                         "against host memory); sim: SimDevice, a simulated device")
+    ap.add_argument("--device", default="128MiB", help="device budget (not in host mode)")
     ap.add_argument("--host", default="512MiB")
     ap.add_argument("--nvme", default="4GiB", help="0: no NVMe tier")
     ap.add_argument("--plan", choices=["off", "auto"], default="off",
@@ -60,7 +65,7 @@ def main(argv=None) -> int:
     systems = {}
     try:
         for mode in modes:
-            cfg = {"device": a.device, "host": a.host, "optimizer_overlap": mode, "plan": a.plan,
+            cfg = {**tier_config(a.device_kind, a.device, a.host), "optimizer_overlap": mode, "plan": a.plan,
                    "gradient_clipping": a.clip,
                    "optimizer": {"lr": 1e-4, "weight_decay": 0.01}}
             if a.nvme != "0":

@@ -41,7 +41,7 @@ def main(argv=None):
     n = sum(p.numel() for p in base.parameters())
     data = list(synthetic_batches(c, 8, args.warmup + args.steps, seed=1))
     # The chunk bytes (padding included) from a probe: fp32 param, grad, m, v are alike.
-    pm, _ = tiermem.initialize(copy.deepcopy(base), {"device": "4GiB", "host": "1GiB"})
+    pm, _ = tiermem.initialize(copy.deepcopy(base), {"device_kind": "sim", "device": "4GiB", "host": "1GiB"})
     total = tiermem.runtime_of(pm).session.total_chunk_bytes
     tiermem.runtime_of(pm).close()
     budget = total // 2 + int(total // 2 * args.state_fraction)
@@ -51,6 +51,7 @@ def main(argv=None):
     ours = {}
     for placement in ("auto", "host"):
         m, o = tiermem.initialize(copy.deepcopy(base), {
+            "device_kind": "sim",  # the subject is the device budget: SimDevice
             "device": budget, "host": "1GiB", "optimizer": {"lr": 1e-3},
             "optimizer_placement": placement})
         ours[placement] = (m, o, tiermem.runtime_of(m))

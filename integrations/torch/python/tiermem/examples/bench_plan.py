@@ -22,6 +22,7 @@ import tempfile
 
 
 import tiermem
+from tiermem.examples.gpt import tier_config
 from tiermem.examples import bench_gpt, timed_step
 
 
@@ -37,7 +38,11 @@ def main(argv=None) -> int:
     ap.add_argument("--width", type=int, default=768)
     ap.add_argument("--steps", type=int, default=9, help="steps per system (3 are warm-up)")
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--device", default="128MiB")
+    ap.add_argument("--device-kind", default="auto",
+                    choices=["auto", "host", "sim", "sim-async", "cuda"],
+                    help="auto: the GPU when there is one, else host mode (compute on the CPU "
+                         "against host memory); sim: SimDevice, a simulated device")
+    ap.add_argument("--device", default="128MiB", help="device budget (not in host mode)")
     ap.add_argument("--host", default="512MiB")
     ap.add_argument("--nvme", default="4GiB")
     ap.add_argument("--dir", default=None, help="NVMe directory (default: a temporary one)")
@@ -51,7 +56,7 @@ def main(argv=None) -> int:
     systems = {}
     try:
         for mode in ("auto", "off"):
-            cfg = {"device": a.device, "host": a.host,
+            cfg = {**tier_config(a.device_kind, a.device, a.host),
                    "nvme": {"path": f"{root}/{mode}", "size": a.nvme},
                    "plan": mode, "activations": "budget" if a.activations else "outside",
                    "optimizer": {"lr": 1e-3, "weight_decay": 0.01}}
