@@ -196,9 +196,11 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
   sl.chunk_bytes = s->shard_elems_ * 4;  // the largest (fp32) chunk of a group held here
   // Host room for caches of NVMe-homed chunks: every kind of one group at once (the optimizer
   // step holds them there); without trainable tensors (serving) one chunk, for value reads.
-  // Host mode computes on host copies too: the chunks a unit computes with and the next ones
-  // prefetched (two more) need that room beside the optimizer step's group.
-  const Bytes reserve_chunks = (trainable.empty() ? 1 : 5) + (host ? 2 : 0);
+  // Host mode computes on host copies too: the chunks a unit computes with (serving: as many
+  // as the device minimum, kMinResidentChunks) and the next ones prefetched (two more) need
+  // that room beside the optimizer step's group.
+  const Bytes reserve_chunks =
+      host ? (trainable.empty() ? kMinResidentChunks : 5) + 2 : (trainable.empty() ? 1 : 5);
   sl.host_reserve = config.nvme_size == 0 ? 0 : reserve_chunks * AlignUp(sl.chunk_bytes, kPage);
   // State beyond the host budget with NVMe: homes fill the host budget, so map it all now,
   // registered with the NVMe tier (tier_stack.h).

@@ -1,0 +1,154 @@
+"""Host mode (device_kind 'host', what 'auto' picks without a GPU; docs/host-mode.md): compute
+on the CPU against the chunks in host memory, NVMe-homed chunks read into host room before
+use. Values equal plain torch bit for bit (the same AdamW kernel: KernelAdamW), with NVMe in
+the loop, for the repo's GPT, Hugging Face GPT-2 and torch's own nn.TransformerEncoder."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import tiermem
+from conftest import KernelAdamW, batches, encoder_batches, make_pair, train_steps
+
+OPT = {"lr": 2e-3, "weight_decay": 0.01}
+
+
+def host_cfg(tmp_path, host, **kw):
+    c = {"device_kind": "host", "host": host, "optimizer": OPT,
+         "nvme": {"size": "64MiB", "path": str(tmp_path / "nvme")}}
+    c.update(kw)
+    return c
+
+
+def assert_nvme_in_the_loop(rt):
+    st = rt.stats()
+    assert rt.session.device_kind == "host" and rt.session.host_compute
+    moved = st["bytes_moved"]
+    assert moved.get("nvme->host", 0) > 0 and moved.get("host->nvme", 0) > 0, moved
+    assert not any(k.startswith("device") or k.endswith("device") for k, v in moved.items()
+                   if v), moved
+    assert st["tiers"]["nvme"]["used"] > 0
+
+
+@pytest.mark.parametrize("plan", ["off", "auto"])
+def test_gpt_with_nvme_equals_plain_torch(tmp_path, plan):
+    ref, ours = make_pair()
+    data = batches(8)
+    ref_losses = train_steps(ref, KernelAdamW(ref.parameters(), **OPT), data)
+    model, opt = tiermem.initialize(ours, host_cfg(tmp_path, "384KiB", plan=plan))
+    rt = tiermem.runtime_of(model)
+    assert train_steps(model, opt, data) == ref_losses
+    assert ref_losses[-1] < ref_losses[0]
+    for k, v in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+    assert_nvme_in_the_loop(rt)
+    if plan == "auto":
+        assert rt.stats()["plan"]["plans"] >= 1, rt.stats()["plan"]
+
+
+def test_everything_in_host_memory_is_resident_and_moves_nothing():
+    ref, ours = make_pair()
+    data = batches(5)
+    ref_losses = train_steps(ref, KernelAdamW(ref.parameters(), **OPT), data)
+    model, opt = tiermem.initialize(ours, {"device_kind": "host", "host": "64MiB",
+                                           "optimizer": OPT})
+    rt = tiermem.runtime_of(model)
+    assert rt._resident
+    assert train_steps(model, opt, data) == ref_losses
+    assert sum(rt.stats()["bytes_moved"].values()) == 0
+
+
+def test_hf_gpt2_with_nvme_equals_plain(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=3,
+                                  n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    ref = transformers.GPT2LMHeadModel(cfg)
+    ours = copy.deepcopy(ref)
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, 96, (4, 16), generator=g) for _ in range(6)]
+
+    def train(m, o):
+        out = []
+        for ids in data:
+            o.zero_grad()
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            o.step()
+            out.append(loss.item())
+        return out
+
+    ref_losses = train(ref, KernelAdamW(ref.parameters(), **OPT))
+    model, opt = tiermem.initialize(ours, host_cfg(tmp_path, "384KiB"))
+    assert train(model, opt) == ref_losses
+    for k, v in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+    assert_nvme_in_the_loop(tiermem.runtime_of(model))
+
+
+class Encoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(64, 8)
+
+    def forward(self, x, y):
+        return nn.functional.cross_entropy(self.head(self.enc(x)).flatten(0, 1), y.flatten())
+
+
+def test_torch_transformer_encoder_with_nvme_equals_plain(tmp_path):
+    torch.manual_seed(0)
+    ref = Encoder()
+    ours = copy.deepcopy(ref)
+    data = encoder_batches(5)
+    ref_losses = train_steps(ref, KernelAdamW(ref.parameters(), **OPT), data)
+    model, opt = tiermem.initialize(ours, host_cfg(tmp_path, "1MiB"))
+    assert train_steps(model, opt, data) == ref_losses
+    assert_nvme_in_the_loop(tiermem.runtime_of(model))
+
+
+def test_serving_from_nvme_equals_plain(tmp_path):
+    ref, ours = make_pair()
+    ref.eval()
+    x, _ = batches(1)[0]
+    model = tiermem.inference(ours, {"device_kind": "host", "host": "160KiB",
+                                     "nvme": {"size": "64MiB", "path": str(tmp_path / "n")}})
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(model(x), ref(x))
+    rt = tiermem.runtime_of(model)
+    assert rt.stats()["bytes_moved"].get("nvme->host", 0) > 0
+
+
+def test_auto_picks_host_without_a_gpu_and_ignores_a_device_budget_with_a_warning(capfd):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: auto picks cuda")
+    _, ours = make_pair()
+    model, _ = tiermem.initialize(ours, {"device": "1MiB", "host": "64MiB"})
+    rt = tiermem.runtime_of(model)
+    assert rt.session.device_kind == "host"
+    assert "config 'device' (1048576 bytes) is ignored" in capfd.readouterr().err
+    assert rt.stats()["tiers"]["device"]["capacity"] == 0
+
+
+@pytest.mark.parametrize("cfg, match", [
+    ({"device_kind": "host", "device": "1MiB"}, "host mode has no device tier"),
+    ({"device_kind": "host", "activations": "offload"}, "in host memory already"),
+    ({"device_kind": "host", "activations": "auto"}, "in host memory already"),
+])
+def test_bad_host_mode_configs_are_clear_errors_and_leave_the_model(cfg, match):
+    _, ours = make_pair()
+    before = {k: v.clone() for k, v in ours.state_dict().items()}
+    with pytest.raises(ValueError, match=match):
+        tiermem.initialize(ours, cfg)
+    assert all(torch.equal(before[k], v) for k, v in ours.state_dict().items())
+
+
+def test_a_host_budget_too_small_for_nvme_says_how_much_is_needed(tmp_path):
+    _, ours = make_pair()
+    before = {k: v.clone() for k, v in ours.state_dict().items()}
+    with pytest.raises(MemoryError, match="below the minimum of"):
+        tiermem.initialize(ours, host_cfg(tmp_path, "16KiB"))
+    assert all(torch.equal(before[k], v) for k, v in ours.state_dict().items())
