@@ -1,12 +1,16 @@
-"""The main job: train a GPT-style decoder whose training state is many times the device
-budget, with NVMe in the loop, then show where the bytes went.
+"""The main job: train a GPT-style decoder whose training state is larger than the memory
+budget it computes from, with NVMe in the loop, then show where the bytes went. Without a GPU
+it runs in host mode (compute on the CPU against chunks in host memory: tiers host and NVMe;
+docs/host-mode.md); `--device sim` runs the simulated three-tier stack (SimDevice with the
+size's device budget: step times are then a simulation).
 
     python -m tiermem.examples.train_gpt [--size tiny|default|xl] [--steps N] ...
 
 Sizes (byte-level vocabulary, context 64, batch 8):
   tiny     4 x 192, 1.8 M params: seconds (what CI runs);
   default  12 x 768, 85 M params (GPT-2-small class): params + grads + AdamW state 1.3 GiB =
-           10x the 128 MiB device budget, more optimizer state than the 512 MiB host budget
+           2.6x the 512 MiB host budget (10x the 128 MiB device budget with --device sim),
+           more optimizer state than the host budget
            holds, so part of it lives on NVMe (a temporary directory, removed at exit);
            a few minutes on a 2-core machine;
   xl       d = 2304 with enough layers that the training state exceeds this machine's
