@@ -26,6 +26,7 @@
 #include <limits>
 #include <set>
 
+#include "integrations/torch/cpp/dtypes.h"
 #include "integrations/torch/cpp/torch_pool.h"
 #include "runtime/param_groups.h"
 #include "runtime/tier_stack.h"
@@ -38,14 +39,7 @@ using session::ChunkKind;
 // Throws a torch error for a failed Status where no Status can be returned (backward).
 void CheckOk(const Status& s) { TORCH_CHECK(s.ok(), "tiermem: ", s.ToString()); }
 
-::torch::Dtype TorchDType(kernels::DType d) {
-  switch (d) {
-    case kernels::DType::kBF16: return ::torch::kBFloat16;
-    case kernels::DType::kF16: return ::torch::kFloat16;
-    case kernels::DType::kF32: break;
-  }
-  return ::torch::kFloat32;
-}
+using torch_dtypes::TorchDType;
 
 bool Aliases(const ::torch::Tensor& out,
              const std::vector<std::pair<size_t, ::torch::Tensor>>& views) {

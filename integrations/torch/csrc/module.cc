@@ -18,6 +18,7 @@
 #include <string>
 
 #include "chunks/chunk_layout.h"
+#include "integrations/torch/cpp/dtypes.h"
 #include "integrations/torch/cpp/torch_pool.h"
 #include "kernels/cpu/optim.h"
 #include "base/env.h"
@@ -66,24 +67,16 @@ T Check(StatusOr<T> s) {
   return std::move(s).value();
 }
 
-torch::Dtype TorchDType(kernels::DType d) {
-  switch (d) {
-    case kernels::DType::kBF16: return torch::kBFloat16;
-    case kernels::DType::kF16: return torch::kFloat16;
-    case kernels::DType::kF32: break;
-  }
-  return torch::kFloat32;
-}
+using torch_dtypes::TorchDType;
 
+// The core element type of a tensor (torch_dtypes::CoreDType), or a ValueError.
 kernels::DType KernelDType(const torch::Tensor& t) {
-  switch (t.scalar_type()) {
-    case torch::kFloat32: return kernels::DType::kF32;
-    case torch::kBFloat16: return kernels::DType::kBF16;
-    case torch::kFloat16: return kernels::DType::kF16;
-    default:
-      throw py::value_error(std::string("unsupported dtype ") +
-                            std::string(c10::toString(t.scalar_type())));
+  const std::optional<kernels::DType> d = torch_dtypes::CoreDType(t.scalar_type());
+  if (!d) {
+    throw py::value_error(std::string("unsupported dtype ") +
+                          std::string(c10::toString(t.scalar_type())));
   }
+  return *d;
 }
 
 void CheckHostSpan(const torch::Tensor& t, const char* what, int64_t n, torch::Dtype dtype) {
