@@ -681,6 +681,10 @@ PYBIND11_MODULE(_C, m) {
       .def("home", [](const PySession& s, size_t g, K k) { return s.s().Home(g, k); })
       .def("has_kind", [](const PySession& s, size_t g, K k) { return s.s().has_kind(g, k); })
       .def("chunk_bytes", [](const PySession& s, size_t g, K k) { return s.s().ChunkBytes(g, k); })
+      // Bytes per element of a kind's chunks (the core's dtype for the kind: the compute dtype
+      // for compute params and grads, fp32 otherwise), so the binding never re-derives it.
+      .def("element_size",
+           [](const PySession& s, K k) { return tiermem::kernels::DTypeSize(s.s().dtype(k)); })
       .def("read_param", &PySession::ReadParam)
       .def("write_param", &PySession::WriteParam)
       .def("read_tensor", &PySession::ReadTensor)
