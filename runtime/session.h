@@ -167,7 +167,7 @@ class Session {
   Bytes minimum_device_budget() const { return min_device_budget_; }
   const std::string& device_kind() const { return device_kind_; }  // "sim", "sim-async", "cuda"
   bool cuda() const { return device_kind_ == "cuda"; }
-  std::string nvme_engine() const;
+  std::string io_backend() const;  // "io_uring", "posix"; "" without NVMe (TierStack)
   // Host bytes registered with the NVMe tier as io_uring fixed buffers (TierStack).
   Bytes nvme_registered_bytes() const;
   const std::string& timeline_path() const { return timeline_path_; }

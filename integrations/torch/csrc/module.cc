@@ -816,7 +816,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("mixed", [](const PySession& s) { return s.s().mixed(); })
       .def_property_readonly("cuda", [](const PySession& s) { return s.s().cuda(); })
       .def_property_readonly("device_kind", [](const PySession& s) { return s.s().device_kind(); })
-      .def_property_readonly("nvme_engine", [](const PySession& s) { return s.s().nvme_engine(); })
+      .def_property_readonly("io_backend", [](const PySession& s) { return s.s().io_backend(); })
       .def_property_readonly("nvme_registered_bytes",
                              [](const PySession& s) { return s.s().nvme_registered_bytes(); })
       .def_property_readonly("timeline_path",
