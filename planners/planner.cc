@@ -1,5 +1,5 @@
 // MakePlan: placement search over candidate plans, each scheduled (schedule.cc) and executed
-// in the executor; homes; feasibility checks; plan encoding (divergence: divergence.cc).
+// in the simulated run; homes; feasibility checks; plan encoding (divergence: divergence.cc).
 //
 // The search is greedy and bounded (at most about 2 x (2 x (3 x units + 1) + groups + 1) + 2
 // candidates, fewer since a sweep stops after 3 candidates in a row that do not improve on
@@ -107,7 +107,7 @@ class Search {
     c.plan = BuildPlan(c.placement, c.eff, sched);
     c.plan.aggressive_prefetch = aggressive;
     c.plan.writeback_aware = wb_aware;
-    TIERMEM_ASSIGN_OR_RETURN(auto ex, Executor::Create(&trace_, &machine_, p.home));
+    TIERMEM_ASSIGN_OR_RETURN(auto ex, SimulatedRun::Create(&trace_, &machine_, p.home));
     for (ChunkId ch = 0; ch < trace_.chunks.size(); ++ch) {
       TIERMEM_RETURN_IF_ERROR(ex->Preload(ch, in.start.cache[ch], in.start.dirty[ch]));
     }

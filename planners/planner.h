@@ -26,7 +26,7 @@
 // need order per tier (so FIFO copy lanes serve them in need order); fetches for the next
 // iteration's first moments are hoisted into this one when room allows. Placement choices
 // (activation policy, optimizer placement, overlap) are compared by executing each candidate
-// plan in the simulator's executor and keeping the lowest modelled iteration time.
+// plan in the simulator's SimulatedRun and keeping the lowest modelled iteration time.
 //
 // Thread-safety: pure functions over values. Determinism: no clock, no randomness, no
 // unordered iteration; the same inputs give a byte-identical EncodePlan().
@@ -37,8 +37,8 @@
 #include <vector>
 
 #include "planners/effective.h"
-#include "planners/executor.h"
 #include "planners/machine.h"
+#include "planners/simulated_run.h"
 #include "planners/trace.h"
 
 namespace tiermem::planners {
@@ -88,7 +88,7 @@ struct UnitPlan {
   Bytes saved_bytes = 0;  // per iteration, over the unit's spans
 };
 
-// What the executor predicts for the plan on one iteration from the start state it was made
+// What the simulated run predicts for the plan on one iteration from the start state it was made
 // for, and for the iteration after it planned the same way (the steady state: candidates are
 // compared on it, so a one-time move into a placement does not decide against it).
 struct PlanEstimate {

@@ -1,12 +1,12 @@
 // The chunk schedule: Belady demand pass, early eviction, fetch hoisting (planner.h explains
-// why), and PlanPolicy, which executes a plan in the executor.
+// why), and PlanPolicy, which executes a plan in the simulated run.
 //
 // Positions: the demand pass walks a horizon of two copies of the iteration (0..2n-1);
 // next-use lookups see three. Program-order capacity of tier t for chunks at position q is
 // its budget minus the non-chunk bytes of that moment (EffIteration::dev_extra / host_extra)
 // and, on the host, minus the homes there. occ[t][q] is the chunk bytes cached on t during
 // q after q's actions; every transformation below keeps occ[t][q] <= capacity(t, q), which
-// is exactly what the executor's program-order check needs, so an executed plan never needs
+// is exactly what the simulated run's program-order check needs, so an executed plan never needs
 // repairs when the iteration matches it.
 #include "planners/schedule.h"
 
@@ -457,7 +457,7 @@ ChunkId PlanPolicy::Map(const Trace& t, ChunkId c) const {
   return it == chunk_of_.end() ? c : it->second;
 }
 
-Status PlanPolicy::BeginIteration(Executor& ex) {
+Status PlanPolicy::BeginIteration(SimulatedRun& ex) {
   const Trace& t = ex.trace();
   sigma_.resize(t.chunks.size());
   for (uint32_t g = 0; g < sigma_.size(); ++g) sigma_[g] = g;
@@ -506,7 +506,7 @@ bool PlanPolicy::Learn(const Trace& t, const EffIteration& actual, size_t i, siz
   return true;
 }
 
-Status PlanPolicy::Issue(Executor& ex, size_t i, size_t q) {
+Status PlanPolicy::Issue(SimulatedRun& ex, size_t i, size_t q) {
   const EffIteration& actual = ex.iteration();
   const Trace& t = ex.trace();
   const size_t n = planned_->size();
@@ -517,7 +517,7 @@ Status PlanPolicy::Issue(Executor& ex, size_t i, size_t q) {
   const PlannedMoment& pm = plan_->moments[q];
   for (uint32_t k = 0; k < pm.num_actions; ++k) {
     const PlanAction& act = plan_->actions[pm.first_action + k];
-    if (act.kind == ActionKind::kFetchActivation) continue;  // the executor does these
+    if (act.kind == ActionKind::kFetchActivation) continue;  // the simulated run does these
     const ChunkId c = Map(t, act.chunk);
     // A volatile group's chunk comes in only once this iteration showed which group it is.
     if (act.kind == ActionKind::kPrefetch && volatile_[t.chunks[act.chunk].group] &&
@@ -565,7 +565,7 @@ Status PlanPolicy::Issue(Executor& ex, size_t i, size_t q) {
   return OkStatus();
 }
 
-Status PlanPolicy::Before(Executor& ex, size_t i) {
+Status PlanPolicy::Before(SimulatedRun& ex, size_t i) {
   const EffIteration& actual = ex.iteration();
   const Trace& t = ex.trace();
   const size_t n = planned_->size();

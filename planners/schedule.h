@@ -1,6 +1,6 @@
 // Internal to planners/: the chunk schedule of one effective iteration (the Belady demand
 // pass, early eviction and fetch hoisting described in planner.h), and the policy that
-// executes a planned schedule in the executor (also used by the simulator's `planned` policy).
+// executes a planned schedule in the simulated run (also used by the simulator's `planned` policy).
 //
 // Thread-safety: values and externally synchronized objects.
 #pragma once
@@ -11,10 +11,10 @@
 #include <utility>
 #include <vector>
 
-#include "planners/effective.h"
-#include "planners/executor.h"
 #include "planners/divergence.h"
+#include "planners/effective.h"
 #include "planners/planner.h"
+#include "planners/simulated_run.h"
 
 namespace tiermem::planners {
 
@@ -87,7 +87,7 @@ struct Schedule {
 };
 StatusOr<Schedule> MakeSchedule(const ScheduleInput& in);
 
-// Executes a Plan (its actions) in the executor, repairing where the actual sequence
+// Executes a Plan (its actions) in the simulated run, repairing where the actual sequence
 // differs: a moment that is not the planned one (other label, kind or unit: control flow)
 // makes it reactive (LRU, clean first) for the rest of the iteration; the planned moments
 // with other chunk groups (MoE routing) keep the plan, read through a learned substitution
@@ -96,8 +96,8 @@ class PlanPolicy : public Policy {
  public:
   // `plan` and `planned` (the plan's own effective sequence) must outlive the policy.
   PlanPolicy(const Plan* plan, const EffIteration* planned);
-  Status BeginIteration(Executor& ex) override;
-  Status Before(Executor& ex, size_t i) override;
+  Status BeginIteration(SimulatedRun& ex) override;
+  Status Before(SimulatedRun& ex, size_t i) override;
 
   uint32_t repairs() const { return repairs_; }  // moves the plan did not foresee (follow mode)
   bool diverged() const { return mode_ != Mode::kFollow; }
@@ -109,7 +109,7 @@ class PlanPolicy : public Policy {
   ChunkId Map(const Trace& t, ChunkId c) const;
   void Remap(const Trace& t);
   bool Learn(const Trace& t, const EffIteration& actual, size_t i, size_t q);
-  Status Issue(Executor& ex, size_t i, size_t q);  // planned moment q's actions, at moment i
+  Status Issue(SimulatedRun& ex, size_t i, size_t q);  // planned moment q's actions, at moment i
 
   const Plan* plan_;
   const EffIteration* planned_;
@@ -134,12 +134,12 @@ class PlanPolicy : public Policy {
 // the moment and the bytes when even evicting everything else is not enough. `*fetched`
 // (optional) counts the chunks brought in.
 template <typename KeyFn>
-Status EnsureMoment(Executor& ex, size_t i, KeyFn key, uint32_t* fetched = nullptr);
+Status EnsureMoment(SimulatedRun& ex, size_t i, KeyFn key, uint32_t* fetched = nullptr);
 
 // Evicts from tier `t` (smallest key first, skipping chunks moment `i` uses and those `skip`
 // rejects) until `need` bytes are free. Returns false if it could not.
 template <typename KeyFn, typename SkipFn>
-StatusOr<bool> MakeRoom(Executor& ex, size_t i, TierKind t, Bytes need, KeyFn key, SkipFn skip);
+StatusOr<bool> MakeRoom(SimulatedRun& ex, size_t i, TierKind t, Bytes need, KeyFn key, SkipFn skip);
 
 }  // namespace tiermem::planners
 

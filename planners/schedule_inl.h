@@ -11,7 +11,8 @@ inline bool UsedBy(const EffIteration& it, size_t i, ChunkId c) {
 }
 
 template <typename KeyFn, typename SkipFn>
-StatusOr<bool> MakeRoom(Executor& ex, size_t i, TierKind t, Bytes need, KeyFn key, SkipFn skip) {
+StatusOr<bool> MakeRoom(SimulatedRun& ex, size_t i, TierKind t, Bytes need, KeyFn key,
+                        SkipFn skip) {
   const EffIteration& it = ex.iteration();
   while (ex.Free(t) < need) {
     bool have = false;
@@ -33,7 +34,7 @@ StatusOr<bool> MakeRoom(Executor& ex, size_t i, TierKind t, Bytes need, KeyFn ke
 }
 
 template <typename KeyFn>
-Status EnsureMoment(Executor& ex, size_t i, KeyFn key, uint32_t* changed) {
+Status EnsureMoment(SimulatedRun& ex, size_t i, KeyFn key, uint32_t* changed) {
   const EffIteration& it = ex.iteration();
   uint32_t n = 0;
   for (const EffAccess* a = it.begin(i); a != it.end(i); ++a) {

@@ -10,7 +10,9 @@ namespace tiermem::planners {
 namespace {
 
 using LruKey = std::tuple<bool, uint64_t, ChunkId>;
-LruKey Lru(const Executor& ex, ChunkId c) { return {ex.Chunk(c).dirty, ex.Chunk(c).last_use, c}; }
+LruKey Lru(const SimulatedRun& ex, ChunkId c) {
+  return {ex.Chunk(c).dirty, ex.Chunk(c).last_use, c};
+}
 
 // Next access of `c` (any tier, any mode) strictly after moment `i` of `r`, or kNever.
 constexpr uint64_t kNever = UINT64_MAX;
@@ -33,7 +35,7 @@ class OrderIndex {
 
 class LruPolicy : public Policy {
  public:
-  Status Before(Executor& ex, size_t i) override {
+  Status Before(SimulatedRun& ex, size_t i) override {
     return EnsureMoment(ex, i, [&ex](ChunkId c, TierKind) { return Lru(ex, c); });
   }
 };
@@ -42,7 +44,7 @@ class LruPolicy : public Policy {
 class Following : public Policy {
  public:
   explicit Following(const EffIteration* recorded) : rec_(recorded) {}
-  Status BeginIteration(Executor& ex) override {
+  Status BeginIteration(SimulatedRun& ex) override {
     following_ = rec_ != nullptr;
     if (rec_ != nullptr) index_ = std::make_unique<OrderIndex>(*rec_, ex.NumChunks());
     return OkStatus();
@@ -50,7 +52,7 @@ class Following : public Policy {
   bool diverged() const { return rec_ != nullptr && !following_; }
 
  protected:
-  void Track(const Executor& ex, size_t i) {
+  void Track(const SimulatedRun& ex, size_t i) {
     if (following_ && (i >= rec_->size() || !SameMoment(ex.iteration(), i, *rec_, i))) {
       following_ = false;
     }
@@ -63,7 +65,7 @@ class Following : public Policy {
 class PatrickStarPolicy : public Following {
  public:
   using Following::Following;
-  Status Before(Executor& ex, size_t i) override {
+  Status Before(SimulatedRun& ex, size_t i) override {
     Track(ex, i);
     if (!following_) {
       return EnsureMoment(ex, i, [&ex](ChunkId c, TierKind) { return Lru(ex, c); });
@@ -77,7 +79,7 @@ class PatrickStarPolicy : public Following {
 class EnginePolicy : public Following {
  public:
   EnginePolicy(const EffIteration* recorded, uint32_t depth) : Following(recorded), depth_(depth) {}
-  Status Before(Executor& ex, size_t i) override {
+  Status Before(SimulatedRun& ex, size_t i) override {
     Track(ex, i);
     if (!following_) {
       return EnsureMoment(ex, i, [&ex](ChunkId c, TierKind) { return Lru(ex, c); });
@@ -117,7 +119,7 @@ class DeepSpeedPolicy : public Following {
  public:
   DeepSpeedPolicy(const EffIteration* recorded, Bytes bucket)
       : Following(recorded), bucket_(bucket) {}
-  Status Before(Executor& ex, size_t i) override {
+  Status Before(SimulatedRun& ex, size_t i) override {
     Track(ex, i);
     const EffIteration& it = ex.iteration();
     // The window: recorded moments after this one while their new chunks fit the bucket.
@@ -176,7 +178,7 @@ class OptPolicy : public Policy {
  public:
   OptPolicy(const NextUse* nu) : nu_(nu) {}
   void SetOffset(uint64_t offset) { offset_ = offset; }
-  Status Before(Executor& ex, size_t i) override {
+  Status Before(SimulatedRun& ex, size_t i) override {
     const uint64_t pos = offset_ + i;
     return EnsureMoment(ex, i, [&](ChunkId c, TierKind t) {
       return BeladyKey(*nu_, c, t, pos, ex.Chunk(c).dirty, ex.ChunkBytes(c));
@@ -260,7 +262,7 @@ class Driver {
       TIERMEM_ASSIGN_OR_RETURN(homes, PlaceHomesInOrder(trace_, machine_, HostWorkingSet(trace_)));
     }
     res->homes = homes;
-    TIERMEM_ASSIGN_OR_RETURN(auto ex, Executor::Create(&trace_, &machine_, homes));
+    TIERMEM_ASSIGN_OR_RETURN(auto ex, SimulatedRun::Create(&trace_, &machine_, homes));
 
     // Warm-up: reactive, as recorded (baselines) or under the first plan's placement.
     std::vector<EffIteration> recorded_eff;  // per position in seq_, recorded placement

@@ -42,9 +42,9 @@
 #include <string_view>
 #include <vector>
 
-#include "planners/executor.h"
 #include "planners/machine.h"
 #include "planners/planner.h"
+#include "planners/simulated_run.h"
 #include "planners/trace.h"
 
 namespace tiermem::planners {

@@ -264,7 +264,7 @@ kernels::DType Session::dtype(ChunkKind kind) const {
                                                                       : kernels::DType::kF32;
 }
 
-std::string Session::nvme_engine() const { return stack_ ? stack_->nvme_engine() : ""; }
+std::string Session::io_backend() const { return stack_ ? stack_->io_backend() : ""; }
 Bytes Session::nvme_registered_bytes() const {
   return stack_ ? stack_->nvme_registered_bytes() : 0;
 }

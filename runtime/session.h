@@ -175,7 +175,7 @@ class Session {
   bool host_compute() const { return device_kind_ == "host"; }
   // Where the bindings acquire the chunks they compute with: kDevice, or kHost in host mode.
   TierKind compute_tier() const { return host_compute() ? TierKind::kHost : TierKind::kDevice; }
-  std::string nvme_engine() const;
+  std::string io_backend() const;  // "io_uring", "posix"; "" without NVMe (TierStack)
   // Host bytes registered with the NVMe tier as io_uring fixed buffers (TierStack).
   Bytes nvme_registered_bytes() const;
   const std::string& timeline_path() const { return timeline_path_; }

@@ -334,7 +334,7 @@ Bytes TierStack::nvme_registered_bytes() const {
                       : 0;
 }
 
-std::string TierStack::nvme_engine() const {
+std::string TierStack::io_backend() const {
   if (nvme_ == nullptr) return "";
   auto* t = dynamic_cast<NvmeTier*>(nvme_.get());
   return t ? std::string(t->io_backend_name()) : "";

@@ -79,7 +79,9 @@ class TierStack {
   bool cuda() const { return cuda_; }
   // "host", "sim", "sim-async", "cuda"
   const std::string& device_kind() const { return device_kind_; }
-  std::string nvme_engine() const;  // "" without NVMe
+  // The NVMe tier's I/O backend ("io_uring" or "posix": config key nvme.engine); "" without
+  // NVMe.
+  std::string io_backend() const;
   // Host memory (chunk homes, caches, staging slots) registered with the NVMe tier as io_uring
   // fixed buffers now; 0 without NVMe or with the posix engine.
   Bytes nvme_registered_bytes() const;

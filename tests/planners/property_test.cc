@@ -111,7 +111,7 @@ uint64_t BruteForceFetches(const std::vector<const EffIteration*>& seq, uint32_t
 
 class LruWarmup : public Policy {
  public:
-  Status Before(Executor& ex, size_t i) override {
+  Status Before(SimulatedRun& ex, size_t i) override {
     return EnsureMoment(ex, i, [&ex](ChunkId c, TierKind) {
       return std::make_tuple(ex.Chunk(c).dirty, ex.Chunk(c).last_use, c);
     });
@@ -147,7 +147,7 @@ TEST(PlannerPropertyTest, EvictionOnlyPlannedBytesEqualTheBeladyOptimum) {
     p.home.assign(t.chunks.size(), TierKind::kHost);
     std::vector<EffIteration> eff;
     for (const TraceIteration& it : t.iterations) eff.push_back(*BuildEffective(t, it, p, m));
-    auto ex = Executor::Create(&t, &m, p.home);
+    auto ex = SimulatedRun::Create(&t, &m, p.home);
     ASSERT_TRUE(ex.ok());
     LruWarmup warm;
     ASSERT_TRUE((*ex)->Run(eff[0], warm, 0).ok());

@@ -8,7 +8,7 @@ Python side trains `MirrorGPT`, the example's gpt.h in Python: the same modules 
 names (embed, block0.., head; the head's weight tied to embed.wte's), constructed in the same
 order so that one seed draws the same initial values, and the same forward, with residual
 dropout so that the resumed run depends on the restored RNG state. Units are gpt.h's
-segments. Data: the example's synthetic text, which gpt.py's synthetic_batches draws with the
+units. Data: the example's synthetic text, which gpt.py's synthetic_batches draws with the
 same generator calls. One thread on both sides. Everything is compared bit for bit: the
 initial values, the batches, every loss, and the final values, Adam moments and step counts
 (from the checkpoint files, read with safetensors).
@@ -167,7 +167,7 @@ class MirrorGPT(nn.Module):  # GPTImpl: children embed, block0.., head
         return self.head(x)
 
 
-def segments(name, module):  # gpt.h's segments as tiermem units
+def gpt_units(name, module):  # gpt.h's units: embed, each block, head
     return name == "embed" or name == "head" or (name.startswith("block") and "." not in name)
 
 
@@ -185,7 +185,7 @@ def run_python(steps, save=None, resume=None):
     model = MirrorGPT()
     config = {"device_kind": "sim", "device": int(n_params(model) * 16 * FRACTION), "host": "1GiB",
               "optimizer": {"lr": LR, "weight_decay": WD}}
-    model, opt = tiermem.initialize(model, config, units=segments)
+    model, opt = tiermem.initialize(model, config, units=gpt_units)
     start = 0
     if resume is not None:
         start = tiermem.load_checkpoint(model, opt, resume)["step"]

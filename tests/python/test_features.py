@@ -497,3 +497,41 @@ def test_the_cpu_optimizer_on_torchs_threads_equals_its_own_pool_bit_for_bit():
         _C.set_kernel_pool("torch")
         _C.set_kernel_threads(0)
         torch.set_num_threads(saved)
+
+
+def test_adam_step_runs_where_the_tensors_live():
+    """One binding for the fused AdamW step: CPU tensors run the CPU kernels, CUDA tensors
+    the CUDA kernel (equal bit for bit, where a GPU is present); anything else — another
+    device, tensors on two devices, a stream for CPU tensors, non-fp32 state — is a
+    ValueError that changes nothing."""
+    from tiermem import _C
+    g = torch.Generator().manual_seed(5)
+    n = 4099
+    p0, gr = torch.randn(n, generator=g), torch.randn(n, generator=g).bfloat16()
+
+    def run(dev):
+        p, m, v = p0.clone().to(dev), torch.zeros(n, device=dev), torch.zeros(n, device=dev)
+        low = torch.empty(n, dtype=torch.float16, device=dev)
+        g_ = gr.to(dev)
+        stream = torch.cuda.current_stream().cuda_stream if dev == "cuda" else 0
+        for step in (1, 2):
+            _C.adam_step(p, g_, m, v, low, 1e-2, 0.9, 0.999, 1e-8, 0.01, step, 0.5, 0.7,
+                         stream=stream)
+        return [t.cpu() for t in (p, m, v, low)]
+
+    cpu = run("cpu")
+    assert not torch.equal(cpu[0], p0) and torch.equal(cpu[3], cpu[0].half())
+    if torch.cuda.is_available():
+        for a, b in zip(cpu, run("cuda")):
+            assert torch.equal(a, b)
+    p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+    args = (1e-2, 0.9, 0.999, 1e-8, 0.01, 1)
+    with pytest.raises(ValueError, match="stream is for CUDA tensors"):
+        _C.adam_step(p, gr, m, v, None, *args, stream=1)
+    with pytest.raises(ValueError, match="CPU or CUDA tensors"):
+        _C.adam_step(*(t.to("meta") for t in (p, gr, m, v)), None, *args)
+    with pytest.raises(ValueError, match="grad must be a contiguous tensor"):
+        _C.adam_step(p, gr.to("meta"), m, v, None, *args)
+    with pytest.raises(ValueError, match="exp_avg must be float32"):
+        _C.adam_step(p, gr, m.double(), v, None, *args)
+    assert torch.equal(p, p0) and not m.any() and not v.any()

@@ -44,9 +44,14 @@ def test_a_dropped_training_model_is_collected_with_its_session(name, tmp_path, 
     model, opt = tiermem.initialize(ours, cfg)
     losses = train_ours(model, opt, batches(3))
     assert all(l == l for l in losses)  # trained (finite losses; exactness is tested elsewhere)
+    session = tiermem.runtime_of(model).session
     if "nvme" in cfg:
         moved = tiermem.runtime_of(model).stats()["bytes_moved"]
         assert any(k.endswith("->nvme") for k in moved), moved  # the state did go to NVMe
+        assert session.io_backend in ("io_uring", "posix")  # the NVMe tier's I/O backend
+    else:
+        assert session.io_backend == ""
+    del session
     rt = weakref.ref(tiermem.runtime_of(model))
     assert len(_timelines(tmp_path)) == 1  # the session's temporary timeline, while it lives
     del model, opt, ours

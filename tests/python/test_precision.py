@@ -104,6 +104,10 @@ def test_bf16_20_steps_quarter_budget_matches_fp32_master_reference():
     # Device chunks hold bf16: half the bytes of fp32 per element.
     K = tiermem._C.ChunkKind
     assert rt.session.chunk_bytes(0, K.param_lowp) * 2 == rt.session.chunk_bytes(0, K.param_fp32)
+    # The session says each kind's element size (the binding never re-derives it).
+    sizes = {k: rt.session.element_size(k) for k in (K.param_lowp, K.grad, K.param_fp32,
+                                                     K.exp_avg, K.exp_avg_sq)}
+    assert sizes == {K.param_lowp: 2, K.grad: 2, K.param_fp32: 4, K.exp_avg: 4, K.exp_avg_sq: 4}
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     peaks = rt.timeline_peaks()
     assert not peaks["over_budget"] and 0 < peaks["peak"]["device"] <= budget

@@ -915,7 +915,7 @@ TEST(SessionNvme, HostMemoryIsRegisteredAsFixedBuffersWithIoUring) {
   const std::string dir = TempDir();
   auto s = MakeNvmeSpill(dir);
   ASSERT_TRUE(s);
-  if (s->nvme_engine() != "io_uring") GTEST_SKIP() << "io_uring refused here: " << s->nvme_engine();
+  if (s->io_backend() != "io_uring") GTEST_SKIP() << "io_uring refused here: " << s->io_backend();
   // Staging slots and the host homes: at least the host budget's slabs mapped so far.
   EXPECT_GT(s->nvme_registered_bytes(), 0u);
   EXPECT_LE(s->nvme_registered_bytes(), 2 * kMiB);

@@ -3,16 +3,16 @@
 // Invariants:
 //  - Outside Run/backward every managed parameter's data is a NaN placeholder of its shape
 //    (an expanded 0-d NaN): no tensor the user can reach aliases chunk memory, so a chunk may
-//    move whenever it is unpinned. Inside, the data of the segment's parameters are views of
+//    move whenever it is unpinned. Inside, the data of the unit's parameters are views of
 //    their compute chunks on the device tier, pinned by one Acquire per group; Dematerialize
 //    restores the placeholders before it releases the pins (also when fn throws).
-//  - A segment's forward runs with grad disabled (autograd Function), so no graph holds chunk
+//  - A unit's forward runs with grad disabled (autograd Function), so no graph holds chunk
 //    memory; its output is cloned when it would alias a chunk. Its backward rebuilds the
-//    segment's graph (re-acquire, recompute fn with grad, autograd::grad to the inputs and the
+//    unit's graph (re-acquire, recompute fn with grad, autograd::grad to the inputs and the
 //    parameters) and adds the parameter gradients into the grad chunks on the device tier.
-//    The segment call (fn, params) is owned by the autograd node (a capsule in saved_data).
-//  - Every segment output takes a `dummy_` tensor that requires grad as an extra input, so
-//    a segment whose inputs need no grad (the embedding) still gets a backward.
+//    The unit call (fn, params) is owned by the autograd node (a capsule in saved_data).
+//  - Every unit output takes a `dummy_` tensor that requires grad as an extra input, so
+//    a unit whose inputs need no grad (the embedding) still gets a backward.
 //  - The session's has_grad flag of a tensor says its grad chunk span holds its gradient
 //    since the last effective ZeroGrad; the first gradient after that is copied, later ones
 //    added (torch's accumulation semantics).
@@ -26,6 +26,7 @@
 #include <limits>
 #include <set>
 
+#include "integrations/torch/cpp/dtypes.h"
 #include "integrations/torch/cpp/torch_pool.h"
 #include "runtime/param_groups.h"
 #include "runtime/tier_stack.h"
@@ -38,14 +39,7 @@ using session::ChunkKind;
 // Throws a torch error for a failed Status where no Status can be returned (backward).
 void CheckOk(const Status& s) { TORCH_CHECK(s.ok(), "tiermem: ", s.ToString()); }
 
-::torch::Dtype TorchDType(kernels::DType d) {
-  switch (d) {
-    case kernels::DType::kBF16: return ::torch::kBFloat16;
-    case kernels::DType::kF16: return ::torch::kFloat16;
-    case kernels::DType::kF32: break;
-  }
-  return ::torch::kFloat32;
-}
+using torch_dtypes::TorchDType;
 
 bool Aliases(const ::torch::Tensor& out,
              const std::vector<std::pair<size_t, ::torch::Tensor>>& views) {
@@ -60,11 +54,11 @@ bool Aliases(const ::torch::Tensor& out,
 
 }  // namespace
 
-// One segment call, owned by its autograd node.
-struct SegmentCall : ::torch::CustomClassHolder {
+// One unit call, owned by its autograd node.
+struct UnitCall : ::torch::CustomClassHolder {
   ChunkedModel* model = nullptr;
   std::vector<ChunkedModel::ParamRec*> params;
-  ChunkedModel::SegmentFn fn;
+  ChunkedModel::UnitFn fn;
   std::vector<bool> input_requires_grad;
   std::vector<std::pair<size_t, ::torch::Tensor>>* views = nullptr;  // forward only
   std::string label;
@@ -91,25 +85,25 @@ void SetCpuRngState(const ::torch::Tensor& state) {
 
 }  // namespace
 
-struct SegmentFunction : public ::torch::autograd::Function<SegmentFunction> {
+struct UnitFunction : public ::torch::autograd::Function<UnitFunction> {
   static ::torch::Tensor forward(::torch::autograd::AutogradContext* ctx,
-                                 const c10::intrusive_ptr<SegmentCall>& call,
+                                 const c10::intrusive_ptr<UnitCall>& call,
                                  const ::torch::Tensor& dummy, ::torch::TensorList inputs) {
     std::vector<::torch::Tensor> in(inputs.begin(), inputs.end());
     ctx->save_for_backward(in);
     ctx->saved_data["call"] = c10::IValue::make_capsule(call);
     call->rng_state = CpuRngState();
     ::torch::Tensor out = call->fn(in);
-    TORCH_CHECK(out.defined(), "tiermem: the segment function returned an undefined tensor");
+    TORCH_CHECK(out.defined(), "tiermem: the unit function returned an undefined tensor");
     return Aliases(out, *call->views) ? out.clone() : out;
   }
 
   static ::torch::autograd::variable_list backward(::torch::autograd::AutogradContext* ctx,
                                                    ::torch::autograd::variable_list grad_out) {
-    auto call = c10::static_intrusive_pointer_cast<SegmentCall>(
+    auto call = c10::static_intrusive_pointer_cast<UnitCall>(
         ctx->saved_data["call"].toCapsule());
     ChunkedModel* m = call->model;
-    TORCH_CHECK(!m->closed_, "tiermem: backward through a segment of a closed ChunkedModel");
+    TORCH_CHECK(!m->closed_, "tiermem: backward through a unit of a closed ChunkedModel");
     std::vector<::torch::Tensor> saved = ctx->get_saved_variables();
     std::vector<::torch::Tensor> in, targets;
     std::vector<int> input_target(saved.size(), -1);
@@ -277,14 +271,14 @@ ChunkedModel::~ChunkedModel() {
                             ::torch::TensorOptions().dtype(TorchDType(session_->dtype(kind))));
 }
 
-StatusOr<std::vector<ChunkedModel::ParamRec*>> ChunkedModel::SegmentParams(
-    ::torch::nn::Module& segment) {
+StatusOr<std::vector<ChunkedModel::ParamRec*>> ChunkedModel::UnitParams(
+    ::torch::nn::Module& unit) {
   std::vector<ParamRec*> out;
   std::set<ParamRec*> seen;
-  for (const auto& item : segment.named_parameters(/*recurse=*/true)) {
+  for (const auto& item : unit.named_parameters(/*recurse=*/true)) {
     auto it = by_impl_.find(item.value().unsafeGetTensorImpl());
     if (it == by_impl_.end()) {
-      return InvalidArgumentError("segment " + segment.name() + " has parameter " + item.key() +
+      return InvalidArgumentError("unit " + unit.name() + " has parameter " + item.key() +
                                   " that this model does not manage");
     }
     if (seen.insert(it->second).second) out.push_back(it->second);
@@ -356,11 +350,11 @@ Status ChunkedModel::AccumulateGrad(ParamRec* p, const ::torch::Tensor& grad) {
   return session_->Release(pl.group, ChunkKind::kGrad, true);
 }
 
-StatusOr<::torch::Tensor> ChunkedModel::Run(::torch::nn::Module& segment, const SegmentFn& fn,
+StatusOr<::torch::Tensor> ChunkedModel::Run(::torch::nn::Module& unit, const UnitFn& fn,
                                             std::vector<::torch::Tensor> inputs) {
   if (closed_) return FailedPreconditionError("tiermem ChunkedModel is closed");
   if (in_run_) return FailedPreconditionError("ChunkedModel::Run called inside another Run");
-  TIERMEM_ASSIGN_OR_RETURN(std::vector<ParamRec*> params, SegmentParams(segment));
+  TIERMEM_ASSIGN_OR_RETURN(std::vector<ParamRec*> params, UnitParams(unit));
   const bool grad = ::torch::GradMode::is_enabled();
   session_->SetTracing(grad);
   if (grad && !in_iteration_) {
@@ -368,21 +362,21 @@ StatusOr<::torch::Tensor> ChunkedModel::Run(::torch::nn::Module& segment, const 
     in_iteration_ = true;
   }
   session_->Phase(grad ? "forward" : "eval");
-  // The last step's deferred updates of this segment's groups (optimizer_stepper.h), each its own
-  // optimizer moment, before the segment's.
+  // The last step's deferred updates of this unit's groups (optimizer_stepper.h), each its own
+  // optimizer moment, before the unit's.
   {
     kernels::ScopedParallelFor pool(torch_pool::ForThisThread());  // torch_pool.h
     for (ParamRec* p : params) {
       TIERMEM_RETURN_IF_ERROR(session_->FinishStep(session_->place(p->index).group));
     }
   }
-  session_->Moment(segment.name() + ":pre-forward");
+  session_->Moment(unit.name() + ":pre-forward");
 
-  auto call = c10::make_intrusive<SegmentCall>();
+  auto call = c10::make_intrusive<UnitCall>();
   call->model = this;
   call->params = std::move(params);
   call->fn = fn;
-  call->label = segment.name();
+  call->label = unit.name();
   for (const ::torch::Tensor& t : inputs) {
     call->input_requires_grad.push_back(t.defined() && t.requires_grad());
   }
@@ -393,7 +387,7 @@ StatusOr<::torch::Tensor> ChunkedModel::Run(::torch::nn::Module& segment, const 
   ::torch::Tensor out;
   try {
     if (grad) {
-      out = SegmentFunction::apply(call, dummy_, ::torch::TensorList(inputs));
+      out = UnitFunction::apply(call, dummy_, ::torch::TensorList(inputs));
     } else {
       out = fn(inputs);
       if (Aliases(out, views)) out = out.clone();
@@ -407,7 +401,7 @@ StatusOr<::torch::Tensor> ChunkedModel::Run(::torch::nn::Module& segment, const 
   in_run_ = false;
   call->views = nullptr;
   TIERMEM_RETURN_IF_ERROR(Dematerialize(call->params, &views));
-  if (!out.defined()) return InvalidArgumentError("the segment function returned no tensor");
+  if (!out.defined()) return InvalidArgumentError("the unit function returned no tensor");
   return out;
 }
 

@@ -2,8 +2,8 @@
 // torch-free session core (runtime/session.h), like the Python package.
 //
 // C++ modules have no forward hooks and C++ autograd has no saved-tensor hooks, so the model
-// says explicitly which *segment* (a submodule and the code that uses its parameters) runs
-// when:
+// says explicitly which *unit* (a submodule and the code that uses its parameters, what the
+// Python package's hooks find by themselves: docs/architecture.md's glossary) runs when:
 //
 //   auto created = tiermem::torch::ChunkedModel::Create(*model, config);   // StatusOr
 //   auto& cm = **created;
@@ -19,10 +19,10 @@
 // Create packs every parameter of the model (registration order; a parameter shared by
 // several modules, e.g. tied embeddings, once) into the session's chunk groups, writes the
 // values, and replaces each parameter's data by a placeholder of its shape filled with NaN.
-// Run(segment, fn, inputs) acquires the segment's chunks on the device tier, makes each of
+// Run(unit, fn, inputs) acquires the unit's chunks on the device tier, makes each of
 // its parameters' data a view of its chunk, runs fn *without* recording a graph, then releases
 // the chunks and restores the placeholders. Backward is correct without keeping the chunks
-// resident: the segment is a custom autograd function whose backward re-acquires the chunks,
+// resident: the unit is a custom autograd function whose backward re-acquires the chunks,
 // recomputes fn with grad enabled (activation checkpointing) and backpropagates through it;
 // parameter gradients are added into the grad chunks. Step() hands the per-group
 // hyper-parameters to the session, which runs AdamW (clipping, accumulation, fp16 loss
@@ -37,7 +37,7 @@
 // RNG from torch's default CPU generator (dropout, rand) is fine — the recompute runs from the
 // generator state the forward found, as torch.utils.checkpoint does, and leaves the generator
 // where it was — but a generator of fn's own is not replayed. It must read parameters only of
-// `segment` (any other managed parameter reads NaN,
+// `unit` (any other managed parameter reads NaN,
 // so a violation shows as a NaN loss at once, never as plausible numbers), take the
 // activations that need gradients through `inputs`, and return a new tensor.
 // Under ::torch::NoGradGuard, Run just runs fn on the chunk views (eval / inference), with
@@ -90,7 +90,9 @@ struct Stats {
 
 class ChunkedModel {
  public:
-  using SegmentFn = std::function<::torch::Tensor(const std::vector<::torch::Tensor>&)>;
+  using UnitFn = std::function<::torch::Tensor(const std::vector<::torch::Tensor>&)>;
+  // The earlier spelling ("segment" for a unit), kept for programs written against it.
+  using SegmentFn [[deprecated("tiermem: use ChunkedModel::UnitFn")]] = UnitFn;
 
   // kInvalidArgument: bad config key/value (the TIERMEM_* environment applies), a non-fp32
   // or non-CPU parameter, no parameters, bad groups (a tensor in no group, in two, frozen or
@@ -104,11 +106,11 @@ class ChunkedModel {
   ChunkedModel(const ChunkedModel&) = delete;
   ChunkedModel& operator=(const ChunkedModel&) = delete;
 
-  // Runs fn(inputs) with `segment`'s parameters materialized from chunks on the device tier
-  // (see the rules above). kInvalidArgument if `segment` has a parameter this model does not
+  // Runs fn(inputs) with `unit`'s parameters materialized from chunks on the device tier
+  // (see the rules above). kInvalidArgument if `unit` has a parameter this model does not
   // manage or fn returns an undefined tensor; kResourceExhausted if its chunks do not fit in
   // the device budget together; kFailedPrecondition after Close() or inside another Run.
-  StatusOr<::torch::Tensor> Run(::torch::nn::Module& segment, const SegmentFn& fn,
+  StatusOr<::torch::Tensor> Run(::torch::nn::Module& unit, const UnitFn& fn,
                                 std::vector<::torch::Tensor> inputs = {});
 
   // `loss` times the fp16 loss scale (the identity in fp32 / bf16): backward this.
@@ -167,11 +169,11 @@ class ChunkedModel {
     std::vector<int64_t> shape;
     size_t index = 0;       // tensor index in the session
   };
-  friend struct SegmentFunction;
-  friend struct SegmentCall;
+  friend struct UnitFunction;
+  friend struct UnitCall;
 
   ChunkedModel() = default;
-  StatusOr<std::vector<ParamRec*>> SegmentParams(::torch::nn::Module& segment);
+  StatusOr<std::vector<ParamRec*>> UnitParams(::torch::nn::Module& unit);
   // Acquires the compute chunks of `params`' groups on the device tier and makes each
   // param's data a view of its chunk; `views` gets (group, base view) of each pin.
   Status Materialize(const std::vector<ParamRec*>& params,
@@ -193,7 +195,7 @@ class ChunkedModel {
   bool closed_ = false;
   bool in_run_ = false;
   bool in_iteration_ = false;
-  ::torch::Tensor dummy_;  // requires grad: makes every segment output part of the graph
+  ::torch::Tensor dummy_;  // requires grad: makes every unit output part of the graph
 };
 
 }  // namespace tiermem::torch

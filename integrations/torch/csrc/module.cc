@@ -18,6 +18,7 @@
 #include <string>
 
 #include "chunks/chunk_layout.h"
+#include "integrations/torch/cpp/dtypes.h"
 #include "integrations/torch/cpp/torch_pool.h"
 #include "kernels/cpu/optim.h"
 #include "base/env.h"
@@ -66,24 +67,16 @@ T Check(StatusOr<T> s) {
   return std::move(s).value();
 }
 
-torch::Dtype TorchDType(kernels::DType d) {
-  switch (d) {
-    case kernels::DType::kBF16: return torch::kBFloat16;
-    case kernels::DType::kF16: return torch::kFloat16;
-    case kernels::DType::kF32: break;
-  }
-  return torch::kFloat32;
-}
+using torch_dtypes::TorchDType;
 
+// The core element type of a tensor (torch_dtypes::CoreDType), or a ValueError.
 kernels::DType KernelDType(const torch::Tensor& t) {
-  switch (t.scalar_type()) {
-    case torch::kFloat32: return kernels::DType::kF32;
-    case torch::kBFloat16: return kernels::DType::kBF16;
-    case torch::kFloat16: return kernels::DType::kF16;
-    default:
-      throw py::value_error(std::string("unsupported dtype ") +
-                            std::string(c10::toString(t.scalar_type())));
+  const std::optional<kernels::DType> d = torch_dtypes::CoreDType(t.scalar_type());
+  if (!d) {
+    throw py::value_error(std::string("unsupported dtype ") +
+                          std::string(c10::toString(t.scalar_type())));
   }
+  return *d;
 }
 
 void CheckHostSpan(const torch::Tensor& t, const char* what, int64_t n, torch::Dtype dtype) {
@@ -495,54 +488,58 @@ kernels::AdamSpans AdamSpansOf(torch::Tensor& param, torch::Tensor& grad, torch:
   return s;
 }
 
-// One fused AdamW step (kernels::AdamStep) over host spans — the kernel as torch code can call
-// it (tests compare the engine with it bit for bit).
+// One fused AdamW step where the tensors live — the kernels the session runs, as torch code
+// can call them (tests compare the engine with them bit for bit; benchmarks race torch's fused
+// AdamW). CPU tensors: kernels::AdamStep now, on this thread's pool. CUDA tensors: the
+// device-placed step (session::DeviceAdamStep) enqueued on `stream`
+// (torch.cuda.current_stream().cuda_stream; 0 = the legacy default stream); a build without
+// CUDA raises there. Param and state are fp32, grad in its own dtype, `param_out` (the
+// low-precision copy) bf16/fp16; all contiguous, of one size, on one device.
 void AdamStepBinding(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg,
                      torch::Tensor exp_avg_sq, std::optional<torch::Tensor> param_out, double lr,
                      double beta1, double beta2, double eps, double weight_decay, int64_t step,
-                     double inv_loss_scale, double clip_factor) {
+                     double inv_loss_scale, double clip_factor, uintptr_t stream) {
   const int64_t n = param.numel();
-  CheckHostSpan(param, "param", n, torch::kFloat32);
-  CheckHostSpan(exp_avg, "exp_avg", n, torch::kFloat32);
-  CheckHostSpan(exp_avg_sq, "exp_avg_sq", n, torch::kFloat32);
-  if (!grad.is_contiguous() || grad.device().type() != torch::kCPU || grad.numel() != n) {
-    throw py::value_error("grad must be a contiguous CPU tensor like param");
+  const torch::Device dev = param.device();
+  const bool cuda = dev.is_cuda();
+  if (!cuda && !dev.is_cpu()) {
+    throw py::value_error("adam_step: CPU or CUDA tensors expected, got " + dev.str());
+  }
+  const auto check = [&](const torch::Tensor& t, const char* what) {
+    if (!t.is_contiguous() || t.device() != dev || t.numel() != n) {
+      throw py::value_error(std::string("adam_step: ") + what + " must be a contiguous tensor " +
+                            "of " + std::to_string(n) + " elements on " + dev.str() + " like param");
+    }
+  };
+  check(grad, "grad");
+  for (const auto& [t, what] : {std::pair<const torch::Tensor*, const char*>{&param, "param"},
+                                {&exp_avg, "exp_avg"},
+                                {&exp_avg_sq, "exp_avg_sq"}}) {
+    check(*t, what);
+    if (t->scalar_type() != torch::kFloat32) {
+      throw py::value_error(std::string("adam_step: ") + what + " must be float32, got " +
+                            std::string(c10::toString(t->scalar_type())));
+    }
   }
   kernels::AdamConfig c = AdamConfigOf(lr, beta1, beta2, eps, weight_decay, step);
   c.inv_loss_scale = static_cast<float>(inv_loss_scale);
   c.clip_factor = static_cast<float>(clip_factor);
   kernels::AdamSpans s = AdamSpansOf(param, grad, exp_avg, exp_avg_sq);
   if (param_out) {
-    if (!param_out->is_contiguous() || param_out->numel() != n) {
-      throw py::value_error("param_out must be contiguous like param");
-    }
+    check(*param_out, "param_out");
     s.param_out = param_out->data_ptr();
     s.out_dtype = KernelDType(*param_out);
     if (s.out_dtype == kernels::DType::kF32) throw py::value_error("param_out must be bf16/fp16");
   }
+  if (cuda) {
+    Check(session::DeviceAdamStep(true, c, s, ComputeStream{stream}));
+    return;
+  }
+  if (stream != 0) throw py::value_error("adam_step: a stream is for CUDA tensors only");
   Check(kernels::ValidateAdam(c, s));
   py::gil_scoped_release nogil;
   kernels::ScopedParallelFor pool(torch_pool::ForThisThread());
   kernels::AdamStep(c, s);
-}
-
-// The device-placed optimizer step (session::DeviceAdamStep) on CUDA tensors, enqueued on
-// the stream `stream` (torch.cuda.current_stream().cuda_stream): the kernel the session runs
-// for groups placed on a CUDA device, for tests and benchmarks against torch's fused AdamW.
-void CudaAdamStepBinding(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg,
-                         torch::Tensor exp_avg_sq, double lr, double beta1, double beta2,
-                         double eps, double weight_decay, int64_t step, uintptr_t stream) {
-  for (const auto* t : {&param, &grad, &exp_avg, &exp_avg_sq}) {
-    if (!t->is_cuda() || !t->is_contiguous() || t->numel() != param.numel()) {
-      throw py::value_error("cuda_adam_step: contiguous CUDA tensors of one size expected");
-    }
-  }
-  for (const auto* t : {&param, &exp_avg, &exp_avg_sq}) {
-    if (t->scalar_type() != torch::kFloat32) throw py::value_error("cuda_adam_step: fp32 state");
-  }
-  const kernels::AdamConfig c = AdamConfigOf(lr, beta1, beta2, eps, weight_decay, step);
-  Check(session::DeviceAdamStep(true, c, AdamSpansOf(param, grad, exp_avg, exp_avg_sq),
-                                ComputeStream{stream}));
 }
 
 py::tuple GradStatsBinding(torch::Tensor grad) {
@@ -684,6 +681,10 @@ PYBIND11_MODULE(_C, m) {
       .def("home", [](const PySession& s, size_t g, K k) { return s.s().Home(g, k); })
       .def("has_kind", [](const PySession& s, size_t g, K k) { return s.s().has_kind(g, k); })
       .def("chunk_bytes", [](const PySession& s, size_t g, K k) { return s.s().ChunkBytes(g, k); })
+      // Bytes per element of a kind's chunks (the core's dtype for the kind: the compute dtype
+      // for compute params and grads, fp32 otherwise), so the binding never re-derives it.
+      .def("element_size",
+           [](const PySession& s, K k) { return tiermem::kernels::DTypeSize(s.s().dtype(k)); })
       .def("read_param", &PySession::ReadParam)
       .def("write_param", &PySession::WriteParam)
       .def("read_tensor", &PySession::ReadTensor)
@@ -821,7 +822,7 @@ PYBIND11_MODULE(_C, m) {
                              [](const PySession& s) { return s.s().host_compute(); })
       .def_property_readonly("compute_tier",
                              [](const PySession& s) { return s.s().compute_tier(); })
-      .def_property_readonly("nvme_engine", [](const PySession& s) { return s.s().nvme_engine(); })
+      .def_property_readonly("io_backend", [](const PySession& s) { return s.s().io_backend(); })
       .def_property_readonly("nvme_registered_bytes",
                              [](const PySession& s) { return s.s().nvme_registered_bytes(); })
       .def_property_readonly("timeline_path",
@@ -838,12 +839,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("adam_step", &tiermem::torch_ext::AdamStepBinding, py::arg("param"), py::arg("grad"),
         py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("param_out"), py::arg("lr"),
         py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
-        py::arg("step"), py::arg("inv_loss_scale") = 1.0, py::arg("clip_factor") = 1.0);
+        py::arg("step"), py::arg("inv_loss_scale") = 1.0, py::arg("clip_factor") = 1.0,
+        py::arg("stream") = 0);
   m.def("grad_stats", &tiermem::torch_ext::GradStatsBinding);
-  m.def("cuda_adam_step", &tiermem::torch_ext::CudaAdamStepBinding, py::arg("param"),
-        py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("lr"),
-        py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
-        py::arg("step"), py::arg("stream"));
   m.def("set_kernel_pool", [](const std::string& pool) {
     if (pool != "torch" && pool != "own") {
       throw py::value_error("set_kernel_pool: 'torch' (torch's intra-op threads, the default) "

@@ -3,7 +3,7 @@
 // (the head's weight is the token embedding's), GPT-2 initialisation (std 0.02), and optional
 // residual dropout (GPT-2's resid_pdrop: after the attention projection and the MLP; 0 by
 // default, which draws nothing from the generator). The model
-// is split into segments for tiermem::torch::ChunkedModel::Run: `embed`, each of `blocks`, `head`.
+// is split into units for tiermem::torch::ChunkedModel::Run: `embed`, each of `blocks`, `head`.
 // Header-only so the example and its test share one definition. It lives outside namespace
 // tiermem: inside it, `torch::` would name tiermem::torch (TORCH_MODULE spells it unqualified).
 #pragma once
@@ -123,7 +123,7 @@ struct GPTImpl : ::torch::nn::Module {
     for (auto& b : blocks) x = b(x);
     return head(x);
   }
-  // The same forward through tiermem, one segment per submodule.
+  // The same forward through tiermem, one unit per submodule.
   tiermem::StatusOr<::torch::Tensor> forward(tiermem::torch::ChunkedModel& engine,
                                              const ::torch::Tensor& idx) {
     TIERMEM_ASSIGN_OR_RETURN(::torch::Tensor x,

@@ -21,6 +21,14 @@ using tiermem::StatusCode;
 using tiermem::TierKind;
 namespace {
 
+// The deprecated spelling of a unit's function type still names it (programs written
+// against it keep compiling, with a deprecation warning).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+static_assert(std::is_same_v<tiermem::torch::ChunkedModel::SegmentFn,
+                             tiermem::torch::ChunkedModel::UnitFn>);
+#pragma GCC diagnostic pop
+
 GPTConfig SmallConfig() {
   GPTConfig c;
   c.n_layer = 3;  // 25% of its data is above the minimum device budget
@@ -166,11 +174,11 @@ TEST(ChunkedModel, GradientsMatchPlainLibTorch) {
   }
 }
 
-// Dropout inside segments: the backward's recompute draws the same masks as the forward (the
+// Dropout inside units: the backward's recompute draws the same masks as the forward (the
 // default CPU generator is replayed), so gradients equal plain LibTorch's with the same seed,
 // and the generator ends where plain LibTorch's does. Before, the recompute drew new masks:
 // plausible, wrong gradients.
-TEST(ChunkedModel, DropoutInsideSegmentsGivesPlainLibTorchsGradients) {
+TEST(ChunkedModel, DropoutInsideUnitsGivesPlainLibTorchsGradients) {
   const GPTConfig c = SmallConfig();
   const auto batches = SyntheticBatches(c, 2, 1);
   const auto& idx = batches[0].first;
@@ -284,7 +292,7 @@ TEST(ChunkedModel, BadInputIsAClearStatusAndLeavesTheModelUntouched) {
   }
 }
 
-TEST(ChunkedModel, RunRefusesASegmentWithUnmanagedParameters) {
+TEST(ChunkedModel, RunRefusesAUnitWithUnmanagedParameters) {
   const GPTConfig c = SmallConfig();
   GPT model = MakeModel(c);
   ::torch::nn::Linear stranger(4, 4);
@@ -295,13 +303,13 @@ TEST(ChunkedModel, RunRefusesASegmentWithUnmanagedParameters) {
   EXPECT_EQ(out.status().code(), StatusCode::kInvalidArgument);
 }
 
-TEST(ChunkedModel, ReadingAnotherSegmentsParameterIsLoudNaNNeverPlausibleNumbers) {
+TEST(ChunkedModel, ReadingAnotherUnitsParameterIsLoudNaNNeverPlausibleNumbers) {
   const GPTConfig c = SmallConfig();
   GPT model = MakeModel(c);
   auto created = tiermem::torch::ChunkedModel::Create(*model, {{"device_kind", "sim"}, {"device", "1MiB"}, {"host", "64MiB"}});
   ASSERT_TRUE(created.ok()) << created.status().ToString();
   ::torch::NoGradGuard no_grad;
-  // The segment is block 0 but fn also uses block 1's weights.
+  // The unit is block 0 but fn also uses block 1's weights.
   auto out = (*created)->Run(*model->blocks[0], [&](const auto& in) {
     return model->blocks[1](model->blocks[0](in[0]));
   }, {::torch::randn({1, 4, c.n_embd})});

@@ -54,7 +54,6 @@ import torch.distributed as dist
 from . import _C
 
 _K = _C.ChunkKind
-_DEVICE = _C.Tier.device
 
 
 class CollectiveError(RuntimeError):
@@ -187,7 +186,7 @@ class Shards:
         cache of recently released chunks goes first (unless `evict_recent` is off: a
         prefetch never pushes out what is already there)."""
         s = self.session
-        nbytes = s.chunk_elems * torch.empty((), dtype=self.dtype).element_size()
+        nbytes = s.chunk_elems * s.element_size(s.compute_kind)
         try:
             token, raw = s.allocate_scratch(s.compute_tier, nbytes)
         except MemoryError:
@@ -329,8 +328,7 @@ class Shards:
     def grad_buffer(self, g):
         """A zeroed full-size gradient buffer for group `g` (held until scatter_grad)."""
         s = self.session
-        esize = torch.empty((), dtype=self.dtype).element_size()
-        token, raw = s.allocate_scratch(s.compute_tier, s.chunk_elems * esize)
+        token, raw = s.allocate_scratch(s.compute_tier, s.chunk_elems * s.element_size(_K.grad))
         full = raw.view(self.dtype)
         full.zero_()
         self._held[(g, "grad-buffer")] = _Held(full, token)

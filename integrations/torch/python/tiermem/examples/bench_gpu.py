@@ -2,7 +2,7 @@
 Every comparison is measured in the same run, alternating, and reported as medians and ratios.
 
 1. optimizer: tiermem's fused CUDA AdamW (the kernel device-placed chunk groups step with,
-   ``_C.cuda_adam_step``) against ``torch.optim.AdamW(fused=True)`` on the same 16 fp32
+   ``_C.adam_step`` on CUDA tensors) against ``torch.optim.AdamW(fused=True)`` on the same 16 fp32
    tensors, and both against the device-to-device copy bandwidth (``copy_``, counted as read
    + write; AdamW moves 28 bytes per fp32 param: p, m, v, g read, p, m, v written).
 2. training: the repo's GPT on CUDA with tiermem at a device budget of 25% of its training
@@ -56,7 +56,7 @@ def bench_optimizer(params, tensors=16, rounds=5, reps=5):
         step[0] += 1
         s = torch.cuda.current_stream().cuda_stream
         for p, gr, m, v in zip(p_o, grads, m_o, v_o):
-            _C.cuda_adam_step(p, gr, m, v, 1e-3, 0.9, 0.999, 1e-8, 0.01, step[0], s)
+            _C.adam_step(p, gr, m, v, None, 1e-3, 0.9, 0.999, 1e-8, 0.01, step[0], stream=s)
 
     src = torch.empty(params, device=dev)
     dst = torch.empty_like(src)

@@ -100,7 +100,7 @@ def run(a, workdir):
         return time.perf_counter() - t0
 
     print(f"model: GPT {a.layers} x {a.width} ({n / 1e6:.1f} M params), device {a.device}, "
-          f"host {a.host}, NVMe in {workdir} ({rt.session.nvme_engine}); torch threads "
+          f"host {a.host}, NVMe in {workdir} ({rt.session.io_backend}); torch threads "
           f"{torch.get_num_threads()}", flush=True)
     steps(a.warmup)
     rows = []

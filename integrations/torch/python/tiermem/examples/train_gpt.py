@@ -237,7 +237,7 @@ def train(args, c, steps, preset, nvme_dir, nvme_size) -> int:
     print(f"model: {n_params / 1e6:.2f} M params ({c.n_layer} x {c.n_embd}); "
           f"params+grads+AdamW = {fmt(rt.model_bytes)} = {rt.model_bytes / budget:.1f}x the "
           f"{where}, NVMe "
-          f"{fmt(rt.cfg.nvme_size)} in {nvme_dir} ({rt.session.nvme_engine}); chunk "
+          f"{fmt(rt.cfg.nvme_size)} in {nvme_dir} ({rt.session.io_backend}); chunk "
           f"{rt.chunk_elems} elements x {rt.session.num_groups} groups "
           f"(set up in {time.perf_counter() - t_build:.1f} s)")
 

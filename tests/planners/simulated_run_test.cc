@@ -1,8 +1,8 @@
-// Executor and effective sequence, on hand-made cases whose timings are worked out by hand:
+// SimulatedRun and effective sequence, on hand-made cases whose timings are worked out by hand:
 // the occupancy profile, demand fetches, a dirty eviction making the next fetch wait for its
 // write-back, policies that break the rules refused, activation footprints per policy,
 // optimizer placement and overlap reordering.
-#include "planners/executor.h"
+#include "planners/simulated_run.h"
 
 #include <gtest/gtest.h>
 
@@ -41,7 +41,7 @@ TEST(OccupancyProfileTest, AllocWaitsForFreesAndNeverExceedsTheCapacity) {
 // LRU, clean first: what the simulator's lru policy does.
 class Lru : public Policy {
  public:
-  Status Before(Executor& ex, size_t i) override {
+  Status Before(SimulatedRun& ex, size_t i) override {
     return EnsureMoment(ex, i, [&ex](ChunkId c, TierKind) {
       return std::make_tuple(ex.Chunk(c).dirty, ex.Chunk(c).last_use, c);
     });
@@ -69,12 +69,12 @@ StatusOr<IterationStats> RunOnce(const Trace& t, const MachineModel& m, Policy& 
   pl.home.assign(t.chunks.size(), TierKind::kHost);
   auto eff = BuildEffective(t, t.iterations[0], pl, m);
   if (!eff.ok()) return eff.status();
-  auto ex = Executor::Create(&t, &m, pl.home);
+  auto ex = SimulatedRun::Create(&t, &m, pl.home);
   if (!ex.ok()) return ex.status();
   return (*ex)->Run(*eff, p, 0);
 }
 
-TEST(ExecutorTest, DemandFetchesStallForTheirWholeCopy) {
+TEST(SimulatedRunTest, DemandFetchesStallForTheirWholeCopy) {
   const Trace t = TwoChunks(AccessMode::kRead);
   const MachineModel m = testing::TestMachine(kMB, 10 * kMB);
   Lru lru;
@@ -91,7 +91,7 @@ TEST(ExecutorTest, DemandFetchesStallForTheirWholeCopy) {
   EXPECT_EQ(st->writebacks, 0u);
 }
 
-TEST(ExecutorTest, ADirtyVictimsWriteBackDelaysTheNextFetch) {
+TEST(SimulatedRunTest, ADirtyVictimsWriteBackDelaysTheNextFetch) {
   const Trace t = TwoChunks(AccessMode::kReadWrite);
   const MachineModel m = testing::TestMachine(kMB, 10 * kMB);
   Lru lru;
@@ -107,7 +107,7 @@ TEST(ExecutorTest, ADirtyVictimsWriteBackDelaysTheNextFetch) {
 
 class Greedy : public Policy {  // fetches without making room
  public:
-  Status Before(Executor& ex, size_t i) override {
+  Status Before(SimulatedRun& ex, size_t i) override {
     const EffIteration& it = ex.iteration();
     for (const EffAccess* a = it.begin(i); a != it.end(i); ++a) {
       TIERMEM_RETURN_IF_ERROR(ex.Fetch(a->chunk, a->tier, true));
@@ -117,10 +117,10 @@ class Greedy : public Policy {  // fetches without making room
 };
 class Lazy : public Policy {  // fetches nothing
  public:
-  Status Before(Executor&, size_t) override { return OkStatus(); }
+  Status Before(SimulatedRun&, size_t) override { return OkStatus(); }
 };
 
-TEST(ExecutorTest, RefusesPoliciesThatBreakTheBudgetOrSkipAFetch) {
+TEST(SimulatedRunTest, RefusesPoliciesThatBreakTheBudgetOrSkipAFetch) {
   const Trace t = TwoChunks(AccessMode::kRead);
   const MachineModel m = testing::TestMachine(kMB, 10 * kMB);
   Greedy greedy;
@@ -129,10 +129,10 @@ TEST(ExecutorTest, RefusesPoliciesThatBreakTheBudgetOrSkipAFetch) {
   EXPECT_THAT(RunOnce(t, m, lazy).status(), StatusIs(StatusCode::kInternal, "needs chunk 0"));
 }
 
-TEST(ExecutorTest, HomesThatDoNotFitAreResourceExhausted) {
+TEST(SimulatedRunTest, HomesThatDoNotFitAreResourceExhausted) {
   const Trace t = TwoChunks(AccessMode::kRead);
   const MachineModel m = testing::TestMachine(kMB, kMB);
-  EXPECT_THAT(Executor::Create(&t, &m, {TierKind::kHost, TierKind::kHost}).status(),
+  EXPECT_THAT(SimulatedRun::Create(&t, &m, {TierKind::kHost, TierKind::kHost}).status(),
               StatusIs(StatusCode::kResourceExhausted, "host tier: the chunks homed there need"));
 }
 

@@ -1,5 +1,6 @@
-// The executor: runs effective iterations under a policy against a machine model, keeping
-// two views of every tier.
+// SimulatedRun: the simulator's discrete-event run of effective iterations under a policy
+// against a machine model — the simulated twin of runtime's PlanRunner, which executes plans
+// on the real chunk engine. It keeps two views of every tier.
 //
 // Program order. Policies decide in the order the runtime would (before each moment's compute)
 // and see the program-order state: which chunk is cached where, dirty or not, and the bytes
@@ -54,7 +55,7 @@ std::string_view StallCauseName(StallCause c);  // "fetch", "write-back", ...
 
 using PairBytes = std::array<std::array<Bytes, kNumTierKinds>, kNumTierKinds>;
 
-// One moment as executed (Executor::set_record_moments).
+// One moment as executed (SimulatedRun::set_record_moments).
 struct MomentTiming {
   std::string label;
   uint64_t issue_ns = 0, start_ns = 0, end_ns = 0;  // since the iteration's start
@@ -119,28 +120,29 @@ class OccupancyProfile {
   Bytes peak_ = 0;
 };
 
-class Executor;
+class SimulatedRun;
 
 // A policy decides the moves. Before() must leave every access of moment `i` resident on its
-// tier (a chunk accessed on its home tier may stay cached above: the executor drops it) with
-// room for the moment's non-chunk bytes (Executor::NeedExtra).
+// tier (a chunk accessed on its home tier may stay cached above: the simulated run drops it) with
+// room for the moment's non-chunk bytes (SimulatedRun::NeedExtra).
 class Policy {
  public:
   virtual ~Policy() = default;
-  virtual Status BeginIteration(Executor& ex) { return OkStatus(); }
-  virtual Status Before(Executor& ex, size_t i) = 0;
-  virtual void After(Executor& ex, size_t i) {}
+  virtual Status BeginIteration(SimulatedRun& ex) { return OkStatus(); }
+  virtual Status Before(SimulatedRun& ex, size_t i) = 0;
+  virtual void After(SimulatedRun& ex, size_t i) {}
 };
 
-class Executor {
+class SimulatedRun {
  public:
-  // `trace` and `machine` must outlive the executor. Homes are fixed for its lifetime.
+  // `trace` and `machine` must outlive the simulated run. Homes are fixed for its lifetime.
   // kResourceExhausted when the homes do not fit their tiers.
-  static StatusOr<std::unique_ptr<Executor>> Create(const Trace* trace, const MachineModel* machine,
-                                                    std::vector<TierKind> homes);
+  static StatusOr<std::unique_ptr<SimulatedRun>> Create(const Trace* trace,
+                                                        const MachineModel* machine,
+                                                        std::vector<TierKind> homes);
 
   // Runs one effective iteration (`it` must outlive the call) under `policy`. `tag` is the
-  // iteration index the copies are accounted to. On error the executor is unusable.
+  // iteration index the copies are accounted to. On error the simulated run is unusable.
   StatusOr<IterationStats> Run(const EffIteration& it, Policy& policy, uint32_t tag);
 
   // ---- for policies (program order) --------------------------------------------------------
@@ -197,7 +199,7 @@ class Executor {
     uint64_t free_at = 0;
   };
 
-  Executor(const Trace* trace, const MachineModel* machine, std::vector<TierKind> homes);
+  SimulatedRun(const Trace* trace, const MachineModel* machine, std::vector<TierKind> homes);
   static int Idx(TierKind t) { return static_cast<int>(t); }
   StatusOr<uint64_t> Alloc(TierKind t, Bytes bytes, uint64_t at);
   // Bytes allocated at a moment's compute start and freed at its end (program order: within

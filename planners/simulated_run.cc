@@ -1,9 +1,9 @@
-// Executor implementation. See executor.h for the model. Invariants kept here:
+// SimulatedRun implementation. See simulated_run.h for the model. Invariants kept here:
 //   - used_[t] equals the occupancy profile of t after all issued events (every program-order
 //     allocation or free is also a profile event), and never exceeds the budget;
 //   - a chunk has at most one cached copy, on a tier above its home; view_.cache says where;
 //   - a region is freed no earlier than the end of the last copy or moment that touches it.
-#include "planners/executor.h"
+#include "planners/simulated_run.h"
 
 #include <algorithm>
 
@@ -133,27 +133,28 @@ Status OccupancyProfile::Free(Bytes bytes, uint64_t t) {
   return OkStatus();
 }
 
-// ---- Executor ----------------------------------------------------------------------------
-Executor::Executor(const Trace* trace, const MachineModel* machine, std::vector<TierKind> homes)
+// ---- SimulatedRun ----------------------------------------------------------------------------
+SimulatedRun::SimulatedRun(const Trace* trace, const MachineModel* machine,
+                           std::vector<TierKind> homes)
     : trace_(trace), machine_(machine), homes_(std::move(homes)) {
   view_.resize(trace_->chunks.size());
   times_.resize(trace_->chunks.size());
   for (int t = 0; t < kNumTierKinds; ++t) profile_[t] = OccupancyProfile(machine_->budget[t]);
 }
 
-StatusOr<std::unique_ptr<Executor>> Executor::Create(const Trace* trace,
-                                                     const MachineModel* machine,
-                                                     std::vector<TierKind> homes) {
+StatusOr<std::unique_ptr<SimulatedRun>> SimulatedRun::Create(const Trace* trace,
+                                                             const MachineModel* machine,
+                                                             std::vector<TierKind> homes) {
   if (homes.size() != trace->chunks.size()) {
-    return InvalidArgumentError("executor: " + std::to_string(homes.size()) + " homes for " +
+    return InvalidArgumentError("simulated run: " + std::to_string(homes.size()) + " homes for " +
                                 std::to_string(trace->chunks.size()) + " chunks");
   }
   TIERMEM_RETURN_IF_ERROR(machine->Validate());
-  std::unique_ptr<Executor> ex(new Executor(trace, machine, std::move(homes)));
+  std::unique_ptr<SimulatedRun> ex(new SimulatedRun(trace, machine, std::move(homes)));
   for (ChunkId c = 0; c < ex->homes_.size(); ++c) {
     const TierKind h = ex->homes_[c];
     if (h != TierKind::kHost && h != TierKind::kNvme) {
-      return InvalidArgumentError("executor: chunk " + std::to_string(c) +
+      return InvalidArgumentError("simulated run: chunk " + std::to_string(c) +
                                   " must be homed on host or nvme");
     }
     ex->used_[Idx(h)] += trace->chunks[c].bytes;
@@ -174,7 +175,7 @@ StatusOr<std::unique_ptr<Executor>> Executor::Create(const Trace* trace,
   return ex;
 }
 
-StatusOr<uint64_t> Executor::Alloc(TierKind t, Bytes bytes, uint64_t at) {
+StatusOr<uint64_t> SimulatedRun::Alloc(TierKind t, Bytes bytes, uint64_t at) {
   if (used_[Idx(t)] + bytes > Budget(t)) {
     return InternalError(std::string(TierKindName(t)) + " tier: an allocation of " +
                          std::to_string(bytes) + " bytes at moment " + std::to_string(pc_) +
@@ -188,8 +189,8 @@ StatusOr<uint64_t> Executor::Alloc(TierKind t, Bytes bytes, uint64_t at) {
   return *a;
 }
 
-StatusOr<uint64_t> Executor::AllocTransient(TierKind t, Bytes bytes, uint64_t at,
-                                            uint64_t duration) {
+StatusOr<uint64_t> SimulatedRun::AllocTransient(TierKind t, Bytes bytes, uint64_t at,
+                                                uint64_t duration) {
   if (used_[Idx(t)] + bytes > Budget(t)) {
     return InternalError(std::string(TierKindName(t)) + " tier: " + std::to_string(bytes) +
                          " bytes of a moment's compute at moment " + std::to_string(pc_) +
@@ -200,13 +201,13 @@ StatusOr<uint64_t> Executor::AllocTransient(TierKind t, Bytes bytes, uint64_t at
   return profile_[Idx(t)].AllocFor(bytes, at, duration);
 }
 
-Status Executor::FreeAt(TierKind t, Bytes bytes, uint64_t at) {
-  if (bytes > used_[Idx(t)]) return InternalError("executor: free of more than is in use");
+Status SimulatedRun::FreeAt(TierKind t, Bytes bytes, uint64_t at) {
+  if (bytes > used_[Idx(t)]) return InternalError("simulated run: free of more than is in use");
   used_[Idx(t)] -= bytes;
   return profile_[Idx(t)].Free(bytes, at);
 }
 
-uint64_t Executor::Copy(TierKind src, TierKind dst, Bytes bytes, uint64_t at, uint32_t tag) {
+uint64_t SimulatedRun::Copy(TierKind src, TierKind dst, Bytes bytes, uint64_t at, uint32_t tag) {
   const auto [ls, ld] = MachineModel::LaneOf(src, dst);
   Lane& lane = lanes_[ls][ld];
   const uint64_t start = std::max(at, lane.free_at);
@@ -216,7 +217,7 @@ uint64_t Executor::Copy(TierKind src, TierKind dst, Bytes bytes, uint64_t at, ui
   return end;
 }
 
-Bytes Executor::NeedExtra(size_t i, TierKind t) const {
+Bytes SimulatedRun::NeedExtra(size_t i, TierKind t) const {
   const EffIteration& it = *it_;
   Bytes n = 0;
   if (t == TierKind::kDevice) {
@@ -234,11 +235,11 @@ Bytes Executor::NeedExtra(size_t i, TierKind t) const {
   return n;
 }
 
-Status Executor::Fetch(ChunkId c, TierKind to, bool copy, uint32_t need_tag) {
+Status SimulatedRun::Fetch(ChunkId c, TierKind to, bool copy, uint32_t need_tag) {
   const TierKind home = homes_[c];
   if (to == home || (to != TierKind::kDevice && to != TierKind::kHost) ||
       static_cast<int>(to) >= static_cast<int>(home)) {
-    return InternalError("executor: chunk " + std::to_string(c) + " cannot be fetched to " +
+    return InternalError("simulated run: chunk " + std::to_string(c) + " cannot be fetched to " +
                          std::string(TierKindName(to)) + " (its home is " +
                          std::string(TierKindName(home)) + ")");
   }
@@ -268,15 +269,15 @@ Status Executor::Fetch(ChunkId c, TierKind to, bool copy, uint32_t need_tag) {
   return OkStatus();
 }
 
-Status Executor::Preload(ChunkId c, TierKind tier, bool dirty) {
-  if (c >= view_.size()) return InvalidArgumentError("executor: preload of unknown chunk");
+Status SimulatedRun::Preload(ChunkId c, TierKind tier, bool dirty) {
+  if (c >= view_.size()) return InvalidArgumentError("simulated run: preload of unknown chunk");
   if (tier == TierKind::kNone) return OkStatus();
   if (view_[c].cache != TierKind::kNone || static_cast<int>(tier) >= static_cast<int>(homes_[c])) {
-    return InvalidArgumentError("executor: chunk " + std::to_string(c) + " cannot start on " +
+    return InvalidArgumentError("simulated run: chunk " + std::to_string(c) + " cannot start on " +
                                 std::string(TierKindName(tier)));
   }
   if (used_[Idx(tier)] + ChunkBytes(c) > Budget(tier)) {
-    return ResourceExhaustedError("executor: the start state does not fit the " +
+    return ResourceExhaustedError("simulated run: the start state does not fit the " +
                                   std::string(TierKindName(tier)) + " budget");
   }
   TIERMEM_ASSIGN_OR_RETURN(const uint64_t a, Alloc(tier, ChunkBytes(c), 0));
@@ -286,7 +287,7 @@ Status Executor::Preload(ChunkId c, TierKind tier, bool dirty) {
   return OkStatus();
 }
 
-Status Executor::Evict(ChunkId c) {
+Status SimulatedRun::Evict(ChunkId c) {
   ChunkView& v = view_[c];
   if (v.cache == TierKind::kNone) return OkStatus();
   ChunkTimes& tm = times_[c];
@@ -306,7 +307,7 @@ Status Executor::Evict(ChunkId c) {
   return OkStatus();
 }
 
-Status Executor::RunMoment(size_t i, Policy& policy) {
+Status SimulatedRun::RunMoment(size_t i, Policy& policy) {
   const EffIteration& it = *it_;
   const EffMoment& m = it.moments[i];
   IterationStats& st = stats_[tag_];
@@ -335,13 +336,13 @@ Status Executor::RunMoment(size_t i, Policy& policy) {
     } else {
       if (v.cache != a->tier) {
         return InternalError(
-            "executor: moment " + std::to_string(i) + " (" + std::string(m.label) +
+            "simulated run: moment " + std::to_string(i) + " (" + std::string(m.label) +
             ") needs chunk " + std::to_string(c) + " on the " + std::string(TierKindName(a->tier)) +
             " tier, but the policy left it on " +
             std::string(TierKindName(v.cache != TierKind::kNone ? v.cache : homes_[c])));
       }
       if (a->needs_content && !tm.valid) {
-        return InternalError("executor: moment " + std::to_string(i) + " reads chunk " +
+        return InternalError("simulated run: moment " + std::to_string(i) + " reads chunk " +
                              std::to_string(c) + ", fetched without its content");
       }
       dep(tm.ready, tm.ready_cause);
@@ -446,7 +447,7 @@ Status Executor::RunMoment(size_t i, Policy& policy) {
   return OkStatus();
 }
 
-StartState Executor::State() const {
+StartState SimulatedRun::State() const {
   StartState s;
   s.cache.resize(view_.size());
   s.dirty.resize(view_.size());
@@ -457,7 +458,7 @@ StartState Executor::State() const {
   return s;
 }
 
-PairBytes Executor::Unclaimed() const {
+PairBytes SimulatedRun::Unclaimed() const {
   PairBytes out{};
   for (const auto& [tag, st] : stats_) {
     for (int a = 0; a < kNumTierKinds; ++a) {
@@ -467,7 +468,7 @@ PairBytes Executor::Unclaimed() const {
   return out;
 }
 
-StatusOr<IterationStats> Executor::Run(const EffIteration& it, Policy& policy, uint32_t tag) {
+StatusOr<IterationStats> SimulatedRun::Run(const EffIteration& it, Policy& policy, uint32_t tag) {
   it_ = &it;
   tag_ = tag;
   span_d2h_end_.assign(it.spans.size(), 0);
