@@ -18,7 +18,7 @@
 #include <algorithm>
 #include <utility>
 
-namespace tiermem::engine {
+namespace tiermem::chunks {
 
 AccessOrder::Follow AccessOrder::Observe(ChunkId chunk, TierKind where) {
   recording_.emplace_back(chunk, where);
@@ -75,4 +75,4 @@ uint64_t AccessOrder::WindowEnd(uint64_t n) const {
   return std::min<uint64_t>(limit, pos_ + n);
 }
 
-}  // namespace tiermem::engine
+}  // namespace tiermem::chunks

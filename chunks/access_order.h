@@ -27,7 +27,7 @@
 #include "base/units.h"
 #include "chunks/eviction_policy.h"  // kNeverUsed
 
-namespace tiermem::engine {
+namespace tiermem::chunks {
 
 class AccessOrder {
  public:
@@ -76,4 +76,4 @@ class AccessOrder {
   bool cyclic_ = false;
 };
 
-}  // namespace tiermem::engine
+}  // namespace tiermem::chunks

@@ -24,7 +24,7 @@
 #include "base/clock.h"
 #include "base/logging.h"
 
-namespace tiermem::engine {
+namespace tiermem::chunks {
 namespace {
 int Idx(TierKind k) { return static_cast<int>(k); }
 }  // namespace
@@ -963,4 +963,4 @@ EngineStats Engine::Stats() const {
   return s;
 }
 
-}  // namespace tiermem::engine
+}  // namespace tiermem::chunks

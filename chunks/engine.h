@@ -90,7 +90,7 @@
 #include "chunks/mover.h"
 #include "tiers/tier.h"
 
-namespace tiermem::engine {
+namespace tiermem::chunks {
 
 // The timeline id of the external-bytes pseudo-region of the device tier; the host's is the
 // next one (tiers count ids up from 1).
@@ -338,4 +338,4 @@ class Engine {
   EngineStats stats_;
 };
 
-}  // namespace tiermem::engine
+}  // namespace tiermem::chunks

@@ -2,7 +2,7 @@
 
 #include <tuple>
 
-namespace tiermem::engine {
+namespace tiermem::chunks {
 namespace {
 
 class DefaultPolicy final : public EvictionPolicy {
@@ -32,4 +32,4 @@ std::unique_ptr<EvictionPolicy> NewDefaultEvictionPolicy() {
   return std::make_unique<DefaultPolicy>();
 }
 
-}  // namespace tiermem::engine
+}  // namespace tiermem::chunks

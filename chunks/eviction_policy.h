@@ -10,7 +10,7 @@
 
 #include "base/units.h"
 
-namespace tiermem::engine {
+namespace tiermem::chunks {
 
 inline constexpr uint64_t kNeverUsed = UINT64_MAX;
 
@@ -34,4 +34,4 @@ class EvictionPolicy {
 // dirty, then the farthest next use); otherwise least recently used, clean before dirty.
 std::unique_ptr<EvictionPolicy> NewDefaultEvictionPolicy();
 
-}  // namespace tiermem::engine
+}  // namespace tiermem::chunks

@@ -53,7 +53,7 @@ OptimizerStepper::OptimizerStepper(Session* session, TierStack* stack, TraceReco
   grad_done_prev_.assign(groups, kNotWritten);
 }
 
-engine::Engine* OptimizerStepper::engine() const { return stack_->engine(); }
+chunks::Engine* OptimizerStepper::engine() const { return stack_->engine(); }
 
 ChunkId OptimizerStepper::Chunk(size_t group, ChunkKind kind) const {
   return session_->group(group).chunks[K(kind)];
@@ -150,7 +150,7 @@ Status OptimizerStepper::UpdateGroup(size_t gi, const std::vector<Run>& runs, ui
                                   ChunkKind::kExpAvg, ChunkKind::kExpAvgSq};
   if (session_->mixed()) kinds.push_back(ChunkKind::kParamFp32);
   const TierKind where = UpdateTier(gi);
-  engine::Engine* eng = engine();
+  chunks::Engine* eng = engine();
   if (!quiet) {
     // Named by group: a plan matches a deferred update by its label, whichever unit's
     // forward runs it.
@@ -242,7 +242,7 @@ Status OptimizerStepper::RunPending(size_t group, bool quiet) {
   pending_[group] = Pending();  // inactive before the update's own acquires come through here
   --num_pending_;
   const std::string phase = session_->phase();
-  engine::Engine* eng = engine();
+  chunks::Engine* eng = engine();
   session_->Phase("optimizer");
   if (quiet && session_->tracing()) eng->SetTracing(false);
   Status s = UpdateGroup(group, p.runs, p.work, p.stepped, quiet);
@@ -309,7 +309,7 @@ Status OptimizerStepper::Speculate(size_t gi) {
   if (session_->mixed()) state.push_back(ChunkKind::kParamFp32);
   Bytes need = 0;
   for (ChunkKind k : state) need += session_->ChunkBytes(gi, k);
-  engine::Engine* eng = engine();
+  chunks::Engine* eng = engine();
   const TierStats hs = stack_->host()->Stats();
   const Bytes ext = eng->external_bytes(TierKind::kHost);
   const Bytes room = hs.capacity > hs.used + ext ? hs.capacity - hs.used - ext : 0;
@@ -402,7 +402,7 @@ bool OptimizerStepper::SpeculationHolds(size_t gi, const std::vector<Run>& runs)
 
 Status OptimizerStepper::CommitSpeculation(size_t gi) {
   Speculation& sp = spec_[gi];
-  engine::Engine* eng = engine();
+  chunks::Engine* eng = engine();
   for (int k = 0; k < chunks::kNumChunkKinds; ++k) {
     if (sp.shadow[k].bytes == 0) continue;
     Status s = eng->PrepareAdopt(Chunk(gi, static_cast<ChunkKind>(k)));
@@ -476,9 +476,9 @@ void OptimizerStepper::Place() {
   on_device_.assign(session_->num_groups(), 0);
   // Host mode: there is no device; every group steps on the host, in place.
   if (session_->config().optimizer_placement == "host" || stack_->host_compute()) return;
-  engine::Engine* eng = engine();
+  chunks::Engine* eng = engine();
   // (Sharded: the gathered full chunks the binding held as scratch count too.)
-  const engine::EngineStats est = eng->Stats();
+  const chunks::EngineStats est = eng->Stats();
   Bytes working = est.external_peak[static_cast<int>(TierKind::kDevice)] +
                   est.scratch_peak[static_cast<int>(TierKind::kDevice)];
   for (size_t gi = 0; gi < session_->num_groups(); ++gi) {

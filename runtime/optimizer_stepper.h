@@ -69,9 +69,9 @@
 #include "runtime/config.h"
 #include "tiers/tier.h"
 
-namespace tiermem::engine {
+namespace tiermem::chunks {
 class Engine;
-}  // namespace tiermem::engine
+}  // namespace tiermem::chunks
 
 namespace tiermem::session {
 
@@ -192,7 +192,7 @@ class OptimizerStepper {
     std::array<Region, chunks::kNumChunkKinds> shadow{};  // host scratch by kind (bytes 0: none)
   };
 
-  engine::Engine* engine() const;  // the stack's
+  chunks::Engine* engine() const;  // the stack's
   ChunkId Chunk(size_t group, chunks::ChunkKind kind) const;
   // Where group g's update runs (its chunks acquired there).
   TierKind UpdateTier(size_t g) const {

@@ -27,7 +27,7 @@ namespace tiermem::session {
 using planners::ActionKind;
 using planners::MomentKind;
 
-void PlanRunner::Start(planners::Plan plan, engine::Engine* engine) {
+void PlanRunner::Start(planners::Plan plan, chunks::Engine* engine) {
   Stop();
   engine_ = engine;
   plan_ = std::make_unique<planners::Plan>(std::move(plan));
@@ -162,7 +162,7 @@ bool PlanRunner::AtBoundary(bool diverged, TraceRecorder* trace, const PlanConte
 
 Status PlanRunner::ExecuteFrom(const planners::Trace& trace, int64_t iteration,
                                const PlanContext& ctx) {
-  engine::Engine* eng = ctx.engine;
+  chunks::Engine* eng = ctx.engine;
   if (trace.chunks.size() != eng->num_chunks()) {
     return InvalidArgumentError("plan: the trace has " + std::to_string(trace.chunks.size()) +
                                 " chunks, this model " + std::to_string(eng->num_chunks()));
@@ -201,7 +201,7 @@ Status PlanRunner::ExecuteFrom(const planners::Trace& trace, int64_t iteration,
     }
   }
   planners::MachineModel m = planners::MachineModel::FromTrace(t);
-  const engine::EngineStats st = eng->Stats();
+  const chunks::EngineStats st = eng->Stats();
   for (int k = 0; k < kNumTierKinds; ++k) m.budget[k] = st.tiers[k].capacity;
   // Counted activations are in the trace already; other external bytes (a KV cache) are not.
   const Bytes ext = counted ? 0 : eng->external_device_bytes();

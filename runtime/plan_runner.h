@@ -65,7 +65,7 @@ class PlanRunner {
   };
 
   // Executes `plan` from the next BeginIteration on. The engine must outlive the runner.
-  void Start(planners::Plan plan, engine::Engine* engine);
+  void Start(planners::Plan plan, chunks::Engine* engine);
   // Stops executing (the engine goes back to its reactive policy).
   void Stop();
   bool active() const { return plan_ != nullptr; }
@@ -93,7 +93,7 @@ class PlanRunner {
   // ---- planning (see the file comment) ----
   // What making a plan reads from the session.
   struct PlanContext {
-    engine::Engine* engine = nullptr;  // homes, residency, budgets; must outlive the runner
+    chunks::Engine* engine = nullptr;  // homes, residency, budgets; must outlive the runner
     std::string_view activations;      // config `activations`
     bool cuda = false;                 // least modelled time on CUDA, fewest bytes elsewhere
     bool device_holds_every_chunk = false;  // the device's budget >= every chunk's bytes
@@ -119,7 +119,7 @@ class PlanRunner {
   void Diverge();
   void Open(std::string_view label, planners::MomentKind kind);
 
-  engine::Engine* engine_ = nullptr;
+  chunks::Engine* engine_ = nullptr;
   std::unique_ptr<planners::Plan> plan_;
   std::unique_ptr<planners::DivergenceChecker> checker_;
   bool in_iteration_ = false;

@@ -211,7 +211,7 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
   TIERMEM_ASSIGN_OR_RETURN(s->stack_, TierStack::Create(resolved, sl));
   s->stepper_ = std::make_unique<OptimizerStepper>(s.get(), s->stack_.get(), &s->trace_);
   s->timeline_path_ = s->stack_->timeline_path();
-  engine::Engine* eng = s->stack_->engine();
+  chunks::Engine* eng = s->stack_->engine();
   for (ChunkKind kind : kCreationOrder) {
     for (ChunkGroup& g : s->groups_) {
       const bool need = kind == ChunkKind::kParamLowp   ? mixed
@@ -664,7 +664,7 @@ planners::TraceBudgets Session::TraceBudgets() const {
 
 void Session::DeclareTraceChunks() {
   planners::TraceBuilder& b = trace_.builder();
-  engine::Engine* eng = stack_->engine();
+  chunks::Engine* eng = stack_->engine();
   b.SetSource("tiermem session (" + device_kind_ + " device, " +
               std::to_string(specs_.size()) + " tensors)");
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
@@ -788,7 +788,7 @@ Status Session::Flush() {
   return stack_->engine()->Flush();
 }
 
-StatusOr<engine::EngineStats> Session::Stats() const {
+StatusOr<chunks::EngineStats> Session::Stats() const {
   TIERMEM_RETURN_IF_ERROR(Live());
   return stack_->engine()->Stats();
 }

@@ -182,7 +182,7 @@ class Session {
 
   // ---- chunk access (the bindings' views) -------------------------------------------------
   // Makes the chunk resident on `where` (device or host), pins it and returns its address.
-  // Errors as engine::Engine::Acquire; kInvalidArgument for a kind the group lacks.
+  // Errors as chunks::Engine::Acquire; kInvalidArgument for a kind the group lacks.
   StatusOr<void*> Acquire(size_t group, ChunkKind kind, TierKind where);
   // As Acquire for a caller about to overwrite: a lazily zero chunk on the device is handed
   // over unfilled and `*must_zero` set (the caller zeroes all of it first).
@@ -321,7 +321,7 @@ class Session {
   std::vector<uint32_t> TakeActivationFetches() { return runner_.TakeActivationFetches(); }
   Status Synchronize();
   Status Flush();  // home copies current (e.g. before reading many values)
-  StatusOr<engine::EngineStats> Stats() const;
+  StatusOr<chunks::EngineStats> Stats() const;
   // The timeline so far, analysed by tiermem::prof from the file (not from counters).
   StatusOr<prof::Report> TimelineReport();
 

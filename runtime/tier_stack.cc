@@ -293,14 +293,14 @@ StatusOr<std::unique_ptr<TierStack>> TierStack::Create(const SessionConfig& conf
   // and a lone move keeps the disk's queue full.
   MoverConfig mc = BounceMoverConfig(slot, config.io_piece, config.io_depth);
   s->mover_ = NewMover(mc, s->staging_.get(), s->recorder_.get());
-  engine::EngineConfig cfg;
+  chunks::EngineConfig cfg;
   cfg.prefetch_depth = config.prefetch_depth;
   cfg.write_behind = config.write_behind;
   cfg.host_reserve_bytes = layout.host_reserve;
   TIERMEM_ASSIGN_OR_RETURN(
       s->engine_,
-      engine::Engine::Create(cfg,
-                             engine::EngineTiers{s->device_.get(), s->host_.get(), s->nvme_.get()},
+      chunks::Engine::Create(cfg,
+                             chunks::EngineTiers{s->device_.get(), s->host_.get(), s->nvme_.get()},
                              s->mover_.get(), s->recorder_.get()));
   return s;
 }

@@ -69,7 +69,7 @@ class TierStack {
   void Close();  // idempotent
   bool closed() const { return engine_ == nullptr; }
 
-  engine::Engine* engine() { return engine_.get(); }
+  chunks::Engine* engine() { return engine_.get(); }
   Tier* device() { return device_.get(); }  // null in host mode
   bool host_compute() const { return device_kind_ == "host"; }
   const Mover* mover() const { return mover_.get(); }
@@ -103,7 +103,7 @@ class TierStack {
   // Destroyed after the host tiers (members are destroyed in reverse order): nvme_, device_.
   std::unique_ptr<Tier> device_, nvme_, staging_, host_;
   std::unique_ptr<Mover> mover_;
-  std::unique_ptr<engine::Engine> engine_;
+  std::unique_ptr<chunks::Engine> engine_;
   bool cuda_ = false;
   std::string device_kind_;
 };

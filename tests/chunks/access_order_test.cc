@@ -7,7 +7,7 @@
 
 #include <vector>
 
-namespace tiermem::engine {
+namespace tiermem::chunks {
 namespace {
 
 using Follow = AccessOrder::Follow;
@@ -149,4 +149,4 @@ TEST(AccessOrder, ACyclicOrderRepeatsIntoTheNextIteration) {
 }
 
 }  // namespace
-}  // namespace tiermem::engine
+}  // namespace tiermem::chunks

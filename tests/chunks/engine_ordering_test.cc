@@ -22,7 +22,7 @@
 #include "tiers/fake/sim_stream.h"
 #include "tiers/host/host_tier.h"
 
-namespace tiermem::engine {
+namespace tiermem::chunks {
 namespace {
 
 
@@ -233,4 +233,4 @@ TEST(EngineOrdering, DroppingTheComputeAfterCopyWaitBreaksTraining) {
 }
 
 }  // namespace
-}  // namespace tiermem::engine
+}  // namespace tiermem::chunks

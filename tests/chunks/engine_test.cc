@@ -14,7 +14,7 @@
 #include "tiers/host/host_tier.h"
 #include "prof/analysis.h"
 
-namespace tiermem::engine {
+namespace tiermem::chunks {
 namespace {
 
 constexpr Bytes kChunk = 4096;
@@ -845,7 +845,7 @@ TEST(Engine, AnAdoptedHostCopyBecomesTheContentWithoutACopy) {
   EXPECT_TRUE(Rig::Holds(out.data(), kChunk, 1));
   EXPECT_EQ(r.engine->Stats().scratch[kHost], kChunk);
 
-  const engine::EngineStats before = r.engine->Stats();
+  const chunks::EngineStats before = r.engine->Stats();
   ASSERT_TRUE(r.engine->AdoptHostCopy(a, sa).ok());
   EXPECT_EQ(r.engine->Resident(a), TierKind::kHost);  // the device copy is gone (stale)
   EXPECT_EQ(r.engine->Home(a), TierKind::kHost);
@@ -857,7 +857,7 @@ TEST(Engine, AnAdoptedHostCopyBecomesTheContentWithoutACopy) {
   EXPECT_EQ(r.engine->Resident(n), TierKind::kHost);
   ASSERT_TRUE(r.engine->ReadAt(n, 0, out.data(), kChunk).ok());
   EXPECT_TRUE(Rig::Holds(out.data(), kChunk, 8));
-  engine::EngineStats after = r.engine->Stats();
+  chunks::EngineStats after = r.engine->Stats();
   EXPECT_EQ(after.scratch[kHost], 0u);
   // a's home and n's host copy only: the scratch regions became them, the old ones are gone.
   EXPECT_EQ(after.tiers[kHost].used, 2 * kChunk);
@@ -955,4 +955,4 @@ TEST(Engine, BadRequestsGetSpecificErrorsAndChangeNothing) {
 }
 
 }  // namespace
-}  // namespace tiermem::engine
+}  // namespace tiermem::chunks

@@ -97,7 +97,7 @@ struct Variant {
 
 struct Outcome {
   std::vector<std::vector<float>> params;
-  engine::EngineStats stats;
+  chunks::EngineStats stats;
   std::vector<double> norms;
 };
 

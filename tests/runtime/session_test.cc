@@ -1367,8 +1367,8 @@ void TrainIteration(Session& s, int it, bool branch = false) {
 struct PlanRun {
   std::vector<std::vector<float>> params;
   Session::PlanStatus plan;
-  engine::EngineStats engine;
-  std::vector<engine::EngineStats> per_iteration;  // engine counters at each iteration's end
+  chunks::EngineStats engine;
+  std::vector<chunks::EngineStats> per_iteration;  // engine counters at each iteration's end
 };
 
 // 10 groups of 16 KiB chunks (param, grad, m, v), a device for 10 chunks; with `nvme`, a host
@@ -1402,7 +1402,7 @@ PlanRun TrainPlanned(const std::string& plan, bool nvme, int iterations,
   return out;
 }
 
-Bytes DeviceIn(const engine::EngineStats& s) {
+Bytes DeviceIn(const chunks::EngineStats& s) {
   return s.bytes_moved[static_cast<int>(TierKind::kHost)][static_cast<int>(TierKind::kDevice)] +
          s.bytes_moved[static_cast<int>(TierKind::kNvme)][static_cast<int>(TierKind::kDevice)];
 }

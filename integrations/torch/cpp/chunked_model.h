@@ -82,7 +82,7 @@ struct ParamGroup {
 // timeline file (not from counters the engine keeps about itself).
 struct Stats {
   prof::Report timeline;
-  engine::EngineStats counters;  // the chunk engine's own counters
+  chunks::EngineStats counters;  // the chunk engine's own counters
   Bytes device_budget = 0;                 // 0 in host mode (no device tier)
   TierKind compute_tier = TierKind::kDevice;  // kHost in host mode (device_kind "host")
   Bytes peak(TierKind tier) const { return timeline.tiers[static_cast<int>(tier)].peak.bytes; }

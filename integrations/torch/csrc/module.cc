@@ -363,7 +363,7 @@ class PySession {
     return py::make_tuple(g.sq_norm, g.overflow);
   }
   py::dict Stats() {
-    const engine::EngineStats s = Check(s_->Stats());
+    const chunks::EngineStats s = Check(s_->Stats());
     py::dict d, tiers, moved;
     for (int k = 0; k < kNumTierKinds; ++k) {
       py::dict t;
