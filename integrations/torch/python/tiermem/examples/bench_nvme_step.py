@@ -99,7 +99,8 @@ def run(a, workdir):
             opt.step()
         return time.perf_counter() - t0
 
-    print(f"model: GPT {a.layers} x {a.width} ({n / 1e6:.1f} M params), device {a.device}, "
+    print(f"model: GPT {a.layers} x {a.width} ({n / 1e6:.1f} M params), "
+          f"{config.get('device', 'host mode, no')} device, "
           f"host {a.host}, NVMe in {workdir} ({rt.session.io_backend}); torch threads "
           f"{torch.get_num_threads()}", flush=True)
     steps(a.warmup)

@@ -123,7 +123,8 @@ def main(argv=None) -> int:
     if a.json:
         print(json.dumps(out, indent=1))
         return 0
-    print(f"GPT {out['model']} ({out['params_m']:.1f} M params), device {a.device}, host "
+    print(f"GPT {out['model']} ({out['params_m']:.1f} M params), "
+          f"{tier_config(a.device_kind, a.device, a.host).get('device', 'host mode, no')} device, host "
           f"{a.host}, NVMe {a.nvme}, plan {a.plan}, clipping {a.clip or 'off'}; {a.steps} steps "
           f"each, rotating, first {warm} not measured")
     for n in names:

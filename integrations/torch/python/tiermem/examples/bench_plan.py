@@ -105,7 +105,8 @@ def main(argv=None) -> int:
     if a.json:
         print(json.dumps(out, indent=1))
         return 0
-    print(f"GPT {out['model']} ({out['params_m']:.1f} M params), device {a.device}, host "
+    print(f"GPT {out['model']} ({out['params_m']:.1f} M params), "
+          f"{tier_config(a.device_kind, a.device, a.host).get('device', 'host mode, no')} device, host "
           f"{a.host}, NVMe {a.nvme}, activations {out['activations']}; {a.steps} steps each, "
           f"alternating, first {warm} not measured")
     for m in ("auto", "off"):
