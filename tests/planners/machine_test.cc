@@ -52,7 +52,12 @@ TEST(MachineModelTest, LinkSpecParsesPairsRatesAndLatencies) {
 
 TEST(MachineModelTest, ValidateNamesWhatIsMissing) {
   MachineModel m;
-  EXPECT_THAT(m.Validate(), StatusIs(StatusCode::kInvalidArgument, "--device"));
+  EXPECT_THAT(m.Validate(), StatusIs(StatusCode::kInvalidArgument, "--host"));
+  // No device budget is a host-mode machine: host and NVMe only, no device links needed.
+  m.budget = {0, 1, 0};
+  EXPECT_TRUE(m.Validate().ok());
+  m.budget = {0, 1, 10};
+  EXPECT_THAT(m.Validate(), StatusIs(StatusCode::kInvalidArgument, "h2n"));
   m.budget = {1, 1, 0};
   EXPECT_THAT(m.Validate(), StatusIs(StatusCode::kInvalidArgument, "h2d"));
   m = testing::TestMachine(1, 1, 0);
