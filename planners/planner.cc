@@ -147,6 +147,7 @@ class Search {
     est.steady_iteration_ns = c.stats.iteration_ns;
     est.steady_stall_ns = c.stats.stall_ns;
     est.steady_device_in_bytes = c.stats.DeviceInBytes();
+    est.steady_nvme_bytes = c.stats.NvmeBytes();
     return c;
   }
 
@@ -746,6 +747,7 @@ std::string EncodePlan(const Plan& p) {
   u64(e.steady_iteration_ns);
   u64(e.steady_stall_ns);
   u64(e.steady_device_in_bytes);
+  u64(e.steady_nvme_bytes);
   return out;
 }
 

@@ -98,6 +98,7 @@ struct PlanEstimate {
   std::array<Bytes, kNumTierKinds> peak{};
   uint64_t steady_iteration_ns = 0, steady_stall_ns = 0;
   Bytes steady_device_in_bytes = 0;
+  Bytes steady_nvme_bytes = 0;  // to and from NVMe, either way, in the steady iteration
 };
 
 struct Plan {

@@ -175,7 +175,7 @@ constexpr std::initializer_list<const char*> kDeviceKinds = {"auto", "cuda", "ho
                                                             "sim-async"};
 constexpr std::initializer_list<const char*> kEngines = {"auto", "io_uring", "posix"};
 constexpr std::initializer_list<const char*> kIsas = {"auto", "scalar", "avx2", "avx512"};
-constexpr std::initializer_list<const char*> kPlanModes = {"off", "auto"};
+constexpr std::initializer_list<const char*> kPlanModes = {"off", "auto", "always"};
 constexpr std::initializer_list<const char*> kPlacements = {"auto", "host"};
 constexpr std::initializer_list<const char*> kOverlaps = {"next-forward", "backward", "off"};
 constexpr std::initializer_list<const char*> kCheckpointIo = {"auto", "direct", "buffered"};

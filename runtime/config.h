@@ -37,8 +37,12 @@
 //   chunk_size                                     automatic   elements per chunk
 //   prefetch_depth                                 4           acquires of lookahead
 //   write_behind                                   true        background write-back (engine.h)
-//   plan            TIERMEM_PLAN                   off         off | auto: plan from a warm-up
+//   plan            TIERMEM_PLAN                   auto        auto: plan from a warm-up
 //                                                              iteration and execute the plan
+//                                                              unless it moves more bytes than
+//                                                              the reactive engine | always:
+//                                                              execute it whatever its bytes
+//                                                              | off
 //   activations     TIERMEM_ACTIVATIONS            outside     outside | budget | offload |
 //                                                              recompute | auto: the bindings
 //                                                              count saved activations in the
@@ -121,7 +125,7 @@ struct SessionConfig {
   std::optional<uint64_t> chunk_size;   // elements per chunk; nullopt = automatic
   int prefetch_depth = 4;
   bool write_behind = true;
-  std::string plan = "off";  // "off" | "auto" (session.h, "Plans")
+  std::string plan = "auto";  // "off" | "auto" | "always"  // "off" | "auto" (session.h, "Plans")
   // "outside": saved activations are torch's, outside the device budget; "budget": the
   // bindings count them in it (SetExternalDeviceBytes), and plans account for them;
   // "offload": counted too, and the binding offloads units' activations to host memory

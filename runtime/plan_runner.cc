@@ -141,14 +141,21 @@ bool PlanRunner::AtBoundary(bool diverged, TraceRecorder* trace, const PlanConte
                           "next iteration is recorded and planned again if it diverges too. "
                           "(Warned once.)";
   }
-  if (!error_.empty()) return false;
+  if (!error_.empty() || !declined_.empty()) return false;
   std::optional<planners::Trace> t = trace->TakeTrace();
   if (t && (!active() || diverged)) {
-    Status s = ExecuteFrom(*t, -1, ctx);
+    // The bar a plan must beat: what the engine moved over the iteration just recorded (the
+    // reactive policy's, or the diverged plan's then reactive, bytes).
+    std::optional<chunks::EngineStats> reactive;
+    if (measuring_) reactive = ctx.engine->Stats();
+    measuring_ = false;
+    Status s = ExecuteFrom(*t, -1, ctx, reactive ? &*reactive : nullptr);
     if (!s.ok()) {
       error_ = s.message();
       Stop();
-      TIERMEM_LOG(kWarn) << "plan: no plan (" << error_ << "); the engine stays reactive";
+      // Info, not a warning: plan: auto is the default, and the reactive engine it keeps is
+      // what `off` runs (stats()["plan"]["error"] says why).
+      TIERMEM_LOG(kInfo) << "plan: no plan (" << error_ << "); the engine stays reactive";
     }
     return false;
   }
@@ -156,12 +163,51 @@ bool PlanRunner::AtBoundary(bool diverged, TraceRecorder* trace, const PlanConte
   // Nothing moves when every chunk fits on the device: nothing to plan.
   // (Counted activations can still push chunks out.)
   if (ctx.activations == "outside" && ctx.device_holds_every_chunk) return false;
-  // The first iteration is cold (lazily zero chunks, first moves): record the second.
-  return diverged || (!active() && train_iterations_ == 2);
+  if (diverged && active() && stats_.plans >= kMaxPlans) {
+    // Iterations that keep leaving their plans (variable shapes, data-dependent branches)
+    // would be recorded and planned every other step: stop at the reactive engine.
+    Stop();
+    declined_ = "the iterations keep leaving their plans (" + std::to_string(stats_.plans) +
+                " plans made; the last one left: " + stats_.last_divergence + ")";
+    TIERMEM_LOG(kInfo) << "plan: " << declined_ << "; the engine stays reactive";
+    return false;
+  }
+  // The first iterations are cold: lazily zero chunks and first moves in the first; in the
+  // second the first optimizer update (run inside it when updates are deferred into the next
+  // forward) finds Adam's m and v lazily zero, so it reads none of them. Record the third, the
+  // first whose bytes are those of every later one: it is also the reactive bar (above).
+  const bool record = diverged || (!active() && train_iterations_ == kRecordedIteration);
+  if (record) {
+    measuring_ = true;
+    measure_start_ = ctx.engine->Stats();
+  }
+  return record;
+}
+
+Bytes PlanObjectiveBytes(const chunks::EngineStats& s, bool host_mode) {
+  constexpr int kD = static_cast<int>(TierKind::kDevice);
+  constexpr int kH = static_cast<int>(TierKind::kHost);
+  constexpr int kN = static_cast<int>(TierKind::kNvme);
+  if (host_mode) {
+    return s.bytes_moved[kH][kN] + s.bytes_moved[kN][kH] + s.bytes_moved[kD][kN] +
+           s.bytes_moved[kN][kD];
+  }
+  return s.bytes_moved[kH][kD] + s.bytes_moved[kN][kD];
+}
+
+std::string DeclinePlan(const planners::PlanEstimate& plan, const chunks::EngineStats& start,
+                        const chunks::EngineStats& end, bool host_mode) {
+  const Bytes engine_bytes =
+      PlanObjectiveBytes(end, host_mode) - PlanObjectiveBytes(start, host_mode);
+  const Bytes plan_bytes = host_mode ? plan.steady_nvme_bytes : plan.steady_device_in_bytes;
+  if (plan_bytes <= engine_bytes) return "";
+  return "the plan would move " + std::to_string(plan_bytes) + " bytes per iteration " +
+         (host_mode ? "to and from NVMe" : "into the device") + ", the reactive engine moved " +
+         std::to_string(engine_bytes) + " over the recorded one";
 }
 
 Status PlanRunner::ExecuteFrom(const planners::Trace& trace, int64_t iteration,
-                               const PlanContext& ctx) {
+                               const PlanContext& ctx, const chunks::EngineStats* reactive_end) {
   chunks::Engine* eng = ctx.engine;
   if (trace.chunks.size() != eng->num_chunks()) {
     return InvalidArgumentError("plan: the trace has " + std::to_string(trace.chunks.size()) +
@@ -230,6 +276,16 @@ Status PlanRunner::ExecuteFrom(const planners::Trace& trace, int64_t iteration,
   // copy engines run beside the kernels: least modelled time.
   o.objective = ctx.cuda ? planners::PlanObjective::kTime : planners::PlanObjective::kBytes;
   TIERMEM_ASSIGN_OR_RETURN(planners::Plan p, planners::MakePlan(t, m, o));
+  // The bar compares chunk bytes only: a plan that also places activations (offload, auto)
+  // trades chunk bytes for activation bytes the engine's counters do not see, so it runs.
+  if (reactive_end != nullptr && !ctx.cuda && ctx.bar && !o.activation_policy) {
+    declined_ = DeclinePlan(p.estimate, measure_start_, *reactive_end,
+                            m.Budget(TierKind::kDevice) == 0);
+    if (!declined_.empty()) {
+      TIERMEM_LOG(kInfo) << "plan: declined (" << declined_ << "); the engine stays reactive";
+      return OkStatus();
+    }
+  }
   estimate_ = p.estimate;
   actions_ = static_cast<uint32_t>(p.actions.size());
   TIERMEM_LOG(kInfo) << "plan: " << p.actions.size() << " actions over " << p.moments.size()

@@ -26,12 +26,20 @@
 //
 // Planning at the iteration boundary (config `plan: auto`; the session calls AtBoundary from
 // its BeginIteration, between EndIteration and BeginIteration here): the session records its
-// second training iteration in memory (the first is cold: lazily zero chunks, first moves) —
+// third training iteration in memory (kRecordedIteration: the first two are cold — lazily zero
+// chunks, first moves, a first optimizer update that reads no Adam state) —
 // or uses the user's own recording when one completes — and the runner makes a plan from it
 // (ExecuteFrom: planners::MakePlan with this run's homes, residency, budgets and measured rates)
-// and executes it from the next iteration on. An iteration that diverges from the plan runs
+// and executes it from the next iteration on — unless it loses bytes: the engine's bytes over
+// the recorded iteration, measured under its reactive policy, are the bar, and a plan whose
+// modelled steady iteration moves more (of the planner's objective: into the device, or to
+// and from NVMe in host mode) is declined (declined(); planning then stops and the engine
+// stays reactive; a tie runs, since its earlier prefetches can still shorten stalls). On CUDA, where the objective
+// is modelled time, the bar is not applied, nor under `plan: always`, nor when the plan places
+// activations (offload, auto: it trades chunk bytes for activation bytes the bar does not see). An iteration that diverges from the plan runs
 // reactive from there (warned once); the next one is recorded, and if it diverges too, the
-// plan is remade from it. Nothing is planned when every chunk fits on the device and
+// plan is remade from it — up to kMaxPlans plans: iterations that keep diverging (variable
+// shapes, data-dependent branches) then run reactive for good (declined()). Nothing is planned when every chunk fits on the device and
 // activations are outside its budget (nothing would move). A plan that cannot be made is
 // logged and planning stops for good (error()): the engine stays reactive. Plans move copies
 // only: every value is the same without them.
@@ -54,8 +62,21 @@ namespace tiermem::session {
 
 class TraceRecorder;
 
+// The bytes the planner's kBytes objective counts (planners/planner.cc) in the engine's
+// counters: into the device, or to and from NVMe on a machine without a device (host mode).
+Bytes PlanObjectiveBytes(const chunks::EngineStats& stats, bool host_mode);
+// plan: auto's bar (see the file comment): why a plan whose steady estimate is `plan` is
+// declined after the engine moved (end - start) over the recorded iteration, "" when it runs
+// (it moves no more than that).
+std::string DeclinePlan(const planners::PlanEstimate& plan, const chunks::EngineStats& start,
+                        const chunks::EngineStats& end, bool host_mode);
+
 class PlanRunner {
  public:
+  // Plans made (the first and re-plans after divergences) before plan: auto gives up.
+  static constexpr uint64_t kMaxPlans = 4;
+  // The training iteration (1-based) plan: auto records and plans; the plan runs from the next.
+  static constexpr uint64_t kRecordedIteration = 3;
   struct Stats {
     uint64_t plans = 0;                // plans started
     uint64_t planned_iterations = 0;   // iterations begun under a plan
@@ -96,12 +117,16 @@ class PlanRunner {
     chunks::Engine* engine = nullptr;  // homes, residency, budgets; must outlive the runner
     std::string_view activations;      // config `activations`
     bool cuda = false;                 // least modelled time on CUDA, fewest bytes elsewhere
+    bool bar = true;                   // plan: auto declines a plan that loses bytes ("always": no)
     bool device_holds_every_chunk = false;  // the device's budget >= every chunk's bytes
   };
   // Makes a plan from iteration `iteration` of `trace` (-1: its last) and executes it from
   // the next BeginIteration (Start). kInvalidArgument for a trace of another layout; the
-  // planner's errors otherwise (nothing changes then).
-  Status ExecuteFrom(const planners::Trace& trace, int64_t iteration, const PlanContext& ctx);
+  // planner's errors otherwise (nothing changes then). With `reactive_end` (the engine's
+  // stats at the end of the recorded iteration, which began at measure_start_) a plan that
+  // moves more bytes than the engine did is declined (see the file comment; OK).
+  Status ExecuteFrom(const planners::Trace& trace, int64_t iteration, const PlanContext& ctx,
+                     const chunks::EngineStats* reactive_end = nullptr);
   // plan: auto at an iteration boundary (`diverged`: the iteration that ended left its plan).
   // Plans from a recording `trace` completed (TraceRecorder::TakeTrace) when no plan executes
   // or the last one diverged. True when the session should record the iteration beginning
@@ -109,6 +134,9 @@ class PlanRunner {
   bool AtBoundary(bool diverged, TraceRecorder* trace, const PlanContext& ctx);
   // Why planning stopped ("" if it did not).
   const std::string& error() const { return error_; }
+  // Why plan: auto kept the reactive engine although it could plan ("" if it did not): the
+  // plan's modelled bytes against the engine's measured ones.
+  const std::string& declined() const { return declined_; }
   // The plan executing (or the last one): its estimate and its actions per iteration.
   const planners::PlanEstimate& estimate() const { return estimate_; }
   uint32_t actions() const { return actions_; }
@@ -134,6 +162,11 @@ class PlanRunner {
   // Planning.
   uint64_t train_iterations_ = 0;  // boundaries seen (AtBoundary calls)
   std::string error_;
+  std::string declined_;
+  // The engine's bytes moved when the in-memory recording began (AtBoundary returned true),
+  // so that the recorded iteration's reactive bytes are known when its trace comes back.
+  bool measuring_ = false;
+  chunks::EngineStats measure_start_;
   planners::PlanEstimate estimate_;
   uint32_t actions_ = 0;
   bool warned_divergence_ = false;

@@ -582,7 +582,7 @@ void Session::BeginIteration() {
       written_trace_ = trace_.path();
     }
   }
-  if (config_.plan == "auto" && runner_.AtBoundary(diverged, &trace_, RunnerContext()) &&
+  if (config_.plan != "off" && runner_.AtBoundary(diverged, &trace_, RunnerContext()) &&
       trace_.ArmInMemory(1).ok()) {
     // Recorded in memory for the runner's next boundary.
     if (trace_.needs_chunks()) DeclareTraceChunks();
@@ -599,6 +599,7 @@ PlanRunner::PlanContext Session::RunnerContext() const {
   ctx.engine = stack_->engine();
   ctx.activations = config_.activations;
   ctx.cuda = cuda();
+  ctx.bar = config_.plan == "auto";  // "always": the plan runs whatever its bytes
   // Host mode: the compute tier holds every chunk when none is homed on NVMe.
   ctx.device_holds_every_chunk =
       host_compute() ? stack_->nvme() == nullptr
@@ -618,6 +619,7 @@ Session::PlanStatus Session::plan_status() const {
   s.estimate = runner_.estimate();
   s.actions = runner_.actions();
   s.error = runner_.error();
+  s.declined = runner_.declined();
   return s;
 }
 

@@ -363,6 +363,7 @@ class Session {
     planners::PlanEstimate estimate;  // of the plan executing (or the last one)
     uint32_t actions = 0;             // of that plan, per iteration
     std::string error;                // why planning stopped, "" if it did not
+    std::string declined;             // why plan: auto kept the reactive engine, "" if not
   };
   PlanStatus plan_status() const;
   // Makes a plan from iteration `iteration` of `trace` (-1: its last) and executes it from the

@@ -55,7 +55,7 @@ def trains_exactly_within_the_budget(model, opt, ref, ref_losses, data, budget):
     return rt, rep["category_peak"]["device"]["activation"], peak
 
 
-@pytest.mark.parametrize("plan", ["off", "auto"])
+@pytest.mark.parametrize("plan", ["off", "always"])
 def test_activations_in_the_budget_train_exactly_and_the_budget_holds(plan):
     ref, ours = make_pair()
     data = batches(10)
@@ -65,7 +65,7 @@ def test_activations_in_the_budget_train_exactly_and_the_budget_holds(plan):
     model, opt = tiermem.initialize(ours, config(budget, plan=plan))
     rt, act, peak = trains_exactly_within_the_budget(model, opt, ref, ref_losses, data, budget)
     assert 300_000 < act < budget and act < peak
-    if plan == "auto":
+    if plan == "always":
         p = rt.stats()["plan"]
         assert p["active"] and p["divergences"] == 0 and p["prefetches"] > 0, p
     # Without counting them the same budget leaves the chunks more room: fewer evictions.
@@ -106,7 +106,7 @@ def host_activation_peak(rt):
     return rt.timeline_peaks()["category_peak"]["host"]["activation"]
 
 
-@pytest.mark.parametrize("plan", ["off", "auto"])
+@pytest.mark.parametrize("plan", ["off", "always"])
 def test_activations_larger_than_the_device_budget_are_offloaded_and_train_exactly(plan):
     ref, ours = make_pair()
     data = batches(8, batch=32)  # 3.5 MB of saved activations per step
@@ -120,7 +120,7 @@ def test_activations_larger_than_the_device_budget_are_offloaded_and_train_exact
     assert host_activation_peak(rt) > 1_000_000
     st = rt.stats()["activations"]
     assert st["offloaded_bytes"] == st["fetched_bytes"] > 8 * 1_000_000, st
-    if plan == "auto":
+    if plan == "always":
         p = rt.stats()["plan"]
         assert p["active"] and p["divergences"] == 0 and p["followed_iterations"] >= 4, p
     # Counted but not offloaded, the same budget cannot hold them.
@@ -141,7 +141,7 @@ def nvme_activation_peak(rt):
     return rt.timeline_peaks()["category_peak"]["nvme"].get("activation", 0)
 
 
-@pytest.mark.parametrize("plan", ["off", "auto"])
+@pytest.mark.parametrize("plan", ["off", "always"])
 def test_offload_spills_to_nvme_what_the_host_cannot_hold_and_trains_exactly(plan, tmp_path):
     # The host budget of the test above that 'offload' without NVMe refuses
     # (test_offload_to_a_full_host_budget_raises...): with an NVMe tier the activations the
@@ -339,7 +339,7 @@ def test_recomputed_activations_train_exactly_within_a_budget_below_them():
         train_steps(m2, o2, data[:1])
 
 
-@pytest.mark.parametrize("plan", ["off", "auto"])
+@pytest.mark.parametrize("plan", ["off", "always"])
 def test_auto_offloads_what_the_host_holds_and_recomputes_the_rest_exactly(plan):
     # activations: auto. 3.5 MB of activations per step, a 2.4 MB device budget and a host
     # budget of 2.5 MB (the chunk homes take 0.7 MB of it): 'offload' cannot run here (below);
@@ -376,7 +376,7 @@ def test_auto_with_room_on_the_host_is_offload():
     data = batches(8, batch=32)
     ref_losses = train_steps(ref, KernelAdamW(ref.parameters(), lr=1e-3, weight_decay=0.01),
                              data)
-    model, opt = tiermem.initialize(ours, config(2_400_000, plan="auto", activations="auto",
+    model, opt = tiermem.initialize(ours, config(2_400_000, plan="always", activations="auto",
                                                  host="256MiB"))
     rt, _, _ = trains_exactly_within_the_budget(model, opt, ref, ref_losses, data, 2_400_000)
     st = rt.stats()["activations"]

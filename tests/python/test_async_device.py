@@ -38,7 +38,7 @@ def assert_same(model, ref):
         assert torch.equal(sd[k], v), k
 
 
-@pytest.mark.parametrize("plan", ["off", "auto"])
+@pytest.mark.parametrize("plan", ["off", "always"])
 def test_quarter_budget_with_nvme_homes_equals_plain_torch(plan, tmp_path):
     ref, ours, data, ref_losses = reference(12)
     budget = model_bytes(ref) // 4
@@ -77,7 +77,7 @@ def test_activation_offload_and_recompute_equal_plain_torch(acts):
                              data)
     # auto: a host budget that holds only part of them (the rest is dropped and recomputed).
     host = 2_500_000 if acts == "auto" else "256MiB"
-    model, opt = tiermem.initialize(ours, cfg(2_400_000, activations=acts, plan="auto",
+    model, opt = tiermem.initialize(ours, cfg(2_400_000, activations=acts, plan="always",
                                               host=host))
     rt = tiermem.runtime_of(model)
     assert train_steps(model, opt, data) == ref_losses
@@ -96,7 +96,7 @@ def test_torch_transformer_encoder_equals_plain_torch():
     data = token_batches(8)
     ref_losses = train_steps(ref, KernelAdamW(ref.parameters(), lr=1e-3, weight_decay=0.01),
                              data)
-    model, opt = tiermem.initialize(ours, cfg(model_bytes(ref) // 3, plan="auto"))
+    model, opt = tiermem.initialize(ours, cfg(model_bytes(ref) // 3, plan="always"))
     assert train_steps(model, opt, data) == ref_losses
     assert_same(model, ref)
 
@@ -109,6 +109,6 @@ def test_hf_gpt2_equals_plain_torch():
     ours = copy.deepcopy(ref)
     data = hf.batches(6)
     ref_losses = hf.train(ref, KernelAdamW(ref.parameters(), lr=1e-3, weight_decay=0.01), data)
-    model, opt = tiermem.initialize(ours, cfg(hf.budget(ref), plan="auto"))
+    model, opt = tiermem.initialize(ours, cfg(hf.budget(ref), plan="always"))
     assert hf.train(model, opt, data) == ref_losses
     assert_same(model, ref)

@@ -23,7 +23,7 @@ from test_training import train_ours
 CONFIGS = {
     "default": {},
     "plan, offloaded activations, speculative steps": {
-        "device_kind": "sim", "device": "1MiB", "plan": "auto", "activations": "offload",
+        "device_kind": "sim", "device": "1MiB", "plan": "always", "activations": "offload",
         "optimizer_overlap": "backward"},
     "host short: state on NVMe": {"host": "nvme"},
 }

@@ -184,7 +184,7 @@ def test_bad_overlap_value_is_refused_naming_the_key():
 
 
 def test_an_executed_plan_follows_speculative_steps_from_the_first_planned_iteration():
-    # plan "auto" records the second iteration and executes the plan made from it. With
+    # plan "always" records the third iteration and executes the plan made from it. With
     # speculative steps (optimizer_overlap "backward") the first iteration has none (no
     # earlier backward says which grads complete when), every later one has them in its
     # backward: the plan must come from one of those, and every planned iteration must
@@ -193,7 +193,7 @@ def test_an_executed_plan_follows_speculative_steps_from_the_first_planned_itera
     shape = dict(n_layer=4, n_embd=64)
     _, probe = make_pair(**shape)
     total = model_bytes(probe)
-    cfg = {"device_kind": "sim", "device": f"{total // 3}B", "host": "256MiB", "plan": "auto",
+    cfg = {"device_kind": "sim", "device": f"{total // 3}B", "host": "256MiB", "plan": "always",
            "optimizer_overlap": "backward"}
     _, ours = make_pair(**shape)
     model, opt = tiermem.initialize(ours, cfg)

@@ -1407,7 +1407,7 @@ Bytes DeviceIn(const chunks::EngineStats& s) {
          s.bytes_moved[static_cast<int>(TierKind::kNvme)][static_cast<int>(TierKind::kDevice)];
 }
 
-TEST(SessionPlan, ExecutesAPlanFromTheThirdIterationWithTheSameValues) {
+TEST(SessionPlan, ExecutesAPlanFromTheFourthIterationWithTheSameValues) {
   for (bool nvme : {false, true}) {
     SCOPED_TRACE(nvme ? "m and v on NVMe" : "host homes");
     const PlanRun off = TrainPlanned("off", nvme, 8);
@@ -1419,13 +1419,13 @@ TEST(SessionPlan, ExecutesAPlanFromTheThirdIterationWithTheSameValues) {
     }
     EXPECT_EQ(off.plan.runner.plans, 0u);
     EXPECT_EQ(off.engine.plan_prefetches, 0u);
-    // Recorded iteration 2 (index 1), planned and executed from iteration 3 on: 6 iterations.
+    // Recorded iteration 3 (index 2), planned and executed from iteration 4 on: 5 iterations.
     EXPECT_TRUE(on.plan.active) << on.plan.error;
     EXPECT_EQ(on.plan.runner.plans, 1u);
     EXPECT_EQ(on.plan.runner.divergences, 0u) << on.plan.runner.last_divergence;
-    EXPECT_EQ(on.plan.runner.planned_iterations, 6u);
-    EXPECT_EQ(on.plan.runner.followed_iterations, 5u);  // the last one is still open
-    EXPECT_GT(on.engine.plan_prefetches, 6u * 5);
+    EXPECT_EQ(on.plan.runner.planned_iterations, 5u);
+    EXPECT_EQ(on.plan.runner.followed_iterations, 4u);  // the last one is still open
+    EXPECT_GT(on.engine.plan_prefetches, 5u * 5);
     // Every planned iteration prefetched, and the engine's own lookahead was off.
     for (int it = 3; it < 8; ++it) {
       EXPECT_GT(on.per_iteration[it].plan_prefetches, on.per_iteration[it - 1].plan_prefetches)
@@ -1454,7 +1454,7 @@ TEST(SessionPlan, AnIterationThatBranchesRunsReactiveWithTheSameValuesAndThePlan
   // The iteration after each branch was recorded, followed the plan, so the plan was kept.
   EXPECT_EQ(on.plan.runner.plans, 1u);
   EXPECT_TRUE(on.plan.active);
-  EXPECT_EQ(on.plan.runner.followed_iterations, 4u);  // 2, 4, 5, 6 (8 still open)
+  EXPECT_EQ(on.plan.runner.followed_iterations, 3u);  // 4, 5, 6 (8 still open)
 }
 
 TEST(SessionPlan, ChangedControlFlowIsPlannedAgain) {
@@ -1468,7 +1468,7 @@ TEST(SessionPlan, ChangedControlFlowIsPlannedAgain) {
   EXPECT_EQ(on.plan.runner.plans, 2u);
   EXPECT_EQ(on.plan.runner.divergences, 2u);  // iterations 4 and 5
   EXPECT_TRUE(on.plan.active);
-  EXPECT_EQ(on.plan.runner.followed_iterations, 2u + 3u);  // 2, 3 and 6, 7, 8
+  EXPECT_EQ(on.plan.runner.followed_iterations, 1u + 3u);  // 3 and 6, 7, 8
 }
 
 }  // namespace

@@ -154,22 +154,34 @@ TEST(SimDeviceOrdering, EachScenarioPassesWithItsWaits) {
   }
 }
 
+// A dropped wait loses its scenario's race when the late side really runs late: the margins
+// are tens of milliseconds, which a loaded 2-core machine (ctest -j beside other builds) can
+// eat. So each negative test gets a few tries and needs one lost race; with the waits in
+// place no try ever loses (EachScenarioPassesWithItsWaits, and the conformance suite).
+template <typename Scenario>
+Bytes StaleBytesInSomeTry(Tier& dev, SimComputeHarness& h, Scenario scenario) {
+  Bytes bad = 0;
+  for (int attempt = 0; attempt < 5 && bad == 0; ++attempt) {
+    auto r = scenario(dev, h, 1 << 20);
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    if (!r.ok()) return 0;
+    bad = *r;
+  }
+  return bad;
+}
+
 TEST(SimDeviceOrdering, WithoutTheCopyAfterComputeWaitTheCopyReadsStaleBytes) {
   TIERMEM_SKIP_RACY_UNDER_TSAN();
   auto dev = NewSimDevice(Dropping(kDropCopyAfterCompute));
   SimComputeHarness h;
-  auto bad = CopyOutAfterCompute(*dev, h, 1 << 20);
-  ASSERT_TRUE(bad.ok()) << bad.status().ToString();
-  EXPECT_GT(*bad, 0u);
+  EXPECT_GT(StaleBytesInSomeTry(*dev, h, &CopyOutAfterCompute), 0u);
 }
 
 TEST(SimDeviceOrdering, WithoutTheComputeAfterCopyWaitComputeReadsOldBytes) {
   TIERMEM_SKIP_RACY_UNDER_TSAN();
   auto dev = NewSimDevice(Dropping(kDropComputeAfterCopy));
   SimComputeHarness h;
-  auto bad = ComputeAfterCopyIn(*dev, h, 1 << 20);
-  ASSERT_TRUE(bad.ok()) << bad.status().ToString();
-  EXPECT_GT(*bad, 0u);
+  EXPECT_GT(StaleBytesInSomeTry(*dev, h, &ComputeAfterCopyIn), 0u);
 }
 
 TEST(SimDeviceOrdering, WithoutFencesAReusedBlockIsOverwrittenUnderQueuedCompute) {
@@ -179,9 +191,7 @@ TEST(SimDeviceOrdering, WithoutFencesAReusedBlockIsOverwrittenUnderQueuedCompute
   c.async = false;  // the copy into the reused block runs at once
   auto dev = NewSimDevice(c);
   SimComputeHarness h;
-  auto bad = ReuseAfterFreeWaitsForCompute(*dev, h, 1 << 20);
-  ASSERT_TRUE(bad.ok()) << bad.status().ToString();
-  EXPECT_GT(*bad, 0u);
+  EXPECT_GT(StaleBytesInSomeTry(*dev, h, &ReuseAfterFreeWaitsForCompute), 0u);
 }
 
 TEST(SimDeviceOrdering, BogusStreamHandleIsInvalidArgument) {

@@ -411,10 +411,12 @@ class PySession {
     plan["divergences"] = ps.runner.divergences;
     plan["last_divergence"] = ps.runner.last_divergence;
     plan["error"] = ps.error;
+    plan["declined"] = ps.declined;
     plan["actions"] = ps.actions;
     plan["predicted_iteration_ns"] = ps.estimate.steady_iteration_ns;
     plan["predicted_stall_ns"] = ps.estimate.steady_stall_ns;
     plan["predicted_device_in_bytes"] = ps.estimate.steady_device_in_bytes;
+    plan["predicted_nvme_bytes"] = ps.estimate.steady_nvme_bytes;
     plan["prefetches"] = s.plan_prefetches;
     plan["evictions"] = s.plan_evictions;
     plan["skipped"] = s.plan_skipped;

@@ -525,8 +525,8 @@ TEST(ChunkedModel, LoadsItsVersion2Checkpoint) {
   EXPECT_EQ((*cm)->session().step_count(0), 4);
 }
 
-// plan: auto through the LibTorch binding: the same session core records step 2, plans it and
-// executes the plan from step 3; the values are those of the reactive engine, bit for bit.
+// plan: auto through the LibTorch binding: the same session core records step 3, plans it and
+// executes the plan from step 4; the values are those of the reactive engine, bit for bit.
 TEST(ChunkedModel, APlanIsExecutedWithTheSameLosses) {
   const GPTConfig c = SmallConfig();
   const auto batches = SyntheticBatches(c, 4, 8);
@@ -544,7 +544,7 @@ TEST(ChunkedModel, APlanIsExecutedWithTheSameLosses) {
     } else {
       EXPECT_TRUE(ps.active) << ps.error;
       EXPECT_EQ(ps.runner.divergences, 0u) << ps.runner.last_divergence;
-      EXPECT_EQ(ps.runner.followed_iterations, batches.size() - 3);
+      EXPECT_EQ(ps.runner.followed_iterations, batches.size() - 4);
       EXPECT_GT((*cm)->session().Stats()->plan_prefetches, 0u);
     }
   }

@@ -158,17 +158,23 @@ class Activations:
                 if self.offload and self.offload_oldest():
                     continue
                 self.abandon()
+                # Host mode: the compute tier is the host; there is no device to offload from.
+                host_mode = self.session.host_compute
+                tier = "host" if host_mode else "device"
                 how = ("the activations of the units running now and those outside every unit "
                        "stay there (activations: 'offload')" if self.offload else
                        "activations: 'recompute' keeps the units' inputs, the activations "
                        "outside every unit and, in the backward, one unit's recomputed ones"
                        if self._recompute_all else
+                       "activations: 'budget' counts them in it, next to the chunks' homes; "
+                       "'recompute' keeps only the units' inputs, 'outside' leaves them "
+                       "uncounted" if host_mode else
                        "activations: 'budget' counts them in it; 'offload' moves them to the "
                        "host")
                 raise MemoryError(
                     f"tiermem: the activations saved for backward ({device} bytes on the "
-                    f"device) do not fit the device budget next to the chunks in use ({how}): "
-                    f"{e}. Use a larger device budget or a smaller batch; the model is "
+                    f"{tier}) do not fit the {tier} budget next to the chunks in use ({how}): "
+                    f"{e}. Use a larger {tier} budget or a smaller batch; the model is "
                     f"unchanged.") from None
         self.given = device
 

@@ -11,7 +11,7 @@ clipping on for all of them (plain torch too, with clip_grad_norm_), so speculat
 are kept or redone as the norm falls.
 
     python -m tiermem.examples.bench_overlap [--layers 12] [--width 768] [--steps 10]
-        [--device 128MiB] [--host 512MiB] [--nvme 4GiB | --nvme 0] [--plan off|auto] [--dir DIR]
+        [--device 128MiB] [--host 512MiB] [--nvme 4GiB | --nvme 0] [--plan off|auto|always] [--dir DIR]
         [--clip 0] [--modes backward,next-forward,off] [--json]
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="128MiB", help="device budget (not in host mode)")
     ap.add_argument("--host", default="512MiB")
     ap.add_argument("--nvme", default="4GiB", help="0: no NVMe tier")
-    ap.add_argument("--plan", choices=["off", "auto"], default="off",
+    ap.add_argument("--plan", choices=["off", "auto", "always"], default="off",
                     help="both tiermem systems: the engine's reactive policy or an executed plan")
     ap.add_argument("--dir", default=None, help="NVMe directory (default: a temporary one)")
     ap.add_argument("--clip", type=float, default=0.0, help="gradient_clipping (0: off)")

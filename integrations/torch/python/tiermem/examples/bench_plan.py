@@ -1,11 +1,14 @@
-"""Executed plan vs the reactive engine (CPU, SimDevice): the main job's GPT trained twice in
-one process, `plan: auto` and `plan: off`, same model, same data, the two stepped alternately
+"""Executed plan vs the reactive engine on the CPU (host mode by default; SimDevice with
+--device-kind sim): the main job's GPT trained twice in one process, `plan: always` (the plan
+runs even where `plan: auto` would decline it; --plan auto applies that bar) and `plan: off`, same model, same data, the two stepped alternately
 (these machines are noisy: each step's pair is measured in the same seconds), then per-step
 ratios and their median. Also per planned step: bytes into the device measured by the engine
-vs the plan's prediction (PlanEstimate::steady_device_in_bytes).
+vs the plan's prediction (PlanEstimate::steady_device_in_bytes; in host mode the NVMe bytes
+read and written vs steady_nvme_bytes).
 
     python -m tiermem.examples.bench_plan [--layers 12] [--width 768] [--steps 9]
-        [--device 128MiB] [--host 512MiB] [--nvme 4GiB] [--dir DIR] [--activations] [--json]
+        [--device-kind auto|host|sim] [--device 128MiB] [--host 512MiB] [--nvme 4GiB]
+        [--plan always|auto] [--dir DIR] [--activations] [--json]
 
 `--activations` counts the saved activations in the device budget (activations: budget; the
 device budget should then be raised by the activation peak, e.g. --device 600MiB).
@@ -26,8 +29,12 @@ from tiermem.examples.gpt import tier_config
 from tiermem.examples import bench_gpt, timed_step
 
 
-def device_in(stats) -> int:
+def objective_bytes(stats, host_mode: bool) -> int:
+    """The bytes the planner minimizes on the CPU: into the device, or in host mode (no
+    device) to and from NVMe."""
     m = stats["bytes_moved"]
+    if host_mode:
+        return sum(v for k, v in m.items() if "nvme" in k)
     return m.get("host->device", 0) + m.get("nvme->device", 0)
 
 
@@ -47,15 +54,21 @@ def main(argv=None) -> int:
     ap.add_argument("--nvme", default="4GiB")
     ap.add_argument("--dir", default=None, help="NVMe directory (default: a temporary one)")
     ap.add_argument("--activations", action="store_true")
+    ap.add_argument("--plan", choices=["always", "auto"], default="always",
+                    help="the planned system: always (the plan runs even where auto's bar "
+                         "would decline it) or auto (the default's bar applies)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     if a.steps < 5:
         ap.error("--steps must be >= 5 (2 warm-up, 1 recorded, then planned steps)")
     base, data = bench_gpt(a.layers, a.width, a.batch, a.steps)
+    P = a.plan
+    host_mode = "device" not in tier_config(a.device_kind, a.device, a.host)
+    what = "NVMe bytes" if host_mode else "device-in"
     root = a.dir or tempfile.mkdtemp(prefix="tiermem-bench-plan-")
     systems = {}
     try:
-        for mode in ("auto", "off"):
+        for mode in (P, "off"):
             cfg = {**tier_config(a.device_kind, a.device, a.host),
                    "nvme": {"path": f"{root}/{mode}", "size": a.nvme},
                    "plan": mode, "activations": "budget" if a.activations else "outside",
@@ -65,35 +78,35 @@ def main(argv=None) -> int:
             systems[mode] = dict(model=model, opt=opt, rt=tiermem.runtime_of(model),
                                  times=[], losses=[], dev_in=[])
         for i, (x, y) in enumerate(data):
-            order = ("auto", "off") if i % 2 == 0 else ("off", "auto")
+            order = (P, "off") if i % 2 == 0 else ("off", P)
             for mode in order:
                 s = systems[mode]
-                before = device_in(s["rt"].stats())
+                before = objective_bytes(s["rt"].stats(), host_mode)
                 loss, dt = timed_step(s["model"], s["opt"], x, y)
                 s["losses"].append(loss)
                 s["times"].append(dt)
-                s["dev_in"].append(device_in(s["rt"].stats()) - before)
-        if systems["auto"]["losses"] != systems["off"]["losses"]:
-            print("ERROR: the losses differ between plan auto and off")
+                s["dev_in"].append(objective_bytes(s["rt"].stats(), host_mode) - before)
+        if systems[P]["losses"] != systems["off"]["losses"]:
+            print(f"ERROR: the losses differ between plan {P} and off")
             return 1
         warm = 3
-        ratios = [p / r for p, r in zip(systems["auto"]["times"][warm:],
+        ratios = [p / r for p, r in zip(systems[P]["times"][warm:],
                                         systems["off"]["times"][warm:])]
-        plan = systems["auto"]["rt"].stats()["plan"]
-        predicted = plan["predicted_device_in_bytes"]
-        measured = systems["auto"]["dev_in"][warm:]
+        plan = systems[P]["rt"].stats()["plan"]
+        predicted = plan["predicted_nvme_bytes" if host_mode else "predicted_device_in_bytes"]
+        measured = systems[P]["dev_in"][warm:]
         out = {
             "model": f"{a.layers} x {a.width}",
             "params_m": sum(p.numel() for p in base.parameters()) / 1e6,
             "budgets": {"device": a.device, "host": a.host, "nvme": a.nvme},
             "activations": "budget" if a.activations else "outside",
             "s_per_step": {m: statistics.median(s["times"][warm:]) for m, s in systems.items()},
-            "ratio_auto_over_off_median": statistics.median(ratios),
+            "ratio_plan_over_off_median": statistics.median(ratios),
             "ratios": ratios,
             "plan": plan,
-            "device_in_measured_per_step": measured,
-            "device_in_predicted": predicted,
-            "device_in_off_per_step": systems["off"]["dev_in"][warm:],
+            "bytes_measured_per_step": measured,
+            "bytes_predicted": predicted,
+            "bytes_off_per_step": systems["off"]["dev_in"][warm:],
             "prediction_error_median": statistics.median(
                 [abs(m - predicted) / predicted for m in measured]) if predicted else None,
         }
@@ -109,15 +122,15 @@ def main(argv=None) -> int:
           f"{tier_config(a.device_kind, a.device, a.host).get('device', 'host mode, no')} device, host "
           f"{a.host}, NVMe {a.nvme}, activations {out['activations']}; {a.steps} steps each, "
           f"alternating, first {warm} not measured")
-    for m in ("auto", "off"):
-        print(f"  plan {m:4}: {out['s_per_step'][m]:.3f} s/step (median)")
-    print(f"  auto/off per step: {', '.join(f'{r:.3f}' for r in ratios)}; median "
-          f"{out['ratio_auto_over_off_median']:.3f}")
+    for m in (P, "off"):
+        print(f"  plan {m:6}: {out['s_per_step'][m]:.3f} s/step (median)")
+    print(f"  {P}/off per step: {', '.join(f'{r:.3f}' for r in ratios)}; median "
+          f"{out['ratio_plan_over_off_median']:.3f}")
     mib = 2 ** 20
-    print(f"  device-in per planned step: measured "
+    print(f"  {what} per planned step: measured "
           f"{', '.join(f'{m / mib:.1f}' for m in measured)} MiB, predicted {predicted / mib:.1f}"
           f" MiB (median error {100 * (out['prediction_error_median'] or 0):.2f}%); plan off: "
-          f"{', '.join(f'{m / mib:.1f}' for m in out['device_in_off_per_step'])} MiB")
+          f"{', '.join(f'{m / mib:.1f}' for m in out['bytes_off_per_step'])} MiB")
     print(f"  plan: {plan['followed_iterations']} of {plan['planned_iterations']} planned steps "
           f"followed, {plan['divergences']} diverged, {plan['prefetches']} prefetches, "
           f"{plan['deferred']} deferred, {plan['skipped']} skipped")

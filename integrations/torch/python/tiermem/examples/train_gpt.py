@@ -23,8 +23,9 @@ by cause), writes the HTML timeline next to the .tmt, and says how to reopen bot
 and third iterations are recorded as a warm-up trace next to the timeline (.tmtrace: the
 first is cold, and the optimizer updates of each step run in the next one's forward), and the
 planner's simulated schedules over it are printed (tiermem plan compare). The run itself
-executes a plan made from its warm-up (--plan auto, the default; --plan off keeps the engine's
-reactive policy); the `plan:` line says what the plan did. --activations budget|offload
+executes a plan made from its warm-up (--plan auto, the default, unless the plan would move
+more bytes than the reactive engine did over the recorded step; --plan always runs it anyway;
+--plan off keeps the engine's reactive policy); the `plan:` line says what the plan did. --activations budget|offload
 counts the saved activations in the device budget (offload: moves them to host memory when
 the device is short; an `activations:` line says how much moved).
 """
@@ -108,6 +109,8 @@ def plan_line(mode, p) -> str:
         return "plan: off (the engine's reactive policy: farthest next use, lookahead prefetch)"
     if p["error"]:
         return f"plan: none ({p['error']}); the engine stayed reactive"
+    if p["declined"] and not p["active"]:
+        return f"plan: declined ({p['declined']}); the engine stayed reactive"
     if not p["plans"]:
         return "plan: none made (nothing moves, or too few steps to record one)"
     return (f"plan: made from a recorded warm-up iteration ({p['plans']} plan(s), "
@@ -115,8 +118,8 @@ def plan_line(mode, p) -> str:
             f"iterations, {p['followed_iterations']} followed to the end, "
             f"{p['divergences']} diverged; {p['prefetches']} planned prefetches, "
             f"{p['evictions']} planned evictions ({p['deferred']} deferred for room); "
-            f"predicted {p['predicted_device_in_bytes'] / 2**20:.1f} MiB into the device per "
-            f"iteration")
+            f"predicted per iteration: {p['predicted_device_in_bytes'] / 2**20:.1f} MiB into "
+            f"the device, {p['predicted_nvme_bytes'] / 2**20:.1f} MiB to and from NVMe")
 
 
 def main(argv=None):
@@ -145,9 +148,10 @@ def main(argv=None):
                     help="AdamW learning rate (default: the size's: 1e-3, xl 1e-5)")
     ap.add_argument("--timeline", default="build/tiermem-timeline.tmt")
     ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--plan", choices=["auto", "off"], default="auto",
-                    help="execute a plan made from a warm-up iteration (auto, the default) "
-                         "or keep the engine's reactive policy (off)")
+    ap.add_argument("--plan", choices=["auto", "always", "off"], default="auto",
+                    help="execute a plan made from a warm-up iteration unless it would move "
+                         "more bytes than the reactive engine (auto, the default), execute it "
+                         "anyway (always), or keep the engine's reactive policy (off)")
     ap.add_argument("--activations",
                     choices=["outside", "budget", "offload", "recompute", "auto"],
                     default="outside",
