@@ -105,7 +105,7 @@ struct V256 {
   }
   static F Abs(F x) { return _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); }
   static F Or(F a, F b) { return _mm256_or_ps(a, b); }
-  static F Unordered(F x) { return _mm256_cmp_ps(x, x, _CMP_UNORD_Q); }
+  static F Unordered2(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_UNORD_Q); }
   static bool AnyBits(F x) { return _mm256_movemask_ps(x) != 0; }
   static float HMax(F x) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));

@@ -99,8 +99,8 @@ struct V512 {
   }
   static F Abs(F x) { return _mm512_abs_ps(x); }
   static F Or(F a, F b) { return _mm512_or_ps(a, b); }
-  static F Unordered(F x) {
-    return _mm512_castsi512_ps(_mm512_movm_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q)));
+  static F Unordered2(F a, F b) {
+    return _mm512_castsi512_ps(_mm512_movm_epi32(_mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q)));
   }
   static bool AnyBits(F x) { return _mm512_movepi32_mask(_mm512_castps_si512(x)) != 0; }
   static float HMax(F x) { return _mm512_reduce_max_ps(x); }

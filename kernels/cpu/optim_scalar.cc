@@ -20,8 +20,9 @@
 //   bf16:  m = float(m_bf16), v = float(v_bf16)
 // and written back as
 //   int8:  per block, after every element of it is updated: absmax = max |m| over the block
-//          (NaN if any m is NaN), inv = absmax > 0 ? 1 / absmax : 0 (IEEE division), and
-//          q = QuantizeScalar(m * inv) (quant_tables.h); v alike with the unsigned map
+//          (both absmax NaN if any new m or v of the block is NaN), inv = absmax > 0 ?
+//          1 / absmax : 0 (IEEE division), and q = QuantizeScalar(m * inv) (quant_tables.h);
+//          v alike with the unsigned map
 //   bf16:  round to nearest even (c10::BFloat16), or stochastically: NaN -> 0x7FC0, else the
 //          top 16 bits of bits(m) + r, with r the low 16 (v: high 16) of NoiseBits(key, i),
 //          i the element's index in the call's span.
@@ -150,23 +151,24 @@ void AdamBf16State(const AdamConsts& c, const AdamSpans& s, size_t begin, size_t
   }
 }
 
-// absmax of a block as the format defines it: NaN if any value is, else the largest |x|.
-float BlockAbsmax(const float* x, size_t n) {
+// The largest |x| of a block (exact, whatever the order).
+float BlockMax(const float* x, size_t n) {
   float mx = 0.0f;
-  bool nan = false;
-  for (size_t i = 0; i < n; ++i) {
-    nan = nan || std::isnan(x[i]);
-    mx = std::max(mx, std::fabs(x[i]));
-  }
-  return nan ? std::numeric_limits<float>::quiet_NaN() : mx;
+  for (size_t i = 0; i < n; ++i) mx = std::max(mx, std::fabs(x[i]));
+  return mx;
 }
 
-inline float InverseAbsmax(float absmax) { return absmax > 0.0f ? 1.0f / absmax : 0.0f; }
+bool AnyNan(const float* x, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    if (std::isnan(x[i])) return true;
+  }
+  return false;
+}
 
-void QuantizeBlock(const QuantTables& t, bool is_signed, const float* x, size_t n, uint8_t* q,
-                   float* absmax) {
-  *absmax = BlockAbsmax(x, n);
-  const float inv = InverseAbsmax(*absmax);
+// The codes of a block whose absmax is `absmax`.
+void QuantizeBlock(const QuantTables& t, bool is_signed, const float* x, size_t n, float absmax,
+                   uint8_t* q) {
+  const float inv = absmax > 0.0f ? 1.0f / absmax : 0.0f;
   for (size_t i = 0; i < n; ++i) q[i] = QuantizeScalar(t, x[i] * inv, is_signed);
 }
 
@@ -189,8 +191,13 @@ void AdamInt8State(const AdamConsts& c, const AdamSpans& s, size_t begin, size_t
       s.param[i] = p;
       if (s.param_out != nullptr) StoreAs(s.param_out, s.out_dtype, i, p);
     }
-    QuantizeBlock(t, true, mb, n, mq + b0, &s.exp_avg_q.absmax[blk]);
-    QuantizeBlock(t, false, vb, n, vq + b0, &s.exp_avg_sq_q.absmax[blk]);
+    // A NaN among the block's new m or v makes both absmax NaN: the block stays visibly bad.
+    const bool nan = AnyNan(mb, n) || AnyNan(vb, n);
+    const float q_nan = std::numeric_limits<float>::quiet_NaN();
+    s.exp_avg_q.absmax[blk] = nan ? q_nan : BlockMax(mb, n);
+    s.exp_avg_sq_q.absmax[blk] = nan ? q_nan : BlockMax(vb, n);
+    QuantizeBlock(t, true, mb, n, s.exp_avg_q.absmax[blk], mq + b0);
+    QuantizeBlock(t, false, vb, n, s.exp_avg_sq_q.absmax[blk], vq + b0);
   }
 }
 
@@ -293,8 +300,11 @@ void QuantizeStateRange(const StateFormat& f, bool is_signed, const float* src, 
     case StateDType::kInt8: {
       const QuantTables& t = GetQuantTables();
       for (size_t b0 = begin; b0 < end; b0 += f.block) {
-        QuantizeBlock(t, is_signed, src + b0, std::min<size_t>(f.block, end - b0),
-                      static_cast<uint8_t*>(out.data) + b0, out.absmax + b0 / f.block);
+        const size_t n = std::min<size_t>(f.block, end - b0);
+        float& absmax = out.absmax[b0 / f.block];
+        absmax = AnyNan(src + b0, n) ? std::numeric_limits<float>::quiet_NaN()
+                                     : BlockMax(src + b0, n);
+        QuantizeBlock(t, is_signed, src + b0, n, absmax, static_cast<uint8_t*>(out.data) + b0);
       }
       return;
     }

@@ -195,9 +195,14 @@ struct AdamInt8Kernel {
   using I = typename V::I;
   static constexpr size_t W = V::kWidth;
 
+  // Running max |m|, max v and NaN lanes (of m or v) over a block's new values.
+  struct Max {
+    F m, v, nan;
+  };
+
   static inline void Body(const AdamVecs<V>& c, const QuantTables& t, F am, F av,
                           const float* p_in, float* param, const uint8_t* mq, const uint8_t* vq,
-                          const void* grad, void* out, float* mb, float* vb, size_t i) {
+                          const void* grad, void* out, float* mb, float* vb, size_t i, Max& mx) {
     F p = V::Load(p_in + i);
     F m = V::Mul(V::GatherF(t.code[1], V::LoadU8(mq + i)), am);
     F v = V::Mul(V::GatherF(t.code[0], V::LoadU8(vq + i)), av);
@@ -206,30 +211,14 @@ struct AdamInt8Kernel {
     StoreOut<V, O>(out, i, p);
     V::Store(mb, m);
     V::Store(vb, v);
-  }
-
-  // Max of |x| over the block's new values and whether any is NaN (exact: order-free).
-  static float Absmax(const float* x, size_t n) {
-    F mx = V::Set1(0.0f), nan = V::Set1(0.0f);
-    size_t j = 0;
-    for (; j + W <= n; j += W) {
-      const F a = V::Abs(V::Load(x + j));
-      nan = V::Or(nan, V::Unordered(a));
-      mx = V::Max(mx, a);
-    }
-    float m = V::HMax(mx);
-    bool any_nan = V::AnyBits(nan);
-    for (; j < n; ++j) {
-      any_nan = any_nan || std::isnan(x[j]);
-      m = std::max(m, std::fabs(x[j]));
-    }
-    return any_nan ? std::numeric_limits<float>::quiet_NaN() : m;
+    mx.m = V::Max(mx.m, V::Abs(m));
+    mx.v = V::Max(mx.v, V::Abs(v));
+    mx.nan = V::Or(mx.nan, V::Unordered2(m, v));
   }
 
   static void Quantize(const QuantTables& t, bool is_signed, const float* x, size_t n,
-                       uint8_t* q, float* absmax) {
-    *absmax = Absmax(x, n);
-    const float inv = *absmax > 0.0f ? 1.0f / *absmax : 0.0f;
+                       float absmax, uint8_t* q) {
+    const float inv = absmax > 0.0f ? 1.0f / absmax : 0.0f;
     const F vinv = V::Set1(inv);
     size_t j = 0;
     for (; j + W <= n; j += W) {
@@ -249,10 +238,14 @@ struct AdamInt8Kernel {
     for (size_t b0 = begin; b0 < end; b0 += block) {
       const size_t n = std::min(block, end - b0), blk = b0 / block;
       const F am = V::Set1(s.exp_avg_q.absmax[blk]), av = V::Set1(s.exp_avg_sq_q.absmax[blk]);
+      Max mx{V::Set1(0.0f), V::Set1(0.0f), V::Set1(0.0f)};
       size_t j = 0;
       for (; j + W <= n; j += W) {
-        Body(c, t, am, av, p_in, s.param, mq, vq, s.grad, s.param_out, mb + j, vb + j, b0 + j);
+        Body(c, t, am, av, p_in, s.param, mq, vq, s.grad, s.param_out, mb + j, vb + j, b0 + j,
+             mx);
       }
+      float max_m = V::HMax(mx.m), max_v = V::HMax(mx.v);
+      bool nan = V::AnyBits(mx.nan);
       if (j < n) {
         const size_t rem = n - j, i = b0 + j, gsize = DTypeSize(G);
         alignas(64) float p[W] = {}, o[W] = {};
@@ -263,7 +256,8 @@ struct AdamInt8Kernel {
         std::memcpy(qv, vq + i, rem);
         std::memcpy(g, static_cast<const unsigned char*>(s.grad) + i * gsize, rem * gsize);
         alignas(64) float tm[W], tv[W];
-        Body(c, t, am, av, p, p, qm, qv, g, o, tm, tv, 0);
+        Max unused{V::Set1(0.0f), V::Set1(0.0f), V::Set1(0.0f)};
+        Body(c, t, am, av, p, p, qm, qv, g, o, tm, tv, 0, unused);
         std::memcpy(mb + j, tm, rem * 4);
         std::memcpy(vb + j, tv, rem * 4);
         std::memcpy(s.param + i, p, rem * 4);
@@ -271,9 +265,17 @@ struct AdamInt8Kernel {
           const size_t osize = OutSize(O);
           std::memcpy(static_cast<unsigned char*>(s.param_out) + i * osize, o, rem * osize);
         }
+        for (size_t r = 0; r < rem; ++r) {  // the real lanes only (order-free: exact)
+          nan = nan || std::isnan(tm[r]) || std::isnan(tv[r]);
+          max_m = std::max(max_m, std::fabs(tm[r]));
+          max_v = std::max(max_v, std::fabs(tv[r]));
+        }
       }
-      Quantize(t, true, mb, n, mq + b0, &s.exp_avg_q.absmax[blk]);
-      Quantize(t, false, vb, n, vq + b0, &s.exp_avg_sq_q.absmax[blk]);
+      const float q_nan = std::numeric_limits<float>::quiet_NaN();
+      s.exp_avg_q.absmax[blk] = nan ? q_nan : max_m;
+      s.exp_avg_sq_q.absmax[blk] = nan ? q_nan : max_v;
+      Quantize(t, true, mb, n, s.exp_avg_q.absmax[blk], mq + b0);
+      Quantize(t, false, vb, n, s.exp_avg_sq_q.absmax[blk], vq + b0);
     }
   }
 };

@@ -246,6 +246,13 @@ struct Case {
     va.resize(ma.size());
     QuantizeState(format, true, m.data(), {mq.data(), ma.data()}, n, 11);
     QuantizeState(format, false, v.data(), {vq.data(), va.data()}, n, 12);
+    if (format.dtype == StateDType::kInt8) {
+      // Every code of both maps is dequantized (the first 256 elements hold codes 0..255).
+      for (size_t i = 0; i < std::min<size_t>(n, 256); ++i) {
+        mq[i] = static_cast<uint8_t>(i);
+        vq[i] = static_cast<uint8_t>(255 - i);
+      }
+    }
   }
   AdamSpans Spans() {
     AdamSpans s;
