@@ -107,7 +107,9 @@ struct StateFormat {
   uint32_t block = 256;     // kInt8: elements per absmax (a power of two in [64, 4096])
   bool stochastic = false;  // kBF16: stochastic rounding instead of round-to-nearest-even
   bool compressed() const { return dtype != StateDType::kF32; }
-  friend bool operator==(const StateFormat&, const StateFormat&) = default;
+  bool operator==(const StateFormat& o) const {
+    return dtype == o.dtype && block == o.block && stochastic == o.stochastic;
+  }
 };
 // kInvalidArgument for a block outside [64, 4096] or not a power of two.
 Status ValidateStateFormat(const StateFormat& format);
