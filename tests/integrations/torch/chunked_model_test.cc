@@ -478,6 +478,49 @@ TEST(ChunkedModel, SaveAndLoadResumeBitForBitAndATornFileChangesNothing) {
   unlink((dir + "/torn").c_str());
 }
 
+// optimizer.state_dtype int8 through the LibTorch API: losses track torch's fp32 AdamW (8-bit
+// state is an approximation), the state reads back dequantized in fp32, and a checkpoint of
+// int8 state resumes bit for bit.
+TEST(ChunkedModel, Int8OptimizerStateTracksAdamWAndResumesBitForBit) {
+  const std::string dir = ::testing::TempDir();
+  const GPTConfig c = SmallConfig();
+  const auto batches = SyntheticBatches(c, 4, 8);
+  GPT ref = MakeModel(c);
+  ::torch::optim::AdamW opt(UniqueParams(ref), ::torch::optim::AdamWOptions(1e-3));
+  std::vector<double> ref_losses;
+  for (const auto& [x, y] : batches) {
+    opt.zero_grad();
+    auto rl = LmLoss(ref->forward(x), y);
+    rl.backward();
+    opt.step();
+    ref_losses.push_back(rl.item<double>());
+  }
+  const nlohmann::json cfg = {{"device_kind", "sim"}, {"device", "1MiB"}, {"host", "64MiB"},
+                              {"optimizer", {{"weight_decay", 0.01}, {"state_dtype", "int8"}}}};
+  GPT a = MakeModel(c);
+  auto ca = tiermem::torch::ChunkedModel::Create(*a, cfg);
+  ASSERT_TRUE(ca.ok()) << ca.status().ToString();
+  EXPECT_EQ((*ca)->config().optimizer_state.format.dtype, tiermem::kernels::StateDType::kInt8);
+  const auto losses = TrainSteps(a, **ca, batches, 0, 4);
+  for (size_t i = 0; i < losses.size(); ++i) {
+    EXPECT_NEAR(losses[i], ref_losses[i], 1e-2 * ref_losses[i]) << i;
+  }
+  auto m = (*ca)->OptimizerState(a->blocks[0]->fc->weight, "exp_avg");
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_EQ(m->scalar_type(), ::torch::kFloat32);
+  EXPECT_EQ(m->sizes(), a->blocks[0]->fc->weight.sizes());
+  EXPECT_GT(m->abs().max().item<float>(), 0.0f);
+  ASSERT_TRUE((*ca)->Save(dir + "/int8-ckpt").ok());
+  const auto cont = TrainSteps(a, **ca, batches, 4, 8);
+  ::torch::manual_seed(7);
+  GPT b(c);
+  auto cb = tiermem::torch::ChunkedModel::Create(*b, cfg);
+  ASSERT_TRUE(cb.ok());
+  ASSERT_TRUE((*cb)->Load(dir + "/int8-ckpt").ok());
+  EXPECT_EQ(TrainSteps(b, **cb, batches, 4, 8), cont);
+  unlink((dir + "/int8-ckpt").c_str());
+}
+
 // A Load puts torch's default CPU generator back where the Save found it (so dropout after a
 // resume draws what it would have drawn) and gives back `extra`.
 TEST(ChunkedModel, SaveAndLoadRestoreTheCpuGeneratorAndExtra) {
