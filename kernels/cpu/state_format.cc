@@ -9,6 +9,7 @@
 // a value may differ from its map in the last bit (tests/python/test_state_dtype.py measures
 // it); the quantization is nearest-code either way.
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -24,16 +25,8 @@ namespace {
 
 using internal::QuantTables;
 
-uint32_t Bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-float FromBits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+uint32_t Bits(float f) { return std::bit_cast<uint32_t>(f); }
+float FromBits(uint32_t u) { return std::bit_cast<float>(u); }
 
 std::vector<float> MakeMap(bool is_signed) {
   std::vector<double> v;

@@ -10,48 +10,9 @@ import torch
 
 import tiermem
 from tiermem import _C
-from conftest import batches, make_pair, train_steps
+from conftest import KernelAdamW, batches, make_pair, train_steps
 
 OPT = {"lr": 2e-3, "weight_decay": 0.01}
-
-
-class KernelAdamW8(torch.optim.Optimizer):
-    """AdamW with int8 blockwise state computed by tiermem's fused kernel (_C.adam_step with
-    uint8 codes): tensors of fewer than `min_elems` elements keep fp32 state, as the session
-    does. The reference the engine must match bit for bit."""
-
-    def __init__(self, params, lr, weight_decay, min_elems=4096, block=256):
-        super().__init__(params, dict(lr=lr, betas=(0.9, 0.999), eps=1e-8,
-                                      weight_decay=weight_decay))
-        self.min_elems, self.block = min_elems, block
-
-    @torch.no_grad()
-    def step(self):
-        for g in self.param_groups:
-            b1, b2 = g["betas"]
-            for p in g["params"]:
-                if p.grad is None:
-                    continue
-                st = self.state[p]
-                n = p.numel()
-                if not st:
-                    st["step"] = 0
-                    if n >= self.min_elems:
-                        blocks = -(-n // self.block)
-                        st["m"] = torch.zeros(n, dtype=torch.uint8)
-                        st["v"] = torch.zeros(n, dtype=torch.uint8)
-                        st["ma"] = torch.zeros(blocks)
-                        st["va"] = torch.zeros(blocks)
-                    else:
-                        st["m"], st["v"] = torch.zeros(n), torch.zeros(n)
-                st["step"] += 1
-                kw = {}
-                if "ma" in st:
-                    kw = dict(exp_avg_absmax=st["ma"], exp_avg_sq_absmax=st["va"],
-                              state_block=self.block)
-                _C.adam_step(p.data.view(-1), p.grad.contiguous().view(-1), st["m"], st["v"],
-                             None, float(g["lr"]), float(b1), float(b2), float(g["eps"]),
-                             float(g["weight_decay"]), st["step"], **kw)
 
 
 def cfg(tmp_path=None, dtype="int8", **kw):
@@ -101,7 +62,7 @@ def test_quantization_is_nearest_code_and_round_trips():
 def test_engine_equals_the_kernel_on_plain_tensors(tmp_path, nvme):
     ref, ours = make_pair()
     data = batches(8)
-    ref_losses = train_steps(ref, KernelAdamW8(ref.parameters(), **OPT), data)
+    ref_losses = train_steps(ref, KernelAdamW(ref.parameters(), **OPT, state_dtype="int8"), data)
     model, opt = tiermem.initialize(ours, cfg(tmp_path if nvme else None))
     rt = tiermem.runtime_of(model)
     assert train_steps(model, opt, data) == ref_losses
@@ -122,7 +83,7 @@ def test_engine_equals_the_kernel_on_plain_tensors(tmp_path, nvme):
 def test_sim_device_and_deferred_steps_equal_the_kernel_too():
     ref, ours = make_pair()
     data = batches(6)
-    ref_losses = train_steps(ref, KernelAdamW8(ref.parameters(), **OPT), data)
+    ref_losses = train_steps(ref, KernelAdamW(ref.parameters(), **OPT, state_dtype="int8"), data)
     model, opt = tiermem.initialize(
         ours, {"device_kind": "sim", "device": "2MiB", "host": "64MiB",
                "optimizer": dict(OPT, state_dtype="int8"), "optimizer_overlap": "backward"})

@@ -13,6 +13,7 @@
 #include <random>
 
 #include "runtime/session.h"
+#include "tests/runtime/session_test_support.h"
 #include "tests/support/status_matchers.h"
 
 namespace tiermem::session {
@@ -58,20 +59,6 @@ std::vector<float> Grad(size_t t, size_t n, int step, const std::vector<float>& 
     g[k] = 0.3f * p[k] + 0.05f * std::cos(0.2f * step + 0.7f * k + t) * (k % 53 == 0 ? 20.f : 1.f);
   }
   return g;
-}
-
-void SetGrad(Session& s, size_t t, const std::vector<float>& g) {
-  const TensorPlace& p = s.place(t);
-  auto base = s.Acquire(p.group, ChunkKind::kGrad, s.compute_tier());
-  ASSERT_TRUE(base.ok()) << base.status().ToString();
-  if (s.dtype(ChunkKind::kGrad) == kernels::DType::kF32) {
-    std::memcpy(static_cast<float*>(*base) + p.offset, g.data(), g.size() * 4);
-  } else {
-    kernels::CastFromF32(g.data(), static_cast<char*>(*base) + p.offset * 2,
-                         s.dtype(ChunkKind::kGrad), g.size());
-  }
-  ASSERT_THAT(s.Release(p.group, ChunkKind::kGrad, true), IsOk());
-  s.SetHasGrad(t, true);
 }
 
 // One tensor stepped by the kernel alone on plain buffers, its state in `format` (its blocks

@@ -82,6 +82,23 @@ bool ParamClose(const std::string& name, const ::torch::Tensor& a, const ::torch
 constexpr double kLr = 1e-3;
 constexpr int kSteps = 5;
 
+// Plain LibTorch's losses: torch::optim::AdamW over `batches`.
+std::vector<double> PlainAdamWLosses(
+    GPT& ref, const std::vector<std::pair<::torch::Tensor, ::torch::Tensor>>& batches, double lr,
+    double weight_decay) {
+  ::torch::optim::AdamW opt(UniqueParams(ref),
+                            ::torch::optim::AdamWOptions(lr).weight_decay(weight_decay));
+  std::vector<double> losses;
+  for (const auto& [x, y] : batches) {
+    opt.zero_grad();
+    auto loss = LmLoss(ref->forward(x), y);
+    loss.backward();
+    opt.step();
+    losses.push_back(loss.item<double>());
+  }
+  return losses;
+}
+
 TEST(ChunkedModel, TrainsLikePlainLibTorchWithin25PercentDeviceBudget) {
   ::torch::set_num_threads(1);
   const GPTConfig c = SmallConfig();
@@ -89,16 +106,7 @@ TEST(ChunkedModel, TrainsLikePlainLibTorchWithin25PercentDeviceBudget) {
 
   // Plain LibTorch.
   GPT ref = MakeModel(c);
-  ::torch::optim::AdamW opt(UniqueParams(ref),
-                            ::torch::optim::AdamWOptions(kLr).weight_decay(0.01));
-  std::vector<double> ref_losses;
-  for (const auto& [x, y] : batches) {
-    opt.zero_grad();
-    auto loss = LmLoss(ref->forward(x), y);
-    loss.backward();
-    opt.step();
-    ref_losses.push_back(loss.item<double>());
-  }
+  const std::vector<double> ref_losses = PlainAdamWLosses(ref, batches, kLr, 0.01);
 
   // tiermem.
   GPT model = MakeModel(c);
@@ -486,15 +494,7 @@ TEST(ChunkedModel, Int8OptimizerStateTracksAdamWAndResumesBitForBit) {
   const GPTConfig c = SmallConfig();
   const auto batches = SyntheticBatches(c, 4, 8);
   GPT ref = MakeModel(c);
-  ::torch::optim::AdamW opt(UniqueParams(ref), ::torch::optim::AdamWOptions(1e-3));
-  std::vector<double> ref_losses;
-  for (const auto& [x, y] : batches) {
-    opt.zero_grad();
-    auto rl = LmLoss(ref->forward(x), y);
-    rl.backward();
-    opt.step();
-    ref_losses.push_back(rl.item<double>());
-  }
+  const std::vector<double> ref_losses = PlainAdamWLosses(ref, batches, 1e-3, 0.01);
   const nlohmann::json cfg = {{"device_kind", "sim"}, {"device", "1MiB"}, {"host", "64MiB"},
                               {"optimizer", {{"weight_decay", 0.01}, {"state_dtype", "int8"}}}};
   GPT a = MakeModel(c);
