@@ -12,6 +12,8 @@
 #include <fstream>
 #include <random>
 
+#include "planners/simulator.h"
+#include "planners/trace.h"
 #include "runtime/session.h"
 #include "tests/runtime/session_test_support.h"
 #include "tests/support/status_matchers.h"
@@ -266,6 +268,65 @@ TEST(SessionState, CompressedStateThroughNvmeAndHostModeTrainsTheSame) {
   TrainAgainstRef({{"device_kind", "host"}, {"host", 512 * 1024}, {"chunk_size", 8192},
                    {"nvme", {{"path", dir}, {"size", "64MiB"}}}},
                   "int8", 3, /*expect_nvme=*/true);
+  std::filesystem::remove_all(dir);
+}
+
+// The recorded trace carries the compressed chunk sizes, so the planner and the simulator
+// count compressed bytes: the simulated NVMe traffic of the same model and budgets shrinks.
+TEST(SessionState, TheTraceAndTheSimulatorCountTheCompressedBytes) {
+  const std::string dir = ::testing::TempDir() + "tiermem_state_trace_" + std::to_string(getpid());
+  std::filesystem::create_directories(dir);
+  Bytes nvme[2] = {0, 0};
+  int i = 0;
+  for (const char* dtype : {"fp32", "int8"}) {
+    auto s = Make({{"device", 256 * 1024}, {"host", 400 * 1024}, {"chunk_size", 8192},
+                   {"optimizer_overlap", "off"},
+                   {"nvme", {{"path", dir}, {"size", "64MiB"}}},
+                   {"optimizer", State(dtype, {{"state_min_elems", 1000}})}},
+                  kModel);
+    ASSERT_TRUE(s);
+    const std::string path = dir + "/" + dtype + ".tmtrace";
+    const std::vector<GroupHyper> hyper = {GroupHyper{1e-2, 0.9, 0.999, 1e-8, 0.01}};
+    for (int it = 0; it < 4; ++it) {
+      if (it == 1) {
+        ASSERT_THAT(s->RecordTrace(path, 2), IsOk());
+      }
+      s->BeginIteration();
+      for (size_t t = 0; t < kModel.size(); ++t) {
+        const TensorPlace& p = s->place(t);
+        s->Moment("fwd", planners::MomentKind::kPreForward, static_cast<uint32_t>(t));
+        ASSERT_TRUE(s->Acquire(p.group, s->compute_kind(), s->compute_tier()).ok());
+        ASSERT_THAT(s->Release(p.group, s->compute_kind(), false), IsOk());
+      }
+      for (size_t t = kModel.size(); t-- > 0;) {
+        if (!kModel[t].trainable) continue;
+        s->Moment("bwd", planners::MomentKind::kPreBackward, static_cast<uint32_t>(t));
+        SetGrad(*s, t, std::vector<float>(kModel[t].numel, 1e-3f));
+      }
+      ASSERT_TRUE(s->Step(hyper).ok());
+    }
+    s->BeginIteration();
+    auto trace = planners::ReadTraceFile(path);
+    ASSERT_TRUE(trace.ok()) << trace.status().ToString();
+    for (const planners::TraceChunk& c : trace->chunks) {
+      if (trace->kind_names[c.kind] == "exp_avg") {
+        EXPECT_EQ(c.bytes, s->ChunkBytes(c.group, ChunkKind::kExpAvg)) << dtype;
+      }
+    }
+    // The disk's rates (the recorded ones when the trace has them): the bytes do not depend
+    // on them.
+    planners::MachineModel machine = planners::MachineModel::FromTrace(*trace);
+    const int h = static_cast<int>(TierKind::kHost), n = static_cast<int>(TierKind::kNvme);
+    for (auto [a, b] : {std::pair{h, n}, std::pair{n, h}}) {
+      if (machine.link[a][b].bytes_per_s == 0) machine.link[a][b].bytes_per_s = 2e9;
+    }
+    auto sim = planners::Simulate(*trace, machine, planners::PolicyKind::kLru);
+    ASSERT_TRUE(sim.ok()) << sim.status().ToString();
+    ASSERT_TRUE(sim->status.ok()) << sim->status.ToString();
+    nvme[i++] = sim->total.NvmeBytes();
+  }
+  EXPECT_GT(nvme[0], 0u);
+  EXPECT_LT(nvme[1], nvme[0] * 0.8) << "int8 " << nvme[1] << " vs fp32 " << nvme[0];
   std::filesystem::remove_all(dir);
 }
 
