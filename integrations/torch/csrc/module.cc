@@ -560,10 +560,13 @@ void AdamStepBinding(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_
     check(*t, what);
     const torch::ScalarType want = t == &param ? torch::kFloat32 : state_type;
     if (t->scalar_type() != want) {
-      throw py::value_error(std::string("adam_step: ") + what + " must be " +
-                            std::string(c10::toString(want)) + " (state: float32, bfloat16, or "
-                            "uint8 codes with their absmax), got " +
-                            std::string(c10::toString(t->scalar_type())));
+      const char* name = want == torch::kFloat32    ? "float32"
+                         : want == torch::kBFloat16 ? "bfloat16"
+                                                    : "uint8";
+      throw py::value_error(std::string("adam_step: ") + what + " must be " + name +
+                            (t == &param ? "" : " (m and v alike: float32, or compressed: "
+                                                "bfloat16, or uint8 codes with their absmax)") +
+                            ", got " + std::string(c10::toString(t->scalar_type())));
     }
   }
   kernels::AdamConfig c = AdamConfigOf(lr, beta1, beta2, eps, weight_decay, step);
