@@ -31,8 +31,13 @@ Category ChunkKindCategory(ChunkKind kind) {
   return Category::kOther;
 }
 
-StatusOr<ChunkLayout> PackTensors(const std::vector<uint64_t>& numels, uint64_t chunk_elems) {
+StatusOr<ChunkLayout> PackTensors(const std::vector<uint64_t>& numels, uint64_t chunk_elems,
+                                  uint64_t align_elems) {
   if (chunk_elems == 0) return InvalidArgumentError("chunk size must be > 0 elements");
+  if (align_elems == 0 || align_elems % kAlignElems != 0) {
+    return InvalidArgumentError("tensor alignment of " + std::to_string(align_elems) +
+                                " elements is not a multiple of " + std::to_string(kAlignElems));
+  }
   ChunkLayout layout;
   layout.chunk_elems = chunk_elems;
   layout.placements.reserve(numels.size());
@@ -46,7 +51,7 @@ StatusOr<ChunkLayout> PackTensors(const std::vector<uint64_t>& numels, uint64_t 
     }
     uint64_t start = layout.group_used_elems.empty()
                          ? chunk_elems  // forces a first group
-                         : AlignUp(layout.group_used_elems.back(), kAlignElems);
+                         : AlignUp(layout.group_used_elems.back(), align_elems);
     if (start + n > chunk_elems) {
       layout.group_used_elems.push_back(0);
       start = 0;
@@ -66,7 +71,7 @@ Bytes MinimumDeviceBudget(uint64_t max_numel, Bytes device_bytes_per_elem,
 
 StatusOr<ChunkSizeChoice> ChooseChunkElems(const std::vector<uint64_t>& numels,
                                            Bytes device_budget, Bytes device_bytes_per_elem,
-                                           int min_resident_chunks) {
+                                           int min_resident_chunks, uint64_t align_elems) {
   if (numels.empty()) return InvalidArgumentError("no tensors to lay out");
   if (device_bytes_per_elem == 0) return InvalidArgumentError("element size must be > 0");
   const uint64_t max_numel = *std::max_element(numels.begin(), numels.end());
@@ -79,15 +84,22 @@ StatusOr<ChunkSizeChoice> ChooseChunkElems(const std::vector<uint64_t>& numels,
   }
   uint64_t total = 0;
   for (uint64_t n : numels) total += n;
-  const uint64_t lo = max_numel;
+  if (align_elems == 0 || align_elems % kAlignElems != 0) {
+    return InvalidArgumentError("tensor alignment of " + std::to_string(align_elems) +
+                                " elements is not a multiple of " + std::to_string(kAlignElems));
+  }
+  const uint64_t align = align_elems;
+  // With a coarse alignment the smallest chunk is the largest tensor rounded up to it (which
+  // the minimum above does not count: at most align - 1 elements more).
+  const uint64_t lo = align > kAlignElems ? AlignUp(max_numel, align) : max_numel;
   uint64_t hi = device_budget / device_bytes_per_elem / std::max(1, min_resident_chunks);
   // Never bigger than the whole model in one chunk (rounded up for alignment slack).
-  hi = std::max(lo, std::min(hi, AlignUp(total + numels.size() * kAlignElems, kAlignElems)));
+  hi = std::max(lo, std::min(hi, AlignUp(total + numels.size() * align, align)));
   constexpr int kCandidates = 257;
   ChunkSizeChoice best;
   bool have = false;
   auto consider = [&](uint64_t elems) -> Status {
-    TIERMEM_ASSIGN_OR_RETURN(ChunkLayout l, PackTensors(numels, elems));
+    TIERMEM_ASSIGN_OR_RETURN(ChunkLayout l, PackTensors(numels, elems, align));
     const uint64_t waste = l.waste_elems();
     if (!have || waste < best.waste_elems ||
         (waste == best.waste_elems && elems < best.chunk_elems)) {
@@ -100,15 +112,17 @@ StatusOr<ChunkSizeChoice> ChooseChunkElems(const std::vector<uint64_t>& numels,
   if (hi > lo) {
     for (int i = 1; i < kCandidates; ++i) {
       uint64_t elems = lo + (hi - lo) * static_cast<uint64_t>(i) / (kCandidates - 1);
-      elems = std::max(lo, elems / kAlignElems * kAlignElems);
+      elems = std::max(lo, elems / align * align);
       TIERMEM_RETURN_IF_ERROR(consider(elems));
     }
     // Exact multiples of sums of leading tensors are often waste-free: try the prefix sums.
     uint64_t prefix = 0;
     for (uint64_t n : numels) {
-      prefix = AlignUp(prefix, kAlignElems) + n;
+      prefix = AlignUp(prefix, align) + n;
       if (prefix > hi) break;
-      if (prefix >= lo) TIERMEM_RETURN_IF_ERROR(consider(prefix));
+      // Chunk sizes stay multiples of a coarse alignment (every chunk's blocks are whole).
+      const uint64_t c = align > kAlignElems ? AlignUp(prefix, align) : prefix;
+      if (c >= lo && c <= hi) TIERMEM_RETURN_IF_ERROR(consider(c));
     }
   }
   return best;

@@ -51,9 +51,12 @@ struct ChunkLayout {
   uint64_t waste_elems() const { return num_groups() * chunk_elems - total_numel; }
 };
 
-// Packs `numels` (first-use order) into chunks of `chunk_elems` elements. kInvalidArgument if
-// chunk_elems is 0 or smaller than the largest tensor (named by index), or a numel is 0.
-StatusOr<ChunkLayout> PackTensors(const std::vector<uint64_t>& numels, uint64_t chunk_elems);
+// Packs `numels` (first-use order) into chunks of `chunk_elems` elements, every offset a
+// multiple of `align_elems` (a multiple of kAlignElems: blockwise-quantized optimizer state
+// aligns tensors to its block so no block straddles two). kInvalidArgument if chunk_elems is 0
+// or smaller than the largest tensor (named by index), or a numel is 0.
+StatusOr<ChunkLayout> PackTensors(const std::vector<uint64_t>& numels, uint64_t chunk_elems,
+                                  uint64_t align_elems = kAlignElems);
 
 struct ChunkSizeChoice {
   uint64_t chunk_elems = 0;
@@ -65,9 +68,11 @@ struct ChunkSizeChoice {
 // and the largest size for which `min_resident_chunks` chunks of `device_bytes_per_elem` bytes
 // per element fit in `device_budget` (ties: the smaller chunk). kResourceExhausted, naming the
 // minimum device budget in bytes, when even a chunk holding just the largest tensor doesn't fit.
+// Candidates are multiples of `align_elems`, and packed with that alignment.
 StatusOr<ChunkSizeChoice> ChooseChunkElems(const std::vector<uint64_t>& numels,
                                            Bytes device_budget, Bytes device_bytes_per_elem,
-                                           int min_resident_chunks);
+                                           int min_resident_chunks,
+                                           uint64_t align_elems = kAlignElems);
 
 // The device budget below which ChooseChunkElems fails.
 Bytes MinimumDeviceBudget(uint64_t max_numel, Bytes device_bytes_per_elem,

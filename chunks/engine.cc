@@ -254,6 +254,9 @@ std::shared_ptr<Completion> Engine::StartMove(ChunkId chunk, const Placed& src,
   r.chunk = chunk;
   r.category = c.category;
   stats_.bytes_moved[Idx(src.tier)][Idx(dst.tier)] += c.bytes;
+  if (src.tier == TierKind::kNvme || dst.tier == TierKind::kNvme) {
+    stats_.nvme_bytes_by_category[static_cast<int>(c.category)] += c.bytes;
+  }
   return mover_->Move(r);
 }
 

@@ -114,6 +114,9 @@ struct EngineStats {
   std::array<TierStats, kNumTierKinds> tiers{};  // per TierKind (device, host, nvme)
   // bytes_moved[src][dst] by TierKind index.
   std::array<std::array<Bytes, kNumTierKinds>, kNumTierKinds> bytes_moved{};
+  // Bytes moved to or from the NVMe tier, by the chunks' Category (optimizer state: the
+  // bytes compressed state saves there).
+  std::array<Bytes, kNumCategories> nvme_bytes_by_category{};
   uint64_t stall_ns = 0;
   uint64_t stalls = 0;
   uint64_t evictions = 0;

@@ -105,6 +105,11 @@ StatusOr<Trace> ModelTrace(const ModelShape& s) {
   }
   const uint32_t groups = static_cast<uint32_t>(group_used.size());
   const Bytes chunk_bytes = chunk_elems * 4;
+  if (!(s.state_bytes_per_elem > 0 && s.state_bytes_per_elem <= 4)) {
+    return InvalidArgumentError("model trace: state_bytes_per_elem must be in (0, 4]");
+  }
+  const Bytes state_bytes = static_cast<Bytes>(
+      std::ceil(static_cast<double>(chunk_elems) * s.state_bytes_per_elem));
 
   TraceBuilder tb;
   const char* kinds[4] = {"param", "grad", "exp_avg", "exp_avg_sq"};
@@ -115,8 +120,8 @@ StatusOr<Trace> ModelTrace(const ModelShape& s) {
   auto chunk_id = [](uint32_t g, int k) { return static_cast<ChunkId>(4 * g + k); };
   for (uint32_t g = 0; g < groups; ++g) {
     for (int k = 0; k < 4; ++k) {
-      tb.DeclareChunk(chunk_id(g, k),
-                      TraceChunk{chunk_bytes, cats[k], g, kind_index[k], TierKind::kHost});
+      tb.DeclareChunk(chunk_id(g, k), TraceChunk{k >= 2 ? state_bytes : chunk_bytes, cats[k], g,
+                                                 kind_index[k], TierKind::kHost});
     }
   }
   MeasuredRates r;

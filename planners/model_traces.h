@@ -5,7 +5,9 @@
 //
 // The model: units embed, blocks.0..L-1, head. Tensors are packed in first-use order into
 // chunk groups of `chunk_elems` fp32 elements (a tensor never straddles chunks); each group
-// has a param, grad, exp_avg and exp_avg_sq chunk of chunk_elems * 4 bytes. Per iteration:
+// has a param and a grad chunk of chunk_elems * 4 bytes and an exp_avg and exp_avg_sq chunk of
+// chunk_elems * state_bytes_per_elem (4 for fp32 state; 2 for bf16; 1 + 4/256 for int8
+// with blocks of 256: optimizer.state_dtype, kernels/cpu/optim.h). Per iteration:
 //   pre-forward of every unit: its groups' param chunks, read on the device;
 //   pre-backward in reverse: param chunks read, grad chunks written (write on the first
 //     touch of the iteration: zeroed lazily; read-write after) on the device;
@@ -43,6 +45,7 @@ struct ModelShape {
   uint32_t experts = 0;      // > 0: every block's MLP is `experts` experts
   uint32_t top_k = 2;        // experts used per block and iteration
   uint64_t chunk_elems = 0;  // 0: the largest tensor
+  double state_bytes_per_elem = 4;  // m and v each (the optimizer-state format's size)
   uint32_t iterations = 2;
   uint64_t seed = 1;
   // The machine the times and rates are modelled for (an H200-class node by default).

@@ -93,6 +93,7 @@ struct Analyzer::Impl {
     Bytes bytes;
     ChunkId chunk;
     int phase;
+    Category category;
   };
   struct OpenStall {
     uint64_t ts;
@@ -228,7 +229,7 @@ TierKind Analyzer::Add(const Event& e, std::string_view label) {
       break;
     }
     case EventType::kCopyBegin: {
-      s.copies[e.id] = Impl::OpenCopy{ts, e.tier, e.tier2, e.bytes, e.chunk, s.phase};
+      s.copies[e.id] = Impl::OpenCopy{ts, e.tier, e.tier2, e.bytes, e.chunk, s.phase, e.category};
       s.pair_busy[{static_cast<int>(e.tier), static_cast<int>(e.tier2)}].Begin(ts);
       if (tier >= 0) s.read_busy[tier].Begin(ts);
       if (tier2 >= 0) s.write_busy[tier2].Begin(ts);
@@ -253,8 +254,12 @@ TierKind Analyzer::Add(const Event& e, std::string_view label) {
       if (src >= 0) r.io[src].active_ns += s.any_busy[src].End(ts);
       if (dst >= 0 && dst != src) r.io[dst].active_ns += s.any_busy[dst].End(ts);
       if (!(e.flags & kFlagFailed)) {
+        const int cat = static_cast<int>(c.category);
+        const bool known = cat >= 0 && cat < kNumCategories;
         if (src >= 0) r.io[src].read_bytes += c.bytes;
         if (dst >= 0) r.io[dst].write_bytes += c.bytes;
+        if (src >= 0 && known) r.io[src].category_bytes[cat] += c.bytes;
+        if (dst >= 0 && dst != src && known) r.io[dst].category_bytes[cat] += c.bytes;
       }
       if (e.flags & kFlagFailed) {
         ++m.failed;

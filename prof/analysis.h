@@ -122,6 +122,9 @@ struct MoveStats {
 // (an NVMe tier's disk rate inside a training step, to compare with fio's).
 struct IoStats {
   Bytes read_bytes = 0, write_bytes = 0;
+  // Completed bytes out of and into the tier, by the copies' Category (kOptimState on NVMe:
+  // the optimizer-state traffic a compressed state format shrinks).
+  std::array<Bytes, kNumCategories> category_bytes{};
   uint64_t read_active_ns = 0, write_active_ns = 0;
   uint64_t active_ns = 0;  // the union over both directions (reads and writes share a disk)
 };

@@ -105,12 +105,19 @@ nlohmann::json ReportToJson(const Report& r) {
   for (int t = 0; t < kNumTierKinds; ++t) {
     const IoStats& x = r.io[t];
     if (x.read_active_ns == 0 && x.write_active_ns == 0) continue;
+    nlohmann::json by_category = nlohmann::json::object();
+    for (int c = 0; c < kNumCategories; ++c) {
+      if (x.category_bytes[c] > 0) {
+        by_category[std::string(CategoryName(static_cast<Category>(c)))] = x.category_bytes[c];
+      }
+    }
     io[std::string(TierKindName(static_cast<TierKind>(t)))] = {
         {"read_bytes", x.read_bytes},
         {"read_active_ns", x.read_active_ns},
         {"write_bytes", x.write_bytes},
         {"write_active_ns", x.write_active_ns},
-        {"active_ns", x.active_ns}};
+        {"active_ns", x.active_ns},
+        {"category_bytes", by_category}};
   }
   j["io"] = io;
   j["bytes_moved"] = TotalMoved(r);
@@ -239,6 +246,12 @@ std::string RenderReportText(const Report& r, const std::string& name) {
                     Fb(nvme.read_bytes + nvme.write_bytes).c_str(),
                     FormatDuration(nvme.active_ns).c_str(),
                     rate(nvme.read_bytes + nvme.write_bytes, nvme.active_ns)));
+    const Bytes state = nvme.category_bytes[static_cast<int>(Category::kOptimState)];
+    if (state > 0) {
+      // Read and written: what the optimizer-state format (optimizer.state_dtype) shrinks.
+      Line(&o, Printf("  NVMe optimizer state:   %s of the %s moved", Fb(state).c_str(),
+                      Fb(nvme.read_bytes + nvme.write_bytes).c_str()));
+    }
   }
 
   Line(&o, "");

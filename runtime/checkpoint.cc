@@ -310,15 +310,71 @@ std::string Num(double v) {
   return b;
 }
 
-// The safetensors keys of tensor `t`'s entries: its value, then (trainable) m and v.
-std::vector<std::string> Keys(const TensorSpec& t) {
-  std::vector<std::string> k = {t.name};
-  if (t.trainable) k.insert(k.end(), {"exp_avg/" + t.name, "exp_avg_sq/" + t.name});
-  return k;
-}
-
 std::vector<int64_t> ShapeOf(const TensorSpec& t) {
   return t.shape.empty() ? std::vector<int64_t>{static_cast<int64_t>(t.numel)} : t.shape;
+}
+
+// One safetensors entry of a tensor: its value, or a part of its m or v — the fp32 values, or
+// the stored codes (BF16 / U8) and, for U8, the block absmax values that follow them.
+enum class Part : uint8_t { kValues, kCodes, kAbsmax };
+struct Entry {
+  std::string key;
+  ChunkKind kind = ChunkKind::kParamFp32;  // the value, kExpAvg or kExpAvgSq
+  Part part = Part::kValues;
+  std::string dtype;  // "F32", "BF16", "U8"
+  std::vector<int64_t> shape;
+  uint64_t bytes = 0;
+  // Loading: where the entry's bytes are and their checksum.
+  uint64_t begin = 0;
+  std::string crc = {};
+};
+
+const char* StatePrefix(ChunkKind kind) {
+  return kind == ChunkKind::kExpAvg ? "exp_avg" : "exp_avg_sq";
+}
+
+// The entries of tensor `t` as saved with its group's state format `f`, in file order.
+std::vector<Entry> SavedEntries(const TensorSpec& t, const kernels::StateFormat& f) {
+  std::vector<Entry> out = {{t.name, ChunkKind::kParamFp32, Part::kValues, "F32", ShapeOf(t),
+                             t.numel * 4}};
+  if (!t.trainable) return out;
+  for (ChunkKind kind : {ChunkKind::kExpAvg, ChunkKind::kExpAvgSq}) {
+    const std::string key = std::string(StatePrefix(kind)) + "/" + t.name;
+    switch (f.dtype) {
+      case kernels::StateDType::kF32:
+        out.push_back({key, kind, Part::kValues, "F32", ShapeOf(t), t.numel * 4});
+        break;
+      case kernels::StateDType::kBF16:
+        out.push_back({key, kind, Part::kCodes, "BF16", ShapeOf(t), t.numel * 2});
+        break;
+      case kernels::StateDType::kInt8: {
+        const uint64_t blocks = kernels::StateBlocks(f, t.numel);
+        out.push_back({key, kind, Part::kCodes, "U8", ShapeOf(t), t.numel});
+        out.push_back({std::string(StatePrefix(kind)) + "_absmax/" + t.name, kind, Part::kAbsmax,
+                       "F32", {static_cast<int64_t>(blocks)}, blocks * 4});
+        break;
+      }
+    }
+  }
+  return out;
+}
+
+// The `state_format` metadata entry: how compressed m and v are stored (the session's config;
+// a tensor's own entries say by their dtype whether its state is compressed).
+std::string StateFormatMeta(const OptimizerStateConfig& c) {
+  return nlohmann::json{{"dtype", std::string(kernels::StateDTypeName(c.format.dtype))},
+                        {"block", c.format.block},
+                        {"rounding", c.format.stochastic ? "stochastic" : "nearest"},
+                        {"min_elems", c.min_elems},
+                        {"map", "dynamic (bitsandbytes create_dynamic_map: signed for exp_avg, "
+                                "unsigned for exp_avg_sq), absmax per block"}}
+      .dump();
+}
+
+std::string FormatName(const kernels::StateFormat& f) {
+  std::string n(kernels::StateDTypeName(f.dtype));
+  if (f.dtype == kernels::StateDType::kInt8) n += " (block " + std::to_string(f.block) + ")";
+  return n;
 }
 
 // The header text: the JSON dump (keys sorted) padded with spaces (safetensors allows it) so
@@ -421,18 +477,20 @@ Status Session::SaveCheckpoint(const std::string& path, const CheckpointMeta& me
   nlohmann::json header = nlohmann::json::object();
   nlohmann::json steps = nlohmann::json::object(), crcs = nlohmann::json::object();
   uint64_t offset = 0, max_numel = 0;
+  std::vector<std::vector<Entry>> saved(specs_.size());
   for (size_t i = 0; i < specs_.size(); ++i) {
     const TensorSpec& t = specs_[i];
     max_numel = std::max(max_numel, t.numel);
     steps[t.name] = stepper_->step_count(i);
-    for (const std::string& key : Keys(t)) {
-      if (header.contains(key)) {
-        return InvalidArgumentError("checkpoint: two tensors are named '" + key + "'");
+    saved[i] = SavedEntries(t, state_format(tensors_[i].group));
+    for (const Entry& e : saved[i]) {
+      if (header.contains(e.key)) {
+        return InvalidArgumentError("checkpoint: two tensors are named '" + e.key + "'");
       }
-      header[key] = {{"dtype", "F32"}, {"shape", ShapeOf(t)},
-                     {"data_offsets", {offset, offset + t.numel * 4}}};
-      offset += t.numel * 4;
-      crcs[key] = kCrcPlaceholder;
+      header[e.key] = {{"dtype", e.dtype}, {"shape", e.shape},
+                       {"data_offsets", {offset, offset + e.bytes}}};
+      offset += e.bytes;
+      crcs[e.key] = kCrcPlaceholder;
     }
   }
   const std::map<std::string, std::string> entries = EncodeCheckpointMeta(metadata);
@@ -445,6 +503,7 @@ Status Session::SaveCheckpoint(const std::string& path, const CheckpointMeta& me
                         {"skipped_steps", std::to_string(scaler_.skipped_steps)},
                         {"steps", steps.dump()},
                         {"crc32c", crcs.dump()},
+                        {"state_format", StateFormatMeta(config_.optimizer_state)},
                         {"header_crc32c", kCrcPlaceholder}};
     for (const auto& [k, v] : entries) m[k] = v;
     return m;
@@ -466,13 +525,24 @@ Status Session::SaveCheckpoint(const std::string& path, const CheckpointMeta& me
       s->gathered_key_ = {SIZE_MAX, -1};
     }
   } cache_off{this};
+  // One tensor's bytes at a time: its value, then m and v as stored (fp32 values, or the
+  // codes and absmax read raw). Sharded, every rank makes the same (collective) reads; rank 0
+  // writes. After a write error rank 0 still takes part in every gather (the other ranks would
+  // wait for it), then reports the error.
+  std::vector<float> buf(max_numel);
+  std::vector<float> absmax(max_numel / kernels::kMinStateBlock + 1);  // any tensor's blocks
+  auto read = [&](size_t i, const Entry& e) -> Status {
+    if (e.part == Part::kAbsmax) return OkStatus();  // read with the codes
+    if (e.part == Part::kCodes) return ReadStateRaw(i, e.kind, buf.data(), absmax.data());
+    return ReadTensor(i, e.kind, buf.data());
+  };
+  auto bytes_of = [&](const Entry& e) {
+    return e.part == Part::kAbsmax ? reinterpret_cast<const char*>(absmax.data())
+                                   : reinterpret_cast<const char*>(buf.data());
+  };
   if (sharded() && rank() != 0) {
-    std::vector<float> buf(max_numel);
-    const ChunkKind kinds[] = {ChunkKind::kParamFp32, ChunkKind::kExpAvg, ChunkKind::kExpAvgSq};
     for (size_t i = 0; i < specs_.size(); ++i) {
-      for (size_t k = 0; k < Keys(specs_[i]).size(); ++k) {
-        TIERMEM_RETURN_IF_ERROR(ReadTensor(i, kinds[k], buf.data()).WithContext("checkpoint"));
-      }
+      for (const Entry& e : saved[i]) TIERMEM_RETURN_IF_ERROR(read(i, e).WithContext("checkpoint"));
     }
     return OkStatus();
   }
@@ -490,19 +560,14 @@ Status Session::SaveCheckpoint(const std::string& path, const CheckpointMeta& me
   Status s = w.PutValue(header_bytes);
   if (s.ok()) s = w.Put(placeholder.data(), placeholder.size());
   w.TakeCrc();
-  std::vector<float> buf(max_numel);
-  // Sharded, the reads are collective: after a write error rank 0 still takes part in every
-  // gather (the other ranks would wait for it), then reports the error.
   Status gathers;
   for (size_t i = 0; i < specs_.size() && gathers.ok() && (s.ok() || sharded()); ++i) {
-    const TensorSpec& t = specs_[i];
-    const std::vector<std::string> keys = Keys(t);
-    const ChunkKind kinds[] = {ChunkKind::kParamFp32, ChunkKind::kExpAvg, ChunkKind::kExpAvgSq};
-    for (size_t k = 0; k < keys.size() && gathers.ok() && (s.ok() || sharded()); ++k) {
-      gathers = ReadTensor(i, kinds[k], buf.data());
+    for (size_t k = 0; k < saved[i].size() && gathers.ok() && (s.ok() || sharded()); ++k) {
+      const Entry& e = saved[i][k];
+      gathers = read(i, e);
       if (s.ok()) s = gathers;
-      if (s.ok()) s = w.Put(buf.data(), t.numel * sizeof(float));
-      crcs[keys[k]] = Hex8(w.TakeCrc());
+      if (s.ok()) s = w.Put(bytes_of(e), e.bytes);
+      crcs[e.key] = Hex8(w.TakeCrc());
     }
   }
   if (s.ok()) s = w.Finish();
@@ -598,52 +663,114 @@ Status Session::LoadCheckpointV2(int fd, int data_fd, bool direct, CheckpointMet
   TIERMEM_ASSIGN_OR_RETURN(Header2 h, ReadHeader2(fd));
   TIERMEM_ASSIGN_OR_RETURN(CheckpointMeta meta, MetaOf(h));
   TIERMEM_RETURN_IF_ERROR(CheckCheckpointMeta(meta, how));
+  // The file's state format (compressed m and v: their block and map); files without one hold
+  // fp32 state only.
+  kernels::StateFormat file_format;
+  bool file_has_format = false;
+  if (auto it = h.meta.find("state_format"); it != h.meta.end()) {
+    const nlohmann::json f = nlohmann::json::parse(it->second, nullptr, false);
+    StatusOr<kernels::StateDType> d =
+        f.is_object() && f.contains("dtype") && f["dtype"].is_string()
+            ? kernels::ParseStateDType(f["dtype"].get<std::string>())
+            : StatusOr<kernels::StateDType>(DataLossError("no dtype"));
+    if (!d.ok() || !f.contains("block") || !f["block"].is_number_unsigned()) {
+      return DataLossError("checkpoint metadata 'state_format' is malformed: " + it->second);
+    }
+    file_format.dtype = *d;
+    file_format.block = f["block"].get<uint32_t>();
+    TIERMEM_RETURN_IF_ERROR(kernels::ValidateStateFormat(file_format)
+                                .WithContext("checkpoint metadata 'state_format'"));
+    file_has_format = true;
+  }
   // Everything the load needs, taken out of the header first (a malformed header is an error
-  // here, before anything changes): every tensor of this model and nothing else, all F32.
-  struct Entry {
-    uint64_t begin = 0;
-    std::string crc;
-  };
+  // here, before anything changes): every tensor of this model and nothing else; values F32,
+  // m and v F32, BF16, or U8 with their absmax.
   std::vector<std::vector<Entry>> entries(specs_.size());
   std::vector<int64_t> steps(specs_.size());
   uint64_t micro = 0, max_numel = 0;
   ScalerState scaler;
+  auto nothing_loaded = [](const std::string& what) {
+    return InvalidArgumentError(what + ": nothing was loaded");
+  };
   try {
     size_t expected = 0;
     for (size_t i = 0; i < specs_.size(); ++i) {
       const TensorSpec& t = specs_[i];
       max_numel = std::max(max_numel, t.numel);
-      expected += Keys(t).size();
-      for (const std::string& key : Keys(t)) {
+      // What this model has, then what the file stores for it.
+      std::vector<std::pair<std::string, ChunkKind>> keys = {{t.name, ChunkKind::kParamFp32}};
+      if (t.trainable) {
+        for (ChunkKind kind : {ChunkKind::kExpAvg, ChunkKind::kExpAvgSq}) {
+          keys.emplace_back(std::string(StatePrefix(kind)) + "/" + t.name, kind);
+        }
+      }
+      for (const auto& [key, kind] : keys) {
         const auto e = h.tensors.find(key);
         if (e == h.tensors.end()) {
           const bool frozen_there = key != t.name && h.tensors.contains(t.name);
-          return InvalidArgumentError(
+          return nothing_loaded(
               "checkpoint has no tensor '" + key + "'" +
               (frozen_there ? " (the parameter was frozen when it was saved)" : "") +
               "; this model has '" + t.name + "' (" + std::to_string(t.numel) + " elements" +
-              (t.trainable ? "" : ", frozen") + "): nothing was loaded");
+              (t.trainable ? "" : ", frozen") + ")");
         }
-        const nlohmann::json& off = e->at("data_offsets");
         uint64_t numel = 1;
         for (const auto& d : e->at("shape")) numel *= d.get<uint64_t>();
         const std::string dtype = e->at("dtype").get<std::string>();
-        if (dtype != "F32" || numel != t.numel || off.size() != 2 ||
-            off[1].get<uint64_t>() - off[0].get<uint64_t>() != t.numel * 4) {
-          return InvalidArgumentError("checkpoint tensor '" + key + "' has " +
-                                      std::to_string(numel) + " elements of " + dtype +
-                                      ", this model has '" + t.name + "' (" +
-                                      std::to_string(t.numel) + " elements, F32): nothing was "
-                                      "loaded");
+        const bool state = kind != ChunkKind::kParamFp32;
+        const bool compressed = state && (dtype == "BF16" || dtype == "U8");
+        if ((dtype != "F32" && !compressed) || numel != t.numel) {
+          return nothing_loaded("checkpoint tensor '" + key + "' has " + std::to_string(numel) +
+                                " elements of " + dtype + ", this model has '" + t.name + "' (" +
+                                std::to_string(t.numel) + " elements, " +
+                                (state ? "F32, BF16 or U8" : "F32") + ")");
         }
-        entries[i].push_back({off[0].get<uint64_t>(), h.crcs.at(key).get<std::string>()});
+        if (dtype == "U8" && (!file_has_format || file_format.dtype != kernels::StateDType::kInt8)) {
+          return DataLossError("checkpoint tensor '" + key + "' is U8 but the file's "
+                               "state_format is not int8: nothing was loaded");
+        }
+        Entry en;
+        en.key = key;
+        en.kind = kind;
+        en.part = compressed ? Part::kCodes : Part::kValues;
+        en.dtype = dtype;
+        en.bytes = t.numel * (dtype == "F32" ? 4 : dtype == "BF16" ? 2 : 1);
+        entries[i].push_back(en);
+        if (dtype == "U8") {  // its absmax follow
+          Entry a;
+          a.key = std::string(StatePrefix(kind)) + "_absmax/" + t.name;
+          a.kind = kind;
+          a.part = Part::kAbsmax;
+          a.dtype = "F32";
+          a.bytes = kernels::StateBlocks(file_format, t.numel) * 4;
+          const auto ae = h.tensors.find(a.key);
+          if (ae == h.tensors.end() || ae->at("dtype").get<std::string>() != "F32") {
+            return DataLossError("checkpoint has no F32 tensor '" + a.key + "' for the int8 '" +
+                                 key + "': nothing was loaded");
+          }
+          entries[i].push_back(a);
+        }
       }
+      for (Entry& en : entries[i]) {
+        const nlohmann::json& off = h.tensors.at(en.key).at("data_offsets");
+        if (off.size() != 2 || off[1].get<uint64_t>() - off[0].get<uint64_t>() != en.bytes) {
+          return nothing_loaded("checkpoint tensor '" + en.key + "' holds " +
+                                (off.size() == 2 ? std::to_string(off[1].get<uint64_t>() -
+                                                                  off[0].get<uint64_t>())
+                                                 : std::string("?")) +
+                                " bytes, not the " + std::to_string(en.bytes) + " of " +
+                                std::to_string(t.numel) + " elements of " + en.dtype);
+        }
+        en.begin = off[0].get<uint64_t>();
+        en.crc = h.crcs.at(en.key).get<std::string>();
+      }
+      expected += entries[i].size();
       steps[i] = h.steps.at(t.name).get<int64_t>();
     }
     if (h.tensors.size() != expected) {
-      return InvalidArgumentError("checkpoint holds " + std::to_string(h.tensors.size()) +
-                                  " tensors (values and Adam state), this model has " +
-                                  std::to_string(expected) + ": nothing was loaded");
+      return nothing_loaded("checkpoint holds " + std::to_string(h.tensors.size()) +
+                            " tensors (values and Adam state), this model has " +
+                            std::to_string(expected));
     }
     micro = std::stoull(h.meta.at("micro_steps"));
     scaler.scale = std::stod(h.meta.at("loss_scale"));
@@ -655,38 +782,75 @@ Status Session::LoadCheckpointV2(int fd, int data_fd, bool direct, CheckpointMet
   }
   // The read target without O_DIRECT; with it the values are used where they land in
   // `scratch`, copied here only when a file puts a tensor at an offset that is not a multiple
-  // of 4 (safetensors does not require one; tiermem's files never do it).
-  std::vector<float> buf(max_numel);
+  // of 4 (safetensors does not require one; tiermem's files never do it). A tensor's codes
+  // are kept in `codes` while its absmax are read.
+  std::vector<float> buf(max_numel), absmax(max_numel / kernels::kMinStateBlock + 1);
+  std::vector<char> codes(max_numel * 2);
   AlignedBuf scratch = direct ? NewAligned(max_numel * 4 + 2 * kBlock) : nullptr;
   if (direct && !scratch) return ResourceExhaustedError("checkpoint: no memory for the read buffer");
-  const ChunkKind kinds[] = {ChunkKind::kParamFp32, ChunkKind::kExpAvg, ChunkKind::kExpAvgSq};
+  // m and v stored in another format than this session's: converted (dequantized, then
+  // quantized to the session's format); said once, after the load.
+  std::map<std::string, size_t> conversions;  // "int8 (block 256) -> fp32" -> tensors
+  auto apply_state = [&](size_t i, ChunkKind kind, const kernels::StateFormat& stored,
+                         const char* code_bytes, const float* values) -> Status {
+    const kernels::StateFormat& mine = state_format(tensors_[i].group);
+    const bool same = stored.dtype == mine.dtype &&
+                      (stored.dtype != kernels::StateDType::kInt8 || stored.block == mine.block);
+    if (same && stored.compressed()) return WriteStateRaw(i, kind, code_bytes, absmax.data());
+    if (!same) ++conversions[FormatName(stored) + " -> " + FormatName(mine)];
+    if (stored.compressed()) {
+      kernels::DequantizeState(stored, kind == ChunkKind::kExpAvg,
+                               {const_cast<char*>(code_bytes), absmax.data()}, buf.data(),
+                               specs_[i].numel);
+      values = buf.data();
+    }
+    return WriteTensor(i, kind, values);
+  };
   // Pass 0 verifies every tensor's checksum; pass 1 applies.
   for (int pass = 0; pass < (verify_only ? 1 : 2); ++pass) {
     for (size_t i = 0; i < specs_.size(); ++i) {
-      const TensorSpec& t = specs_[i];
-      for (size_t k = 0; k < entries[i].size(); ++k) {
-        const Entry& e = entries[i][k];
+      for (const Entry& e : entries[i]) {
         StatusOr<const char*> at =
             ReadRange(data_fd, direct, scratch.get(), reinterpret_cast<char*>(buf.data()),
-                      t.numel * 4, h.data_start + e.begin);
+                      e.bytes, h.data_start + e.begin);
         Status s = at.status();
-        if (s.ok() && Hex8(Crc32c(*at, t.numel * 4)) != e.crc) {
-          s = DataLossError("tensor '" + Keys(t)[k] + "': checksum mismatch");
+        if (s.ok() && Hex8(Crc32c(*at, e.bytes)) != e.crc) {
+          s = DataLossError("tensor '" + e.key + "': checksum mismatch");
         }
         if (s.ok() && pass == 1) {
           const char* bytes = *at;
-          if (reinterpret_cast<uintptr_t>(bytes) % alignof(float) != 0) {
-            std::memcpy(buf.data(), bytes, t.numel * 4);
-            bytes = reinterpret_cast<const char*>(buf.data());
+          if (e.part != Part::kValues || reinterpret_cast<uintptr_t>(bytes) % alignof(float) != 0) {
+            char* to = e.part == Part::kCodes    ? codes.data()
+                       : e.part == Part::kAbsmax ? reinterpret_cast<char*>(absmax.data())
+                                                 : reinterpret_cast<char*>(buf.data());
+            if (to != bytes) std::memmove(to, bytes, e.bytes);
+            bytes = to;
           }
           const float* values = reinterpret_cast<const float*>(bytes);
-          s = k == 0 ? WriteParam(i, values) : WriteTensor(i, kinds[k], values);
+          kernels::StateFormat stored;  // kF32 for values
+          if (e.dtype == "BF16") stored.dtype = kernels::StateDType::kBF16;
+          if (e.part == Part::kAbsmax) stored = file_format;  // U8: applied with its absmax
+          if (e.kind == ChunkKind::kParamFp32) {
+            s = WriteParam(i, values);
+          } else if (e.part == Part::kValues || e.dtype == "BF16") {
+            s = apply_state(i, e.kind, stored, codes.data(), values);
+          } else if (e.part == Part::kAbsmax) {
+            s = apply_state(i, e.kind, stored, codes.data(), nullptr);
+          }  // U8 codes: applied when their absmax come
         }
         if (!s.ok()) {
           return s.WithContext(pass == 0 ? "nothing was loaded" : "the file changed while loading");
         }
       }
     }
+  }
+  for (const auto& [what, n] : conversions) {
+    TIERMEM_LOG(kWarn) << "checkpoint: the optimizer state of " << n << " tensor(s) was saved as "
+                       << what.substr(0, what.find(" -> ")) << " and is converted to this "
+                       << "session's " << what.substr(what.find(" -> ") + 4)
+                       << " (optimizer.state_dtype): "
+                       << (what.rfind("fp32", 0) == 0 ? "quantized" : "dequantized, then "
+                                                                      "stored in the new format");
   }
   if (verify_only) {
     if (metadata != nullptr) *metadata = std::move(meta);

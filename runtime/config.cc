@@ -181,6 +181,8 @@ constexpr std::initializer_list<const char*> kOverlaps = {"next-forward", "backw
 constexpr std::initializer_list<const char*> kCheckpointIo = {"auto", "direct", "buffered"};
 constexpr std::initializer_list<const char*> kActivationModes = {"outside", "budget", "offload",
                                                                      "recompute", "auto"};
+constexpr std::initializer_list<const char*> kStateDTypes = {"fp32", "bf16", "int8"};
+constexpr std::initializer_list<const char*> kRoundings = {"nearest", "stochastic"};
 
 Status ApplyJson(const json& config, SessionConfig* c, bool* nvme_given) {
   TIERMEM_RETURN_IF_ERROR(CheckKeys(config, kTopKeys, "config"));
@@ -229,7 +231,9 @@ Status ApplyJson(const json& config, SessionConfig* c, bool* nvme_given) {
     const json& o = config["optimizer"];
     if (!o.is_object()) return Bad("optimizer", "expected an object, got " + o.dump());
     TIERMEM_RETURN_IF_ERROR(
-        CheckKeys(o, {"type", "lr", "betas", "eps", "weight_decay"}, "config 'optimizer'"));
+        CheckKeys(o, {"type", "lr", "betas", "eps", "weight_decay", "state_dtype", "state_block",
+                      "state_rounding", "state_min_elems"},
+                  "config 'optimizer'"));
     if (o.contains("type")) {
       TIERMEM_RETURN_IF_ERROR(Choice("optimizer.type", o["type"], {"adamw"}).status());
     }
@@ -252,6 +256,32 @@ Status ApplyJson(const json& config, SessionConfig* c, bool* nvme_given) {
     if (o.contains("weight_decay")) {
       TIERMEM_ASSIGN_OR_RETURN(c->optimizer.weight_decay,
                                Number("optimizer.weight_decay", o["weight_decay"], 0));
+    }
+    kernels::StateFormat& f = c->optimizer_state.format;
+    if (o.contains("state_dtype")) {
+      TIERMEM_ASSIGN_OR_RETURN(const std::string d,
+                               Choice("optimizer.state_dtype", o["state_dtype"], kStateDTypes));
+      f.dtype = kernels::ParseStateDType(d).value();
+    }
+    if (o.contains("state_block")) {
+      TIERMEM_ASSIGN_OR_RETURN(const int b, Int("optimizer.state_block", o["state_block"],
+                                                kernels::kMinStateBlock, kernels::kMaxStateBlock));
+      f.block = static_cast<uint32_t>(b);
+      if (Status v = kernels::ValidateStateFormat(f); !v.ok()) {
+        return Bad("optimizer.state_block", std::string(v.message()));
+      }
+    }
+    if (o.contains("state_rounding")) {
+      TIERMEM_ASSIGN_OR_RETURN(const std::string r, Choice("optimizer.state_rounding",
+                                                           o["state_rounding"], kRoundings));
+      f.stochastic = r == "stochastic";
+    }
+    if (o.contains("state_min_elems")) {
+      const json& v = o["state_min_elems"];
+      if (!v.is_number_integer() || v.get<int64_t>() < 0) {
+        return Bad("optimizer.state_min_elems", "expected an integer >= 0, got " + v.dump());
+      }
+      c->optimizer_state.min_elems = v.get<uint64_t>();
     }
   }
   if (has("gradient_accumulation_steps")) {
@@ -382,6 +412,9 @@ Status ApplyEnv(const EnvGetter& env, SessionConfig* c, bool* nvme_given) {
       ChoiceVar(env, "TIERMEM_OPTIMIZER_OVERLAP", &c->optimizer_overlap, kOverlaps));
   TIERMEM_RETURN_IF_ERROR(
       ChoiceVar(env, "TIERMEM_CHECKPOINT_IO", &c->checkpoint_io, kCheckpointIo));
+  std::string state_dtype(kernels::StateDTypeName(c->optimizer_state.format.dtype));
+  TIERMEM_RETURN_IF_ERROR(ChoiceVar(env, "TIERMEM_STATE_DTYPE", &state_dtype, kStateDTypes));
+  c->optimizer_state.format.dtype = kernels::ParseStateDType(state_dtype).value();
   if (const char* t = Var(env, "TIERMEM_TIMELINE")) c->timeline = t;
   if (const char* l = Var(env, "TIERMEM_LOG_LEVEL")) {
     StatusOr<LogLevel> level = ParseLogLevel(l);
@@ -412,6 +445,13 @@ StatusOr<SessionConfig> ParseConfig(const json& config, const EnvGetter& env) {
   TIERMEM_RETURN_IF_ERROR(ApplyEnv(env, &c, &nvme_given));
   if (nvme_given && !c.nvme_path.empty()) {
     TIERMEM_RETURN_IF_ERROR(CheckWritableDir("nvme.path", c.nvme_path));
+  }
+  if (c.optimizer_state.format.stochastic &&
+      c.optimizer_state.format.dtype != kernels::StateDType::kBF16) {
+    return InvalidArgumentError(
+        "config 'optimizer.state_rounding': 'stochastic' rounds bf16 state; the state dtype is " +
+        std::string(kernels::StateDTypeName(c.optimizer_state.format.dtype)) +
+        " (set optimizer.state_dtype 'bf16', or drop state_rounding)");
   }
   if (c.device_kind == "host" && c.device_budget_given) {
     return InvalidArgumentError(
@@ -457,7 +497,13 @@ json ToJson(const SessionConfig& c) {
                     {"lr", c.optimizer.lr},
                     {"betas", {c.optimizer.beta1, c.optimizer.beta2}},
                     {"eps", c.optimizer.eps},
-                    {"weight_decay", c.optimizer.weight_decay}};
+                    {"weight_decay", c.optimizer.weight_decay},
+                    {"state_dtype", std::string(kernels::StateDTypeName(
+                                        c.optimizer_state.format.dtype))},
+                    {"state_block", c.optimizer_state.format.block},
+                    {"state_rounding",
+                     c.optimizer_state.format.stochastic ? "stochastic" : "nearest"},
+                    {"state_min_elems", c.optimizer_state.min_elems}};
   j["gradient_accumulation_steps"] = c.gradient_accumulation_steps;
   j["gradient_clipping"] = c.gradient_clipping;
   if (c.chunk_size) j["chunk_size"] = *c.chunk_size;

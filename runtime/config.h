@@ -32,6 +32,16 @@
 //   log_level       TIERMEM_LOG_LEVEL              warn        error | warn | info | debug
 //   precision                                      fp32        fp32 | bf16 | fp16
 //   optimizer.{type,lr,betas,eps,weight_decay}     adamw, 1e-3, [0.9, 0.999], 1e-8, 0.01
+//   optimizer.state_dtype TIERMEM_STATE_DTYPE      fp32        fp32 | bf16 | int8: how Adam's m
+//                                                              and v are stored, in every tier
+//                                                              (kernels/cpu/optim.h "Compressed
+//                                                              state"); fp32 masters stay fp32
+//   optimizer.state_block                          256         int8: elements per absmax (a
+//                                                              power of two, 64..4096)
+//   optimizer.state_rounding                       nearest     nearest | stochastic (bf16 only)
+//   optimizer.state_min_elems                      4096        tensors with fewer elements keep
+//                                                              fp32 state (bitsandbytes'
+//                                                              min_8bit_size); 0 = none
 //   gradient_accumulation_steps                    1           step every N-th call
 //   gradient_clipping                              0 (off)     global-norm clip
 //   chunk_size                                     automatic   elements per chunk
@@ -80,6 +90,7 @@
 
 #include "base/logging.h"
 #include "base/env.h"
+#include "kernels/cpu/optim.h"
 #include "base/status.h"
 #include "base/units.h"
 
@@ -104,6 +115,14 @@ struct LossScalingConfig {
   double backoff_factor = 0.5;
 };
 
+// How Adam's m and v are stored (optimizer.state_*). fp32 is exact and the default.
+struct OptimizerStateConfig {
+  kernels::StateFormat format;  // dtype, int8 block, bf16 stochastic rounding
+  // Tensors of fewer elements keep fp32 state (in chunk groups of their own): their share of
+  // the bytes is small, and their state (biases, norms) the most sensitive to rounding.
+  uint64_t min_elems = 4096;
+};
+
 struct SessionConfig {
   Bytes device_budget = 2 * kGiB;
   bool device_budget_given = false;  // `device` / TIERMEM_DEVICE_BUDGET was set
@@ -120,6 +139,7 @@ struct SessionConfig {
   LogLevel log_level = LogLevel::kWarn;
   Precision precision = Precision::kFp32;
   OptimizerConfig optimizer;
+  OptimizerStateConfig optimizer_state;
   int gradient_accumulation_steps = 1;
   double gradient_clipping = 0.0;       // 0 = off
   std::optional<uint64_t> chunk_size;   // elements per chunk; nullopt = automatic

@@ -32,6 +32,9 @@ Status DeviceAdamStep(bool cuda, const kernels::AdamConfig& config,
                                 "CPU kernels only take them)");
   }
 #ifdef TIERMEM_SESSION_WITH_CUDA
+  if (spans.state.compressed()) {
+    return kernels::cuda::AdamStepCompressed(config, spans, reinterpret_cast<void*>(stream.handle));
+  }
   kernels::cuda::AdamChunk c;
   c.param = spans.param;
   c.exp_avg = spans.exp_avg;

@@ -174,7 +174,7 @@ Status OptimizerStepper::UpdateGroup(size_t gi, const std::vector<Run>& runs, ui
   for (const Run& run : s.ok() ? runs : std::vector<Run>{}) {
     // On the device: enqueued on the compute stream (the releases below record it). On the
     // host: the CPU kernel, now (host copies are the CPU's; nothing orders a stream there).
-    s = RunAdam(v, run, step_args_.hyper[run.opt_group], step_args_.inv_loss_scale,
+    s = RunAdam(gi, v, run, step_args_.hyper[run.opt_group], step_args_.inv_loss_scale,
                 step_args_.clip_coef, where == TierKind::kDevice);
     if (!s.ok()) break;
   }
@@ -193,7 +193,7 @@ Status OptimizerStepper::UpdateGroup(size_t gi, const std::vector<Run>& runs, ui
   return s;
 }
 
-Status OptimizerStepper::RunAdam(const std::array<char*, chunks::kNumChunkKinds>& v,
+Status OptimizerStepper::RunAdam(size_t gi, const std::array<char*, chunks::kNumChunkKinds>& v,
                                  const Run& run, const GroupHyper& h, float inv_loss_scale,
                                  float clip, bool device,
                                  const std::array<char*, chunks::kNumChunkKinds>* in) {
@@ -209,8 +209,28 @@ Status OptimizerStepper::RunAdam(const std::array<char*, chunks::kNumChunkKinds>
   ac.clip_factor = clip;
   kernels::AdamSpans sp;
   sp.param = reinterpret_cast<float*>(v[K(ChunkKind::kParamFp32)]) + run.lo;
-  sp.exp_avg = reinterpret_cast<float*>(v[K(ChunkKind::kExpAvg)]) + run.lo;
-  sp.exp_avg_sq = reinterpret_cast<float*>(v[K(ChunkKind::kExpAvgSq)]) + run.lo;
+  const kernels::StateFormat& f = session_->state_format(gi);
+  if (f.compressed()) {
+    // Codes at run.lo; int8's absmax after the chunk's codes, one per block (run.lo is on a
+    // block boundary: tensors and shards are aligned to it).
+    const bool int8 = f.dtype == kernels::StateDType::kInt8;
+    const size_t es = int8 ? 1 : 2;
+    const uint64_t elems = session_->shard_elems();
+    auto ref = [&](ChunkKind k) {
+      char* base = v[K(k)];
+      return kernels::StateRef{
+          base + run.lo * es,
+          int8 ? reinterpret_cast<float*>(base + elems) + run.lo / f.block : nullptr};
+    };
+    sp.state = f;
+    sp.exp_avg_q = ref(ChunkKind::kExpAvg);
+    sp.exp_avg_sq_q = ref(ChunkKind::kExpAvgSq);
+    // Stochastic rounding's key: a different draw for every step, group and run.
+    ac.rounding_seed = (static_cast<uint64_t>(run.step) << 32) ^ (gi * 0x9E3779B97F4A7C15ull) ^ run.lo;
+  } else {
+    sp.exp_avg = reinterpret_cast<float*>(v[K(ChunkKind::kExpAvg)]) + run.lo;
+    sp.exp_avg_sq = reinterpret_cast<float*>(v[K(ChunkKind::kExpAvgSq)]) + run.lo;
+  }
   sp.grad = v[K(ChunkKind::kGrad)] + run.lo * kernels::DTypeSize(gd);
   sp.grad_dtype = gd;
   if (session_->mixed()) {
@@ -220,8 +240,10 @@ Status OptimizerStepper::RunAdam(const std::array<char*, chunks::kNumChunkKinds>
   sp.n = run.hi - run.lo;
   if (in != nullptr) {
     sp.param_in = reinterpret_cast<const float*>((*in)[K(ChunkKind::kParamFp32)]) + run.lo;
-    sp.exp_avg_in = reinterpret_cast<const float*>((*in)[K(ChunkKind::kExpAvg)]) + run.lo;
-    sp.exp_avg_sq_in = reinterpret_cast<const float*>((*in)[K(ChunkKind::kExpAvgSq)]) + run.lo;
+    if (!f.compressed()) {
+      sp.exp_avg_in = reinterpret_cast<const float*>((*in)[K(ChunkKind::kExpAvg)]) + run.lo;
+      sp.exp_avg_sq_in = reinterpret_cast<const float*>((*in)[K(ChunkKind::kExpAvgSq)]) + run.lo;
+    }
   }
   return DeviceAdamStep(session_->cuda() && device, ac, sp,
                         device ? session_->compute_stream() : kHostStream);
@@ -351,6 +373,12 @@ Status OptimizerStepper::Speculate(size_t gi) {
     for (const Run& run : sp.runs) covered.emplace_back(run.lo, run.hi);
     std::sort(covered.begin(), covered.end());
     for (ChunkKind k : state) {
+      if ((k == ChunkKind::kExpAvg || k == ChunkKind::kExpAvgSq) &&
+          session_->state_format(gi).compressed()) {
+        // Compressed m and v are updated in place: the shadow starts as all of the input.
+        std::memcpy(out[K(k)], in[K(k)], session_->ChunkBytes(gi, k));
+        continue;
+      }
       const Bytes es = kernels::DTypeSize(session_->dtype(k));
       const uint64_t elems = session_->ChunkBytes(gi, k) / es;
       uint64_t at = 0;
@@ -362,7 +390,7 @@ Status OptimizerStepper::Speculate(size_t gi) {
     }
     out[K(ChunkKind::kGrad)] = in[K(ChunkKind::kGrad)];  // read only
     for (const Run& run : sp.runs) {
-      s = RunAdam(out, run, sp.hyper[run.opt_group], sp.inv_loss_scale, 1.0f, false, &in);
+      s = RunAdam(gi, out, run, sp.hyper[run.opt_group], sp.inv_loss_scale, 1.0f, false, &in);
       if (!s.ok()) break;
     }
   }

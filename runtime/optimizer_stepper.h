@@ -205,10 +205,11 @@ class OptimizerStepper {
   // counts are restored.
   Status UpdateGroup(size_t gi, const std::vector<Run>& runs, uint64_t work,
                      const std::vector<uint32_t>& stepped, bool quiet = false);
-  // The AdamW update of `run` on the chunks at `v` (by kind), in place — on the device's stream
-  // when `device`, else the CPU kernel now; with `in`, out of place: the old params, m and v
-  // read there (host only).
-  Status RunAdam(const std::array<char*, chunks::kNumChunkKinds>& v, const Run& run,
+  // The AdamW update of `run` of group `gi` on the chunks at `v` (by kind), in place — on the
+  // device's stream when `device`, else the CPU kernel now; with `in`, out of place: the old
+  // params (and fp32 m and v) read there (host only; compressed m and v are updated in place
+  // at `v`). m and v in the group's state format.
+  Status RunAdam(size_t gi, const std::array<char*, chunks::kNumChunkKinds>& v, const Run& run,
                  const GroupHyper& h, float inv_loss_scale, float clip, bool device,
                  const std::array<char*, chunks::kNumChunkKinds>* in = nullptr);
   bool GroupPinned(size_t gi) const;

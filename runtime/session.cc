@@ -1,10 +1,13 @@
 // Session (see session.h): layout, chunk access, values, gradients and the optimizer step's
 // decision (its application: optimizer_stepper.cc; planning: plan_runner.cc).
 //
-// Layout invariants: trainable tensors are packed first, frozen ones after, into separate
-// groups (a frozen group has no grad or optimizer chunks); within a group tensors keep the
-// given order and never straddle chunks; every chunk of a group has chunk_elems_ elements of
-// its kind's dtype. The device working set the chunk size is chosen for is
+// Layout invariants: trainable tensors are packed first (those in a compressed optimizer-state
+// format, then those with fp32 state), frozen ones after, into separate groups (a frozen group
+// has no grad or optimizer chunks; a group's m and v have one format); within a group tensors
+// keep the given order and never straddle chunks; every chunk of a group has chunk_elems_
+// elements of its kind's dtype (m and v: of the group's state format, StateBytes); in an int8
+// group every tensor starts on a block boundary and chunk_elems_ (and, sharded, every shard)
+// is a multiple of the block. The device working set the chunk size is chosen for is
 // kMinResidentChunks (compute + grad) chunks.
 //
 // Step invariants: hyper-parameters are validated before anything changes; an accumulation
@@ -32,6 +35,13 @@ constexpr std::array<ChunkKind, 5> kCreationOrder = {
     ChunkKind::kExpAvgSq};
 
 int K(ChunkKind k) { return static_cast<int>(k); }
+
+bool IsStateKind(ChunkKind k) { return k == ChunkKind::kExpAvg || k == ChunkKind::kExpAvgSq; }
+
+// Bytes per element of a state format's codes (before int8's absmax).
+size_t CodeSize(const kernels::StateFormat& f) {
+  return f.dtype == kernels::StateDType::kInt8 ? 1 : f.dtype == kernels::StateDType::kBF16 ? 2 : 4;
+}
 
 Status CheckHyper(const GroupHyper& h, size_t g) {
   auto bad = [&](const std::string& what) {
@@ -69,7 +79,19 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
   if (sharding.world > 1 && sharding.collectives == nullptr) {
     return InvalidArgumentError("session: a sharded session needs its collectives");
   }
-  std::vector<size_t> trainable, frozen;
+  // Trainable tensors in the configured state format (`compressed`), or in fp32 state: all of
+  // them with fp32 state, else those below optimizer.state_min_elems.
+  const kernels::StateFormat state = config.optimizer_state.format;
+  TIERMEM_RETURN_IF_ERROR(
+      kernels::ValidateStateFormat(state).WithContext("config 'optimizer.state_block'"));
+  if (state.stochastic && state.dtype != kernels::StateDType::kBF16) {
+    return InvalidArgumentError("session: stochastic rounding of optimizer state needs "
+                                "optimizer.state_dtype 'bf16'");
+  }
+  // int8 groups align every tensor (and every chunk size) to the block.
+  const uint64_t state_align =
+      state.dtype == kernels::StateDType::kInt8 ? state.block : chunks::kAlignElems;
+  std::vector<size_t> trainable, compressed, frozen;
   uint64_t max_numel = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const TensorSpec& t = tensors[i];
@@ -89,15 +111,22 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
                                     std::to_string(t.numel));
       }
     }
-    (t.trainable ? trainable : frozen).push_back(i);
+    if (!t.trainable) {
+      frozen.push_back(i);
+    } else if (state.compressed() && t.numel >= config.optimizer_state.min_elems) {
+      compressed.push_back(i);
+    } else {
+      trainable.push_back(i);
+    }
     max_numel = std::max(max_numel, t.numel);
   }
+  const bool any_trainable = !trainable.empty() || !compressed.empty();
   std::unique_ptr<Session> s(new Session());
   s->config_ = config;
   const bool mixed = config.precision != Precision::kFp32;
   const Bytes esize = mixed ? 2 : 4;
   // Device working set per element: the compute param and (when anything trains) its grad.
-  const Bytes per_elem = esize + (trainable.empty() ? 0 : esize);
+  const Bytes per_elem = esize + (any_trainable ? esize : 0);
   std::vector<uint64_t> numels;
   for (const TensorSpec& t : tensors) numels.push_back(t.numel);
   TIERMEM_ASSIGN_OR_RETURN(s->device_kind_, TierStack::ResolveDeviceKind(config.device_kind));
@@ -123,19 +152,25 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
   s->min_device_budget_ =
       host ? 0 : chunks::MinimumDeviceBudget(max_numel, per_elem, kMinResidentChunks);
   if (!config.chunk_size) {
-    StatusOr<chunks::ChunkSizeChoice> choice =
-        chunks::ChooseChunkElems(numels, sizing_budget, per_elem, kMinResidentChunks);
+    StatusOr<chunks::ChunkSizeChoice> choice = chunks::ChooseChunkElems(
+        numels, sizing_budget, per_elem, kMinResidentChunks, state_align);
     if (!choice.ok() && host) {
       // The largest tensor alone is more than 1/32 of the host budget: one chunk per tensor
       // of that size (the host tier's own minimum is checked when it is built).
       choice = chunks::ChooseChunkElems(
           numels, chunks::MinimumDeviceBudget(max_numel, per_elem, kMinResidentChunks),
-          per_elem, kMinResidentChunks);
+          per_elem, kMinResidentChunks, state_align);
     }
     if (!choice.ok()) return choice.status();
     s->chunk_elems_ = choice->chunk_elems;
   } else {
     s->chunk_elems_ = *config.chunk_size;
+    if (!compressed.empty() && s->chunk_elems_ % state_align != 0) {
+      return InvalidArgumentError(
+          "chunk_size=" + std::to_string(s->chunk_elems_) + " is not a multiple of "
+          "optimizer.state_block (" + std::to_string(state_align) + "): chunks of int8 "
+          "optimizer state hold whole blocks");
+    }
     const Bytes need = s->chunk_elems_ * per_elem * kMinResidentChunks;
     if (!host && need > config.device_budget) {
       return ResourceExhaustedError(
@@ -148,25 +183,30 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
   // kernels' vectors and the host tier's classes aligned).
   s->sharding_ = sharding;
   if (sharding.world > 1) {
-    const uint64_t unit = static_cast<uint64_t>(sharding.world) * 64;
+    // int8 state: every shard holds whole blocks too.
+    const uint64_t unit = static_cast<uint64_t>(sharding.world) * std::max<uint64_t>(64, state_align);
     s->chunk_elems_ = (s->chunk_elems_ + unit - 1) / unit * unit;
   }
   s->shard_elems_ = s->chunk_elems_ / static_cast<uint64_t>(sharding.world);
   s->shard_begin_ = s->shard_elems_ * static_cast<uint64_t>(sharding.rank);
-  // Pack trainable tensors, then frozen ones, into their own groups.
+  // Pack trainable tensors (those in the compressed state format first), then frozen ones,
+  // into their own groups.
   s->tensors_.resize(tensors.size());
-  for (const std::vector<size_t>* subset : {&trainable, &frozen}) {
+  for (const std::vector<size_t>* subset : {&compressed, &trainable, &frozen}) {
     if (subset->empty()) continue;
+    const bool packed_compressed = subset == &compressed;
     std::vector<uint64_t> sub;
     for (size_t i : *subset) sub.push_back(tensors[i].numel);
-    auto layout = chunks::PackTensors(sub, s->chunk_elems_);
+    auto layout = chunks::PackTensors(sub, s->chunk_elems_,
+                                      packed_compressed ? state_align : chunks::kAlignElems);
     if (!layout.ok()) {
       return layout.status().WithContext("chunk_size=" + std::to_string(s->chunk_elems_));
     }
     const size_t base = s->groups_.size();
     for (size_t g = 0; g < layout->num_groups(); ++g) {
       ChunkGroup grp;
-      grp.trainable = subset == &trainable;
+      grp.trainable = subset != &frozen;
+      if (packed_compressed) grp.state = state;
       grp.chunks.fill(kNoChunk);
       s->groups_.push_back(std::move(grp));
     }
@@ -184,8 +224,11 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
       grp.used_elems = std::max(grp.used_elems, p.offset + p.numel);
     }
   }
-  for (const TensorSpec& t : tensors) {
-    s->model_bytes_ += t.numel * (t.trainable ? esize * 2 + 8 : esize) + (mixed ? t.numel * 4 : 0);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const TensorSpec& t = tensors[i];
+    const Bytes m_and_v = 2 * kernels::StateBytes(s->groups_[s->tensors_[i].group].state, t.numel);
+    s->model_bytes_ += t.numel * (t.trainable ? esize * 2 : esize) +
+                       (t.trainable ? m_and_v : 0) + (mixed ? t.numel * 4 : 0);
   }
   s->specs_ = std::move(tensors);
   s->has_grad_.assign(s->specs_.size(), 0);
@@ -200,7 +243,7 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
   // as the device minimum, kMinResidentChunks) and the next ones prefetched (two more) need
   // that room beside the optimizer step's group.
   const Bytes reserve_chunks =
-      host ? (trainable.empty() ? kMinResidentChunks : 5) + 2 : (trainable.empty() ? 1 : 5);
+      host ? (any_trainable ? 5 : kMinResidentChunks) + 2 : (any_trainable ? 5 : 1);
   sl.host_reserve = config.nvme_size == 0 ? 0 : reserve_chunks * AlignUp(sl.chunk_bytes, kPage);
   // State beyond the host budget with NVMe: homes fill the host budget, so map it all now,
   // registered with the NVMe tier (tier_stack.h).
@@ -218,11 +261,17 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
                         : kind == ChunkKind::kParamFp32 ? true
                                                          : g.trainable;
       if (!need) continue;
-      auto id = eng->AddChunk(s->shard_elems_ * kernels::DTypeSize(s->dtype(kind)),
-                              chunks::ChunkKindCategory(kind));
+      const bool state_kind = kind == ChunkKind::kExpAvg || kind == ChunkKind::kExpAvgSq;
+      const Bytes bytes = state_kind ? kernels::StateBytes(g.state, s->shard_elems_)
+                                     : s->shard_elems_ * kernels::DTypeSize(s->dtype(kind));
+      auto id = eng->AddChunk(bytes, chunks::ChunkKindCategory(kind));
       if (!id.ok()) return id.status();  // `s` is destroyed: every region freed
       g.chunks[K(kind)] = *id;
       s->total_chunk_bytes_ += eng->ChunkBytes(*id);
+      if (state_kind) {
+        s->state_bytes_ += eng->ChunkBytes(*id);
+        s->state_bytes_fp32_ += s->shard_elems_ * 4;
+      }
     }
   }
   return s;
@@ -364,6 +413,15 @@ Status Session::ReadTensor(size_t tensor, ChunkKind kind, void* out) {
   const TensorPlace& t = tensors_[tensor];
   TIERMEM_RETURN_IF_ERROR(CheckKind(t.group, kind));
   TIERMEM_RETURN_IF_ERROR(stepper_->RunPending(t.group, true));
+  const kernels::StateFormat& f = groups_[t.group].state;
+  if (IsStateKind(kind) && f.compressed()) {  // dequantized
+    std::vector<char> codes(t.numel * CodeSize(f));
+    std::vector<float> absmax(kernels::StateBlocks(f, t.numel));
+    TIERMEM_RETURN_IF_ERROR(StateRaw(tensor, kind, codes.data(), absmax.data(), false));
+    kernels::DequantizeState(f, kind == ChunkKind::kExpAvg, {codes.data(), absmax.data()},
+                             static_cast<float*>(out), t.numel);
+    return OkStatus();
+  }
   const size_t es = kernels::DTypeSize(dtype(kind));
   if (sharded()) {  // collective: the chunk from every rank's shard
     TIERMEM_ASSIGN_OR_RETURN(const char* full, GatherChunk(t.group, kind));
@@ -380,6 +438,14 @@ Status Session::WriteTensor(size_t tensor, ChunkKind kind, const void* values) {
   TIERMEM_RETURN_IF_ERROR(CheckKind(t.group, kind));
   TIERMEM_RETURN_IF_ERROR(stepper_->RunPending(t.group, true));
   stepper_->DropSpeculation(t.group);
+  const kernels::StateFormat& f = groups_[t.group].state;
+  if (IsStateKind(kind) && f.compressed()) {  // quantized: the tensor's blocks start at it
+    std::vector<char> codes(t.numel * CodeSize(f));
+    std::vector<float> absmax(kernels::StateBlocks(f, t.numel));
+    kernels::QuantizeState(f, kind == ChunkKind::kExpAvg, static_cast<const float*>(values),
+                           {codes.data(), absmax.data()}, t.numel, tensor);
+    return StateRaw(tensor, kind, codes.data(), absmax.data(), true);
+  }
   const size_t es = kernels::DTypeSize(dtype(kind));
   // This rank's part of the tensor (all of it when not sharded).
   const uint64_t lo = std::max(t.offset, shard_begin_);
@@ -391,12 +457,81 @@ Status Session::WriteTensor(size_t tensor, ChunkKind kind, const void* values) {
                                    (hi - lo) * es);
 }
 
+Status Session::ReadStateRaw(size_t tensor, ChunkKind kind, void* codes, float* absmax) {
+  TIERMEM_RETURN_IF_ERROR(Live());
+  if (tensor >= tensors_.size()) return OutOfRangeError("session: unknown tensor");
+  if (!IsStateKind(kind)) return InvalidArgumentError("session: raw state is exp_avg or exp_avg_sq");
+  TIERMEM_RETURN_IF_ERROR(CheckKind(tensors_[tensor].group, kind));
+  TIERMEM_RETURN_IF_ERROR(stepper_->RunPending(tensors_[tensor].group, true));
+  return StateRaw(tensor, kind, codes, absmax, false);
+}
+
+Status Session::WriteStateRaw(size_t tensor, ChunkKind kind, const void* codes,
+                              const float* absmax) {
+  TIERMEM_RETURN_IF_ERROR(Live());
+  if (tensor >= tensors_.size()) return OutOfRangeError("session: unknown tensor");
+  if (!IsStateKind(kind)) return InvalidArgumentError("session: raw state is exp_avg or exp_avg_sq");
+  TIERMEM_RETURN_IF_ERROR(CheckKind(tensors_[tensor].group, kind));
+  TIERMEM_RETURN_IF_ERROR(stepper_->RunPending(tensors_[tensor].group, true));
+  stepper_->DropSpeculation(tensors_[tensor].group);
+  return StateRaw(tensor, kind, const_cast<void*>(codes), const_cast<float*>(absmax), true);
+}
+
+// A chunk of m or v is the codes of its shard_elems_ elements, then (int8) one absmax per
+// block; a tensor's blocks start at its first element (aligned to the block). Sharded, the
+// gathered chunk is every rank's shard chunk back to back.
+Status Session::StateRaw(size_t tensor, ChunkKind kind, void* codes_v, float* absmax,
+                         bool write) {
+  const TensorPlace& t = tensors_[tensor];
+  const kernels::StateFormat& f = groups_[t.group].state;
+  const size_t es = CodeSize(f);
+  const bool int8 = f.dtype == kernels::StateDType::kInt8;
+  const Bytes absmax_at = shard_elems_ * es;  // in each shard's chunk
+  char* codes = static_cast<char*>(codes_v);
+  chunks::Engine* eng = stack_->engine();
+  const ChunkId c = Chunk(t.group, kind);
+  if (write) {  // this rank's part (block-aligned: shards hold whole blocks)
+    const uint64_t lo = std::max(t.offset, shard_begin_);
+    const uint64_t hi = std::min(t.offset + t.numel, shard_begin_ + shard_elems_);
+    if (lo >= hi) return OkStatus();
+    gathered_key_ = {SIZE_MAX, -1};
+    TIERMEM_RETURN_IF_ERROR(eng->WriteAt(c, (lo - shard_begin_) * es,
+                                         codes + (lo - t.offset) * es, (hi - lo) * es));
+    if (!int8) return OkStatus();
+    return eng->WriteAt(c, absmax_at + (lo - shard_begin_) / f.block * 4,
+                        absmax + (lo - t.offset) / f.block,
+                        (hi - lo + f.block - 1) / f.block * 4);
+  }
+  if (!sharded()) {
+    TIERMEM_RETURN_IF_ERROR(eng->ReadAt(c, t.offset * es, codes, t.numel * es));
+    if (!int8) return OkStatus();
+    return eng->ReadAt(c, absmax_at + t.offset / f.block * 4, absmax,
+                       kernels::StateBlocks(f, t.numel) * 4);
+  }
+  TIERMEM_ASSIGN_OR_RETURN(const char* full, GatherChunk(t.group, kind));
+  const Bytes stride = eng->ChunkBytes(c);
+  for (uint64_t r = t.offset / shard_elems_; r * shard_elems_ < t.offset + t.numel; ++r) {
+    const uint64_t lo = std::max(t.offset, r * shard_elems_);
+    const uint64_t hi = std::min(t.offset + t.numel, (r + 1) * shard_elems_);
+    const char* shard = full + r * stride;
+    std::memcpy(codes + (lo - t.offset) * es, shard + (lo - r * shard_elems_) * es,
+                (hi - lo) * es);
+    if (int8) {
+      std::memcpy(absmax + (lo - t.offset) / f.block,
+                  shard + absmax_at + (lo - r * shard_elems_) / f.block * 4,
+                  (hi - lo + f.block - 1) / f.block * 4);
+    }
+  }
+  return OkStatus();
+}
+
 StatusOr<const char*> Session::GatherChunk(size_t group, ChunkKind kind) {
   const std::pair<size_t, int> key{group, K(kind)};
   if (gather_cache_ && gathered_key_ == key) return gathered_.data();
-  const size_t es = kernels::DTypeSize(dtype(kind));
-  shard_buf_.resize(shard_elems_ * es);
-  gathered_.resize(chunk_elems_ * es);
+  // Every rank's shard chunk, back to back (for compressed m and v: codes, then absmax).
+  const Bytes shard_bytes = stack_->engine()->ChunkBytes(Chunk(group, kind));
+  shard_buf_.resize(shard_bytes);
+  gathered_.resize(shard_bytes * static_cast<size_t>(sharding_.world));
   TIERMEM_RETURN_IF_ERROR(
       stack_->engine()->ReadAt(Chunk(group, kind), 0, shard_buf_.data(), shard_buf_.size()));
   gathered_key_ = {SIZE_MAX, -1};

@@ -10,7 +10,8 @@
 //   - the layout: tensors (in the order given — first use, i.e. module registration order)
 //     packed into chunk groups; every group has one chunk per ChunkKind it needs, all at the
 //     same element offsets. Trainable groups: the compute params (kParamFp32 in fp32 training,
-//     kParamLowp in bf16/fp16), kGrad (compute dtype), kExpAvg and kExpAvgSq (fp32), and in
+//     kParamLowp in bf16/fp16), kGrad (compute dtype), kExpAvg and kExpAvgSq (the group's
+//     optimizer-state format, below), and in
 //     mixed precision the fp32 master (kParamFp32). Frozen groups: the compute params, plus
 //     the fp32 master in mixed precision (so their values stay exact). Chunks are created
 //     compute params first, then grads, masters, m and v, so the optimizer state is what
@@ -26,6 +27,16 @@
 //     Every access path of the session first runs the pending update of what it touches, and
 //     anything that writes a group drops its speculation: values are those of the
 //     unoverlapped step, bit for bit;
+//   - the optimizer-state format (config optimizer.state_*; kernels/cpu/optim.h "Compressed
+//     state"): fp32, or compressed — bf16, or int8 codes with one absmax per block — in every
+//     tier (a chunk of m is StateBytes(format, elements): int8's is its codes, then its absmax
+//     values), so host, NVMe, the mover, the trace and the planner all see the compressed
+//     bytes. With compressed state, trainable tensors of at least optimizer.state_min_elems
+//     elements are packed into groups of that format, the smaller ones into groups of their
+//     own with fp32 state; int8 groups start every tensor on a block boundary (no block
+//     straddles two tensors) and every chunk holds whole blocks. Values of m and v
+//     (ReadTensor / WriteTensor) are fp32 whatever the format (dequantized / quantized);
+//     ReadStateRaw / WriteStateRaw move the stored codes and absmax (checkpoints);
 //   - per-tensor "has a gradient" flags (torch's `p.grad is not None`: a tensor without a
 //     gradient is not stepped, like torch.optim) and, through the stepper, step counts;
 //   - checkpoints (SaveCheckpoint/LoadCheckpoint: a versioned, checksummed file streamed
@@ -97,6 +108,7 @@ struct TensorPlace {
 
 struct ChunkGroup {
   bool trainable = false;
+  kernels::StateFormat state;                    // of its kExpAvg / kExpAvgSq chunks
   uint64_t used_elems = 0;                       // end of its last tensor
   std::array<ChunkId, chunks::kNumChunkKinds> chunks;  // by ChunkKind; kNoChunk if absent
   std::vector<uint32_t> tensors;                 // its tensors, in offset order
@@ -200,9 +212,21 @@ class Session {
   Status ReadParam(size_t tensor, float* out);
   // Sets the fp32 master and the compute copy (rounded to nearest even in mixed precision).
   Status WriteParam(size_t tensor, const float* values);
-  // Raw bytes of `kind` for the tensor (numel * element size of that kind).
+  // Raw bytes of `kind` for the tensor (numel * element size of that kind: dtype(kind), fp32
+  // for m and v). Compressed m and v are dequantized on the way out and quantized on the way
+  // in (int8: the tensor's blocks get new absmax values).
   Status ReadTensor(size_t tensor, ChunkKind kind, void* out);
   Status WriteTensor(size_t tensor, ChunkKind kind, const void* values);
+  // The optimizer-state format of a group's m and v (fp32 for frozen groups).
+  const kernels::StateFormat& state_format(size_t group) const { return groups_[group].state; }
+  // Stored m or v of a tensor in its group's format: `codes` gets StateBytes' code part
+  // (numel bytes for int8, 2 x numel for bf16, 4 x numel for fp32), `absmax` (int8 only,
+  // else unused) StateBlocks(format, numel) values. kInvalidArgument for another kind.
+  Status ReadStateRaw(size_t tensor, ChunkKind kind, void* codes, float* absmax);
+  Status WriteStateRaw(size_t tensor, ChunkKind kind, const void* codes, const float* absmax);
+  // Bytes of every m and v chunk, and what they would be in fp32 (the same layout).
+  Bytes state_bytes() const { return state_bytes_; }
+  Bytes state_bytes_fp32() const { return state_bytes_fp32_; }
   int64_t step_count(size_t tensor) const { return stepper_->step_count(tensor); }
   Status SetStepCount(size_t tensor, int64_t steps);
 
@@ -399,6 +423,10 @@ class Session {
   // Sharded reads: the whole chunk of `kind` of `group` gathered from every rank into
   // gathered_ (host); cached for (group, kind) while gather_cache_ is on.
   StatusOr<const char*> GatherChunk(size_t group, ChunkKind kind);
+  // Moves a tensor's stored m or v (its code bytes and, int8, its absmax) between the chunk
+  // and host buffers: this rank's part when writing, the whole tensor (gathered when
+  // sharded) when reading.
+  Status StateRaw(size_t tensor, ChunkKind kind, void* codes, float* absmax, bool write);
   // Where a reduction over a chunk (GradStats) reads it without moving it.
   TierKind ReadTier(size_t g, ChunkKind kind) const;
   TraceRecorder::Probes TraceProbes() const;
@@ -428,6 +456,7 @@ class Session {
   uint64_t chunk_elems_ = 0;
   Bytes model_bytes_ = 0;
   Bytes total_chunk_bytes_ = 0;  // every chunk of every kind
+  Bytes state_bytes_ = 0, state_bytes_fp32_ = 0;  // m and v chunks, and in fp32
   Bytes min_device_budget_ = 0;
   std::vector<uint8_t> has_grad_;
   ScalerState scaler_;

@@ -33,6 +33,13 @@ struct KernelTable {
 };
 
 const KernelTable& ScalarTable();
+// Bulk conversions of compressed state (optim.h QuantizeState / DequantizeState), scalar for
+// every ISA (not on the step's path): [begin, end) of the span, begin a multiple of the block
+// for kInt8. `key`: RoundingKey(seed).
+void QuantizeStateRange(const StateFormat& f, bool is_signed, const float* src, StateRef out,
+                        uint32_t key, size_t begin, size_t end);
+void DequantizeStateRange(const StateFormat& f, bool is_signed, StateRef in, float* dst,
+                          size_t begin, size_t end);
 const KernelTable& Avx2Table();
 const KernelTable& Avx512Table();
 

@@ -33,6 +33,7 @@
 #include <tbb/task_arena.h>
 
 #include "kernels/cpu/kernel_table.h"
+#include "kernels/cpu/quant_tables.h"
 #include "base/logging.h"
 #include "base/env.h"
 #include "base/mutex.h"
@@ -43,7 +44,9 @@ namespace {
 
 using internal::KernelTable;
 
-constexpr size_t kTile = 32768;  // elements; a multiple of every vector width
+// Elements; a multiple of every vector width and of every state block (kMaxStateBlock).
+constexpr size_t kTile = 32768;
+static_assert(kTile % kMaxStateBlock == 0);
 constexpr size_t kStreamOutBytes = 8u << 20;  // param_out at least this big: streaming stores
 
 #ifdef TIERMEM_KERNELS_X86
@@ -294,7 +297,8 @@ int KernelThreads() {
 
 Status ValidateAdam(const AdamConfig& c, const AdamSpans& s) {
   if (s.n == 0) return OkStatus();
-  if (s.param == nullptr || s.exp_avg == nullptr || s.exp_avg_sq == nullptr || s.grad == nullptr) {
+  if (s.param == nullptr || s.grad == nullptr ||
+      (!s.state.compressed() && (s.exp_avg == nullptr || s.exp_avg_sq == nullptr))) {
     return InvalidArgumentError("AdamStep: param, exp_avg, exp_avg_sq and grad must be non-null");
   }
   if (c.amsgrad && s.max_exp_avg_sq == nullptr) {
@@ -316,6 +320,21 @@ Status ValidateAdam(const AdamConfig& c, const AdamSpans& s) {
   if (s.max_exp_avg_sq_in != nullptr && s.max_exp_avg_sq == nullptr) {
     return InvalidArgumentError("AdamStep: max_exp_avg_sq_in without max_exp_avg_sq");
   }
+  if (s.state.compressed()) {
+    TIERMEM_RETURN_IF_ERROR(ValidateStateFormat(s.state).WithContext("AdamStep"));
+    const bool int8 = s.state.dtype == StateDType::kInt8;
+    if (s.exp_avg_q.data == nullptr || s.exp_avg_sq_q.data == nullptr ||
+        (int8 && (s.exp_avg_q.absmax == nullptr || s.exp_avg_sq_q.absmax == nullptr))) {
+      return InvalidArgumentError(std::string("AdamStep: ") +
+                                  std::string(StateDTypeName(s.state.dtype)) +
+                                  " state needs exp_avg_q and exp_avg_sq_q" +
+                                  (int8 ? " with their absmax" : ""));
+    }
+    if (c.amsgrad) return InvalidArgumentError("AdamStep: amsgrad needs fp32 state");
+    if (s.exp_avg_in != nullptr || s.exp_avg_sq_in != nullptr) {
+      return InvalidArgumentError("AdamStep: compressed state is updated in place only");
+    }
+  }
   return OkStatus();
 }
 
@@ -330,8 +349,26 @@ void AdamStep(const AdamConfig& config, const AdamSpans& spans) {
   internal::AdamConsts k = internal::MakeAdamConsts(config);
   // Non-temporal stores for the low-precision copy once it cannot stay in cache anyway.
   k.stream_out = s.param_out != nullptr && s.n * DTypeSize(s.out_dtype) >= kStreamOutBytes;
+  if (s.state.compressed()) k.tables = &internal::GetQuantTables();
   const KernelTable& t = Table();
   ForTiles(s.n, [&](size_t b, size_t e) { t.adam(k, s, b, e); });
+}
+
+void QuantizeState(const StateFormat& format, bool is_signed, const float* src, StateRef out,
+                   size_t n, uint64_t seed) {
+  assert(ValidateStateFormat(format).ok());
+  const uint32_t key = internal::RoundingKey(seed);
+  ForTiles(n, [&](size_t b, size_t e) {
+    internal::QuantizeStateRange(format, is_signed, src, out, key, b, e);
+  });
+}
+
+void DequantizeState(const StateFormat& format, bool is_signed, StateRef in, float* dst,
+                     size_t n) {
+  assert(ValidateStateFormat(format).ok());
+  ForTiles(n, [&](size_t b, size_t e) {
+    internal::DequantizeStateRange(format, is_signed, in, dst, b, e);
+  });
 }
 
 GradStats AdamStepUnlessOverflow(const AdamConfig& config, const AdamSpans& spans) {
@@ -421,6 +458,7 @@ AdamConsts MakeAdamConsts(const AdamConfig& c) {
   k.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
   k.eps = c.eps;
   k.neg_step_size = static_cast<float>(-(static_cast<double>(c.lr) / bc1));
+  k.rounding_key = RoundingKey(c.rounding_seed);
   return k;
 }
 

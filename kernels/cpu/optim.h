@@ -11,6 +11,10 @@
 // g *= clip_factor (if != 1) -> update m, v, the fp32 master param -> optionally write the
 // low-precision copy (round-to-nearest-even) into param_out.
 //
+// Compressed optimizer state (AdamSpans::state, "Compressed state" below): m and v stored in
+// bf16 or as 8-bit blockwise dynamic codes, dequantized, updated and requantized in the same
+// one pass; the fp32 master params stay fp32.
+//
 // Threading: calls are thread-safe on disjoint spans; each call may use up to
 // KernelThreads() threads internally (oneTBB), or the caller's own parallel loop while a
 // ScopedParallelFor is alive on the calling thread.
@@ -73,7 +77,72 @@ struct AdamConfig {
   int64_t step = 1;       // 1-based step number after increment (torch's state['step'])
   float inv_loss_scale = 1.0f;  // grads are multiplied by this first (1 = skip)
   float clip_factor = 1.0f;     // then by this (global-norm clip coefficient; 1 = skip)
+  uint64_t rounding_seed = 0;   // bf16 state with stochastic rounding: the noise's key
 };
+
+// ---- Compressed state -------------------------------------------------------------------------
+// The element format of Adam's m and v (config optimizer.state_dtype):
+//   kF32   4 bytes per element (exact; the default).
+//   kBF16  2 bytes: bf16, rounded to nearest even after every update (or stochastically:
+//          StateFormat::stochastic, an unbiased rounding from a counter-based hash of
+//          (AdamConfig::rounding_seed, element index): the same bits on every ISA).
+//   kInt8  1 byte plus 4 bytes per block of `block` elements: blockwise dynamic quantization
+//          (Dettmers et al., "8-bit Optimizers via Block-wise Quantization", 2022). Each block
+//          keeps its absmax (fp32) and every element the index of the code nearest to
+//          value / absmax in a 256-entry dynamic ("tree") map: signed for m, unsigned for v
+//          (DynamicCode; the maps bitsandbytes' create_dynamic_map describes). Dequantized:
+//          code[q] * absmax. Nearest: ties go to the code of smaller magnitude.
+// Storage of n elements (StateBytes): kInt8 is the n code bytes, then ceil(n / block) fp32
+// absmax values; blocks start at the span's first element, so a span whose blocks must not
+// straddle two tensors starts each tensor on a block boundary (the session aligns them).
+enum class StateDType : uint8_t { kF32 = 0, kBF16 = 1, kInt8 = 2 };
+std::string_view StateDTypeName(StateDType dtype);  // "fp32", "bf16", "int8"
+// "fp32", "bf16", "int8"; else kInvalidArgument naming the accepted values.
+StatusOr<StateDType> ParseStateDType(std::string_view name);
+
+inline constexpr uint32_t kMinStateBlock = 64, kMaxStateBlock = 4096;
+
+struct StateFormat {
+  StateDType dtype = StateDType::kF32;
+  uint32_t block = 256;     // kInt8: elements per absmax (a power of two in [64, 4096])
+  bool stochastic = false;  // kBF16: stochastic rounding instead of round-to-nearest-even
+  bool compressed() const { return dtype != StateDType::kF32; }
+  bool operator==(const StateFormat& o) const {
+    return dtype == o.dtype && block == o.block && stochastic == o.stochastic;
+  }
+};
+// kInvalidArgument for a block outside [64, 4096] or not a power of two.
+Status ValidateStateFormat(const StateFormat& format);
+// Bytes of n elements of one state tensor in `format` (codes, then absmax for kInt8).
+size_t StateBytes(const StateFormat& format, size_t n);
+inline size_t StateBlocks(const StateFormat& format, size_t n) {
+  return format.dtype == StateDType::kInt8 ? (n + format.block - 1) / format.block : 0;
+}
+
+// The 256 codes of the dynamic map, ascending: signed (m: 127 negative values, 0, 127
+// positive values and 1) or unsigned (v: 0, 254 positive values and 1). The values are those
+// of bitsandbytes' create_dynamic_map(signed, 7, 8), generated here from the description:
+// for i in 0..6, the midpoints of linspace(0.1, 1, k + 1) scaled by 10^(i - 6), k = 2^i
+// (signed, and their negations) or 2^(i + 1) (unsigned); plus 0 and 1.
+const float* DynamicCode(bool is_signed);
+// Index of the code nearest to x (|x| <= 1 after the absmax division; larger values take the
+// extreme code, NaN a deterministic one): a bucket table over x's exponent and top 7 mantissa
+// bits, then one comparison — no search.
+uint8_t QuantizeToCode(float x, bool is_signed);
+
+// One compressed state tensor: codes (kInt8: uint8; kBF16: bf16 as uint16) and, for kInt8,
+// one absmax per block of the span.
+struct StateRef {
+  void* data = nullptr;
+  float* absmax = nullptr;
+};
+// Blockwise quantization of n fp32 values into `out` (kInt8: codes and absmax; kBF16: bf16 with
+// the format's rounding, element index i keyed by `seed`; kF32: a copy). `is_signed`: the map
+// of m (true) or v (false). Dequantize is its inverse up to the codes' resolution.
+void QuantizeState(const StateFormat& format, bool is_signed, const float* src, StateRef out,
+                   size_t n, uint64_t seed = 0);
+void DequantizeState(const StateFormat& format, bool is_signed, StateRef in, float* dst,
+                     size_t n);
 
 struct AdamSpans {
   float* param = nullptr;        // fp32 master params, updated in place
@@ -94,6 +163,14 @@ struct AdamSpans {
   const float* exp_avg_in = nullptr;
   const float* exp_avg_sq_in = nullptr;
   const float* max_exp_avg_sq_in = nullptr;
+  // Compressed state (state.compressed()): m and v are exp_avg_q / exp_avg_sq_q instead of
+  // exp_avg / exp_avg_sq (unused then), read, updated and written back in the same pass (kInt8:
+  // per block: dequantize, update every element, take the new absmax, requantize). In place
+  // only (no *_in for them; param_in still works); no amsgrad. The result is the fp32 step's
+  // on the dequantized state, with the new m and v rounded to the format (the param update
+  // uses the new m and v before rounding, as bitsandbytes' 8-bit step does).
+  StateFormat state = {};
+  StateRef exp_avg_q = {}, exp_avg_sq_q = {};
 };
 
 void AdamStep(const AdamConfig& config, const AdamSpans& spans);

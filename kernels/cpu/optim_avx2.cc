@@ -71,6 +71,55 @@ struct V256 {
     const __m128d s = _mm_add_pd(_mm256_castpd256_pd128(a), _mm256_extractf128_pd(a, 1));
     return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
   }
+  // ---- compressed state: 32-bit integer lanes, gathers, byte codes ----
+  using I = __m256i;
+  static I BitsOf(F x) { return _mm256_castps_si256(x); }
+  static I Set1I(int v) { return _mm256_set1_epi32(v); }
+  static I Iota() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+  static I AndI(I a, I b) { return _mm256_and_si256(a, b); }
+  static I XorI(I a, I b) { return _mm256_xor_si256(a, b); }
+  static I AddI(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I SubI(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static I MulLoI(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  static I MinI(I a, I b) { return _mm256_min_epi32(a, b); }
+  static I MaxI(I a, I b) { return _mm256_max_epi32(a, b); }
+  static I Srli15(I a) { return _mm256_srli_epi32(a, 15); }
+  static I Srli16(I a) { return _mm256_srli_epi32(a, 16); }
+  static I GreaterI(I a, I b) { return _mm256_srli_epi32(_mm256_cmpgt_epi32(a, b), 31); }  // 1/0
+  // Lane by lane: `neg` where `bits` has its sign bit set, else `pos`.
+  static I SelectBySign(I bits, I neg, I pos) {
+    return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(pos),
+                                                _mm256_castsi256_ps(neg),
+                                                _mm256_castsi256_ps(bits)));
+  }
+  static F GatherF(const float* table, I idx) { return _mm256_i32gather_ps(table, idx, 4); }
+  static I GatherI(const uint32_t* table, I idx) {
+    return _mm256_i32gather_epi32(reinterpret_cast<const int*>(table), idx, 4);
+  }
+  static I LoadU8(const uint8_t* p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
+  static void StoreU8(uint8_t* p, I codes) {  // lanes hold 0..255
+    const __m128i h = Pack16(codes);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(h, h));
+  }
+  static F Abs(F x) { return _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); }
+  static F Or(F a, F b) { return _mm256_or_ps(a, b); }
+  static F Unordered2(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_UNORD_Q); }
+  static bool AnyBits(F x) { return _mm256_movemask_ps(x) != 0; }
+  static float HMax(F x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+  }
+  // The top 16 bits of bits(x) + r (r < 2^16); NaN -> 0x7FC0.
+  static H Bf16Stochastic(F x, I r) {
+    __m256i v = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), r), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    v = _mm256_blendv_epi8(v, _mm256_set1_epi32(0x7FC0), nan);
+    return Pack16(v);
+  }
 };
 
 }  // namespace

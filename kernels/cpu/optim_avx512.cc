@@ -69,6 +69,47 @@ struct V512 {
     a1 = _mm512_fmadd_pd(hi, hi, a1);
   }
   static double HSum(D a) { return _mm512_reduce_add_pd(a); }
+  // ---- compressed state: 32-bit integer lanes, gathers, byte codes ----
+  using I = __m512i;
+  static I BitsOf(F x) { return _mm512_castps_si512(x); }
+  static I Set1I(int v) { return _mm512_set1_epi32(v); }
+  static I Iota() { return _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0); }
+  static I AndI(I a, I b) { return _mm512_and_si512(a, b); }
+  static I XorI(I a, I b) { return _mm512_xor_si512(a, b); }
+  static I AddI(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I SubI(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static I MulLoI(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  static I MinI(I a, I b) { return _mm512_min_epi32(a, b); }
+  static I MaxI(I a, I b) { return _mm512_max_epi32(a, b); }
+  static I Srli15(I a) { return _mm512_srli_epi32(a, 15); }
+  static I Srli16(I a) { return _mm512_srli_epi32(a, 16); }
+  static I GreaterI(I a, I b) {  // 1/0
+    return _mm512_maskz_mov_epi32(_mm512_cmpgt_epi32_mask(a, b), _mm512_set1_epi32(1));
+  }
+  static I SelectBySign(I bits, I neg, I pos) {
+    return _mm512_mask_blend_epi32(_mm512_movepi32_mask(bits), pos, neg);
+  }
+  static F GatherF(const float* table, I idx) { return _mm512_i32gather_ps(idx, table, 4); }
+  static I GatherI(const uint32_t* table, I idx) { return _mm512_i32gather_epi32(idx, table, 4); }
+  static I LoadU8(const uint8_t* p) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static void StoreU8(uint8_t* p, I codes) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(codes));
+  }
+  static F Abs(F x) { return _mm512_abs_ps(x); }
+  static F Or(F a, F b) { return _mm512_or_ps(a, b); }
+  static F Unordered2(F a, F b) {
+    return _mm512_castsi512_ps(_mm512_movm_epi32(_mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q)));
+  }
+  static bool AnyBits(F x) { return _mm512_movepi32_mask(_mm512_castps_si512(x)) != 0; }
+  static float HMax(F x) { return _mm512_reduce_max_ps(x); }
+  // The top 16 bits of bits(x) + r (r < 2^16); NaN -> 0x7FC0.
+  static H Bf16Stochastic(F x, I r) {
+    __m512i v = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), r), 16);
+    v = _mm512_mask_mov_epi32(v, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    return _mm512_cvtepi32_epi16(v);
+  }
 };
 
 }  // namespace

@@ -14,10 +14,26 @@
 // contraction: kernel TUs build with -ffp-contract=off), so they match this bit for bit.
 // bf16 rounding follows c10::BFloat16 (NaN -> 0x7FC0); fp16 follows c10::Half (IEEE RNE,
 // subnormals kept, NaN -> sign | 0x7E00 for canonical NaNs).
+//
+// Compressed state (optim.h): the same per-element update on m and v read as
+//   int8:  m = code_signed[q_m] * absmax_m(block),  v = code_unsigned[q_v] * absmax_v(block)
+//   bf16:  m = float(m_bf16), v = float(v_bf16)
+// and written back as
+//   int8:  per block, after every element of it is updated: absmax = max |m| over the block
+//          (both absmax NaN if any new m or v of the block is NaN), inv = absmax > 0 ?
+//          1 / absmax : 0 (IEEE division), and q = QuantizeScalar(m * inv) (quant_tables.h);
+//          v alike with the unsigned map
+//   bf16:  round to nearest even (c10::BFloat16), or stochastically: NaN -> 0x7FC0, else the
+//          top 16 bits of bits(m) + r, with r the low 16 (v: high 16) of NoiseBits(key, i),
+//          i the element's index in the call's span.
+// The param update uses the updated m and v before they are rounded.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "kernels/cpu/kernel_table.h"
+#include "kernels/cpu/quant_tables.h"
 
 namespace tiermem::kernels::internal {
 namespace {
@@ -98,7 +114,96 @@ inline void StoreAs(void* p, DType t, size_t i, float v) {
   }
 }
 
+inline uint16_t StochasticBf16(float f, uint32_t r16) {
+  if (std::isnan(f)) return 0x7FC0;
+  return static_cast<uint16_t>((Bits(f) + r16) >> 16);
+}
+
+// One element's update on fp32 values (the formula at the top), shared by every state format.
+inline void AdamElement(const AdamConsts& c, float g, float& p, float& m, float& v) {
+  g = g * c.inv_loss_scale;
+  g = g * c.clip_factor;
+  if (c.use_l2) g = std::fma(p, c.l2_decay, g);
+  p = p * c.param_decay;
+  m = std::fma(c.beta1_comp, g - m, m);
+  v = std::fma(v, c.beta2, (c.beta2_comp * g) * g);
+  const float denom = std::sqrt(v) / c.bc2_sqrt + c.eps;
+  p = std::fma(c.neg_step_size, m / denom, p);
+}
+
+void AdamBf16State(const AdamConsts& c, const AdamSpans& s, size_t begin, size_t end) {
+  const float* p_in = s.param_in ? s.param_in : s.param;
+  auto* mq = static_cast<uint16_t*>(s.exp_avg_q.data);
+  auto* vq = static_cast<uint16_t*>(s.exp_avg_sq_q.data);
+  for (size_t i = begin; i < end; ++i) {
+    float p = p_in[i], m = Bf16ToF32(mq[i]), v = Bf16ToF32(vq[i]);
+    AdamElement(c, LoadAs(s.grad, s.grad_dtype, i), p, m, v);
+    if (s.state.stochastic) {
+      const uint32_t r = NoiseBits(c.rounding_key, static_cast<uint32_t>(i));
+      mq[i] = StochasticBf16(m, r & 0xFFFFu);
+      vq[i] = StochasticBf16(v, r >> 16);
+    } else {
+      mq[i] = F32ToBf16(m);
+      vq[i] = F32ToBf16(v);
+    }
+    s.param[i] = p;
+    if (s.param_out != nullptr) StoreAs(s.param_out, s.out_dtype, i, p);
+  }
+}
+
+// The largest |x| of a block (exact, whatever the order).
+float BlockMax(const float* x, size_t n) {
+  float mx = 0.0f;
+  for (size_t i = 0; i < n; ++i) mx = std::max(mx, std::fabs(x[i]));
+  return mx;
+}
+
+bool AnyNan(const float* x, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    if (std::isnan(x[i])) return true;
+  }
+  return false;
+}
+
+// The codes of a block whose absmax is `absmax`.
+void QuantizeBlock(const QuantTables& t, bool is_signed, const float* x, size_t n, float absmax,
+                   uint8_t* q) {
+  const float inv = absmax > 0.0f ? 1.0f / absmax : 0.0f;
+  for (size_t i = 0; i < n; ++i) q[i] = QuantizeScalar(t, x[i] * inv, is_signed);
+}
+
+void AdamInt8State(const AdamConsts& c, const AdamSpans& s, size_t begin, size_t end) {
+  const QuantTables& t = *c.tables;
+  const float* p_in = s.param_in ? s.param_in : s.param;
+  auto* mq = static_cast<uint8_t*>(s.exp_avg_q.data);
+  auto* vq = static_cast<uint8_t*>(s.exp_avg_sq_q.data);
+  const size_t block = s.state.block;
+  float mb[kMaxStateBlock], vb[kMaxStateBlock];
+  for (size_t b0 = begin; b0 < end; b0 += block) {
+    const size_t n = std::min(block, end - b0), blk = b0 / block;
+    const float am = s.exp_avg_q.absmax[blk], av = s.exp_avg_sq_q.absmax[blk];
+    for (size_t j = 0; j < n; ++j) {
+      const size_t i = b0 + j;
+      float p = p_in[i], m = t.code[1][mq[i]] * am, v = t.code[0][vq[i]] * av;
+      AdamElement(c, LoadAs(s.grad, s.grad_dtype, i), p, m, v);
+      mb[j] = m;
+      vb[j] = v;
+      s.param[i] = p;
+      if (s.param_out != nullptr) StoreAs(s.param_out, s.out_dtype, i, p);
+    }
+    // A NaN among the block's new m or v makes both absmax NaN: the block stays visibly bad.
+    const bool nan = AnyNan(mb, n) || AnyNan(vb, n);
+    const float q_nan = std::numeric_limits<float>::quiet_NaN();
+    s.exp_avg_q.absmax[blk] = nan ? q_nan : BlockMax(mb, n);
+    s.exp_avg_sq_q.absmax[blk] = nan ? q_nan : BlockMax(vb, n);
+    QuantizeBlock(t, true, mb, n, s.exp_avg_q.absmax[blk], mq + b0);
+    QuantizeBlock(t, false, vb, n, s.exp_avg_sq_q.absmax[blk], vq + b0);
+  }
+}
+
 void Adam(const AdamConsts& c, const AdamSpans& s, size_t begin, size_t end) {
+  if (s.state.dtype == StateDType::kInt8) return AdamInt8State(c, s, begin, end);
+  if (s.state.dtype == StateDType::kBF16) return AdamBf16State(c, s, begin, end);
   // The old values: at the *_in spans when out of place, else at the outputs.
   const float* p_in = s.param_in ? s.param_in : s.param;
   const float* m_in = s.exp_avg_in ? s.exp_avg_in : s.exp_avg;
@@ -176,6 +281,53 @@ void Probe(float* a, float* b, float* c, const float* d, size_t begin, size_t en
 }
 
 }  // namespace
+
+void QuantizeStateRange(const StateFormat& f, bool is_signed, const float* src, StateRef out,
+                        uint32_t key, size_t begin, size_t end) {
+  switch (f.dtype) {
+    case StateDType::kF32:
+      std::memcpy(static_cast<float*>(out.data) + begin, src + begin, (end - begin) * 4);
+      return;
+    case StateDType::kBF16: {
+      auto* q = static_cast<uint16_t*>(out.data);
+      for (size_t i = begin; i < end; ++i) {
+        const uint32_t r = NoiseBits(key, static_cast<uint32_t>(i));
+        q[i] = f.stochastic ? StochasticBf16(src[i], is_signed ? r & 0xFFFFu : r >> 16)
+                            : F32ToBf16(src[i]);
+      }
+      return;
+    }
+    case StateDType::kInt8: {
+      const QuantTables& t = GetQuantTables();
+      for (size_t b0 = begin; b0 < end; b0 += f.block) {
+        const size_t n = std::min<size_t>(f.block, end - b0);
+        float& absmax = out.absmax[b0 / f.block];
+        absmax = AnyNan(src + b0, n) ? std::numeric_limits<float>::quiet_NaN()
+                                     : BlockMax(src + b0, n);
+        QuantizeBlock(t, is_signed, src + b0, n, absmax, static_cast<uint8_t*>(out.data) + b0);
+      }
+      return;
+    }
+  }
+}
+
+void DequantizeStateRange(const StateFormat& f, bool is_signed, StateRef in, float* dst,
+                          size_t begin, size_t end) {
+  switch (f.dtype) {
+    case StateDType::kF32:
+      std::memcpy(dst + begin, static_cast<const float*>(in.data) + begin, (end - begin) * 4);
+      return;
+    case StateDType::kBF16:
+      for (size_t i = begin; i < end; ++i) dst[i] = Bf16ToF32(static_cast<uint16_t*>(in.data)[i]);
+      return;
+    case StateDType::kInt8: {
+      const float* code = GetQuantTables().code[is_signed ? 1 : 0];
+      const auto* q = static_cast<const uint8_t*>(in.data);
+      for (size_t i = begin; i < end; ++i) dst[i] = code[q[i]] * in.absmax[i / f.block];
+      return;
+    }
+  }
+}
 
 const KernelTable& ScalarTable() {
   static const KernelTable table{Isa::kScalar, Adam, Sgd, SqSum, CastFrom, CastTo, Probe};

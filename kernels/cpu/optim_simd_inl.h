@@ -14,10 +14,13 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include "kernels/cpu/kernel_table.h"
+#include "kernels/cpu/quant_tables.h"
 
 namespace tiermem::kernels::internal {
 namespace {  // NOLINT(build/namespaces): deliberate, see above
@@ -151,6 +154,197 @@ struct AdamKernel {
   }
 };
 
+// ---- compressed state (optim_scalar.cc has the reference) -------------------------------------
+
+// The update of one vector on fp32 values (no amsgrad): optim_scalar.cc's AdamElement.
+template <class V>
+inline void AdamVector(const AdamVecs<V>& c, typename V::F g, typename V::F& p,
+                       typename V::F& m, typename V::F& v) {
+  g = V::Mul(g, c.ils);
+  g = V::Mul(g, c.clip);
+  if (c.use_l2) g = V::Fma(p, c.l2, g);
+  p = V::Mul(p, c.decay);
+  m = V::Fma(c.b1c, V::Sub(g, m), m);
+  v = V::Fma(v, c.b2, V::Mul(V::Mul(c.b2c, g), g));
+  const typename V::F denom = V::Add(V::Div(V::Sqrt(v), c.bc2), c.eps);
+  p = V::Fma(c.nss, V::Div(m, denom), p);
+}
+
+// Codes of W normalized values (QuantizeScalar, lane by lane).
+template <class V>
+inline typename V::I QuantizeVector(const QuantTables& t, typename V::F x, bool is_signed) {
+  using I = typename V::I;
+  const I bits = V::BitsOf(x);
+  const I a = V::AndI(bits, V::Set1I(0x7FFFFFFF));
+  I b = V::SubI(V::Srli16(a), V::Set1I(QuantTables::kBucketBase));
+  b = V::MinI(V::MaxI(b, V::Set1I(0)), V::Set1I(QuantTables::kBuckets - 1));
+  const I e = V::GatherI(t.bucket[is_signed ? 1 : 0], b);
+  const I mask16 = V::Set1I(0xFFFF);
+  const I k = V::AddI(V::Srli16(e), V::GreaterI(V::AndI(a, mask16), V::AndI(e, mask16)));
+  if (!is_signed) return k;
+  const I zero = V::Set1I(QuantTables::kZeroSigned);
+  return V::SelectBySign(bits, V::SubI(zero, V::MinI(k, V::Set1I(127))), V::AddI(zero, k));
+}
+
+// Per block: dequantize and update every element (params written, new m and v kept in block
+// buffers), then the new absmax, then requantize. Tails of a block (fewer than W elements)
+// run the same vector body on zero-padded copies; only real lanes enter the absmax.
+template <class V, DType G, Out O>
+struct AdamInt8Kernel {
+  using F = typename V::F;
+  using I = typename V::I;
+  static constexpr size_t W = V::kWidth;
+
+  // Running max |m|, max v and NaN lanes (of m or v) over a block's new values.
+  struct Max {
+    F m, v, nan;
+  };
+
+  static inline void Body(const AdamVecs<V>& c, const QuantTables& t, F am, F av,
+                          const float* p_in, float* param, const uint8_t* mq, const uint8_t* vq,
+                          const void* grad, void* out, float* mb, float* vb, size_t i, Max& mx) {
+    F p = V::Load(p_in + i);
+    F m = V::Mul(V::GatherF(t.code[1], V::LoadU8(mq + i)), am);
+    F v = V::Mul(V::GatherF(t.code[0], V::LoadU8(vq + i)), av);
+    AdamVector<V>(c, LoadGrad<V, G>(grad, i), p, m, v);
+    V::Store(param + i, p);
+    StoreOut<V, O>(out, i, p);
+    V::Store(mb, m);
+    V::Store(vb, v);
+    mx.m = V::Max(mx.m, V::Abs(m));
+    mx.v = V::Max(mx.v, V::Abs(v));
+    mx.nan = V::Or(mx.nan, V::Unordered2(m, v));
+  }
+
+  static void Quantize(const QuantTables& t, bool is_signed, const float* x, size_t n,
+                       float absmax, uint8_t* q) {
+    const float inv = absmax > 0.0f ? 1.0f / absmax : 0.0f;
+    const F vinv = V::Set1(inv);
+    size_t j = 0;
+    for (; j + W <= n; j += W) {
+      V::StoreU8(q + j, QuantizeVector<V>(t, V::Mul(V::Load(x + j), vinv), is_signed));
+    }
+    for (; j < n; ++j) q[j] = QuantizeScalar(t, x[j] * inv, is_signed);
+  }
+
+  static void Run(const AdamConsts& consts, const AdamSpans& s, size_t begin, size_t end) {
+    const AdamVecs<V> c(consts);
+    const QuantTables& t = *consts.tables;
+    const float* p_in = s.param_in ? s.param_in : s.param;
+    auto* mq = static_cast<uint8_t*>(s.exp_avg_q.data);
+    auto* vq = static_cast<uint8_t*>(s.exp_avg_sq_q.data);
+    const size_t block = s.state.block;
+    alignas(64) float mb[kMaxStateBlock], vb[kMaxStateBlock];
+    for (size_t b0 = begin; b0 < end; b0 += block) {
+      const size_t n = std::min(block, end - b0), blk = b0 / block;
+      const F am = V::Set1(s.exp_avg_q.absmax[blk]), av = V::Set1(s.exp_avg_sq_q.absmax[blk]);
+      Max mx{V::Set1(0.0f), V::Set1(0.0f), V::Set1(0.0f)};
+      size_t j = 0;
+      for (; j + W <= n; j += W) {
+        Body(c, t, am, av, p_in, s.param, mq, vq, s.grad, s.param_out, mb + j, vb + j, b0 + j,
+             mx);
+      }
+      float max_m = V::HMax(mx.m), max_v = V::HMax(mx.v);
+      bool nan = V::AnyBits(mx.nan);
+      if (j < n) {
+        const size_t rem = n - j, i = b0 + j, gsize = DTypeSize(G);
+        alignas(64) float p[W] = {}, o[W] = {};
+        alignas(64) uint8_t qm[W] = {}, qv[W] = {};
+        alignas(64) unsigned char g[W * 4] = {};
+        std::memcpy(p, p_in + i, rem * 4);
+        std::memcpy(qm, mq + i, rem);
+        std::memcpy(qv, vq + i, rem);
+        std::memcpy(g, static_cast<const unsigned char*>(s.grad) + i * gsize, rem * gsize);
+        alignas(64) float tm[W], tv[W];
+        Max unused{V::Set1(0.0f), V::Set1(0.0f), V::Set1(0.0f)};
+        Body(c, t, am, av, p, p, qm, qv, g, o, tm, tv, 0, unused);
+        std::memcpy(mb + j, tm, rem * 4);
+        std::memcpy(vb + j, tv, rem * 4);
+        std::memcpy(s.param + i, p, rem * 4);
+        if constexpr (O != Out::kNone) {
+          const size_t osize = OutSize(O);
+          std::memcpy(static_cast<unsigned char*>(s.param_out) + i * osize, o, rem * osize);
+        }
+        for (size_t r = 0; r < rem; ++r) {  // the real lanes only (order-free: exact)
+          nan = nan || std::isnan(tm[r]) || std::isnan(tv[r]);
+          max_m = std::max(max_m, std::fabs(tm[r]));
+          max_v = std::max(max_v, std::fabs(tv[r]));
+        }
+      }
+      const float q_nan = std::numeric_limits<float>::quiet_NaN();
+      s.exp_avg_q.absmax[blk] = nan ? q_nan : max_m;
+      s.exp_avg_sq_q.absmax[blk] = nan ? q_nan : max_v;
+      Quantize(t, true, mb, n, s.exp_avg_q.absmax[blk], mq + b0);
+      Quantize(t, false, vb, n, s.exp_avg_sq_q.absmax[blk], vq + b0);
+    }
+  }
+};
+
+template <class V, DType G, Out O>
+struct AdamBf16StateKernel {
+  using F = typename V::F;
+  using I = typename V::I;
+  static constexpr size_t W = V::kWidth;
+
+  // NoiseBits(key, i + lane) for each lane.
+  static inline I Noise(I key, size_t i) {
+    I x = V::XorI(V::AddI(V::Set1I(static_cast<int>(static_cast<uint32_t>(i))), V::Iota()), key);
+    x = V::XorI(x, V::Srli16(x));
+    x = V::MulLoI(x, V::Set1I(static_cast<int>(0x7feb352du)));
+    x = V::XorI(x, V::Srli15(x));
+    x = V::MulLoI(x, V::Set1I(static_cast<int>(0x846ca68bu)));
+    return V::XorI(x, V::Srli16(x));
+  }
+
+  static inline void Body(const AdamVecs<V>& c, bool stochastic, I key, const float* p_in,
+                          float* param, uint16_t* mq, uint16_t* vq, const void* grad, void* out,
+                          size_t i, size_t noise_i) {
+    F p = V::Load(p_in + i);
+    F m = V::LoadBf16(mq + i);
+    F v = V::LoadBf16(vq + i);
+    AdamVector<V>(c, LoadGrad<V, G>(grad, i), p, m, v);
+    if (stochastic) {
+      const I r = Noise(key, noise_i);
+      V::StoreH(mq + i, V::Bf16Stochastic(m, V::AndI(r, V::Set1I(0xFFFF))));
+      V::StoreH(vq + i, V::Bf16Stochastic(v, V::Srli16(r)));
+    } else {
+      V::StoreH(mq + i, V::Bf16(m));
+      V::StoreH(vq + i, V::Bf16(v));
+    }
+    V::Store(param + i, p);
+    StoreOut<V, O>(out, i, p);
+  }
+
+  static void Run(const AdamConsts& consts, const AdamSpans& s, size_t begin, size_t end) {
+    const AdamVecs<V> c(consts);
+    const I key = V::Set1I(static_cast<int>(consts.rounding_key));
+    const bool st = s.state.stochastic;
+    const float* p_in = s.param_in ? s.param_in : s.param;
+    auto* mq = static_cast<uint16_t*>(s.exp_avg_q.data);
+    auto* vq = static_cast<uint16_t*>(s.exp_avg_sq_q.data);
+    size_t i = begin;
+    for (; i + W <= end; i += W) Body(c, st, key, p_in, s.param, mq, vq, s.grad, s.param_out, i, i);
+    const size_t rem = end - i;
+    if (rem == 0) return;
+    alignas(64) float p[W] = {}, o[W] = {};
+    alignas(64) uint16_t m[W] = {}, v[W] = {};
+    alignas(64) unsigned char g[W * 4] = {};
+    const size_t gsize = DTypeSize(G);
+    std::memcpy(p, p_in + i, rem * 4);
+    std::memcpy(m, mq + i, rem * 2);
+    std::memcpy(v, vq + i, rem * 2);
+    std::memcpy(g, static_cast<const unsigned char*>(s.grad) + i * gsize, rem * gsize);
+    Body(c, st, key, p, p, m, v, g, o, 0, i);
+    std::memcpy(s.param + i, p, rem * 4);
+    std::memcpy(mq + i, m, rem * 2);
+    std::memcpy(vq + i, v, rem * 2);
+    if constexpr (O != Out::kNone) {
+      const size_t osize = OutSize(O);
+      std::memcpy(static_cast<unsigned char*>(s.param_out) + i * osize, o, rem * osize);
+    }
+  }
+};
+
 template <class V, DType G, Out O>
 struct SgdKernel {
   using F = typename V::F;
@@ -268,6 +462,25 @@ void ProbeT(float* a, float* b, float* c, const float* d, size_t begin, size_t e
 
 // ---- runtime dtype -> template dispatch ------------------------------------------------------
 
+template <template <class, DType, Out> class K, class V, DType G>
+void StateByOut(const AdamConsts& c, const AdamSpans& s, size_t b, size_t e) {
+  if (s.param_out == nullptr) return K<V, G, Out::kNone>::Run(c, s, b, e);
+  switch (s.out_dtype) {
+    case DType::kF32: return K<V, G, Out::kF32>::Run(c, s, b, e);
+    case DType::kBF16: return K<V, G, Out::kBF16>::Run(c, s, b, e);
+    case DType::kF16: return K<V, G, Out::kF16>::Run(c, s, b, e);
+  }
+}
+
+template <template <class, DType, Out> class K, class V>
+void StateByGrad(const AdamConsts& c, const AdamSpans& s, size_t b, size_t e) {
+  switch (s.grad_dtype) {
+    case DType::kF32: return StateByOut<K, V, DType::kF32>(c, s, b, e);
+    case DType::kBF16: return StateByOut<K, V, DType::kBF16>(c, s, b, e);
+    case DType::kF16: return StateByOut<K, V, DType::kF16>(c, s, b, e);
+  }
+}
+
 template <class V, DType G, bool kAms>
 void AdamByOut(const AdamConsts& c, const AdamSpans& s, size_t b, size_t e) {
   if (s.param_out == nullptr) return AdamKernel<V, G, Out::kNone, kAms>::Run(c, s, b, e);
@@ -289,6 +502,8 @@ void AdamByGrad(const AdamConsts& c, const AdamSpans& s, size_t b, size_t e) {
 
 template <class V>
 void AdamT(const AdamConsts& c, const AdamSpans& s, size_t b, size_t e) {
+  if (s.state.dtype == StateDType::kInt8) return StateByGrad<AdamInt8Kernel, V>(c, s, b, e);
+  if (s.state.dtype == StateDType::kBF16) return StateByGrad<AdamBf16StateKernel, V>(c, s, b, e);
   if (s.max_exp_avg_sq != nullptr) return AdamByGrad<V, true>(c, s, b, e);
   AdamByGrad<V, false>(c, s, b, e);
 }

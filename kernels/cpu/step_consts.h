@@ -6,7 +6,16 @@
 
 #include "kernels/cpu/optim.h"
 
+// Helpers both the CPU and the CUDA kernels call.
+#ifdef __CUDACC__
+#define TIERMEM_HOST_DEVICE __host__ __device__
+#else
+#define TIERMEM_HOST_DEVICE
+#endif
+
 namespace tiermem::kernels::internal {
+
+struct QuantTables;
 
 // AdamStep's constants, computed once per call by optim.cc (in double, then rounded to float).
 struct AdamConsts {
@@ -24,7 +33,27 @@ struct AdamConsts {
   // CPU only: write param_out with non-temporal stores (large calls: the copy is headed for
   // another device, keeping it out of the cache saves the read-for-ownership traffic).
   bool stream_out = false;
+  // Compressed state: the stochastic-rounding key (RoundingKey(rounding_seed)) and, on the
+  // CPU, the code tables (quant_tables.h; the CUDA kernels use their device copy).
+  uint32_t rounding_key = 0;
+  const QuantTables* tables = nullptr;
 };
+
+// bf16 stochastic rounding's noise: the 32 bits of element i (16 for m, 16 for v) are
+// Hash32(i ^ key), a counter-based hash (lowbias32), so every variant draws the same bits;
+// the per-call key hashes the seed, so calls with nearby seeds draw unrelated noise.
+TIERMEM_HOST_DEVICE inline uint32_t Hash32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+inline uint32_t RoundingKey(uint64_t seed) {
+  return Hash32(static_cast<uint32_t>(seed) ^ Hash32(static_cast<uint32_t>(seed >> 32) + 1u));
+}
+TIERMEM_HOST_DEVICE inline uint32_t NoiseBits(uint32_t key, uint32_t i) { return Hash32(i ^ key); }
 
 struct SgdConsts {
   float inv_loss_scale;

@@ -8,12 +8,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <mutex>
 #include <string>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "kernels/cpu/quant_tables.h"
 #include "kernels/cpu/step_consts.h"
 #include "tiers/cuda/cuda_status.h"
 
@@ -94,6 +96,153 @@ __global__ void __launch_bounds__(kThreads) AdamKernel(AdamBatch batch, AdamCons
     d.param[i] = p;
     if (d.param_out != nullptr) StoreAs(d.param_out, out_dtype, i, p);
   }
+}
+
+// ---- compressed state (the CPU scalar reference: optim_scalar.cc) ------------------------
+
+using internal::QuantTables;
+__device__ float g_code[2][256];                              // QuantTables::code
+__device__ uint32_t g_bucket[2][QuantTables::kBuckets];       // QuantTables::bucket
+
+// The update of one element on fp32 values (AdamElement).
+__device__ __forceinline__ void AdamElement(const AdamConsts& c, float g, float& p, float& m,
+                                            float& v) {
+  g = __fmul_rn(g, c.inv_loss_scale);
+  g = __fmul_rn(g, c.clip_factor);
+  if (c.use_l2) g = __fmaf_rn(p, c.l2_decay, g);
+  p = __fmul_rn(p, c.param_decay);
+  m = __fmaf_rn(c.beta1_comp, __fsub_rn(g, m), m);
+  v = __fmaf_rn(v, c.beta2, __fmul_rn(__fmul_rn(c.beta2_comp, g), g));
+  const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), c.bc2_sqrt), c.eps);
+  p = __fmaf_rn(c.neg_step_size, __fdiv_rn(m, denom), p);
+}
+
+// QuantizeScalar (quant_tables.h) on the device tables.
+__device__ __forceinline__ uint8_t Quantize(float x, int is_signed) {
+  const uint32_t bits = __float_as_uint(x);
+  const uint32_t a = bits & 0x7FFFFFFFu;
+  int b = static_cast<int>(a >> 16) - QuantTables::kBucketBase;
+  b = b < 0 ? 0 : (b >= QuantTables::kBuckets ? QuantTables::kBuckets - 1 : b);
+  const uint32_t e = g_bucket[is_signed][b];
+  uint32_t k = (e >> 16) + ((a & 0xFFFFu) > (e & 0xFFFFu) ? 1u : 0u);
+  if (!is_signed) return static_cast<uint8_t>(k);
+  if (bits >> 31) return static_cast<uint8_t>(QuantTables::kZeroSigned - (k > 127 ? 127 : k));
+  return static_cast<uint8_t>(QuantTables::kZeroSigned + k);
+}
+
+struct StateArgs {
+  float* param;
+  const void* grad;
+  void* param_out;
+  void* m;          // codes
+  void* v;
+  float* m_absmax;  // int8
+  float* v_absmax;
+  size_t n;
+  uint32_t block;
+  int out_dtype;    // -1: no copy
+  bool stochastic;
+};
+
+// One thread block per quantization block: update every element (new m and v to shared
+// memory), reduce the block's max |m|, max |v| and NaN flag, then requantize.
+template <int G>
+__global__ void __launch_bounds__(kThreads) AdamInt8Kernel(StateArgs a, AdamConsts c) {
+  extern __shared__ float sh[];  // [block] m, then [block] v
+  float* mb = sh;
+  float* vb = sh + a.block;
+  const size_t b0 = static_cast<size_t>(blockIdx.x) * a.block;
+  const size_t n = min(static_cast<size_t>(a.block), a.n - b0);
+  const float am = a.m_absmax[blockIdx.x], av = a.v_absmax[blockIdx.x];
+  auto* mq = static_cast<uint8_t*>(a.m) + b0;
+  auto* vq = static_cast<uint8_t*>(a.v) + b0;
+  float mx_m = 0.0f, mx_v = 0.0f;
+  int nan = 0;
+  for (size_t j = threadIdx.x; j < n; j += blockDim.x) {
+    const size_t i = b0 + j;
+    float p = a.param[i];
+    float m = __fmul_rn(g_code[1][mq[j]], am), v = __fmul_rn(g_code[0][vq[j]], av);
+    AdamElement(c, LoadAs<G>(a.grad, i), p, m, v);
+    a.param[i] = p;
+    if (a.out_dtype >= 0) StoreAs(a.param_out, a.out_dtype, i, p);
+    mb[j] = m;
+    vb[j] = v;
+    nan |= isnan(m) || isnan(v);
+    mx_m = fmaxf(mx_m, fabsf(m));  // exact; NaN is tracked by `nan`
+    mx_v = fmaxf(mx_v, fabsf(v));
+  }
+  for (int off = 16; off > 0; off >>= 1) {
+    mx_m = fmaxf(mx_m, __shfl_down_sync(0xffffffffu, mx_m, off));
+    mx_v = fmaxf(mx_v, __shfl_down_sync(0xffffffffu, mx_v, off));
+    nan |= __shfl_down_sync(0xffffffffu, nan, off);
+  }
+  __shared__ float warp_m[kThreads / 32], warp_v[kThreads / 32];
+  __shared__ int warp_nan[kThreads / 32];
+  __shared__ float inv_m, inv_v;
+  if ((threadIdx.x & 31) == 0) {
+    warp_m[threadIdx.x / 32] = mx_m;
+    warp_v[threadIdx.x / 32] = mx_v;
+    warp_nan[threadIdx.x / 32] = nan;
+  }
+  __syncthreads();  // also: every mb/vb written
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w) {
+      mx_m = fmaxf(mx_m, warp_m[w]);
+      mx_v = fmaxf(mx_v, warp_v[w]);
+      nan |= warp_nan[w];
+    }
+    const float am2 = nan ? __int_as_float(0x7FC00000) : mx_m;
+    const float av2 = nan ? __int_as_float(0x7FC00000) : mx_v;
+    a.m_absmax[blockIdx.x] = am2;
+    a.v_absmax[blockIdx.x] = av2;
+    inv_m = am2 > 0.0f ? __fdiv_rn(1.0f, am2) : 0.0f;
+    inv_v = av2 > 0.0f ? __fdiv_rn(1.0f, av2) : 0.0f;
+  }
+  __syncthreads();
+  for (size_t j = threadIdx.x; j < n; j += blockDim.x) {
+    mq[j] = Quantize(__fmul_rn(mb[j], inv_m), 1);
+    vq[j] = Quantize(__fmul_rn(vb[j], inv_v), 0);
+  }
+}
+
+__device__ __forceinline__ uint16_t StochasticBf16(float f, uint32_t r16) {
+  if (isnan(f)) return 0x7FC0;
+  return static_cast<uint16_t>((__float_as_uint(f) + r16) >> 16);
+}
+
+template <int G>
+__global__ void __launch_bounds__(kThreads) AdamBf16StateKernel(StateArgs a, AdamConsts c) {
+  auto* mq = static_cast<uint16_t*>(a.m);
+  auto* vq = static_cast<uint16_t*>(a.v);
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < a.n; i += stride) {
+    float p = a.param[i];
+    float m = __uint_as_float(static_cast<uint32_t>(mq[i]) << 16);
+    float v = __uint_as_float(static_cast<uint32_t>(vq[i]) << 16);
+    AdamElement(c, LoadAs<G>(a.grad, i), p, m, v);
+    if (a.stochastic) {
+      const uint32_t r = internal::NoiseBits(c.rounding_key, static_cast<uint32_t>(i));
+      mq[i] = StochasticBf16(m, r & 0xFFFFu);
+      vq[i] = StochasticBf16(v, r >> 16);
+    } else {
+      mq[i] = ToBf16(m);
+      vq[i] = ToBf16(v);
+    }
+    a.param[i] = p;
+    if (a.out_dtype >= 0) StoreAs(a.param_out, a.out_dtype, i, p);
+  }
+}
+
+// The code tables on the device, copied once per process (one device).
+Status UploadTables() {
+  static std::once_flag once;
+  static cudaError_t err = cudaSuccess;
+  std::call_once(once, [] {
+    const QuantTables& t = internal::GetQuantTables();
+    err = cudaMemcpyToSymbol(g_code, t.code, sizeof(t.code));
+    if (err == cudaSuccess) err = cudaMemcpyToSymbol(g_bucket, t.bucket, sizeof(t.bucket));
+  });
+  return CudaErrorToStatus(err, "AdamStepCompressed: code tables");
 }
 
 template <int G>
@@ -190,6 +339,58 @@ Status AdamStepMulti(const AdamConfig& config, const AdamChunk* chunks, size_t c
     }
     TIERMEM_CUDA_RETURN_IF_ERROR(cudaGetLastError(), "AdamStepMulti: launch");
   }
+  return OkStatus();
+}
+
+Status AdamStepCompressed(const AdamConfig& config, const AdamSpans& spans, void* stream) {
+  TIERMEM_RETURN_IF_ERROR(ValidateAdam(config, spans));
+  if (!spans.state.compressed()) {
+    return InvalidArgumentError("AdamStepCompressed: fp32 state goes through AdamStepMulti");
+  }
+  if (spans.param_in != nullptr) {
+    return InvalidArgumentError("AdamStepCompressed: out-of-place spans (CPU kernels only)");
+  }
+  if (spans.n == 0) return OkStatus();
+  TIERMEM_RETURN_IF_ERROR(UploadTables());
+  AdamConsts c = internal::MakeAdamConsts(config);
+  StateArgs a{spans.param, spans.grad, spans.param_out,
+              spans.exp_avg_q.data, spans.exp_avg_sq_q.data,
+              spans.exp_avg_q.absmax, spans.exp_avg_sq_q.absmax, spans.n, spans.state.block,
+              spans.param_out != nullptr ? static_cast<int>(spans.out_dtype) : -1,
+              spans.state.stochastic};
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (spans.state.dtype == StateDType::kInt8) {
+    const unsigned blocks = static_cast<unsigned>((spans.n + spans.state.block - 1) /
+                                                  spans.state.block);
+    const size_t shared = 2 * spans.state.block * sizeof(float);
+    if (shared > 48 * 1024) {
+      TIERMEM_CUDA_RETURN_IF_ERROR(
+          cudaFuncSetAttribute(AdamInt8Kernel<0>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(shared)),
+          "AdamStepCompressed");
+      TIERMEM_CUDA_RETURN_IF_ERROR(
+          cudaFuncSetAttribute(AdamInt8Kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(shared)),
+          "AdamStepCompressed");
+      TIERMEM_CUDA_RETURN_IF_ERROR(
+          cudaFuncSetAttribute(AdamInt8Kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(shared)),
+          "AdamStepCompressed");
+    }
+    switch (spans.grad_dtype) {
+      case DType::kF32: AdamInt8Kernel<0><<<blocks, kThreads, shared, s>>>(a, c); break;
+      case DType::kBF16: AdamInt8Kernel<1><<<blocks, kThreads, shared, s>>>(a, c); break;
+      case DType::kF16: AdamInt8Kernel<2><<<blocks, kThreads, shared, s>>>(a, c); break;
+    }
+  } else {
+    TIERMEM_ASSIGN_OR_RETURN(const unsigned bx, BlocksX(spans.n, 1));
+    switch (spans.grad_dtype) {
+      case DType::kF32: AdamBf16StateKernel<0><<<bx, kThreads, 0, s>>>(a, c); break;
+      case DType::kBF16: AdamBf16StateKernel<1><<<bx, kThreads, 0, s>>>(a, c); break;
+      case DType::kF16: AdamBf16StateKernel<2><<<bx, kThreads, 0, s>>>(a, c); break;
+    }
+  }
+  TIERMEM_CUDA_RETURN_IF_ERROR(cudaGetLastError(), "AdamStepCompressed: launch");
   return OkStatus();
 }
 

@@ -35,6 +35,14 @@ struct AdamChunk {
 Status AdamStepMulti(const AdamConfig& config, const AdamChunk* chunks, size_t count,
                      DType grad_dtype, DType out_dtype, void* stream);
 
+// One fused step over `spans` with compressed m and v (spans.state: bf16, or int8 codes with
+// one absmax per block; kernels/cpu/optim.h "Compressed state"), enqueued on `stream`: the CPU
+// scalar reference's results bit for bit (one thread block per quantization block: the block's
+// new m and v in shared memory, its absmax reduced there, then requantized). All pointers in
+// `spans` are device memory; in place only (no *_in), no amsgrad (ValidateAdam says so). The
+// code tables are copied to the device at the first call.
+Status AdamStepCompressed(const AdamConfig& config, const AdamSpans& spans, void* stream);
+
 // Sum of squares (double) and NaN/Inf detection over several device grad buffers. Waits for
 // `stream` (the result is needed on the host to decide the step).
 StatusOr<GradStats> GradNormAndOverflowMulti(const void* const* grads, const size_t* ns,

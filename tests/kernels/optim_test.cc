@@ -12,38 +12,10 @@
 
 #include <gtest/gtest.h>
 
+#include "tests/kernels/kernel_test_support.h"
+
 namespace tiermem::kernels {
 namespace {
-
-uint32_t Bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-float FromBits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-// Restores the ISA chosen at start-up after each test.
-class IsaGuard {
- public:
-  IsaGuard() : saved_(KernelIsa()) {}
-  ~IsaGuard() { SetKernelIsa(saved_).IgnoreError(); }
-
- private:
-  Isa saved_;
-};
-
-std::vector<Isa> SupportedIsas() {
-  std::vector<Isa> out{Isa::kScalar};
-  for (Isa isa : {Isa::kAvx2, Isa::kAvx512}) {
-    IsaGuard guard;
-    if (SetKernelIsa(isa).ok()) out.push_back(isa);
-  }
-  return out;
-}
 
 // ---- the scalar reference against formulas written independently ----------------------------
 

@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -293,6 +294,30 @@ TEST(CanonicalTracesTest, LoadAndMatchTheGenerator) {
     EXPECT_TRUE(EncodeTrace(*fresh) == on_disk) << "regenerate with tests/data/make_traces.sh";
     EXPECT_GE(t->iterations.size(), 2u);
   }
+}
+
+// A compressed optimizer-state format shrinks the m and v chunks of a synthetic trace (the
+// planner and the simulator then count those bytes): int8's 1 + 4/256 bytes per element.
+TEST(ModelTraceTest, StateBytesPerElementSizeTheOptimizerStateChunks) {
+  auto shape = CanonicalShape("gpt");
+  ASSERT_TRUE(shape.ok());
+  auto fp32 = ModelTrace(*shape);
+  shape->state_bytes_per_elem = 1 + 4.0 / 256;
+  auto int8 = ModelTrace(*shape);
+  ASSERT_TRUE(fp32.ok() && int8.ok());
+  ASSERT_EQ(fp32->chunks.size(), int8->chunks.size());
+  for (size_t c = 0; c < fp32->chunks.size(); ++c) {
+    const std::string& kind = fp32->kind_names[fp32->chunks[c].kind];
+    const Bytes b = fp32->chunks[c].bytes;
+    if (kind == "exp_avg" || kind == "exp_avg_sq") {
+      // elems + elems / 256 * 4 bytes
+      EXPECT_EQ(int8->chunks[c].bytes, b / 4 + static_cast<Bytes>(std::ceil(b / 4 / 64.0))) << c;
+    } else {
+      EXPECT_EQ(int8->chunks[c].bytes, b) << c;
+    }
+  }
+  shape->state_bytes_per_elem = 0;
+  EXPECT_FALSE(ModelTrace(*shape).ok());
 }
 
 }  // namespace

@@ -76,11 +76,14 @@ class KernelAdamW(torch.optim.Optimizer):
     comparisons with torch.optim.AdamW use the documented END_TO_END tolerances below."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
-                 clip=0.0):
+                 clip=0.0, state_dtype="fp32", min_elems=4096, block=256):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                       amsgrad=False, maximize=False, foreach=None,
                                       capturable=False, differentiable=False, fused=None))
         self.clip = clip
+        # state_dtype "int8": m and v of tensors from `min_elems` elements on as uint8 codes with
+        # one absmax per `block` (the session's optimizer.state_dtype int8), the rest fp32.
+        self.int8, self.min_elems, self.block = state_dtype == "int8", min_elems, block
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -100,15 +103,26 @@ class KernelAdamW(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 st = self.state[p]
+                kw = {}
                 if not st:
                     st["step"] = torch.tensor(0.0)
-                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    if self.int8 and p.numel() >= self.min_elems:
+                        blocks = -(-p.numel() // self.block)
+                        st["exp_avg"] = torch.zeros(p.numel(), dtype=torch.uint8)
+                        st["exp_avg_sq"] = torch.zeros(p.numel(), dtype=torch.uint8)
+                        st["absmax"] = (torch.zeros(blocks), torch.zeros(blocks))
+                    else:
+                        st["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                        st["exp_avg_sq"] = torch.zeros_like(p,
+                                                            memory_format=torch.contiguous_format)
+                if "absmax" in st:
+                    kw = dict(exp_avg_absmax=st["absmax"][0], exp_avg_sq_absmax=st["absmax"][1],
+                              state_block=self.block)
                 st["step"] += 1
                 _C.adam_step(p.data.view(-1), p.grad.contiguous().view(-1),
                              st["exp_avg"].view(-1), st["exp_avg_sq"].view(-1), None,
                              float(g["lr"]), float(b1), float(b2), float(g["eps"]),
-                             float(g["weight_decay"]), int(st["step"].item()), 1.0, clip)
+                             float(g["weight_decay"]), int(st["step"].item()), 1.0, clip, **kw)
 
 
 # End-to-end (20 steps) vs torch.optim.AdamW itself: see KernelAdamW.

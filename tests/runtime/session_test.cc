@@ -17,6 +17,7 @@
 #include "planners/trace.h"
 #include "base/crc32c.h"
 #include "runtime/tier_stack.h"
+#include "tests/runtime/session_test_support.h"
 #include "tests/support/status_matchers.h"
 
 namespace tiermem::session {
@@ -48,22 +49,6 @@ std::vector<float> Random(size_t n, uint32_t seed, float scale = 1.0f) {
   std::vector<float> v(n);
   for (float& x : v) x = d(gen);
   return v;
-}
-
-// Writes fp32 `g` into the tensor's grad span on the device tier (as a binding's backward
-// does) and marks it.
-void SetGrad(Session& s, size_t t, const std::vector<float>& g) {
-  const TensorPlace& p = s.place(t);
-  auto base = s.Acquire(p.group, ChunkKind::kGrad, TierKind::kDevice);
-  ASSERT_TRUE(base.ok()) << base.status().ToString();
-  if (s.dtype(ChunkKind::kGrad) == kernels::DType::kF32) {
-    std::memcpy(static_cast<float*>(*base) + p.offset, g.data(), g.size() * 4);
-  } else {
-    kernels::CastFromF32(g.data(), static_cast<char*>(*base) + p.offset * 2,
-                         s.dtype(ChunkKind::kGrad), g.size());
-  }
-  ASSERT_THAT(s.Release(p.group, ChunkKind::kGrad, true), IsOk());
-  s.SetHasGrad(t, true);
 }
 
 std::vector<float> Param(Session& s, size_t t) {

@@ -177,16 +177,33 @@ int RunAdamBench(const AdamBenchArgs& a) {
   k::CastFromF32(g.f(), gb.ptr, k::DType::kBF16, n);
   std::memset(out.ptr, 0, n * 2);
 
+  // Compressed state (optimizer.state_dtype): m and v as bf16, or int8 codes with one fp32
+  // absmax per 256 (initialised from the fp32 zeros above, as a fresh run starts).
+  const k::StateFormat bf16_state{k::StateDType::kBF16}, int8_state{k::StateDType::kInt8, 256};
+  Buffer mq(n * 2), vq(n * 2), ma(k::StateBlocks(int8_state, n) * 4),
+      va(k::StateBlocks(int8_state, n) * 4);
+  std::memset(mq.ptr, 0, n * 2);
+  std::memset(vq.ptr, 0, n * 2);
+  std::memset(ma.ptr, 0, k::StateBlocks(int8_state, n) * 4);
+  std::memset(va.ptr, 0, k::StateBlocks(int8_state, n) * 4);
+
   struct Variant {
     const char* name;
     k::DType grad;
     bool out;
     bool onepass;  // mixed-precision step: norm/overflow pass + unscale + clip + AdamW + copy
+    k::StateFormat state = {};
   };
   const Variant variants[] = {{"adamw f32 grad", k::DType::kF32, false, false},
                               {"adamw f32 grad + bf16 copy", k::DType::kF32, true, false},
                               {"adamw bf16 grad + bf16 copy", k::DType::kBF16, true, false},
-                              {"mixed one-pass (norm+step+bf16)", k::DType::kF32, true, true}};
+                              {"mixed one-pass (norm+step+bf16)", k::DType::kF32, true, true},
+                              {"adamw f32 grad, bf16 state", k::DType::kF32, false, false,
+                               bf16_state},
+                              {"adamw f32 grad, int8 state", k::DType::kF32, false, false,
+                               int8_state},
+                              {"adamw bf16 grad + copy, int8 st", k::DType::kBF16, true, false,
+                               int8_state}};
 
   Json report = {{"benchmark", "adam"}, {"params", n}, {"reps", a.reps}, {"runs", Json::array()}};
   const k::Isa saved_isa = k::KernelIsa();
@@ -206,7 +223,7 @@ int RunAdamBench(const AdamBenchArgs& a) {
       std::printf("threads %d (roofline probe: %s, reads 4 streams and writes 3, 28 B/param; "
                   "timed alternately with each variant)\n", threads,
                   std::string(k::IsaName(probe_isa)).c_str());
-      std::printf("  %-8s %-28s %10s %7s %8s %9s %10s %9s\n", "isa", "variant", "Mparams/s",
+      std::printf("  %-8s %-32s %10s %7s %8s %9s %10s %9s\n", "isa", "variant", "Mparams/s",
                   "B/param", "GB/s", "roof GB/s", "x roofline", "equiv B/p");
     }
     double best_f32 = 0, best_onepass = 0;
@@ -226,6 +243,12 @@ int RunAdamBench(const AdamBenchArgs& a) {
         s.param_out = var.out ? out.ptr : nullptr;
         s.out_dtype = k::DType::kBF16;
         s.n = n;
+        s.state = var.state;
+        if (var.state.compressed()) {
+          const bool int8 = var.state.dtype == k::StateDType::kInt8;
+          s.exp_avg_q = {mq.ptr, int8 ? ma.f() : nullptr};
+          s.exp_avg_sq_q = {vq.ptr, int8 ? va.f() : nullptr};
+        }
         int64_t step = 0;
         const Paired t = TimePaired(a.reps, [&] {
           c.step = ++step;
@@ -241,7 +264,12 @@ int RunAdamBench(const AdamBenchArgs& a) {
             k::AdamStep(c, s);
           }
         }, probe);
-        const double bytes_per_param = k::DTypeSize(var.grad) + 24.0 + (var.out ? 2.0 : 0.0) +
+        // DRAM bytes per param: the grad read; the param, m and v read and written (m and v
+        // in the state format: int8 adds its absmax, 8 bytes per 256 params); the copy.
+        const double state_bytes =
+            static_cast<double>(k::StateBytes(var.state, 1u << 20)) / (1u << 20);
+        const double bytes_per_param = k::DTypeSize(var.grad) + 8.0 + 4.0 * state_bytes +
+                                       (var.out ? 2.0 : 0.0) +
                                        (var.onepass ? k::DTypeSize(var.grad) : 0.0);
         // Per pair: kernel time / probe time = equivalent bytes per param / 28.
         std::vector<double> ratio;
@@ -253,10 +281,13 @@ int RunAdamBench(const AdamBenchArgs& a) {
         const double gbps = pps * bytes_per_param;
         const double equiv = 28.0 * Median(ratio);
         const double fraction = bytes_per_param / equiv;
-        if (var.grad == k::DType::kF32 && !var.out) best_f32 = std::max(best_f32, pps);
+        if (var.grad == k::DType::kF32 && !var.out && !var.state.compressed()) {
+          best_f32 = std::max(best_f32, pps);
+        }
         if (var.onepass) best_onepass = std::max(best_onepass, pps);
         results.push_back({{"isa", k::IsaName(isa)},
                            {"variant", var.name},
+                           {"state_dtype", k::StateDTypeName(var.state.dtype)},
                            {"params_per_s", pps},
                            {"bytes_per_param_model", bytes_per_param},
                            {"GBps", gbps / 1e9},
@@ -264,7 +295,7 @@ int RunAdamBench(const AdamBenchArgs& a) {
                            {"fraction_of_roofline", fraction},
                            {"equivalent_bytes_per_param", equiv}});
         if (!a.json) {
-          std::printf("  %-8s %-28s %10.1f %7.0f %8.2f %9.2f %10.3f %9.1f\n",
+          std::printf("  %-8s %-32s %10.1f %7.1f %8.2f %9.2f %10.3f %9.1f\n",
                       std::string(k::IsaName(isa)).c_str(), var.name, pps / 1e6, bytes_per_param,
                       gbps / 1e9, roof / 1e9, fraction, equiv);
         }

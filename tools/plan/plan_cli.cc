@@ -22,6 +22,7 @@ using nlohmann::json;
 struct PlanArgs {
   std::string trace, output, policy = "planned", device, host, nvme, bw, ds_bucket, model;
   uint32_t depth = 4, iterations = 0, moments = 0;
+  std::string state_dtype = "fp32";  // synth: the optimizer-state format
   uint64_t seed = 0, accesses = 10'000'000;
   bool json = false, no_place = false, no_overlap = false, no_activations = false, keep_homes = false;
   bool list_moments = false;
@@ -328,6 +329,9 @@ void Synth(const PlanArgs& a) {
   if (!shape.ok()) Fail(shape.status());
   if (a.iterations > 0) shape->iterations = a.iterations;
   if (a.seed > 0) shape->seed = a.seed;
+  // The optimizer-state format's bytes per element of m and of v (optimizer.state_dtype).
+  if (a.state_dtype == "bf16") shape->state_bytes_per_elem = 2;
+  if (a.state_dtype == "int8") shape->state_bytes_per_elem = 1 + 4.0 / 256;
   auto t = ModelTrace(*shape);
   if (!t.ok()) Fail(t.status());
   Status s = WriteTraceFile(*t, a.output);
@@ -422,6 +426,9 @@ void RegisterPlan(CLI::App& app) {
   synth->add_option("-o,--output", args->output, "output .tmtrace")->required();
   synth->add_option("--iterations", args->iterations, "iterations (default: the shape's)");
   synth->add_option("--seed", args->seed, "routing seed (moe)");
+  synth->add_option("--state-dtype", args->state_dtype,
+                    "optimizer-state format: fp32 (default) | bf16 | int8 (block 256)")
+      ->check(CLI::IsMember({"fp32", "bf16", "int8"}));
   synth->callback([args] { Synth(*args); });
 
   CLI::App* bench = plan->add_subcommand("bench-builder", "time TraceBuilder's hot path");

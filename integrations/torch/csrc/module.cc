@@ -142,6 +142,12 @@ py::dict ReportDict(const prof::Report& r) {
     t["write_bytes"] = x.write_bytes;
     t["write_active_ns"] = x.write_active_ns;
     t["active_ns"] = x.active_ns;
+    py::dict by_category;
+    for (int c = 0; c < kNumCategories; ++c) {
+      by_category[py::str(std::string(CategoryName(static_cast<Category>(c))))] =
+          x.category_bytes[c];
+    }
+    t["category_bytes"] = by_category;
     io[py::str(std::string(TierKindName(static_cast<TierKind>(k))))] = t;
   }
   d["io"] = io;
@@ -245,6 +251,13 @@ class PySession {
   torch::Tensor View(void* addr, size_t group, ChunkKind kind, TierKind where) const {
     auto opts = torch::TensorOptions().dtype(TorchDType(s_->dtype(kind)));
     if (where == TierKind::kDevice && s_->cuda()) opts = opts.device(torch::kCUDA, 0);
+    if ((kind == ChunkKind::kExpAvg || kind == ChunkKind::kExpAvgSq) &&
+        s_->state_format(group).compressed()) {
+      // Compressed m or v: the chunk's bytes (codes, then int8's absmax); read_tensor
+      // dequantizes.
+      return torch::from_blob(addr, {static_cast<int64_t>(s_->ChunkBytes(group, kind))},
+                              opts.dtype(torch::kUInt8));
+    }
     // Sharded: this rank's whole shard; else the chunk up to its last tensor.
     const uint64_t n = s_->sharded() ? s_->shard_elems() : s_->group(group).used_elems;
     return torch::from_blob(addr, {static_cast<int64_t>(n)}, opts);
@@ -400,6 +413,20 @@ class PySession {
       if (s_->OptimizerOnDevice(g)) on_device.append(g);
     }
     opt["device_groups"] = on_device;
+    // The optimizer-state format (optimizer.state_dtype): the bytes of every m and v chunk,
+    // what they would be in fp32, the optimizer-state bytes moved to or from NVMe so far, and
+    // what those moves would have added in fp32 state (estimated with the layout's ratio).
+    const Bytes state = s_->state_bytes(), state_fp32 = s_->state_bytes_fp32();
+    const Bytes nvme_state = s.nvme_bytes_by_category[static_cast<int>(Category::kOptimState)];
+    opt["state_dtype"] =
+        std::string(kernels::StateDTypeName(s_->config().optimizer_state.format.dtype));
+    opt["state_bytes"] = state;
+    opt["state_bytes_fp32"] = state_fp32;
+    opt["nvme_state_bytes"] = nvme_state;
+    opt["nvme_bytes_saved"] =
+        state > 0 ? static_cast<Bytes>(static_cast<double>(nvme_state) *
+                                       (static_cast<double>(state_fp32) / state - 1.0))
+                  : Bytes{0};
     d["optimizer"] = opt;
     // Plans (plan: auto): the runner's counters and the engine's planned actions.
     const session::Session::PlanStatus ps = s_->plan_status();
@@ -497,10 +524,17 @@ kernels::AdamSpans AdamSpansOf(torch::Tensor& param, torch::Tensor& grad, torch:
 // (torch.cuda.current_stream().cuda_stream; 0 = the legacy default stream); a build without
 // CUDA raises there. Param and state are fp32, grad in its own dtype, `param_out` (the
 // low-precision copy) bf16/fp16; all contiguous, of one size, on one device.
+//
+// Compressed state (kernels/cpu/optim.h "Compressed state"): exp_avg and exp_avg_sq as uint8
+// codes with `exp_avg_absmax` / `exp_avg_sq_absmax` (fp32, one per `state_block` elements) for
+// int8 state, or as bfloat16 for bf16 state (`stochastic` rounding keyed by `rounding_seed`).
 void AdamStepBinding(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg,
                      torch::Tensor exp_avg_sq, std::optional<torch::Tensor> param_out, double lr,
                      double beta1, double beta2, double eps, double weight_decay, int64_t step,
-                     double inv_loss_scale, double clip_factor, uintptr_t stream) {
+                     double inv_loss_scale, double clip_factor, uintptr_t stream,
+                     std::optional<torch::Tensor> exp_avg_absmax,
+                     std::optional<torch::Tensor> exp_avg_sq_absmax, int64_t state_block,
+                     bool stochastic, uint64_t rounding_seed) {
   const int64_t n = param.numel();
   const torch::Device dev = param.device();
   const bool cuda = dev.is_cuda();
@@ -514,19 +548,63 @@ void AdamStepBinding(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_
     }
   };
   check(grad, "grad");
+  // The state format, from the state tensors' dtype.
+  kernels::StateFormat format;
+  if (exp_avg.scalar_type() == torch::kUInt8) format.dtype = kernels::StateDType::kInt8;
+  if (exp_avg.scalar_type() == torch::kBFloat16) format.dtype = kernels::StateDType::kBF16;
+  format.block = static_cast<uint32_t>(state_block);
+  format.stochastic = stochastic;
+  const torch::ScalarType state_type =
+      format.compressed() ? exp_avg.scalar_type() : torch::kFloat32;
   for (const auto& [t, what] : {std::pair<const torch::Tensor*, const char*>{&param, "param"},
                                 {&exp_avg, "exp_avg"},
                                 {&exp_avg_sq, "exp_avg_sq"}}) {
     check(*t, what);
-    if (t->scalar_type() != torch::kFloat32) {
-      throw py::value_error(std::string("adam_step: ") + what + " must be float32, got " +
-                            std::string(c10::toString(t->scalar_type())));
+    const torch::ScalarType want = t == &param ? torch::kFloat32 : state_type;
+    if (t->scalar_type() != want) {
+      const char* name = want == torch::kFloat32    ? "float32"
+                         : want == torch::kBFloat16 ? "bfloat16"
+                                                    : "uint8";
+      throw py::value_error(std::string("adam_step: ") + what + " must be " + name +
+                            (t == &param ? "" : " (m and v alike: float32, or compressed: "
+                                                "bfloat16, or uint8 codes with their absmax)") +
+                            ", got " + std::string(c10::toString(t->scalar_type())));
     }
   }
   kernels::AdamConfig c = AdamConfigOf(lr, beta1, beta2, eps, weight_decay, step);
   c.inv_loss_scale = static_cast<float>(inv_loss_scale);
   c.clip_factor = static_cast<float>(clip_factor);
-  kernels::AdamSpans s = AdamSpansOf(param, grad, exp_avg, exp_avg_sq);
+  c.rounding_seed = rounding_seed;
+  kernels::AdamSpans s;
+  if (!format.compressed()) {
+    s = AdamSpansOf(param, grad, exp_avg, exp_avg_sq);
+  } else {
+    s.param = param.data_ptr<float>();
+    s.grad = grad.data_ptr();
+    s.grad_dtype = KernelDType(grad);
+    s.n = static_cast<size_t>(n);
+    s.state = format;
+    Check(kernels::ValidateStateFormat(format));
+    float* absmax[2] = {nullptr, nullptr};
+    if (format.dtype == kernels::StateDType::kInt8) {
+      const int64_t blocks = static_cast<int64_t>(kernels::StateBlocks(format, n));
+      int k = 0;
+      for (const auto& [t, what] : {std::pair<std::optional<torch::Tensor>*, const char*>{
+                                        &exp_avg_absmax, "exp_avg_absmax"},
+                                    {&exp_avg_sq_absmax, "exp_avg_sq_absmax"}}) {
+        if (!*t || !(*t)->is_contiguous() || (*t)->device() != dev ||
+            (*t)->scalar_type() != torch::kFloat32 || (*t)->numel() != blocks) {
+          throw py::value_error(std::string("adam_step: uint8 state needs ") + what +
+                                ": a contiguous float32 tensor of " + std::to_string(blocks) +
+                                " elements (one per block of " + std::to_string(state_block) +
+                                ")");
+        }
+        absmax[k++] = (*t)->data_ptr<float>();
+      }
+    }
+    s.exp_avg_q = {exp_avg.data_ptr(), absmax[0]};
+    s.exp_avg_sq_q = {exp_avg_sq.data_ptr(), absmax[1]};
+  }
   if (param_out) {
     check(*param_out, "param_out");
     s.param_out = param_out->data_ptr();
@@ -629,6 +707,11 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("plan", &se::SessionConfig::plan)
       .def_readonly("activations", &se::SessionConfig::activations)
       .def_readonly("optimizer_overlap", &se::SessionConfig::optimizer_overlap)
+      .def_property_readonly("state_dtype",
+                             [](const se::SessionConfig& c) {
+                               return std::string(tiermem::kernels::StateDTypeName(
+                                   c.optimizer_state.format.dtype));
+                             })
       .def("to_dict",
            [](const se::SessionConfig& c) {
              return py::module_::import("json").attr("loads")(se::ToJson(c).dump());
@@ -683,6 +766,14 @@ PYBIND11_MODULE(_C, m) {
       .def("home", [](const PySession& s, size_t g, K k) { return s.s().Home(g, k); })
       .def("has_kind", [](const PySession& s, size_t g, K k) { return s.s().has_kind(g, k); })
       .def("chunk_bytes", [](const PySession& s, size_t g, K k) { return s.s().ChunkBytes(g, k); })
+      // The optimizer-state format of a group's m and v: (dtype name, block, stochastic).
+      .def("state_format",
+           [](const PySession& s, size_t g) {
+             if (g >= s.s().num_groups()) throw py::index_error("no such chunk group");
+             const tiermem::kernels::StateFormat& f = s.s().state_format(g);
+             return py::make_tuple(std::string(tiermem::kernels::StateDTypeName(f.dtype)),
+                                   f.block, f.stochastic);
+           })
       // Bytes per element of a kind's chunks (the core's dtype for the kind: the compute dtype
       // for compute params and grads, fp32 otherwise), so the binding never re-derives it.
       .def("element_size",
@@ -842,7 +933,59 @@ PYBIND11_MODULE(_C, m) {
         py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("param_out"), py::arg("lr"),
         py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
         py::arg("step"), py::arg("inv_loss_scale") = 1.0, py::arg("clip_factor") = 1.0,
-        py::arg("stream") = 0);
+        py::arg("stream") = 0, py::arg("exp_avg_absmax") = py::none(),
+        py::arg("exp_avg_sq_absmax") = py::none(), py::arg("state_block") = 256,
+        py::arg("stochastic") = false, py::arg("rounding_seed") = 0);
+  // The compressed optimizer-state formats (kernels/cpu/optim.h "Compressed state"): the
+  // dynamic code maps, and blockwise quantization of fp32 values (int8: (codes, absmax);
+  // bf16: (bf16 values, None)) and back.
+  m.def("dynamic_code", [](bool is_signed) {
+    return torch::from_blob(const_cast<float*>(tiermem::kernels::DynamicCode(is_signed)), {256},
+                            torch::kFloat32).clone();
+  }, py::arg("signed"));
+  m.def("quantize_state", [](const torch::Tensor& x, const std::string& dtype, int64_t block,
+                             bool is_signed, bool stochastic, uint64_t seed) {
+    namespace k = tiermem::kernels;
+    if (!x.is_contiguous() || !x.device().is_cpu() || x.scalar_type() != torch::kFloat32) {
+      throw py::value_error("quantize_state: a contiguous float32 CPU tensor");
+    }
+    k::StateFormat f{Check(k::ParseStateDType(dtype)), static_cast<uint32_t>(block), stochastic};
+    Check(k::ValidateStateFormat(f));
+    const int64_t n = x.numel();
+    torch::Tensor codes = torch::empty(
+        {n}, f.dtype == k::StateDType::kInt8 ? torch::kUInt8
+             : f.dtype == k::StateDType::kBF16 ? torch::kBFloat16 : torch::kFloat32);
+    torch::Tensor absmax = torch::empty({static_cast<int64_t>(k::StateBlocks(f, n))},
+                                        torch::kFloat32);
+    k::QuantizeState(f, is_signed, x.data_ptr<float>(), {codes.data_ptr(), absmax.data_ptr<float>()},
+                     static_cast<size_t>(n), seed);
+    return py::make_tuple(codes, f.dtype == k::StateDType::kInt8 ? py::object(py::cast(absmax))
+                                                                 : py::object(py::none()));
+  }, py::arg("x"), py::arg("dtype"), py::arg("block") = 256, py::arg("signed") = true,
+     py::arg("stochastic") = false, py::arg("seed") = 0);
+  m.def("dequantize_state", [](const torch::Tensor& codes, const std::optional<torch::Tensor>& absmax,
+                               int64_t block, bool is_signed) {
+    namespace k = tiermem::kernels;
+    k::StateFormat f;
+    if (codes.scalar_type() == torch::kUInt8) f.dtype = k::StateDType::kInt8;
+    else if (codes.scalar_type() == torch::kBFloat16) f.dtype = k::StateDType::kBF16;
+    else throw py::value_error("dequantize_state: uint8 codes (with absmax) or bfloat16");
+    f.block = static_cast<uint32_t>(block);
+    Check(k::ValidateStateFormat(f));
+    const int64_t n = codes.numel();
+    if (!codes.is_contiguous() || !codes.device().is_cpu() ||
+        (f.dtype == k::StateDType::kInt8 &&
+         (!absmax || !absmax->is_contiguous() || absmax->scalar_type() != torch::kFloat32 ||
+          absmax->numel() != static_cast<int64_t>(k::StateBlocks(f, n))))) {
+      throw py::value_error("dequantize_state: contiguous CPU codes and, for uint8, float32 absmax "
+                            "of one value per block");
+    }
+    torch::Tensor out = torch::empty({n}, torch::kFloat32);
+    k::DequantizeState(f, is_signed, {codes.data_ptr(), absmax ? absmax->data_ptr<float>() : nullptr},
+                       out.data_ptr<float>(), static_cast<size_t>(n));
+    return out;
+  }, py::arg("codes"), py::arg("absmax") = py::none(), py::arg("block") = 256,
+     py::arg("signed") = true);
   m.def("grad_stats", &tiermem::torch_ext::GradStatsBinding);
   m.def("set_kernel_pool", [](const std::string& pool) {
     if (pool != "torch" && pool != "own") {

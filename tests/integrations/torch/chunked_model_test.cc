@@ -82,6 +82,23 @@ bool ParamClose(const std::string& name, const ::torch::Tensor& a, const ::torch
 constexpr double kLr = 1e-3;
 constexpr int kSteps = 5;
 
+// Plain LibTorch's losses: torch::optim::AdamW over `batches`.
+std::vector<double> PlainAdamWLosses(
+    GPT& ref, const std::vector<std::pair<::torch::Tensor, ::torch::Tensor>>& batches, double lr,
+    double weight_decay) {
+  ::torch::optim::AdamW opt(UniqueParams(ref),
+                            ::torch::optim::AdamWOptions(lr).weight_decay(weight_decay));
+  std::vector<double> losses;
+  for (const auto& [x, y] : batches) {
+    opt.zero_grad();
+    auto loss = LmLoss(ref->forward(x), y);
+    loss.backward();
+    opt.step();
+    losses.push_back(loss.item<double>());
+  }
+  return losses;
+}
+
 TEST(ChunkedModel, TrainsLikePlainLibTorchWithin25PercentDeviceBudget) {
   ::torch::set_num_threads(1);
   const GPTConfig c = SmallConfig();
@@ -89,16 +106,7 @@ TEST(ChunkedModel, TrainsLikePlainLibTorchWithin25PercentDeviceBudget) {
 
   // Plain LibTorch.
   GPT ref = MakeModel(c);
-  ::torch::optim::AdamW opt(UniqueParams(ref),
-                            ::torch::optim::AdamWOptions(kLr).weight_decay(0.01));
-  std::vector<double> ref_losses;
-  for (const auto& [x, y] : batches) {
-    opt.zero_grad();
-    auto loss = LmLoss(ref->forward(x), y);
-    loss.backward();
-    opt.step();
-    ref_losses.push_back(loss.item<double>());
-  }
+  const std::vector<double> ref_losses = PlainAdamWLosses(ref, batches, kLr, 0.01);
 
   // tiermem.
   GPT model = MakeModel(c);
@@ -476,6 +484,41 @@ TEST(ChunkedModel, SaveAndLoadResumeBitForBitAndATornFileChangesNothing) {
   EXPECT_TRUE(::torch::equal(*(*cd)->ParamValue(d->blocks[0]->fc->weight), *d_before));
   unlink((dir + "/ckpt").c_str());
   unlink((dir + "/torn").c_str());
+}
+
+// optimizer.state_dtype int8 through the LibTorch API: losses track torch's fp32 AdamW (8-bit
+// state is an approximation), the state reads back dequantized in fp32, and a checkpoint of
+// int8 state resumes bit for bit.
+TEST(ChunkedModel, Int8OptimizerStateTracksAdamWAndResumesBitForBit) {
+  const std::string dir = ::testing::TempDir();
+  const GPTConfig c = SmallConfig();
+  const auto batches = SyntheticBatches(c, 4, 8);
+  GPT ref = MakeModel(c);
+  const std::vector<double> ref_losses = PlainAdamWLosses(ref, batches, 1e-3, 0.01);
+  const nlohmann::json cfg = {{"device_kind", "sim"}, {"device", "1MiB"}, {"host", "64MiB"},
+                              {"optimizer", {{"weight_decay", 0.01}, {"state_dtype", "int8"}}}};
+  GPT a = MakeModel(c);
+  auto ca = tiermem::torch::ChunkedModel::Create(*a, cfg);
+  ASSERT_TRUE(ca.ok()) << ca.status().ToString();
+  EXPECT_EQ((*ca)->config().optimizer_state.format.dtype, tiermem::kernels::StateDType::kInt8);
+  const auto losses = TrainSteps(a, **ca, batches, 0, 4);
+  for (size_t i = 0; i < losses.size(); ++i) {
+    EXPECT_NEAR(losses[i], ref_losses[i], 1e-2 * ref_losses[i]) << i;
+  }
+  auto m = (*ca)->OptimizerState(a->blocks[0]->fc->weight, "exp_avg");
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_EQ(m->scalar_type(), ::torch::kFloat32);
+  EXPECT_EQ(m->sizes(), a->blocks[0]->fc->weight.sizes());
+  EXPECT_GT(m->abs().max().item<float>(), 0.0f);
+  ASSERT_TRUE((*ca)->Save(dir + "/int8-ckpt").ok());
+  const auto cont = TrainSteps(a, **ca, batches, 4, 8);
+  ::torch::manual_seed(7);
+  GPT b(c);
+  auto cb = tiermem::torch::ChunkedModel::Create(*b, cfg);
+  ASSERT_TRUE(cb.ok());
+  ASSERT_TRUE((*cb)->Load(dir + "/int8-ckpt").ok());
+  EXPECT_EQ(TrainSteps(b, **cb, batches, 4, 8), cont);
+  unlink((dir + "/int8-ckpt").c_str());
 }
 
 // A Load puts torch's default CPU generator back where the Save found it (so dropout after a

@@ -67,6 +67,8 @@ def main(argv=None):
     ap.add_argument("--dir", default=None, help="directory for the NVMe tier and fio's file")
     ap.add_argument("--nvme-size", default="4GiB")
     ap.add_argument("--fio-size", default="1G", help="bytes fio writes then reads per round")
+    ap.add_argument("--state-dtype", choices=["fp32", "bf16", "int8"], default="fp32",
+                    help="optimizer.state_dtype: how m and v are stored (int8 moves fewer bytes)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     workdir = tempfile.mkdtemp(prefix="tiermem-bench-nvme-step-", dir=a.dir)
@@ -84,7 +86,8 @@ def run(a, workdir):
     n = sum(p.numel() for p in model.parameters())
     config = {**tier_config(a.device_kind, a.device, a.host),
               "nvme": {"path": os.path.join(workdir, "nvme"), "size": a.nvme_size},
-              "timeline": os.path.join(workdir, "t.tmt")}
+              "timeline": os.path.join(workdir, "t.tmt"),
+              "optimizer": {"state_dtype": a.state_dtype}}
     os.makedirs(config["nvme"]["path"])
     model, opt = tiermem.initialize(model, config)
     rt = tiermem.runtime_of(model)

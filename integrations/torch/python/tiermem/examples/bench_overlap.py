@@ -53,6 +53,8 @@ def main(argv=None) -> int:
     ap.add_argument("--clip", type=float, default=0.0, help="gradient_clipping (0: off)")
     ap.add_argument("--modes", default=",".join(MODES),
                     help="the optimizer_overlap values to run (comma-separated)")
+    ap.add_argument("--state-dtype", choices=["fp32", "bf16", "int8"], default="fp32",
+                    help="optimizer.state_dtype: how m and v are stored (int8 moves fewer bytes)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     modes = [m for m in a.modes.split(",") if m]
@@ -67,7 +69,8 @@ def main(argv=None) -> int:
         for mode in modes:
             cfg = {**tier_config(a.device_kind, a.device, a.host), "optimizer_overlap": mode, "plan": a.plan,
                    "gradient_clipping": a.clip,
-                   "optimizer": {"lr": 1e-4, "weight_decay": 0.01}}
+                   "optimizer": {"lr": 1e-4, "weight_decay": 0.01,
+                                 "state_dtype": a.state_dtype}}
             if a.nvme != "0":
                 os.makedirs(f"{root}/{mode}", exist_ok=True)
                 cfg["nvme"] = {"path": f"{root}/{mode}", "size": a.nvme}

@@ -159,6 +159,10 @@ def main(argv=None):
                          "it, counted and offloaded to host memory when the device is short, "
                          "counted and recomputed per unit in the backward, or counted with "
                          "the executed plan choosing per unit (docs/python.md)")
+    ap.add_argument("--state-dtype", choices=["fp32", "bf16", "int8"], default=None,
+                    help="how Adam's m and v are stored, in every tier (optimizer.state_dtype; "
+                         "default fp32, or TIERMEM_STATE_DTYPE): int8 moves about a quarter of "
+                         "the state's bytes (docs/python.md)")
     args = ap.parse_args(argv)
     preset = PRESETS[args.size]
     if args.threads:
@@ -214,6 +218,8 @@ def train(args, c, steps, preset, nvme_dir, nvme_size) -> int:
               "timeline": args.timeline or None,
               "optimizer": {"lr": args.lr or preset["lr"], "weight_decay": 0.01},
               "plan": args.plan, "activations": args.activations}
+    if args.state_dtype:
+        config["optimizer"]["state_dtype"] = args.state_dtype
     if kind != "host":
         config["device"] = args.device_budget or preset["device"]
     model, opt = tiermem.initialize(model, config)
