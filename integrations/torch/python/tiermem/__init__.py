@@ -41,7 +41,8 @@ def initialize(model, config=None, param_groups=None, units=None, process_group=
     cfg = parse_config(config)
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("initialize: the model has no trainable parameters")
-    runtime = TiermemRuntime(model, cfg, param_groups, units, process_group)
+    root = _compiled_root(model)
+    runtime = TiermemRuntime(root, cfg, param_groups, units, process_group)
     try:
         optimizer = ChunkedAdamW(runtime)
     except BaseException:
@@ -51,7 +52,7 @@ def initialize(model, config=None, param_groups=None, units=None, process_group=
     # hyper-parameters at each iteration's first forward.
     if cfg.optimizer_overlap == "backward":
         runtime._hyper_of_next_step = optimizer._hyper
-    model._tiermem_runtime = runtime
+    root._tiermem_runtime = runtime  # (a compiled model finds it on the module it wraps)
     return model, optimizer
 
 
@@ -70,8 +71,18 @@ def inference(model, config=None, units=None):
     if getattr(model, "_tiermem_runtime", None) is not None:
         raise ValueError("inference: this model is already managed by tiermem")
     cfg = parse_config(config)
-    model._tiermem_runtime = ServingRuntime(model, cfg, units)
+    root = _compiled_root(model)
+    root._tiermem_runtime = ServingRuntime(root, cfg, units)
     return model
+
+
+def _compiled_root(model):
+    """The module tiermem manages: `model`, or the module a ``torch.compile(module)`` wraps
+    (an OptimizedModule). Managing the module inside, the compiled wrapper calls the managed
+    forward, which runs the model's own code eagerly and compiles its units (compiling.py);
+    parameter names and checkpoints are the plain module's."""
+    from torch._dynamo.eval_frame import OptimizedModule
+    return model._orig_mod if isinstance(model, OptimizedModule) else model
 
 
 def runtime_of(model) -> TiermemRuntime:
