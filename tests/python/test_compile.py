@@ -163,6 +163,9 @@ def test_the_three_ways_of_compiling_train_as_plain_torch_compiled_the_same_way(
     call, opt = managed(ours, how, cfg(mode, budget), blocks_of_gpt)
     assert tiermem.runtime_of(call)._resident == (mode == "host")
     got = train(call, opt, data, gpt_loss)
+    # dynamo traced none of tiermem's own code: a graph break anywhere is a unit boundary.
+    breaks = list(counters["graph_break"])
+    assert all("tiermem: a tiermem unit's forward" in b for b in breaks), breaks
     torch._dynamo.reset()
     rcall = compile_as(ref, plain_how(how), blocks_of_gpt)
     want = train(rcall, KernelAdamW(ref.parameters(), **OPT), data, gpt_loss)
@@ -215,6 +218,44 @@ def test_fullgraph_holds_per_unit_and_across_a_unit_boundary_is_a_clear_error():
     assert got[1] >= len(ref.blocks)
 
 
+class _BrokenBlock(torch.nn.Module):
+    """A block whose forward has a graph break in the middle: the code around it runs
+    eagerly with the compile callback active, where autograd calls tiermem's hooks."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.a(x))
+        torch._dynamo.graph_break()
+        return x + self.b(h.tanh())
+
+
+@pytest.mark.parametrize("acts", ["budget", "offload", "recompute"])
+def test_hooks_called_between_the_graphs_of_a_unit_run_eagerly(acts):
+    # Saved-tensor hooks called from the eager code between a unit's two graphs must not be
+    # traced by dynamo (it would break graphs inside tiermem's own code, or compile it): the
+    # only graph breaks are the unit's own, and the training is plain compiled torch's.
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(*[_BrokenBlock() for _ in range(3)])
+    ours = copy.deepcopy(ref)
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randn(8, 32, generator=g) for _ in range(3)]
+    nbytes = sum(p.numel() for p in ref.parameters()) * 16
+    model, opt = tiermem.initialize(ours, cfg("sim", nbytes // 2 + 200_000, activations=acts))
+    loss_of = (lambda c, x: c(x).square().mean())
+    got = train(torch.compile(model, backend=BACKEND), opt, data, loss_of)
+    breaks = list(counters["graph_break"])
+    assert breaks and all("graph_break" in b or "tiermem: a tiermem unit's forward" in b
+                          for b in breaks), breaks
+    torch._dynamo.reset()
+    want = train(torch.compile(ref, backend=BACKEND), KernelAdamW(ref.parameters(), **OPT),
+                 data, loss_of)
+    assert_same_training(got, want)
+    assert_same_state(model, ref)
+
+
 class _Scaled(torch.nn.Module):
     """A module with parameters of its own around repeated blocks: a unit that holds units."""
 
@@ -229,6 +270,45 @@ class _Scaled(torch.nn.Module):
         for b in self.blocks:
             x = x + b(x)
         return x.square().mean()
+
+
+@pytest.mark.parametrize("acts", ["budget", "recompute"])
+def test_a_compiled_training_step_runs_the_backward_hooks_eagerly(acts):
+    # A compiled function doing the forward and the backward: dynamo breaks the graph at
+    # the model's call and at backward(), and runs the backward with its callback active,
+    # where autograd calls tiermem's unpack, gradient and end-of-backward hooks and the
+    # recompute. They run eagerly: the only graph breaks are the model's call and backward.
+    ref, ours = make_pair()
+    data = batches(3)
+    model, opt = tiermem.initialize(ours, cfg("sim", model_bytes(ref) // 3 + 1_000_000,
+                                              activations=acts))
+
+    def step_of(m):
+        @torch.compile(backend=BACKEND)
+        def step(x, y):
+            loss = m(x, y)
+            loss.backward()
+            return loss.detach()
+        return step
+
+    def run(step, opt):
+        losses = []
+        for i, (x, y) in enumerate(data):
+            with torch._dynamo.config.patch(error_on_recompile=i > 0):
+                opt.zero_grad()
+                losses.append(step(x, y).item())
+                opt.step()
+        return losses
+
+    got = run(step_of(model), opt)
+    breaks = list(counters["graph_break"])
+    assert all("tiermem: a tiermem unit's forward" in b or "backward" in b for b in breaks), \
+        breaks
+    if acts == "recompute":
+        assert tiermem.runtime_of(model).stats()["activations"]["recomputed_units"] >= 3
+    torch._dynamo.reset()
+    assert got == run(step_of(ref), KernelAdamW(ref.parameters(), **OPT))
+    assert_same_state(model, ref)
 
 
 def test_a_unit_holding_units_runs_its_own_code_eagerly_and_compiles_them():
@@ -464,3 +544,45 @@ def test_inductor_compiled_units_train_as_plain_torch_within_1e_5():
     # ulp-level differences (the embeddings, final norm and head are compiled units here,
     # eager in the reference) that Adam's normalisation grows: conftest's end-to-end bounds.
     assert_same_state(model, ref, rtol=END_TO_END_PARAM_RTOL, atol=END_TO_END_PARAM_ATOL)
+
+
+# ---- measured (slow): every model of the issue, inductor, 10 steps -------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt", "encoder", "gpt2", "llama", "lora", "gpt-bf16-autocast"])
+def test_inductor_over_10_steps_is_within_the_issues_bounds_of_plain_compiled_torch(name):
+    # docs/benchmarks.md "Issue 35": losses within 1e-5 relative of plain torch compiled the
+    # same way (torch.compile(model), inductor) over 10 steps in fp32, within 2e-2 under bf16
+    # autocast; host mode. Prints the largest relative difference.
+    def gpt_autocast(call, batch):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return call(*batch)
+
+    def encoder_loss(call, batch):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(call(x).flatten(0, 1), y.flatten())
+
+    def lora():
+        peft = pytest.importorskip("peft")
+        lc = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                             lora_dropout=0.0, init_lora_weights="gaussian")
+        return peft.get_peft_model(hf_llama(), lc)
+
+    cases = {"gpt": (lambda: make_pair()[0], batches(10), gpt_loss, 1e-5),
+             "gpt-bf16-autocast": (lambda: make_pair()[0], batches(10), gpt_autocast, 2e-2),
+             "encoder": (encoder_lm, encoder_batches(10, batch=4, seq=16), encoder_loss, 1e-5),
+             "gpt2": (hf_gpt2, hf_batches(10), hf_loss, 1e-5),
+             "llama": (hf_llama, hf_batches(10), hf_loss, 1e-5),
+             "lora": (lora, hf_batches(10), hf_loss, 1e-5)}
+    make, data, loss_of, rel = cases[name]
+    torch.manual_seed(0)
+    ref = make()
+    ours = copy.deepcopy(ref)
+    model, opt = tiermem.initialize(ours, cfg("host", optimizer=dict(OPT, lr=2e-3)))
+    got = train(torch.compile(model), opt, data, loss_of)
+    torch._dynamo.reset()
+    rparams = [p for p in ref.parameters() if p.requires_grad]
+    want = train(torch.compile(ref), KernelAdamW(rparams, **dict(OPT, lr=2e-3)), data, loss_of)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got[0], want[0]))
+    print(f"\n{name}: 10 steps, max relative loss difference {worst:.2e} (bound {rel:g}); "
+          f"losses {want[0][0]:.4f} -> {want[0][-1]:.4f}")
+    assert_same_training(got, want, rel=rel)
