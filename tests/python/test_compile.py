@@ -20,7 +20,8 @@ from torch._dynamo.utils import counters
 
 import tiermem
 from conftest import (END_TO_END_PARAM_ATOL, END_TO_END_PARAM_RTOL, KernelAdamW, batches,
-                      encoder_batches, encoder_lm, make_pair, model_bytes)
+                      encoder_batches, encoder_lm, make_pair, model_bytes, small_config)
+from tiermem.examples.gpt import Block
 
 BACKEND = "aot_eager"
 OPT = {"lr": 1e-3, "weight_decay": 0.01}
@@ -140,11 +141,36 @@ def assert_same_training(ours, ref, rel=0.0):
             assert abs(x - y) <= rel * abs(y), (a, b)
 
 
+def state_of(model) -> dict:
+    """A copy of `model`'s state (of the module torch.compile(module) wrapped, if it did)."""
+    return {k: v.clone() for k, v in getattr(model, "_orig_mod", model).state_dict().items()}
+
+
 def assert_same_state(model, ref, rtol=0.0, atol=0.0):
-    """The same parameters (of the modules torch.compile(module) wrapped, if it did)."""
-    got = getattr(model, "_orig_mod", model).state_dict()
-    for k, v in getattr(ref, "_orig_mod", ref).state_dict().items():
+    """The same parameters as `ref` (a model, or a state from state_of)."""
+    got = state_of(model)
+    for k, v in (ref if isinstance(ref, dict) else state_of(ref)).items():
         torch.testing.assert_close(got[k], v, rtol=rtol, atol=atol, msg=k)
+
+
+_PLAIN: dict = {}
+
+
+def plain_gpt(how, steps, batch=4, **kw):
+    """Plain torch training the conftest GPT compiled `how` over batches(steps, batch) with
+    `train`'s options `kw`: ((losses, compiled graphs), its state after, its gradients per
+    step). Deterministic, so each worker runs each once (the comparisons are many)."""
+    key = (how, steps, batch, tuple(sorted(kw.items())))
+    if key not in _PLAIN:
+        torch._dynamo.reset()
+        ref, _ = make_pair()
+        grads = []
+        got = train(compile_as(ref, how, blocks_of_gpt), KernelAdamW(ref.parameters(), **OPT),
+                    batches(steps, batch=batch), gpt_loss,
+                    grads=(list(ref.named_parameters()), grads), **kw)
+        _PLAIN[key] = (got, state_of(ref), grads)
+        torch._dynamo.reset()
+    return _PLAIN[key]
 
 
 # ---- the three ways of compiling -------------------------------------------------------------
@@ -166,12 +192,10 @@ def test_the_three_ways_of_compiling_train_as_plain_torch_compiled_the_same_way(
     # dynamo traced none of tiermem's own code: a graph break anywhere is a unit boundary.
     breaks = list(counters["graph_break"])
     assert all("tiermem: a tiermem unit's forward" in b for b in breaks), breaks
-    torch._dynamo.reset()
-    rcall = compile_as(ref, plain_how(how), blocks_of_gpt)
-    want = train(rcall, KernelAdamW(ref.parameters(), **OPT), data, gpt_loss)
+    want, state, _ = plain_gpt(plain_how(how), len(data))
     assert_same_training(got, want)
     assert got[1] >= len(ref.blocks)  # every block ran a compiled graph
-    assert_same_state(call, ref)
+    assert_same_state(call, state)
 
 
 def test_compiled_eval_between_steps_gives_plain_outputs_and_changes_nothing():
@@ -211,9 +235,7 @@ def test_fullgraph_holds_per_unit_and_across_a_unit_boundary_is_a_clear_error():
     rt = tiermem.runtime_of(model)
     assert rt._root_depth == 0 and not rt._in_iteration
     got = train(torch.compile(model, fullgraph=True, backend=BACKEND), opt, data, gpt_loss)
-    torch._dynamo.reset()
-    want = train(torch.compile(ref, fullgraph=True, backend=BACKEND),
-                 KernelAdamW(ref.parameters(), **OPT), data, gpt_loss)
+    want, _, _ = plain_gpt("torch.compile(model)", len(data))  # one graph: fullgraph holds
     assert_same_training(got, want)
     assert got[1] >= len(ref.blocks)
 
@@ -232,11 +254,11 @@ class _BrokenBlock(torch.nn.Module):
         return x + self.b(h.tanh())
 
 
-@pytest.mark.parametrize("acts", ["budget", "offload", "recompute"])
-def test_hooks_called_between_the_graphs_of_a_unit_run_eagerly(acts):
-    # Saved-tensor hooks called from the eager code between a unit's two graphs must not be
-    # traced by dynamo (it would break graphs inside tiermem's own code, or compile it): the
-    # only graph breaks are the unit's own, and the training is plain compiled torch's.
+@pytest.mark.parametrize("acts", ["recompute"])
+def test_a_unit_with_a_graph_break_inside_trains_exactly(acts):
+    # A unit's forward compiled as two graphs and a resume: both save through tiermem's
+    # hooks, and the recompute runs both again. The only graph breaks are the unit's own
+    # and the boundaries; the training is plain compiled torch's.
     torch.manual_seed(0)
     ref = torch.nn.Sequential(*[_BrokenBlock() for _ in range(3)])
     ours = copy.deepcopy(ref)
@@ -272,7 +294,7 @@ class _Scaled(torch.nn.Module):
         return x.square().mean()
 
 
-@pytest.mark.parametrize("acts", ["budget", "recompute"])
+@pytest.mark.parametrize("acts", ["recompute"])
 def test_a_compiled_training_step_runs_the_backward_hooks_eagerly(acts):
     # A compiled function doing the forward and the backward: dynamo breaks the graph at
     # the model's call and at backward(), and runs the backward with its callback active,
@@ -371,11 +393,9 @@ def test_activations_policies_train_exactly_under_compile(mode, acts):
     if acts in ("recompute", "auto"):
         assert st["recomputed_units"] >= len(ref.blocks), st
     assert not rt.timeline_peaks()["over_budget"]
-    torch._dynamo.reset()
-    want = train(torch.compile(ref, backend=BACKEND), KernelAdamW(ref.parameters(), **OPT),
-                 data, gpt_loss)
+    want, state, _ = plain_gpt("torch.compile(model)", len(data), batch=32)
     assert_same_training(got, want)
-    assert_same_state(model, ref)
+    assert_same_state(model, state)
 
 
 def test_plan_auto_is_followed_under_compile():
@@ -385,11 +405,9 @@ def test_plan_auto_is_followed_under_compile():
     got = train(torch.compile(model, backend=BACKEND), opt, data, gpt_loss)
     p = tiermem.runtime_of(model).stats()["plan"]
     assert p["active"] and p["divergences"] == 0 and p["followed_iterations"] >= 3, p
-    torch._dynamo.reset()
-    want = train(torch.compile(ref, backend=BACKEND), KernelAdamW(ref.parameters(), **OPT),
-                 data, gpt_loss)
+    want, state, _ = plain_gpt("torch.compile(model)", len(data))
     assert_same_training(got, want)
-    assert_same_state(model, ref)
+    assert_same_state(model, state)
 
 
 @pytest.mark.parametrize("mode", ["host", "sim"])
@@ -397,19 +415,18 @@ def test_accumulation_clipping_and_p_grad_are_plain_torchs_under_compile(mode):
     ref, ours = make_pair()
     data = batches(3)
     model, opt = tiermem.initialize(ours, cfg(mode, model_bytes(ref) // 3))
-    grads, ref_grads = [], []
+    grads = []
     got = train(torch.compile(model, backend=BACKEND), opt, data, gpt_loss, accumulate=2,
                 clip=0.05, grads=(list(model.named_parameters()), grads))
-    torch._dynamo.reset()
-    want = train(torch.compile(ref, backend=BACKEND), KernelAdamW(ref.parameters(), **OPT),
-                 data, gpt_loss, accumulate=2, clip=0.05,
-                 grads=(list(ref.named_parameters()), ref_grads))
+    want, state, ref_grads = plain_gpt("torch.compile(model)", len(data), accumulate=2,
+                                       clip=0.05)
     assert_same_training(got, want)
+    assert len(grads) == len(ref_grads) == len(data)
     for g, rg in zip(grads, ref_grads):
         assert g.keys() == rg.keys()
         for k in rg:
             assert torch.equal(g[k], rg[k]), k
-    assert_same_state(model, ref)
+    assert_same_state(model, state)
 
 
 # ---- other models --------------------------------------------------------------------------
@@ -460,9 +477,9 @@ def _compare_compiled(make, data, loss_of, blocks, mode, how="torch.compile(mode
     return call, ref
 
 
-@pytest.mark.parametrize("make", [hf_gpt2, hf_llama], ids=["gpt2", "llama"])
-def test_hugging_face_models_train_exactly_under_compile(make):
-    _compare_compiled(make, hf_batches(6), hf_loss, hf_blocks, "sim")
+def test_hugging_face_gpt2_trains_as_plain_compiled_torch():
+    # (Llama: the LoRA test below, and the slow 10-step test.)
+    _compare_compiled(hf_gpt2, hf_batches(6), hf_loss, hf_blocks, "sim")
 
 
 def test_transformer_encoder_trains_exactly_under_compile():
@@ -510,15 +527,16 @@ def test_bf16_autocast_under_compile_is_within_2e_2_of_plain_torch():
     assert want[0][-1] < want[0][0]
 
 
-def test_mixed_precision_under_compile_trains_as_tiermem_eager():
-    # precision bf16: the units compute on bf16 chunk views, the fp32 masters step in the
-    # core; compiled, the same losses bit for bit as the same tiermem model eager.
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_under_compile_trains_as_tiermem_eager(precision):
+    # The units compute on bf16 / fp16 chunk views, the fp32 masters step in the core (fp16:
+    # with loss scaling); compiled, the same losses bit for bit as the same model eager.
     data = batches(3)
     runs = []
     for compiled in (False, True):
         ref, ours = make_pair()
         model, opt = tiermem.initialize(ours, cfg("sim", model_bytes(ref) // 3,
-                                                  precision="bf16"))
+                                                  precision=precision))
         call = torch.compile(model, backend=BACKEND) if compiled else model
         runs.append(train(call, opt, data, gpt_loss))
     assert runs[0][1] == 0 and runs[1][1] >= len(ref.blocks)
@@ -527,22 +545,28 @@ def test_mixed_precision_under_compile_trains_as_tiermem_eager():
 
 # ---- inductor --------------------------------------------------------------------------------
 def test_inductor_compiled_units_train_as_plain_torch_within_1e_5():
-    # The reference compiles its blocks with inductor; the managed model is compiled whole
-    # (its units' forwards are the graphs, the rest runs eagerly between them), in host mode
-    # (compute on the chunks in place), its blocks recomputed in the backward by running
-    # inductor's generated code again.
-    ref, ours = make_pair()
-    data = batches(3, batch=8)
-    model, opt = tiermem.initialize(ours, cfg("host", activations="recompute"))
-    got = train(torch.compile(model), opt, data, gpt_loss)
+    # Inductor's generated code reading the chunk views in place (host mode; a parameter's
+    # view may start anywhere in its chunk: inductor copies misaligned inputs) and, the
+    # blocks recomputed in the backward, run again. Two GPT blocks and nothing else, so one
+    # graph compiles (about a minute of C++ on two cores; the other models under inductor
+    # are the slow test below). The reference compiles the same blocks.
+    def blocks():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(Block(small_config()), Block(small_config()))
+    ref = blocks()
+    ours = copy.deepcopy(ref)
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randn(8, 16, 32, generator=g) for _ in range(3)]
+    loss_of = (lambda c, x: c(x).square().mean())
+    model, opt = tiermem.initialize(ours, cfg("host", activations="recompute"),
+                                    units=[Block])
+    got = train(torch.compile(model), opt, data, loss_of)
     st = tiermem.runtime_of(model).stats()["activations"]
-    assert st["recomputed_units"] >= len(ref.blocks), st
+    assert st["recomputed_units"] >= 2 * len(data), st
     torch._dynamo.reset()
-    want = train(compile_as(ref, "block.compile()", blocks_of_gpt, backend="inductor"),
-                 KernelAdamW(ref.parameters(), **OPT), data, gpt_loss)
+    want = train(compile_as(ref, "block.compile()", lambda m: m, backend="inductor"),
+                 KernelAdamW(ref.parameters(), **OPT), data, loss_of)
     assert_same_training(got, want, rel=1e-5)
-    # ulp-level differences (the embeddings, final norm and head are compiled units here,
-    # eager in the reference) that Adam's normalisation grows: conftest's end-to-end bounds.
     assert_same_state(model, ref, rtol=END_TO_END_PARAM_RTOL, atol=END_TO_END_PARAM_ATOL)
 
 

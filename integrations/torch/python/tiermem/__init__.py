@@ -30,9 +30,11 @@ def initialize(model, config=None, param_groups=None, units=None, process_group=
     (module classes or a predicate ``fn(name, module)``; default: each block of a repeated
     ModuleList/Sequential, see tiermem.units). `process_group`: shard the chunks across the
     ranks of this torch.distributed group (default: the default group when torch.distributed
-    is initialized with more than one rank; docs/distributed.md). On error (ValueError for bad input,
-    MemoryError for budgets too small, RuntimeError for a missing GPU) the model is left
-    exactly as it was.
+    is initialized with more than one rank; docs/distributed.md). `model` may be compiled
+    already (``torch.compile(model)``): tiermem then manages the module inside and returns
+    `model`; compiling after works too (docs/python.md "torch.compile"). On error
+    (ValueError for bad input, MemoryError for budgets too small, RuntimeError for a missing
+    GPU) the model is left exactly as it was.
     """
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"initialize: expected an nn.Module, got {type(model).__name__}")

@@ -1,5 +1,6 @@
 """Saved-tensor hooks: what a unit's training forward saves for backward, and how the backward
-gets it back. Every pack/unpack pair a unit pushes (materialize.UnitHooks) is here:
+gets it back. Every pack/unpack pair a unit pushes (materialize.UnitHooks, through ``push``) is here,
+each run eagerly even when autograd calls it from compiled code (compiling.py):
 
 - ``pack`` / ``unpack``: a saved tensor that aliases chunk memory is packed as a chunk
   reference (``_ChunkRef``) and unpacked in backward as a view of the chunk's *current* device
