@@ -9,8 +9,9 @@ and a PEFT LoRA model. After the first step nothing recompiles: torch's own coun
 
 Most tests compile with the ``aot_eager`` backend: dynamo and AOT autograd exactly as under
 inductor (the same graph breaks, guards, saved tensors and recomputes) without inductor's C++
-code generation, which costs about a minute per model on two cores. The inductor tests compile
-one small model both ways (inductor's own numerics: within 1e-5).
+code generation, which costs about a minute per model on two cores. One CI test compiles two
+GPT blocks with inductor; the slow test trains every model of issue 35 under inductor for 10
+steps (within 1e-5 of plain compiled torch; 2e-2 under bf16 autocast).
 """
 import copy
 

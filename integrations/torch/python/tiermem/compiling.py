@@ -8,13 +8,18 @@ after ``tiermem.initialize``, ``tiermem.initialize(torch.compile(model))``, and 
 compile (``block.compile()``, ``torch.compile(block)``) each leave a torch.compile callback
 active while a unit's wrapped forward (forwards.py) runs, and:
 
-- the wrapper's own frame is never traced nor compiled (``boundary``): where compiled code
-  calls it, dynamo breaks the graph; the frames it calls are still compiled;
+- a wrapper's own frame is never traced nor compiled (``boundary``): where compiled code
+  calls it, dynamo breaks the graph;
 - the runtime's hooks run with dynamo off for them and all they call (``eager``): the unit's
   enter and exit, and every callback torch makes into the runtime while a compiled region
-  runs — saved-tensor pack and unpack hooks (called from a compiled forward's
-  ``save_for_backward``), gradient hooks, the backward's final callback;
-- the module's own forward is called through its class's *trampoline* (``trampoline``), a
+  runs — saved-tensor pack and unpack hooks, gradient hooks, the backward's final callback
+  (a compiled training step runs the backward under dynamo's callback);
+- the model's own forward runs eagerly (``run_root``; also a unit's that holds other units):
+  dynamo never traces the model's frame, so its code between units runs as in eager mode,
+  and a plain model of the same class compiled in the same process keeps its compiled graph
+  (dynamo marks a frame with a graph break inside a loop as skipped, for every caller). The
+  callback active at the model's call is remembered for the units it calls;
+- a unit's own forward is called through its class's *trampoline* (``trampoline``), a
   one-line frame that the active compile compiles, inlining the forward — also where dynamo
   would not compile the forward's own frame (torch.nn's modules: an ``nn.Linear`` unit, an
   ``nn.TransformerEncoderLayer``). One code object per module class, as a forward's own
@@ -25,13 +30,14 @@ active while a unit's wrapped forward (forwards.py) runs, and:
   and a unit class compiles once (once more per new input shape, grad mode or autocast
   state, as for plain torch). Guards do not look at data pointers: a chunk that moved
   between steps (another device region, NVMe and back) changes nothing.
-- A unit recomputed in the backward (activations ``recompute``, ``auto``) runs its forward
+- a unit recomputed in the backward (activations ``recompute``, ``auto``) runs its forward
   again through the same trampoline under the callback its first run had (``compiler_now``
   at the call, ``run_compiled`` in the recompute): the same compiled graph, so the same
   tensors are saved in the same order, which the recompute checks (recompute.py).
 
-Not supported, with a clear error (dynamo's own, carrying ``BOUNDARY``'s text): compiling
-with ``fullgraph=True`` across a unit boundary, since the boundary is a graph break.
+Not supported, with a clear error (dynamo's own, carrying ``BOUNDARY``'s text): compiling a
+function that calls the model (or a unit) with ``fullgraph=True``, since the call is a
+graph break. ``torch.compile(model, fullgraph=True)`` holds per unit.
 
 Owns nothing. Threading: whatever thread calls; dynamo's callback is per thread.
 """
@@ -45,8 +51,9 @@ from torch._C._dynamo.eval_frame import get_eval_frame_callback, set_eval_frame
 from torch._dynamo.decorators import skip as _dynamo_skip
 
 BOUNDARY = ("tiermem: a tiermem unit's forward begins and ends with chunk acquires and "
-            "releases that run eagerly (a graph break at every unit boundary); compile "
-            "without fullgraph=True, or compile the units themselves (block.compile())")
+            "releases that run eagerly, so a graph breaks at every unit boundary: compile "
+            "the managed model itself (torch.compile(model, fullgraph=True) makes each unit "
+            "one graph), not a function calling it with fullgraph=True")
 
 
 def eager(fn):
