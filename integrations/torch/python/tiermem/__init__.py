@@ -30,9 +30,11 @@ def initialize(model, config=None, param_groups=None, units=None, process_group=
     (module classes or a predicate ``fn(name, module)``; default: each block of a repeated
     ModuleList/Sequential, see tiermem.units). `process_group`: shard the chunks across the
     ranks of this torch.distributed group (default: the default group when torch.distributed
-    is initialized with more than one rank; docs/distributed.md). On error (ValueError for bad input,
-    MemoryError for budgets too small, RuntimeError for a missing GPU) the model is left
-    exactly as it was.
+    is initialized with more than one rank; docs/distributed.md). `model` may be compiled
+    already (``torch.compile(model)``): tiermem then manages the module inside and returns
+    `model`; compiling after works too (docs/python.md "torch.compile"). On error
+    (ValueError for bad input, MemoryError for budgets too small, RuntimeError for a missing
+    GPU) the model is left exactly as it was.
     """
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"initialize: expected an nn.Module, got {type(model).__name__}")
@@ -41,7 +43,8 @@ def initialize(model, config=None, param_groups=None, units=None, process_group=
     cfg = parse_config(config)
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("initialize: the model has no trainable parameters")
-    runtime = TiermemRuntime(model, cfg, param_groups, units, process_group)
+    root = _compiled_root(model)
+    runtime = TiermemRuntime(root, cfg, param_groups, units, process_group)
     try:
         optimizer = ChunkedAdamW(runtime)
     except BaseException:
@@ -51,7 +54,7 @@ def initialize(model, config=None, param_groups=None, units=None, process_group=
     # hyper-parameters at each iteration's first forward.
     if cfg.optimizer_overlap == "backward":
         runtime._hyper_of_next_step = optimizer._hyper
-    model._tiermem_runtime = runtime
+    root._tiermem_runtime = runtime  # (a compiled model finds it on the module it wraps)
     return model, optimizer
 
 
@@ -70,8 +73,18 @@ def inference(model, config=None, units=None):
     if getattr(model, "_tiermem_runtime", None) is not None:
         raise ValueError("inference: this model is already managed by tiermem")
     cfg = parse_config(config)
-    model._tiermem_runtime = ServingRuntime(model, cfg, units)
+    root = _compiled_root(model)
+    root._tiermem_runtime = ServingRuntime(root, cfg, units)
     return model
+
+
+def _compiled_root(model):
+    """The module tiermem manages: `model`, or the module a ``torch.compile(module)`` wraps
+    (an OptimizedModule). Managing the module inside, the compiled wrapper calls the managed
+    forward, which runs the model's own code eagerly and compiles its units (compiling.py);
+    parameter names and checkpoints are the plain module's."""
+    from torch._dynamo.eval_frame import OptimizedModule
+    return model._orig_mod if isinstance(model, OptimizedModule) else model
 
 
 def runtime_of(model) -> TiermemRuntime:

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from .compiling import eager
+
 
 class Backward:
     """The current backward of one runtime (see the module docstring)."""
@@ -39,6 +41,7 @@ class Backward:
         self._hold: dict[int, torch.Tensor] = {}  # group -> its compute chunk, held
         self._pending: dict[int, set] = {}        # group -> params still without a gradient
         self._at_end: list = []
+        self._end = eager(self.end)  # autograd's final callback, eager (compiling.py)
 
     def on_end(self, fn):
         """`fn()` runs at the end of every backward, after the held compute chunks are
@@ -50,7 +53,7 @@ class Backward:
         if not st.in_backward:
             st.in_backward = True
             self.session.phase("backward")
-            torch.autograd.Variable._execution_engine.queue_callback(self.end)
+            torch.autograd.Variable._execution_engine.queue_callback(self._end)
 
     def end(self):
         ck = self.chunks.compute_kind

@@ -1,12 +1,13 @@
 """The forward wrappers: a module's instance-level ``forward`` that runs the runtime's enter and
 exit around the module's own forward (materialize.UnitHooks for units and the root,
-serve.py's for a served root).
+serve.py's for a served root). Under torch.compile a wrapper is a graph break and its enter
+and exit run eagerly; the model's own forward runs eagerly and each unit's is compiled
+(compiling.py).
 
 Invariants: wrapping leaves ``module._forward_hooks`` empty (torch's fast paths that refuse
 hooked modules run as on the plain model); ``_unwrap_forward`` in reverse order of wrapping
 gives every module its own forward back; a deep copy or a pickle of a wrapped module has its
-class's forward, never a wrapper; a wrapped forward refuses to run under torch.compile
-(``_refuse_compile``) before anything changes.
+class's forward, never a wrapper; dynamo never traces a wrapper nor its enter and exit.
 
 Owns nothing: the registry of wrapped modules is the caller's.
 Threading: the thread that calls the model (the training thread).
@@ -16,30 +17,7 @@ from __future__ import annotations
 import copy
 import functools
 
-import torch
-
-try:
-    from torch._C._dynamo.eval_frame import get_eval_frame_callback as _eval_frame_callback
-except ImportError:  # a torch without dynamo: nothing can compile
-    def _eval_frame_callback():
-        return None
-
-
-def _refuse_compile(inner):
-    """torch.compile cannot run a managed forward: tiermem's wrappers swap each unit's
-    parameters for views of chunks acquired just then and give them back after, and a compiled
-    graph would bake in the tensors of one call (inductor then fails deep inside with a stride
-    assertion, or a graph could read memory the budget has moved on from). Checked in the
-    traced code (is_compiling) and in frames dynamo runs eagerly inside a compiled region (its
-    frame callback is set, the test torch's own set_stance uses), so the user gets this error
-    naming what to do instead."""
-    if torch.compiler.is_compiling() or _eval_frame_callback() not in (None, False):
-        what = getattr(inner, "__qualname__", None) or type(inner).__name__
-        raise RuntimeError(
-            f"tiermem: torch.compile cannot compile {what} of a tiermem-managed model: its "
-            f"parameters are views of chunks that tiermem acquires and gives back around each "
-            f"unit's forward, which a compiled graph would capture as fixed tensors. Run the "
-            f"managed model without torch.compile; nothing was changed.")
+from .compiling import boundary, compiler_now, eager, run_compiled, run_root, trampoline
 
 
 class _Forward:
@@ -49,6 +27,9 @@ class _Forward:
     ``module._forward_hooks`` empty, so torch's fast paths that refuse modules with hooks
     (nn.TransformerEncoderLayer in eval) run exactly as on the plain model. A deep copy of
     the module gets its own forward back (an ordinary module), never this wrapper.
+
+    This base class wraps a model's own forward: the model's code runs eagerly, and the
+    units it calls compile under the torch.compile active at this call (compiling.run_root).
     """
 
     def __init__(self, inner, enter, exit_):
@@ -56,13 +37,13 @@ class _Forward:
         # module that is both a unit and the root), that would overwrite enter/exit/inner
         # with the unit's, and the root's hooks would never run.
         functools.update_wrapper(self, inner, updated=())
-        self.inner, self.enter, self.exit = inner, enter, exit_
+        self.inner, self.enter, self.exit = inner, eager(enter), eager(exit_)
 
+    @boundary
     def __call__(self, *args, **kwargs):
-        _refuse_compile(self.inner)
         self.enter()
         try:
-            return self.inner(*args, **kwargs)
+            return run_root(self.inner, *args, **kwargs)
         finally:
             self.exit()
 
@@ -78,34 +59,53 @@ class _Forward:
 class _RootForward(_Forward):
     """The model's own forward: exit sees what it returned (None when it raised)."""
 
+    @boundary
     def __call__(self, *args, **kwargs):
-        _refuse_compile(self.inner)
         self.enter()
         out = None
         try:
-            out = self.inner(*args, **kwargs)
+            out = run_root(self.inner, *args, **kwargs)
             return out
         finally:
             self.exit(out)
 
 
 class _UnitForward(_Forward):
-    """A unit's forward: enter sees the call's arguments (a recomputed unit keeps them), exit
-    what it returned (None when it raised)."""
+    """A unit's forward: enter sees the call's arguments (a recomputed unit keeps them) and
+    the torch.compile callback its forward runs under (a recompute runs it so again), exit
+    what it returned (None when it raised). The module's own forward runs through ``call``
+    (compiling.py): its class's trampoline; eagerly as a model's forward runs when the unit
+    holds other units (`holds_units`: its code between them is not one graph); directly when
+    it is another wrapper."""
 
+    def __init__(self, inner, enter, exit_, owner: type, holds_units: bool):
+        super().__init__(inner, enter, exit_)
+        if isinstance(inner, _Forward):
+            self.call = _direct
+        else:
+            self.call = run_root if holds_units else trampoline(owner)
+
+    @boundary
     def __call__(self, *args, **kwargs):
-        _refuse_compile(self.inner)
-        self.enter(args, kwargs)
+        compiler = compiler_now()
+        self.enter(args, kwargs, compiler)
         out = None
         try:
-            out = self.inner(*args, **kwargs)
+            out = run_compiled(compiler, self.call, self.inner, *args, **kwargs)
             return out
         finally:
             self.exit(out)
 
 
-def _wrap_forward(module, enter, exit_, registry, cls=None):
-    w = (cls or _Forward)(module.forward, enter, exit_)
+@boundary
+def _direct(fn, *args, **kwargs):
+    return fn(*args, **kwargs)
+
+
+def _wrap_forward(module, enter, exit_, registry, cls=None, **kw):
+    """Wraps `module`'s forward in `cls` (default _Forward; `kw`: its further arguments) and
+    adds `module` to `registry`."""
+    w = (cls or _Forward)(module.forward, enter, exit_, **kw)
     w.prev = module.__dict__.get("forward")  # an instance-level forward already there
     module.forward = w
     registry.append(module)
@@ -119,4 +119,3 @@ def _unwrap_forward(module):
             module.forward = w.prev
         else:
             del module.forward
-

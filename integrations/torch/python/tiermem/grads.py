@@ -35,6 +35,7 @@ import weakref
 
 import torch
 
+from .compiling import eager
 from .shared import _K, _Param
 from .tensor import ChunkTensor
 
@@ -148,7 +149,7 @@ class Grads:
             grads = ref()
             if grads is not None:
                 method(grads, grads.params[index], p)
-        return hook
+        return eager(hook)  # also when a compiled region runs the backward (compiling.py)
 
     def user_hook(self, r: _Param, register, hook):
         """A user's ``p.register_hook(fn)`` / ``p.register_post_accumulate_grad_hook(fn)`` on
@@ -187,7 +188,7 @@ class Grads:
             if grads is not None:
                 grads._check_one_part(grads.params[index], key, leaf)
             return hook(g)
-        return part
+        return eager(part)
 
     def _check_one_part(self, r: _Param, key, leaf: int):
         task = torch._C._current_graph_task_id()

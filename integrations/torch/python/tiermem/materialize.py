@@ -35,7 +35,6 @@ forward on autograd's backward thread, and these hooks then do nothing.
 """
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Mapping
 
@@ -214,8 +213,8 @@ class UnitHooks:
             u.frame = None  # the current call's Frame (recompute.py), if it has one
             u.frame_drops = False  # auto: its saves are kept/offloaded unless the host is full
             _wrap_forward(u.module, self._unit_enter(u), self._unit_exit(u), registry,
-                          cls=_UnitForward)
-            u.inner = u.module.__dict__["forward"].inner  # the forward a recompute runs again
+                          cls=_UnitForward, owner=type(u.module), holds_units=u.direct_only)
+            u.forward = u.module.__dict__["forward"]  # its wrapper: what a recompute runs again
 
     # ---- the model's forward ------------------------------------------------------------
     def root_enter(self):
@@ -276,7 +275,7 @@ class UnitHooks:
         st, s, chunks, acts, rc = self.state, self.session, self.chunks, self.activations, \
             self.recompute
 
-        def hook(args, kwargs):
+        def hook(args, kwargs, compiler=None):
             if st.closed or rc.recomputing is not None:
                 return None  # a recompute runs the unit's own forward, not these hooks
             grad = torch.is_grad_enabled()
@@ -364,18 +363,9 @@ class UnitHooks:
             st.active_units.append(u)
             pushed = grad and not self.resident
             if pushed:
-                saved = self.saved
                 if u.depth == 1:
-                    u.frame, u.frame_drops = rc.frame_for(u, args, kwargs)
-                if u.frame is not None and u.frame_drops:  # kept or offloaded, or dropped
-                    pack = functools.partial(saved.droppable_pack, u.frame)
-                    torch._C._autograd._push_saved_tensors_default_hooks(pack, saved.unpack)
-                elif u.frame is not None:  # the unit's saves are recomputed in its backward
-                    pack = functools.partial(saved.recompute_pack, u.frame)
-                    torch._C._autograd._push_saved_tensors_default_hooks(pack, saved.rc_unpack)
-                else:
-                    torch._C._autograd._push_saved_tensors_default_hooks(saved.pack,
-                                                                         saved.unpack)
+                    u.frame, u.frame_drops = rc.frame_for(u, args, kwargs, compiler)
+                self.saved.push(u.frame, u.frame_drops)
             u.pushed.append(pushed)
             return None
         return hook

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import torch
 
+from .compiling import eager, run_compiled
 from .shared import _check, _guard
 
 
@@ -90,9 +91,10 @@ def kv_cache_in(args, kwargs):
 class Frame:
     """One outermost call of a recomputed unit (see the module docstring)."""
 
-    def __init__(self, unit, fn, args, kwargs, device: torch.device, is_chunk):
+    def __init__(self, unit, args, kwargs, device: torch.device, is_chunk, compiler=None):
         self.unit = unit
-        self.fn = fn
+        self.forward = unit.forward  # its wrapper (forwards._UnitForward): call, inner
+        self.compiler = compiler  # the torch.compile callback the forward ran under (or None)
         self.inputs = []  # (tensor, version at the call)
 
         def keep(x):
@@ -151,7 +153,9 @@ class Frame:
                 for c in ctx:
                     c.__enter__()
                 try:
-                    self.fn(*self.args, **self.kwargs)
+                    # As the first run called it: the same compiled graph saves the same.
+                    w = self.forward
+                    run_compiled(self.compiler, w.call, w.inner, *self.args, **self.kwargs)
                 finally:
                     for c in reversed(ctx):
                         c.__exit__(None, None, None)
@@ -213,12 +217,13 @@ class Recompute:
         # A unit holding other units would recompute them (their hooks, their moments) too.
         return not u.direct_only
 
-    def frame_for(self, u, args, kwargs):
+    def frame_for(self, u, args, kwargs, compiler=None):
         """(Frame, drops) for this outermost training call of `u`: a Frame that recomputes
         every save (drops False: recompute, or the plan's choice under auto), or under auto one
         that keeps what it saves as 'offload' does and can recompute what the host budget
         leaves no room for (drops True); (None, False): no frame. A frame's inputs are kept
-        until the unit's backward, counted as the unit's activations."""
+        until the unit's backward, counted as the unit's activations; `compiler`: the
+        torch.compile callback the call runs under (compiling.py), its recompute's too."""
         if not self.state.in_iteration or not self.recomputable(u):
             return None, False
         if len(u.placed) < len(u.slots):
@@ -233,7 +238,7 @@ class Recompute:
             drops = not (self.session.plan_followed and self.session.plan_recomputes_unit(u.index))
         elif not self.all_units:
             return None, False
-        frame = Frame(u, u.inner, args, kwargs, self.device, self.chunks.is_chunk_memory)
+        frame = Frame(u, args, kwargs, self.device, self.chunks.is_chunk_memory, compiler)
         acts = self.activations
         for t, _ in frame.inputs:
             if t.device != self.device:
@@ -263,6 +268,7 @@ class Recompute:
         placed = mat.place(u)
         saved = []
 
+        @eager  # called from a compiled forward's save_for_backward too (compiling.py)
         def capture(t):
             # Detached (same storage and version counter): the recompute's graph holds this
             # hook, so a tensor with that graph's grad_fn here would make a reference cycle

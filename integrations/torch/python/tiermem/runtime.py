@@ -27,6 +27,9 @@ holds the public API (stats, timeline, traces, close):
   true values, and ``zero_grad()`` / ``model.zero_grad()`` (``p.grad = None``) work as in
   torch. No grad is kept on the device beyond the chunks the engine caches.
 - Operations on ChunkTensors outside the units (dispatch.py).
+- torch.compile (compiling.py): the wrappers (forwards.py) are graph breaks, the parts'
+  hooks run eagerly, the model's own forward runs eagerly and each unit's forward is
+  compiled, once per unit class.
 - Inference. Forwards without grad use untraced acquires: they neither record into nor
   disturb the order the next training iteration replays (``_traced``; serve.py: always).
 - State. ``state_dict()`` of any module gives plain tensors (the fp32 masters);
@@ -50,6 +53,8 @@ the ``on_reset`` / ``on_unit_done`` / ``on_end`` registrations their docstrings 
                                  SavedTensors, ForwardOrder
 
 ChunkTensor (tensor.py) reaches its runtime's ``ops``, ``grads`` and ``materializer``.
+forwards.py and every part whose callbacks torch may call from compiled code (saved.py,
+grads.py, backward.py, recompute.py) use compiling.py, which uses nothing of the runtime.
 
 Threading: one training thread (like the model itself); the backward's hooks run on
 autograd's backward thread, one at a time.

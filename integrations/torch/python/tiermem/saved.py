@@ -1,5 +1,6 @@
 """Saved-tensor hooks: what a unit's training forward saves for backward, and how the backward
-gets it back. Every pack/unpack pair a unit pushes (materialize.UnitHooks) is here:
+gets it back. Every pack/unpack pair a unit pushes (materialize.UnitHooks, through ``push``) is here,
+each run eagerly even when autograd calls it from compiled code (compiling.py):
 
 - ``pack`` / ``unpack``: a saved tensor that aliases chunk memory is packed as a chunk
   reference (``_ChunkRef``) and unpacked in backward as a view of the chunk's *current* device
@@ -27,9 +28,12 @@ Threading: pack on the training thread (the forward); unpack on autograd's backw
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .activations import _ActRef
+from .compiling import eager
 from .recompute import _RecomputeRef
 from .shared import _check, _guard
 from .tensor import ChunkTensor
@@ -70,6 +74,24 @@ class SavedTensors:
         self.recompute = recompute
         self.backward = backward
         self.device = device
+        # What autograd calls, eager even from inside a compiled unit's forward (its
+        # save_for_backward) or a compiled backward (compiling.py).
+        self._pack, self._unpack = eager(self.pack), eager(self.unpack)
+        self._droppable_pack = eager(self.droppable_pack)
+        self._recompute_pack, self._rc_unpack = eager(self.recompute_pack), eager(self.rc_unpack)
+
+    def push(self, frame, drops: bool):
+        """Pushes the saved-tensor hooks of one call of a unit's training forward (the unit
+        hooks pop them at its exit): `frame` None — kept as they are, chunk views as refs;
+        `drops` — auto, a unit the plan does not recompute; else recomputed in the
+        backward."""
+        if frame is not None and drops:  # kept or offloaded, or dropped and recomputed
+            pack, unpack = functools.partial(self._droppable_pack, frame), self._unpack
+        elif frame is not None:  # the unit's saves are recomputed in its backward
+            pack, unpack = functools.partial(self._recompute_pack, frame), self._rc_unpack
+        else:
+            pack, unpack = self._pack, self._unpack
+        torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
 
     def pack(self, t: torch.Tensor):
         if isinstance(t, ChunkTensor):

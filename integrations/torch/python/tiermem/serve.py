@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from .compiling import boundary, eager, run_root
 from .runtime import TiermemRuntime, _Forward, _wrap_forward
 
 
@@ -29,13 +30,14 @@ class _ServeForward(_Forward):
     """The root's forward when serving: one engine iteration per outermost call, under
     no_grad, and the KV cache of its output accounted after it."""
 
+    @boundary
     def __call__(self, *args, **kwargs):
         rt = self.enter()
         if rt is None:  # closed: the plain forward
-            return self.inner(*args, **kwargs)
+            return run_root(self.inner, *args, **kwargs)
         try:
             with torch.no_grad():
-                out = self.inner(*args, **kwargs)
+                out = run_root(self.inner, *args, **kwargs)
         finally:
             self.exit()
         rt._account_cache(out)
@@ -87,6 +89,7 @@ class ServingRuntime(TiermemRuntime):
         if not self._closed:
             self._root_depth -= 1
 
+    @eager  # called by the served forward's wrapper, where compiled code may call it
     def _account_cache(self, out):
         if self._closed or self._root_depth != 0:
             return
