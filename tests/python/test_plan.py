@@ -167,23 +167,32 @@ class Branchy(nn.Module):
         return nn.functional.mse_loss(self.out(h).squeeze(-1), y)
 
 
-def test_dynamic_control_flow_leaves_the_plan_for_that_iteration_only(capfd):
+def train_branching(cls, steps, capfd=None):
+    """Trains `cls` under tiermem at a third of its bytes (plan: always) beside plain torch:
+    the losses and the final state equal torch's. Returns the runtime."""
     torch.manual_seed(0)
-    ref = Branchy()
+    ref = cls()
     ours = copy.deepcopy(ref)
     g = torch.Generator().manual_seed(2)
-    data = [(torch.randn(8, 16, generator=g), torch.randn(8, generator=g)) for _ in range(11)]
+    data = [(torch.randn(8, 16, generator=g), torch.randn(8, generator=g))
+            for _ in range(steps)]
     ref_losses = train_steps(ref, KernelAdamW(ref.parameters(), lr=1e-3, weight_decay=0.01),
                              data)
     largest = max(p.numel() for p in ours.parameters())
     model, opt = tiermem.initialize(ours, config(max(model_bytes(ref) // 3, 36 * largest)))
-    capfd.readouterr()
+    if capfd is not None:
+        capfd.readouterr()
     assert train_steps(model, opt, data) == ref_losses
     for k, v in ref.state_dict().items():
         assert torch.equal(model.state_dict()[k], v), k
+    return tiermem.runtime_of(model)
+
+
+def test_dynamic_control_flow_leaves_the_plan_for_that_iteration_only(capfd):
+    rt = train_branching(Branchy, 11, capfd)
     # Steps 1, 4, 7 and 10 branch; the plan recorded at step 3 runs from step 4 on, and
     # steps 4, 7 and 10 leave it.
-    p = check_plan_ran(tiermem.runtime_of(model), len(data), divergences=3)
+    p = check_plan_ran(rt, 11, divergences=3)
     assert "blocks.2" in p["last_divergence"], p
     err = capfd.readouterr().err
     assert err.count("left the plan") == 1, err  # warned once
@@ -204,17 +213,7 @@ class Wandering(Branchy):
 
 
 def test_iterations_that_keep_leaving_their_plans_stop_the_planning():
-    torch.manual_seed(0)
-    ref = Wandering()
-    ours = copy.deepcopy(ref)
-    g = torch.Generator().manual_seed(2)
-    data = [(torch.randn(8, 16, generator=g), torch.randn(8, generator=g)) for _ in range(16)]
-    ref_losses = train_steps(ref, KernelAdamW(ref.parameters(), lr=1e-3, weight_decay=0.01),
-                             data)
-    largest = max(p.numel() for p in ours.parameters())
-    model, opt = tiermem.initialize(ours, config(max(model_bytes(ref) // 3, 36 * largest)))
-    assert train_steps(model, opt, data) == ref_losses
-    p = tiermem.runtime_of(model).stats()["plan"]
+    p = train_branching(Wandering, 16).stats()["plan"]
     assert p["plans"] == 4 and not p["active"], p  # PlanRunner::kMaxPlans
     assert "keep leaving their plans (4 plans made" in p["declined"], p
     assert p["error"] == "", p
