@@ -3,7 +3,9 @@
 //
 // Layout invariants: trainable tensors are packed first, frozen ones after, into separate
 // groups (a frozen group has no grad or optimizer chunks); within a group tensors keep the
-// given order and never straddle chunks; every chunk of a group has chunk_elems_ elements of
+// given order; a tensor that fits in a chunk is one piece in one group, a larger one (or one
+// of an expert set) is pieces of whole rows (chunks/chunk_layout.h), each in one group, and
+// a group lists every piece it holds; every chunk of a group has chunk_elems_ elements of
 // its kind's dtype. The device working set the chunk size is chosen for is
 // kMinResidentChunks (compute + grad) chunks.
 //
@@ -70,7 +72,7 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
     return InvalidArgumentError("session: a sharded session needs its collectives");
   }
   std::vector<size_t> trainable, frozen;
-  uint64_t max_numel = 0;
+  std::vector<chunks::PackTensor> packed;  // every tensor, as the packer sees it
   for (size_t i = 0; i < tensors.size(); ++i) {
     const TensorSpec& t = tensors[i];
     if (t.numel == 0) {
@@ -89,8 +91,17 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
                                     std::to_string(t.numel));
       }
     }
+    if (t.expert_set >= 0 && t.expert < 0 && t.shape.empty()) {
+      return InvalidArgumentError("session: tensor " + t.name + " is a fused expert tensor "
+                                  "without a shape (its first dimension indexes the experts)");
+    }
     (t.trainable ? trainable : frozen).push_back(i);
-    max_numel = std::max(max_numel, t.numel);
+    chunks::PackTensor pt;
+    pt.numel = t.numel;
+    pt.rows = t.shape.empty() ? 1 : static_cast<uint64_t>(t.shape[0]);
+    pt.expert_set = t.expert_set;
+    pt.expert = t.expert;
+    packed.push_back(pt);
   }
   std::unique_ptr<Session> s(new Session());
   s->config_ = config;
@@ -98,8 +109,6 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
   const Bytes esize = mixed ? 2 : 4;
   // Device working set per element: the compute param and (when anything trains) its grad.
   const Bytes per_elem = esize + (trainable.empty() ? 0 : esize);
-  std::vector<uint64_t> numels;
-  for (const TensorSpec& t : tensors) numels.push_back(t.numel);
   TIERMEM_ASSIGN_OR_RETURN(s->device_kind_, TierStack::ResolveDeviceKind(config.device_kind));
   const bool host = s->device_kind_ == "host";
   if (host && config.device_budget_given) {
@@ -116,20 +125,32 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
         "host memory, but with device_kind 'host' they are in host memory already: use "
         "'budget' (counted in the host budget), 'recompute' or 'outside'");
   }
+  // The smallest chunk that holds the largest piece a unit needs at once: a row of any
+  // tensor, and with expert sets an expert's slices (each expert in chunks of its own).
+  TIERMEM_ASSIGN_OR_RETURN(const uint64_t expert_item, chunks::LargestExpertItem(packed));
+  if (host && expert_item == 0) {
+    // Host mode sizes chunks by a share of the host budget, not by a device working set that
+    // must hold them: tensors stay whole (the host room kept for NVMe-homed chunks in use is
+    // counted in chunks, which a split tensor would need more of at once).
+    for (chunks::PackTensor& pt : packed) pt.rows = 1;
+  }
+  uint64_t min_piece = 0;
+  for (const chunks::PackTensor& pt : packed) min_piece = std::max(min_piece, pt.row_elems());
+  min_piece = std::max(min_piece, expert_item);
   // Host mode: no device budget. The chunk size follows the host budget instead: an fp32
   // chunk is at most 1/32 of it (per_elem x budget / 32 passed as the working budget), so the
   // host room held for NVMe-homed chunks in use (below) stays a small part of it.
   const Bytes sizing_budget = host ? per_elem * (config.host_budget / 32) : config.device_budget;
   s->min_device_budget_ =
-      host ? 0 : chunks::MinimumDeviceBudget(max_numel, per_elem, kMinResidentChunks);
+      host ? 0 : chunks::MinimumDeviceBudget(min_piece, per_elem, kMinResidentChunks);
   if (!config.chunk_size) {
     StatusOr<chunks::ChunkSizeChoice> choice =
-        chunks::ChooseChunkElems(numels, sizing_budget, per_elem, kMinResidentChunks);
+        chunks::ChooseChunkElems(packed, sizing_budget, per_elem, kMinResidentChunks);
     if (!choice.ok() && host) {
-      // The largest tensor alone is more than 1/32 of the host budget: one chunk per tensor
+      // The largest piece alone is more than 1/32 of the host budget: one chunk per piece
       // of that size (the host tier's own minimum is checked when it is built).
       choice = chunks::ChooseChunkElems(
-          numels, chunks::MinimumDeviceBudget(max_numel, per_elem, kMinResidentChunks),
+          packed, chunks::MinimumDeviceBudget(min_piece, per_elem, kMinResidentChunks),
           per_elem, kMinResidentChunks);
     }
     if (!choice.ok()) return choice.status();
@@ -157,9 +178,9 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
   s->tensors_.resize(tensors.size());
   for (const std::vector<size_t>* subset : {&trainable, &frozen}) {
     if (subset->empty()) continue;
-    std::vector<uint64_t> sub;
-    for (size_t i : *subset) sub.push_back(tensors[i].numel);
-    auto layout = chunks::PackTensors(sub, s->chunk_elems_);
+    std::vector<chunks::PackTensor> sub;
+    for (size_t i : *subset) sub.push_back(packed[i]);
+    auto layout = chunks::PackPieces(sub, s->chunk_elems_);
     if (!layout.ok()) {
       return layout.status().WithContext("chunk_size=" + std::to_string(s->chunk_elems_));
     }
@@ -172,16 +193,31 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
     }
     for (size_t k = 0; k < subset->size(); ++k) {
       const size_t i = (*subset)[k];
-      const chunks::Placement& p = layout->placements[k];
       TensorPlace& tp = s->tensors_[i];
-      tp.group = static_cast<uint32_t>(base + p.group);
-      tp.offset = p.offset;
+      tp.pieces = layout->pieces[k];
       tp.numel = tensors[i].numel;
       tp.trainable = tensors[i].trainable;
       tp.opt_group = tensors[i].opt_group;
-      ChunkGroup& grp = s->groups_[tp.group];
-      grp.tensors.push_back(static_cast<uint32_t>(i));
-      grp.used_elems = std::max(grp.used_elems, p.offset + p.numel);
+      for (size_t pi = 0; pi < tp.pieces.size(); ++pi) {
+        Piece& p = tp.pieces[pi];
+        p.group += static_cast<uint32_t>(base);
+        ChunkGroup& grp = s->groups_[p.group];
+        grp.pieces.push_back({static_cast<uint32_t>(i), static_cast<uint32_t>(pi)});
+        grp.used_elems = std::max(grp.used_elems, p.offset + p.numel);
+      }
+      tp.group = tp.pieces.front().group;
+      tp.offset = tp.pieces.front().offset;
+    }
+  }
+  for (ChunkGroup& grp : s->groups_) {
+    std::sort(grp.pieces.begin(), grp.pieces.end(), [&](const PieceRef& a, const PieceRef& b) {
+      return s->tensors_[a.tensor].pieces[a.piece].offset <
+             s->tensors_[b.tensor].pieces[b.piece].offset;
+    });
+    for (const PieceRef& r : grp.pieces) {
+      if (std::find(grp.tensors.begin(), grp.tensors.end(), r.tensor) == grp.tensors.end()) {
+        grp.tensors.push_back(r.tensor);
+      }
     }
   }
   for (const TensorSpec& t : tensors) {
@@ -285,31 +321,38 @@ Status Session::CheckKind(size_t group, ChunkKind kind) const {
   return OkStatus();
 }
 
-StatusOr<void*> Session::Acquire(size_t group, ChunkKind kind, TierKind where) {
+StatusOr<void*> Session::Acquire(size_t group, ChunkKind kind, TierKind where, uint32_t cls) {
   TIERMEM_RETURN_IF_ERROR(CheckKind(group, kind));
   TIERMEM_RETURN_IF_ERROR(stepper_->RunPending(group, true));
   const ChunkId c = Chunk(group, kind);
-  StatusOr<void*> p = stack_->engine()->Acquire(c, where);
+  StatusOr<void*> p = stack_->engine()->Acquire(c, where, cls);
   if (p.ok()) {
     trace_.Access(c, planners::AccessMode::kRead, where);
-    runner_.Access(c, where);
+    if (cls == chunks::kNoClass) runner_.Access(c, where);
   }
   return p;
 }
 
+StatusOr<bool> Session::Prefetch(size_t group, ChunkKind kind, TierKind where,
+                                 double probability) {
+  TIERMEM_RETURN_IF_ERROR(CheckKind(group, kind));
+  if (stepper_->pending(group)) return false;  // its update reads it first, on its own tier
+  return stack_->engine()->PrefetchHint(Chunk(group, kind), where, probability);
+}
+
 StatusOr<void*> Session::AcquireForWrite(size_t group, ChunkKind kind, TierKind where,
-                                         bool* must_zero) {
+                                         bool* must_zero, uint32_t cls) {
   TIERMEM_RETURN_IF_ERROR(CheckKind(group, kind));
   TIERMEM_RETURN_IF_ERROR(stepper_->RunPending(group, true));
   stepper_->DropSpeculation(group);  // about to be written
   const ChunkId c = Chunk(group, kind);
   // Lazily zero content is not needed from below (nothing has to be copied in): a write.
   const bool zero = stack_->engine()->ZeroContent(c);
-  StatusOr<void*> p = stack_->engine()->AcquireForWrite(c, where, must_zero);
+  StatusOr<void*> p = stack_->engine()->AcquireForWrite(c, where, must_zero, cls);
   if (p.ok()) {
     trace_.Access(c, zero ? planners::AccessMode::kWrite : planners::AccessMode::kReadWrite,
                   where);
-    runner_.Access(c, where);
+    if (cls == chunks::kNoClass) runner_.Access(c, where);
   }
   return p;
 }
@@ -339,6 +382,11 @@ int Session::Pins(size_t group, ChunkKind kind) const {
   return stack_->engine()->Pins(Chunk(group, kind));
 }
 
+bool Session::LazilyZero(size_t group, ChunkKind kind) const {
+  if (!CheckKind(group, kind).ok()) return false;
+  return stack_->engine()->ZeroContent(Chunk(group, kind));
+}
+
 TierKind Session::Resident(size_t group, ChunkKind kind) const {
   if (!CheckKind(group, kind).ok()) return TierKind::kNone;
   return stack_->engine()->Resident(Chunk(group, kind));
@@ -361,34 +409,40 @@ Bytes Session::ChunkBytes(size_t group, ChunkKind kind) const {
 Status Session::ReadTensor(size_t tensor, ChunkKind kind, void* out) {
   TIERMEM_RETURN_IF_ERROR(Live());
   if (tensor >= tensors_.size()) return OutOfRangeError("session: unknown tensor");
-  const TensorPlace& t = tensors_[tensor];
-  TIERMEM_RETURN_IF_ERROR(CheckKind(t.group, kind));
-  TIERMEM_RETURN_IF_ERROR(stepper_->RunPending(t.group, true));
   const size_t es = kernels::DTypeSize(dtype(kind));
-  if (sharded()) {  // collective: the chunk from every rank's shard
-    TIERMEM_ASSIGN_OR_RETURN(const char* full, GatherChunk(t.group, kind));
-    std::memcpy(out, full + t.offset * es, t.numel * es);
-    return OkStatus();
+  for (const Piece& p : tensors_[tensor].pieces) {
+    TIERMEM_RETURN_IF_ERROR(CheckKind(p.group, kind));
+    TIERMEM_RETURN_IF_ERROR(stepper_->RunPending(p.group, true));
+    char* dst = static_cast<char*>(out) + p.begin * es;
+    if (sharded()) {  // collective: the chunk from every rank's shard
+      TIERMEM_ASSIGN_OR_RETURN(const char* full, GatherChunk(p.group, kind));
+      std::memcpy(dst, full + p.offset * es, p.numel * es);
+      continue;
+    }
+    TIERMEM_RETURN_IF_ERROR(
+        stack_->engine()->ReadAt(Chunk(p.group, kind), p.offset * es, dst, p.numel * es));
   }
-  return stack_->engine()->ReadAt(Chunk(t.group, kind), t.offset * es, out, t.numel * es);
+  return OkStatus();
 }
 
 Status Session::WriteTensor(size_t tensor, ChunkKind kind, const void* values) {
   TIERMEM_RETURN_IF_ERROR(Live());
   if (tensor >= tensors_.size()) return OutOfRangeError("session: unknown tensor");
-  const TensorPlace& t = tensors_[tensor];
-  TIERMEM_RETURN_IF_ERROR(CheckKind(t.group, kind));
-  TIERMEM_RETURN_IF_ERROR(stepper_->RunPending(t.group, true));
-  stepper_->DropSpeculation(t.group);
   const size_t es = kernels::DTypeSize(dtype(kind));
-  // This rank's part of the tensor (all of it when not sharded).
-  const uint64_t lo = std::max(t.offset, shard_begin_);
-  const uint64_t hi = std::min(t.offset + t.numel, shard_begin_ + shard_elems_);
-  if (lo >= hi) return OkStatus();
-  gathered_key_ = {SIZE_MAX, -1};  // a cached gather is stale now
-  return stack_->engine()->WriteAt(Chunk(t.group, kind), (lo - shard_begin_) * es,
-                                   static_cast<const char*>(values) + (lo - t.offset) * es,
-                                   (hi - lo) * es);
+  for (const Piece& p : tensors_[tensor].pieces) {
+    TIERMEM_RETURN_IF_ERROR(CheckKind(p.group, kind));
+    TIERMEM_RETURN_IF_ERROR(stepper_->RunPending(p.group, true));
+    stepper_->DropSpeculation(p.group);
+    // This rank's part of the piece (all of it when not sharded).
+    const uint64_t lo = std::max(p.offset, shard_begin_);
+    const uint64_t hi = std::min(p.offset + p.numel, shard_begin_ + shard_elems_);
+    if (lo >= hi) continue;
+    gathered_key_ = {SIZE_MAX, -1};  // a cached gather is stale now
+    TIERMEM_RETURN_IF_ERROR(stack_->engine()->WriteAt(
+        Chunk(p.group, kind), (lo - shard_begin_) * es,
+        static_cast<const char*>(values) + (p.begin + lo - p.offset) * es, (hi - lo) * es));
+  }
+  return OkStatus();
 }
 
 StatusOr<const char*> Session::GatherChunk(size_t group, ChunkKind kind) {
@@ -425,8 +479,10 @@ Status Session::SetStepCount(size_t tensor, int64_t steps) {
   if (steps < 0) return InvalidArgumentError("session: negative step count");
   TIERMEM_RETURN_IF_ERROR(Live());
   // The pending update counted the old value.
-  TIERMEM_RETURN_IF_ERROR(stepper_->RunPending(tensors_[tensor].group, true));
-  stepper_->DropSpeculation(tensors_[tensor].group);
+  for (const Piece& p : tensors_[tensor].pieces) {
+    TIERMEM_RETURN_IF_ERROR(stepper_->RunPending(p.group, true));
+    stepper_->DropSpeculation(p.group);
+  }
   stepper_->set_step_count(tensor, steps);
   return OkStatus();
 }
