@@ -238,6 +238,25 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
   const Bytes reserve_chunks =
       host ? (trainable.empty() ? kMinResidentChunks : 5) + 2 : (trainable.empty() ? 1 : 5);
   sl.host_reserve = config.nvme_size == 0 ? 0 : reserve_chunks * AlignUp(sl.chunk_bytes, kPage);
+  // A served mixture-of-experts model: the dense groups are created first and homed on the
+  // host; the experts are homed on NVMe and the rest of the host budget caches them by use.
+  std::vector<uint8_t> expert_group(s->groups_.size(), 0);
+  for (size_t g = 0; g < s->groups_.size(); ++g) {
+    const ChunkGroup& grp = s->groups_[g];
+    expert_group[g] = !grp.pieces.empty() &&
+                      std::all_of(grp.pieces.begin(), grp.pieces.end(), [&](const PieceRef& r) {
+                        return s->tensors_[r.tensor].pieces[r.piece].expert >= 0;
+                      });
+  }
+  const bool experts = std::find(expert_group.begin(), expert_group.end(), 1) !=
+                       expert_group.end();
+  if (experts && trainable.empty()) {
+    for (size_t g = 0; g < s->groups_.size(); ++g) {
+      if (!expert_group[g]) {
+        sl.host_homes_first += (mixed ? 2 : 1) * AlignUp(s->shard_elems_ * 4, kPage);
+      }
+    }
+  }
   // State beyond the host budget with NVMe: homes fill the host budget, so map it all now,
   // registered with the NVMe tier (tier_stack.h).
   sl.host_prefault = config.nvme_size > 0 && s->model_bytes_ > config.host_budget
@@ -248,17 +267,24 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
   s->stepper_ = std::make_unique<OptimizerStepper>(s.get(), s->stack_.get(), &s->trace_);
   s->timeline_path_ = s->stack_->timeline_path();
   chunks::Engine* eng = s->stack_->engine();
-  for (ChunkKind kind : kCreationOrder) {
-    for (ChunkGroup& g : s->groups_) {
-      const bool need = kind == ChunkKind::kParamLowp   ? mixed
-                        : kind == ChunkKind::kParamFp32 ? true
-                                                         : g.trainable;
-      if (!need) continue;
-      auto id = eng->AddChunk(s->shard_elems_ * kernels::DTypeSize(s->dtype(kind)),
-                              chunks::ChunkKindCategory(kind));
-      if (!id.ok()) return id.status();  // `s` is destroyed: every region freed
-      g.chunks[K(kind)] = *id;
-      s->total_chunk_bytes_ += eng->ChunkBytes(*id);
+  // Chunks in creation order (homes go to the host while it has room): kCreationOrder, group
+  // by group; a served MoE creates every dense chunk before its experts'.
+  const bool dense_first = experts && trainable.empty();
+  for (int pass = 0; pass < (dense_first ? 2 : 1); ++pass) {
+    for (ChunkKind kind : kCreationOrder) {
+      for (size_t gi = 0; gi < s->groups_.size(); ++gi) {
+        if (dense_first && expert_group[gi] != pass) continue;
+        ChunkGroup& g = s->groups_[gi];
+        const bool need = kind == ChunkKind::kParamLowp   ? mixed
+                          : kind == ChunkKind::kParamFp32 ? true
+                                                           : g.trainable;
+        if (!need) continue;
+        auto id = eng->AddChunk(s->shard_elems_ * kernels::DTypeSize(s->dtype(kind)),
+                                chunks::ChunkKindCategory(kind));
+        if (!id.ok()) return id.status();  // `s` is destroyed: every region freed
+        g.chunks[K(kind)] = *id;
+        s->total_chunk_bytes_ += eng->ChunkBytes(*id);
+      }
     }
   }
   return s;

@@ -341,3 +341,26 @@ def test_a_training_forward_of_experts_outside_their_unit_is_refused():
     with torch.no_grad():
         out = ex(h, idx, torch.rand(5, 2))  # serving-like call outside: fine, no grads
     assert out.shape == (5, 64)
+
+
+def test_serving_beyond_ram_homes_experts_on_nvme_and_caches_them_on_the_host(tmp_path):
+    """Host mode with a host budget of half the weights: the dense chunks are homed on the
+    host, the experts on NVMe, cached on the host by use; tokens equal the plain model's."""
+    ref = qwen3_moe(layers=3, experts=16).eval()
+    ours = copy.deepcopy(ref)
+    weights = sum(p.numel() for p in ref.parameters()) * 4
+    model = tiermem.inference(ours, {"device_kind": "host", "host": weights // 2,
+                                     "nvme": {"path": str(tmp_path), "size": "64MiB"}})
+    x = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(model.generate(x, max_new_tokens=6, do_sample=False),
+                       ref.generate(x, max_new_tokens=6, do_sample=False))
+    rt = tiermem.runtime_of(model)
+    s = rt.session
+    experts = {g for es in rt.expert_sets for gs in es.groups for g in gs}
+    k = rt._compute_kind
+    homes = {g: s.home(g, k) for g in range(s.num_groups)}
+    assert all(h == tiermem._C.Tier.host for g, h in homes.items() if g not in experts)
+    assert any(h == tiermem._C.Tier.nvme for g, h in homes.items() if g in experts)
+    st = rt.stats()
+    assert st["bytes_moved"].get("nvme->host", 0) > 0
+    assert st["bytes_moved"].get("host->nvme", 0) == 0  # weights are never written

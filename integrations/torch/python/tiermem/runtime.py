@@ -27,6 +27,9 @@ holds the public API (stats, timeline, traces, close):
   true values, and ``zero_grad()`` / ``model.zero_grad()`` (``p.grad = None``) work as in
   torch. No grad is kept on the device beyond the chunks the engine caches.
 - Operations on ChunkTensors outside the units (dispatch.py).
+- Mixture-of-experts layers (experts.py): their experts are no unit's; each is acquired when
+  the router picks it (fused experts through transformers' experts-implementation hook, a
+  ModuleList's at each expert's call), prefetched at the router, cached by pick frequency.
 - Inference. Forwards without grad use untraced acquires: they neither record into nor
   disturb the order the next training iteration replays (``_traced``; serve.py: always).
 - State. ``state_dict()`` of any module gives plain tensors (the fp32 masters);
@@ -48,6 +51,7 @@ the ``on_reset`` / ``on_unit_done`` / ``on_end`` registrations their docstrings 
     ChunkOps (dispatch.py)       ChunkAccess, Grads
     UnitHooks (materialize.py)   ChunkAccess, Materializer, Activations, Recompute,
                                  SavedTensors, ForwardOrder
+    Experts (experts.py)         ChunkAccess, Materializer, Recompute, Backward, Grads
 
 ChunkTensor (tensor.py) reaches its runtime's ``ops``, ``grads`` and ``materializer``.
 
