@@ -1,11 +1,12 @@
 """Mixture-of-experts models (docs/moe.md): tensors larger than a chunk, experts that move alone.
 
-Qwen3-MoE and Mixtral (transformers 5.x: fused 3-D experts run through the experts-
-implementation hook) and a model whose experts are an ``nn.ModuleList`` train exactly like
-plain torch — losses and parameters bit-equal to the same AdamW math (KernelAdamW), within
-1e-5 of torch.optim.AdamW — at a device budget below what a chunk holding a whole fused tensor
-needs (the budget that refuses them without splitting), serve ``generate()`` tokens equal to
-the plain model's, and move only the experts the router picks. Small sizes, CPU, SimDevice.
+Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V3 and GPT-OSS (transformers 5.x: fused 3-D experts run
+through the experts-implementation hook) and a model whose experts are an ``nn.ModuleList``
+train exactly like plain torch — losses and parameters bit-equal to the same AdamW math
+(KernelAdamW), within 1e-5 of torch.optim.AdamW — at a device budget below what a chunk
+holding a whole fused tensor needs (the budget that refuses them without splitting), serve
+``generate()`` tokens equal to the plain model's, and move only the experts the router picks.
+Small sizes, CPU, SimDevice.
 """
 import copy
 import re
@@ -44,6 +45,45 @@ def mixtral(layers=2, experts=4, top_k=2):
         bos_token_id=0, eos_token_id=None, pad_token_id=0)
     torch.manual_seed(0)
     return transformers.MixtralForCausalLM(cfg)
+
+
+def olmoe(layers=2, experts=8, top_k=2):
+    cfg = transformers.OlmoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=experts,
+        num_experts_per_tok=top_k, max_position_embeddings=64, tie_word_embeddings=False,
+        bos_token_id=0, eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    return transformers.OlmoeForCausalLM(cfg)
+
+
+def deepseek_v3(layers=2, experts=8, top_k=2):
+    """Multi-head latent attention, a shared expert beside the routed ones, a sigmoid router
+    with a bias correction."""
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+        n_routed_experts=experts, num_experts_per_tok=top_k, n_shared_experts=1,
+        first_k_dense_replace=0, n_group=1, topk_group=1, q_lora_rank=None, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, max_position_embeddings=64,
+        tie_word_embeddings=False, bos_token_id=0, eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    return transformers.DeepseekV3ForCausalLM(cfg)
+
+
+def gpt_oss(layers=2, experts=8, top_k=2):
+    """Transposed fused experts ([E, H, 2I]) with biases and a clamped gate; attention sinks."""
+    cfg = transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=experts,
+        num_experts_per_tok=top_k, max_position_embeddings=64, tie_word_embeddings=False,
+        bos_token_id=0, eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    return transformers.GptOssForCausalLM(cfg)
+
+
+FUSED = [qwen3_moe, mixtral, olmoe, deepseek_v3, gpt_oss]
+FUSED_IDS = ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss"]
 
 
 class ExpertMLP(nn.Module):
@@ -144,7 +184,7 @@ def refused_budget(model):
     return 4 * 8 * largest(model)
 
 
-def train_three(make, steps=6, frac=0.5, **cfg):
+def train_three(make, steps=6, frac=0.5, experts=True, **cfg):
     torch.manual_seed(0)
     ref = make()
     exact, ours = copy.deepcopy(ref), copy.deepcopy(ref)
@@ -157,7 +197,7 @@ def train_three(make, steps=6, frac=0.5, **cfg):
     config = {"device_kind": "sim", "device": budget, "host": "256MiB",
               "optimizer": {"lr": 3e-3, "weight_decay": 0.01}}
     config.update(cfg)
-    model, opt = tiermem.initialize(ours, config)
+    model, opt = tiermem.initialize(ours, config, experts=experts)
     losses = train(model, opt, batches)
     for i, (a, b) in enumerate(zip(losses, ref_losses)):
         assert_close_rel(a, b, LOSS_REL, f"loss at step {i} vs torch.optim.AdamW")
@@ -170,14 +210,15 @@ def train_three(make, steps=6, frac=0.5, **cfg):
     return model, opt, rt, exact
 
 
-@pytest.mark.parametrize("make", [qwen3_moe, mixtral], ids=["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("make", FUSED, ids=FUSED_IDS)
 def test_fused_experts_train_exactly_below_the_budget_that_refuses_whole_tensors(make):
     model, opt, rt, exact = train_three(make)
     assert rt.expert_sets and all(s.kind == "fused" for s in rt.expert_sets)
     assert model.config._experts_implementation == "tiermem"
-    # Only routed experts computed: fewer expert calls than experts x layers x steps.
+    # The experts computed through tiermem's implementation, one call per routed expert.
     s = rt.experts.stats
-    assert 0 < s["expert_calls"]
+    per_forward = sum(len(es.groups) for es in rt.expert_sets)  # every expert of every layer
+    assert 0 < s["expert_calls"] <= 6 * per_forward
     # p.grad of a fused tensor is the whole tensor, as torch's.
     for (n, p), (_, q) in zip(model.named_parameters(), exact.named_parameters()):
         if q.grad is not None:
@@ -265,7 +306,54 @@ def test_routing_that_changes_every_step_with_accumulation_and_clipping():
         torch.testing.assert_close(model.state_dict()[k], v, rtol=0, atol=0, msg=k)
 
 
-def test_fused_experts_in_bf16_and_host_mode_with_nvme(tmp_path):
+def test_fused_experts_in_bf16_equal_experts_trained_as_any_weights():
+    """bf16 compute copies, fp32 masters: experts moved alone (each computed on its own)
+    train bit for bit like the same model with experts=False (grouped_mm / eager over the
+    whole fused tensors, at a budget that holds them whole)."""
+    for impl in (None, "eager"):
+        ref = qwen3_moe(impl=impl)
+        a, b = copy.deepcopy(ref), copy.deepcopy(ref)
+        batches = data(4)
+
+        def cfg(device):
+            return {"device_kind": "sim", "device": device, "host": "256MiB",
+                    "precision": "bf16", "optimizer": {"lr": 3e-3, "weight_decay": 0.01}}
+        ma, oa = tiermem.initialize(a, cfg(refused_budget(ref) // 2))
+        mb, ob = tiermem.initialize(b, cfg(4 * refused_budget(ref)), experts=False)
+        assert tiermem.runtime_of(ma).expert_sets and not tiermem.runtime_of(mb).expert_sets
+        assert train(ma, oa, batches) == train(mb, ob, batches)
+        sa, sb = ma.state_dict(), mb.state_dict()
+        for k, v in sb.items():
+            torch.testing.assert_close(sa[k], v, rtol=0, atol=0, msg=k)
+        for m in (ma, mb):
+            tiermem.runtime_of(m).close()
+            # Closed: plain fp32 parameters (the masters) with their gradients in fp32.
+            p = m.model.layers[0].mlp.experts.gate_up_proj
+            assert type(p) is nn.Parameter and p.dtype == p.grad.dtype == torch.float32
+
+
+def test_experts_as_weights_below_the_whole_tensor_budget_are_split_and_exact():
+    """experts=False below the budget that refuses whole tensors: the fused tensors are split
+    into pieces of whole rows, their unit computes with a contiguous copy, and training (fp32)
+    and generate() equal plain torch."""
+    model, opt, rt, exact = train_three(qwen3_moe, steps=4, experts=False)
+    assert not rt.expert_sets
+    split = [r.name for r in rt.params if r.split]
+    assert "model.layers.0.mlp.experts.gate_up_proj" in split
+    rt.close()
+    ref = qwen3_moe(layers=3, experts=16).eval()
+    ours = copy.deepcopy(ref)
+    weights = sum(p.numel() for p in ref.parameters()) * 4
+    served = tiermem.inference(ours, {"device_kind": "sim", "device": weights // 2,
+                                      "host": "256MiB"}, experts=False)
+    assert weights // 2 < 4 * 4 * largest(ref)
+    assert any(r.split for r in tiermem.runtime_of(served).params)
+    x = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(served.generate(x, max_new_tokens=6, do_sample=False),
+                       ref.generate(x, max_new_tokens=6, do_sample=False))
+
+
+def test_fused_experts_in_host_mode_with_nvme(tmp_path):
     torch.manual_seed(0)
     ref = qwen3_moe()
     ours = copy.deepcopy(ref)
@@ -322,6 +410,41 @@ def test_serving_moves_only_routed_experts_and_generates_the_plain_tokens():
     assert ours.config._experts_implementation == "grouped_mm"
 
 
+@pytest.mark.parametrize("make", [mixtral, olmoe, deepseek_v3, gpt_oss],
+                         ids=["mixtral", "olmoe", "deepseek_v3", "gpt_oss"])
+def test_other_fused_models_serve_the_plain_tokens_moving_only_routed_experts(make):
+    ref = make(experts=16).eval()
+    ours = copy.deepcopy(ref)
+    weights = sum(p.numel() for p in ref.parameters()) * 4
+    assert weights // 2 < 4 * 4 * largest(ref)  # refused when chunks hold whole tensors
+    model = tiermem.inference(ours, {"device_kind": "sim", "device": weights // 2,
+                                     "host": "256MiB"})
+    rt = tiermem.runtime_of(model)
+    assert len(rt.expert_sets) == 2 and all(s.router is not None for s in rt.expert_sets)
+    x = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(model.generate(x, max_new_tokens=6, do_sample=False),
+                       ref.generate(x, max_new_tokens=6, do_sample=False))
+    assert rt.experts.stats["expert_calls"] < 16 * 2 * rt.forwards
+    rt.close()
+
+
+def test_a_module_list_model_serves_the_plain_outputs():
+    ref = ListLM(layers=3).eval()
+    ours = copy.deepcopy(ref)
+    weights = sum(p.numel() for p in ref.parameters()) * 4
+    model = tiermem.inference(ours, {"device_kind": "sim", "device": weights // 3,
+                                     "host": "256MiB"})
+    rt = tiermem.runtime_of(model)
+    assert rt.expert_sets and all(s.kind == "list" for s in rt.expert_sets)
+    for seed in range(3):
+        x = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+    assert rt.experts.routed.get((0, 5), 0) == 0  # never called, so never acquired
+    assert not rt.timeline_peaks()["over_budget"]
+    rt.close()
+
+
 def test_a_budget_below_one_expert_names_the_piece():
     model = qwen3_moe()
     params = list(model.parameters())
@@ -364,3 +487,29 @@ def test_serving_beyond_ram_homes_experts_on_nvme_and_caches_them_on_the_host(tm
     st = rt.stats()
     assert st["bytes_moved"].get("nvme->host", 0) > 0
     assert st["bytes_moved"].get("host->nvme", 0) == 0  # weights are never written
+
+
+def test_a_gradient_hook_on_a_fused_experts_parameter_is_refused():
+    """A fused tensor's gradient is accumulated expert by expert from per-expert leaves: a hook
+    would never run, so registering one is refused (nothing changed); experts=False runs it."""
+    model, opt = tiermem.initialize(qwen3_moe(), {"device_kind": "sim", "device": "4MiB"})
+    p = model.model.layers[0].mlp.experts.gate_up_proj
+    for register in (p.register_hook, p.register_post_accumulate_grad_hook):
+        with pytest.raises(RuntimeError, match="not supported: its experts move alone"):
+            register(lambda *a: None)
+    # A dense parameter of the same model still takes hooks.
+    seen = []
+    model.model.layers[0].mlp.gate.weight.register_hook(lambda g: seen.append(g.shape))
+    x, y = data(1)[0]
+    logits = logits_of(model, x)
+    nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1)).backward()
+    assert seen == [torch.Size([8, 64])]
+    tiermem.runtime_of(model).close()
+    m2, _ = tiermem.initialize(qwen3_moe(), {"device_kind": "sim", "device": "4MiB"},
+                               experts=False)
+    q = m2.model.layers[0].mlp.experts.gate_up_proj
+    got = []
+    q.register_hook(lambda g: got.append(g.shape))
+    logits = logits_of(m2, x)
+    nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1)).backward()
+    assert got == [q.shape]

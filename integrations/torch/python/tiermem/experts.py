@@ -503,7 +503,16 @@ def _expert_rows(module, w, x, cast: bool):
             out = h @ wt.transpose(0, 1)
         else:
             out = torch.nn.functional.linear(h, wt)
-        return out if b is None else out + b
+        if b is None:
+            return out
+        if cast:
+            # The batched implementations add a bias gathered row by row (bias[expert_ids]):
+            # its gradient is an indexing backward that adds the rows one after another.
+            # Gathered the same way, the expert's bias gradient has the same sums, bit for bit
+            # (a broadcast add's gradient would be a reduction, summing in another order).
+            rows = torch.zeros(out.shape[0], dtype=torch.long, device=out.device)
+            return out + b.unsqueeze(0)[rows]
+        return out + b
 
     h = linear(x, w1, b1)
     h = module._apply_gate(h) if module.has_gate else module.act_fn(h)

@@ -238,6 +238,14 @@ class Grads:
         undoes it, as torch's does."""
         if not r.param.requires_grad:
             raise RuntimeError("cannot register a hook on a tensor that doesn't require gradient")
+        if r.expert_set >= 0 and r.expert < 0:
+            # Its gradient comes from per-expert leaves, piece by piece (experts.py): neither
+            # leaf a hook would go on ever gets one, so the hook would silently never run.
+            raise RuntimeError(
+                f"tiermem: gradient hooks on the fused experts parameter {r.name!r} are not "
+                f"supported: its experts move alone and its gradient is accumulated expert by "
+                f"expert (docs/moe.md). Pass experts=False to tiermem.initialize to treat the "
+                f"experts as any weights; nothing was changed.")
         if register is torch.Tensor.register_hook:
             key = object()  # this registration: its two parts are told apart per backward
             handles = [torch.Tensor.register_hook(r.compute,

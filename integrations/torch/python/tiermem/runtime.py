@@ -491,7 +491,9 @@ class TiermemRuntime:
         self.experts.close()
         for r, v, g in zip(self.params, values, grads):
             r.orig.data = v.to(self.device)
-            r.orig.grad = g
+            # Mixed precision: the values given back are the fp32 masters, and torch wants a
+            # gradient of its parameter's dtype (the bf16/fp16 gradient, widened exactly).
+            r.orig.grad = None if g is None else g.to(device=self.device, dtype=r.orig.dtype)
             for m, name in r.slots:
                 m._parameters[name] = r.orig
         self.state.closed = True
