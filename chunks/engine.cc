@@ -332,10 +332,10 @@ StatusOr<bool> Engine::EvictOne(TierKind tier, ChunkId chunk, bool for_prefetch,
       *pinned += c.cache.region.bytes;
       continue;
     }
-    EvictionCandidate e{id, c.bytes, c.dirty, c.last_use, order_.NextUse(id),
-                        order_.following()};
+    EvictionCandidate e{id, c.bytes, c.dirty, c.last_use, NextUse(id), order_.following()};
     if (for_prefetch) {
-      if (c.dirty || c.inflight) continue;
+      if (c.dirty || c.inflight || c.soon) continue;  // (soon: hinted, about to be acquired)
+      if (speculating_ && scores_.ClassOf(id) == kNoClass) continue;
       if (e.next_use != kNeverUsed && e.next_use <= prefetch_pos) continue;
     }
     cands.push_back(e);
@@ -454,17 +454,59 @@ Status Engine::SetExternalBytes(TierKind tier, Bytes bytes) {
   return OkStatus();
 }
 
-StatusOr<void*> Engine::Acquire(ChunkId chunk, TierKind where) {
-  return AcquireImpl(chunk, where, nullptr);
+StatusOr<void*> Engine::Acquire(ChunkId chunk, TierKind where, uint32_t cls) {
+  return AcquireImpl(chunk, where, nullptr, cls);
 }
 
-StatusOr<void*> Engine::AcquireForWrite(ChunkId chunk, TierKind where, bool* must_zero) {
+StatusOr<void*> Engine::AcquireForWrite(ChunkId chunk, TierKind where, bool* must_zero,
+                                        uint32_t cls) {
   if (must_zero == nullptr) return InvalidArgumentError("engine: AcquireForWrite needs must_zero");
   *must_zero = false;
-  return AcquireImpl(chunk, where, must_zero);
+  return AcquireImpl(chunk, where, must_zero, cls);
 }
 
-StatusOr<void*> Engine::AcquireImpl(ChunkId chunk, TierKind where, bool* must_zero) {
+uint64_t Engine::NextUse(ChunkId chunk) const {
+  if (chunks_[chunk].soon) return order_.position();  // hinted: needed now
+  const uint64_t ordered = order_.NextUse(chunk);
+  if (!order_.following()) return ordered;
+  return std::min(ordered, scores_.ExpectedNextUse(chunk, order_.position(), order_.size(),
+                                                   order_.cyclic()));
+}
+
+StatusOr<bool> Engine::PrefetchHint(ChunkId chunk, TierKind where, double probability) {
+  TIERMEM_RETURN_IF_ERROR(CheckChunk(chunk));
+  if (where != TierKind::kDevice && where != TierKind::kHost) {
+    return InvalidArgumentError("engine: chunks are prefetched to device or host, not " +
+                                std::string(TierKindName(where)));
+  }
+  if (TierOf(where) == nullptr) return NoTier(where, "prefetch");
+  if (!(probability > 0 && probability <= 1)) {
+    return InvalidArgumentError("engine: a prefetch hint's probability must be in (0, 1]");
+  }
+  const bool certain = probability >= 1;
+  ChunkRec& c = chunks_[chunk];
+  if (planned_ || c.cache.tier == where || c.home.tier == where ||
+      c.cache.tier != TierKind::kNone || c.inflight || c.pins > 0) {
+    if (certain && (c.cache.tier == where || c.home.tier == where)) c.soon = true;
+    return false;
+  }
+  const uint64_t after =
+      order_.position() +
+      static_cast<uint64_t>((1.0 / probability - 1.0) * static_cast<double>(order_.size()));
+  // A prediction may displace only other experts expected later (never an ordered chunk,
+  // whose next use is certain): a wrong one then costs its own bytes, not a dense refetch.
+  speculating_ = !certain;
+  auto r = AllocateOn(where, chunk, true, after);
+  speculating_ = false;
+  if (!r.ok()) return false;  // no room without hurting sooner uses
+  StartFill(chunk, Placed{where, *r});
+  chunks_[chunk].soon = certain;
+  ++stats_.hint_prefetches;
+  return true;
+}
+
+StatusOr<void*> Engine::AcquireImpl(ChunkId chunk, TierKind where, bool* must_zero,
+                                    uint32_t cls) {
   TIERMEM_RETURN_IF_ERROR(CheckChunk(chunk));
   if (where != TierKind::kDevice && where != TierKind::kHost) {
     return InvalidArgumentError("engine: chunks are acquired on device or host, not " +
@@ -472,7 +514,10 @@ StatusOr<void*> Engine::AcquireImpl(ChunkId chunk, TierKind where, bool* must_ze
   }
   if (TierOf(where) == nullptr) return NoTier(where, "acquire");
   // Follow (or leave) the recorded order, and record this iteration's.
-  if (tracing_) {
+  if (tracing_ && cls != kNoClass) {
+    scores_.Observe(cls, chunk, order_.recorded());  // a class member: not an order entry
+  } else if (tracing_) {
+    scores_.EndVisit();
     switch (order_.Observe(chunk, where)) {
       case AccessOrder::Follow::kResynced: ++stats_.resynced; break;
       case AccessOrder::Follow::kDiverged: ++stats_.diverged; break;  // reactive (LRU) now
@@ -482,6 +527,7 @@ StatusOr<void*> Engine::AcquireImpl(ChunkId chunk, TierKind where, bool* must_ze
   }
   ++stats_.acquires;
   ChunkRec* c = &chunks_[chunk];
+  c->soon = false;
   c->drop_after = false;  // planned to leave, needed after all: keep the copy (clean when written)
   if (c->inflight && !c->writing_back && c->direct_fill && c->cache.tier == where &&
       stream_ != kHostStream && TierOf(where)->ordering() != nullptr && !c->inflight->Poll()) {
@@ -907,6 +953,8 @@ Status Engine::Flush() {
 
 void Engine::BeginIteration() {
   order_.BeginIteration();
+  scores_.BeginIteration();
+  for (ChunkRec& c : chunks_) c.soon = false;
   evictions_before_ = evictions_now_;
   evictions_now_ = {};
   RecordLabel(EventType::kIteration, "iteration", stats_.iterations);

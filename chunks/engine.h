@@ -87,6 +87,7 @@
 #include "base/timeline.h"
 #include "chunks/access_order.h"
 #include "chunks/eviction_policy.h"
+#include "chunks/expert_cache.h"
 #include "chunks/mover.h"
 #include "tiers/tier.h"
 
@@ -122,6 +123,7 @@ struct EngineStats {
   uint64_t evictions = 0;
   uint64_t clean_evictions = 0;  // evictions that moved no bytes
   uint64_t prefetches = 0;
+  uint64_t hint_prefetches = 0;  // PrefetchHint's (counted in prefetches too)
   uint64_t write_behinds = 0;    // background write-backs started
   uint64_t acquires = 0;
   uint64_t iterations = 0;
@@ -158,13 +160,27 @@ class Engine {
   // Makes `chunk` resident on `where` (kDevice or kHost) and pins it. Returns its address
   // there. kFailedPrecondition if it is pinned on another tier; kResourceExhausted if the
   // tier is full of pinned chunks.
-  StatusOr<void*> Acquire(ChunkId chunk, TierKind where);
+  // `cls` (not kNoClass): acquired as a member of that class — one of a mixture-of-experts
+  // layer's experts, chosen by the routing at run time: not an entry of the recorded order
+  // (it neither follows nor leaves it), scored by chunks/expert_cache.h instead.
+  StatusOr<void*> Acquire(ChunkId chunk, TierKind where, uint32_t cls = kNoClass);
   // Same, but when the content is lazily zero and would be filled by a synchronous copy from
   // a zeros buffer (a non-host tier), the region is handed over unfilled and `*must_zero` is
   // set: the caller then owes writing zeros over all ChunkBytes(chunk) bytes before anything
   // else reads them (e.g. a device-side memset ordered before its own writes). Otherwise
   // `*must_zero` is false and the content is as Acquire gives it. `must_zero` is required.
-  StatusOr<void*> AcquireForWrite(ChunkId chunk, TierKind where, bool* must_zero);
+  StatusOr<void*> AcquireForWrite(ChunkId chunk, TierKind where, bool* must_zero,
+                                  uint32_t cls = kNoClass);
+  // Starts bringing `chunk` to `where` (device or host) ahead of an acquire the caller
+  // expects with `probability` (like the lookahead prefetch, it evicts only clean, unpinned
+  // chunks): 1 (a mixture-of-experts layer's routed experts) evicts chunks not needed before
+  // now, and the chunk is kept (no prefetch evicts it) until it is acquired or the iteration
+  // ends; below 1 (a prediction) it evicts only chunks whose (expected) next use is later than
+  // this one's expected use — now, or (1/p - 1) iterations' orders later — and the copy is kept
+  // no longer than any other. False when it is there or in flight already, pinned elsewhere,
+  // there is no room, or in planned mode (the plan moves copies then). kInvalidArgument for a
+  // bad tier or a probability outside (0, 1]; kOutOfRange for a bad chunk.
+  StatusOr<bool> PrefetchHint(ChunkId chunk, TierKind where, double probability = 1.0);
   // Unpins; `modified`: the caller wrote to it (its lower copy is now stale).
   Status Release(ChunkId chunk, bool modified);
   // Its content becomes zeros (lazily: no bytes move now). kFailedPrecondition if pinned.
@@ -265,6 +281,7 @@ class Engine {
     bool writing_back = false;             // `inflight` is a write-behind (cache -> home)
     bool direct_fill = false;  // `inflight` is a prefetch made of one copy into the cache
     bool drop_after = false;  // writing_back for a planned eviction: free the copy when done
+    bool soon = false;        // PrefetchHint'ed and not acquired since: not to be evicted
   };
 
   Engine(const EngineConfig& config, EngineTiers tiers, Mover* mover,
@@ -277,7 +294,9 @@ class Engine {
   Status WaitStall(const std::shared_ptr<Completion>& c, ChunkId chunk, std::string_view cause);
   // Allocates on `tier`, evicting unpinned chunks as needed (any chunk when `for_prefetch` is
   // false; only clean ones used after `prefetch_pos` otherwise).
-  StatusOr<void*> AcquireImpl(ChunkId chunk, TierKind where, bool* must_zero);
+  StatusOr<void*> AcquireImpl(ChunkId chunk, TierKind where, bool* must_zero, uint32_t cls);
+  // The next use eviction compares: the order's, or a class member's expected one.
+  uint64_t NextUse(ChunkId chunk) const;
   StatusOr<Region> AllocateOn(TierKind tier, ChunkId chunk, bool for_prefetch,
                               uint64_t prefetch_pos);
   // AllocateOn's loop for `bytes` (chunk: kNoChunk for scratch).
@@ -332,10 +351,12 @@ class Engine {
   // The order of acquires: recorded this iteration, followed from the previous one (only
   // while tracing_).
   AccessOrder order_;
+  ClassScores scores_;  // chunks acquired as class members (expert_cache.h)
   bool tracing_ = true;
   ComputeStream stream_ = kHostStream;
   std::array<Bytes, kNumTierKinds> external_{};  // per TierKind (device and host only)
   bool planned_ = false;
+  bool speculating_ = false;  // PrefetchHint below certainty: only class members may leave
   std::vector<std::pair<ChunkId, TierKind>> deferred_;  // planned prefetches waiting for room
 
   EngineStats stats_;

@@ -65,14 +65,16 @@ std::vector<OptimizerStepper::Run> OptimizerStepper::GradRuns(size_t group, bool
                                                              bool every_trainable) const {
   const ChunkGroup& g = session_->group(group);
   std::vector<Run> runs;
-  for (uint32_t i : g.tensors) {
+  for (const PieceRef& ref : g.pieces) {
+    const uint32_t i = ref.tensor;
     if (every_trainable ? !session_->place(i).trainable : !session_->has_grad(i)) continue;
     const TensorPlace& t = session_->place(i);
-    if (!runs.empty() && runs.back().hi == t.offset &&
+    const Piece& p = t.pieces[ref.piece];
+    if (!runs.empty() && runs.back().hi == p.offset &&
         (!same_step || (runs.back().opt_group == t.opt_group && runs.back().step == steps_[i]))) {
-      runs.back().hi = t.offset + t.numel;
+      runs.back().hi = p.offset + p.numel;
     } else {
-      runs.push_back(Run{t.offset, t.offset + t.numel, t.opt_group, steps_[i]});
+      runs.push_back(Run{p.offset, p.offset + p.numel, t.opt_group, steps_[i]});
     }
   }
   return runs;
@@ -105,14 +107,19 @@ Status OptimizerStepper::Apply(const std::vector<GroupHyper>& hyper, float clip_
   for (size_t gi = 0; gi < session_->num_groups(); ++gi) {
     const ChunkGroup& g = session_->group(gi);
     if (!g.trainable) continue;
+    // A tensor's step is counted once, at the group of its first piece (the lowest: pieces
+    // are packed in order), before the runs of its later groups read it.
     std::vector<uint32_t> stepped;
+    bool any = false;
     for (uint32_t i : g.tensors) {
-      if (session_->has_grad(i)) {
+      if (!session_->has_grad(i)) continue;
+      any = true;
+      if (session_->place(i).pieces.front().group == gi) {
         ++steps_[i];
         stepped.push_back(i);
       }
     }
-    if (stepped.empty()) continue;
+    if (!any) continue;
     std::vector<Run> runs = LocalRuns(GradRuns(gi, true));
     if (runs.empty()) continue;  // none of it in this rank's shard
     if (spec_[gi].active) {

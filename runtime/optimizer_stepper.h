@@ -135,6 +135,7 @@ class OptimizerStepper {
   Status RunPending(size_t group, bool quiet);
   Status RunAllPending(bool quiet);  // in group order
   size_t pending_steps() const { return num_pending_; }
+  bool pending(size_t group) const { return pending_[group].active; }
   // Clearing `group`'s grads while its update is pending (it reads them first): true when it
   // is, and the update zeroes them after it runs; false when nothing is pending.
   bool ZeroGradsAfterPending(size_t group);

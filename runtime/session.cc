@@ -4,10 +4,13 @@
 // Layout invariants: trainable tensors are packed first (those in a compressed optimizer-state
 // format, then those with fp32 state), frozen ones after, into separate groups (a frozen group
 // has no grad or optimizer chunks; a group's m and v have one format); within a group tensors
-// keep the given order and never straddle chunks; every chunk of a group has chunk_elems_
-// elements of its kind's dtype (m and v: of the group's state format, StateBytes); in an int8
-// group every tensor starts on a block boundary and chunk_elems_ (and, sharded, every shard)
-// is a multiple of the block. The device working set the chunk size is chosen for is
+// keep the given order; a tensor that fits in a chunk is one piece in one group, a larger one
+// (or one of an expert set) is pieces of whole rows (chunks/chunk_layout.h), each in one
+// group, and a group lists every piece it holds; only whole (one-piece) tensors outside expert
+// sets take a compressed state format; every chunk of a group has chunk_elems_ elements of its
+// kind's dtype (m and v: of the group's state format, StateBytes); in an int8 group every
+// tensor starts on a block boundary and chunk_elems_ (and, sharded, every shard) is a
+// multiple of the block. The device working set the chunk size is chosen for is
 // kMinResidentChunks (compute + grad) chunks.
 //
 // Step invariants: hyper-parameters are validated before anything changes; an accumulation
@@ -79,8 +82,8 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
   if (sharding.world > 1 && sharding.collectives == nullptr) {
     return InvalidArgumentError("session: a sharded session needs its collectives");
   }
-  // Trainable tensors in the configured state format (`compressed`), or in fp32 state: all of
-  // them with fp32 state, else those below optimizer.state_min_elems.
+  // Trainable tensors in the configured state format (`compressed`, chosen once the chunk
+  // size is known), or in fp32 state.
   const kernels::StateFormat state = config.optimizer_state.format;
   TIERMEM_RETURN_IF_ERROR(
       kernels::ValidateStateFormat(state).WithContext("config 'optimizer.state_block'"));
@@ -92,7 +95,7 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
   const uint64_t state_align =
       state.dtype == kernels::StateDType::kInt8 ? state.block : chunks::kAlignElems;
   std::vector<size_t> trainable, compressed, frozen;
-  uint64_t max_numel = 0;
+  std::vector<chunks::PackTensor> packed;  // every tensor, as the packer sees it
   for (size_t i = 0; i < tensors.size(); ++i) {
     const TensorSpec& t = tensors[i];
     if (t.numel == 0) {
@@ -111,14 +114,17 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
                                     std::to_string(t.numel));
       }
     }
-    if (!t.trainable) {
-      frozen.push_back(i);
-    } else if (state.compressed() && t.numel >= config.optimizer_state.min_elems) {
-      compressed.push_back(i);
-    } else {
-      trainable.push_back(i);
+    if (t.expert_set >= 0 && t.expert < 0 && t.shape.empty()) {
+      return InvalidArgumentError("session: tensor " + t.name + " is a fused expert tensor "
+                                  "without a shape (its first dimension indexes the experts)");
     }
-    max_numel = std::max(max_numel, t.numel);
+    (t.trainable ? trainable : frozen).push_back(i);
+    chunks::PackTensor pt;
+    pt.numel = t.numel;
+    pt.rows = t.shape.empty() ? 1 : static_cast<uint64_t>(t.shape[0]);
+    pt.expert_set = t.expert_set;
+    pt.expert = t.expert;
+    packed.push_back(pt);
   }
   const bool any_trainable = !trainable.empty() || !compressed.empty();
   std::unique_ptr<Session> s(new Session());
@@ -127,8 +133,6 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
   const Bytes esize = mixed ? 2 : 4;
   // Device working set per element: the compute param and (when anything trains) its grad.
   const Bytes per_elem = esize + (any_trainable ? esize : 0);
-  std::vector<uint64_t> numels;
-  for (const TensorSpec& t : tensors) numels.push_back(t.numel);
   TIERMEM_ASSIGN_OR_RETURN(s->device_kind_, TierStack::ResolveDeviceKind(config.device_kind));
   const bool host = s->device_kind_ == "host";
   if (host && config.device_budget_given) {
@@ -145,32 +149,38 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
         "host memory, but with device_kind 'host' they are in host memory already: use "
         "'budget' (counted in the host budget), 'recompute' or 'outside'");
   }
+  // The smallest chunk that holds the largest piece a unit needs at once: a row of any
+  // tensor, and with expert sets an expert's slices (each expert in chunks of its own).
+  TIERMEM_ASSIGN_OR_RETURN(const uint64_t expert_item, chunks::LargestExpertItem(packed));
+  if (host && expert_item == 0) {
+    // Host mode sizes chunks by a share of the host budget, not by a device working set that
+    // must hold them: tensors stay whole (the host room kept for NVMe-homed chunks in use is
+    // counted in chunks, which a split tensor would need more of at once).
+    for (chunks::PackTensor& pt : packed) pt.rows = 1;
+  }
+  uint64_t min_piece = 0;
+  for (const chunks::PackTensor& pt : packed) min_piece = std::max(min_piece, pt.row_elems());
+  min_piece = std::max(min_piece, expert_item);
   // Host mode: no device budget. The chunk size follows the host budget instead: an fp32
   // chunk is at most 1/32 of it (per_elem x budget / 32 passed as the working budget), so the
   // host room held for NVMe-homed chunks in use (below) stays a small part of it.
   const Bytes sizing_budget = host ? per_elem * (config.host_budget / 32) : config.device_budget;
   s->min_device_budget_ =
-      host ? 0 : chunks::MinimumDeviceBudget(max_numel, per_elem, kMinResidentChunks);
+      host ? 0 : chunks::MinimumDeviceBudget(min_piece, per_elem, kMinResidentChunks);
   if (!config.chunk_size) {
     StatusOr<chunks::ChunkSizeChoice> choice = chunks::ChooseChunkElems(
-        numels, sizing_budget, per_elem, kMinResidentChunks, state_align);
+        packed, sizing_budget, per_elem, kMinResidentChunks, state_align);
     if (!choice.ok() && host) {
-      // The largest tensor alone is more than 1/32 of the host budget: one chunk per tensor
+      // The largest piece alone is more than 1/32 of the host budget: one chunk per piece
       // of that size (the host tier's own minimum is checked when it is built).
       choice = chunks::ChooseChunkElems(
-          numels, chunks::MinimumDeviceBudget(max_numel, per_elem, kMinResidentChunks),
+          packed, chunks::MinimumDeviceBudget(min_piece, per_elem, kMinResidentChunks),
           per_elem, kMinResidentChunks, state_align);
     }
     if (!choice.ok()) return choice.status();
     s->chunk_elems_ = choice->chunk_elems;
   } else {
     s->chunk_elems_ = *config.chunk_size;
-    if (!compressed.empty() && s->chunk_elems_ % state_align != 0) {
-      return InvalidArgumentError(
-          "chunk_size=" + std::to_string(s->chunk_elems_) + " is not a multiple of "
-          "optimizer.state_block (" + std::to_string(state_align) + "): chunks of int8 "
-          "optimizer state hold whole blocks");
-    }
     const Bytes need = s->chunk_elems_ * per_elem * kMinResidentChunks;
     if (!host && need > config.device_budget) {
       return ResourceExhaustedError(
@@ -178,6 +188,39 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
           " bytes is below the minimum of " + std::to_string(need) + " bytes for chunk_size=" +
           std::to_string(s->chunk_elems_));
     }
+  }
+  // The trainable tensors whose m and v take the configured compressed format: those of at
+  // least optimizer.state_min_elems elements that stay whole (one piece, outside an expert
+  // set: a compressed tensor's blocks start at its first element, and its raw state is one
+  // run of codes). The others keep fp32 state, the split ones with a warning.
+  if (state.compressed()) {
+    std::vector<size_t> rest;
+    size_t split = 0;
+    std::string first_split;
+    for (size_t i : trainable) {
+      const TensorSpec& t = tensors[i];
+      if (t.numel < config.optimizer_state.min_elems) {
+        rest.push_back(i);
+      } else if (t.expert_set >= 0 || t.numel > s->chunk_elems_) {
+        rest.push_back(i);
+        if (split++ == 0) first_split = t.name;
+      } else {
+        compressed.push_back(i);
+      }
+    }
+    trainable = std::move(rest);
+    if (split > 0) {
+      TIERMEM_LOG(kWarn) << "optimizer.state_dtype '" << kernels::StateDTypeName(state.dtype)
+                         << "': " << split << " tensor(s) split across chunks or in an expert "
+                         << "set (the first: " << first_split << ") keep fp32 optimizer state; "
+                         << "compressed state covers whole tensors only";
+    }
+  }
+  if (config.chunk_size && !compressed.empty() && s->chunk_elems_ % state_align != 0) {
+    return InvalidArgumentError(
+        "chunk_size=" + std::to_string(s->chunk_elems_) + " is not a multiple of "
+        "optimizer.state_block (" + std::to_string(state_align) + "): chunks of int8 "
+        "optimizer state hold whole blocks");
   }
   // Sharded: every rank holds an equal, aligned slice of every chunk (64 elements keep the
   // kernels' vectors and the host tier's classes aligned).
@@ -194,11 +237,11 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
   s->tensors_.resize(tensors.size());
   for (const std::vector<size_t>* subset : {&compressed, &trainable, &frozen}) {
     if (subset->empty()) continue;
+    std::vector<chunks::PackTensor> sub;
+    for (size_t i : *subset) sub.push_back(packed[i]);
     const bool packed_compressed = subset == &compressed;
-    std::vector<uint64_t> sub;
-    for (size_t i : *subset) sub.push_back(tensors[i].numel);
-    auto layout = chunks::PackTensors(sub, s->chunk_elems_,
-                                      packed_compressed ? state_align : chunks::kAlignElems);
+    auto layout = chunks::PackPieces(sub, s->chunk_elems_,
+                                     packed_compressed ? state_align : chunks::kAlignElems);
     if (!layout.ok()) {
       return layout.status().WithContext("chunk_size=" + std::to_string(s->chunk_elems_));
     }
@@ -212,16 +255,31 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
     }
     for (size_t k = 0; k < subset->size(); ++k) {
       const size_t i = (*subset)[k];
-      const chunks::Placement& p = layout->placements[k];
       TensorPlace& tp = s->tensors_[i];
-      tp.group = static_cast<uint32_t>(base + p.group);
-      tp.offset = p.offset;
+      tp.pieces = layout->pieces[k];
       tp.numel = tensors[i].numel;
       tp.trainable = tensors[i].trainable;
       tp.opt_group = tensors[i].opt_group;
-      ChunkGroup& grp = s->groups_[tp.group];
-      grp.tensors.push_back(static_cast<uint32_t>(i));
-      grp.used_elems = std::max(grp.used_elems, p.offset + p.numel);
+      for (size_t pi = 0; pi < tp.pieces.size(); ++pi) {
+        Piece& p = tp.pieces[pi];
+        p.group += static_cast<uint32_t>(base);
+        ChunkGroup& grp = s->groups_[p.group];
+        grp.pieces.push_back({static_cast<uint32_t>(i), static_cast<uint32_t>(pi)});
+        grp.used_elems = std::max(grp.used_elems, p.offset + p.numel);
+      }
+      tp.group = tp.pieces.front().group;
+      tp.offset = tp.pieces.front().offset;
+    }
+  }
+  for (ChunkGroup& grp : s->groups_) {
+    std::sort(grp.pieces.begin(), grp.pieces.end(), [&](const PieceRef& a, const PieceRef& b) {
+      return s->tensors_[a.tensor].pieces[a.piece].offset <
+             s->tensors_[b.tensor].pieces[b.piece].offset;
+    });
+    for (const PieceRef& r : grp.pieces) {
+      if (std::find(grp.tensors.begin(), grp.tensors.end(), r.tensor) == grp.tensors.end()) {
+        grp.tensors.push_back(r.tensor);
+      }
     }
   }
   for (size_t i = 0; i < tensors.size(); ++i) {
@@ -245,6 +303,25 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
   const Bytes reserve_chunks =
       host ? (any_trainable ? 5 : kMinResidentChunks) + 2 : (any_trainable ? 5 : 1);
   sl.host_reserve = config.nvme_size == 0 ? 0 : reserve_chunks * AlignUp(sl.chunk_bytes, kPage);
+  // A served mixture-of-experts model: the dense groups are created first and homed on the
+  // host; the experts are homed on NVMe and the rest of the host budget caches them by use.
+  std::vector<uint8_t> expert_group(s->groups_.size(), 0);
+  for (size_t g = 0; g < s->groups_.size(); ++g) {
+    const ChunkGroup& grp = s->groups_[g];
+    expert_group[g] = !grp.pieces.empty() &&
+                      std::all_of(grp.pieces.begin(), grp.pieces.end(), [&](const PieceRef& r) {
+                        return s->tensors_[r.tensor].pieces[r.piece].expert >= 0;
+                      });
+  }
+  const bool experts = std::find(expert_group.begin(), expert_group.end(), 1) !=
+                       expert_group.end();
+  if (experts && !any_trainable) {
+    for (size_t g = 0; g < s->groups_.size(); ++g) {
+      if (!expert_group[g]) {
+        sl.host_homes_first += (mixed ? 2 : 1) * AlignUp(s->shard_elems_ * 4, kPage);
+      }
+    }
+  }
   // State beyond the host budget with NVMe: homes fill the host budget, so map it all now,
   // registered with the NVMe tier (tier_stack.h).
   sl.host_prefault = config.nvme_size > 0 && s->model_bytes_ > config.host_budget
@@ -255,22 +332,29 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
   s->stepper_ = std::make_unique<OptimizerStepper>(s.get(), s->stack_.get(), &s->trace_);
   s->timeline_path_ = s->stack_->timeline_path();
   chunks::Engine* eng = s->stack_->engine();
-  for (ChunkKind kind : kCreationOrder) {
-    for (ChunkGroup& g : s->groups_) {
-      const bool need = kind == ChunkKind::kParamLowp   ? mixed
-                        : kind == ChunkKind::kParamFp32 ? true
-                                                         : g.trainable;
-      if (!need) continue;
-      const bool state_kind = kind == ChunkKind::kExpAvg || kind == ChunkKind::kExpAvgSq;
-      const Bytes bytes = state_kind ? kernels::StateBytes(g.state, s->shard_elems_)
-                                     : s->shard_elems_ * kernels::DTypeSize(s->dtype(kind));
-      auto id = eng->AddChunk(bytes, chunks::ChunkKindCategory(kind));
-      if (!id.ok()) return id.status();  // `s` is destroyed: every region freed
-      g.chunks[K(kind)] = *id;
-      s->total_chunk_bytes_ += eng->ChunkBytes(*id);
-      if (state_kind) {
-        s->state_bytes_ += eng->ChunkBytes(*id);
-        s->state_bytes_fp32_ += s->shard_elems_ * 4;
+  // Chunks in creation order (homes go to the host while it has room): kCreationOrder, group
+  // by group; a served MoE creates every dense chunk before its experts'.
+  const bool dense_first = experts && !any_trainable;
+  for (int pass = 0; pass < (dense_first ? 2 : 1); ++pass) {
+    for (ChunkKind kind : kCreationOrder) {
+      for (size_t gi = 0; gi < s->groups_.size(); ++gi) {
+        if (dense_first && expert_group[gi] != pass) continue;
+        ChunkGroup& g = s->groups_[gi];
+        const bool need = kind == ChunkKind::kParamLowp   ? mixed
+                          : kind == ChunkKind::kParamFp32 ? true
+                                                           : g.trainable;
+        if (!need) continue;
+        const bool state_kind = kind == ChunkKind::kExpAvg || kind == ChunkKind::kExpAvgSq;
+        const Bytes bytes = state_kind ? kernels::StateBytes(g.state, s->shard_elems_)
+                                       : s->shard_elems_ * kernels::DTypeSize(s->dtype(kind));
+        auto id = eng->AddChunk(bytes, chunks::ChunkKindCategory(kind));
+        if (!id.ok()) return id.status();  // `s` is destroyed: every region freed
+        g.chunks[K(kind)] = *id;
+        s->total_chunk_bytes_ += eng->ChunkBytes(*id);
+        if (state_kind) {
+          s->state_bytes_ += eng->ChunkBytes(*id);
+          s->state_bytes_fp32_ += s->shard_elems_ * 4;
+        }
       }
     }
   }
@@ -334,31 +418,38 @@ Status Session::CheckKind(size_t group, ChunkKind kind) const {
   return OkStatus();
 }
 
-StatusOr<void*> Session::Acquire(size_t group, ChunkKind kind, TierKind where) {
+StatusOr<void*> Session::Acquire(size_t group, ChunkKind kind, TierKind where, uint32_t cls) {
   TIERMEM_RETURN_IF_ERROR(CheckKind(group, kind));
   TIERMEM_RETURN_IF_ERROR(stepper_->RunPending(group, true));
   const ChunkId c = Chunk(group, kind);
-  StatusOr<void*> p = stack_->engine()->Acquire(c, where);
+  StatusOr<void*> p = stack_->engine()->Acquire(c, where, cls);
   if (p.ok()) {
     trace_.Access(c, planners::AccessMode::kRead, where);
-    runner_.Access(c, where);
+    if (cls == chunks::kNoClass) runner_.Access(c, where);
   }
   return p;
 }
 
+StatusOr<bool> Session::Prefetch(size_t group, ChunkKind kind, TierKind where,
+                                 double probability) {
+  TIERMEM_RETURN_IF_ERROR(CheckKind(group, kind));
+  if (stepper_->pending(group)) return false;  // its update reads it first, on its own tier
+  return stack_->engine()->PrefetchHint(Chunk(group, kind), where, probability);
+}
+
 StatusOr<void*> Session::AcquireForWrite(size_t group, ChunkKind kind, TierKind where,
-                                         bool* must_zero) {
+                                         bool* must_zero, uint32_t cls) {
   TIERMEM_RETURN_IF_ERROR(CheckKind(group, kind));
   TIERMEM_RETURN_IF_ERROR(stepper_->RunPending(group, true));
   stepper_->DropSpeculation(group);  // about to be written
   const ChunkId c = Chunk(group, kind);
   // Lazily zero content is not needed from below (nothing has to be copied in): a write.
   const bool zero = stack_->engine()->ZeroContent(c);
-  StatusOr<void*> p = stack_->engine()->AcquireForWrite(c, where, must_zero);
+  StatusOr<void*> p = stack_->engine()->AcquireForWrite(c, where, must_zero, cls);
   if (p.ok()) {
     trace_.Access(c, zero ? planners::AccessMode::kWrite : planners::AccessMode::kReadWrite,
                   where);
-    runner_.Access(c, where);
+    if (cls == chunks::kNoClass) runner_.Access(c, where);
   }
   return p;
 }
@@ -386,6 +477,11 @@ Status Session::ZeroChunk(size_t group, ChunkKind kind) {
 int Session::Pins(size_t group, ChunkKind kind) const {
   if (!CheckKind(group, kind).ok()) return 0;
   return stack_->engine()->Pins(Chunk(group, kind));
+}
+
+bool Session::LazilyZero(size_t group, ChunkKind kind) const {
+  if (!CheckKind(group, kind).ok()) return false;
+  return stack_->engine()->ZeroContent(Chunk(group, kind));
 }
 
 TierKind Session::Resident(size_t group, ChunkKind kind) const {
@@ -423,12 +519,19 @@ Status Session::ReadTensor(size_t tensor, ChunkKind kind, void* out) {
     return OkStatus();
   }
   const size_t es = kernels::DTypeSize(dtype(kind));
-  if (sharded()) {  // collective: the chunk from every rank's shard
-    TIERMEM_ASSIGN_OR_RETURN(const char* full, GatherChunk(t.group, kind));
-    std::memcpy(out, full + t.offset * es, t.numel * es);
-    return OkStatus();
+  for (const Piece& p : tensors_[tensor].pieces) {
+    TIERMEM_RETURN_IF_ERROR(CheckKind(p.group, kind));
+    TIERMEM_RETURN_IF_ERROR(stepper_->RunPending(p.group, true));
+    char* dst = static_cast<char*>(out) + p.begin * es;
+    if (sharded()) {  // collective: the chunk from every rank's shard
+      TIERMEM_ASSIGN_OR_RETURN(const char* full, GatherChunk(p.group, kind));
+      std::memcpy(dst, full + p.offset * es, p.numel * es);
+      continue;
+    }
+    TIERMEM_RETURN_IF_ERROR(
+        stack_->engine()->ReadAt(Chunk(p.group, kind), p.offset * es, dst, p.numel * es));
   }
-  return stack_->engine()->ReadAt(Chunk(t.group, kind), t.offset * es, out, t.numel * es);
+  return OkStatus();
 }
 
 Status Session::WriteTensor(size_t tensor, ChunkKind kind, const void* values) {
@@ -447,14 +550,20 @@ Status Session::WriteTensor(size_t tensor, ChunkKind kind, const void* values) {
     return StateRaw(tensor, kind, codes.data(), absmax.data(), true);
   }
   const size_t es = kernels::DTypeSize(dtype(kind));
-  // This rank's part of the tensor (all of it when not sharded).
-  const uint64_t lo = std::max(t.offset, shard_begin_);
-  const uint64_t hi = std::min(t.offset + t.numel, shard_begin_ + shard_elems_);
-  if (lo >= hi) return OkStatus();
-  gathered_key_ = {SIZE_MAX, -1};  // a cached gather is stale now
-  return stack_->engine()->WriteAt(Chunk(t.group, kind), (lo - shard_begin_) * es,
-                                   static_cast<const char*>(values) + (lo - t.offset) * es,
-                                   (hi - lo) * es);
+  for (const Piece& p : tensors_[tensor].pieces) {
+    TIERMEM_RETURN_IF_ERROR(CheckKind(p.group, kind));
+    TIERMEM_RETURN_IF_ERROR(stepper_->RunPending(p.group, true));
+    stepper_->DropSpeculation(p.group);
+    // This rank's part of the piece (all of it when not sharded).
+    const uint64_t lo = std::max(p.offset, shard_begin_);
+    const uint64_t hi = std::min(p.offset + p.numel, shard_begin_ + shard_elems_);
+    if (lo >= hi) continue;
+    gathered_key_ = {SIZE_MAX, -1};  // a cached gather is stale now
+    TIERMEM_RETURN_IF_ERROR(stack_->engine()->WriteAt(
+        Chunk(p.group, kind), (lo - shard_begin_) * es,
+        static_cast<const char*>(values) + (p.begin + lo - p.offset) * es, (hi - lo) * es));
+  }
+  return OkStatus();
 }
 
 Status Session::ReadStateRaw(size_t tensor, ChunkKind kind, void* codes, float* absmax) {
@@ -560,8 +669,10 @@ Status Session::SetStepCount(size_t tensor, int64_t steps) {
   if (steps < 0) return InvalidArgumentError("session: negative step count");
   TIERMEM_RETURN_IF_ERROR(Live());
   // The pending update counted the old value.
-  TIERMEM_RETURN_IF_ERROR(stepper_->RunPending(tensors_[tensor].group, true));
-  stepper_->DropSpeculation(tensors_[tensor].group);
+  for (const Piece& p : tensors_[tensor].pieces) {
+    TIERMEM_RETURN_IF_ERROR(stepper_->RunPending(p.group, true));
+    stepper_->DropSpeculation(p.group);
+  }
   stepper_->set_step_count(tensor, steps);
   return OkStatus();
 }

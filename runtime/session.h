@@ -95,23 +95,41 @@ struct TensorSpec {
   bool trainable = true;  // false: frozen (no grad or optimizer chunks)
   int opt_group = 0;      // optimizer param group (trainable tensors only), >= 0
   std::vector<int64_t> shape = {};  // as the binding's tensor (checkpoints); empty = {numel}
+  // Mixture of experts (chunks/chunk_layout.h, "expert set"): >= 0 names the set of one
+  // layer's experts, packed expert by expert so that each expert's slices share chunks of
+  // their own; `expert` -1 = fused (shape[0] indexes the experts), >= 0 = the whole tensor is
+  // that expert's.
+  int expert_set = -1;
+  int expert = -1;
 };
 
-// Where a tensor lives: the same element offset in every chunk of its group.
+// Where a tensor lives: one piece (the same element offset in every chunk of its group), or
+// several for a tensor larger than a chunk or of an expert set — whole rows of its first
+// dimension each, in element order.
+using chunks::Piece;
 struct TensorPlace {
-  uint32_t group = 0;
-  uint64_t offset = 0;  // elements
+  uint32_t group = 0;         // the first piece's group and element offset: the tensor's
+  uint64_t offset = 0;        // place unless split (then read `pieces`)
+  std::vector<Piece> pieces;  // cover [0, numel) in order; never empty
   uint64_t numel = 0;
   bool trainable = true;
   int opt_group = 0;
+  bool split() const { return pieces.size() > 1; }
+};
+
+// A piece of a tensor, as a chunk group lists it.
+struct PieceRef {
+  uint32_t tensor = 0;
+  uint32_t piece = 0;  // index in place(tensor).pieces
 };
 
 struct ChunkGroup {
   bool trainable = false;
   kernels::StateFormat state;                    // of its kExpAvg / kExpAvgSq chunks
-  uint64_t used_elems = 0;                       // end of its last tensor
+  uint64_t used_elems = 0;                       // end of its last piece
   std::array<ChunkId, chunks::kNumChunkKinds> chunks;  // by ChunkKind; kNoChunk if absent
-  std::vector<uint32_t> tensors;                 // its tensors, in offset order
+  std::vector<uint32_t> tensors;                 // tensors with a piece here, by first offset
+  std::vector<PieceRef> pieces;                  // its pieces, in offset order
 };
 
 struct StepResult {
@@ -176,7 +194,9 @@ class Session {
   }
   Bytes model_bytes() const { return model_bytes_; }  // every chunk byte of tensor data
   Bytes total_chunk_bytes() const { return total_chunk_bytes_; }  // incl. padding and tails
-  // The device bytes the layout needs at least: min-resident compute + grad chunks.
+  // The device bytes the layout needs at least: min-resident compute + grad chunks of the
+  // largest piece a unit needs at once (a row of the largest tensor's first dimension; an
+  // expert's slices with expert sets).
   Bytes minimum_device_budget() const { return min_device_budget_; }
   // "host", "sim", "sim-async" or "cuda" ("auto" resolved).
   const std::string& device_kind() const { return device_kind_; }
@@ -195,14 +215,28 @@ class Session {
   // ---- chunk access (the bindings' views) -------------------------------------------------
   // Makes the chunk resident on `where` (device or host), pins it and returns its address.
   // Errors as chunks::Engine::Acquire; kInvalidArgument for a kind the group lacks.
-  StatusOr<void*> Acquire(size_t group, ChunkKind kind, TierKind where);
+  // `cls` (not chunks::kNoClass): acquired as a member of that class — an expert of a
+  // mixture-of-experts layer, chosen by the routing (chunks/expert_cache.h): outside the
+  // recorded order, and not checked against an executed plan (divergence there is expected).
+  StatusOr<void*> Acquire(size_t group, ChunkKind kind, TierKind where,
+                          uint32_t cls = chunks::kNoClass);
   // As Acquire for a caller about to overwrite: a lazily zero chunk on the device is handed
   // over unfilled and `*must_zero` set (the caller zeroes all of it first).
-  StatusOr<void*> AcquireForWrite(size_t group, ChunkKind kind, TierKind where, bool* must_zero);
+  StatusOr<void*> AcquireForWrite(size_t group, ChunkKind kind, TierKind where, bool* must_zero,
+                                  uint32_t cls = chunks::kNoClass);
+  // Starts bringing the chunk to `where` ahead of an acquire expected soon with `probability`:
+  // 1 for a routed expert, less for a predicted one (chunks::Engine::PrefetchHint). False when
+  // nothing was started (there already, no room, planned mode); kInvalidArgument for a kind
+  // the group lacks or a probability outside (0, 1].
+  StatusOr<bool> Prefetch(size_t group, ChunkKind kind, TierKind where,
+                          double probability = 1.0);
   Status Release(size_t group, ChunkKind kind, bool modified);
   // Its content becomes zeros lazily (no bytes move). kFailedPrecondition while pinned.
   Status ZeroChunk(size_t group, ChunkKind kind);
   int Pins(size_t group, ChunkKind kind) const;
+  // Whether the chunk's content is zeros as far as the engine knows (not modified since it was
+  // added or zeroed: chunks::Engine::ZeroContent): zeroing it again changes nothing.
+  bool LazilyZero(size_t group, ChunkKind kind) const;
   TierKind Resident(size_t group, ChunkKind kind) const;
   TierKind Home(size_t group, ChunkKind kind) const;
   Bytes ChunkBytes(size_t group, ChunkKind kind) const;

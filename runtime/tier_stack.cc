@@ -297,6 +297,11 @@ StatusOr<std::unique_ptr<TierStack>> TierStack::Create(const SessionConfig& conf
   cfg.prefetch_depth = config.prefetch_depth;
   cfg.write_behind = config.write_behind;
   cfg.host_reserve_bytes = layout.host_reserve;
+  if (layout.host_homes_first > 0 && s->nvme_ != nullptr) {
+    const Bytes cap = s->host_->Stats().capacity;
+    const Bytes homes = layout.host_homes_first + slot;  // slack: homes round to slots
+    if (cap > homes) cfg.host_reserve_bytes = std::max(cfg.host_reserve_bytes, cap - homes);
+  }
   TIERMEM_ASSIGN_OR_RETURN(
       s->engine_,
       chunks::Engine::Create(cfg,

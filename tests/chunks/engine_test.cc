@@ -13,6 +13,7 @@
 #include "tiers/fake/sim_device.h"
 #include "tiers/host/host_tier.h"
 #include "prof/analysis.h"
+#include "tests/support/host_tier.h"
 
 namespace tiermem::chunks {
 namespace {
@@ -32,15 +33,7 @@ class LruOnly final : public EvictionPolicy {
 };
 
 std::unique_ptr<Tier> HostTierOf(Bytes capacity) {
-  HostTierConfig hc;
-  hc.capacity = capacity;
-  hc.slot_bytes = kChunk;
-  hc.min_class_bytes = kChunk;
-  hc.slab_bytes = 16 * kChunk;
-  hc.huge_pages = false;
-  auto t = NewHostTier(hc);
-  EXPECT_TRUE(t.ok()) << t.status().ToString();
-  return std::move(t).value();
+  return testing::TestHostTier(capacity, kChunk);
 }
 
 // The real components: SimDevice, the host tier, the in-memory NVMe fake, the Mover (with its

@@ -18,6 +18,7 @@
 #include "base/crc32c.h"
 #include "runtime/tier_stack.h"
 #include "tests/runtime/session_test_support.h"
+#include "tests/support/session.h"
 #include "tests/support/status_matchers.h"
 
 namespace tiermem::session {
@@ -35,12 +36,7 @@ std::string TempDir() {
 
 std::unique_ptr<Session> Make(json config, std::vector<TensorSpec> specs) {
   config["device_kind"] = "sim";
-  if (!config.contains("host")) config["host"] = "64MiB";
-  auto c = ParseConfig(config, MapEnv({}));
-  EXPECT_TRUE(c.ok()) << c.status().ToString();
-  auto s = Session::Create(*c, std::move(specs));
-  EXPECT_TRUE(s.ok()) << s.status().ToString();
-  return s.ok() ? std::move(s).value() : nullptr;
+  return testing::MakeSession(std::move(config), std::move(specs));
 }
 
 std::vector<float> Random(size_t n, uint32_t seed, float scale = 1.0f) {

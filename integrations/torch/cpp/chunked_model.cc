@@ -290,21 +290,25 @@ Status ChunkedModel::Materialize(const std::vector<ParamRec*>& params,
                                  std::vector<std::pair<size_t, ::torch::Tensor>>* views) {
   const ChunkKind ck = session_->compute_kind();
   for (ParamRec* p : params) {
-    const session::TensorPlace& pl = session_->place(p->index);
-    auto it = std::find_if(views->begin(), views->end(),
-                           [&](const auto& v) { return v.first == pl.group; });
-    if (it == views->end()) {
-      StatusOr<void*> addr = session_->Acquire(pl.group, ck, session_->compute_tier());
-      if (!addr.ok()) {
-        Dematerialize(params, views).IgnoreError();
-        return addr.status();
+    // A parameter larger than a chunk (several pieces) computes with a contiguous copy of
+    // its pieces: read-only, as every unit's parameters are here.
+    std::vector<::torch::Tensor> parts;
+    for (const session::Piece& pc : session_->place(p->index).pieces) {
+      auto it = std::find_if(views->begin(), views->end(),
+                             [&](const auto& v) { return v.first == pc.group; });
+      if (it == views->end()) {
+        StatusOr<void*> addr = session_->Acquire(pc.group, ck, session_->compute_tier());
+        if (!addr.ok()) {
+          Dematerialize(params, views).IgnoreError();
+          return addr.status();
+        }
+        views->emplace_back(pc.group, View(*addr, pc.group, ck));
+        it = views->end() - 1;
       }
-      views->emplace_back(pl.group, View(*addr, pl.group, ck));
-      it = views->end() - 1;
+      parts.push_back(
+          it->second.narrow(0, static_cast<int64_t>(pc.offset), static_cast<int64_t>(pc.numel)));
     }
-    p->param.set_data(it->second.narrow(0, static_cast<int64_t>(pl.offset),
-                                        static_cast<int64_t>(pl.numel))
-                          .view(p->shape));
+    p->param.set_data((parts.size() == 1 ? parts[0] : ::torch::cat(parts)).view(p->shape));
   }
   return OkStatus();
 }
@@ -322,32 +326,38 @@ Status ChunkedModel::Dematerialize(const std::vector<ParamRec*>& params,
 }
 
 Status ChunkedModel::AccumulateGrad(ParamRec* p, const ::torch::Tensor& grad) {
-  const session::TensorPlace& pl = session_->place(p->index);
-  const session::ChunkGroup& g = session_->group(pl.group);
-  if (std::none_of(g.tensors.begin(), g.tensors.end(),
-                   [&](uint32_t t) { return session_->has_grad(t); })) {
-    // Nothing in the chunk is needed: zero it lazily, so acquiring it moves no bytes.
-    TIERMEM_RETURN_IF_ERROR(session_->ZeroChunk(pl.group, ChunkKind::kGrad));
-  }
-  bool must_zero = false;
-  TIERMEM_ASSIGN_OR_RETURN(
-      void* addr,
-      session_->AcquireForWrite(pl.group, ChunkKind::kGrad, session_->compute_tier(),
-                                &must_zero));
-  ::torch::Tensor base = View(addr, pl.group, ChunkKind::kGrad);
-  {
-    ::torch::NoGradGuard no_grad;
-    if (must_zero) base.zero_();
-    ::torch::Tensor dst =
-        base.narrow(0, static_cast<int64_t>(pl.offset), static_cast<int64_t>(pl.numel));
-    if (session_->has_grad(p->index)) {
-      dst.add_(grad.reshape(-1));
-    } else {
-      dst.copy_(grad.reshape(-1));
+  const bool had = session_->has_grad(p->index);
+  const ::torch::Tensor flat = grad.reshape(-1);
+  for (const session::Piece& pc : session_->place(p->index).pieces) {
+    const session::ChunkGroup& g = session_->group(pc.group);
+    if (std::none_of(g.tensors.begin(), g.tensors.end(),
+                     [&](uint32_t t) { return session_->has_grad(t); })) {
+      // Nothing in the chunk is needed: zero it lazily, so acquiring it moves no bytes.
+      TIERMEM_RETURN_IF_ERROR(session_->ZeroChunk(pc.group, ChunkKind::kGrad));
     }
+    bool must_zero = false;
+    TIERMEM_ASSIGN_OR_RETURN(
+        void* addr,
+        session_->AcquireForWrite(pc.group, ChunkKind::kGrad, session_->compute_tier(),
+                                  &must_zero));
+    ::torch::Tensor base = View(addr, pc.group, ChunkKind::kGrad);
+    {
+      ::torch::NoGradGuard no_grad;
+      if (must_zero) base.zero_();
+      ::torch::Tensor dst =
+          base.narrow(0, static_cast<int64_t>(pc.offset), static_cast<int64_t>(pc.numel));
+      const ::torch::Tensor src =
+          flat.narrow(0, static_cast<int64_t>(pc.begin), static_cast<int64_t>(pc.numel));
+      if (had) {
+        dst.add_(src);
+      } else {
+        dst.copy_(src);
+      }
+    }
+    TIERMEM_RETURN_IF_ERROR(session_->Release(pc.group, ChunkKind::kGrad, true));
   }
   session_->SetHasGrad(p->index, true);
-  return session_->Release(pl.group, ChunkKind::kGrad, true);
+  return OkStatus();
 }
 
 StatusOr<::torch::Tensor> ChunkedModel::Run(::torch::nn::Module& unit, const UnitFn& fn,
@@ -367,7 +377,9 @@ StatusOr<::torch::Tensor> ChunkedModel::Run(::torch::nn::Module& unit, const Uni
   {
     kernels::ScopedParallelFor pool(torch_pool::ForThisThread());  // torch_pool.h
     for (ParamRec* p : params) {
-      TIERMEM_RETURN_IF_ERROR(session_->FinishStep(session_->place(p->index).group));
+      for (const session::Piece& pc : session_->place(p->index).pieces) {
+        TIERMEM_RETURN_IF_ERROR(session_->FinishStep(pc.group));
+      }
     }
   }
   session_->Moment(unit.name() + ":pre-forward");

@@ -228,12 +228,17 @@ class PySession {
             const py::object& sharding) {
     std::vector<session::TensorSpec> specs;
     for (const py::tuple& t : tensors) {
-      if (t.size() != 4 && t.size() != 5) {
-        throw py::value_error("tensor spec must be (name, numel, trainable, group[, shape])");
+      if (t.size() != 4 && t.size() != 5 && t.size() != 7) {
+        throw py::value_error(
+            "tensor spec must be (name, numel, trainable, group[, shape[, expert_set, expert]])");
       }
       specs.push_back(session::TensorSpec{t[0].cast<std::string>(), t[1].cast<uint64_t>(),
                                           t[2].cast<bool>(), t[3].cast<int>()});
-      if (t.size() == 5) specs.back().shape = t[4].cast<std::vector<int64_t>>();
+      if (t.size() >= 5) specs.back().shape = t[4].cast<std::vector<int64_t>>();
+      if (t.size() == 7) {
+        specs.back().expert_set = t[5].cast<int>();
+        specs.back().expert = t[6].cast<int>();
+      }
     }
     session::Sharding sh;
     if (!sharding.is_none()) {
@@ -295,15 +300,16 @@ class PySession {
     return Region{std::get<0>(token), std::get<1>(token),
                   reinterpret_cast<void*>(std::get<2>(token))};
   }
-  torch::Tensor Acquire(size_t group, ChunkKind kind, TierKind where) {
-    return View(Check(s_->Acquire(group, kind, where)), group, kind, where);
+  // `cls` >= 0: acquired as a member of that class (an expert chosen by the routing).
+  torch::Tensor Acquire(size_t group, ChunkKind kind, TierKind where, int64_t cls) {
+    return View(Check(s_->Acquire(group, kind, where, ClassOf(cls))), group, kind, where);
   }
   // For a caller about to write into (part of) the chunk: a lazily zero chunk landing on the
   // device is zeroed here by torch on the compute device (a memset kernel on CUDA, ordered on
   // the current stream before the caller's writes) instead of a copy from a zeros buffer.
-  torch::Tensor AcquireForWrite(size_t group, ChunkKind kind, TierKind where) {
+  torch::Tensor AcquireForWrite(size_t group, ChunkKind kind, TierKind where, int64_t cls) {
     bool must_zero = false;
-    void* addr = Check(s_->AcquireForWrite(group, kind, where, &must_zero));
+    void* addr = Check(s_->AcquireForWrite(group, kind, where, &must_zero, ClassOf(cls)));
     torch::Tensor v = View(addr, group, kind, where);
     if (must_zero) {
       const int64_t bytes = static_cast<int64_t>(s_->ChunkBytes(group, kind));
@@ -399,6 +405,7 @@ class PySession {
     d["evictions"] = s.evictions;
     d["clean_evictions"] = s.clean_evictions;
     d["prefetches"] = s.prefetches;
+    d["hint_prefetches"] = s.hint_prefetches;
     d["write_behinds"] = s.write_behinds;
     d["acquires"] = s.acquires;
     d["iterations"] = s.iterations;
@@ -454,12 +461,18 @@ class PySession {
   py::tuple Group(size_t g) const {
     if (g >= s_->num_groups()) throw py::value_error("unknown chunk group");
     const session::ChunkGroup& grp = s_->group(g);
-    return py::make_tuple(grp.trainable, grp.used_elems, grp.tensors);
+    std::vector<std::pair<uint32_t, uint32_t>> pieces;
+    for (const session::PieceRef& r : grp.pieces) pieces.emplace_back(r.tensor, r.piece);
+    return py::make_tuple(grp.trainable, grp.used_elems, grp.tensors, pieces);
   }
-  py::tuple Place(size_t t) const {
+  // [(group, offset, numel, begin, expert)] in element order: one per piece.
+  py::list Place(size_t t) const {
     if (t >= s_->num_tensors()) throw py::value_error("unknown tensor");
-    const session::TensorPlace& p = s_->place(t);
-    return py::make_tuple(p.group, p.offset, p.numel);
+    py::list out;
+    for (const session::Piece& p : s_->place(t).pieces) {
+      out.append(py::make_tuple(p.group, p.offset, p.numel, p.begin, p.expert));
+    }
+    return out;
   }
   py::dict LoadCheckpoint(const std::string& path, bool verify_only,
                           std::optional<size_t> num_groups,
@@ -484,6 +497,9 @@ class PySession {
   }
 
  private:
+  static uint32_t ClassOf(int64_t cls) {
+    return cls < 0 ? chunks::kNoClass : static_cast<uint32_t>(cls);
+  }
   int64_t Numel(size_t t) const {
     if (t >= s_->num_tensors()) throw py::value_error("unknown tensor " + std::to_string(t));
     return static_cast<int64_t>(s_->place(t).numel);
@@ -756,12 +772,19 @@ PYBIND11_MODULE(_C, m) {
       .def("start_spill_copy", &PySession::StartSpillCopy)
       .def("close", &PySession::Close)
       .def_property_readonly("closed", [](const PySession& s) { return s.s().closed(); })
-      .def("acquire", &PySession::Acquire)
-      .def("acquire_for_write", &PySession::AcquireForWrite)
+      .def("acquire", &PySession::Acquire, py::arg("group"), py::arg("kind"), py::arg("where"),
+           py::arg("cls") = -1)
+      .def("acquire_for_write", &PySession::AcquireForWrite, py::arg("group"), py::arg("kind"),
+           py::arg("where"), py::arg("cls") = -1)
+      .def("prefetch", [](PySession& s, size_t g, K k, tiermem::TierKind where,
+                          double p) { return Check(s.s().Prefetch(g, k, where, p)); },
+           py::arg("group"), py::arg("kind"), py::arg("where"), py::arg("probability") = 1.0)
       .def("release",
            [](PySession& s, size_t g, K k, bool modified) { Check(s.s().Release(g, k, modified)); })
       .def("zero_chunk", [](PySession& s, size_t g, K k) { Check(s.s().ZeroChunk(g, k)); })
       .def("pins", [](const PySession& s, size_t g, K k) { return s.s().Pins(g, k); })
+      .def("lazily_zero",
+           [](const PySession& s, size_t g, K k) { return s.s().LazilyZero(g, k); })
       .def("resident", [](const PySession& s, size_t g, K k) { return s.s().Resident(g, k); })
       .def("home", [](const PySession& s, size_t g, K k) { return s.s().Home(g, k); })
       .def("has_kind", [](const PySession& s, size_t g, K k) { return s.s().has_kind(g, k); })

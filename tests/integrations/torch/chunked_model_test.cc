@@ -161,6 +161,54 @@ TEST(ChunkedModel, TrainsLikePlainLibTorchWithin25PercentDeviceBudget) {
   EXPECT_TRUE(model->head->weight.is_same(model->embed->wte->weight));
 }
 
+// A tied embedding larger than what the budget's chunks hold: split into pieces of rows (its
+// units compute with a contiguous copy), trained like plain LibTorch, its gradient whole.
+TEST(ChunkedModel, AParameterLargerThanAChunkTrainsLikePlainLibTorch) {
+  ::torch::set_num_threads(1);
+  GPTConfig c = SmallConfig();
+  c.n_layer = 2;
+  c.vocab_size = 2048;  // wte: 2048 x 64 = 131072 elements
+  const auto batches = SyntheticBatches(c, 2, 3);
+  GPT ref = MakeModel(c);
+  ::torch::optim::AdamW opt(UniqueParams(ref),
+                            ::torch::optim::AdamWOptions(kLr).weight_decay(0.01));
+  std::vector<double> ref_losses;
+  for (const auto& [x, y] : batches) {
+    opt.zero_grad();
+    auto loss = LmLoss(ref->forward(x), y);
+    loss.backward();
+    opt.step();
+    ref_losses.push_back(loss.item<double>());
+  }
+  GPT model = MakeModel(c);
+  const Bytes whole = 4 * 8 * 131072;  // four fp32 chunks of params + grads holding wte
+  auto created = tiermem::torch::ChunkedModel::Create(
+      *model, {{"device_kind", "sim"}, {"device", whole / 2}, {"host", "256MiB"},
+               {"optimizer", {{"lr", kLr}, {"weight_decay", 0.01}}}});
+  ASSERT_TRUE(created.ok()) << created.status().ToString();
+  auto& engine = **created;
+  for (size_t i = 0; i < batches.size(); ++i) {
+    auto logits = model->forward(engine, batches[i].first);
+    ASSERT_TRUE(logits.ok()) << logits.status().ToString();
+    auto loss = LmLoss(*logits, batches[i].second);
+    loss.backward();
+    if (i + 1 == batches.size()) {  // the whole gradient, before the last step
+      auto g = engine.Grad(model->embed->wte->weight);
+      ASSERT_TRUE(g.ok()) << g.status().ToString();
+      EXPECT_EQ(g->sizes(), model->embed->wte->weight.sizes());
+    }
+    ASSERT_TRUE(engine.Step().ok());
+    ASSERT_TRUE(engine.ZeroGrad().ok());
+    EXPECT_NEAR(loss.item<double>(), ref_losses[i], 1e-5 * std::abs(ref_losses[i]));
+  }
+  auto v = engine.ParamValue(model->embed->wte->weight);
+  ASSERT_TRUE(v.ok());
+  EXPECT_TRUE(ParamClose("wte", *v, ref->embed->wte->weight, c.n_embd));
+  auto stats = engine.GetStats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_LE(stats->peak(TierKind::kDevice), whole / 2);
+}
+
 TEST(ChunkedModel, GradientsMatchPlainLibTorch) {
   const GPTConfig c = SmallConfig();
   const auto batches = SyntheticBatches(c, 2, 1);

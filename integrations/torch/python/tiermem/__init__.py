@@ -21,7 +21,8 @@ from .tensor import ChunkTensor
 __all__ = ["initialize", "inference", "runtime_of", "save_checkpoint", "load_checkpoint", "Config", "parse_config", "ChunkedAdamW", "ChunkTensor"]
 
 
-def initialize(model, config=None, param_groups=None, units=None, process_group=None):
+def initialize(model, config=None, param_groups=None, units=None, process_group=None,
+               experts=True):
     """Places `model`'s parameters in chunks and returns (model, optimizer).
 
     `config`: a dict or a JSON file path (docs/python.md, docs/configuration.md).
@@ -30,11 +31,13 @@ def initialize(model, config=None, param_groups=None, units=None, process_group=
     (module classes or a predicate ``fn(name, module)``; default: each block of a repeated
     ModuleList/Sequential, see tiermem.units). `process_group`: shard the chunks across the
     ranks of this torch.distributed group (default: the default group when torch.distributed
-    is initialized with more than one rank; docs/distributed.md). `model` may be compiled
-    already (``torch.compile(model)``): tiermem then manages the module inside and returns
-    `model`; compiling after works too (docs/python.md "torch.compile"). On error
-    (ValueError for bad input, MemoryError for budgets too small, RuntimeError for a missing
-    GPU) the model is left exactly as it was.
+    is initialized with more than one rank; docs/distributed.md). `experts`: mixture-of-experts
+    layers move each expert's weights alone, when the router picks it (docs/moe.md); False
+    treats them as any other parameters. `model` may be compiled already
+    (``torch.compile(model)``): tiermem then manages the module inside and returns `model`;
+    compiling after works too (docs/python.md "torch.compile"). On error (ValueError for
+    bad input, MemoryError for budgets too small, RuntimeError for a missing GPU) the model
+    is left exactly as it was.
     """
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"initialize: expected an nn.Module, got {type(model).__name__}")
@@ -44,7 +47,7 @@ def initialize(model, config=None, param_groups=None, units=None, process_group=
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("initialize: the model has no trainable parameters")
     root = _compiled_root(model)
-    runtime = TiermemRuntime(root, cfg, param_groups, units, process_group)
+    runtime = TiermemRuntime(root, cfg, param_groups, units, process_group, experts=experts)
     try:
         optimizer = ChunkedAdamW(runtime)
     except BaseException:
@@ -58,13 +61,14 @@ def initialize(model, config=None, param_groups=None, units=None, process_group=
     return model, optimizer
 
 
-def inference(model, config=None, units=None):
+def inference(model, config=None, units=None, experts=True):
     """Places `model`'s parameters in chunks for inference only and returns the model.
 
     Weights stream from their home (host DRAM, or NVMe when the host budget is short) into
     the device budget, the next units' weights prefetched while a unit computes; forwards run
     under no_grad; a returned KV cache counts against the device budget (docs/inference.md).
-    `config` and `units` as for initialize (optimizer keys are ignored). On error (ValueError,
+    `config`, `units` and `experts` as for initialize (optimizer keys are ignored); a
+    mixture-of-experts layer moves only the experts its router picks. On error (ValueError,
     MemoryError naming the bytes needed, RuntimeError for a missing GPU) the model is left
     exactly as it was. ``tiermem.runtime_of(model).close()`` gives it back.
     """
@@ -74,7 +78,7 @@ def inference(model, config=None, units=None):
         raise ValueError("inference: this model is already managed by tiermem")
     cfg = parse_config(config)
     root = _compiled_root(model)
-    root._tiermem_runtime = ServingRuntime(root, cfg, units)
+    root._tiermem_runtime = ServingRuntime(root, cfg, units, experts=experts)
     return model
 
 

@@ -84,13 +84,19 @@ class Backward:
     def grad_in(self, r):
         """Parameter `r`'s gradient is accumulated: its group's compute chunk goes once every
         parameter the forward used has its gradient."""
-        bwd = self._pending.get(r.group)
+        for g in r.groups:
+            self.key_in(g, r.index)
+
+    def key_in(self, group: int, key):
+        """`key` (a parameter's index, or an expert's: experts.py) has its gradient in
+        `group`: the group's compute chunk goes once every key the forward used has one."""
+        bwd = self._pending.get(group)
         if bwd is not None:
-            bwd.discard(r.index)
-            if not bwd and r.group in self._hold:
-                self.chunks.release(r.group, self.chunks.compute_kind, False,
-                                    self._hold.pop(r.group))
-                del self._pending[r.group]
+            bwd.discard(key)
+            if not bwd and group in self._hold:
+                self.chunks.release(group, self.chunks.compute_kind, False,
+                                    self._hold.pop(group))
+                del self._pending[group]
 
     def moment(self, unit: int):
         """The backward reached `unit` (its saved chunk views, or a gradient of one of its

@@ -48,6 +48,9 @@ class ChunkAccess:
         self._tracing = True
         self._stream_handle = None  # the compute stream the session was last told
         self.live: dict[int, int] = {}  # device data_ptr -> group (compute chunks)
+        # Groups of experts that move alone (experts.py) -> their expert set: their compute and
+        # grad chunks are acquired as class members (chunks/expert_cache.h), outside the order.
+        self.classes: dict[int, int] = {}
 
     @property
     def sharded(self) -> bool:
@@ -83,7 +86,8 @@ class ChunkAccess:
             if kind == self.compute_kind:
                 self.live[base.data_ptr()] = group
             return base
-        base = self.session.acquire(group, kind, tier)
+        cls = self.classes.get(group, -1) if kind in (self.compute_kind, _K.grad) else -1
+        base = self.session.acquire(group, kind, tier, cls)
         if tier == self.tier and kind == self.compute_kind:
             self.live[base.data_ptr()] = group
         return base
@@ -102,7 +106,59 @@ class ChunkAccess:
 
     @staticmethod
     def slice(base, r: _Param):
+        """r's view of its (only) chunk `base`."""
         return base[r.offset:r.offset + r.numel].view(r.shape)
+
+    @staticmethod
+    def piece(base, pc) -> torch.Tensor:
+        """The flat view of piece `pc` in its chunk `base`."""
+        return base[pc.offset:pc.offset + pc.numel]
+
+    def view(self, bases, r: _Param) -> torch.Tensor:
+        """r as one tensor from its acquired chunks (`bases`: group -> chunk): a view of its
+        chunk, or, split across chunks, a contiguous copy of its pieces."""
+        if not r.split:
+            return self.slice(bases[r.group], r)
+        return torch.cat([self.piece(bases[pc.group], pc) for pc in r.pieces]).view(r.shape)
+
+    def scatter(self, bases, r: _Param, value: torch.Tensor):
+        """Writes `value` (r's shape) into r's pieces in the acquired chunks `bases`."""
+        flat = value.reshape(-1)
+        with torch.no_grad():
+            for pc in r.pieces:
+                self.piece(bases[pc.group], pc).copy_(flat[pc.begin:pc.begin + pc.numel])
+
+    def copy_of(self, r: _Param, kind) -> torch.Tensor:
+        """r's `kind` values as a new tensor, read piece by piece (one chunk pinned at a time;
+        chunks pinned by others are read where they are)."""
+        out = None
+        for pc in r.pieces:
+            base = self.acquire(pc.group, kind)
+            try:
+                if out is None:
+                    out = torch.empty(r.numel, dtype=base.dtype, device=base.device)
+                out[pc.begin:pc.begin + pc.numel].copy_(self.piece(base, pc))
+            finally:
+                self.release(pc.group, kind, False, base)
+        return out.view(r.shape)
+
+    def write_back(self, r: _Param, kind, value: torch.Tensor):
+        """Writes `value` into r's `kind` pieces, one chunk at a time, each released modified."""
+        flat = value.reshape(-1)
+        for pc in r.pieces:
+            base = self.acquire(pc.group, kind)
+            try:
+                with torch.no_grad():
+                    self.piece(base, pc).copy_(flat[pc.begin:pc.begin + pc.numel])
+            finally:
+                self.release(pc.group, kind, True, base)
+
+    def hint(self, group: int, probability: float = 1.0) -> bool:
+        """Starts bringing `group`'s compute chunk to the compute tier for an acquire expected
+        soon with `probability`: 1 for a routed expert, less for a predicted one
+        (chunks::Engine::PrefetchHint); True if it started a copy."""
+        self.on_stream()
+        return self.session.prefetch(group, self.compute_kind, self.tier, probability)
 
     def prefetch(self, group: int):
         """Sharded: starts gathering `group`'s compute chunk for a unit about to run."""
@@ -137,11 +193,12 @@ class ChunkAccess:
         self.on_stream()
         if self.shards is not None:
             return self.shards.grad_buffer(group)
-        return self.session.acquire_for_write(group, _K.grad, self.tier)
+        return self.session.acquire_for_write(group, _K.grad, self.tier,
+                                              self.classes.get(group, -1))
 
     def release_grad(self, group: int, fresh):
         """Gives back what acquire_grad gave, modified. Sharded: the group's full gradient,
-        reduce-scattered into the shards (`fresh`: the params whose gradient began in this
+        reduce-scattered into the shards (`fresh`: the pieces whose gradient began in this
         backward, their shard spans restarted from 0)."""
         self.on_stream()
         if self.shards is not None:  # the group's full gradient, reduce-scattered into shards

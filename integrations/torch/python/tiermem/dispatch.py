@@ -56,10 +56,19 @@ class ChunkOps:
             return f"inside the forward of {type(self._model).__name__}, outside every unit"
         return "outside any forward"
 
-    def _view_base(self, ct: ChunkTensor, pins: list):
-        """A real tensor viewing ct's chunk memory (acquired unless already pinned)."""
+    def _view_base(self, ct: ChunkTensor, pins: list, copies: dict | None = None):
+        """A real tensor viewing ct's chunk memory (acquired unless already pinned). A split
+        parameter (pieces in several chunks) gives a view of a copy of its value instead,
+        read piece by piece; `copies` gets it (id(ct) -> (record, kind, copy)) so that a
+        write can go back into the pieces."""
         r, kind = ct._tm_rec, ct._tm_kind
-        if kind == "param":
+        if r.split:
+            ck = self.chunks.compute_kind if kind == "param" else _K.grad
+            v = r.compute.data if kind == "param" and r.mat > 0 else None
+            v = self.chunks.copy_of(r, ck) if v is None else v.clone()
+            if copies is not None:
+                copies[id(ct)] = (r, ck, v)
+        elif kind == "param":
             if r.mat > 0 or self._resident:
                 v = r.compute.data
             else:
@@ -104,13 +113,14 @@ class ChunkOps:
             if ct._tm_kind == "param" and ct._tm_rec.mat == 0 and \
                     not any(ct is w for w in write_only):
                 self._on_unmaterialized_read(ct._tm_rec, func)
-        written_chunks = {(ct._tm_rec.group, ct._tm_kind) for ct in written}
-        pins, real = [], {}
+        written_chunks = {(ct._tm_rec.group, ct._tm_kind) for ct in written
+                          if not ct._tm_rec.split}
+        pins, real, copies = [], {}, {}
         try:
             try:
                 for ct in cts:
                     if id(ct) not in real:
-                        real[id(ct)] = self._view_base(ct, pins)
+                        real[id(ct)] = self._view_base(ct, pins, copies)
             except MemoryError:
                 # More chunks than the device tier holds at once (torch.cat over every
                 # parameter: parameters_to_vector, DDP's broadcast at construction). An op
@@ -125,6 +135,12 @@ class ChunkOps:
                         real[id(ct)] = self.materialized_copy(ct)
             out = func(*unwrap(args, lambda c: real[id(c)]),
                        **unwrap(kwargs, lambda c: real[id(c)]))
+            for ct in written:
+                if id(ct) in copies:  # a split parameter: its copy goes back into the pieces
+                    r, ck, v = copies[id(ct)]
+                    self.chunks.write_back(r, ck, v)
+                    if ck != _K.grad and r.mat > 0:
+                        r.compute.data.copy_(v)  # the unit computing with it sees the write
             if self._mixed:
                 exact = None
                 if func.__name__.split(".")[0] == "copy_" and len(args) > 1 and \

@@ -336,7 +336,7 @@ class Shards:
 
     def scatter_grad(self, g, fresh):
         """Reduce-scatters group `g`'s full gradient buffer into this rank's grad shard: the
-        mean over ranks is added to the shard, after zeroing the local spans of the tensors in
+        mean over ranks is added to the shard, after zeroing the local spans of the pieces in
         `fresh` (their gradient started in this backward: torch's copy semantics)."""
         h = self._held.pop((g, "grad-buffer"))
         s = self.session
@@ -353,8 +353,8 @@ class Shards:
             part.div_(self.world)
             shard = s.acquire_for_write(g, _K.grad, s.compute_tier)
             try:
-                for r in fresh:
-                    lo, hi = max(r.offset, begin), min(r.offset + r.numel, begin + n)
+                for pc in fresh:  # pieces (shared._Piece)
+                    lo, hi = max(pc.offset, begin), min(pc.offset + pc.numel, begin + n)
                     if lo < hi:
                         shard[lo - begin:hi - begin].zero_()
                 shard.add_(part)

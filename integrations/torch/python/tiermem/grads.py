@@ -72,8 +72,9 @@ class Grads:
         self._hold_grads = hold_grads
         self.hold: dict[int, torch.Tensor] = {}  # group -> its grad chunk, held
         self._pending: dict[int, set] = {}
-        self._fresh: dict[int, list] = {}  # sharded: group -> params whose grad began this backward
+        self._fresh: dict[int, list] = {}  # sharded: group -> pieces whose grad began now
         self._hook_task, self._hook_parts = None, {}  # _check_one_part: per backward
+        self._handles_extra: list = []  # the expert leaves' hooks (experts.py)
         backward.on_end(self._end_of_backward)
 
     def install(self, r: _Param) -> list:
@@ -98,38 +99,115 @@ class Grads:
             self.release(g)
         self._pending.clear()
 
-    def _grad_chunk(self, r: _Param) -> torch.Tensor:
-        base = self.hold.get(r.group)
+    def _grad_chunk(self, group: int) -> torch.Tensor:
+        base = self.hold.get(group)
         if base is None:
-            tensors = self.groups[r.group][2]
+            tensors = self.groups[group][2]
             if all(self.params[i].param.grad is None for i in tensors):
-                self.session.zero_chunk(r.group, _K.grad)  # nothing to keep: no fetch, a memset
-            base = self.chunks.acquire_grad(r.group)
-            self.hold[r.group] = base
-            self._pending[r.group] = set(self.state.fwd_used.get(r.group, ()))
+                self.session.zero_chunk(group, _K.grad)  # nothing to keep: no fetch, a memset
+            base = self.chunks.acquire_grad(group)
+            self.hold[group] = base
+            self._pending[group] = set(self.state.fwd_used.get(group, ()))
         return base
 
     def _accumulate(self, r: _Param, g: torch.Tensor, prev):
-        """Adds `g` to r's gradient with torch's semantics (prev None: g becomes the grad)."""
-        base = self._grad_chunk(r)
-        dst = base[r.offset:r.offset + r.numel]
-        if self.chunks.sharded and prev is not r.grad:
-            self._fresh.setdefault(r.group, []).append(r)  # its shard span restarts from 0
+        """Adds `g` to r's gradient with torch's semantics (prev None: g becomes the grad),
+        piece by piece for a split parameter."""
+        flat = g.reshape(-1)
+        old = prev.reshape(-1) if prev is not None and prev is not r.grad else None
+        last = {pc.group: k for k, pc in enumerate(r.pieces)}
+        for k, pc in enumerate(r.pieces):
+            base = self._grad_chunk(pc.group)
+            dst = self.chunks.piece(base, pc)
+            src = flat[pc.begin:pc.begin + pc.numel]
+            if self.chunks.sharded and prev is not r.grad:
+                self._fresh.setdefault(pc.group, []).append(pc)  # its shard span restarts from 0
+            with torch.no_grad():
+                if prev is None:
+                    dst.copy_(src)
+                elif old is None:  # prev is r.grad
+                    dst.add_(src)
+                else:  # a plain tensor the user assigned to p.grad: keep its value too
+                    dst.copy_(old[pc.begin:pc.begin + pc.numel])
+                    dst.add_(src)
+            if last[pc.group] == k:
+                self._done_in(pc.group, r.index)
+        r.param.grad = r.grad
+        self.backward.grad_in(r)
+
+    def _done_in(self, group: int, key):
+        """`key` has its gradient in `group`: its grad chunk goes once every key the forward
+        used has one (at once when the device cannot hold every group's chunks)."""
+        pending = self._pending.get(group)
+        if pending is not None:
+            pending.discard(key)
+            if not pending or not self._hold_grads:
+                self.release(group)
+
+    # ---- pieces of experts that move alone (experts.py) ---------------------------------
+    def install_piece(self, r: _Param, e: int, leaf):
+        """The post-accumulate-grad hook of fused expert tensor `r`'s leaf for expert `e`."""
+        ref, index = weakref.ref(self), r.index
+
+        def hook(p):
+            grads = ref()
+            if grads is not None:
+                grads._on_piece_grad(grads.params[index], e, p)
+        self._handles_extra.append(leaf.register_post_accumulate_grad_hook(hook))
+
+    def _on_piece_grad(self, r: _Param, e: int, leaf):
+        """Expert `e`'s part of fused tensor r's gradient: added into its piece, or — the
+        first part since ``p.grad`` was None — copied there, the other pieces made zeros
+        (experts.py): ``p.grad`` is then the whole tensor, zero rows for experts no token
+        reached, as torch gives it."""
+        self.backward.begin()
+        self.backward.moment(r.unit)
+        g = leaf.grad
+        leaf.grad = None
+        if g is None:
+            return
+        prev = r.param.grad
+        if prev is not None and prev is not r.grad:  # a plain tensor the user assigned
+            r.param.grad = None
+            self._accumulate(r, prev, None)
+            prev = r.grad
+        pc = next(p for p in r.pieces if p.expert == e)
+        key = (r.index, e)
+        if prev is None:
+            self._zero_pieces(r, pc)
+        base = self._grad_chunk(pc.group)
         with torch.no_grad():
+            dst = self.chunks.piece(base, pc)
             if prev is None:
                 dst.copy_(g.reshape(-1))
-            elif prev is r.grad:
-                dst.add_(g.reshape(-1))
-            else:  # a plain tensor the user assigned to p.grad: keep its value too
-                dst.copy_(prev.reshape(-1))
+            else:
                 dst.add_(g.reshape(-1))
         r.param.grad = r.grad
-        pending = self._pending.get(r.group)
-        if pending is not None:
-            pending.discard(r.index)
-            if not pending or not self._hold_grads:
-                self.release(r.group)
-        self.backward.grad_in(r)
+        self._done_in(pc.group, key)
+        self.backward.key_in(pc.group, key)
+
+    def _zero_pieces(self, r: _Param, keep):
+        """r's gradient begins with piece `keep`: every other piece becomes zeros. A chunk
+        that holds only r's pieces and gradients that do not exist (``p.grad`` None) is
+        zeroed lazily — no bytes move — unless pinned; one already zero is left; otherwise the
+        piece's span is zeroed in place."""
+        for pc in r.pieces:
+            if pc is keep:
+                continue
+            g = pc.group
+            held = self.hold.get(g)
+            others = [i for i in self.groups[g][2] if i != r.index]
+            if held is None and self.session.pins(g, _K.grad) == 0 and all(
+                    self.params[i].param.grad is None for i in others):
+                self.session.zero_chunk(g, _K.grad)
+            elif held is None and self.session.lazily_zero(g, _K.grad):
+                continue
+            else:
+                base = held if held is not None else self.chunks.acquire(g, _K.grad)
+                with torch.no_grad():
+                    self.chunks.piece(base, pc).zero_()
+                if held is None:  # (a held chunk is released modified anyway)
+                    self.chunks.release(g, _K.grad, True, base)
 
     # ---- hooks -------------------------------------------------------------------------
     # The two grad hooks live in torch's C++ autograd metadata of the parameters, which the
@@ -161,6 +239,14 @@ class Grads:
         undoes it, as torch's does."""
         if not r.param.requires_grad:
             raise RuntimeError("cannot register a hook on a tensor that doesn't require gradient")
+        if r.expert_set >= 0 and r.expert < 0:
+            # Its gradient comes from per-expert leaves, piece by piece (experts.py): neither
+            # leaf a hook would go on ever gets one, so the hook would silently never run.
+            raise RuntimeError(
+                f"tiermem: gradient hooks on the fused experts parameter {r.name!r} are not "
+                f"supported: its experts move alone and its gradient is accumulated expert by "
+                f"expert (docs/moe.md). Pass experts=False to tiermem.initialize to treat the "
+                f"experts as any weights; nothing was changed.")
         if register is torch.Tensor.register_hook:
             key = object()  # this registration: its two parts are told apart per backward
             handles = [torch.Tensor.register_hook(r.compute,

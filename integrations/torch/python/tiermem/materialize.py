@@ -61,7 +61,7 @@ class Materializer:
         caller then puts them in the unit's slots (place)."""
         for r in u.params:
             if r.mat == 0:
-                r.compute.data = self.chunks.slice(views[r.group], r)
+                r.compute.data = self.chunks.view(views, r)  # split: a copy of its pieces
                 r.version = r.compute._version
             r.mat += 1
 
@@ -76,15 +76,19 @@ class Materializer:
             m._parameters[name] = r.compute
         return placed
 
-    def unmaterialize(self, u) -> set:
-        """Undoes materialize for `u`'s parameters (the caller restores its slots); returns
-        the groups of the parameters written in place meanwhile (their master synced)."""
+    def unmaterialize(self, u, views) -> set:
+        """Undoes materialize for `u`'s parameters (the caller restores its slots; `views`:
+        group -> the acquired chunk, still pinned); returns the groups of the parameters
+        written in place meanwhile (their master synced; a split one's copy written back into
+        its pieces)."""
         modified = set()
         for r in u.params:
             r.mat -= 1
             if r.mat == 0:
                 if r.compute._version != r.version:  # written in place inside the forward
-                    modified.add(r.group)
+                    modified.update(r.groups)
+                    if r.split:
+                        self.chunks.scatter(views, r, r.compute.data)
                     if self.mixed:
                         self.chunks.sync_master(r, (), r.compute.data, None)
                 r.compute.data = r.placeholder
@@ -184,11 +188,14 @@ class UnitHooks:
         self._open_graphs = []  # weakrefs to the open iteration's sentinels (_watch_graph)
         activations.on_reset(self._open_graphs.clear)
 
-    def install(self, params, registry):
+    def install(self, params, registry, alone=frozenset()):
         """The units' slots, parameters and groups, and their forwards wrapped (`registry`:
-        the runtime's list of wrapped modules, undone at close)."""
+        the runtime's list of wrapped modules, undone at close). Parameters in `alone` (indices:
+        experts that move alone, experts.py) are no unit's."""
         slot_of = {}
         for r in params:
+            if r.index in alone:
+                continue
             for m, name in r.slots:
                 slot_of.setdefault(id(m), []).append((name, r))
         for index, u in enumerate(self.units):
@@ -205,7 +212,7 @@ class UnitHooks:
             for r in uparams:
                 if r.unit < 0:
                     r.unit = index  # the first unit that computes with it
-            u.groups = sorted({r.group for r in uparams})
+            u.groups = sorted({g for r in uparams for g in r.groups})
             u.depth = 0
             u.pins = []
             u.placed = []  # the slots this call put compute views in (Materializer.place)
@@ -359,7 +366,8 @@ class UnitHooks:
                 if grad:
                     for _, _, r in u.placed:
                         if r.trainable:
-                            st.fwd_used.setdefault(r.group, set()).add(r.index)
+                            for g in r.groups:
+                                st.fwd_used.setdefault(g, set()).add(r.index)
             st.active_units.append(u)
             pushed = grad and not self.resident
             if pushed:
@@ -395,7 +403,7 @@ class UnitHooks:
                 for r in u.params:
                     r.mat -= 1
                 return None
-            modified = self.materializer.unmaterialize(u)
+            modified = self.materializer.unmaterialize(u, dict(u.pins))
             for g, b in u.pins:
                 chunks.release(g, chunks.compute_kind, g in modified, b)
             u.pins = []

@@ -264,7 +264,8 @@ class Recompute:
         u = frame.unit
         frame.check_inputs()
         mat = self.materializer
-        mat.materialize(u, {g: self.backward.base(g) for g in u.groups})
+        bases = {g: self.backward.base(g) for g in u.groups}
+        mat.materialize(u, bases)
         placed = mat.place(u)
         saved = []
 
@@ -286,7 +287,7 @@ class Recompute:
             self.session.phase("backward")
             for m, name, r in placed:
                 m._parameters[name] = r.param
-            mat.unmaterialize(u)  # (its forward cannot write them: refused after the first)
+            mat.unmaterialize(u, bases)  # (its forward cannot write them: refused before)
         frame.take(saved, _check)
         n = 0
         acts = self.activations

@@ -30,6 +30,9 @@ holds the public API (stats, timeline, traces, close):
 - torch.compile (compiling.py): the wrappers (forwards.py) are graph breaks, the parts'
   hooks run eagerly, the model's own forward runs eagerly and each unit's forward is
   compiled, once per unit class.
+- Mixture-of-experts layers (experts.py): their experts are no unit's; each is acquired when
+  the router picks it (fused experts through transformers' experts-implementation hook, a
+  ModuleList's at each expert's call), prefetched at the router, cached by pick frequency.
 - Inference. Forwards without grad use untraced acquires: they neither record into nor
   disturb the order the next training iteration replays (``_traced``; serve.py: always).
 - State. ``state_dict()`` of any module gives plain tensors (the fp32 masters);
@@ -51,6 +54,7 @@ the ``on_reset`` / ``on_unit_done`` / ``on_end`` registrations their docstrings 
     ChunkOps (dispatch.py)       ChunkAccess, Grads
     UnitHooks (materialize.py)   ChunkAccess, Materializer, Activations, Recompute,
                                  SavedTensors, ForwardOrder
+    Experts (experts.py)         ChunkAccess, Materializer, Recompute, Backward, Grads
 
 ChunkTensor (tensor.py) reaches its runtime's ``ops``, ``grads`` and ``materializer``.
 forwards.py and every part whose callbacks torch may call from compiled code (saved.py,
@@ -71,13 +75,14 @@ from .activations import Activations
 from .backward import Backward
 from .chunks import ChunkAccess
 from .dispatch import ChunkOps, tree_leaves_ct, tree_map_tensors
+from .experts import Experts, find_expert_sets
 from .forwards import _Forward, _RootForward, _UnitForward, _unwrap_forward, _wrap_forward
 from .grads import Grads
 from .materialize import ForwardOrder, Materializer, UnitHooks, tree_leaves_tensors
 from .params import _contiguous_strides, _placeholder, collect_params
 from .recompute import Recompute
 from .saved import SavedTensors
-from .shared import _HOST, _K, _LOW, _Param, RunState
+from .shared import _HOST, _K, _LOW, _Param, _Piece, RunState
 from .tensor import ChunkTensor
 from .units import find_units
 
@@ -132,7 +137,8 @@ class TiermemRuntime:
 
     _serving = False  # serve.ServingRuntime: inference only (every parameter frozen)
 
-    def __init__(self, model: nn.Module, cfg, param_groups, units=None, process_group=None):
+    def __init__(self, model: nn.Module, cfg, param_groups, units=None, process_group=None,
+                 experts=True):
         self.model = model
         self.cfg = cfg
         self.state = RunState()  # closed until everything is in place
@@ -157,11 +163,14 @@ class TiermemRuntime:
         self.params, self.by_orig, self.opt_groups = collect_params(model, cfg, param_groups,
                                                                     self._serving)
         self.units = find_units(model, units)
-        specs = [(r.name, r.numel, r.trainable, r.opt_group, list(r.shape)) for r in self.params]
         # Sharded across the ranks of a torch.distributed job (distributed.py) when a process
         # group of more than one rank is given or initialized.
         from . import distributed
         pg = distributed.process_group_for(process_group)
+        # Mixture-of-experts layers whose experts move alone (experts.py); not when sharded.
+        self.expert_sets = find_expert_sets(model, self.by_orig, bool(experts) and pg is None)
+        specs = [(r.name, r.numel, r.trainable, r.opt_group, list(r.shape), r.expert_set,
+                  r.expert) for r in self.params]
         if pg is not None and self._serving:
             raise ValueError("tiermem.inference: serving is not sharded across ranks (run one "
                              "model per process, without a process group)")
@@ -173,7 +182,8 @@ class TiermemRuntime:
                 self._shards.check_layout()
             with torch.no_grad():
                 for r in self.params:
-                    r.group, r.offset, _ = self.session.place(r.index)
+                    r.pieces = [_Piece(*pc) for pc in self.session.place(r.index)]
+                    r.group, r.offset = r.pieces[0].group, r.pieces[0].offset
                     v = r.orig.detach().reshape(-1).contiguous()
                     if self._shards:  # every rank starts from rank 0's values (as DDP)
                         v = v.clone()
@@ -207,9 +217,11 @@ class TiermemRuntime:
         # for the whole session — nothing ever moves, no unit acquires, no saved-tensor hooks
         # (saved views of chunk memory stay valid), and the optimizer steps in place.
         # Not with activations counted in the budget: they need the hooks that count them.
+        # Not with split parameters: they compute with copies of their pieces, made per unit.
         self._resident = (not self._serving and not self.session.cuda and self._shards is None
                           and cfg.activations == "outside"
-                          and budget >= self.session.total_chunk_bytes)
+                          and budget >= self.session.total_chunk_bytes
+                          and not any(r.split for r in self.params) and not self.expert_sets)
         # The parts, each over the state it needs (its module's docstring), lowest first.
         st, s = self.state, self.session
         self.chunks = ChunkAccess(s, self._shards, self.device, self._traced)
@@ -219,6 +231,10 @@ class TiermemRuntime:
         self.backward = Backward(s, self.chunks, st, self.units, self.activations, self.order)
         self.recompute = Recompute(cfg, s, self.chunks, st, self.materializer, self.activations,
                                    self.backward, self.device)
+        self.experts = Experts(self.expert_sets, s, self.chunks, st, self.materializer,
+                               self.recompute, self.units)
+        self.experts.backward = self.backward
+        self.experts.place(self.params)
         self.saved = SavedTensors(self.chunks, st, self.activations, self.recompute,
                                   self.backward, self.device)
         self.grads = Grads(s, self.chunks, st, self.backward, self.params, self.groups,
@@ -267,8 +283,14 @@ class TiermemRuntime:
         self.by_param = {id(r.param): r for r in self.params}
         for og in self.opt_groups:
             og["params"] = [r.param for r in og["params"]]
-        # Units: the slots inside each, their groups, and their hooks.
-        self.hooks.install(self.params, self._wrapped)
+        # Units: the slots inside each, their groups, and their hooks; the experts that move
+        # alone are no unit's (experts.py).
+        self.hooks.install(self.params, self._wrapped, self.experts.alone)
+        self.experts.link(self.params)
+        self.experts.install(self.units, self._wrapped,
+                             lambda shape: _placeholder(shape, self.dtype, self.device),
+                             self.grads)
+        self._handles.extend(self.grads._handles_extra)
         self._wrap_root()
         # state_dict of any module gives plain tensors; load_state_dict copies into the chunks.
         for m in {id(m): m for r in self.params for m, _ in r.slots}.values():
@@ -471,9 +493,12 @@ class TiermemRuntime:
             h.remove()
         for m in reversed(self._wrapped):
             _unwrap_forward(m)
+        self.experts.close()
         for r, v, g in zip(self.params, values, grads):
             r.orig.data = v.to(self.device)
-            r.orig.grad = g
+            # Mixed precision: the values given back are the fp32 masters, and torch wants a
+            # gradient of its parameter's dtype (the bf16/fp16 gradient, widened exactly).
+            r.orig.grad = None if g is None else g.to(device=self.device, dtype=r.orig.dtype)
             for m, name in r.slots:
                 m._parameters[name] = r.orig
         self.state.closed = True

@@ -49,12 +49,16 @@ class ServingRuntime(TiermemRuntime):
 
     _serving = True
 
-    def __init__(self, model, cfg, units=None):
-        super().__init__(model, cfg, None, units)
-        # Each unit pins all its chunk groups at once: the budget must hold the largest.
+    def __init__(self, model, cfg, units=None, experts=True):
+        super().__init__(model, cfg, None, units, experts=experts)
+        # Each unit pins all its chunk groups at once, and with them one expert's at a time
+        # (experts.py): the budget must hold the largest.
         need, unit = 0, None
+        ck = self._compute_kind
         for u in self.units:
-            b = sum(self.session.chunk_bytes(g, self._compute_kind) for g in u.groups)
+            b = sum(self.session.chunk_bytes(g, ck) for g in u.groups)
+            b += max((sum(self.session.chunk_bytes(g, ck) for g in gs if g not in u.groups)
+                      for s in u.experts for gs in s.groups), default=0)
             if b > need:
                 need, unit = b, u
         if not self.session.host_compute and need > cfg.device_budget:

@@ -4,7 +4,8 @@ runtime.TiermemRuntime composes one object per job (chunks.py, materialize.py,
 activations.py, recompute.py, saved.py, backward.py, grads.py, dispatch.py); they import the
 types they share from here, and nothing here imports them, so the imports stay acyclic.
 
-- ``_Param``: one managed parameter — the user's object, its place in the session's chunks,
+- ``_Param``: one managed parameter — the user's object, its place in the session's chunks
+  (one ``_Piece``, or several for a parameter larger than a chunk or of an expert set),
   the ChunkTensor the model exposes and the compute view the units swap in. Created by
   params.collect_params, completed by the runtime's install; the parts read it and update
   only the fields their docstrings name (``mat``, ``version`` and ``compute.data``:
@@ -35,6 +36,17 @@ _DEVICE, _HOST = _C.Tier.device, _C.Tier.host
 
 
 @dataclass(eq=False)
+class _Piece:
+    """Elements [begin, begin + numel) of a parameter (whole rows of its first dimension) at
+    `offset` in every chunk of `group` (the session's TensorPlace)."""
+    group: int
+    offset: int
+    numel: int
+    begin: int
+    expert: int = -1           # the expert these rows belong to (an expert set's), else -1
+
+
+@dataclass(eq=False)
 class _Param:
     index: int                 # tensor index in the session
     name: str
@@ -42,8 +54,9 @@ class _Param:
     numel: int
     trainable: bool
     orig: nn.Parameter         # the user's parameter object (given back by close())
-    group: int = 0
+    group: int = 0             # its first piece's group and offset (its only one unless split)
     offset: int = 0
+    pieces: list = field(default_factory=list)  # _Piece, in element order (one unless split)
     opt_group: int = 0
     param: Any = None          # the ChunkTensor parameter the model exposes
     compute: Any = None        # plain Parameter: the chunk view inside a unit
@@ -55,6 +68,19 @@ class _Param:
     post_hooks: OrderedDict = field(default_factory=OrderedDict)  # a user's post-accumulate hooks
     warned: bool = False
     unit: int = -1             # the first unit computing with it (trace moments)
+    expert_set: int = -1       # experts.py: the expert set it belongs to (-1: none)
+    expert: int = -1           # -1: fused (dim 0 indexes the experts), else that expert's
+
+    @property
+    def split(self) -> bool:
+        """Larger than a chunk or in an expert set: its pieces are in several places, so it
+        computes with a contiguous copy (or, moving alone, expert by expert: experts.py)."""
+        return len(self.pieces) > 1
+
+    @property
+    def groups(self) -> list:
+        """The chunk groups holding its pieces, ascending."""
+        return sorted({pc.group for pc in self.pieces})
 
 
 class RunState:
