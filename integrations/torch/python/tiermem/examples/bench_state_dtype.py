@@ -5,6 +5,7 @@ against AdamW8bit and fp32 AdamW, and the NVMe bytes per step of the main job.
     python -m tiermem.examples.bench_state_dtype kernel   [--params N] [--threads 1,2] [--reps 3]
     python -m tiermem.examples.bench_state_dtype numerics [--steps 50] [--long-steps 300]
     python -m tiermem.examples.bench_state_dtype nvme     [--layers 12 --width 768] [--rounds 2]
+        [--dtypes fp32,int8]
 
 kernel: one process per thread count (OMP_NUM_THREADS and torch's threads set before torch and
 bitsandbytes load): --params fp32 params in tensors of 4 Mi, stepped by (a) our fused AdamW with
@@ -232,7 +233,7 @@ def nvme(a) -> dict:
     root = a.dir or tempfile.mkdtemp(prefix="tiermem-bench-state-nvme-")
     systems = {}
     try:
-        for dtype in ("fp32", "int8"):
+        for dtype in a.dtypes.split(","):
             os.makedirs(f"{root}/{dtype}", exist_ok=True)
             cfg = {"device_kind": "host", "host": a.host,
                    "nvme": {"path": f"{root}/{dtype}", "size": a.nvme_size},
@@ -267,7 +268,7 @@ def nvme(a) -> dict:
 
         for s in systems.values():
             steps(s, a.warmup, False)
-        order = ["fp32", "int8"]
+        order = list(systems)
         for r in range(a.rounds):
             for d in (order if r % 2 == 0 else order[::-1]):
                 steps(systems[d], a.steps, True)
@@ -280,10 +281,11 @@ def nvme(a) -> dict:
                       "seconds_per_step": statistics.median(s["times"]),
                       "state_bytes": st["state_bytes"], "state_bytes_fp32": st["state_bytes_fp32"],
                       "nvme_used": s["rt"].stats()["tiers"]["nvme"]["used"]}
-        out["int8_over_fp32_nvme_bytes"] = (out["int8"]["nvme_bytes_per_step"] /
-                                            out["fp32"]["nvme_bytes_per_step"])
-        out["int8_over_fp32_step_time"] = (out["int8"]["seconds_per_step"] /
-                                           out["fp32"]["seconds_per_step"])
+        if "int8" in out and "fp32" in out:
+            out["int8_over_fp32_nvme_bytes"] = (out["int8"]["nvme_bytes_per_step"] /
+                                                out["fp32"]["nvme_bytes_per_step"])
+            out["int8_over_fp32_step_time"] = (out["int8"]["seconds_per_step"] /
+                                               out["fp32"]["seconds_per_step"])
         for s in systems.values():
             s["rt"].close()
         return out
@@ -323,13 +325,14 @@ def show(r):
     else:
         print(f"GPT {r['layers']} x {r['width']} ({r['params'] / 1e6:.1f} M params), host "
               f"{r['host']}, {r['steps_measured']} steps measured per system:")
-        for d in ("fp32", "int8"):
+        for d in [d for d in ("fp32", "bf16", "int8") if d in r]:
             x = r[d]
             print(f"  {d}: NVMe {x['nvme_bytes_per_step'] / 1e9:.3f} GB/step (optimizer state "
                   f"{x['nvme_state_bytes_per_step'] / 1e9:.3f}), {x['seconds_per_step']:.2f} s/step, "
                   f"NVMe used {x['nvme_used'] / 2**30:.2f} GiB")
-        print(f"  int8 / fp32: NVMe bytes {r['int8_over_fp32_nvme_bytes']:.3f}x, step time "
-              f"{r['int8_over_fp32_step_time']:.3f}x")
+        if "int8_over_fp32_nvme_bytes" in r:
+            print(f"  int8 / fp32: NVMe bytes {r['int8_over_fp32_nvme_bytes']:.3f}x, step time "
+                  f"{r['int8_over_fp32_step_time']:.3f}x")
 
 
 def main(argv=None):
@@ -359,6 +362,9 @@ def main(argv=None):
     v.add_argument("--steps", type=int, default=2)
     v.add_argument("--threads", type=int, default=0)
     v.add_argument("--dir", default=None)
+    v.add_argument("--dtypes", default="fp32,int8",
+                   help="the systems, side by side (one: its own process, for models whose "
+                        "two copies do not fit in RAM; NVMe bytes are deterministic)")
     for p in (k, n, v):
         p.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
