@@ -40,13 +40,19 @@ Category ChunkKindCategory(ChunkKind kind) {
   return Category::kOther;
 }
 
-StatusOr<ChunkLayout> PackTensors(const std::vector<uint64_t>& numels, uint64_t chunk_elems,
-                                  uint64_t align_elems) {
-  if (chunk_elems == 0) return InvalidArgumentError("chunk size must be > 0 elements");
+// Tensor offsets are multiples of `align_elems`, itself a multiple of kAlignElems.
+static Status CheckAlign(uint64_t align_elems) {
   if (align_elems == 0 || align_elems % kAlignElems != 0) {
     return InvalidArgumentError("tensor alignment of " + std::to_string(align_elems) +
                                 " elements is not a multiple of " + std::to_string(kAlignElems));
   }
+  return OkStatus();
+}
+
+StatusOr<ChunkLayout> PackTensors(const std::vector<uint64_t>& numels, uint64_t chunk_elems,
+                                  uint64_t align_elems) {
+  if (chunk_elems == 0) return InvalidArgumentError("chunk size must be > 0 elements");
+  TIERMEM_RETURN_IF_ERROR(CheckAlign(align_elems));
   ChunkLayout layout;
   layout.chunk_elems = chunk_elems;
   layout.placements.reserve(numels.size());
@@ -93,10 +99,7 @@ StatusOr<ChunkSizeChoice> ChooseChunkElems(const std::vector<uint64_t>& numels,
   }
   uint64_t total = 0;
   for (uint64_t n : numels) total += n;
-  if (align_elems == 0 || align_elems % kAlignElems != 0) {
-    return InvalidArgumentError("tensor alignment of " + std::to_string(align_elems) +
-                                " elements is not a multiple of " + std::to_string(kAlignElems));
-  }
+  TIERMEM_RETURN_IF_ERROR(CheckAlign(align_elems));
   const uint64_t align = align_elems;
   // With a coarse alignment the smallest chunk is the largest tensor rounded up to it (which
   // the minimum above does not count: at most align - 1 elements more).
@@ -310,10 +313,7 @@ class Packer {
 StatusOr<PieceLayout> PackPieces(const std::vector<PackTensor>& tensors, uint64_t chunk_elems,
                                  uint64_t align_elems) {
   if (chunk_elems == 0) return InvalidArgumentError("chunk size must be > 0 elements");
-  if (align_elems == 0 || align_elems % kAlignElems != 0) {
-    return InvalidArgumentError("tensor alignment of " + std::to_string(align_elems) +
-                                " elements is not a multiple of " + std::to_string(kAlignElems));
-  }
+  TIERMEM_RETURN_IF_ERROR(CheckAlign(align_elems));
   TIERMEM_RETURN_IF_ERROR(CheckTensors(tensors));
   TIERMEM_ASSIGN_OR_RETURN(ExpertSets sets, FindExpertSets(tensors));
   PieceLayout layout;
@@ -380,10 +380,7 @@ StatusOr<ChunkSizeChoice> ChooseChunkElems(const std::vector<PackTensor>& tensor
         "needs at once: a row of " + std::to_string(max_row) + " elements of tensor " +
         std::to_string(row_of) + ")");
   }
-  if (align_elems == 0 || align_elems % kAlignElems != 0) {
-    return InvalidArgumentError("tensor alignment of " + std::to_string(align_elems) +
-                                " elements is not a multiple of " + std::to_string(kAlignElems));
-  }
+  TIERMEM_RETURN_IF_ERROR(CheckAlign(align_elems));
   // A coarser alignment (blockwise-quantized state): a multiple of it, never below `floor`
   // (rounded up to it then). The default keeps the candidates as they are.
   auto aligned = [&](uint64_t elems, uint64_t floor) {

@@ -16,6 +16,7 @@
 #include "planners/trace.h"
 #include "runtime/session.h"
 #include "tests/runtime/session_test_support.h"
+#include "tests/support/session.h"
 #include "tests/support/status_matchers.h"
 
 namespace tiermem::session {
@@ -27,14 +28,7 @@ using nlohmann::json;
 using kernels::StateDType;
 
 std::unique_ptr<Session> Make(json config, std::vector<TensorSpec> specs) {
-  if (!config.contains("device_kind")) config["device_kind"] = "sim";
-  if (!config.contains("host")) config["host"] = "64MiB";
-  auto c = ParseConfig(config, MapEnv({}));
-  EXPECT_TRUE(c.ok()) << c.status().ToString();
-  if (!c.ok()) return nullptr;
-  auto s = Session::Create(*c, std::move(specs));
-  EXPECT_TRUE(s.ok()) << s.status().ToString();
-  return s.ok() ? std::move(s).value() : nullptr;
+  return testing::MakeSession(std::move(config), std::move(specs));
 }
 
 json State(const std::string& dtype, json extra = json::object()) {
