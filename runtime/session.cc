@@ -32,6 +32,14 @@ namespace tiermem::session {
 namespace {
 
 constexpr int kMinResidentChunks = 4;
+
+// Elements of the largest tensor.
+uint64_t MaxNumel(const std::vector<TensorSpec>& tensors) {
+  uint64_t m = 0;
+  for (const TensorSpec& t : tensors) m = std::max(m, t.numel);
+  return m;
+}
+
 constexpr Bytes kPage = 4096;
 constexpr std::array<ChunkKind, 5> kCreationOrder = {
     ChunkKind::kParamLowp, ChunkKind::kParamFp32, ChunkKind::kGrad, ChunkKind::kExpAvg,
@@ -269,6 +277,23 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
       }
       tp.group = tp.pieces.front().group;
       tp.offset = tp.pieces.front().offset;
+    }
+  }
+  if (sharding.world > 1) {
+    // A sharded unit holds the full chunks of every group it touches (gathered params and
+    // gradient buffers, outside the engine's eviction): a tensor split into pieces spreads a
+    // unit over more of them than the budget was sized for. Refused before anything changes.
+    for (size_t i = 0; i < s->tensors_.size(); ++i) {
+      if (!s->tensors_[i].split()) continue;
+      return ResourceExhaustedError(
+          "sharded training keeps every tensor whole in a chunk, but tensor " + tensors[i].name +
+          " (" + std::to_string(tensors[i].numel) + " elements) is larger than a chunk of " +
+          std::to_string(s->chunk_elems_) + " elements at this device budget of " +
+          std::to_string(config.device_budget) + " bytes: give each rank a device budget of at "
+          "least " + std::to_string(chunks::MinimumDeviceBudget(
+                         MaxNumel(tensors), per_elem, kMinResidentChunks)) +
+          " bytes, or a chunk_size of at least " + std::to_string(MaxNumel(tensors)) +
+          " elements");
     }
   }
   for (ChunkGroup& grp : s->groups_) {

@@ -208,6 +208,33 @@ def test_ranks_with_different_layouts_are_refused_on_every_rank():
         assert "every rank needs the same model and config" in msg, msg
 
 
+def _split_rank(rank, world):
+    ref, ours = make_pair()
+    before = {k: v.clone() for k, v in ours.state_dict().items()}
+    try:  # a sixth of the model's bytes: its large weights would be split into pieces
+        tiermem.initialize(ours, config(ref, device=model_bytes(ref) // 6))
+    except MemoryError as e:
+        unchanged = all(torch.equal(before[k], v) for k, v in ours.state_dict().items())
+        return {"msg": str(e), "unchanged": unchanged}
+    return "accepted"
+
+
+def test_sharding_tensors_larger_than_a_chunk_is_refused_before_anything_changes():
+    """Sharded units hold the full chunks of every group they touch outside the engine's
+    eviction; a tensor split into pieces would spread a unit over more of them than the
+    budget holds (it ran out of device memory mid-training): refused at initialize, naming
+    the tensor and the budget that keeps it whole; one process trains at that budget."""
+    for r in run_ranks(2, _split_rank):
+        assert isinstance(r, dict), r
+        assert "sharded training keeps every tensor whole" in r["msg"], r
+        assert "wte.weight" in r["msg"] and "device budget of at least" in r["msg"], r
+        assert r["unchanged"], r
+    ref, ours = make_pair()
+    model, opt = tiermem.initialize(ours, config(ref, device=model_bytes(ref) // 6))
+    assert any(p.split for p in tiermem.runtime_of(model).params)
+    train(model, opt, batches(2, batch=GLOBAL_BATCH))
+
+
 def _ddp_rank(rank, world):
     from torch.nn.parallel import DistributedDataParallel
     ref, ours = make_pair()
