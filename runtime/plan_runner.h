@@ -24,25 +24,25 @@
 // A moment the trace recorder split (a chunk accessed on a second tier within one moment
 // becomes "<label>+", trace_recorder.h) is split here the same way, so the moments line up.
 //
-// Planning at the iteration boundary (config `plan: auto`; the session calls AtBoundary from
-// its BeginIteration, between EndIteration and BeginIteration here): the session records its
-// third training iteration in memory (kRecordedIteration: the first two are cold — lazily zero
-// chunks, first moves, a first optimizer update that reads no Adam state) —
-// or uses the user's own recording when one completes — and the runner makes a plan from it
-// (ExecuteFrom: planners::MakePlan with this run's homes, residency, budgets and measured rates)
-// and executes it from the next iteration on — unless it loses bytes: the engine's bytes over
-// the recorded iteration, measured under its reactive policy, are the bar, and a plan whose
-// modelled steady iteration moves more (of the planner's objective: into the device, or to
-// and from NVMe in host mode) is declined (declined(); planning then stops and the engine
-// stays reactive; a tie runs, since its earlier prefetches can still shorten stalls). On CUDA, where the objective
-// is modelled time, the bar is not applied, nor under `plan: always`, nor when the plan places
-// activations (offload, auto: it trades chunk bytes for activation bytes the bar does not see). An iteration that diverges from the plan runs
-// reactive from there (warned once); the next one is recorded, and if it diverges too, the
-// plan is remade from it — up to kMaxPlans plans: iterations that keep diverging (variable
-// shapes, data-dependent branches) then run reactive for good (declined()). Nothing is planned when every chunk fits on the device and
-// activations are outside its budget (nothing would move). A plan that cannot be made is
-// logged and planning stops for good (error()): the engine stays reactive. Plans move copies
-// only: every value is the same without them.
+// Planning at the iteration boundary (config `plan: auto`; the session calls AtBoundary from its
+// BeginIteration, between EndIteration and BeginIteration here): the session records its third
+// training iteration in memory (kRecordedIteration: the first two are cold — lazily zero chunks,
+// first moves, a first optimizer update that reads no Adam state) — or uses the user's own
+// recording when one completes — and the runner makes a plan from it (ExecuteFrom:
+// planners::MakePlan with this run's homes, residency, budgets and measured rates) and executes it
+// from the next iteration on — unless it loses bytes: the engine's bytes over the recorded
+// iteration, measured under its reactive policy, are the bar, and a plan whose modelled steady
+// iteration moves more (of the planner's objective: into the device, or to and from NVMe in host
+// mode) is declined (declined(); planning then stops and the engine stays reactive; a tie runs,
+// since its earlier prefetches can still shorten stalls). On CUDA, where the objective is modelled
+// time, the bar is not applied, nor under `plan: always`, nor when the plan places activations
+// (offload, auto: it trades chunk bytes for activation bytes the bar does not see). An iteration
+// that diverges from the plan runs reactive from there (warned once); the next one is recorded, and
+// if it diverges too, the plan is remade from it — up to kMaxPlans plans: iterations that keep
+// diverging (variable shapes, data-dependent branches) then run reactive for good (declined()).
+// Nothing is planned when every chunk fits on the device and activations are outside its budget
+// (nothing would move). A plan that cannot be made is logged and planning stops for good (error()):
+// the engine stays reactive. Plans move copies only: every value is the same without them.
 //
 // Thread-safety: externally synchronized (the session's thread).
 #pragma once

@@ -1,7 +1,8 @@
 """Executed plans (config plan: always, and auto where its bar is under test): the session
-records a warm-up iteration, plans it and executes the plan; the values are exactly those of plain torch (a plan moves copies, never
-values), the plan really runs (planned prefetches and evictions, iterations followed), budgets
-hold, and dynamic control flow leaves the plan for that iteration only, warned once."""
+records a warm-up iteration, plans it and executes the plan; the values are exactly those of
+plain torch (a plan moves copies, never values), the plan really runs (planned prefetches and
+evictions, iterations followed), budgets hold, and dynamic control flow leaves the plan for
+that iteration only, warned once."""
 import copy
 
 import pytest

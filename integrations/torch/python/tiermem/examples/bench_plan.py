@@ -1,8 +1,8 @@
 """Executed plan vs the reactive engine on the CPU (host mode by default; SimDevice with
 --device-kind sim): the main job's GPT trained twice in one process, `plan: always` (the plan
-runs even where `plan: auto` would decline it; --plan auto applies that bar) and `plan: off`, same model, same data, the two stepped alternately
-(these machines are noisy: each step's pair is measured in the same seconds), then per-step
-ratios and their median. Also per planned step: bytes into the device measured by the engine
+runs even where `plan: auto` would decline it; --plan auto applies that bar) and `plan: off`,
+same model, same data, the two stepped alternately (these machines are noisy: each step's pair
+is measured in the same seconds), then per-step ratios and their median. Also per planned step: bytes into the device measured by the engine
 vs the plan's prediction (PlanEstimate::steady_device_in_bytes; in host mode the NVMe bytes
 read and written vs steady_nvme_bytes).
 

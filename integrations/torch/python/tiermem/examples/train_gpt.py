@@ -25,9 +25,9 @@ first is cold, and the optimizer updates of each step run in the next one's forw
 planner's simulated schedules over it are printed (tiermem plan compare). The run itself
 executes a plan made from its warm-up (--plan auto, the default, unless the plan would move
 more bytes than the reactive engine did over the recorded step; --plan always runs it anyway;
---plan off keeps the engine's reactive policy); the `plan:` line says what the plan did. --activations budget|offload
-counts the saved activations in the device budget (offload: moves them to host memory when
-the device is short; an `activations:` line says how much moved).
+--plan off keeps the engine's reactive policy); the `plan:` line says what the plan did.
+--activations budget|offload counts the saved activations in the device budget (offload: moves
+them to host memory when the device is short; an `activations:` line says how much moved).
 """
 from __future__ import annotations
 
