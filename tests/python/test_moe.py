@@ -513,3 +513,44 @@ def test_a_gradient_hook_on_a_fused_experts_parameter_is_refused():
     logits = logits_of(m2, x)
     nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1)).backward()
     assert got == [q.shape]
+
+
+def test_int8_state_compresses_whole_dense_tensors_and_experts_keep_fp32(capfd):
+    """optimizer.state_dtype int8 with experts that move alone: the dense tensors that stay
+    whole take int8 m and v, the experts (and any split tensor) keep fp32 state, warned once;
+    training equals the same AdamW math with that split of formats, bit for bit."""
+    torch.manual_seed(0)
+    ref = qwen3_moe()
+    ours = copy.deepcopy(ref)
+    min_elems = 1024
+    budget = int(0.5 * refused_budget(ours))
+    model, opt = tiermem.initialize(ours, {
+        "device_kind": "sim", "device": budget, "host": "256MiB",
+        "optimizer": {"lr": 3e-3, "weight_decay": 0.01, "state_dtype": "int8",
+                      "state_min_elems": min_elems}})
+    assert "keep fp32 optimizer state" in capfd.readouterr().err
+    rt = tiermem.runtime_of(model)
+    fp32_names = {r.name for r in rt.params if r.expert_set >= 0 or r.split}
+    assert any(r.expert_set >= 0 for r in rt.params)
+    by_name = dict(ref.named_parameters())
+    int8 = [p for n, p in by_name.items() if n not in fp32_names and p.numel() >= min_elems]
+    assert int8, "some dense tensor must take the int8 format"
+    rest = [p for n, p in by_name.items() if n in fp32_names or p.numel() < min_elems]
+    ref_opts = [KernelAdamW(int8, lr=3e-3, weight_decay=0.01, state_dtype="int8",
+                            min_elems=min_elems),
+                KernelAdamW(rest, lr=3e-3, weight_decay=0.01)]
+
+    class Both:
+        def zero_grad(self):
+            for o in ref_opts:
+                o.zero_grad()
+
+        def step(self):
+            for o in ref_opts:
+                o.step()
+
+    batches = data(5)
+    assert train(model, opt, batches) == train(ref, Both(), batches)
+    sd = model.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(sd[k], v, rtol=0, atol=0, msg=k)
