@@ -310,6 +310,13 @@ TEST(Int8Kernels, Avx512QuantizerEqualsScalarOnADenseSweep) {
         xs.push_back(FromBits(Bits(t.code[s][i]) + d));
         xs.push_back(-FromBits(Bits(t.code[s][i]) + d));
       }
+      if (i == 255) continue;
+      // Around the midpoint to the next code: where a threshold lies, ties and all.
+      const float mid = static_cast<float>((static_cast<double>(t.code[s][i]) + t.code[s][i + 1]) / 2);
+      for (int d = -3; d <= 3; ++d) {
+        xs.push_back(FromBits(Bits(mid) + d));
+        xs.push_back(-FromBits(Bits(mid) + d));
+      }
     }
   }
   for (uint32_t hi = 0; hi < 0x8000u; ++hi) {  // every bucket edge (exponent, 7 mantissa bits)
