@@ -43,4 +43,13 @@ void DequantizeStateRange(const StateFormat& f, bool is_signed, StateRef in, flo
 const KernelTable& Avx2Table();
 const KernelTable& Avx512Table();
 
+// The AVX-512 int8 state step dequantizes with byte permutes when the CPU has AVX512-VBMI,
+// with gathers otherwise; tests turn the former off to run the latter (process-wide).
+void SetAvx512VbmiAllowed(bool allowed);
+bool Avx512VbmiActive();
+// Tests (AVX-512 CPUs only): the AVX-512 block quantizer (codes of x * (1 / absmax), as the
+// step's requantization), and the VBMI code lookup (code values of q; needs AVX512-VBMI).
+void Avx512QuantizeForTest(bool is_signed, const float* x, size_t n, float absmax, uint8_t* q);
+void Avx512DequantizeForTest(bool is_signed, const uint8_t* q, size_t n, float* out);
+
 }  // namespace tiermem::kernels::internal

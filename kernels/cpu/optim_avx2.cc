@@ -103,6 +103,11 @@ struct V256 {
     const __m128i h = Pack16(codes);
     _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(h, h));
   }
+  // int8 state: the codes are gathered in the step's body and quantized through the bucket
+  // table (AVX2 has no two-register permutes; gathers win here).
+  static constexpr bool kFastQuantize = false;
+  static bool HasDequantBlock() { return false; }
+  static void DequantBlock(const QuantTables&, bool, const uint8_t*, size_t, float*) {}
   static F Abs(F x) { return _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); }
   static F Or(F a, F b) { return _mm256_or_ps(a, b); }
   static F Unordered2(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_UNORD_Q); }

@@ -10,10 +10,69 @@
 #endif
 #include <immintrin.h>
 
+#include <atomic>
+#include <cstring>
+
 #include "kernels/cpu/optim_simd_inl.h"
 
 namespace tiermem::kernels::internal {
 namespace {
+
+// AVX512-VBMI (byte permutes) is not among this file's -m flags: only DequantCodesVbmi uses it,
+// compiled for it by its target attribute (never inlined into code for other CPUs), and run
+// only when CPUID reports it and the tests have not turned it off.
+std::atomic<bool>& VbmiAllowed() {
+  static std::atomic<bool> allowed{true};
+  return allowed;
+}
+
+bool CpuHasVbmi() {
+  static const bool has = __builtin_cpu_supports("avx512vbmi");
+  return has;
+}
+
+// The code values of q[0, n) (n a multiple of 16) of map s, 64 at a time: per byte plane of
+// the 256 floats (4 registers each), two 128-entry byte permutes and a blend by the code's top
+// bit; then the planes are interleaved into floats. The unpacks interleave within 128-bit
+// lanes, so the codes are first permuted (a 4 x 4 transpose of their dwords) to make the
+// floats come out in order.
+__attribute__((target("avx512f,avx512bw,avx512vbmi"), noinline)) void DequantCodesVbmi(
+    const QuantTables& t, int s, const uint8_t* q, size_t n, float* out) {
+  __m512i pl[4][4];
+  for (int p = 0; p < 4; ++p) {
+    for (int r = 0; r < 4; ++r) pl[p][r] = _mm512_load_si512(t.plane[s][p] + 64 * r);
+  }
+  const __m512i transpose =
+      _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  alignas(64) uint8_t qt[64] = {};
+  alignas(64) float ot[64];
+  // (A loop, not a lambda: a lambda would not inherit the target attribute.)
+  for (size_t i = 0; i < n; i += 64) {
+    const bool tail = i + 64 > n;
+    const uint8_t* src = q + i;
+    float* dst = out + i;
+    if (tail) {
+      std::memcpy(qt, q + i, n - i);
+      src = qt;
+      dst = ot;
+    }
+    const __m512i c = _mm512_permutexvar_epi32(transpose, _mm512_loadu_si512(src));
+    const __mmask64 top = _mm512_movepi8_mask(c);
+    __m512i b[4];
+    for (int p = 0; p < 4; ++p) {
+      const __m512i lo = _mm512_permutex2var_epi8(pl[p][0], c, pl[p][1]);
+      const __m512i hi = _mm512_permutex2var_epi8(pl[p][2], c, pl[p][3]);
+      b[p] = _mm512_mask_blend_epi8(top, lo, hi);
+    }
+    const __m512i l01 = _mm512_unpacklo_epi8(b[0], b[1]), h01 = _mm512_unpackhi_epi8(b[0], b[1]);
+    const __m512i l23 = _mm512_unpacklo_epi8(b[2], b[3]), h23 = _mm512_unpackhi_epi8(b[2], b[3]);
+    _mm512_storeu_si512(dst, _mm512_unpacklo_epi16(l01, l23));
+    _mm512_storeu_si512(dst + 16, _mm512_unpackhi_epi16(l01, l23));
+    _mm512_storeu_si512(dst + 32, _mm512_unpacklo_epi16(h01, h23));
+    _mm512_storeu_si512(dst + 48, _mm512_unpackhi_epi16(h01, h23));
+    if (tail) std::memcpy(out + i, ot, (n - i) * 4);
+  }
+}
 
 struct V512 {
   static constexpr size_t kWidth = 16;
@@ -97,6 +156,61 @@ struct V512 {
   static void StoreU8(uint8_t* p, I codes) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(codes));
   }
+  // ---- int8 state without gathers (quant_tables.h) ----
+  static bool HasDequantBlock() {
+    return CpuHasVbmi() && VbmiAllowed().load(std::memory_order_relaxed);
+  }
+  static void DequantBlock(const QuantTables& t, bool is_signed, const uint8_t* q, size_t n,
+                           float* out) {
+    DequantCodesVbmi(t, is_signed ? 1 : 0, q, n, out);
+  }
+  static constexpr bool kFastQuantize = true;
+  // The codes of x[0, n) * inv by the segment tables, whole vectors (returns how many
+  // elements); a vector with a lane in the uncertain window takes the bucket table instead.
+  static size_t QuantizeFast(const QuantTables& t, bool is_signed, const float* x, size_t n,
+                             float inv, uint8_t* q) {
+    const int s = is_signed ? 1 : 0;
+    const __m512i base_lo = _mm512_load_si512(t.seg_base[s]);
+    const __m512i base_hi = _mm512_load_si512(t.seg_base[s] + 16);
+    const __m512i split_lo = _mm512_load_si512(t.seg_split[s]);
+    const __m512i split_hi = _mm512_load_si512(t.seg_split[s] + 16);
+    const __m512 mul = _mm512_load_ps(t.seg_mul[s]);
+    const __m512 add = _mm512_load_ps(t.seg_add[s]);
+    const __m512i hi = _mm512_load_si512(t.seg_hi[s]);
+    const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
+    const __m512i min_bits = _mm512_set1_epi32(static_cast<int>(QuantTables::kFastMinBits));
+    const __m512i max_bits = _mm512_set1_epi32(static_cast<int>(QuantTables::kFastMaxBits));
+    const __m512i window = _mm512_set1_epi32(static_cast<int>(QuantTables::kFastWindow));
+    const __m512i one = _mm512_set1_epi32(1), c254 = _mm512_set1_epi32(254);
+    const __m512i zero = _mm512_setzero_si512();
+    const F vinv = _mm512_set1_ps(inv);
+    size_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+      const F xs = _mm512_mul_ps(_mm512_loadu_ps(x + j), vinv);
+      const __m512i bits = _mm512_castps_si512(xs);
+      // |x| clamped to [2^-31, 1]; NaN (any sign) and Inf become 1, as in the bucket table.
+      __m512i a = _mm512_min_epu32(_mm512_and_si512(bits, abs_mask), max_bits);
+      a = _mm512_max_epi32(a, min_bits);
+      const __m512i e = _mm512_srli_epi32(a, 23);  // the permutes read its low 5 bits
+      const __m512i base = _mm512_permutex2var_epi32(base_lo, e, base_hi);
+      const __m512i split = _mm512_permutex2var_epi32(split_lo, e, split_hi);
+      const __m512i seg = _mm512_mask_add_epi32(base, _mm512_cmpgt_epi32_mask(a, split), base, one);
+      const F pos = _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_permutexvar_ps(seg, mul),
+                                    _mm512_permutexvar_ps(seg, add));
+      const __m512i tv = _mm512_cvttps_epi32(pos);
+      __m512i k = _mm512_min_epi32(_mm512_srli_epi32(tv, QuantTables::kFastShift),
+                                   _mm512_permutexvar_epi32(seg, hi));
+      if (is_signed) {  // k = 127 + the half map's code; negative x: 127 - min(code, 127)
+        k = _mm512_mask_sub_epi32(k, _mm512_movepi32_mask(bits), c254, k);
+        k = _mm512_max_epi32(k, zero);
+      }
+      if (__builtin_expect(_mm512_testn_epi32_mask(tv, window) != 0, 0)) {
+        k = QuantizeVector<V512>(t, xs, is_signed);
+      }
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + j), _mm512_cvtepi32_epi8(k));
+    }
+    return j;
+  }
   static F Abs(F x) { return _mm512_abs_ps(x); }
   static F Or(F a, F b) { return _mm512_or_ps(a, b); }
   static F Unordered2(F a, F b) {
@@ -113,6 +227,18 @@ struct V512 {
 };
 
 }  // namespace
+
+void SetAvx512VbmiAllowed(bool allowed) { VbmiAllowed().store(allowed); }
+bool Avx512VbmiActive() { return V512::HasDequantBlock(); }
+
+void Avx512QuantizeForTest(bool is_signed, const float* x, size_t n, float absmax, uint8_t* q) {
+  AdamInt8Kernel<V512, DType::kF32, Out::kNone>::Quantize(GetQuantTables(), is_signed, x, n,
+                                                           absmax, q);
+}
+
+void Avx512DequantizeForTest(bool is_signed, const uint8_t* q, size_t n, float* out) {
+  DequantCodesVbmi(GetQuantTables(), is_signed ? 1 : 0, q, n, out);
+}
 
 const KernelTable& Avx512Table() {
   static const KernelTable table = MakeTable<V512>(Isa::kAvx512);

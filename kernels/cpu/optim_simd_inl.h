@@ -200,12 +200,21 @@ struct AdamInt8Kernel {
     F m, v, nan;
   };
 
+  // kPre: mb and vb already hold the code values of mq and vq (V::DequantBlock); else the
+  // codes are looked up here.
+  template <bool kPre>
   static inline void Body(const AdamVecs<V>& c, const QuantTables& t, F am, F av,
                           const float* p_in, float* param, const uint8_t* mq, const uint8_t* vq,
                           const void* grad, void* out, float* mb, float* vb, size_t i, Max& mx) {
     F p = V::Load(p_in + i);
-    F m = V::Mul(V::GatherF(t.code[1], V::LoadU8(mq + i)), am);
-    F v = V::Mul(V::GatherF(t.code[0], V::LoadU8(vq + i)), av);
+    F m, v;
+    if constexpr (kPre) {
+      m = V::Mul(V::Load(mb), am);
+      v = V::Mul(V::Load(vb), av);
+    } else {
+      m = V::Mul(V::GatherF(t.code[1], V::LoadU8(mq + i)), am);
+      v = V::Mul(V::GatherF(t.code[0], V::LoadU8(vq + i)), av);
+    }
     AdamVector<V>(c, LoadGrad<V, G>(grad, i), p, m, v);
     V::Store(param + i, p);
     StoreOut<V, O>(out, i, p);
@@ -219,8 +228,11 @@ struct AdamInt8Kernel {
   static void Quantize(const QuantTables& t, bool is_signed, const float* x, size_t n,
                        float absmax, uint8_t* q) {
     const float inv = absmax > 0.0f ? 1.0f / absmax : 0.0f;
-    const F vinv = V::Set1(inv);
     size_t j = 0;
+    if constexpr (V::kFastQuantize) {
+      if (t.fast_ok) j = V::QuantizeFast(t, is_signed, x, n, inv, q);  // whole vectors
+    }
+    const F vinv = V::Set1(inv);
     for (; j + W <= n; j += W) {
       V::StoreU8(q + j, QuantizeVector<V>(t, V::Mul(V::Load(x + j), vinv), is_signed));
     }
@@ -235,14 +247,26 @@ struct AdamInt8Kernel {
     auto* vq = static_cast<uint8_t*>(s.exp_avg_sq_q.data);
     const size_t block = s.state.block;
     alignas(64) float mb[kMaxStateBlock], vb[kMaxStateBlock];
+    const bool pre = V::HasDequantBlock();
     for (size_t b0 = begin; b0 < end; b0 += block) {
       const size_t n = std::min(block, end - b0), blk = b0 / block;
       const F am = V::Set1(s.exp_avg_q.absmax[blk]), av = V::Set1(s.exp_avg_sq_q.absmax[blk]);
       Max mx{V::Set1(0.0f), V::Set1(0.0f), V::Set1(0.0f)};
       size_t j = 0;
-      for (; j + W <= n; j += W) {
-        Body(c, t, am, av, p_in, s.param, mq, vq, s.grad, s.param_out, mb + j, vb + j, b0 + j,
-             mx);
+      if (pre) {
+        // The block's code values first (whole vectors; a tail runs the lookup in Body).
+        const size_t nv = n / W * W;
+        V::DequantBlock(t, true, mq + b0, nv, mb);
+        V::DequantBlock(t, false, vq + b0, nv, vb);
+        for (; j + W <= n; j += W) {
+          Body<true>(c, t, am, av, p_in, s.param, mq, vq, s.grad, s.param_out, mb + j, vb + j,
+                     b0 + j, mx);
+        }
+      } else {
+        for (; j + W <= n; j += W) {
+          Body<false>(c, t, am, av, p_in, s.param, mq, vq, s.grad, s.param_out, mb + j, vb + j,
+                      b0 + j, mx);
+        }
       }
       float max_m = V::HMax(mx.m), max_v = V::HMax(mx.v);
       bool nan = V::AnyBits(mx.nan);
@@ -257,7 +281,7 @@ struct AdamInt8Kernel {
         std::memcpy(g, static_cast<const unsigned char*>(s.grad) + i * gsize, rem * gsize);
         alignas(64) float tm[W], tv[W];
         Max unused{V::Set1(0.0f), V::Set1(0.0f), V::Set1(0.0f)};
-        Body(c, t, am, av, p, p, qm, qv, g, o, tm, tv, 0, unused);
+        Body<false>(c, t, am, av, p, p, qm, qv, g, o, tm, tv, 0, unused);
         std::memcpy(mb + j, tm, rem * 4);
         std::memcpy(vb + j, tv, rem * 4);
         std::memcpy(s.param + i, p, rem * 4);

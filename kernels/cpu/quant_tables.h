@@ -28,6 +28,33 @@ struct QuantTables {
   // code[s]: the map (s = 1 signed, 0 unsigned), ascending, as DynamicCode returns it.
   alignas(64) float code[2][256];
   alignas(64) uint32_t bucket[2][kBuckets];
+  // code[s] split into byte planes (plane[s][p][i]: byte p of code[s][i]), for lookups of 64
+  // codes at once with byte permutes (AVX512-VBMI).
+  alignas(64) uint8_t plane[2][4][256];
+
+  // Nearest code without a table per value (the AVX-512 kernels; QuantizeScalar's result).
+  // The half map is 0, then decades of k codes at s * (0.1 + 0.9 (j + 0.5) / k), then 1: 9
+  // *segments* of |x| split at the thresholds between those groups (0: |x| <= T_0, 8: above
+  // the last threshold). Inside a segment the thresholds sit at (nearly) integer positions of
+  // a linear function, so with a = |x| clamped to [2^-31, 1] (neither clamp changes the code),
+  //   t = int(fma(a, seg_mul, seg_add))   (truncated; 16 fraction bits, the code biased by 8)
+  //   code = min(t >> 16, seg_hi)   unless (t & 0xFFF0) == 0, i.e. t within 16 units above an
+  // integer, where the rounding of the map and of t could matter: such a vector takes the
+  // bucket table. MakeTables verifies at every threshold, by the same float operations, that
+  // this is exact (t is monotone in a inside a segment); `fast_ok` false means it is not and
+  // the kernels use the bucket table only. The segment of a: seg_base[e & 31] plus one when
+  // bits(a) > seg_split[e & 31], e = bits(a) >> 23 (96..127; at most one segment boundary per
+  // binade, also verified). For the signed map the tables include the + 127 of its codes.
+  static constexpr int kFastShift = 16, kFastBias = 8;
+  static constexpr uint32_t kFastWindow = 0xFFF0u;
+  static constexpr uint32_t kFastMinBits = 96u << 23;   // 2^-31
+  static constexpr uint32_t kFastMaxBits = 0x3F800000u;  // 1.0
+  alignas(64) int32_t seg_base[2][32];
+  alignas(64) uint32_t seg_split[2][32];
+  alignas(64) float seg_mul[2][16];
+  alignas(64) float seg_add[2][16];
+  alignas(64) int32_t seg_hi[2][16];
+  bool fast_ok = false;
 };
 
 const QuantTables& GetQuantTables();

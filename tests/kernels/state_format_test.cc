@@ -11,7 +11,9 @@
 
 #include <gtest/gtest.h>
 
+#include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/optim.h"
+#include "kernels/cpu/quant_tables.h"
 #include "tests/kernels/kernel_test_support.h"
 
 namespace tiermem::kernels {
@@ -289,8 +291,85 @@ TEST(CompressedStep, EqualsTheFp32StepOnTheDequantizedState) {
   }
 }
 
+bool HasAvx512() {
+  IsaGuard guard;
+  return SetKernelIsa(Isa::kAvx512).ok();
+}
+
+// The AVX-512 requantizer (segment tables, quant_tables.h) against QuantizeScalar on a dense
+// sweep of every float (both signs, NaN, Inf, subnormals, above 1) and at every threshold.
+TEST(Int8Kernels, Avx512QuantizerEqualsScalarOnADenseSweep) {
+  const internal::QuantTables& t = internal::GetQuantTables();
+  EXPECT_TRUE(t.fast_ok) << "the segment tables failed their exactness check: gathers only";
+  if (!HasAvx512()) GTEST_SKIP() << "no AVX-512";
+  std::vector<float> xs;
+  for (uint64_t b = 0; b <= 0xFFFFFFFFull; b += 251) xs.push_back(FromBits(static_cast<uint32_t>(b)));
+  for (int s = 0; s < 2; ++s) {
+    for (int i = 0; i < 256; ++i) {
+      for (int d = -3; d <= 3; ++d) {
+        xs.push_back(FromBits(Bits(t.code[s][i]) + d));
+        xs.push_back(-FromBits(Bits(t.code[s][i]) + d));
+      }
+      if (i == 255) continue;
+      // Around the midpoint to the next code: where a threshold lies, ties and all.
+      const float mid = static_cast<float>((static_cast<double>(t.code[s][i]) + t.code[s][i + 1]) / 2);
+      for (int d = -3; d <= 3; ++d) {
+        xs.push_back(FromBits(Bits(mid) + d));
+        xs.push_back(-FromBits(Bits(mid) + d));
+      }
+    }
+  }
+  for (uint32_t hi = 0; hi < 0x8000u; ++hi) {  // every bucket edge (exponent, 7 mantissa bits)
+    for (int d = -2; d <= 1; ++d) xs.push_back(FromBits((hi << 16) + d));
+  }
+  const float inf = std::numeric_limits<float>::infinity();
+  for (float x : {0.0f, -0.0f, 1.0f, -1.0f, inf, -inf, std::nanf(""), -std::nanf(""),
+                  std::numeric_limits<float>::denorm_min(), 0x1p-31f, -0x1p-31f, 0x1.fffffep-32f}) {
+    xs.push_back(x);
+  }
+  while (xs.size() % 16 != 0) xs.push_back(0.5f);
+  std::vector<uint8_t> q(xs.size());
+  for (bool is_signed : {true, false}) {
+    for (float absmax : {1.0f, 3.0f, 0.0f}) {  // 1 / 3 rounds; 0: everything times 0
+      internal::Avx512QuantizeForTest(is_signed, xs.data(), xs.size(), absmax, q.data());
+      const float inv = absmax > 0.0f ? 1.0f / absmax : 0.0f;
+      for (size_t i = 0; i < xs.size(); ++i) {
+        ASSERT_EQ(q[i], internal::QuantizeScalar(t, xs[i] * inv, is_signed))
+            << "x = " << xs[i] << " (bits " << std::hex << Bits(xs[i]) << ") signed "
+            << is_signed << " absmax " << absmax;
+      }
+    }
+  }
+}
+
+// The byte-permute code lookup (AVX512-VBMI) gives every code's value at every position.
+TEST(Int8Kernels, VbmiDequantizeGivesEveryCodeAnywhere) {
+  if (!HasAvx512() || !internal::Avx512VbmiActive()) GTEST_SKIP() << "no AVX512-VBMI";
+  const internal::QuantTables& t = internal::GetQuantTables();
+  std::mt19937 rng(5);
+  for (size_t n : {16u, 48u, 64u, 80u, 256u, 4096u}) {
+    std::vector<uint8_t> q(n);
+    for (int round = 0; round < 8; ++round) {
+      for (size_t i = 0; i < n; ++i) q[i] = static_cast<uint8_t>(round < 4 ? (i * 7 + round) : rng());
+      for (bool is_signed : {true, false}) {
+        std::vector<float> out(n, -1.0f);
+        internal::Avx512DequantizeForTest(is_signed, q.data(), n, out.data());
+        for (size_t i = 0; i < n; ++i) {
+          ASSERT_EQ(Bits(out[i]), Bits(t.code[is_signed ? 1 : 0][q[i]])) << n << " " << i;
+        }
+      }
+    }
+  }
+}
+
+// Restores the AVX-512 int8 step's use of VBMI after a test turned it off.
+struct VbmiGuard {
+  ~VbmiGuard() { internal::SetAvx512VbmiAllowed(true); }
+};
+
 TEST(CompressedStep, EveryVariantMatchesScalarBitForBit) {
   IsaGuard guard;
+  VbmiGuard vbmi_guard;
   const std::vector<StateFormat> formats = {
       {StateDType::kInt8, 256}, {StateDType::kInt8, 64}, {StateDType::kInt8, 4096},
       {StateDType::kBF16, 256, false}, {StateDType::kBF16, 256, true}};
@@ -303,20 +382,25 @@ TEST(CompressedStep, EveryVariantMatchesScalarBitForBit) {
           Case ref(f, n, gd, out, 9);
           AdamStep(Config(), ref.Spans());
           for (Isa isa : SupportedIsas()) {
-            if (isa == Isa::kScalar) continue;
-            ASSERT_TRUE(SetKernelIsa(isa).ok());
-            Case c(f, n, gd, out, 9);
-            AdamStep(Config(), c.Spans());
-            const std::string what = std::string(IsaName(isa)) + " " +
-                                     std::string(StateDTypeName(f.dtype)) + " block " +
-                                     std::to_string(f.block) + " n " + std::to_string(n) +
-                                     " stochastic " + std::to_string(f.stochastic);
-            ASSERT_EQ(c.p, ref.p) << what;
-            ASSERT_EQ(c.mq, ref.mq) << what;
-            ASSERT_EQ(c.vq, ref.vq) << what;
-            ASSERT_EQ(c.ma, ref.ma) << what;
-            ASSERT_EQ(c.va, ref.va) << what;
-            ASSERT_EQ(c.o, ref.o) << what;
+            // AVX-512 twice: byte-permute lookups (where the CPU has VBMI), then gathers.
+            for (bool vbmi : {true, false}) {
+              if (isa == Isa::kScalar || (!vbmi && isa != Isa::kAvx512)) continue;
+              internal::SetAvx512VbmiAllowed(vbmi);
+              ASSERT_TRUE(SetKernelIsa(isa).ok());
+              Case c(f, n, gd, out, 9);
+              AdamStep(Config(), c.Spans());
+              const std::string what = std::string(IsaName(isa)) + " vbmi " +
+                                       std::to_string(vbmi) + " " +
+                                       std::string(StateDTypeName(f.dtype)) + " block " +
+                                       std::to_string(f.block) + " n " + std::to_string(n) +
+                                       " stochastic " + std::to_string(f.stochastic);
+              ASSERT_EQ(c.p, ref.p) << what;
+              ASSERT_EQ(c.mq, ref.mq) << what;
+              ASSERT_EQ(c.vq, ref.vq) << what;
+              ASSERT_EQ(c.ma, ref.ma) << what;
+              ASSERT_EQ(c.va, ref.va) << what;
+              ASSERT_EQ(c.o, ref.o) << what;
+            }
           }
         }
       }
