@@ -118,8 +118,19 @@ def plan_line(mode, p) -> str:
             f"iterations, {p['followed_iterations']} followed to the end, "
             f"{p['divergences']} diverged; {p['prefetches']} planned prefetches, "
             f"{p['evictions']} planned evictions ({p['deferred']} deferred for room); "
-            f"predicted per iteration: {p['predicted_device_in_bytes'] / 2**20:.1f} MiB into "
-            f"the device, {p['predicted_nvme_bytes'] / 2**20:.1f} MiB to and from NVMe")
+            f"predicted per iteration: {predicted_bytes(p)}")
+
+
+def predicted_bytes(p) -> str:
+    """The plan's modelled bytes per iteration: into the device, and to and from NVMe (host
+    mode has no device: NVMe only)."""
+    mib = 2 ** 20
+    parts = []
+    if p["predicted_device_in_bytes"]:
+        parts.append(f"{p['predicted_device_in_bytes'] / mib:.1f} MiB into the device")
+    if p["predicted_nvme_bytes"] or not parts:
+        parts.append(f"{p['predicted_nvme_bytes'] / mib:.1f} MiB to and from NVMe")
+    return ", ".join(parts)
 
 
 def main(argv=None):
