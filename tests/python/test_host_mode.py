@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import tiermem
+from tiermem.examples import objective_bytes
 from conftest import KernelAdamW, batches, encoder_batches, make_pair, train_steps
 
 OPT = {"lr": 2e-3, "weight_decay": 0.01}
@@ -51,8 +52,7 @@ def test_gpt_with_nvme_equals_plain_torch(tmp_path, plan):
 
 
 def nvme_bytes(rt):
-    moved = rt.stats()["bytes_moved"]
-    return moved.get("nvme->host", 0) + moved.get("host->nvme", 0)
+    return objective_bytes(rt.stats(), host_mode=True)
 
 
 @pytest.mark.parametrize("host", ["384KiB", "768KiB"])

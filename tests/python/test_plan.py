@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import tiermem
+from tiermem.examples import objective_bytes
 from conftest import KernelAdamW, batches, make_pair, model_bytes, train_steps
 
 pytest.importorskip("transformers")
@@ -26,8 +27,7 @@ def config(budget, plan="always", nvme_dir=None, host="256MiB"):
 
 def device_in(stats):
     """Bytes copied into the device so far (from the host and from NVMe)."""
-    moved = stats["bytes_moved"]
-    return moved.get("host->device", 0) + moved.get("nvme->device", 0)
+    return objective_bytes(stats, host_mode=False)
 
 
 def check_plan_ran(rt, steps, divergences=0):

@@ -1,5 +1,5 @@
 """Examples and benchmarks; ``timed_step`` is the one training step the benchmarks time,
-``bench_gpt`` the model and data they train."""
+``bench_gpt`` the model and data they train, ``objective_bytes`` the bytes a plan minimizes."""
 import time
 
 
@@ -29,3 +29,13 @@ def bench_gpt(layers, width, batch, steps, block=64):
     torch.manual_seed(0)
     model = GPT(c)
     return model, list(synthetic_batches(c, batch, steps, seed=1))
+
+
+def objective_bytes(stats, host_mode: bool) -> int:
+    """The bytes the planner minimizes on the CPU, as the engine counted them so far
+    (`stats()["bytes_moved"]`; PlanObjectiveBytes in runtime/plan_runner.h): into the device,
+    or in host mode (no device) to and from NVMe."""
+    moved = stats["bytes_moved"]
+    if host_mode:
+        return sum(v for k, v in moved.items() if "nvme" in k)
+    return moved.get("host->device", 0) + moved.get("nvme->device", 0)

@@ -26,16 +26,7 @@ import tempfile
 
 import tiermem
 from tiermem.examples.gpt import tier_config
-from tiermem.examples import bench_gpt, timed_step
-
-
-def objective_bytes(stats, host_mode: bool) -> int:
-    """The bytes the planner minimizes on the CPU: into the device, or in host mode (no
-    device) to and from NVMe."""
-    m = stats["bytes_moved"]
-    if host_mode:
-        return sum(v for k, v in m.items() if "nvme" in k)
-    return m.get("host->device", 0) + m.get("nvme->device", 0)
+from tiermem.examples import bench_gpt, objective_bytes, timed_step
 
 
 def main(argv=None) -> int:
@@ -127,9 +118,15 @@ def main(argv=None) -> int:
     print(f"  {P}/off per step: {', '.join(f'{r:.3f}' for r in ratios)}; median "
           f"{out['ratio_plan_over_off_median']:.3f}")
     mib = 2 ** 20
-    print(f"  {what} per planned step: measured "
-          f"{', '.join(f'{m / mib:.1f}' for m in measured)} MiB, predicted {predicted / mib:.1f}"
-          f" MiB (median error {100 * (out['prediction_error_median'] or 0):.2f}%); plan off: "
+    if plan["plans"] == 0:  # no prediction to compare: say why instead of a 0% error
+        why = plan["error"] or plan["declined"] or "nothing to plan"
+        prediction = f"no plan ran ({why})"
+    else:
+        prediction = (f"predicted {predicted / mib:.1f} MiB (median error "
+                      f"{100 * out['prediction_error_median']:.2f}%)"
+                      if out["prediction_error_median"] is not None else "predicted 0 B")
+    print(f"  {what} per step with plan {P}: measured "
+          f"{', '.join(f'{m / mib:.1f}' for m in measured)} MiB, {prediction}; plan off: "
           f"{', '.join(f'{m / mib:.1f}' for m in out['bytes_off_per_step'])} MiB")
     print(f"  plan: {plan['followed_iterations']} of {plan['planned_iterations']} planned steps "
           f"followed, {plan['divergences']} diverged, {plan['prefetches']} prefetches, "
