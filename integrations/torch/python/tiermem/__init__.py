@@ -22,7 +22,7 @@ __all__ = ["initialize", "inference", "runtime_of", "save_checkpoint", "load_che
 
 
 def initialize(model, config=None, param_groups=None, units=None, process_group=None,
-               experts=True):
+               experts=True, init=None):
     """Places `model`'s parameters in chunks and returns (model, optimizer).
 
     `config`: a dict or a JSON file path (docs/python.md, docs/configuration.md).
@@ -35,7 +35,11 @@ def initialize(model, config=None, param_groups=None, units=None, process_group=
     layers move each expert's weights alone, when the router picks it (docs/moe.md); False
     treats them as any other parameters. `model` may be compiled already
     (``torch.compile(model)``): tiermem then manages the module inside and returns `model`;
-    compiling after works too (docs/python.md "torch.compile"). On error (ValueError for
+    compiling after works too (docs/python.md "torch.compile"). A model built on the meta
+    device (``with torch.device("meta")``, accelerate's ``init_empty_weights()``) gets its
+    values in its chunks, module by module, from each module's ``reset_parameters()`` and then
+    ``init(module)`` when given: a model larger than RAM never exists whole in memory
+    (docs/python.md "Models larger than RAM"). On error (ValueError for
     bad input, MemoryError for budgets too small, RuntimeError for a missing GPU) the model
     is left exactly as it was.
     """
@@ -47,11 +51,12 @@ def initialize(model, config=None, param_groups=None, units=None, process_group=
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("initialize: the model has no trainable parameters")
     root = _compiled_root(model)
-    runtime = TiermemRuntime(root, cfg, param_groups, units, process_group, experts=experts)
+    runtime = TiermemRuntime(root, cfg, param_groups, units, process_group, experts=experts,
+                             init=init)
     try:
         optimizer = ChunkedAdamW(runtime)
     except BaseException:
-        runtime.close()
+        runtime.abandon()
         raise
     # Speculative steps (optimizer_overlap "backward") announce the next step's
     # hyper-parameters at each iteration's first forward.
@@ -61,13 +66,13 @@ def initialize(model, config=None, param_groups=None, units=None, process_group=
     return model, optimizer
 
 
-def inference(model, config=None, units=None, experts=True):
+def inference(model, config=None, units=None, experts=True, init=None):
     """Places `model`'s parameters in chunks for inference only and returns the model.
 
     Weights stream from their home (host DRAM, or NVMe when the host budget is short) into
     the device budget, the next units' weights prefetched while a unit computes; forwards run
     under no_grad; a returned KV cache counts against the device budget (docs/inference.md).
-    `config`, `units` and `experts` as for initialize (optimizer keys are ignored); a
+    `config`, `units`, `experts` and `init` as for initialize (optimizer keys are ignored); a
     mixture-of-experts layer moves only the experts its router picks. On error (ValueError,
     MemoryError naming the bytes needed, RuntimeError for a missing GPU) the model is left
     exactly as it was. ``tiermem.runtime_of(model).close()`` gives it back.
@@ -78,7 +83,7 @@ def inference(model, config=None, units=None, experts=True):
         raise ValueError("inference: this model is already managed by tiermem")
     cfg = parse_config(config)
     root = _compiled_root(model)
-    root._tiermem_runtime = ServingRuntime(root, cfg, units, experts=experts)
+    root._tiermem_runtime = ServingRuntime(root, cfg, units, experts=experts, init=init)
     return model
 
 

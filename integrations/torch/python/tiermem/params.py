@@ -38,9 +38,9 @@ def collect_params(model, cfg, param_groups, serving: bool):
                 if p.dtype != torch.float32:
                     raise ValueError(f"parameter {name} is {p.dtype}; tiermem expects an fp32 "
                                      "model (set 'precision' for bf16/fp16 training)")
-                if p.device.type != "cpu":
-                    raise ValueError(f"parameter {name} is on {p.device}; pass a CPU model "
-                                     "(tiermem places it)")
+                if p.device.type not in ("cpu", "meta"):
+                    raise ValueError(f"parameter {name} is on {p.device}; pass a CPU model, "
+                                     "or one built on the meta device (tiermem places it)")
                 if p.numel() == 0:
                     raise ValueError(f"parameter {name} has no elements")
                 r = _Param(len(params), name, p.shape, p.numel(),

@@ -78,6 +78,7 @@ from .dispatch import ChunkOps, tree_leaves_ct, tree_map_tensors
 from .experts import Experts, find_expert_sets
 from .forwards import _Forward, _RootForward, _UnitForward, _unwrap_forward, _wrap_forward
 from .grads import Grads
+from .initvalues import check_buffers, initial_values, is_meta, restore_meta
 from .materialize import ForwardOrder, Materializer, UnitHooks, tree_leaves_tensors
 from .params import _contiguous_strides, _placeholder, collect_params
 from .recompute import Recompute
@@ -138,7 +139,7 @@ class TiermemRuntime:
     _serving = False  # serve.ServingRuntime: inference only (every parameter frozen)
 
     def __init__(self, model: nn.Module, cfg, param_groups, units=None, process_group=None,
-                 experts=True):
+                 experts=True, init=None):
         self.model = model
         self.cfg = cfg
         self.state = RunState()  # closed until everything is in place
@@ -162,6 +163,10 @@ class TiermemRuntime:
         self.device = torch.device("cuda", 0) if kind == "cuda" else torch.device("cpu")
         self.params, self.by_orig, self.opt_groups = collect_params(model, cfg, param_groups,
                                                                     self._serving)
+        check_buffers(model)
+        if init is not None and not callable(init):
+            raise ValueError(f"init must be a function of a module, got {type(init).__name__}")
+        self._was_meta = {r.index for r in self.params if is_meta(r)}
         self.units = find_units(model, units)
         # Sharded across the ranks of a torch.distributed job (distributed.py) when a process
         # group of more than one rank is given or initialized.
@@ -184,13 +189,16 @@ class TiermemRuntime:
                 for r in self.params:
                     r.pieces = [_Piece(*pc) for pc in self.session.place(r.index)]
                     r.group, r.offset = r.pieces[0].group, r.pieces[0].offset
-                    v = r.orig.detach().reshape(-1).contiguous()
+                # Parameters built on the meta device get their values here, module by module
+                # (initvalues.py): the model is never whole in host memory.
+                for r, v in initial_values(model, self.params, init):
                     if self._shards:  # every rank starts from rank 0's values (as DDP)
                         v = v.clone()
                         self._shards.broadcast_(v)
                     self.session.write_param(r.index, v)
         except BaseException:
             self.session.close()
+            restore_meta(self.params, self._was_meta)
             raise
         self._compute_kind = self.session.compute_kind
         # (trainable, used, tensors) per group
@@ -480,14 +488,25 @@ class TiermemRuntime:
         p = self.session.written_trace
         return p or None
 
-    def close(self):
+    def abandon(self):
+        """close() for a runtime whose set-up failed after it took the model: parameters built
+        on the meta device go back there, so the model is as it was before."""
+        # A model built wholly on meta may be larger than RAM: its values are not made.
+        self.close(keep_values=len(self._was_meta) < len(self.params))
+        restore_meta(self.params, self._was_meta)
+
+    def close(self, keep_values: bool = True):
         """Gives the model back as an ordinary model (plain Parameters with the current values
-        and gradients), detaches the hooks and frees every chunk."""
+        and gradients), detaches the hooks and frees every chunk. `keep_values=False` drops the
+        values instead (the parameters are left empty): for a model larger than RAM, whose
+        values could not all be in memory at once (save a checkpoint first to keep them)."""
         if self.state.closed:
             return
         self.session.finish_trace()  # a recording in progress ends before the values are read
-        values = [self.param_value(r) for r in self.params]
-        grads = [self.ops.materialized_copy(r.grad) if r.trainable and r.param.grad is r.grad
+        n = len(self.params)
+        values = [self.param_value(r) for r in self.params] if keep_values else [None] * n
+        grads = [self.ops.materialized_copy(r.grad)
+                 if keep_values and r.trainable and r.param.grad is r.grad
                  else None for r in self.params]
         for h in self._handles:
             h.remove()
@@ -495,7 +514,8 @@ class TiermemRuntime:
             _unwrap_forward(m)
         self.experts.close()
         for r, v, g in zip(self.params, values, grads):
-            r.orig.data = v.to(self.device)
+            r.orig.data = (v.to(self.device) if v is not None
+                           else torch.empty(0, dtype=r.orig.dtype, device=self.device))
             # Mixed precision: the values given back are the fp32 masters, and torch wants a
             # gradient of its parameter's dtype (the bf16/fp16 gradient, widened exactly).
             r.orig.grad = None if g is None else g.to(device=self.device, dtype=r.orig.dtype)

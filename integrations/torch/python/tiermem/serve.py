@@ -49,8 +49,8 @@ class ServingRuntime(TiermemRuntime):
 
     _serving = True
 
-    def __init__(self, model, cfg, units=None, experts=True):
-        super().__init__(model, cfg, None, units, experts=experts)
+    def __init__(self, model, cfg, units=None, experts=True, init=None):
+        super().__init__(model, cfg, None, units, experts=experts, init=init)
         # Each unit pins all its chunk groups at once, and with them one expert's at a time
         # (experts.py): the budget must hold the largest.
         need, unit = 0, None
@@ -62,7 +62,7 @@ class ServingRuntime(TiermemRuntime):
             if b > need:
                 need, unit = b, u
         if not self.session.host_compute and need > cfg.device_budget:
-            self.close()
+            self.abandon()
             raise MemoryError(
                 f"inference: the device budget of {cfg.device_budget} bytes is below the "
                 f"{need} bytes the chunks of unit '{unit.name or type(unit.module).__name__}' "

@@ -16,6 +16,8 @@ Sizes (byte-level vocabulary, context 64, batch 8):
   xl       d = 2304 with enough layers that the training state exceeds this machine's
            physical RAM (MemTotal in /proc/meminfo): 1 GiB device, 4 GiB host, the rest on
            NVMe; a few steps (tens of seconds each on 2 cores; needs the disk space, checked).
+           Built on the meta device (--meta): tiermem makes each module's values in the
+           chunks, so the model is never whole in memory.
 
 The progress bar shows the loss, tokens/s and each tier's use. At the end it prints the
 timeline report (tiermem prof report: peak per tier and category, bytes per tier pair, stalls
@@ -170,6 +172,11 @@ def main(argv=None):
                          "it, counted and offloaded to host memory when the device is short, "
                          "counted and recomputed per unit in the backward, or counted with "
                          "the executed plan choosing per unit (docs/python.md)")
+    ap.add_argument("--meta", action=argparse.BooleanOptionalAction, default=None,
+                    help="build the model on the meta device and let tiermem give each "
+                         "module its values in the chunks (the model is never whole in "
+                         "memory: docs/python.md 'Models larger than RAM'); default: on for "
+                         "--size xl")
     ap.add_argument("--state-dtype", choices=["fp32", "bf16", "int8"], default=None,
                     help="how Adam's m and v are stored, in every tier (optimizer.state_dtype; "
                          "default fp32, or TIERMEM_STATE_DTYPE): int8 moves about a quarter of "
@@ -213,7 +220,12 @@ def main(argv=None):
 def train(args, c, steps, preset, nvme_dir, nvme_size) -> int:
     torch.manual_seed(0)
     t_build = time.perf_counter()
-    model = GPT(c)
+    meta = args.size == "xl" if args.meta is None else args.meta
+    if meta:  # values made module by module into the chunks, by initialize below
+        with torch.device("meta"):
+            model = GPT(c)
+    else:
+        model = GPT(c)
     n_params = sum(p.numel() for p in model.parameters())
     # What runs (TIERMEM_DEVICE overrides --device, as it does every config).
     kind = tiermem._C.resolve_device_kind(
@@ -233,7 +245,7 @@ def train(args, c, steps, preset, nvme_dir, nvme_size) -> int:
         config["optimizer"]["state_dtype"] = args.state_dtype
     if kind != "host":
         config["device"] = args.device_budget or preset["device"]
-    model, opt = tiermem.initialize(model, config)
+    model, opt = tiermem.initialize(model, config, init=GPT._init_weights if meta else None)
     rt = tiermem.runtime_of(model)
     host_mode = rt.session.host_compute
     # The budget of the tier compute runs from: the host's in host mode, else the device's.
@@ -260,7 +272,8 @@ def train(args, c, steps, preset, nvme_dir, nvme_size) -> int:
           f"{where}, NVMe "
           f"{fmt(rt.cfg.nvme_size)} in {nvme_dir} ({rt.session.io_backend}); chunk "
           f"{rt.chunk_elems} elements x {rt.session.num_groups} groups "
-          f"(set up in {time.perf_counter() - t_build:.1f} s)")
+          f"(set up in {time.perf_counter() - t_build:.1f} s"
+          f"{', built on the meta device: values made in the chunks' if meta else ''})")
 
     try:
         from tqdm import tqdm
@@ -302,7 +315,9 @@ def train(args, c, steps, preset, nvme_dir, nvme_size) -> int:
         except RuntimeError as e:
             print(f"(the warm-up trace could not be written: {e})")
             trace = None
-    rt.close()  # gives the params back as plain tensors and completes the timeline
+    # Completes the timeline; gives the params back as plain tensors unless the model was
+    # built on meta (larger than RAM, maybe: its values are dropped, not all made at once).
+    rt.close(keep_values=not meta)
     print(f"\n== {steps} steps in {wall:.1f} s ({wall / steps:.2f} s/step), "
           f"{tokens / wall:.0f} tokens/s, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     print(plan_line(args.plan, plan))
