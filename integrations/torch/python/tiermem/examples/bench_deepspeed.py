@@ -5,8 +5,10 @@ in alternating order (ABBA), on the main job's model (GPT 12 x 768, 85 M params,
 64) with gradient clipping off (DeepSpeed clips at 1.0 by default) and the same AdamW:
 
   plain torch             torch.optim.AdamW(fused=True), everything in RAM
-  tiermem main-job        device 128 MiB, host 512 MiB, NVMe (a temp dir) for the rest
-  tiermem host            device 128 MiB, host 8 GiB, no NVMe (DeepSpeed's CPU-offload terms)
+  tiermem main-job        host 512 MiB, NVMe (a temp dir) for the rest
+  tiermem host            host 8 GiB, no NVMe (DeepSpeed's CPU-offload terms)
+  (both in host mode without a GPU, what `auto` picks: compute on the CPU against the chunks
+  in host memory; with a GPU, a device budget of 128 MiB)
   DeepSpeed ZeRO-3 CPU    stage 3, params and optimizer state offloaded to CPU RAM (unbounded)
   DeepSpeed ZeRO-Inf      stage 3, params in CPU RAM, optimizer state on NVMe (libaio; the
                           row is skipped when DeepSpeed's async_io op cannot be built)
@@ -51,11 +53,13 @@ def _worker(system, steps, warmup, layers, width, nvme_dir, port):
             opt.zero_grad()
     elif system.startswith("tiermem"):
         import tiermem
-        cfg = {"device": "128MiB", "optimizer": {"lr": 1e-4, "weight_decay": 0.01}}
+        from tiermem.examples.gpt import tier_config
+        # Without a GPU, auto runs host mode (compute on the CPU against host memory; no device
+        # budget); with one, the device budget is 128 MiB.
+        cfg = tier_config("auto", "128MiB", "512MiB" if system == "tiermem-main-job" else "8GiB")
+        cfg["optimizer"] = {"lr": 1e-4, "weight_decay": 0.01}
         if system == "tiermem-main-job":
-            cfg.update(host="512MiB", nvme={"path": nvme_dir, "size": "4GiB"})
-        else:
-            cfg.update(host="8GiB")
+            cfg["nvme"] = {"path": nvme_dir, "size": "4GiB"}
         model, opt = tiermem.initialize(model, cfg)
         fwd = lambda x, y: model(x, y)  # noqa: E731
         bwd = lambda loss: loss.backward()  # noqa: E731
