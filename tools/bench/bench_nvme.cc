@@ -33,6 +33,7 @@
 #include <filesystem>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -55,6 +56,7 @@ struct BenchNvmeOptions {
   std::string engine = "auto";
   std::string fio_iomem = "auto";
   std::string lone;  // a chunk size: the lone-read mode (empty: streaming only)
+  std::string read_request;  // the tier's read_request_bytes (empty: its default)
   bool json = false;
 };
 
@@ -66,8 +68,10 @@ struct Throughput {
 
 // `lone` > 0: also time reads of `lone` bytes, one at a time, into a registered buffer.
 StatusOr<Throughput> RunOurs(const std::string& dir, Bytes size, Bytes block, int depth,
-                             NvmeIoBackend engine, Bytes lone, std::string* engine_name) {
+                             NvmeIoBackend engine, Bytes lone, std::optional<Bytes> read_request,
+                             std::string* engine_name) {
   NvmeTierConfig config;
+  if (read_request) config.read_request_bytes = *read_request;
   config.dir = dir;
   config.capacity = size;
   config.io_backend = engine;
@@ -191,7 +195,7 @@ double Median(std::vector<double> v) {
 
 // --lone: ours lone reads against fio `--bs=lone --iodepth=1`, alternating who goes first.
 int RunLone(const BenchNvmeOptions& o, const std::string& dir, Bytes size, Bytes block,
-            Bytes lone, NvmeIoBackend engine) {
+            Bytes lone, NvmeIoBackend engine, std::optional<Bytes> read_request) {
   auto fail = [](const Status& s) {
     std::cerr << "tiermem bench nvme: " << s.ToString() << "\n";
     return 1;
@@ -210,7 +214,7 @@ int RunLone(const BenchNvmeOptions& o, const std::string& dir, Bytes size, Bytes
       ::unlink(o.file.c_str());
     };
     if (fio_first) run_fio();
-    auto t = RunOurs(dir, size, block, o.depth, engine, lone, &engine_name);
+    auto t = RunOurs(dir, size, block, o.depth, engine, lone, read_request, &engine_name);
     if (!fio_first) run_fio();
     if (!t.ok()) return fail(t.status());
     if (!f.ok()) return fail(f.status());
@@ -235,6 +239,8 @@ int RunLone(const BenchNvmeOptions& o, const std::string& dir, Bytes size, Bytes
         {"size_bytes", size},
         {"lone_bytes", lone},
         {"block_bytes", block},
+        {"read_request_bytes",
+         std::max(block, read_request.value_or(NvmeTierConfig{}.read_request_bytes))},
         {"depth", o.depth},
         {"rounds", o.rounds},
         {"fio_flags", "--rw=read --iodepth=1 --fixedbufs --registerfiles --iomem=" + iomem},
@@ -246,11 +252,13 @@ int RunLone(const BenchNvmeOptions& o, const std::string& dir, Bytes size, Bytes
     };
     std::cout << j.dump() << "\n";
   } else {
+    const Bytes request =
+        std::max(block, read_request.value_or(NvmeTierConfig{}.read_request_bytes));
     std::printf("nvme lone-read bench: %s, %s read as %s copies one at a time (tier: piece %s, "
-                "depth %d), %d rounds; fio --bs=%s --iodepth=1 --fixedbufs --registerfiles "
-                "--iomem=%s%s\n",
+                "read requests %s, depth %d), %d rounds; fio --bs=%s --iodepth=1 --fixedbufs "
+                "--registerfiles --iomem=%s%s\n",
                 engine_name.c_str(), FormatBytes(size).c_str(), FormatBytes(lone).c_str(),
-                FormatBytes(block).c_str(), o.depth, o.rounds, FormatBytes(lone).c_str(),
+                FormatBytes(block).c_str(), FormatBytes(request).c_str(), o.depth, o.rounds, FormatBytes(lone).c_str(),
                 iomem.c_str(),
                 iomem == "malloc" ? " (no free hugetlb pages: set vm.nr_hugepages to give fio "
                                     "huge-page buffers)" : "");
@@ -279,6 +287,12 @@ int Run(const BenchNvmeOptions& o) {
   if (o.depth < 1 || o.rounds < 1) return fail(InvalidArgumentError("--depth and --rounds >= 1"));
   std::filesystem::path file(o.file);
   const std::string dir = file.has_parent_path() ? file.parent_path().string() : ".";
+  std::optional<Bytes> read_request;
+  if (!o.read_request.empty()) {
+    auto rr = ParseBytes(o.read_request);
+    if (!rr.ok()) return fail(rr.status());
+    read_request = *rr;
+  }
   if (!o.lone.empty()) {
     auto lone = ParseBytes(o.lone);
     if (!lone.ok()) return fail(lone.status());
@@ -286,14 +300,15 @@ int Run(const BenchNvmeOptions& o) {
       return fail(InvalidArgumentError("--lone must be a multiple of 4 KiB dividing --size, at "
                                        "most 256 MiB"));
     }
-    return RunLone(o, dir, *size, *block, *lone, *engine);
+    return RunLone(o, dir, *size, *block, *lone, *engine, read_request);
   }
 
   const std::string iomem = FioIomem(o.fio_iomem, *block * static_cast<Bytes>(o.depth));
   std::vector<double> ours_w, ours_r, fio_w, fio_r;
   std::string engine_name;
   for (int round = 0; round < o.rounds; ++round) {
-    auto ours = RunOurs(dir, *size, *block, o.depth, *engine, /*lone=*/0, &engine_name);
+    auto ours =
+        RunOurs(dir, *size, *block, o.depth, *engine, /*lone=*/0, read_request, &engine_name);
     if (!ours.ok()) return fail(ours.status());
     ours_w.push_back(ours->write_bps);
     ours_r.push_back(ours->read_bps);
@@ -337,9 +352,12 @@ int Run(const BenchNvmeOptions& o) {
     };
     std::cout << j.dump() << "\n";
   } else {
-    std::printf("nvme bench: %s, %s, block %s, depth %d, %d rounds (median); fio with "
-                "--fixedbufs --registerfiles --iomem=%s%s\n", engine_name.c_str(),
-                FormatBytes(*size).c_str(), FormatBytes(*block).c_str(), o.depth, o.rounds,
+    const Bytes request =
+        std::max(*block, read_request.value_or(NvmeTierConfig{}.read_request_bytes));
+    std::printf("nvme bench: %s, %s, block %s (ours: reads in %s requests), depth %d, %d rounds "
+                "(median); fio with --fixedbufs --registerfiles --iomem=%s%s\n",
+                engine_name.c_str(), FormatBytes(*size).c_str(), FormatBytes(*block).c_str(),
+                FormatBytes(request).c_str(), o.depth, o.rounds,
                 iomem.c_str(),
                 iomem == "malloc" ? " (no free hugetlb pages: set vm.nr_hugepages to give fio "
                                     "huge-page buffers)" : "");
@@ -368,6 +386,9 @@ void RegisterBenchNvme(CLI::App& bench) {
   cmd->add_option("--fio-iomem", opts->fio_iomem,
                   "fio's buffers: auto (mmaphuge when hugetlb pages are free, else malloc), "
                   "malloc, mmaphuge, shmhuge")->capture_default_str();
+  cmd->add_option("--read-request", opts->read_request,
+                  "the tier's read request size (read_request_bytes; default: the tier's, 4MiB; "
+                  "reads use max(this, --block)); --read-request 0 reads in --block pieces");
   cmd->add_option("--lone", opts->lone,
                   "lone-read mode: read --size in copies of this many bytes, one at a time, "
                   "against fio --bs=LONE --iodepth=1 (e.g. 16MiB)");
