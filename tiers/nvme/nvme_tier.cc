@@ -26,11 +26,11 @@
 // out the middle; writes that cover a block only partly read that block first
 // (read-modify-write). Every copy is cut into pieces of at most piece_bytes that are issued
 // together; the I/O backend keeps queue_depth of them in flight. A copy completes when all its
-// pieces have, with the first failure. Direct reads use larger pieces (read_request_bytes,
-// 4 MiB): a lone chunk's read, what a host-mode fetch waits for, is then a few requests the
-// disk gets at once, like one large fio request, with a quarter of the completions and
-// thread hand-offs; each completed request is verified in piece_bytes parts, spread over the
-// checksum workers, while the others are still in flight.
+// pieces have, with the first failure. Direct reads may use larger pieces (read_request_bytes,
+// off by default): a lone chunk's read is then a few requests the disk gets at once, like one
+// large fio request, with fewer completions and thread hand-offs; each completed request is
+// verified in piece_bytes parts, spread over the checksum workers, while the others are still
+// in flight.
 //
 // Concurrency: copies to disjoint byte ranges may run concurrently even when they share a
 // block, because a bounce piece locks the (at most two) partly covered blocks it touches, in

@@ -387,8 +387,8 @@ void RegisterBenchNvme(CLI::App& bench) {
                   "fio's buffers: auto (mmaphuge when hugetlb pages are free, else malloc), "
                   "malloc, mmaphuge, shmhuge")->capture_default_str();
   cmd->add_option("--read-request", opts->read_request,
-                  "the tier's read request size (read_request_bytes; default: the tier's, 4MiB; "
-                  "reads use max(this, --block)); --read-request 0 reads in --block pieces");
+                  "the tier's read request size (read_request_bytes; default: the tier's, off; "
+                  "reads use max(this, --block)), e.g. 4MiB");
   cmd->add_option("--lone", opts->lone,
                   "lone-read mode: read --size in copies of this many bytes, one at a time, "
                   "against fio --bs=LONE --iodepth=1 (e.g. 16MiB)");
