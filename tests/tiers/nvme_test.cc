@@ -373,6 +373,96 @@ TEST_P(NvmeIoBackendTest, InlineChecksumsStampAndVerifyLikePooledOnes) {
             StatusCode::kDataLoss);
 }
 
+// Aligned reads go to the file in read_request_bytes requests (several pieces each), verified
+// in piece-sized parts: a lone read larger than a request returns the right bytes, a corrupted
+// block in any part of any request is DataLoss naming its offset (pooled and inline checks),
+// and a read cut short by the file (a truncated scratch file) is an error, not data.
+NvmeTierConfig LargeReadConfig(NvmeIoBackend engine) {
+  NvmeTierConfig c = BaseConfig(engine);
+  c.piece_bytes = 64 * kKiB;
+  c.read_request_bytes = 1 * kMiB;  // 16 verification parts per request
+  return c;
+}
+
+TEST_P(NvmeIoBackendTest, LoneReadInLargeRequestsReturnsTheBytes) {
+  OPEN_OR_SKIP(t, Open(LargeReadConfig(GetParam())));
+  std::mt19937_64 rng(17);
+  const Bytes size = 3 * kMiB + 72 * kKiB;  // 4 requests, the last 72 KiB: a short last part
+  auto r = t->Allocate(size);
+  ASSERT_TRUE(r.ok());
+  AlignedBuffer data(size), back(size);
+  FillRandom(data.data, data.size, rng);
+  ASSERT_TRUE(Write(*t, *r, 0, data.data, size).ok());
+  for (bool read_inline : {false, true}) {
+    std::memset(back.data, 0, size);
+    ASSERT_TRUE(Read(*t, *r, 0, back.data, size, read_inline).ok());
+    EXPECT_EQ(std::memcmp(back.data, data.data, size), 0) << "inline " << read_inline;
+    // An aligned sub-range that starts inside one request and ends inside another.
+    const Bytes off = 700 * kKiB, n = 2 * kMiB + 8 * kKiB;
+    std::memset(back.data, 0, size);
+    ASSERT_TRUE(Read(*t, *r, off, back.data, n, read_inline).ok());
+    EXPECT_EQ(std::memcmp(back.data, data.data + off, n), 0) << "inline " << read_inline;
+  }
+}
+
+TEST_P(NvmeIoBackendTest, CorruptedBlockInALargeRequestIsDataLoss) {
+  OPEN_OR_SKIP(t, Open(LargeReadConfig(GetParam())));
+  std::mt19937_64 rng(19);
+  const Bytes size = 3 * kMiB;
+  auto r = t->Allocate(size);
+  ASSERT_TRUE(r.ok());
+  AlignedBuffer data(size), back(size);
+  FillRandom(data.data, data.size, rng);
+  ASSERT_TRUE(Write(*t, *r, 0, data.data, size).ok());
+  // A block in the middle of the second request, in its fourth verification part.
+  const Bytes bad = 1 * kMiB + 3 * 64 * kKiB + 2 * 4096;
+  auto loc = t->LocateForTest(*r, bad + 17);
+  ASSERT_TRUE(loc.ok()) << loc.status().ToString();
+  const int fd = ::open(loc->path.c_str(), O_RDWR);
+  ASSERT_GE(fd, 0) << loc->path;
+  char byte;
+  ASSERT_EQ(::pread(fd, &byte, 1, loc->file_offset), 1);
+  byte = static_cast<char>(~byte);
+  ASSERT_EQ(::pwrite(fd, &byte, 1, loc->file_offset), 1);
+  ASSERT_EQ(::fsync(fd), 0);
+  ::close(fd);
+  for (bool read_inline : {false, true}) {
+    Status s = Read(*t, *r, 0, back.data, size, read_inline);
+    EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s.ToString() << " inline " << read_inline;
+    EXPECT_NE(s.message().find("at offset " + std::to_string(bad)), std::string::npos)
+        << s.message();
+  }
+  // The requests without the block still read and verify.
+  ASSERT_TRUE(Read(*t, *r, 0, back.data, 1 * kMiB).ok());
+  EXPECT_EQ(std::memcmp(back.data, data.data, 1 * kMiB), 0);
+  ASSERT_TRUE(Read(*t, *r, 2 * kMiB, back.data, 1 * kMiB).ok());
+  EXPECT_EQ(std::memcmp(back.data, data.data + 2 * kMiB, 1 * kMiB), 0);
+}
+
+TEST_P(NvmeIoBackendTest, LargeReadCutShortByTheFileIsAnError) {
+  OPEN_OR_SKIP(t, Open(LargeReadConfig(GetParam())));
+  const Bytes size = 3 * kMiB;
+  auto r = t->Allocate(size);
+  ASSERT_TRUE(r.ok());
+  AlignedBuffer data(size);
+  std::memset(data.data, 0x3c, size);
+  ASSERT_TRUE(Write(*t, *r, 0, data.data, size).ok());
+  // The scratch file ends 128 KiB into the region's second request: that request's read comes
+  // back short, its remainder finds the end of the file.
+  auto loc = t->LocateForTest(*r, 0);
+  ASSERT_TRUE(loc.ok()) << loc.status().ToString();
+  const int fd = ::open(loc->path.c_str(), O_RDWR);
+  ASSERT_GE(fd, 0) << loc->path;
+  ASSERT_EQ(::ftruncate(fd, static_cast<off_t>(loc->file_offset + 1 * kMiB + 128 * kKiB)), 0);
+  ::close(fd);
+  for (bool read_inline : {false, true}) {
+    Status s = Read(*t, *r, 0, data.data, size, read_inline);
+    EXPECT_EQ(s.code(), StatusCode::kIOError) << s.ToString() << " inline " << read_inline;
+  }
+  // The first request, wholly inside the file, still reads.
+  EXPECT_TRUE(Read(*t, *r, 0, data.data, 1 * kMiB).ok());
+}
+
 TEST_P(NvmeIoBackendTest, RegisteredHostMemoryRoundTrips) {
   OPEN_OR_SKIP(t, Open());
   AlignedBuffer slab(2 * kMiB);
@@ -653,6 +743,9 @@ TEST(NvmeTier, BadConfigIsInvalidArgument) {
   EXPECT_EQ(OpenNvmeTier(c).status().code(), StatusCode::kInvalidArgument);
   c = BaseConfig(NvmeIoBackend::kPosix, 1 * kMiB);
   c.piece_bytes = 1000;
+  EXPECT_EQ(OpenNvmeTier(c).status().code(), StatusCode::kInvalidArgument);
+  c = BaseConfig(NvmeIoBackend::kPosix, 1 * kMiB);
+  c.read_request_bytes = 4096 + 100;
   EXPECT_EQ(OpenNvmeTier(c).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(ParseNvmeIoBackend("io_uring").value(), NvmeIoBackend::kIoUring);
   EXPECT_EQ(ParseNvmeIoBackend("spdk").status().code(), StatusCode::kInvalidArgument);

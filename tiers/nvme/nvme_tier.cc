@@ -26,7 +26,11 @@
 // out the middle; writes that cover a block only partly read that block first
 // (read-modify-write). Every copy is cut into pieces of at most piece_bytes that are issued
 // together; the I/O backend keeps queue_depth of them in flight. A copy completes when all its
-// pieces have, with the first failure.
+// pieces have, with the first failure. Direct reads may use larger pieces (read_request_bytes,
+// off by default): a lone chunk's read is then a few requests the disk gets at once, like one
+// large fio request, with fewer completions and thread hand-offs; each completed request is
+// verified in piece_bytes parts, spread over the checksum workers, while the others are still
+// in flight.
 //
 // Concurrency: copies to disjoint byte ranges may run concurrently even when they share a
 // block, because a bounce piece locks the (at most two) partly covered blocks it touches, in
@@ -195,6 +199,28 @@ struct Request {
       on_done();
     }
   }
+};
+
+// The verification parts of one direct read request: the last part to finish reports.
+// Thread-safe.
+class PartTally {
+ public:
+  explicit PartTally(int parts) : pending_(parts) {}
+  // Records one part's result; true for the last part.
+  bool PartDone(const Status& s) {
+    MutexLock lock(mu_);
+    if (!s.ok() && first_.ok()) first_ = s;
+    return --pending_ == 0;
+  }
+  Status first() const {
+    MutexLock lock(mu_);
+    return first_;
+  }
+
+ private:
+  mutable Mutex mu_;
+  int pending_ TIERMEM_GUARDED_BY(mu_);
+  Status first_ TIERMEM_GUARDED_BY(mu_);  // first failing part's status
 };
 
 class NvmeTierImpl;
@@ -433,6 +459,11 @@ Status NvmeTierImpl::Init() {
     return InvalidArgumentError("nvme tier: piece_bytes must be a multiple of block_bytes, at most "
                                 "256 MiB (got " + std::to_string(c.piece_bytes) + ")");
   }
+  if (c.read_request_bytes % c.block_bytes != 0 || c.read_request_bytes > 256 * kMiB) {
+    return InvalidArgumentError("nvme tier: read_request_bytes must be a multiple of block_bytes, "
+                                "at most 256 MiB (got " + std::to_string(c.read_request_bytes) +
+                                ")");
+  }
   if (c.bounce_buffers < 0 || c.bounce_buffers > 4096 || c.posix_threads < 0 ||
       c.posix_threads > 256 || c.checksum_threads < 0 || c.checksum_threads > 64) {
     return InvalidArgumentError("nvme tier: bounce_buffers must be in 0..4096, posix_threads "
@@ -601,10 +632,12 @@ std::shared_ptr<Completion> NvmeTierImpl::Copy(const CopyRequest& req) {
   const bool direct = reinterpret_cast<uintptr_t>(req.host) % kDirectAlign == 0 &&
                       req.offset % block_ == 0 && req.bytes % block_ == 0;
   if (direct) {
+    const Bytes request =
+        req.dir == CopyDir::kFromTier ? std::max(piece, config_.read_request_bytes) : piece;
     const uint64_t end = req.offset + req.bytes;
-    r->pending.store(static_cast<int>((req.bytes + piece - 1) / piece));
-    for (uint64_t off = req.offset; off < end; off += piece) {
-      StartDirect(r, off, std::min<uint64_t>(piece, end - off));
+    r->pending.store(static_cast<int>((req.bytes + request - 1) / request));
+    for (uint64_t off = req.offset; off < end; off += request) {
+      StartDirect(r, off, std::min<uint64_t>(request, end - off));
     }
     return done;
   }
@@ -665,11 +698,29 @@ void NvmeTierImpl::StartDirect(const std::shared_ptr<Request>& r, uint64_t off, 
         delete &o;
         return;
       }
-      IoOp* done_op = &o;
-      checksum_pool_->Push([this, r, off, done_op] {
-        r->PieceDone(Verify(*r, off, done_op->buf, done_op->len));
-        delete done_op;
-      });
+      // Verified in piece-sized parts, so a large request's check spreads over the workers.
+      // The request counts as one piece of `r`: its parts report to a shared tally, and the
+      // last part to finish reports the request's first failure.
+      const Bytes part = config_.piece_bytes;
+      const int parts = static_cast<int>((o.len + part - 1) / part);
+      if (parts == 1) {
+        IoOp* done_op = &o;
+        checksum_pool_->Push([this, r, off, done_op] {
+          r->PieceDone(Verify(*r, off, done_op->buf, done_op->len));
+          delete done_op;
+        });
+        return;
+      }
+      auto tally = std::make_shared<PartTally>(parts);
+      for (int i = 0; i < parts; ++i) {
+        const uint64_t at = static_cast<uint64_t>(i) * part;
+        const char* buf = o.buf + at;
+        const uint64_t len = std::min<uint64_t>(part, o.len - at);
+        checksum_pool_->Push([this, r, tally, off, at, buf, len] {
+          if (tally->PartDone(Verify(*r, off + at, buf, len))) r->PieceDone(tally->first());
+        });
+      }
+      delete &o;  // the parts hold what they need; nothing touches `o` after this
     };
     backend_->Submit(op);
   }

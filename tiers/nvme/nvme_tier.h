@@ -30,6 +30,11 @@ struct NvmeTierConfig {
   NvmeIoBackend io_backend = NvmeIoBackend::kAuto;
   int queue_depth = 8;              // max I/Os in flight (1..4096)
   Bytes piece_bytes = 1 * kMiB;     // large copies are split into pieces of this size
+  // Aligned reads go to the file in requests of max(piece_bytes, this) bytes (0 = piece_bytes),
+  // each verified in piece_bytes parts on the checksum workers: at 4 MiB a lone 16 MiB chunk is
+  // 4 requests, all in flight at once, not 16 at depth 8. Off by default: it measured no faster
+  // on the development VM (docs/benchmarks.md, issue 32). A multiple of block_bytes.
+  Bytes read_request_bytes = 0;
   int bounce_buffers = 0;           // piece-sized aligned bounce buffers (0 = queue_depth)
   Bytes block_bytes = 4 * kKiB;     // allocation, checksum and read-modify-write unit
   int posix_threads = 0;            // posix backend workers (0 = queue_depth, at most 16)

@@ -15,6 +15,13 @@
 // (`--iomem=mmaphuge`) whenever the kernel has enough free hugetlb pages for its depth x block
 // of buffers (HugePages_Free in /proc/meminfo; our buffers get transparent huge pages, which
 // fio cannot ask for). The report says which fio got.
+//
+// `--lone CHUNK`: a lone chunk's read, as a host-mode session fetches an NVMe-homed chunk into
+// host chunk memory. Ours: after the same write (and streaming read) of `size`, CHUNK-sized
+// copies read one at a time, each waited for, into one registered huge-page host buffer of
+// CHUNK. fio: the same file written as above, then read with `--bs=CHUNK --iodepth=1` (one
+// request at a time). The round's first runner alternates (ours first in odd rounds, fio in
+// even ones); each round's ratio is ours/fio, and the median of those is the result.
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -26,6 +33,7 @@
 #include <filesystem>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -47,17 +55,23 @@ struct BenchNvmeOptions {
   int rounds = 3;
   std::string engine = "auto";
   std::string fio_iomem = "auto";
+  std::string lone;  // a chunk size: the lone-read mode (empty: streaming only)
+  std::string read_request;  // the tier's read_request_bytes (empty: its default)
   bool json = false;
 };
 
 struct Throughput {
   double write_bps = 0;  // bytes per second
   double read_bps = 0;
+  double lone_read_bps = 0;  // --lone: CHUNK-sized reads one at a time
 };
 
+// `lone` > 0: also time reads of `lone` bytes, one at a time, into a registered buffer.
 StatusOr<Throughput> RunOurs(const std::string& dir, Bytes size, Bytes block, int depth,
-                             NvmeIoBackend engine, std::string* engine_name) {
+                             NvmeIoBackend engine, Bytes lone, std::optional<Bytes> read_request,
+                             std::string* engine_name) {
   NvmeTierConfig config;
+  if (read_request) config.read_request_bytes = *read_request;
   config.dir = dir;
   config.capacity = size;
   config.io_backend = engine;
@@ -107,6 +121,23 @@ StatusOr<Throughput> RunOurs(const std::string& dir, Bytes size, Bytes block, in
   TIERMEM_ASSIGN_OR_RETURN(t.write_bps, pass(CopyDir::kToTier));
   TIERMEM_ASSIGN_OR_RETURN(t.read_bps, pass(CopyDir::kFromTier));
   for (auto& b : bufs) (void)tier->UnregisterHostMemory(b.get());
+  if (lone > 0) {
+    // Host chunk memory as a session's: huge-page backed, faulted in, registered.
+    const Bytes mapped = AlignUp(lone, 2 * kMiB);
+    std::unique_ptr<char, Free> buf(static_cast<char*>(std::aligned_alloc(2 * kMiB, mapped)));
+    if (!buf) return ResourceExhaustedError("bench: cannot allocate the lone-read buffer");
+    (void)::madvise(buf.get(), mapped, MADV_HUGEPAGE);
+    std::memset(buf.get(), 0, mapped);
+    Status reg = tier->RegisterHostMemory(buf.get(), lone);
+    if (!reg.ok() && reg.code() != StatusCode::kUnavailable) return reg;
+    const uint64_t t0 = Clock::Real()->NowNs();
+    for (Bytes off = 0; off < size; off += lone) {
+      TIERMEM_RETURN_IF_ERROR(
+          tier->Copy({region, off, buf.get(), lone, CopyDir::kFromTier})->Wait());
+    }
+    t.lone_read_bps = static_cast<double>(size) / ((Clock::Real()->NowNs() - t0) / 1e9);
+    if (reg.ok()) (void)tier->UnregisterHostMemory(buf.get());
+  }
   return t;
 }
 
@@ -124,11 +155,11 @@ Bytes FreeHugetlbBytes() {
   return static_cast<Bytes>(free_pages) * page_kib * 1024;
 }
 
-// The --iomem fio gets: "mmaphuge" when `mode` is auto and the hugetlb pool holds its buffers.
-std::string FioIomem(const std::string& mode, Bytes block, int depth) {
+// The --iomem fio gets: "mmaphuge" when `mode` is auto and the hugetlb pool holds its
+// `buffer_bytes` of buffers (block x depth).
+std::string FioIomem(const std::string& mode, Bytes buffer_bytes) {
   if (mode != "auto") return mode;
-  const Bytes need = block * static_cast<Bytes>(depth) + 4 * kMiB;
-  return FreeHugetlbBytes() >= need ? "mmaphuge" : "malloc";
+  return FreeHugetlbBytes() >= buffer_bytes + 4 * kMiB ? "mmaphuge" : "malloc";
 }
 
 StatusOr<double> RunFio(const std::string& file, const char* rw, Bytes size, Bytes block,
@@ -162,6 +193,83 @@ double Median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
+// --lone: ours lone reads against fio `--bs=lone --iodepth=1`, alternating who goes first.
+int RunLone(const BenchNvmeOptions& o, const std::string& dir, Bytes size, Bytes block,
+            Bytes lone, NvmeIoBackend engine, std::optional<Bytes> read_request) {
+  auto fail = [](const Status& s) {
+    std::cerr << "tiermem bench nvme: " << s.ToString() << "\n";
+    return 1;
+  };
+  const std::string iomem =
+      FioIomem(o.fio_iomem, std::max<Bytes>(block * static_cast<Bytes>(o.depth), lone));
+  std::vector<double> ours, stream, fio, ratio;
+  std::string engine_name;
+  for (int round = 0; round < o.rounds; ++round) {
+    const bool fio_first = round % 2 == 1;
+    StatusOr<double> f = 0.0;
+    auto run_fio = [&] {
+      // Lay the file out as the streaming mode does, then read it a chunk at a time.
+      f = RunFio(o.file, "write", size, block, o.depth, iomem);
+      if (f.ok()) f = RunFio(o.file, "read", size, lone, 1, iomem);
+      ::unlink(o.file.c_str());
+    };
+    if (fio_first) run_fio();
+    auto t = RunOurs(dir, size, block, o.depth, engine, lone, read_request, &engine_name);
+    if (!fio_first) run_fio();
+    if (!t.ok()) return fail(t.status());
+    if (!f.ok()) return fail(f.status());
+    ours.push_back(t->lone_read_bps);
+    stream.push_back(t->read_bps);
+    fio.push_back(*f);
+    ratio.push_back(*f > 0 ? t->lone_read_bps / *f : 0.0);
+    if (!o.json) {
+      std::printf("round %d (%s first): ours lone read %.2f GB/s (streaming %.2f) | fio "
+                  "--bs=%s --iodepth=1 read %.2f GB/s | ours/fio %.3f\n",
+                  round + 1, fio_first ? "fio" : "ours", ours.back() / 1e9, stream.back() / 1e9,
+                  FormatBytes(lone).c_str(), fio.back() / 1e9, ratio.back());
+      std::fflush(stdout);
+    }
+  }
+  const double r = Median(ratio);
+  if (o.json) {
+    nlohmann::json j = {
+        {"bench", "nvme-lone"},
+        {"engine", engine_name},
+        {"dir", dir},
+        {"size_bytes", size},
+        {"lone_bytes", lone},
+        {"block_bytes", block},
+        {"read_request_bytes",
+         std::max(block, read_request.value_or(NvmeTierConfig{}.read_request_bytes))},
+        {"depth", o.depth},
+        {"rounds", o.rounds},
+        {"fio_flags", "--rw=read --iodepth=1 --fixedbufs --registerfiles --iomem=" + iomem},
+        {"ours_lone_read_bytes_per_s", ours},
+        {"ours_stream_read_bytes_per_s", stream},
+        {"fio_lone_read_bytes_per_s", fio},
+        {"paired_ratio", ratio},
+        {"median_paired_ratio", r},
+    };
+    std::cout << j.dump() << "\n";
+  } else {
+    const Bytes request =
+        std::max(block, read_request.value_or(NvmeTierConfig{}.read_request_bytes));
+    std::printf("nvme lone-read bench: %s, %s read as %s copies one at a time (tier: piece %s, "
+                "read requests %s, depth %d), %d rounds; fio --bs=%s --iodepth=1 --fixedbufs "
+                "--registerfiles --iomem=%s%s\n",
+                engine_name.c_str(), FormatBytes(size).c_str(), FormatBytes(lone).c_str(),
+                FormatBytes(block).c_str(), FormatBytes(request).c_str(), o.depth, o.rounds, FormatBytes(lone).c_str(),
+                iomem.c_str(),
+                iomem == "malloc" ? " (no free hugetlb pages: set vm.nr_hugepages to give fio "
+                                    "huge-page buffers)" : "");
+    std::printf("  ours lone %.2f GB/s, fio %.2f GB/s (medians); ours/fio per round:",
+                Median(ours) / 1e9, Median(fio) / 1e9);
+    for (double x : ratio) std::printf(" %.3f", x);
+    std::printf("; median %.3f\n", r);
+  }
+  return 0;
+}
+
 int Run(const BenchNvmeOptions& o) {
   auto fail = [](const Status& s) {
     std::cerr << "tiermem bench nvme: " << s.ToString() << "\n";
@@ -179,12 +287,28 @@ int Run(const BenchNvmeOptions& o) {
   if (o.depth < 1 || o.rounds < 1) return fail(InvalidArgumentError("--depth and --rounds >= 1"));
   std::filesystem::path file(o.file);
   const std::string dir = file.has_parent_path() ? file.parent_path().string() : ".";
+  std::optional<Bytes> read_request;
+  if (!o.read_request.empty()) {
+    auto rr = ParseBytes(o.read_request);
+    if (!rr.ok()) return fail(rr.status());
+    read_request = *rr;
+  }
+  if (!o.lone.empty()) {
+    auto lone = ParseBytes(o.lone);
+    if (!lone.ok()) return fail(lone.status());
+    if (*lone == 0 || *lone % 4096 != 0 || *size % *lone != 0 || *lone > 256 * kMiB) {
+      return fail(InvalidArgumentError("--lone must be a multiple of 4 KiB dividing --size, at "
+                                       "most 256 MiB"));
+    }
+    return RunLone(o, dir, *size, *block, *lone, *engine, read_request);
+  }
 
-  const std::string iomem = FioIomem(o.fio_iomem, *block, o.depth);
+  const std::string iomem = FioIomem(o.fio_iomem, *block * static_cast<Bytes>(o.depth));
   std::vector<double> ours_w, ours_r, fio_w, fio_r;
   std::string engine_name;
   for (int round = 0; round < o.rounds; ++round) {
-    auto ours = RunOurs(dir, *size, *block, o.depth, *engine, &engine_name);
+    auto ours =
+        RunOurs(dir, *size, *block, o.depth, *engine, /*lone=*/0, read_request, &engine_name);
     if (!ours.ok()) return fail(ours.status());
     ours_w.push_back(ours->write_bps);
     ours_r.push_back(ours->read_bps);
@@ -228,9 +352,12 @@ int Run(const BenchNvmeOptions& o) {
     };
     std::cout << j.dump() << "\n";
   } else {
-    std::printf("nvme bench: %s, %s, block %s, depth %d, %d rounds (median); fio with "
-                "--fixedbufs --registerfiles --iomem=%s%s\n", engine_name.c_str(),
-                FormatBytes(*size).c_str(), FormatBytes(*block).c_str(), o.depth, o.rounds,
+    const Bytes request =
+        std::max(*block, read_request.value_or(NvmeTierConfig{}.read_request_bytes));
+    std::printf("nvme bench: %s, %s, block %s (ours: reads in %s requests), depth %d, %d rounds "
+                "(median); fio with --fixedbufs --registerfiles --iomem=%s%s\n",
+                engine_name.c_str(), FormatBytes(*size).c_str(), FormatBytes(*block).c_str(),
+                FormatBytes(request).c_str(), o.depth, o.rounds,
                 iomem.c_str(),
                 iomem == "malloc" ? " (no free hugetlb pages: set vm.nr_hugepages to give fio "
                                     "huge-page buffers)" : "");
@@ -259,6 +386,12 @@ void RegisterBenchNvme(CLI::App& bench) {
   cmd->add_option("--fio-iomem", opts->fio_iomem,
                   "fio's buffers: auto (mmaphuge when hugetlb pages are free, else malloc), "
                   "malloc, mmaphuge, shmhuge")->capture_default_str();
+  cmd->add_option("--read-request", opts->read_request,
+                  "the tier's read request size (read_request_bytes; default: the tier's, off; "
+                  "reads use max(this, --block)), e.g. 4MiB");
+  cmd->add_option("--lone", opts->lone,
+                  "lone-read mode: read --size in copies of this many bytes, one at a time, "
+                  "against fio --bs=LONE --iodepth=1 (e.g. 16MiB)");
   cmd->add_flag("--json", opts->json, "print one JSON object");
   cmd->callback([opts] {
     const int rc = Run(*opts);
