@@ -145,6 +145,39 @@ TEST(HostMode, WithNvmeEqualsASimDeviceSessionBitForBit) {
   std::filesystem::remove_all(dir);
 }
 
+TEST(HostMode, ChunksOfTheLargestTensorLeaveRoomForTheSmallOnes) {
+  // A GPT block of width 64: its largest tensors (fc, out: 16384 elements) are more than
+  // 1/32 of a 1 MiB host budget, so chunks are sized by them; qkv + proj fill one exactly.
+  // Chunks of exactly the largest tensor would give the biases and norms chunks of their
+  // own (5 groups per block); a little larger, a block packs into 3.
+  std::vector<TensorSpec> specs;
+  const int kBlocks = 4;
+  for (int b = 0; b < kBlocks; ++b) {
+    const std::string p = "b" + std::to_string(b) + ".";
+    for (auto [name, n] : std::vector<std::pair<std::string, uint64_t>>{
+             {"ln1.w", 64}, {"ln1.b", 64}, {"qkv.w", 12288}, {"qkv.b", 192},
+             {"proj.w", 4096}, {"proj.b", 64}, {"ln2.w", 64}, {"ln2.b", 64},
+             {"fc.w", 16384}, {"fc.b", 256}, {"out.w", 16384}, {"out.b", 64}}) {
+      specs.push_back({p + name, n, true, 0});
+    }
+  }
+  uint64_t total = 0;
+  for (const TensorSpec& t : specs) total += t.numel;
+  const std::string dir = TempDir();
+  auto c = ParseConfig({{"device_kind", "host"}, {"host", "1MiB"},
+                        {"nvme", {{"size", "16MiB"}, {"path", dir}}}},
+                       MapEnv({}));
+  ASSERT_TRUE(c.ok());
+  auto s = Session::Create(*c, specs);
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  EXPECT_GT((*s)->chunk_elems(), 16384u);
+  EXPECT_LE((*s)->chunk_elems(), 16384u + 16384u / 4);
+  EXPECT_LE((*s)->num_groups(), 3u * kBlocks + 1);
+  EXPECT_LT((*s)->num_groups() * (*s)->chunk_elems(), total + total / 4);  // waste < 25%
+  (*s)->Close();
+  std::filesystem::remove_all(dir);
+}
+
 TEST(HostMode, BadConfigsAreClearErrors) {
   EXPECT_THAT(ParseConfig({{"device_kind", "host"}, {"device", "1GiB"}}, MapEnv({})).status(),
               StatusIs(StatusCode::kInvalidArgument, "host mode has no device tier"));
