@@ -57,15 +57,18 @@ def test_tiny_main_job_end_to_end(tmp_path):
 def test_tiny_main_job_with_activation_offload_and_nothing_on_nvme(tmp_path):
     # Activations offloaded to host memory (28 MiB of them next to a 12 MiB device budget),
     # and a host budget so large nothing goes to NVMe: the trace then has no host->NVMe copy
-    # rate, and the planner comparison it prints still runs (assumed rates, noted).
+    # rate, and the planner comparison it prints still runs (assumed rates, noted). The model
+    # is built on the meta device (--meta, as --size xl does): tiermem makes its values.
     tl = tmp_path / "run.tmt"
     env = dict(os.environ, TMPDIR=str(tmp_path))
     out = subprocess.run([sys.executable, "-m", "tiermem.examples.train_gpt", "--size", "tiny",
                           "--steps", "6", "--timeline", str(tl), "--activations", "offload",
-                          "--device", "sim", "--device-budget", "12MiB", "--host-budget", "96MiB"],
+                          "--device", "sim", "--device-budget", "12MiB", "--host-budget", "96MiB",
+                          "--meta"],
                          capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     text = out.stdout
+    assert "built on the meta device: values made in the chunks" in text, text
     line = [l for l in text.splitlines() if l.startswith("activations: offload")]
     assert line and "MiB per step moved to host memory" in line[0], text
     first, last = [float(v) for v in text.split("loss ")[-1].split()[0:3:2]]

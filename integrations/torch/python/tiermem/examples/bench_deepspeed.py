@@ -170,6 +170,12 @@ def main(argv=None):
         print(f"| {s} | {statistics.median(med[s]):.2f} | {statistics.median(ratios):.2f} "
               f"({min(ratios):.2f}-{max(ratios):.2f}) | {last[s]['max_rss_gib']:.1f} GiB | "
               f"{ls[0]:.4f}, {ls[-1]:.4f} |")
+    # Issue 32's goals: tiermem against DeepSpeed at the matching budgets, per round.
+    for ours, theirs in (("tiermem-host", "ds-zero3-cpu"), ("tiermem-main-job", "ds-zero-inf")):
+        if ours in med and theirs in med:
+            r = [a / b for a, b in zip(med[ours], med[theirs])]
+            print(f"{ours} / {theirs}: {statistics.median(r):.3f} (per round: "
+                  + ", ".join(f"{x:.3f}" for x in r) + ")")
     return 0
 
 

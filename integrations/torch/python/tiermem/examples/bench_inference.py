@@ -7,7 +7,8 @@ Systems (docs/inference.md):
   plain         the model as it is (all weights in RAM, no budget)
   tiermem-host  weights homed in host DRAM, device budget `--device-frac` of the weights plus
                 the KV cache's final size at that batch (the cache counts in the device
-                budget, so the weights get the same share at every batch size)
+                budget, so the weights get the same share at every batch size); without a
+                GPU, host mode: compute against the weights in place, no device budget
   tiermem-nvme  the same device budget, host budget `--host-frac` of the weights, the rest of
                 the weights homed on NVMe (`--dir`); its time per token is compared with the
                 bound set by the NVMe bytes it read per token at the fio read rate measured
@@ -45,6 +46,7 @@ import torch
 
 import tiermem
 from tiermem.examples.fio import fio_rates
+from tiermem.examples.gpt import tier_config
 
 
 def make_model(layers, width, vocab, positions):
@@ -110,11 +112,16 @@ def main(argv=None):
         m = copy.deepcopy(ref)
         if name == "plain":
             return m
+        # Without a GPU, auto is host mode: no device budget (compute on the CPU against the
+        # chunks in host memory); the device budget is a GPU's.
         if name == "tiermem-host":
-            return tiermem.inference(m, {"device": device_budget(b), "host": 4 * wbytes, **extra})
+            return tiermem.inference(m, {**tier_config("auto", device_budget(b), 4 * wbytes),
+                                         **extra})
         if name == "tiermem-nvme":
-            return tiermem.inference(m, {"device": device_budget(b), "host": host_nvme, "nvme": {
-                "size": 2 * wbytes, "path": os.path.join(workdir, f"nvme-{b}")}, **extra})
+            return tiermem.inference(m, {**tier_config("auto", device_budget(b), host_nvme),
+                                         "nvme": {"size": 2 * wbytes,
+                                                  "path": os.path.join(workdir, f"nvme-{b}")},
+                                         **extra})
         import accelerate
         if name == "acc-cpu":
             return accelerate.cpu_offload(m, execution_device=torch.device("cpu"))
