@@ -808,9 +808,20 @@ std::string DescribePlan(const Plan& p, const Trace& trace) {
   s += "optimizer: " + std::to_string(on_dev) + " of " + std::to_string(p.groups.size()) +
        " groups on the device, " + std::to_string(overlapped) +
        " CPU groups overlapped with the backward\n";
+  if (!p.expert_class.empty()) {
+    uint32_t classes = 0, members = 0;
+    for (uint32_t k : p.expert_class) {
+      if (k == kNoExpertSet) continue;
+      classes = std::max(classes, k + 1);
+      ++members;
+    }
+    s += "experts: " + std::to_string(members) + " member chunks in " + std::to_string(classes) +
+         " classes (slots bound to the routed experts at run time)\n";
+  }
   if (!p.volatile_groups.empty()) {
     s += "volatile: " + std::to_string(p.volatile_groups.size()) +
-         " groups used differently by the last two iterations (prefetched once seen)\n";
+         " groups used differently by the last two iterations or of experts (prefetched once "
+         "seen)\n";
   }
   std::array<size_t, 3> pol{};
   for (const UnitPlan& u : p.units) ++pol[static_cast<int>(u.policy)];
