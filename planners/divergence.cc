@@ -12,7 +12,9 @@
 // added by any later write). The first failure is latched in `div_` with where it showed;
 // every later call returns false until Reset. An iteration that ends with stream moments left
 // is kShorter; a stream moment beyond the plan, or a step once every planned one was seen,
-// is kLonger.
+// is kLonger. With expert classes, member accesses are skipped on both sides, and a step not
+// in the plan is pending until its first access: a member makes it a class step (accepted,
+// its accesses unchecked), a dense chunk the divergence it would have been at once.
 //
 // Ownership and threading: the checker borrows the plan (the caller's, outliving it) and is
 // externally synchronized: the plan runner calls it from the session's thread.
@@ -87,10 +89,15 @@ bool DivergenceChecker::Fail(DivergenceKind kind, std::string reason) {
 }
 
 bool DivergenceChecker::CloseMoment() {
+  if (cur_ == kPendingStep || cur_ == kClassStep) {
+    cur_ = -1;  // a step without accesses, or an expert's: the class policy's
+    return true;
+  }
   if (cur_ < 0) return true;
   const PlannedMoment& pm = plan_->moments[cur_];
   for (uint32_t k = 0; k < pm.num_accesses; ++k) {
     const TraceAccess& ex = plan_->accesses[pm.first_access + k];
+    if (IsMember(ex.chunk)) continue;  // the routing's choice
     bool ok = false;
     for (const auto& [c, f] : seen_) {
       if (c == ex.chunk) {
@@ -125,9 +132,16 @@ bool DivergenceChecker::OnMoment(std::string_view label, MomentKind kind) {
         return true;
       }
     }
-    return Fail(next_step_ >= steps_.size() ? DivergenceKind::kLonger : DivergenceKind::kMoment,
-                "moment " + std::to_string(observed_ - 1) + ": optimizer step " +
-                    std::string(label) + " is not (or no longer) in the plan");
+    const DivergenceKind k =
+        next_step_ >= steps_.size() ? DivergenceKind::kLonger : DivergenceKind::kMoment;
+    std::string reason = "moment " + std::to_string(observed_ - 1) + ": optimizer step " +
+                         std::string(label) + " is not (or no longer) in the plan";
+    if (plan_->expert_class.empty()) return Fail(k, std::move(reason));
+    // Perhaps the step of an expert the routing chose: its first access tells.
+    cur_ = kPendingStep;
+    pending_ = std::move(reason);
+    pending_kind_ = k;
+    return true;
   }
   if (next_stream_ >= stream_.size()) {
     return Fail(DivergenceKind::kLonger, "moment " + std::to_string(observed_ - 1) + " (" +
@@ -144,9 +158,17 @@ bool DivergenceChecker::OnMoment(std::string_view label, MomentKind kind) {
   return true;
 }
 
-bool DivergenceChecker::OnAccess(ChunkId chunk, AccessMode mode, TierKind tier) {
+bool DivergenceChecker::OnAccess(ChunkId chunk, AccessMode mode, TierKind tier, bool member) {
   if (div_.diverged()) return false;
+  member = member || IsMember(chunk);
+  if (cur_ == kClassStep) return true;
+  if (cur_ == kPendingStep) {
+    if (!member) return Fail(pending_kind_, pending_);
+    cur_ = kClassStep;
+    return true;
+  }
   if (cur_ < 0) return Fail(DivergenceKind::kAccess, "an access outside a moment");
+  if (member) return true;  // the routing's choice
   const PlannedMoment& pm = plan_->moments[cur_];
   for (auto& [c, f] : seen_) {
     if (c == chunk) {

@@ -41,6 +41,11 @@ struct Divergence {
 // without tiers (steps may run on the CPU lane in any order and interleaving with the
 // backward, and on the tier the plan put them). A planned sub-step that does not come is not
 // a divergence (a deferred update that ran unannounced, a group without gradients).
+// Expert classes (Plan::expert_class): accesses of expert-set members are the routing's
+// choice, not the plan's — neither an unplanned member nor a planned member that does not
+// come is a divergence; an optimizer step the plan does not have is none either when its
+// first access is of a member (the step of an expert the routing chose). Only the dense
+// accesses are checked.
 Divergence FindDivergence(const Plan& plan, const Trace& trace, const TraceIteration& observed);
 
 // The same check, incremental, for the runtime's hot path: feed moments and accesses as they
@@ -55,7 +60,9 @@ class DivergenceChecker {
   explicit DivergenceChecker(const Plan* plan, bool check_modes = true);
   void Reset();  // start of an iteration
   bool OnMoment(std::string_view label, MomentKind kind);
-  bool OnAccess(ChunkId chunk, AccessMode mode, TierKind tier);
+  // `member`: the caller knows `chunk` to be an expert-set member although the plan does not
+  // (an expert the recording never saw routed); treated as the plan's members are.
+  bool OnAccess(ChunkId chunk, AccessMode mode, TierKind tier, bool member = false);
   bool EndIteration();
   const Divergence& divergence() const { return div_; }
   // The planned moment being observed (its index in Plan::moments), -1 before the first.
@@ -64,6 +71,15 @@ class DivergenceChecker {
  private:
   bool CloseMoment();
   bool Fail(DivergenceKind kind, std::string reason);
+  bool IsMember(ChunkId c) const {
+    return c < plan_->expert_class.size() && plan_->expert_class[c] != kNoExpertSet;
+  }
+  // cur_ of a step the plan does not have, decided by its first access (a member: a class
+  // step, whose accesses are not checked; a dense chunk: the reason in pending_).
+  static constexpr int64_t kPendingStep = -2;
+  static constexpr int64_t kClassStep = -3;
+  std::string pending_;
+  DivergenceKind pending_kind_ = DivergenceKind::kNone;
   const Plan* plan_;
   bool check_modes_ = true;
   std::vector<uint32_t> stream_, steps_;  // planned moments of each subsequence

@@ -79,31 +79,70 @@ StatusOr<Trace> ModelTrace(const ModelShape& s) {
   }
   uint64_t largest = 0;
   for (const Tensor& t : tensors) largest = std::max(largest, t.numel);
-  const uint64_t chunk_elems = s.chunk_elems != 0 ? s.chunk_elems : AlignUp(largest, kAlign);
-  if (chunk_elems < largest) {
+  // With experts, as the session lays them out (chunks/chunk_layout.h): one expert per chunk,
+  // the chunk the size of an expert's tensors (aligned); a larger tensor (the embeddings) is
+  // split into pieces, one per chunk.
+  const uint64_t expert_item =
+      s.experts == 0 ? 0 : AlignUp(AlignUp(4 * d * d + 4 * d, kAlign) + 4 * d * d + d, kAlign);
+  const uint64_t chunk_elems = s.chunk_elems != 0   ? s.chunk_elems
+                               : expert_item != 0 ? expert_item
+                                                  : AlignUp(largest, kAlign);
+  if (chunk_elems < largest && s.experts == 0) {
     return InvalidArgumentError("model: chunk_elems " + std::to_string(chunk_elems) +
                                 " is smaller than the largest tensor (" + std::to_string(largest) +
                                 " elements)");
   }
-  // Pack into groups.
-  std::vector<uint32_t> group_of(tensors.size());
+  if (chunk_elems < expert_item) {
+    return InvalidArgumentError("model: chunk_elems " + std::to_string(chunk_elems) +
+                                " is smaller than an expert (" + std::to_string(expert_item) +
+                                " elements)");
+  }
+  // Pack into groups: tensors in order at aligned offsets, a tensor never straddling two
+  // chunks unless it is larger than one (then it is pieces filling whole chunks, the last
+  // one shared); an expert's tensors in a chunk of their own, which nothing else shares.
+  std::vector<std::vector<uint32_t>> groups_of(tensors.size());
   std::vector<uint64_t> group_used;
   {
     uint64_t used = chunk_elems;  // forces a first group
+    bool sealed = true;
+    auto open = [&] {
+      group_used.push_back(0);
+      used = 0;
+      sealed = false;
+    };
     for (size_t i = 0; i < tensors.size(); ++i) {
+      const Tensor& t = tensors[i];
+      const bool starts_expert = t.expert >= 0 && (i == 0 || tensors[i - 1].expert != t.expert);
       const uint64_t off = AlignUp(used, kAlign);
-      if (group_used.empty() || off + tensors[i].numel > chunk_elems) {
-        group_used.push_back(0);
-        used = 0;
+      if (group_used.empty() || sealed || starts_expert || off + t.numel > chunk_elems) {
+        open();
       } else {
         used = off;
       }
-      used += tensors[i].numel;
-      group_of[i] = static_cast<uint32_t>(group_used.size() - 1);
-      group_used.back() = used;
+      uint64_t left = t.numel;
+      while (true) {
+        groups_of[i].push_back(static_cast<uint32_t>(group_used.size() - 1));
+        const uint64_t take = std::min(left, chunk_elems - used);
+        used += take;
+        group_used.back() = used;
+        left -= take;
+        if (left == 0) break;
+        open();
+      }
+      // An expert's chunk takes nothing after its last tensor.
+      sealed = t.expert >= 0 && (i + 1 == tensors.size() || tensors[i + 1].expert != t.expert);
     }
   }
   const uint32_t groups = static_cast<uint32_t>(group_used.size());
+  // The chunks of an expert belong to its block's expert set (set b for blocks.b): which of
+  // them an iteration uses is the routing's choice.
+  std::vector<uint32_t> group_set(groups, kNoExpertSet);
+  for (uint32_t u = 1; u <= L && s.experts > 0; ++u) {
+    for (size_t ti : unit_tensors[u]) {
+      if (tensors[ti].expert < 0) continue;
+      for (uint32_t g : groups_of[ti]) group_set[g] = u - 1;
+    }
+  }
   const Bytes chunk_bytes = chunk_elems * 4;
   if (!(s.state_bytes_per_elem > 0 && s.state_bytes_per_elem <= 4)) {
     return InvalidArgumentError("model trace: state_bytes_per_elem must be in (0, 4]");
@@ -122,6 +161,11 @@ StatusOr<Trace> ModelTrace(const ModelShape& s) {
     for (int k = 0; k < 4; ++k) {
       tb.DeclareChunk(chunk_id(g, k), TraceChunk{k >= 2 ? state_bytes : chunk_bytes, cats[k], g,
                                                  kind_index[k], TierKind::kHost});
+      // The runtime acquires an expert's param and grad chunks as class members (its
+      // optimizer state only in the group's optimizer step): those are what it marks.
+      if (s.mark_experts && group_set[g] != kNoExpertSet && k < 2) {
+        tb.MarkExpertSet(chunk_id(g, k), group_set[g]);
+      }
     }
   }
   MeasuredRates r;
@@ -143,7 +187,8 @@ StatusOr<Trace> ModelTrace(const ModelShape& s) {
       " d_model=" + std::to_string(d) + " heads=" + std::to_string(s.heads) + " vocab=" +
       std::to_string(s.vocab) + " seq=" + std::to_string(T) + " batch=" + std::to_string(s.batch) +
       (s.tied_embeddings ? " tied" : "") + (s.checkpointing ? " checkpointing" : "") +
-      (s.experts > 0 ? " experts=" + std::to_string(s.experts) + " top_k=" + std::to_string(s.top_k)
+      (s.experts > 0 ? " experts=" + std::to_string(s.experts) + " top_k=" + std::to_string(s.top_k) +
+                           (s.mark_experts ? "" : " unmarked")
                      : "") +
       " chunk_elems=" + std::to_string(chunk_elems) +
       " iterations=" + std::to_string(s.iterations) + " seed=" + std::to_string(s.seed));
@@ -181,7 +226,7 @@ StatusOr<Trace> ModelTrace(const ModelShape& s) {
       uint64_t params = 0;
       for (size_t ti : unit_tensors[u]) {
         if (tensors[ti].expert >= 0 && !used[u].count(tensors[ti].expert)) continue;
-        gs.insert(group_of[ti]);
+        gs.insert(groups_of[ti].begin(), groups_of[ti].end());
         params += tensors[ti].numel;
       }
       unit_groups[u].assign(gs.begin(), gs.end());

@@ -61,7 +61,12 @@ class Search {
  public:
   // `earlier`: an observed iteration that used some groups differently (nullptr: none).
   Search(const Trace& t, const MachineModel& m, const PlanOptions& o, const TraceIteration* earlier)
-      : trace_(t), machine_(m), opt_(o), iter_(t.iterations[o.iteration]), earlier_(earlier) {}
+      : trace_(t),
+        machine_(m),
+        opt_(o),
+        iter_(t.iterations[o.iteration]),
+        earlier_(earlier),
+        expert_class_(ExpertClasses(t)) {}
 
   // Schedules and executes `p` (homes filled in when not fixed). Not OK: infeasible.
   StatusOr<Candidate> Evaluate(Placement p, bool aggressive = false, bool wb_aware = false) {
@@ -206,6 +211,7 @@ class Search {
     Plan plan;
     plan.source_iteration = opt_.iteration;
     plan.home = p.home;
+    plan.expert_class = expert_class_;
     for (size_t i = 0; i < eff.size(); ++i) {
       const EffMoment& m = eff.moments[i];
       PlannedMoment pm;
@@ -266,10 +272,28 @@ class Search {
   const PlanOptions& opt_;
   const TraceIteration& iter_;
   const TraceIteration* earlier_;
+  const std::vector<uint32_t> expert_class_;  // Plan::expert_class
   std::optional<Candidate> best_;
   Status first_error_;
   uint32_t evaluated_ = 0;
 };
+
+}  // namespace
+
+std::vector<uint32_t> ExpertClasses(const Trace& t) {
+  if (!t.HasExpertSets()) return {};
+  std::map<std::pair<uint32_t, uint16_t>, uint32_t> index;  // (set, kind) -> class
+  std::vector<uint32_t> out(t.chunks.size(), kNoExpertSet);
+  for (ChunkId c = 0; c < t.chunks.size(); ++c) {
+    const TraceChunk& ch = t.chunks[c];
+    if (ch.expert_set == kNoExpertSet) continue;
+    auto it = index.try_emplace({ch.expert_set, ch.kind}, static_cast<uint32_t>(index.size())).first;
+    out[c] = it->second;
+  }
+  return out;
+}
+
+namespace {
 
 // Groups some non-step moment (by label) uses in one iteration and not in the other.
 std::vector<uint32_t> VolatileGroups(const Trace& t, const TraceIteration& a,
@@ -590,14 +614,24 @@ StatusOr<Plan> MakePlan(const Trace& trace, const MachineModel& machine,
     return InvalidArgumentError("planner: no earlier iteration " +
                                 std::to_string(options.earlier_iteration));
   }
-  const std::vector<uint32_t> volatile_groups =
+  std::vector<uint32_t> volatile_groups =
       options.earlier_iteration < 0
           ? std::vector<uint32_t>{}
           : VolatileGroups(trace, trace.iterations[options.earlier_iteration], iter);
+  // The groups of expert-set members are volatile whatever two iterations showed: the
+  // routing picks them at run time.
+  for (const TraceChunk& c : trace.chunks) {
+    if (c.expert_set != kNoExpertSet) volatile_groups.push_back(c.group);
+  }
+  std::sort(volatile_groups.begin(), volatile_groups.end());
+  volatile_groups.erase(std::unique(volatile_groups.begin(), volatile_groups.end()),
+                        volatile_groups.end());
   std::vector<bool> is_volatile(trace.chunks.size(), false);
   for (uint32_t g : volatile_groups) is_volatile[g] = true;
   Search search(trace, machine, options,
-                volatile_groups.empty() ? nullptr : &trace.iterations[options.earlier_iteration]);
+                volatile_groups.empty() || options.earlier_iteration < 0
+                    ? nullptr
+                    : &trace.iterations[options.earlier_iteration]);
 
   // Base: optimizer steps where they ran, overlapped on the CPU when allowed.
   Placement base;
@@ -618,7 +652,8 @@ StatusOr<Plan> MakePlan(const Trace& trace, const MachineModel& machine,
   // where they ran: HBM given to resident optimizer state is then missing for the chunks no
   // plan can predict (measured on the canonical MoE trace, docs/benchmarks.md).
   const bool can_place = options.place_optimizer && machine.cpu_optim_elems_per_s > 0 &&
-                         machine.device_optim_elems_per_s > 0 && volatile_groups.empty();
+                         machine.device_optim_elems_per_s > 0 &&
+                         (volatile_groups.empty() || trace.HasExpertSets());
   if (can_place && search.best()) {
     const Candidate best = *search.best();
     // Groups by the position their grads complete at, latest first.
@@ -699,6 +734,8 @@ std::string EncodePlan(const Plan& p) {
   }
   u32(static_cast<uint32_t>(p.volatile_groups.size()));
   for (uint32_t g : p.volatile_groups) u32(g);
+  u32(static_cast<uint32_t>(p.expert_class.size()));
+  for (uint32_t k : p.expert_class) u32(k);
   u32(static_cast<uint32_t>(p.units.size()));
   for (const UnitPlan& u : p.units) {
     u32(u.unit);
@@ -771,9 +808,20 @@ std::string DescribePlan(const Plan& p, const Trace& trace) {
   s += "optimizer: " + std::to_string(on_dev) + " of " + std::to_string(p.groups.size()) +
        " groups on the device, " + std::to_string(overlapped) +
        " CPU groups overlapped with the backward\n";
+  if (!p.expert_class.empty()) {
+    uint32_t classes = 0, members = 0;
+    for (uint32_t k : p.expert_class) {
+      if (k == kNoExpertSet) continue;
+      classes = std::max(classes, k + 1);
+      ++members;
+    }
+    s += "experts: " + std::to_string(members) + " member chunks in " + std::to_string(classes) +
+         " classes (slots bound to the routed experts at run time)\n";
+  }
   if (!p.volatile_groups.empty()) {
     s += "volatile: " + std::to_string(p.volatile_groups.size()) +
-         " groups used differently by the last two iterations (prefetched once seen)\n";
+         " groups used differently by the last two iterations or of experts (prefetched once "
+         "seen)\n";
   }
   std::array<size_t, 3> pol{};
   for (const UnitPlan& u : p.units) ++pol[static_cast<int>(u.policy)];

@@ -14,6 +14,15 @@
 //     written back to its home asynchronously; the room is reusable when that copy ends),
 //     then prefetches in the order they are needed, then activation fetch-backs.
 //
+// Expert classes (a trace with expert sets: MoE layers whose routing picks experts at run
+// time). The members of each (expert set, kind) class are planned as *slots*: the recorded
+// members stand for "the j-th expert the routing picks", the schedule reserves their room
+// and times their moves, and the executor binds each slot to the expert actually picked
+// (expert_slots.h). Dense chunks are scheduled exactly. A routing other than the recorded
+// one is not a divergence; it changes which chunks fill the slots, and a prefetch for a slot
+// whose expert is not chosen yet is left to the fetch at its use. The groups of members are
+// volatile (their optimizer steps stay where they ran).
+//
 // How the chunk schedule is made (per tier, for the device and for NVMe-homed chunks cached
 // in DRAM): a demand pass evicts by Belady on the extended horizon (this iteration followed
 // by a predicted copy of it) — chunks dead on the tier first (never read there again before
@@ -43,7 +52,7 @@
 
 namespace tiermem::planners {
 
-inline constexpr uint32_t kPlanVersion = 1;
+inline constexpr uint32_t kPlanVersion = 2;  // 2: expert classes
 
 // Append-only: the numeric values are part of EncodePlan.
 enum class ActionKind : uint8_t {
@@ -107,6 +116,10 @@ struct Plan {
   std::vector<TierKind> home;             // per chunk
   std::vector<GroupPlan> groups;          // groups with an optimizer step, by group index
   std::vector<uint32_t> volatile_groups;  // sorted; see PlanOptions::earlier_iteration
+  // Per chunk: the expert class it is a member of (ExpertClasses), kNoExpertSet for a dense
+  // chunk; empty when the trace has no expert sets. Accesses and actions naming a member
+  // name a slot of its class (expert_slots.h).
+  std::vector<uint32_t> expert_class;
   std::vector<UnitPlan> units;            // units with saved activations, by unit id
   std::vector<PlannedMoment> moments;
   std::vector<TraceAccess> accesses;  // expected; mode from needs_content/modifies
@@ -142,6 +155,11 @@ struct PlanOptions {
   // they ran and their chunks are prefetched only once this iteration has shown its group.
   int64_t earlier_iteration = -1;
 };
+
+// Per chunk the expert class — a dense index of its (TraceChunk::expert_set, kind) pair, in
+// order of the pair's first chunk — or kNoExpertSet for a dense chunk; empty when the trace
+// has no expert sets. A class's members are interchangeable in a plan (expert_slots.h).
+std::vector<uint32_t> ExpertClasses(const Trace& trace);
 
 // Makes the plan. Errors name what is needed:
 //   kInvalidArgument: a bad trace (ValidateTrace), machine model or iteration index;

@@ -439,8 +439,26 @@ StatusOr<Schedule> MakeSchedule(const ScheduleInput& in) {
 // other experts), the groups planned and not used are paired in order with those used and
 // not planned, and the rest of the plan is read through that map — a group's chunk of kind k
 // becomes the substitute group's chunk of kind k — for actions and predicted next uses.
+// Expert classes replace the substitution for a trace that marks its experts (schedule.h):
+// members bind to slots at their access, before the moment's actions are issued.
 PlanPolicy::PlanPolicy(const Plan* plan, const EffIteration* planned)
-    : plan_(plan), planned_(planned) {}
+    : plan_(plan), planned_(planned), slots_(*plan) {
+  if (!slots_.active()) return;
+  uint32_t classes = 0;
+  for (uint32_t k : plan_->expert_class) {
+    if (k != kNoExpertSet) classes = std::max(classes, k + 1);
+  }
+  class_reads_.resize(classes);
+  const size_t n = planned_->size();
+  for (size_t copy = 0; copy < 3; ++copy) {
+    for (size_t m = 0; m < n; ++m) {
+      for (const EffAccess* a = planned_->begin(m); a != planned_->end(m); ++a) {
+        if (!slots_.IsMember(a->chunk) || !a->needs_content) continue;
+        class_reads_[slots_.ClassOf(a->chunk)].push_back({copy * n + m, a->tier});
+      }
+    }
+  }
+}
 
 void PlanPolicy::Remap(const Trace& t) {
   mapped_ = *planned_;
@@ -455,6 +473,90 @@ ChunkId PlanPolicy::Map(const Trace& t, ChunkId c) const {
   if (g == ch.group) return c;
   auto it = chunk_of_.find({g, ch.kind});
   return it == chunk_of_.end() ? c : it->second;
+}
+
+uint64_t PlanPolicy::NextRead(ChunkId c, TierKind tier, uint64_t pos) const {
+  if (!slots_.IsMember(c)) return next_use_->NextRead(c, tier, pos);
+  const ChunkId s = slots_.SlotOf(c);
+  if (s != kNoChunk) return next_use_->NextRead(s, tier, pos);
+  // Beyond the slots: the next planned read of its class there (its set's next visit).
+  const auto& reads = class_reads_[slots_.ClassOf(c)];
+  auto it = std::upper_bound(reads.begin(), reads.end(), pos,
+                             [](uint64_t p, const std::pair<uint64_t, TierKind>& r) {
+                               return p < r.first;
+                             });
+  for (; it != reads.end(); ++it) {
+    if (it->second == tier) return it->first;
+  }
+  return NextUse::kDead;
+}
+
+VictimKey PlanPolicy::Key(const SimulatedRun& ex, ChunkId c, TierKind tier, uint64_t pos) const {
+  const bool dirty = ex.Chunk(c).dirty;
+  if (!slots_.IsMember(c)) return BeladyKey(*next_use_, c, tier, pos, dirty, ex.ChunkBytes(c));
+  const ChunkId s = slots_.SlotOf(c);
+  if (s != kNoChunk) return BeladyKey(*next_use_, s, tier, pos, dirty, ex.ChunkBytes(c));
+  VictimKey k;
+  k.id = c;
+  k.bytes = UINT64_MAX - ex.ChunkBytes(c);
+  const uint64_t nr = NextRead(c, tier, pos);
+  if (nr == NextUse::kDead) {
+    k.cls = dirty ? 1 : 0;  // a member's copy goes home after its last use (its step reads it)
+  } else {
+    k.cls = 3;
+    k.far = UINT64_MAX - nr;
+  }
+  return k;
+}
+
+ChunkId PlanPolicy::Target(const Trace& t, const PlanAction& act) const {
+  if (step_to_ != kNoGroup && t.chunks[act.chunk].group == step_to_) {
+    // A class step's actions: the planned group's chunk of kind k is the actual group's.
+    auto it = chunk_of_.find({step_from_, t.chunks[act.chunk].kind});
+    return it == chunk_of_.end() ? kNoChunk : it->second;
+  }
+  if (!slots_.IsMember(act.chunk)) return Map(t, act.chunk);
+  const ChunkId bound = slots_.Resolve(act.chunk);
+  if (act.kind == ActionKind::kPrefetch) {
+    // Not chosen yet, or for the next iteration's routing: fetched at its use.
+    return act.need_moment >= planned_->size() ? kNoChunk : bound;
+  }
+  if (bound != kNoChunk) return bound;
+  // An eviction of a slot nothing is bound to: the copy the plan knew of, if that chunk is
+  // not the member of another slot now.
+  return slots_.SlotOf(act.chunk) == kNoChunk ? act.chunk : kNoChunk;
+}
+
+bool PlanPolicy::SameDense(const Trace& t, const EffIteration& actual, size_t i,
+                           size_t q) const {
+  const EffMoment& a = actual.moments[i];
+  const EffMoment& b = mapped_.moments[q];
+  if (a.kind != b.kind) return false;
+  const bool step = a.kind == MomentKind::kOptimizerStep;
+  auto member_step = [&](const EffIteration& it, size_t m) {
+    return step && it.moments[m].count > 0 && slots_.IsMember(it.begin(m)->chunk);
+  };
+  if (member_step(actual, i) || member_step(mapped_, q)) {
+    // Matched through the binding: the step of the expert in the planned one's slot.
+    return member_step(actual, i) && member_step(mapped_, q);
+  }
+  if (a.label != b.label) return false;
+  auto dense = [&](const EffIteration& it, size_t m) {
+    std::vector<const EffAccess*> out;
+    for (const EffAccess* x = it.begin(m); x != it.end(m); ++x) {
+      if (!slots_.IsMember(x->chunk)) out.push_back(x);
+    }
+    return out;
+  };
+  const auto da = dense(actual, i), db = dense(mapped_, q);
+  if (da.size() != db.size()) return false;
+  for (size_t k = 0; k < da.size(); ++k) {
+    if (da[k]->chunk != db[k]->chunk || da[k]->needs_content != db[k]->needs_content ||
+        da[k]->modifies != db[k]->modifies || (!step && da[k]->tier != db[k]->tier)) {
+      return false;
+    }
+  }
+  return true;
 }
 
 Status PlanPolicy::BeginIteration(SimulatedRun& ex) {
@@ -475,6 +577,7 @@ Status PlanPolicy::BeginIteration(SimulatedRun& ex) {
     if (g < volatile_.size()) volatile_[g] = true;
   }
   seen_.assign(t.chunks.size(), false);
+  slots_.Reset();
   return OkStatus();
 }
 
@@ -510,15 +613,12 @@ Status PlanPolicy::Issue(SimulatedRun& ex, size_t i, size_t q) {
   const EffIteration& actual = ex.iteration();
   const Trace& t = ex.trace();
   const size_t n = planned_->size();
-  const NextUse& nu = *next_use_;
-  auto key = [&](ChunkId c, TierKind tier) {
-    return BeladyKey(nu, c, tier, q, ex.Chunk(c).dirty, ex.ChunkBytes(c));
-  };
   const PlannedMoment& pm = plan_->moments[q];
   for (uint32_t k = 0; k < pm.num_actions; ++k) {
     const PlanAction& act = plan_->actions[pm.first_action + k];
     if (act.kind == ActionKind::kFetchActivation) continue;  // the simulated run does these
-    const ChunkId c = Map(t, act.chunk);
+    const ChunkId c = Target(t, act);
+    if (c == kNoChunk) continue;
     // A volatile group's chunk comes in only once this iteration showed which group it is.
     if (act.kind == ActionKind::kPrefetch && volatile_[t.chunks[act.chunk].group] &&
         !seen_[t.chunks[c].group]) {
@@ -551,9 +651,9 @@ Status PlanPolicy::Issue(SimulatedRun& ex, size_t i, size_t q) {
       const uint64_t need = act.need_moment;
       auto r = MakeRoom(
           ex, i, act.tier, b + ex.NeedExtra(i, act.tier),
-          [&](ChunkId x) { return key(x, act.tier); },
+          [&](ChunkId x) { return Key(ex, x, act.tier, q); },
           [&](ChunkId x) {
-            const uint64_t nr = nu.NextRead(x, act.tier, q);
+            const uint64_t nr = NextRead(x, act.tier, q);
             return nr != NextUse::kDead && nr <= need;
           });
       if (!r.ok()) return r.status();
@@ -570,6 +670,7 @@ Status PlanPolicy::Before(SimulatedRun& ex, size_t i) {
   const Trace& t = ex.trace();
   const size_t n = planned_->size();
   const EffMoment& am = actual.moments[i];
+  const bool classes = slots_.active();
   auto diverge = [&](DivergenceKind k, Mode m) {
     if (mode_ == Mode::kFollow) {
       div_kind_ = k;
@@ -577,21 +678,37 @@ Status PlanPolicy::Before(SimulatedRun& ex, size_t i) {
     }
     mode_ = m;
   };
+  // The routing has spoken for this moment's experts: bind them to slots.
+  bool class_moment = false;
+  for (const EffAccess* a = actual.begin(i); a != actual.end(i); ++a) {
+    if (!slots_.IsMember(a->chunk)) continue;
+    class_moment = true;
+    if (mode_ != Mode::kReactive) slots_.Bind(a->chunk);
+  }
+  const bool class_step = class_moment && am.kind == MomentKind::kOptimizerStep;
+  step_from_ = step_to_ = kNoGroup;
   // The planned moment this one is.
   int64_t q = -1;
   if (mode_ != Mode::kReactive) {
     if (am.kind == MomentKind::kOptimizerStep) {
-      for (size_t j = 0; j < n && q < 0; ++j) {
+      uint32_t group = kNoGroup;
+      if (am.count > 0) {
+        ChunkId first = actual.begin(i)->chunk;
+        if (class_step) first = slots_.SlotOf(first);  // its planned name (kNoChunk: none)
+        if (first != kNoChunk) group = t.chunks[first].group;
+      }
+      for (size_t j = 0; j < n && q < 0 && group != kNoGroup; ++j) {
         const EffMoment& pm = mapped_.moments[j];
-        if (pm.kind != MomentKind::kOptimizerStep || step_matched_[j] || pm.count == 0 ||
-            am.count == 0) {
-          continue;
-        }
-        if (t.chunks[mapped_.begin(j)->chunk].group == t.chunks[actual.begin(i)->chunk].group) {
-          q = static_cast<int64_t>(j);
+        if (pm.kind != MomentKind::kOptimizerStep || step_matched_[j] || pm.count == 0) continue;
+        if (t.chunks[mapped_.begin(j)->chunk].group == group) q = static_cast<int64_t>(j);
+      }
+      if (q >= 0) {
+        step_matched_[q] = true;
+        if (class_step) {
+          step_from_ = t.chunks[actual.begin(i)->chunk].group;
+          step_to_ = group;
         }
       }
-      if (q >= 0) step_matched_[q] = true;
     } else {
       size_t j = next_stream_;
       while (j < n && mapped_.moments[j].kind == MomentKind::kOptimizerStep) ++j;
@@ -608,11 +725,15 @@ Status PlanPolicy::Before(SimulatedRun& ex, size_t i) {
       }
     }
     if (mode_ != Mode::kReactive) {
-      const bool same = q == static_cast<int64_t>(i) && SameMoment(actual, i, mapped_, i);
+      // With expert classes a moment follows the plan when its dense accesses do, and a
+      // step of experts the plan has no slot for is the class policy's (no divergence).
+      const bool same =
+          classes ? (q >= 0 ? SameDense(t, actual, i, static_cast<size_t>(q)) : class_step)
+                  : q == static_cast<int64_t>(i) && SameMoment(actual, i, mapped_, i);
       if (!same) {
         // Another path (a step that was not planned) or other chunks: substitute and repair.
         if (mode_ == Mode::kFollow) diverge(DivergenceKind::kAccess, Mode::kRepair);
-        if (q >= 0) Learn(t, actual, i, static_cast<size_t>(q));
+        if (q >= 0 && !classes) Learn(t, actual, i, static_cast<size_t>(q));
       }
     }
   }
@@ -638,15 +759,14 @@ Status PlanPolicy::Before(SimulatedRun& ex, size_t i) {
       }
     }
   }
-  const NextUse& nu = *next_use_;
+  step_from_ = step_to_ = kNoGroup;
   const uint64_t pos = q >= 0 ? static_cast<uint64_t>(q) : static_cast<uint64_t>(issued_);
-  auto key = [&](ChunkId c, TierKind tier) {
-    return BeladyKey(nu, c, tier, pos, ex.Chunk(c).dirty, ex.ChunkBytes(c));
-  };
   uint32_t changed = 0;
-  TIERMEM_RETURN_IF_ERROR(EnsureMoment(ex, i, key, &changed));
-  // Fetching a volatile group's chunk on demand is what the plan chose, not a repair.
-  bool volatile_moment = false;
+  TIERMEM_RETURN_IF_ERROR(EnsureMoment(
+      ex, i, [&](ChunkId c, TierKind tier) { return Key(ex, c, tier, pos); }, &changed));
+  // Fetching a volatile group's chunk (or an expert) on demand is what the plan chose, not a
+  // repair.
+  bool volatile_moment = class_moment;
   for (const EffAccess* a = actual.begin(i); a != actual.end(i); ++a) {
     volatile_moment |= volatile_[t.chunks[a->chunk].group];
   }

@@ -13,6 +13,7 @@
 
 #include "planners/divergence.h"
 #include "planners/effective.h"
+#include "planners/expert_slots.h"
 #include "planners/planner.h"
 #include "planners/simulated_run.h"
 
@@ -92,6 +93,16 @@ StatusOr<Schedule> MakeSchedule(const ScheduleInput& in);
 // makes it reactive (LRU, clean first) for the rest of the iteration; the planned moments
 // with other chunk groups (MoE routing) keep the plan, read through a learned substitution
 // of groups, and fetch what is still missing, evicting by the (substituted) predicted next use.
+//
+// With expert classes (Plan::expert_class) the routing is the class policy's instead: a
+// moment is the planned one when its dense accesses are; expert members bind to the plan's
+// slots as they are accessed (expert_slots.h) and slot actions apply to them; a member is
+// fetched at its use when no action brought it; eviction ranks a bound member by its slot's
+// planned next read and an unbound one (beyond the slots) by the next planned read of any
+// member of its class — the next visit of its expert set, which is exact for a forward's
+// experts (the backward of the unit reuses them). Optimizer steps of a member group are
+// matched through the binding of their chunks; an unmatched one is no divergence either.
+// None of this counts as a divergence or a repair.
 class PlanPolicy : public Policy {
  public:
   // `plan` and `planned` (the plan's own effective sequence) must outlive the policy.
@@ -107,6 +118,16 @@ class PlanPolicy : public Policy {
  private:
   enum class Mode { kFollow, kRepair, kReactive };
   ChunkId Map(const Trace& t, ChunkId c) const;
+  // Eviction rank of actual chunk `c` on `tier` at planned position `pos` (expert members
+  // through their slot or class; see the class comment).
+  VictimKey Key(const SimulatedRun& ex, ChunkId c, TierKind tier, uint64_t pos) const;
+  // The planned position of the next read of `c` on `tier` after `pos` as Key ranks it.
+  uint64_t NextRead(ChunkId c, TierKind tier, uint64_t pos) const;
+  // The actual chunk a plan action on `c` applies to now; kNoChunk: skip the action.
+  ChunkId Target(const Trace& t, const PlanAction& act) const;
+  // Moment i of the actual iteration and planned moment q have the same label, kind and
+  // dense accesses (expert members and class steps' chunks not compared).
+  bool SameDense(const Trace& t, const EffIteration& actual, size_t i, size_t q) const;
   void Remap(const Trace& t);
   bool Learn(const Trace& t, const EffIteration& actual, size_t i, size_t q);
   Status Issue(SimulatedRun& ex, size_t i, size_t q);  // planned moment q's actions, at moment i
@@ -122,6 +143,15 @@ class PlanPolicy : public Policy {
   std::vector<bool> step_matched_;
   std::vector<bool> volatile_;  // per group: Plan::volatile_groups
   std::vector<bool> seen_;      // per group: a matched moment used it this iteration
+  ExpertSlots slots_;           // the plan's expert classes (inactive: none)
+  // Per class: the planned positions (over three copies of the plan) of its members' reads,
+  // with their tiers, in order.
+  std::vector<std::vector<std::pair<uint64_t, TierKind>>> class_reads_;
+  // Per planned step: the group it steps, through the (substituted) plan; kNoGroup if none.
+  std::vector<uint32_t> step_group_;
+  // Actual group -> planned group of a class step being issued (chunks of kind k of the
+  // planned group act on the actual group's chunk of kind k).
+  uint32_t step_from_ = kNoGroup, step_to_ = kNoGroup;
   Mode mode_ = Mode::kFollow;
   DivergenceKind div_kind_ = DivergenceKind::kNone;
   uint32_t div_moment_ = 0;

@@ -19,6 +19,8 @@
 //                 | u64 compute_ns | u64 activation_bytes | u64 saved_bytes | u64 work_elems
 //                 | label_len bytes of label)
 //               | accesses x (u32 chunk | u8 mode | u8 tier | u16 reserved)      (8 bytes each)
+//   kind 5 (expert sets, version 2, at most once, after kind 3): u32 count (= chunks)
+//               | count x u32 expert_set (0xffffffff: dense)
 //   other kinds: skipped (a later minor revision may add sections; an incompatible change
 //   bumps the version).
 //
@@ -26,6 +28,11 @@
 // torn file (shorter than the header says), a checksum mismatch or framing that does not add
 // up is kDataLoss naming the byte offset; a well-formed file whose content breaks an
 // invariant is kInvalidArgument from ValidateTrace.
+//
+// Versions: a trace with expert sets is written as version 2 (kind 5 present); one without as
+// version 1, byte for byte what version-1 builds wrote (they keep reading dense traces, and
+// refuse a trace whose experts they would plan as dense chunks). Both decode to the current
+// in-memory version (every chunk dense when kind 5 is absent).
 #include "planners/trace.h"
 
 #include <unistd.h>
@@ -50,6 +57,7 @@ constexpr uint32_t kSectionMeta = 1;
 constexpr uint32_t kSectionKinds = 2;
 constexpr uint32_t kSectionChunks = 3;
 constexpr uint32_t kSectionIteration = 4;
+constexpr uint32_t kSectionExpertSets = 5;
 constexpr size_t kMomentFixedBytes = 44;
 constexpr size_t kChunkBytes = 16;
 constexpr size_t kAccessBytes = 8;
@@ -158,6 +166,13 @@ Bytes Trace::MaxChunkBytes() const {
 std::string_view Trace::KindName(ChunkId c) const {
   if (c >= chunks.size() || chunks[c].kind >= kind_names.size()) return "?";
   return kind_names[chunks[c].kind];
+}
+
+bool Trace::HasExpertSets() const {
+  for (const TraceChunk& c : chunks) {
+    if (c.expert_set != kNoExpertSet) return true;
+  }
+  return false;
 }
 
 uint32_t Trace::NumGroups() const {
@@ -360,9 +375,17 @@ std::string EncodeTrace(const Trace& t) {
     end_section(s);
   }
 
+  const bool experts = t.HasExpertSets();
+  if (experts) {
+    s = begin_section(kSectionExpertSets);
+    p.U32(static_cast<uint32_t>(t.chunks.size()));
+    for (const TraceChunk& c : t.chunks) p.U32(c.expert_set);
+    end_section(s);
+  }
+
   Writer h;
   h.Bytes(std::string_view(kMagic, sizeof(kMagic)));
-  h.U32(kTraceVersion);
+  h.U32(experts ? kTraceVersion : 1);
   h.U32(static_cast<uint32_t>(kHeaderBytes));
   h.U64(p.size());
   h.U32(Crc32c(p.str().data(), p.size()));
@@ -419,6 +442,19 @@ Status DecodeChunks(Reader& r, Trace* t) {
     c.home = static_cast<TierKind>(r.U8());
     c.kind = r.U16();
   }
+  return OkStatus();
+}
+
+Status DecodeExpertSets(Reader& r, Trace* t) {
+  if (!r.Has(4)) return Torn(r, "expert set count", 4);
+  const uint32_t n = r.U32();
+  if (n != t->chunks.size()) {
+    return DataLossError("trace: the expert-set section has " + std::to_string(n) +
+                         " entries for " + std::to_string(t->chunks.size()) + " chunks (at byte " +
+                         std::to_string(r.offset() - 4) + ")");
+  }
+  if (n > r.left() / 4) return Torn(r, "expert set table", size_t{n} * 4);
+  for (TraceChunk& c : t->chunks) c.expert_set = r.U32();
   return OkStatus();
 }
 
@@ -513,10 +549,9 @@ StatusOr<Trace> DecodeTrace(std::string_view bytes) {
                          ".." + std::to_string(bytes.size() - 1) + " are corrupt)");
   }
 #endif
-  Trace t;
-  t.version = version;
+  Trace t;  // in the current in-memory version whatever the file's
   Reader r(payload, kHeaderBytes);
-  bool seen_meta = false, seen_kinds = false, seen_chunks = false;
+  bool seen_meta = false, seen_kinds = false, seen_chunks = false, seen_experts = false;
   while (r.left() > 0) {
     if (!r.Has(8)) return Torn(r, "section header", 8);
     const uint32_t kind = r.U32();
@@ -547,6 +582,15 @@ StatusOr<Trace> DecodeTrace(std::string_view bytes) {
         break;
       case kSectionIteration:
         s = DecodeIteration(body, &t);
+        break;
+      case kSectionExpertSets:
+        if (version < 2) continue;  // not defined in version 1: skipped as unknown
+        s = once(&seen_experts, "expert-set");
+        if (s.ok() && !seen_chunks) {
+          s = DataLossError("trace: the expert-set section at byte " +
+                            std::to_string(body.offset() - 8) + " comes before the chunks");
+        }
+        if (s.ok()) s = DecodeExpertSets(body, &t);
         break;
       default:
         continue;  // a section a later revision added: skip it
@@ -671,6 +715,12 @@ void TraceBuilder::EndMoment(uint64_t compute_ns) {
   m.num_accesses = static_cast<uint32_t>(cur_->accesses.size() - m.first_access);
 }
 
+void TraceBuilder::MarkExpertSet(ChunkId chunk, uint32_t set) {
+  if (chunk >= kNoChunk) return Misuse("expert-set mark of chunk id " + std::to_string(chunk));
+  if (chunk >= expert_marks_.size()) expert_marks_.resize(chunk + 1, kNoExpertSet);
+  expert_marks_[chunk] = set;
+}
+
 StatusOr<Trace> TraceBuilder::Finish() {
   if (in_moment_) Misuse("Finish inside a moment");
   if (!scratch_.accesses.empty()) {
@@ -683,6 +733,15 @@ StatusOr<Trace> TraceBuilder::Finish() {
     }
   }
   Trace t = std::move(trace_);
+  for (ChunkId c = 0; c < expert_marks_.size(); ++c) {
+    if (expert_marks_[c] == kNoExpertSet) continue;
+    if (c >= t.chunks.size()) {
+      Misuse("expert-set mark of undeclared chunk " + std::to_string(c));
+      break;
+    }
+    t.chunks[c].expert_set = expert_marks_[c];
+  }
+  expert_marks_.clear();
   std::string misuse = std::move(misuse_);
   trace_ = Trace();
   declared_.clear();

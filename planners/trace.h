@@ -21,6 +21,10 @@
 //     bytes live under the recorded policy (keep everything).
 //   - An optimizer sub-step updates `work_elems` parameters of one chunk group; its accesses
 //     name the group's chunks on the tier the update ran on.
+//   - A chunk with an `expert_set` is a member of that set's *class*: one expert (or part of
+//     one) of a mixture-of-experts layer, which the routing picks at run time. Its recorded
+//     accesses are a sample of the routing, not the future: the planner plans the class, not
+//     the members (planner.h, "Expert classes"). Chunks without one are dense.
 //
 // Thread-safety: Trace is a value. TraceBuilder is externally synchronized (the thread that
 // drives the engine owns it). Ownership: ReadTrace returns a value the caller owns.
@@ -37,8 +41,11 @@
 
 namespace tiermem::planners {
 
-// The version of the trace file format this build writes and the newest it reads.
-inline constexpr uint32_t kTraceVersion = 1;
+// The newest trace file format version this build reads and writes. Version 2 added the
+// expert-set section; a trace without expert sets is still written as version 1 (the same
+// bytes as before), so builds that read only version 1 keep reading dense traces.
+inline constexpr uint32_t kTraceVersion = 2;
+inline constexpr uint32_t kNoExpertSet = 0xffffffffu;  // TraceChunk::expert_set of a dense chunk
 
 inline constexpr uint32_t kNoUnit = 0xffffffffu;
 inline constexpr uint32_t kMaxUnits = 1u << 24;  // unit ids are below this (or kNoUnit)
@@ -69,6 +76,10 @@ struct TraceChunk {
   uint32_t group = 0;  // chunk group index (< number of chunks; a group's chunks share offsets)
   uint16_t kind = 0;   // index into Trace::kind_names ("param", "grad", "exp_avg", ...)
   TierKind home = TierKind::kHost;  // where the recording run homed it (host or nvme)
+  // The expert set (mixture-of-experts layer) this chunk is a member of, or kNoExpertSet.
+  // Sets are numbered as the runtime numbers them (its acquire class); any value but
+  // kNoExpertSet.
+  uint32_t expert_set = kNoExpertSet;
 };
 
 // 8 bytes: the builder appends one per Access() call.
@@ -128,6 +139,8 @@ struct Trace {
   Bytes MaxChunkBytes() const;
   std::string_view KindName(ChunkId c) const;
   uint32_t NumGroups() const;  // 1 + the largest group index (0 without chunks)
+  bool HasExpertSets() const;  // some chunk is a member of an expert set
+  bool IsExpert(ChunkId c) const { return chunks[c].expert_set != kNoExpertSet; }
 };
 
 // Checks every invariant the planner relies on; kInvalidArgument naming the first violation
@@ -169,6 +182,9 @@ class TraceBuilder {
   // read-write (the runtime learns that a chunk acquired for reading was modified only when
   // it is released). Scans back from the newest access; no-op when there is none.
   void MarkWritten(ChunkId chunk);
+  // `chunk` is a member of expert set `set` (the runtime marks it at every acquire as a class
+  // member: O(1); any time before Finish). The latest mark wins.
+  void MarkExpertSet(ChunkId chunk, uint32_t set);
   void SetActivationBytes(Bytes live_bytes);  // non-chunk device bytes live (peak)
   void SetSavedBytes(Bytes saved_bytes);      // pre-forward: bytes saved for backward
   void SetWorkElems(uint64_t elems);          // optimizer sub-step: parameters updated
@@ -181,6 +197,7 @@ class TraceBuilder {
   void Misuse(std::string what);
   Trace trace_;
   std::vector<bool> declared_;
+  std::vector<uint32_t> expert_marks_;  // per chunk (kNoExpertSet: none), applied at Finish
   TraceIteration scratch_;  // target of Access() outside an iteration (reported by Finish)
   TraceIteration* cur_ = &scratch_;
   bool in_moment_ = false;

@@ -32,6 +32,7 @@ void PlanRunner::Start(planners::Plan plan, chunks::Engine* engine) {
   engine_ = engine;
   plan_ = std::make_unique<planners::Plan>(std::move(plan));
   checker_ = std::make_unique<planners::DivergenceChecker>(plan_.get(), /*check_modes=*/false);
+  slots_ = planners::ExpertSlots(*plan_);
   in_iteration_ = false;
   diverged_ = false;
   ++stats_.plans;
@@ -41,6 +42,7 @@ void PlanRunner::Stop() {
   if (engine_ != nullptr) engine_->SetPlanned(false);
   checker_.reset();
   plan_.reset();
+  slots_ = planners::ExpertSlots();
   in_iteration_ = false;
   diverged_ = false;
 }
@@ -56,6 +58,7 @@ bool PlanRunner::EndIteration() {
 void PlanRunner::BeginIteration() {
   if (!active()) return;
   checker_->Reset();
+  slots_.Reset();
   diverged_ = false;
   in_iteration_ = true;
   fetches_.clear();
@@ -89,7 +92,15 @@ void PlanRunner::Access(ChunkId chunk, TierKind tier) {
     if (diverged_) return;
   }
   tier_in_moment_[chunk] = (serial_ << 2) | static_cast<uint32_t>(tier);
-  if (!checker_->OnAccess(chunk, planners::AccessMode::kRead, tier)) Diverge();
+  const bool member = chunk < members_.size() && members_[chunk];
+  if (!checker_->OnAccess(chunk, planners::AccessMode::kRead, tier, member)) Diverge();
+}
+
+void PlanRunner::ClassAccess(ChunkId chunk) {
+  if (chunk >= members_.size()) members_.resize(chunk + 1, false);
+  members_[chunk] = true;
+  if (!active() || !in_iteration_ || diverged_ || paused_) return;
+  slots_.Bind(chunk);
 }
 
 void PlanRunner::Issue(int64_t planned_moment) {
@@ -97,16 +108,29 @@ void PlanRunner::Issue(int64_t planned_moment) {
   const planners::PlannedMoment& pm = plan_->moments[static_cast<size_t>(planned_moment)];
   for (uint32_t k = 0; k < pm.num_actions; ++k) {
     const planners::PlanAction& a = plan_->actions[pm.first_action + k];
+    ChunkId c = a.chunk;
+    if (a.kind != ActionKind::kFetchActivation && slots_.IsMember(c)) {
+      // A slot: the expert the routing bound to it; none yet (or the next iteration's
+      // routing): the class policy's. An eviction of an unbound slot drops the copy the plan
+      // knew of unless that chunk fills another slot now (as the simulator's PlanPolicy).
+      const ChunkId bound = slots_.Resolve(c);
+      if (a.kind == ActionKind::kPrefetch) {
+        c = a.need_moment >= plan_->moments.size() ? kNoChunk : bound;
+      } else {
+        c = bound != kNoChunk ? bound : (slots_.SlotOf(c) == kNoChunk ? c : kNoChunk);
+      }
+      if (c == kNoChunk) continue;
+    }
     StatusOr<bool> r = true;
     switch (a.kind) {
-      case ActionKind::kEvict: r = engine_->PlanEvict(a.chunk, a.tier); break;
-      case ActionKind::kPrefetch: r = engine_->PlanPrefetch(a.chunk, a.tier); break;
+      case ActionKind::kEvict: r = engine_->PlanEvict(c, a.tier); break;
+      case ActionKind::kPrefetch: r = engine_->PlanPrefetch(c, a.tier); break;
       case ActionKind::kFetchActivation: fetches_.push_back(a.unit); break;  // the binding's
     }
     if (!r.ok()) {
       // A move that cannot start is left to the reactive path (the acquire will need it).
       TIERMEM_LOG(kWarn) << "plan: " << planners::ActionKindName(a.kind) << " of chunk "
-                         << a.chunk << " at " << pm.label << ": " << r.status().message();
+                         << c << " at " << pm.label << ": " << r.status().message();
     }
   }
 }

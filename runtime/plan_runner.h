@@ -21,6 +21,14 @@
 // them in the backward (RecomputesUnit) and, per moment, whose come back
 // (TakeActivationFetches) — while the iteration follows the plan.
 //
+// Expert classes (a plan made from a trace with expert sets, planners/expert_slots.h): the
+// session tells the runner of every acquire of an expert as a class member (ClassAccess),
+// which binds it to the plan's next slot of its class; the plan's actions on a slot apply to
+// the expert bound to it and are skipped while none is (the engine's class policy fetches a
+// routed expert at the router or its acquire). Expert acquires are not checked against the
+// plan: a routing other than the recorded one is the class policy's business, not a
+// divergence (planners/divergence.h); only the dense acquires are.
+//
 // A moment the trace recorder split (a chunk accessed on a second tier within one moment
 // becomes "<label>+", trace_recorder.h) is split here the same way, so the moments line up.
 //
@@ -56,6 +64,7 @@
 #include "base/status.h"
 #include "chunks/engine.h"
 #include "planners/divergence.h"
+#include "planners/expert_slots.h"
 #include "planners/planner.h"
 
 namespace tiermem::session {
@@ -99,6 +108,8 @@ class PlanRunner {
   void BeginIteration();
   void Moment(std::string_view label, planners::MomentKind kind);
   void Access(ChunkId chunk, TierKind tier);
+  // An acquire of `chunk` as a member of an expert set's class (not checked: see above).
+  void ClassAccess(ChunkId chunk);
   void SetPaused(bool paused) { paused_ = paused; }
   // While following the plan: whether it offloads `unit`'s saved activations after its
   // forward, or recomputes them in its backward; the units whose offloaded activations the
@@ -150,6 +161,10 @@ class PlanRunner {
   chunks::Engine* engine_ = nullptr;
   std::unique_ptr<planners::Plan> plan_;
   std::unique_ptr<planners::DivergenceChecker> checker_;
+  planners::ExpertSlots slots_;  // the plan's expert classes; bound per iteration
+  // Per chunk: ever acquired as an expert (ClassAccess), whether or not the plan knows it —
+  // e.g. the optimizer step of an expert the recorded iteration never routed to.
+  std::vector<bool> members_;
   bool in_iteration_ = false;
   bool diverged_ = false;
   bool paused_ = false;

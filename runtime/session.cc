@@ -446,6 +446,19 @@ Status Session::CheckKind(size_t group, ChunkKind kind) const {
   return OkStatus();
 }
 
+void Session::NoteClassAccess(ChunkId c, TierKind where, uint32_t cls) {
+  if (cls == chunks::kNoClass) {
+    runner_.Access(c, where);
+    return;
+  }
+  // An expert chosen by the routing: marked in the trace as a member of its set, bound to a
+  // slot of the executing plan, never checked against it (plan_runner.h).
+  if (c >= expert_set_of_.size()) expert_set_of_.resize(c + 1, planners::kNoExpertSet);
+  expert_set_of_[c] = cls;
+  trace_.MarkExpertSet(c, cls);
+  runner_.ClassAccess(c);
+}
+
 StatusOr<void*> Session::Acquire(size_t group, ChunkKind kind, TierKind where, uint32_t cls) {
   TIERMEM_RETURN_IF_ERROR(CheckKind(group, kind));
   TIERMEM_RETURN_IF_ERROR(stepper_->RunPending(group, true));
@@ -453,7 +466,7 @@ StatusOr<void*> Session::Acquire(size_t group, ChunkKind kind, TierKind where, u
   StatusOr<void*> p = stack_->engine()->Acquire(c, where, cls);
   if (p.ok()) {
     trace_.Access(c, planners::AccessMode::kRead, where);
-    if (cls == chunks::kNoClass) runner_.Access(c, where);
+    NoteClassAccess(c, where, cls);
   }
   return p;
 }
@@ -477,7 +490,7 @@ StatusOr<void*> Session::AcquireForWrite(size_t group, ChunkKind kind, TierKind 
   if (p.ok()) {
     trace_.Access(c, zero ? planners::AccessMode::kWrite : planners::AccessMode::kReadWrite,
                   where);
-    if (cls == chunks::kNoClass) runner_.Access(c, where);
+    NoteClassAccess(c, where, cls);
   }
   return p;
 }
@@ -953,6 +966,8 @@ void Session::DeclareTraceChunks() {
       tc.group = static_cast<uint32_t>(gi);
       tc.kind = b.KindIndex(chunks::ChunkKindName(static_cast<ChunkKind>(k)));
       tc.home = eng->Home(c);
+      // An expert acquired before the recording (the recording marks the ones it sees).
+      if (c < expert_set_of_.size()) tc.expert_set = expert_set_of_[c];
       b.DeclareChunk(c, tc);
     }
   }

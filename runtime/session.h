@@ -454,6 +454,9 @@ class Session {
   Status Live() const;
   ChunkId Chunk(size_t group, ChunkKind kind) const;
   Status CheckKind(size_t group, ChunkKind kind) const;
+  // After an acquire of `c` on `where`: the plan runner checks a dense acquire; an expert's
+  // (cls set) is marked in the trace and bound to the plan's slots, not checked.
+  void NoteClassAccess(ChunkId c, TierKind where, uint32_t cls);
   // Sharded reads: the whole chunk of `kind` of `group` gathered from every rank into
   // gathered_ (host); cached for (group, kind) while gather_cache_ is on.
   StatusOr<const char*> GatherChunk(size_t group, ChunkKind kind);
@@ -500,6 +503,9 @@ class Session {
   Status trace_error_;         // an automatic trace write that failed (FinishTrace reports it)
   std::string written_trace_;  // the last trace file written
   PlanRunner runner_;
+  // Per chunk: the expert set it was last acquired as a member of (kNoExpertSet: never), so a
+  // trace declares the experts it was told of before its recording began.
+  std::vector<uint32_t> expert_set_of_;
   std::unique_ptr<OptimizerStepper> stepper_;  // made right after stack_, never null then
   std::string phase_;              // the binding's current phase (restored after an update)
   bool tracing_ = true;            // SetTracing's state

@@ -78,6 +78,10 @@ class TraceRecorder {
   // current moment (its compute time stops there); recording resumes at the next moment.
   void SetPaused(bool paused, const Probes& p);
   bool paused() const { return paused_; }
+  // `chunk` was acquired as a member of expert set `set` (the session's acquire class).
+  void MarkExpertSet(ChunkId chunk, uint32_t set) {
+    if (recording() && !paused_) builder_.MarkExpertSet(chunk, set);
+  }
   // A chunk acquired for reading was released modified: its last access becomes read-write.
   void MarkWritten(ChunkId chunk) {
     if (recording() && !paused_) builder_.MarkWritten(chunk);

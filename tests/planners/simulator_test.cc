@@ -1,9 +1,11 @@
 // Simulator: the measurement protocol, divergence handling (reactive fallback, re-plan, a
-// prefetching plan again after a divergent iteration). The canonical traces: canonical_test.cc.
+// prefetching plan again after a divergent iteration), expert classes (a routing other than
+// the recorded one is no divergence). The canonical traces: canonical_test.cc.
 #include "planners/simulator.h"
 
 #include <gtest/gtest.h>
 
+#include "planners/divergence.h"
 #include "test_support.h"
 
 namespace tiermem::planners {
@@ -58,6 +60,89 @@ TEST(SimulatorTest, DivergenceFallsBackThenReplans) {
   auto ds = Simulate(t, m, PolicyKind::kDeepSpeed);
   ASSERT_TRUE(ds.ok() && ds->status.ok());
   EXPECT_EQ(ds->divergences, 1u);
+}
+
+// A unit with one expert set: dense chunks 0 and 1 (1 MB each, groups 0 and 1) and experts
+// 2..5 of set 0, each its own group. Per iteration: fwd:a reads chunk 0 and the routed
+// experts, fwd:b reads chunk 1, bwd:a reads chunk 0 and the same experts, then one CPU
+// optimizer step per routed expert (read-write on the host, so its device copy is stale
+// after it). `routing[k]`: the experts of iteration k. `marked`: the experts are marked as
+// members of set 0 (else the trace is a dense, version-1 one).
+Trace ExpertTrace(const std::vector<std::vector<ChunkId>>& routing, bool marked) {
+  TraceBuilder b;
+  const uint16_t k = b.KindIndex("param");
+  for (ChunkId c = 0; c < 6; ++c) {
+    b.DeclareChunk(c, TraceChunk{kMB, Category::kParam, c, k, TierKind::kHost});
+    if (marked && c >= 2) b.MarkExpertSet(c, 0);
+  }
+  for (const std::vector<ChunkId>& experts : routing) {
+    b.BeginIteration();
+    b.BeginMoment("fwd:a", MomentKind::kPreForward, 0);
+    b.Access(0, AccessMode::kRead, TierKind::kDevice);
+    for (ChunkId e : experts) b.Access(e, AccessMode::kRead, TierKind::kDevice);
+    b.EndMoment(2000000);
+    b.BeginMoment("fwd:b", MomentKind::kPreForward, 1);
+    b.Access(1, AccessMode::kRead, TierKind::kDevice);
+    b.EndMoment(2000000);
+    b.BeginMoment("bwd:a", MomentKind::kPreBackward, 0);
+    b.Access(0, AccessMode::kRead, TierKind::kDevice);
+    for (ChunkId e : experts) b.Access(e, AccessMode::kRead, TierKind::kDevice);
+    b.EndMoment(2000000);
+    for (ChunkId e : experts) {
+      b.BeginMoment("opt:g" + std::to_string(e), MomentKind::kOptimizerStep);
+      b.Access(e, AccessMode::kReadWrite, TierKind::kHost);
+      b.SetWorkElems(1000);
+      b.EndMoment(100000);
+    }
+  }
+  auto t = b.Finish();
+  EXPECT_TRUE(t.ok()) << t.status().ToString();
+  return *t;
+}
+
+// The planner plans expert chunks as a class: every iteration routes to other experts than
+// the one the plan was made from (the last, two of them), and none of that is a divergence
+// or a repair — the executed plan binds the routed experts to its slots. Bytes are what the
+// class policy implies, here also the Belady bound's: each measured iteration fetches its
+// routed experts once (dense chunks 0 and 1 stay on the device, 4 MB of room): 1, 1 and 2 MB.
+// The same trace without the marks diverges at every measured iteration.
+TEST(SimulatorTest, ExpertClassesFollowAnyRoutingWithoutDivergence) {
+  const std::vector<std::vector<ChunkId>> routing = {{2}, {3}, {4}, {5, 2}};
+  const MachineModel m = testing::TestMachine(4 * kMB, 20 * kMB);
+  SimOptions o;
+  o.plan.place_optimizer = false;  // keep the steps on the host, as recorded
+  o.plan.activation_policy = false;
+  const Trace marked = ExpertTrace(routing, true);
+  auto r = Simulate(marked, m, PolicyKind::kPlanned, o);
+  ASSERT_TRUE(r.ok() && r->status.ok()) << (r.ok() ? r->status.ToString() : r.status().ToString());
+  ASSERT_EQ(r->measured_iterations, 3u);
+  EXPECT_EQ(r->divergences, 0u);
+  EXPECT_EQ(r->repairs, 0u);
+  ASSERT_EQ(r->per_iteration.size(), 3u);
+  EXPECT_EQ(r->per_iteration[0].DeviceInBytes(), 1 * kMB);
+  EXPECT_EQ(r->per_iteration[1].DeviceInBytes(), 1 * kMB);
+  EXPECT_EQ(r->per_iteration[2].DeviceInBytes(), 2 * kMB);
+  auto opt = Simulate(marked, m, PolicyKind::kOpt, o);
+  ASSERT_TRUE(opt.ok() && opt->status.ok());
+  EXPECT_EQ(opt->total.DeviceInBytes(), r->total.DeviceInBytes());
+  // The plan of the last iteration was made from {4}: its member accesses name chunk 4, its
+  // slot; the routed 5 and 2 are the class's.
+  ASSERT_EQ(r->plans.size(), 3u);
+  const Plan& last = r->plans[2];
+  ASSERT_EQ(last.expert_class.size(), 6u);
+  EXPECT_EQ(last.expert_class[0], kNoExpertSet);
+  EXPECT_EQ(last.expert_class[4], 0u);
+  // Checked offline, the routed iteration follows that plan; dense divergence still shows.
+  EXPECT_FALSE(FindDivergence(last, marked, marked.iterations[3]).diverged());
+  Trace other = marked;
+  other.iterations[3].moments[1].label = "fwd:c";
+  EXPECT_EQ(FindDivergence(last, other, other.iterations[3]).kind, DivergenceKind::kMoment);
+
+  const Trace dense = ExpertTrace(routing, false);
+  auto d = Simulate(dense, m, PolicyKind::kPlanned, o);
+  ASSERT_TRUE(d.ok() && d->status.ok());
+  EXPECT_EQ(d->divergences, 3u);
+  EXPECT_TRUE(FindDivergence(d->plans[2], dense, dense.iterations[3]).diverged());
 }
 
 }  // namespace

@@ -68,6 +68,7 @@ void ExpectSame(const Trace& a, const Trace& b) {
     EXPECT_EQ(a.chunks[c].group, b.chunks[c].group);
     EXPECT_EQ(a.chunks[c].kind, b.chunks[c].kind);
     EXPECT_EQ(a.chunks[c].home, b.chunks[c].home);
+    EXPECT_EQ(a.chunks[c].expert_set, b.chunks[c].expert_set);
   }
   ASSERT_EQ(a.iterations.size(), b.iterations.size());
   for (size_t i = 0; i < a.iterations.size(); ++i) {
@@ -245,6 +246,93 @@ TEST(TraceFormatTest, UnknownSectionsAreSkipped) {
   auto t = DecodeTrace(bytes);
   ASSERT_TRUE(t.ok()) << t.status().ToString();
   ExpectSame(SmallTrace(), *t);
+}
+
+uint32_t FileVersion(const std::string& bytes) {
+  uint32_t v = 0;
+  std::memcpy(&v, &bytes[8], 4);
+  return v;
+}
+
+// SmallTrace with chunk 1 (the grad) a member of expert set 4, marked as the runtime marks it:
+// at its acquires, after the chunk table was declared.
+Trace SmallExpertTrace() {
+  Trace t = SmallTrace();
+  TraceBuilder b;
+  for (ChunkId c = 0; c < t.chunks.size(); ++c) b.DeclareChunk(c, t.chunks[c]);
+  for (const std::string& k : t.kind_names) b.KindIndex(k);
+  b.SetSource(t.source);
+  b.SetRates(t.rates);
+  b.SetBudgets(t.budgets);
+  for (const TraceIteration& it : t.iterations) {
+    b.BeginIteration();
+    for (const Moment& m : it.moments) {
+      b.BeginMoment(m.label, m.kind, m.unit);
+      for (uint32_t a = 0; a < m.num_accesses; ++a) {
+        const TraceAccess& x = it.accesses[m.first_access + a];
+        b.Access(x.chunk, x.mode, x.tier);
+        if (x.chunk == 1) b.MarkExpertSet(1, 4);
+      }
+      if (m.saved_bytes > 0) b.SetSavedBytes(m.saved_bytes);
+      if (m.activation_bytes > 0) b.SetActivationBytes(m.activation_bytes);
+      if (m.work_elems > 0) b.SetWorkElems(m.work_elems);
+      b.EndMoment(m.compute_ns);
+    }
+  }
+  auto out = b.Finish();
+  EXPECT_TRUE(out.ok()) << out.status().ToString();
+  return *out;
+}
+
+// Expert sets (format version 2): a trace with them round-trips as version 2; one without is
+// written as version 1, byte for byte as before (tests/data's dense traces did not change),
+// and a version-1 file reads with every chunk dense — also the runtime's recorded one.
+TEST(TraceFormatTest, ExpertSetsAreVersion2AndVersion1FilesReadAsDense) {
+  const Trace dense = SmallTrace();
+  EXPECT_FALSE(dense.HasExpertSets());
+  const std::string v1 = EncodeTrace(dense);
+  EXPECT_EQ(FileVersion(v1), 1u);
+  auto back1 = DecodeTrace(v1);
+  ASSERT_TRUE(back1.ok()) << back1.status().ToString();
+  for (const TraceChunk& c : back1->chunks) EXPECT_EQ(c.expert_set, kNoExpertSet);
+
+  const Trace experts = SmallExpertTrace();
+  ASSERT_TRUE(experts.HasExpertSets());
+  EXPECT_EQ(experts.chunks[0].expert_set, kNoExpertSet);
+  EXPECT_EQ(experts.chunks[1].expert_set, 4u);
+  EXPECT_TRUE(experts.IsExpert(1));
+  const std::string v2 = EncodeTrace(experts);
+  EXPECT_EQ(FileVersion(v2), 2u);
+  EXPECT_EQ(v2.size(), v1.size() + 8 + 4 + 4 * experts.chunks.size());  // the kind-5 section
+  auto back2 = DecodeTrace(v2);
+  ASSERT_TRUE(back2.ok()) << back2.status().ToString();
+  ExpectSame(experts, *back2);
+  EXPECT_EQ(EncodeTrace(*back2), v2);
+  for (size_t n = 8; n < v2.size(); ++n) {
+    EXPECT_EQ(DecodeTrace(std::string_view(v2).substr(0, n)).status().code(),
+              StatusCode::kDataLoss)
+        << n;
+  }
+  // The same section in a file that says version 1 is not version 1's: skipped as unknown.
+  auto as_v1 = DecodeTrace(WithVersion(v2, 1));
+  ASSERT_TRUE(as_v1.ok()) << as_v1.status().ToString();
+  EXPECT_FALSE(as_v1->HasExpertSets());
+
+  // The runtime's recording of the main job (version 1, before expert sets) reads dense.
+  auto job = ReadTraceFile(std::string(TIERMEM_TEST_DATA_DIR) + "/main-job.tmtrace");
+  ASSERT_TRUE(job.ok()) << job.status().ToString();
+  EXPECT_FALSE(job->HasExpertSets());
+  // The canonical MoE trace marks its experts' param and grad chunks, 16 per block.
+  auto moe = ReadTraceFile(std::string(TIERMEM_TEST_DATA_DIR) + "/moe.tmtrace");
+  ASSERT_TRUE(moe.ok()) << moe.status().ToString();
+  size_t members = 0;
+  for (const TraceChunk& c : moe->chunks) {
+    if (c.expert_set == kNoExpertSet) continue;
+    ++members;
+    EXPECT_LT(c.expert_set, 12u);
+    EXPECT_TRUE(c.category == Category::kParam || c.category == Category::kGrad);
+  }
+  EXPECT_EQ(members, 12u * 8 * 2);
 }
 
 TEST(TraceValidateTest, NamesTheFirstViolation) {

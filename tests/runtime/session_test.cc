@@ -1345,6 +1345,59 @@ void TrainIteration(Session& s, int it, bool branch = false) {
   ASSERT_TRUE(s.ZeroGrad().ok());
 }
 
+// The experts of iteration `it` in MoeIteration: groups 6..9 are the experts of one layer,
+// routed to one or two of them, other ones from iteration to iteration.
+std::vector<uint32_t> Routed(int it) {
+  std::vector<uint32_t> e = {6u + static_cast<uint32_t>(it % 4)};
+  if (it % 3 == 0) e.push_back(6u + static_cast<uint32_t>((it + 2) % 4));
+  return e;
+}
+
+// As TrainIteration, with groups 6..9 the experts of an MoE unit "moe" (expert set 0), as the
+// bindings acquire them: only the routed ones (Routed), as class members, in its forward and
+// backward; their grads and steps as any group's.
+void MoeIteration(Session& s, int it) {
+  using planners::MomentKind;
+  s.BeginIteration();
+  const std::vector<uint32_t> experts = Routed(it);
+  auto backward = [&](uint32_t g, uint32_t cls) {
+    auto p = s.Acquire(g, ChunkKind::kParamFp32, TierKind::kDevice, cls);
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    bool must_zero = false;
+    auto gp = s.AcquireForWrite(g, ChunkKind::kGrad, TierKind::kDevice, &must_zero, cls);
+    ASSERT_TRUE(gp.ok()) << gp.status().ToString();
+    const float* w = static_cast<const float*>(*p);
+    float* gr = static_cast<float*>(*gp);
+    const uint64_t elems = s.ChunkBytes(g, ChunkKind::kGrad) / 4;
+    for (uint64_t i = 0; i < elems; ++i) {
+      gr[i] = 0.5f * w[i] + 0.01f * std::sin(static_cast<float>(i + 31 * g + 7 * it));
+    }
+    ASSERT_THAT(s.Release(g, ChunkKind::kGrad, true), IsOk());
+    ASSERT_THAT(s.Release(g, ChunkKind::kParamFp32, false), IsOk());
+    for (uint32_t t : s.group(g).tensors) s.SetHasGrad(t, true);
+  };
+  for (uint32_t g = 0; g < 6; ++g) {
+    ASSERT_THAT(s.FinishStep(g), IsOk());
+    s.Moment("fwd:" + std::to_string(g), MomentKind::kPreForward, g);
+    ASSERT_TRUE(s.Acquire(g, ChunkKind::kParamFp32, TierKind::kDevice).ok());
+    ASSERT_THAT(s.Release(g, ChunkKind::kParamFp32, false), IsOk());
+  }
+  for (uint32_t e : experts) ASSERT_THAT(s.FinishStep(e), IsOk());
+  s.Moment("fwd:moe", MomentKind::kPreForward, 6);
+  for (uint32_t e : experts) {
+    ASSERT_TRUE(s.Acquire(e, ChunkKind::kParamFp32, TierKind::kDevice, /*cls=*/0).ok());
+    ASSERT_THAT(s.Release(e, ChunkKind::kParamFp32, false), IsOk());
+  }
+  s.Moment("bwd:moe", MomentKind::kPreBackward, 6);
+  for (uint32_t e : experts) backward(e, 0);
+  for (uint32_t g = 6; g-- > 0;) {
+    s.Moment("bwd:" + std::to_string(g), MomentKind::kPreBackward, g);
+    backward(g, chunks::kNoClass);
+  }
+  ASSERT_TRUE(s.Step({GroupHyper{}}).ok());
+  ASSERT_TRUE(s.ZeroGrad().ok());
+}
+
 struct PlanRun {
   std::vector<std::vector<float>> params;
   Session::PlanStatus plan;
@@ -1355,7 +1408,7 @@ struct PlanRun {
 // 10 groups of 16 KiB chunks (param, grad, m, v), a device for 10 chunks; with `nvme`, a host
 // too small for m and v (they spill to NVMe).
 PlanRun TrainPlanned(const std::string& plan, bool nvme, int iterations,
-                     std::function<bool(int)> branch = nullptr) {
+                     std::function<bool(int)> branch = nullptr, bool moe = false) {
   const std::string dir = TempDir();
   std::vector<TensorSpec> specs;
   for (int i = 0; i < 10; ++i) specs.push_back({"t" + std::to_string(i), 4096, true, 0});
@@ -1372,7 +1425,11 @@ PlanRun TrainPlanned(const std::string& plan, bool nvme, int iterations,
     EXPECT_THAT(s->WriteParam(t, v.data()), IsOk());
   }
   for (int it = 0; it < iterations; ++it) {
-    TrainIteration(*s, it, branch && branch(it));
+    if (moe) {
+      MoeIteration(*s, it);
+    } else {
+      TrainIteration(*s, it, branch && branch(it));
+    }
     out.per_iteration.push_back(*s->Stats());
   }
   for (size_t t = 0; t < specs.size(); ++t) out.params.push_back(Param(*s, t));
@@ -1436,6 +1493,26 @@ TEST(SessionPlan, AnIterationThatBranchesRunsReactiveWithTheSameValuesAndThePlan
   EXPECT_EQ(on.plan.runner.plans, 1u);
   EXPECT_TRUE(on.plan.active);
   EXPECT_EQ(on.plan.runner.followed_iterations, 3u);  // 4, 5, 6 (8 still open)
+}
+
+// Issue 33: an MoE unit's experts are acquired as class members, and the routing differs
+// from the recorded one in every iteration (other experts, one or two of them, including
+// experts the recorded iteration never routed to). The plan made from the recording treats
+// them as a class: no planned iteration diverges (no fall-back to the reactive policy) and
+// the values are those of the reactive run.
+TEST(SessionPlan, ARoutingOtherThanTheRecordedOneIsNoDivergence) {
+  const PlanRun off = TrainPlanned("off", false, 10, nullptr, /*moe=*/true);
+  const PlanRun on = TrainPlanned("always", false, 10, nullptr, /*moe=*/true);
+  ASSERT_EQ(on.params.size(), 10u);
+  for (size_t t = 0; t < off.params.size(); ++t) {
+    EXPECT_EQ(on.params[t], off.params[t]) << "tensor " << t;  // bit for bit
+  }
+  EXPECT_TRUE(on.plan.active) << on.plan.error;
+  EXPECT_EQ(on.plan.runner.plans, 1u);
+  EXPECT_EQ(on.plan.runner.divergences, 0u) << on.plan.runner.last_divergence;
+  EXPECT_EQ(on.plan.runner.planned_iterations, 7u);   // 4..10, recorded 3
+  EXPECT_EQ(on.plan.runner.followed_iterations, 6u);  // the last one is still open
+  EXPECT_GT(on.engine.plan_prefetches, 0u);
 }
 
 TEST(SessionPlan, ChangedControlFlowIsPlannedAgain) {

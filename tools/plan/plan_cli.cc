@@ -4,6 +4,7 @@
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <string>
 
 #include "planners/machine.h"
@@ -26,6 +27,7 @@ struct PlanArgs {
   uint64_t seed = 0, accesses = 10'000'000;
   bool json = false, no_place = false, no_overlap = false, no_activations = false, keep_homes = false;
   bool list_moments = false;
+  bool no_expert_sets = false;  // synth: do not mark the experts' chunks
 };
 
 [[noreturn]] void Fail(const Status& s) {
@@ -268,6 +270,11 @@ void Show(const PlanArgs& a) {
     j["groups"] = t->NumGroups();
     j["chunk_bytes"] = t->TotalChunkBytes();
     j["kinds"] = t->kind_names;
+    json sets = json::array();
+    for (const TraceChunk& c : t->chunks) {
+      sets.push_back(c.expert_set == kNoExpertSet ? json(nullptr) : json(c.expert_set));
+    }
+    j["expert_sets"] = sets;  // per chunk: its expert set, null for a dense chunk
     j["budgets"] = {{"device", t->budgets.device}, {"host", t->budgets.host},
                     {"nvme", t->budgets.nvme}};
     const char* tiers[] = {"d", "h", "n"};
@@ -303,6 +310,19 @@ void Show(const PlanArgs& a) {
               FormatBytes(t->TotalChunkBytes()).c_str());
   for (const std::string& k : t->kind_names) std::printf(" %s", k.c_str());
   std::printf("\n");
+  {
+    std::set<uint32_t> sets;
+    size_t members = 0;
+    for (const TraceChunk& c : t->chunks) {
+      if (c.expert_set == kNoExpertSet) continue;
+      sets.insert(c.expert_set);
+      ++members;
+    }
+    if (members > 0) {
+      std::printf("expert sets: %zu, %zu member chunks (planned as classes)\n", sets.size(),
+                  members);
+    }
+  }
   for (size_t i = 0; i < t->iterations.size(); ++i) {
     const TraceIteration& it = t->iterations[i];
     uint64_t compute = 0;
@@ -329,6 +349,7 @@ void Synth(const PlanArgs& a) {
   if (!shape.ok()) Fail(shape.status());
   if (a.iterations > 0) shape->iterations = a.iterations;
   if (a.seed > 0) shape->seed = a.seed;
+  if (a.no_expert_sets) shape->mark_experts = false;
   // The optimizer-state format's bytes per element of m and of v (optimizer.state_dtype).
   if (a.state_dtype == "bf16") shape->state_bytes_per_elem = 2;
   if (a.state_dtype == "int8") shape->state_bytes_per_elem = 1 + 4.0 / 256;
@@ -426,6 +447,9 @@ void RegisterPlan(CLI::App& app) {
   synth->add_option("-o,--output", args->output, "output .tmtrace")->required();
   synth->add_option("--iterations", args->iterations, "iterations (default: the shape's)");
   synth->add_option("--seed", args->seed, "routing seed (moe)");
+  synth->add_flag("--no-expert-sets", args->no_expert_sets,
+                  "moe: do not mark the experts' chunks (a version-1 trace: experts planned as "
+                  "dense chunks)");
   synth->add_option("--state-dtype", args->state_dtype,
                     "optimizer-state format: fp32 (default) | bf16 | int8 (block 256)")
       ->check(CLI::IsMember({"fp32", "bf16", "int8"}));
