@@ -160,6 +160,29 @@ def test_serving_from_nvme_equals_plain(tmp_path):
     assert rt.stats()["bytes_moved"].get("nvme->host", 0) > 0
 
 
+def test_serving_everything_in_host_memory_is_resident_and_counts_the_kv_cache():
+    # Host mode, every chunk homed in host memory: the weights are pinned once and the model
+    # computes with them in place (no acquire per unit per token), and generate()'s KV cache
+    # still counts in the host budget.
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=96, n_positions=64, n_embd=32, n_layer=3,
+                                  n_head=2, bos_token_id=0, eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    ref = transformers.GPT2LMHeadModel(cfg).eval()
+    ours = copy.deepcopy(ref)
+    model = tiermem.inference(ours, {"device_kind": "host", "host": "64MiB"})
+    rt = tiermem.runtime_of(model)
+    assert rt._resident
+    ids = torch.randint(1, 96, (2, 5), generator=torch.Generator().manual_seed(1))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+              pad_token_id=0)
+    acquires = rt.stats()["acquires"]
+    assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
+    assert rt.stats()["acquires"] == acquires  # nothing acquired per forward
+    assert rt.stats()["bytes_moved"] == {}
+    assert rt.cache_bytes > 0  # the last forward's KV cache, counted in the host budget
+
+
 def test_auto_picks_host_without_a_gpu_and_ignores_a_device_budget_with_a_warning(capfd):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: auto picks cuda")

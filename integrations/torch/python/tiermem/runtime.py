@@ -226,7 +226,11 @@ class TiermemRuntime:
         # (saved views of chunk memory stay valid), and the optimizer steps in place.
         # Not with activations counted in the budget: they need the hooks that count them.
         # Not with split parameters: they compute with copies of their pieces, made per unit.
-        self._resident = (not self._serving and not self.session.cuda and self._shards is None
+        # Serving is resident only in host mode with every chunk homed in host memory (host
+        # homes never move; the KV cache still counts in the host budget): on a device, the
+        # weights must stay evictable to make room for the KV cache as it grows.
+        self._resident = ((not self._serving or self.session.host_compute)
+                          and not self.session.cuda and self._shards is None
                           and cfg.activations == "outside"
                           and budget >= self.session.total_chunk_bytes
                           and not any(r.split for r in self.params) and not self.expert_sets)

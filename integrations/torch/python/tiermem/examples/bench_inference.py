@@ -98,6 +98,7 @@ def main(argv=None):
     print(f"model: GPT-2 {a.layers} x {a.width}, vocab {a.vocab}: {nparams / 1e6:.1f} M params, "
           f"{wbytes / 2**20:.0f} MiB fp32; torch threads {torch.get_num_threads()}", flush=True)
     host_nvme = int(wbytes * a.host_frac)
+    host_mode = "device" not in tier_config("auto", 1, 1)
 
     def device_budget(b):  # the weights' share is the same at every batch size
         return int(wbytes * a.device_frac) + kv_bytes(ref, b, tokens)
@@ -106,7 +107,8 @@ def main(argv=None):
         print(f"batch {b}: device budget {device_budget(b) / 2**20:.0f} MiB = "
               f"{a.device_frac:.0%} of the weights + the final KV cache "
               f"({kv_bytes(ref, b, tokens) / 2**20:.1f} MiB)", flush=True)
-    print(f"tiermem-nvme: host budget {host_nvme / 2**20:.0f} MiB", flush=True)
+    print(f"tiermem-nvme: host budget {host_nvme / 2**20:.0f} MiB"
+          + (" + the final KV cache (host mode: no device)" if host_mode else ""), flush=True)
 
     def build(name, b):
         m = copy.deepcopy(ref)
@@ -118,7 +120,10 @@ def main(argv=None):
             return tiermem.inference(m, {**tier_config("auto", device_budget(b), 4 * wbytes),
                                          **extra})
         if name == "tiermem-nvme":
-            return tiermem.inference(m, {**tier_config("auto", device_budget(b), host_nvme),
+            # In host mode the KV cache counts in the host budget: the weights' share stays
+            # `--host-frac` at every batch size, as the device's does with a device.
+            host = host_nvme + (kv_bytes(ref, b, tokens) if host_mode else 0)
+            return tiermem.inference(m, {**tier_config("auto", device_budget(b), host),
                                          "nvme": {"size": 2 * wbytes,
                                                   "path": os.path.join(workdir, f"nvme-{b}")},
                                          **extra})
