@@ -28,7 +28,7 @@ const std::set<std::string> kTopKeys = {
     "prefetch_depth", "loss_scaling",  "device_kind",
     "cpu_threads",    "kernel_isa",    "log_level",
     "unmaterialized_reads", "write_behind", "plan", "activations", "optimizer_placement",
-    "optimizer_overlap", "checkpoint_io"};
+    "optimizer_overlap", "checkpoint_io", "host_reserve"};
 
 std::string Keys(const std::set<std::string>& keys) {
   std::string out = "[";
@@ -193,6 +193,9 @@ Status ApplyJson(const json& config, SessionConfig* c, bool* nvme_given) {
   }
   if (has("host")) {
     TIERMEM_ASSIGN_OR_RETURN(c->host_budget, Size("host", config["host"]));
+  }
+  if (has("host_reserve")) {
+    TIERMEM_ASSIGN_OR_RETURN(c->host_reserve, Size("host_reserve", config["host_reserve"]));
   }
   if (has("nvme")) {
     const json& nv = config["nvme"];
@@ -387,6 +390,7 @@ Status ApplyEnv(const EnvGetter& env, SessionConfig* c, bool* nvme_given) {
     c->device_budget_given = true;
   }
   TIERMEM_RETURN_IF_ERROR(SizeVar(env, "TIERMEM_HOST_BUDGET", &c->host_budget));
+  TIERMEM_RETURN_IF_ERROR(SizeVar(env, "TIERMEM_HOST_RESERVE", &c->host_reserve));
   if (Var(env, "TIERMEM_NVME_SIZE") != nullptr) {
     TIERMEM_RETURN_IF_ERROR(SizeVar(env, "TIERMEM_NVME_SIZE", &c->nvme_size));
     *nvme_given = true;
@@ -453,6 +457,17 @@ StatusOr<SessionConfig> ParseConfig(const json& config, const EnvGetter& env) {
         std::string(kernels::StateDTypeName(c.optimizer_state.format.dtype)) +
         " (set optimizer.state_dtype 'bf16', or drop state_rounding)");
   }
+  if (c.host_reserve > 0 && c.nvme_size == 0) {
+    return InvalidArgumentError(
+        "config 'host_reserve' (or TIERMEM_HOST_RESERVE) = " + std::to_string(c.host_reserve) +
+        " bytes without an NVMe tier: it keeps host room free of chunk homes, and without "
+        "'nvme' every chunk is homed in host memory; drop it, or give 'nvme'");
+  }
+  if (c.host_reserve >= c.host_budget && c.host_reserve > 0) {
+    return InvalidArgumentError("config 'host_reserve' = " + std::to_string(c.host_reserve) +
+                                " bytes is not below the host budget of " +
+                                std::to_string(c.host_budget) + " bytes");
+  }
   if (c.device_kind == "host" && c.device_budget_given) {
     return InvalidArgumentError(
         "config 'device' (or TIERMEM_DEVICE_BUDGET) = " + std::to_string(c.device_budget) +
@@ -482,6 +497,7 @@ json ToJson(const SessionConfig& c) {
   // Not given: null, so that parsing it again keeps it "not given" (host mode refuses one).
   j["device"] = c.device_budget_given ? json(c.device_budget) : json(nullptr);
   j["host"] = c.host_budget;
+  if (c.host_reserve > 0) j["host_reserve"] = c.host_reserve;
   if (c.nvme_size > 0) {
     j["nvme"] = {{"size", c.nvme_size}, {"engine", c.nvme_engine}, {"queue_depth", c.io_depth},
                  {"piece_size", c.io_piece}};

@@ -127,6 +127,11 @@ struct SessionConfig {
   Bytes device_budget = 2 * kGiB;
   bool device_budget_given = false;  // `device` / TIERMEM_DEVICE_BUDGET was set
   Bytes host_budget = 8 * kGiB;
+  // Host bytes kept free of chunk homes (with NVMe): room for what else counts in the host
+  // budget — in host mode the KV cache of a served model and activations counted there.
+  // Homes otherwise fill the budget less the room for NVMe-homed chunks in use, and host
+  // homes never move, so a KV cache larger than that room could not grow.
+  Bytes host_reserve = 0;
   Bytes nvme_size = 0;           // 0 = no NVMe tier (only when no nvme key/variable is given)
   std::string nvme_path;         // "" = a fresh directory under $TMPDIR
   std::string nvme_engine = "auto";

@@ -330,7 +330,9 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
   // that room beside the optimizer step's group.
   const Bytes reserve_chunks =
       host ? (any_trainable ? 5 : kMinResidentChunks) + 2 : (any_trainable ? 5 : 1);
-  sl.host_reserve = config.nvme_size == 0 ? 0 : reserve_chunks * AlignUp(sl.chunk_bytes, kPage);
+  sl.host_reserve = config.nvme_size == 0
+                        ? 0
+                        : reserve_chunks * AlignUp(sl.chunk_bytes, kPage) + config.host_reserve;
   // A served mixture-of-experts model: the dense groups are created first and homed on the
   // host; the experts are homed on NVMe and the rest of the host budget caches them by use.
   std::vector<uint8_t> expert_group(s->groups_.size(), 0);

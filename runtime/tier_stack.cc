@@ -256,10 +256,14 @@ StatusOr<std::unique_ptr<TierStack>> TierStack::Create(const SessionConfig& conf
                 " to hold one chunk group's NVMe-homed chunks during the optimizer step "
                 "(chunks of " + std::to_string(slot) + " bytes; the chunk size follows the "
                 "device budget, or set chunk_size)";
+      const std::string reserve =
+          config.host_reserve > 0
+              ? " (of them host_reserve's " + std::to_string(config.host_reserve) + ")"
+              : "";
       return ResourceExhaustedError("host budget of " + std::to_string(config.host_budget) +
                                     " bytes is below the minimum of " +
-                                    std::to_string(staging_bytes + room) +
-                                    " bytes with NVMe: " + why);
+                                    std::to_string(staging_bytes + room) + " bytes" +
+                                    reserve + " with NVMe: " + why);
     }
     // The NVMe tier before the host tiers, so that their slabs are registered with it as they
     // are mapped (NvmeRegisteringPinner); it is destroyed after them.

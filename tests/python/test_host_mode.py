@@ -183,6 +183,33 @@ def test_serving_everything_in_host_memory_is_resident_and_counts_the_kv_cache()
     assert rt.cache_bytes > 0  # the last forward's KV cache, counted in the host budget
 
 
+def test_host_reserve_keeps_room_for_the_kv_cache_of_a_model_served_from_nvme(tmp_path):
+    # Weights mostly on NVMe; generate() at batch 8 makes a KV cache (~0.9 MB) larger than
+    # the host room kept for NVMe-homed chunks in use. Host homes never move, so without
+    # host_reserve the cache cannot grow (a clear MemoryError); with it, it has room of its own.
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=96, n_positions=64, n_embd=64, n_layer=6,
+                                  n_head=2, bos_token_id=0, eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    ref = transformers.GPT2LMHeadModel(cfg).eval()
+    ids = torch.randint(1, 96, (8, 8), generator=torch.Generator().manual_seed(1))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+              pad_token_id=0)
+    expect = ref.generate(ids, **kw)
+    nvme = {"size": "64MiB", "path": str(tmp_path / "n")}
+    model = tiermem.inference(copy.deepcopy(ref), {"device_kind": "host", "host": "1600KiB",
+                                                   "nvme": nvme})
+    with pytest.raises(MemoryError, match="host tier: need .* nothing is evictable"):
+        model.generate(ids, **kw)
+    tiermem.runtime_of(model).close()
+    model = tiermem.inference(copy.deepcopy(ref), {"device_kind": "host", "host": "1600KiB",
+                                                   "host_reserve": "1MiB", "nvme": nvme})
+    assert torch.equal(model.generate(ids, **kw), expect)
+    rt = tiermem.runtime_of(model)
+    assert rt.stats()["bytes_moved"].get("nvme->host", 0) > 0
+    assert rt.cache_bytes > 512 * 1024
+
+
 def test_auto_picks_host_without_a_gpu_and_ignores_a_device_budget_with_a_warning(capfd):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: auto picks cuda")
