@@ -108,7 +108,8 @@ def main(argv=None):
               f"{a.device_frac:.0%} of the weights + the final KV cache "
               f"({kv_bytes(ref, b, tokens) / 2**20:.1f} MiB)", flush=True)
     print(f"tiermem-nvme: host budget {host_nvme / 2**20:.0f} MiB"
-          + (" + the final KV cache (host mode: no device)" if host_mode else ""), flush=True)
+          + (" + the final KV cache, kept as host_reserve (host mode: no device)"
+             if host_mode else ""), flush=True)
 
     def build(name, b):
         m = copy.deepcopy(ref)
@@ -122,11 +123,13 @@ def main(argv=None):
         if name == "tiermem-nvme":
             # In host mode the KV cache counts in the host budget: the weights' share stays
             # `--host-frac` at every batch size, as the device's does with a device.
-            host = host_nvme + (kv_bytes(ref, b, tokens) if host_mode else 0)
-            return tiermem.inference(m, {**tier_config("auto", device_budget(b), host),
+            # host_reserve keeps the cache's room free of weight homes (they never move).
+            kv = kv_bytes(ref, b, tokens) if host_mode else 0
+            extra_b = {**extra, "host_reserve": kv} if kv else extra
+            return tiermem.inference(m, {**tier_config("auto", device_budget(b), host_nvme + kv),
                                          "nvme": {"size": 2 * wbytes,
                                                   "path": os.path.join(workdir, f"nvme-{b}")},
-                                         **extra})
+                                         **extra_b})
         import accelerate
         if name == "acc-cpu":
             return accelerate.cpu_offload(m, execution_device=torch.device("cpu"))
