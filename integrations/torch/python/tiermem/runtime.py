@@ -507,8 +507,7 @@ class TiermemRuntime:
         if self.state.closed:
             return
         self.session.finish_trace()  # a recording in progress ends before the values are read
-        n = len(self.params)
-        values = [self.param_value(r) for r in self.params] if keep_values else [None] * n
+        values = [self.param_value(r) if keep_values else None for r in self.params]
         grads = [self.ops.materialized_copy(r.grad)
                  if keep_values and r.trainable and r.param.grad is r.grad
                  else None for r in self.params]

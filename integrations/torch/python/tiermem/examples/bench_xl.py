@@ -32,8 +32,10 @@ import time
 import torch
 
 import tiermem
+from tiermem.examples.bench_nvme_step import nvme_io
 from tiermem.examples.fio import fio_rates
 from tiermem.examples.gpt import GPT, GPTConfig, synthetic_batches
+from tiermem.examples.train_gpt import mem_total_bytes
 
 GB = 1e9
 GiB = 2 ** 30
@@ -71,11 +73,6 @@ def compute_seconds(c: GPTConfig, batch: int, reps: int) -> dict:
     t3 = plain_step_seconds(GPTConfig(**{**c.__dict__, "n_layer": 3}), batch, reps)
     b = (t3 - t1) / 2
     return {"1 block": t1, "3 blocks": t3, "per block": b, "model": t1 + b * (c.n_layer - 1)}
-
-
-def nvme_io(rt) -> tuple[int, int]:
-    io = rt.session.timeline_report()["io"]["nvme"]
-    return io["read_bytes"], io["write_bytes"]
 
 
 def main(argv=None):
@@ -117,8 +114,7 @@ def main(argv=None):
         if free < nvme_size + fio_bytes:
             raise SystemExit(f"needs {(nvme_size + fio_bytes) / GiB:.1f} GiB free in {workdir} "
                              f"(NVMe tier + fio's file), which has {free / GiB:.1f} GiB")
-        with open("/proc/meminfo") as f:
-            ram = int(next(l for l in f if l.startswith("MemTotal:")).split()[1]) * 1024
+        ram = mem_total_bytes()
         print(f"model: GPT {a.n_layer} x {a.n_embd}, {n_params / 1e9:.3f} B params; training "
               f"state ({a.state_dtype} m, v) {state / GiB:.1f} GiB = {state / ram:.2f}x RAM "
               f"({ram / GiB:.1f} GiB), params alone {4 * n_params / GiB:.1f} GiB; host "
@@ -160,7 +156,7 @@ def run(a, c, n_params, state, nvme_size, workdir):
           f"{rt.stats()['tiers']['nvme']['used'] / GiB:.2f} GiB", flush=True)
     steps = []
     for i, (x, y) in enumerate(synthetic_batches(c, a.batch, a.steps, seed=1)):
-        r0, w0 = nvme_io(rt)
+        io0 = nvme_io(rt)
         t = time.perf_counter()
         opt.zero_grad()
         loss = model(x, y)
@@ -168,10 +164,11 @@ def run(a, c, n_params, state, nvme_size, workdir):
         opt.step()
         lv = loss.item()
         dt = time.perf_counter() - t
-        r1, w1 = nvme_io(rt)
-        steps.append({"step": i + 1, "s": dt, "loss": lv, "read": r1 - r0, "write": w1 - w0})
-        print(f"  step {i + 1}: {dt:.1f} s, loss {lv:.4f}, NVMe read {(r1 - r0) / GB:.2f} GB, "
-              f"written {(w1 - w0) / GB:.2f} GB", flush=True)
+        io1 = nvme_io(rt)
+        read, written = (io1[k] - io0[k] for k in ("read_bytes", "write_bytes"))
+        steps.append({"step": i + 1, "s": dt, "loss": lv, "read": read, "write": written})
+        print(f"  step {i + 1}: {dt:.1f} s, loss {lv:.4f}, NVMe read {read / GB:.2f} GB, "
+              f"written {written / GB:.2f} GB", flush=True)
     plan = rt.stats()["plan"]
     rt.close(keep_values=False)  # the values may not fit in RAM: dropped, not made
     del model, opt
