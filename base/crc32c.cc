@@ -1,12 +1,12 @@
 // CRC32C. Three implementations, picked once by CPUID: (1) AVX-512 VPCLMULQDQ folding for
 // inputs of 256 bytes and more (about 3x the crc32 instruction's rate: it keeps checksumming
 // cheap next to a 2+ GB/s disk on a busy machine), (2) the SSE4.2 crc32 instruction, (3) a
-// table. All produce identical values (tested against the table). The SSE4.2 path runs three independent crc32q streams over three equal thirds of
-// a long buffer (the instruction has 3-cycle latency and 1-cycle throughput, so one stream
-// runs at a third of the possible rate) and merges them with the zero-extension operator:
-// crc(A||B) = shift(crc(A), |B|) ^ crc(B), where shift() over the fixed stream length is a
-// GF(2) matrix power turned into four byte tables once. The table path is the
-// classic reflected slice-by-8.
+// table. All produce identical values (tested against the table). The SSE4.2 path runs three
+// independent crc32q streams over three equal thirds of a long buffer (the instruction has 3-cycle
+// latency and 1-cycle throughput, so one stream runs at a third of the possible rate) and merges
+// them with the zero-extension operator: crc(A||B) = shift(crc(A), |B|) ^ crc(B), where shift()
+// over the fixed stream length is a GF(2) matrix power turned into four byte tables once. The table
+// path is the classic reflected slice-by-8.
 #include "base/crc32c.h"
 
 #include <array>
@@ -98,8 +98,7 @@ bool DetectSse42() {
   return (c & bit_SSE4_2) != 0;
 }
 
-__attribute__((target("sse4.2"))) uint32_t UpdateHw1(uint32_t c, const unsigned char* p,
-                                                      size_t n) {
+__attribute__((target("sse4.2"))) uint32_t UpdateHw1(uint32_t c, const unsigned char* p, size_t n) {
   uint64_t c64 = c;
   while (n >= 8) {
     uint64_t v;
@@ -128,7 +127,7 @@ struct ShiftTables {
 
 // Three streams over thirds of length `third` (a multiple of 8), then merged.
 __attribute__((target("sse4.2"))) uint32_t UpdateHw3(uint32_t c, const unsigned char* p,
-                                                      size_t third, const ShiftTables& shift) {
+                                                     size_t third, const ShiftTables& shift) {
   uint64_t c0 = c, c1 = 0, c2 = 0;
   const unsigned char* p1 = p + third;
   const unsigned char* p2 = p + 2 * third;
@@ -202,16 +201,16 @@ TIERMEM_VPCLMUL_TARGET inline __m128i Fold128(__m128i x, uint64_t lo, uint64_t h
 // using PCLMULQDQ"), 4 x 512-bit accumulators over 256-byte strides; the final 128 bits are
 // reduced with the crc32 instruction. Requires n >= 256.
 TIERMEM_VPCLMUL_TARGET uint32_t UpdateVpclmul(uint32_t c, const unsigned char* p, size_t n) {
-  const __m512i k2048 = _mm512_set_epi64(
-      static_cast<long long>(kFoldHi2048), static_cast<long long>(kFoldLo2048),
-      static_cast<long long>(kFoldHi2048), static_cast<long long>(kFoldLo2048),
-      static_cast<long long>(kFoldHi2048), static_cast<long long>(kFoldLo2048),
-      static_cast<long long>(kFoldHi2048), static_cast<long long>(kFoldLo2048));
-  const __m512i k512 = _mm512_set_epi64(
-      static_cast<long long>(kFoldHi512), static_cast<long long>(kFoldLo512),
-      static_cast<long long>(kFoldHi512), static_cast<long long>(kFoldLo512),
-      static_cast<long long>(kFoldHi512), static_cast<long long>(kFoldLo512),
-      static_cast<long long>(kFoldHi512), static_cast<long long>(kFoldLo512));
+  const __m512i k2048 =
+      _mm512_set_epi64(static_cast<long long>(kFoldHi2048), static_cast<long long>(kFoldLo2048),
+                       static_cast<long long>(kFoldHi2048), static_cast<long long>(kFoldLo2048),
+                       static_cast<long long>(kFoldHi2048), static_cast<long long>(kFoldLo2048),
+                       static_cast<long long>(kFoldHi2048), static_cast<long long>(kFoldLo2048));
+  const __m512i k512 =
+      _mm512_set_epi64(static_cast<long long>(kFoldHi512), static_cast<long long>(kFoldLo512),
+                       static_cast<long long>(kFoldHi512), static_cast<long long>(kFoldLo512),
+                       static_cast<long long>(kFoldHi512), static_cast<long long>(kFoldLo512),
+                       static_cast<long long>(kFoldHi512), static_cast<long long>(kFoldLo512));
   __m512i x0 = _mm512_loadu_si512(p);
   __m512i x1 = _mm512_loadu_si512(p + 64);
   __m512i x2 = _mm512_loadu_si512(p + 128);
@@ -221,8 +220,8 @@ TIERMEM_VPCLMUL_TARGET uint32_t UpdateVpclmul(uint32_t c, const unsigned char* p
   n -= 256;
   while (n >= 256) {
     x0 = _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x0, k2048, 0x00),
-                                   _mm512_clmulepi64_epi128(x0, k2048, 0x11),
-                                   _mm512_loadu_si512(p), 0x96);
+                                   _mm512_clmulepi64_epi128(x0, k2048, 0x11), _mm512_loadu_si512(p),
+                                   0x96);
     x1 = _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x1, k2048, 0x00),
                                    _mm512_clmulepi64_epi128(x1, k2048, 0x11),
                                    _mm512_loadu_si512(p + 64), 0x96);

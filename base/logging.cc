@@ -11,17 +11,23 @@ namespace {
 std::atomic<int> g_level{static_cast<int>(LogLevel::kWarn)};
 const char* LevelTag(LogLevel level) {
   switch (level) {
-    case LogLevel::kError: return "E";
-    case LogLevel::kWarn: return "W";
-    case LogLevel::kInfo: return "I";
-    case LogLevel::kDebug: return "D";
+    case LogLevel::kError:
+      return "E";
+    case LogLevel::kWarn:
+      return "W";
+    case LogLevel::kInfo:
+      return "I";
+    case LogLevel::kDebug:
+      return "D";
   }
   return "?";
 }
 }  // namespace
 
 // Relaxed is enough: the level is a filter, not a synchronisation point.
-void SetLogLevel(LogLevel level) { g_level.store(static_cast<int>(level), std::memory_order_relaxed); }
+void SetLogLevel(LogLevel level) {
+  g_level.store(static_cast<int>(level), std::memory_order_relaxed);
+}
 LogLevel GetLogLevel() { return static_cast<LogLevel>(g_level.load(std::memory_order_relaxed)); }
 
 StatusOr<LogLevel> ParseLogLevel(std::string_view t) {
@@ -34,10 +40,14 @@ StatusOr<LogLevel> ParseLogLevel(std::string_view t) {
 
 std::string_view LogLevelName(LogLevel level) {
   switch (level) {
-    case LogLevel::kError: return "error";
-    case LogLevel::kWarn: return "warn";
-    case LogLevel::kInfo: return "info";
-    case LogLevel::kDebug: return "debug";
+    case LogLevel::kError:
+      return "error";
+    case LogLevel::kWarn:
+      return "warn";
+    case LogLevel::kInfo:
+      return "info";
+    case LogLevel::kDebug:
+      return "debug";
   }
   return "warn";
 }

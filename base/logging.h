@@ -38,8 +38,7 @@ class LogMessage {
 }  // namespace tiermem
 
 // TIERMEM_LOG(kInfo) << "host tier: " << n << " bytes";
-#define TIERMEM_LOG(level)                                                   \
-  if (static_cast<int>(::tiermem::LogLevel::level) >                         \
-      static_cast<int>(::tiermem::GetLogLevel())) {                          \
-  } else                                                                     \
+#define TIERMEM_LOG(level)                                                                         \
+  if (static_cast<int>(::tiermem::LogLevel::level) > static_cast<int>(::tiermem::GetLogLevel())) { \
+  } else                                                                                           \
     ::tiermem::internal::LogMessage(::tiermem::LogLevel::level).stream()

@@ -81,8 +81,8 @@ Status ErrnoToStatus(int err, std::string_view context);
 template <typename T>
 class [[nodiscard]] StatusOr {
  public:
-  StatusOr(const T& value) : value_(value) {}            // NOLINT(runtime/explicit)
-  StatusOr(T&& value) : value_(std::move(value)) {}      // NOLINT(runtime/explicit)
+  StatusOr(const T& value) : value_(value) {}             // NOLINT(runtime/explicit)
+  StatusOr(T&& value) : value_(std::move(value)) {}       // NOLINT(runtime/explicit)
   StatusOr(Status status) : status_(std::move(status)) {  // NOLINT(runtime/explicit)
     assert(!status_.ok() && "StatusOr constructed from an OK status without a value");
     if (status_.ok()) status_ = InternalError("StatusOr constructed from OK status");
@@ -118,9 +118,9 @@ class [[nodiscard]] StatusOr {
 #define TIERMEM_CONCAT_INNER_(a, b) a##b
 #define TIERMEM_CONCAT_(a, b) TIERMEM_CONCAT_INNER_(a, b)
 
-#define TIERMEM_RETURN_IF_ERROR(expr)               \
-  do {                                              \
-    ::tiermem::Status tiermem_status_ = (expr);     \
+#define TIERMEM_RETURN_IF_ERROR(expr)                  \
+  do {                                                 \
+    ::tiermem::Status tiermem_status_ = (expr);        \
     if (!tiermem_status_.ok()) return tiermem_status_; \
   } while (0)
 

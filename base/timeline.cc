@@ -203,7 +203,7 @@ class FileTimelineRecorder final : public TimelineRecorder {
   }
 
   int fd_ TIERMEM_GUARDED_BY(file_mu_);  // -1 once closed
-  const Clock* clock_;    // not owned
+  const Clock* clock_;                   // not owned
   const uint64_t serial_;
   std::atomic<bool> closed_{false};
 

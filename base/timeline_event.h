@@ -31,26 +31,26 @@ enum class EventType : uint8_t {
                          // issued; asynchronous, its completion is not observed; `label` =
                          // the stream ("stream 0x...")
   // Added for sharded sessions (2026-12; readers before it reject this type):
-  kCollective = 14,      // a collective `label` ("all_gather", "reduce_scatter", "all_reduce")
-                         // over `bytes` (the full buffer's size on this rank) ended at ts_ns;
-                         // `id` = its duration in ns (it began at ts_ns - id)
+  kCollective = 14,  // a collective `label` ("all_gather", "reduce_scatter", "all_reduce")
+                     // over `bytes` (the full buffer's size on this rank) ended at ts_ns;
+                     // `id` = its duration in ns (it began at ts_ns - id)
 };
 
 enum EventFlags : uint8_t {
   kFlagNone = 0,
-  kFlagFailed = 1 << 0,  // kCopyEnd: the copy failed
-  kFlagClean = 1 << 1,   // kFree on eviction of a clean chunk: no copy was needed
-  kFlagManaged = 1 << 2, // kAlloc/kFree: CUDA managed (unified) memory (preload shim)
+  kFlagFailed = 1 << 0,   // kCopyEnd: the copy failed
+  kFlagClean = 1 << 1,    // kFree on eviction of a clean chunk: no copy was needed
+  kFlagManaged = 1 << 2,  // kAlloc/kFree: CUDA managed (unified) memory (preload shim)
 };
 
 // Fixed 40-byte record, little-endian on disk, written verbatim.
 struct Event {
-  uint64_t ts_ns = 0;       // monotonic ns (Clock); 0 when handed to Record() = "stamp it now"
-  uint64_t id = 0;          // region id, copy id or stall id (pairs begin/end); iteration number
-  uint64_t bytes = 0;       // size in bytes (alloc/free/copy/budget/oom)
-  uint32_t label = 0;       // interned string id, 0 = none; preload kAlloc/kFree: the stream
-  ChunkId chunk = kNoChunk; // the chunk concerned, if any
-  uint16_t lane = 0;        // recorder thread or copy lane
+  uint64_t ts_ns = 0;        // monotonic ns (Clock); 0 when handed to Record() = "stamp it now"
+  uint64_t id = 0;           // region id, copy id or stall id (pairs begin/end); iteration number
+  uint64_t bytes = 0;        // size in bytes (alloc/free/copy/budget/oom)
+  uint32_t label = 0;        // interned string id, 0 = none; preload kAlloc/kFree: the stream
+  ChunkId chunk = kNoChunk;  // the chunk concerned, if any
+  uint16_t lane = 0;         // recorder thread or copy lane
   EventType type = EventType::kAlloc;
   TierKind tier = TierKind::kNone;   // the tier (copy: source)
   TierKind tier2 = TierKind::kNone;  // copy: destination

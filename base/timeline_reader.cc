@@ -40,14 +40,13 @@ bool ChecksumMismatch(uint32_t stored, uint32_t computed) {
 #endif
 }
 
-bool ValidTier(TierKind t) {
-  return static_cast<int>(t) < kNumTierKinds || t == TierKind::kNone;
-}
+bool ValidTier(TierKind t) { return static_cast<int>(t) < kNumTierKinds || t == TierKind::kNone; }
 
 // Returns "" if `e` is well-formed, else what is wrong with it.
 std::string CheckEvent(const Event& e) {
   const int type = static_cast<int>(e.type);
-  if (type < static_cast<int>(EventType::kAlloc) || type > static_cast<int>(EventType::kCollective)) {
+  if (type < static_cast<int>(EventType::kAlloc) ||
+      type > static_cast<int>(EventType::kCollective)) {
     return "unknown event type " + std::to_string(type);
   }
   if (!ValidTier(e.tier) || !ValidTier(e.tier2)) {
@@ -119,7 +118,8 @@ Status TimelineReader::ReadHeader() {
   if (got < sizeof(h)) {
     // A prefix of a real header: the recorder was killed before writing it. Nothing to read.
     done_ = true;
-    end_note_ = "file ends at byte " + std::to_string(got) + " inside the file header; 0 events read";
+    end_note_ =
+        "file ends at byte " + std::to_string(got) + " inside the file header; 0 events read";
     return OkStatus();
   }
   if (ChecksumMismatch(GetU32(h + 36), Crc32c(h, 36))) {
@@ -157,11 +157,12 @@ Status TimelineReader::LoadBlock() {
     return OkStatus();
   }
   if (got < sizeof(h)) {
-    truncated_note("inside the header of block " + std::to_string(index) + " (which starts at byte " +
-                   std::to_string(block_start) + ")");
+    truncated_note("inside the header of block " + std::to_string(index) +
+                   " (which starts at byte " + std::to_string(block_start) + ")");
     return OkStatus();
   }
-  const std::string where = "block " + std::to_string(index) + " at byte " + std::to_string(block_start);
+  const std::string where =
+      "block " + std::to_string(index) + " at byte " + std::to_string(block_start);
   if (ChecksumMismatch(GetU32(h + 12), Crc32c(h, 12))) {
     return DataLossError("timeline: header checksum mismatch in " + where);
   }
@@ -193,8 +194,8 @@ Status TimelineReader::LoadBlock() {
       if (id == 0) return DataLossError("timeline: label id 0 defined in " + where);
       std::string text(reinterpret_cast<const char*>(payload_.data()) + 4, payload_bytes - 4);
       auto [it, inserted] = labels_.try_emplace(id, std::move(text));
-      if (!inserted && it->second != std::string_view(
-                                         reinterpret_cast<const char*>(payload_.data()) + 4,
+      if (!inserted &&
+          it->second != std::string_view(reinterpret_cast<const char*>(payload_.data()) + 4,
                                          payload_bytes - 4)) {
         return DataLossError("timeline: label " + std::to_string(id) + " redefined in " + where);
       }

@@ -10,10 +10,14 @@ namespace tiermem {
 
 std::string_view TierKindName(TierKind kind) {
   switch (kind) {
-    case TierKind::kDevice: return "device";
-    case TierKind::kHost: return "host";
-    case TierKind::kNvme: return "nvme";
-    case TierKind::kNone: return "none";
+    case TierKind::kDevice:
+      return "device";
+    case TierKind::kHost:
+      return "host";
+    case TierKind::kNvme:
+      return "nvme";
+    case TierKind::kNone:
+      return "none";
   }
   return "unknown";
 }
@@ -28,11 +32,16 @@ StatusOr<TierKind> ParseTierKind(std::string_view name) {
 
 std::string_view CategoryName(Category c) {
   switch (c) {
-    case Category::kParam: return "param";
-    case Category::kGrad: return "grad";
-    case Category::kOptimState: return "optim_state";
-    case Category::kActivation: return "activation";
-    case Category::kOther: return "other";
+    case Category::kParam:
+      return "param";
+    case Category::kGrad:
+      return "grad";
+    case Category::kOptimState:
+      return "optim_state";
+    case Category::kActivation:
+      return "activation";
+    case Category::kOther:
+      return "other";
   }
   return "unknown";
 }
@@ -57,16 +66,26 @@ StatusOr<Bytes> ParseBytes(std::string_view text) {
   double value = std::strtod(num.c_str(), &end);
   if (end != num.c_str() + num.size() || !std::isfinite(value) || value < 0) return bad();
   double mult = 1;
-  if (unit.empty() || unit == "b") mult = 1;
-  else if (unit == "k" || unit == "kib") mult = static_cast<double>(kKiB);
-  else if (unit == "m" || unit == "mib") mult = static_cast<double>(kMiB);
-  else if (unit == "g" || unit == "gib") mult = static_cast<double>(kGiB);
-  else if (unit == "t" || unit == "tib") mult = static_cast<double>(kTiB);
-  else if (unit == "kb") mult = 1e3;
-  else if (unit == "mb") mult = 1e6;
-  else if (unit == "gb") mult = 1e9;
-  else if (unit == "tb") mult = 1e12;
-  else return bad();
+  if (unit.empty() || unit == "b")
+    mult = 1;
+  else if (unit == "k" || unit == "kib")
+    mult = static_cast<double>(kKiB);
+  else if (unit == "m" || unit == "mib")
+    mult = static_cast<double>(kMiB);
+  else if (unit == "g" || unit == "gib")
+    mult = static_cast<double>(kGiB);
+  else if (unit == "t" || unit == "tib")
+    mult = static_cast<double>(kTiB);
+  else if (unit == "kb")
+    mult = 1e3;
+  else if (unit == "mb")
+    mult = 1e6;
+  else if (unit == "gb")
+    mult = 1e9;
+  else if (unit == "tb")
+    mult = 1e12;
+  else
+    return bad();
   double bytes = value * mult;
   if (bytes >= static_cast<double>(std::numeric_limits<Bytes>::max())) return bad();
   if (bytes != std::floor(bytes)) {

@@ -56,7 +56,7 @@ class AccessOrder {
   bool cyclic() const { return cyclic_; }
   uint64_t size() const { return order_.size(); }          // positions of the followed order
   uint64_t recorded() const { return recording_.size(); }  // acquires recorded this iteration
-  uint64_t position() const { return pos_; }  // the next expected entry
+  uint64_t position() const { return pos_; }               // the next expected entry
   // The position of the chunk's next acquire at or after position() (cyclic: possibly in
   // [size, 2 * size), the next iteration's); kNeverUsed when not following or not again.
   uint64_t NextUse(ChunkId chunk) const;

@@ -10,8 +10,9 @@
 // expert (that expert's rows and tensors); an item that fits in a chunk is placed like a
 // tensor that fits (contiguous, never straddling), so with a chunk of one item each expert
 // has a chunk of its own and moves alone; an item always starts a new chunk and nothing else
-// is placed in its last one, so an expert's chunks hold only that expert's slices. Invariants of a PieceLayout: every tensor's pieces
-// cover [0, numel) in order, each inside one chunk at an aligned offset, none overlapping.
+// is placed in its last one, so an expert's chunks hold only that expert's slices. Invariants of a
+// PieceLayout: every tensor's pieces cover [0, numel) in order, each inside one chunk at an aligned
+// offset, none overlapping.
 #include "chunks/chunk_layout.h"
 
 #include <algorithm>
@@ -20,11 +21,16 @@ namespace tiermem::chunks {
 
 std::string_view ChunkKindName(ChunkKind kind) {
   switch (kind) {
-    case ChunkKind::kParamLowp: return "param_lowp";
-    case ChunkKind::kParamFp32: return "param_fp32";
-    case ChunkKind::kExpAvg: return "exp_avg";
-    case ChunkKind::kExpAvgSq: return "exp_avg_sq";
-    case ChunkKind::kGrad: return "grad";
+    case ChunkKind::kParamLowp:
+      return "param_lowp";
+    case ChunkKind::kParamFp32:
+      return "param_fp32";
+    case ChunkKind::kExpAvg:
+      return "exp_avg";
+    case ChunkKind::kExpAvgSq:
+      return "exp_avg_sq";
+    case ChunkKind::kGrad:
+      return "grad";
   }
   return "unknown";
 }
@@ -32,10 +38,13 @@ std::string_view ChunkKindName(ChunkKind kind) {
 Category ChunkKindCategory(ChunkKind kind) {
   switch (kind) {
     case ChunkKind::kParamLowp:
-    case ChunkKind::kParamFp32: return Category::kParam;
-    case ChunkKind::kGrad: return Category::kGrad;
+    case ChunkKind::kParamFp32:
+      return Category::kParam;
+    case ChunkKind::kGrad:
+      return Category::kGrad;
     case ChunkKind::kExpAvg:
-    case ChunkKind::kExpAvgSq: return Category::kOptimState;
+    case ChunkKind::kExpAvgSq:
+      return Category::kOptimState;
   }
   return Category::kOther;
 }
@@ -84,9 +93,9 @@ Bytes MinimumDeviceBudget(uint64_t max_numel, Bytes device_bytes_per_elem,
   return max_numel * device_bytes_per_elem * static_cast<Bytes>(std::max(1, min_resident_chunks));
 }
 
-StatusOr<ChunkSizeChoice> ChooseChunkElems(const std::vector<uint64_t>& numels,
-                                           Bytes device_budget, Bytes device_bytes_per_elem,
-                                           int min_resident_chunks, uint64_t align_elems) {
+StatusOr<ChunkSizeChoice> ChooseChunkElems(const std::vector<uint64_t>& numels, Bytes device_budget,
+                                           Bytes device_bytes_per_elem, int min_resident_chunks,
+                                           uint64_t align_elems) {
   if (numels.empty()) return InvalidArgumentError("no tensors to lay out");
   if (device_bytes_per_elem == 0) return InvalidArgumentError("element size must be > 0");
   const uint64_t max_numel = *std::max_element(numels.begin(), numels.end());
@@ -150,9 +159,9 @@ struct ItemSlice {
 
 // Expert sets in order of their first tensor: per set, its expert items.
 struct ExpertSets {
-  std::vector<int> order;                                        // set ids, first-seen order
-  std::vector<std::vector<std::vector<ItemSlice>>> items;        // per set (order), per expert
-  std::vector<size_t> first;                                     // per set: its first tensor
+  std::vector<int> order;                                  // set ids, first-seen order
+  std::vector<std::vector<std::vector<ItemSlice>>> items;  // per set (order), per expert
+  std::vector<size_t> first;                               // per set: its first tensor
 };
 
 StatusOr<ExpertSets> FindExpertSets(const std::vector<PackTensor>& tensors) {
@@ -221,11 +230,12 @@ uint64_t ItemElems(const std::vector<PackTensor>& tensors, const std::vector<Ite
 Status CheckTensors(const std::vector<PackTensor>& tensors) {
   for (size_t i = 0; i < tensors.size(); ++i) {
     const PackTensor& t = tensors[i];
-    if (t.numel == 0) return InvalidArgumentError("tensor " + std::to_string(i) + " has 0 elements");
+    if (t.numel == 0)
+      return InvalidArgumentError("tensor " + std::to_string(i) + " has 0 elements");
     if (t.rows == 0 || t.numel % t.rows != 0) {
-      return InvalidArgumentError("tensor " + std::to_string(i) + " of " +
-                                  std::to_string(t.numel) + " elements cannot be split into " +
-                                  std::to_string(t.rows) + " rows");
+      return InvalidArgumentError("tensor " + std::to_string(i) + " of " + std::to_string(t.numel) +
+                                  " elements cannot be split into " + std::to_string(t.rows) +
+                                  " rows");
     }
   }
   return OkStatus();
@@ -247,8 +257,8 @@ class Packer {
   void Put(size_t t, uint64_t begin, uint64_t numel, int expert) {
     if (Rest() < numel) NewChunk();
     const uint64_t start = AlignUp(l_->group_used_elems.back(), align_);
-    l_->pieces[t].push_back(Piece{static_cast<uint32_t>(l_->group_used_elems.size() - 1), start,
-                                  numel, begin, expert});
+    l_->pieces[t].push_back(
+        Piece{static_cast<uint32_t>(l_->group_used_elems.size() - 1), start, numel, begin, expert});
     l_->group_used_elems.back() = start + numel;
   }
 
@@ -304,7 +314,7 @@ class Packer {
 
   const std::vector<PackTensor>& tensors_;
   PieceLayout* l_;
-  uint64_t align_;  // every piece starts at a multiple of it
+  uint64_t align_;       // every piece starts at a multiple of it
   bool sealed_ = false;  // the current chunk takes nothing more (an expert's last chunk)
 };
 
@@ -375,8 +385,8 @@ StatusOr<ChunkSizeChoice> ChooseChunkElems(const std::vector<PackTensor>& tensor
   if (limit < max_row) {
     return ResourceExhaustedError(
         "device budget of " + std::to_string(device_budget) + " bytes is below the minimum of " +
-        std::to_string(MinimumDeviceBudget(max_row, device_bytes_per_elem, resident)) +
-        " bytes (" + std::to_string(resident) + " chunks holding the largest piece a unit " +
+        std::to_string(MinimumDeviceBudget(max_row, device_bytes_per_elem, resident)) + " bytes (" +
+        std::to_string(resident) + " chunks holding the largest piece a unit " +
         "needs at once: a row of " + std::to_string(max_row) + " elements of tensor " +
         std::to_string(row_of) + ")");
   }

@@ -6,11 +6,11 @@
 // dimension (PackPieces), each in one chunk. Tensors of an *expert set* (the experts of one
 // mixture-of-experts layer: fused tensors whose first dimension indexes the experts, or
 // per-expert tensors) are packed expert by expert: one expert's slices of every tensor of the
-// set, contiguous, never straddling chunks when they fit in one. Every group has one chunk per kind (low-precision params, fp32 master params,
-// Adam m, Adam v, grads) and all kinds of a group use the same element offsets, so one layout
-// serves all of them; a kind's chunk size in bytes is capacity * its element size.
-// Offsets are aligned to kAlignElems elements so every tensor starts on a 128-byte boundary
-// for fp32 (vector kernels) and a 64-byte boundary for 16-bit kinds.
+// set, contiguous, never straddling chunks when they fit in one. Every group has one chunk per kind
+// (low-precision params, fp32 master params, Adam m, Adam v, grads) and all kinds of a group use
+// the same element offsets, so one layout serves all of them; a kind's chunk size in bytes is
+// capacity * its element size. Offsets are aligned to kAlignElems elements so every tensor starts
+// on a 128-byte boundary for fp32 (vector kernels) and a 64-byte boundary for 16-bit kinds.
 //
 // Thread-safety: values and pure functions.
 #pragma once
@@ -26,11 +26,11 @@
 namespace tiermem::chunks {
 
 enum class ChunkKind : uint8_t {
-  kParamLowp = 0,   // bf16/fp16 compute copy (absent in fp32 training)
-  kParamFp32 = 1,   // fp32 master params (the compute params in fp32 training)
-  kExpAvg = 2,      // Adam m
-  kExpAvgSq = 3,    // Adam v
-  kGrad = 4,        // gradients (fp32)
+  kParamLowp = 0,  // bf16/fp16 compute copy (absent in fp32 training)
+  kParamFp32 = 1,  // fp32 master params (the compute params in fp32 training)
+  kExpAvg = 2,     // Adam m
+  kExpAvgSq = 3,   // Adam v
+  kGrad = 4,       // gradients (fp32)
 };
 inline constexpr int kNumChunkKinds = 5;
 std::string_view ChunkKindName(ChunkKind kind);
@@ -45,10 +45,10 @@ struct Placement {
 };
 
 struct ChunkLayout {
-  uint64_t chunk_elems = 0;               // capacity of every chunk, in elements
-  std::vector<Placement> placements;      // one per input tensor, same order
-  std::vector<uint64_t> group_used_elems; // per group: end of its last tensor (aligned)
-  uint64_t total_numel = 0;               // sum of tensor numels
+  uint64_t chunk_elems = 0;                // capacity of every chunk, in elements
+  std::vector<Placement> placements;       // one per input tensor, same order
+  std::vector<uint64_t> group_used_elems;  // per group: end of its last tensor (aligned)
+  uint64_t total_numel = 0;                // sum of tensor numels
 
   size_t num_groups() const { return group_used_elems.size(); }
   // Elements allocated but holding no tensor (chunk tails and alignment padding).
@@ -73,14 +73,12 @@ struct ChunkSizeChoice {
 // per element fit in `device_budget` (ties: the smaller chunk). kResourceExhausted, naming the
 // minimum device budget in bytes, when even a chunk holding just the largest tensor doesn't fit.
 // Candidates are multiples of `align_elems`, and packed with that alignment.
-StatusOr<ChunkSizeChoice> ChooseChunkElems(const std::vector<uint64_t>& numels,
-                                           Bytes device_budget, Bytes device_bytes_per_elem,
-                                           int min_resident_chunks,
+StatusOr<ChunkSizeChoice> ChooseChunkElems(const std::vector<uint64_t>& numels, Bytes device_budget,
+                                           Bytes device_bytes_per_elem, int min_resident_chunks,
                                            uint64_t align_elems = kAlignElems);
 
 // The device budget below which ChooseChunkElems fails.
-Bytes MinimumDeviceBudget(uint64_t max_numel, Bytes device_bytes_per_elem,
-                          int min_resident_chunks);
+Bytes MinimumDeviceBudget(uint64_t max_numel, Bytes device_bytes_per_elem, int min_resident_chunks);
 
 // ---- pieces: tensors larger than a chunk, expert sets ------------------------------------
 
@@ -120,10 +118,11 @@ struct PieceLayout {
 // rest first). An expert set is placed where its first tensor comes: for e = 0..E-1, expert
 // e's item — row e of each fused tensor and every tensor of expert e, in input order — in
 // chunks of its own (starting a new chunk, and nothing else placed in its last one): one
-// contiguous run when it fits in a chunk, else piece by piece. kInvalidArgument: chunk_elems 0, a tensor of 0 elements or whose rows do
-// not divide it, a row larger than the chunk (named by index), an inconsistent expert set
-// (fused tensors with different expert counts, an expert index outside them).
-// Every piece starts at a multiple of `align_elems` (a multiple of kAlignElems, as PackTensors).
+// contiguous run when it fits in a chunk, else piece by piece. kInvalidArgument: chunk_elems 0, a
+// tensor of 0 elements or whose rows do not divide it, a row larger than the chunk (named by
+// index), an inconsistent expert set (fused tensors with different expert counts, an expert index
+// outside them). Every piece starts at a multiple of `align_elems` (a multiple of kAlignElems, as
+// PackTensors).
 StatusOr<PieceLayout> PackPieces(const std::vector<PackTensor>& tensors, uint64_t chunk_elems,
                                  uint64_t align_elems = kAlignElems);
 

@@ -60,7 +60,10 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config, Eng
 
 Engine::Engine(const EngineConfig& config, EngineTiers tiers, Mover* mover,
                TimelineRecorder* recorder, std::unique_ptr<EvictionPolicy> policy)
-    : config_(config), tiers_(tiers), mover_(mover), recorder_(recorder),
+    : config_(config),
+      tiers_(tiers),
+      mover_(mover),
+      recorder_(recorder),
       policy_(std::move(policy)) {}
 
 Engine::~Engine() {
@@ -76,10 +79,14 @@ Engine::~Engine() {
 
 Tier* Engine::TierOf(TierKind k) const {
   switch (k) {
-    case TierKind::kDevice: return tiers_.device;
-    case TierKind::kHost: return tiers_.host;
-    case TierKind::kNvme: return tiers_.nvme;
-    default: return nullptr;
+    case TierKind::kDevice:
+      return tiers_.device;
+    case TierKind::kHost:
+      return tiers_.host;
+    case TierKind::kNvme:
+      return tiers_.nvme;
+    default:
+      return nullptr;
   }
 }
 
@@ -244,8 +251,7 @@ Status Engine::WaitInflight(ChunkId chunk, std::string_view cause) {
   return OkStatus();
 }
 
-std::shared_ptr<Completion> Engine::StartMove(ChunkId chunk, const Placed& src,
-                                              const Placed& dst) {
+std::shared_ptr<Completion> Engine::StartMove(ChunkId chunk, const Placed& src, const Placed& dst) {
   const ChunkRec& c = chunks_[chunk];
   MoveRequest r;
   r.src = Endpoint{TierOf(src.tier), src.region, 0};
@@ -271,9 +277,9 @@ Status Engine::FillZero(ChunkId chunk, const Placed& dst, std::string_view cause
     std::memset(dst.region.addr, 0, n);
     return OkStatus();
   }
-  return WaitStall(TierOf(dst.tier)->Copy(CopyRequest{dst.region, 0, Zeros(n), n,
-                                                      CopyDir::kToTier}),
-                   chunk, cause);
+  return WaitStall(
+      TierOf(dst.tier)->Copy(CopyRequest{dst.region, 0, Zeros(n), n, CopyDir::kToTier}), chunk,
+      cause);
 }
 
 char* Engine::Zeros(Bytes n) {
@@ -352,9 +358,8 @@ StatusOr<Region> Engine::AllocateOn(TierKind tier, ChunkId chunk, bool for_prefe
                        prefetch_pos);
 }
 
-StatusOr<Region> Engine::AllocateBytes(TierKind tier, Bytes bytes, ChunkId chunk,
-                                       Category category, bool for_prefetch,
-                                       uint64_t prefetch_pos) {
+StatusOr<Region> Engine::AllocateBytes(TierKind tier, Bytes bytes, ChunkId chunk, Category category,
+                                       bool for_prefetch, uint64_t prefetch_pos) {
   Tier* t = TierOf(tier);
   for (;;) {
     // Allocate only when the budget has room: a failed Allocate is not an error here.
@@ -381,15 +386,13 @@ StatusOr<Region> Engine::AllocateBytes(TierKind tier, Bytes bytes, ChunkId chunk
     if (const Bytes ext = external_[static_cast<int>(tier)]; ext > 0) {
       external = ", " + std::to_string(ext) + " bytes of the budget held by non-chunk " +
                  std::string(TierKindName(tier)) + " memory (" +
-                 (tier == TierKind::kDevice ? "KV cache, activations" : "activations") +
-                 ")";
+                 (tier == TierKind::kDevice ? "KV cache, activations" : "activations") + ")";
     }
     return ResourceExhaustedError(
         std::string(TierKindName(tier)) + " tier: need " + std::to_string(bytes) + " bytes for " +
-        (chunk == kNoChunk ? std::string("scratch") : "chunk " + std::to_string(chunk)) +
-        ", but " + std::to_string(st.used) +
-        " of " + std::to_string(st.capacity) + " bytes are in use (" + std::to_string(pinned) +
-        " bytes pinned" + external + ") and nothing is evictable");
+        (chunk == kNoChunk ? std::string("scratch") : "chunk " + std::to_string(chunk)) + ", but " +
+        std::to_string(st.used) + " of " + std::to_string(st.capacity) + " bytes are in use (" +
+        std::to_string(pinned) + " bytes pinned" + external + ") and nothing is evictable");
   }
 }
 
@@ -412,11 +415,10 @@ Status Engine::SetExternalBytes(TierKind tier, Bytes bytes) {
   auto refuse = [&](Bytes capacity, Bytes fixed) {
     std::string held = std::to_string(fixed) + " bytes of chunks in use now";
     if (homes > 0) held += " and chunk homes";
-    return ResourceExhaustedError(name + " tier: " + std::to_string(bytes) + what +
-                                  " do not fit the budget of " + std::to_string(capacity) +
-                                  " bytes next to the " + held + "; the " + name +
-                                  " budget must be at least " + std::to_string(bytes + fixed) +
-                                  " bytes");
+    return ResourceExhaustedError(
+        name + " tier: " + std::to_string(bytes) + what + " do not fit the budget of " +
+        std::to_string(capacity) + " bytes next to the " + held + "; the " + name +
+        " budget must be at least " + std::to_string(bytes + fixed) + " bytes");
   };
   // Refused before anything is evicted when what cannot move leaves too little room.
   const Bytes capacity = t->Stats().capacity;
@@ -469,8 +471,8 @@ uint64_t Engine::NextUse(ChunkId chunk) const {
   if (chunks_[chunk].soon) return order_.position();  // hinted: needed now
   const uint64_t ordered = order_.NextUse(chunk);
   if (!order_.following()) return ordered;
-  return std::min(ordered, scores_.ExpectedNextUse(chunk, order_.position(), order_.size(),
-                                                   order_.cyclic()));
+  return std::min(
+      ordered, scores_.ExpectedNextUse(chunk, order_.position(), order_.size(), order_.cyclic()));
 }
 
 StatusOr<bool> Engine::PrefetchHint(ChunkId chunk, TierKind where, double probability) {
@@ -505,8 +507,7 @@ StatusOr<bool> Engine::PrefetchHint(ChunkId chunk, TierKind where, double probab
   return true;
 }
 
-StatusOr<void*> Engine::AcquireImpl(ChunkId chunk, TierKind where, bool* must_zero,
-                                    uint32_t cls) {
+StatusOr<void*> Engine::AcquireImpl(ChunkId chunk, TierKind where, bool* must_zero, uint32_t cls) {
   TIERMEM_RETURN_IF_ERROR(CheckChunk(chunk));
   if (where != TierKind::kDevice && where != TierKind::kHost) {
     return InvalidArgumentError("engine: chunks are acquired on device or host, not " +
@@ -519,10 +520,15 @@ StatusOr<void*> Engine::AcquireImpl(ChunkId chunk, TierKind where, bool* must_ze
   } else if (tracing_) {
     scores_.EndVisit();
     switch (order_.Observe(chunk, where)) {
-      case AccessOrder::Follow::kResynced: ++stats_.resynced; break;
-      case AccessOrder::Follow::kDiverged: ++stats_.diverged; break;  // reactive (LRU) now
+      case AccessOrder::Follow::kResynced:
+        ++stats_.resynced;
+        break;
+      case AccessOrder::Follow::kDiverged:
+        ++stats_.diverged;
+        break;  // reactive (LRU) now
       case AccessOrder::Follow::kNotFollowing:
-      case AccessOrder::Follow::kMatched: break;
+      case AccessOrder::Follow::kMatched:
+        break;
     }
   }
   ++stats_.acquires;
@@ -541,9 +547,8 @@ StatusOr<void*> Engine::AcquireImpl(ChunkId chunk, TierKind where, bool* must_ze
   }
   const TierKind resident = c->cache.tier != TierKind::kNone ? c->cache.tier : c->home.tier;
   if (resident != where && c->pins > 0) {
-    return FailedPreconditionError("engine: chunk " + std::to_string(chunk) +
-                                   " is pinned on the " + std::string(TierKindName(resident)) +
-                                   " tier");
+    return FailedPreconditionError("engine: chunk " + std::to_string(chunk) + " is pinned on the " +
+                                   std::string(TierKindName(resident)) + " tier");
   }
   if (resident != where) {
     if (where == c->home.tier) {
@@ -629,8 +634,8 @@ void Engine::StartFill(ChunkId id, const Placed& dst) {
   // compute stream after the first kind only (its one copy is all the tier sees).
   cc.direct_fill = cc.zero || cc.home.tier == TierKind::kHost;
   if (cc.zero) {
-    cc.inflight = TierOf(dst.tier)->Copy(CopyRequest{dst.region, 0, Zeros(cc.bytes), cc.bytes,
-                                                     CopyDir::kToTier});
+    cc.inflight = TierOf(dst.tier)->Copy(
+        CopyRequest{dst.region, 0, Zeros(cc.bytes), cc.bytes, CopyDir::kToTier});
     cc.dirty = true;
     cc.zero = false;
   } else {
@@ -911,9 +916,9 @@ Status Engine::ReadAt(ChunkId chunk, Bytes offset, void* dst, Bytes n) {
   }
   TIERMEM_RETURN_IF_ERROR(MarkDeviceUse(chunk));  // after the work queued on it so far
   const Placed& at = c.cache.tier != TierKind::kNone ? c.cache : c.home;
-  return WaitStall(TierOf(at.tier)->Copy(CopyRequest{at.region, offset, dst, n,
-                                                     CopyDir::kFromTier}),
-                   chunk, "read");
+  return WaitStall(
+      TierOf(at.tier)->Copy(CopyRequest{at.region, offset, dst, n, CopyDir::kFromTier}), chunk,
+      "read");
 }
 
 Status Engine::WriteAt(ChunkId chunk, Bytes offset, const void* src, Bytes n) {
@@ -932,8 +937,8 @@ Status Engine::WriteAt(ChunkId chunk, Bytes offset, const void* src, Bytes n) {
   const Placed& at = cached ? c.cache : c.home;
   TIERMEM_RETURN_IF_ERROR(MarkDeviceUse(chunk));  // not under work queued on it so far
   TIERMEM_RETURN_IF_ERROR(
-      WaitStall(TierOf(at.tier)->Copy(CopyRequest{at.region, offset, const_cast<void*>(src), n,
-                                                  CopyDir::kToTier}),
+      WaitStall(TierOf(at.tier)->Copy(
+                    CopyRequest{at.region, offset, const_cast<void*>(src), n, CopyDir::kToTier}),
                 chunk, "write"));
   if (cached) c.dirty = true;
   return OkStatus();

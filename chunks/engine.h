@@ -24,12 +24,12 @@
 // Write-behind: while the order is followed, a chunk released modified and unpinned whose
 // next use is more than 2 x `prefetch_depth` acquires away (or not again this iteration), on
 // a tier that had to evict during the previous iteration (without pressure the copy would
-// just stay), is written home in the background right away, so that its later eviction only frees the
-// region instead of stalling on the write. The copy is in flight like a prefetch: anything
-// that touches the chunk (acquire, evict, read, write, zero, flush) waits for it first, so
-// nothing writes the cached copy while it is being read; when it is done the chunk is clean.
-// A failed write-back leaves the cached copy in place and dirty (nothing is lost) and is
-// returned by whatever waited for it.
+// just stay), is written home in the background right away, so that its later eviction only frees
+// the region instead of stalling on the write. The copy is in flight like a prefetch: anything that
+// touches the chunk (acquire, evict, read, write, zero, flush) waits for it first, so nothing
+// writes the cached copy while it is being read; when it is done the chunk is clean. A failed
+// write-back leaves the cached copy in place and dirty (nothing is lost) and is returned by
+// whatever waited for it.
 //
 // Cyclic order (SetCyclic, for serving: every iteration is the same forward): the recorded
 // order is taken to repeat, so the prefetch window runs past the end of the iteration into
@@ -107,8 +107,8 @@ struct EngineTiers {
   // Optional: without one (device_kind "host") the host tier is where compute acquires
   // chunks, and every device call (Acquire, external bytes, scratch) is kFailedPrecondition.
   Tier* device = nullptr;
-  Tier* host = nullptr;    // required, byte-addressable
-  Tier* nvme = nullptr;    // optional
+  Tier* host = nullptr;  // required, byte-addressable
+  Tier* nvme = nullptr;  // optional
 };
 
 struct EngineStats {
@@ -195,7 +195,7 @@ class Engine {
   // copies are current (e.g. before a checkpoint).
   Status Flush();
 
-  void BeginIteration();                 // ends the recorded order of the previous one
+  void BeginIteration();  // ends the recorded order of the previous one
   // Off: acquires are neither recorded into this iteration's order nor matched against the
   // previous one, and start no prefetch (eval / no-grad forwards between training
   // iterations). On by default.
@@ -212,12 +212,12 @@ class Engine {
   Status SetExternalDeviceBytes(Bytes bytes) { return SetExternalBytes(TierKind::kDevice, bytes); }
   Bytes external_bytes(TierKind tier) const { return external_[static_cast<int>(tier)]; }
   Bytes external_device_bytes() const { return external_bytes(TierKind::kDevice); }
-  void Moment(std::string_view label);   // timeline moment
+  void Moment(std::string_view label);  // timeline moment
   // A collective the binding ran (`op`, over `bytes`, `ns` long, ending now): a timeline
   // kCollective event.
   void RecordCollective(std::string_view op, Bytes bytes, uint64_t ns);
-  void Phase(std::string_view label);    // timeline phase
-  Status Synchronize();                  // waits for all moves in flight
+  void Phase(std::string_view label);  // timeline phase
+  Status Synchronize();                // waits for all moves in flight
 
   // ---- scratch (see the file comment) ----
   // kResourceExhausted (nothing changed; on the device or host an OOM event recorded) when the
@@ -273,19 +273,19 @@ class Engine {
     Placed home;
     Placed cache;  // tier kNone: no cached copy
     bool dirty = false;
-    bool zero = true;  // content is all zeros, whatever the regions hold
+    bool zero = true;          // content is all zeros, whatever the regions hold
     bool zero_content = true;  // ZeroContent(): also true after a zero-filled copy was made
     int pins = 0;
     uint64_t last_use = 0;
     std::shared_ptr<Completion> inflight;  // prefetch into `cache`, or a write-behind from it
     bool writing_back = false;             // `inflight` is a write-behind (cache -> home)
     bool direct_fill = false;  // `inflight` is a prefetch made of one copy into the cache
-    bool drop_after = false;  // writing_back for a planned eviction: free the copy when done
-    bool soon = false;        // PrefetchHint'ed and not acquired since: not to be evicted
+    bool drop_after = false;   // writing_back for a planned eviction: free the copy when done
+    bool soon = false;         // PrefetchHint'ed and not acquired since: not to be evicted
   };
 
-  Engine(const EngineConfig& config, EngineTiers tiers, Mover* mover,
-         TimelineRecorder* recorder, std::unique_ptr<EvictionPolicy> policy);
+  Engine(const EngineConfig& config, EngineTiers tiers, Mover* mover, TimelineRecorder* recorder,
+         std::unique_ptr<EvictionPolicy> policy);
   Tier* TierOf(TierKind k) const;
   Status CheckChunk(ChunkId chunk) const;
   // kFailedPrecondition for `what` on a tier this stack does not have (no device: host mode).

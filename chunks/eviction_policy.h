@@ -17,10 +17,10 @@ inline constexpr uint64_t kNeverUsed = UINT64_MAX;
 struct EvictionCandidate {
   ChunkId chunk = kNoChunk;
   Bytes bytes = 0;
-  bool dirty = false;          // evicting it costs a write-back of `bytes`
-  uint64_t last_use = 0;       // access counter of its last acquire (bigger = more recent)
+  bool dirty = false;              // evicting it costs a write-back of `bytes`
+  uint64_t last_use = 0;           // access counter of its last acquire (bigger = more recent)
   uint64_t next_use = kNeverUsed;  // position of its next acquire in the recorded order
-  bool order_known = false;    // next_use is meaningful (a recorded order is being followed)
+  bool order_known = false;        // next_use is meaningful (a recorded order is being followed)
 };
 
 class EvictionPolicy {

@@ -86,8 +86,8 @@ uint64_t ClassScores::ExpectedNextUse(ChunkId chunk, uint64_t pos, uint64_t size
   const double p = PickProbability(chunk);
   if (p <= 0) return kNeverUsed;
   // Visits apart: an iteration's order over its visits of the class.
-  const double gap = static_cast<double>(std::max<uint64_t>(size, 1)) /
-                     static_cast<double>(c.positions.size());
+  const double gap =
+      static_cast<double>(std::max<uint64_t>(size, 1)) / static_cast<double>(c.positions.size());
   const double expected = static_cast<double>(next) + (1.0 / p - 1.0) * gap;
   constexpr double kCap = 1e18;
   return static_cast<uint64_t>(std::min(expected, kCap));

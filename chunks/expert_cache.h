@@ -64,12 +64,12 @@ class ClassScores {
  private:
   struct Member {
     uint32_t cls = kNoClass;
-    double picks = 0;        // decayed, as of visit `seen` of its class
-    uint64_t seen = 0;       // the class's visit count when `picks` was last brought up to date
-    uint64_t last_visit = 0; // the visit that last counted a pick (once per visit)
+    double picks = 0;         // decayed, as of visit `seen` of its class
+    uint64_t seen = 0;        // the class's visit count when `picks` was last brought up to date
+    uint64_t last_visit = 0;  // the visit that last counted a pick (once per visit)
   };
   struct Class {
-    uint64_t visits = 0;      // all visits so far
+    uint64_t visits = 0;  // all visits so far
     double decayed_visits = 0;
     double decayed_picks = 0;  // every member's picks, decayed alike (for the mean rate)
     uint32_t members = 0;

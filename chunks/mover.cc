@@ -56,7 +56,7 @@ Status CheckBounds(const Endpoint& e, Bytes bytes, const char* side) {
 
 struct Lane {
   uint16_t id = 0;
-  uint32_t label = 0;                   // interned "src->dst" tier names; 0 without a recorder
+  uint32_t label = 0;                  // interned "src->dst" tier names; 0 without a recorder
   std::unique_ptr<WorkerPool> worker;  // host->host lanes only
 };
 
@@ -95,8 +95,11 @@ class Bounce : public std::enable_shared_from_this<Bounce> {
  public:
   Bounce(const MoveRequest& req, std::shared_ptr<StagingPool> pool,
          std::shared_ptr<Completion> done, Bytes slot_bytes, int slots, bool inline_work)
-      : req_(req), pool_(std::move(pool)), done_(std::move(done)),
-        slot_bytes_(std::min(slot_bytes, req.bytes)), max_slots_(slots),
+      : req_(req),
+        pool_(std::move(pool)),
+        done_(std::move(done)),
+        slot_bytes_(std::min(slot_bytes, req.bytes)),
+        max_slots_(slots),
         inline_work_(inline_work) {}
 
   // Allocates up to max_slots_ slots (fewer if the staging tier is short) and starts one piece
@@ -160,9 +163,8 @@ class Bounce : public std::enable_shared_from_this<Bounce> {
         self->PieceDone(slot, s);
         return;
       }
-      auto write = self->req_.dst.tier->Copy(
-          {self->req_.dst.region, self->req_.dst.offset + off, buf, n, CopyDir::kToTier,
-           self->inline_work_});
+      auto write = self->req_.dst.tier->Copy({self->req_.dst.region, self->req_.dst.offset + off,
+                                              buf, n, CopyDir::kToTier, self->inline_work_});
       write->OnDone([self, slot](const Status& s2) { self->PieceDone(slot, s2); });
     });
   }
@@ -216,8 +218,7 @@ class MoverImpl final : public Mover {
       : config_(config),
         pool_(std::make_shared<StagingPool>(staging)),
         recorder_(recorder),
-        arena_(config.memcpy_threads > 0 ? config.memcpy_threads
-                                         : tbb::task_arena::automatic) {}
+        arena_(config.memcpy_threads > 0 ? config.memcpy_threads : tbb::task_arena::automatic) {}
 
   ~MoverImpl() override {
     MutexLock lock(mu_);
@@ -273,7 +274,7 @@ class MoverImpl final : public Mover {
           std::memmove(dst, src, n);
         } else {
           constexpr Bytes kPiece = 1 * kMiB;
-          int hb = 0;  // TSan token: libtbb is uninstrumented (base/sanitizers.h)
+          int hb = 0;        // TSan token: libtbb is uninstrumented (base/sanitizers.h)
           TsanRelease(&hb);  // this thread's view of src/dst -> the pieces
           arena->execute([&] {
             tbb::parallel_for(tbb::blocked_range<Bytes>(0, (n + kPiece - 1) / kPiece),
@@ -301,7 +302,8 @@ class MoverImpl final : public Mover {
                                         std::max(1, config_.staging_slots), config_.inline_work);
       b->Start();
     }
-    const int si = static_cast<int>(req.src.tier->kind()), di = static_cast<int>(req.dst.tier->kind());
+    const int si = static_cast<int>(req.src.tier->kind()),
+              di = static_cast<int>(req.dst.tier->kind());
     std::shared_ptr<Counters> counters = counters_;
     const Bytes n = req.bytes;
     const uint64_t t0 = Clock::Real()->NowNs();
@@ -325,7 +327,8 @@ class MoverImpl final : public Mover {
     if (lane == nullptr) {
       lane = std::make_unique<Lane>();
       lane->id = static_cast<uint16_t>(lanes_.size());
-      if (recorder_ != nullptr) lane->label = recorder_->InternLabel(src->name() + "->" + dst->name());
+      if (recorder_ != nullptr)
+        lane->label = recorder_->InternLabel(src->name() + "->" + dst->name());
       if (host_to_host) lane->worker = std::make_unique<WorkerPool>(1);
     }
     return lane.get();

@@ -4,8 +4,9 @@
 // address); host<->NVMe to the NVMe tier's Copy; host<->host is a (parallel) memcpy;
 // device<->NVMe bounces through pinned host staging slots (device->host->NVMe and back),
 // pipelined slot by slot; a bounce that finds no free slot while other bounces hold some waits
-// for them (a failure only when the staging tier is full of something else). Every move is recorded in the timeline (copy begin/end, with the
-// source and destination tier, bytes, chunk and category) when a recorder is attached.
+// for them (a failure only when the staging tier is full of something else). Every move is recorded
+// in the timeline (copy begin/end, with the source and destination tier, bytes, chunk and category)
+// when a recorder is attached.
 //
 // Ordering: moves are independent; a caller that needs B after A waits on A's completion
 // (or chains with Completion::OnDone). A region must not be freed or written while a move
@@ -32,14 +33,14 @@ struct MoveRequest {
   Endpoint src;
   Endpoint dst;
   Bytes bytes = 0;
-  ChunkId chunk = kNoChunk;           // for the timeline
+  ChunkId chunk = kNoChunk;  // for the timeline
   Category category = Category::kOther;
 };
 
 struct MoverConfig {
   Bytes staging_slot_bytes = 4 * kMiB;  // device<->NVMe bounce slot size
-  int staging_slots = 4;                 // slots in flight per device<->NVMe move
-  int memcpy_threads = 0;                // host<->host parallel memcpy threads (0 = all cores)
+  int staging_slots = 4;                // slots in flight per device<->NVMe move
+  int memcpy_threads = 0;               // host<->host parallel memcpy threads (0 = all cores)
   Bytes parallel_memcpy_min_bytes = 8 * kMiB;  // host<->host copies this big are split over them
   // A bounce's piece copies ask the tiers to do their checksum work on the threads that drive
   // them (CopyRequest::inline_work) rather than hand each piece to a worker pool.

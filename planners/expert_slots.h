@@ -43,9 +43,7 @@ class ExpertSlots {
   explicit ExpertSlots(const Plan& plan);
 
   bool active() const { return !slots_.empty(); }  // the plan has expert classes
-  bool IsMember(ChunkId c) const {
-    return c < class_of_.size() && class_of_[c] != kNoExpertSet;
-  }
+  bool IsMember(ChunkId c) const { return c < class_of_.size() && class_of_[c] != kNoExpertSet; }
   uint32_t ClassOf(ChunkId c) const { return IsMember(c) ? class_of_[c] : kNoExpertSet; }
 
   // Start of an iteration: no member bound.
@@ -55,20 +53,18 @@ class ExpertSlots {
   // bound (served by the class policy alone). kNoChunk for a dense chunk.
   ChunkId Bind(ChunkId actual);
   // The member bound to slot `slot` (a chunk the plan names), kNoChunk if none (yet).
-  ChunkId Resolve(ChunkId slot) const {
-    return slot < bound_.size() ? bound_[slot] : kNoChunk;
-  }
+  ChunkId Resolve(ChunkId slot) const { return slot < bound_.size() ? bound_[slot] : kNoChunk; }
   // The slot `actual` is bound to, kNoChunk if none.
   ChunkId SlotOf(ChunkId actual) const {
     return actual < slot_of_.size() ? slot_of_[actual] : kNoChunk;
   }
 
  private:
-  std::vector<uint32_t> class_of_;            // per chunk (kNoExpertSet: dense)
-  std::vector<std::vector<ChunkId>> slots_;   // per class: the slot chunks, in plan order
-  std::vector<uint32_t> next_free_;           // per class: slots bound so far
-  std::vector<ChunkId> bound_;                // per slot chunk: the member bound to it
-  std::vector<ChunkId> slot_of_;              // per member: its slot
+  std::vector<uint32_t> class_of_;           // per chunk (kNoExpertSet: dense)
+  std::vector<std::vector<ChunkId>> slots_;  // per class: the slot chunks, in plan order
+  std::vector<uint32_t> next_free_;          // per class: slots bound so far
+  std::vector<ChunkId> bound_;               // per slot chunk: the member bound to it
+  std::vector<ChunkId> slot_of_;             // per member: its slot
 };
 
 }  // namespace tiermem::planners

@@ -14,13 +14,13 @@
 #include <array>
 #include <cstdint>
 #include <string>
-#include <vector>
 #include <string_view>
 #include <utility>
+#include <vector>
 
-#include "planners/trace.h"
 #include "base/status.h"
 #include "base/units.h"
+#include "planners/trace.h"
 
 namespace tiermem::planners {
 

@@ -84,7 +84,7 @@ StatusOr<Trace> ModelTrace(const ModelShape& s) {
   // split into pieces, one per chunk.
   const uint64_t expert_item =
       s.experts == 0 ? 0 : AlignUp(AlignUp(4 * d * d + 4 * d, kAlign) + 4 * d * d + d, kAlign);
-  const uint64_t chunk_elems = s.chunk_elems != 0   ? s.chunk_elems
+  const uint64_t chunk_elems = s.chunk_elems != 0 ? s.chunk_elems
                                : expert_item != 0 ? expert_item
                                                   : AlignUp(largest, kAlign);
   if (chunk_elems < largest && s.experts == 0) {
@@ -147,8 +147,8 @@ StatusOr<Trace> ModelTrace(const ModelShape& s) {
   if (!(s.state_bytes_per_elem > 0 && s.state_bytes_per_elem <= 4)) {
     return InvalidArgumentError("model trace: state_bytes_per_elem must be in (0, 4]");
   }
-  const Bytes state_bytes = static_cast<Bytes>(
-      std::ceil(static_cast<double>(chunk_elems) * s.state_bytes_per_elem));
+  const Bytes state_bytes =
+      static_cast<Bytes>(std::ceil(static_cast<double>(chunk_elems) * s.state_bytes_per_elem));
 
   TraceBuilder tb;
   const char* kinds[4] = {"param", "grad", "exp_avg", "exp_avg_sq"};
@@ -182,16 +182,16 @@ StatusOr<Trace> ModelTrace(const ModelShape& s) {
   tb.SetRates(r);
   const Bytes total = Bytes{groups} * 4 * chunk_bytes;
   tb.SetBudgets(TraceBudgets{total, 2 * total, 0});
-  tb.SetSource(
-      "tiermem plan synth " + s.name + ": layers=" + std::to_string(L) +
-      " d_model=" + std::to_string(d) + " heads=" + std::to_string(s.heads) + " vocab=" +
-      std::to_string(s.vocab) + " seq=" + std::to_string(T) + " batch=" + std::to_string(s.batch) +
-      (s.tied_embeddings ? " tied" : "") + (s.checkpointing ? " checkpointing" : "") +
-      (s.experts > 0 ? " experts=" + std::to_string(s.experts) + " top_k=" + std::to_string(s.top_k) +
-                           (s.mark_experts ? "" : " unmarked")
-                     : "") +
-      " chunk_elems=" + std::to_string(chunk_elems) +
-      " iterations=" + std::to_string(s.iterations) + " seed=" + std::to_string(s.seed));
+  tb.SetSource("tiermem plan synth " + s.name + ": layers=" + std::to_string(L) +
+               " d_model=" + std::to_string(d) + " heads=" + std::to_string(s.heads) +
+               " vocab=" + std::to_string(s.vocab) + " seq=" + std::to_string(T) +
+               " batch=" + std::to_string(s.batch) + (s.tied_embeddings ? " tied" : "") +
+               (s.checkpointing ? " checkpointing" : "") +
+               (s.experts > 0 ? " experts=" + std::to_string(s.experts) + " top_k=" +
+                                    std::to_string(s.top_k) + (s.mark_experts ? "" : " unmarked")
+                              : "") +
+               " chunk_elems=" + std::to_string(chunk_elems) +
+               " iterations=" + std::to_string(s.iterations) + " seed=" + std::to_string(s.seed));
 
   auto label = [&](uint32_t u) {
     if (u == 0) return std::string("embed");

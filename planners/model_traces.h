@@ -30,8 +30,8 @@
 #include <cstdint>
 #include <string>
 
-#include "planners/trace.h"
 #include "base/status.h"
+#include "planners/trace.h"
 
 namespace tiermem::planners {
 
@@ -45,10 +45,10 @@ struct ModelShape {
   uint64_t batch = 8;
   bool tied_embeddings = false;
   bool checkpointing = false;
-  uint32_t experts = 0;      // > 0: every block's MLP is `experts` experts
-  uint32_t top_k = 2;        // experts used per block and iteration
-  bool mark_experts = true;  // mark the experts' chunks as expert-set members
-  uint64_t chunk_elems = 0;  // 0: the largest tensor (with experts: one expert)
+  uint32_t experts = 0;             // > 0: every block's MLP is `experts` experts
+  uint32_t top_k = 2;               // experts used per block and iteration
+  bool mark_experts = true;         // mark the experts' chunks as expert-set members
+  uint64_t chunk_elems = 0;         // 0: the largest tensor (with experts: one expert)
   double state_bytes_per_elem = 4;  // m and v each (the optimizer-state format's size)
   uint32_t iterations = 2;
   uint64_t seed = 1;

@@ -187,10 +187,10 @@ class Search {
     // kBytes is for devices whose copies are memcpys on the compute's own cores (SimDevice):
     // a recompute costs compute on those cores too, so it counts as the bytes a copy into
     // the device moves in the same time — else dropping activations would always look free.
-    const double per_ns = static_cast<double>(kRecomputeProbe) /
-                          static_cast<double>(std::max<uint64_t>(
-                              1, machine_.CopyNs(TierKind::kHost, TierKind::kDevice,
-                                                 kRecomputeProbe)));
+    const double per_ns =
+        static_cast<double>(kRecomputeProbe) /
+        static_cast<double>(std::max<uint64_t>(
+            1, machine_.CopyNs(TierKind::kHost, TierKind::kDevice, kRecomputeProbe)));
     // A host-mode machine (no device: compute on the host tier) moves bytes only to and
     // from NVMe, so those are what kBytes counts there.
     const bool host_mode = machine_.Budget(TierKind::kDevice) == 0;
@@ -287,7 +287,8 @@ std::vector<uint32_t> ExpertClasses(const Trace& t) {
   for (ChunkId c = 0; c < t.chunks.size(); ++c) {
     const TraceChunk& ch = t.chunks[c];
     if (ch.expert_set == kNoExpertSet) continue;
-    auto it = index.try_emplace({ch.expert_set, ch.kind}, static_cast<uint32_t>(index.size())).first;
+    auto it =
+        index.try_emplace({ch.expert_set, ch.kind}, static_cast<uint32_t>(index.size())).first;
     out[c] = it->second;
   }
   return out;
@@ -369,8 +370,7 @@ uint32_t PrefetchLead(const EffIteration& eff, const ActSpan& s, const MachineMo
 }
 
 void ActivationSearch(Search& search, const Trace& trace, const TraceIteration& iter,
-                      const MachineModel& machine, const Placement& base,
-                      bool allow_recompute) {
+                      const MachineModel& machine, const Placement& base, bool allow_recompute) {
   Placement probe = base;
   probe.home.assign(trace.chunks.size(), TierKind::kHost);
   auto eff = BuildEffective(trace, iter, probe, machine);
@@ -426,8 +426,7 @@ Placement Plan::ToPlacement() const {
   for (const GroupPlan& g : groups) ng = std::max(ng, g.group + 1);
   p.groups.resize(ng);
   for (const GroupPlan& g : groups) p.groups[g.group] = {g.update_on, g.overlap};
-  for (const UnitPlan& u : units)
-    p.units[u.unit] = {u.policy, u.prefetch_lead};
+  for (const UnitPlan& u : units) p.units[u.unit] = {u.policy, u.prefetch_lead};
   return p;
 }
 
@@ -606,9 +605,8 @@ StatusOr<Plan> MakePlan(const Trace& trace, const MachineModel& machine,
                                    options.start->dirty.size() != trace.chunks.size())) {
     return InvalidArgumentError("planner: the start state does not cover the chunks");
   }
-  TIERMEM_RETURN_IF_ERROR(
-      CheckFeasible(trace, options.iteration, machine, !options.activation_policy,
-                    !options.allow_recompute));
+  TIERMEM_RETURN_IF_ERROR(CheckFeasible(trace, options.iteration, machine,
+                                        !options.activation_policy, !options.allow_recompute));
   const TraceIteration& iter = trace.iterations[options.iteration];
   if (options.earlier_iteration >= static_cast<int64_t>(trace.iterations.size())) {
     return InvalidArgumentError("planner: no earlier iteration " +

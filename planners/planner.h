@@ -120,7 +120,7 @@ struct Plan {
   // chunk; empty when the trace has no expert sets. Accesses and actions naming a member
   // name a slot of its class (expert_slots.h).
   std::vector<uint32_t> expert_class;
-  std::vector<UnitPlan> units;            // units with saved activations, by unit id
+  std::vector<UnitPlan> units;  // units with saved activations, by unit id
   std::vector<PlannedMoment> moments;
   std::vector<TraceAccess> accesses;  // expected; mode from needs_content/modifies
   std::vector<PlanAction> actions;

@@ -481,10 +481,9 @@ uint64_t PlanPolicy::NextRead(ChunkId c, TierKind tier, uint64_t pos) const {
   if (s != kNoChunk) return next_use_->NextRead(s, tier, pos);
   // Beyond the slots: the next planned read of its class there (its set's next visit).
   const auto& reads = class_reads_[slots_.ClassOf(c)];
-  auto it = std::upper_bound(reads.begin(), reads.end(), pos,
-                             [](uint64_t p, const std::pair<uint64_t, TierKind>& r) {
-                               return p < r.first;
-                             });
+  auto it = std::upper_bound(
+      reads.begin(), reads.end(), pos,
+      [](uint64_t p, const std::pair<uint64_t, TierKind>& r) { return p < r.first; });
   for (; it != reads.end(); ++it) {
     if (it->second == tier) return it->first;
   }
@@ -527,8 +526,7 @@ ChunkId PlanPolicy::Target(const Trace& t, const PlanAction& act) const {
   return slots_.SlotOf(act.chunk) == kNoChunk ? act.chunk : kNoChunk;
 }
 
-bool PlanPolicy::SameDense(const Trace& t, const EffIteration& actual, size_t i,
-                           size_t q) const {
+bool PlanPolicy::SameDense(const Trace& t, const EffIteration& actual, size_t i, size_t q) const {
   const EffMoment& a = actual.moments[i];
   const EffMoment& b = mapped_.moments[q];
   if (a.kind != b.kind) return false;

@@ -78,9 +78,9 @@ class OrderedEvents {
 
 struct Peak {
   Bytes bytes = 0;
-  uint64_t t_ns = 0;     // relative to t0
-  std::string moment;    // last kMoment label before the peak ("" if none)
-  std::string phase;     // last kPhase label before the peak ("" if none)
+  uint64_t t_ns = 0;             // relative to t0
+  std::string moment;            // last kMoment label before the peak ("" if none)
+  std::string phase;             // last kPhase label before the peak ("" if none)
   uint64_t kernel_launches = 0;  // kernel launches counted before the peak
 };
 
@@ -107,10 +107,10 @@ struct TierStats {
 struct MoveStats {
   TierKind src = TierKind::kNone;
   TierKind dst = TierKind::kNone;
-  Bytes bytes = 0;      // completed copies only
-  uint64_t count = 0;   // completed copies
-  uint64_t failed = 0;  // copies that ended with kFlagFailed
-  uint64_t busy_ns = 0; // sum of (end - begin) over completed copies
+  Bytes bytes = 0;       // completed copies only
+  uint64_t count = 0;    // completed copies
+  uint64_t failed = 0;   // copies that ended with kFlagFailed
+  uint64_t busy_ns = 0;  // sum of (end - begin) over completed copies
   // Time at least one copy of this pair was in flight (the union of the copies' intervals,
   // failed ones included): bytes / active_ns is the pair's achieved rate with copies
   // overlapping, where bytes / busy_ns is the rate of one copy.
@@ -151,7 +151,7 @@ struct ChunkStats {
 
 struct PhaseStats {
   std::string name;
-  uint64_t count = 0;    // times the phase began
+  uint64_t count = 0;  // times the phase began
   uint64_t time_ns = 0;
   uint64_t stall_ns = 0;
   Bytes bytes_moved = 0;
@@ -162,25 +162,25 @@ struct Report {
   // The file.
   uint64_t events = 0;
   uint64_t blocks = 0;
-  bool complete = false;     // the recorder closed the file
-  std::string end_note;      // the reader's truncation note ("" if complete)
-  uint64_t out_of_order = 0; // see OrderedEvents
+  bool complete = false;      // the recorder closed the file
+  std::string end_note;       // the reader's truncation note ("" if complete)
+  uint64_t out_of_order = 0;  // see OrderedEvents
   uint64_t wall_start_ns = 0;
   // Time.
   uint64_t t0_ns = 0;        // absolute timestamp of the first event
   uint64_t duration_ns = 0;  // t_end - t0
   std::array<TierStats, kNumTierKinds> tiers;
-  std::vector<MoveStats> moves;     // by bytes, descending
+  std::vector<MoveStats> moves;           // by bytes, descending
   std::array<IoStats, kNumTierKinds> io;  // per TierKind
   uint64_t stall_ns = 0;
   uint64_t stall_count = 0;
-  std::vector<StallStats> stalls;   // by ns, descending
+  std::vector<StallStats> stalls;      // by ns, descending
   std::vector<ChunkStats> top_chunks;  // by moves then bytes, descending; at most 10
-  std::vector<PhaseStats> phases;   // in order of first appearance
+  std::vector<PhaseStats> phases;      // in order of first appearance
   uint64_t iterations = 0;
-  uint64_t kernel_launches = 0;           // sum over kKernelLaunches events
-  uint64_t kernel_launch_intervals = 0;   // kKernelLaunches events
-  uint64_t prefetches = 0;                // kPrefetch events (issued)
+  uint64_t kernel_launches = 0;          // sum over kKernelLaunches events
+  uint64_t kernel_launch_intervals = 0;  // kKernelLaunches events
+  uint64_t prefetches = 0;               // kPrefetch events (issued)
   Bytes prefetch_bytes = 0;
   std::vector<CollectiveStats> collectives;  // in order of first appearance
   uint64_t step_mean_ns = 0, step_min_ns = 0, step_max_ns = 0;

@@ -131,8 +131,10 @@ Status RenderHtml(const std::string& timeline_path, const std::string& out_path,
   const uint64_t gap = duration / (2 * static_cast<uint64_t>(buckets));
   const uint64_t bucket_width = std::max<uint64_t>(1, duration / static_cast<uint64_t>(buckets));
   auto bucket_of = [&](uint64_t t) {
-    return duration == 0 ? 0 : static_cast<int>(std::min<uint64_t>(
-                                   buckets - 1, static_cast<unsigned __int128>(t) * buckets / duration));
+    return duration == 0
+               ? 0
+               : static_cast<int>(std::min<uint64_t>(
+                     buckets - 1, static_cast<unsigned __int128>(t) * buckets / duration));
   };
 
   std::array<TierSampler, kNumTierKinds> samplers;
@@ -165,13 +167,15 @@ Status RenderHtml(const std::string& timeline_path, const std::string& out_path,
     }
     switch (e.type) {
       case EventType::kCopyBegin:
-        copies[e.id] = CopyInfo{t, e.bytes, static_cast<int>(e.tier), static_cast<int>(e.tier2), e.lane};
+        copies[e.id] =
+            CopyInfo{t, e.bytes, static_cast<int>(e.tier), static_cast<int>(e.tier2), e.lane};
         break;
       case EventType::kCopyEnd:
         if (auto it = copies.find(e.id); it != copies.end()) {
           const CopyInfo& c = it->second;
-          AddSpan(&lanes[c.lane], Span{c.t0, t, c.bytes, 1, c.src, c.dst, (e.flags & kFlagFailed) != 0, ""},
-                  gap, bucket_width);
+          AddSpan(&lanes[c.lane],
+                  Span{c.t0, t, c.bytes, 1, c.src, c.dst, (e.flags & kFlagFailed) != 0, ""}, gap,
+                  bucket_width);
           copies.erase(it);
         }
         break;
@@ -180,8 +184,8 @@ Status RenderHtml(const std::string& timeline_path, const std::string& out_path,
         break;
       case EventType::kStallEnd:
         if (auto it = stalls.find(e.id); it != stalls.end()) {
-          AddSpan(&stall_spans, Span{it->second.first, t, 0, 1, 0, 0, false, it->second.second}, gap,
-                  bucket_width);
+          AddSpan(&stall_spans, Span{it->second.first, t, 0, 1, 0, 0, false, it->second.second},
+                  gap, bucket_width);
           stalls.erase(it);
         }
         break;

@@ -39,7 +39,8 @@ class OutputFile {
   // ns as microseconds with 3 decimals ("12.345").
   OutputFile& Micros(uint64_t ns) {
     Uint(ns / 1000);
-    char frac[5] = {'.', char('0' + ns % 1000 / 100), char('0' + ns % 100 / 10), char('0' + ns % 10), 0};
+    char frac[5] = {'.', char('0' + ns % 1000 / 100), char('0' + ns % 100 / 10),
+                    char('0' + ns % 10), 0};
     buf_.append(frac, 4);
     return *this;
   }

@@ -6,10 +6,9 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <unordered_map>
-
-#include <nlohmann/json.hpp>
 
 #include "prof/analysis.h"
 #include "prof/json_writer.h"
@@ -165,8 +164,7 @@ class Exporter {
         break;
       }
       case EventType::kPrefetch:
-        Record('i', kMainPid, kTidPrefetches,
-               "prefetch to " + std::string(TierKindName(e.tier2)));
+        Record('i', kMainPid, kTidPrefetches, "prefetch to " + std::string(TierKindName(e.tier2)));
         *out_ << ",\"s\":\"t\",\"args\":{\"bytes\":";
         out_->Uint(e.bytes) << ",\"region\":\"" << Hex(e.id) << "\"}}";
         break;
@@ -191,8 +189,10 @@ class Exporter {
       Async('e', "alloc:" + std::string(TierKindName(static_cast<TierKind>(tier))), name, tier + 1,
             0, key & ((uint64_t{1} << 62) - 1), unfinished);
     }
-    for (const auto& [id, v] : copies_) Async('e', "copy", v.first, kMainPid, v.second, id, unfinished);
-    for (const auto& [id, cause] : stalls_) Async('e', "stall", cause, kMainPid, kTidStalls, id, unfinished);
+    for (const auto& [id, v] : copies_)
+      Async('e', "copy", v.first, kMainPid, v.second, id, unfinished);
+    for (const auto& [id, cause] : stalls_)
+      Async('e', "stall", cause, kMainPid, kTidStalls, id, unfinished);
     if (in_phase_) Slice('E', kTidPhases, phase_);
     if (in_iteration_) Slice('E', kTidIterations, iteration_);
     *out_ << "\n]}\n";
@@ -245,10 +245,10 @@ class Exporter {
   bool first_ = true;
   bool started_ = false;
   uint64_t t0_ = 0;
-  uint64_t now_ = 0;  // ns since t0, non-decreasing
-  std::unordered_map<uint64_t, std::string> allocs_;  // (tier, id) -> async name
+  uint64_t now_ = 0;                                                  // ns since t0, non-decreasing
+  std::unordered_map<uint64_t, std::string> allocs_;                  // (tier, id) -> async name
   std::unordered_map<uint64_t, std::pair<std::string, int>> copies_;  // id -> (name, tid)
-  std::unordered_map<uint64_t, std::string> stalls_;  // id -> cause
+  std::unordered_map<uint64_t, std::string> stalls_;                  // id -> cause
   std::set<uint16_t> lanes_;
   uint64_t launches_ = 0;
   bool in_phase_ = false, in_iteration_ = false;
@@ -262,8 +262,8 @@ Status ExportPerfetto(const std::string& timeline_path, const std::string& out_p
   Exporter exporter(out.get());
   Analyzer analyzer;
   exporter.Begin();
-  TIERMEM_RETURN_IF_ERROR(ForEachOrdered(
-      timeline_path, [&](const TimelineEntry& e) { exporter.Add(e, &analyzer); }));
+  TIERMEM_RETURN_IF_ERROR(
+      ForEachOrdered(timeline_path, [&](const TimelineEntry& e) { exporter.Add(e, &analyzer); }));
   exporter.End();
   return out->Close();
 }

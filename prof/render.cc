@@ -46,8 +46,10 @@ uint64_t TotalMoved(const Report& r) {
 }
 
 nlohmann::json PeakJson(const Peak& p) {
-  return {{"bytes", p.bytes},   {"t_ns", p.t_ns},
-          {"moment", p.moment}, {"phase", p.phase},
+  return {{"bytes", p.bytes},
+          {"t_ns", p.t_ns},
+          {"moment", p.moment},
+          {"phase", p.phase},
           {"kernel_launches", p.kernel_launches}};
 }
 
@@ -79,15 +81,21 @@ nlohmann::json ReportToJson(const Report& r) {
     nlohmann::json cats = nlohmann::json::object();
     for (int c = 0; c < kNumCategories; ++c) {
       cats[std::string(CategoryName(static_cast<Category>(c)))] = {
-          {"peak", PeakJson(s.categories[c].peak)}, {"avg_bytes", Round(s.categories[c].avg_bytes)}};
+          {"peak", PeakJson(s.categories[c].peak)},
+          {"avg_bytes", Round(s.categories[c].avg_bytes)}};
     }
     tiers[std::string(TierKindName(static_cast<TierKind>(t)))] = {
-        {"peak", PeakJson(s.peak)},         {"avg_bytes", Round(s.avg_bytes)},
-        {"end_bytes", s.end_bytes},         {"budget_bytes", s.budget_bytes},
-        {"max_budget_bytes", s.max_budget_bytes}, {"allocs", s.allocs},
-        {"frees", s.frees},                 {"ooms", s.ooms},
+        {"peak", PeakJson(s.peak)},
+        {"avg_bytes", Round(s.avg_bytes)},
+        {"end_bytes", s.end_bytes},
+        {"budget_bytes", s.budget_bytes},
+        {"max_budget_bytes", s.max_budget_bytes},
+        {"allocs", s.allocs},
+        {"frees", s.frees},
+        {"ooms", s.ooms},
         {"managed_allocs", s.managed_allocs},
-        {"largest_oom_bytes", s.largest_oom_bytes}, {"categories", cats}};
+        {"largest_oom_bytes", s.largest_oom_bytes},
+        {"categories", cats}};
   }
   j["tiers"] = tiers;
   nlohmann::json moves = nlohmann::json::array();
@@ -112,12 +120,9 @@ nlohmann::json ReportToJson(const Report& r) {
       }
     }
     io[std::string(TierKindName(static_cast<TierKind>(t)))] = {
-        {"read_bytes", x.read_bytes},
-        {"read_active_ns", x.read_active_ns},
-        {"write_bytes", x.write_bytes},
-        {"write_active_ns", x.write_active_ns},
-        {"active_ns", x.active_ns},
-        {"category_bytes", by_category}};
+        {"read_bytes", x.read_bytes},   {"read_active_ns", x.read_active_ns},
+        {"write_bytes", x.write_bytes}, {"write_active_ns", x.write_active_ns},
+        {"active_ns", x.active_ns},     {"category_bytes", by_category}};
   }
   j["io"] = io;
   j["bytes_moved"] = TotalMoved(r);
@@ -145,8 +150,7 @@ nlohmann::json ReportToJson(const Report& r) {
                      {"step_mean_ns", r.step_mean_ns},
                      {"step_min_ns", r.step_min_ns},
                      {"step_max_ns", r.step_max_ns}};
-  j["kernel_launches"] = {{"total", r.kernel_launches},
-                          {"intervals", r.kernel_launch_intervals}};
+  j["kernel_launches"] = {{"total", r.kernel_launches}, {"intervals", r.kernel_launch_intervals}};
   j["prefetches"] = {{"count", r.prefetches}, {"bytes", r.prefetch_bytes}};
   nlohmann::json coll = nlohmann::json::array();
   for (const CollectiveStats& c : r.collectives) {
@@ -276,9 +280,9 @@ std::string RenderReportText(const Report& r, const std::string& name) {
     Line(&o, "Collectives (sharded across ranks; bytes of the full buffers on this rank)");
     Line(&o, "  operation          count        bytes        time");
     for (const CollectiveStats& c : r.collectives) {
-      Line(&o, Printf("  %-16s %7llu %12s %11s", c.op.c_str(),
-                      static_cast<unsigned long long>(c.count), Fb(c.bytes).c_str(),
-                      FormatDuration(c.ns).c_str()));
+      Line(&o,
+           Printf("  %-16s %7llu %12s %11s", c.op.c_str(), static_cast<unsigned long long>(c.count),
+                  Fb(c.bytes).c_str(), FormatDuration(c.ns).c_str()));
     }
   }
 
@@ -332,7 +336,8 @@ std::vector<DiffRow> DiffRows(const Report& a, const Report& b) {
     const std::string tier(TierKindName(static_cast<TierKind>(t)));
     rows.push_back({tier + " peak", a.tiers[t].peak.bytes, b.tiers[t].peak.bytes, false});
     for (int c = 0; c < kNumCategories; ++c) {
-      const Bytes pa = a.tiers[t].categories[c].peak.bytes, pb = b.tiers[t].categories[c].peak.bytes;
+      const Bytes pa = a.tiers[t].categories[c].peak.bytes,
+                  pb = b.tiers[t].categories[c].peak.bytes;
       if (pa == 0 && pb == 0) continue;
       rows.push_back({tier + " " + std::string(CategoryName(static_cast<Category>(c))) + " peak",
                       pa, pb, false});
@@ -362,7 +367,10 @@ nlohmann::json Change(uint64_t a, uint64_t b) {
 nlohmann::json DiffToJson(const Report& a, const Report& b) {
   nlohmann::json rows = nlohmann::json::array();
   for (const DiffRow& r : DiffRows(a, b)) {
-    rows.push_back({{"metric", r.name}, {"a", r.a}, {"b", r.b}, {"change_pct", Change(r.a, r.b)},
+    rows.push_back({{"metric", r.name},
+                    {"a", r.a},
+                    {"b", r.b},
+                    {"change_pct", Change(r.a, r.b)},
                     {"unit", r.is_time ? "ns" : "bytes"}});
   }
   return {{"rows", rows}};

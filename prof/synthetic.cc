@@ -13,7 +13,8 @@ namespace tiermem::prof {
 
 StatusOr<uint64_t> WriteSyntheticTimeline(const std::string& path, const SyntheticOptions& o) {
   ManualClock clock(1'000'000'000);
-  TIERMEM_ASSIGN_OR_RETURN(std::unique_ptr<TimelineRecorder> rec, TimelineRecorder::Open(path, &clock));
+  TIERMEM_ASSIGN_OR_RETURN(std::unique_ptr<TimelineRecorder> rec,
+                           TimelineRecorder::Open(path, &clock));
   const int L = std::max(2, o.layers);
   const Bytes kChunk = 64 * kMiB, kAct = 24 * kMiB;
   const int kResident = 10;
@@ -55,7 +56,8 @@ StatusOr<uint64_t> WriteSyntheticTimeline(const std::string& path, const Synthet
     pre_bwd[l] = rec->InternLabel("model.layers." + std::to_string(l) + ".pre-backward");
     opt[l] = rec->InternLabel("optimizer.chunk" + std::to_string(l));
   }
-  Event budget = ev(EventType::kBudget, TierKind::kDevice, 0, kResident * kChunk + kChunk + 16 * kAct, Category::kOther);
+  Event budget = ev(EventType::kBudget, TierKind::kDevice, 0,
+                    kResident * kChunk + kChunk + 16 * kAct, Category::kOther);
   rec_event(budget);
   rec_event(ev(EventType::kBudget, TierKind::kHost, 0, 8 * kGiB, Category::kOther));
   // Host copies of all params and fp32 master + Adam state (half of the state on NVMe).
@@ -77,7 +79,8 @@ StatusOr<uint64_t> WriteSyntheticTimeline(const std::string& path, const Synthet
       }
     }
     if (static_cast<int>(resident.size()) >= kResident) {
-      Event f = ev(EventType::kFree, TierKind::kDevice, resident.front().second, kChunk, Category::kParam);
+      Event f = ev(EventType::kFree, TierKind::kDevice, resident.front().second, kChunk,
+                   Category::kParam);
       f.flags = kFlagClean;
       f.label = l_evict;
       f.chunk = static_cast<ChunkId>(resident.front().first);
@@ -113,7 +116,8 @@ StatusOr<uint64_t> WriteSyntheticTimeline(const std::string& path, const Synthet
       rec_event(m);
       ensure(l, pre_fwd[l]);
       acts[l] = next_id++;
-      rec_event(ev(EventType::kAlloc, TierKind::kDevice, acts[l], kAct / (1 + l % 3), Category::kActivation));
+      rec_event(ev(EventType::kAlloc, TierKind::kDevice, acts[l], kAct / (1 + l % 3),
+                   Category::kActivation));
       clock.AdvanceNs(900'000 + 40'000 * (l % 5));  // compute
     }
     ph.label = l_bwd;
@@ -138,9 +142,11 @@ StatusOr<uint64_t> WriteSyntheticTimeline(const std::string& path, const Synthet
       rec_event(m);
       const uint64_t g = next_id++;
       rec_event(ev(EventType::kAlloc, TierKind::kHost, g, kChunk, Category::kGrad));
-      if (l >= 3 * L / 4) copy(TierKind::kNvme, TierKind::kHost, 3 * kChunk, 2, static_cast<ChunkId>(1000 + l), 6.0);
+      if (l >= 3 * L / 4)
+        copy(TierKind::kNvme, TierKind::kHost, 3 * kChunk, 2, static_cast<ChunkId>(1000 + l), 6.0);
       clock.AdvanceNs(2'000'000);  // CPU Adam
-      if (l >= 3 * L / 4) copy(TierKind::kHost, TierKind::kNvme, 3 * kChunk, 2, static_cast<ChunkId>(1000 + l), 6.0);
+      if (l >= 3 * L / 4)
+        copy(TierKind::kHost, TierKind::kNvme, 3 * kChunk, 2, static_cast<ChunkId>(1000 + l), 6.0);
       rec_event(ev(EventType::kFree, TierKind::kHost, g, kChunk, Category::kGrad));
     }
   }

@@ -51,13 +51,12 @@
 #include <cerrno>
 #include <cinttypes>
 #include <cstdio>
-#include <cstring>
 #include <cstdlib>
-#include <memory>
+#include <cstring>
 #include <map>
-#include <vector>
-
+#include <memory>
 #include <nlohmann/json.hpp>
+#include <vector>
 
 #include "base/crc32c.h"
 #include "base/fs.h"
@@ -70,9 +69,7 @@ constexpr char kMagic[8] = {'T', 'M', 'C', 'K', 'P', 'T', '0', '1'};
 constexpr char kEndMagic[8] = {'T', 'M', 'C', 'K', 'E', 'N', 'D', '1'};
 constexpr uint32_t kVersion = 1;
 
-Status Errno(const std::string& what, int err) {
-  return IOError(what + ": " + std::strerror(err));
-}
+Status Errno(const std::string& what, int err) { return IOError(what + ": " + std::strerror(err)); }
 
 // O_DIRECT I/O: offsets, lengths and buffers aligned to kBlock (the logical block size of any
 // disk we meet is at most 4 KiB).
@@ -335,8 +332,8 @@ const char* StatePrefix(ChunkKind kind) {
 
 // The entries of tensor `t` as saved with its group's state format `f`, in file order.
 std::vector<Entry> SavedEntries(const TensorSpec& t, const kernels::StateFormat& f) {
-  std::vector<Entry> out = {{t.name, ChunkKind::kParamFp32, Part::kValues, "F32", ShapeOf(t),
-                             t.numel * 4}};
+  std::vector<Entry> out = {
+      {t.name, ChunkKind::kParamFp32, Part::kValues, "F32", ShapeOf(t), t.numel * 4}};
   if (!t.trainable) return out;
   for (ChunkKind kind : {ChunkKind::kExpAvg, ChunkKind::kExpAvgSq}) {
     const std::string key = std::string(StatePrefix(kind)) + "/" + t.name;
@@ -350,8 +347,12 @@ std::vector<Entry> SavedEntries(const TensorSpec& t, const kernels::StateFormat&
       case kernels::StateDType::kInt8: {
         const uint64_t blocks = kernels::StateBlocks(f, t.numel);
         out.push_back({key, kind, Part::kCodes, "U8", ShapeOf(t), t.numel});
-        out.push_back({std::string(StatePrefix(kind)) + "_absmax/" + t.name, kind, Part::kAbsmax,
-                       "F32", {static_cast<int64_t>(blocks)}, blocks * 4});
+        out.push_back({std::string(StatePrefix(kind)) + "_absmax/" + t.name,
+                       kind,
+                       Part::kAbsmax,
+                       "F32",
+                       {static_cast<int64_t>(blocks)},
+                       blocks * 4});
         break;
       }
     }
@@ -366,8 +367,9 @@ std::string StateFormatMeta(const OptimizerStateConfig& c) {
                         {"block", c.format.block},
                         {"rounding", c.format.stochastic ? "stochastic" : "nearest"},
                         {"min_elems", c.min_elems},
-                        {"map", "dynamic (bitsandbytes create_dynamic_map: signed for exp_avg, "
-                                "unsigned for exp_avg_sq), absmax per block"}}
+                        {"map",
+                         "dynamic (bitsandbytes create_dynamic_map: signed for exp_avg, "
+                         "unsigned for exp_avg_sq), absmax per block"}}
       .dump();
 }
 
@@ -487,8 +489,8 @@ Status Session::SaveCheckpoint(const std::string& path, const CheckpointMeta& me
       if (header.contains(e.key)) {
         return InvalidArgumentError("checkpoint: two tensors are named '" + e.key + "'");
       }
-      header[e.key] = {{"dtype", e.dtype}, {"shape", e.shape},
-                       {"data_offsets", {offset, offset + e.bytes}}};
+      header[e.key] = {
+          {"dtype", e.dtype}, {"shape", e.shape}, {"data_offsets", {offset, offset + e.bytes}}};
       offset += e.bytes;
       crcs[e.key] = kCrcPlaceholder;
     }
@@ -725,8 +727,10 @@ Status Session::LoadCheckpointV2(int fd, int data_fd, bool direct, CheckpointMet
                                 std::to_string(t.numel) + " elements, " +
                                 (state ? "F32, BF16 or U8" : "F32") + ")");
         }
-        if (dtype == "U8" && (!file_has_format || file_format.dtype != kernels::StateDType::kInt8)) {
-          return DataLossError("checkpoint tensor '" + key + "' is U8 but the file's "
+        if (dtype == "U8" &&
+            (!file_has_format || file_format.dtype != kernels::StateDType::kInt8)) {
+          return DataLossError("checkpoint tensor '" + key +
+                               "' is U8 but the file's "
                                "state_format is not int8: nothing was loaded");
         }
         Entry en;
@@ -754,12 +758,12 @@ Status Session::LoadCheckpointV2(int fd, int data_fd, bool direct, CheckpointMet
       for (Entry& en : entries[i]) {
         const nlohmann::json& off = h.tensors.at(en.key).at("data_offsets");
         if (off.size() != 2 || off[1].get<uint64_t>() - off[0].get<uint64_t>() != en.bytes) {
-          return nothing_loaded("checkpoint tensor '" + en.key + "' holds " +
-                                (off.size() == 2 ? std::to_string(off[1].get<uint64_t>() -
-                                                                  off[0].get<uint64_t>())
-                                                 : std::string("?")) +
-                                " bytes, not the " + std::to_string(en.bytes) + " of " +
-                                std::to_string(t.numel) + " elements of " + en.dtype);
+          return nothing_loaded(
+              "checkpoint tensor '" + en.key + "' holds " +
+              (off.size() == 2 ? std::to_string(off[1].get<uint64_t>() - off[0].get<uint64_t>())
+                               : std::string("?")) +
+              " bytes, not the " + std::to_string(en.bytes) + " of " + std::to_string(t.numel) +
+              " elements of " + en.dtype);
         }
         en.begin = off[0].get<uint64_t>();
         en.crc = h.crcs.at(en.key).get<std::string>();
@@ -787,7 +791,8 @@ Status Session::LoadCheckpointV2(int fd, int data_fd, bool direct, CheckpointMet
   std::vector<float> buf(max_numel), absmax(max_numel / kernels::kMinStateBlock + 1);
   std::vector<char> codes(max_numel * 2);
   AlignedBuf scratch = direct ? NewAligned(max_numel * 4 + 2 * kBlock) : nullptr;
-  if (direct && !scratch) return ResourceExhaustedError("checkpoint: no memory for the read buffer");
+  if (direct && !scratch)
+    return ResourceExhaustedError("checkpoint: no memory for the read buffer");
   // m and v stored in another format than this session's: converted (dequantized, then
   // quantized to the session's format); said once, after the load.
   std::map<std::string, size_t> conversions;  // "int8 (block 256) -> fp32" -> tensors
@@ -811,8 +816,8 @@ Status Session::LoadCheckpointV2(int fd, int data_fd, bool direct, CheckpointMet
     for (size_t i = 0; i < specs_.size(); ++i) {
       for (const Entry& e : entries[i]) {
         StatusOr<const char*> at =
-            ReadRange(data_fd, direct, scratch.get(), reinterpret_cast<char*>(buf.data()),
-                      e.bytes, h.data_start + e.begin);
+            ReadRange(data_fd, direct, scratch.get(), reinterpret_cast<char*>(buf.data()), e.bytes,
+                      h.data_start + e.begin);
         Status s = at.status();
         if (s.ok() && Hex8(Crc32c(*at, e.bytes)) != e.crc) {
           s = DataLossError("tensor '" + e.key + "': checksum mismatch");
@@ -849,8 +854,9 @@ Status Session::LoadCheckpointV2(int fd, int data_fd, bool direct, CheckpointMet
                        << what.substr(0, what.find(" -> ")) << " and is converted to this "
                        << "session's " << what.substr(what.find(" -> ") + 4)
                        << " (optimizer.state_dtype): "
-                       << (what.rfind("fp32", 0) == 0 ? "quantized" : "dequantized, then "
-                                                                      "stored in the new format");
+                       << (what.rfind("fp32", 0) == 0 ? "quantized"
+                                                      : "dequantized, then "
+                                                        "stored in the new format");
   }
   if (verify_only) {
     if (metadata != nullptr) *metadata = std::move(meta);
@@ -904,8 +910,8 @@ Status Session::LoadCheckpointV1(const std::string& path, CheckpointMeta* metada
       if (s.ok()) s = r.GetValue(&trainable);
       if (s.ok()) s = r.GetValue(&step);
       if (s.ok() && (name != t.name || numel != t.numel || (trainable != 0) != t.trainable)) {
-        s = InvalidArgumentError("checkpoint tensor " + std::to_string(i) + " is '" + name +
-                                 "' (" + std::to_string(numel) + " elements" +
+        s = InvalidArgumentError("checkpoint tensor " + std::to_string(i) + " is '" + name + "' (" +
+                                 std::to_string(numel) + " elements" +
                                  (trainable ? "" : ", frozen") + "), this model has '" + t.name +
                                  "' (" + std::to_string(t.numel) + " elements" +
                                  (t.trainable ? "" : ", frozen") + ")");
@@ -915,7 +921,8 @@ Status Session::LoadCheckpointV1(const std::string& path, CheckpointMeta* metada
       for (ChunkKind k : kinds) {
         if (s.ok()) s = r.Get(buf.data(), t.numel * sizeof(float));
         if (s.ok() && pass == 1) {
-          s = k == ChunkKind::kParamFp32 ? WriteParam(i, buf.data()) : WriteTensor(i, k, buf.data());
+          s = k == ChunkKind::kParamFp32 ? WriteParam(i, buf.data())
+                                         : WriteTensor(i, k, buf.data());
         }
       }
       if (pass == 1 && s.ok()) stepper_->set_step_count(i, step);

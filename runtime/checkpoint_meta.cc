@@ -38,8 +38,10 @@ json GroupJson(const CheckpointGroup& g) {
 
 Status Neither(const std::string& what) {
   return InvalidArgumentError(
-      what + ": it holds no optimizer param groups in either shape earlier tiermem builds "
-             "wrote (the Python binding's {\"" + std::string(kLegacyPython) +
+      what +
+      ": it holds no optimizer param groups in either shape earlier tiermem builds "
+      "wrote (the Python binding's {\"" +
+      std::string(kLegacyPython) +
       "\": {\"param_groups\": [...], ...}}, the LibTorch API's {\"param_groups\": [...]}); "
       "nothing was loaded");
 }

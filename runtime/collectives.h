@@ -24,8 +24,8 @@ class Collectives {
 };
 
 struct Sharding {
-  int world = 1;  // ranks sharing the model (1: not sharded)
-  int rank = 0;   // this process's rank, 0 <= rank < world
+  int world = 1;                       // ranks sharing the model (1: not sharded)
+  int rank = 0;                        // this process's rank, 0 <= rank < world
   Collectives* collectives = nullptr;  // required when world > 1; must outlive the session
 };
 

@@ -4,8 +4,6 @@
 // value (JSON text for keys, the raw string for variables).
 #include "runtime/config.h"
 
-#include "base/fs.h"
-
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -16,19 +14,36 @@
 #include <set>
 #include <sstream>
 
+#include "base/fs.h"
+
 namespace tiermem::session {
 namespace {
 
 using nlohmann::json;
 
-const std::set<std::string> kTopKeys = {
-    "device",         "host",          "nvme",
-    "precision",      "optimizer",     "gradient_accumulation_steps",
-    "gradient_clipping", "chunk_size", "timeline",
-    "prefetch_depth", "loss_scaling",  "device_kind",
-    "cpu_threads",    "kernel_isa",    "log_level",
-    "unmaterialized_reads", "write_behind", "plan", "activations", "optimizer_placement",
-    "optimizer_overlap", "checkpoint_io", "host_reserve"};
+const std::set<std::string> kTopKeys = {"device",
+                                        "host",
+                                        "nvme",
+                                        "precision",
+                                        "optimizer",
+                                        "gradient_accumulation_steps",
+                                        "gradient_clipping",
+                                        "chunk_size",
+                                        "timeline",
+                                        "prefetch_depth",
+                                        "loss_scaling",
+                                        "device_kind",
+                                        "cpu_threads",
+                                        "kernel_isa",
+                                        "log_level",
+                                        "unmaterialized_reads",
+                                        "write_behind",
+                                        "plan",
+                                        "activations",
+                                        "optimizer_placement",
+                                        "optimizer_overlap",
+                                        "checkpoint_io",
+                                        "host_reserve"};
 
 std::string Keys(const std::set<std::string>& keys) {
   std::string out = "[";
@@ -46,8 +61,7 @@ Status CheckKeys(const json& obj, const std::set<std::string>& valid, const std:
     if (!valid.count(it.key())) bad += (bad.empty() ? "'" : ", '") + it.key() + "'";
   }
   if (bad.empty()) return OkStatus();
-  return InvalidArgumentError(where + ": unknown key(s) [" + bad + "]; valid keys: " +
-                              Keys(valid));
+  return InvalidArgumentError(where + ": unknown key(s) [" + bad + "]; valid keys: " + Keys(valid));
 }
 
 StatusOr<Bytes> Size(const std::string& key, const json& v) {
@@ -149,8 +163,8 @@ Status IntVar(const EnvGetter& env, const char* var, int* out, long lo, long hi)
   errno = 0;
   const long n = std::strtol(v, &end, 10);
   if (*end != '\0' || errno != 0 || n < lo || n > hi) {
-    return BadVar(var, v, "expected an integer in [" + std::to_string(lo) + ", " +
-                              std::to_string(hi) + "]");
+    return BadVar(
+        var, v, "expected an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
   }
   *out = static_cast<int>(n);
   return OkStatus();
@@ -172,7 +186,7 @@ Status ChoiceVar(const EnvGetter& env, const char* var, std::string* out,
 }
 
 constexpr std::initializer_list<const char*> kDeviceKinds = {"auto", "cuda", "host", "sim",
-                                                            "sim-async"};
+                                                             "sim-async"};
 constexpr std::initializer_list<const char*> kEngines = {"auto", "io_uring", "posix"};
 constexpr std::initializer_list<const char*> kIsas = {"auto", "scalar", "avx2", "avx512"};
 constexpr std::initializer_list<const char*> kPlanModes = {"off", "auto", "always"};
@@ -180,7 +194,7 @@ constexpr std::initializer_list<const char*> kPlacements = {"auto", "host"};
 constexpr std::initializer_list<const char*> kOverlaps = {"next-forward", "backward", "off"};
 constexpr std::initializer_list<const char*> kCheckpointIo = {"auto", "direct", "buffered"};
 constexpr std::initializer_list<const char*> kActivationModes = {"outside", "budget", "offload",
-                                                                     "recompute", "auto"};
+                                                                 "recompute", "auto"};
 constexpr std::initializer_list<const char*> kStateDTypes = {"fp32", "bf16", "int8"};
 constexpr std::initializer_list<const char*> kRoundings = {"nearest", "stochastic"};
 
@@ -227,16 +241,17 @@ Status ApplyJson(const json& config, SessionConfig* c, bool* nvme_given) {
   if (has("precision")) {
     TIERMEM_ASSIGN_OR_RETURN(const std::string p,
                              Choice("precision", config["precision"], {"fp32", "bf16", "fp16"}));
-    c->precision = p == "fp32" ? Precision::kFp32 : p == "bf16" ? Precision::kBf16
-                                                                 : Precision::kFp16;
+    c->precision = p == "fp32"   ? Precision::kFp32
+                   : p == "bf16" ? Precision::kBf16
+                                 : Precision::kFp16;
   }
   if (has("optimizer")) {
     const json& o = config["optimizer"];
     if (!o.is_object()) return Bad("optimizer", "expected an object, got " + o.dump());
-    TIERMEM_RETURN_IF_ERROR(
-        CheckKeys(o, {"type", "lr", "betas", "eps", "weight_decay", "state_dtype", "state_block",
-                      "state_rounding", "state_min_elems"},
-                  "config 'optimizer'"));
+    TIERMEM_RETURN_IF_ERROR(CheckKeys(o,
+                                      {"type", "lr", "betas", "eps", "weight_decay", "state_dtype",
+                                       "state_block", "state_rounding", "state_min_elems"},
+                                      "config 'optimizer'"));
     if (o.contains("type")) {
       TIERMEM_RETURN_IF_ERROR(Choice("optimizer.type", o["type"], {"adamw"}).status());
     }
@@ -275,8 +290,8 @@ Status ApplyJson(const json& config, SessionConfig* c, bool* nvme_given) {
       }
     }
     if (o.contains("state_rounding")) {
-      TIERMEM_ASSIGN_OR_RETURN(const std::string r, Choice("optimizer.state_rounding",
-                                                           o["state_rounding"], kRoundings));
+      TIERMEM_ASSIGN_OR_RETURN(const std::string r,
+                               Choice("optimizer.state_rounding", o["state_rounding"], kRoundings));
       f.stochastic = r == "stochastic";
     }
     if (o.contains("state_min_elems")) {
@@ -288,9 +303,9 @@ Status ApplyJson(const json& config, SessionConfig* c, bool* nvme_given) {
     }
   }
   if (has("gradient_accumulation_steps")) {
-    TIERMEM_ASSIGN_OR_RETURN(c->gradient_accumulation_steps,
-                             Int("gradient_accumulation_steps",
-                                 config["gradient_accumulation_steps"], 1, 1 << 20));
+    TIERMEM_ASSIGN_OR_RETURN(
+        c->gradient_accumulation_steps,
+        Int("gradient_accumulation_steps", config["gradient_accumulation_steps"], 1, 1 << 20));
   }
   if (has("gradient_clipping")) {
     TIERMEM_ASSIGN_OR_RETURN(c->gradient_clipping,
@@ -318,9 +333,9 @@ Status ApplyJson(const json& config, SessionConfig* c, bool* nvme_given) {
   if (has("loss_scaling")) {
     const json& ls = config["loss_scaling"];
     if (!ls.is_object()) return Bad("loss_scaling", "expected an object, got " + ls.dump());
-    TIERMEM_RETURN_IF_ERROR(CheckKeys(
-        ls, {"initial_scale", "growth_interval", "growth_factor", "backoff_factor"},
-        "config 'loss_scaling'"));
+    TIERMEM_RETURN_IF_ERROR(
+        CheckKeys(ls, {"initial_scale", "growth_interval", "growth_factor", "backoff_factor"},
+                  "config 'loss_scaling'"));
     LossScalingConfig& s = c->loss_scaling;
     if (ls.contains("initial_scale")) {
       TIERMEM_ASSIGN_OR_RETURN(
@@ -350,9 +365,8 @@ Status ApplyJson(const json& config, SessionConfig* c, bool* nvme_given) {
     TIERMEM_ASSIGN_OR_RETURN(c->kernel_isa, Choice("kernel_isa", config["kernel_isa"], kIsas));
   }
   if (has("log_level")) {
-    TIERMEM_ASSIGN_OR_RETURN(const std::string l,
-                             Choice("log_level", config["log_level"],
-                                    {"error", "warn", "info", "debug"}));
+    TIERMEM_ASSIGN_OR_RETURN(const std::string l, Choice("log_level", config["log_level"],
+                                                         {"error", "warn", "info", "debug"}));
     c->log_level = ParseLogLevel(l).value();
   }
   if (has("activations")) {
@@ -363,9 +377,9 @@ Status ApplyJson(const json& config, SessionConfig* c, bool* nvme_given) {
     TIERMEM_ASSIGN_OR_RETURN(c->plan, Choice("plan", config["plan"], kPlanModes));
   }
   if (has("optimizer_placement")) {
-    TIERMEM_ASSIGN_OR_RETURN(c->optimizer_placement,
-                             Choice("optimizer_placement", config["optimizer_placement"],
-                                    kPlacements));
+    TIERMEM_ASSIGN_OR_RETURN(
+        c->optimizer_placement,
+        Choice("optimizer_placement", config["optimizer_placement"], kPlacements));
   }
   if (has("optimizer_overlap")) {
     TIERMEM_ASSIGN_OR_RETURN(c->optimizer_overlap,
@@ -376,9 +390,9 @@ Status ApplyJson(const json& config, SessionConfig* c, bool* nvme_given) {
                              Choice("checkpoint_io", config["checkpoint_io"], kCheckpointIo));
   }
   if (has("unmaterialized_reads")) {
-    TIERMEM_ASSIGN_OR_RETURN(c->unmaterialized_reads,
-                             Choice("unmaterialized_reads", config["unmaterialized_reads"],
-                                    {"materialize", "error"}));
+    TIERMEM_ASSIGN_OR_RETURN(
+        c->unmaterialized_reads,
+        Choice("unmaterialized_reads", config["unmaterialized_reads"], {"materialize", "error"}));
   }
   return OkStatus();
 }
@@ -408,10 +422,9 @@ Status ApplyEnv(const EnvGetter& env, SessionConfig* c, bool* nvme_given) {
   TIERMEM_RETURN_IF_ERROR(IntVar(env, "TIERMEM_CPU_THREADS", &c->cpu_threads, 0, 4096));
   TIERMEM_RETURN_IF_ERROR(ChoiceVar(env, "TIERMEM_KERNEL_ISA", &c->kernel_isa, kIsas));
   TIERMEM_RETURN_IF_ERROR(ChoiceVar(env, "TIERMEM_PLAN", &c->plan, kPlanModes));
+  TIERMEM_RETURN_IF_ERROR(ChoiceVar(env, "TIERMEM_ACTIVATIONS", &c->activations, kActivationModes));
   TIERMEM_RETURN_IF_ERROR(
-      ChoiceVar(env, "TIERMEM_ACTIVATIONS", &c->activations, kActivationModes));
-  TIERMEM_RETURN_IF_ERROR(ChoiceVar(env, "TIERMEM_OPTIMIZER_PLACEMENT", &c->optimizer_placement,
-                                    kPlacements));
+      ChoiceVar(env, "TIERMEM_OPTIMIZER_PLACEMENT", &c->optimizer_placement, kPlacements));
   TIERMEM_RETURN_IF_ERROR(
       ChoiceVar(env, "TIERMEM_OPTIMIZER_OVERLAP", &c->optimizer_overlap, kOverlaps));
   TIERMEM_RETURN_IF_ERROR(
@@ -432,9 +445,12 @@ Status ApplyEnv(const EnvGetter& env, SessionConfig* c, bool* nvme_given) {
 
 std::string_view PrecisionName(Precision p) {
   switch (p) {
-    case Precision::kFp32: return "fp32";
-    case Precision::kBf16: return "bf16";
-    case Precision::kFp16: return "fp16";
+    case Precision::kFp32:
+      return "fp32";
+    case Precision::kBf16:
+      return "bf16";
+    case Precision::kFp16:
+      return "fp16";
   }
   return "fp32";
 }
@@ -499,7 +515,9 @@ json ToJson(const SessionConfig& c) {
   j["host"] = c.host_budget;
   if (c.host_reserve > 0) j["host_reserve"] = c.host_reserve;
   if (c.nvme_size > 0) {
-    j["nvme"] = {{"size", c.nvme_size}, {"engine", c.nvme_engine}, {"queue_depth", c.io_depth},
+    j["nvme"] = {{"size", c.nvme_size},
+                 {"engine", c.nvme_engine},
+                 {"queue_depth", c.io_depth},
                  {"piece_size", c.io_piece}};
     if (!c.nvme_path.empty()) j["nvme"]["path"] = c.nvme_path;
   }
@@ -509,17 +527,16 @@ json ToJson(const SessionConfig& c) {
   j["kernel_isa"] = c.kernel_isa;
   j["log_level"] = std::string(LogLevelName(c.log_level));
   j["precision"] = std::string(PrecisionName(c.precision));
-  j["optimizer"] = {{"type", "adamw"},
-                    {"lr", c.optimizer.lr},
-                    {"betas", {c.optimizer.beta1, c.optimizer.beta2}},
-                    {"eps", c.optimizer.eps},
-                    {"weight_decay", c.optimizer.weight_decay},
-                    {"state_dtype", std::string(kernels::StateDTypeName(
-                                        c.optimizer_state.format.dtype))},
-                    {"state_block", c.optimizer_state.format.block},
-                    {"state_rounding",
-                     c.optimizer_state.format.stochastic ? "stochastic" : "nearest"},
-                    {"state_min_elems", c.optimizer_state.min_elems}};
+  j["optimizer"] = {
+      {"type", "adamw"},
+      {"lr", c.optimizer.lr},
+      {"betas", {c.optimizer.beta1, c.optimizer.beta2}},
+      {"eps", c.optimizer.eps},
+      {"weight_decay", c.optimizer.weight_decay},
+      {"state_dtype", std::string(kernels::StateDTypeName(c.optimizer_state.format.dtype))},
+      {"state_block", c.optimizer_state.format.block},
+      {"state_rounding", c.optimizer_state.format.stochastic ? "stochastic" : "nearest"},
+      {"state_min_elems", c.optimizer_state.min_elems}};
   j["gradient_accumulation_steps"] = c.gradient_accumulation_steps;
   j["gradient_clipping"] = c.gradient_clipping;
   if (c.chunk_size) j["chunk_size"] = *c.chunk_size;

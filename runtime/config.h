@@ -83,16 +83,15 @@
 // the getter it is given).
 #pragma once
 
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 
-#include <nlohmann/json.hpp>
-
-#include "base/logging.h"
 #include "base/env.h"
-#include "kernels/cpu/optim.h"
+#include "base/logging.h"
 #include "base/status.h"
 #include "base/units.h"
+#include "kernels/cpu/optim.h"
 
 namespace tiermem::session {
 
@@ -132,13 +131,13 @@ struct SessionConfig {
   // Homes otherwise fill the budget less the room for NVMe-homed chunks in use, and host
   // homes never move, so a KV cache larger than that room could not grow.
   Bytes host_reserve = 0;
-  Bytes nvme_size = 0;           // 0 = no NVMe tier (only when no nvme key/variable is given)
-  std::string nvme_path;         // "" = a fresh directory under $TMPDIR
+  Bytes nvme_size = 0;    // 0 = no NVMe tier (only when no nvme key/variable is given)
+  std::string nvme_path;  // "" = a fresh directory under $TMPDIR
   std::string nvme_engine = "auto";
   int io_depth = 8;
-  Bytes io_piece = kMiB;         // NVMe I/O size: larger copies go in pieces of this size
+  Bytes io_piece = kMiB;  // NVMe I/O size: larger copies go in pieces of this size
   std::string device_kind = "auto";
-  std::string timeline;          // "" = a temporary file, removed when the session closes
+  std::string timeline;  // "" = a temporary file, removed when the session closes
   int cpu_threads = 0;
   std::string kernel_isa = "auto";
   LogLevel log_level = LogLevel::kWarn;
@@ -146,8 +145,8 @@ struct SessionConfig {
   OptimizerConfig optimizer;
   OptimizerStateConfig optimizer_state;
   int gradient_accumulation_steps = 1;
-  double gradient_clipping = 0.0;       // 0 = off
-  std::optional<uint64_t> chunk_size;   // elements per chunk; nullopt = automatic
+  double gradient_clipping = 0.0;      // 0 = off
+  std::optional<uint64_t> chunk_size;  // elements per chunk; nullopt = automatic
   int prefetch_depth = 4;
   bool write_behind = true;
   std::string plan = "auto";  // "off" | "auto" | "always"  // "off" | "auto" (session.h, "Plans")

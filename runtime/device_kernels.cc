@@ -12,8 +12,8 @@
 
 namespace tiermem::session {
 
-Status DeviceAdamStep(bool cuda, const kernels::AdamConfig& config,
-                      const kernels::AdamSpans& spans, ComputeStream stream) {
+Status DeviceAdamStep(bool cuda, const kernels::AdamConfig& config, const kernels::AdamSpans& spans,
+                      ComputeStream stream) {
   TIERMEM_RETURN_IF_ERROR(kernels::ValidateAdam(config, spans));
   if (!cuda) {
     if (stream == kHostStream) {
@@ -26,10 +26,11 @@ Status DeviceAdamStep(bool cuda, const kernels::AdamConfig& config,
     s->Enqueue([config, spans] { kernels::AdamStep(config, spans); });
     return OkStatus();
   }
-  if (spans.param_in != nullptr || spans.exp_avg_in != nullptr ||
-      spans.exp_avg_sq_in != nullptr || spans.max_exp_avg_sq_in != nullptr) {
-    return InvalidArgumentError("optimizer step: out-of-place spans on the CUDA kernels (the "
-                                "CPU kernels only take them)");
+  if (spans.param_in != nullptr || spans.exp_avg_in != nullptr || spans.exp_avg_sq_in != nullptr ||
+      spans.max_exp_avg_sq_in != nullptr) {
+    return InvalidArgumentError(
+        "optimizer step: out-of-place spans on the CUDA kernels (the "
+        "CPU kernels only take them)");
   }
 #ifdef TIERMEM_SESSION_WITH_CUDA
   if (spans.state.compressed()) {

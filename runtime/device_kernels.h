@@ -17,16 +17,16 @@
 #include <cstddef>
 #include <vector>
 
-#include "kernels/cpu/optim.h"
 #include "base/status.h"
+#include "kernels/cpu/optim.h"
 #include "tiers/tier.h"
 
 namespace tiermem::session {
 
 // One fused AdamW step over `spans` (validated first: kInvalidArgument changes nothing).
 // CPU: runs now. CUDA: enqueued on `stream`.
-Status DeviceAdamStep(bool cuda, const kernels::AdamConfig& config,
-                      const kernels::AdamSpans& spans, ComputeStream stream);
+Status DeviceAdamStep(bool cuda, const kernels::AdamConfig& config, const kernels::AdamSpans& spans,
+                      ComputeStream stream);
 
 struct GradSpan {
   const void* grad = nullptr;

@@ -62,7 +62,7 @@ ChunkId OptimizerStepper::Chunk(size_t group, ChunkKind kind) const {
 // ---- runs --------------------------------------------------------------------------------------
 
 std::vector<OptimizerStepper::Run> OptimizerStepper::GradRuns(size_t group, bool same_step,
-                                                             bool every_trainable) const {
+                                                              bool every_trainable) const {
   const ChunkGroup& g = session_->group(group);
   std::vector<Run> runs;
   for (const PieceRef& ref : g.pieces) {
@@ -153,16 +153,16 @@ Status OptimizerStepper::Apply(const std::vector<GroupHyper>& hyper, float clip_
 Status OptimizerStepper::UpdateGroup(size_t gi, const std::vector<Run>& runs, uint64_t work,
                                      const std::vector<uint32_t>& stepped, bool quiet) {
   // Acquired in this order (compute params first), released in any order.
-  std::vector<ChunkKind> kinds = {session_->compute_kind(), ChunkKind::kGrad,
-                                  ChunkKind::kExpAvg, ChunkKind::kExpAvgSq};
+  std::vector<ChunkKind> kinds = {session_->compute_kind(), ChunkKind::kGrad, ChunkKind::kExpAvg,
+                                  ChunkKind::kExpAvgSq};
   if (session_->mixed()) kinds.push_back(ChunkKind::kParamFp32);
   const TierKind where = UpdateTier(gi);
   chunks::Engine* eng = engine();
   if (!quiet) {
     // Named by group: a plan matches a deferred update by its label, whichever unit's
     // forward runs it.
-    const std::string label = where == TierKind::kDevice ? "optimizer-substep:device:g"
-                                                         : "optimizer-substep:host:g";
+    const std::string label =
+        where == TierKind::kDevice ? "optimizer-substep:device:g" : "optimizer-substep:host:g";
     session_->Moment(label + std::to_string(gi), planners::MomentKind::kOptimizerStep);
     trace_->SetWorkElems(work, where == TierKind::kDevice);
   }
@@ -233,7 +233,8 @@ Status OptimizerStepper::RunAdam(size_t gi, const std::array<char*, chunks::kNum
     sp.exp_avg_q = ref(ChunkKind::kExpAvg);
     sp.exp_avg_sq_q = ref(ChunkKind::kExpAvgSq);
     // Stochastic rounding's key: a different draw for every step, group and run.
-    ac.rounding_seed = (static_cast<uint64_t>(run.step) << 32) ^ (gi * 0x9E3779B97F4A7C15ull) ^ run.lo;
+    ac.rounding_seed =
+        (static_cast<uint64_t>(run.step) << 32) ^ (gi * 0x9E3779B97F4A7C15ull) ^ run.lo;
   } else {
     sp.exp_avg = reinterpret_cast<float*>(v[K(ChunkKind::kExpAvg)]) + run.lo;
     sp.exp_avg_sq = reinterpret_cast<float*>(v[K(ChunkKind::kExpAvgSq)]) + run.lo;
@@ -352,8 +353,8 @@ Status OptimizerStepper::Speculate(size_t gi) {
   std::vector<ChunkKind> acquired;
   Status s;
   for (ChunkKind k : state) {
-    StatusOr<Region> r = eng->AllocateScratch(TierKind::kHost, session_->ChunkBytes(gi, k),
-                                              Category::kOptimState);
+    StatusOr<Region> r =
+        eng->AllocateScratch(TierKind::kHost, session_->ChunkBytes(gi, k), Category::kOptimState);
     if (!r.ok()) {
       s = r.status();
       break;

@@ -179,10 +179,10 @@ class OptimizerStepper {
   // A deferred update (optimizer_overlap: next-forward).
   struct Pending {
     bool active = false;
-    bool zero_grad_after = false;  // ZeroGrad/ZeroChunk(grad) came while pending
-    std::vector<Run> runs;         // LocalRuns(GradRuns(g, true)) at Step
-    uint64_t work = 0;             // elements updated
-    std::vector<uint32_t> stepped; // tensors whose step count Step incremented
+    bool zero_grad_after = false;   // ZeroGrad/ZeroChunk(grad) came while pending
+    std::vector<Run> runs;          // LocalRuns(GradRuns(g, true)) at Step
+    uint64_t work = 0;              // elements updated
+    std::vector<uint32_t> stepped;  // tensors whose step count Step incremented
   };
   // A speculative update (optimizer_overlap: backward).
   struct Speculation {
@@ -196,9 +196,7 @@ class OptimizerStepper {
   chunks::Engine* engine() const;  // the stack's
   ChunkId Chunk(size_t group, chunks::ChunkKind kind) const;
   // Where group g's update runs (its chunks acquired there).
-  TierKind UpdateTier(size_t g) const {
-    return OnDevice(g) ? TierKind::kDevice : TierKind::kHost;
-  }
+  TierKind UpdateTier(size_t g) const { return OnDevice(g) ? TierKind::kDevice : TierKind::kHost; }
   // Decides on_device_ (the file comment's rule).
   void Place();
   // One group's AdamW update over `runs` (step_args_ as captured by Apply), on UpdateTier;
@@ -232,8 +230,8 @@ class OptimizerStepper {
   StepArgs step_args_;
   std::vector<Pending> pending_;  // per group
   size_t num_pending_ = 0;
-  std::vector<Speculation> spec_;     // per group
-  std::vector<uint8_t> spec_tried_;   // per group: this backward
+  std::vector<Speculation> spec_;    // per group
+  std::vector<uint8_t> spec_tried_;  // per group: this backward
   std::vector<GroupHyper> spec_hyper_;
   bool spec_hyper_set_ = false;
   // Per group: the count of pre-backward moments when its grad chunk was last written, in this

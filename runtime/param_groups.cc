@@ -18,8 +18,7 @@ StatusOr<std::vector<int>> AssignParamGroups(
     const std::string where = "param_groups[" + std::to_string(g) + "]";
     for (const int64_t i : (*members)[g]) {
       if (i < 0 || static_cast<size_t>(i) >= tensors.size()) {
-        return InvalidArgumentError(where +
-                                    " holds a tensor that is not a parameter of the model");
+        return InvalidArgumentError(where + " holds a tensor that is not a parameter of the model");
       }
       const TensorSpec& t = tensors[static_cast<size_t>(i)];
       if (group_of[i] >= 0) {

@@ -123,14 +123,20 @@ void PlanRunner::Issue(int64_t planned_moment) {
     }
     StatusOr<bool> r = true;
     switch (a.kind) {
-      case ActionKind::kEvict: r = engine_->PlanEvict(c, a.tier); break;
-      case ActionKind::kPrefetch: r = engine_->PlanPrefetch(c, a.tier); break;
-      case ActionKind::kFetchActivation: fetches_.push_back(a.unit); break;  // the binding's
+      case ActionKind::kEvict:
+        r = engine_->PlanEvict(c, a.tier);
+        break;
+      case ActionKind::kPrefetch:
+        r = engine_->PlanPrefetch(c, a.tier);
+        break;
+      case ActionKind::kFetchActivation:
+        fetches_.push_back(a.unit);
+        break;  // the binding's
     }
     if (!r.ok()) {
       // A move that cannot start is left to the reactive path (the acquire will need it).
-      TIERMEM_LOG(kWarn) << "plan: " << planners::ActionKindName(a.kind) << " of chunk "
-                         << c << " at " << pm.label << ": " << r.status().message();
+      TIERMEM_LOG(kWarn) << "plan: " << planners::ActionKindName(a.kind) << " of chunk " << c
+                         << " at " << pm.label << ": " << r.status().message();
     }
   }
 }
@@ -159,8 +165,8 @@ bool PlanRunner::AtBoundary(bool diverged, TraceRecorder* trace, const PlanConte
   ++train_iterations_;
   if (diverged && !warned_divergence_) {
     warned_divergence_ = true;
-    TIERMEM_LOG(kWarn) << "plan: training iteration " << train_iterations_ - 1
-                       << " left the plan (" << stats_.last_divergence
+    TIERMEM_LOG(kWarn) << "plan: training iteration " << train_iterations_ - 1 << " left the plan ("
+                       << stats_.last_divergence
                        << "); it ran on the reactive policy from there (same values). The "
                           "next iteration is recorded and planned again if it diverges too. "
                           "(Warned once.)";
@@ -284,7 +290,7 @@ Status PlanRunner::ExecuteFrom(const planners::Trace& trace, int64_t iteration,
   o.iteration = static_cast<uint32_t>(iteration);
   o.start = &start;
   o.homes = &homes;
-  o.place_optimizer = false;    // groups step where the session's OptimizerStepper put them
+  o.place_optimizer = false;  // groups step where the session's OptimizerStepper put them
   // Updates run where the trace has them (after the backward, or deferred into the next
   // forward): the runtime does not overlap them with the backward.
   o.overlap_optimizer = false;
@@ -303,8 +309,8 @@ Status PlanRunner::ExecuteFrom(const planners::Trace& trace, int64_t iteration,
   // The bar compares chunk bytes only: a plan that also places activations (offload, auto)
   // trades chunk bytes for activation bytes the engine's counters do not see, so it runs.
   if (reactive_end != nullptr && !ctx.cuda && ctx.bar && !o.activation_policy) {
-    declined_ = DeclinePlan(p.estimate, measure_start_, *reactive_end,
-                            m.Budget(TierKind::kDevice) == 0);
+    declined_ =
+        DeclinePlan(p.estimate, measure_start_, *reactive_end, m.Budget(TierKind::kDevice) == 0);
     if (!declined_.empty()) {
       TIERMEM_LOG(kInfo) << "plan: declined (" << declined_ << "); the engine stays reactive";
       return OkStatus();
@@ -313,9 +319,8 @@ Status PlanRunner::ExecuteFrom(const planners::Trace& trace, int64_t iteration,
   estimate_ = p.estimate;
   actions_ = static_cast<uint32_t>(p.actions.size());
   TIERMEM_LOG(kInfo) << "plan: " << p.actions.size() << " actions over " << p.moments.size()
-                     << " moments; modelled iteration "
-                     << p.estimate.steady_iteration_ns / 1e6 << " ms, stall "
-                     << p.estimate.steady_stall_ns / 1e6 << " ms";
+                     << " moments; modelled iteration " << p.estimate.steady_iteration_ns / 1e6
+                     << " ms, stall " << p.estimate.steady_stall_ns / 1e6 << " ms";
   Start(std::move(p), eng);
   return OkStatus();
 }

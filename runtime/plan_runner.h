@@ -91,7 +91,7 @@ class PlanRunner {
     uint64_t planned_iterations = 0;   // iterations begun under a plan
     uint64_t followed_iterations = 0;  // of those, followed to the end
     uint64_t divergences = 0;
-    std::string last_divergence;       // the checker's reason, "" if none
+    std::string last_divergence;  // the checker's reason, "" if none
   };
 
   // Executes `plan` from the next BeginIteration on. The engine must outlive the runner.

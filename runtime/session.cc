@@ -41,9 +41,9 @@ uint64_t MaxNumel(const std::vector<TensorSpec>& tensors) {
 }
 
 constexpr Bytes kPage = 4096;
-constexpr std::array<ChunkKind, 5> kCreationOrder = {
-    ChunkKind::kParamLowp, ChunkKind::kParamFp32, ChunkKind::kGrad, ChunkKind::kExpAvg,
-    ChunkKind::kExpAvgSq};
+constexpr std::array<ChunkKind, 5> kCreationOrder = {ChunkKind::kParamLowp, ChunkKind::kParamFp32,
+                                                     ChunkKind::kGrad, ChunkKind::kExpAvg,
+                                                     ChunkKind::kExpAvgSq};
 
 int K(ChunkKind k) { return static_cast<int>(k); }
 
@@ -96,8 +96,9 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
   TIERMEM_RETURN_IF_ERROR(
       kernels::ValidateStateFormat(state).WithContext("config 'optimizer.state_block'"));
   if (state.stochastic && state.dtype != kernels::StateDType::kBF16) {
-    return InvalidArgumentError("session: stochastic rounding of optimizer state needs "
-                                "optimizer.state_dtype 'bf16'");
+    return InvalidArgumentError(
+        "session: stochastic rounding of optimizer state needs "
+        "optimizer.state_dtype 'bf16'");
   }
   // int8 groups align every tensor (and every chunk size) to the block.
   const uint64_t state_align =
@@ -123,7 +124,8 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
       }
     }
     if (t.expert_set >= 0 && t.expert < 0 && t.shape.empty()) {
-      return InvalidArgumentError("session: tensor " + t.name + " is a fused expert tensor "
+      return InvalidArgumentError("session: tensor " + t.name +
+                                  " is a fused expert tensor "
                                   "without a shape (its first dimension indexes the experts)");
     }
     (t.trainable ? trainable : frozen).push_back(i);
@@ -153,7 +155,8 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
   }
   if (host && (config.activations == "offload" || config.activations == "auto")) {
     return InvalidArgumentError(
-        "activations '" + config.activations + "' moves saved activations from the device to "
+        "activations '" + config.activations +
+        "' moves saved activations from the device to "
         "host memory, but with device_kind 'host' they are in host memory already: use "
         "'budget' (counted in the host budget), 'recompute' or 'outside'");
   }
@@ -176,8 +179,8 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
   s->min_device_budget_ =
       host ? 0 : chunks::MinimumDeviceBudget(min_piece, per_elem, kMinResidentChunks);
   if (!config.chunk_size) {
-    StatusOr<chunks::ChunkSizeChoice> choice = chunks::ChooseChunkElems(
-        packed, sizing_budget, per_elem, kMinResidentChunks, state_align);
+    StatusOr<chunks::ChunkSizeChoice> choice =
+        chunks::ChooseChunkElems(packed, sizing_budget, per_elem, kMinResidentChunks, state_align);
     if (!choice.ok() && host) {
       // The largest piece alone is more than 1/32 of the host budget: chunks of about that
       // piece, the least waste up to 1.25x it (the host tier's own minimum is checked when it
@@ -194,10 +197,9 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
     s->chunk_elems_ = *config.chunk_size;
     const Bytes need = s->chunk_elems_ * per_elem * kMinResidentChunks;
     if (!host && need > config.device_budget) {
-      return ResourceExhaustedError(
-          "device budget of " + std::to_string(config.device_budget) +
-          " bytes is below the minimum of " + std::to_string(need) + " bytes for chunk_size=" +
-          std::to_string(s->chunk_elems_));
+      return ResourceExhaustedError("device budget of " + std::to_string(config.device_budget) +
+                                    " bytes is below the minimum of " + std::to_string(need) +
+                                    " bytes for chunk_size=" + std::to_string(s->chunk_elems_));
     }
   }
   // The trainable tensors whose m and v take the configured compressed format: those of at
@@ -228,17 +230,20 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
     }
   }
   if (config.chunk_size && !compressed.empty() && s->chunk_elems_ % state_align != 0) {
-    return InvalidArgumentError(
-        "chunk_size=" + std::to_string(s->chunk_elems_) + " is not a multiple of "
-        "optimizer.state_block (" + std::to_string(state_align) + "): chunks of int8 "
-        "optimizer state hold whole blocks");
+    return InvalidArgumentError("chunk_size=" + std::to_string(s->chunk_elems_) +
+                                " is not a multiple of "
+                                "optimizer.state_block (" +
+                                std::to_string(state_align) +
+                                "): chunks of int8 "
+                                "optimizer state hold whole blocks");
   }
   // Sharded: every rank holds an equal, aligned slice of every chunk (64 elements keep the
   // kernels' vectors and the host tier's classes aligned).
   s->sharding_ = sharding;
   if (sharding.world > 1) {
     // int8 state: every shard holds whole blocks too.
-    const uint64_t unit = static_cast<uint64_t>(sharding.world) * std::max<uint64_t>(64, state_align);
+    const uint64_t unit =
+        static_cast<uint64_t>(sharding.world) * std::max<uint64_t>(64, state_align);
     s->chunk_elems_ = (s->chunk_elems_ + unit - 1) / unit * unit;
   }
   s->shard_elems_ = s->chunk_elems_ / static_cast<uint64_t>(sharding.world);
@@ -292,11 +297,12 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
           "sharded training keeps every tensor whole in a chunk, but tensor " + tensors[i].name +
           " (" + std::to_string(tensors[i].numel) + " elements) is larger than a chunk of " +
           std::to_string(s->chunk_elems_) + " elements at this device budget of " +
-          std::to_string(config.device_budget) + " bytes: give each rank a device budget of at "
-          "least " + std::to_string(chunks::MinimumDeviceBudget(
-                         MaxNumel(tensors), per_elem, kMinResidentChunks)) +
-          " bytes, or a chunk_size of at least " + std::to_string(MaxNumel(tensors)) +
-          " elements");
+          std::to_string(config.device_budget) +
+          " bytes: give each rank a device budget of at "
+          "least " +
+          std::to_string(
+              chunks::MinimumDeviceBudget(MaxNumel(tensors), per_elem, kMinResidentChunks)) +
+          " bytes, or a chunk_size of at least " + std::to_string(MaxNumel(tensors)) + " elements");
     }
   }
   for (ChunkGroup& grp : s->groups_) {
@@ -313,13 +319,12 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
   for (size_t i = 0; i < tensors.size(); ++i) {
     const TensorSpec& t = tensors[i];
     const Bytes m_and_v = 2 * kernels::StateBytes(s->groups_[s->tensors_[i].group].state, t.numel);
-    s->model_bytes_ += t.numel * (t.trainable ? esize * 2 : esize) +
-                       (t.trainable ? m_and_v : 0) + (mixed ? t.numel * 4 : 0);
+    s->model_bytes_ += t.numel * (t.trainable ? esize * 2 : esize) + (t.trainable ? m_and_v : 0) +
+                       (mixed ? t.numel * 4 : 0);
   }
   s->specs_ = std::move(tensors);
   s->has_grad_.assign(s->specs_.size(), 0);
-  s->scaler_.scale =
-      config.precision == Precision::kFp16 ? config.loss_scaling.initial_scale : 1.0;
+  s->scaler_.scale = config.precision == Precision::kFp16 ? config.loss_scaling.initial_scale : 1.0;
 
   StackLayout sl;
   sl.chunk_bytes = s->shard_elems_ * 4;  // the largest (fp32) chunk of a group held here
@@ -343,8 +348,7 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
                         return s->tensors_[r.tensor].pieces[r.piece].expert >= 0;
                       });
   }
-  const bool experts = std::find(expert_group.begin(), expert_group.end(), 1) !=
-                       expert_group.end();
+  const bool experts = std::find(expert_group.begin(), expert_group.end(), 1) != expert_group.end();
   if (experts && !any_trainable) {
     for (size_t g = 0; g < s->groups_.size(); ++g) {
       if (!expert_group[g]) {
@@ -354,8 +358,8 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
   }
   // State beyond the host budget with NVMe: homes fill the host budget, so map it all now,
   // registered with the NVMe tier (tier_stack.h).
-  sl.host_prefault = config.nvme_size > 0 && s->model_bytes_ > config.host_budget
-                         ? config.host_budget : 0;
+  sl.host_prefault =
+      config.nvme_size > 0 && s->model_bytes_ > config.host_budget ? config.host_budget : 0;
   SessionConfig resolved = config;
   resolved.device_kind = s->device_kind_;  // the stack builds what was resolved above
   TIERMEM_ASSIGN_OR_RETURN(s->stack_, TierStack::Create(resolved, sl));
@@ -372,7 +376,7 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
         ChunkGroup& g = s->groups_[gi];
         const bool need = kind == ChunkKind::kParamLowp   ? mixed
                           : kind == ChunkKind::kParamFp32 ? true
-                                                           : g.trainable;
+                                                          : g.trainable;
         if (!need) continue;
         const bool state_kind = kind == ChunkKind::kExpAvg || kind == ChunkKind::kExpAvgSq;
         const Bytes bytes = state_kind ? kernels::StateBytes(g.state, s->shard_elems_)
@@ -401,7 +405,7 @@ void Session::Close() {
       TIERMEM_LOG(kError) << w.status().message();
     }
   }
-  runner_.Stop();  // before the engine goes
+  runner_.Stop();                // before the engine goes
   stepper_->DropSpeculations();  // their scratch too
   stack_->Close();
 }
@@ -415,16 +419,19 @@ Status Session::Live() const {
 
 kernels::DType Session::compute_dtype() const {
   switch (config_.precision) {
-    case Precision::kBf16: return kernels::DType::kBF16;
-    case Precision::kFp16: return kernels::DType::kF16;
-    case Precision::kFp32: break;
+    case Precision::kBf16:
+      return kernels::DType::kBF16;
+    case Precision::kFp16:
+      return kernels::DType::kF16;
+    case Precision::kFp32:
+      break;
   }
   return kernels::DType::kF32;
 }
 
 kernels::DType Session::dtype(ChunkKind kind) const {
   return (kind == ChunkKind::kParamLowp || kind == ChunkKind::kGrad) ? compute_dtype()
-                                                                      : kernels::DType::kF32;
+                                                                     : kernels::DType::kF32;
 }
 
 std::string Session::io_backend() const { return stack_ ? stack_->io_backend() : ""; }
@@ -473,8 +480,7 @@ StatusOr<void*> Session::Acquire(size_t group, ChunkKind kind, TierKind where, u
   return p;
 }
 
-StatusOr<bool> Session::Prefetch(size_t group, ChunkKind kind, TierKind where,
-                                 double probability) {
+StatusOr<bool> Session::Prefetch(size_t group, ChunkKind kind, TierKind where, double probability) {
   TIERMEM_RETURN_IF_ERROR(CheckKind(group, kind));
   if (stepper_->pending(group)) return false;  // its update reads it first, on its own tier
   return stack_->engine()->PrefetchHint(Chunk(group, kind), where, probability);
@@ -490,8 +496,7 @@ StatusOr<void*> Session::AcquireForWrite(size_t group, ChunkKind kind, TierKind 
   const bool zero = stack_->engine()->ZeroContent(c);
   StatusOr<void*> p = stack_->engine()->AcquireForWrite(c, where, must_zero, cls);
   if (p.ok()) {
-    trace_.Access(c, zero ? planners::AccessMode::kWrite : planners::AccessMode::kReadWrite,
-                  where);
+    trace_.Access(c, zero ? planners::AccessMode::kWrite : planners::AccessMode::kReadWrite, where);
     NoteClassAccess(c, where, cls);
   }
   return p;
@@ -612,7 +617,8 @@ Status Session::WriteTensor(size_t tensor, ChunkKind kind, const void* values) {
 Status Session::ReadStateRaw(size_t tensor, ChunkKind kind, void* codes, float* absmax) {
   TIERMEM_RETURN_IF_ERROR(Live());
   if (tensor >= tensors_.size()) return OutOfRangeError("session: unknown tensor");
-  if (!IsStateKind(kind)) return InvalidArgumentError("session: raw state is exp_avg or exp_avg_sq");
+  if (!IsStateKind(kind))
+    return InvalidArgumentError("session: raw state is exp_avg or exp_avg_sq");
   TIERMEM_RETURN_IF_ERROR(CheckKind(tensors_[tensor].group, kind));
   TIERMEM_RETURN_IF_ERROR(stepper_->RunPending(tensors_[tensor].group, true));
   return StateRaw(tensor, kind, codes, absmax, false);
@@ -622,7 +628,8 @@ Status Session::WriteStateRaw(size_t tensor, ChunkKind kind, const void* codes,
                               const float* absmax) {
   TIERMEM_RETURN_IF_ERROR(Live());
   if (tensor >= tensors_.size()) return OutOfRangeError("session: unknown tensor");
-  if (!IsStateKind(kind)) return InvalidArgumentError("session: raw state is exp_avg or exp_avg_sq");
+  if (!IsStateKind(kind))
+    return InvalidArgumentError("session: raw state is exp_avg or exp_avg_sq");
   TIERMEM_RETURN_IF_ERROR(CheckKind(tensors_[tensor].group, kind));
   TIERMEM_RETURN_IF_ERROR(stepper_->RunPending(tensors_[tensor].group, true));
   stepper_->DropSpeculation(tensors_[tensor].group);
@@ -632,8 +639,7 @@ Status Session::WriteStateRaw(size_t tensor, ChunkKind kind, const void* codes,
 // A chunk of m or v is the codes of its shard_elems_ elements, then (int8) one absmax per
 // block; a tensor's blocks start at its first element (aligned to the block). Sharded, the
 // gathered chunk is every rank's shard chunk back to back.
-Status Session::StateRaw(size_t tensor, ChunkKind kind, void* codes_v, float* absmax,
-                         bool write) {
+Status Session::StateRaw(size_t tensor, ChunkKind kind, void* codes_v, float* absmax, bool write) {
   const TensorPlace& t = tensors_[tensor];
   const kernels::StateFormat& f = groups_[t.group].state;
   const size_t es = CodeSize(f);
@@ -647,12 +653,11 @@ Status Session::StateRaw(size_t tensor, ChunkKind kind, void* codes_v, float* ab
     const uint64_t hi = std::min(t.offset + t.numel, shard_begin_ + shard_elems_);
     if (lo >= hi) return OkStatus();
     gathered_key_ = {SIZE_MAX, -1};
-    TIERMEM_RETURN_IF_ERROR(eng->WriteAt(c, (lo - shard_begin_) * es,
-                                         codes + (lo - t.offset) * es, (hi - lo) * es));
+    TIERMEM_RETURN_IF_ERROR(
+        eng->WriteAt(c, (lo - shard_begin_) * es, codes + (lo - t.offset) * es, (hi - lo) * es));
     if (!int8) return OkStatus();
     return eng->WriteAt(c, absmax_at + (lo - shard_begin_) / f.block * 4,
-                        absmax + (lo - t.offset) / f.block,
-                        (hi - lo + f.block - 1) / f.block * 4);
+                        absmax + (lo - t.offset) / f.block, (hi - lo + f.block - 1) / f.block * 4);
   }
   if (!sharded()) {
     TIERMEM_RETURN_IF_ERROR(eng->ReadAt(c, t.offset * es, codes, t.numel * es));
@@ -666,8 +671,7 @@ Status Session::StateRaw(size_t tensor, ChunkKind kind, void* codes_v, float* ab
     const uint64_t lo = std::max(t.offset, r * shard_elems_);
     const uint64_t hi = std::min(t.offset + t.numel, (r + 1) * shard_elems_);
     const char* shard = full + r * stride;
-    std::memcpy(codes + (lo - t.offset) * es, shard + (lo - r * shard_elems_) * es,
-                (hi - lo) * es);
+    std::memcpy(codes + (lo - t.offset) * es, shard + (lo - r * shard_elems_) * es, (hi - lo) * es);
     if (int8) {
       std::memcpy(absmax + (lo - t.offset) / f.block,
                   shard + absmax_at + (lo - r * shard_elems_) / f.block * 4,
@@ -777,8 +781,10 @@ StatusOr<StepResult> Session::Step(const std::vector<GroupHyper>& hyper,
   TIERMEM_RETURN_IF_ERROR(stepper_->RunAllPending(true));  // the last step's updates come first
   for (size_t i = 0; i < tensors_.size(); ++i) {
     if (tensors_[i].trainable && static_cast<size_t>(tensors_[i].opt_group) >= hyper.size()) {
-      return InvalidArgumentError("optimizer step: tensor " + specs_[i].name + " is in param "
-                                  "group " + std::to_string(tensors_[i].opt_group) + " but " +
+      return InvalidArgumentError("optimizer step: tensor " + specs_[i].name +
+                                  " is in param "
+                                  "group " +
+                                  std::to_string(tensors_[i].opt_group) + " but " +
                                   std::to_string(hyper.size()) + " groups were given");
     }
   }
@@ -890,9 +896,9 @@ PlanRunner::PlanContext Session::RunnerContext() const {
   ctx.cuda = cuda();
   ctx.bar = config_.plan == "auto";  // "always": the plan runs whatever its bytes
   // Host mode: the compute tier holds every chunk when none is homed on NVMe.
-  ctx.device_holds_every_chunk =
-      host_compute() ? stack_->nvme() == nullptr
-                     : stack_->device()->Stats().capacity >= total_chunk_bytes_;
+  ctx.device_holds_every_chunk = host_compute()
+                                     ? stack_->nvme() == nullptr
+                                     : stack_->device()->Stats().capacity >= total_chunk_bytes_;
   return ctx;
 }
 
@@ -956,8 +962,8 @@ planners::TraceBudgets Session::TraceBudgets() const {
 void Session::DeclareTraceChunks() {
   planners::TraceBuilder& b = trace_.builder();
   chunks::Engine* eng = stack_->engine();
-  b.SetSource("tiermem session (" + device_kind_ + " device, " +
-              std::to_string(specs_.size()) + " tensors)");
+  b.SetSource("tiermem session (" + device_kind_ + " device, " + std::to_string(specs_.size()) +
+              " tensors)");
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     for (int k = 0; k < chunks::kNumChunkKinds; ++k) {
       const ChunkId c = groups_[gi].chunks[k];
@@ -1048,9 +1054,8 @@ Status Session::SpillCopy(const Region& spill, Bytes spill_offset, const Region&
 
 StatusOr<std::shared_ptr<Completion>> Session::StartSpillCopy(const Region& spill,
                                                               Bytes spill_offset,
-                                                              const Region& host,
-                                                              Bytes host_offset, Bytes bytes,
-                                                              bool to_nvme) {
+                                                              const Region& host, Bytes host_offset,
+                                                              Bytes bytes, bool to_nvme) {
   TIERMEM_RETURN_IF_ERROR(Live());
   if (stack_->nvme() == nullptr) return FailedPreconditionError("session: no NVMe tier");
   if (bytes == 0) return Completion::Done(OkStatus());

@@ -72,10 +72,10 @@
 #include <string>
 #include <vector>
 
-#include "chunks/chunk_layout.h"
-#include "kernels/cpu/optim.h"
 #include "base/status.h"
+#include "chunks/chunk_layout.h"
 #include "chunks/engine.h"
+#include "kernels/cpu/optim.h"
 #include "prof/analysis.h"
 #include "runtime/checkpoint_meta.h"
 #include "runtime/collectives.h"
@@ -125,18 +125,18 @@ struct PieceRef {
 
 struct ChunkGroup {
   bool trainable = false;
-  kernels::StateFormat state;                    // of its kExpAvg / kExpAvgSq chunks
-  uint64_t used_elems = 0;                       // end of its last piece
+  kernels::StateFormat state;                          // of its kExpAvg / kExpAvgSq chunks
+  uint64_t used_elems = 0;                             // end of its last piece
   std::array<ChunkId, chunks::kNumChunkKinds> chunks;  // by ChunkKind; kNoChunk if absent
-  std::vector<uint32_t> tensors;                 // tensors with a piece here, by first offset
-  std::vector<PieceRef> pieces;                  // its pieces, in offset order
+  std::vector<uint32_t> tensors;                       // tensors with a piece here, by first offset
+  std::vector<PieceRef> pieces;                        // its pieces, in offset order
 };
 
 struct StepResult {
-  bool applied = false;   // false between accumulation micro-steps and when skipped
-  bool skipped = false;   // fp16: the gradients overflowed; nothing changed but the scale
-  double grad_norm = -1;  // total (unscaled) norm when it was computed (clipping or fp16)
-  float clip_coef = 1.0f; // the factor the step applied (1 = no clipping)
+  bool applied = false;    // false between accumulation micro-steps and when skipped
+  bool skipped = false;    // fp16: the gradients overflowed; nothing changed but the scale
+  double grad_norm = -1;   // total (unscaled) norm when it was computed (clipping or fp16)
+  float clip_coef = 1.0f;  // the factor the step applied (1 = no clipping)
 };
 
 // fp16 dynamic loss scaling state (torch.amp.GradScaler's).
@@ -182,8 +182,8 @@ class Session {
   int world() const { return sharding_.world; }
   int rank() const { return sharding_.rank; }
   bool sharded() const { return sharding_.world > 1; }
-  uint64_t shard_elems() const { return shard_elems_; }   // elements of each kind per chunk here
-  uint64_t shard_begin() const { return shard_begin_; }   // its first element, full coordinates
+  uint64_t shard_elems() const { return shard_elems_; }  // elements of each kind per chunk here
+  uint64_t shard_begin() const { return shard_begin_; }  // its first element, full coordinates
   size_t num_tensors() const { return tensors_.size(); }
   size_t num_groups() const { return groups_.size(); }
   const TensorSpec& spec(size_t tensor) const { return specs_[tensor]; }
@@ -192,7 +192,7 @@ class Session {
   bool has_kind(size_t g, ChunkKind kind) const {
     return groups_[g].chunks[static_cast<int>(kind)] != kNoChunk;
   }
-  Bytes model_bytes() const { return model_bytes_; }  // every chunk byte of tensor data
+  Bytes model_bytes() const { return model_bytes_; }              // every chunk byte of tensor data
   Bytes total_chunk_bytes() const { return total_chunk_bytes_; }  // incl. padding and tails
   // The device bytes the layout needs at least: min-resident compute + grad chunks of the
   // largest piece a unit needs at once (a row of the largest tensor's first dimension; an
@@ -228,8 +228,7 @@ class Session {
   // 1 for a routed expert, less for a predicted one (chunks::Engine::PrefetchHint). False when
   // nothing was started (there already, no room, planned mode); kInvalidArgument for a kind
   // the group lacks or a probability outside (0, 1].
-  StatusOr<bool> Prefetch(size_t group, ChunkKind kind, TierKind where,
-                          double probability = 1.0);
+  StatusOr<bool> Prefetch(size_t group, ChunkKind kind, TierKind where, double probability = 1.0);
   Status Release(size_t group, ChunkKind kind, bool modified);
   // Its content becomes zeros lazily (no bytes move). kFailedPrecondition while pinned.
   Status ZeroChunk(size_t group, ChunkKind kind);
@@ -492,7 +491,7 @@ class Session {
   std::vector<ChunkGroup> groups_;
   uint64_t chunk_elems_ = 0;
   Bytes model_bytes_ = 0;
-  Bytes total_chunk_bytes_ = 0;  // every chunk of every kind
+  Bytes total_chunk_bytes_ = 0;                   // every chunk of every kind
   Bytes state_bytes_ = 0, state_bytes_fp32_ = 0;  // m and v chunks, and in fp32
   Bytes min_device_budget_ = 0;
   std::vector<uint8_t> has_grad_;
@@ -507,8 +506,8 @@ class Session {
   // trace declares the experts it was told of before its recording began.
   std::vector<uint32_t> expert_set_of_;
   std::unique_ptr<OptimizerStepper> stepper_;  // made right after stack_, never null then
-  std::string phase_;              // the binding's current phase (restored after an update)
-  bool tracing_ = true;            // SetTracing's state
+  std::string phase_;    // the binding's current phase (restored after an update)
+  bool tracing_ = true;  // SetTracing's state
   ComputeStream stream_ = kHostStream;
   std::unique_ptr<TierStack> stack_;
 };

@@ -17,10 +17,10 @@
 #include <string>
 #include <unordered_map>
 
-#include "kernels/cpu/optim.h"
 #include "base/fs.h"
 #include "base/logging.h"
 #include "base/mutex.h"
+#include "kernels/cpu/optim.h"
 #include "tiers/fake/sim_device.h"
 #include "tiers/nvme/nvme_tier.h"
 #ifdef TIERMEM_SESSION_WITH_CUDA
@@ -74,8 +74,7 @@ HostTierConfig HostConfig(Bytes capacity, Bytes slot, HostPinner* pinner) {
   hc.slot_bytes = slot;
   hc.min_class_bytes = kPage;
   // Slabs of at most 64 MiB (whole slots), so a small budget does not fault a big slab.
-  hc.slab_bytes =
-      std::max(slot, std::min<Bytes>(AlignUp(capacity, slot), 64 * kMiB / slot * slot));
+  hc.slab_bytes = std::max(slot, std::min<Bytes>(AlignUp(capacity, slot), 64 * kMiB / slot * slot));
   hc.pinner = pinner;
   return hc;
 }
@@ -181,12 +180,15 @@ StatusOr<std::string> TierStack::ResolveDeviceKind(const std::string& kind) {
   StatusOr<int> count = CudaDeviceCount();
   if (count.ok()) return std::string("cuda");
   if (kind == "auto") return std::string("host");
-  return UnavailableError("device_kind 'cuda' (config or TIERMEM_DEVICE) but there is no CUDA "
-                          "device: " + count.status().message());
+  return UnavailableError(
+      "device_kind 'cuda' (config or TIERMEM_DEVICE) but there is no CUDA "
+      "device: " +
+      count.status().message());
 #else
   if (kind == "auto") return std::string("host");
-  return UnavailableError("device_kind 'cuda' (config or TIERMEM_DEVICE) but there is no CUDA "
-                          "device: this tiermem build has no CUDA support");
+  return UnavailableError(
+      "device_kind 'cuda' (config or TIERMEM_DEVICE) but there is no CUDA "
+      "device: this tiermem build has no CUDA support");
 #endif
 }
 
@@ -204,8 +206,8 @@ StatusOr<std::unique_ptr<TierStack>> TierStack::Create(const SessionConfig& conf
   std::unique_ptr<TierStack> s(new TierStack());
   if (config.timeline.empty()) {
     const char* tmp = getenv("TMPDIR");
-    std::string tmpl = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") +
-                       "/tiermem-XXXXXX.tmt";
+    std::string tmpl =
+        std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/tiermem-XXXXXX.tmt";
     const int fd = mkstemps(tmpl.data(), 4);
     if (fd < 0) return IOError("cannot create a temporary timeline file " + tmpl);
     close(fd);
@@ -247,23 +249,27 @@ StatusOr<std::unique_ptr<TierStack>> TierStack::Create(const SessionConfig& conf
     if (staging_bytes + room > config.host_budget) {
       const std::string why =
           host_compute
-              ? std::to_string(room) + " to hold the NVMe-homed chunks that compute and the "
-                "optimizer step use at once (chunks of " + std::to_string(slot) +
-                " bytes; in host mode the chunk size follows the host budget, or set "
-                "chunk_size)"
+              ? std::to_string(room) +
+                    " to hold the NVMe-homed chunks that compute and the "
+                    "optimizer step use at once (chunks of " +
+                    std::to_string(slot) +
+                    " bytes; in host mode the chunk size follows the host budget, or set "
+                    "chunk_size)"
               : std::to_string(staging_bytes) +
-                " for the staging slots of device<->NVMe moves plus " + std::to_string(room) +
-                " to hold one chunk group's NVMe-homed chunks during the optimizer step "
-                "(chunks of " + std::to_string(slot) + " bytes; the chunk size follows the "
-                "device budget, or set chunk_size)";
+                    " for the staging slots of device<->NVMe moves plus " + std::to_string(room) +
+                    " to hold one chunk group's NVMe-homed chunks during the optimizer step "
+                    "(chunks of " +
+                    std::to_string(slot) +
+                    " bytes; the chunk size follows the "
+                    "device budget, or set chunk_size)";
       const std::string reserve =
           config.host_reserve > 0
               ? " (of them host_reserve's " + std::to_string(config.host_reserve) + ")"
               : "";
       return ResourceExhaustedError("host budget of " + std::to_string(config.host_budget) +
                                     " bytes is below the minimum of " +
-                                    std::to_string(staging_bytes + room) + " bytes" +
-                                    reserve + " with NVMe: " + why);
+                                    std::to_string(staging_bytes + room) + " bytes" + reserve +
+                                    " with NVMe: " + why);
     }
     // The NVMe tier before the host tiers, so that their slabs are registered with it as they
     // are mapped (NvmeRegisteringPinner); it is destroyed after them.
@@ -307,10 +313,9 @@ StatusOr<std::unique_ptr<TierStack>> TierStack::Create(const SessionConfig& conf
     if (cap > homes) cfg.host_reserve_bytes = std::max(cfg.host_reserve_bytes, cap - homes);
   }
   TIERMEM_ASSIGN_OR_RETURN(
-      s->engine_,
-      chunks::Engine::Create(cfg,
-                             chunks::EngineTiers{s->device_.get(), s->host_.get(), s->nvme_.get()},
-                             s->mover_.get(), s->recorder_.get()));
+      s->engine_, chunks::Engine::Create(
+                      cfg, chunks::EngineTiers{s->device_.get(), s->host_.get(), s->nvme_.get()},
+                      s->mover_.get(), s->recorder_.get()));
   return s;
 }
 
@@ -338,9 +343,9 @@ void TierStack::Close() {
 }
 
 Bytes TierStack::nvme_registered_bytes() const {
-  return nvme_pinner_ ? static_cast<const NvmeRegisteringPinner*>(nvme_pinner_.get())
-                            ->registered_bytes()
-                      : 0;
+  return nvme_pinner_
+             ? static_cast<const NvmeRegisteringPinner*>(nvme_pinner_.get())->registered_bytes()
+             : 0;
 }
 
 std::string TierStack::io_backend() const {

@@ -112,8 +112,8 @@ void TraceRecorder::EndMoment(const Probes& p) {
   // elsewhere (outside every unit) are live but not attributable, so they count as
   // temporaries of the moment.
   const bool pre_forward = kind_ == MomentKind::kPreForward && unit_ != planners::kNoUnit;
-  const Bytes live = explicit_activation_ != ~Bytes{0} ? explicit_activation_
-                                                       : in_flight_bytes_ + cur_saved_;
+  const Bytes live =
+      explicit_activation_ != ~Bytes{0} ? explicit_activation_ : in_flight_bytes_ + cur_saved_;
   builder_.SetActivationBytes(std::max(live, pre_forward ? cur_saved_ : Bytes{0}));
   if (pre_forward) {
     builder_.SetSavedBytes(cur_saved_);
@@ -159,8 +159,8 @@ StatusOr<bool> TraceRecorder::Write(const Probes& p, const planners::TraceBudget
   builder_.SetBudgets(budgets);
   StatusOr<planners::Trace> t = builder_.Finish();
   if (!t.ok()) {
-    return InternalError("record_trace: the recorded trace is not valid (" +
-                         t.status().message() + "); nothing was written to " + path_);
+    return InternalError("record_trace: the recorded trace is not valid (" + t.status().message() +
+                         "); nothing was written to " + path_);
   }
   if (!path_.empty()) TIERMEM_RETURN_IF_ERROR(planners::WriteTraceFile(*t, path_));
   last_ = std::move(*t);

@@ -27,9 +27,9 @@
 #include <string_view>
 #include <vector>
 
-#include "planners/trace.h"
 #include "base/status.h"
 #include "chunks/mover.h"
+#include "planners/trace.h"
 
 namespace tiermem::session {
 
@@ -59,8 +59,7 @@ class TraceRecorder {
   // Returns true when this call completed the recording (the file is then written; a write
   // error is returned).
   StatusOr<bool> BeginIteration(const Probes& p, const planners::TraceBudgets& budgets);
-  void Moment(std::string_view label, planners::MomentKind kind, uint32_t unit,
-              const Probes& p);
+  void Moment(std::string_view label, planners::MomentKind kind, uint32_t unit, const Probes& p);
   // A chunk accessed on a second tier within one moment (the format forbids it: e.g. a
   // binding reading a value on the host after using it on the device) starts a new moment
   // ("<label>+", kind other) so the trace stays valid.

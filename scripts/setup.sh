@@ -12,7 +12,8 @@ _here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 APT_PACKAGES=(build-essential cmake pkg-config git
   liburing-dev libnuma-dev libhwloc-dev libtbb-dev libgtest-dev libbenchmark-dev
   nlohmann-json3-dev libcli11-dev fio chromium python3-venv ninja-build ccache
-  clang libclang-rt-14-dev lld)  # clang: the ASan+UBSan/fuzzer and TSan (-Wthread-safety) builds;
+  clang libclang-rt-14-dev lld clang-format)  # clang: the ASan+UBSan/fuzzer and TSan
+                              # (-Wthread-safety) builds; clang-format: test.sh's format check;
                               # lld: the linker of every build (CMakeLists.txt TIERMEM_LINKER)
 
 missing=()

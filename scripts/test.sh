@@ -52,6 +52,9 @@ configure() {
   cmake --preset "$preset" "$@" >/dev/null
 }
 
+step "format check (clang-format, .clang-format; the library's C++ files, tests excepted)"
+scripts/check_format.sh
+
 step "C++ build (build/)"
 configure default -DPython3_EXECUTABLE="$TIERMEM_PY"
 cmake --build --preset default -j "$JOBS"

@@ -58,8 +58,7 @@ Status BudgetAccount::Reserve(Bytes bytes, std::string_view tier_name) {
   if (bytes > capacity_ - used_) {
     return ResourceExhaustedError(std::string(tier_name) + " tier: need " + std::to_string(bytes) +
                                   " bytes, " + std::to_string(capacity_ - used_) +
-                                  " available of a " + std::to_string(capacity_) +
-                                  "-byte budget");
+                                  " available of a " + std::to_string(capacity_) + "-byte budget");
   }
   used_ += bytes;
   if (used_ > peak_) peak_ = used_;

@@ -35,11 +35,11 @@ struct Region {
 };
 
 struct TierStats {
-  Bytes capacity = 0;             // the budget
-  Bytes used = 0;                 // bytes in live regions
-  Bytes peak = 0;                 // max of used
+  Bytes capacity = 0;  // the budget
+  Bytes used = 0;      // bytes in live regions
+  Bytes peak = 0;      // max of used
   uint64_t live_regions = 0;
-  uint64_t total_allocations = 0; // successful Allocate calls
+  uint64_t total_allocations = 0;  // successful Allocate calls
 };
 
 // The completion of one async operation. Thread-safe; shared by the issuer and the tier.

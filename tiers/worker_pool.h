@@ -1,6 +1,7 @@
 // WorkerPool: a FIFO of jobs served by a fixed set of threads (the host tier's memcpy workers,
-// the mover's host<->host lanes, SimDevice's copy lanes, the NVMe tier's checksum workers). With one thread, jobs run in submission order.
-// Threading: thread-safe. The destructor runs every job already pushed, then joins.
+// the mover's host<->host lanes, SimDevice's copy lanes, the NVMe tier's checksum workers). With
+// one thread, jobs run in submission order. Threading: thread-safe. The destructor runs every job
+// already pushed, then joins.
 #pragma once
 
 #include <deque>
@@ -55,7 +56,7 @@ class WorkerPool {
   CondVar cv_;
   std::deque<std::function<void()>> jobs_ TIERMEM_GUARDED_BY(mu_);
   bool stop_ TIERMEM_GUARDED_BY(mu_) = false;
-  std::vector<std::thread> threads_;        // last: started once the fields above exist
+  std::vector<std::thread> threads_;  // last: started once the fields above exist
 };
 
 }  // namespace tiermem

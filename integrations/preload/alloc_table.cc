@@ -34,8 +34,8 @@ StatusOr<std::unique_ptr<AllocTable>> AllocTable::Create(size_t capacity) {
   size_t cap = kShards * 16;
   while (cap < capacity) cap *= 2;
   const size_t bytes = cap * sizeof(Slot);
-  void* mem = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                   -1, 0);
+  void* mem = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (mem == MAP_FAILED) return ErrnoToStatus(errno, "preload: allocation table mmap");
   return std::unique_ptr<AllocTable>(new AllocTable(mem, bytes, cap));
 }

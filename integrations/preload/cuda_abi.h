@@ -17,11 +17,11 @@
 
 namespace tiermem::preload {
 
-using CudaError = int;  // cudaError_t
-using CuResult = int;   // CUresult
-using CudaStream = void*;   // cudaStream_t
-using CudaMemPool = void*;  // cudaMemPool_t
-using CudaFunction = void*;  // cudaFunction_t == CUfunction
+using CudaError = int;                   // cudaError_t
+using CuResult = int;                    // CUresult
+using CudaStream = void*;                // cudaStream_t
+using CudaMemPool = void*;               // cudaMemPool_t
+using CudaFunction = void*;              // cudaFunction_t == CUfunction
 using CuDevicePtr = unsigned long long;  // CUdeviceptr
 using CuMemHandle = unsigned long long;  // CUmemGenericAllocationHandle
 

@@ -14,9 +14,9 @@
 
 #include <cerrno>
 #include <cstdio>
-#include <ctime>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 
 extern char** environ;
@@ -79,8 +79,8 @@ StatusOr<std::string> FindPreloadLibrary(const EnvGetter& env, const std::string
   }
   std::string list;
   for (const std::string& p : tried) list += (list.empty() ? "" : ", ") + p;
-  return NotFoundError(std::string(kLibName) + " not found (set TIERMEM_PRELOAD_LIB); looked at: " +
-                       list);
+  return NotFoundError(std::string(kLibName) +
+                       " not found (set TIERMEM_PRELOAD_LIB); looked at: " + list);
 }
 
 StatusOr<std::string> FindPreloadLibrary() {
@@ -118,18 +118,22 @@ StatusOr<std::vector<std::string>> ChildEnvironment(const RunOptions& o, const s
     }
   }
   env.push_back("LD_PRELOAD=" + (preload.empty() ? lib : preload + ":" + lib));
-  env.push_back("TIERMEM_PRELOAD_TIMELINE=" + (o.record_path.empty() ? "" : Absolute(o.record_path)));
+  env.push_back("TIERMEM_PRELOAD_TIMELINE=" +
+                (o.record_path.empty() ? "" : Absolute(o.record_path)));
   env.push_back("TIERMEM_PRELOAD_EXCLUSIVE=1");
   env.push_back(std::string("TIERMEM_PRELOAD_OFFLOAD=") + (o.offload ? "1" : "0"));
   if (o.offload) env.push_back("TIERMEM_PRELOAD_DEVICE_BUDGET=" + std::to_string(o.device_budget));
   if (o.per_tensor) {
     if (alloc_conf.find("backend:") != std::string::npos &&
         alloc_conf.find("backend:cudaMallocAsync") == std::string::npos) {
-      return InvalidArgumentError("--per-tensor sets PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync, "
-                                  "but it already says '" + alloc_conf + "'");
+      return InvalidArgumentError(
+          "--per-tensor sets PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync, "
+          "but it already says '" +
+          alloc_conf + "'");
     }
     if (alloc_conf.find("backend:cudaMallocAsync") == std::string::npos) {
-      alloc_conf = alloc_conf.empty() ? "backend:cudaMallocAsync" : alloc_conf + ",backend:cudaMallocAsync";
+      alloc_conf =
+          alloc_conf.empty() ? "backend:cudaMallocAsync" : alloc_conf + ",backend:cudaMallocAsync";
     }
     have_conf = true;
   }
@@ -239,8 +243,9 @@ StatusOr<int> RunWithPreload(const RunOptions& o) {
   if (!o.record_path.empty()) {
     const std::vector<std::string> written = TimelinesWritten(o.record_path, start);
     if (written.empty()) {
-      std::fprintf(stderr, "tiermem run: no timeline: %s was not created (the command made no "
-                           "CUDA call, or the shim could not write it: see its lines above)\n",
+      std::fprintf(stderr,
+                   "tiermem run: no timeline: %s was not created (the command made no "
+                   "CUDA call, or the shim could not write it: see its lines above)\n",
                    o.record_path.c_str());
     }
     for (const std::string& t : written) {

@@ -17,8 +17,8 @@ namespace tiermem::preload {
 struct RunOptions {
   std::string record_path = "tiermem-run.tmt";  // "" = do not record
   bool offload = false;
-  Bytes device_budget = 0;     // required with offload
-  bool per_tensor = false;     // PyTorch: backend:cudaMallocAsync
+  Bytes device_budget = 0;  // required with offload
+  bool per_tensor = false;  // PyTorch: backend:cudaMallocAsync
   std::vector<std::string> command;
 };
 

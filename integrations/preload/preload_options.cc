@@ -15,7 +15,8 @@ StatusOr<long long> ParseInteger(const char* var, const char* v, long long lo, l
   errno = 0;
   const long long x = std::strtoll(v, &end, 10);
   if (*v == '\0' || *end != '\0' || errno != 0 || x < lo || x > hi) {
-    return Bad(var, v, "expected an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+    return Bad(var, v,
+               "expected an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
   }
   return x;
 }
@@ -49,7 +50,8 @@ StatusOr<PreloadOptions> ParsePreloadOptions(const EnvGetter& env) {
   }
   if (const char* v = env("TIERMEM_PRELOAD_PREFETCH")) {
     const std::string s(v);
-    if (s != "profile" && s != "off") return Bad("TIERMEM_PRELOAD_PREFETCH", v, "expected profile or off");
+    if (s != "profile" && s != "off")
+      return Bad("TIERMEM_PRELOAD_PREFETCH", v, "expected profile or off");
     o.prefetch = s == "profile";
   }
   if (const char* v = env("TIERMEM_PRELOAD_AHEAD")) {

@@ -54,13 +54,13 @@
 #include <mutex>
 #include <string>
 
+#include "base/mutex.h"
+#include "base/timeline.h"
+#include "base/units.h"
 #include "integrations/preload/access_profile.h"
 #include "integrations/preload/alloc_table.h"
 #include "integrations/preload/cuda_abi.h"
 #include "integrations/preload/preload_options.h"
-#include "base/mutex.h"
-#include "base/timeline.h"
-#include "base/units.h"
 
 #define TIERMEM_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -84,9 +84,9 @@ __attribute__((format(printf, 1, 2))) void Say(const char* fmt, ...) {
 }
 
 // Says `fmt` the first time `flag` is seen unset.
-#define TIERMEM_SAY_ONCE(...)                                       \
-  do {                                                              \
-    static std::atomic<bool> said_{false};                          \
+#define TIERMEM_SAY_ONCE(...)                                               \
+  do {                                                                      \
+    static std::atomic<bool> said_{false};                                  \
     if (!said_.exchange(true, std::memory_order_relaxed)) Say(__VA_ARGS__); \
   } while (0)
 
@@ -135,10 +135,10 @@ Fn Resolve(std::atomic<void*>* slot, const char* name, Lib lib) {
 }
 
 // The real `name` of type `Fn` (nullptr when no loaded library provides it).
-#define TIERMEM_REAL(name, Fn, lib)                                      \
-  ([]() {                                                                \
-    static std::atomic<void*> slot_{nullptr};                            \
-    return Resolve<Fn>(&slot_, #name, lib);                              \
+#define TIERMEM_REAL(name, Fn, lib)           \
+  ([]() {                                     \
+    static std::atomic<void*> slot_{nullptr}; \
+    return Resolve<Fn>(&slot_, #name, lib);   \
   }())
 #define REAL_RT(name) TIERMEM_REAL(name, name##Fn_, Lib::kCudart)
 
@@ -246,7 +246,7 @@ class KernelParams {
 
 struct Shim {
   PreloadOptions opt;
-  bool tracking = false;  // recording or offloading
+  bool tracking = false;            // recording or offloading
   TimelineRecorder* rec = nullptr;  // owned, never destroyed (see the file comment)
   std::string timeline_path;
   AllocTable* allocs = nullptr;   // owned, never destroyed
@@ -258,7 +258,7 @@ struct Shim {
   uint32_t label_managed = 0, label_registered = 0, label_vmm = 0, label_offload = 0;
 
   std::atomic<uint64_t> device_used{0}, device_peak{0};
-  std::atomic<uint64_t> budget_used{0};  // offload mode only
+  std::atomic<uint64_t> budget_used{0};                    // offload mode only
   std::atomic<uint64_t> managed_used{0}, managed_peak{0};  // offload fallback
   std::atomic<uint64_t> host_used{0}, host_peak{0};
   std::atomic<uint64_t> pending_launches{0}, launches{0}, intervals{0};
@@ -382,7 +382,8 @@ Shim* CreateShim() {
     s->label_registered = s->rec->InternLabel("cudaHostRegister");
     s->label_vmm = s->rec->InternLabel("cuMemCreate");
     s->label_offload = s->rec->InternLabel("offload: managed, past the device budget");
-    if (s->opt.offload) RecordEvent(*s, EventType::kBudget, TierKind::kDevice, 0, s->opt.device_budget);
+    if (s->opt.offload)
+      RecordEvent(*s, EventType::kBudget, TierKind::kDevice, 0, s->opt.device_budget);
   }
   if (!s->opt.quiet && s->tracking) {
     std::string offload = "off";
@@ -436,18 +437,21 @@ __attribute__((destructor)) void ShimFini() {
 
 // ---- shared paths --------------------------------------------------------------------------
 
-#define TIERMEM_NO_RUNTIME(name)                                                               \
-  do {                                                                                         \
-    TIERMEM_SAY_ONCE("%s called, but no CUDA runtime (libcudart) is loaded in this process; " \
-                     "returning cudaErrorInitializationError", name);                         \
-    return kCudaErrorInitializationError;                                                     \
+#define TIERMEM_NO_RUNTIME(name)                                                 \
+  do {                                                                           \
+    TIERMEM_SAY_ONCE(                                                            \
+        "%s called, but no CUDA runtime (libcudart) is loaded in this process; " \
+        "returning cudaErrorInitializationError",                                \
+        name);                                                                   \
+    return kCudaErrorInitializationError;                                        \
   } while (0)
 
 void Track(Shim& s, void* p, uint64_t bytes, AllocKind kind, uint32_t label) {
   if (!s.allocs->Insert(reinterpret_cast<uint64_t>(p), AllocInfo{bytes, label, kind})) {
-    TIERMEM_SAY_ONCE("more live allocations than TIERMEM_PRELOAD_MAX_ALLOCS=%zu can track; "
-                     "their frees appear as unmatched in the timeline (raise it)",
-                     s.opt.max_allocs);
+    TIERMEM_SAY_ONCE(
+        "more live allocations than TIERMEM_PRELOAD_MAX_ALLOCS=%zu can track; "
+        "their frees appear as unmatched in the timeline (raise it)",
+        s.opt.max_allocs);
   }
 }
 
@@ -488,8 +492,8 @@ CudaError AdvisePreferHost(Shim& s, void* p, size_t bytes) {
   void* fn = TIERMEM_REAL(cudaMemAdvise, void*, Lib::kCudart);
   if (fn == nullptr) return kCudaErrorInitializationError;
   if (s.runtime_version >= 13000) {
-    return reinterpret_cast<CudaMemAdvise13Fn>(fn)(
-        p, bytes, kCudaMemAdviseSetPreferredLocation, CudaMemLocation{kCudaMemLocationTypeHost, 0});
+    return reinterpret_cast<CudaMemAdvise13Fn>(fn)(p, bytes, kCudaMemAdviseSetPreferredLocation,
+                                                   CudaMemLocation{kCudaMemLocationTypeHost, 0});
   }
   return reinterpret_cast<CudaMemAdvise12Fn>(fn)(p, bytes, kCudaMemAdviseSetPreferredLocation,
                                                  kCudaCpuDeviceId);
@@ -515,13 +519,16 @@ CudaError ServeFromManaged(Shim& s, void** ptr, size_t bytes, CudaStream stream)
   if (rc != kCudaSuccess) return rc;
   const CudaError adv = AdvisePreferHost(s, *ptr, bytes);
   if (adv != kCudaSuccess) {
-    TIERMEM_SAY_ONCE("offload: cudaMemAdvise(SetPreferredLocation, host) failed with error %d; "
-                     "managed allocations keep the driver's default placement", adv);
+    TIERMEM_SAY_ONCE(
+        "offload: cudaMemAdvise(SetPreferredLocation, host) failed with error %d; "
+        "managed allocations keep the driver's default placement",
+        adv);
     if (auto last = REAL_RT(cudaGetLastError)) last();
   }
   if (s.offload_allocs.fetch_add(1, std::memory_order_relaxed) == 0 && !s.opt.quiet) {
     Say("offload: the %s device budget is reached; further device allocations are served "
-        "from managed memory (the job runs slower)", FormatBytes(s.opt.device_budget).c_str());
+        "from managed memory (the job runs slower)",
+        FormatBytes(s.opt.device_budget).c_str());
   }
   Track(s, *ptr, bytes, AllocKind::kOffloadManaged, s.label_offload);
   AddUsed(&s.managed_used, &s.managed_peak, bytes);
@@ -558,12 +565,14 @@ CudaError DeviceAlloc(Shim* s, void** ptr, size_t bytes, bool stream_ordered, Cu
       if (auto last = REAL_RT(cudaGetLastError)) last();
       return ServeFromManaged(*s, ptr, bytes, stream);
     }
-    if (rc == kCudaErrorMemoryAllocation) RecordEvent(*s, EventType::kOom, TierKind::kDevice, 0, bytes);
+    if (rc == kCudaErrorMemoryAllocation)
+      RecordEvent(*s, EventType::kOom, TierKind::kDevice, 0, bytes);
     return rc;
   }
   AddUsed(&s->device_used, &s->device_peak, bytes);
   Track(*s, *ptr, bytes, AllocKind::kDevice, label);
-  RecordEvent(*s, EventType::kAlloc, TierKind::kDevice, reinterpret_cast<uint64_t>(*ptr), bytes, label);
+  RecordEvent(*s, EventType::kAlloc, TierKind::kDevice, reinterpret_cast<uint64_t>(*ptr), bytes,
+              label);
   return kCudaSuccess;
 }
 
@@ -604,7 +613,8 @@ CudaError HostAlloc(Shim* s, void** ptr, size_t bytes, AllocKind kind, CudaError
   const uint32_t label = kind == AllocKind::kHostRegistered ? s->label_registered : 0;
   Track(*s, *ptr, bytes, kind, label);
   AddUsed(&s->host_used, &s->host_peak, bytes);
-  RecordEvent(*s, EventType::kAlloc, TierKind::kHost, reinterpret_cast<uint64_t>(*ptr), bytes, label);
+  RecordEvent(*s, EventType::kAlloc, TierKind::kHost, reinterpret_cast<uint64_t>(*ptr), bytes,
+              label);
   return rc;
 }
 
@@ -626,9 +636,10 @@ KernelParams::Info KernelParams::Query(const void* func) {
   auto get = reinterpret_cast<CuFuncGetParamInfoFn>(param_info.load());
   CudaFunction f = nullptr;
   if (by_symbol == nullptr || get == nullptr || by_symbol(&f, func) != kCudaSuccess) {
-    TIERMEM_SAY_ONCE("offload: no kernel parameter info (cudaGetFuncBySymbol + "
-                     "cuFuncGetParamInfo need CUDA >= 12.4); launches are not profiled and "
-                     "offloaded memory is not prefetched (plain unified memory)");
+    TIERMEM_SAY_ONCE(
+        "offload: no kernel parameter info (cudaGetFuncBySymbol + "
+        "cuFuncGetParamInfo need CUDA >= 12.4); launches are not profiled and "
+        "offloaded memory is not prefetched (plain unified memory)");
     if (auto last = REAL_RT(cudaGetLastError)) last();
     return info;
   }
@@ -667,7 +678,8 @@ void ProfileLaunch(Shim& s, const void* func, void** args, CudaStream stream) {
   for (int i = 0; i < n; ++i) {
     const CudaError rc = PrefetchToDevice(s, req[i].start, req[i].bytes, device, stream);
     if (rc != kCudaSuccess) {
-      TIERMEM_SAY_ONCE("offload: cudaMemPrefetchAsync failed with error %d; continuing without it", rc);
+      TIERMEM_SAY_ONCE("offload: cudaMemPrefetchAsync failed with error %d; continuing without it",
+                       rc);
       if (auto last = REAL_RT(cudaGetLastError)) last();
       continue;
     }
@@ -689,10 +701,11 @@ CuResult WrapCuMemCreate(CuMemHandle* handle, size_t size, const void* prop,
     const uint64_t now = s->budget_used.fetch_add(size, std::memory_order_relaxed) + size;
     if (now > s->opt.device_budget) {
       s->budget_used.fetch_sub(size, std::memory_order_relaxed);
-      TIERMEM_SAY_ONCE("offload: cuMemCreate (CUDA virtual memory, e.g. PyTorch "
-                       "expandable_segments) past the device budget cannot be served from "
-                       "managed memory; returning CUDA_ERROR_OUT_OF_MEMORY (turn "
-                       "expandable_segments off to offload)");
+      TIERMEM_SAY_ONCE(
+          "offload: cuMemCreate (CUDA virtual memory, e.g. PyTorch "
+          "expandable_segments) past the device budget cannot be served from "
+          "managed memory; returning CUDA_ERROR_OUT_OF_MEMORY (turn "
+          "expandable_segments off to offload)");
       RecordEvent(*s, EventType::kOom, TierKind::kDevice, 0, size, s->label_vmm);
       return kCuErrorOutOfMemory;
     }
@@ -700,7 +713,8 @@ CuResult WrapCuMemCreate(CuMemHandle* handle, size_t size, const void* prop,
   const CuResult rc = real(handle, size, prop, flags);
   if (rc != kCuSuccess) {
     if (s->opt.offload) s->budget_used.fetch_sub(size, std::memory_order_relaxed);
-    if (rc == kCuErrorOutOfMemory) RecordEvent(*s, EventType::kOom, TierKind::kDevice, 0, size, s->label_vmm);
+    if (rc == kCuErrorOutOfMemory)
+      RecordEvent(*s, EventType::kOom, TierKind::kDevice, 0, size, s->label_vmm);
     return rc;
   }
   AddUsed(&s->device_used, &s->device_peak, size);
@@ -723,7 +737,8 @@ CuResult WrapCuMemRelease(CuMemHandle handle) noexcept {
     return rc;
   }
   if (known) Untracked(*s, info.kind, info.bytes);
-  RecordEvent(*s, EventType::kFree, TierKind::kDevice, handle, known ? info.bytes : 0, s->label_vmm);
+  RecordEvent(*s, EventType::kFree, TierKind::kDevice, handle, known ? info.bytes : 0,
+              s->label_vmm);
   return rc;
 }
 
@@ -868,7 +883,8 @@ TIERMEM_EXPORT CudaError cudaMemGetInfo(size_t* free, size_t* total) noexcept {
   if (real == nullptr) TIERMEM_NO_RUNTIME("cudaMemGetInfo");
   const CudaError rc = real(free, total);
   Shim* s = Active();
-  if (s == nullptr || !s->opt.offload || rc != kCudaSuccess || free == nullptr || total == nullptr) {
+  if (s == nullptr || !s->opt.offload || rc != kCudaSuccess || free == nullptr ||
+      total == nullptr) {
     return rc;
   }
   // Report the budget, so frameworks size their caches to it.

@@ -16,8 +16,8 @@
 
 #include <atomic>
 #include <cassert>
-#include <cstdlib>
 #include <cmath>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <thread>
@@ -32,12 +32,12 @@
 #include <tbb/partitioner.h>
 #include <tbb/task_arena.h>
 
-#include "kernels/cpu/kernel_table.h"
-#include "kernels/cpu/quant_tables.h"
-#include "base/logging.h"
 #include "base/env.h"
+#include "base/logging.h"
 #include "base/mutex.h"
 #include "base/sanitizers.h"
+#include "kernels/cpu/kernel_table.h"
+#include "kernels/cpu/quant_tables.h"
 
 namespace tiermem::kernels {
 namespace {
@@ -65,8 +65,8 @@ CpuFeatures DetectCpu() {
   if ((c & bit_OSXSAVE) == 0 || (c & bit_AVX) == 0) return f;
   unsigned xlo = 0, xhi = 0;
   __asm__ volatile("xgetbv" : "=a"(xlo), "=d"(xhi) : "c"(0));
-  const bool os_avx = (xlo & 0x6) == 0x6;        // XMM and YMM state
-  const bool os_avx512 = (xlo & 0xe6) == 0xe6;   // and opmask, ZMM_Hi256, Hi16_ZMM
+  const bool os_avx = (xlo & 0x6) == 0x6;       // XMM and YMM state
+  const bool os_avx512 = (xlo & 0xe6) == 0xe6;  // and opmask, ZMM_Hi256, Hi16_ZMM
   if (__get_cpuid_max(0, nullptr) < 7) return f;
   __cpuid_count(7, 0, a, b, c, d);
   const bool avx2 = (b & bit_AVX2) != 0;
@@ -102,9 +102,12 @@ bool CpuHas(Isa isa) {
 const KernelTable& TableFor(Isa isa) {
 #ifdef TIERMEM_KERNELS_X86
   switch (isa) {
-    case Isa::kAvx2: return internal::Avx2Table();
-    case Isa::kAvx512: return internal::Avx512Table();
-    case Isa::kScalar: break;
+    case Isa::kAvx2:
+      return internal::Avx2Table();
+    case Isa::kAvx512:
+      return internal::Avx512Table();
+    case Isa::kScalar:
+      break;
   }
 #endif
   return internal::ScalarTable();
@@ -230,18 +233,24 @@ bool ValidDType(DType t) { return t == DType::kF32 || t == DType::kBF16 || t == 
 
 std::string_view IsaName(Isa isa) {
   switch (isa) {
-    case Isa::kScalar: return "scalar";
-    case Isa::kAvx2: return "avx2";
-    case Isa::kAvx512: return "avx512";
+    case Isa::kScalar:
+      return "scalar";
+    case Isa::kAvx2:
+      return "avx2";
+    case Isa::kAvx512:
+      return "avx512";
   }
   return "unknown";
 }
 
 std::string_view DTypeName(DType dtype) {
   switch (dtype) {
-    case DType::kF32: return "f32";
-    case DType::kBF16: return "bf16";
-    case DType::kF16: return "f16";
+    case DType::kF32:
+      return "f32";
+    case DType::kBF16:
+      return "bf16";
+    case DType::kF16:
+      return "f16";
   }
   return "unknown";
 }
@@ -263,7 +272,8 @@ Isa BestSupportedIsa() {
 
 Status SetKernelIsa(Isa isa) {
   if (isa != Isa::kScalar && isa != Isa::kAvx2 && isa != Isa::kAvx512) {
-    return InvalidArgumentError("unknown kernel ISA value " + std::to_string(static_cast<int>(isa)));
+    return InvalidArgumentError("unknown kernel ISA value " +
+                                std::to_string(static_cast<int>(isa)));
   }
   if (!CpuHas(isa)) {
     return UnavailableError("this CPU does not support the " + std::string(IsaName(isa)) +
@@ -325,10 +335,9 @@ Status ValidateAdam(const AdamConfig& c, const AdamSpans& s) {
     const bool int8 = s.state.dtype == StateDType::kInt8;
     if (s.exp_avg_q.data == nullptr || s.exp_avg_sq_q.data == nullptr ||
         (int8 && (s.exp_avg_q.absmax == nullptr || s.exp_avg_sq_q.absmax == nullptr))) {
-      return InvalidArgumentError(std::string("AdamStep: ") +
-                                  std::string(StateDTypeName(s.state.dtype)) +
-                                  " state needs exp_avg_q and exp_avg_sq_q" +
-                                  (int8 ? " with their absmax" : ""));
+      return InvalidArgumentError(
+          std::string("AdamStep: ") + std::string(StateDTypeName(s.state.dtype)) +
+          " state needs exp_avg_q and exp_avg_sq_q" + (int8 ? " with their absmax" : ""));
     }
     if (c.amsgrad) return InvalidArgumentError("AdamStep: amsgrad needs fp32 state");
     if (s.exp_avg_in != nullptr || s.exp_avg_sq_in != nullptr) {
@@ -363,8 +372,7 @@ void QuantizeState(const StateFormat& format, bool is_signed, const float* src, 
   });
 }
 
-void DequantizeState(const StateFormat& format, bool is_signed, StateRef in, float* dst,
-                     size_t n) {
+void DequantizeState(const StateFormat& format, bool is_signed, StateRef in, float* dst, size_t n) {
   assert(ValidateStateFormat(format).ok());
   ForTiles(n, [&](size_t b, size_t e) {
     internal::DequantizeStateRange(format, is_signed, in, dst, b, e);

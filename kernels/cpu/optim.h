@@ -35,10 +35,10 @@ enum class Isa : uint8_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 std::string_view IsaName(Isa isa);
 // "auto" (= BestSupportedIsa), "scalar", "avx2", "avx512"; else kInvalidArgument.
 StatusOr<Isa> ParseIsa(std::string_view name);
-Isa BestSupportedIsa();                  // by CPUID
-Status SetKernelIsa(Isa isa);            // kUnavailable if the CPU lacks it
-Isa KernelIsa();                         // current choice
-void SetKernelThreads(int threads);      // 0 = all cores
+Isa BestSupportedIsa();              // by CPUID
+Status SetKernelIsa(Isa isa);        // kUnavailable if the CPU lacks it
+Isa KernelIsa();                     // current choice
+void SetKernelThreads(int threads);  // 0 = all cores
 int KernelThreads();
 
 // A parallel loop a front-end brings for the calls its own thread makes: the torch binding
@@ -74,7 +74,7 @@ struct AdamConfig {
   float weight_decay = 0.0f;
   bool decoupled = true;  // true: AdamW; false: Adam (L2 added to the grad)
   bool amsgrad = false;
-  int64_t step = 1;       // 1-based step number after increment (torch's state['step'])
+  int64_t step = 1;             // 1-based step number after increment (torch's state['step'])
   float inv_loss_scale = 1.0f;  // grads are multiplied by this first (1 = skip)
   float clip_factor = 1.0f;     // then by this (global-norm clip coefficient; 1 = skip)
   uint64_t rounding_seed = 0;   // bf16 state with stochastic rounding: the noise's key
@@ -141,17 +141,16 @@ struct StateRef {
 // of m (true) or v (false). Dequantize is its inverse up to the codes' resolution.
 void QuantizeState(const StateFormat& format, bool is_signed, const float* src, StateRef out,
                    size_t n, uint64_t seed = 0);
-void DequantizeState(const StateFormat& format, bool is_signed, StateRef in, float* dst,
-                     size_t n);
+void DequantizeState(const StateFormat& format, bool is_signed, StateRef in, float* dst, size_t n);
 
 struct AdamSpans {
-  float* param = nullptr;        // fp32 master params, updated in place
-  float* exp_avg = nullptr;      // m
-  float* exp_avg_sq = nullptr;   // v
+  float* param = nullptr;           // fp32 master params, updated in place
+  float* exp_avg = nullptr;         // m
+  float* exp_avg_sq = nullptr;      // v
   float* max_exp_avg_sq = nullptr;  // amsgrad only, else nullptr
   const void* grad = nullptr;
   DType grad_dtype = DType::kF32;
-  void* param_out = nullptr;     // optional low-precision copy of the updated param
+  void* param_out = nullptr;  // optional low-precision copy of the updated param
   DType out_dtype = DType::kBF16;
   size_t n = 0;
   // Out of place: when set, the old values are read here and the new ones written to the
@@ -181,7 +180,7 @@ void AdamStep(const AdamConfig& config, const AdamSpans& spans);
 Status ValidateAdam(const AdamConfig& config, const AdamSpans& spans);
 
 struct GradStats {
-  double sq_norm = 0;   // sum of squares of the grads (as fp32 values, accumulated in double)
+  double sq_norm = 0;     // sum of squares of the grads (as fp32 values, accumulated in double)
   bool overflow = false;  // any NaN/Inf
 };
 // The cheap separate reduction used for overflow detection and global-norm clipping.
@@ -203,7 +202,7 @@ struct SgdConfig {
   float dampening = 0.0f;
   float weight_decay = 0.0f;
   bool nesterov = false;
-  bool first_step = true;       // momentum buffer not yet initialised (torch: buf is None)
+  bool first_step = true;  // momentum buffer not yet initialised (torch: buf is None)
   float inv_loss_scale = 1.0f;
   float clip_factor = 1.0f;
 };

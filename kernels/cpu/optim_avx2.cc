@@ -40,9 +40,9 @@ struct V256 {
     const H h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     // NaN -> sign | 0x7E00 whatever the payload (c10::Half).
     const __m256i u = _mm256_castps_si256(x);
-    const __m256i nan_val = _mm256_or_si256(
-        _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x8000)),
-        _mm256_set1_epi32(0x7E00));
+    const __m256i nan_val =
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x8000)),
+                        _mm256_set1_epi32(0x7E00));
     const __m256i nan32 = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
     const __m256i nan16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(nan32, nan32), 0x08);
     return _mm_blendv_epi8(h, Pack16(nan_val), _mm256_castsi256_si128(nan16));
@@ -88,8 +88,7 @@ struct V256 {
   static I GreaterI(I a, I b) { return _mm256_srli_epi32(_mm256_cmpgt_epi32(a, b), 31); }  // 1/0
   // Lane by lane: `neg` where `bits` has its sign bit set, else `pos`.
   static I SelectBySign(I bits, I neg, I pos) {
-    return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(pos),
-                                                _mm256_castsi256_ps(neg),
+    return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(pos), _mm256_castsi256_ps(neg),
                                                 _mm256_castsi256_ps(bits)));
   }
   static F GatherF(const float* table, I idx) { return _mm256_i32gather_ps(table, idx, 4); }

@@ -42,8 +42,7 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"), noinline)) void DequantCod
   for (int p = 0; p < 4; ++p) {
     for (int r = 0; r < 4; ++r) pl[p][r] = _mm512_load_si512(t.plane[s][p] + 64 * r);
   }
-  const __m512i transpose =
-      _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const __m512i transpose = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   alignas(64) uint8_t qt[64] = {};
   alignas(64) float ot[64];
   // (A loop, not a lambda: a lambda would not inherit the target attribute.)
@@ -102,9 +101,9 @@ struct V512 {
     // NaN -> sign | 0x7E00 whatever the payload (c10::Half).
     const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     const __m512i u = _mm512_castps_si512(x);
-    const __m512i nan_val = _mm512_or_si512(
-        _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x8000)),
-        _mm512_set1_epi32(0x7E00));
+    const __m512i nan_val =
+        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x8000)),
+                        _mm512_set1_epi32(0x7E00));
     return _mm256_mask_mov_epi16(h, nan, _mm512_cvtepi32_epi16(nan_val));
   }
   static void StoreH(uint16_t* p, H h) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h); }
@@ -232,8 +231,8 @@ void SetAvx512VbmiAllowed(bool allowed) { VbmiAllowed().store(allowed); }
 bool Avx512VbmiActive() { return V512::HasDequantBlock(); }
 
 void Avx512QuantizeForTest(bool is_signed, const float* x, size_t n, float absmax, uint8_t* q) {
-  AdamInt8Kernel<V512, DType::kF32, Out::kNone>::Quantize(GetQuantTables(), is_signed, x, n,
-                                                           absmax, q);
+  AdamInt8Kernel<V512, DType::kF32, Out::kNone>::Quantize(GetQuantTables(), is_signed, x, n, absmax,
+                                                          q);
 }
 
 void Avx512DequantizeForTest(bool is_signed, const uint8_t* q, size_t n, float* out) {

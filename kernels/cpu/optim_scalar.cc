@@ -99,18 +99,27 @@ inline uint16_t F32ToF16(float f) {
 
 inline float LoadAs(const void* p, DType t, size_t i) {
   switch (t) {
-    case DType::kF32: return static_cast<const float*>(p)[i];
-    case DType::kBF16: return Bf16ToF32(static_cast<const uint16_t*>(p)[i]);
-    case DType::kF16: return F16ToF32(static_cast<const uint16_t*>(p)[i]);
+    case DType::kF32:
+      return static_cast<const float*>(p)[i];
+    case DType::kBF16:
+      return Bf16ToF32(static_cast<const uint16_t*>(p)[i]);
+    case DType::kF16:
+      return F16ToF32(static_cast<const uint16_t*>(p)[i]);
   }
   return 0;
 }
 
 inline void StoreAs(void* p, DType t, size_t i, float v) {
   switch (t) {
-    case DType::kF32: static_cast<float*>(p)[i] = v; return;
-    case DType::kBF16: static_cast<uint16_t*>(p)[i] = F32ToBf16(v); return;
-    case DType::kF16: static_cast<uint16_t*>(p)[i] = F32ToF16(v); return;
+    case DType::kF32:
+      static_cast<float*>(p)[i] = v;
+      return;
+    case DType::kBF16:
+      static_cast<uint16_t*>(p)[i] = F32ToBf16(v);
+      return;
+    case DType::kF16:
+      static_cast<uint16_t*>(p)[i] = F32ToF16(v);
+      return;
   }
 }
 
@@ -302,8 +311,8 @@ void QuantizeStateRange(const StateFormat& f, bool is_signed, const float* src, 
       for (size_t b0 = begin; b0 < end; b0 += f.block) {
         const size_t n = std::min<size_t>(f.block, end - b0);
         float& absmax = out.absmax[b0 / f.block];
-        absmax = AnyNan(src + b0, n) ? std::numeric_limits<float>::quiet_NaN()
-                                     : BlockMax(src + b0, n);
+        absmax =
+            AnyNan(src + b0, n) ? std::numeric_limits<float>::quiet_NaN() : BlockMax(src + b0, n);
         QuantizeBlock(t, is_signed, src + b0, n, absmax, static_cast<uint8_t*>(out.data) + b0);
       }
       return;

@@ -39,12 +39,16 @@ inline typename V::F LoadGrad(const void* p, size_t i) {
 template <class V, Out O, bool kStream = false>
 inline void StoreOut(void* p, size_t i, typename V::F x) {
   if constexpr (O == Out::kF32) {
-    if constexpr (kStream) V::Stream(static_cast<float*>(p) + i, x);
-    else V::Store(static_cast<float*>(p) + i, x);
+    if constexpr (kStream)
+      V::Stream(static_cast<float*>(p) + i, x);
+    else
+      V::Store(static_cast<float*>(p) + i, x);
   } else if constexpr (O == Out::kBF16 || O == Out::kF16) {
     const typename V::H h = O == Out::kBF16 ? V::Bf16(x) : V::F16(x);
-    if constexpr (kStream) V::StreamH(static_cast<uint16_t*>(p) + i, h);
-    else V::StoreH(static_cast<uint16_t*>(p) + i, h);
+    if constexpr (kStream)
+      V::StreamH(static_cast<uint16_t*>(p) + i, h);
+    else
+      V::StoreH(static_cast<uint16_t*>(p) + i, h);
   }
 }
 
@@ -70,10 +74,17 @@ struct AdamVecs {
   typename V::F ils, clip, l2, decay, b1c, b2, b2c, bc2, eps, nss;
   bool use_l2;
   explicit AdamVecs(const AdamConsts& c)
-      : ils(V::Set1(c.inv_loss_scale)), clip(V::Set1(c.clip_factor)), l2(V::Set1(c.l2_decay)),
-        decay(V::Set1(c.param_decay)), b1c(V::Set1(c.beta1_comp)), b2(V::Set1(c.beta2)),
-        b2c(V::Set1(c.beta2_comp)), bc2(V::Set1(c.bc2_sqrt)), eps(V::Set1(c.eps)),
-        nss(V::Set1(c.neg_step_size)), use_l2(c.use_l2) {}
+      : ils(V::Set1(c.inv_loss_scale)),
+        clip(V::Set1(c.clip_factor)),
+        l2(V::Set1(c.l2_decay)),
+        decay(V::Set1(c.param_decay)),
+        b1c(V::Set1(c.beta1_comp)),
+        b2(V::Set1(c.beta2)),
+        b2c(V::Set1(c.beta2_comp)),
+        bc2(V::Set1(c.bc2_sqrt)),
+        eps(V::Set1(c.eps)),
+        nss(V::Set1(c.neg_step_size)),
+        use_l2(c.use_l2) {}
 };
 
 template <class V, DType G, Out O, bool kAmsgrad>
@@ -88,8 +99,8 @@ struct AdamKernel {
     const float* vm;
   };
   template <bool kStream = false>
-  static inline void Body(const AdamVecs<V>& c, const In& in, float* param, float* m_p,
-                          float* v_p, float* vm_p, const void* grad, void* out, size_t i) {
+  static inline void Body(const AdamVecs<V>& c, const In& in, float* param, float* m_p, float* v_p,
+                          float* vm_p, const void* grad, void* out, size_t i) {
     F g = LoadGrad<V, G>(grad, i);
     g = V::Mul(g, c.ils);
     g = V::Mul(g, c.clip);
@@ -158,8 +169,8 @@ struct AdamKernel {
 
 // The update of one vector on fp32 values (no amsgrad): optim_scalar.cc's AdamElement.
 template <class V>
-inline void AdamVector(const AdamVecs<V>& c, typename V::F g, typename V::F& p,
-                       typename V::F& m, typename V::F& v) {
+inline void AdamVector(const AdamVecs<V>& c, typename V::F g, typename V::F& p, typename V::F& m,
+                       typename V::F& v) {
   g = V::Mul(g, c.ils);
   g = V::Mul(g, c.clip);
   if (c.use_l2) g = V::Fma(p, c.l2, g);
@@ -203,9 +214,9 @@ struct AdamInt8Kernel {
   // kPre: mb and vb already hold the code values of mq and vq (V::DequantBlock); else the
   // codes are looked up here.
   template <bool kPre>
-  static inline void Body(const AdamVecs<V>& c, const QuantTables& t, F am, F av,
-                          const float* p_in, float* param, const uint8_t* mq, const uint8_t* vq,
-                          const void* grad, void* out, float* mb, float* vb, size_t i, Max& mx) {
+  static inline void Body(const AdamVecs<V>& c, const QuantTables& t, F am, F av, const float* p_in,
+                          float* param, const uint8_t* mq, const uint8_t* vq, const void* grad,
+                          void* out, float* mb, float* vb, size_t i, Max& mx) {
     F p = V::Load(p_in + i);
     F m, v;
     if constexpr (kPre) {
@@ -225,8 +236,8 @@ struct AdamInt8Kernel {
     mx.nan = V::Or(mx.nan, V::Unordered2(m, v));
   }
 
-  static void Quantize(const QuantTables& t, bool is_signed, const float* x, size_t n,
-                       float absmax, uint8_t* q) {
+  static void Quantize(const QuantTables& t, bool is_signed, const float* x, size_t n, float absmax,
+                       uint8_t* q) {
     const float inv = absmax > 0.0f ? 1.0f / absmax : 0.0f;
     size_t j = 0;
     if constexpr (V::kFastQuantize) {
@@ -376,13 +387,19 @@ struct SgdKernel {
     F ils, clip, wd, mom, damp, neg_lr;
     bool use_wd, use_momentum, first_step, nesterov;
     explicit Vecs(const SgdConsts& c)
-        : ils(V::Set1(c.inv_loss_scale)), clip(V::Set1(c.clip_factor)),
-          wd(V::Set1(c.weight_decay)), mom(V::Set1(c.momentum)), damp(V::Set1(c.damp_comp)),
-          neg_lr(V::Set1(c.neg_lr)), use_wd(c.use_wd), use_momentum(c.use_momentum),
-          first_step(c.first_step), nesterov(c.nesterov) {}
+        : ils(V::Set1(c.inv_loss_scale)),
+          clip(V::Set1(c.clip_factor)),
+          wd(V::Set1(c.weight_decay)),
+          mom(V::Set1(c.momentum)),
+          damp(V::Set1(c.damp_comp)),
+          neg_lr(V::Set1(c.neg_lr)),
+          use_wd(c.use_wd),
+          use_momentum(c.use_momentum),
+          first_step(c.first_step),
+          nesterov(c.nesterov) {}
   };
-  static inline void Body(const Vecs& c, float* param, float* buf_p, const void* grad,
-                          void* out, size_t i) {
+  static inline void Body(const Vecs& c, float* param, float* buf_p, const void* grad, void* out,
+                          size_t i) {
     F g = LoadGrad<V, G>(grad, i);
     g = V::Mul(g, c.ils);
     g = V::Mul(g, c.clip);
@@ -490,18 +507,24 @@ template <template <class, DType, Out> class K, class V, DType G>
 void StateByOut(const AdamConsts& c, const AdamSpans& s, size_t b, size_t e) {
   if (s.param_out == nullptr) return K<V, G, Out::kNone>::Run(c, s, b, e);
   switch (s.out_dtype) {
-    case DType::kF32: return K<V, G, Out::kF32>::Run(c, s, b, e);
-    case DType::kBF16: return K<V, G, Out::kBF16>::Run(c, s, b, e);
-    case DType::kF16: return K<V, G, Out::kF16>::Run(c, s, b, e);
+    case DType::kF32:
+      return K<V, G, Out::kF32>::Run(c, s, b, e);
+    case DType::kBF16:
+      return K<V, G, Out::kBF16>::Run(c, s, b, e);
+    case DType::kF16:
+      return K<V, G, Out::kF16>::Run(c, s, b, e);
   }
 }
 
 template <template <class, DType, Out> class K, class V>
 void StateByGrad(const AdamConsts& c, const AdamSpans& s, size_t b, size_t e) {
   switch (s.grad_dtype) {
-    case DType::kF32: return StateByOut<K, V, DType::kF32>(c, s, b, e);
-    case DType::kBF16: return StateByOut<K, V, DType::kBF16>(c, s, b, e);
-    case DType::kF16: return StateByOut<K, V, DType::kF16>(c, s, b, e);
+    case DType::kF32:
+      return StateByOut<K, V, DType::kF32>(c, s, b, e);
+    case DType::kBF16:
+      return StateByOut<K, V, DType::kBF16>(c, s, b, e);
+    case DType::kF16:
+      return StateByOut<K, V, DType::kF16>(c, s, b, e);
   }
 }
 
@@ -509,18 +532,24 @@ template <class V, DType G, bool kAms>
 void AdamByOut(const AdamConsts& c, const AdamSpans& s, size_t b, size_t e) {
   if (s.param_out == nullptr) return AdamKernel<V, G, Out::kNone, kAms>::Run(c, s, b, e);
   switch (s.out_dtype) {
-    case DType::kF32: return AdamKernel<V, G, Out::kF32, kAms>::Run(c, s, b, e);
-    case DType::kBF16: return AdamKernel<V, G, Out::kBF16, kAms>::Run(c, s, b, e);
-    case DType::kF16: return AdamKernel<V, G, Out::kF16, kAms>::Run(c, s, b, e);
+    case DType::kF32:
+      return AdamKernel<V, G, Out::kF32, kAms>::Run(c, s, b, e);
+    case DType::kBF16:
+      return AdamKernel<V, G, Out::kBF16, kAms>::Run(c, s, b, e);
+    case DType::kF16:
+      return AdamKernel<V, G, Out::kF16, kAms>::Run(c, s, b, e);
   }
 }
 
 template <class V, bool kAms>
 void AdamByGrad(const AdamConsts& c, const AdamSpans& s, size_t b, size_t e) {
   switch (s.grad_dtype) {
-    case DType::kF32: return AdamByOut<V, DType::kF32, kAms>(c, s, b, e);
-    case DType::kBF16: return AdamByOut<V, DType::kBF16, kAms>(c, s, b, e);
-    case DType::kF16: return AdamByOut<V, DType::kF16, kAms>(c, s, b, e);
+    case DType::kF32:
+      return AdamByOut<V, DType::kF32, kAms>(c, s, b, e);
+    case DType::kBF16:
+      return AdamByOut<V, DType::kBF16, kAms>(c, s, b, e);
+    case DType::kF16:
+      return AdamByOut<V, DType::kF16, kAms>(c, s, b, e);
   }
 }
 
@@ -536,27 +565,36 @@ template <class V, DType G>
 void SgdByOut(const SgdConsts& c, const SgdSpans& s, size_t b, size_t e) {
   if (s.param_out == nullptr) return SgdKernel<V, G, Out::kNone>::Run(c, s, b, e);
   switch (s.out_dtype) {
-    case DType::kF32: return SgdKernel<V, G, Out::kF32>::Run(c, s, b, e);
-    case DType::kBF16: return SgdKernel<V, G, Out::kBF16>::Run(c, s, b, e);
-    case DType::kF16: return SgdKernel<V, G, Out::kF16>::Run(c, s, b, e);
+    case DType::kF32:
+      return SgdKernel<V, G, Out::kF32>::Run(c, s, b, e);
+    case DType::kBF16:
+      return SgdKernel<V, G, Out::kBF16>::Run(c, s, b, e);
+    case DType::kF16:
+      return SgdKernel<V, G, Out::kF16>::Run(c, s, b, e);
   }
 }
 
 template <class V>
 void SgdT(const SgdConsts& c, const SgdSpans& s, size_t b, size_t e) {
   switch (s.grad_dtype) {
-    case DType::kF32: return SgdByOut<V, DType::kF32>(c, s, b, e);
-    case DType::kBF16: return SgdByOut<V, DType::kBF16>(c, s, b, e);
-    case DType::kF16: return SgdByOut<V, DType::kF16>(c, s, b, e);
+    case DType::kF32:
+      return SgdByOut<V, DType::kF32>(c, s, b, e);
+    case DType::kBF16:
+      return SgdByOut<V, DType::kBF16>(c, s, b, e);
+    case DType::kF16:
+      return SgdByOut<V, DType::kF16>(c, s, b, e);
   }
 }
 
 template <class V>
 double SqSumDispatch(const void* grad, DType t, size_t b, size_t e) {
   switch (t) {
-    case DType::kF32: return SqSumT<V, DType::kF32>(grad, b, e);
-    case DType::kBF16: return SqSumT<V, DType::kBF16>(grad, b, e);
-    case DType::kF16: return SqSumT<V, DType::kF16>(grad, b, e);
+    case DType::kF32:
+      return SqSumT<V, DType::kF32>(grad, b, e);
+    case DType::kBF16:
+      return SqSumT<V, DType::kBF16>(grad, b, e);
+    case DType::kF16:
+      return SqSumT<V, DType::kF16>(grad, b, e);
   }
   return 0;
 }
@@ -564,25 +602,31 @@ double SqSumDispatch(const void* grad, DType t, size_t b, size_t e) {
 template <class V>
 void CastFromDispatch(const float* src, void* dst, DType t, size_t b, size_t e) {
   switch (t) {
-    case DType::kF32: return CastFromT<V, Out::kF32>(src, dst, b, e);
-    case DType::kBF16: return CastFromT<V, Out::kBF16>(src, dst, b, e);
-    case DType::kF16: return CastFromT<V, Out::kF16>(src, dst, b, e);
+    case DType::kF32:
+      return CastFromT<V, Out::kF32>(src, dst, b, e);
+    case DType::kBF16:
+      return CastFromT<V, Out::kBF16>(src, dst, b, e);
+    case DType::kF16:
+      return CastFromT<V, Out::kF16>(src, dst, b, e);
   }
 }
 
 template <class V>
 void CastToDispatch(const void* src, DType t, float* dst, size_t b, size_t e) {
   switch (t) {
-    case DType::kF32: return CastToT<V, DType::kF32>(src, dst, b, e);
-    case DType::kBF16: return CastToT<V, DType::kBF16>(src, dst, b, e);
-    case DType::kF16: return CastToT<V, DType::kF16>(src, dst, b, e);
+    case DType::kF32:
+      return CastToT<V, DType::kF32>(src, dst, b, e);
+    case DType::kBF16:
+      return CastToT<V, DType::kBF16>(src, dst, b, e);
+    case DType::kF16:
+      return CastToT<V, DType::kF16>(src, dst, b, e);
   }
 }
 
 template <class V>
 KernelTable MakeTable(Isa isa) {
-  return KernelTable{isa,           AdamT<V>,          SgdT<V>,   SqSumDispatch<V>,
-                     CastFromDispatch<V>, CastToDispatch<V>, ProbeT<V>};
+  return KernelTable{
+      isa, AdamT<V>, SgdT<V>, SqSumDispatch<V>, CastFromDispatch<V>, CastToDispatch<V>, ProbeT<V>};
 }
 
 }  // namespace

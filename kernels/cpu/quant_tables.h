@@ -22,9 +22,9 @@
 namespace tiermem::kernels::internal {
 
 struct QuantTables {
-  static constexpr int kBucketBase = (127 - 23) << 7;        // bits >> 16 of 2^-23
+  static constexpr int kBucketBase = (127 - 23) << 7;            // bits >> 16 of 2^-23
   static constexpr int kBuckets = (127 << 7) - kBucketBase + 1;  // through [1, 1 + 2^-7)
-  static constexpr int kZeroSigned = 127;  // index of 0 in the signed map
+  static constexpr int kZeroSigned = 127;                        // index of 0 in the signed map
   // code[s]: the map (s = 1 signed, 0 unsigned), ascending, as DynamicCode returns it.
   alignas(64) float code[2][256];
   alignas(64) uint32_t bucket[2][kBuckets];
@@ -47,7 +47,7 @@ struct QuantTables {
   // binade, also verified). For the signed map the tables include the + 127 of its codes.
   static constexpr int kFastShift = 16, kFastBias = 8;
   static constexpr uint32_t kFastWindow = 0xFFF0u;
-  static constexpr uint32_t kFastMinBits = 96u << 23;   // 2^-31
+  static constexpr uint32_t kFastMinBits = 96u << 23;    // 2^-31
   static constexpr uint32_t kFastMaxBits = 0x3F800000u;  // 1.0
   alignas(64) int32_t seg_base[2][32];
   alignas(64) uint32_t seg_split[2][32];

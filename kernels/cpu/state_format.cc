@@ -166,8 +166,7 @@ QuantTables* MakeTables() {
       for (int p = 0; p < 4; ++p) t->plane[s][p][i] = static_cast<uint8_t>(Bits(map[i]) >> (8 * p));
     }
     // The half map: the signed map's codes from 0 up, the unsigned map itself.
-    const std::vector<float> half(map.begin() + (s == 1 ? QuantTables::kZeroSigned : 0),
-                                  map.end());
+    const std::vector<float> half(map.begin() + (s == 1 ? QuantTables::kZeroSigned : 0), map.end());
     BuildBuckets(half, t->bucket[s]);
     fast_ok = BuildSegments(half, s == 1, s == 1 ? QuantTables::kZeroSigned : 0, t, s) && fast_ok;
   }
@@ -186,9 +185,12 @@ const QuantTables& GetQuantTables() {
 
 std::string_view StateDTypeName(StateDType dtype) {
   switch (dtype) {
-    case StateDType::kF32: return "fp32";
-    case StateDType::kBF16: return "bf16";
-    case StateDType::kInt8: return "int8";
+    case StateDType::kF32:
+      return "fp32";
+    case StateDType::kBF16:
+      return "bf16";
+    case StateDType::kInt8:
+      return "int8";
   }
   return "unknown";
 }
@@ -202,8 +204,7 @@ StatusOr<StateDType> ParseStateDType(std::string_view name) {
 }
 
 Status ValidateStateFormat(const StateFormat& f) {
-  if (f.dtype != StateDType::kF32 && f.dtype != StateDType::kBF16 &&
-      f.dtype != StateDType::kInt8) {
+  if (f.dtype != StateDType::kF32 && f.dtype != StateDType::kBF16 && f.dtype != StateDType::kInt8) {
     return InvalidArgumentError("unknown optimizer state dtype value " +
                                 std::to_string(static_cast<int>(f.dtype)));
   }
@@ -218,9 +219,12 @@ Status ValidateStateFormat(const StateFormat& f) {
 
 size_t StateBytes(const StateFormat& f, size_t n) {
   switch (f.dtype) {
-    case StateDType::kF32: return n * 4;
-    case StateDType::kBF16: return n * 2;
-    case StateDType::kInt8: return n + StateBlocks(f, n) * 4;
+    case StateDType::kF32:
+      return n * 4;
+    case StateDType::kBF16:
+      return n * 2;
+    case StateDType::kInt8:
+      return n + StateBlocks(f, n) * 4;
   }
   return n * 4;
 }

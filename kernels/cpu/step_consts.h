@@ -23,13 +23,13 @@ struct AdamConsts {
   float clip_factor;     // g *= this
   float l2_decay;        // Adam (L2): g = fma(p, l2_decay, g) when use_l2
   bool use_l2;
-  float param_decay;     // AdamW: p *= (1 - lr * wd); 1 otherwise (exact no-op)
-  float beta1_comp;      // 1 - beta1
+  float param_decay;  // AdamW: p *= (1 - lr * wd); 1 otherwise (exact no-op)
+  float beta1_comp;   // 1 - beta1
   float beta2;
-  float beta2_comp;      // 1 - beta2
-  float bc2_sqrt;        // sqrt(1 - beta2^step)
+  float beta2_comp;  // 1 - beta2
+  float bc2_sqrt;    // sqrt(1 - beta2^step)
   float eps;
-  float neg_step_size;   // -lr / (1 - beta1^step)
+  float neg_step_size;  // -lr / (1 - beta1^step)
   // CPU only: write param_out with non-temporal stores (large calls: the copy is headed for
   // another device, keeping it out of the cache saves the read-for-ownership traffic).
   bool stream_out = false;
@@ -60,12 +60,12 @@ struct SgdConsts {
   float clip_factor;
   float weight_decay;  // g = fma(p, wd, g) when use_wd
   bool use_wd;
-  float momentum;      // buf = fma(buf, momentum, (1 - dampening) * g)
-  float damp_comp;     // 1 - dampening
+  float momentum;   // buf = fma(buf, momentum, (1 - dampening) * g)
+  float damp_comp;  // 1 - dampening
   bool use_momentum;
-  bool first_step;     // buf = g (torch clones d_p on the first step)
-  bool nesterov;       // d = fma(buf, momentum, g)
-  float neg_lr;        // p = fma(d, -lr, p)
+  bool first_step;  // buf = g (torch clones d_p on the first step)
+  bool nesterov;    // d = fma(buf, momentum, g)
+  float neg_lr;     // p = fma(d, -lr, p)
 };
 
 AdamConsts MakeAdamConsts(const AdamConfig& config);

@@ -7,14 +7,14 @@
 // Kernel bytes per param: f32 grads 28 (read p, m, v, g; write p, m, v); bf16 grads with a
 // bf16 copy out 28 (2 + 12 read, 12 + 2 written). Prints one JSON object; exits 77 (skip)
 // without a GPU.
+#include <cuda_runtime.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
-
-#include <cuda_runtime.h>
 
 #include "kernels/cuda/optim_cuda.h"
 #include "tiers/cuda/cuda_status.h"
@@ -57,9 +57,12 @@ int main(int argc, char** argv) {
   int reps = 10;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
-    if (flag == "--params") n = std::strtoull(argv[i + 1], nullptr, 10);
-    else if (flag == "--chunks") chunks = std::strtoull(argv[i + 1], nullptr, 10);
-    else if (flag == "--reps") reps = std::atoi(argv[i + 1]);
+    if (flag == "--params")
+      n = std::strtoull(argv[i + 1], nullptr, 10);
+    else if (flag == "--chunks")
+      chunks = std::strtoull(argv[i + 1], nullptr, 10);
+    else if (flag == "--reps")
+      reps = std::atoi(argv[i + 1]);
     else {
       std::fprintf(stderr, "usage: %s [--params N] [--chunks K] [--reps R]\n", argv[0]);
       return 2;
@@ -94,14 +97,13 @@ int main(int argc, char** argv) {
   CHECK_OK(k::cuda::CastFromF32(g, gb, k::DType::kBF16, n, s));
 
   // Baseline: device-to-device copy of n floats (p -> m is overwritten before the Adam runs).
-  const float copy_ms = MedianMs(s, reps, [&] {
-    CHECK_CUDA(cudaMemcpyAsync(m, g, n * 4, cudaMemcpyDeviceToDevice, s));
-  });
+  const float copy_ms = MedianMs(
+      s, reps, [&] { CHECK_CUDA(cudaMemcpyAsync(m, g, n * 4, cudaMemcpyDeviceToDevice, s)); });
   const double copy_gbps = 2.0 * n * 4 / (copy_ms * 1e-3) / 1e9;
   CHECK_CUDA(cudaMemsetAsync(m, 0, n * 4, s));
 
-  std::printf("{\"device\": \"%s\", \"params\": %zu, \"chunks\": %zu, \"reps\": %d,\n", prop.name, n,
-              chunks, reps);
+  std::printf("{\"device\": \"%s\", \"params\": %zu, \"chunks\": %zu, \"reps\": %d,\n", prop.name,
+              n, chunks, reps);
   std::printf(" \"copy_GBps\": %.1f,\n \"results\": [\n", copy_gbps);
   const struct {
     const char* name;
@@ -135,9 +137,11 @@ int main(int argc, char** argv) {
     });
     const double bpp = (var.grad == k::DType::kF32 ? 4.0 : 2.0) + 24.0 + (var.out ? 2.0 : 0.0);
     const double gbps = bpp * n / (ms * 1e-3) / 1e9;
-    std::printf("%s  {\"variant\": \"%s\", \"ms\": %.3f, \"Gparams_per_s\": %.2f, \"bytes_per_param\": %.0f, "
-                "\"GBps\": %.1f, \"fraction_of_copy\": %.3f}",
-                first ? "" : ",\n", var.name, ms, n / (ms * 1e-3) / 1e9, bpp, gbps, gbps / copy_gbps);
+    std::printf(
+        "%s  {\"variant\": \"%s\", \"ms\": %.3f, \"Gparams_per_s\": %.2f, \"bytes_per_param\": "
+        "%.0f, "
+        "\"GBps\": %.1f, \"fraction_of_copy\": %.3f}",
+        first ? "" : ",\n", var.name, ms, n / (ms * 1e-3) / 1e9, bpp, gbps, gbps / copy_gbps);
     first = false;
   }
   const void* grads[] = {g};
@@ -146,8 +150,10 @@ int main(int argc, char** argv) {
     auto st = k::cuda::GradNormAndOverflowMulti(grads, ns, 1, k::DType::kF32, s);
     CHECK_OK(st.status());
   });
-  std::printf(",\n  {\"variant\": \"grad norm f32\", \"ms\": %.3f, \"GBps\": %.1f, \"fraction_of_copy\": %.3f}\n ]}\n",
-              t0, 4.0 * n / (t0 * 1e-3) / 1e9, 4.0 * n / (t0 * 1e-3) / 1e9 / copy_gbps);
+  std::printf(
+      ",\n  {\"variant\": \"grad norm f32\", \"ms\": %.3f, \"GBps\": %.1f, \"fraction_of_copy\": "
+      "%.3f}\n ]}\n",
+      t0, 4.0 * n / (t0 * 1e-3) / 1e9, 4.0 * n / (t0 * 1e-3) / 1e9 / copy_gbps);
   cudaFree(p);
   cudaFree(m);
   cudaFree(v);

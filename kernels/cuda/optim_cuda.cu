@@ -3,7 +3,9 @@
 // chunk, a grid-stride loop over x covers its elements. The per-call constants come from
 // internal::MakeAdamConsts, the same function the CPU kernels use, and every float operation
 // is an explicit _rn intrinsic, so a device step equals the CPU scalar reference bit for bit.
-#include "kernels/cuda/optim_cuda.h"
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
@@ -11,12 +13,9 @@
 #include <mutex>
 #include <string>
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-
 #include "kernels/cpu/quant_tables.h"
 #include "kernels/cpu/step_consts.h"
+#include "kernels/cuda/optim_cuda.h"
 #include "tiers/cuda/cuda_status.h"
 
 namespace tiermem::kernels::cuda {
@@ -69,10 +68,12 @@ __device__ __forceinline__ void StoreAs(void* p, int dtype, size_t i, float v) {
 }
 
 template <int G, bool kAmsgrad>
-__global__ void __launch_bounds__(kThreads) AdamKernel(AdamBatch batch, AdamConsts c, int out_dtype) {
+__global__ void __launch_bounds__(kThreads)
+    AdamKernel(AdamBatch batch, AdamConsts c, int out_dtype) {
   const AdamChunk& d = batch.chunk[blockIdx.y];
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
-  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < d.n; i += stride) {
+  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < d.n;
+       i += stride) {
     float g = LoadAs<G>(d.grad, i);
     g = __fmul_rn(g, c.inv_loss_scale);
     g = __fmul_rn(g, c.clip_factor);
@@ -101,8 +102,8 @@ __global__ void __launch_bounds__(kThreads) AdamKernel(AdamBatch batch, AdamCons
 // ---- compressed state (the CPU scalar reference: optim_scalar.cc) ------------------------
 
 using internal::QuantTables;
-__device__ float g_code[2][256];                              // QuantTables::code
-__device__ uint32_t g_bucket[2][QuantTables::kBuckets];       // QuantTables::bucket
+__device__ float g_code[2][256];                         // QuantTables::code
+__device__ uint32_t g_bucket[2][QuantTables::kBuckets];  // QuantTables::bucket
 
 // The update of one element on fp32 values (AdamElement).
 __device__ __forceinline__ void AdamElement(const AdamConsts& c, float g, float& p, float& m,
@@ -134,13 +135,13 @@ struct StateArgs {
   float* param;
   const void* grad;
   void* param_out;
-  void* m;          // codes
+  void* m;  // codes
   void* v;
   float* m_absmax;  // int8
   float* v_absmax;
   size_t n;
   uint32_t block;
-  int out_dtype;    // -1: no copy
+  int out_dtype;  // -1: no copy
   bool stochastic;
 };
 
@@ -215,7 +216,8 @@ __global__ void __launch_bounds__(kThreads) AdamBf16StateKernel(StateArgs a, Ada
   auto* mq = static_cast<uint16_t*>(a.m);
   auto* vq = static_cast<uint16_t*>(a.v);
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
-  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < a.n; i += stride) {
+  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < a.n;
+       i += stride) {
     float p = a.param[i];
     float m = __uint_as_float(static_cast<uint32_t>(mq[i]) << 16);
     float v = __uint_as_float(static_cast<uint32_t>(vq[i]) << 16);
@@ -297,11 +299,18 @@ StatusOr<unsigned> BlocksX(size_t max_n, size_t chunks) {
 bool ValidDType(DType t) { return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16; }
 
 template <bool kAms>
-void LaunchAdam(DType g, dim3 grid, cudaStream_t s, const AdamBatch& b, const AdamConsts& c, int out) {
+void LaunchAdam(DType g, dim3 grid, cudaStream_t s, const AdamBatch& b, const AdamConsts& c,
+                int out) {
   switch (g) {
-    case DType::kF32: AdamKernel<0, kAms><<<grid, kThreads, 0, s>>>(b, c, out); break;
-    case DType::kBF16: AdamKernel<1, kAms><<<grid, kThreads, 0, s>>>(b, c, out); break;
-    case DType::kF16: AdamKernel<2, kAms><<<grid, kThreads, 0, s>>>(b, c, out); break;
+    case DType::kF32:
+      AdamKernel<0, kAms><<<grid, kThreads, 0, s>>>(b, c, out);
+      break;
+    case DType::kBF16:
+      AdamKernel<1, kAms><<<grid, kThreads, 0, s>>>(b, c, out);
+      break;
+    case DType::kF16:
+      AdamKernel<2, kAms><<<grid, kThreads, 0, s>>>(b, c, out);
+      break;
   }
 }
 
@@ -315,8 +324,8 @@ Status AdamStepMulti(const AdamConfig& config, const AdamChunk* chunks, size_t c
   }
   for (size_t i = 0; i < count; ++i) {
     const AdamChunk& ch = chunks[i];
-    AdamSpans s{ch.param, ch.exp_avg, ch.exp_avg_sq, ch.max_exp_avg_sq, ch.grad, grad_dtype,
-                ch.param_out, out_dtype, ch.n};
+    AdamSpans s{ch.param,     ch.exp_avg, ch.exp_avg_sq, ch.max_exp_avg_sq, ch.grad, grad_dtype,
+                ch.param_out, out_dtype,  ch.n};
     TIERMEM_RETURN_IF_ERROR(ValidateAdam(config, s).WithContext("chunk " + std::to_string(i)));
   }
   const AdamConsts c = internal::MakeAdamConsts(config);
@@ -353,15 +362,21 @@ Status AdamStepCompressed(const AdamConfig& config, const AdamSpans& spans, void
   if (spans.n == 0) return OkStatus();
   TIERMEM_RETURN_IF_ERROR(UploadTables());
   AdamConsts c = internal::MakeAdamConsts(config);
-  StateArgs a{spans.param, spans.grad, spans.param_out,
-              spans.exp_avg_q.data, spans.exp_avg_sq_q.data,
-              spans.exp_avg_q.absmax, spans.exp_avg_sq_q.absmax, spans.n, spans.state.block,
+  StateArgs a{spans.param,
+              spans.grad,
+              spans.param_out,
+              spans.exp_avg_q.data,
+              spans.exp_avg_sq_q.data,
+              spans.exp_avg_q.absmax,
+              spans.exp_avg_sq_q.absmax,
+              spans.n,
+              spans.state.block,
               spans.param_out != nullptr ? static_cast<int>(spans.out_dtype) : -1,
               spans.state.stochastic};
   const auto s = static_cast<cudaStream_t>(stream);
   if (spans.state.dtype == StateDType::kInt8) {
-    const unsigned blocks = static_cast<unsigned>((spans.n + spans.state.block - 1) /
-                                                  spans.state.block);
+    const unsigned blocks =
+        static_cast<unsigned>((spans.n + spans.state.block - 1) / spans.state.block);
     const size_t shared = 2 * spans.state.block * sizeof(float);
     if (shared > 48 * 1024) {
       TIERMEM_CUDA_RETURN_IF_ERROR(
@@ -378,16 +393,28 @@ Status AdamStepCompressed(const AdamConfig& config, const AdamSpans& spans, void
           "AdamStepCompressed");
     }
     switch (spans.grad_dtype) {
-      case DType::kF32: AdamInt8Kernel<0><<<blocks, kThreads, shared, s>>>(a, c); break;
-      case DType::kBF16: AdamInt8Kernel<1><<<blocks, kThreads, shared, s>>>(a, c); break;
-      case DType::kF16: AdamInt8Kernel<2><<<blocks, kThreads, shared, s>>>(a, c); break;
+      case DType::kF32:
+        AdamInt8Kernel<0><<<blocks, kThreads, shared, s>>>(a, c);
+        break;
+      case DType::kBF16:
+        AdamInt8Kernel<1><<<blocks, kThreads, shared, s>>>(a, c);
+        break;
+      case DType::kF16:
+        AdamInt8Kernel<2><<<blocks, kThreads, shared, s>>>(a, c);
+        break;
     }
   } else {
     TIERMEM_ASSIGN_OR_RETURN(const unsigned bx, BlocksX(spans.n, 1));
     switch (spans.grad_dtype) {
-      case DType::kF32: AdamBf16StateKernel<0><<<bx, kThreads, 0, s>>>(a, c); break;
-      case DType::kBF16: AdamBf16StateKernel<1><<<bx, kThreads, 0, s>>>(a, c); break;
-      case DType::kF16: AdamBf16StateKernel<2><<<bx, kThreads, 0, s>>>(a, c); break;
+      case DType::kF32:
+        AdamBf16StateKernel<0><<<bx, kThreads, 0, s>>>(a, c);
+        break;
+      case DType::kBF16:
+        AdamBf16StateKernel<1><<<bx, kThreads, 0, s>>>(a, c);
+        break;
+      case DType::kF16:
+        AdamBf16StateKernel<2><<<bx, kThreads, 0, s>>>(a, c);
+        break;
     }
   }
   TIERMEM_CUDA_RETURN_IF_ERROR(cudaGetLastError(), "AdamStepCompressed: launch");
@@ -404,7 +431,8 @@ StatusOr<GradStats> GradNormAndOverflowMulti(const void* const* grads, const siz
   double* sum = nullptr;
   TIERMEM_CUDA_RETURN_IF_ERROR(cudaMallocAsync(reinterpret_cast<void**>(&sum), sizeof(double), s),
                                "GradNormAndOverflowMulti: scratch");
-  Status status = CudaErrorToStatus(cudaMemsetAsync(sum, 0, sizeof(double), s), "GradNormAndOverflowMulti");
+  Status status =
+      CudaErrorToStatus(cudaMemsetAsync(sum, 0, sizeof(double), s), "GradNormAndOverflowMulti");
   for (size_t base = 0; status.ok() && base < count; base += kMaxChunks) {
     GradBatch batch{};
     size_t used = 0, max_n = 0;
@@ -426,16 +454,23 @@ StatusOr<GradStats> GradNormAndOverflowMulti(const void* const* grads, const siz
     }
     const dim3 grid(*bx, static_cast<unsigned>(used));
     switch (dtype) {
-      case DType::kF32: SqSumKernel<0><<<grid, kThreads, 0, s>>>(batch, sum); break;
-      case DType::kBF16: SqSumKernel<1><<<grid, kThreads, 0, s>>>(batch, sum); break;
-      case DType::kF16: SqSumKernel<2><<<grid, kThreads, 0, s>>>(batch, sum); break;
+      case DType::kF32:
+        SqSumKernel<0><<<grid, kThreads, 0, s>>>(batch, sum);
+        break;
+      case DType::kBF16:
+        SqSumKernel<1><<<grid, kThreads, 0, s>>>(batch, sum);
+        break;
+      case DType::kF16:
+        SqSumKernel<2><<<grid, kThreads, 0, s>>>(batch, sum);
+        break;
     }
     status = CudaErrorToStatus(cudaGetLastError(), "GradNormAndOverflowMulti: launch");
   }
   double host = 0;
   if (status.ok()) {
-    status = CudaErrorToStatus(cudaMemcpyAsync(&host, sum, sizeof(double), cudaMemcpyDeviceToHost, s),
-                               "GradNormAndOverflowMulti: read back");
+    status =
+        CudaErrorToStatus(cudaMemcpyAsync(&host, sum, sizeof(double), cudaMemcpyDeviceToHost, s),
+                          "GradNormAndOverflowMulti: read back");
   }
   const cudaError_t free_err = cudaFreeAsync(sum, s);
   const cudaError_t sync_err = cudaStreamSynchronize(s);
@@ -456,9 +491,15 @@ Status CastFromF32(const float* src, void* dst, DType dst_dtype, size_t n, void*
   TIERMEM_ASSIGN_OR_RETURN(const unsigned bx, BlocksX(n, 1));
   const auto s = static_cast<cudaStream_t>(stream);
   switch (dst_dtype) {
-    case DType::kF32: CastFromKernel<0><<<bx, kThreads, 0, s>>>(src, dst, n); break;
-    case DType::kBF16: CastFromKernel<1><<<bx, kThreads, 0, s>>>(src, dst, n); break;
-    case DType::kF16: CastFromKernel<2><<<bx, kThreads, 0, s>>>(src, dst, n); break;
+    case DType::kF32:
+      CastFromKernel<0><<<bx, kThreads, 0, s>>>(src, dst, n);
+      break;
+    case DType::kBF16:
+      CastFromKernel<1><<<bx, kThreads, 0, s>>>(src, dst, n);
+      break;
+    case DType::kF16:
+      CastFromKernel<2><<<bx, kThreads, 0, s>>>(src, dst, n);
+      break;
   }
   TIERMEM_CUDA_RETURN_IF_ERROR(cudaGetLastError(), "cuda CastFromF32: launch");
   return OkStatus();
@@ -472,9 +513,15 @@ Status CastToF32(const void* src, DType src_dtype, float* dst, size_t n, void* s
   TIERMEM_ASSIGN_OR_RETURN(const unsigned bx, BlocksX(n, 1));
   const auto s = static_cast<cudaStream_t>(stream);
   switch (src_dtype) {
-    case DType::kF32: CastToKernel<0><<<bx, kThreads, 0, s>>>(src, dst, n); break;
-    case DType::kBF16: CastToKernel<1><<<bx, kThreads, 0, s>>>(src, dst, n); break;
-    case DType::kF16: CastToKernel<2><<<bx, kThreads, 0, s>>>(src, dst, n); break;
+    case DType::kF32:
+      CastToKernel<0><<<bx, kThreads, 0, s>>>(src, dst, n);
+      break;
+    case DType::kBF16:
+      CastToKernel<1><<<bx, kThreads, 0, s>>>(src, dst, n);
+      break;
+    case DType::kF16:
+      CastToKernel<2><<<bx, kThreads, 0, s>>>(src, dst, n);
+      break;
   }
   TIERMEM_CUDA_RETURN_IF_ERROR(cudaGetLastError(), "cuda CastToF32: launch");
   return OkStatus();

@@ -15,8 +15,8 @@
 
 #include <cstddef>
 
-#include "kernels/cpu/optim.h"
 #include "base/status.h"
+#include "kernels/cpu/optim.h"
 
 namespace tiermem::kernels::cuda {
 

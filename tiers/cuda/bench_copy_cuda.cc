@@ -6,6 +6,8 @@
 // baseline ratios); exits 77 (skip) without a GPU. Run by scripts/gpu_check.sh.
 //
 //   tiermem_bench_copy_cuda [--size BYTES] [--rounds R]
+#include <cuda_runtime.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -13,8 +15,6 @@
 #include <cstring>
 #include <string>
 #include <vector>
-
-#include <cuda_runtime.h>
 
 #include "tiers/cuda/cuda_status.h"
 #include "tiers/cuda/cuda_tier.h"
@@ -28,8 +28,7 @@ using tiermem::Bytes;
 #define CHECK_OK TIERMEM_OK_OR_DIE
 
 double NowS() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 double Median(std::vector<double> v) {

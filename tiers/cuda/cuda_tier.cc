@@ -32,6 +32,8 @@
 //    before its prefetch landed.
 #include "tiers/cuda/cuda_tier.h"
 
+#include <cuda_runtime_api.h>
+
 #include <algorithm>
 #include <deque>
 #include <iterator>
@@ -41,8 +43,6 @@
 #include <thread>
 #include <unordered_map>
 #include <vector>
-
-#include <cuda_runtime_api.h>
 
 #include "base/mutex.h"
 #include "tiers/cuda/cuda_status.h"
@@ -97,7 +97,8 @@ using Events = std::vector<Event>;
 // Drops the events that have completed (cudaEventQuery; an error counts as completed: the
 // stream that waits on it reports it).
 void Prune(Events* events) {
-  std::erase_if(*events, [](const Event& e) { return cudaEventQuery(e.get()) != cudaErrorNotReady; });
+  std::erase_if(*events,
+                [](const Event& e) { return cudaEventQuery(e.get()) != cudaErrorNotReady; });
 }
 
 class Lane {
@@ -170,7 +171,7 @@ class Lane {
   CondVar cv_;
   bool stop_ TIERMEM_GUARDED_BY(mu_) = false;
   std::deque<Item> queue_ TIERMEM_GUARDED_BY(mu_);
-  std::thread thread_;               // last: starts after the members above exist
+  std::thread thread_;  // last: starts after the members above exist
 };
 
 class CudaTier final : public Tier, public ComputeOrdering {
@@ -279,7 +280,8 @@ class CudaTier final : public Tier, public ComputeOrdering {
     MutexLock lock(mu_);
     auto it = live_.find(request.region.id);
     if (it == live_.end() || arena_ + it->second.offset != request.region.addr) {
-      return Completion::Done(InvalidArgumentError(name() + " tier: copy on an unknown region (id " +
+      return Completion::Done(InvalidArgumentError(name() +
+                                                   " tier: copy on an unknown region (id " +
                                                    std::to_string(request.region.id) + ")"));
     }
     Block& b = it->second;
@@ -287,7 +289,8 @@ class CudaTier final : public Tier, public ComputeOrdering {
     if (Status s = ValidateCopy(request, live); !s.ok()) return Completion::Done(s);
     if (request.bytes == 0) return Completion::Done(OkStatus());
     if (request.host == nullptr) {
-      return Completion::Done(InvalidArgumentError(name() + " tier: copy with a null host pointer"));
+      return Completion::Done(
+          InvalidArgumentError(name() + " tier: copy with a null host pointer"));
     }
     unsigned char* dev = static_cast<unsigned char*>(live.addr) + request.offset;
     const bool to_tier = request.dir == CopyDir::kToTier;
@@ -298,7 +301,8 @@ class CudaTier final : public Tier, public ComputeOrdering {
     for (const Event& e : b.fences) {
       if (err == cudaSuccess) err = cudaStreamWaitEvent(lane.stream(), e.get(), 0);
     }
-    if (b.compute && err == cudaSuccess) err = cudaStreamWaitEvent(lane.stream(), b.compute.get(), 0);
+    if (b.compute && err == cudaSuccess)
+      err = cudaStreamWaitEvent(lane.stream(), b.compute.get(), 0);
     if (err == cudaSuccess) {
       err = to_tier ? cudaMemcpyAsync(dev, request.host, request.bytes, cudaMemcpyHostToDevice,
                                       lane.stream())
@@ -430,8 +434,8 @@ StatusOr<std::unique_ptr<Tier>> NewCudaTier(const CudaTierConfig& config) {
   TIERMEM_CUDA_RETURN_IF_ERROR(cudaSetDevice(config.device), "cuda tier: cudaSetDevice");
   void* arena = nullptr;
   if (cudaError_t err = cudaMalloc(&arena, arena_bytes); err != cudaSuccess) {
-    return CudaErrorToStatus(err, "cuda tier: cudaMalloc of a " + std::to_string(arena_bytes) +
-                                      "-byte arena");
+    return CudaErrorToStatus(
+        err, "cuda tier: cudaMalloc of a " + std::to_string(arena_bytes) + "-byte arena");
   }
   cudaStream_t h2d = nullptr, d2h = nullptr;
   cudaError_t err = cudaStreamCreateWithFlags(&h2d, cudaStreamNonBlocking);

@@ -175,8 +175,8 @@ std::shared_ptr<Completion> FaultInjectingTier::Copy(const CopyRequest& request)
     }
   }
   const std::string what = std::string(write ? "write" : "read") + " of " +
-                            std::to_string(request.bytes) + " bytes, region " +
-                            std::to_string(request.region.id) + " of " + inner_->name();
+                           std::to_string(request.bytes) + " bytes, region " +
+                           std::to_string(request.region.id) + " of " + inner_->name();
   std::shared_ptr<Completion> inner_done;
   Status override_status;  // OK = keep the inner status
   if (err != 0) {

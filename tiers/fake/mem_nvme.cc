@@ -1,7 +1,7 @@
 // MemNvme implementation. Each region is its own heap block (ASan catches overruns); the
-// worker (a one-thread WorkerPool) drains a FIFO of memcpy jobs. The region table is checked at Copy() time; a
-// region must not be freed while copies on it are in flight (tiers/tier.h), so the worker
-// may use the block pointer captured then.
+// worker (a one-thread WorkerPool) drains a FIFO of memcpy jobs. The region table is checked at
+// Copy() time; a region must not be freed while copies on it are in flight (tiers/tier.h), so the
+// worker may use the block pointer captured then.
 #include "tiers/fake/mem_nvme.h"
 
 #include <cstring>

@@ -88,7 +88,7 @@ class Lane {
   const uint64_t max_delay_ns_;
   Mutex mu_;
   std::mt19937_64 rng_ TIERMEM_GUARDED_BY(mu_);
-  WorkerPool pool_;      // last: drained and joined first
+  WorkerPool pool_;  // last: drained and joined first
 };
 
 class SimDevice final : public Tier, public ComputeOrdering {

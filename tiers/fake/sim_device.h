@@ -42,10 +42,10 @@ enum SimDropWait : uint32_t {
 
 struct SimDeviceConfig {
   Bytes capacity = 2 * kGiB;
-  Bytes alignment = 256;           // region sizes are rounded up to this (like cudaMalloc)
-  double h2d_bytes_per_s = 0;      // 0 = as fast as memcpy
-  double d2h_bytes_per_s = 0;      // 0 = as fast as memcpy
-  uint64_t copy_latency_ns = 0;    // added to each copy
+  Bytes alignment = 256;         // region sizes are rounded up to this (like cudaMalloc)
+  double h2d_bytes_per_s = 0;    // 0 = as fast as memcpy
+  double d2h_bytes_per_s = 0;    // 0 = as fast as memcpy
+  uint64_t copy_latency_ns = 0;  // added to each copy
   // Asynchronous mode: `async_lane_threads` threads per lane, each copy delayed by a random
   // async_min_delay_ns..async_max_delay_ns (seeded) before its bytes move.
   bool async = false;

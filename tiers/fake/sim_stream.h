@@ -51,7 +51,7 @@ class SimStream {
   const uint64_t delay_ns_;
   Mutex mu_;
   Status broken_ TIERMEM_GUARDED_BY(mu_);  // the first failed wait
-  WorkerPool pool_{1};  // last: drained and joined first
+  WorkerPool pool_{1};                     // last: drained and joined first
 };
 
 }  // namespace tiermem

@@ -47,12 +47,16 @@ constexpr Bytes kPage = 4 * kKiB;
 constexpr Bytes kHugePage = 2 * kMiB;
 
 Status ValidateConfig(const HostTierConfig& c) {
-  auto bad = [](const std::string& what) { return InvalidArgumentError("host tier config: " + what); };
+  auto bad = [](const std::string& what) {
+    return InvalidArgumentError("host tier config: " + what);
+  };
   if (c.capacity == 0) return bad("capacity must be > 0");
   if (c.slot_bytes == 0 || c.slot_bytes % kPage != 0) {
-    return bad("slot_bytes (" + std::to_string(c.slot_bytes) + ") must be a positive multiple of 4096");
+    return bad("slot_bytes (" + std::to_string(c.slot_bytes) +
+               ") must be a positive multiple of 4096");
   }
-  if (c.min_class_bytes == 0 || c.min_class_bytes % kPage != 0 || c.min_class_bytes > c.slot_bytes) {
+  if (c.min_class_bytes == 0 || c.min_class_bytes % kPage != 0 ||
+      c.min_class_bytes > c.slot_bytes) {
     return bad("min_class_bytes (" + std::to_string(c.min_class_bytes) +
                ") must be a positive multiple of 4096 and <= slot_bytes");
   }
@@ -137,7 +141,8 @@ class HostTierImpl final : public HostTier {
       MutexLock lock(mu_);
       auto it = regions_.find(region.id);
       if (it == regions_.end()) {
-        return InvalidArgumentError("host tier: free of unknown region " + std::to_string(region.id));
+        return InvalidArgumentError("host tier: free of unknown region " +
+                                    std::to_string(region.id));
       }
       const Live live = it->second;
       regions_.erase(it);
@@ -214,9 +219,9 @@ class HostTierImpl final : public HostTier {
   struct Slab {
     char* base = nullptr;
     Bytes map_bytes = 0;
-    int cls = -1;                     // size class, -1 while empty
-    uint32_t live = 0;                // live regions in this slab
-    std::vector<uint32_t> free_slots; // slot indices without a live region
+    int cls = -1;                      // size class, -1 while empty
+    uint32_t live = 0;                 // live regions in this slab
+    std::vector<uint32_t> free_slots;  // slot indices without a live region
   };
   struct Mapping {
     Bytes bytes = 0;      // the region's size
@@ -397,8 +402,9 @@ StatusOr<int> NearestNumaNode(const std::string& gpu_pci_bus_id) {
   if (hwloc_topology_init(&topo) != 0) return -1;
   // PCI discovery only when there is a GPU to place memory near: it costs start-up time, and
   // hwloc's pci plugin (libpciaccess) leaks its scan state, which LeakSanitizer reports.
-  hwloc_topology_set_io_types_filter(topo, gpu_pci_bus_id.empty() ? HWLOC_TYPE_FILTER_KEEP_NONE
-                                                                  : HWLOC_TYPE_FILTER_KEEP_IMPORTANT);
+  hwloc_topology_set_io_types_filter(topo, gpu_pci_bus_id.empty()
+                                               ? HWLOC_TYPE_FILTER_KEEP_NONE
+                                               : HWLOC_TYPE_FILTER_KEEP_IMPORTANT);
   if (hwloc_topology_load(topo) != 0) {
     hwloc_topology_destroy(topo);
     return -1;
@@ -416,7 +422,8 @@ StatusOr<int> NearestNumaNode(const std::string& gpu_pci_bus_id) {
   }
   if (node < 0) {
     const int cpu = sched_getcpu();
-    hwloc_obj_t pu = cpu >= 0 ? hwloc_get_pu_obj_by_os_index(topo, static_cast<unsigned>(cpu)) : nullptr;
+    hwloc_obj_t pu =
+        cpu >= 0 ? hwloc_get_pu_obj_by_os_index(topo, static_cast<unsigned>(cpu)) : nullptr;
     if (pu != nullptr && pu->nodeset != nullptr) node = hwloc_bitmap_first(pu->nodeset);
   }
   hwloc_topology_destroy(topo);

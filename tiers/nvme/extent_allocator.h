@@ -29,7 +29,9 @@ class ExtentAllocator {
   size_t free_extent_count() const { return free_.size(); }
 
  private:
-  uint64_t Round(uint64_t bytes) const { return (bytes + granularity_ - 1) / granularity_ * granularity_; }
+  uint64_t Round(uint64_t bytes) const {
+    return (bytes + granularity_ - 1) / granularity_ * granularity_;
+  }
 
   const uint64_t granularity_;
   std::map<uint64_t, uint64_t> free_;  // offset -> length, bytes

@@ -24,21 +24,21 @@
 namespace tiermem::nvme {
 
 struct IoOp {
-  int file = 0;           // index into the backend's file table
-  uint64_t offset = 0;    // file offset, bytes
-  char* buf = nullptr;    // host buffer (aligned for O_DIRECT by the submitter)
-  uint32_t len = 0;       // bytes; prepare may shrink it (torn-write hook); 0 completes at once
+  int file = 0;         // index into the backend's file table
+  uint64_t offset = 0;  // file offset, bytes
+  char* buf = nullptr;  // host buffer (aligned for O_DIRECT by the submitter)
+  uint32_t len = 0;     // bytes; prepare may shrink it (torn-write hook); 0 completes at once
   bool write = false;
   std::function<void(IoOp&)> prepare;
   std::function<void(IoOp&, Status)> complete;  // required
   // Backend-private progress.
-  uint32_t done = 0;      // bytes transferred so far
+  uint32_t done = 0;  // bytes transferred so far
   bool prepared = false;
 };
 
 class IoBackend {
  public:
-  virtual ~IoBackend() = default;  // waits for every submitted op to complete
+  virtual ~IoBackend() = default;             // waits for every submitted op to complete
   virtual std::string_view name() const = 0;  // "io_uring" or "posix"
   // Queues `op`. Thread-safe.
   virtual void Submit(IoOp* op) = 0;
@@ -50,12 +50,12 @@ class IoBackend {
 };
 
 struct IoBackendConfig {
-  std::vector<int> fds;              // the tier's files (the backend does not own them)
-  int queue_depth = 8;               // max ops in flight
-  int posix_threads = 0;             // posix: workers (0 = queue_depth, at most 16)
-  bool register_files = true;        // io_uring: fixed files
-  bool register_buffers = true;      // io_uring: fixed buffers
-  char* bounce = nullptr;            // io_uring: the tier's bounce pool, registered as a buffer
+  std::vector<int> fds;          // the tier's files (the backend does not own them)
+  int queue_depth = 8;           // max ops in flight
+  int posix_threads = 0;         // posix: workers (0 = queue_depth, at most 16)
+  bool register_files = true;    // io_uring: fixed files
+  bool register_buffers = true;  // io_uring: fixed buffers
+  char* bounce = nullptr;        // io_uring: the tier's bounce pool, registered as a buffer
   Bytes bounce_bytes = 0;
 };
 

@@ -56,12 +56,12 @@
 #include <unordered_map>
 #include <vector>
 
-#include "base/logging.h"
 #include "base/crc32c.h"
+#include "base/logging.h"
 #include "base/mutex.h"
-#include "tiers/worker_pool.h"
 #include "tiers/nvme/extent_allocator.h"
 #include "tiers/nvme/io_backend.h"
+#include "tiers/worker_pool.h"
 
 namespace tiermem {
 namespace {
@@ -321,8 +321,7 @@ class NvmeTierImpl final : public NvmeTier {
                              std::to_string(region_offset + o) + " (" + std::to_string(block_) +
                              "-byte block at file " + std::to_string(r.file) + " offset " +
                              std::to_string(r.base + region_offset + o) + "): expected crc32c " +
-                             Hex(want) + ", read " + Hex(got) +
-                             "; the block is torn or corrupted");
+                             Hex(want) + ", read " + Hex(got) + "; the block is torn or corrupted");
       }
     }
     return OkStatus();
@@ -349,8 +348,8 @@ class NvmeTierImpl final : public NvmeTier {
   const NvmeTierConfig config_;
   const Bytes block_;
   BudgetAccount budget_;
-  std::atomic<Bytes> tear_after_;  // the torn-write hook; 0 = off
-  std::vector<File> files_;        // fixed after Init
+  std::atomic<Bytes> tear_after_;                  // the torn-write hook; 0 = off
+  std::vector<File> files_;                        // fixed after Init
   std::unique_ptr<std::atomic<uint32_t>[]> crcs_;  // per global block
   BlockLocks locks_;
   std::unique_ptr<BouncePool> bounce_;
@@ -420,17 +419,16 @@ Status NvmeTierImpl::CreateFile(int index, Bytes bytes) {
         return ErrnoToStatus(errno, "nvme tier: sizing a scratch file in '" + dir + "'");
       }
     } else if (err == ENOSPC || err == EDQUOT) {
-      struct statvfs vfs{};
-      const Bytes free_bytes = ::statvfs(dir.c_str(), &vfs) == 0
-                                   ? static_cast<Bytes>(vfs.f_bavail) * vfs.f_frsize
-                                   : 0;
+      struct statvfs vfs {};
+      const Bytes free_bytes =
+          ::statvfs(dir.c_str(), &vfs) == 0 ? static_cast<Bytes>(vfs.f_bavail) * vfs.f_frsize : 0;
       // ErrnoToStatus makes ENOSPC/EDQUOT kResourceExhausted.
       return ErrnoToStatus(err, "nvme tier: preallocating " + std::to_string(bytes) +
                                     " bytes in '" + dir + "' (" + std::to_string(free_bytes) +
                                     " bytes free)");
     } else {
-      return ErrnoToStatus(err, "nvme tier: preallocating " + std::to_string(bytes) +
-                                    " bytes in '" + dir + "'");
+      return ErrnoToStatus(
+          err, "nvme tier: preallocating " + std::to_string(bytes) + " bytes in '" + dir + "'");
     }
   }
   return OkStatus();
@@ -448,30 +446,35 @@ Status NvmeTierImpl::Init() {
                                 std::to_string(c.capacity) + ")");
   }
   if (c.files < 1 || c.files > 64 || c.capacity / c.block_bytes < static_cast<Bytes>(c.files)) {
-    return InvalidArgumentError("nvme tier: files must be in 1..64 and at most one per block (got " +
-                                std::to_string(c.files) + ")");
+    return InvalidArgumentError(
+        "nvme tier: files must be in 1..64 and at most one per block (got " +
+        std::to_string(c.files) + ")");
   }
   if (c.queue_depth < 1 || c.queue_depth > 4096) {
     return InvalidArgumentError("nvme tier: queue_depth must be in 1..4096 (got " +
                                 std::to_string(c.queue_depth) + ")");
   }
   if (c.piece_bytes == 0 || c.piece_bytes % c.block_bytes != 0 || c.piece_bytes > 256 * kMiB) {
-    return InvalidArgumentError("nvme tier: piece_bytes must be a multiple of block_bytes, at most "
-                                "256 MiB (got " + std::to_string(c.piece_bytes) + ")");
+    return InvalidArgumentError(
+        "nvme tier: piece_bytes must be a multiple of block_bytes, at most "
+        "256 MiB (got " +
+        std::to_string(c.piece_bytes) + ")");
   }
   if (c.read_request_bytes % c.block_bytes != 0 || c.read_request_bytes > 256 * kMiB) {
-    return InvalidArgumentError("nvme tier: read_request_bytes must be a multiple of block_bytes, "
-                                "at most 256 MiB (got " + std::to_string(c.read_request_bytes) +
-                                ")");
+    return InvalidArgumentError(
+        "nvme tier: read_request_bytes must be a multiple of block_bytes, "
+        "at most 256 MiB (got " +
+        std::to_string(c.read_request_bytes) + ")");
   }
   if (c.bounce_buffers < 0 || c.bounce_buffers > 4096 || c.posix_threads < 0 ||
       c.posix_threads > 256 || c.checksum_threads < 0 || c.checksum_threads > 64) {
-    return InvalidArgumentError("nvme tier: bounce_buffers must be in 0..4096, posix_threads "
-                                "in 0..256 and checksum_threads in 0..64");
+    return InvalidArgumentError(
+        "nvme tier: bounce_buffers must be in 0..4096, posix_threads "
+        "in 0..256 and checksum_threads in 0..64");
   }
   if (c.dir.empty()) return InvalidArgumentError("nvme tier: no directory given");
 
-  struct stat st{};
+  struct stat st {};
   if (::stat(c.dir.c_str(), &st) != 0) {
     return ErrnoToStatus(errno, "nvme tier: directory '" + c.dir + "'");
   }
@@ -481,7 +484,7 @@ Status NvmeTierImpl::Init() {
   if (::access(c.dir.c_str(), W_OK | X_OK) != 0) {
     return ErrnoToStatus(errno, "nvme tier: directory '" + c.dir + "' is not writable");
   }
-  struct statvfs vfs{};
+  struct statvfs vfs {};
   if (::statvfs(c.dir.c_str(), &vfs) != 0) {
     return ErrnoToStatus(errno, "nvme tier: statvfs of '" + c.dir + "'");
   }
@@ -492,8 +495,8 @@ Status NvmeTierImpl::Init() {
   const Bytes free_bytes = static_cast<Bytes>(vfs.f_bavail) * vfs.f_frsize;
   if (c.capacity > free_bytes) {
     return ResourceExhaustedError("nvme tier: cannot preallocate " + std::to_string(c.capacity) +
-                                  " bytes in '" + c.dir + "': only " +
-                                  std::to_string(free_bytes) + " bytes free");
+                                  " bytes in '" + c.dir + "': only " + std::to_string(free_bytes) +
+                                  " bytes free");
   }
 
   // Files: equal shares of whole blocks; the last takes the remainder.
@@ -576,11 +579,10 @@ StatusOr<Region> NvmeTierImpl::Allocate(Bytes bytes) {
   }
   Bytes largest = 0;
   for (const auto& e : extents_) largest = std::max(largest, e->largest_free_extent());
-  return ResourceExhaustedError("nvme tier: need a contiguous " + std::to_string(rounded) +
-                                " bytes; the budget has " +
-                                std::to_string(stats.capacity - stats.used) +
-                                " bytes free but the largest free extent is " +
-                                std::to_string(largest) + " bytes (fragmented)");
+  return ResourceExhaustedError(
+      "nvme tier: need a contiguous " + std::to_string(rounded) + " bytes; the budget has " +
+      std::to_string(stats.capacity - stats.used) + " bytes free but the largest free extent is " +
+      std::to_string(largest) + " bytes (fragmented)");
 }
 
 Status NvmeTierImpl::Free(const Region& region) {

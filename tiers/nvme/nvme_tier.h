@@ -24,24 +24,24 @@ enum class NvmeIoBackend : uint8_t {
 StatusOr<NvmeIoBackend> ParseNvmeIoBackend(std::string_view name);  // "auto", "io_uring", "posix"
 
 struct NvmeTierConfig {
-  std::string dir;                  // existing writable directory on the target filesystem
-  Bytes capacity = 0;               // the budget; bytes preallocated (a multiple of block_bytes)
-  int files = 1;                    // scratch files the capacity is split over (1..64)
+  std::string dir;     // existing writable directory on the target filesystem
+  Bytes capacity = 0;  // the budget; bytes preallocated (a multiple of block_bytes)
+  int files = 1;       // scratch files the capacity is split over (1..64)
   NvmeIoBackend io_backend = NvmeIoBackend::kAuto;
-  int queue_depth = 8;              // max I/Os in flight (1..4096)
-  Bytes piece_bytes = 1 * kMiB;     // large copies are split into pieces of this size
+  int queue_depth = 8;           // max I/Os in flight (1..4096)
+  Bytes piece_bytes = 1 * kMiB;  // large copies are split into pieces of this size
   // Aligned reads go to the file in requests of max(piece_bytes, this) bytes (0 = piece_bytes),
   // each verified in piece_bytes parts on the checksum workers: at 4 MiB a lone 16 MiB chunk is
   // 4 requests, all in flight at once, not 16 at depth 8. Off by default: it measured no faster
   // on the development VM (docs/benchmarks.md, issue 32). A multiple of block_bytes.
   Bytes read_request_bytes = 0;
-  int bounce_buffers = 0;           // piece-sized aligned bounce buffers (0 = queue_depth)
-  Bytes block_bytes = 4 * kKiB;     // allocation, checksum and read-modify-write unit
-  int posix_threads = 0;            // posix backend workers (0 = queue_depth, at most 16)
-  int checksum_threads = 0;         // CRC32C workers for aligned copies (0 = cores, at most 4)
-  bool register_buffers = true;     // io_uring fixed buffers (falls back when refused)
-  bool register_files = true;       // io_uring fixed files
-  bool direct_io = true;            // O_DIRECT (buffered only if the filesystem refuses it)
+  int bounce_buffers = 0;        // piece-sized aligned bounce buffers (0 = queue_depth)
+  Bytes block_bytes = 4 * kKiB;  // allocation, checksum and read-modify-write unit
+  int posix_threads = 0;         // posix backend workers (0 = queue_depth, at most 16)
+  int checksum_threads = 0;      // CRC32C workers for aligned copies (0 = cores, at most 4)
+  bool register_buffers = true;  // io_uring fixed buffers (falls back when refused)
+  bool register_files = true;    // io_uring fixed files
+  bool direct_io = true;         // O_DIRECT (buffered only if the filesystem refuses it)
   // Test hook: the first write issued after creation writes only its first
   // AlignDown(n, 4096) bytes (0 = off) while recording checksums of all of it, like a
   // device that lost power mid-write; the copy still reports success.

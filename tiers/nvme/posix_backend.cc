@@ -63,8 +63,9 @@ class PosixBackend final : public IoBackend {
     }
     const int fd = fds_[op.file];
     while (op.done < op.len) {
-      const ssize_t n = op.write ? ::pwrite(fd, op.buf + op.done, op.len - op.done, op.offset + op.done)
-                                 : ::pread(fd, op.buf + op.done, op.len - op.done, op.offset + op.done);
+      const ssize_t n = op.write
+                            ? ::pwrite(fd, op.buf + op.done, op.len - op.done, op.offset + op.done)
+                            : ::pread(fd, op.buf + op.done, op.len - op.done, op.offset + op.done);
       if (n < 0) {
         const int err = errno;
         if (err == EINTR || err == EAGAIN) continue;

@@ -32,8 +32,8 @@
 namespace tiermem::nvme {
 namespace {
 
-constexpr unsigned kBufferSlots = 1024;        // sparse fixed-buffer table size (64 GiB of 64 MiB slabs)
-constexpr Bytes kMaxFixedBuffer = 1 * kGiB;    // kernel limit per registered buffer
+constexpr unsigned kBufferSlots = 1024;  // sparse fixed-buffer table size (64 GiB of 64 MiB slabs)
+constexpr Bytes kMaxFixedBuffer = 1 * kGiB;  // kernel limit per registered buffer
 
 Status Refused(int err, std::string_view what) {
   Status s = ErrnoToStatus(err, what);
@@ -137,7 +137,8 @@ class UringBackend final : public IoBackend {
     ring_ok_ = true;
     if (p.sq_entries < entries || p.cq_entries < p.sq_entries) {
       return InternalError("io_uring: ring smaller than asked (" + std::to_string(p.sq_entries) +
-                           " SQ entries for a depth of " + std::to_string(config_.queue_depth) + ")");
+                           " SQ entries for a depth of " + std::to_string(config_.queue_depth) +
+                           ")");
     }
     if (config_.register_files && !config_.fds.empty()) {
       ret = io_uring_register_files(&ring_, config_.fds.data(),
@@ -146,8 +147,8 @@ class UringBackend final : public IoBackend {
         fixed_files_ = true;
       } else {
         LogOnce(LogLevel::kWarn, "nvme: fixed files refused",
-                "nvme tier: io_uring refused fixed files (" + ErrnoToStatus(-ret, "register").message() +
-                    "); using plain file descriptors");
+                "nvme tier: io_uring refused fixed files (" +
+                    ErrnoToStatus(-ret, "register").message() + "); using plain file descriptors");
       }
     }
     if (config_.register_buffers) {
@@ -215,7 +216,8 @@ class UringBackend final : public IoBackend {
     auto it = host_groups_.find(reinterpret_cast<uintptr_t>(addr));
     if (it == host_groups_.end()) {
       return NotFoundError("nvme tier: host memory at " +
-                           std::to_string(reinterpret_cast<uintptr_t>(addr)) + " is not registered");
+                           std::to_string(reinterpret_cast<uintptr_t>(addr)) +
+                           " is not registered");
     }
     ReleaseSlots(it->second);
     host_groups_.erase(it);
@@ -409,8 +411,8 @@ class UringBackend final : public IoBackend {
   bool buffers_registered_ = false;  // written before the set-up promise, read-only after
   std::deque<IoOp*> local_;
   int in_flight_ = 0;
-  std::map<uintptr_t, FixedBuffer> fixed_;              // start address -> registered range
-  std::map<uintptr_t, std::vector<int>> host_groups_;   // RegisterHostMemory base -> slots
+  std::map<uintptr_t, FixedBuffer> fixed_;             // start address -> registered range
+  std::map<uintptr_t, std::vector<int>> host_groups_;  // RegisterHostMemory base -> slots
   std::vector<int> free_slots_;
 };
 

@@ -20,19 +20,18 @@
 // Each measurement is the median of --reps timed steps after one warm-up step.
 // fraction_of_roofline = modelled bytes per param / equivalent bytes per param.
 #include <algorithm>
-#include <cmath>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <iostream>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "kernels/cpu/optim.h"
 #include "tools/commands.h"
@@ -55,7 +54,8 @@ struct AdamBenchArgs {
 
 // A page-aligned float buffer (no value-initialisation; the caller fills it).
 struct Buffer {
-  explicit Buffer(size_t bytes) : ptr(static_cast<unsigned char*>(std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096))) {}
+  explicit Buffer(size_t bytes)
+      : ptr(static_cast<unsigned char*>(std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096))) {}
   ~Buffer() { std::free(ptr); }
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
@@ -134,7 +134,8 @@ Json RunTorch(const AdamBenchArgs& a, int threads) {
   const size_t brace = out.rfind("\n{");
   const std::string last = brace == std::string::npos ? out : out.substr(brace + 1);
   Json j = Json::parse(last, nullptr, /*allow_exceptions=*/false);
-  if (rc != 0 || j.is_discarded()) return Json{{"error", "torch script failed: " + out.substr(0, 400)}};
+  if (rc != 0 || j.is_discarded())
+    return Json{{"error", "torch script failed: " + out.substr(0, 400)}};
   return j;
 }
 
@@ -194,16 +195,14 @@ int RunAdamBench(const AdamBenchArgs& a) {
     bool onepass;  // mixed-precision step: norm/overflow pass + unscale + clip + AdamW + copy
     k::StateFormat state = {};
   };
-  const Variant variants[] = {{"adamw f32 grad", k::DType::kF32, false, false},
-                              {"adamw f32 grad + bf16 copy", k::DType::kF32, true, false},
-                              {"adamw bf16 grad + bf16 copy", k::DType::kBF16, true, false},
-                              {"mixed one-pass (norm+step+bf16)", k::DType::kF32, true, true},
-                              {"adamw f32 grad, bf16 state", k::DType::kF32, false, false,
-                               bf16_state},
-                              {"adamw f32 grad, int8 state", k::DType::kF32, false, false,
-                               int8_state},
-                              {"adamw bf16 grad + copy, int8 st", k::DType::kBF16, true, false,
-                               int8_state}};
+  const Variant variants[] = {
+      {"adamw f32 grad", k::DType::kF32, false, false},
+      {"adamw f32 grad + bf16 copy", k::DType::kF32, true, false},
+      {"adamw bf16 grad + bf16 copy", k::DType::kBF16, true, false},
+      {"mixed one-pass (norm+step+bf16)", k::DType::kF32, true, true},
+      {"adamw f32 grad, bf16 state", k::DType::kF32, false, false, bf16_state},
+      {"adamw f32 grad, int8 state", k::DType::kF32, false, false, int8_state},
+      {"adamw bf16 grad + copy, int8 st", k::DType::kBF16, true, false, int8_state}};
 
   Json report = {{"benchmark", "adam"}, {"params", n}, {"reps", a.reps}, {"runs", Json::array()}};
   const k::Isa saved_isa = k::KernelIsa();
@@ -220,9 +219,10 @@ int RunAdamBench(const AdamBenchArgs& a) {
       k::SetKernelIsa(isa).IgnoreError();
     };
     if (!a.json) {
-      std::printf("threads %d (roofline probe: %s, reads 4 streams and writes 3, 28 B/param; "
-                  "timed alternately with each variant)\n", threads,
-                  std::string(k::IsaName(probe_isa)).c_str());
+      std::printf(
+          "threads %d (roofline probe: %s, reads 4 streams and writes 3, 28 B/param; "
+          "timed alternately with each variant)\n",
+          threads, std::string(k::IsaName(probe_isa)).c_str());
       std::printf("  %-8s %-32s %10s %7s %8s %9s %10s %9s\n", "isa", "variant", "Mparams/s",
                   "B/param", "GB/s", "roof GB/s", "x roofline", "equiv B/p");
     }
@@ -250,20 +250,24 @@ int RunAdamBench(const AdamBenchArgs& a) {
           s.exp_avg_sq_q = {vq.ptr, int8 ? va.f() : nullptr};
         }
         int64_t step = 0;
-        const Paired t = TimePaired(a.reps, [&] {
-          c.step = ++step;
-          if (var.onepass) {
-            // The grads as a scaled backward leaves them (scale 1024): the overflow check and
-            // global norm first, then the fused step unscales and clips on the fly (max norm 1).
-            const k::GradStats gs = k::GradNormAndOverflow(s.grad, var.grad, n);
-            c.inv_loss_scale = 1.0f / 1024.0f;
-            const double norm = std::sqrt(gs.sq_norm) / 1024.0;
-            c.clip_factor = norm > 1.0 ? static_cast<float>(1.0 / (norm + 1e-6)) : 1.0f;
-            if (!gs.overflow) k::AdamStep(c, s);
-          } else {
-            k::AdamStep(c, s);
-          }
-        }, probe);
+        const Paired t = TimePaired(
+            a.reps,
+            [&] {
+              c.step = ++step;
+              if (var.onepass) {
+                // The grads as a scaled backward leaves them (scale 1024): the overflow check and
+                // global norm first, then the fused step unscales and clips on the fly (max norm
+                // 1).
+                const k::GradStats gs = k::GradNormAndOverflow(s.grad, var.grad, n);
+                c.inv_loss_scale = 1.0f / 1024.0f;
+                const double norm = std::sqrt(gs.sq_norm) / 1024.0;
+                c.clip_factor = norm > 1.0 ? static_cast<float>(1.0 / (norm + 1e-6)) : 1.0f;
+                if (!gs.overflow) k::AdamStep(c, s);
+              } else {
+                k::AdamStep(c, s);
+              }
+            },
+            probe);
         // DRAM bytes per param: the grad read; the param, m and v read and written (m and v
         // in the state format: int8 adds its absmax, 8 bytes per 256 params); the copy.
         const double state_bytes =
@@ -308,25 +312,27 @@ int RunAdamBench(const AdamBenchArgs& a) {
       if (t.contains("fused") && best_f32 > 0) {
         const double fused = t["fused"].get<double>();
         t["ours_fp32_over_fused"] = best_f32 / fused;
-        if (t.contains("foreach")) t["ours_fp32_over_foreach"] = best_f32 / t["foreach"].get<double>();
+        if (t.contains("foreach"))
+          t["ours_fp32_over_foreach"] = best_f32 / t["foreach"].get<double>();
         if (t.contains("mixed") && best_onepass > 0) {
           t["ours_onepass_over_mixed"] = best_onepass / t["mixed"].get<double>();
         }
         if (!a.json) {
-          std::printf("  torch %s AdamW(fused=True): %.1f Mparams/s; best ours (f32) / torch "
-                      "fused = %.2fx\n",
-                      t.value("torch_version", std::string("?")).c_str(), fused / 1e6,
-                      best_f32 / fused);
+          std::printf(
+              "  torch %s AdamW(fused=True): %.1f Mparams/s; best ours (f32) / torch "
+              "fused = %.2fx\n",
+              t.value("torch_version", std::string("?")).c_str(), fused / 1e6, best_f32 / fused);
           if (t.contains("foreach")) {
-            std::printf("  torch AdamW(foreach=True): %.1f Mparams/s; best ours (f32) / torch "
-                        "foreach = %.2fx\n", t["foreach"].get<double>() / 1e6,
-                        t["ours_fp32_over_foreach"].get<double>());
+            std::printf(
+                "  torch AdamW(foreach=True): %.1f Mparams/s; best ours (f32) / torch "
+                "foreach = %.2fx\n",
+                t["foreach"].get<double>() / 1e6, t["ours_fp32_over_foreach"].get<double>());
           }
           if (t.contains("ours_onepass_over_mixed")) {
-            std::printf("  torch mixed step (unscale + clip_grad_norm_ + fused AdamW + bf16 "
-                        "copy): %.1f Mparams/s; ours one-pass / torch = %.2fx\n",
-                        t["mixed"].get<double>() / 1e6,
-                        t["ours_onepass_over_mixed"].get<double>());
+            std::printf(
+                "  torch mixed step (unscale + clip_grad_norm_ + fused AdamW + bf16 "
+                "copy): %.1f Mparams/s; ours one-pass / torch = %.2fx\n",
+                t["mixed"].get<double>() / 1e6, t["ours_onepass_over_mixed"].get<double>());
           }
         }
       } else if (!a.json) {
@@ -345,11 +351,13 @@ int RunAdamBench(const AdamBenchArgs& a) {
 
 void RegisterBenchAdam(CLI::App& bench) {
   auto args = std::make_shared<AdamBenchArgs>();
-  CLI::App* cmd = bench.add_subcommand("adam", "CPU AdamW kernels vs the memory roofline and torch");
+  CLI::App* cmd =
+      bench.add_subcommand("adam", "CPU AdamW kernels vs the memory roofline and torch");
   cmd->add_option("--params", args->params, "number of fp32 params")->check(CLI::PositiveNumber);
   cmd->add_option("--threads", args->threads, "comma-separated thread counts");
   cmd->add_option("--isa", args->isas, "comma-separated ISAs (default: all this CPU has)");
-  cmd->add_option("--reps", args->reps, "timed steps per measurement (median)")->check(CLI::Range(1, 1000));
+  cmd->add_option("--reps", args->reps, "timed steps per measurement (median)")
+      ->check(CLI::Range(1, 1000));
   cmd->add_flag("--json", args->json, "print JSON only");
   cmd->add_flag("--no-torch", args->no_torch, "skip the torch baseline");
   cmd->add_option("--torch-script", args->torch_script, "path of bench_adam_torch.py");

@@ -3,10 +3,10 @@
 // fetches of single chunks are — through the same pieces as a session's: SimDevice, a host
 // staging tier registered with the NVMe tier, the Mover's bounce through the session's staging
 // slots (BounceMoverConfig), the NVMe tier with checksums. `--configs` compares other staging
-// shapes in the same rounds (rotating which goes first). Optionally with `--busy-threads` threads spinning on
-// arithmetic meanwhile (as torch's compute occupies the cores during a training step), which is
-// what makes the thread hand-offs of a move (device copy -> checksum -> io_uring submission ->
-// completion -> next piece) wait for time slices.
+// shapes in the same rounds (rotating which goes first). Optionally with `--busy-threads` threads
+// spinning on arithmetic meanwhile (as torch's compute occupies the cores during a training step),
+// which is what makes the thread hand-offs of a move (device copy -> checksum -> io_uring
+// submission -> completion -> next piece) wait for time slices.
 //
 // The baseline, measured alternately in the same run: the same tier streaming host <-> NVMe
 // (registered huge-page buffers, two 64 MiB copies in flight: `tiermem bench nvme`'s pattern,
@@ -23,10 +23,9 @@
 #include <filesystem>
 #include <iostream>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <thread>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "base/clock.h"
 #include "base/units.h"
@@ -44,7 +43,7 @@ constexpr Bytes kPage = 4096;
 struct BounceOptions {
   std::string dir = ".";
   std::string chunk = "9MiB";
-  int moves = 64;    // lone moves per direction per round
+  int moves = 64;  // lone moves per direction per round
   int rounds = 3;
   int busy_threads = 0;
   // Bounce configurations compared in turn each round: "SLOTSxBYTES" with an optional
@@ -112,7 +111,8 @@ int Run(const BounceOptions& o) {
   if (!chunk_or.ok()) return fail(chunk_or.status());
   const Bytes chunk = AlignUp(*chunk_or, kPage);
   if (chunk < 4 * kMiB || o.moves < 1 || o.rounds < 1 || o.busy_threads < 0) {
-    return fail(InvalidArgumentError("--chunk >= 4MiB, --moves and --rounds >= 1, --busy-threads >= 0"));
+    return fail(
+        InvalidArgumentError("--chunk >= 4MiB, --moves and --rounds >= 1, --busy-threads >= 0"));
   }
   const Bytes total = chunk * static_cast<Bytes>(o.moves);
 
@@ -265,10 +265,11 @@ int Run(const BounceOptions& o) {
   }
   nlohmann::json results = nlohmann::json::array();
   if (!o.json) {
-    std::printf("bounce bench: %s, chunk %s, %d lone moves per direction, %d busy threads, "
-                "%d rounds (median; ratios paired per round)\n",
-                std::string(nvme->io_backend_name()).c_str(), FormatBytes(chunk).c_str(), o.moves,
-                o.busy_threads, o.rounds);
+    std::printf(
+        "bounce bench: %s, chunk %s, %d lone moves per direction, %d busy threads, "
+        "%d rounds (median; ratios paired per round)\n",
+        std::string(nvme->io_backend_name()).c_str(), FormatBytes(chunk).c_str(), o.moves,
+        o.busy_threads, o.rounds);
     std::printf("  %-16s %12s %12s %14s %14s %12s %12s\n", "config", "lone write", "lone read",
                 "stream write", "stream read", "write ratio", "read ratio");
   }
@@ -295,12 +296,9 @@ int Run(const BounceOptions& o) {
     }
   }
   if (o.json) {
-    nlohmann::json j = {{"bench", "bounce"},
-                        {"engine", std::string(nvme->io_backend_name())},
-                        {"chunk_bytes", chunk},
-                        {"moves", o.moves},
-                        {"rounds", o.rounds},
-                        {"busy_threads", o.busy_threads},
+    nlohmann::json j = {{"bench", "bounce"},    {"engine", std::string(nvme->io_backend_name())},
+                        {"chunk_bytes", chunk}, {"moves", o.moves},
+                        {"rounds", o.rounds},   {"busy_threads", o.busy_threads},
                         {"configs", results}};
     std::cout << j.dump() << "\n";
   }
@@ -316,7 +314,8 @@ void RegisterBenchBounce(CLI::App& bench) {
       "bounce", "lone device<->NVMe moves through the staging bounce vs streaming host<->NVMe");
   cmd->add_option("--dir", opts->dir, "directory for the NVMe tier's file")->capture_default_str();
   cmd->add_option("--chunk", opts->chunk, "bytes per move (a chunk)")->capture_default_str();
-  cmd->add_option("--moves", opts->moves, "lone moves per direction per round")->capture_default_str();
+  cmd->add_option("--moves", opts->moves, "lone moves per direction per round")
+      ->capture_default_str();
   cmd->add_option("--rounds", opts->rounds, "alternating rounds; medians are reported")
       ->capture_default_str();
   cmd->add_option("--busy-threads", opts->busy_threads,

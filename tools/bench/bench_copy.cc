@@ -8,10 +8,9 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "base/clock.h"
 #include "chunks/mover.h"
@@ -44,7 +43,8 @@ StatusOr<double> Timed(Fn&& fn) {
 
 Status RunCopyBench(const CopyBenchArgs& args) {
   TIERMEM_ASSIGN_OR_RETURN(const Bytes size, ParseBytes(args.size));
-  if (size == 0 || args.rounds < 1) return InvalidArgumentError("bench copy: --size and --rounds must be > 0");
+  if (size == 0 || args.rounds < 1)
+    return InvalidArgumentError("bench copy: --size and --rounds must be > 0");
   HostTierConfig hc;
   hc.capacity = 2 * AlignUp(size, 2 * kMiB);
   TIERMEM_ASSIGN_OR_RETURN(std::unique_ptr<Tier> host, NewHostTier(hc));
@@ -68,17 +68,47 @@ Status RunCopyBench(const CopyBenchArgs& args) {
   };
   std::vector<Dir> dirs = {
       {"host->device",
-       {{"memcpy", [&] { std::memcpy(dp, hp, size); return OkStatus(); }},
-        {"tier_copy", [&] { return sim->Copy({d, 0, hp, size, CopyDir::kToTier})->Wait(); }},
-        {"mover", [&] { return mover->Move({{host.get(), h}, {sim.get(), d}, size})->Wait(); }}}},
+       {{"memcpy",
+         [&] {
+           std::memcpy(dp, hp, size);
+           return OkStatus();
+         }},
+        {"tier_copy",
+         [&] {
+           return sim->Copy({d, 0, hp, size, CopyDir::kToTier})->Wait();
+         }},
+        {"mover",
+         [&] {
+           return mover->Move({{host.get(), h}, {sim.get(), d}, size})->Wait();
+         }}}},
       {"device->host",
-       {{"memcpy", [&] { std::memcpy(hp, dp, size); return OkStatus(); }},
-        {"tier_copy", [&] { return sim->Copy({d, 0, hp, size, CopyDir::kFromTier})->Wait(); }},
-        {"mover", [&] { return mover->Move({{sim.get(), d}, {host.get(), h}, size})->Wait(); }}}},
+       {{"memcpy",
+         [&] {
+           std::memcpy(hp, dp, size);
+           return OkStatus();
+         }},
+        {"tier_copy",
+         [&] {
+           return sim->Copy({d, 0, hp, size, CopyDir::kFromTier})->Wait();
+         }},
+        {"mover",
+         [&] {
+           return mover->Move({{sim.get(), d}, {host.get(), h}, size})->Wait();
+         }}}},
       {"host->host",
-       {{"memcpy", [&] { std::memcpy(h2p, hp, size); return OkStatus(); }},
-        {"tier_copy", [&] { return host->Copy({h2, 0, hp, size, CopyDir::kToTier})->Wait(); }},
-        {"mover", [&] { return mover->Move({{host.get(), h}, {host.get(), h2}, size})->Wait(); }}}},
+       {{"memcpy",
+         [&] {
+           std::memcpy(h2p, hp, size);
+           return OkStatus();
+         }},
+        {"tier_copy",
+         [&] {
+           return host->Copy({h2, 0, hp, size, CopyDir::kToTier})->Wait();
+         }},
+        {"mover",
+         [&] {
+           return mover->Move({{host.get(), h}, {host.get(), h2}, size})->Wait();
+         }}}},
   };
   std::map<std::string, std::map<std::string, std::vector<double>>> secs;
   for (int r = 0; r < args.rounds; ++r) {

@@ -33,11 +33,10 @@
 #include <filesystem>
 #include <iostream>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "base/clock.h"
 #include "base/units.h"
@@ -55,7 +54,7 @@ struct BenchNvmeOptions {
   int rounds = 3;
   std::string engine = "auto";
   std::string fio_iomem = "auto";
-  std::string lone;  // a chunk size: the lone-read mode (empty: streaming only)
+  std::string lone;          // a chunk size: the lone-read mode (empty: streaming only)
   std::string read_request;  // the tier's read_request_bytes (empty: its default)
   bool json = false;
 };
@@ -162,12 +161,13 @@ std::string FioIomem(const std::string& mode, Bytes buffer_bytes) {
   return FreeHugetlbBytes() >= buffer_bytes + 4 * kMiB ? "mmaphuge" : "malloc";
 }
 
-StatusOr<double> RunFio(const std::string& file, const char* rw, Bytes size, Bytes block,
-                        int depth, const std::string& iomem) {
+StatusOr<double> RunFio(const std::string& file, const char* rw, Bytes size, Bytes block, int depth,
+                        const std::string& iomem) {
   const std::string cmd = "fio --name=tiermem-bench --filename='" + file +
                           "' --ioengine=io_uring --direct=1 --fixedbufs --registerfiles"
-                          " --iomem=" + iomem + " --rw=" + rw +
-                          " --bs=" + std::to_string(block) + " --iodepth=" + std::to_string(depth) +
+                          " --iomem=" +
+                          iomem + " --rw=" + rw + " --bs=" + std::to_string(block) +
+                          " --iodepth=" + std::to_string(depth) +
                           " --size=" + std::to_string(size) + " --output-format=json 2>&1";
   FILE* pipe = ::popen(cmd.c_str(), "r");
   if (pipe == nullptr) return ErrnoToStatus(errno, "bench: running fio");
@@ -194,8 +194,8 @@ double Median(std::vector<double> v) {
 }
 
 // --lone: ours lone reads against fio `--bs=lone --iodepth=1`, alternating who goes first.
-int RunLone(const BenchNvmeOptions& o, const std::string& dir, Bytes size, Bytes block,
-            Bytes lone, NvmeIoBackend engine, std::optional<Bytes> read_request) {
+int RunLone(const BenchNvmeOptions& o, const std::string& dir, Bytes size, Bytes block, Bytes lone,
+            NvmeIoBackend engine, std::optional<Bytes> read_request) {
   auto fail = [](const Status& s) {
     std::cerr << "tiermem bench nvme: " << s.ToString() << "\n";
     return 1;
@@ -223,10 +223,11 @@ int RunLone(const BenchNvmeOptions& o, const std::string& dir, Bytes size, Bytes
     fio.push_back(*f);
     ratio.push_back(*f > 0 ? t->lone_read_bps / *f : 0.0);
     if (!o.json) {
-      std::printf("round %d (%s first): ours lone read %.2f GB/s (streaming %.2f) | fio "
-                  "--bs=%s --iodepth=1 read %.2f GB/s | ours/fio %.3f\n",
-                  round + 1, fio_first ? "fio" : "ours", ours.back() / 1e9, stream.back() / 1e9,
-                  FormatBytes(lone).c_str(), fio.back() / 1e9, ratio.back());
+      std::printf(
+          "round %d (%s first): ours lone read %.2f GB/s (streaming %.2f) | fio "
+          "--bs=%s --iodepth=1 read %.2f GB/s | ours/fio %.3f\n",
+          round + 1, fio_first ? "fio" : "ours", ours.back() / 1e9, stream.back() / 1e9,
+          FormatBytes(lone).c_str(), fio.back() / 1e9, ratio.back());
       std::fflush(stdout);
     }
   }
@@ -254,14 +255,16 @@ int RunLone(const BenchNvmeOptions& o, const std::string& dir, Bytes size, Bytes
   } else {
     const Bytes request =
         std::max(block, read_request.value_or(NvmeTierConfig{}.read_request_bytes));
-    std::printf("nvme lone-read bench: %s, %s read as %s copies one at a time (tier: piece %s, "
-                "read requests %s, depth %d), %d rounds; fio --bs=%s --iodepth=1 --fixedbufs "
-                "--registerfiles --iomem=%s%s\n",
-                engine_name.c_str(), FormatBytes(size).c_str(), FormatBytes(lone).c_str(),
-                FormatBytes(block).c_str(), FormatBytes(request).c_str(), o.depth, o.rounds, FormatBytes(lone).c_str(),
-                iomem.c_str(),
-                iomem == "malloc" ? " (no free hugetlb pages: set vm.nr_hugepages to give fio "
-                                    "huge-page buffers)" : "");
+    std::printf(
+        "nvme lone-read bench: %s, %s read as %s copies one at a time (tier: piece %s, "
+        "read requests %s, depth %d), %d rounds; fio --bs=%s --iodepth=1 --fixedbufs "
+        "--registerfiles --iomem=%s%s\n",
+        engine_name.c_str(), FormatBytes(size).c_str(), FormatBytes(lone).c_str(),
+        FormatBytes(block).c_str(), FormatBytes(request).c_str(), o.depth, o.rounds,
+        FormatBytes(lone).c_str(), iomem.c_str(),
+        iomem == "malloc" ? " (no free hugetlb pages: set vm.nr_hugepages to give fio "
+                            "huge-page buffers)"
+                          : "");
     std::printf("  ours lone %.2f GB/s, fio %.2f GB/s (medians); ours/fio per round:",
                 Median(ours) / 1e9, Median(fio) / 1e9);
     for (double x : ratio) std::printf(" %.3f", x);
@@ -297,8 +300,9 @@ int Run(const BenchNvmeOptions& o) {
     auto lone = ParseBytes(o.lone);
     if (!lone.ok()) return fail(lone.status());
     if (*lone == 0 || *lone % 4096 != 0 || *size % *lone != 0 || *lone > 256 * kMiB) {
-      return fail(InvalidArgumentError("--lone must be a multiple of 4 KiB dividing --size, at "
-                                       "most 256 MiB"));
+      return fail(
+          InvalidArgumentError("--lone must be a multiple of 4 KiB dividing --size, at "
+                               "most 256 MiB"));
     }
     return RunLone(o, dir, *size, *block, *lone, *engine, read_request);
   }
@@ -321,8 +325,8 @@ int Run(const BenchNvmeOptions& o) {
     fio_r.push_back(*fr);
     if (!o.json) {
       std::printf("round %d: ours write %.2f read %.2f GB/s | fio write %.2f read %.2f GB/s\n",
-                   round + 1, ours_w.back() / 1e9, ours_r.back() / 1e9, fio_w.back() / 1e9,
-                   fio_r.back() / 1e9);
+                  round + 1, ours_w.back() / 1e9, ours_r.back() / 1e9, fio_w.back() / 1e9,
+                  fio_r.back() / 1e9);
       std::fflush(stdout);
     }
   }
@@ -354,13 +358,14 @@ int Run(const BenchNvmeOptions& o) {
   } else {
     const Bytes request =
         std::max(*block, read_request.value_or(NvmeTierConfig{}.read_request_bytes));
-    std::printf("nvme bench: %s, %s, block %s (ours: reads in %s requests), depth %d, %d rounds "
-                "(median); fio with --fixedbufs --registerfiles --iomem=%s%s\n",
-                engine_name.c_str(), FormatBytes(*size).c_str(), FormatBytes(*block).c_str(),
-                FormatBytes(request).c_str(), o.depth, o.rounds,
-                iomem.c_str(),
-                iomem == "malloc" ? " (no free hugetlb pages: set vm.nr_hugepages to give fio "
-                                    "huge-page buffers)" : "");
+    std::printf(
+        "nvme bench: %s, %s, block %s (ours: reads in %s requests), depth %d, %d rounds "
+        "(median); fio with --fixedbufs --registerfiles --iomem=%s%s\n",
+        engine_name.c_str(), FormatBytes(*size).c_str(), FormatBytes(*block).c_str(),
+        FormatBytes(request).c_str(), o.depth, o.rounds, iomem.c_str(),
+        iomem == "malloc" ? " (no free hugetlb pages: set vm.nr_hugepages to give fio "
+                            "huge-page buffers)"
+                          : "");
     std::printf("  %-6s %10s %10s %8s %14s\n", "", "ours GB/s", "fio GB/s", "ours/fio",
                 "paired ratio");
     std::printf("  %-6s %10.2f %10.2f %8.3f %14.3f\n", "write", mw / 1e9, fw / 1e9,
@@ -378,14 +383,16 @@ void RegisterBenchNvme(CLI::App& bench) {
   CLI::App* cmd = bench.add_subcommand("nvme", "NVMe tier sequential write/read vs fio");
   cmd->add_option("--file", opts->file, "file for fio; the tier uses its directory")->required();
   cmd->add_option("--size", opts->size, "bytes written then read per round")->capture_default_str();
-  cmd->add_option("--block", opts->block, "I/O size (the tier's piece size)")->capture_default_str();
+  cmd->add_option("--block", opts->block, "I/O size (the tier's piece size)")
+      ->capture_default_str();
   cmd->add_option("--depth", opts->depth, "queue depth")->capture_default_str();
   cmd->add_option("--rounds", opts->rounds, "alternating rounds; medians are reported")
       ->capture_default_str();
   cmd->add_option("--engine", opts->engine, "auto, io_uring or posix")->capture_default_str();
   cmd->add_option("--fio-iomem", opts->fio_iomem,
                   "fio's buffers: auto (mmaphuge when hugetlb pages are free, else malloc), "
-                  "malloc, mmaphuge, shmhuge")->capture_default_str();
+                  "malloc, mmaphuge, shmhuge")
+      ->capture_default_str();
   cmd->add_option("--read-request", opts->read_request,
                   "the tier's read request size (read_request_bytes; default: the tier's, off; "
                   "reads use max(this, --block)), e.g. 4MiB");

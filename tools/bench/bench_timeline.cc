@@ -127,7 +127,8 @@ int RunTimelineBench(const TimelineBenchArgs& args) {
 
 void RegisterBenchTimeline(CLI::App& bench) {
   auto args = std::make_shared<TimelineBenchArgs>();
-  CLI::App* cmd = bench.add_subcommand("timeline", "timeline recorder events/s vs a plain fwrite loop");
+  CLI::App* cmd =
+      bench.add_subcommand("timeline", "timeline recorder events/s vs a plain fwrite loop");
   cmd->add_option("--events", args->events, "events in total")->check(CLI::PositiveNumber);
   cmd->add_option("--threads", args->threads, "recording threads")->check(CLI::Range(1, 256));
   cmd->add_flag("--json", args->json, "print JSON");

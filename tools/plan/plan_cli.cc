@@ -25,7 +25,8 @@ struct PlanArgs {
   uint32_t depth = 4, iterations = 0, moments = 0;
   std::string state_dtype = "fp32";  // synth: the optimizer-state format
   uint64_t seed = 0, accesses = 10'000'000;
-  bool json = false, no_place = false, no_overlap = false, no_activations = false, keep_homes = false;
+  bool json = false, no_place = false, no_overlap = false, no_activations = false,
+       keep_homes = false;
   bool list_moments = false;
   bool no_expert_sets = false;  // synth: do not mark the experts' chunks
 };
@@ -275,8 +276,8 @@ void Show(const PlanArgs& a) {
       sets.push_back(c.expert_set == kNoExpertSet ? json(nullptr) : json(c.expert_set));
     }
     j["expert_sets"] = sets;  // per chunk: its expert set, null for a dense chunk
-    j["budgets"] = {{"device", t->budgets.device}, {"host", t->budgets.host},
-                    {"nvme", t->budgets.nvme}};
+    j["budgets"] = {
+        {"device", t->budgets.device}, {"host", t->budgets.host}, {"nvme", t->budgets.nvme}};
     const char* tiers[] = {"d", "h", "n"};
     json links = json::object();
     for (int x = 0; x < kNumTierKinds; ++x) {
@@ -298,8 +299,10 @@ void Show(const PlanArgs& a) {
         compute += m.compute_ns;
         act = std::max(act, m.activation_bytes);
       }
-      its.push_back({{"moments", it.moments.size()}, {"accesses", it.accesses.size()},
-                     {"compute_ns", compute}, {"peak_activation_bytes", act}});
+      its.push_back({{"moments", it.moments.size()},
+                     {"accesses", it.accesses.size()},
+                     {"compute_ns", compute},
+                     {"peak_activation_bytes", act}});
     }
     j["iterations"] = its;
     std::printf("%s\n", j.dump(2).c_str());
@@ -439,7 +442,8 @@ void RegisterPlan(CLI::App& app) {
   CLI::App* show = plan->add_subcommand("show", "summarize a trace");
   show->add_option("trace", args->trace, "trace file")->required();
   show->add_option("--moments", args->moments, "list the first N moments of each iteration");
-  show->add_flag("--json", args->json, "print a JSON summary (sizes, budgets, rates, per-iteration totals)");
+  show->add_flag("--json", args->json,
+                 "print a JSON summary (sizes, budgets, rates, per-iteration totals)");
   show->callback([args] { Show(*args); });
 
   CLI::App* synth = plan->add_subcommand("synth", "write a canonical synthetic trace");
@@ -450,8 +454,9 @@ void RegisterPlan(CLI::App& app) {
   synth->add_flag("--no-expert-sets", args->no_expert_sets,
                   "moe: do not mark the experts' chunks (a version-1 trace: experts planned as "
                   "dense chunks)");
-  synth->add_option("--state-dtype", args->state_dtype,
-                    "optimizer-state format: fp32 (default) | bf16 | int8 (block 256)")
+  synth
+      ->add_option("--state-dtype", args->state_dtype,
+                   "optimizer-state format: fp32 (default) | bf16 | int8 (block 256)")
       ->check(CLI::IsMember({"fp32", "bf16", "int8"}));
   synth->callback([args] { Synth(*args); });
 

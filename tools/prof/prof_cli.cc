@@ -4,12 +4,12 @@
 #include <memory>
 #include <string>
 
-#include "tools/commands.h"
 #include "prof/analysis.h"
 #include "prof/html.h"
 #include "prof/perfetto.h"
 #include "prof/render.h"
 #include "prof/synthetic.h"
+#include "tools/commands.h"
 
 namespace tiermem::tools {
 namespace {
@@ -82,9 +82,11 @@ void RegisterProf(CLI::App& app) {
   diff->add_flag("--json", args->json, "print JSON");
   diff->callback([args] { Diff(*args); });
 
-  CLI::App* synth = prof->add_subcommand("synth", "write a synthetic training-run timeline (demos, scale checks)");
+  CLI::App* synth = prof->add_subcommand(
+      "synth", "write a synthetic training-run timeline (demos, scale checks)");
   synth->add_option("-o,--output", args->output, "output .tmt")->required();
-  synth->add_option("--events", args->events, "at least this many events")->check(CLI::PositiveNumber);
+  synth->add_option("--events", args->events, "at least this many events")
+      ->check(CLI::PositiveNumber);
   synth->callback([args] {
     auto n = prof::WriteSyntheticTimeline(args->output, {.min_events = args->events});
     if (!n.ok()) Fail(n.status());

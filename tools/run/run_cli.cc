@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
-#include "integrations/preload/launcher.h"
 #include "base/units.h"
+#include "integrations/preload/launcher.h"
 #include "tools/commands.h"
 
 namespace tiermem::tools {
@@ -17,8 +17,9 @@ void RegisterRun(CLI::App& app) {
   auto opts = std::make_shared<preload::RunOptions>();
   auto budget = std::make_shared<std::string>();
   CLI::App* run = app.add_subcommand(
-      "run", "tiermem run [OPTIONS] -- CMD [ARGS...]: run a CUDA program under the preload "
-             "shim: record its memory timeline, optionally oversubscribe device memory");
+      "run",
+      "tiermem run [OPTIONS] -- CMD [ARGS...]: run a CUDA program under the preload "
+      "shim: record its memory timeline, optionally oversubscribe device memory");
   run->add_option("--record", opts->record_path,
                   "timeline file (default tiermem-run.tmt; other processes of the job write "
                   "<stem>.<pid>.tmt)");

@@ -8,6 +8,8 @@
 // a header holding its size and a magic; `g_used` is the sum of the sizes of the live device
 // blocks (cudaMalloc, cudaMallocAsync, cudaMallocFromPoolAsync, cuMemCreate), which is what
 // the FAKE_CUDART_TOTAL capacity limits. Registered host ranges live in a small table.
+#include "integrations/preload/fake/fake_cudart.h"
+
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -18,7 +20,6 @@
 #include <cstring>
 #include <unordered_set>
 
-#include "integrations/preload/fake/fake_cudart.h"
 #include "base/mutex.h"
 
 #ifndef FAKE_CUDART_MAJOR
@@ -275,7 +276,8 @@ CudaError cudaFree(void* ptr) {
 
 CudaError cudaMallocAsync(void** ptr, size_t size, CudaStream stream) {
   const CudaError rc = DeviceAlloc(ptr, size);
-  Log("cudaMallocAsync size=%zu stream=%p ptr=%p rc=%d", size, stream, rc == 0 ? *ptr : nullptr, rc);
+  Log("cudaMallocAsync size=%zu stream=%p ptr=%p rc=%d", size, stream, rc == 0 ? *ptr : nullptr,
+      rc);
   return rc;
 }
 

@@ -100,8 +100,7 @@ struct UnitFunction : public ::torch::autograd::Function<UnitFunction> {
 
   static ::torch::autograd::variable_list backward(::torch::autograd::AutogradContext* ctx,
                                                    ::torch::autograd::variable_list grad_out) {
-    auto call = c10::static_intrusive_pointer_cast<UnitCall>(
-        ctx->saved_data["call"].toCapsule());
+    auto call = c10::static_intrusive_pointer_cast<UnitCall>(ctx->saved_data["call"].toCapsule());
     ChunkedModel* m = call->model;
     TORCH_CHECK(!m->closed_, "tiermem: backward through a unit of a closed ChunkedModel");
     std::vector<::torch::Tensor> saved = ctx->get_saved_variables();
@@ -172,8 +171,7 @@ StatusOr<std::unique_ptr<ChunkedModel>> ChunkedModel::Create(::torch::nn::Module
   if (cfg.activations != "outside") {
     // Counting (and offloading) saved activations needs saved-tensor hooks, which only the
     // Python binding installs: refused rather than a budget silently not applied.
-    return UnimplementedError("config 'activations' / TIERMEM_ACTIVATIONS = '" +
-                              cfg.activations +
+    return UnimplementedError("config 'activations' / TIERMEM_ACTIVATIONS = '" + cfg.activations +
                               "': the LibTorch API keeps activations outside the device "
                               "budget only ('outside'); 'budget' and 'offload' are Python-only");
   }
@@ -257,9 +255,7 @@ ChunkedModel::~ChunkedModel() {
   if (!closed_) Close().IgnoreError();
 }
 
-::torch::Dtype ChunkedModel::compute_dtype() const {
-  return TorchDType(session_->compute_dtype());
-}
+::torch::Dtype ChunkedModel::compute_dtype() const { return TorchDType(session_->compute_dtype()); }
 
 ::torch::Tensor ChunkedModel::Placeholder(const ParamRec& p) const {
   return ::torch::full({}, std::numeric_limits<float>::quiet_NaN(), compute_dtype())
@@ -271,8 +267,7 @@ ChunkedModel::~ChunkedModel() {
                             ::torch::TensorOptions().dtype(TorchDType(session_->dtype(kind))));
 }
 
-StatusOr<std::vector<ChunkedModel::ParamRec*>> ChunkedModel::UnitParams(
-    ::torch::nn::Module& unit) {
+StatusOr<std::vector<ChunkedModel::ParamRec*>> ChunkedModel::UnitParams(::torch::nn::Module& unit) {
   std::vector<ParamRec*> out;
   std::set<ParamRec*> seen;
   for (const auto& item : unit.named_parameters(/*recurse=*/true)) {
@@ -337,9 +332,8 @@ Status ChunkedModel::AccumulateGrad(ParamRec* p, const ::torch::Tensor& grad) {
     }
     bool must_zero = false;
     TIERMEM_ASSIGN_OR_RETURN(
-        void* addr,
-        session_->AcquireForWrite(pc.group, ChunkKind::kGrad, session_->compute_tier(),
-                                  &must_zero));
+        void* addr, session_->AcquireForWrite(pc.group, ChunkKind::kGrad, session_->compute_tier(),
+                                              &must_zero));
     ::torch::Tensor base = View(addr, pc.group, ChunkKind::kGrad);
     {
       ::torch::NoGradGuard no_grad;
@@ -531,8 +525,8 @@ Status ChunkedModel::Load(const std::string& path, nlohmann::json* extra) {
   TIERMEM_RETURN_IF_ERROR(session_->LoadCheckpoint(path, &meta, how));
   for (size_t g = 0; g < hyper_.size(); ++g) hyper_[g] = meta.groups[g].hyper;
   if (!meta.rng_state.empty()) {
-    ::torch::Tensor rng = ::torch::empty({static_cast<int64_t>(meta.rng_state.size())},
-                                         ::torch::kUInt8);
+    ::torch::Tensor rng =
+        ::torch::empty({static_cast<int64_t>(meta.rng_state.size())}, ::torch::kUInt8);
     std::memcpy(rng.data_ptr(), meta.rng_state.data(), meta.rng_state.size());
     SetCpuRngState(rng);
   }

@@ -59,12 +59,11 @@
 
 #include <functional>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "base/status.h"
 #include "runtime/session.h"
@@ -82,8 +81,8 @@ struct ParamGroup {
 // timeline file (not from counters the engine keeps about itself).
 struct Stats {
   prof::Report timeline;
-  chunks::EngineStats counters;  // the chunk engine's own counters
-  Bytes device_budget = 0;                 // 0 in host mode (no device tier)
+  chunks::EngineStats counters;               // the chunk engine's own counters
+  Bytes device_budget = 0;                    // 0 in host mode (no device tier)
   TierKind compute_tier = TierKind::kDevice;  // kHost in host mode (device_kind "host")
   Bytes peak(TierKind tier) const { return timeline.tiers[static_cast<int>(tier)].peak.bytes; }
 };
@@ -96,9 +95,10 @@ class ChunkedModel {
 
   // kInvalidArgument: bad config key/value (the TIERMEM_* environment applies), a non-fp32
   // or non-CPU parameter, no parameters, bad groups (a tensor in no group, in two, frozen or
-  // not managed: the session's rule and messages, runtime/param_groups.h); kUnimplemented: a CUDA device; kResourceExhausted: a device budget below
-  // the minimum (the message names the minimum bytes) or no host/NVMe room. `groups` empty:
-  // one group of every trainable parameter. On failure the model is untouched.
+  // not managed: the session's rule and messages, runtime/param_groups.h); kUnimplemented: a CUDA
+  // device; kResourceExhausted: a device budget below the minimum (the message names the minimum
+  // bytes) or no host/NVMe room. `groups` empty: one group of every trainable parameter. On failure
+  // the model is untouched.
   static StatusOr<std::unique_ptr<ChunkedModel>> Create(::torch::nn::Module& model,
                                                         const nlohmann::json& config,
                                                         std::vector<ParamGroup> groups = {});
@@ -167,7 +167,7 @@ class ChunkedModel {
     ::torch::Tensor param;  // the module's parameter (its data is swapped)
     std::string name;
     std::vector<int64_t> shape;
-    size_t index = 0;       // tensor index in the session
+    size_t index = 0;  // tensor index in the session
   };
   friend struct UnitFunction;
   friend struct UnitCall;

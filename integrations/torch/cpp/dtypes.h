@@ -20,9 +20,12 @@ namespace tiermem::torch_dtypes {
 // The torch dtype of a core element type.
 inline c10::ScalarType TorchDType(kernels::DType d) {
   switch (d) {
-    case kernels::DType::kBF16: return c10::ScalarType::BFloat16;
-    case kernels::DType::kF16: return c10::ScalarType::Half;
-    case kernels::DType::kF32: break;
+    case kernels::DType::kBF16:
+      return c10::ScalarType::BFloat16;
+    case kernels::DType::kF16:
+      return c10::ScalarType::Half;
+    case kernels::DType::kF32:
+      break;
   }
   return c10::ScalarType::Float;
 }
@@ -31,10 +34,14 @@ inline c10::ScalarType TorchDType(kernels::DType d) {
 // (the caller says so in its own error).
 inline std::optional<kernels::DType> CoreDType(c10::ScalarType t) {
   switch (t) {
-    case c10::ScalarType::Float: return kernels::DType::kF32;
-    case c10::ScalarType::BFloat16: return kernels::DType::kBF16;
-    case c10::ScalarType::Half: return kernels::DType::kF16;
-    default: return std::nullopt;
+    case c10::ScalarType::Float:
+      return kernels::DType::kF32;
+    case c10::ScalarType::BFloat16:
+      return kernels::DType::kBF16;
+    case c10::ScalarType::Half:
+      return kernels::DType::kF16;
+    default:
+      return std::nullopt;
   }
 }
 

@@ -17,12 +17,12 @@
 #include <memory>
 #include <string>
 
+#include "base/env.h"
+#include "base/timeline_reader.h"
 #include "chunks/chunk_layout.h"
 #include "integrations/torch/cpp/dtypes.h"
 #include "integrations/torch/cpp/torch_pool.h"
 #include "kernels/cpu/optim.h"
-#include "base/env.h"
-#include "base/timeline_reader.h"
 #include "prof/analysis.h"
 #include "runtime/checkpoint_meta.h"
 #include "runtime/config.h"
@@ -178,7 +178,8 @@ class PyCollectives final : public session::Collectives {
   Status AllGather(const void* shard, void* full, Bytes bytes) override {
     py::gil_scoped_acquire gil;
     auto opts = torch::TensorOptions().dtype(torch::kUInt8);
-    torch::Tensor s = torch::from_blob(const_cast<void*>(shard), {static_cast<int64_t>(bytes)}, opts);
+    torch::Tensor s =
+        torch::from_blob(const_cast<void*>(shard), {static_cast<int64_t>(bytes)}, opts);
     torch::Tensor f = torch::from_blob(full, {static_cast<int64_t>(bytes) * world()}, opts);
     try {
       impl_.attr("all_gather")(s, f);
@@ -252,7 +253,6 @@ class PySession {
     s_ = Check(Session::Create(config, std::move(specs), sh));
   }
 
-
   torch::Tensor View(void* addr, size_t group, ChunkKind kind, TierKind where) const {
     auto opts = torch::TensorOptions().dtype(TorchDType(s_->dtype(kind)));
     if (where == TierKind::kDevice && s_->cuda()) opts = opts.device(torch::kCUDA, 0);
@@ -289,12 +289,12 @@ class PySession {
     Check(s_->FreeSpill(FromToken(token)));
   }
   // Starts the copy; the returned Pending's wait() (without the GIL) raises its error.
-  std::shared_ptr<Completion> StartSpillCopy(
-      const std::tuple<uint64_t, uint64_t, uintptr_t>& spill, uint64_t spill_offset,
-      const std::tuple<uint64_t, uint64_t, uintptr_t>& host, uint64_t host_offset,
-      uint64_t bytes, bool to_nvme) {
-    return Check(s_->StartSpillCopy(FromToken(spill), spill_offset, FromToken(host),
-                                    host_offset, bytes, to_nvme));
+  std::shared_ptr<Completion> StartSpillCopy(const std::tuple<uint64_t, uint64_t, uintptr_t>& spill,
+                                             uint64_t spill_offset,
+                                             const std::tuple<uint64_t, uint64_t, uintptr_t>& host,
+                                             uint64_t host_offset, uint64_t bytes, bool to_nvme) {
+    return Check(s_->StartSpillCopy(FromToken(spill), spill_offset, FromToken(host), host_offset,
+                                    bytes, to_nvme));
   }
   static Region FromToken(const std::tuple<uint64_t, uint64_t, uintptr_t>& token) {
     return Region{std::get<0>(token), std::get<1>(token),
@@ -365,7 +365,8 @@ class PySession {
     d["clip_coef"] = res.clip_coef;
     return d;
   }
-  // The hyper-parameters the next step() will pass (speculative steps, runtime/optimizer_stepper.h).
+  // The hyper-parameters the next step() will pass (speculative steps,
+  // runtime/optimizer_stepper.h).
   void SetStepHyper(const std::vector<std::tuple<double, double, double, double, double>>& hyper) {
     std::vector<session::GroupHyper> h;
     for (const auto& [lr, b1, b2, eps, wd] : hyper) h.push_back({lr, b1, b2, eps, wd});
@@ -475,8 +476,7 @@ class PySession {
     return out;
   }
   py::dict LoadCheckpoint(const std::string& path, bool verify_only,
-                          std::optional<size_t> num_groups,
-                          std::optional<size_t> rng_state_bytes) {
+                          std::optional<size_t> num_groups, std::optional<size_t> rng_state_bytes) {
     session::CheckpointMeta meta;
     session::CheckpointLoad how;
     how.verify_only = verify_only;
@@ -560,7 +560,8 @@ void AdamStepBinding(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_
   const auto check = [&](const torch::Tensor& t, const char* what) {
     if (!t.is_contiguous() || t.device() != dev || t.numel() != n) {
       throw py::value_error(std::string("adam_step: ") + what + " must be a contiguous tensor " +
-                            "of " + std::to_string(n) + " elements on " + dev.str() + " like param");
+                            "of " + std::to_string(n) + " elements on " + dev.str() +
+                            " like param");
     }
   };
   check(grad, "grad");
@@ -582,8 +583,9 @@ void AdamStepBinding(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_
                          : want == torch::kBFloat16 ? "bfloat16"
                                                     : "uint8";
       throw py::value_error(std::string("adam_step: ") + what + " must be " + name +
-                            (t == &param ? "" : " (m and v alike: float32, or compressed: "
-                                                "bfloat16, or uint8 codes with their absmax)") +
+                            (t == &param ? ""
+                                         : " (m and v alike: float32, or compressed: "
+                                           "bfloat16, or uint8 codes with their absmax)") +
                             ", got " + std::string(c10::toString(t->scalar_type())));
     }
   }
@@ -612,8 +614,7 @@ void AdamStepBinding(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_
             (*t)->scalar_type() != torch::kFloat32 || (*t)->numel() != blocks) {
           throw py::value_error(std::string("adam_step: uint8 state needs ") + what +
                                 ": a contiguous float32 tensor of " + std::to_string(blocks) +
-                                " elements (one per block of " + std::to_string(state_block) +
-                                ")");
+                                " elements (one per block of " + std::to_string(state_block) + ")");
         }
         absmax[k++] = (*t)->data_ptr<float>();
       }
@@ -701,10 +702,9 @@ PYBIND11_MODULE(_C, m) {
                                return py::str(c.timeline);
                              })
       .def_readonly("device_kind", &se::SessionConfig::device_kind)
-      .def_property_readonly("precision",
-                             [](const se::SessionConfig& c) {
-                               return std::string(se::PrecisionName(c.precision));
-                             })
+      .def_property_readonly(
+          "precision",
+          [](const se::SessionConfig& c) { return std::string(se::PrecisionName(c.precision)); })
       .def_property_readonly("lr", [](const se::SessionConfig& c) { return c.optimizer.lr; })
       .def_property_readonly("betas",
                              [](const se::SessionConfig& c) {
@@ -713,8 +713,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("eps", [](const se::SessionConfig& c) { return c.optimizer.eps; })
       .def_property_readonly("weight_decay",
                              [](const se::SessionConfig& c) { return c.optimizer.weight_decay; })
-      .def_readonly("gradient_accumulation_steps",
-                    &se::SessionConfig::gradient_accumulation_steps)
+      .def_readonly("gradient_accumulation_steps", &se::SessionConfig::gradient_accumulation_steps)
       .def_readonly("gradient_clipping", &se::SessionConfig::gradient_clipping)
       .def_readonly("chunk_size", &se::SessionConfig::chunk_size)
       .def_readonly("prefetch_depth", &se::SessionConfig::prefetch_depth)
@@ -723,11 +722,11 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("plan", &se::SessionConfig::plan)
       .def_readonly("activations", &se::SessionConfig::activations)
       .def_readonly("optimizer_overlap", &se::SessionConfig::optimizer_overlap)
-      .def_property_readonly("state_dtype",
-                             [](const se::SessionConfig& c) {
-                               return std::string(tiermem::kernels::StateDTypeName(
-                                   c.optimizer_state.format.dtype));
-                             })
+      .def_property_readonly(
+          "state_dtype",
+          [](const se::SessionConfig& c) {
+            return std::string(tiermem::kernels::StateDTypeName(c.optimizer_state.format.dtype));
+          })
       .def("to_dict",
            [](const se::SessionConfig& c) {
              return py::module_::import("json").attr("loads")(se::ToJson(c).dump());
@@ -776,15 +775,17 @@ PYBIND11_MODULE(_C, m) {
            py::arg("cls") = -1)
       .def("acquire_for_write", &PySession::AcquireForWrite, py::arg("group"), py::arg("kind"),
            py::arg("where"), py::arg("cls") = -1)
-      .def("prefetch", [](PySession& s, size_t g, K k, tiermem::TierKind where,
-                          double p) { return Check(s.s().Prefetch(g, k, where, p)); },
-           py::arg("group"), py::arg("kind"), py::arg("where"), py::arg("probability") = 1.0)
+      .def(
+          "prefetch",
+          [](PySession& s, size_t g, K k, tiermem::TierKind where, double p) {
+            return Check(s.s().Prefetch(g, k, where, p));
+          },
+          py::arg("group"), py::arg("kind"), py::arg("where"), py::arg("probability") = 1.0)
       .def("release",
            [](PySession& s, size_t g, K k, bool modified) { Check(s.s().Release(g, k, modified)); })
       .def("zero_chunk", [](PySession& s, size_t g, K k) { Check(s.s().ZeroChunk(g, k)); })
       .def("pins", [](const PySession& s, size_t g, K k) { return s.s().Pins(g, k); })
-      .def("lazily_zero",
-           [](const PySession& s, size_t g, K k) { return s.s().LazilyZero(g, k); })
+      .def("lazily_zero", [](const PySession& s, size_t g, K k) { return s.s().LazilyZero(g, k); })
       .def("resident", [](const PySession& s, size_t g, K k) { return s.s().Resident(g, k); })
       .def("home", [](const PySession& s, size_t g, K k) { return s.s().Home(g, k); })
       .def("has_kind", [](const PySession& s, size_t g, K k) { return s.s().has_kind(g, k); })
@@ -794,8 +795,8 @@ PYBIND11_MODULE(_C, m) {
            [](const PySession& s, size_t g) {
              if (g >= s.s().num_groups()) throw py::index_error("no such chunk group");
              const tiermem::kernels::StateFormat& f = s.s().state_format(g);
-             return py::make_tuple(std::string(tiermem::kernels::StateDTypeName(f.dtype)),
-                                   f.block, f.stochastic);
+             return py::make_tuple(std::string(tiermem::kernels::StateDTypeName(f.dtype)), f.block,
+                                   f.stochastic);
            })
       // Bytes per element of a kind's chunks (the core's dtype for the kind: the compute dtype
       // for compute params and grads, fp32 otherwise), so the binding never re-derives it.
@@ -812,7 +813,8 @@ PYBIND11_MODULE(_C, m) {
       .def("has_grad", [](const PySession& s, size_t t) { return s.s().has_grad(t); })
       .def("grad_stats", &PySession::GradStats)
       .def("zero_grad", [](PySession& s) { return Check(s.s().ZeroGrad()); })
-      .def_property_readonly("accumulating", [](const PySession& s) { return s.s().accumulating(); })
+      .def_property_readonly("accumulating",
+                             [](const PySession& s) { return s.s().accumulating(); })
       .def_property_readonly("next_step_applies",
                              [](const PySession& s) { return s.s().next_step_applies(); })
       .def("step", &PySession::Step, py::arg("hyper"), py::arg("global_stats") = py::none())
@@ -829,20 +831,22 @@ PYBIND11_MODULE(_C, m) {
       .def("begin_iteration", [](PySession& s) { s.s().BeginIteration(); })
       // kind: 0 pre-forward, 1 pre-backward, 2 optimizer step, 3 other (planners::MomentKind);
       // unit: the unit index (-1: none).
-      .def("moment",
-           [](PySession& s, const std::string& l, int kind, int64_t unit) {
-             if (kind < 0 || kind >= tiermem::planners::kNumMomentKinds) {
-               throw py::value_error("moment: kind must be 0-3, got " + std::to_string(kind));
-             }
-             s.s().Moment(l, static_cast<tiermem::planners::MomentKind>(kind),
-                          unit < 0 ? tiermem::planners::kNoUnit : static_cast<uint32_t>(unit));
-           },
-           py::arg("label"), py::arg("kind") = 3, py::arg("unit") = -1)
-      .def("record_trace",
-           [](PySession& s, const std::string& path, int iterations) {
-             Check(s.s().RecordTrace(path, iterations));
-           },
-           py::arg("path"), py::arg("iterations") = 1)
+      .def(
+          "moment",
+          [](PySession& s, const std::string& l, int kind, int64_t unit) {
+            if (kind < 0 || kind >= tiermem::planners::kNumMomentKinds) {
+              throw py::value_error("moment: kind must be 0-3, got " + std::to_string(kind));
+            }
+            s.s().Moment(l, static_cast<tiermem::planners::MomentKind>(kind),
+                         unit < 0 ? tiermem::planners::kNoUnit : static_cast<uint32_t>(unit));
+          },
+          py::arg("label"), py::arg("kind") = 3, py::arg("unit") = -1)
+      .def(
+          "record_trace",
+          [](PySession& s, const std::string& path, int iterations) {
+            Check(s.s().RecordTrace(path, iterations));
+          },
+          py::arg("path"), py::arg("iterations") = 1)
       .def("finish_trace", [](PySession& s) { return Check(s.s().FinishTrace()); })
       .def_property_readonly("recording_trace",
                              [](const PySession& s) { return s.s().recording_trace(); })
@@ -851,10 +855,8 @@ PYBIND11_MODULE(_C, m) {
                              [](const PySession& s) { return s.s().written_trace(); })
       .def("add_saved_bytes", [](PySession& s, uint64_t b) { s.s().AddSavedBytes(b); })
       .def("phase", [](PySession& s, const std::string& l) { s.s().Phase(l); })
-      .def("record_collective",
-           [](PySession& s, const std::string& op, uint64_t bytes, uint64_t ns) {
-             s.s().RecordCollective(op, bytes, ns);
-           })
+      .def("record_collective", [](PySession& s, const std::string& op, uint64_t bytes,
+                                   uint64_t ns) { s.s().RecordCollective(op, bytes, ns); })
       .def("set_tracing", [](PySession& s, bool on) { s.s().SetTracing(on); })
       .def("set_cyclic", [](PySession& s, bool on) { s.s().SetCyclic(on); })
       // The compute stream as an integer handle (torch.cuda.current_stream().cuda_stream on
@@ -873,25 +875,26 @@ PYBIND11_MODULE(_C, m) {
            [](const PySession& s, uint32_t u) { return s.s().PlanRecomputesUnit(u); })
       .def_property_readonly("plan_followed",
                              [](const PySession& s) { return s.s().PlanFollowed(); })
-      .def("take_activation_fetches",
-           [](PySession& s) { return s.s().TakeActivationFetches(); })
+      .def("take_activation_fetches", [](PySession& s) { return s.s().TakeActivationFetches(); })
       .def("synchronize", [](PySession& s) { Check(s.s().Synchronize()); })
       .def("flush", [](PySession& s) { Check(s.s().Flush()); })
-      // Deferred optimizer updates (optimizer_stepper.h): a unit's groups before its forward moment.
-      .def("finish_steps",
-           [](PySession& s, const std::vector<size_t>& groups) {
-             tiermem::Status st;
-             {
-               py::gil_scoped_release nogil;
-               tiermem::kernels::ScopedParallelFor pool(tiermem::torch_pool::ForThisThread());
-               for (size_t g : groups) {
-                 st = s.s().FinishStep(g);
-                 if (!st.ok()) break;
-               }
-             }
-             Check(st);
-           },
-           py::arg("groups"))
+      // Deferred optimizer updates (optimizer_stepper.h): a unit's groups before its forward
+      // moment.
+      .def(
+          "finish_steps",
+          [](PySession& s, const std::vector<size_t>& groups) {
+            tiermem::Status st;
+            {
+              py::gil_scoped_release nogil;
+              tiermem::kernels::ScopedParallelFor pool(tiermem::torch_pool::ForThisThread());
+              for (size_t g : groups) {
+                st = s.s().FinishStep(g);
+                if (!st.ok()) break;
+              }
+            }
+            Check(st);
+          },
+          py::arg("groups"))
       .def_property_readonly("pending_steps", [](PySession& s) { return s.s().pending_steps(); })
       .def("set_step_hyper", &PySession::SetStepHyper, py::arg("hyper"))
       .def_property_readonly("speculation",
@@ -906,16 +909,19 @@ PYBIND11_MODULE(_C, m) {
                              })
       .def("stats", &PySession::Stats)
       .def("timeline_report",
-           [](PySession& s) { return tiermem::torch_ext::ReportDict(Check(s.s().TimelineReport())); })
+           [](PySession& s) {
+             return tiermem::torch_ext::ReportDict(Check(s.s().TimelineReport()));
+           })
       // param_groups and extra: JSON text; rng_state: bytes (runtime/checkpoint_meta.h).
-      .def("save_checkpoint",
-           [](PySession& s, const std::string& path, const std::string& param_groups,
-              const py::bytes& rng_state, const std::string& extra) {
-             Check(s.s().SaveCheckpoint(
-                 path, tiermem::torch_ext::MetaFrom(param_groups, rng_state, extra)));
-           },
-           py::arg("path"), py::arg("param_groups") = "[]", py::arg("rng_state") = py::bytes(),
-           py::arg("extra") = "null")
+      .def(
+          "save_checkpoint",
+          [](PySession& s, const std::string& path, const std::string& param_groups,
+             const py::bytes& rng_state, const std::string& extra) {
+            Check(s.s().SaveCheckpoint(
+                path, tiermem::torch_ext::MetaFrom(param_groups, rng_state, extra)));
+          },
+          py::arg("path"), py::arg("param_groups") = "[]", py::arg("rng_state") = py::bytes(),
+          py::arg("extra") = "null")
       // -> {"param_groups": JSON text, "rng_state": bytes, "extra": JSON text}
       .def("load_checkpoint", &PySession::LoadCheckpoint, py::arg("path"),
            py::arg("verify_only") = false, py::arg("num_groups") = py::none(),
@@ -930,7 +936,8 @@ PYBIND11_MODULE(_C, m) {
                              [](const PySession& s) { return s.s().total_chunk_bytes(); })
       .def_property_readonly("minimum_device_budget",
                              [](const PySession& s) { return s.s().minimum_device_budget(); })
-      .def_property_readonly("compute_kind", [](const PySession& s) { return s.s().compute_kind(); })
+      .def_property_readonly("compute_kind",
+                             [](const PySession& s) { return s.s().compute_kind(); })
       .def_property_readonly("mixed", [](const PySession& s) { return s.s().mixed(); })
       .def_property_readonly("cuda", [](const PySession& s) { return s.s().cuda(); })
       .def_property_readonly("device_kind", [](const PySession& s) { return s.s().device_kind(); })
@@ -962,66 +969,90 @@ PYBIND11_MODULE(_C, m) {
   // The compressed optimizer-state formats (kernels/cpu/optim.h "Compressed state"): the
   // dynamic code maps, and blockwise quantization of fp32 values (int8: (codes, absmax);
   // bf16: (bf16 values, None)) and back.
-  m.def("dynamic_code", [](bool is_signed) {
-    return torch::from_blob(const_cast<float*>(tiermem::kernels::DynamicCode(is_signed)), {256},
-                            torch::kFloat32).clone();
-  }, py::arg("signed"));
-  m.def("quantize_state", [](const torch::Tensor& x, const std::string& dtype, int64_t block,
-                             bool is_signed, bool stochastic, uint64_t seed) {
-    namespace k = tiermem::kernels;
-    if (!x.is_contiguous() || !x.device().is_cpu() || x.scalar_type() != torch::kFloat32) {
-      throw py::value_error("quantize_state: a contiguous float32 CPU tensor");
-    }
-    k::StateFormat f{Check(k::ParseStateDType(dtype)), static_cast<uint32_t>(block), stochastic};
-    Check(k::ValidateStateFormat(f));
-    const int64_t n = x.numel();
-    torch::Tensor codes = torch::empty(
-        {n}, f.dtype == k::StateDType::kInt8 ? torch::kUInt8
-             : f.dtype == k::StateDType::kBF16 ? torch::kBFloat16 : torch::kFloat32);
-    torch::Tensor absmax = torch::empty({static_cast<int64_t>(k::StateBlocks(f, n))},
-                                        torch::kFloat32);
-    k::QuantizeState(f, is_signed, x.data_ptr<float>(), {codes.data_ptr(), absmax.data_ptr<float>()},
-                     static_cast<size_t>(n), seed);
-    return py::make_tuple(codes, f.dtype == k::StateDType::kInt8 ? py::object(py::cast(absmax))
-                                                                 : py::object(py::none()));
-  }, py::arg("x"), py::arg("dtype"), py::arg("block") = 256, py::arg("signed") = true,
-     py::arg("stochastic") = false, py::arg("seed") = 0);
-  m.def("dequantize_state", [](const torch::Tensor& codes, const std::optional<torch::Tensor>& absmax,
-                               int64_t block, bool is_signed) {
-    namespace k = tiermem::kernels;
-    k::StateFormat f;
-    if (codes.scalar_type() == torch::kUInt8) f.dtype = k::StateDType::kInt8;
-    else if (codes.scalar_type() == torch::kBFloat16) f.dtype = k::StateDType::kBF16;
-    else throw py::value_error("dequantize_state: uint8 codes (with absmax) or bfloat16");
-    f.block = static_cast<uint32_t>(block);
-    Check(k::ValidateStateFormat(f));
-    const int64_t n = codes.numel();
-    if (!codes.is_contiguous() || !codes.device().is_cpu() ||
-        (f.dtype == k::StateDType::kInt8 &&
-         (!absmax || !absmax->is_contiguous() || absmax->scalar_type() != torch::kFloat32 ||
-          absmax->numel() != static_cast<int64_t>(k::StateBlocks(f, n))))) {
-      throw py::value_error("dequantize_state: contiguous CPU codes and, for uint8, float32 absmax "
-                            "of one value per block");
-    }
-    torch::Tensor out = torch::empty({n}, torch::kFloat32);
-    k::DequantizeState(f, is_signed, {codes.data_ptr(), absmax ? absmax->data_ptr<float>() : nullptr},
-                       out.data_ptr<float>(), static_cast<size_t>(n));
-    return out;
-  }, py::arg("codes"), py::arg("absmax") = py::none(), py::arg("block") = 256,
-     py::arg("signed") = true);
+  m.def(
+      "dynamic_code",
+      [](bool is_signed) {
+        return torch::from_blob(const_cast<float*>(tiermem::kernels::DynamicCode(is_signed)), {256},
+                                torch::kFloat32)
+            .clone();
+      },
+      py::arg("signed"));
+  m.def(
+      "quantize_state",
+      [](const torch::Tensor& x, const std::string& dtype, int64_t block, bool is_signed,
+         bool stochastic, uint64_t seed) {
+        namespace k = tiermem::kernels;
+        if (!x.is_contiguous() || !x.device().is_cpu() || x.scalar_type() != torch::kFloat32) {
+          throw py::value_error("quantize_state: a contiguous float32 CPU tensor");
+        }
+        k::StateFormat f{Check(k::ParseStateDType(dtype)), static_cast<uint32_t>(block),
+                         stochastic};
+        Check(k::ValidateStateFormat(f));
+        const int64_t n = x.numel();
+        torch::Tensor codes =
+            torch::empty({n}, f.dtype == k::StateDType::kInt8   ? torch::kUInt8
+                              : f.dtype == k::StateDType::kBF16 ? torch::kBFloat16
+                                                                : torch::kFloat32);
+        torch::Tensor absmax =
+            torch::empty({static_cast<int64_t>(k::StateBlocks(f, n))}, torch::kFloat32);
+        k::QuantizeState(f, is_signed, x.data_ptr<float>(),
+                         {codes.data_ptr(), absmax.data_ptr<float>()}, static_cast<size_t>(n),
+                         seed);
+        return py::make_tuple(codes, f.dtype == k::StateDType::kInt8 ? py::object(py::cast(absmax))
+                                                                     : py::object(py::none()));
+      },
+      py::arg("x"), py::arg("dtype"), py::arg("block") = 256, py::arg("signed") = true,
+      py::arg("stochastic") = false, py::arg("seed") = 0);
+  m.def(
+      "dequantize_state",
+      [](const torch::Tensor& codes, const std::optional<torch::Tensor>& absmax, int64_t block,
+         bool is_signed) {
+        namespace k = tiermem::kernels;
+        k::StateFormat f;
+        if (codes.scalar_type() == torch::kUInt8)
+          f.dtype = k::StateDType::kInt8;
+        else if (codes.scalar_type() == torch::kBFloat16)
+          f.dtype = k::StateDType::kBF16;
+        else
+          throw py::value_error("dequantize_state: uint8 codes (with absmax) or bfloat16");
+        f.block = static_cast<uint32_t>(block);
+        Check(k::ValidateStateFormat(f));
+        const int64_t n = codes.numel();
+        if (!codes.is_contiguous() || !codes.device().is_cpu() ||
+            (f.dtype == k::StateDType::kInt8 &&
+             (!absmax || !absmax->is_contiguous() || absmax->scalar_type() != torch::kFloat32 ||
+              absmax->numel() != static_cast<int64_t>(k::StateBlocks(f, n))))) {
+          throw py::value_error(
+              "dequantize_state: contiguous CPU codes and, for uint8, float32 absmax "
+              "of one value per block");
+        }
+        torch::Tensor out = torch::empty({n}, torch::kFloat32);
+        k::DequantizeState(f, is_signed,
+                           {codes.data_ptr(), absmax ? absmax->data_ptr<float>() : nullptr},
+                           out.data_ptr<float>(), static_cast<size_t>(n));
+        return out;
+      },
+      py::arg("codes"), py::arg("absmax") = py::none(), py::arg("block") = 256,
+      py::arg("signed") = true);
   m.def("grad_stats", &tiermem::torch_ext::GradStatsBinding);
-  m.def("set_kernel_pool", [](const std::string& pool) {
-    if (pool != "torch" && pool != "own") {
-      throw py::value_error("set_kernel_pool: 'torch' (torch's intra-op threads, the default) "
-                            "or 'own' (the kernels' oneTBB pool), not '" + pool + "'");
-    }
-    tiermem::torch_pool::SetEnabled(pool == "torch");
-  }, "Where CPU optimizer calls from torch's thread run their tiles (torch_pool.h).");
+  m.def(
+      "set_kernel_pool",
+      [](const std::string& pool) {
+        if (pool != "torch" && pool != "own") {
+          throw py::value_error(
+              "set_kernel_pool: 'torch' (torch's intra-op threads, the default) "
+              "or 'own' (the kernels' oneTBB pool), not '" +
+              pool + "'");
+        }
+        tiermem::torch_pool::SetEnabled(pool == "torch");
+      },
+      "Where CPU optimizer calls from torch's thread run their tiles (torch_pool.h).");
   m.def("kernel_pool",
         [] { return std::string(tiermem::torch_pool::Enabled() ? "torch" : "own"); });
   m.def("_torch_pool_width", &tiermem::torch_pool::Width);
-  m.def("set_kernel_threads", [](int n) { tiermem::kernels::SetKernelThreads(n); },
-        "threads of the CPU kernels (0 = all cores)");
+  m.def(
+      "set_kernel_threads", [](int n) { tiermem::kernels::SetKernelThreads(n); },
+      "threads of the CPU kernels (0 = all cores)");
   m.def("kernel_isa",
         [] { return std::string(tiermem::kernels::IsaName(tiermem::kernels::KernelIsa())); });
   m.def("read_timeline", &tiermem::torch_ext::ReadTimeline);
@@ -1036,16 +1067,17 @@ PYBIND11_MODULE(_C, m) {
   });
   // Optimizer param groups (runtime/param_groups.h): tensors as (name, trainable), `members`
   // as lists of tensor indices (-1: not the model's) or None (one group) -> each tensor's group.
-  m.def("assign_param_groups",
-        [](const std::vector<std::pair<std::string, bool>>& tensors,
-           const std::optional<std::vector<std::vector<int64_t>>>& members) {
-          std::vector<se::TensorSpec> specs;
-          for (const auto& [name, trainable] : tensors) {
-            specs.push_back(se::TensorSpec{name, 1, trainable, 0});
-          }
-          return tiermem::torch_ext::Check(se::AssignParamGroups(specs, members));
-        },
-        py::arg("tensors"), py::arg("members"));
+  m.def(
+      "assign_param_groups",
+      [](const std::vector<std::pair<std::string, bool>>& tensors,
+         const std::optional<std::vector<std::vector<int64_t>>>& members) {
+        std::vector<se::TensorSpec> specs;
+        for (const auto& [name, trainable] : tensors) {
+          specs.push_back(se::TensorSpec{name, 1, trainable, 0});
+        }
+        return tiermem::torch_ext::Check(se::AssignParamGroups(specs, members));
+      },
+      py::arg("tensors"), py::arg("members"));
   m.def("resolve_device_kind",
         [](const std::string& kind) { return Check(se::TierStack::ResolveDeviceKind(kind)); });
 }

@@ -59,9 +59,11 @@ TORCH_MODULE(CausalSelfAttention);
 
 struct BlockImpl : ::torch::nn::Module {
   explicit BlockImpl(const GPTConfig& c)
-      : ln1(register_module("ln1", ::torch::nn::LayerNorm(::torch::nn::LayerNormOptions({c.n_embd})))),
+      : ln1(register_module("ln1",
+                            ::torch::nn::LayerNorm(::torch::nn::LayerNormOptions({c.n_embd})))),
         attn(register_module("attn", CausalSelfAttention(c))),
-        ln2(register_module("ln2", ::torch::nn::LayerNorm(::torch::nn::LayerNormOptions({c.n_embd})))),
+        ln2(register_module("ln2",
+                            ::torch::nn::LayerNorm(::torch::nn::LayerNormOptions({c.n_embd})))),
         fc(register_module("fc", ::torch::nn::Linear(c.n_embd, 4 * c.n_embd))),
         out(register_module("out", ::torch::nn::Linear(4 * c.n_embd, c.n_embd))),
         dropout(c.dropout) {
@@ -99,7 +101,8 @@ TORCH_MODULE(Embed);
 // Final LayerNorm and the LM head, whose weight is the token embedding (tied).
 struct HeadImpl : ::torch::nn::Module {
   HeadImpl(const GPTConfig& c, const ::torch::Tensor& tied)
-      : ln_f(register_module("ln_f", ::torch::nn::LayerNorm(::torch::nn::LayerNormOptions({c.n_embd})))),
+      : ln_f(register_module("ln_f",
+                             ::torch::nn::LayerNorm(::torch::nn::LayerNormOptions({c.n_embd})))),
         weight(register_parameter("weight", tied)) {}
   ::torch::Tensor forward(const ::torch::Tensor& x) {
     return ::torch::nn::functional::linear(ln_f(x), weight);

@@ -62,24 +62,42 @@ int main(int argc, char** argv) {
       if (std::strcmp(argv[i], flag) != 0 || i + 1 >= argc) return nullptr;
       return argv[++i];
     };
-    if (const char* v = next("--steps")) steps = std::atoi(v);
-    else if (const char* v = next("--n-layer")) c.n_layer = std::atoll(v);
-    else if (const char* v = next("--n-embd")) c.n_embd = std::atoll(v);
-    else if (const char* v = next("--n-head")) c.n_head = std::atoll(v);
-    else if (const char* v = next("--block-size")) c.block_size = std::atoll(v);
-    else if (const char* v = next("--batch")) batch = std::atoll(v);
-    else if (const char* v = next("--lr")) lr = std::atof(v);
-    else if (const char* v = next("--budget-fraction")) fraction = std::atof(v);
-    else if (const char* v = next("--timeline")) timeline = v;
-    else if (const char* v = next("--seed")) seed = std::strtoull(v, nullptr, 10);
-    else if (const char* v = next("--data-seed")) data_seed = std::strtoull(v, nullptr, 10);
-    else if (const char* v = next("--dropout")) c.dropout = std::atof(v);
-    else if (const char* v = next("--threads")) threads = std::atoi(v);
-    else if (const char* v = next("--resume")) resume = v;
-    else if (const char* v = next("--save")) save = v;
-    else if (std::strcmp(argv[i], "--print-losses") == 0) print_losses = true;
-    else if (std::strcmp(argv[i], "--print-data") == 0) print_data = true;
-    else return Usage(argv[0]);
+    if (const char* v = next("--steps"))
+      steps = std::atoi(v);
+    else if (const char* v = next("--n-layer"))
+      c.n_layer = std::atoll(v);
+    else if (const char* v = next("--n-embd"))
+      c.n_embd = std::atoll(v);
+    else if (const char* v = next("--n-head"))
+      c.n_head = std::atoll(v);
+    else if (const char* v = next("--block-size"))
+      c.block_size = std::atoll(v);
+    else if (const char* v = next("--batch"))
+      batch = std::atoll(v);
+    else if (const char* v = next("--lr"))
+      lr = std::atof(v);
+    else if (const char* v = next("--budget-fraction"))
+      fraction = std::atof(v);
+    else if (const char* v = next("--timeline"))
+      timeline = v;
+    else if (const char* v = next("--seed"))
+      seed = std::strtoull(v, nullptr, 10);
+    else if (const char* v = next("--data-seed"))
+      data_seed = std::strtoull(v, nullptr, 10);
+    else if (const char* v = next("--dropout"))
+      c.dropout = std::atof(v);
+    else if (const char* v = next("--threads"))
+      threads = std::atoi(v);
+    else if (const char* v = next("--resume"))
+      resume = v;
+    else if (const char* v = next("--save"))
+      save = v;
+    else if (std::strcmp(argv[i], "--print-losses") == 0)
+      print_losses = true;
+    else if (std::strcmp(argv[i], "--print-data") == 0)
+      print_data = true;
+    else
+      return Usage(argv[0]);
   }
   if (steps < 0 || batch < 1 || c.n_layer < 1 || c.n_embd % c.n_head != 0 || fraction <= 0 ||
       c.dropout < 0 || c.dropout >= 1 || threads < 0) {
@@ -105,11 +123,12 @@ int main(int argc, char** argv) {
     return 1;
   }
   tiermem::torch::ChunkedModel& engine = **created;
-  std::printf("model: %.2f M params; params+grads+AdamW = %.1f MiB = %.1fx the device budget "
-              "of %.1f MiB; chunk %llu elements x %zu groups\n",
-              n_params / 1e6, Mib(engine.model_bytes()),
-              static_cast<double>(engine.model_bytes()) / budget, Mib(budget),
-              static_cast<unsigned long long>(engine.chunk_elems()), engine.num_chunk_groups());
+  std::printf(
+      "model: %.2f M params; params+grads+AdamW = %.1f MiB = %.1fx the device budget "
+      "of %.1f MiB; chunk %llu elements x %zu groups\n",
+      n_params / 1e6, Mib(engine.model_bytes()), static_cast<double>(engine.model_bytes()) / budget,
+      Mib(budget), static_cast<unsigned long long>(engine.chunk_elems()),
+      engine.num_chunk_groups());
 
   int start = 0;
   if (!resume.empty()) {
@@ -148,8 +167,8 @@ int main(int argc, char** argv) {
     losses.push_back(loss.item<double>());
     if (print_data) {
       const ::torch::Tensor xs = x.contiguous();
-      data.push_back(std::vector<int64_t>(xs.data_ptr<int64_t>(),
-                                          xs.data_ptr<int64_t>() + xs.numel()));
+      data.push_back(
+          std::vector<int64_t>(xs.data_ptr<int64_t>(), xs.data_ptr<int64_t>() + xs.numel()));
     }
   }
   if (!save.empty()) {
@@ -165,13 +184,13 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "tiermem: %s\n", stats.status().ToString().c_str());
     return 1;
   }
-  std::printf("peak (from the timeline): device %.2f MiB (budget %.2f MiB), host %.2f MiB, "
-              "nvme %.2f MiB; stalls %llu (%.1f ms); timeline %s\n",
-              Mib(stats->peak(tiermem::TierKind::kDevice)), Mib(budget),
-              Mib(stats->peak(tiermem::TierKind::kHost)),
-              Mib(stats->peak(tiermem::TierKind::kNvme)),
-              static_cast<unsigned long long>(stats->timeline.stall_count),
-              stats->timeline.stall_ns / 1e6, timeline.c_str());
+  std::printf(
+      "peak (from the timeline): device %.2f MiB (budget %.2f MiB), host %.2f MiB, "
+      "nvme %.2f MiB; stalls %llu (%.1f ms); timeline %s\n",
+      Mib(stats->peak(tiermem::TierKind::kDevice)), Mib(budget),
+      Mib(stats->peak(tiermem::TierKind::kHost)), Mib(stats->peak(tiermem::TierKind::kNvme)),
+      static_cast<unsigned long long>(stats->timeline.stall_count), stats->timeline.stall_ns / 1e6,
+      timeline.c_str());
   for (const auto& m : stats->timeline.moves) {
     std::printf("  moved %s -> %s: %.1f MiB\n", std::string(tiermem::TierKindName(m.src)).c_str(),
                 std::string(tiermem::TierKindName(m.dst)).c_str(), Mib(m.bytes));

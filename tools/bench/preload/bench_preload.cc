@@ -48,7 +48,8 @@ double TimePairs(const Args& a, CudaMallocFn do_malloc, CudaFreeFn do_free) {
     });
   }
   for (auto& th : pool) th.join();
-  const double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count();
+  const double ns =
+      std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count();
   return ns / (static_cast<double>(a.pairs) * a.threads);
 }
 
@@ -63,14 +64,24 @@ int main(int argc, char** argv) {
   Args a;
   for (int i = 1; i < argc; ++i) {
     const std::string s = argv[i];
-    auto next = [&] { return i + 1 < argc ? argv[++i] : (std::fprintf(stderr, "%s needs a value\n", s.c_str()), std::exit(2), argv[0]); };
-    if (s == "--pairs") a.pairs = std::atol(next());
-    else if (s == "--rounds") a.rounds = std::atoi(next());
-    else if (s == "--threads") a.threads = std::atoi(next());
-    else if (s == "--size") a.size = std::strtoull(next(), nullptr, 10);
-    else if (s == "--json") a.json = true;
+    auto next = [&] {
+      return i + 1 < argc
+                 ? argv[++i]
+                 : (std::fprintf(stderr, "%s needs a value\n", s.c_str()), std::exit(2), argv[0]);
+    };
+    if (s == "--pairs")
+      a.pairs = std::atol(next());
+    else if (s == "--rounds")
+      a.rounds = std::atoi(next());
+    else if (s == "--threads")
+      a.threads = std::atoi(next());
+    else if (s == "--size")
+      a.size = std::strtoull(next(), nullptr, 10);
+    else if (s == "--json")
+      a.json = true;
     else {
-      std::fprintf(stderr, "usage: %s [--pairs N] [--rounds R] [--threads T] [--size B] [--json]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--pairs N] [--rounds R] [--threads T] [--size B] [--json]\n",
+                   argv[0]);
       return 2;
     }
   }
@@ -120,15 +131,18 @@ int main(int argc, char** argv) {
   // ms is wall time per pair over all threads; two recorded events per pair.
   const double events_per_s = 2e9 / ms;
   if (a.json) {
-    std::printf("{\"benchmark\":\"preload\",\"pairs\":%ld,\"rounds\":%d,\"threads\":%d,\"size\":%zu,"
-                "\"direct_ns_per_pair\":%.1f,\"shim_ns_per_pair\":%.1f,\"added_ns_per_call\":%.1f,"
-                "\"ratio\":%.3f,\"recorded_events_per_s\":%.0f,\"added_ns_per_call_rounds\":[",
-                a.pairs, a.rounds, a.threads, a.size, md, ms, madd, ms / md, events_per_s);
+    std::printf(
+        "{\"benchmark\":\"preload\",\"pairs\":%ld,\"rounds\":%d,\"threads\":%d,\"size\":%zu,"
+        "\"direct_ns_per_pair\":%.1f,\"shim_ns_per_pair\":%.1f,\"added_ns_per_call\":%.1f,"
+        "\"ratio\":%.3f,\"recorded_events_per_s\":%.0f,\"added_ns_per_call_rounds\":[",
+        a.pairs, a.rounds, a.threads, a.size, md, ms, madd, ms / md, events_per_s);
     for (size_t i = 0; i < added.size(); ++i) std::printf("%s%.1f", i ? "," : "", added[i]);
     std::printf("]}\n");
   } else {
-    std::printf("preload shim vs fake runtime, %ld cudaMalloc/cudaFree pairs of %zu B x %d thread(s), "
-                "%d rounds (median)\n", a.pairs, a.size, a.threads, a.rounds);
+    std::printf(
+        "preload shim vs fake runtime, %ld cudaMalloc/cudaFree pairs of %zu B x %d thread(s), "
+        "%d rounds (median)\n",
+        a.pairs, a.size, a.threads, a.rounds);
     std::printf("  direct      %8.1f ns/pair\n", md);
     std::printf("  via shim    %8.1f ns/pair  (ratio %.2fx)\n", ms, ms / md);
     std::printf("  added       %8.1f ns per call   rounds:", madd);
