@@ -551,7 +551,7 @@ Status Session::SaveCheckpoint(const std::string& path, const CheckpointMeta& me
   const std::string tmp = path + ".tmp";
   bool direct = false;
   const int fd = OpenMaybeDirect(tmp, O_CREAT | O_WRONLY | O_TRUNC | O_CLOEXEC, 0644,
-                                 config_.checkpoint_io != "buffered", &direct);
+                                 CheckpointsDirect(config_.checkpoint_io), &direct);
   if (fd < 0) return Errno("checkpoint: cannot create " + tmp, errno);
   auto fail = [&](Status s) {
     close(fd);
@@ -650,7 +650,7 @@ Status Session::LoadCheckpoint(const std::string& path, CheckpointMeta* metadata
   // The tensor bytes are read with O_DIRECT when checkpoint_io says so and the file system
   // allows it (a second descriptor; the header is read through the first).
   bool direct = false;
-  const int dfd = config_.checkpoint_io != "buffered"
+  const int dfd = CheckpointsDirect(config_.checkpoint_io)
                       ? OpenMaybeDirect(path, O_RDONLY | O_CLOEXEC, 0, true, &direct)
                       : -1;
   Status s = LoadCheckpointV2(fd, dfd >= 0 ? dfd : fd, dfd >= 0 && direct, metadata, how);

@@ -66,6 +66,7 @@
 #include "planners/divergence.h"
 #include "planners/expert_slots.h"
 #include "planners/planner.h"
+#include "runtime/modes.h"
 
 namespace tiermem::session {
 
@@ -126,10 +127,11 @@ class PlanRunner {
   // What making a plan reads from the session.
   struct PlanContext {
     chunks::Engine* engine = nullptr;  // homes, residency, budgets; must outlive the runner
-    std::string_view activations;      // config `activations`
-    bool cuda = false;                 // least modelled time on CUDA, fewest bytes elsewhere
-    bool bar = true;                   // plan: auto declines a plan that loses bytes ("always": no)
-    bool device_holds_every_chunk = false;  // the device's budget >= every chunk's bytes
+    ActivationMode activations = ActivationMode::kOutside;  // config `activations`
+    bool cuda = false;  // least modelled time on CUDA, fewest bytes elsewhere
+    bool bar = true;    // plan: auto declines a plan that loses bytes (always: no)
+    // Session::compute_tier_holds_every_chunk(): nothing moves but for counted activations.
+    bool compute_tier_holds_every_chunk = false;
   };
   // Makes a plan from iteration `iteration` of `trace` (-1: its last) and executes it from
   // the next BeginIteration (Start). kInvalidArgument for a trace of another layout; the
