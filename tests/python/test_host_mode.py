@@ -65,6 +65,7 @@ def test_the_default_plan_runs_and_moves_no_more_nvme_bytes_than_the_reactive_en
     per_step, plan_stats = {}, None
     for plan in ("off", None):
         _, ours = make_pair()
+        (tmp_path / str(plan)).mkdir()  # tiermem creates only the NVMe path's last directory
         cfg = host_cfg(tmp_path / str(plan), host)
         if plan is not None:
             cfg["plan"] = plan

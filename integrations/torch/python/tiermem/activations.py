@@ -13,9 +13,9 @@ when the iteration ends or is abandoned, nothing of it stays (``reset``, ``aband
 Offload (offload / auto). A unit's saved storages (``_Saved``) move to host memory when the
 device cannot hold them next to the chunks, oldest forward unit first (the last one the
 backward needs), and come back at that unit's backward moment — the next unit's one moment
-earlier when there is room. The device keeps ``cap`` bytes at most: its budget less room for
-the chunks of two units (a backward holds the current unit's compute and grad chunks while the
-next one's arrive). When the host budget has no room either, they are spilled to NVMe regions
+earlier when there is room. The device keeps ``cap`` bytes at most (the session's
+``activation_cap``): its budget less room for the chunks of two units (a backward holds the
+current unit's compute and grad chunks while the next one's arrive). When the host budget has no room either, they are spilled to NVMe regions
 through two host bounces, or, under auto, dropped when every ref to them can be recomputed by
 its frame (recompute.py).
 
@@ -99,7 +99,8 @@ class Activations:
         self.host = 0                       # tracked bytes offloaded to the host now
         self.nvme = 0                       # tracked bytes spilled to NVMe now
         self._host_given = 0
-        self.cap = 0  # device bytes of activations kept at most (the runtime sets it)
+        self.cap = 0  # device bytes of activations kept at most (the runtime sets it from
+        #               the session's activation_cap)
         # Spilled to NVMe (the host budget had no room): every _Saved holding a region, freed
         # when it is fetched back or the iteration is reset.
         self.spilled: list = []

@@ -137,7 +137,7 @@ class ChunkOps:
                     self.chunks.write_back(r, ck, v)
                     if ck != _K.grad and r.mat > 0:
                         r.compute.data.copy_(v)  # the unit computing with it sees the write
-            if self._mixed:
+            if self.modes.mixed:
                 exact = None
                 if func.__name__.split(".")[0] == "copy_" and len(args) > 1 and \
                         isinstance(args[1], torch.Tensor) and \
