@@ -190,7 +190,7 @@ bool PlanRunner::AtBoundary(bool diverged, TraceRecorder* trace, const PlanConte
     return false;
   }
   if (trace->armed()) return false;
-  // Nothing moves when every chunk fits on the device: nothing to plan.
+  // Nothing moves when every chunk fits the compute tier: nothing to plan.
   // (Counted activations can still push chunks out.)
   if (!CountsActivations(ctx.activations) && ctx.compute_tier_holds_every_chunk) return false;
   if (diverged && active() && stats_.plans >= kMaxPlans) {

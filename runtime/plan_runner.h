@@ -48,9 +48,10 @@
 // that diverges from the plan runs reactive from there (warned once); the next one is recorded, and
 // if it diverges too, the plan is remade from it — up to kMaxPlans plans: iterations that keep
 // diverging (variable shapes, data-dependent branches) then run reactive for good (declined()).
-// Nothing is planned when every chunk fits on the device and activations are outside its budget
-// (nothing would move). A plan that cannot be made is logged and planning stops for good (error()):
-// the engine stays reactive. Plans move copies only: every value is the same without them.
+// Nothing is planned when every chunk fits the compute tier (the device; in host mode the host,
+// every chunk homed there) and activations are outside its budget (nothing would move). A plan that
+// cannot be made is logged and planning stops for good (error()): the engine stays reactive. Plans
+// move copies only: every value is the same without them.
 //
 // Thread-safety: externally synchronized (the session's thread).
 #pragma once
