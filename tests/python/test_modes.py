@@ -47,6 +47,19 @@ def test_each_mode_is_an_enum_spelled_by_the_parsers_table(key, attr, enum):
         assert str(got) == name and f"{got}" == name
 
 
+def test_comparing_a_mode_with_a_string_raises_instead_of_being_false():
+    """`cfg.precision == "bf16"` was how code asked before the modes were types; it would now
+    be False whatever the precision, so it raises."""
+    cfg = parse_config({"precision": "bf16", "device_kind": "sim"}, env={})
+    with pytest.raises(TypeError, match=r"tiermem.Precision.bf16 compared with the string 'bf16'"):
+        cfg.precision == "bf16"  # noqa: B015
+    with pytest.raises(TypeError, match="compared with the string 'sim'"):
+        cfg.device_kind != "sim"  # noqa: B015
+    assert cfg.precision == tiermem.Precision.bf16 and cfg.precision != tiermem.Precision.fp16
+    assert cfg.device_kind != 3 and cfg.device_kind != tiermem.PlanMode.auto
+    assert {cfg.precision: 1}[tiermem.Precision.bf16] == 1  # still hashable
+
+
 def test_nvme_engine_is_an_enum_too():
     spellings = _choices("nvme.engine", {"nvme": {"size": "1MiB", "engine": "spdk"}})
     assert sorted(str(v) for v in tiermem.NvmeEngine.__members__.values()) == sorted(spellings)

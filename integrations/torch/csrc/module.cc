@@ -158,7 +158,8 @@ py::dict ReportDict(const prof::Report& r) {
 // ---- the config's modes (runtime/modes.h) -------------------------------------------------
 // A mode as a Python enum: one value per spelling in the mode's table ('-' becomes '_':
 // DeviceKind.sim_async) and str() the spelling, so that no value is listed twice. Python code
-// asks the predicates bound on each (BindModes), never compares spellings.
+// asks the predicates bound on each (BindModes), never compares spellings: comparing a mode
+// with a string raises TypeError (it would be False in silence, whatever the string).
 template <typename Mode>
 py::enum_<Mode> BindMode(py::module_& m, const char* name) {
   py::enum_<Mode> e(m, name);
@@ -167,10 +168,24 @@ py::enum_<Mode> BindMode(py::module_& m, const char* name) {
     std::replace(n.begin(), n.end(), '-', '_');
     e.value(n.c_str(), s.mode);
   }
-  // Replaces pybind11's __str__ (a def would add an overload it never reaches).
+  // These replace pybind11's own (a def would add an overload it never reaches); __hash__
+  // stays pybind11's.
   py::setattr(
       e, "__str__",
       py::cpp_function([](Mode v) { return std::string(session::ModeName(v)); }, py::is_method(e)));
+  const std::string type(name);
+  auto equal = [type](Mode v, const py::object& other) -> bool {
+    if (py::isinstance<py::str>(other)) {
+      throw py::type_error("tiermem." + type + "." + std::string(session::ModeName(v)) +
+                           " compared with the string '" + other.cast<std::string>() +
+                           "': compare with a tiermem." + type + " value, or ask its predicates");
+    }
+    return py::isinstance<Mode>(other) && other.cast<Mode>() == v;
+  };
+  py::setattr(e, "__eq__", py::cpp_function(equal, py::is_method(e)));
+  py::setattr(e, "__ne__",
+              py::cpp_function([equal](Mode v, const py::object& o) { return !equal(v, o); },
+                               py::is_method(e)));
   return e;
 }
 
