@@ -1,6 +1,6 @@
 """The side-by-side benchmark against DeepSpeed keeps running: without DeepSpeed at hand (CI)
 its rows are skipped and plain torch and tiermem still train the same losses."""
-from tiermem.examples import bench_deepspeed
+from benchmarks import bench_deepspeed
 
 
 def test_the_deepspeed_benchmark_runs_without_deepspeed(capsys, tmp_path):
@@ -23,7 +23,7 @@ def test_the_in_step_nvme_benchmark_measures_real_traffic(capsys, tmp_path):
 
     import pytest
 
-    from tiermem.examples import bench_nvme_step
+    from benchmarks import bench_nvme_step
     if shutil.which("fio") is None:
         pytest.skip("fio is not installed")
     assert bench_nvme_step.main(["--rounds", "1", "--steps", "2", "--warmup", "1",
