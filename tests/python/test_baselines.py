@@ -3,7 +3,10 @@ its rows are skipped and plain torch and tiermem still train the same losses."""
 from benchmarks import bench_deepspeed
 
 
-def test_the_deepspeed_benchmark_runs_without_deepspeed(capsys, tmp_path):
+def test_the_deepspeed_benchmark_runs_without_deepspeed(capsys, tmp_path, monkeypatch):
+    # Each system runs in a child Python that imports the benchmark again: from another
+    # directory too (the children get the repository root on PYTHONPATH, child_env).
+    monkeypatch.chdir(tmp_path)
     bench_deepspeed.main(["--deepspeed", str(tmp_path / "none"), "--rounds", "1", "--steps", "1",
                           "--warmup", "1", "--layers", "1", "--width", "64",
                           "--systems", "plain,tiermem-host,tiermem-main-job"])
