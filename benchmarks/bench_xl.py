@@ -12,7 +12,7 @@ b). The slices and fio run before and after the tiermem run; their means are use
 The model is built on the meta device and tiermem makes its values in the chunks, module by
 module (docs/python.md "Models larger than RAM"): its params alone may exceed RAM.
 
-    python -m tiermem.examples.bench_xl --n-layer 24 --dir build/benchdir [--state-dtype int8]
+    benchmarks/run.sh bench_xl --n-layer 24 --dir build/benchdir [--state-dtype int8]
 
 Prints, per step: its time, NVMe bytes read and written, the bound and step / bound; then the
 median over the steps after the first (cold: its deferred optimizer update runs in step 2)
@@ -32,8 +32,8 @@ import time
 import torch
 
 import tiermem
-from tiermem.examples.bench_nvme_step import nvme_io
-from tiermem.examples.fio import fio_rates
+from benchmarks.bench_nvme_step import nvme_io
+from benchmarks.fio import fio_rates
 from tiermem.examples.gpt import GPT, GPTConfig, synthetic_batches
 from tiermem.examples.train_gpt import mem_total_bytes
 

@@ -6,7 +6,7 @@ is measured in the same seconds), then per-step ratios and their median. Also pe
 vs the plan's prediction (PlanEstimate::steady_device_in_bytes; in host mode the NVMe bytes
 read and written vs steady_nvme_bytes).
 
-    python -m tiermem.examples.bench_plan [--layers 12] [--width 768] [--steps 9]
+    benchmarks/run.sh bench_plan [--layers 12] [--width 768] [--steps 9]
         [--device-kind auto|host|sim] [--device 128MiB] [--host 512MiB] [--nvme 4GiB]
         [--plan always|auto] [--dir DIR] [--activations] [--json]
 
@@ -25,8 +25,7 @@ import tempfile
 
 
 import tiermem
-from tiermem.examples.gpt import tier_config
-from tiermem.examples import bench_gpt, objective_bytes, timed_step
+from benchmarks import bench_gpt, objective_bytes, tier_config, timed_step
 
 
 def main(argv=None) -> int:

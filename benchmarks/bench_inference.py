@@ -23,7 +23,7 @@ with a 4096-token vocabulary (311 M params, 1.25 GB fp32): the vocabulary is cut
 largest tensor (the tied embedding) is small enough for a 10% budget: tiermem's chunks hold
 whole tensors and the layout keeps four chunks resident.
 
-    python -m tiermem.examples.bench_inference [--batches 1,8,32] [--new-tokens 16]
+    benchmarks/run.sh bench_inference [--batches 1,8,32] [--new-tokens 16]
         [--rounds 2] [--layers 24] [--width 1024] [--vocab 4096] [--dir DIR]
         [--prefetch-depth N] [--drop-caches] [--json]
 
@@ -45,8 +45,8 @@ import time
 import torch
 
 import tiermem
-from tiermem.examples.fio import fio_rates
-from tiermem.examples.gpt import tier_config
+from benchmarks import tier_config
+from benchmarks.fio import fio_rates
 
 
 def make_model(layers, width, vocab, positions):

@@ -7,7 +7,7 @@ Configs: the device budget at 200% of params + grads + AdamW state (everything f
 25%. Also bytes moved per step against the minimum any schedule with the optimizer on the
 host needs (every trainable param host->device once and every grad device->host once).
 
-    python -m tiermem.examples.bench_engine [--rounds 5] [--steps 6] [--layers 4] [--width 256]
+    benchmarks/run.sh bench_engine [--rounds 5] [--steps 6] [--layers 4] [--width 256]
         [--kernel-pool torch|own|both]
 
 --kernel-pool both measures each budget twice: the optimizer kernels on torch's intra-op

@@ -20,7 +20,7 @@ the step time the disk was busy.
 compute threads on every core leave the I/O path's own CPU work (CRC32C, staging copies,
 io_uring) waiting for time slices; on a GPU machine the cores are free for it.
 
-    python -m tiermem.examples.bench_nvme_step [--rounds 3] [--steps 4] [--threads N] [--dir DIR]
+    benchmarks/run.sh bench_nvme_step [--rounds 3] [--steps 4] [--threads N] [--dir DIR]
 """
 from __future__ import annotations
 
@@ -35,9 +35,8 @@ import time
 import torch
 
 import tiermem
-from tiermem.examples.gpt import tier_config
-from tiermem.examples.fio import fio_rates
-from tiermem.examples import bench_gpt
+from benchmarks import bench_gpt, tier_config
+from benchmarks.fio import fio_rates
 
 
 def nvme_io(rt):

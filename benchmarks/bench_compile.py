@@ -17,7 +17,7 @@ seconds less a warm step's, for each compiled system), the graphs dynamo compile
 whether any was compiled again after the first step (torch's own counters), and the
 losses' largest relative difference between the two compiled systems.
 
-    python -m tiermem.examples.bench_compile [--layers 4] [--width 128] [--block 256]
+    benchmarks/run.sh bench_compile [--layers 4] [--width 128] [--block 256]
         [--batch 8] [--steps 16] [--how model|blocks] [--device-kind auto|sim]
         [--backend inductor] [--json]
 
@@ -36,8 +36,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import tiermem
-from tiermem.examples import bench_gpt, timed_step
-from tiermem.examples.gpt import tier_config
+from benchmarks import bench_gpt, tier_config, timed_step
 
 _SYSTEMS = ("torch-eager", "torch-compiled", "tiermem-eager", "tiermem-compiled")
 

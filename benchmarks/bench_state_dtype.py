@@ -1,10 +1,10 @@
-"""Optimizer state in 8 bits (optimizer.state_dtype int8; docs/benchmarks.md, "Issue 34"):
+"""Optimizer state in 8 bits (optimizer.state_dtype int8; docs/benchmarks.md, "Optimizer state in 8 bits"):
 the kernel against our fp32 AdamW and bitsandbytes' CPU AdamW8bit, the training numerics
 against AdamW8bit and fp32 AdamW, and the NVMe bytes per step of the main job.
 
-    python -m tiermem.examples.bench_state_dtype kernel   [--params N] [--threads 1,2] [--reps 3]
-    python -m tiermem.examples.bench_state_dtype numerics [--steps 50] [--long-steps 300]
-    python -m tiermem.examples.bench_state_dtype nvme     [--layers 12 --width 768] [--rounds 2]
+    benchmarks/run.sh bench_state_dtype kernel   [--params N] [--threads 1,2] [--reps 3]
+    benchmarks/run.sh bench_state_dtype numerics [--steps 50] [--long-steps 300]
+    benchmarks/run.sh bench_state_dtype nvme     [--layers 12 --width 768] [--rounds 2]
         [--dtypes fp32,int8]
 
 kernel: one process per thread count (OMP_NUM_THREADS and torch's threads set before torch and
@@ -41,6 +41,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from benchmarks import child_env
 
 HP = dict(lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
@@ -112,8 +114,8 @@ def kernel_one(params: int, threads: int, reps: int, tensor: int) -> dict:
 def kernel(a) -> dict:
     runs = []
     for t in [int(x) for x in a.threads.split(",")]:
-        env = dict(os.environ, OMP_NUM_THREADS=str(t), TIERMEM_CPU_THREADS=str(t))
-        cmd = [sys.executable, "-m", "tiermem.examples.bench_state_dtype", "_kernel_one",
+        env = child_env(dict(os.environ, OMP_NUM_THREADS=str(t), TIERMEM_CPU_THREADS=str(t)))
+        cmd = [sys.executable, "-m", "benchmarks.bench_state_dtype", "_kernel_one",
                "--params", str(a.params), "--threads", str(t), "--reps", str(a.reps),
                "--tensor", str(a.tensor)]
         r = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -224,7 +226,7 @@ def numerics(a) -> dict:
 def nvme(a) -> dict:
     import torch
     import tiermem
-    from tiermem.examples import bench_gpt
+    from benchmarks import bench_gpt
     if a.threads:
         torch.set_num_threads(a.threads)
     total = a.warmup + a.rounds * a.steps

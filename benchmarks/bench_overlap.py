@@ -10,7 +10,7 @@ The three tiermem systems must give equal losses (checked); `--clip` turns globa
 clipping on for all of them (plain torch too, with clip_grad_norm_), so speculative updates
 are kept or redone as the norm falls.
 
-    python -m tiermem.examples.bench_overlap [--layers 12] [--width 768] [--steps 10]
+    benchmarks/run.sh bench_overlap [--layers 12] [--width 768] [--steps 10]
         [--device 128MiB] [--host 512MiB] [--nvme 4GiB | --nvme 0] [--plan off|auto|always] [--dir DIR]
         [--clip 0] [--modes backward,next-forward,off] [--json]
 """
@@ -27,8 +27,7 @@ import tempfile
 import torch
 
 import tiermem
-from tiermem.examples.gpt import tier_config
-from tiermem.examples import bench_gpt, timed_step
+from benchmarks import bench_gpt, tier_config, timed_step
 
 MODES = ("backward", "next-forward", "off")
 

@@ -49,7 +49,7 @@ OpenMP barriers: 4 new tokens of the moe system at batch 8 took 64.8 s with two 
 The model is a Qwen3-MoE built from a config (random weights; nothing is downloaded): default
 24 layers, 64 experts, top-8, hidden 256, expert width 128 (156.6 M params, 627 MB fp32).
 
-    python -m tiermem.examples.bench_moe [--batches 1,8] [--new-tokens 32] [--rounds 2]
+    benchmarks/run.sh bench_moe [--batches 1,8] [--new-tokens 32] [--rounds 2]
         [--layers 24] [--experts 64] [--top-k 8] [--hidden 256] [--expert-width 128]
         [--device-frac 0.25] [--nvme DIR] [--host-frac 0.25] [--impl eager] [--threads 1]
         [--systems plain,dense,moe] [--train] [--json] [--verbose]
@@ -374,7 +374,7 @@ def main(argv=None):
                     times[(s, b)].append(dt)
                     nbytes[(s, b)].append(nb)
                     if s == "moe-nvme":
-                        from tiermem.examples.fio import fio_rates
+                        from benchmarks.fio import fio_rates
                         rates = fio_rates(workdir, "1G", "4M", 8, 4 << 20)
                         if rates:
                             fio_read[b].append(rates["read"])

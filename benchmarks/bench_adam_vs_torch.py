@@ -15,7 +15,7 @@ count for both (torch.set_num_threads and the kernels' threads). Ours runs once 
 entry per round (torch = our tiles on torch's intra-op threads, the default when called from
 torch's thread; own = the kernels' oneTBB pool), rotating the order with torch's run.
 
-    python -m tiermem.examples.bench_adam_vs_torch [--params 67108864] [--threads 1,2]
+    benchmarks/run.sh bench_adam_vs_torch [--params 67108864] [--threads 1,2]
         [--reps 7] [--pools torch,own]
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@ iteration, the bytes moved by collectives against the ZeRO-3 ideal — every par
 all-gathered twice (forward and backward) and every gradient reduce-scattered once, counted as
 the full buffers' bytes (both sides of the ratio carry the same (N-1)/N factor of a ring).
 
-    python -m tiermem.examples.bench_distributed [--worlds 1,2,4] [--rounds 3] [--steps 6]
+    benchmarks/run.sh bench_distributed [--worlds 1,2,4] [--rounds 3] [--steps 6]
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ spilled to NVMe) and units recomputed per step.
 removed at the end): with a host budget too small for the activations, `offload` then spills
 what the host cannot hold to NVMe instead of raising.
 
-    python -m tiermem.examples.bench_activations [--layers 6] [--width 384] [--block 128]
+    benchmarks/run.sh bench_activations [--layers 6] [--width 384] [--block 128]
         [--batch 8] [--steps 7] [--device 96MiB] [--host 2GiB] [--nvme DIR] [--json]
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ import tempfile
 import torch
 
 import tiermem
-from tiermem.examples import bench_gpt, timed_step
+from benchmarks import bench_gpt, timed_step
 
 _MODES = ("torch", "offload-auto", "offload-off", "recompute", "auto-auto", "outside")
 

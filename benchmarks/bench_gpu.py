@@ -9,7 +9,7 @@ Every comparison is measured in the same run, alternating, and reported as media
    state (params + grads + AdamW m, v) against plain torch with ``AdamW(fused=True)`` with
    everything on the GPU; step times alternating by round, losses compared.
 
-    python -m tiermem.examples.bench_gpu [--json] [--params 268435456] [--layers 12 --width 768]
+    benchmarks/run.sh bench_gpu [--json] [--params 268435456] [--layers 12 --width 768]
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ On SimDevice the device is host memory, so what placement saves here is the copi
 on the same cores); on a GPU it saves PCIe traffic and runs the step on the GPU
 (docs/gpu.md measures that).
 
-    python -m tiermem.examples.bench_placement [--rounds 5] [--steps 6] [--layers 6] [--width 384]
+    benchmarks/run.sh bench_placement [--rounds 5] [--steps 6] [--layers 6] [--width 384]
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import statistics
 import torch
 
 import tiermem
-from tiermem.examples.bench_engine import timed_steps
+from benchmarks.bench_engine import timed_steps
 from tiermem.examples.gpt import GPT, GPTConfig, synthetic_batches
 
 

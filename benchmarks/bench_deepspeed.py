@@ -18,7 +18,7 @@ DeepSpeed is not a dependency of tiermem: point --deepspeed at a directory holdi
 nvidia-ml-py einops``; ZeRO-Inf also needs Debian's libaio-dev), or its rows are skipped. Its
 CPU ops build the first time (minutes, cached in ~/.cache/torch_extensions).
 
-    python -m tiermem.examples.bench_deepspeed --deepspeed ~/.cache/tiermem/deepspeed
+    benchmarks/run.sh bench_deepspeed --deepspeed ~/.cache/tiermem/deepspeed
 """
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+
+from benchmarks import child_env
 
 SYSTEMS = ["plain", "tiermem-main-job", "tiermem-host", "ds-zero3-cpu", "ds-zero-inf"]
 
@@ -53,7 +55,7 @@ def _worker(system, steps, warmup, layers, width, nvme_dir, port):
             opt.zero_grad()
     elif system.startswith("tiermem"):
         import tiermem
-        from tiermem.examples.gpt import tier_config
+        from benchmarks import tier_config
         # Without a GPU, auto runs host mode (compute on the CPU against host memory; no device
         # budget); with one, the device budget is 128 MiB.
         cfg = tier_config("auto", "128MiB", "512MiB" if system == "tiermem-main-job" else "8GiB")
@@ -102,10 +104,10 @@ def _worker(system, steps, warmup, layers, width, nvme_dir, port):
 
 
 def run(system, args, nvme_dir, port):
-    code = ("import json, sys; from tiermem.examples.bench_deepspeed import _worker; "
+    code = ("import json, sys; from benchmarks.bench_deepspeed import _worker; "
             f"print('RESULT ' + json.dumps(_worker({system!r}, {args.steps}, {args.warmup}, "
             f"{args.layers}, {args.width}, {nvme_dir!r}, {port})))")
-    env = dict(os.environ)
+    env = child_env()
     if system.startswith("ds-"):
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.deepspeed,
                                                           env.get("PYTHONPATH", "")]))

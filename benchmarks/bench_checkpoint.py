@@ -6,7 +6,7 @@ in RAM), same run. Reports seconds, GB/s of checkpoint bytes and the RSS growth 
 highest VmRSS sampled every 5 ms during the operation minus VmRSS just before it (each
 measurement runs in its own fresh process).
 
-    python -m tiermem.examples.bench_checkpoint [--dir DIR] [--layers 12] [--width 768]
+    benchmarks/run.sh bench_checkpoint [--dir DIR] [--layers 12] [--width 768]
 
 `--xl`: the main job's `--size xl` model instead (width 2304, enough layers that params + grads
 + AdamW state exceed this machine's RAM; device 1 GiB, host 4 GiB, the rest on NVMe in
