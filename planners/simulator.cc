@@ -4,18 +4,22 @@
 #include <algorithm>
 #include <tuple>
 
+#include "layout/eviction_rank.h"
 #include "planners/schedule.h"
 
 namespace tiermem::planners {
 namespace {
 
-using LruKey = std::tuple<bool, uint64_t, ChunkId>;
-LruKey Lru(const SimulatedRun& ex, ChunkId c) {
-  return {ex.Chunk(c).dirty, ex.Chunk(c).last_use, c};
+// The engine's eviction rule (layout/eviction_rank.h) without a recorded order: the least
+// recently used, clean first. Ties go to the lower chunk id, as in the engine (MakeRoom scans
+// chunks by id).
+chunks::EvictionRank Lru(const SimulatedRun& ex, ChunkId c) {
+  return chunks::RankForEviction(chunks::EvictionCandidate{
+      .chunk = c, .dirty = ex.Chunk(c).dirty, .last_use = ex.Chunk(c).last_use});
 }
 
 // Next access of `c` (any tier, any mode) strictly after moment `i` of `r`, or kNever.
-constexpr uint64_t kNever = UINT64_MAX;
+constexpr uint64_t kNever = chunks::kNeverUsed;
 class OrderIndex {
  public:
   OrderIndex(const EffIteration& r, size_t num_chunks) : pos_(num_chunks) {
@@ -84,10 +88,12 @@ class EnginePolicy : public Following {
     if (!following_) {
       return EnsureMoment(ex, i, [&ex](ChunkId c, TierKind) { return Lru(ex, c); });
     }
+    // The engine's eviction rule while it follows the recorded order (ties: the lower id).
     auto key = [&](ChunkId c) {
-      const uint64_t next = index_->Next(c, i);
-      const bool never = next == kNever;
-      return std::make_tuple(never ? 0 : 1, ex.Chunk(c).dirty, never ? 0 : UINT64_MAX - next, c);
+      return chunks::RankForEviction(chunks::EvictionCandidate{.chunk = c,
+                                                               .dirty = ex.Chunk(c).dirty,
+                                                               .next_use = index_->Next(c, i),
+                                                               .order_known = true});
     };
     TIERMEM_RETURN_IF_ERROR(EnsureMoment(ex, i, [&](ChunkId c, TierKind) { return key(c); }));
     // Lookahead: the next `depth_` acquires of the recorded order after this moment.

@@ -73,9 +73,9 @@
 #include <vector>
 
 #include "base/status.h"
-#include "chunks/chunk_layout.h"
 #include "chunks/engine.h"
 #include "kernels/cpu/optim.h"
+#include "layout/chunk_layout.h"
 #include "prof/analysis.h"
 #include "runtime/checkpoint_meta.h"
 #include "runtime/collectives.h"
