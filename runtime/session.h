@@ -95,7 +95,7 @@ struct TensorSpec {
   bool trainable = true;  // false: frozen (no grad or optimizer chunks)
   int opt_group = 0;      // optimizer param group (trainable tensors only), >= 0
   std::vector<int64_t> shape = {};  // as the binding's tensor (checkpoints); empty = {numel}
-  // Mixture of experts (chunks/chunk_layout.h, "expert set"): >= 0 names the set of one
+  // Mixture of experts (layout/chunk_layout.h, "expert set"): >= 0 names the set of one
   // layer's experts, packed expert by expert so that each expert's slices share chunks of
   // their own; `expert` -1 = fused (shape[0] indexes the experts), >= 0 = the whole tensor is
   // that expert's.
