@@ -247,11 +247,11 @@ class Driver {
   // What the steps of one policy's run share. Positions index seq_: 0 is the warm-up, 1.. the
   // measured iterations.
   struct RunState {
-    PolicyKind kind;
-    const SimResult* planned;  // opt: the planned run it follows
-    SimResult* res;
-    Plan first_plan;              // planned: made from the warm-up iteration
-    std::vector<TierKind> homes;  // fixed for the whole run
+    PolicyKind kind = PolicyKind::kLru;
+    const SimResult* planned = nullptr;  // opt: the planned run it follows
+    SimResult* res = nullptr;            // the result being filled
+    Plan first_plan;                     // planned: made from the warm-up iteration
+    std::vector<TierKind> homes;         // fixed for the whole run
     std::unique_ptr<SimulatedRun> ex;
     std::vector<EffIteration> recorded_eff;  // per position, under the recorded placement
     std::vector<EffIteration> eff;           // per position, under the policy's (planned, opt)
@@ -260,7 +260,10 @@ class Driver {
   };
 
   Status RunImpl(PolicyKind kind, const SimResult* planned, SimResult* res) {
-    RunState r{kind, planned, res};
+    RunState r;
+    r.kind = kind;
+    r.planned = planned;
+    r.res = res;
     TIERMEM_RETURN_IF_ERROR(PlaceHomes(r));
     res->homes = r.homes;
     TIERMEM_ASSIGN_OR_RETURN(r.ex, SimulatedRun::Create(&trace_, &machine_, r.homes));
