@@ -5,7 +5,7 @@
 // format, then those with fp32 state), frozen ones after, into separate groups (a frozen group
 // has no grad or optimizer chunks; a group's m and v have one format); within a group tensors
 // keep the given order; a tensor that fits in a chunk is one piece in one group, a larger one
-// (or one of an expert set) is pieces of whole rows (chunks/chunk_layout.h), each in one
+// (or one of an expert set) is pieces of whole rows (layout/chunk_layout.h), each in one
 // group, and a group lists every piece it holds; only whole (one-piece) tensors outside expert
 // sets take a compressed state format; every chunk of a group has chunk_elems_ elements of its
 // kind's dtype (m and v: of the group's state format, StateBytes); in an int8 group every

@@ -73,9 +73,9 @@
 #include <vector>
 
 #include "base/status.h"
-#include "chunks/chunk_layout.h"
 #include "chunks/engine.h"
 #include "kernels/cpu/optim.h"
+#include "layout/chunk_layout.h"
 #include "prof/analysis.h"
 #include "runtime/checkpoint_meta.h"
 #include "runtime/collectives.h"
@@ -95,7 +95,7 @@ struct TensorSpec {
   bool trainable = true;  // false: frozen (no grad or optimizer chunks)
   int opt_group = 0;      // optimizer param group (trainable tensors only), >= 0
   std::vector<int64_t> shape = {};  // as the binding's tensor (checkpoints); empty = {numel}
-  // Mixture of experts (chunks/chunk_layout.h, "expert set"): >= 0 names the set of one
+  // Mixture of experts (layout/chunk_layout.h, "expert set"): >= 0 names the set of one
   // layer's experts, packed expert by expert so that each expert's slices share chunks of
   // their own; `expert` -1 = fused (shape[0] indexes the experts), >= 0 = the whole tensor is
   // that expert's.

@@ -19,10 +19,10 @@
 
 #include "base/env.h"
 #include "base/timeline_reader.h"
-#include "chunks/chunk_layout.h"
 #include "integrations/torch/cpp/dtypes.h"
 #include "integrations/torch/cpp/torch_pool.h"
 #include "kernels/cpu/optim.h"
+#include "layout/chunk_layout.h"
 #include "prof/analysis.h"
 #include "runtime/checkpoint_meta.h"
 #include "runtime/config.h"

@@ -1,4 +1,4 @@
-#include "chunks/chunk_layout.h"
+#include "layout/chunk_layout.h"
 
 #include <gtest/gtest.h>
 

@@ -12,6 +12,9 @@
 // capacity * its element size. Offsets are aligned to kAlignElems elements so every tensor starts
 // on a 128-byte boundary for fp32 (vector kernels) and a 64-byte boundary for 16-bit kinds.
 //
+// The session lays out a model with it (runtime/session.cc), and the planners' synthetic model
+// traces (planners/model_traces.cc) do too, so a synthetic trace has the chunks a session makes.
+//
 // Thread-safety: values and pure functions.
 #pragma once
 

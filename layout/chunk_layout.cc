@@ -13,7 +13,7 @@
 // is placed in its last one, so an expert's chunks hold only that expert's slices. Invariants of a
 // PieceLayout: every tensor's pieces cover [0, numel) in order, each inside one chunk at an aligned
 // offset, none overlapping.
-#include "chunks/chunk_layout.h"
+#include "layout/chunk_layout.h"
 
 #include <algorithm>
 
