@@ -155,6 +155,7 @@ class HostTierImpl final : public HostTier {
       if (live.slab < 0) {
         auto d = dedicated_.find(live.region.addr);
         Unmap(d->first, d->second.map_bytes);
+        map_total_ -= d->second.map_bytes;
         dedicated_.erase(d);
       } else {
         Slab& s = slabs_[live.slab];
@@ -201,11 +202,10 @@ class HostTierImpl final : public HostTier {
 
   TierStats Stats() const override {
     TierStats st = budget_.Snapshot();
-    Bytes mapped = 0;  // as mmap'd: each mapping rounded up to its alignment
+    Bytes mapped;
     {
       MutexLock lock(mu_);
-      for (const Slab& s : slabs_) mapped += s.map_bytes;
-      for (const auto& [addr, m] : dedicated_) mapped += m.map_bytes;
+      mapped = map_total_;
     }
     st.host_overhead = mapped > st.capacity ? mapped - st.capacity : 0;
     return st;
@@ -377,6 +377,7 @@ class HostTierImpl final : public HostTier {
       }
     }
     *map_bytes = len;
+    map_total_ += len;
     return p;
   }
 
@@ -399,7 +400,8 @@ class HostTierImpl final : public HostTier {
   std::vector<size_t> empty_slabs_ TIERMEM_GUARDED_BY(mu_);
   std::unordered_map<void*, Mapping> dedicated_ TIERMEM_GUARDED_BY(mu_);
   std::unordered_map<uint64_t, Live> regions_ TIERMEM_GUARDED_BY(mu_);
-  Bytes mapped_ TIERMEM_GUARDED_BY(mu_) = 0;  // slab bytes (sum of Slab::bytes)
+  Bytes mapped_ TIERMEM_GUARDED_BY(mu_) = 0;     // slab bytes (sum of Slab::bytes)
+  Bytes map_total_ TIERMEM_GUARDED_BY(mu_) = 0;  // every live mapping's mmap'd length
   uint64_t next_id_ TIERMEM_GUARDED_BY(mu_) = 1;
   std::unique_ptr<WorkerPool> workers_;
 };
