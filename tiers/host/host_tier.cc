@@ -33,6 +33,7 @@
 #include <algorithm>
 #include <cassert>
 #include <cerrno>
+#include <cstddef>
 #include <cstdio>
 #include <cstring>
 #include <unordered_map>
@@ -254,12 +255,17 @@ class HostTierImpl final : public HostTier {
     if (!partial_[cls].empty()) {
       idx = partial_[cls].back();
     } else {
-      // An empty slab that holds a slot of this class (the short last one may not).
-      auto fits = std::find_if(empty_slabs_.rbegin(), empty_slabs_.rend(),
-                               [&](size_t e) { return slabs_[e].bytes >= classes_[cls]; });
-      if (fits != empty_slabs_.rend()) {
-        idx = *fits;
-        empty_slabs_.erase(std::next(fits).base());
+      // The last empty slab that holds a slot of this class (the short last one may not).
+      size_t fits = empty_slabs_.size();
+      for (size_t i = empty_slabs_.size(); i-- > 0;) {
+        if (slabs_[empty_slabs_[i]].bytes >= classes_[cls]) {
+          fits = i;
+          break;
+        }
+      }
+      if (fits < empty_slabs_.size()) {
+        idx = empty_slabs_[fits];
+        empty_slabs_.erase(empty_slabs_.begin() + static_cast<std::ptrdiff_t>(fits));
       } else if (mapped_ < max_slab_bytes_ &&
                  std::min(slab_bytes_, max_slab_bytes_ - mapped_) >= classes_[cls]) {
         TIERMEM_ASSIGN_OR_RETURN(idx, NewSlabLocked());
