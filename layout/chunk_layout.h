@@ -33,7 +33,7 @@ enum class ChunkKind : uint8_t {
   kParamFp32 = 1,  // fp32 master params (the compute params in fp32 training)
   kExpAvg = 2,     // Adam m
   kExpAvgSq = 3,   // Adam v
-  kGrad = 4,       // gradients (fp32)
+  kGrad = 4,       // gradients (in the compute dtype: bf16/fp16 in mixed precision, else fp32)
 };
 inline constexpr int kNumChunkKinds = 5;
 std::string_view ChunkKindName(ChunkKind kind);

@@ -1091,6 +1091,11 @@ StatusOr<chunks::EngineStats> Session::Stats() const {
   return stack_->engine()->Stats();
 }
 
+StatusOr<Bytes> Session::RuntimeHostBytes() const {
+  TIERMEM_RETURN_IF_ERROR(Live());
+  return stack_->host_overhead() + shard_buf_.capacity() + gathered_.capacity();
+}
+
 StatusOr<prof::Report> Session::TimelineReport() {
   TIERMEM_RETURN_IF_ERROR(Live());
   return stack_->TimelineReport();

@@ -379,6 +379,11 @@ class Session {
   Status Synchronize();
   Status Flush();  // home copies current (e.g. before reading many values)
   StatusOr<chunks::EngineStats> Stats() const;
+  // Host memory the runtime holds for itself outside every budget now, bytes: the tiers' own
+  // buffers (the NVMe bounce pool and checksum table, host memory mapped beyond the budget:
+  // TierStack::host_overhead) and, sharded, the buffers whole chunks are gathered into.
+  // (docs/engine.md, "Memory outside the budgets").
+  StatusOr<Bytes> RuntimeHostBytes() const;
   // The timeline so far, analysed by tiermem::prof from the file (not from counters).
   StatusOr<prof::Report> TimelineReport();
 

@@ -390,6 +390,7 @@ class PySession {
       t["capacity"] = s.tiers[k].capacity;
       t["used"] = s.tiers[k].used;
       t["peak"] = s.tiers[k].peak;
+      t["host_overhead"] = s.tiers[k].host_overhead;
       tiers[py::str(std::string(TierKindName(static_cast<TierKind>(k))))] = t;
     }
     for (int a = 0; a < kNumTierKinds; ++a) {
@@ -400,6 +401,10 @@ class PySession {
       }
     }
     d["tiers"] = tiers;
+    // Host memory no budget counts (runtime.py adds the saved activations).
+    py::dict outside;
+    outside["runtime_bytes"] = Check(s_->RuntimeHostBytes());
+    d["outside_budget"] = outside;
     d["bytes_moved"] = moved;
     d["stall_ns"] = s.stall_ns;
     d["stalls"] = s.stalls;

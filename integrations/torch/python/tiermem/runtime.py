@@ -196,6 +196,7 @@ class TiermemRuntime:
                         v = v.clone()
                         self._shards.broadcast_(v)
                     self.session.write_param(r.index, v)
+                    del v  # (a meta parameter's values go when initial_values moves on)
         except BaseException:
             self.session.close()
             restore_meta(self.params, self._was_meta)
@@ -428,6 +429,12 @@ class TiermemRuntime:
 
     def stats(self) -> dict:
         st = self.session.stats()
+        # What no budget counts, to size the machine beside the budgets: the runtime's own host
+        # buffers (the session's) and the most bytes the units' training forwards saved for
+        # backward in one iteration under activations 'outside' (0 when a budget counts them;
+        # None when resident training runs without the saved-tensor hooks that see them).
+        st["outside_budget"]["saved_activation_bytes"] = (
+            None if self._resident and not self._serving else self.activations.outside_peak)
         if self.activations.offload or self.recompute.all_units:
             st["activations"] = dict(self.activations.stats)
         if self._shards is not None:
