@@ -49,8 +49,10 @@ class ServingRuntime(TiermemRuntime):
 
     _serving = True
 
-    def __init__(self, model, cfg, units=None, experts=True, init=None):
-        super().__init__(model, cfg, None, units, experts=experts, init=init)
+    def __init__(self, model, cfg, units=None, experts=True, init=None, weights=None,
+                 strict=True):
+        super().__init__(model, cfg, None, units, experts=experts, init=init, weights=weights,
+                         strict=strict)
         # Each unit pins all its chunk groups at once, and with them one expert's at a time
         # (experts.py): the budget must hold the largest.
         need, unit = 0, None
