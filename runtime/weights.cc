@@ -372,6 +372,7 @@ Status Loader::LoadBatch(SpanReader& reader, const std::vector<size_t>& batch) {
         spans.back().bytes != u.bytes) {
       spans.push_back({u.file, u.offset, u.bytes});
       consumers.emplace_back();
+      report_.bytes_needed += u.bytes;
     }
     consumers.back().push_back(u.part);
   }

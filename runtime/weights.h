@@ -85,6 +85,7 @@ struct LoadWeightsOptions {
 struct LoadWeightsReport {
   std::vector<size_t> missing;       // tensors left untouched (strict = false)
   std::vector<std::string> ignored;  // checkpoint keys no segment used (allowed), sorted
+  uint64_t bytes_needed = 0;         // of the tensors' bytes: this rank's shard of them
   uint64_t bytes_read = 0;           // from the files, alignment around the tensors included
   uint64_t requests = 0;
   std::string io_backend;  // "io_uring" or "posix"
