@@ -261,6 +261,35 @@ def test_buffers_load_and_export_with_the_parameters(tmp_path):
     for k, v in ref.state_dict().items():
         assert torch.equal(back[k], v), k
     tiermem.runtime_of(model).close()
+    # A buffer of another shape or of a dtype torch has no tensor for: refused before anything.
+    bad = state(ref)
+    bad["bn.running_mean"] = torch.zeros(9)
+    st.save_file(bad, str(tmp_path / "shape.safetensors"))
+    with pytest.raises(ValueError, match=r"buffer bn.running_mean: key 'bn.running_mean' in "
+                                         r".*shape\.safetensors has shape \[9\], the buffer \[8\]"):
+        tiermem.inference(WithNorm(), sim_cfg(), weights=tmp_path / "shape.safetensors")
+    header = json.dumps({k: {"dtype": "F4" if k == "bn.running_mean" else
+                             {torch.float32: "F32", torch.int64: "I64"}[v.dtype],
+                             "shape": list(v.shape), "data_offsets": [0, 0]}
+                         for k, v in state(ref).items()})
+    # (a hand-made header: safetensors.torch cannot write F4)
+    offsets, blobs, at = {}, [], 0
+    for k, v in state(ref).items():
+        raw = (bytes(4) if k == "bn.running_mean"
+               else v.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        offsets[k] = [at, at + len(raw)]
+        blobs.append(raw)
+        at += len(raw)
+    h = json.loads(header)
+    for k in h:
+        h[k]["data_offsets"] = offsets[k]
+    text = json.dumps(h).encode()
+    text += b" " * (-len(text) % 8)
+    (tmp_path / "f4.safetensors").write_bytes(len(text).to_bytes(8, "little") + text +
+                                             b"".join(blobs))
+    with pytest.raises(ValueError, match=r"buffer bn.running_mean: .* is F4, which no torch "
+                                         r"tensor holds"):
+        tiermem.inference(WithNorm(), sim_cfg(), weights=tmp_path / "f4.safetensors")
     # A buffer the checkpoint lacks: an error, or with strict=False its module's value.
     st.save_file({k: v for k, v in state(ref).items() if k != "bn.running_var"},
                  str(tmp_path / "nobuf.safetensors"))
@@ -356,3 +385,23 @@ def test_a_load_larger_than_the_host_budget_stays_within_budget_and_staging(tmp_
     host, staging, fixed = 16 << 20, 32 << 20, 32 << 20  # fixed: the runtime's own (stated)
     assert grew <= host + staging + fixed, f"anonymous memory grew by {grew >> 20} MiB"
     assert float(check) == float(tensors["layers.5.weight"][0, :4].sum())
+
+
+def test_a_failure_after_the_load_gives_the_buffers_back(tmp_path, monkeypatch):
+    torch.manual_seed(15)
+    ref = WithNorm()
+    ref.train()
+    ref(torch.randn(16, 8))
+    st.save_file(state(ref), str(tmp_path / "w.safetensors"))
+    model = WithNorm()
+    before = state(model)
+    buffers = dict(model.named_buffers())
+
+    def fail(runtime):
+        raise RuntimeError("the optimizer could not be made")
+    monkeypatch.setattr(tiermem, "ChunkedAdamW", fail)
+    with pytest.raises(RuntimeError, match="could not be made"):
+        tiermem.initialize(model, sim_cfg(), weights=tmp_path / "w.safetensors")
+    assert_untouched(model, before, meta=False)
+    for name, b in model.named_buffers():
+        assert b is buffers[name], name  # the very objects, not copies

@@ -238,6 +238,38 @@ TEST_F(WeightsTest, NvmeHomesAreFilledWhenTheHostBudgetIsBelowTheModel) {
   EXPECT_GT(on_nvme, 1);  // the test is about them
 }
 
+// A checkpoint whose order interleaves the chunk groups (tensor k of every group, then k + 1)
+// while the host room holds far fewer chunks than there are NVMe-homed groups: a load in file
+// order would write chunks home half-filled and read them back; group by group, none is.
+TEST_F(WeightsTest, NvmeHomedChunksAreNeverReadBackWhateverTheFileOrder) {
+  const size_t kGroups = 12, kPer = 4;
+  std::vector<TensorSpec> specs;
+  for (size_t i = 0; i < kGroups * kPer; ++i) {
+    specs.push_back({"t" + std::to_string(i), 2500, true, 0, {50, 50}});
+  }
+  auto s = Make({{"device_kind", "host"}, {"host", "320KiB"},
+                 {"nvme", {{"size", "16MiB"}, {"path", dir_}}}},
+                specs);
+  ASSERT_NE(s, nullptr);
+  ASSERT_EQ(s->num_groups(), kGroups);
+  std::vector<FileTensor> ts;
+  for (size_t k = 0; k < kPer; ++k) {
+    for (size_t g = 0; g < kGroups; ++g) {
+      const size_t t = g * kPer + k;
+      ts.push_back({specs[t].name, DType::kF32, {50, 50}, Values(t, 2500)});
+    }
+  }
+  WriteWeights(dir_ + "/c", ts);
+  ASSERT_THAT(Load(*s, dir_ + "/c", ByName(*s)), IsOk());
+  auto st = s->Stats();
+  ASSERT_TRUE(st.ok());
+  const int H = static_cast<int>(TierKind::kHost), N = static_cast<int>(TierKind::kNvme);
+  EXPECT_EQ(st->bytes_moved[N][H], 0u);
+  EXPECT_GT(st->bytes_moved[H][N], 0u);  // written home, once each
+  EXPECT_LE(st->bytes_moved[H][N], kGroups * s->ChunkBytes(0, ChunkKind::kParamFp32));
+  for (size_t t = 0; t < specs.size(); ++t) EXPECT_EQ(Param(*s, t), Values(t, 2500)) << t;
+}
+
 // A fused mixture-of-experts pair, [E, 2I, H] and [E, H, I], assembled from per-expert [I, H]
 // and [H, I] keys spread over three shards, as transformers saves them.
 TEST_F(WeightsTest, FusedExpertsFromPerExpertKeysInSeveralShards) {

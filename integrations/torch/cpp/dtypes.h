@@ -70,6 +70,10 @@ inline std::optional<c10::ScalarType> TorchDType(weights::DType d) {
       return c10::ScalarType::Float;
     case weights::DType::kF64:
       return c10::ScalarType::Double;
+    case weights::DType::kF8E4M3:
+      return c10::ScalarType::Float8_e4m3fn;
+    case weights::DType::kF8E5M2:
+      return c10::ScalarType::Float8_e5m2;
     default:
       return std::nullopt;
   }
@@ -98,6 +102,10 @@ inline std::optional<weights::DType> WeightsDType(c10::ScalarType t) {
       return weights::DType::kF32;
     case c10::ScalarType::Double:
       return weights::DType::kF64;
+    case c10::ScalarType::Float8_e4m3fn:
+      return weights::DType::kF8E4M3;
+    case c10::ScalarType::Float8_e5m2:
+      return weights::DType::kF8E5M2;
     default:
       return std::nullopt;
   }

@@ -1,5 +1,6 @@
 // tiermem._C's pretrained weights (runtime/weights.h), registered by module.cc:
-//   weights_inspect(path)              the checkpoint's tensors (dtype, shape, file), headers only
+//   weights_inspect(path)              the checkpoint's tensors (dtype, shape, file, whether a
+//                                      torch tensor - a buffer - can hold it), headers only
 //   load_weights(session, path, ...)   validate, then stream the checkpoint into the session
 //   save_weights(session, path, ...)   stream the session (and given buffers) out, HF layout
 //   read_weight_tensors(path, keys)    single tensors as CPU tensors (a module's buffers)
@@ -37,6 +38,7 @@ py::dict Inspect(const std::string& path) {
       d["dtype"] = std::string(weights::DTypeName(t.dtype));
       d["shape"] = py::cast(t.shape);
       d["file"] = h.path;
+      d["buffer"] = torch_dtypes::TorchDType(t.dtype).has_value();  // a torch tensor can hold it
       tensors[py::str(t.key)] = d;
     }
   }

@@ -64,6 +64,8 @@ def initialize(model, config=None, param_groups=None, units=None, process_group=
     except BaseException:
         runtime.abandon()
         raise
+    if runtime._weights is not None:
+        runtime._weights.settle()  # set-up succeeded
     # Speculative steps (optimizer_overlap "backward") announce the next step's
     # hyper-parameters at each iteration's first forward.
     if cfg.optimizer_overlap == "backward":

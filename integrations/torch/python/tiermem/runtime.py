@@ -285,6 +285,8 @@ class TiermemRuntime:
         # The chunks hold the values now. The user's Parameter objects keep no copy (close()
         # gives them their data back), so the model is not in host RAM twice, and a stale
         # reference to one fails loudly (an empty tensor) instead of reading old values.
+        if self._weights is not None:  # until set-up succeeds (abandon gives them back)
+            self._weights.keep_originals(self.params, self._was_meta)
         for r in self.params:
             r.orig.data = torch.empty(0, dtype=r.orig.dtype)
 

@@ -70,6 +70,8 @@ class ServingRuntime(TiermemRuntime):
                 f"{need} bytes the chunks of unit '{unit.name or type(unit.module).__name__}' "
                 f"need at once; set 'device' to at least {need} bytes (more leaves room for "
                 "prefetch and the KV cache)")
+        if self._weights is not None:
+            self._weights.settle()  # set-up succeeded
         self.session.set_cyclic(True)
         self.cache_bytes = 0   # the KV cache's bytes after the last forward
         self.forwards = 0

@@ -13,7 +13,8 @@ tensors); any other key in the checkpoint is a ValueError. A later layer adds a 
 conventions (prefixes, fused-expert conversions) through the core's explicit targets.
 
 Owns: a LoadPlan, from its creation (headers read, names matched, buffers checked) until the
-runtime drops it; the buffer tensors it replaced (``restore`` puts them back).
+runtime drops it; the buffer tensors it replaced and, until set-up succeeds, the real
+parameters' own data (``restore`` puts both back).
 Reads: the runtime's parameter records (index, name, shape, the user's parameter object).
 Invariants: nothing of the model changes until every check passed; the buffers change last,
 after the session holds every value, and ``restore`` undoes them (a failed initialize leaves
@@ -71,12 +72,16 @@ class LoadPlan:
             if list(t["shape"]) != list(b.shape):
                 raise ValueError(f"weights: buffer {key}: key '{key}' in {t['file']} has shape "
                                  f"{list(t['shape'])}, the buffer {list(b.shape)}")
+            if not t["buffer"]:
+                raise ValueError(f"weights: buffer {key}: key '{key}' in {t['file']} is "
+                                 f"{t['dtype']}, which no torch tensor holds")
             self.buffers.append((m, bname, key, b))
         if self.strict and self.missing_buffers:
             raise ValueError(f"weights: buffer {self.missing_buffers[0]} has no key in "
                              f"{self.path} ({len(self.missing_buffers)} buffers missing); pass "
                              "strict=False to keep their modules' values")
         self.replaced = []       # (module, attribute, the buffer it held before)
+        self.originals = []      # (parameter, its own data) until set-up succeeds
 
     @property
     def buffer_keys(self) -> list:
@@ -114,11 +119,25 @@ class LoadPlan:
             m._buffers[bname] = values[key].to(dtype=b.dtype)
             self.replaced.append((m, bname, b))
 
+    def keep_originals(self, params, was_meta):
+        """Holds the real parameters' own data while the runtime takes them over, so that a
+        set-up failing after that (abandon) gives them back rather than the checkpoint's
+        values; settle() once set-up succeeded (the model held them before anyway)."""
+        self.originals = [(r.orig, r.orig.data) for r in params if r.index not in was_meta]
+
+    def settle(self):
+        """Set-up succeeded: drops what restore would put back."""
+        self.originals = []
+        self.replaced = []
+
     def restore(self):
-        """Puts back the buffers load_buffers replaced."""
+        """Puts back the buffers load_buffers replaced and the parameters' own data."""
         for m, bname, old in reversed(self.replaced):
             m._buffers[bname] = old
         self.replaced = []
+        for p, data in self.originals:
+            p.data = data
+        self.originals = []
 
 
 def save_weights(model, path, max_shard_size="5GB", dtype=None):
