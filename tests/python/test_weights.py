@@ -405,3 +405,30 @@ def test_a_failure_after_the_load_gives_the_buffers_back(tmp_path, monkeypatch):
     assert_untouched(model, before, meta=False)
     for name, b in model.named_buffers():
         assert b is buffers[name], name  # the very objects, not copies
+
+
+def _load_on_rank(rank, world, path, out):
+    model, _ = tiermem.initialize(build(seed=20 + rank), sim_cfg(), weights=path)
+    assert tiermem.runtime_of(model).session.sharded
+    values = state(model)  # gathered from every rank's shard
+    tiermem.save_weights(model, out, max_shard_size=40_000)  # every rank reads; rank 0 writes
+    tiermem.runtime_of(model).close()
+    return values
+
+
+def test_ranks_load_their_shards_and_export_together(tmp_path):
+    """Two ranks (Gloo): each reads its shard of the checkpoint; the gathered values are the
+    file's on both; the export they make together is the same checkpoint again."""
+    from dist_harness import run_ranks
+    ref = build(seed=16)
+    save_plain(ref, tmp_path / "w.safetensors")
+    got = run_ranks(2, _load_on_rank, str(tmp_path / "w.safetensors"), str(tmp_path / "out"))
+    for values in got:
+        for k, v in ref.state_dict().items():
+            assert torch.equal(values[k], v), k
+    back = {}
+    for f in (tmp_path / "out").glob("model-*.safetensors"):
+        back.update(st.load_file(str(f)))
+    assert back.keys() == ref.state_dict().keys() - {"lm_head.weight"}
+    for k, v in back.items():
+        assert torch.equal(v, ref.state_dict()[k]), k
