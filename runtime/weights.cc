@@ -22,10 +22,8 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
-#include <numeric>
 #include <set>
 #include <tuple>
-#include <unordered_map>
 
 #include "runtime/session.h"
 #include "tiers/nvme/span_reader.h"
@@ -82,6 +80,8 @@ struct Part {
   int64_t shift = 0;
 };
 
+// One load (the order of work in the file comment). Runs on the caller's thread, the
+// session's; holds references to its arguments for the call and owns only its plan.
 class Loader {
  public:
   Loader(Session& s, const WeightFiles& files, const std::vector<WeightTarget>& targets,
