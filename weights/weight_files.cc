@@ -195,24 +195,18 @@ StatusOr<WeightIndex> ParseIndex(std::string_view path, std::string_view text) {
 StatusOr<WeightFiles> OpenWeights(const std::string& path) {
   TIERMEM_ASSIGN_OR_RETURN(const int kind, Kind(path));
   if (kind == 0) return NotFoundError("weights: " + path + " does not exist");
-  if (kind == 1) {
-    StatusOr<Header> h = ReadHeader(path);
+  // One file: `path` itself, or the directory's model.safetensors.
+  auto single = [&path](const std::string& file) -> StatusOr<WeightFiles> {
+    StatusOr<Header> h = ReadHeader(file);
     if (!h.ok()) return AsInput(h.status());
     WeightFiles w;
     w.path = path;
     AddFile(&w, *std::move(h));
     return w;
-  }
-  const std::string single = Join(path, kSingleFileName);
-  TIERMEM_ASSIGN_OR_RETURN(const int single_kind, Kind(single));
-  if (single_kind == 1) {
-    StatusOr<Header> h = ReadHeader(single);
-    if (!h.ok()) return AsInput(h.status());
-    WeightFiles w;
-    w.path = path;
-    AddFile(&w, *std::move(h));
-    return w;
-  }
+  };
+  if (kind == 1) return single(path);
+  TIERMEM_ASSIGN_OR_RETURN(const int single_kind, Kind(Join(path, kSingleFileName)));
+  if (single_kind == 1) return single(Join(path, kSingleFileName));
   const std::string index = Join(path, kIndexFileName);
   TIERMEM_ASSIGN_OR_RETURN(const int index_kind, Kind(index));
   if (index_kind == 1) return OpenIndexed(path, index);

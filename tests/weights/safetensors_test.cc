@@ -15,18 +15,14 @@ using tiermem::testing::IsOk;
 using tiermem::testing::StatusIs;
 using namespace tiermem::weights::testing;  // NOLINT
 
-class SafetensorsTest : public ::testing::Test {
+class SafetensorsTest : public TempDirTest {
  protected:
-  void SetUp() override { dir_ = TempDir(); }
-  void TearDown() override { std::filesystem::remove_all(dir_); }
-  std::string Path(const std::string& name) const { return dir_ + "/" + name; }
   // A file holding `header` and `data_bytes` bytes of tensor data.
   StatusOr<Header> Parse(const std::string& header, size_t data_bytes, int64_t n = -1) {
     const std::string p = Path("f.safetensors");
     WriteRaw(p, header, std::string(data_bytes, '\x01'), n);
     return ReadHeader(p);
   }
-  std::string dir_;
 };
 
 TEST_F(SafetensorsTest, AWellFormedFileParsesInDataOrder) {

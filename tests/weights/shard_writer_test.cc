@@ -42,13 +42,7 @@ Status PutAll(ShardWriter& w, size_t piece) {
   return OkStatus();
 }
 
-class ShardWriterTest : public ::testing::Test {
- protected:
-  void SetUp() override { dir_ = TempDir(); }
-  void TearDown() override { std::filesystem::remove_all(dir_); }
-  std::string Path(const std::string& name) const { return dir_ + "/" + name; }
-  std::string dir_;
-};
+class ShardWriterTest : public TempDirTest {};
 
 TEST(PlanShards, GreedyInOrderALargeTensorAloneNamesLikeTransformers) {
   const std::vector<ShardEntry> e = {E("a", DType::kF32, {10}), E("b", DType::kF32, {10}),

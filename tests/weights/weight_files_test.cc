@@ -16,11 +16,8 @@ using tiermem::testing::IsOk;
 using tiermem::testing::StatusIs;
 using namespace tiermem::weights::testing;  // NOLINT
 
-class WeightFilesTest : public ::testing::Test {
+class WeightFilesTest : public TempDirTest {
  protected:
-  void SetUp() override { dir_ = TempDir(); }
-  void TearDown() override { std::filesystem::remove_all(dir_); }
-  std::string Path(const std::string& name) const { return dir_ + "/" + name; }
   // Two shards (a, b | c) and their index.
   void WriteSharded(const std::string& index_text = "") {
     WriteF32File(Path("model-00001-of-00002.safetensors"), {{"a", {2}}, {"b", {3}}});
@@ -32,7 +29,6 @@ class WeightFilesTest : public ::testing::Test {
                              "c": "model-00002-of-00002.safetensors"}})"
                                : index_text);
   }
-  std::string dir_;
 };
 
 TEST_F(WeightFilesTest, ASingleFile) {

@@ -23,6 +23,15 @@ inline std::string TempDir() {
   return tmpl;
 }
 
+// A fixture with a temporary directory of its own, removed after the test.
+class TempDirTest : public ::testing::Test {
+ protected:
+  void SetUp() override { dir_ = TempDir(); }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  std::string Path(const std::string& name) const { return dir_ + "/" + name; }
+  std::string dir_;
+};
+
 // u64 n | header | data, with n = header.size() unless given.
 inline void WriteRaw(const std::string& path, const std::string& header, const std::string& data,
                      int64_t n = -1) {
