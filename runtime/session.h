@@ -250,6 +250,13 @@ class Session {
   // in (int8: the tensor's blocks get new absmax values).
   Status ReadTensor(size_t tensor, ChunkKind kind, void* out);
   Status WriteTensor(size_t tensor, ChunkKind kind, const void* values);
+  // The same for elements [begin, begin + n) of the tensor (`n` elements of dtype(kind) at
+  // `out` / `values`): a tensor streamed in pieces (runtime/weights.h). Sharded: reads gather
+  // (every rank must call), writes keep this rank's part. kOutOfRange past the tensor's end;
+  // kInvalidArgument for compressed m or v.
+  Status ReadTensorRange(size_t tensor, ChunkKind kind, uint64_t begin, uint64_t n, void* out);
+  Status WriteTensorRange(size_t tensor, ChunkKind kind, uint64_t begin, uint64_t n,
+                          const void* values);
   // The optimizer-state format of a group's m and v (fp32 for frozen groups).
   const kernels::StateFormat& state_format(size_t group) const { return groups_[group].state; }
   // Stored m or v of a tensor in its group's format: `codes` gets StateBytes' code part
@@ -458,6 +465,8 @@ class Session {
   Status Live() const;
   ChunkId Chunk(size_t group, ChunkKind kind) const;
   Status CheckKind(size_t group, ChunkKind kind) const;
+  // The checks of ReadTensorRange / WriteTensorRange.
+  Status CheckRange(size_t tensor, ChunkKind kind, uint64_t begin, uint64_t n) const;
   // After an acquire of `c` on `where`: the plan runner checks a dense acquire; an expert's
   // (cls set) is marked in the trace and bound to the plan's slots, not checked.
   void NoteClassAccess(ChunkId c, TierKind where, uint32_t cls);
@@ -473,10 +482,10 @@ class Session {
   TraceRecorder::Probes TraceProbes() const;
   Status LoadCheckpointV1(const std::string& path, CheckpointMeta* metadata,
                           const CheckpointLoad& how);
-  // The header through `fd`; tensor bytes through `data_fd`, opened with O_DIRECT when
-  // `direct` (block-aligned reads).
-  Status LoadCheckpointV2(int fd, int data_fd, bool direct, CheckpointMeta* metadata,
-                          const CheckpointLoad& how);
+  // The header of `path` through `fd`; tensor bytes through `data_fd`, opened with O_DIRECT
+  // when `direct` (block-aligned reads).
+  Status LoadCheckpointV2(const std::string& path, int fd, int data_fd, bool direct,
+                          CheckpointMeta* metadata, const CheckpointLoad& how);
   planners::TraceBudgets TraceBudgets() const;
   void DeclareTraceChunks();
   // What the plan runner plans with: this session's engine and configuration.

@@ -15,7 +15,7 @@ import sys
 # Layer of each top-level source folder (docs/architecture.md, "Folders are layers").
 LAYERS = {
     "base": 0,
-    "tiers": 1, "kernels": 1, "layout": 1, "planners": 1, "prof": 1,
+    "tiers": 1, "kernels": 1, "layout": 1, "planners": 1, "prof": 1, "weights": 1,
     "chunks": 2,
     "runtime": 3,
     "integrations": 4, "tools": 4,

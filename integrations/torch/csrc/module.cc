@@ -6,9 +6,8 @@
 // Chunk memory reaches Python as 1-D tensors made with torch::from_blob over the region's
 // address (CPU tensors on SimDevice and host, CUDA tensors on the CUDA tier): they do not own
 // the memory and are valid only while the chunk stays acquired (the Python layer drops every
-// view on release). Status codes become Python exceptions here, in one place:
-// kInvalidArgument/kOutOfRange -> ValueError, kResourceExhausted -> MemoryError,
-// kNotFound/kIOError/kDataLoss -> OSError, anything else -> RuntimeError.
+// view on release). Status codes become Python exceptions in one place (csrc/errors.h).
+// Pretrained weights in and out are registered from csrc/weights.cc.
 //
 // Threading: a Session is externally synchronized (the training thread); the GIL is held
 // except inside the optimizer step and the kernels.
@@ -21,6 +20,8 @@
 #include "base/timeline_reader.h"
 #include "integrations/torch/cpp/dtypes.h"
 #include "integrations/torch/cpp/torch_pool.h"
+#include "integrations/torch/csrc/errors.h"
+#include "integrations/torch/csrc/weights.h"
 #include "kernels/cpu/optim.h"
 #include "layout/chunk_layout.h"
 #include "prof/analysis.h"
@@ -39,33 +40,6 @@ namespace {
 using chunks::ChunkKind;
 using session::Session;
 using session::SessionConfig;
-
-[[noreturn]] void Throw(const Status& s) {
-  const std::string msg = s.ToString();
-  switch (s.code()) {
-    case StatusCode::kInvalidArgument:
-    case StatusCode::kOutOfRange:
-      throw py::value_error(msg);
-    case StatusCode::kResourceExhausted:
-      PyErr_SetString(PyExc_MemoryError, msg.c_str());
-      throw py::error_already_set();
-    case StatusCode::kNotFound:
-    case StatusCode::kIOError:
-    case StatusCode::kDataLoss:
-      PyErr_SetString(PyExc_OSError, msg.c_str());
-      throw py::error_already_set();
-    default:
-      throw std::runtime_error(msg);
-  }
-}
-void Check(const Status& s) {
-  if (!s.ok()) Throw(s);
-}
-template <typename T>
-T Check(StatusOr<T> s) {
-  if (!s.ok()) Throw(s.status());
-  return std::move(s).value();
-}
 
 using torch_dtypes::TorchDType;
 
@@ -1085,4 +1059,6 @@ PYBIND11_MODULE(_C, m) {
       py::arg("tensors"), py::arg("members"));
   m.def("resolve_device_kind",
         [](const std::string& kind) { return Check(se::TierStack::ResolveDeviceKind(kind)); });
+  tiermem::torch_ext::RegisterWeights(
+      m, [](const py::handle& h) -> se::Session& { return h.cast<PySession&>().s(); });
 }

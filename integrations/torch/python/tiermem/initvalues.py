@@ -42,11 +42,13 @@ def is_meta(r) -> bool:
     return r.orig.device.type == "meta"
 
 
-def check_buffers(model: nn.Module) -> None:
+def check_buffers(model: nn.Module, loaded=()) -> None:
     """ValueError for a buffer on the meta device: tiermem materializes parameters only (a
-    buffer's value - a mask, rotary frequencies - is computed by its module's constructor)."""
+    buffer's value - a mask, rotary frequencies - is computed by its module's constructor),
+    but for those named in `loaded`, whose values a checkpoint gives (weights.py)."""
+    loaded = set(loaded)
     for name, b in model.named_buffers():
-        if b is not None and b.device.type == "meta":
+        if b is not None and b.device.type == "meta" and name not in loaded:
             raise ValueError(
                 f"buffer {name} is on the meta device: tiermem gives values to meta parameters "
                 "only (their modules' reset_parameters and your init), not to buffers. Build "

@@ -86,6 +86,7 @@ from .saved import SavedTensors
 from .shared import _HOST, _K, _LOW, _Param, _Piece, RunState
 from .tensor import ChunkTensor
 from .units import find_units
+from .weights import LoadPlan
 
 # Importable from here as before (serve.py, tests): the forward wrappers, the tree helpers.
 __all__ = ["TiermemRuntime", "_Forward", "_RootForward", "_UnitForward", "_wrap_forward",
@@ -139,7 +140,7 @@ class TiermemRuntime:
     _serving = False  # serve.ServingRuntime: inference only (every parameter frozen)
 
     def __init__(self, model: nn.Module, cfg, param_groups, units=None, process_group=None,
-                 experts=True, init=None):
+                 experts=True, init=None, weights=None, strict=True):
         self.model = model
         self.cfg = cfg
         self.state = RunState()  # closed until everything is in place
@@ -163,7 +164,11 @@ class TiermemRuntime:
         self.device = torch.device("cuda", 0) if kind == "cuda" else torch.device("cpu")
         self.params, self.by_orig, self.opt_groups = collect_params(model, cfg, param_groups,
                                                                     self._serving)
-        check_buffers(model)
+        # Pretrained weights (weights.py): the checkpoint's headers matched against the model's
+        # names before anything changes; buffers it has may be on the meta device.
+        self._weights = LoadPlan(model, weights, self.params, strict) if weights is not None \
+            else None
+        check_buffers(model, loaded=self._weights.buffer_keys if self._weights else ())
         if init is not None and not callable(init):
             raise ValueError(f"init must be a function of a module, got {type(init).__name__}")
         self._was_meta = {r.index for r in self.params if is_meta(r)}
@@ -189,17 +194,25 @@ class TiermemRuntime:
                 for r in self.params:
                     r.pieces = [_Piece(*pc) for pc in self.session.place(r.index)]
                     r.group, r.offset = r.pieces[0].group, r.pieces[0].offset
-                # Parameters built on the meta device get their values here, module by module
-                # (initvalues.py): the model is never whole in host memory.
-                for r, v in initial_values(model, self.params, init):
+                # From the checkpoint, straight into the chunks; the parameters it lacks
+                # (strict=False) and all of them without one: their own values, or for those
+                # built on the meta device their modules' initialization, module by module
+                # (initvalues.py). The model is never whole in host memory.
+                todo = self._weights.load(self.session, self.params) if self._weights \
+                    else self.params
+                for r, v in initial_values(model, todo, init):
                     if self._shards:  # every rank starts from rank 0's values (as DDP)
                         v = v.clone()
                         self._shards.broadcast_(v)
                     self.session.write_param(r.index, v)
                     del v  # (a meta parameter's values go when initial_values moves on)
+                if self._weights is not None:
+                    self._weights.load_buffers()  # last: the parameters hold their values
         except BaseException:
             self.session.close()
             restore_meta(self.params, self._was_meta)
+            if self._weights is not None:
+                self._weights.restore()
             raise
         self._compute_kind = self.session.compute_kind
         # (trainable, used, tensors) per group
@@ -273,6 +286,8 @@ class TiermemRuntime:
         # The chunks hold the values now. The user's Parameter objects keep no copy (close()
         # gives them their data back), so the model is not in host RAM twice, and a stale
         # reference to one fails loudly (an empty tensor) instead of reading old values.
+        if self._weights is not None:  # until set-up succeeds (abandon gives them back)
+            self._weights.keep_originals(self.params, self._was_meta)
         for r in self.params:
             r.orig.data = torch.empty(0, dtype=r.orig.dtype)
 
@@ -505,6 +520,8 @@ class TiermemRuntime:
         # A model built wholly on meta may be larger than RAM: its values are not made.
         self.close(keep_values=len(self._was_meta) < len(self.params))
         restore_meta(self.params, self._was_meta)
+        if self._weights is not None:
+            self._weights.restore()
 
     def close(self, keep_values: bool = True):
         """Gives the model back as an ordinary model (plain Parameters with the current values
