@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "base/units.h"
-#include "chunks/eviction_policy.h"  // kNeverUsed
+#include "layout/eviction_rank.h"  // kNeverUsed
 
 namespace tiermem::chunks {
 

@@ -1,23 +1,57 @@
 // Engine implementation.
 //
-// Chunk lifecycle: AddChunk allocates the home region (host, else NVMe) and marks the content
-// zero. Acquire(c, T):
+// A chunk's state (ChunkRec) is where its copies are — a home (host or NVMe, for life) and at
+// most one cached copy above it —, what its values are (Content) and its one move in flight
+// (Flight), plus independent facts: pins, `dirty` (the cached copy differs from home), the
+// last use and the `soon` hint.
+//
+// Content: AddChunk and Zero() make a chunk kZero — all zeros, lazily: no copy holds them, so
+// no bytes move. Its first fill (an acquire, a prefetch, a WriteAt) writes zeros into the copy
+// it lands in (kZeroFilled; a fill into a cached copy leaves home stale: dirty). Any
+// modification (Release(modified), WriteAt, AdoptHostCopy) makes it kData until Zero().
+//
+// Flight: idle, or one of
+//   kFilling / kFillingDirect / kFillingZeros   a prefetch into the cached copy (StartFill),
+//       from an NVMe home (a staged bounce), a host home or the zero source (one copy each);
+//   kWritingBack       a write-behind of the dirty cached copy home (MaybeWriteBehind);
+//   kWritingBackDrop   a planned eviction's write-back (PlanEvict): the copy goes when it lands.
+// ChunkRec::Start leaves idle, ChunkRec::Land returns to it (WaitInflight: a finished write-back
+// makes the copy clean, a failed prefetch drops the copy — and a failed fill from zeros makes
+// the chunk kZero again —, a failed write-back keeps the copy, dirty). An acquire of a chunk
+// whose planned eviction is still writing back keeps the copy (KeepCopy).
+//
+// Acquire(c, T):
 //   - T is where c is resident: pin.
 //   - T is c's home and c has a cached copy above: write the copy back if dirty, free it.
 //   - otherwise: allocate on T (evicting), then fill it from the cached copy (moving it up or
 //     down a tier; dirty is kept), from zeros (dirty, home stale), or from home (clean).
 // AcquireForWrite is Acquire except that a zero chunk landing on a non-host tier is handed over
-// unfilled and the caller zeroes it (no synchronous copy from zeros_); it is dirty all the same.
+// unfilled and the caller zeroes it (no synchronous copy from the zero source); it is dirty all
+// the same.
 // Release unpins; a modified cached copy becomes dirty. Eviction frees a cached copy after
-// writing it back if dirty. Homes never move and are freed only by the destructor.
-// Invariants: a chunk has at most one cached copy; a pinned or in-flight chunk is never
-// chosen for eviction; a region is freed only with no move in flight on it (we wait first);
-// `zero` implies no cached copy holds unique data (it is set only after dropping the copy).
+// writing it back if dirty. Homes never move and are freed only by the destructor (or
+// replaced by AdoptHostCopy).
+// Invariants (ChunkRec::Check asserts them in debug builds):
+//   - a chunk has at most one cached copy (one `cache` field) and at most one move in flight,
+//     which reads or writes that copy;
+//   - a move starts only on an unpinned chunk; only a one-copy prefetch may be pinned while it
+//     lands (Acquire orders the compute stream after it); a write-back is never pinned;
+//   - `dirty` only with a cached copy; a write-back in flight is of a dirty copy;
+//   - kZero: no cached copy, nothing dirty, nothing in flight;
+//   - a pinned chunk is never chosen for eviction, nor an in-flight one by a prefetch (a demand
+//     eviction waits for the move first); a region is freed only with no move in flight on it
+//     (FreeRegion asserts it).
+// The zero source (Zeros) is a read-only anonymous mapping: reading it maps the kernel's zero
+// page, so zero fills of any size cost no resident memory.
 // The recorded order of acquires — following it, resyncing, next uses, the cyclic window — is
 // AccessOrder's (access_order.cc); the engine feeds it only while tracing_ is on.
 #include "chunks/engine.h"
 
+#include <sys/mman.h>
+
 #include <algorithm>
+#include <cassert>
+#include <cerrno>
 #include <cstring>
 #include <string>
 
@@ -28,6 +62,38 @@ namespace tiermem::chunks {
 namespace {
 int Idx(TierKind k) { return static_cast<int>(k); }
 }  // namespace
+
+void Engine::ChunkRec::Start(Flight f, std::shared_ptr<Completion> move) {
+  assert(f != Flight::kIdle && move != nullptr);
+  assert(flight_ == Flight::kIdle && pins == 0 && cached());
+  flight_ = f;
+  move_ = std::move(move);
+  Check();
+}
+
+std::pair<Engine::Flight, std::shared_ptr<Completion>> Engine::ChunkRec::Land() {
+  std::pair<Flight, std::shared_ptr<Completion>> out{flight_, std::move(move_)};
+  flight_ = Flight::kIdle;
+  move_.reset();
+  return out;
+}
+
+void Engine::ChunkRec::KeepCopy() {
+  if (flight_ == Flight::kWritingBackDrop) flight_ = Flight::kWritingBack;
+}
+
+void Engine::ChunkRec::Check() const {
+  assert((flight_ == Flight::kIdle) == (move_ == nullptr));
+  assert(home.tier == TierKind::kHost || home.tier == TierKind::kNvme);
+  assert(cache.tier != home.tier);
+  assert(pins >= 0);
+  assert(!dirty || cached());
+  assert(flight_ == Flight::kIdle || cached());
+  assert(!writing_back() || (dirty && pins == 0));
+  assert(flight_ != Flight::kFilling || pins == 0);
+  assert(flight_ != Flight::kFillingZeros || (dirty && content != Content::kZero));
+  assert(content != Content::kZero || (!cached() && !dirty && flight_ == Flight::kIdle));
+}
 
 StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config, EngineTiers tiers,
                                                  Mover* mover, TimelineRecorder* recorder,
@@ -68,13 +134,14 @@ Engine::Engine(const EngineConfig& config, EngineTiers tiers, Mover* mover,
 
 Engine::~Engine() {
   for (ChunkRec& c : chunks_) {
-    if (c.inflight) c.inflight->Wait().IgnoreError();
+    if (c.in_flight()) c.Land().second->Wait().IgnoreError();
   }
   for (ChunkId id = 0; id < chunks_.size(); ++id) {
     ChunkRec& c = chunks_[id];
     if (c.cache.tier != TierKind::kNone) FreeRegion(c.cache, id, !c.dirty).IgnoreError();
     FreeRegion(c.home, id, true).IgnoreError();
   }
+  for (const Mapping& z : zeros_) munmap(z.addr, z.bytes);  // no copy reads them any more
 }
 
 Tier* Engine::TierOf(TierKind k) const {
@@ -218,15 +285,12 @@ Status Engine::WaitStall(const std::shared_ptr<Completion>& c, ChunkId chunk,
 
 Status Engine::WaitInflight(ChunkId chunk, std::string_view cause) {
   ChunkRec& c = chunks_[chunk];
-  if (!c.inflight) return OkStatus();
-  std::shared_ptr<Completion> done = std::move(c.inflight);
-  c.inflight.reset();
-  if (c.writing_back) {
-    c.writing_back = false;
-    const bool drop = c.drop_after;
-    c.drop_after = false;
+  if (!c.in_flight()) return OkStatus();
+  const auto [was, done] = c.Land();
+  if (was == Flight::kWritingBack || was == Flight::kWritingBackDrop) {
+    const bool drop = was == Flight::kWritingBackDrop;
     Status s = WaitStall(done, chunk, drop ? "planned write-back" : "write-behind late");
-    // Nothing touched the cached copy meanwhile (everything waits for `inflight` first).
+    // Nothing touched the cached copy meanwhile (everything waits for the move first).
     if (s.ok()) {
       c.dirty = false;
       if (drop) {  // a planned eviction: its home copy is current now, free the cached one
@@ -235,6 +299,7 @@ Status Engine::WaitInflight(ChunkId chunk, std::string_view cause) {
         c.cache = Placed{};
         ++stats_.evictions;
       }
+      c.Check();
       return OkStatus();
     }
     return s.WithContext("engine: background write-back of chunk " + std::to_string(chunk) +
@@ -242,12 +307,18 @@ Status Engine::WaitInflight(ChunkId chunk, std::string_view cause) {
   }
   Status s = WaitStall(done, chunk, cause);
   if (!s.ok()) {
-    // The prefetched copy is unusable: drop it; home still holds the data.
+    // The prefetched copy is unusable: drop it; home still holds the data — or, for a fill
+    // from zeros that nothing wrote over since, nothing does: the chunk is lazily zero again.
     FreeRegion(c.cache, chunk, true).IgnoreError();
     c.cache = Placed{};
     c.dirty = false;
+    if (was == Flight::kFillingZeros && c.content == Content::kZeroFilled) {
+      c.content = Content::kZero;
+    }
+    c.Check();
     return s.WithContext("engine: prefetch of chunk " + std::to_string(chunk));
   }
+  c.Check();
   return OkStatus();
 }
 
@@ -277,22 +348,28 @@ Status Engine::FillZero(ChunkId chunk, const Placed& dst, std::string_view cause
     std::memset(dst.region.addr, 0, n);
     return OkStatus();
   }
-  return WaitStall(
-      TierOf(dst.tier)->Copy(CopyRequest{dst.region, 0, Zeros(n), n, CopyDir::kToTier}), chunk,
-      cause);
+  TIERMEM_ASSIGN_OR_RETURN(char* zeros, Zeros(n));
+  return WaitStall(TierOf(dst.tier)->Copy(CopyRequest{dst.region, 0, zeros, n, CopyDir::kToTier}),
+                   chunk, cause);
 }
 
-char* Engine::Zeros(Bytes n) {
-  if (zeros_.size() < n) {
-    // Copies in flight may still read the old buffer: keep it until the engine goes.
-    old_zeros_.push_back(std::move(zeros_));
-    zeros_.assign(n, 0);
+StatusOr<char*> Engine::Zeros(Bytes n) {
+  if (zeros_.empty() || zeros_.back().bytes < n) {
+    // Never written: every page reads as the kernel's shared zero page (no RSS). Copies in
+    // flight may still read the old mapping: it stays until the engine goes.
+    void* p = mmap(nullptr, n, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) {
+      return ErrnoToStatus(errno, "engine: mapping " + std::to_string(n) + " bytes of zeros");
+    }
+    zeros_.push_back(Mapping{p, n});
   }
-  return zeros_.data();
+  return static_cast<char*>(zeros_.back().addr);
 }
 
 Status Engine::FreeRegion(const Placed& p, ChunkId chunk, bool clean) {
   if (p.tier == TierKind::kNone) return OkStatus();
+  // A region is freed only with no move in flight on it (callers wait for it first).
+  assert(chunk >= chunks_.size() || !chunks_[chunk].in_flight());
   Status s = TierOf(p.tier)->Free(p.region);
   if (s.ok()) RecordRegion(EventType::kFree, p, chunk, clean ? kFlagClean : kFlagNone);
   return s;
@@ -310,6 +387,7 @@ Status Engine::Evict(ChunkId victim) {
   c.dirty = false;
   ++stats_.evictions;
   if (!was_dirty) ++stats_.clean_evictions;
+  c.Check();
   return OkStatus();
 }
 
@@ -324,7 +402,7 @@ StatusOr<bool> Engine::EvictOne(TierKind tier, ChunkId chunk, bool for_prefetch,
   *pinned = 0;
   for (ChunkId id = 0; id < chunks_.size(); ++id) {
     ChunkRec& w = chunks_[id];
-    if (w.writing_back && w.inflight->Poll()) {
+    if (w.writing_back() && w.Landed()) {
       // A finished write-behind: the chunk is clean now. A failed one stays dirty with its
       // copy kept; evicting it writes back synchronously, which reports a lasting fault.
       Status wb = WaitInflight(id, "");
@@ -340,7 +418,7 @@ StatusOr<bool> Engine::EvictOne(TierKind tier, ChunkId chunk, bool for_prefetch,
     }
     EvictionCandidate e{id, c.bytes, c.dirty, c.last_use, NextUse(id), order_.following()};
     if (for_prefetch) {
-      if (c.dirty || c.inflight || c.soon) continue;  // (soon: hinted, about to be acquired)
+      if (c.dirty || c.in_flight() || c.soon) continue;  // (soon: hinted, about to be acquired)
       if (speculating_ && scores_.ClassOf(id) == kNoClass) continue;
       if (e.next_use != kNeverUsed && e.next_use <= prefetch_pos) continue;
     }
@@ -487,8 +565,8 @@ StatusOr<bool> Engine::PrefetchHint(ChunkId chunk, TierKind where, double probab
   }
   const bool certain = probability >= 1;
   ChunkRec& c = chunks_[chunk];
-  if (planned_ || c.cache.tier == where || c.home.tier == where ||
-      c.cache.tier != TierKind::kNone || c.inflight || c.pins > 0) {
+  if (planned_ || c.cache.tier == where || c.home.tier == where || c.cached() || c.in_flight() ||
+      c.pins > 0) {
     if (certain && (c.cache.tier == where || c.home.tier == where)) c.soon = true;
     return false;
   }
@@ -534,9 +612,9 @@ StatusOr<void*> Engine::AcquireImpl(ChunkId chunk, TierKind where, bool* must_ze
   ++stats_.acquires;
   ChunkRec* c = &chunks_[chunk];
   c->soon = false;
-  c->drop_after = false;  // planned to leave, needed after all: keep the copy (clean when written)
-  if (c->inflight && !c->writing_back && c->direct_fill && c->cache.tier == where &&
-      stream_ != kHostStream && TierOf(where)->ordering() != nullptr && !c->inflight->Poll()) {
+  c->KeepCopy();  // planned to leave, needed after all: keep the copy (clean when written)
+  if (c->filling_in_one_copy() && c->cache.tier == where && stream_ != kHostStream &&
+      TierOf(where)->ordering() != nullptr && !c->Landed()) {
     // A prefetch of one copy still landing: the compute stream waits for it, not the caller.
     // The chunk stays in flight (whatever touches it next from the host waits as usual).
     // (Compute on the host stream is this thread: it waits below, as for any tier.)
@@ -563,33 +641,35 @@ StatusOr<void*> Engine::AcquireImpl(ChunkId chunk, TierKind where, bool* must_ze
       Placed dst{where, r};
       RecordRegion(EventType::kAlloc, dst, chunk, kFlagNone);
       Status s;
-      if (c->cache.tier != TierKind::kNone) {
+      bool dirty = c->dirty;  // moved between caches: as it was
+      if (c->cached()) {
         s = MoveSync(chunk, c->cache, dst, "move between caches");
         if (s.ok()) s = FreeRegion(c->cache, chunk, !c->dirty);
-      } else if (c->zero) {
+      } else if (c->content == Content::kZero) {
         // The caller of AcquireForWrite zeroes it itself (no copy); host regions get a memset.
         if (must_zero != nullptr && where != TierKind::kHost) {
           *must_zero = true;
         } else {
           s = FillZero(chunk, dst, "zero fill");
         }
-        c->dirty = true;
+        dirty = true;  // the home copy is stale
       } else {
         s = MoveSync(chunk, c->home, dst, "fetch");
-        c->dirty = false;
+        dirty = false;
       }
       if (!s.ok()) {
         FreeRegion(dst, chunk, true).IgnoreError();
         return s;
       }
       c->cache = dst;
+      c->dirty = dirty;
     }
   }
   // Now resident on `where`.
   Placed& at = c->cache.tier == where ? c->cache : c->home;
-  if (c->zero) {
+  if (c->content == Content::kZero) {
     if (&at == &c->home) TIERMEM_RETURN_IF_ERROR(FillZero(chunk, at, "zero fill"));
-    c->zero = false;
+    c->content = Content::kZeroFilled;
   }
   ++c->pins;
   c->last_use = ++use_counter_;
@@ -599,6 +679,7 @@ StatusOr<void*> Engine::AcquireImpl(ChunkId chunk, TierKind where, bool* must_ze
     return InternalError("engine: tier " + std::string(TierKindName(where)) +
                          " gave no address for chunk " + std::to_string(chunk));
   }
+  c->Check();
   Prefetch();
   return addr;
 }
@@ -617,8 +698,8 @@ void Engine::Prefetch() {
   for (uint64_t j = order_.position(); j < end; ++j) {
     const auto [id, where] = order_.At(j);
     ChunkRec& c = chunks_[id];
-    if (c.cache.tier == where || c.home.tier == where || c.cache.tier != TierKind::kNone ||
-        c.inflight || c.pins > 0) {
+    if (c.cache.tier == where || c.home.tier == where || c.cached() || c.in_flight() ||
+        c.pins > 0) {
       continue;
     }
     auto r = AllocateOn(where, id, true, j);
@@ -630,19 +711,26 @@ void Engine::Prefetch() {
 void Engine::StartFill(ChunkId id, const Placed& dst) {
   RecordRegion(EventType::kAlloc, dst, id, kFlagNone);
   ChunkRec& cc = chunks_[id];
-  // One copy (zeros or a host home) vs a staged bounce (NVMe home): Acquire may order the
-  // compute stream after the first kind only (its one copy is all the tier sees).
-  cc.direct_fill = cc.zero || cc.home.tier == TierKind::kHost;
-  if (cc.zero) {
-    cc.inflight = TierOf(dst.tier)->Copy(
-        CopyRequest{dst.region, 0, Zeros(cc.bytes), cc.bytes, CopyDir::kToTier});
-    cc.dirty = true;
-    cc.zero = false;
+  std::shared_ptr<Completion> move;
+  Flight fill;
+  if (cc.content == Content::kZero) {
+    StatusOr<char*> zeros = Zeros(cc.bytes);
+    move =
+        zeros.ok()
+            ? TierOf(dst.tier)->Copy(CopyRequest{dst.region, 0, *zeros, cc.bytes, CopyDir::kToTier})
+            : Completion::Done(zeros.status());  // WaitInflight reports it
+    fill = Flight::kFillingZeros;
+    cc.content = Content::kZeroFilled;
+    cc.dirty = true;  // the home copy is stale
   } else {
-    cc.inflight = StartMove(id, cc.home, dst);
+    move = StartMove(id, cc.home, dst);
+    // One copy (a host home) vs a staged bounce (an NVMe home): Acquire may order the compute
+    // stream after the first kind only (its one copy is all the tier sees).
+    fill = cc.home.tier == TierKind::kHost ? Flight::kFillingDirect : Flight::kFilling;
     cc.dirty = false;
   }
   cc.cache = dst;
+  cc.Start(fill, std::move(move));
   ++stats_.prefetches;
 }
 
@@ -713,9 +801,9 @@ Status Engine::AdoptHostCopy(ChunkId chunk, const Region& region) {
     c.dirty = true;
   }
   RecordRegion(EventType::kAlloc, mine, chunk, kFlagNone);
-  c.zero = false;
-  c.zero_content = false;
+  c.content = Content::kData;
   c.last_use = ++use_counter_;
+  c.Check();
   return s;
 }
 
@@ -723,7 +811,7 @@ Status Engine::AdoptHostCopy(ChunkId chunk, const Region& region) {
 
 bool Engine::PlannedDropPending(TierKind tier) const {
   for (const ChunkRec& c : chunks_) {
-    if (c.drop_after && c.cache.tier == tier) return true;
+    if (c.flight() == Flight::kWritingBackDrop && c.cache.tier == tier) return true;
   }
   return false;
 }
@@ -733,8 +821,8 @@ StatusOr<bool> Engine::ReclaimPlanned(TierKind tier, bool wait) {
   ChunkId pending = kNoChunk;
   for (ChunkId id = 0; id < chunks_.size(); ++id) {
     ChunkRec& c = chunks_[id];
-    if (!c.drop_after || c.cache.tier != tier) continue;
-    if (!c.inflight->Poll()) {
+    if (c.flight() != Flight::kWritingBackDrop || c.cache.tier != tier) continue;
+    if (!c.Landed()) {
       if (pending == kNoChunk) pending = id;
       continue;
     }
@@ -758,7 +846,7 @@ StatusOr<bool> Engine::ReclaimPlanned(TierKind tier, bool wait) {
 StatusOr<bool> Engine::PlanEvict(ChunkId chunk, TierKind tier) {
   TIERMEM_RETURN_IF_ERROR(CheckChunk(chunk));
   ChunkRec& c = chunks_[chunk];
-  if (c.cache.tier != tier || tier == TierKind::kNone || c.pins > 0 || c.inflight) {
+  if (c.cache.tier != tier || tier == TierKind::kNone || c.pins > 0 || c.in_flight()) {
     ++stats_.plan_skipped;
     return false;
   }
@@ -771,17 +859,15 @@ StatusOr<bool> Engine::PlanEvict(ChunkId chunk, TierKind tier) {
     ++stats_.clean_evictions;
     return true;
   }
-  c.inflight = StartMove(chunk, c.cache, c.home);
-  c.writing_back = true;
-  c.drop_after = true;
+  c.Start(Flight::kWritingBackDrop, StartMove(chunk, c.cache, c.home));
   ++stats_.write_behinds;
   return true;
 }
 
 StatusOr<int> Engine::TryPlanPrefetch(ChunkId chunk, TierKind tier) {
   ChunkRec& c = chunks_[chunk];
-  if ((tier != TierKind::kDevice && tier != TierKind::kHost) || c.pins > 0 || c.inflight ||
-      c.cache.tier != TierKind::kNone || c.home.tier == tier || TierOf(tier) == nullptr) {
+  if ((tier != TierKind::kDevice && tier != TierKind::kHost) || c.pins > 0 || c.in_flight() ||
+      c.cached() || c.home.tier == tier || TierOf(tier) == nullptr) {
     return 0;
   }
   Tier* t = TierOf(tier);
@@ -857,9 +943,12 @@ Status Engine::Release(ChunkId chunk, bool modified) {
   }
   TIERMEM_RETURN_IF_ERROR(MarkDeviceUse(chunk));
   --c.pins;
-  if (modified) c.zero_content = false;
-  if (modified && c.cache.tier != TierKind::kNone) c.dirty = true;
-  if (modified) MaybeWriteBehind(chunk);
+  if (modified) {
+    c.content = Content::kData;
+    if (c.cached()) c.dirty = true;
+    MaybeWriteBehind(chunk);
+  }
+  c.Check();
   return OkStatus();
 }
 
@@ -873,16 +962,14 @@ Status Engine::MarkDeviceUse(ChunkId chunk) {
 void Engine::MaybeWriteBehind(ChunkId chunk) {
   ChunkRec& c = chunks_[chunk];
   if (planned_ || !config_.write_behind || !tracing_ || !order_.following() || c.pins > 0 ||
-      !c.dirty || c.inflight || c.cache.tier == TierKind::kNone ||
-      evictions_before_[Idx(c.cache.tier)] == 0) {
+      !c.dirty || c.in_flight() || !c.cached() || evictions_before_[Idx(c.cache.tier)] == 0) {
     return;
   }
   const uint64_t next = order_.NextUse(chunk);
   const uint64_t soon = 2 * static_cast<uint64_t>(std::max(config_.prefetch_depth, 1));
   // Needed soon: it may change again.
   if (next != kNeverUsed && next <= order_.position() + soon) return;
-  c.inflight = StartMove(chunk, c.cache, c.home);
-  c.writing_back = true;
+  c.Start(Flight::kWritingBack, StartMove(chunk, c.cache, c.home));
   ++stats_.write_behinds;
 }
 
@@ -898,8 +985,8 @@ Status Engine::Zero(ChunkId chunk) {
     c.cache = Placed{};
   }
   c.dirty = false;
-  c.zero = true;
-  c.zero_content = true;
+  c.content = Content::kZero;
+  c.Check();
   return OkStatus();
 }
 
@@ -910,7 +997,7 @@ Status Engine::ReadAt(ChunkId chunk, Bytes offset, void* dst, Bytes n) {
     return OutOfRangeError("engine: read past the end of chunk " + std::to_string(chunk));
   }
   TIERMEM_RETURN_IF_ERROR(WaitInflight(chunk, "read: prefetch in flight"));
-  if (c.zero) {
+  if (c.content == Content::kZero) {
     std::memset(dst, 0, n);
     return OkStatus();
   }
@@ -928,12 +1015,12 @@ Status Engine::WriteAt(ChunkId chunk, Bytes offset, const void* src, Bytes n) {
     return OutOfRangeError("engine: write past the end of chunk " + std::to_string(chunk));
   }
   TIERMEM_RETURN_IF_ERROR(WaitInflight(chunk, "write: prefetch in flight"));
-  if (n > 0) c.zero_content = false;
-  if (c.zero) {  // no copy holds data: make the home copy real zeros first
+  if (c.content == Content::kZero) {  // no copy holds data: make the home copy real zeros first
     TIERMEM_RETURN_IF_ERROR(FillZero(chunk, c.home, "zero fill"));
-    c.zero = false;
+    c.content = Content::kZeroFilled;
   }
-  const bool cached = c.cache.tier != TierKind::kNone;
+  if (n > 0) c.content = Content::kData;
+  const bool cached = c.cached();
   const Placed& at = cached ? c.cache : c.home;
   TIERMEM_RETURN_IF_ERROR(MarkDeviceUse(chunk));  // not under work queued on it so far
   TIERMEM_RETURN_IF_ERROR(
@@ -941,6 +1028,7 @@ Status Engine::WriteAt(ChunkId chunk, Bytes offset, const void* src, Bytes n) {
                     CopyRequest{at.region, offset, const_cast<void*>(src), n, CopyDir::kToTier}),
                 chunk, "write"));
   if (cached) c.dirty = true;
+  c.Check();
   return OkStatus();
 }
 
@@ -948,7 +1036,7 @@ Status Engine::Flush() {
   for (ChunkId id = 0; id < chunks_.size(); ++id) {
     ChunkRec& c = chunks_[id];
     TIERMEM_RETURN_IF_ERROR(WaitInflight(id, "flush: prefetch in flight"));
-    if (c.cache.tier != TierKind::kNone && c.dirty && c.pins == 0) {
+    if (c.cached() && c.dirty && c.pins == 0) {
       TIERMEM_RETURN_IF_ERROR(MoveSync(id, c.cache, c.home, "flush"));
       c.dirty = false;
     }
@@ -997,14 +1085,14 @@ Status Engine::Synchronize() {
 TierKind Engine::Resident(ChunkId chunk) const {
   if (chunk >= chunks_.size()) return TierKind::kNone;
   const ChunkRec& c = chunks_[chunk];
-  return c.cache.tier != TierKind::kNone ? c.cache.tier : c.home.tier;
+  return c.cached() ? c.cache.tier : c.home.tier;
 }
 TierKind Engine::Home(ChunkId chunk) const {
   return chunk < chunks_.size() ? chunks_[chunk].home.tier : TierKind::kNone;
 }
 bool Engine::Dirty(ChunkId chunk) const { return chunk < chunks_.size() && chunks_[chunk].dirty; }
 bool Engine::ZeroContent(ChunkId chunk) const {
-  return chunk < chunks_.size() && chunks_[chunk].zero_content;
+  return chunk < chunks_.size() && chunks_[chunk].content != Content::kData;
 }
 int Engine::Pins(ChunkId chunk) const { return chunk < chunks_.size() ? chunks_[chunk].pins : 0; }
 Bytes Engine::ChunkBytes(ChunkId chunk) const {

@@ -4,8 +4,10 @@
 // `host_reserve_bytes` free as working space), else on NVMe — and at most one *cached copy*
 // on a tier above its home (device; or host for an NVMe-homed chunk). The chunk is *resident*
 // on the tier of its cached copy if it has one, else on its home tier; it is *in flight*
-// while a prefetch into its cached copy is running. `dirty` means the cached copy differs
-// from the home copy, so evicting a clean chunk only frees its region (no bytes move).
+// while a move of its cached copy runs (a prefetch into it, or a background write-back from
+// it). `dirty` means the cached copy differs from the home copy, so evicting a clean chunk
+// only frees its region (no bytes move). Each chunk's state is named (Flight, Content below;
+// engine.cc has the lifecycle and the invariants).
 //
 // Acquire(chunk, tier) makes the chunk resident on `tier` (device or host), pins it, and
 // returns its address there; Release unpins (and marks it modified if it was written). A
@@ -82,6 +84,7 @@
 #include <cstdint>
 #include <memory>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "base/timeline.h"
@@ -267,21 +270,63 @@ class Engine {
     TierKind tier = TierKind::kNone;
     Region region;
   };
+  // A chunk's one move in flight, if any (engine.cc's essay has the lifecycle). Anything that
+  // touches the chunk from the host waits for it first (WaitInflight), so a chunk has at most
+  // one; a move starts only on an unpinned chunk with a cached copy.
+  enum class Flight : uint8_t {
+    kIdle,             // no move in flight
+    kFilling,          // a prefetch into the cached copy from an NVMe home (a staged bounce)
+    kFillingDirect,    // a prefetch into the cached copy from a host home, in one copy
+    kFillingZeros,     // a prefetch into the cached copy from the zero source, in one copy
+    kWritingBack,      // a write-behind of the dirty cached copy home; the copy stays
+    kWritingBackDrop,  // a planned eviction's write-back: the copy is freed when it lands
+  };
+  // What the chunk's values are, as far as the engine knows (ZeroContent(): not kData).
+  enum class Content : uint8_t {
+    kZero,        // all zeros, lazily: no copy holds them (no cached copy; the home's bytes
+                  // are stale), filled at the first acquire, prefetch or write
+    kZeroFilled,  // all zeros, and a copy holds them (or AcquireForWrite's caller owes them)
+    kData,        // modified (Release(modified), WriteAt, AdoptHostCopy) since added or Zero()
+  };
+  // One chunk's state. `dirty` and Content are separate facts: a copy of zeros can be dirty
+  // (filled above a stale home) or clean (written home), and so can a copy of data.
   struct ChunkRec {
     Bytes bytes = 0;
     Category category = Category::kOther;
     Placed home;
     Placed cache;  // tier kNone: no cached copy
-    bool dirty = false;
-    bool zero = true;          // content is all zeros, whatever the regions hold
-    bool zero_content = true;  // ZeroContent(): also true after a zero-filled copy was made
+    Content content = Content::kZero;
+    bool dirty = false;  // the cached copy differs from the home copy (only with a cached copy)
     int pins = 0;
     uint64_t last_use = 0;
-    std::shared_ptr<Completion> inflight;  // prefetch into `cache`, or a write-behind from it
-    bool writing_back = false;             // `inflight` is a write-behind (cache -> home)
-    bool direct_fill = false;  // `inflight` is a prefetch made of one copy into the cache
-    bool drop_after = false;   // writing_back for a planned eviction: free the copy when done
-    bool soon = false;         // PrefetchHint'ed and not acquired since: not to be evicted
+    bool soon = false;  // PrefetchHint'ed and not acquired since: not to be evicted
+
+    bool cached() const { return cache.tier != TierKind::kNone; }
+    Flight flight() const { return flight_; }
+    bool in_flight() const { return flight_ != Flight::kIdle; }
+    bool writing_back() const {
+      return flight_ == Flight::kWritingBack || flight_ == Flight::kWritingBackDrop;
+    }
+    // A prefetch of one copy (all the tier sees): Acquire may order the compute stream after
+    // it instead of waiting, and pin the chunk while it lands.
+    bool filling_in_one_copy() const {
+      return flight_ == Flight::kFillingDirect || flight_ == Flight::kFillingZeros;
+    }
+    // Has the move in flight finished? (false when idle)
+    bool Landed() const { return move_ != nullptr && move_->Poll(); }
+    // The transitions of the flight state: Start from idle (an unpinned chunk with a cached
+    // copy; a write-back only of a dirty one), Land back to idle, handing over what was in
+    // flight for the caller to wait for. A planned eviction that finds the chunk needed again
+    // keeps its copy (KeepCopy: kWritingBackDrop becomes kWritingBack).
+    void Start(Flight f, std::shared_ptr<Completion> move);
+    std::pair<Flight, std::shared_ptr<Completion>> Land();
+    void KeepCopy();
+    // Asserts (debug builds) the invariants that tie the fields together (engine.cc).
+    void Check() const;
+
+   private:
+    Flight flight_ = Flight::kIdle;
+    std::shared_ptr<Completion> move_;  // the move flight_ names; null exactly when idle
   };
 
   Engine(const EngineConfig& config, EngineTiers tiers, Mover* mover, TimelineRecorder* recorder,
@@ -292,11 +337,14 @@ class Engine {
   static Status NoTier(TierKind tier, std::string_view what);
   Status WaitInflight(ChunkId chunk, std::string_view cause);
   Status WaitStall(const std::shared_ptr<Completion>& c, ChunkId chunk, std::string_view cause);
-  // Allocates on `tier`, evicting unpinned chunks as needed (any chunk when `for_prefetch` is
-  // false; only clean ones used after `prefetch_pos` otherwise).
+  // Acquire and AcquireForWrite (`must_zero` null for Acquire): follows or records the order,
+  // waits for the chunk's move in flight (or orders the compute stream after a one-copy
+  // prefetch), makes it resident on `where`, pins it and starts the lookahead prefetch.
   StatusOr<void*> AcquireImpl(ChunkId chunk, TierKind where, bool* must_zero, uint32_t cls);
   // The next use eviction compares: the order's, or a class member's expected one.
   uint64_t NextUse(ChunkId chunk) const;
+  // Allocates room for `chunk` on `tier`, evicting unpinned chunks as needed (any chunk when
+  // `for_prefetch` is false; only clean ones used after `prefetch_pos` otherwise).
   StatusOr<Region> AllocateOn(TierKind tier, ChunkId chunk, bool for_prefetch,
                               uint64_t prefetch_pos);
   // AllocateOn's loop for `bytes` (chunk: kNoChunk for scratch).
@@ -340,11 +388,17 @@ class Engine {
   TimelineRecorder* const recorder_;
   std::unique_ptr<EvictionPolicy> policy_;
   std::vector<ChunkRec> chunks_;
-  // Source of zero fills on non-host tiers (Zeros(n)); a smaller buffer it replaced stays in
-  // old_zeros_, since a copy in flight may still read it.
-  char* Zeros(Bytes n);
-  std::vector<char> zeros_;
-  std::vector<std::vector<char>> old_zeros_;
+  // The source of zero fills on non-host tiers: `n` bytes of zeros that cost no resident
+  // memory (a read-only anonymous mapping: reads map the kernel's zero page). kUnavailable
+  // when the mapping is refused.
+  StatusOr<char*> Zeros(Bytes n);
+  struct Mapping {
+    void* addr = nullptr;
+    Bytes bytes = 0;
+  };
+  // The zero sources mapped, the largest (current) last; a smaller one it replaced stays mapped
+  // until the engine goes, since a copy in flight may still read it.
+  std::vector<Mapping> zeros_;
   uint64_t use_counter_ = 0;
   uint64_t stall_id_ = 0;
 

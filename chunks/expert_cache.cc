@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "chunks/eviction_policy.h"  // kNeverUsed
+#include "layout/eviction_rank.h"  // kNeverUsed
 
 namespace tiermem::chunks {
 

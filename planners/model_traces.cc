@@ -1,14 +1,28 @@
+// How a model trace is made: the model's tensors are listed in first-use order (ListTensors),
+// laid out into chunk groups by the session's own packer (LayOut: layout/chunk_layout.h, so a
+// synthetic trace has the chunks a recorded one would), declared with their sizes, rates and
+// budgets (DeclareChunks, DeclareMachine), and each iteration is recorded moment by moment
+// (RecordIteration) against a fixed activation model (ActivationsOf).
+//
+// Invariants every step relies on: units are 0 = embed, 1..L = blocks.0..L-1, L + 1 = head;
+// group g's chunk of kind k (0 param, 1 grad, 2 exp_avg, 3 exp_avg_sq) has id 4g + k; a
+// tensor's `expert` is >= 0 exactly for the experts of an MoE block, whose expert set is the
+// block's index.
 #include "planners/model_traces.h"
 
 #include <algorithm>
 #include <cmath>
 #include <set>
+#include <string>
+#include <utility>
 #include <vector>
+
+#include "layout/chunk_layout.h"
 
 namespace tiermem::planners {
 namespace {
 
-constexpr uint64_t kAlign = 32;  // elements, as chunks/chunk_layout.h aligns tensors
+using chunks::PackTensor;
 
 uint64_t SplitMix64(uint64_t& state) {
   uint64_t z = (state += 0x9e3779b97f4a7c15ull);
@@ -17,18 +31,38 @@ uint64_t SplitMix64(uint64_t& state) {
   return z ^ (z >> 31);
 }
 
-struct Tensor {
-  uint64_t numel;
-  int expert;  // -1: dense
-};
-
 uint64_t Ns(double flops, double rate) {
   return static_cast<uint64_t>(std::llround(flops / rate * 1e9));
 }
 
-}  // namespace
+constexpr int kKinds = 4;  // param, grad, exp_avg, exp_avg_sq
+ChunkId ChunkOf(uint32_t group, int kind) { return static_cast<ChunkId>(kKinds * group + kind); }
 
-StatusOr<Trace> ModelTrace(const ModelShape& s) {
+// The model's tensors in first-use order, as the packer sees them (rows: the first
+// dimension; a weight and its bias are one tensor, the bias one more row), and per unit the
+// tensors it uses.
+struct ModelTensors {
+  std::vector<PackTensor> tensors;
+  std::vector<std::vector<size_t>> unit_tensors;  // per unit: indices into tensors
+  uint64_t largest = 0;                           // elements of the largest tensor
+};
+
+// The chunk groups the session makes of them.
+struct ModelLayout {
+  uint64_t chunk_elems = 0;
+  std::vector<std::vector<uint32_t>> groups_of;  // per tensor: the groups of its pieces
+  std::vector<uint64_t> group_used;              // per group: the end of its last piece
+  std::vector<uint32_t> group_set;               // per group: its expert set or kNoExpertSet
+  uint32_t groups() const { return static_cast<uint32_t>(group_used.size()); }
+};
+
+// Activation bytes per unit (model_traces.h): saved for the backward at its pre-forward,
+// temporaries of its forward and of its backward.
+struct Activations {
+  std::vector<Bytes> saved, temp_fwd, temp_bwd;
+};
+
+Status CheckShape(const ModelShape& s) {
   if (s.layers == 0 || s.d_model == 0 || s.heads == 0 || s.vocab == 0 || s.seq == 0 ||
       s.batch == 0 || s.iterations == 0) {
     return InvalidArgumentError(
@@ -42,132 +76,112 @@ StatusOr<Trace> ModelTrace(const ModelShape& s) {
         s.pcie_bytes_per_s > 0 && s.nvme_read_bytes_per_s > 0 && s.nvme_write_bytes_per_s > 0)) {
     return InvalidArgumentError("model: rates must be positive");
   }
-  const uint64_t d = s.d_model, T = s.seq, tokens = s.batch * s.seq;
-  const uint32_t L = s.layers;
-  const uint32_t num_units = L + 2;
-  // Tensors in first-use order; per unit the tensors it uses.
-  std::vector<Tensor> tensors;
-  std::vector<std::vector<size_t>> unit_tensors(num_units);
-  auto add = [&](uint32_t unit, uint64_t numel, int expert = -1) {
-    unit_tensors[unit].push_back(tensors.size());
-    tensors.push_back({numel, expert});
-  };
-  add(0, s.vocab * d);  // wte
-  add(0, T * d);        // wpe
-  for (uint32_t b = 0; b < L; ++b) {
-    const uint32_t u = b + 1;
-    add(u, 2 * d);              // ln_1
-    add(u, 3 * d * d + 3 * d);  // attn.c_attn
-    add(u, d * d + d);          // attn.c_proj
-    add(u, 2 * d);              // ln_2
-    if (s.experts == 0) {
-      add(u, 4 * d * d + 4 * d);  // mlp.c_fc
-      add(u, 4 * d * d + d);      // mlp.c_proj
-    } else {
-      add(u, d * s.experts);  // router
-      for (uint32_t e = 0; e < s.experts; ++e) {
-        add(u, 4 * d * d + 4 * d, static_cast<int>(e));
-        add(u, 4 * d * d + d, static_cast<int>(e));
-      }
-    }
-  }
-  add(L + 1, 2 * d);  // ln_f
-  if (s.tied_embeddings) {
-    unit_tensors[L + 1].push_back(0);  // lm_head is wte
-  } else {
-    add(L + 1, s.vocab * d);
-  }
-  uint64_t largest = 0;
-  for (const Tensor& t : tensors) largest = std::max(largest, t.numel);
-  // With experts, as the session lays them out (chunks/chunk_layout.h): one expert per chunk,
-  // the chunk the size of an expert's tensors (aligned); a larger tensor (the embeddings) is
-  // split into pieces, one per chunk.
-  const uint64_t expert_item =
-      s.experts == 0 ? 0 : AlignUp(AlignUp(4 * d * d + 4 * d, kAlign) + 4 * d * d + d, kAlign);
-  const uint64_t chunk_elems = s.chunk_elems != 0 ? s.chunk_elems
-                               : expert_item != 0 ? expert_item
-                                                  : AlignUp(largest, kAlign);
-  if (chunk_elems < largest && s.experts == 0) {
-    return InvalidArgumentError("model: chunk_elems " + std::to_string(chunk_elems) +
-                                " is smaller than the largest tensor (" + std::to_string(largest) +
-                                " elements)");
-  }
-  if (chunk_elems < expert_item) {
-    return InvalidArgumentError("model: chunk_elems " + std::to_string(chunk_elems) +
-                                " is smaller than an expert (" + std::to_string(expert_item) +
-                                " elements)");
-  }
-  // Pack into groups: tensors in order at aligned offsets, a tensor never straddling two
-  // chunks unless it is larger than one (then it is pieces filling whole chunks, the last
-  // one shared); an expert's tensors in a chunk of their own, which nothing else shares.
-  std::vector<std::vector<uint32_t>> groups_of(tensors.size());
-  std::vector<uint64_t> group_used;
-  {
-    uint64_t used = chunk_elems;  // forces a first group
-    bool sealed = true;
-    auto open = [&] {
-      group_used.push_back(0);
-      used = 0;
-      sealed = false;
-    };
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      const Tensor& t = tensors[i];
-      const bool starts_expert = t.expert >= 0 && (i == 0 || tensors[i - 1].expert != t.expert);
-      const uint64_t off = AlignUp(used, kAlign);
-      if (group_used.empty() || sealed || starts_expert || off + t.numel > chunk_elems) {
-        open();
-      } else {
-        used = off;
-      }
-      uint64_t left = t.numel;
-      while (true) {
-        groups_of[i].push_back(static_cast<uint32_t>(group_used.size() - 1));
-        const uint64_t take = std::min(left, chunk_elems - used);
-        used += take;
-        group_used.back() = used;
-        left -= take;
-        if (left == 0) break;
-        open();
-      }
-      // An expert's chunk takes nothing after its last tensor.
-      sealed = t.expert >= 0 && (i + 1 == tensors.size() || tensors[i + 1].expert != t.expert);
-    }
-  }
-  const uint32_t groups = static_cast<uint32_t>(group_used.size());
-  // The chunks of an expert belong to its block's expert set (set b for blocks.b): which of
-  // them an iteration uses is the routing's choice.
-  std::vector<uint32_t> group_set(groups, kNoExpertSet);
-  for (uint32_t u = 1; u <= L && s.experts > 0; ++u) {
-    for (size_t ti : unit_tensors[u]) {
-      if (tensors[ti].expert < 0) continue;
-      for (uint32_t g : groups_of[ti]) group_set[g] = u - 1;
-    }
-  }
-  const Bytes chunk_bytes = chunk_elems * 4;
   if (!(s.state_bytes_per_elem > 0 && s.state_bytes_per_elem <= 4)) {
     return InvalidArgumentError("model trace: state_bytes_per_elem must be in (0, 4]");
   }
-  const Bytes state_bytes =
-      static_cast<Bytes>(std::ceil(static_cast<double>(chunk_elems) * s.state_bytes_per_elem));
+  return OkStatus();
+}
 
-  TraceBuilder tb;
-  const char* kinds[4] = {"param", "grad", "exp_avg", "exp_avg_sq"};
-  const Category cats[4] = {Category::kParam, Category::kGrad, Category::kOptimState,
-                            Category::kOptimState};
-  uint16_t kind_index[4];
-  for (int k = 0; k < 4; ++k) kind_index[k] = tb.KindIndex(kinds[k]);
-  auto chunk_id = [](uint32_t g, int k) { return static_cast<ChunkId>(4 * g + k); };
-  for (uint32_t g = 0; g < groups; ++g) {
-    for (int k = 0; k < 4; ++k) {
-      tb.DeclareChunk(chunk_id(g, k), TraceChunk{k >= 2 ? state_bytes : chunk_bytes, cats[k], g,
-                                                 kind_index[k], TierKind::kHost});
-      // The runtime acquires an expert's param and grad chunks as class members (its
-      // optimizer state only in the group's optimizer step): those are what it marks.
-      if (s.mark_experts && group_set[g] != kNoExpertSet && k < 2) {
-        tb.MarkExpertSet(chunk_id(g, k), group_set[g]);
+ModelTensors ListTensors(const ModelShape& s) {
+  const uint64_t d = s.d_model;
+  const uint32_t L = s.layers;
+  ModelTensors m;
+  m.unit_tensors.resize(L + 2);
+  auto add = [&](uint32_t unit, uint64_t rows, uint64_t row_elems, int set = -1, int expert = -1) {
+    m.unit_tensors[unit].push_back(m.tensors.size());
+    m.tensors.push_back(PackTensor{rows * row_elems, rows, set, expert});
+    m.largest = std::max(m.largest, rows * row_elems);
+  };
+  add(0, s.vocab, d);  // wte
+  add(0, s.seq, d);    // wpe
+  for (uint32_t b = 0; b < L; ++b) {
+    const uint32_t u = b + 1;
+    add(u, 2, d);          // ln_1
+    add(u, d + 1, 3 * d);  // attn.c_attn
+    add(u, d + 1, d);      // attn.c_proj
+    add(u, 2, d);          // ln_2
+    if (s.experts == 0) {
+      add(u, d + 1, 4 * d);  // mlp.c_fc
+      add(u, 4 * d + 1, d);  // mlp.c_proj
+    } else {
+      add(u, s.experts, d);  // router
+      for (uint32_t e = 0; e < s.experts; ++e) {
+        add(u, d + 1, 4 * d, static_cast<int>(b), static_cast<int>(e));
+        add(u, 4 * d + 1, d, static_cast<int>(b), static_cast<int>(e));
       }
     }
   }
+  add(L + 1, 2, d);  // ln_f
+  if (s.tied_embeddings) {
+    m.unit_tensors[L + 1].push_back(0);  // lm_head is wte
+  } else {
+    add(L + 1, s.vocab, d);
+  }
+  return m;
+}
+
+// The chunk capacity (the shape's, else the largest tensor's, with experts one expert's)
+// and the packing of the session (layout/chunk_layout.h: a tensor larger than a chunk is
+// split into pieces of whole rows; each expert in chunks of its own).
+StatusOr<ModelLayout> LayOut(const ModelShape& s, const ModelTensors& m) {
+  TIERMEM_ASSIGN_OR_RETURN(const uint64_t expert_item, chunks::LargestExpertItem(m.tensors));
+  ModelLayout l;
+  l.chunk_elems = s.chunk_elems != 0 ? s.chunk_elems
+                  : expert_item != 0 ? expert_item
+                                     : AlignUp(m.largest, chunks::kAlignElems);
+  if (l.chunk_elems < m.largest && s.experts == 0) {
+    return InvalidArgumentError("model: chunk_elems " + std::to_string(l.chunk_elems) +
+                                " is smaller than the largest tensor (" +
+                                std::to_string(m.largest) + " elements)");
+  }
+  if (l.chunk_elems < expert_item) {
+    return InvalidArgumentError("model: chunk_elems " + std::to_string(l.chunk_elems) +
+                                " is smaller than an expert (" + std::to_string(expert_item) +
+                                " elements)");
+  }
+  TIERMEM_ASSIGN_OR_RETURN(chunks::PieceLayout packed,
+                           chunks::PackPieces(m.tensors, l.chunk_elems));
+  l.group_used = std::move(packed.group_used_elems);
+  l.group_set.assign(l.groups(), kNoExpertSet);
+  l.groups_of.resize(m.tensors.size());
+  for (size_t t = 0; t < m.tensors.size(); ++t) {
+    for (const chunks::Piece& p : packed.pieces[t]) {
+      l.groups_of[t].push_back(p.group);
+      // The chunks of an expert belong to its block's expert set: which of them an iteration
+      // uses is the routing's choice.
+      if (m.tensors[t].expert >= 0) l.group_set[p.group] = m.tensors[t].expert_set;
+    }
+  }
+  return l;
+}
+
+// Every group's param and grad chunk of chunk_elems * 4 bytes and its exp_avg and exp_avg_sq
+// chunks of chunk_elems * state_bytes_per_elem, all homed on the host.
+void DeclareChunks(TraceBuilder& tb, const ModelShape& s, const ModelLayout& l) {
+  const Bytes chunk_bytes = l.chunk_elems * 4;
+  const Bytes state_bytes =
+      static_cast<Bytes>(std::ceil(static_cast<double>(l.chunk_elems) * s.state_bytes_per_elem));
+  const char* kinds[kKinds] = {"param", "grad", "exp_avg", "exp_avg_sq"};
+  const Category cats[kKinds] = {Category::kParam, Category::kGrad, Category::kOptimState,
+                                 Category::kOptimState};
+  uint16_t kind_index[kKinds];
+  for (int k = 0; k < kKinds; ++k) kind_index[k] = tb.KindIndex(kinds[k]);
+  for (uint32_t g = 0; g < l.groups(); ++g) {
+    for (int k = 0; k < kKinds; ++k) {
+      tb.DeclareChunk(ChunkOf(g, k), TraceChunk{k >= 2 ? state_bytes : chunk_bytes, cats[k], g,
+                                                kind_index[k], TierKind::kHost});
+      // The runtime acquires an expert's param and grad chunks as class members (its
+      // optimizer state only in the group's optimizer step): those are what it marks.
+      if (s.mark_experts && l.group_set[g] != kNoExpertSet && k < 2) {
+        tb.MarkExpertSet(ChunkOf(g, k), l.group_set[g]);
+      }
+    }
+  }
+}
+
+// The modelled machine's rates, budgets that hold the model (device: every chunk; host:
+// twice that) and the source line naming the shape.
+void DeclareMachine(TraceBuilder& tb, const ModelShape& s, const ModelLayout& l) {
   MeasuredRates r;
   auto link = [&r](TierKind a, TierKind b, double bw, uint64_t lat) {
     r.link[static_cast<int>(a)][static_cast<int>(b)] = LinkRate{bw, lat};
@@ -180,99 +194,119 @@ StatusOr<Trace> ModelTrace(const ModelShape& s) {
   r.device_optim_elems_per_s = s.device_optim_elems_per_s;
   r.cpu_cores = s.cpu_cores;
   tb.SetRates(r);
-  const Bytes total = Bytes{groups} * 4 * chunk_bytes;
+  const Bytes total = Bytes{l.groups()} * kKinds * l.chunk_elems * 4;
   tb.SetBudgets(TraceBudgets{total, 2 * total, 0});
-  tb.SetSource("tiermem plan synth " + s.name + ": layers=" + std::to_string(L) +
-               " d_model=" + std::to_string(d) + " heads=" + std::to_string(s.heads) +
-               " vocab=" + std::to_string(s.vocab) + " seq=" + std::to_string(T) +
+  tb.SetSource("tiermem plan synth " + s.name + ": layers=" + std::to_string(s.layers) +
+               " d_model=" + std::to_string(s.d_model) + " heads=" + std::to_string(s.heads) +
+               " vocab=" + std::to_string(s.vocab) + " seq=" + std::to_string(s.seq) +
                " batch=" + std::to_string(s.batch) + (s.tied_embeddings ? " tied" : "") +
                (s.checkpointing ? " checkpointing" : "") +
                (s.experts > 0 ? " experts=" + std::to_string(s.experts) + " top_k=" +
                                     std::to_string(s.top_k) + (s.mark_experts ? "" : " unmarked")
                               : "") +
-               " chunk_elems=" + std::to_string(chunk_elems) +
+               " chunk_elems=" + std::to_string(l.chunk_elems) +
                " iterations=" + std::to_string(s.iterations) + " seed=" + std::to_string(s.seed));
-
-  auto label = [&](uint32_t u) {
-    if (u == 0) return std::string("embed");
-    if (u == L + 1) return std::string("head");
-    return "blocks." + std::to_string(u - 1);
-  };
-  // Activation model (bytes).
-  const Bytes full_block = tokens * (16 * d * 4) + tokens * 10 * s.heads * T;  // 2.5*heads*T*4
-  std::vector<Bytes> saved(num_units), temp_fwd(num_units), temp_bwd(num_units);
-  saved[0] = tokens * d * 4;
-  for (uint32_t u = 1; u <= L; ++u) {
-    saved[u] = s.checkpointing ? tokens * d * 4 : full_block;
-    temp_fwd[u] = tokens * 4 * d * 4;
-    temp_bwd[u] = temp_fwd[u] + (s.checkpointing ? full_block : 0);
-  }
-  saved[L + 1] = tokens * d * 4;
-  temp_fwd[L + 1] = temp_bwd[L + 1] = tokens * s.vocab * 4;
-
-  uint64_t rng = s.seed;
-  for (uint32_t it = 0; it < s.iterations; ++it) {
-    // Experts used per block this iteration.
-    std::vector<std::set<int>> used(num_units);
-    for (uint32_t u = 1; u <= L && s.experts > 0; ++u) {
-      while (used[u].size() < s.top_k) {
-        used[u].insert(static_cast<int>(SplitMix64(rng) % s.experts));
-      }
-    }
-    std::vector<std::vector<uint32_t>> unit_groups(num_units);
-    std::vector<double> fwd_flops(num_units);
-    for (uint32_t u = 0; u < num_units; ++u) {
-      std::set<uint32_t> gs;
-      uint64_t params = 0;
-      for (size_t ti : unit_tensors[u]) {
-        if (tensors[ti].expert >= 0 && !used[u].count(tensors[ti].expert)) continue;
-        gs.insert(groups_of[ti].begin(), groups_of[ti].end());
-        params += tensors[ti].numel;
-      }
-      unit_groups[u].assign(gs.begin(), gs.end());
-      fwd_flops[u] = 2.0 * tokens * params + (u >= 1 && u <= L ? 4.0 * tokens * T * d : 0.0);
-    }
-    tb.BeginIteration();
-    Bytes live_saved = 0;
-    for (uint32_t u = 0; u < num_units; ++u) {
-      tb.BeginMoment("fwd:" + label(u), MomentKind::kPreForward, u);
-      for (uint32_t g : unit_groups[u])
-        tb.Access(chunk_id(g, 0), AccessMode::kRead, TierKind::kDevice);
-      live_saved += saved[u];
-      tb.SetSavedBytes(saved[u]);
-      tb.SetActivationBytes(live_saved + temp_fwd[u]);
-      tb.EndMoment(Ns(fwd_flops[u], s.device_flops));
-    }
-    std::vector<bool> grad_touched(groups, false);
-    for (uint32_t k = num_units; k-- > 0;) {
-      const uint32_t u = k;
-      tb.BeginMoment("bwd:" + label(u), MomentKind::kPreBackward, u);
-      for (uint32_t g : unit_groups[u]) {
-        tb.Access(chunk_id(g, 0), AccessMode::kRead, TierKind::kDevice);
-        tb.Access(chunk_id(g, 1), grad_touched[g] ? AccessMode::kReadWrite : AccessMode::kWrite,
-                  TierKind::kDevice);
-        grad_touched[g] = true;
-      }
-      tb.SetActivationBytes(live_saved + temp_bwd[u]);
-      live_saved -= saved[u];
-      const double flops =
-          2 * fwd_flops[u] + (s.checkpointing && u >= 1 && u <= L ? fwd_flops[u] : 0);
-      tb.EndMoment(Ns(flops, s.device_flops));
-    }
-    for (uint32_t g = 0; g < groups; ++g) {
-      if (!grad_touched[g]) continue;
-      tb.BeginMoment("opt:g" + std::to_string(g), MomentKind::kOptimizerStep);
-      tb.Access(chunk_id(g, 1), AccessMode::kRead, TierKind::kHost);
-      tb.Access(chunk_id(g, 0), AccessMode::kReadWrite, TierKind::kHost);
-      tb.Access(chunk_id(g, 2), AccessMode::kReadWrite, TierKind::kHost);
-      tb.Access(chunk_id(g, 3), AccessMode::kReadWrite, TierKind::kHost);
-      tb.SetWorkElems(group_used[g]);
-      tb.EndMoment(Ns(static_cast<double>(group_used[g]), s.cpu_optim_elems_per_s));
-    }
-  }
-  return tb.Finish();
 }
 
+Activations ActivationsOf(const ModelShape& s) {
+  const uint64_t d = s.d_model, T = s.seq, tokens = s.batch * s.seq;
+  const uint32_t L = s.layers;
+  const Bytes full_block = tokens * (16 * d * 4) + tokens * 10 * s.heads * T;  // 2.5*heads*T*4
+  Activations a;
+  a.saved.assign(L + 2, 0);
+  a.temp_fwd.assign(L + 2, 0);
+  a.temp_bwd.assign(L + 2, 0);
+  a.saved[0] = tokens * d * 4;
+  for (uint32_t u = 1; u <= L; ++u) {
+    a.saved[u] = s.checkpointing ? tokens * d * 4 : full_block;
+    a.temp_fwd[u] = tokens * 4 * d * 4;
+    a.temp_bwd[u] = a.temp_fwd[u] + (s.checkpointing ? full_block : 0);
+  }
+  a.saved[L + 1] = tokens * d * 4;
+  a.temp_fwd[L + 1] = a.temp_bwd[L + 1] = tokens * s.vocab * 4;
+  return a;
+}
+
+std::string UnitLabel(uint32_t u, uint32_t layers) {
+  if (u == 0) return "embed";
+  if (u == layers + 1) return "head";
+  return "blocks." + std::to_string(u - 1);
+}
+
+// One iteration: the routing (top_k experts per block, drawn from `rng`), then the forward,
+// the backward in reverse and an optimizer step per group whose grads were written.
+void RecordIteration(TraceBuilder& tb, const ModelShape& s, const ModelTensors& m,
+                     const ModelLayout& l, const Activations& act, uint64_t& rng) {
+  const uint64_t tokens = s.batch * s.seq;
+  const uint32_t L = s.layers, num_units = L + 2;
+  std::vector<std::set<int>> used(num_units);  // experts used per block this iteration
+  for (uint32_t u = 1; u <= L && s.experts > 0; ++u) {
+    while (used[u].size() < s.top_k) used[u].insert(static_cast<int>(SplitMix64(rng) % s.experts));
+  }
+  std::vector<std::vector<uint32_t>> unit_groups(num_units);
+  std::vector<double> fwd_flops(num_units);
+  for (uint32_t u = 0; u < num_units; ++u) {
+    std::set<uint32_t> gs;
+    uint64_t params = 0;
+    for (size_t ti : m.unit_tensors[u]) {
+      if (m.tensors[ti].expert >= 0 && !used[u].count(m.tensors[ti].expert)) continue;
+      gs.insert(l.groups_of[ti].begin(), l.groups_of[ti].end());
+      params += m.tensors[ti].numel;
+    }
+    unit_groups[u].assign(gs.begin(), gs.end());
+    fwd_flops[u] =
+        2.0 * tokens * params + (u >= 1 && u <= L ? 4.0 * tokens * s.seq * s.d_model : 0.0);
+  }
+  tb.BeginIteration();
+  Bytes live_saved = 0;
+  for (uint32_t u = 0; u < num_units; ++u) {
+    tb.BeginMoment("fwd:" + UnitLabel(u, L), MomentKind::kPreForward, u);
+    for (uint32_t g : unit_groups[u])
+      tb.Access(ChunkOf(g, 0), AccessMode::kRead, TierKind::kDevice);
+    live_saved += act.saved[u];
+    tb.SetSavedBytes(act.saved[u]);
+    tb.SetActivationBytes(live_saved + act.temp_fwd[u]);
+    tb.EndMoment(Ns(fwd_flops[u], s.device_flops));
+  }
+  std::vector<bool> grad_touched(l.groups(), false);
+  for (uint32_t u = num_units; u-- > 0;) {
+    tb.BeginMoment("bwd:" + UnitLabel(u, L), MomentKind::kPreBackward, u);
+    for (uint32_t g : unit_groups[u]) {
+      tb.Access(ChunkOf(g, 0), AccessMode::kRead, TierKind::kDevice);
+      tb.Access(ChunkOf(g, 1), grad_touched[g] ? AccessMode::kReadWrite : AccessMode::kWrite,
+                TierKind::kDevice);
+      grad_touched[g] = true;
+    }
+    tb.SetActivationBytes(live_saved + act.temp_bwd[u]);
+    live_saved -= act.saved[u];
+    const double flops =
+        2 * fwd_flops[u] + (s.checkpointing && u >= 1 && u <= L ? fwd_flops[u] : 0);
+    tb.EndMoment(Ns(flops, s.device_flops));
+  }
+  for (uint32_t g = 0; g < l.groups(); ++g) {
+    if (!grad_touched[g]) continue;
+    tb.BeginMoment("opt:g" + std::to_string(g), MomentKind::kOptimizerStep);
+    tb.Access(ChunkOf(g, 1), AccessMode::kRead, TierKind::kHost);
+    for (int k : {0, 2, 3}) tb.Access(ChunkOf(g, k), AccessMode::kReadWrite, TierKind::kHost);
+    tb.SetWorkElems(l.group_used[g]);
+    tb.EndMoment(Ns(static_cast<double>(l.group_used[g]), s.cpu_optim_elems_per_s));
+  }
+}
+
+}  // namespace
+
+StatusOr<Trace> ModelTrace(const ModelShape& s) {
+  TIERMEM_RETURN_IF_ERROR(CheckShape(s));
+  const ModelTensors tensors = ListTensors(s);
+  TIERMEM_ASSIGN_OR_RETURN(const ModelLayout layout, LayOut(s, tensors));
+  const Activations act = ActivationsOf(s);
+  TraceBuilder tb;
+  DeclareChunks(tb, s, layout);
+  DeclareMachine(tb, s, layout);
+  uint64_t rng = s.seed;
+  for (uint32_t it = 0; it < s.iterations; ++it) RecordIteration(tb, s, tensors, layout, act, rng);
+  return tb.Finish();
+}
 StatusOr<ModelShape> CanonicalShape(const std::string& name) {
   ModelShape s;
   s.name = name;

@@ -4,10 +4,11 @@
 // tests/data/ are made by `tiermem plan synth` over these (tests/data/make_traces.sh).
 //
 // The model: units embed, blocks.0..L-1, head. Tensors are packed in first-use order into
-// chunk groups of `chunk_elems` fp32 elements (a tensor never straddles chunks unless it is
-// larger than one: then it is pieces filling whole chunks); with experts, as the session lays
-// them out, each expert's tensors are in a chunk of their own, and the chunk is the size of
-// one expert (so the embeddings are pieces); each group
+// chunk groups of `chunk_elems` fp32 elements by the session's packer (PackPieces,
+// layout/chunk_layout.h): a tensor never straddles chunks unless it is larger than one, then
+// it is pieces of whole rows, the first filling the current chunk's rest; with experts each
+// expert's tensors are in a chunk of their own, and the chunk is the size of one expert (so
+// the embeddings are pieces); each group
 // has a param and a grad chunk of chunk_elems * 4 bytes and an exp_avg and exp_avg_sq chunk of
 // chunk_elems * state_bytes_per_elem (4 for fp32 state; 2 for bf16; 1 + 4/256 for int8
 // with blocks of 256: optimizer.state_dtype, kernels/cpu/optim.h). Per iteration:

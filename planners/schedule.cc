@@ -11,8 +11,10 @@
 #include "planners/schedule.h"
 
 #include <algorithm>
+#include <array>
 #include <iterator>
 #include <set>
+#include <string>
 #include <tuple>
 
 namespace tiermem::planners {
@@ -86,307 +88,392 @@ struct EvictEv {
   int64_t freed = 0;  // position from which its room is usable
 };
 
-}  // namespace
+// Copy-lane clocks, [source tier][destination tier], in ns of the modelled stream.
+using LaneClocks = std::array<std::array<uint64_t, kNumTierKinds>, kNumTierKinds>;
 
-StatusOr<Schedule> MakeSchedule(const ScheduleInput& in) {
-  const Trace& trace = *in.trace;
-  const EffIteration& eff = *in.eff;
-  const size_t n = eff.size();
-  const size_t nc = trace.chunks.size();
-  const int64_t horizon = static_cast<int64_t>(2 * n);
-  NextUse nu({&eff, &eff, &eff}, nc);
-  auto bytes_of = [&](ChunkId c) { return static_cast<int64_t>(trace.chunks[c].bytes); };
+// Builds one Schedule in four steps (MakeSchedule runs them in order): the demand pass
+// records every fetch and eviction Belady makes over the horizon; victims of this iteration
+// then leave right after their last use; each eviction's room gets the position it is usable
+// from; and the fetches are hoisted as early as the room allows and emitted as plan actions.
+// The demand pass's state (what is cached where, dirty, when it arrived) lives here; the later
+// steps read only the recorded events.
+class ScheduleBuilder {
+ public:
+  explicit ScheduleBuilder(const ScheduleInput& in);
 
-  Bytes host_homes = 0;
-  for (ChunkId c = 0; c < nc; ++c) {
-    if (in.homes[c] == TierKind::kHost) host_homes += trace.chunks[c].bytes;
-  }
-  auto cap = [&](int t, int64_t q) -> int64_t {
-    const size_t i = static_cast<size_t>(q) % n;
-    if (t == kD)
-      return static_cast<int64_t>(in.device_budget) - static_cast<int64_t>(eff.dev_extra[i]);
-    return static_cast<int64_t>(in.host_budget) - static_cast<int64_t>(host_homes) -
-           static_cast<int64_t>(eff.host_extra[i]);
-  };
+  // Belady over two copies of the iteration. kResourceExhausted naming the moment when its
+  // chunks cannot fit next to its non-chunk bytes.
+  Status DemandPass();
+  // Victims evicted in this iteration leave right after their last use (before their
+  // eviction's position, never before they arrived).
+  void EvictVictimsEarly();
+  // When each eviction's room is usable: at once, or (write-back aware) when its write-back
+  // is modelled to end, lanes in the order of the evictions.
+  void SetFreed();
+  // The plan actions: prefetches hoisted, evictions, activation fetches.
+  Schedule Emit() const;
+
+ private:
+  // Program-order capacity of tier t for chunks at position q (the file comment).
+  int64_t Cap(int t, int64_t q) const;
+  int64_t BytesOf(ChunkId c) const { return static_cast<int64_t>(trace_.chunks[c].bytes); }
+  // The first position at or after `from` whose start is at or after `time` (horizon: none).
+  int64_t PosAt(int64_t from, uint64_t time) const;
+  // Models c's write-back from `tier` to its home starting at `at` on `clocks`; its end.
+  uint64_t WritebackEnd(LaneClocks& clocks, int tier, ChunkId c, int64_t at) const;
+
+  void SetCache(ChunkId c, int t);  // -1: cached nowhere
+  void Evict(ChunkId c, int64_t at, bool victim, bool emit = true);
+  // Evicts c at the start of `at` when it is dead on its tier after `after_pos` (-1: before
+  // the first moment). A copy's next use changes only when it is accessed, so only the chunks
+  // just accessed need a look.
+  void EvictDeadOne(ChunkId c, int64_t after_pos, int64_t at);
+  // The Belady victim on tier t at pos (not used by its moment), -1 if none; its key in *key.
+  int64_t Victim(int t, int64_t pos, VictimKey* key) const;
+  void Insert(ChunkId c, int t, int64_t pos, bool copy, int64_t use);
+
+  // The demand pass at position `pos` (moment i) on tier t: evicts until the moment's missing
+  // chunks fit, then fetches them.
+  Status FetchMoment(int t, int64_t pos, size_t i);
+  // Aggressive variant: while the next chunk to be read on t can come in without harm (free
+  // room, or a victim read later than it), fetch it now.
+  void FetchAhead(int t, int64_t pos);
+  // Occupancy per position after its actions, from the events.
+  std::array<std::vector<int64_t>, 2> Occupancy() const;
+  // Each fetch (need order per tier) as early as the room allows, into prefetch_at; counts
+  // device_in_bytes into *out.
+  void Hoist(std::array<std::vector<int64_t>, 2> occ,
+             std::vector<std::vector<PlanAction>>* prefetch_at, Schedule* out) const;
+
+  const ScheduleInput& in_;
+  const Trace& trace_;
+  const EffIteration& eff_;
+  const size_t n_, nc_;
+  const int64_t horizon_;  // 2n positions
+  NextUse nu_;             // three copies of the iteration
+  Bytes host_homes_ = 0;   // bytes of the chunks homed on the host
   // Write-back aware: the room of a dirty copy is usable only once its write-back is modelled
   // to end, on its copy lane in order, with the stream advancing by compute alone.
-  const bool aware = in.writeback_aware && in.machine != nullptr;
-  std::vector<uint64_t> t_at(static_cast<size_t>(horizon) + 1, 0);
-  for (int64_t q = 0; q < horizon; ++q) {
-    const EffMoment& m = eff.moments[static_cast<size_t>(q) % n];
-    t_at[q + 1] = t_at[q] + (m.async ? 0 : m.compute_ns);
-  }
-  auto pos_at = [&](int64_t from, uint64_t time) {
-    int64_t q = from;
-    while (q < horizon && t_at[q] < time) ++q;
-    return q;
-  };
-  std::array<std::array<uint64_t, kNumTierKinds>, kNumTierKinds> lane{};  // demand-pass clocks
-  auto writeback_end = [&](auto& clocks, int tier, ChunkId c, int64_t at) {
-    const auto [ls, ld] = MachineModel::LaneOf(static_cast<TierKind>(tier), in.homes[c]);
-    uint64_t& clock = clocks[ls][ld];
-    clock = std::max(clock, t_at[at]) +
-            in.machine->CopyNs(static_cast<TierKind>(tier), in.homes[c], trace.chunks[c].bytes);
-    return clock;
-  };
+  const bool aware_;
+  std::vector<uint64_t> t_at_;  // start time of each position (and the horizon's end), ns
+  LaneClocks lane_{};           // the demand pass's clocks
 
-  std::vector<int> cache(nc, -1);  // tier index of the cached copy, -1 none
-  std::vector<bool> dirty(nc, false);
-  std::vector<int64_t> last_acc(nc, -1);    // position of the last access (any tier)
-  std::vector<int64_t> arrived(nc, -1);     // position its current copy arrived at
-  std::vector<int64_t> left_at(nc, -1);     // position at whose start its copy last moved up
-  std::vector<int64_t> last_evict(nc, -1);  // index into evicts of its last eviction
-  std::array<int64_t, kNumTierKinds> used{};
-  // The chunks cached on each tier (unordered; slot[c] is c's index there).
-  std::array<std::vector<ChunkId>, 2> on_tier;
-  std::vector<size_t> slot(nc, 0);
-  auto set_cache = [&](ChunkId c, int t) {
-    if (cache[c] >= 0) {
-      std::vector<ChunkId>& v = on_tier[cache[c]];
-      v[slot[c]] = v.back();
-      slot[v.back()] = slot[c];
-      v.pop_back();
-    }
-    cache[c] = t;
-    if (t >= 0) {
-      slot[c] = on_tier[t].size();
-      on_tier[t].push_back(c);
-    }
-  };
-  // Chunks the moment being processed uses (by stamp).
-  std::vector<int64_t> used_at(nc, -1);
-  for (ChunkId c = 0; c < nc; ++c) {
+  // Demand-pass state, per chunk.
+  std::vector<int> cache_;                     // tier index of the cached copy, -1 none
+  std::vector<bool> dirty_;                    // the cached copy differs from its home
+  std::vector<int64_t> last_acc_;              // position of the last access (any tier)
+  std::vector<int64_t> arrived_;               // position its current copy arrived at
+  std::vector<int64_t> left_at_;               // position at whose start its copy last moved up
+  std::vector<int64_t> last_evict_;            // index into evicts_ of its last eviction
+  std::vector<int64_t> used_at_;               // the last position whose moment uses it
+  std::array<int64_t, kNumTierKinds> used_{};  // chunk bytes counted on each tier
+  // The chunks cached on each tier (unordered; slot_[c] is c's index there).
+  std::array<std::vector<ChunkId>, 2> on_tier_;
+  std::vector<size_t> slot_;
+
+  std::vector<FetchEv> fetches_;
+  std::vector<EvictEv> evicts_;
+  std::vector<std::tuple<int64_t, int, int64_t>> pending_;  // (usable from, tier, bytes)
+};
+
+ScheduleBuilder::ScheduleBuilder(const ScheduleInput& in)
+    : in_(in),
+      trace_(*in.trace),
+      eff_(*in.eff),
+      n_(eff_.size()),
+      nc_(trace_.chunks.size()),
+      horizon_(static_cast<int64_t>(2 * n_)),
+      nu_({&eff_, &eff_, &eff_}, nc_),
+      aware_(in.writeback_aware && in.machine != nullptr),
+      t_at_(static_cast<size_t>(horizon_) + 1, 0),
+      cache_(nc_, -1),
+      dirty_(nc_, false),
+      last_acc_(nc_, -1),
+      arrived_(nc_, -1),
+      left_at_(nc_, -1),
+      last_evict_(nc_, -1),
+      used_at_(nc_, -1),
+      slot_(nc_, 0) {
+  for (ChunkId c = 0; c < nc_; ++c) {
+    if (in.homes[c] == TierKind::kHost) host_homes_ += trace_.chunks[c].bytes;
+  }
+  for (int64_t q = 0; q < horizon_; ++q) {
+    const EffMoment& m = eff_.moments[static_cast<size_t>(q) % n_];
+    t_at_[q + 1] = t_at_[q] + (m.async ? 0 : m.compute_ns);
+  }
+  for (ChunkId c = 0; c < nc_; ++c) {
     const TierKind t = in.start.cache.empty() ? TierKind::kNone : in.start.cache[c];
     if (t == TierKind::kDevice || t == TierKind::kHost) {
-      set_cache(c, static_cast<int>(t));
-      dirty[c] = in.start.dirty[c];
-      used[cache[c]] += bytes_of(c);
+      SetCache(c, static_cast<int>(t));
+      dirty_[c] = in.start.dirty[c];
+      used_[cache_[c]] += BytesOf(c);
     }
   }
-  std::vector<FetchEv> fetches;
-  std::vector<EvictEv> evicts;
-  std::vector<std::tuple<int64_t, int, int64_t>> pending;  // (usable from, tier, bytes)
-  auto evict = [&](ChunkId c, int64_t at, bool victim, bool emit = true) {
-    const int64_t b = bytes_of(c);
-    const bool d = dirty[c] && emit;
-    int64_t freed = at;
-    if (aware && d) {
-      freed = pos_at(at, writeback_end(lane, cache[c], c, at));
-      if (freed > at) pending.push_back({freed, cache[c], b});
-    }
-    if (freed == at) used[cache[c]] -= b;
-    last_evict[c] = static_cast<int64_t>(evicts.size());
-    evicts.push_back({c, cache[c], at, arrived[c], d, victim, emit});
-    set_cache(c, -1);
-    dirty[c] = false;
-  };
-  // Dead copies leave right after their last use (at the start of `at`). A copy's next use
-  // changes only when it is accessed, so only the chunks just accessed need a look.
-  auto evict_dead_one = [&](ChunkId c, int64_t after_pos, int64_t at) {
-    if (cache[c] < 0) return;
-    const uint64_t p = after_pos < 0 ? UINT64_MAX : static_cast<uint64_t>(after_pos);
-    const VictimKey k =
-        BeladyKey(nu, c, static_cast<TierKind>(cache[c]), p, dirty[c], trace.chunks[c].bytes);
-    if (k.cls <= 1) evict(c, at, false);
-  };
-  // The Belady victim on tier t at pos (not used by its moment).
-  auto victim = [&](int t, int64_t pos, size_t i, VictimKey* key) {
-    bool have = false;
-    ChunkId best = 0;
-    for (ChunkId c : on_tier[t]) {
-      if (used_at[c] == pos) continue;
-      const VictimKey k = BeladyKey(nu, c, static_cast<TierKind>(t), static_cast<uint64_t>(pos),
-                                    dirty[c], trace.chunks[c].bytes);
-      if (!have || k < *key) {
-        have = true;
-        best = c;
-        *key = k;
-      }
-    }
-    return have ? static_cast<int64_t>(best) : -1;
-  };
-  auto insert = [&](ChunkId c, int t, int64_t pos, bool copy, int64_t use) {
-    const int64_t after = std::max(last_acc[c], left_at[c]);
-    if (cache[c] >= 0) {  // moves up from another cache: that copy goes
-      evict(c, pos, false, /*emit=*/false);
-      left_at[c] = pos;
-    }
-    set_cache(c, t);
-    dirty[c] = false;
-    arrived[c] = pos;
-    used[t] += bytes_of(c);
-    fetches.push_back({c, t, pos, copy, after, last_evict[c], use});
-  };
-  for (ChunkId c = 0; c < nc; ++c) evict_dead_one(c, -1, 0);
+}
 
-  // ---- demand pass: Belady over two copies of the iteration --------------------------------
-  for (int64_t pos = 0; pos < horizon; ++pos) {
-    const size_t i = static_cast<size_t>(pos) % n;
-    for (const EffAccess* a = eff.begin(i); a != eff.end(i); ++a) used_at[a->chunk] = pos;
-    for (auto it = pending.begin(); it != pending.end();) {
+int64_t ScheduleBuilder::Cap(int t, int64_t q) const {
+  const size_t i = static_cast<size_t>(q) % n_;
+  if (t == kD)
+    return static_cast<int64_t>(in_.device_budget) - static_cast<int64_t>(eff_.dev_extra[i]);
+  return static_cast<int64_t>(in_.host_budget) - static_cast<int64_t>(host_homes_) -
+         static_cast<int64_t>(eff_.host_extra[i]);
+}
+
+int64_t ScheduleBuilder::PosAt(int64_t from, uint64_t time) const {
+  int64_t q = from;
+  while (q < horizon_ && t_at_[q] < time) ++q;
+  return q;
+}
+
+uint64_t ScheduleBuilder::WritebackEnd(LaneClocks& clocks, int tier, ChunkId c, int64_t at) const {
+  const auto [ls, ld] = MachineModel::LaneOf(static_cast<TierKind>(tier), in_.homes[c]);
+  uint64_t& clock = clocks[ls][ld];
+  clock = std::max(clock, t_at_[at]) +
+          in_.machine->CopyNs(static_cast<TierKind>(tier), in_.homes[c], trace_.chunks[c].bytes);
+  return clock;
+}
+
+void ScheduleBuilder::SetCache(ChunkId c, int t) {
+  if (cache_[c] >= 0) {
+    std::vector<ChunkId>& v = on_tier_[cache_[c]];
+    v[slot_[c]] = v.back();
+    slot_[v.back()] = slot_[c];
+    v.pop_back();
+  }
+  cache_[c] = t;
+  if (t >= 0) {
+    slot_[c] = on_tier_[t].size();
+    on_tier_[t].push_back(c);
+  }
+}
+
+void ScheduleBuilder::Evict(ChunkId c, int64_t at, bool victim, bool emit) {
+  const int64_t b = BytesOf(c);
+  const bool d = dirty_[c] && emit;
+  int64_t freed = at;
+  if (aware_ && d) {
+    freed = PosAt(at, WritebackEnd(lane_, cache_[c], c, at));
+    if (freed > at) pending_.push_back({freed, cache_[c], b});
+  }
+  if (freed == at) used_[cache_[c]] -= b;
+  last_evict_[c] = static_cast<int64_t>(evicts_.size());
+  evicts_.push_back({c, cache_[c], at, arrived_[c], d, victim, emit});
+  SetCache(c, -1);
+  dirty_[c] = false;
+}
+
+void ScheduleBuilder::EvictDeadOne(ChunkId c, int64_t after_pos, int64_t at) {
+  if (cache_[c] < 0) return;
+  const uint64_t p = after_pos < 0 ? UINT64_MAX : static_cast<uint64_t>(after_pos);
+  const VictimKey k =
+      BeladyKey(nu_, c, static_cast<TierKind>(cache_[c]), p, dirty_[c], trace_.chunks[c].bytes);
+  if (k.cls <= 1) Evict(c, at, false);
+}
+
+int64_t ScheduleBuilder::Victim(int t, int64_t pos, VictimKey* key) const {
+  bool have = false;
+  ChunkId best = 0;
+  for (ChunkId c : on_tier_[t]) {
+    if (used_at_[c] == pos) continue;
+    const VictimKey k = BeladyKey(nu_, c, static_cast<TierKind>(t), static_cast<uint64_t>(pos),
+                                  dirty_[c], trace_.chunks[c].bytes);
+    if (!have || k < *key) {
+      have = true;
+      best = c;
+      *key = k;
+    }
+  }
+  return have ? static_cast<int64_t>(best) : -1;
+}
+
+void ScheduleBuilder::Insert(ChunkId c, int t, int64_t pos, bool copy, int64_t use) {
+  const int64_t after = std::max(last_acc_[c], left_at_[c]);
+  if (cache_[c] >= 0) {  // moves up from another cache: that copy goes
+    Evict(c, pos, false, /*emit=*/false);
+    left_at_[c] = pos;
+  }
+  SetCache(c, t);
+  dirty_[c] = false;
+  arrived_[c] = pos;
+  used_[t] += BytesOf(c);
+  fetches_.push_back({c, t, pos, copy, after, last_evict_[c], use});
+}
+
+Status ScheduleBuilder::DemandPass() {
+  for (ChunkId c = 0; c < nc_; ++c) EvictDeadOne(c, -1, 0);
+  for (int64_t pos = 0; pos < horizon_; ++pos) {
+    const size_t i = static_cast<size_t>(pos) % n_;
+    for (const EffAccess* a = eff_.begin(i); a != eff_.end(i); ++a) used_at_[a->chunk] = pos;
+    for (auto it = pending_.begin(); it != pending_.end();) {
       if (std::get<0>(*it) <= pos) {
-        used[std::get<1>(*it)] -= std::get<2>(*it);
-        it = pending.erase(it);
+        used_[std::get<1>(*it)] -= std::get<2>(*it);
+        it = pending_.erase(it);
       } else {
         ++it;
       }
     }
     // Copies above a chunk's home are dropped when it is accessed at home.
-    for (const EffAccess* a = eff.begin(i); a != eff.end(i); ++a) {
-      if (a->tier == in.homes[a->chunk] && cache[a->chunk] >= 0) evict(a->chunk, pos, false);
+    for (const EffAccess* a = eff_.begin(i); a != eff_.end(i); ++a) {
+      if (a->tier == in_.homes[a->chunk] && cache_[a->chunk] >= 0) Evict(a->chunk, pos, false);
     }
     for (int t : {kD, kH}) {
-      int64_t missing = 0;
-      for (const EffAccess* a = eff.begin(i); a != eff.end(i); ++a) {
-        if (static_cast<int>(a->tier) == t && a->tier != in.homes[a->chunk] &&
-            cache[a->chunk] != t) {
-          missing += bytes_of(a->chunk);
-        }
-      }
-      while (used[t] + missing > cap(t, pos)) {
-        VictimKey key;
-        const int64_t v = victim(t, pos, i, &key);
-        if (v < 0) {
-          const Bytes extra = t == kD ? eff.dev_extra[i] : eff.host_extra[i] + host_homes;
-          return ResourceExhaustedError(
-              std::string(TierKindName(static_cast<TierKind>(t))) + " tier: moment " +
-              std::to_string(i) + " (" + std::string(eff.moments[i].label) + ") needs " +
-              std::to_string(missing + used[t] + static_cast<int64_t>(extra)) +
-              " bytes (chunks it uses " + std::to_string(missing + used[t]) + ", non-chunk " +
-              std::to_string(extra) + "), the budget is " +
-              std::to_string(t == kD ? in.device_budget : in.host_budget) + " bytes");
-        }
-        evict(static_cast<ChunkId>(v), pos, true);
-      }
-      for (const EffAccess* a = eff.begin(i); a != eff.end(i); ++a) {
-        const ChunkId c = a->chunk;
-        if (static_cast<int>(a->tier) != t || a->tier == in.homes[c] || cache[c] == t) continue;
-        insert(c, t, pos, a->needs_content, pos);
-      }
-      // Aggressive variant: while the next chunk to be read on this tier can come in without
-      // harm (free room, or a victim read later than it), fetch it now.
-      while (in.aggressive && pos + 1 < horizon) {
-        // The earliest later read on t of a chunk cached nowhere (and not used now).
-        bool have = false;
-        ChunkId x = 0;
-        uint64_t xr = NextUse::kDead;
-        for (int64_t q = pos + 1; q < horizon && !have; ++q) {
-          const size_t j = static_cast<size_t>(q) % n;
-          for (const EffAccess* a = eff.begin(j); a != eff.end(j); ++a) {
-            const ChunkId c = a->chunk;
-            if (static_cast<int>(a->tier) != t || !a->needs_content || cache[c] >= 0 ||
-                in.homes[c] == a->tier || used_at[c] == pos ||
-                nu.NextRead(c, a->tier, static_cast<uint64_t>(pos)) != static_cast<uint64_t>(q)) {
-              continue;
-            }
-            have = true;
-            x = c;
-            xr = static_cast<uint64_t>(q);
-            break;
-          }
-        }
-        if (!have) break;
-        bool room = true;
-        while (used[t] + bytes_of(x) > cap(t, pos)) {
-          VictimKey key;
-          const int64_t v = victim(t, pos, i, &key);
-          // Do no harm: the victim must be dead or read after x.
-          if (v < 0 || (key.cls == 3 && UINT64_MAX - key.far <= xr)) {
-            room = false;
-            break;
-          }
-          evict(static_cast<ChunkId>(v), pos, true);
-        }
-        if (!room) break;
-        insert(x, t, pos, true, static_cast<int64_t>(xr));
-      }
+      TIERMEM_RETURN_IF_ERROR(FetchMoment(t, pos, i));
+      if (in_.aggressive) FetchAhead(t, pos);
     }
-    for (const EffAccess* a = eff.begin(i); a != eff.end(i); ++a) {
-      last_acc[a->chunk] = pos;
-      if (a->modifies && cache[a->chunk] == static_cast<int>(a->tier)) dirty[a->chunk] = true;
+    for (const EffAccess* a = eff_.begin(i); a != eff_.end(i); ++a) {
+      last_acc_[a->chunk] = pos;
+      if (a->modifies && cache_[a->chunk] == static_cast<int>(a->tier)) dirty_[a->chunk] = true;
     }
-    if (pos + 1 < horizon) {
-      for (const EffAccess* a = eff.begin(i); a != eff.end(i); ++a) {
-        evict_dead_one(a->chunk, pos, pos + 1);
+    if (pos + 1 < horizon_) {
+      for (const EffAccess* a = eff_.begin(i); a != eff_.end(i); ++a) {
+        EvictDeadOne(a->chunk, pos, pos + 1);
       }
     }
   }
+  return OkStatus();
+}
 
-  // ---- victims of this iteration leave right after their last use -------------------------
-  for (EvictEv& e : evicts) {
-    if (!e.victim || e.at >= static_cast<int64_t>(n)) continue;
+Status ScheduleBuilder::FetchMoment(int t, int64_t pos, size_t i) {
+  int64_t missing = 0;
+  for (const EffAccess* a = eff_.begin(i); a != eff_.end(i); ++a) {
+    if (static_cast<int>(a->tier) == t && a->tier != in_.homes[a->chunk] && cache_[a->chunk] != t) {
+      missing += BytesOf(a->chunk);
+    }
+  }
+  while (used_[t] + missing > Cap(t, pos)) {
+    VictimKey key;
+    const int64_t v = Victim(t, pos, &key);
+    if (v < 0) {
+      const Bytes extra = t == kD ? eff_.dev_extra[i] : eff_.host_extra[i] + host_homes_;
+      return ResourceExhaustedError(
+          std::string(TierKindName(static_cast<TierKind>(t))) + " tier: moment " +
+          std::to_string(i) + " (" + std::string(eff_.moments[i].label) + ") needs " +
+          std::to_string(missing + used_[t] + static_cast<int64_t>(extra)) +
+          " bytes (chunks it uses " + std::to_string(missing + used_[t]) + ", non-chunk " +
+          std::to_string(extra) + "), the budget is " +
+          std::to_string(t == kD ? in_.device_budget : in_.host_budget) + " bytes");
+    }
+    Evict(static_cast<ChunkId>(v), pos, true);
+  }
+  for (const EffAccess* a = eff_.begin(i); a != eff_.end(i); ++a) {
+    const ChunkId c = a->chunk;
+    if (static_cast<int>(a->tier) != t || a->tier == in_.homes[c] || cache_[c] == t) continue;
+    Insert(c, t, pos, a->needs_content, pos);
+  }
+  return OkStatus();
+}
+
+void ScheduleBuilder::FetchAhead(int t, int64_t pos) {
+  while (pos + 1 < horizon_) {
+    // The earliest later read on t of a chunk cached nowhere (and not used now).
+    bool have = false;
+    ChunkId x = 0;
+    uint64_t xr = NextUse::kDead;
+    for (int64_t q = pos + 1; q < horizon_ && !have; ++q) {
+      const size_t j = static_cast<size_t>(q) % n_;
+      for (const EffAccess* a = eff_.begin(j); a != eff_.end(j); ++a) {
+        const ChunkId c = a->chunk;
+        if (static_cast<int>(a->tier) != t || !a->needs_content || cache_[c] >= 0 ||
+            in_.homes[c] == a->tier || used_at_[c] == pos ||
+            nu_.NextRead(c, a->tier, static_cast<uint64_t>(pos)) != static_cast<uint64_t>(q)) {
+          continue;
+        }
+        have = true;
+        x = c;
+        xr = static_cast<uint64_t>(q);
+        break;
+      }
+    }
+    if (!have) return;
+    while (used_[t] + BytesOf(x) > Cap(t, pos)) {
+      VictimKey key;
+      const int64_t v = Victim(t, pos, &key);
+      // Do no harm: the victim must be dead or read after x.
+      if (v < 0 || (key.cls == 3 && UINT64_MAX - key.far <= xr)) return;
+      Evict(static_cast<ChunkId>(v), pos, true);
+    }
+    Insert(x, t, pos, true, static_cast<int64_t>(xr));
+  }
+}
+
+void ScheduleBuilder::EvictVictimsEarly() {
+  for (EvictEv& e : evicts_) {
+    if (!e.victim || e.at >= static_cast<int64_t>(n_)) continue;
     int64_t last = -1;
     for (int64_t q = e.at - 1; q > e.arrived && q >= 0; --q) {
-      if (UsedBy(eff, static_cast<size_t>(q) % n, e.chunk)) {
+      if (UsedBy(eff_, static_cast<size_t>(q) % n_, e.chunk)) {
         last = q;
         break;
       }
     }
     e.at = std::max({last + 1, e.arrived + 1, int64_t{0}});
   }
-  // When each room is usable: at the eviction, or when its write-back ends (lanes in order).
-  {
-    std::vector<size_t> order(evicts.size());
-    for (size_t k = 0; k < order.size(); ++k) order[k] = k;
-    std::stable_sort(order.begin(), order.end(),
-                     [&](size_t x, size_t y) { return evicts[x].at < evicts[y].at; });
-    std::array<std::array<uint64_t, kNumTierKinds>, kNumTierKinds> clocks{};
-    for (size_t k : order) {
-      EvictEv& e = evicts[k];
-      e.freed =
-          aware && e.dirty ? pos_at(e.at, writeback_end(clocks, e.tier, e.chunk, e.at)) : e.at;
-    }
+}
+
+void ScheduleBuilder::SetFreed() {
+  std::vector<size_t> order(evicts_.size());
+  for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t x, size_t y) { return evicts_[x].at < evicts_[y].at; });
+  LaneClocks clocks{};
+  for (size_t k : order) {
+    EvictEv& e = evicts_[k];
+    e.freed = aware_ && e.dirty ? PosAt(e.at, WritebackEnd(clocks, e.tier, e.chunk, e.at)) : e.at;
   }
-  // Occupancy per position after its actions, from the events.
+}
+
+std::array<std::vector<int64_t>, 2> ScheduleBuilder::Occupancy() const {
   std::array<std::vector<int64_t>, 2> occ;
   for (int t : {kD, kH}) {
-    std::vector<int64_t> diff(static_cast<size_t>(horizon) + 1, 0);
-    for (ChunkId c = 0; c < nc; ++c) {
-      const TierKind st = in.start.cache.empty() ? TierKind::kNone : in.start.cache[c];
-      if (static_cast<int>(st) == t) diff[0] += bytes_of(c);
+    std::vector<int64_t> diff(static_cast<size_t>(horizon_) + 1, 0);
+    for (ChunkId c = 0; c < nc_; ++c) {
+      const TierKind st = in_.start.cache.empty() ? TierKind::kNone : in_.start.cache[c];
+      if (static_cast<int>(st) == t) diff[0] += BytesOf(c);
     }
-    for (const FetchEv& f : fetches) {
-      if (f.tier == t) diff[static_cast<size_t>(f.need)] += bytes_of(f.chunk);
+    for (const FetchEv& f : fetches_) {
+      if (f.tier == t) diff[static_cast<size_t>(f.need)] += BytesOf(f.chunk);
     }
-    for (const EvictEv& e : evicts) {
-      if (e.tier == t) diff[static_cast<size_t>(std::min(e.freed, horizon))] -= bytes_of(e.chunk);
+    for (const EvictEv& e : evicts_) {
+      if (e.tier == t) diff[static_cast<size_t>(std::min(e.freed, horizon_))] -= BytesOf(e.chunk);
     }
-    occ[t].resize(static_cast<size_t>(horizon));
+    occ[t].resize(static_cast<size_t>(horizon_));
     int64_t run = 0;
-    for (int64_t q = 0; q < horizon; ++q) {
+    for (int64_t q = 0; q < horizon_; ++q) {
       run += diff[static_cast<size_t>(q)];
       occ[t][static_cast<size_t>(q)] = run;
     }
   }
+  return occ;
+}
 
-  // ---- hoisting: each fetch (need order per tier) as early as the room allows -------------
-  Schedule out;
-  out.actions.resize(n);
-  std::vector<std::vector<PlanAction>> prefetch_at(n);
+void ScheduleBuilder::Hoist(std::array<std::vector<int64_t>, 2> occ,
+                            std::vector<std::vector<PlanAction>>* prefetch_at,
+                            Schedule* out) const {
+  const int64_t n = static_cast<int64_t>(n_);
   std::array<int64_t, kNumTierKinds> prev{};
   std::array<bool, kNumTierKinds> stop{};
-  for (const FetchEv& f : fetches) {
+  for (const FetchEv& f : fetches_) {
     if (stop[f.tier]) continue;
-    const bool next_iter = f.need >= static_cast<int64_t>(n);
-    const int64_t b = bytes_of(f.chunk);
+    const bool next_iter = f.need >= n;
+    const int64_t b = BytesOf(f.chunk);
     int64_t e = f.need;
     if (f.copy) {
       // After its previous access, and after its copy last left (an eviction the pass above
       // may have moved), in need order.
       int64_t earliest = f.after_access + 1;
       if (f.prev_evict >= 0) {
-        earliest = std::max(earliest, evicts[static_cast<size_t>(f.prev_evict)].at + 1);
+        earliest = std::max(earliest, evicts_[static_cast<size_t>(f.prev_evict)].at + 1);
       }
       e = std::max<int64_t>(earliest, prev[f.tier]);
       for (int64_t q = f.need - 1; q >= e; --q) {
-        if (occ[f.tier][static_cast<size_t>(q)] + b > cap(f.tier, q)) {
+        if (occ[f.tier][static_cast<size_t>(q)] + b > Cap(f.tier, q)) {
           e = q + 1;
           break;
         }
       }
       e = std::min(e, f.need);
     }
-    if (next_iter && (e >= static_cast<int64_t>(n) || !f.copy)) {
+    if (next_iter && (e >= n || !f.copy)) {
       if (f.copy) stop[f.tier] = true;
       continue;
     }
@@ -398,13 +485,18 @@ StatusOr<Schedule> MakeSchedule(const ScheduleInput& in) {
     a.copy = f.copy;
     a.chunk = f.chunk;
     a.need_moment = static_cast<uint32_t>(f.use);
-    prefetch_at[static_cast<size_t>(e)].push_back(a);
-    if (f.copy && f.tier == kD && f.use < static_cast<int64_t>(n)) {
-      out.device_in_bytes += static_cast<Bytes>(b);
-    }
+    (*prefetch_at)[static_cast<size_t>(e)].push_back(a);
+    if (f.copy && f.tier == kD && f.use < n) out->device_in_bytes += static_cast<Bytes>(b);
   }
-  for (const EvictEv& e : evicts) {
-    if (!e.emit || e.at >= static_cast<int64_t>(n)) continue;
+}
+
+Schedule ScheduleBuilder::Emit() const {
+  Schedule out;
+  out.actions.resize(n_);
+  std::vector<std::vector<PlanAction>> prefetch_at(n_);
+  Hoist(Occupancy(), &prefetch_at, &out);
+  for (const EvictEv& e : evicts_) {
+    if (!e.emit || e.at >= static_cast<int64_t>(n_)) continue;
     PlanAction a;
     a.kind = ActionKind::kEvict;
     a.tier = static_cast<TierKind>(e.tier);
@@ -412,12 +504,12 @@ StatusOr<Schedule> MakeSchedule(const ScheduleInput& in) {
     out.actions[static_cast<size_t>(e.at)].push_back(a);
   }
   // Evictions at a moment in chunk order (deterministic), then prefetches in need order.
-  for (size_t i = 0; i < n; ++i) {
+  for (size_t i = 0; i < n_; ++i) {
     std::stable_sort(out.actions[i].begin(), out.actions[i].end(),
                      [](const PlanAction& x, const PlanAction& y) { return x.chunk < y.chunk; });
     for (const PlanAction& a : prefetch_at[i]) out.actions[i].push_back(a);
   }
-  for (const ActSpan& s : eff.spans) {
+  for (const ActSpan& s : eff_.spans) {
     if (s.policy != ActivationPolicy::kOffload) continue;
     PlanAction a;
     a.kind = ActionKind::kFetchActivation;
@@ -427,6 +519,16 @@ StatusOr<Schedule> MakeSchedule(const ScheduleInput& in) {
     out.actions[s.prefetch_at].push_back(a);
   }
   return out;
+}
+
+}  // namespace
+
+StatusOr<Schedule> MakeSchedule(const ScheduleInput& in) {
+  ScheduleBuilder b(in);
+  TIERMEM_RETURN_IF_ERROR(b.DemandPass());
+  b.EvictVictimsEarly();
+  b.SetFreed();
+  return b.Emit();
 }
 
 // ---- PlanPolicy --------------------------------------------------------------------------

@@ -4,18 +4,22 @@
 #include <algorithm>
 #include <tuple>
 
+#include "layout/eviction_rank.h"
 #include "planners/schedule.h"
 
 namespace tiermem::planners {
 namespace {
 
-using LruKey = std::tuple<bool, uint64_t, ChunkId>;
-LruKey Lru(const SimulatedRun& ex, ChunkId c) {
-  return {ex.Chunk(c).dirty, ex.Chunk(c).last_use, c};
+// The engine's eviction rule (layout/eviction_rank.h) without a recorded order: the least
+// recently used, clean first. Ties go to the lower chunk id, as in the engine (MakeRoom scans
+// chunks by id).
+chunks::EvictionRank Lru(const SimulatedRun& ex, ChunkId c) {
+  return chunks::RankForEviction(chunks::EvictionCandidate{
+      .chunk = c, .dirty = ex.Chunk(c).dirty, .last_use = ex.Chunk(c).last_use});
 }
 
 // Next access of `c` (any tier, any mode) strictly after moment `i` of `r`, or kNever.
-constexpr uint64_t kNever = UINT64_MAX;
+constexpr uint64_t kNever = chunks::kNeverUsed;
 class OrderIndex {
  public:
   OrderIndex(const EffIteration& r, size_t num_chunks) : pos_(num_chunks) {
@@ -84,10 +88,12 @@ class EnginePolicy : public Following {
     if (!following_) {
       return EnsureMoment(ex, i, [&ex](ChunkId c, TierKind) { return Lru(ex, c); });
     }
+    // The engine's eviction rule while it follows the recorded order (ties: the lower id).
     auto key = [&](ChunkId c) {
-      const uint64_t next = index_->Next(c, i);
-      const bool never = next == kNever;
-      return std::make_tuple(never ? 0 : 1, ex.Chunk(c).dirty, never ? 0 : UINT64_MAX - next, c);
+      return chunks::RankForEviction(chunks::EvictionCandidate{.chunk = c,
+                                                               .dirty = ex.Chunk(c).dirty,
+                                                               .next_use = index_->Next(c, i),
+                                                               .order_known = true});
     };
     TIERMEM_RETURN_IF_ERROR(EnsureMoment(ex, i, [&](ChunkId c, TierKind) { return key(c); }));
     // Lookahead: the next `depth_` acquires of the recorded order after this moment.
@@ -238,149 +244,37 @@ class Driver {
   }
 
  private:
+  // What the steps of one policy's run share. Positions index seq_: 0 is the warm-up, 1.. the
+  // measured iterations.
+  struct RunState {
+    PolicyKind kind = PolicyKind::kLru;
+    const SimResult* planned = nullptr;  // opt: the planned run it follows
+    SimResult* res = nullptr;            // the result being filled
+    Plan first_plan;                     // planned: made from the warm-up iteration
+    std::vector<TierKind> homes;         // fixed for the whole run
+    std::unique_ptr<SimulatedRun> ex;
+    std::vector<EffIteration> recorded_eff;  // per position, under the recorded placement
+    std::vector<EffIteration> eff;           // per position, under the policy's (planned, opt)
+    std::unique_ptr<NextUse> oracle;         // opt, opt-recorded: every measured iteration
+    uint64_t offset = 0;                     // opt: the oracle's position of this iteration
+  };
+
   Status RunImpl(PolicyKind kind, const SimResult* planned, SimResult* res) {
-    const bool plan_like = kind == PolicyKind::kPlanned || kind == PolicyKind::kOpt;
-    // Homes.
-    std::vector<TierKind> homes;
-    Plan first_plan;
-    if (kind == PolicyKind::kPlanned) {
-      PlanOptions po = opt_.plan;
-      po.iteration = 0;
-      po.start = nullptr;
-      po.homes = nullptr;
-      std::vector<TierKind> recorded;
-      if (opt_.keep_recorded_homes) {
-        for (const TraceChunk& c : trace_.chunks) recorded.push_back(c.home);
-        po.homes = &recorded;
-      }
-      TIERMEM_ASSIGN_OR_RETURN(first_plan, MakePlan(trace_, machine_, po));
-      homes = first_plan.home;
-    } else if (kind == PolicyKind::kOpt) {
-      homes = planned->homes;
-    } else {
-      TIERMEM_RETURN_IF_ERROR(CheckFeasible(trace_, 0, machine_, true));
-      TIERMEM_ASSIGN_OR_RETURN(homes, PlaceHomesInOrder(trace_, machine_, HostWorkingSet(trace_)));
-    }
-    res->homes = homes;
-    TIERMEM_ASSIGN_OR_RETURN(auto ex, SimulatedRun::Create(&trace_, &machine_, homes));
-
-    // Warm-up: reactive, as recorded (baselines) or under the first plan's placement.
-    std::vector<EffIteration> recorded_eff;  // per position in seq_, recorded placement
-    for (uint32_t k : seq_) {
-      TIERMEM_ASSIGN_OR_RETURN(EffIteration e, BuildEffective(trace_, trace_.iterations[k],
-                                                              Recorded(trace_, homes), machine_));
-      recorded_eff.push_back(std::move(e));
-    }
-    {
-      Placement wp = Recorded(trace_, homes);
-      if (kind == PolicyKind::kPlanned) wp = first_plan.ToPlacement();
-      if (kind == PolicyKind::kOpt) wp = planned->warmup_placement;
-      res->warmup_placement = wp;
-      TIERMEM_ASSIGN_OR_RETURN(EffIteration e,
-                               BuildEffective(trace_, trace_.iterations[seq_[0]], wp, machine_));
-      LruPolicy warm;
-      auto st = ex->Run(e, warm, 0);
-      if (!st.ok()) return st.status().WithContext("warm-up iteration");
-    }
-    ex->ResetPeaks();
-    ex->set_record_moments(opt_.record_moments);
-
-    // Effective sequences of the measured iterations (opt needs them all up front).
-    std::vector<EffIteration> eff(seq_.size());
-    std::unique_ptr<NextUse> oracle;
-    if (kind == PolicyKind::kOpt) {
-      if (planned->plans.size() + 1 != seq_.size()) {
-        return FailedPreconditionError("opt: the planned run did not complete");
-      }
-      std::vector<const EffIteration*> all;
-      for (size_t p = 1; p < seq_.size(); ++p) {
-        TIERMEM_ASSIGN_OR_RETURN(eff[p],
-                                 BuildEffective(trace_, trace_.iterations[seq_[p]],
-                                                planned->plans[p - 1].ToPlacement(), machine_));
-        all.push_back(&eff[p]);
-      }
-      oracle = std::make_unique<NextUse>(all, trace_.chunks.size());
-    } else if (kind == PolicyKind::kOptRecorded) {
-      std::vector<const EffIteration*> all;
-      for (size_t p = 1; p < seq_.size(); ++p) all.push_back(&recorded_eff[p]);
-      oracle = std::make_unique<NextUse>(all, trace_.chunks.size());
-    }
-    res->bound_exact = true;
-    if (kind == PolicyKind::kOpt || kind == PolicyKind::kOptRecorded) {
-      Bytes size = 0;
-      for (size_t p = 1; p < seq_.size(); ++p) {
-        const EffIteration& e = kind == PolicyKind::kOpt ? eff[p] : recorded_eff[p];
-        for (const EffAccess& a : e.accesses) {
-          if (a.tier != TierKind::kDevice) continue;
-          const Bytes b = trace_.chunks[a.chunk].bytes;
-          if (size != 0 && b != size) res->bound_exact = false;
-          size = b;
-        }
-      }
-    }
-
-    uint64_t offset = 0;
+    RunState r;
+    r.kind = kind;
+    r.planned = planned;
+    r.res = res;
+    TIERMEM_RETURN_IF_ERROR(PlaceHomes(r));
+    res->homes = r.homes;
+    TIERMEM_ASSIGN_OR_RETURN(r.ex, SimulatedRun::Create(&trace_, &machine_, r.homes));
+    TIERMEM_RETURN_IF_ERROR(WarmUp(r));
+    r.ex->ResetPeaks();
+    r.ex->set_record_moments(opt_.record_moments);
+    TIERMEM_RETURN_IF_ERROR(PrepareOracle(r));
     for (size_t p = 1; p < seq_.size(); ++p) {
-      const uint32_t k = seq_[p];
-      StatusOr<IterationStats> st = InternalError("unset");
       bool diverged = false;
-      switch (kind) {
-        case PolicyKind::kLru: {
-          LruPolicy pol;
-          st = ex->Run(recorded_eff[p], pol, static_cast<uint32_t>(p));
-          break;
-        }
-        case PolicyKind::kPatrickStar: {
-          PatrickStarPolicy pol(&recorded_eff[p - 1]);
-          st = ex->Run(recorded_eff[p], pol, static_cast<uint32_t>(p));
-          diverged = pol.diverged();
-          break;
-        }
-        case PolicyKind::kEngine: {
-          EnginePolicy pol(&recorded_eff[p - 1], opt_.engine_prefetch_depth);
-          st = ex->Run(recorded_eff[p], pol, static_cast<uint32_t>(p));
-          diverged = pol.diverged();
-          break;
-        }
-        case PolicyKind::kDeepSpeed: {
-          const Bytes bucket = opt_.deepspeed_bucket_bytes != 0 ? opt_.deepspeed_bucket_bytes
-                                                                : 4 * trace_.MaxChunkBytes();
-          DeepSpeedPolicy pol(&recorded_eff[p - 1], bucket);
-          st = ex->Run(recorded_eff[p], pol, static_cast<uint32_t>(p));
-          diverged = pol.diverged();
-          break;
-        }
-        case PolicyKind::kPlanned: {
-          const StartState start = ex->State();
-          PlanOptions po = opt_.plan;
-          po.iteration = seq_[p - 1];
-          if (p >= 2) po.earlier_iteration = seq_[p - 2];
-          po.start = &start;
-          po.homes = &homes;
-          TIERMEM_ASSIGN_OR_RETURN(Plan plan, MakePlan(trace_, machine_, po));
-          const Placement pl = plan.ToPlacement();
-          TIERMEM_ASSIGN_OR_RETURN(
-              EffIteration planned_eff,
-              BuildEffective(trace_, trace_.iterations[po.iteration], pl, machine_));
-          TIERMEM_ASSIGN_OR_RETURN(eff[p],
-                                   BuildEffective(trace_, trace_.iterations[k], pl, machine_));
-          PlanPolicy pol(&plan, &planned_eff);
-          st = ex->Run(eff[p], pol, static_cast<uint32_t>(p));
-          diverged = pol.diverged();
-          if (!diverged) res->repairs += pol.repairs();
-          res->plans.push_back(std::move(plan));
-          break;
-        }
-        case PolicyKind::kOpt:
-        case PolicyKind::kOptRecorded: {
-          OptPolicy pol(oracle.get());
-          pol.SetOffset(offset);
-          const EffIteration& e = kind == PolicyKind::kOpt ? eff[p] : recorded_eff[p];
-          st = ex->Run(e, pol, static_cast<uint32_t>(p));
-          offset += e.size();
-          break;
-        }
-      }
+      StatusOr<IterationStats> st = InternalError("unset");
+      TIERMEM_RETURN_IF_ERROR(RunMeasured(r, p, &st, &diverged));
       if (!st.ok()) {
         return st.status().WithContext(std::string(PolicyName(kind)) + ", iteration " +
                                        std::to_string(p));
@@ -390,9 +284,156 @@ class Driver {
       res->per_iteration.push_back(*st);
       ++res->measured_iterations;
     }
-    (void)plan_like;
-    for (int t = 0; t < kNumTierKinds; ++t) res->peak[t] = ex->Peak(static_cast<TierKind>(t));
-    res->unclaimed = ex->Unclaimed();
+    for (int t = 0; t < kNumTierKinds; ++t) res->peak[t] = r.ex->Peak(static_cast<TierKind>(t));
+    res->unclaimed = r.ex->Unclaimed();
+    return OkStatus();
+  }
+
+  // The homes: the first plan's (planned, made from the warm-up iteration), the planned run's
+  // (opt), else those the runtime places in order (after checking the warm-up fits).
+  Status PlaceHomes(RunState& r) {
+    if (r.kind == PolicyKind::kPlanned) {
+      PlanOptions po = opt_.plan;
+      po.iteration = 0;
+      po.start = nullptr;
+      po.homes = nullptr;
+      std::vector<TierKind> recorded;
+      if (opt_.keep_recorded_homes) {
+        for (const TraceChunk& c : trace_.chunks) recorded.push_back(c.home);
+        po.homes = &recorded;
+      }
+      TIERMEM_ASSIGN_OR_RETURN(r.first_plan, MakePlan(trace_, machine_, po));
+      r.homes = r.first_plan.home;
+    } else if (r.kind == PolicyKind::kOpt) {
+      r.homes = r.planned->homes;
+    } else {
+      TIERMEM_RETURN_IF_ERROR(CheckFeasible(trace_, 0, machine_, true));
+      TIERMEM_ASSIGN_OR_RETURN(r.homes,
+                               PlaceHomesInOrder(trace_, machine_, HostWorkingSet(trace_)));
+    }
+    return OkStatus();
+  }
+
+  // Builds every position's recorded effective iteration and runs the warm-up: reactive, as
+  // recorded (baselines) or under the first plan's placement (planned, opt).
+  Status WarmUp(RunState& r) {
+    for (uint32_t k : seq_) {
+      TIERMEM_ASSIGN_OR_RETURN(EffIteration e, BuildEffective(trace_, trace_.iterations[k],
+                                                              Recorded(trace_, r.homes), machine_));
+      r.recorded_eff.push_back(std::move(e));
+    }
+    Placement wp = Recorded(trace_, r.homes);
+    if (r.kind == PolicyKind::kPlanned) wp = r.first_plan.ToPlacement();
+    if (r.kind == PolicyKind::kOpt) wp = r.planned->warmup_placement;
+    r.res->warmup_placement = wp;
+    TIERMEM_ASSIGN_OR_RETURN(EffIteration e,
+                             BuildEffective(trace_, trace_.iterations[seq_[0]], wp, machine_));
+    LruPolicy warm;
+    auto st = r.ex->Run(e, warm, 0);
+    if (!st.ok()) return st.status().WithContext("warm-up iteration");
+    return OkStatus();
+  }
+
+  // opt and opt-recorded: the effective sequences of every measured iteration up front (opt:
+  // under the planned run's plans) and the oracle over them; whether the bound is exact
+  // (every chunk read on the device has one size; true for the other policies).
+  Status PrepareOracle(RunState& r) {
+    r.eff.resize(seq_.size());
+    std::vector<const EffIteration*> all;
+    if (r.kind == PolicyKind::kOpt || r.kind == PolicyKind::kOptRecorded) {
+      if (r.kind == PolicyKind::kOpt && r.planned->plans.size() + 1 != seq_.size()) {
+        return FailedPreconditionError("opt: the planned run did not complete");
+      }
+      for (size_t p = 1; p < seq_.size(); ++p) {
+        if (r.kind == PolicyKind::kOpt) {
+          TIERMEM_ASSIGN_OR_RETURN(r.eff[p],
+                                   BuildEffective(trace_, trace_.iterations[seq_[p]],
+                                                  r.planned->plans[p - 1].ToPlacement(), machine_));
+        }
+        all.push_back(r.kind == PolicyKind::kOpt ? &r.eff[p] : &r.recorded_eff[p]);
+      }
+      r.oracle = std::make_unique<NextUse>(all, trace_.chunks.size());
+    }
+    r.res->bound_exact = true;
+    Bytes size = 0;
+    for (const EffIteration* e : all) {
+      for (const EffAccess& a : e->accesses) {
+        if (a.tier != TierKind::kDevice) continue;
+        const Bytes b = trace_.chunks[a.chunk].bytes;
+        if (size != 0 && b != size) r.res->bound_exact = false;
+        size = b;
+      }
+    }
+    return OkStatus();
+  }
+
+  // Measured position p under the run's policy: its result in *st (RunImpl names the policy
+  // and the iteration of a failure), *diverged when it left the order it followed. Returns a
+  // failure to make the iteration's plan (planned) as is.
+  Status RunMeasured(RunState& r, size_t p, StatusOr<IterationStats>* st, bool* diverged) {
+    SimulatedRun& ex = *r.ex;
+    const EffIteration& recorded = r.recorded_eff[p];
+    const auto at = static_cast<uint32_t>(p);
+    switch (r.kind) {
+      case PolicyKind::kLru: {
+        LruPolicy pol;
+        *st = ex.Run(recorded, pol, at);
+        break;
+      }
+      case PolicyKind::kPatrickStar: {
+        PatrickStarPolicy pol(&r.recorded_eff[p - 1]);
+        *st = ex.Run(recorded, pol, at);
+        *diverged = pol.diverged();
+        break;
+      }
+      case PolicyKind::kEngine: {
+        EnginePolicy pol(&r.recorded_eff[p - 1], opt_.engine_prefetch_depth);
+        *st = ex.Run(recorded, pol, at);
+        *diverged = pol.diverged();
+        break;
+      }
+      case PolicyKind::kDeepSpeed: {
+        const Bytes bucket = opt_.deepspeed_bucket_bytes != 0 ? opt_.deepspeed_bucket_bytes
+                                                              : 4 * trace_.MaxChunkBytes();
+        DeepSpeedPolicy pol(&r.recorded_eff[p - 1], bucket);
+        *st = ex.Run(recorded, pol, at);
+        *diverged = pol.diverged();
+        break;
+      }
+      case PolicyKind::kPlanned:
+        return RunPlanned(r, p, st, diverged);
+      case PolicyKind::kOpt:
+      case PolicyKind::kOptRecorded: {
+        OptPolicy pol(r.oracle.get());
+        pol.SetOffset(r.offset);
+        const EffIteration& e = r.kind == PolicyKind::kOpt ? r.eff[p] : recorded;
+        *st = ex.Run(e, pol, at);
+        r.offset += e.size();
+        break;
+      }
+    }
+    return OkStatus();
+  }
+
+  // Planned: the plan for position p, made from position p - 1 and the state now, then run.
+  Status RunPlanned(RunState& r, size_t p, StatusOr<IterationStats>* st, bool* diverged) {
+    const StartState start = r.ex->State();
+    PlanOptions po = opt_.plan;
+    po.iteration = seq_[p - 1];
+    if (p >= 2) po.earlier_iteration = seq_[p - 2];
+    po.start = &start;
+    po.homes = &r.homes;
+    TIERMEM_ASSIGN_OR_RETURN(Plan plan, MakePlan(trace_, machine_, po));
+    const Placement pl = plan.ToPlacement();
+    TIERMEM_ASSIGN_OR_RETURN(EffIteration planned_eff,
+                             BuildEffective(trace_, trace_.iterations[po.iteration], pl, machine_));
+    TIERMEM_ASSIGN_OR_RETURN(r.eff[p],
+                             BuildEffective(trace_, trace_.iterations[seq_[p]], pl, machine_));
+    PlanPolicy pol(&plan, &planned_eff);
+    *st = r.ex->Run(r.eff[p], pol, static_cast<uint32_t>(p));
+    *diverged = pol.diverged();
+    if (!*diverged) r.res->repairs += pol.repairs();
+    r.res->plans.push_back(std::move(plan));
     return OkStatus();
   }
 

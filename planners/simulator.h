@@ -13,7 +13,8 @@
 //
 // Policies:
 //   lru          reactive: fetch on demand, evict the least recently used (clean first);
-//                synchronous write-back. The engine's behaviour off its recorded order.
+//                synchronous write-back. The engine's behaviour off its recorded order
+//                (its rule, layout/eviction_rank.h).
 //   patrickstar  synchronous moves on demand, no prefetch, evict the farthest next use in the
 //                previous iteration's moment order (LRU once the iteration diverged).
 //   deepspeed    the previous iteration's module order: prefetch upcoming chunks up to a
@@ -23,7 +24,8 @@
 //   engine       today's tiermem engine: the previous iteration's acquire order with a
 //                lookahead of `engine_prefetch_depth` acquires (evicting only clean chunks
 //                needed later), farthest next use (never-used, then clean, first) while
-//                following it, LRU once diverged; synchronous write-back.
+//                following it, LRU once diverged (the engine's own ranking,
+//                layout/eviction_rank.h); synchronous write-back.
 //   planned      the planner's plan for iteration k, made from iteration k-1 and the state
 //                at k's start (homes fixed by the first plan); on divergence the plan repairs
 //                (other chunks at a planned moment) or goes reactive (another moment).

@@ -161,13 +161,53 @@ std::string_view Analyzer::current_phase() const { return impl_->PhaseName(); }
 std::string_view Analyzer::current_moment() const { return impl_->moment; }
 
 TierKind Analyzer::Add(const Event& e, std::string_view label) {
+  const uint64_t ts = AdvanceTo(e.ts_ns);
+  Report& r = impl_->report;
+  ++r.events;
+  const int tier = TierIndex(e.tier);
+  const int tier2 = TierIndex(e.tier2);
+  if (tier >= 0) r.tiers[tier].seen = true;
+  if (tier2 >= 0 && (e.type == EventType::kCopyBegin || e.type == EventType::kCopyEnd)) {
+    r.tiers[tier2].seen = true;
+  }
+  switch (e.type) {
+    case EventType::kAlloc:
+      if (tier >= 0) OnAlloc(e, tier, ts);
+      return tier >= 0 ? e.tier : TierKind::kNone;
+    case EventType::kFree:
+      return tier >= 0 && OnFree(e, tier) ? e.tier : TierKind::kNone;
+    case EventType::kCopyBegin:
+      OnCopyBegin(e, tier, tier2, ts);
+      break;
+    case EventType::kCopyEnd:
+      OnCopyEnd(e, ts);
+      break;
+    case EventType::kStallBegin:
+    case EventType::kStallEnd:
+      OnStall(e, label, ts);
+      break;
+    case EventType::kPhase:
+      OnPhase(label, ts);
+      break;
+    case EventType::kBudget:
+    case EventType::kMoment:
+    case EventType::kOom:
+    case EventType::kIteration:
+    case EventType::kKernelLaunches:
+    case EventType::kPrefetch:
+    case EventType::kCollective:
+      OnMark(e, label, tier, tier2, ts);
+      break;
+  }
+  return TierKind::kNone;
+}
+
+uint64_t Analyzer::AdvanceTo(uint64_t ts) {
   Impl& s = *impl_;
-  Report& r = s.report;
-  uint64_t ts = e.ts_ns;
   if (!s.started) {
     s.started = true;
     s.last_ts = ts;
-    t0_ = r.t0_ns = ts;
+    t0_ = s.report.t0_ns = ts;
   }
   if (ts < s.last_ts) ts = s.last_ts;  // a late event is applied at the current time
   if (ts > s.last_ts) {
@@ -179,128 +219,143 @@ TierKind Analyzer::Add(const Event& e, std::string_view label) {
     }
     s.last_ts = ts;
   }
-  ++r.events;
-  const int tier = TierIndex(e.tier);
-  const int tier2 = TierIndex(e.tier2);
-  if (tier >= 0) r.tiers[tier].seen = true;
-  if (tier2 >= 0 && (e.type == EventType::kCopyBegin || e.type == EventType::kCopyEnd)) {
-    r.tiers[tier2].seen = true;
-  }
-  TierKind changed = TierKind::kNone;
+  return ts;
+}
 
+void Analyzer::OnAlloc(const Event& e, int tier, uint64_t ts) {
+  Impl& s = *impl_;
+  Report& r = s.report;
+  TierStats& ts_stats = r.tiers[tier];
+  auto [it, inserted] = s.regions[tier].try_emplace(e.id, Impl::Region{e.bytes, e.category});
+  if (!inserted) {  // re-allocation of a live id: the old region is gone
+    usage_[tier][static_cast<int>(it->second.category)] -= it->second.bytes;
+    totals_[tier] -= it->second.bytes;
+    it->second = Impl::Region{e.bytes, e.category};
+  }
+  const int c = static_cast<int>(e.category);
+  usage_[tier][c] += e.bytes;
+  totals_[tier] += e.bytes;
+  ++ts_stats.allocs;
+  if (e.flags & kFlagManaged) ++ts_stats.managed_allocs;
+  if (totals_[tier] > ts_stats.peak.bytes) s.SetPeak(&ts_stats.peak, totals_[tier], ts);
+  if (usage_[tier][c] > ts_stats.categories[c].peak.bytes) {
+    s.SetPeak(&ts_stats.categories[c].peak, usage_[tier][c], ts);
+  }
+  if (tier == static_cast<int>(TierKind::kDevice) && s.phase >= 0) {
+    Bytes& p = r.phases[s.phase].device_peak_bytes;
+    p = std::max(p, totals_[tier]);
+  }
+}
+
+bool Analyzer::OnFree(const Event& e, int tier) {
+  Impl& s = *impl_;
+  auto it = s.regions[tier].find(e.id);
+  if (it == s.regions[tier].end()) {
+    ++s.report.unmatched_frees;
+    return false;
+  }
+  usage_[tier][static_cast<int>(it->second.category)] -= it->second.bytes;
+  totals_[tier] -= it->second.bytes;
+  s.regions[tier].erase(it);
+  ++s.report.tiers[tier].frees;
+  return true;
+}
+
+void Analyzer::OnCopyBegin(const Event& e, int tier, int tier2, uint64_t ts) {
+  Impl& s = *impl_;
+  s.copies[e.id] = Impl::OpenCopy{ts, e.tier, e.tier2, e.bytes, e.chunk, s.phase, e.category};
+  s.pair_busy[{static_cast<int>(e.tier), static_cast<int>(e.tier2)}].Begin(ts);
+  if (tier >= 0) s.read_busy[tier].Begin(ts);
+  if (tier2 >= 0) s.write_busy[tier2].Begin(ts);
+  if (tier >= 0) s.any_busy[tier].Begin(ts);
+  if (tier2 >= 0 && tier2 != tier) s.any_busy[tier2].Begin(ts);
+}
+
+void Analyzer::OnCopyEnd(const Event& e, uint64_t ts) {
+  Impl& s = *impl_;
+  Report& r = s.report;
+  auto it = s.copies.find(e.id);
+  if (it == s.copies.end()) {
+    ++r.unmatched_copy_ends;
+    return;
+  }
+  const Impl::OpenCopy& c = it->second;
+  MoveStats& m = s.moves[{static_cast<int>(c.src), static_cast<int>(c.dst)}];
+  m.src = c.src;
+  m.dst = c.dst;
+  m.active_ns += s.pair_busy[{static_cast<int>(c.src), static_cast<int>(c.dst)}].End(ts);
+  const int src = TierIndex(c.src), dst = TierIndex(c.dst);
+  if (src >= 0) r.io[src].read_active_ns += s.read_busy[src].End(ts);
+  if (dst >= 0) r.io[dst].write_active_ns += s.write_busy[dst].End(ts);
+  if (src >= 0) r.io[src].active_ns += s.any_busy[src].End(ts);
+  if (dst >= 0 && dst != src) r.io[dst].active_ns += s.any_busy[dst].End(ts);
+  if (e.flags & kFlagFailed) {
+    ++m.failed;
+    s.copies.erase(it);
+    return;
+  }
+  const int cat = static_cast<int>(c.category);
+  const bool known = cat >= 0 && cat < kNumCategories;
+  if (src >= 0) r.io[src].read_bytes += c.bytes;
+  if (dst >= 0) r.io[dst].write_bytes += c.bytes;
+  if (src >= 0 && known) r.io[src].category_bytes[cat] += c.bytes;
+  if (dst >= 0 && dst != src && known) r.io[dst].category_bytes[cat] += c.bytes;
+  m.bytes += c.bytes;
+  ++m.count;
+  m.busy_ns += ts - c.ts;
+  if (c.phase >= 0) r.phases[c.phase].bytes_moved += c.bytes;
+  if (c.chunk != kNoChunk) {
+    ChunkStats& ch = s.chunks[c.chunk];
+    ch.chunk = c.chunk;
+    ++ch.moves;
+    ch.bytes += c.bytes;
+  }
+  s.copies.erase(it);
+}
+
+void Analyzer::OnStall(const Event& e, std::string_view label, uint64_t ts) {
+  Impl& s = *impl_;
+  Report& r = s.report;
+  if (e.type == EventType::kStallBegin) {
+    std::string cause = label.empty() ? std::string("(unlabelled)") : std::string(label);
+    auto [it, inserted] = s.cause_index.try_emplace(cause, r.stalls.size());
+    if (inserted) r.stalls.push_back(StallStats{cause, 0, 0});
+    s.stalls[e.id] = Impl::OpenStall{ts, it->second, s.phase};
+    return;
+  }
+  auto it = s.stalls.find(e.id);
+  if (it == s.stalls.end()) {
+    ++r.unmatched_stall_ends;
+    return;
+  }
+  const uint64_t ns = ts - it->second.ts;
+  StallStats& st = r.stalls[it->second.cause];
+  st.ns += ns;
+  ++st.count;
+  r.stall_ns += ns;
+  ++r.stall_count;
+  if (it->second.phase >= 0) r.phases[it->second.phase].stall_ns += ns;
+  s.stalls.erase(it);
+}
+
+void Analyzer::OnPhase(std::string_view label, uint64_t ts) {
+  Impl& s = *impl_;
+  Report& r = s.report;
+  if (s.phase >= 0) r.phases[s.phase].time_ns += ts - s.phase_start;
+  std::string name = label.empty() ? std::string("(unlabelled)") : std::string(label);
+  auto [it, inserted] = s.phase_index.try_emplace(name, static_cast<int>(r.phases.size()));
+  if (inserted) r.phases.push_back(PhaseStats{name});
+  s.phase = it->second;
+  s.phase_start = ts;
+  ++r.phases[s.phase].count;
+  Bytes& p = r.phases[s.phase].device_peak_bytes;
+  p = std::max(p, totals_[static_cast<int>(TierKind::kDevice)]);
+}
+
+void Analyzer::OnMark(const Event& e, std::string_view label, int tier, int tier2, uint64_t ts) {
+  Impl& s = *impl_;
+  Report& r = s.report;
   switch (e.type) {
-    case EventType::kAlloc: {
-      if (tier < 0) break;
-      TierStats& ts_stats = r.tiers[tier];
-      auto [it, inserted] = s.regions[tier].try_emplace(e.id, Impl::Region{e.bytes, e.category});
-      if (!inserted) {  // re-allocation of a live id: the old region is gone
-        usage_[tier][static_cast<int>(it->second.category)] -= it->second.bytes;
-        totals_[tier] -= it->second.bytes;
-        it->second = Impl::Region{e.bytes, e.category};
-      }
-      const int c = static_cast<int>(e.category);
-      usage_[tier][c] += e.bytes;
-      totals_[tier] += e.bytes;
-      ++ts_stats.allocs;
-      if (e.flags & kFlagManaged) ++ts_stats.managed_allocs;
-      if (totals_[tier] > ts_stats.peak.bytes) s.SetPeak(&ts_stats.peak, totals_[tier], ts);
-      if (usage_[tier][c] > ts_stats.categories[c].peak.bytes) {
-        s.SetPeak(&ts_stats.categories[c].peak, usage_[tier][c], ts);
-      }
-      if (tier == static_cast<int>(TierKind::kDevice) && s.phase >= 0) {
-        Bytes& p = r.phases[s.phase].device_peak_bytes;
-        p = std::max(p, totals_[tier]);
-      }
-      changed = e.tier;
-      break;
-    }
-    case EventType::kFree: {
-      if (tier < 0) break;
-      auto it = s.regions[tier].find(e.id);
-      if (it == s.regions[tier].end()) {
-        ++r.unmatched_frees;
-        break;
-      }
-      usage_[tier][static_cast<int>(it->second.category)] -= it->second.bytes;
-      totals_[tier] -= it->second.bytes;
-      s.regions[tier].erase(it);
-      ++r.tiers[tier].frees;
-      changed = e.tier;
-      break;
-    }
-    case EventType::kCopyBegin: {
-      s.copies[e.id] = Impl::OpenCopy{ts, e.tier, e.tier2, e.bytes, e.chunk, s.phase, e.category};
-      s.pair_busy[{static_cast<int>(e.tier), static_cast<int>(e.tier2)}].Begin(ts);
-      if (tier >= 0) s.read_busy[tier].Begin(ts);
-      if (tier2 >= 0) s.write_busy[tier2].Begin(ts);
-      if (tier >= 0) s.any_busy[tier].Begin(ts);
-      if (tier2 >= 0 && tier2 != tier) s.any_busy[tier2].Begin(ts);
-      break;
-    }
-    case EventType::kCopyEnd: {
-      auto it = s.copies.find(e.id);
-      if (it == s.copies.end()) {
-        ++r.unmatched_copy_ends;
-        break;
-      }
-      const Impl::OpenCopy& c = it->second;
-      MoveStats& m = s.moves[{static_cast<int>(c.src), static_cast<int>(c.dst)}];
-      m.src = c.src;
-      m.dst = c.dst;
-      m.active_ns += s.pair_busy[{static_cast<int>(c.src), static_cast<int>(c.dst)}].End(ts);
-      const int src = TierIndex(c.src), dst = TierIndex(c.dst);
-      if (src >= 0) r.io[src].read_active_ns += s.read_busy[src].End(ts);
-      if (dst >= 0) r.io[dst].write_active_ns += s.write_busy[dst].End(ts);
-      if (src >= 0) r.io[src].active_ns += s.any_busy[src].End(ts);
-      if (dst >= 0 && dst != src) r.io[dst].active_ns += s.any_busy[dst].End(ts);
-      if (!(e.flags & kFlagFailed)) {
-        const int cat = static_cast<int>(c.category);
-        const bool known = cat >= 0 && cat < kNumCategories;
-        if (src >= 0) r.io[src].read_bytes += c.bytes;
-        if (dst >= 0) r.io[dst].write_bytes += c.bytes;
-        if (src >= 0 && known) r.io[src].category_bytes[cat] += c.bytes;
-        if (dst >= 0 && dst != src && known) r.io[dst].category_bytes[cat] += c.bytes;
-      }
-      if (e.flags & kFlagFailed) {
-        ++m.failed;
-      } else {
-        m.bytes += c.bytes;
-        ++m.count;
-        m.busy_ns += ts - c.ts;
-        if (c.phase >= 0) r.phases[c.phase].bytes_moved += c.bytes;
-        if (c.chunk != kNoChunk) {
-          ChunkStats& ch = s.chunks[c.chunk];
-          ch.chunk = c.chunk;
-          ++ch.moves;
-          ch.bytes += c.bytes;
-        }
-      }
-      s.copies.erase(it);
-      break;
-    }
-    case EventType::kStallBegin: {
-      std::string cause = label.empty() ? std::string("(unlabelled)") : std::string(label);
-      auto [it, inserted] = s.cause_index.try_emplace(cause, r.stalls.size());
-      if (inserted) r.stalls.push_back(StallStats{cause, 0, 0});
-      s.stalls[e.id] = Impl::OpenStall{ts, it->second, s.phase};
-      break;
-    }
-    case EventType::kStallEnd: {
-      auto it = s.stalls.find(e.id);
-      if (it == s.stalls.end()) {
-        ++r.unmatched_stall_ends;
-        break;
-      }
-      const uint64_t ns = ts - it->second.ts;
-      StallStats& st = r.stalls[it->second.cause];
-      st.ns += ns;
-      ++st.count;
-      r.stall_ns += ns;
-      ++r.stall_count;
-      if (it->second.phase >= 0) r.phases[it->second.phase].stall_ns += ns;
-      s.stalls.erase(it);
-      break;
-    }
     case EventType::kBudget:
       if (tier < 0) break;
       r.tiers[tier].budget_bytes = e.bytes;
@@ -309,18 +364,6 @@ TierKind Analyzer::Add(const Event& e, std::string_view label) {
     case EventType::kMoment:
       s.moment.assign(label);
       break;
-    case EventType::kPhase: {
-      if (s.phase >= 0) r.phases[s.phase].time_ns += ts - s.phase_start;
-      std::string name = label.empty() ? std::string("(unlabelled)") : std::string(label);
-      auto [it, inserted] = s.phase_index.try_emplace(name, static_cast<int>(r.phases.size()));
-      if (inserted) r.phases.push_back(PhaseStats{name});
-      s.phase = it->second;
-      s.phase_start = ts;
-      ++r.phases[s.phase].count;
-      Bytes& p = r.phases[s.phase].device_peak_bytes;
-      p = std::max(p, totals_[static_cast<int>(TierKind::kDevice)]);
-      break;
-    }
     case EventType::kOom:
       if (tier < 0) break;
       ++r.tiers[tier].ooms;
@@ -351,8 +394,9 @@ TierKind Analyzer::Add(const Event& e, std::string_view label) {
       it->ns += e.id;
       break;
     }
+    default:
+      break;
   }
-  return changed;
 }
 
 Report Analyzer::Finish() {

@@ -212,6 +212,19 @@ class Analyzer {
 
  private:
   struct Impl;
+  // Add's steps: the areas integrated up to `ts`, returning the time the event applies at
+  // (never before the previous event's), then one handler per event family. `tier`, `tier2`:
+  // the event's tiers as indices (-1: none).
+  uint64_t AdvanceTo(uint64_t ts);
+  void OnAlloc(const Event& e, int tier, uint64_t ts);
+  bool OnFree(const Event& e, int tier);  // false: no such live region
+  void OnCopyBegin(const Event& e, int tier, int tier2, uint64_t ts);
+  void OnCopyEnd(const Event& e, uint64_t ts);
+  void OnStall(const Event& e, std::string_view label, uint64_t ts);  // begin or end
+  void OnPhase(std::string_view label, uint64_t ts);
+  // Budget, moment, OOM, iteration, kernel-launch, prefetch and collective marks.
+  void OnMark(const Event& e, std::string_view label, int tier, int tier2, uint64_t ts);
+
   std::unique_ptr<Impl> impl_;
   Usage usage_{};
   std::array<Bytes, kNumTierKinds> totals_{};

@@ -165,159 +165,187 @@ nlohmann::json ReportToJson(const Report& r) {
   return j;
 }
 
-std::string RenderReportText(const Report& r, const std::string& name) {
-  std::string o;
-  Line(&o, "tiermem prof report: " + Shorten(name, kWidth - 21));
-  Line(&o, Printf("  %llu events, %s, %llu iterations, mean step %s",
-                  static_cast<unsigned long long>(r.events), FormatDuration(r.duration_ns).c_str(),
-                  static_cast<unsigned long long>(r.iterations),
-                  FormatDuration(r.step_mean_ns).c_str()));
+namespace {
+
+// What was read: events, duration, iterations; truncation and ordering notes.
+void TextHeader(const Report& r, const std::string& name, std::string* o) {
+  Line(o, "tiermem prof report: " + Shorten(name, kWidth - 21));
+  Line(o, Printf("  %llu events, %s, %llu iterations, mean step %s",
+                 static_cast<unsigned long long>(r.events), FormatDuration(r.duration_ns).c_str(),
+                 static_cast<unsigned long long>(r.iterations),
+                 FormatDuration(r.step_mean_ns).c_str()));
   if (!r.complete) {
-    Line(&o, "  TRUNCATED (the recorder did not close the file):");
+    Line(o, "  TRUNCATED (the recorder did not close the file):");
     const std::string& n = r.end_note;
-    for (size_t i = 0; i < n.size(); i += kWidth - 4) Line(&o, "    " + n.substr(i, kWidth - 4));
+    for (size_t i = 0; i < n.size(); i += kWidth - 4) Line(o, "    " + n.substr(i, kWidth - 4));
   }
   if (r.out_of_order > 0) {
-    Line(&o, Printf("  note: %llu events arrived out of time order (applied on arrival)",
-                    static_cast<unsigned long long>(r.out_of_order)));
+    Line(o, Printf("  note: %llu events arrived out of time order (applied on arrival)",
+                   static_cast<unsigned long long>(r.out_of_order)));
   }
+}
 
-  Line(&o, "");
-  Line(&o, "Memory per tier and category (peak at t = seconds from the first event)");
-  Line(&o, "  tier/category         peak         avg     at t  moment (phase)");
+// One row of the memory table: peak, average, when, and at which moment (on a line of its own
+// when the row would pass kWidth).
+void PeakRow(const std::string& label, const Peak& p, double avg, std::string* o) {
+  std::string where = p.moment.empty() ? "-" : p.moment;
+  if (!p.phase.empty()) where += " (" + p.phase + ")";
+  std::string left = Printf("    %-16s %11s %11s %8.3f  ", label.c_str(), Fb(p.bytes).c_str(),
+                            Fb(Round(avg)).c_str(), p.t_ns / 1e9);
+  if (left.size() + where.size() <= kWidth) {
+    Line(o, left + where);
+  } else {  // the moment on its own line
+    Line(o, left);
+    Line(o, "      at " + Shorten(where, kWidth - 9));
+  }
+}
+
+// Peak and average bytes per tier and category.
+void TextMemory(const Report& r, std::string* o) {
+  Line(o, "");
+  Line(o, "Memory per tier and category (peak at t = seconds from the first event)");
+  Line(o, "  tier/category         peak         avg     at t  moment (phase)");
   for (int t = 0; t < kNumTierKinds; ++t) {
     const TierStats& s = r.tiers[t];
     if (!s.seen) continue;
     std::string head = Printf("  %-10s", Name(static_cast<TierKind>(t)));
     std::string budget = s.budget_bytes ? "budget " + Fb(s.budget_bytes) : "no budget";
-    Line(&o, head + " " + budget +
-                 Printf(", %llu allocs, %llu OOMs", static_cast<unsigned long long>(s.allocs),
-                        static_cast<unsigned long long>(s.ooms)));
-    auto row = [&](const std::string& label, const Peak& p, double avg) {
-      std::string where = p.moment.empty() ? "-" : p.moment;
-      if (!p.phase.empty()) where += " (" + p.phase + ")";
-      std::string left = Printf("    %-16s %11s %11s %8.3f  ", label.c_str(), Fb(p.bytes).c_str(),
-                                Fb(Round(avg)).c_str(), p.t_ns / 1e9);
-      if (left.size() + where.size() <= kWidth) {
-        Line(&o, left + where);
-      } else {  // the moment on its own line
-        Line(&o, left);
-        Line(&o, "      at " + Shorten(where, kWidth - 9));
-      }
-    };
-    row("total", s.peak, s.avg_bytes);
+    Line(o, head + " " + budget +
+                Printf(", %llu allocs, %llu OOMs", static_cast<unsigned long long>(s.allocs),
+                       static_cast<unsigned long long>(s.ooms)));
+    PeakRow("total", s.peak, s.avg_bytes, o);
     if (r.kernel_launches > 0) {
-      Line(&o, Printf("    (peak after %llu of %llu kernel launches)",
-                      static_cast<unsigned long long>(s.peak.kernel_launches),
-                      static_cast<unsigned long long>(r.kernel_launches)));
+      Line(o, Printf("    (peak after %llu of %llu kernel launches)",
+                     static_cast<unsigned long long>(s.peak.kernel_launches),
+                     static_cast<unsigned long long>(r.kernel_launches)));
     }
     if (s.managed_allocs > 0) {
-      Line(&o, Printf("    %llu of the allocs are CUDA managed memory",
-                      static_cast<unsigned long long>(s.managed_allocs)));
+      Line(o, Printf("    %llu of the allocs are CUDA managed memory",
+                     static_cast<unsigned long long>(s.managed_allocs)));
     }
     for (int c = 0; c < kNumCategories; ++c) {
       const CategoryStats& cs = s.categories[c];
       if (cs.peak.bytes == 0) continue;
-      row(std::string(CategoryName(static_cast<Category>(c))), cs.peak, cs.avg_bytes);
+      PeakRow(std::string(CategoryName(static_cast<Category>(c))), cs.peak, cs.avg_bytes, o);
     }
   }
+}
 
-  Line(&o, "");
-  Line(&o, Printf("Bytes moved: %s in total", Fb(TotalMoved(r)).c_str()));
+// Bytes moved per tier pair, and the NVMe rates while it was busy.
+void TextMoves(const Report& r, std::string* o) {
+  Line(o, "");
+  Line(o, Printf("Bytes moved: %s in total", Fb(TotalMoved(r)).c_str()));
   if (!r.moves.empty()) {
     // GB/s: bytes over the time copies of the pair were in flight (overlapping copies count
     // once), i.e. the rate the pair achieved while it was moving data.
-    Line(&o, "  from -> to             bytes   copies  failed active time     GB/s");
+    Line(o, "  from -> to             bytes   copies  failed active time     GB/s");
     for (const MoveStats& m : r.moves) {
       const double gbps = m.active_ns ? m.bytes / static_cast<double>(m.active_ns) : 0.0;
-      Line(&o, Printf("  %-6s -> %-6s %12s %8llu %7llu %11s %8.2f", Name(m.src), Name(m.dst),
-                      Fb(m.bytes).c_str(), static_cast<unsigned long long>(m.count),
-                      static_cast<unsigned long long>(m.failed),
-                      FormatDuration(m.active_ns).c_str(), gbps));
+      Line(o, Printf("  %-6s -> %-6s %12s %8llu %7llu %11s %8.2f", Name(m.src), Name(m.dst),
+                     Fb(m.bytes).c_str(), static_cast<unsigned long long>(m.count),
+                     static_cast<unsigned long long>(m.failed), FormatDuration(m.active_ns).c_str(),
+                     gbps));
     }
   }
   const IoStats& nvme = r.io[static_cast<int>(TierKind::kNvme)];
   if (nvme.read_active_ns > 0 || nvme.write_active_ns > 0) {
     auto rate = [](Bytes b, uint64_t ns) { return ns ? b / static_cast<double>(ns) : 0.0; };
     // The disk's achieved rate while the engine was moving data to or from it.
-    Line(&o, Printf("  NVMe reads while busy:  %s in %s, %.2f GB/s", Fb(nvme.read_bytes).c_str(),
-                    FormatDuration(nvme.read_active_ns).c_str(),
-                    rate(nvme.read_bytes, nvme.read_active_ns)));
-    Line(&o, Printf("  NVMe writes while busy: %s in %s, %.2f GB/s", Fb(nvme.write_bytes).c_str(),
-                    FormatDuration(nvme.write_active_ns).c_str(),
-                    rate(nvme.write_bytes, nvme.write_active_ns)));
-    Line(&o, Printf("  NVMe busy either way:   %s in %s, %.2f GB/s",
-                    Fb(nvme.read_bytes + nvme.write_bytes).c_str(),
-                    FormatDuration(nvme.active_ns).c_str(),
-                    rate(nvme.read_bytes + nvme.write_bytes, nvme.active_ns)));
+    Line(o, Printf("  NVMe reads while busy:  %s in %s, %.2f GB/s", Fb(nvme.read_bytes).c_str(),
+                   FormatDuration(nvme.read_active_ns).c_str(),
+                   rate(nvme.read_bytes, nvme.read_active_ns)));
+    Line(o, Printf("  NVMe writes while busy: %s in %s, %.2f GB/s", Fb(nvme.write_bytes).c_str(),
+                   FormatDuration(nvme.write_active_ns).c_str(),
+                   rate(nvme.write_bytes, nvme.write_active_ns)));
+    Line(o, Printf("  NVMe busy either way:   %s in %s, %.2f GB/s",
+                   Fb(nvme.read_bytes + nvme.write_bytes).c_str(),
+                   FormatDuration(nvme.active_ns).c_str(),
+                   rate(nvme.read_bytes + nvme.write_bytes, nvme.active_ns)));
     const Bytes state = nvme.category_bytes[static_cast<int>(Category::kOptimState)];
     if (state > 0) {
       // Read and written: what the optimizer-state format (optimizer.state_dtype) shrinks.
-      Line(&o, Printf("  NVMe optimizer state:   %s of the %s moved", Fb(state).c_str(),
-                      Fb(nvme.read_bytes + nvme.write_bytes).c_str()));
+      Line(o, Printf("  NVMe optimizer state:   %s of the %s moved", Fb(state).c_str(),
+                     Fb(nvme.read_bytes + nvme.write_bytes).c_str()));
     }
   }
+}
 
-  Line(&o, "");
-  Line(&o, Printf("Stalls: %s in %llu stalls", FormatDuration(r.stall_ns).c_str(),
-                  static_cast<unsigned long long>(r.stall_count)));
+// Stalls by cause, then kernel launches and prefetches.
+void TextStalls(const Report& r, std::string* o) {
+  Line(o, "");
+  Line(o, Printf("Stalls: %s in %llu stalls", FormatDuration(r.stall_ns).c_str(),
+                 static_cast<unsigned long long>(r.stall_count)));
   for (const StallStats& s : r.stalls) {
     std::string left = Printf("  %12s %7llu  ", FormatDuration(s.ns).c_str(),
                               static_cast<unsigned long long>(s.count));
-    Line(&o, left + Shorten(s.cause, kWidth - left.size()));
+    Line(o, left + Shorten(s.cause, kWidth - left.size()));
   }
 
   if (r.kernel_launch_intervals > 0 || r.prefetches > 0) {
-    Line(&o, "");
-    Line(&o, Printf("Kernel launches: %llu (%llu intervals); prefetches issued: %llu (%s)",
-                    static_cast<unsigned long long>(r.kernel_launches),
-                    static_cast<unsigned long long>(r.kernel_launch_intervals),
-                    static_cast<unsigned long long>(r.prefetches), Fb(r.prefetch_bytes).c_str()));
+    Line(o, "");
+    Line(o, Printf("Kernel launches: %llu (%llu intervals); prefetches issued: %llu (%s)",
+                   static_cast<unsigned long long>(r.kernel_launches),
+                   static_cast<unsigned long long>(r.kernel_launch_intervals),
+                   static_cast<unsigned long long>(r.prefetches), Fb(r.prefetch_bytes).c_str()));
   }
+}
 
+// Collectives, the most moved chunks, phases, unpaired events.
+void TextTables(const Report& r, std::string* o) {
   if (!r.collectives.empty()) {
-    Line(&o, "");
-    Line(&o, "Collectives (sharded across ranks; bytes of the full buffers on this rank)");
-    Line(&o, "  operation          count        bytes        time");
+    Line(o, "");
+    Line(o, "Collectives (sharded across ranks; bytes of the full buffers on this rank)");
+    Line(o, "  operation          count        bytes        time");
     for (const CollectiveStats& c : r.collectives) {
-      Line(&o,
+      Line(o,
            Printf("  %-16s %7llu %12s %11s", c.op.c_str(), static_cast<unsigned long long>(c.count),
                   Fb(c.bytes).c_str(), FormatDuration(c.ns).c_str()));
     }
   }
 
   if (!r.top_chunks.empty()) {
-    Line(&o, "");
-    Line(&o, "Top chunks by moves");
-    Line(&o, "     chunk    moves        bytes");
+    Line(o, "");
+    Line(o, "Top chunks by moves");
+    Line(o, "     chunk    moves        bytes");
     for (const ChunkStats& c : r.top_chunks) {
-      Line(&o, Printf("  %8u %8llu %12s", c.chunk, static_cast<unsigned long long>(c.moves),
-                      Fb(c.bytes).c_str()));
+      Line(o, Printf("  %8u %8llu %12s", c.chunk, static_cast<unsigned long long>(c.moves),
+                     Fb(c.bytes).c_str()));
     }
   }
 
   if (!r.phases.empty()) {
-    Line(&o, "");
-    Line(&o, "Phases");
-    Line(&o, "  phase               count        time      stalls        moved   device peak");
+    Line(o, "");
+    Line(o, "Phases");
+    Line(o, "  phase               count        time      stalls        moved   device peak");
     for (const PhaseStats& p : r.phases) {
-      Line(&o, Printf("  %-16s %8llu %11s %11s %12s %13s", Shorten(p.name, 16).c_str(),
-                      static_cast<unsigned long long>(p.count), FormatDuration(p.time_ns).c_str(),
-                      FormatDuration(p.stall_ns).c_str(), Fb(p.bytes_moved).c_str(),
-                      Fb(p.device_peak_bytes).c_str()));
+      Line(o, Printf("  %-16s %8llu %11s %11s %12s %13s", Shorten(p.name, 16).c_str(),
+                     static_cast<unsigned long long>(p.count), FormatDuration(p.time_ns).c_str(),
+                     FormatDuration(p.stall_ns).c_str(), Fb(p.bytes_moved).c_str(),
+                     Fb(p.device_peak_bytes).c_str()));
     }
   }
   const uint64_t unmatched = r.unmatched_frees + r.unmatched_copy_ends + r.unmatched_stall_ends;
   if (unmatched + r.open_copies + r.open_stalls > 0) {
-    Line(&o, "");
-    Line(&o, Printf("Unpaired: %llu frees, %llu copy ends, %llu stall ends without a begin; "
-                    "%llu copies, %llu stalls still open",
-                    static_cast<unsigned long long>(r.unmatched_frees),
-                    static_cast<unsigned long long>(r.unmatched_copy_ends),
-                    static_cast<unsigned long long>(r.unmatched_stall_ends),
-                    static_cast<unsigned long long>(r.open_copies),
-                    static_cast<unsigned long long>(r.open_stalls)));
+    Line(o, "");
+    Line(o, Printf("Unpaired: %llu frees, %llu copy ends, %llu stall ends without a begin; "
+                   "%llu copies, %llu stalls still open",
+                   static_cast<unsigned long long>(r.unmatched_frees),
+                   static_cast<unsigned long long>(r.unmatched_copy_ends),
+                   static_cast<unsigned long long>(r.unmatched_stall_ends),
+                   static_cast<unsigned long long>(r.open_copies),
+                   static_cast<unsigned long long>(r.open_stalls)));
   }
+}
+
+}  // namespace
+
+std::string RenderReportText(const Report& r, const std::string& name) {
+  std::string o;
+  TextHeader(r, name, &o);
+  TextMemory(r, &o);
+  TextMoves(r, &o);
+  TextStalls(r, &o);
+  TextTables(r, &o);
   return o;
 }
 

@@ -37,8 +37,10 @@
 //
 // Saving streams tensor by tensor through one buffer of the largest tensor (a model larger
 // than RAM can be saved) into `path`.tmp — with O_DIRECT where the file system allows it,
-// 8 MiB at a time (DirectWriter), the header padded so the tensor bytes start block-aligned —
-// fsyncs it, renames it over `path` and fsyncs the directory. Loading reads the tensor bytes
+// 8 MiB at a time (weights::FileWriter), the header padded so the tensor bytes start
+// block-aligned (weights::HeaderText) — fsyncs it, renames it over `path` and fsyncs the
+// directory (weights::CommitFile). The header is read and validated by the one safetensors
+// parser (weights/safetensors.h) after its checksum was checked. Loading reads the tensor bytes
 // with O_DIRECT likewise (a block-aligned buffer of the largest tensor). Config checkpoint_io
 // "buffered" goes through the page cache instead, both ways. Loading reads the tensors twice:
 // a verification pass (checksums, names, sizes) that changes nothing, then the pass that
@@ -56,11 +58,14 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <vector>
 
 #include "base/crc32c.h"
 #include "base/fs.h"
 #include "runtime/session.h"
+#include "weights/file_writer.h"
+#include "weights/safetensors.h"
 
 namespace tiermem::session {
 namespace {
@@ -74,7 +79,6 @@ Status Errno(const std::string& what, int err) { return IOError(what + ": " + st
 // O_DIRECT I/O: offsets, lengths and buffers aligned to kBlock (the logical block size of any
 // disk we meet is at most 4 KiB).
 constexpr size_t kBlock = 4096;
-constexpr size_t kDirectBuf = 8 << 20;  // bytes per O_DIRECT write
 
 struct FreeAligned {
   void operator()(char* p) const { std::free(p); }
@@ -94,21 +98,6 @@ int OpenMaybeDirect(const std::string& path, int flags, mode_t mode, bool want_d
   return fd;
 }
 
-Status PWriteAll(int fd, const void* p, size_t n, off_t off) {
-  const char* c = static_cast<const char*>(p);
-  while (n > 0) {
-    const ssize_t w = pwrite(fd, c, n, off);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      return Errno("checkpoint write", errno);
-    }
-    c += w;
-    n -= static_cast<size_t>(w);
-    off += w;
-  }
-  return OkStatus();
-}
-
 Status PReadAll(int fd, void* p, size_t n, off_t off) {
   char* c = static_cast<char*>(p);
   while (n > 0) {
@@ -124,66 +113,6 @@ Status PReadAll(int fd, void* p, size_t n, off_t off) {
   }
   return OkStatus();
 }
-
-// Sequential writer of a checkpoint: bytes are gathered in a block-aligned buffer and written
-// kDirectBuf at a time at block-aligned offsets, through O_DIRECT when the file is open with
-// it — the page cache's writeback plus fsync is what bounds buffered checkpoint writes, at a
-// fraction of the disk's rate. Finish() writes the last partial block zero-padded and cuts
-// the file back to its true size. Keeps a running CRC32C over what was Put since TakeCrc().
-class DirectWriter {
- public:
-  DirectWriter(int fd, bool direct) : fd_(fd), direct_(direct), buf_(NewAligned(kDirectBuf)) {}
-  Status Put(const void* p, size_t n) {
-    if (!buf_) return ResourceExhaustedError("checkpoint: no memory for the write buffer");
-    crc_ = Crc32c(p, n, crc_);
-    const char* c = static_cast<const char*>(p);
-    while (n > 0) {
-      const size_t k = std::min(n, kDirectBuf - used_);
-      std::memcpy(buf_.get() + used_, c, k);
-      used_ += k;
-      c += k;
-      n -= k;
-      if (used_ == kDirectBuf) TIERMEM_RETURN_IF_ERROR(Flush(kDirectBuf));
-    }
-    return OkStatus();
-  }
-  template <typename T>
-  Status PutValue(const T& v) {
-    return Put(&v, sizeof(v));
-  }
-  uint32_t TakeCrc() {
-    const uint32_t c = crc_;
-    crc_ = 0;
-    return c;
-  }
-  Status Finish() {
-    if (!buf_) return ResourceExhaustedError("checkpoint: no memory for the write buffer");
-    if (used_ == 0) return OkStatus();
-    const uint64_t size = offset_ + used_;  // Flush moves offset_ and clears used_
-    const size_t padded = direct_ ? AlignUp(used_, kBlock) : used_;
-    std::memset(buf_.get() + used_, 0, padded - used_);
-    TIERMEM_RETURN_IF_ERROR(Flush(padded));
-    if (padded != used_ && ftruncate(fd_, static_cast<off_t>(size)) != 0) {
-      return Errno("checkpoint truncate", errno);
-    }
-    return OkStatus();
-  }
-
- private:
-  Status Flush(size_t n) {
-    TIERMEM_RETURN_IF_ERROR(PWriteAll(fd_, buf_.get(), n, static_cast<off_t>(offset_)));
-    offset_ += n;
-    used_ = 0;
-    return OkStatus();
-  }
-
-  int fd_;
-  bool direct_;
-  AlignedBuf buf_;
-  size_t used_ = 0;
-  uint64_t offset_ = 0;
-  uint32_t crc_ = 0;
-};
 
 // Reads [off, off + n) of the file and returns where the bytes are: in `buf` without O_DIRECT;
 // with it (`direct`), inside the block-aligned `scratch` (at least n + 2 * kBlock bytes) that
@@ -379,15 +308,6 @@ std::string FormatName(const kernels::StateFormat& f) {
   return n;
 }
 
-// The header text: the JSON dump (keys sorted) padded with spaces (safetensors allows it) so
-// that the 8-byte length plus the text end on a kBlock boundary: the tensor bytes start
-// block-aligned, which O_DIRECT needs (and the text stays a multiple of 8 bytes).
-std::string HeaderText(const nlohmann::json& h) {
-  std::string text = h.dump();
-  text.append(AlignUp(8 + text.size(), kBlock) - 8 - text.size(), ' ');
-  return text;
-}
-
 // `text` with the value of "header_crc32c" replaced by the placeholder; npos-safe.
 StatusOr<std::string> ZeroHeaderCrc(std::string text, std::string* value) {
   const std::string key = "\"header_crc32c\":\"";
@@ -402,10 +322,9 @@ StatusOr<std::string> ZeroHeaderCrc(std::string text, std::string* value) {
 
 // A parsed format-2 header.
 struct Header2 {
-  nlohmann::json tensors;  // key -> {"dtype", "shape", "data_offsets"}
+  weights::Header file;  // the tensors, validated by the safetensors parser
   std::map<std::string, std::string> meta;
   nlohmann::json steps, crcs;
-  uint64_t data_start = 0;  // file offset of the tensor bytes
 };
 
 bool IsV1(int fd) {
@@ -413,20 +332,27 @@ bool IsV1(int fd) {
   return pread(fd, magic, 8, 0) == 8 && std::memcmp(magic, kMagic, 8) == 0;
 }
 
-StatusOr<Header2> ReadHeader2(int fd) {
-  uint64_t n = 0;
-  TIERMEM_RETURN_IF_ERROR(PReadAll(fd, &n, 8, 0));
-  if (n == 0 || n > (256u << 20)) {
-    return InvalidArgumentError("not a tiermem checkpoint (no safetensors header)");
+// The header of `fd` (the file `path`): tiermem's metadata first, then its checksum, then the
+// safetensors rules — so a torn or edited header is named as such before its structure is.
+StatusOr<Header2> ReadHeader2(int fd, const std::string& path) {
+  uint64_t file_bytes = 0;
+  StatusOr<std::string> read = weights::ReadHeaderText(fd, path, &file_bytes);
+  if (!read.ok()) {
+    if (read.status().code() == StatusCode::kInvalidArgument) {
+      return InvalidArgumentError(
+          "not a tiermem checkpoint (no safetensors header: " + read.status().message() + ")");
+    }
+    if (read.status().code() == StatusCode::kDataLoss) {
+      return DataLossError("checkpoint is truncated (torn file): " + read.status().message());
+    }
+    return read.status();
   }
-  std::string text(n, '\0');
-  TIERMEM_RETURN_IF_ERROR(PReadAll(fd, text.data(), n, 8));
+  const std::string& text = *read;
   nlohmann::json h = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (h.is_discarded() || !h.is_object()) {
     return InvalidArgumentError("not a tiermem checkpoint (the safetensors header is not JSON)");
   }
   Header2 out;
-  out.data_start = 8 + n;
   const auto meta = h.find("__metadata__");
   if (meta == h.end() || !meta->is_object() || meta->value("format", "") != kFormat) {
     return InvalidArgumentError(
@@ -450,8 +376,14 @@ StatusOr<Header2> ReadHeader2(int fd) {
   if (!out.steps.is_object() || !out.crcs.is_object()) {
     return DataLossError("checkpoint header: bad steps or checksums");
   }
-  h.erase("__metadata__");
-  out.tensors = std::move(h);
+  StatusOr<weights::Header> file = weights::ParseHeader(path, text, file_bytes);
+  if (!file.ok()) {
+    return DataLossError((file.status().code() == StatusCode::kDataLoss
+                              ? "checkpoint is truncated (torn file): "
+                              : "checkpoint header is malformed: ") +
+                         file.status().message());
+  }
+  out.file = *std::move(file);
   return out;
 }
 
@@ -476,7 +408,8 @@ Status Session::SaveCheckpoint(const std::string& path, const CheckpointMeta& me
         "gradients; save after a step that applied");
   }
   // The header, with checksum placeholders (fixed width: the final header has the same size).
-  nlohmann::json header = nlohmann::json::object();
+  std::vector<weights::TensorInfo> infos;
+  std::set<std::string> names;
   nlohmann::json steps = nlohmann::json::object(), crcs = nlohmann::json::object();
   uint64_t offset = 0, max_numel = 0;
   std::vector<std::vector<Entry>> saved(specs_.size());
@@ -486,32 +419,37 @@ Status Session::SaveCheckpoint(const std::string& path, const CheckpointMeta& me
     steps[t.name] = stepper_->step_count(i);
     saved[i] = SavedEntries(t, state_format(tensors_[i].group));
     for (const Entry& e : saved[i]) {
-      if (header.contains(e.key)) {
+      if (!names.insert(e.key).second) {
         return InvalidArgumentError("checkpoint: two tensors are named '" + e.key + "'");
       }
-      header[e.key] = {
-          {"dtype", e.dtype}, {"shape", e.shape}, {"data_offsets", {offset, offset + e.bytes}}};
+      weights::TensorInfo info;
+      info.key = e.key;
+      info.dtype = *weights::ParseDType(e.dtype);
+      info.shape.assign(e.shape.begin(), e.shape.end());
+      info.begin = offset;
+      info.end = offset + e.bytes;
+      infos.push_back(std::move(info));
       offset += e.bytes;
       crcs[e.key] = kCrcPlaceholder;
     }
   }
   const std::map<std::string, std::string> entries = EncodeCheckpointMeta(metadata);
-  auto meta_json = [&] {
-    nlohmann::json m = {{"format", kFormat},
-                        {"version", "3"},
-                        {"micro_steps", std::to_string(micro_)},
-                        {"loss_scale", Num(scaler_.scale)},
-                        {"good_steps", std::to_string(scaler_.good_steps)},
-                        {"skipped_steps", std::to_string(scaler_.skipped_steps)},
-                        {"steps", steps.dump()},
-                        {"crc32c", crcs.dump()},
-                        {"state_format", StateFormatMeta(config_.optimizer_state)},
-                        {"header_crc32c", kCrcPlaceholder}};
+  auto meta_map = [&](const std::string& header_crc) {
+    std::map<std::string, std::string> m = {
+        {"format", kFormat},
+        {"version", "3"},
+        {"micro_steps", std::to_string(micro_)},
+        {"loss_scale", Num(scaler_.scale)},
+        {"good_steps", std::to_string(scaler_.good_steps)},
+        {"skipped_steps", std::to_string(scaler_.skipped_steps)},
+        {"steps", steps.dump()},
+        {"crc32c", crcs.dump()},
+        {"state_format", StateFormatMeta(config_.optimizer_state)},
+        {"header_crc32c", header_crc}};
     for (const auto& [k, v] : entries) m[k] = v;
     return m;
   };
-  header["__metadata__"] = meta_json();
-  const std::string placeholder = HeaderText(header);
+  const std::string placeholder = weights::HeaderText(infos, meta_map(kCrcPlaceholder), kBlock);
   const uint64_t header_bytes = placeholder.size();
 
   if (sharded()) {
@@ -549,17 +487,11 @@ Status Session::SaveCheckpoint(const std::string& path, const CheckpointMeta& me
     return OkStatus();
   }
   const std::string tmp = path + ".tmp";
-  bool direct = false;
-  const int fd = OpenMaybeDirect(tmp, O_CREAT | O_WRONLY | O_TRUNC | O_CLOEXEC, 0644,
-                                 CheckpointsDirect(config_.checkpoint_io), &direct);
-  if (fd < 0) return Errno("checkpoint: cannot create " + tmp, errno);
-  auto fail = [&](Status s) {
-    close(fd);
-    unlink(tmp.c_str());
-    return s.WithContext("checkpoint " + path);
-  };
-  DirectWriter w(fd, direct);
-  Status s = w.PutValue(header_bytes);
+  StatusOr<std::unique_ptr<weights::FileWriter>> created =
+      weights::FileWriter::Create(tmp, CheckpointsDirect(config_.checkpoint_io), 8 * kMiB, /*crc=*/true);
+  if (!created.ok()) return IOError("checkpoint: " + created.status().message());
+  weights::FileWriter& w = **created;
+  Status s = w.Put(&header_bytes, sizeof(header_bytes));
   if (s.ok()) s = w.Put(placeholder.data(), placeholder.size());
   w.TakeCrc();
   Status gathers;
@@ -575,43 +507,26 @@ Status Session::SaveCheckpoint(const std::string& path, const CheckpointMeta& me
   if (s.ok()) s = w.Finish();
   if (s.ok()) {
     // The real checksums, then the header's own over the text with it zeroed.
-    header["__metadata__"] = meta_json();
-    const std::string zeroed = HeaderText(header);
-    header["__metadata__"]["header_crc32c"] = Hex8(Crc32c(zeroed.data(), zeroed.size()));
-    const std::string text = HeaderText(header);
+    const std::string zeroed = weights::HeaderText(infos, meta_map(kCrcPlaceholder), kBlock);
+    const std::string text =
+        weights::HeaderText(infos, meta_map(Hex8(Crc32c(zeroed.data(), zeroed.size()))), kBlock);
     if (text.size() != header_bytes) {
       s = InternalError("checkpoint header changed size");
     } else {
-      // The length and the text end on a block boundary: rewrite them as whole blocks.
-      AlignedBuf head = NewAligned(8 + text.size());
-      if (!head) {
-        s = ResourceExhaustedError("checkpoint: no memory for the header");
-      } else {
-        std::memcpy(head.get(), &header_bytes, 8);
-        std::memcpy(head.get() + 8, text.data(), text.size());
-        s = PWriteAll(fd, head.get(), 8 + text.size(), 0);
-      }
+      // The length and the text end on a block boundary: rewritten as whole blocks.
+      std::string head(8 + text.size(), '\0');
+      std::memcpy(head.data(), &header_bytes, 8);
+      std::memcpy(head.data() + 8, text.data(), text.size());
+      s = w.Rewrite(0, head.data(), head.size());
     }
   }
-  if (s.ok() && fsync(fd) != 0) s = Errno("checkpoint fsync", errno);
-  if (!s.ok()) return fail(s);
-  if (close(fd) != 0) {
+  if (s.ok()) s = w.Close();  // fsync
+  if (!s.ok()) {
+    created->reset();
     unlink(tmp.c_str());
-    return Errno("checkpoint close " + tmp, errno);
+    return s.WithContext("checkpoint " + path);
   }
-  if (rename(tmp.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    unlink(tmp.c_str());
-    return Errno("checkpoint: rename to " + path, err);
-  }
-  std::string dir = DirName(path);
-  if (dir.empty()) dir = ".";
-  const int dfd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {
-    fsync(dfd);  // best effort: the rename is durable once the directory is
-    close(dfd);
-  }
-  return OkStatus();
+  return weights::CommitFile(tmp, path).WithContext("checkpoint");
 }
 
 StatusOr<CheckpointMeta> Session::CheckpointMetadata(const std::string& path) {
@@ -624,7 +539,7 @@ StatusOr<CheckpointMeta> Session::CheckpointMetadata(const std::string& path) {
     Status s = ReadHeader(r, &h);
     meta = s.ok() ? ParseLegacyCheckpointMeta(h.metadata) : StatusOr<CheckpointMeta>(s);
   } else {
-    auto h = ReadHeader2(fd);
+    auto h = ReadHeader2(fd, path);
     meta = h.ok() ? MetaOf(*h) : StatusOr<CheckpointMeta>(h.status());
   }
   close(fd);
@@ -653,16 +568,16 @@ Status Session::LoadCheckpoint(const std::string& path, CheckpointMeta* metadata
   const int dfd = CheckpointsDirect(config_.checkpoint_io)
                       ? OpenMaybeDirect(path, O_RDONLY | O_CLOEXEC, 0, true, &direct)
                       : -1;
-  Status s = LoadCheckpointV2(fd, dfd >= 0 ? dfd : fd, dfd >= 0 && direct, metadata, how);
+  Status s = LoadCheckpointV2(path, fd, dfd >= 0 ? dfd : fd, dfd >= 0 && direct, metadata, how);
   if (dfd >= 0) close(dfd);
   close(fd);
   return s.WithContext("checkpoint " + path);
 }
 
-Status Session::LoadCheckpointV2(int fd, int data_fd, bool direct, CheckpointMeta* metadata,
-                                 const CheckpointLoad& how) {
+Status Session::LoadCheckpointV2(const std::string& path, int fd, int data_fd, bool direct,
+                                 CheckpointMeta* metadata, const CheckpointLoad& how) {
   const bool verify_only = how.verify_only;
-  TIERMEM_ASSIGN_OR_RETURN(Header2 h, ReadHeader2(fd));
+  TIERMEM_ASSIGN_OR_RETURN(Header2 h, ReadHeader2(fd, path));
   TIERMEM_ASSIGN_OR_RETURN(CheckpointMeta meta, MetaOf(h));
   TIERMEM_RETURN_IF_ERROR(CheckCheckpointMeta(meta, how));
   // The file's state format (compressed m and v: their block and map); files without one hold
@@ -707,18 +622,17 @@ Status Session::LoadCheckpointV2(int fd, int data_fd, bool direct, CheckpointMet
         }
       }
       for (const auto& [key, kind] : keys) {
-        const auto e = h.tensors.find(key);
-        if (e == h.tensors.end()) {
-          const bool frozen_there = key != t.name && h.tensors.contains(t.name);
+        const weights::TensorInfo* e = h.file.Find(key);
+        if (e == nullptr) {
+          const bool frozen_there = key != t.name && h.file.Find(t.name) != nullptr;
           return nothing_loaded(
               "checkpoint has no tensor '" + key + "'" +
               (frozen_there ? " (the parameter was frozen when it was saved)" : "") +
               "; this model has '" + t.name + "' (" + std::to_string(t.numel) + " elements" +
               (t.trainable ? "" : ", frozen") + ")");
         }
-        uint64_t numel = 1;
-        for (const auto& d : e->at("shape")) numel *= d.get<uint64_t>();
-        const std::string dtype = e->at("dtype").get<std::string>();
+        const uint64_t numel = e->numel;
+        const std::string dtype(weights::DTypeName(e->dtype));
         const bool state = kind != ChunkKind::kParamFp32;
         const bool compressed = state && (dtype == "BF16" || dtype == "U8");
         if ((dtype != "F32" && !compressed) || numel != t.numel) {
@@ -747,8 +661,8 @@ Status Session::LoadCheckpointV2(int fd, int data_fd, bool direct, CheckpointMet
           a.part = Part::kAbsmax;
           a.dtype = "F32";
           a.bytes = kernels::StateBlocks(file_format, t.numel) * 4;
-          const auto ae = h.tensors.find(a.key);
-          if (ae == h.tensors.end() || ae->at("dtype").get<std::string>() != "F32") {
+          const weights::TensorInfo* ae = h.file.Find(a.key);
+          if (ae == nullptr || ae->dtype != weights::DType::kF32) {
             return DataLossError("checkpoint has no F32 tensor '" + a.key + "' for the int8 '" +
                                  key + "': nothing was loaded");
           }
@@ -756,23 +670,21 @@ Status Session::LoadCheckpointV2(int fd, int data_fd, bool direct, CheckpointMet
         }
       }
       for (Entry& en : entries[i]) {
-        const nlohmann::json& off = h.tensors.at(en.key).at("data_offsets");
-        if (off.size() != 2 || off[1].get<uint64_t>() - off[0].get<uint64_t>() != en.bytes) {
-          return nothing_loaded(
-              "checkpoint tensor '" + en.key + "' holds " +
-              (off.size() == 2 ? std::to_string(off[1].get<uint64_t>() - off[0].get<uint64_t>())
-                               : std::string("?")) +
-              " bytes, not the " + std::to_string(en.bytes) + " of " + std::to_string(t.numel) +
-              " elements of " + en.dtype);
+        const weights::TensorInfo* info = h.file.Find(en.key);
+        if (info->bytes() != en.bytes) {
+          return nothing_loaded("checkpoint tensor '" + en.key + "' holds " +
+                                std::to_string(info->bytes()) + " bytes, not the " +
+                                std::to_string(en.bytes) + " of " + std::to_string(t.numel) +
+                                " elements of " + en.dtype);
         }
-        en.begin = off[0].get<uint64_t>();
+        en.begin = info->begin;
         en.crc = h.crcs.at(en.key).get<std::string>();
       }
       expected += entries[i].size();
       steps[i] = h.steps.at(t.name).get<int64_t>();
     }
-    if (h.tensors.size() != expected) {
-      return nothing_loaded("checkpoint holds " + std::to_string(h.tensors.size()) +
+    if (h.file.tensors.size() != expected) {
+      return nothing_loaded("checkpoint holds " + std::to_string(h.file.tensors.size()) +
                             " tensors (values and Adam state), this model has " +
                             std::to_string(expected));
     }
@@ -817,7 +729,7 @@ Status Session::LoadCheckpointV2(int fd, int data_fd, bool direct, CheckpointMet
       for (const Entry& e : entries[i]) {
         StatusOr<const char*> at =
             ReadRange(data_fd, direct, scratch.get(), reinterpret_cast<char*>(buf.data()), e.bytes,
-                      h.data_start + e.begin);
+                      h.file.data_start + e.begin);
         Status s = at.status();
         if (s.ok() && Hex8(Crc32c(*at, e.bytes)) != e.crc) {
           s = DataLossError("tensor '" + e.key + "': checksum mismatch");

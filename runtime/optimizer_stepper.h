@@ -64,7 +64,7 @@
 
 #include "base/status.h"
 #include "base/units.h"
-#include "chunks/chunk_layout.h"
+#include "layout/chunk_layout.h"
 #include "planners/trace.h"
 #include "runtime/config.h"
 #include "tiers/tier.h"

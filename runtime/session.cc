@@ -5,7 +5,7 @@
 // format, then those with fp32 state), frozen ones after, into separate groups (a frozen group
 // has no grad or optimizer chunks; a group's m and v have one format); within a group tensors
 // keep the given order; a tensor that fits in a chunk is one piece in one group, a larger one
-// (or one of an expert set) is pieces of whole rows (chunks/chunk_layout.h), each in one
+// (or one of an expert set) is pieces of whole rows (layout/chunk_layout.h), each in one
 // group, and a group lists every piece it holds; only whole (one-piece) tensors outside expert
 // sets take a compressed state format; every chunk of a group has chunk_elems_ elements of its
 // kind's dtype (m and v: of the group's state format, StateBytes); in an int8 group every
@@ -609,18 +609,45 @@ Status Session::ReadTensor(size_t tensor, ChunkKind kind, void* out) {
                              static_cast<float*>(out), t.numel);
     return OkStatus();
   }
+  return ReadTensorRange(tensor, kind, 0, t.numel, out);
+}
+
+Status Session::ReadTensorRange(size_t tensor, ChunkKind kind, uint64_t begin, uint64_t n,
+                                void* out) {
+  TIERMEM_RETURN_IF_ERROR(CheckRange(tensor, kind, begin, n));
   const size_t es = kernels::DTypeSize(dtype(kind));
   for (const Piece& p : tensors_[tensor].pieces) {
+    const uint64_t lo = std::max(p.begin, begin), hi = std::min(p.begin + p.numel, begin + n);
+    if (lo >= hi) continue;
     TIERMEM_RETURN_IF_ERROR(CheckKind(p.group, kind));
     TIERMEM_RETURN_IF_ERROR(stepper_->RunPending(p.group, true));
-    char* dst = static_cast<char*>(out) + p.begin * es;
-    if (sharded()) {  // collective: the chunk from every rank's shard
+    char* dst = static_cast<char*>(out) + (lo - begin) * es;
+    const uint64_t at = p.offset + (lo - p.begin);  // in the chunk
+    if (sharded()) {                                // collective: the chunk from every rank's shard
       TIERMEM_ASSIGN_OR_RETURN(const char* full, GatherChunk(p.group, kind));
-      std::memcpy(dst, full + p.offset * es, p.numel * es);
+      std::memcpy(dst, full + at * es, (hi - lo) * es);
       continue;
     }
     TIERMEM_RETURN_IF_ERROR(
-        stack_->engine()->ReadAt(Chunk(p.group, kind), p.offset * es, dst, p.numel * es));
+        stack_->engine()->ReadAt(Chunk(p.group, kind), at * es, dst, (hi - lo) * es));
+  }
+  return OkStatus();
+}
+
+Status Session::CheckRange(size_t tensor, ChunkKind kind, uint64_t begin, uint64_t n) const {
+  TIERMEM_RETURN_IF_ERROR(Live());
+  if (tensor >= tensors_.size()) return OutOfRangeError("session: unknown tensor");
+  const TensorPlace& t = tensors_[tensor];
+  TIERMEM_RETURN_IF_ERROR(CheckKind(t.group, kind));
+  if (begin > t.numel || n > t.numel - begin) {
+    return OutOfRangeError("session: elements [" + std::to_string(begin) + ", " +
+                           std::to_string(begin + n) + ") are outside tensor '" +
+                           specs_[tensor].name + "' (" + std::to_string(t.numel) + ")");
+  }
+  if (IsStateKind(kind) && groups_[t.group].state.compressed()) {
+    return InvalidArgumentError(
+        "session: a range of compressed optimizer state (use "
+        "ReadTensor / WriteTensor)");
   }
   return OkStatus();
 }
@@ -640,19 +667,27 @@ Status Session::WriteTensor(size_t tensor, ChunkKind kind, const void* values) {
                            {codes.data(), absmax.data()}, t.numel, tensor);
     return StateRaw(tensor, kind, codes.data(), absmax.data(), true);
   }
+  return WriteTensorRange(tensor, kind, 0, t.numel, values);
+}
+
+Status Session::WriteTensorRange(size_t tensor, ChunkKind kind, uint64_t begin, uint64_t n,
+                                 const void* values) {
+  TIERMEM_RETURN_IF_ERROR(CheckRange(tensor, kind, begin, n));
   const size_t es = kernels::DTypeSize(dtype(kind));
   for (const Piece& p : tensors_[tensor].pieces) {
+    const uint64_t tlo = std::max(p.begin, begin), thi = std::min(p.begin + p.numel, begin + n);
+    if (tlo >= thi) continue;
     TIERMEM_RETURN_IF_ERROR(CheckKind(p.group, kind));
     TIERMEM_RETURN_IF_ERROR(stepper_->RunPending(p.group, true));
     stepper_->DropSpeculation(p.group);
-    // This rank's part of the piece (all of it when not sharded).
-    const uint64_t lo = std::max(p.offset, shard_begin_);
-    const uint64_t hi = std::min(p.offset + p.numel, shard_begin_ + shard_elems_);
+    // This rank's part of the elements, in chunk coordinates (all of them when not sharded).
+    const uint64_t lo = std::max(p.offset + (tlo - p.begin), shard_begin_);
+    const uint64_t hi = std::min(p.offset + (thi - p.begin), shard_begin_ + shard_elems_);
     if (lo >= hi) continue;
     gathered_key_ = {SIZE_MAX, -1};  // a cached gather is stale now
     TIERMEM_RETURN_IF_ERROR(stack_->engine()->WriteAt(
         Chunk(p.group, kind), (lo - shard_begin_) * es,
-        static_cast<const char*>(values) + (p.begin + lo - p.offset) * es, (hi - lo) * es));
+        static_cast<const char*>(values) + (p.begin + lo - p.offset - begin) * es, (hi - lo) * es));
   }
   return OkStatus();
 }
@@ -1129,6 +1164,11 @@ Status Session::Flush() {
 StatusOr<chunks::EngineStats> Session::Stats() const {
   TIERMEM_RETURN_IF_ERROR(Live());
   return stack_->engine()->Stats();
+}
+
+StatusOr<Bytes> Session::RuntimeHostBytes() const {
+  TIERMEM_RETURN_IF_ERROR(Live());
+  return stack_->host_overhead() + shard_buf_.capacity() + gathered_.capacity();
 }
 
 StatusOr<prof::Report> Session::TimelineReport() {

@@ -73,9 +73,9 @@
 #include <vector>
 
 #include "base/status.h"
-#include "chunks/chunk_layout.h"
 #include "chunks/engine.h"
 #include "kernels/cpu/optim.h"
+#include "layout/chunk_layout.h"
 #include "prof/analysis.h"
 #include "runtime/checkpoint_meta.h"
 #include "runtime/collectives.h"
@@ -95,7 +95,7 @@ struct TensorSpec {
   bool trainable = true;  // false: frozen (no grad or optimizer chunks)
   int opt_group = 0;      // optimizer param group (trainable tensors only), >= 0
   std::vector<int64_t> shape = {};  // as the binding's tensor (checkpoints); empty = {numel}
-  // Mixture of experts (chunks/chunk_layout.h, "expert set"): >= 0 names the set of one
+  // Mixture of experts (layout/chunk_layout.h, "expert set"): >= 0 names the set of one
   // layer's experts, packed expert by expert so that each expert's slices share chunks of
   // their own; `expert` -1 = fused (shape[0] indexes the experts), >= 0 = the whole tensor is
   // that expert's.
@@ -284,6 +284,13 @@ class Session {
   // in (int8: the tensor's blocks get new absmax values).
   Status ReadTensor(size_t tensor, ChunkKind kind, void* out);
   Status WriteTensor(size_t tensor, ChunkKind kind, const void* values);
+  // The same for elements [begin, begin + n) of the tensor (`n` elements of dtype(kind) at
+  // `out` / `values`): a tensor streamed in pieces (runtime/weights.h). Sharded: reads gather
+  // (every rank must call), writes keep this rank's part. kOutOfRange past the tensor's end;
+  // kInvalidArgument for compressed m or v.
+  Status ReadTensorRange(size_t tensor, ChunkKind kind, uint64_t begin, uint64_t n, void* out);
+  Status WriteTensorRange(size_t tensor, ChunkKind kind, uint64_t begin, uint64_t n,
+                          const void* values);
   // The optimizer-state format of a group's m and v (fp32 for frozen groups).
   const kernels::StateFormat& state_format(size_t group) const { return groups_[group].state; }
   // Stored m or v of a tensor in its group's format: `codes` gets StateBytes' code part
@@ -413,6 +420,11 @@ class Session {
   Status Synchronize();
   Status Flush();  // home copies current (e.g. before reading many values)
   StatusOr<chunks::EngineStats> Stats() const;
+  // Host memory the runtime holds for itself outside every budget now, bytes: the tiers' own
+  // buffers (the NVMe bounce pool and checksum table, host memory mapped beyond the budget:
+  // TierStack::host_overhead) and, sharded, the buffers whole chunks are gathered into.
+  // (docs/engine.md, "Memory outside the budgets").
+  StatusOr<Bytes> RuntimeHostBytes() const;
   // The timeline so far, analysed by tiermem::prof from the file (not from counters).
   StatusOr<prof::Report> TimelineReport();
 
@@ -487,6 +499,8 @@ class Session {
   Status Live() const;
   ChunkId Chunk(size_t group, ChunkKind kind) const;
   Status CheckKind(size_t group, ChunkKind kind) const;
+  // The checks of ReadTensorRange / WriteTensorRange.
+  Status CheckRange(size_t tensor, ChunkKind kind, uint64_t begin, uint64_t n) const;
   // After an acquire of `c` on `where`: the plan runner checks a dense acquire; an expert's
   // (cls set) is marked in the trace and bound to the plan's slots, not checked.
   void NoteClassAccess(ChunkId c, TierKind where, uint32_t cls);
@@ -502,10 +516,10 @@ class Session {
   TraceRecorder::Probes TraceProbes() const;
   Status LoadCheckpointV1(const std::string& path, CheckpointMeta* metadata,
                           const CheckpointLoad& how);
-  // The header through `fd`; tensor bytes through `data_fd`, opened with O_DIRECT when
-  // `direct` (block-aligned reads).
-  Status LoadCheckpointV2(int fd, int data_fd, bool direct, CheckpointMeta* metadata,
-                          const CheckpointLoad& how);
+  // The header of `path` through `fd`; tensor bytes through `data_fd`, opened with O_DIRECT
+  // when `direct` (block-aligned reads).
+  Status LoadCheckpointV2(const std::string& path, int fd, int data_fd, bool direct,
+                          CheckpointMeta* metadata, const CheckpointLoad& how);
   planners::TraceBudgets TraceBudgets() const;
   Bytes ComputeBudget() const;      // compute_budget(), from the chunks' homes
   Bytes GroupComputeBytes() const;  // a group's compute and grad chunks, full

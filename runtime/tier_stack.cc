@@ -328,6 +328,14 @@ StatusOr<std::unique_ptr<TierStack>> TierStack::Create(const SessionConfig& conf
   return s;
 }
 
+Bytes TierStack::host_overhead() const {
+  Bytes total = 0;
+  for (const Tier* t : {device_.get(), host_.get(), staging_.get(), nvme_.get()}) {
+    if (t != nullptr) total += t->Stats().host_overhead;
+  }
+  return total;
+}
+
 TierStack::~TierStack() { Close(); }
 
 void TierStack::Close() {

@@ -90,6 +90,9 @@ class TierStack {
   // Host memory (chunk homes, caches, staging slots) registered with the NVMe tier as io_uring
   // fixed buffers now; 0 without NVMe or with the posix engine.
   Bytes nvme_registered_bytes() const;
+  // Host memory the tiers hold for themselves beside their budgets (TierStats::host_overhead
+  // summed over the device, host, staging and NVMe tiers); 0 once closed.
+  Bytes host_overhead() const;
   const std::string& timeline_path() const { return timeline_path_; }
   // The timeline file so far (after waiting for moves and flushing), analysed by
   // tiermem::prof — not the engine's own counters.

@@ -15,11 +15,14 @@ import sys
 # Layer of each top-level source folder (docs/architecture.md, "Folders are layers").
 LAYERS = {
     "base": 0,
-    "tiers": 1, "kernels": 1, "planners": 1, "prof": 1,
+    "tiers": 1, "kernels": 1, "layout": 1, "planners": 1, "prof": 1, "weights": 1,
     "chunks": 2,
     "runtime": 3,
     "integrations": 4, "tools": 4,
 }
+# Folders held to a narrower rule than their layer's: layout/ sits under the engine and the
+# planners (both include it), so it includes nothing of its layer but itself.
+ONLY = {"layout": ("base", "layout")}
 # Where the platform headers may appear (DESIGN.md: CUDA and io_uring stay in their folders).
 CONFINED = {
     "cuda": (re.compile(r"^(cuda|cuda_runtime|cuda_runtime_api|nccl|cublas)\w*\.h$"),
@@ -55,6 +58,9 @@ def check(root: pathlib.Path) -> list[str]:
                 if src and dst and LAYERS[dst] > LAYERS[src]:
                     problems.append(f"{rel}:{n}: {src}/ (L{LAYERS[src]}) includes {target} "
                                     f"(L{LAYERS[dst]}): an include may not point up")
+                elif src in ONLY and dst and dst not in ONLY[src]:
+                    problems.append(f"{rel}:{n}: {src}/ includes {target}: it may include only "
+                                    f"{', '.join(d + '/' for d in ONLY[src])}")
             for what, (pattern, allowed) in CONFINED.items():
                 if pattern.match(target) and not rel.startswith(allowed):
                     problems.append(f"{rel}:{n}: includes {what} header <{target}> outside "

@@ -112,7 +112,7 @@ timeout 300 "$B/bin/tiermem_bench_copy_cuda" --size $([ "$quick" = 1 ] && echo 2
 echo "bench_copy_cuda: exit $?"; cat "$OUT/gpu_bench_copy.json"
 if [ "$PY_OK" = 1 ]; then
   extra=$([ "$quick" = 1 ] && echo "--layers 4 --width 512 --rounds 2" || echo "")
-  timeout 900 "$PY" -m tiermem.examples.bench_gpu --json --params "$params" $extra \
+  timeout 900 "$PY" -m benchmarks.bench_gpu --json --params "$params" $extra \
     > "$OUT/gpu_bench_python.json" 2> "$OUT/gpu_bench_python.err"
   echo "bench_gpu: exit $?"; cat "$OUT/gpu_bench_python.json"
 fi

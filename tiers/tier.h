@@ -3,8 +3,8 @@
 // A tier is a handful of required operations: allocate/free a region, start an async copy
 // between a region and host-addressable memory (completing into a Completion), and stats.
 // Byte-addressable tiers (device, host) expose each region's address; NVMe does not.
-// Copies between two non-host tiers (device <-> NVMe) are the mover's job (runtime/), which
-// bounces them through pinned host memory; a tier only ever copies to/from host memory.
+// Copies between two non-host tiers (device <-> NVMe) are the mover's job (chunks/mover.h),
+// which bounces them through pinned host memory; a tier only ever copies to/from host memory.
 //
 // Accounting invariant (checked by the conformance suite): Stats().used is the sum of the
 // sizes of live regions as allocated (after the tier's rounding), never above capacity;
@@ -40,6 +40,10 @@ struct TierStats {
   Bytes peak = 0;      // max of used
   uint64_t live_regions = 0;
   uint64_t total_allocations = 0;  // successful Allocate calls
+  // Host memory the tier holds for itself outside its budget: bounce buffers and checksum
+  // tables (NVMe), memory mapped beyond the budget (host). What a user adds to the budgets to
+  // size the machine (the runtime's fixed overhead: docs/engine.md).
+  Bytes host_overhead = 0;
 };
 
 // The completion of one async operation. Thread-safe; shared by the issuer and the tier.

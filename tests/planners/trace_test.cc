@@ -384,6 +384,54 @@ TEST(CanonicalTracesTest, LoadAndMatchTheGenerator) {
   }
 }
 
+// A synthetic trace is laid out by the session's packer (layout/chunk_layout.h PackPieces), so
+// its chunks are those a session makes of the model. A small MoE model whose embeddings and
+// head are larger than a chunk (one expert: 8,352 elements; vocab 300 x d 32 = 9,600): wte is
+// split into 261 + 39 whole rows, the block's dense tensors follow its second piece, each expert
+// has a chunk of its own, and the head's first piece fills the rest of ln_f's chunk (259 rows)
+// — the packer fills a chunk's rest with whole rows before it opens one — its last 41 rows a
+// chunk of their own: 6 groups.
+TEST(ModelTraceTest, LaidOutByTheSessionsPacker) {
+  ModelShape s;
+  s.layers = 1;
+  s.d_model = 32;
+  s.heads = 1;
+  s.vocab = 300;
+  s.seq = 8;
+  s.batch = 1;
+  s.experts = 2;
+  s.top_k = 2;
+  s.iterations = 1;
+  auto t = ModelTrace(s);
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  EXPECT_NE(t->source.find("chunk_elems=8352 "), std::string::npos) << t->source;
+  ASSERT_EQ(t->chunks.size(), 6u * 4);
+  for (ChunkId c = 0; c < t->chunks.size(); ++c) {
+    const uint32_t g = static_cast<uint32_t>(c / 4);
+    // Experts' param and grad chunks are marked with their block's set.
+    EXPECT_EQ(t->chunks[c].expert_set, (g == 2 || g == 3) && c % 4 < 2 ? 0u : kNoExpertSet) << c;
+  }
+  const TraceIteration& it = t->iterations[0];
+  auto chunks_of = [&](const std::string& label) {
+    std::vector<ChunkId> cs;
+    for (const Moment& m : it.moments) {
+      if (m.label != label) continue;
+      for (uint32_t a = 0; a < m.num_accesses; ++a) cs.push_back(it.accesses[m.first_access + a].chunk);
+    }
+    return cs;
+  };
+  EXPECT_EQ(chunks_of("fwd:embed"), (std::vector<ChunkId>{0, 4}));         // groups 0, 1
+  EXPECT_EQ(chunks_of("fwd:blocks.0"), (std::vector<ChunkId>{4, 8, 12}));  // 1, both experts
+  EXPECT_EQ(chunks_of("fwd:head"), (std::vector<ChunkId>{16, 20}));        // groups 4, 5
+  // The optimizer's work per group: the end of its last piece.
+  std::vector<uint64_t> work;
+  for (const Moment& m : it.moments) {
+    if (m.kind == MomentKind::kOptimizerStep) work.push_back(m.work_elems);
+  }
+  EXPECT_EQ(work, (std::vector<uint64_t>{8352, 1248 + 256 + 64 + 3168 + 1056 + 64 + 64, 8352,
+                                         8352, 64 + 259 * 32, 41 * 32}));
+}
+
 // A compressed optimizer-state format shrinks the m and v chunks of a synthetic trace (the
 // planner and the simulator then count those bytes): int8's 1 + 4/256 bytes per element.
 TEST(ModelTraceTest, StateBytesPerElementSizeTheOptimizerStateChunks) {

@@ -1,9 +1,15 @@
 import copy
+import os
+import sys
 
 import pytest
 import torch
 
 from tiermem.examples.gpt import GPT, GPTConfig, synthetic_batches
+
+# The repository root, so the tests that run a benchmark (benchmarks/, outside the package)
+# import it as `benchmarks.NAME` whatever directory pytest started in.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 torch.set_num_threads(1)
 

@@ -221,7 +221,7 @@ def test_offloaded_activations_of_torch_modules_match_plain_torch():
 
 
 def test_the_activation_offload_benchmark_runs_and_holds_the_budget(capsys):
-    from tiermem.examples import bench_activations
+    from benchmarks import bench_activations
     budget = 3200 * 1024  # one block's recomputed activations (2.1 MB) next to the chunks
     assert bench_activations.main(["--layers", "2", "--width", "64", "--block", "64", "--batch",
                                    "8", "--steps", "5", "--device", "3200KiB", "--json"]) == 0

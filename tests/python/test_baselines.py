@@ -1,9 +1,12 @@
 """The side-by-side benchmark against DeepSpeed keeps running: without DeepSpeed at hand (CI)
 its rows are skipped and plain torch and tiermem still train the same losses."""
-from tiermem.examples import bench_deepspeed
+from benchmarks import bench_deepspeed
 
 
-def test_the_deepspeed_benchmark_runs_without_deepspeed(capsys, tmp_path):
+def test_the_deepspeed_benchmark_runs_without_deepspeed(capsys, tmp_path, monkeypatch):
+    # Each system runs in a child Python that imports the benchmark again: from another
+    # directory too (the children get the repository root on PYTHONPATH, child_env).
+    monkeypatch.chdir(tmp_path)
     bench_deepspeed.main(["--deepspeed", str(tmp_path / "none"), "--rounds", "1", "--steps", "1",
                           "--warmup", "1", "--layers", "1", "--width", "64",
                           "--systems", "plain,tiermem-host,tiermem-main-job"])
@@ -23,7 +26,7 @@ def test_the_in_step_nvme_benchmark_measures_real_traffic(capsys, tmp_path):
 
     import pytest
 
-    from tiermem.examples import bench_nvme_step
+    from benchmarks import bench_nvme_step
     if shutil.which("fio") is None:
         pytest.skip("fio is not installed")
     assert bench_nvme_step.main(["--rounds", "1", "--steps", "2", "--warmup", "1",

@@ -575,7 +575,7 @@ def test_inductor_compiled_units_train_as_plain_torch_within_1e_5():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt", "encoder", "gpt2", "llama", "lora", "gpt-bf16-autocast"])
 def test_inductor_over_10_steps_is_within_the_issues_bounds_of_plain_compiled_torch(name):
-    # docs/benchmarks.md "Issue 35": losses within 1e-5 relative of plain torch compiled the
+    # docs/benchmarks.md "torch.compile": losses within 1e-5 relative of plain torch compiled the
     # same way (torch.compile(model), inductor) over 10 steps in fp32, within 2e-2 under bf16
     # autocast; host mode. Prints the largest relative difference.
     def gpt_autocast(call, batch):

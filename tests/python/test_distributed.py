@@ -289,7 +289,7 @@ def test_torchrun_launches_the_example_and_its_checkpoint_loads_in_one_process(t
 
 
 def test_the_distributed_benchmark_runs(capsys):
-    from tiermem.examples import bench_distributed
+    from benchmarks import bench_distributed
     bench_distributed.main(["--worlds", "1,2", "--rounds", "1", "--steps", "1", "--warmup", "1",
                             "--layers", "1", "--width", "64"])
     out = capsys.readouterr().out

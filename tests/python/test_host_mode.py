@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import tiermem
-from tiermem.examples import objective_bytes
+from benchmarks import objective_bytes
 from conftest import KernelAdamW, batches, encoder_batches, make_pair, train_steps
 
 OPT = {"lr": 2e-3, "weight_decay": 0.01}

@@ -36,7 +36,7 @@ def test_bad_placement_is_a_clear_error_and_leaves_the_model():
 
 
 def test_the_placement_benchmark_runs(capsys):
-    from tiermem.examples import bench_placement
+    from benchmarks import bench_placement
     bench_placement.main(["--rounds", "2", "--steps", "1", "--warmup", "1", "--layers", "2",
                           "--width", "64"])
     out = capsys.readouterr().out

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import tiermem
-from tiermem.examples import objective_bytes
+from benchmarks import objective_bytes
 from conftest import KernelAdamW, batches, make_pair, model_bytes, train_steps
 
 pytest.importorskip("transformers")
@@ -71,7 +71,7 @@ def test_executed_plan_moves_the_bytes_it_predicted_with_activations_in_the_budg
     # backward released a unit's chunks when it moved on, the tied embedding's chunk stayed
     # pinned from the head's backward to the embedding's: the plan evicted it there, the
     # engine evicted another chunk instead and fetched it back — 10-12% over the prediction.)
-    from tiermem.examples import bench_gpt
+    from benchmarks import bench_gpt
     base, data = bench_gpt(12, 256, 2, 7, block=64)
     model, opt = tiermem.initialize(base, {"device_kind": "sim", "device": device, "host": "1GiB",
                                            "activations": "budget", "plan": "always",

@@ -157,6 +157,48 @@ TEST(HostTier, FragmentedSlabMemoryFallsBackToDedicatedMappings) {
   for (const auto& g : Host(*t)->Ranges()) dedicated += g.dedicated;
   EXPECT_EQ(dedicated, 1);
   EXPECT_EQ((*t)->Stats().used, 64 * kKiB + 1 * kMiB);
+  // The dedicated mapping (2 MiB, huge-page aligned) is memory beyond the budget.
+  EXPECT_EQ((*t)->Stats().host_overhead, 2 * kMiB);
+}
+
+// Slab memory never exceeds the budget: with the whole budget mapped at creation and a budget
+// that is not a whole number of slabs, the last slab is only the rest (it used to be a whole
+// slab: 48 MiB mapped for a 40 MiB budget). Its slots serve the classes that fit in it; a
+// class that does not fit never gets it.
+TEST(HostTier, SlabMemoryNeverExceedsTheBudget) {
+  HostTierConfig c = SmallConfig();
+  c.capacity = 40 * kMiB;  // 2.5 slabs of 16 MiB
+  c.slot_bytes = 16 * kMiB;
+  c.prefault_bytes = c.capacity;
+  auto t = NewHostTier(c);
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  EXPECT_EQ(Host(*t)->mapped_bytes(), 40 * kMiB);
+  EXPECT_EQ(Host(*t)->Ranges().size(), 3u);
+  EXPECT_EQ((*t)->Stats().host_overhead, 0u);
+  // Two 16 MiB slots take the two whole slabs (not the short one); the rest of the budget is
+  // 8 MiB, which a third does not fit.
+  auto a = (*t)->Allocate(16 * kMiB), b = (*t)->Allocate(16 * kMiB);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ((*t)->Allocate(16 * kMiB).status().code(), StatusCode::kResourceExhausted);
+  // The short slab serves the smaller classes: 8 MiB of 1 MiB slots, no new memory.
+  std::vector<Region> small;
+  for (int i = 0; i < 8; ++i) {
+    auto r = (*t)->Allocate(1 * kMiB);
+    ASSERT_TRUE(r.ok()) << i << ": " << r.status().ToString();
+    small.push_back(*r);
+  }
+  EXPECT_EQ((*t)->Stats().used, 40 * kMiB);
+  EXPECT_EQ(Host(*t)->mapped_bytes(), 40 * kMiB);
+  EXPECT_EQ(Host(*t)->Ranges().size(), 3u);
+  for (const Region& r : small) EXPECT_TRUE(Inside(r, Host(*t)->Ranges()));
+  // Freed, the short slab is not handed to the 16 MiB class: a freed whole slab is.
+  for (const Region& r : small) ASSERT_TRUE((*t)->Free(r).ok());
+  ASSERT_TRUE((*t)->Free(*a).ok());
+  auto again = (*t)->Allocate(16 * kMiB);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->addr, a->addr);
+  EXPECT_EQ(Host(*t)->mapped_bytes(), 40 * kMiB);
+  EXPECT_EQ((*t)->Stats().host_overhead, 0u);
 }
 
 TEST(HostTier, PinnerSeesEveryMappingOnceAndFailureChangesNothing) {

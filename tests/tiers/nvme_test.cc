@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <linux/filter.h>
 #include <linux/seccomp.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -109,6 +110,38 @@ TEST_P(NvmeIoBackendTest, NameSaysWhichBackend) {
   OPEN_OR_SKIP(t, Open());
   EXPECT_EQ(t->kind(), TierKind::kNvme);
   EXPECT_EQ(t->name(), GetParam() == NvmeIoBackend::kPosix ? "nvme-posix" : "nvme-io_uring");
+}
+
+// The tier's own host memory (Stats().host_overhead): a checksum per 4 KiB block of capacity
+// and the bounce pool (queue_depth pieces, allocated in whole huge pages).
+TEST_P(NvmeIoBackendTest, HostOverheadIsTheChecksumTableAndTheBouncePool) {
+  OPEN_OR_SKIP(t, Open());
+  const TierStats st = t->Stats();
+  EXPECT_EQ(st.host_overhead, 64 * kMiB / 4096 * 4 + AlignUp(8 * 256 * kKiB, 2 * kMiB));
+  EXPECT_EQ(st.used, 0u);
+}
+
+// A copy from memory never written — a read-only anonymous mapping, every page the kernel's
+// zero page (the chunk engine's source of zero fills) — writes zeros, directly (4 KiB
+// aligned) and through the bounce buffers.
+TEST_P(NvmeIoBackendTest, CopiesFromZeroPagesWriteZeros) {
+  OPEN_OR_SKIP(t, Open());
+  constexpr Bytes kBytes = 4 * kMiB;
+  void* zeros = mmap(nullptr, kBytes, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(zeros, MAP_FAILED);
+  auto r = t->Allocate(kBytes);
+  ASSERT_TRUE(r.ok());
+  AlignedBuffer junk(kBytes);
+  std::memset(junk.data, 0x5a, kBytes);
+  ASSERT_TRUE(Write(*t, *r, 0, junk.data, kBytes).ok());
+  ASSERT_TRUE(Write(*t, *r, 0, zeros, kBytes).ok());                      // direct
+  ASSERT_TRUE(Write(*t, *r, 1000, static_cast<char*>(zeros) + 8, 5000).ok());  // bounced
+  AlignedBuffer back(kBytes);
+  std::memset(back.data, 1, kBytes);
+  ASSERT_TRUE(Read(*t, *r, 0, back.data, kBytes).ok());
+  for (Bytes i = 0; i < kBytes; ++i) ASSERT_EQ(back.data[i], 0) << i;
+  ASSERT_TRUE(t->Free(*r).ok());
+  munmap(zeros, kBytes);
 }
 
 TEST_P(NvmeIoBackendTest, RandomRoundTripsAlignedAndUnaligned) {

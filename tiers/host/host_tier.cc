@@ -12,8 +12,12 @@
 //    once it was found, both under mu_; it is released after the memory is back in its slab
 //    or unmapped. So Stats().used never counts a region twice, never exceeds the capacity,
 //    and a failed allocation (no memory, pinner refused) leaves every stat unchanged.
-//  - mapped_ (slab bytes) never exceeds max_slab_bytes_ (the capacity rounded up to a slab);
-//    when fragmentation across classes would need more, the region gets a dedicated mapping.
+//  - mapped_ (slab bytes) never exceeds max_slab_bytes_, the capacity rounded up to the
+//    mapping alignment (a huge page, else a page): slabs are slab_bytes_ long but the last,
+//    which takes what is left (its slots: as many of a class as fit; an empty slab too small
+//    for a class is not used for it). When fragmentation across classes would need more, the
+//    region gets a dedicated mapping. What is mapped beyond the budget (dedicated mappings
+//    beside slabs, and each mapping's rounding up to its alignment) is Stats().host_overhead.
 // Copies: a Copy looks the region up under mu_, validates it, and queues a memcpy on the
 // worker pool; the caller guarantees (Tier contract) that the region is not freed meanwhile.
 #include "tiers/host/host_tier.h"
@@ -26,8 +30,10 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cassert>
 #include <cerrno>
+#include <cstddef>
 #include <cstdio>
 #include <cstring>
 #include <unordered_map>
@@ -80,7 +86,7 @@ class HostTierImpl final : public HostTier {
         node_(node),
         budget_(c.capacity),
         slab_bytes_(AlignUp(std::max(c.slab_bytes, c.slot_bytes), c.slot_bytes)),
-        max_slab_bytes_(AlignUp(c.capacity, slab_bytes_)),
+        max_slab_bytes_(AlignUp(c.capacity, c.huge_pages ? kHugePage : kPage)),
         lock_memory_(c.lock_memory) {
     for (Bytes s = c.slot_bytes; s >= c.min_class_bytes; s /= 2) {
       classes_.push_back(AlignUp(s, kPage));
@@ -150,6 +156,7 @@ class HostTierImpl final : public HostTier {
       if (live.slab < 0) {
         auto d = dedicated_.find(live.region.addr);
         Unmap(d->first, d->second.map_bytes);
+        map_total_ -= d->second.map_bytes;
         dedicated_.erase(d);
       } else {
         Slab& s = slabs_[live.slab];
@@ -194,12 +201,21 @@ class HostTierImpl final : public HostTier {
     return done;
   }
 
-  TierStats Stats() const override { return budget_.Snapshot(); }
+  TierStats Stats() const override {
+    TierStats st = budget_.Snapshot();
+    Bytes mapped;
+    {
+      MutexLock lock(mu_);
+      mapped = map_total_;
+    }
+    st.host_overhead = mapped > st.capacity ? mapped - st.capacity : 0;
+    return st;
+  }
 
   std::vector<HostRange> Ranges() const override {
     MutexLock lock(mu_);
     std::vector<HostRange> out;
-    for (const auto& s : slabs_) out.push_back({s.base, slab_bytes_, false});
+    for (const auto& s : slabs_) out.push_back({s.base, s.bytes, false});
     for (const auto& [addr, m] : dedicated_) out.push_back({addr, m.bytes, true});
     return out;
   }
@@ -218,6 +234,7 @@ class HostTierImpl final : public HostTier {
  private:
   struct Slab {
     char* base = nullptr;
+    Bytes bytes = 0;  // slab_bytes_, or less for the last one (the rest of the budget)
     Bytes map_bytes = 0;
     int cls = -1;                      // size class, -1 while empty
     uint32_t live = 0;                 // live regions in this slab
@@ -238,10 +255,19 @@ class HostTierImpl final : public HostTier {
     if (!partial_[cls].empty()) {
       idx = partial_[cls].back();
     } else {
-      if (!empty_slabs_.empty()) {
-        idx = empty_slabs_.back();
-        empty_slabs_.pop_back();
-      } else if (mapped_ + slab_bytes_ <= max_slab_bytes_) {
+      // The last empty slab that holds a slot of this class (the short last one may not).
+      size_t fits = empty_slabs_.size();
+      for (size_t i = empty_slabs_.size(); i-- > 0;) {
+        if (slabs_[empty_slabs_[i]].bytes >= classes_[cls]) {
+          fits = i;
+          break;
+        }
+      }
+      if (fits < empty_slabs_.size()) {
+        idx = empty_slabs_[fits];
+        empty_slabs_.erase(empty_slabs_.begin() + static_cast<std::ptrdiff_t>(fits));
+      } else if (mapped_ < max_slab_bytes_ &&
+                 std::min(slab_bytes_, max_slab_bytes_ - mapped_) >= classes_[cls]) {
         TIERMEM_ASSIGN_OR_RETURN(idx, NewSlabLocked());
       } else {
         // Slab memory is fragmented across classes: serve this one from its own mapping.
@@ -249,7 +275,7 @@ class HostTierImpl final : public HostTier {
       }
       Slab& s = slabs_[idx];
       s.cls = cls;
-      const uint32_t n = static_cast<uint32_t>(slab_bytes_ / classes_[cls]);
+      const uint32_t n = static_cast<uint32_t>(s.bytes / classes_[cls]);
       s.free_slots.clear();
       for (uint32_t i = n; i-- > 0;) s.free_slots.push_back(i);  // hand out low addresses first
       partial_[cls].push_back(idx);
@@ -273,11 +299,14 @@ class HostTierImpl final : public HostTier {
     return r;
   }
 
+  // A slab of slab_bytes_, or of the rest of max_slab_bytes_ when that is less. Requires
+  // mapped_ < max_slab_bytes_.
   StatusOr<size_t> NewSlabLocked() TIERMEM_REQUIRES(mu_) {
+    const Bytes bytes = std::min(slab_bytes_, max_slab_bytes_ - mapped_);
     Bytes map_bytes = 0;
-    TIERMEM_ASSIGN_OR_RETURN(char* p, MapLocked(slab_bytes_, &map_bytes));
-    slabs_.push_back(Slab{p, map_bytes, -1, 0, {}});
-    mapped_ += slab_bytes_;
+    TIERMEM_ASSIGN_OR_RETURN(char* p, MapLocked(bytes, &map_bytes));
+    slabs_.push_back(Slab{p, bytes, map_bytes, -1, 0, {}});
+    mapped_ += bytes;
     return slabs_.size() - 1;
   }
 
@@ -354,6 +383,7 @@ class HostTierImpl final : public HostTier {
       }
     }
     *map_bytes = len;
+    map_total_ += len;
     return p;
   }
 
@@ -366,7 +396,7 @@ class HostTierImpl final : public HostTier {
   const int node_;
   BudgetAccount budget_;
   const Bytes slab_bytes_;
-  const Bytes max_slab_bytes_;
+  const Bytes max_slab_bytes_;  // slab memory at most: the capacity, aligned as mappings are
   std::vector<Bytes> classes_;  // size classes, descending; immutable after construction
 
   mutable Mutex mu_;
@@ -376,7 +406,8 @@ class HostTierImpl final : public HostTier {
   std::vector<size_t> empty_slabs_ TIERMEM_GUARDED_BY(mu_);
   std::unordered_map<void*, Mapping> dedicated_ TIERMEM_GUARDED_BY(mu_);
   std::unordered_map<uint64_t, Live> regions_ TIERMEM_GUARDED_BY(mu_);
-  Bytes mapped_ TIERMEM_GUARDED_BY(mu_) = 0;  // slab bytes
+  Bytes mapped_ TIERMEM_GUARDED_BY(mu_) = 0;     // slab bytes (sum of Slab::bytes)
+  Bytes map_total_ TIERMEM_GUARDED_BY(mu_) = 0;  // every live mapping's mmap'd length
   uint64_t next_id_ TIERMEM_GUARDED_BY(mu_) = 1;
   std::unique_ptr<WorkerPool> workers_;
 };

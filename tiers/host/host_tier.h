@@ -10,13 +10,14 @@
 // fixed buffers). A slab is never returned to the system before the tier is destroyed, so
 // steady-state allocation does no syscalls.
 //
-// Each slab is cut into fixed-size slots of one *size class*: `slot_bytes` (the engine's chunk
-// size) and its halves down to `min_class_bytes`. An allocation of n <= slot_bytes bytes gets
-// a slot of the smallest class >= n; a slab whose slots are all free goes back to a pool of
-// empty slabs that any class may take. An allocation above slot_bytes (an odd size) gets a
-// dedicated mapping, with the same NUMA/huge-page/lock/pin treatment, unmapped at Free.
-// Region.bytes is the class size (or the page-rounded mapping size) and is what the budget is
-// charged with, exactly.
+// Slab memory never exceeds the budget (rounded up to a huge page): the last slab is only the
+// rest of it. Each slab is cut into fixed-size slots of one *size class*: `slot_bytes` (the
+// engine's chunk size) and its halves down to `min_class_bytes`. An allocation of
+// n <= slot_bytes bytes gets a slot of the smallest class >= n; a slab whose slots are all free
+// goes back to a pool of empty slabs that any class (whose slot fits in it) may take. An allocation
+// above slot_bytes (an odd size) gets a dedicated mapping, with the same NUMA/huge-page/lock/pin
+// treatment, unmapped at Free. Region.bytes is the class size (or the page-rounded mapping size)
+// and is what the budget is charged with, exactly.
 //
 // Copy() is a memcpy on one of `copy_threads` worker threads; completions fire there.
 // Threading: thread-safe. Ownership: the caller owns the tier; the pinner must outlive it.

@@ -270,7 +270,11 @@ class NvmeTierImpl final : public NvmeTier {
   TierKind kind() const override { return TierKind::kNvme; }
   std::string name() const override { return "nvme-" + std::string(backend_->name()); }
   std::string_view io_backend_name() const override { return backend_->name(); }
-  TierStats Stats() const override { return budget_.Snapshot(); }
+  TierStats Stats() const override {
+    TierStats st = budget_.Snapshot();
+    st.host_overhead = host_overhead_;
+    return st;
+  }
 
   StatusOr<Region> Allocate(Bytes bytes) override;
   Status Free(const Region& region) override;
@@ -351,6 +355,9 @@ class NvmeTierImpl final : public NvmeTier {
   std::atomic<Bytes> tear_after_;                  // the torn-write hook; 0 = off
   std::vector<File> files_;                        // fixed after Init
   std::unique_ptr<std::atomic<uint32_t>[]> crcs_;  // per global block
+  // Host memory held for the tier's own use (set by Init): the checksum table and the bounce
+  // pool, as allocated.
+  Bytes host_overhead_ = 0;
   BlockLocks locks_;
   std::unique_ptr<BouncePool> bounce_;
   std::unique_ptr<nvme::IoBackend> backend_;
@@ -529,6 +536,7 @@ Status NvmeTierImpl::Init() {
     return ResourceExhaustedError("nvme tier: cannot allocate " + std::to_string(bounce_->bytes()) +
                                   " bytes of bounce buffers");
   }
+  host_overhead_ = blocks * sizeof(uint32_t) + AlignUp(bounce_->bytes(), kHugePage);
 
   nvme::IoBackendConfig ec;
   for (const File& f : files_) ec.fds.push_back(f.fd);

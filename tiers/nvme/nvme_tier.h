@@ -5,6 +5,9 @@
 //
 //   auto tier = NewNvmeTier({.dir = "/mnt/nvme/scratch", .capacity = 64 * kGiB});
 //
+// Host memory beside the budget (Stats().host_overhead): 4 bytes of checksum per block of
+// capacity (1 MiB per GiB at 4 KiB blocks) and the bounce pool (bounce_buffers x piece_bytes).
+//
 // Threading: thread-safe (see tiers/tier.h). Completions fire on the I/O backend's threads.
 // Ownership: the caller owns the tier; it deletes its files (they are unlinked at creation).
 #pragma once

@@ -102,207 +102,275 @@ struct Rates {
   double lone_write = 0, lone_read = 0, stream_write = 0, stream_read = 0;  // bytes/s
 };
 
-int Run(const BounceOptions& o) {
-  auto fail = [](const Status& s) {
-    std::cerr << "tiermem bench bounce: " << s.ToString() << "\n";
-    return 1;
-  };
-  auto chunk_or = ParseBytes(o.chunk);
-  if (!chunk_or.ok()) return fail(chunk_or.status());
-  const Bytes chunk = AlignUp(*chunk_or, kPage);
-  if (chunk < 4 * kMiB || o.moves < 1 || o.rounds < 1 || o.busy_threads < 0) {
-    return fail(
-        InvalidArgumentError("--chunk >= 4MiB, --moves and --rounds >= 1, --busy-threads >= 0"));
+// One run: the pieces a session has (the NVMe tier, its registered staging tier, SimDevice),
+// a Mover per bounce configuration, the chunks the lone moves carry and the streaming
+// baseline's buffers. Members are declared in the order Setup builds them and torn down in
+// reverse (the movers before the staging tier they bounce through, the tier last).
+// Thread-safety: owned by the calling thread (the movers and the tier run their own).
+class BounceBench {
+ public:
+  explicit BounceBench(const BounceOptions& o) : o_(o) {}
+  ~BounceBench() {
+    for (int b = 0; b < registered_; ++b) pinner_->Unregister(bufs_[b].get());
   }
-  const Bytes total = chunk * static_cast<Bytes>(o.moves);
 
-  NvmeTierConfig nc;
-  nc.dir = o.dir;
-  nc.capacity = 2 * AlignUp(total, nc.block_bytes);  // the lone moves' regions + the stream's
-  auto nvme_or = OpenNvmeTier(nc);
-  if (!nvme_or.ok()) return fail(nvme_or.status());
-  std::unique_ptr<NvmeTier> nvme = std::move(nvme_or).value();
-  NvmePinner pinner(nvme.get());
-  // The session's staging tier: prefetch_depth (4) + 2 chunk slots, prefaulted and registered.
-  HostTierConfig sc;
-  sc.capacity = 6 * chunk;
-  sc.slot_bytes = chunk;
-  sc.min_class_bytes = kPage;
-  sc.slab_bytes = 6 * chunk;
-  sc.prefault_bytes = sc.capacity;
-  sc.pinner = &pinner;
-  auto staging_or = NewHostTier(sc);
-  if (!staging_or.ok()) return fail(staging_or.status());
-  std::unique_ptr<Tier> staging = std::move(staging_or).value();
-  std::unique_ptr<Tier> device = NewSimDevice({.capacity = AlignUp(total, 256)});
-  // The bounce configurations, each its own Mover over the same staging tier.
-  struct Config {
-    std::string name;
-    std::unique_ptr<Mover> mover;
-  };
-  std::vector<Config> configs;
-  for (size_t b = 0; b <= o.configs.size();) {
-    size_t e = o.configs.find(',', b);
-    if (e == std::string::npos) e = o.configs.size();
-    std::string name = o.configs.substr(b, e - b);
-    b = e + 1;
-    if (name.empty()) continue;
-    MoverConfig mc = BounceMoverConfig(chunk, nc.piece_bytes, nc.queue_depth);
-    std::string spec = name;
-    if (spec.size() > 5 && spec.substr(spec.size() - 5) == "/pool") {
-      mc.inline_work = false;
-      spec.resize(spec.size() - 5);
+  // Builds everything; kInvalidArgument for bad options or --configs.
+  Status Setup() {
+    TIERMEM_ASSIGN_OR_RETURN(const Bytes chunk, ParseBytes(o_.chunk));
+    chunk_ = AlignUp(chunk, kPage);
+    if (chunk_ < 4 * kMiB || o_.moves < 1 || o_.rounds < 1 || o_.busy_threads < 0) {
+      return InvalidArgumentError(
+          "--chunk >= 4MiB, --moves and --rounds >= 1, --busy-threads >= 0");
     }
-    if (spec != "session") {
-      const size_t x = spec.find('x');
-      auto bytes = x == std::string::npos ? StatusOr<Bytes>(InvalidArgumentError("no 'x'"))
-                                          : ParseBytes(spec.substr(x + 1));
-      if (!bytes.ok() || x == 0 || (mc.staging_slots = std::atoi(spec.c_str())) < 1) {
-        return fail(InvalidArgumentError("--configs: '" + name +
-                                         "' is not session or SLOTSxBYTES, with or without /pool"));
+    total_ = chunk_ * static_cast<Bytes>(o_.moves);
+    TIERMEM_RETURN_IF_ERROR(OpenTiers());
+    TIERMEM_RETURN_IF_ERROR(AddConfigs());
+    TIERMEM_RETURN_IF_ERROR(FillChunks());
+    return AllocateStreamBuffers();
+  }
+
+  // rounds[c][r]: configuration c in round r; each round runs the streaming write, every
+  // configuration's lone writes and reads (rotating which goes first, so drift in the disk
+  // hits each alike) and the streaming read, with the busy threads spinning.
+  Status Measure(std::vector<std::vector<Rates>>* rounds) {
+    rounds->assign(configs_.size(), {});
+    Busy busy(o_.busy_threads);
+    for (int round = 0; round < o_.rounds; ++round) {
+      TIERMEM_ASSIGN_OR_RETURN(const double sw, Stream(CopyDir::kToTier));
+      for (size_t c = 0; c < configs_.size(); ++c) {
+        const size_t k = (c + round) % configs_.size();
+        TIERMEM_ASSIGN_OR_RETURN(const double lw, Lone(configs_[k].mover.get(), true));
+        TIERMEM_ASSIGN_OR_RETURN(const double lr, Lone(configs_[k].mover.get(), false));
+        (*rounds)[k].push_back({lw, lr, sw, 0});
       }
-      mc.staging_slot_bytes = *bytes;
-    }
-    configs.push_back({name, NewMover(mc, staging.get(), nullptr)});
-  }
-  if (configs.empty()) return fail(InvalidArgumentError("--configs names no configuration"));
-
-  std::vector<Region> dev(o.moves), disk(o.moves);
-  for (int i = 0; i < o.moves; ++i) {
-    auto d = device->Allocate(chunk);
-    auto n = nvme->Allocate(chunk);
-    if (!d.ok()) return fail(d.status());
-    if (!n.ok()) return fail(n.status());
-    dev[i] = *d;
-    disk[i] = *n;
-    auto* p = static_cast<uint64_t*>(d->addr);
-    for (Bytes j = 0; j < chunk / 8; ++j) p[j] = (j + 1) * 0x9E3779B97F4A7C15ull ^ i;
-  }
-  // Streaming baseline buffers: two registered huge-page 64 MiB buffers (bench nvme's).
-  const Bytes sbuf = std::min<Bytes>(total, 64 * kMiB);
-  struct Free {
-    void operator()(char* p) const { std::free(p); }
-  };
-  std::unique_ptr<char, Free> bufs[2];
-  for (auto& b : bufs) {
-    b.reset(static_cast<char*>(std::aligned_alloc(2 * kMiB, AlignUp(sbuf, 2 * kMiB))));
-    if (!b) return fail(ResourceExhaustedError("cannot allocate the streaming buffers"));
-    (void)::madvise(b.get(), AlignUp(sbuf, 2 * kMiB), MADV_HUGEPAGE);
-    std::memset(b.get(), 0x5a, sbuf);
-    Status s = pinner.Register(b.get(), sbuf);
-    if (!s.ok()) return fail(s);
-  }
-  auto region_or = nvme->Allocate(AlignUp(total, nc.block_bytes));
-  const bool have_stream_region = region_or.ok();
-
-  auto lone = [&](Mover* mover, bool to_nvme) -> StatusOr<double> {
-    const uint64_t t0 = Clock::Real()->NowNs();
-    for (int i = 0; i < o.moves; ++i) {
-      MoveRequest r;
-      r.src = to_nvme ? Endpoint{device.get(), dev[i], 0} : Endpoint{nvme.get(), disk[i], 0};
-      r.dst = to_nvme ? Endpoint{nvme.get(), disk[i], 0} : Endpoint{device.get(), dev[i], 0};
-      r.bytes = chunk;
-      TIERMEM_RETURN_IF_ERROR(mover->Move(r)->Wait());
-    }
-    return static_cast<double>(total) / ((Clock::Real()->NowNs() - t0) / 1e9);
-  };
-  auto stream = [&](CopyDir dir) -> StatusOr<double> {
-    if (!have_stream_region) return region_or.status();
-    const uint64_t t0 = Clock::Real()->NowNs();
-    std::shared_ptr<Completion> inflight[2];
-    int k = 0;
-    for (Bytes off = 0; off < total; off += sbuf, ++k) {
-      if (inflight[k % 2]) TIERMEM_RETURN_IF_ERROR(inflight[k % 2]->Wait());
-      inflight[k % 2] =
-          nvme->Copy({*region_or, off, bufs[k % 2].get(), std::min(sbuf, total - off), dir});
-    }
-    for (auto& c : inflight) {
-      if (c) TIERMEM_RETURN_IF_ERROR(c->Wait());
-    }
-    return static_cast<double>(total) / ((Clock::Real()->NowNs() - t0) / 1e9);
-  };
-
-  // rounds[c][r]: configuration c in round r; each round runs streaming write, every
-  // configuration's lone writes and reads, streaming read.
-  std::vector<std::vector<Rates>> rounds(configs.size());
-  {
-    Busy busy(o.busy_threads);
-    for (int round = 0; round < o.rounds; ++round) {
-      auto sw = stream(CopyDir::kToTier);
-      if (!sw.ok()) return fail(sw.status());
-      for (size_t c = 0; c < configs.size(); ++c) {
-        // Rotate which configuration goes first, so drift in the disk hits each alike.
-        const size_t k = (c + round) % configs.size();
-        auto lw = lone(configs[k].mover.get(), true);
-        if (!lw.ok()) return fail(lw.status());
-        auto lr = lone(configs[k].mover.get(), false);
-        if (!lr.ok()) return fail(lr.status());
-        rounds[k].push_back({*lw, *lr, *sw, 0});
-      }
-      auto sr = stream(CopyDir::kFromTier);
-      if (!sr.ok()) return fail(sr.status());
-      for (auto& per : rounds) per.back().stream_read = *sr;
-      if (!o.json) {
-        std::printf("round %d: streaming write %.2f read %.2f GB/s |", round + 1, *sw / 1e9,
-                    *sr / 1e9);
-        for (size_t c = 0; c < configs.size(); ++c) {
-          std::printf(" %s lone write %.2f read %.2f", configs[c].name.c_str(),
-                      rounds[c].back().lone_write / 1e9, rounds[c].back().lone_read / 1e9);
+      TIERMEM_ASSIGN_OR_RETURN(const double sr, Stream(CopyDir::kFromTier));
+      for (auto& per : *rounds) per.back().stream_read = sr;
+      if (!o_.json) {
+        std::printf("round %d: streaming write %.2f read %.2f GB/s |", round + 1, sw / 1e9,
+                    sr / 1e9);
+        for (size_t c = 0; c < configs_.size(); ++c) {
+          std::printf(" %s lone write %.2f read %.2f", configs_[c].name.c_str(),
+                      (*rounds)[c].back().lone_write / 1e9, (*rounds)[c].back().lone_read / 1e9);
         }
         std::printf("\n");
         std::fflush(stdout);
       }
     }
+    return OkStatus();
   }
+
   // The data made the round trip intact (the tier verified every block on the way back too).
-  for (int i = 0; i < o.moves; ++i) {
-    auto* p = static_cast<const uint64_t*>(dev[i].addr);
-    for (Bytes j = 0; j < chunk / 8; ++j) {
-      if (p[j] != ((j + 1) * 0x9E3779B97F4A7C15ull ^ i)) {
-        return fail(DataLossError("chunk " + std::to_string(i) + " changed on its round trips"));
+  Status CheckRoundTrip() const {
+    for (int i = 0; i < o_.moves; ++i) {
+      auto* p = static_cast<const uint64_t*>(dev_[i].addr);
+      for (Bytes j = 0; j < chunk_ / 8; ++j) {
+        if (p[j] != Pattern(i, j)) {
+          return DataLossError("chunk " + std::to_string(i) + " changed on its round trips");
+        }
       }
     }
+    return OkStatus();
   }
-  nlohmann::json results = nlohmann::json::array();
-  if (!o.json) {
-    std::printf(
-        "bounce bench: %s, chunk %s, %d lone moves per direction, %d busy threads, "
-        "%d rounds (median; ratios paired per round)\n",
-        std::string(nvme->io_backend_name()).c_str(), FormatBytes(chunk).c_str(), o.moves,
-        o.busy_threads, o.rounds);
-    std::printf("  %-16s %12s %12s %14s %14s %12s %12s\n", "config", "lone write", "lone read",
-                "stream write", "stream read", "write ratio", "read ratio");
-  }
-  for (size_t c = 0; c < configs.size(); ++c) {
-    std::vector<double> lw, lr, sw, sr, pw, pr;
-    for (const Rates& r : rounds[c]) {
-      lw.push_back(r.lone_write);
-      lr.push_back(r.lone_read);
-      sw.push_back(r.stream_write);
-      sr.push_back(r.stream_read);
-      pw.push_back(r.lone_write / r.stream_write);
-      pr.push_back(r.lone_read / r.stream_read);
+
+  // Per configuration: the medians of each rate and of the per-round lone/streaming ratios,
+  // as a table or (--json) one JSON object.
+  void Report(const std::vector<std::vector<Rates>>& rounds) const {
+    nlohmann::json results = nlohmann::json::array();
+    if (!o_.json) {
+      std::printf(
+          "bounce bench: %s, chunk %s, %d lone moves per direction, %d busy threads, "
+          "%d rounds (median; ratios paired per round)\n",
+          std::string(nvme_->io_backend_name()).c_str(), FormatBytes(chunk_).c_str(), o_.moves,
+          o_.busy_threads, o_.rounds);
+      std::printf("  %-16s %12s %12s %14s %14s %12s %12s\n", "config", "lone write", "lone read",
+                  "stream write", "stream read", "write ratio", "read ratio");
     }
-    results.push_back({{"config", configs[c].name},
-                       {"lone_write_bytes_per_s", lw},
-                       {"lone_read_bytes_per_s", lr},
-                       {"stream_write_bytes_per_s", sw},
-                       {"stream_read_bytes_per_s", sr},
-                       {"paired_ratio", {{"write", Median(pw)}, {"read", Median(pr)}}}});
-    if (!o.json) {
-      std::printf("  %-16s %12.2f %12.2f %14.2f %14.2f %12.3f %12.3f\n", configs[c].name.c_str(),
-                  Median(lw) / 1e9, Median(lr) / 1e9, Median(sw) / 1e9, Median(sr) / 1e9,
-                  Median(pw), Median(pr));
+    for (size_t c = 0; c < configs_.size(); ++c) {
+      std::vector<double> lw, lr, sw, sr, pw, pr;
+      for (const Rates& r : rounds[c]) {
+        lw.push_back(r.lone_write);
+        lr.push_back(r.lone_read);
+        sw.push_back(r.stream_write);
+        sr.push_back(r.stream_read);
+        pw.push_back(r.lone_write / r.stream_write);
+        pr.push_back(r.lone_read / r.stream_read);
+      }
+      results.push_back({{"config", configs_[c].name},
+                         {"lone_write_bytes_per_s", lw},
+                         {"lone_read_bytes_per_s", lr},
+                         {"stream_write_bytes_per_s", sw},
+                         {"stream_read_bytes_per_s", sr},
+                         {"paired_ratio", {{"write", Median(pw)}, {"read", Median(pr)}}}});
+      if (!o_.json) {
+        std::printf("  %-16s %12.2f %12.2f %14.2f %14.2f %12.3f %12.3f\n", configs_[c].name.c_str(),
+                    Median(lw) / 1e9, Median(lr) / 1e9, Median(sw) / 1e9, Median(sr) / 1e9,
+                    Median(pw), Median(pr));
+      }
+    }
+    if (o_.json) {
+      nlohmann::json j = {
+          {"bench", "bounce"},     {"engine", std::string(nvme_->io_backend_name())},
+          {"chunk_bytes", chunk_}, {"moves", o_.moves},
+          {"rounds", o_.rounds},   {"busy_threads", o_.busy_threads},
+          {"configs", results}};
+      std::cout << j.dump() << "\n";
     }
   }
-  if (o.json) {
-    nlohmann::json j = {{"bench", "bounce"},    {"engine", std::string(nvme->io_backend_name())},
-                        {"chunk_bytes", chunk}, {"moves", o.moves},
-                        {"rounds", o.rounds},   {"busy_threads", o.busy_threads},
-                        {"configs", results}};
-    std::cout << j.dump() << "\n";
+
+ private:
+  struct Config {
+    std::string name;
+    std::unique_ptr<Mover> mover;
+  };
+  struct Free {
+    void operator()(char* p) const { std::free(p); }
+  };
+
+  // The 8 bytes at word j of lone-move chunk i.
+  static uint64_t Pattern(int i, Bytes j) { return (j + 1) * 0x9E3779B97F4A7C15ull ^ i; }
+
+  // The NVMe tier (room for the lone moves' regions and the stream's), the session's staging
+  // tier (prefetch_depth (4) + 2 chunk slots, prefaulted and registered) and SimDevice.
+  Status OpenTiers() {
+    nc_.dir = o_.dir;
+    nc_.capacity = 2 * AlignUp(total_, nc_.block_bytes);
+    TIERMEM_ASSIGN_OR_RETURN(nvme_, OpenNvmeTier(nc_));
+    pinner_ = std::make_unique<NvmePinner>(nvme_.get());
+    HostTierConfig sc;
+    sc.capacity = 6 * chunk_;
+    sc.slot_bytes = chunk_;
+    sc.min_class_bytes = kPage;
+    sc.slab_bytes = 6 * chunk_;
+    sc.prefault_bytes = sc.capacity;
+    sc.pinner = pinner_.get();
+    TIERMEM_ASSIGN_OR_RETURN(staging_, NewHostTier(sc));
+    device_ = NewSimDevice({.capacity = AlignUp(total_, 256)});
+    return OkStatus();
   }
-  for (auto& b : bufs) pinner.Unregister(b.get());
+
+  // The bounce configurations of --configs, each its own Mover over the same staging tier.
+  Status AddConfigs() {
+    for (size_t b = 0; b <= o_.configs.size();) {
+      size_t e = o_.configs.find(',', b);
+      if (e == std::string::npos) e = o_.configs.size();
+      std::string name = o_.configs.substr(b, e - b);
+      b = e + 1;
+      if (name.empty()) continue;
+      MoverConfig mc = BounceMoverConfig(chunk_, nc_.piece_bytes, nc_.queue_depth);
+      std::string spec = name;
+      if (spec.size() > 5 && spec.substr(spec.size() - 5) == "/pool") {
+        mc.inline_work = false;
+        spec.resize(spec.size() - 5);
+      }
+      if (spec != "session") {
+        const size_t x = spec.find('x');
+        auto bytes = x == std::string::npos ? StatusOr<Bytes>(InvalidArgumentError("no 'x'"))
+                                            : ParseBytes(spec.substr(x + 1));
+        if (!bytes.ok() || x == 0 || (mc.staging_slots = std::atoi(spec.c_str())) < 1) {
+          return InvalidArgumentError("--configs: '" + name +
+                                      "' is not session or SLOTSxBYTES, with or without /pool");
+        }
+        mc.staging_slot_bytes = *bytes;
+      }
+      configs_.push_back({name, NewMover(mc, staging_.get(), nullptr)});
+    }
+    if (configs_.empty()) return InvalidArgumentError("--configs names no configuration");
+    return OkStatus();
+  }
+
+  // The lone moves' chunks: one on the device (filled with Pattern) and one on NVMe each.
+  Status FillChunks() {
+    dev_.resize(o_.moves);
+    disk_.resize(o_.moves);
+    for (int i = 0; i < o_.moves; ++i) {
+      auto d = device_->Allocate(chunk_);
+      auto n = nvme_->Allocate(chunk_);
+      if (!d.ok()) return d.status();
+      if (!n.ok()) return n.status();
+      dev_[i] = *d;
+      disk_[i] = *n;
+      auto* p = static_cast<uint64_t*>(d->addr);
+      for (Bytes j = 0; j < chunk_ / 8; ++j) p[j] = Pattern(i, j);
+    }
+    return OkStatus();
+  }
+
+  // Streaming baseline buffers: two registered huge-page 64 MiB buffers (bench nvme's), and
+  // the NVMe region they stream to (its failure is the streams' error).
+  Status AllocateStreamBuffers() {
+    sbuf_ = std::min<Bytes>(total_, 64 * kMiB);
+    for (auto& b : bufs_) {
+      b.reset(static_cast<char*>(std::aligned_alloc(2 * kMiB, AlignUp(sbuf_, 2 * kMiB))));
+      if (!b) return ResourceExhaustedError("cannot allocate the streaming buffers");
+      (void)::madvise(b.get(), AlignUp(sbuf_, 2 * kMiB), MADV_HUGEPAGE);
+      std::memset(b.get(), 0x5a, sbuf_);
+      TIERMEM_RETURN_IF_ERROR(pinner_->Register(b.get(), sbuf_));
+      ++registered_;
+    }
+    StatusOr<Region> region = nvme_->Allocate(AlignUp(total_, nc_.block_bytes));
+    stream_status_ = region.status();
+    if (region.ok()) stream_region_ = *region;
+    return OkStatus();
+  }
+
+  // Moves every chunk alone, each waited for before the next; bytes/s.
+  StatusOr<double> Lone(Mover* mover, bool to_nvme) {
+    const uint64_t t0 = Clock::Real()->NowNs();
+    for (int i = 0; i < o_.moves; ++i) {
+      MoveRequest r;
+      r.src = to_nvme ? Endpoint{device_.get(), dev_[i], 0} : Endpoint{nvme_.get(), disk_[i], 0};
+      r.dst = to_nvme ? Endpoint{nvme_.get(), disk_[i], 0} : Endpoint{device_.get(), dev_[i], 0};
+      r.bytes = chunk_;
+      TIERMEM_RETURN_IF_ERROR(mover->Move(r)->Wait());
+    }
+    return static_cast<double>(total_) / ((Clock::Real()->NowNs() - t0) / 1e9);
+  }
+
+  // Streams the same bytes between the host buffers and NVMe, two copies in flight; bytes/s.
+  StatusOr<double> Stream(CopyDir dir) {
+    TIERMEM_RETURN_IF_ERROR(stream_status_);
+    const uint64_t t0 = Clock::Real()->NowNs();
+    std::shared_ptr<Completion> inflight[2];
+    int k = 0;
+    for (Bytes off = 0; off < total_; off += sbuf_, ++k) {
+      if (inflight[k % 2]) TIERMEM_RETURN_IF_ERROR(inflight[k % 2]->Wait());
+      inflight[k % 2] = nvme_->Copy(
+          {stream_region_, off, bufs_[k % 2].get(), std::min(sbuf_, total_ - off), dir});
+    }
+    for (auto& c : inflight) {
+      if (c) TIERMEM_RETURN_IF_ERROR(c->Wait());
+    }
+    return static_cast<double>(total_) / ((Clock::Real()->NowNs() - t0) / 1e9);
+  }
+
+  const BounceOptions& o_;
+  Bytes chunk_ = 0;  // bytes per lone move (page-aligned)
+  Bytes total_ = 0;  // bytes per direction per round: chunk_ * moves
+  NvmeTierConfig nc_;
+  std::unique_ptr<NvmeTier> nvme_;
+  std::unique_ptr<NvmePinner> pinner_;
+  std::unique_ptr<Tier> staging_;
+  std::unique_ptr<Tier> device_;
+  std::vector<Config> configs_;
+  std::vector<Region> dev_, disk_;  // per lone move: its device and NVMe regions
+  Bytes sbuf_ = 0;                  // bytes per streaming copy
+  std::unique_ptr<char, Free> bufs_[2];
+  int registered_ = 0;  // bufs_ registered with the NVMe tier
+  Status stream_status_;
+  Region stream_region_;
+};
+
+int Run(const BounceOptions& o) {
+  BounceBench bench(o);
+  std::vector<std::vector<Rates>> rounds;
+  Status s = bench.Setup();
+  if (s.ok()) s = bench.Measure(&rounds);
+  if (s.ok()) s = bench.CheckRoundTrip();
+  if (!s.ok()) {
+    std::cerr << "tiermem bench bounce: " << s.ToString() << "\n";
+    return 1;
+  }
+  bench.Report(rounds);
   return 0;
 }
 

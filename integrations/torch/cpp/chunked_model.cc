@@ -26,10 +26,13 @@
 #include <limits>
 #include <set>
 
+#include "base/logging.h"
 #include "integrations/torch/cpp/dtypes.h"
 #include "integrations/torch/cpp/torch_pool.h"
+#include "integrations/torch/cpp/weight_tensors.h"
 #include "runtime/param_groups.h"
 #include "runtime/tier_stack.h"
+#include "runtime/weights.h"
 
 namespace tiermem::torch {
 namespace {
@@ -157,7 +160,8 @@ struct UnitFunction : public ::torch::autograd::Function<UnitFunction> {
 
 StatusOr<std::unique_ptr<ChunkedModel>> ChunkedModel::Create(::torch::nn::Module& model,
                                                              const nlohmann::json& config,
-                                                             std::vector<ParamGroup> groups) {
+                                                             std::vector<ParamGroup> groups,
+                                                             const PretrainedWeights& weights) {
   TIERMEM_ASSIGN_OR_RETURN(session::SessionConfig cfg, session::ParseConfig(config));
   TIERMEM_ASSIGN_OR_RETURN(const session::DeviceKind device,
                            session::TierStack::ResolveDeviceKind(cfg.device_kind));
@@ -234,13 +238,19 @@ StatusOr<std::unique_ptr<ChunkedModel>> ChunkedModel::Create(::torch::nn::Module
     m->hyper_.push_back(h);
   }
   TIERMEM_ASSIGN_OR_RETURN(m->session_, session::Session::Create(cfg, std::move(specs)));
-  for (auto& p : m->params_) {
-    ::torch::Tensor v = p->param.detach().reshape(-1).contiguous();
-    Status s = m->session_->WriteParam(p->index, v.data_ptr<float>());
-    if (!s.ok()) return s;  // `m` is destroyed: the session frees everything; model untouched
+  m->model_ = &model;
+  // On failure `m` is destroyed: the session frees everything; the model is untouched.
+  std::vector<std::pair<::torch::Tensor, ::torch::Tensor>> buffers;
+  if (Status s = m->WriteValues(model, weights, &buffers); !s.ok()) {
+    m->closed_ = true;  // the parameters were never taken over: nothing to give back
+    return s;
   }
   // Nothing can fail from here on: take over the parameters (and cast floating buffers to the
   // compute dtype, as module.to(dtype) would).
+  {
+    ::torch::NoGradGuard no_grad;
+    for (auto& [b, v] : buffers) b.copy_(v);
+  }
   for (auto& p : m->params_) p->param.set_data(m->Placeholder(*p));
   if (m->session_->mixed()) {
     ::torch::NoGradGuard no_grad;
@@ -250,6 +260,63 @@ StatusOr<std::unique_ptr<ChunkedModel>> ChunkedModel::Create(::torch::nn::Module
   }
   m->dummy_ = ::torch::empty({0}).requires_grad_(true);
   return m;
+}
+
+Status ChunkedModel::WriteValues(
+    ::torch::nn::Module& model, const PretrainedWeights& weights,
+    std::vector<std::pair<::torch::Tensor, ::torch::Tensor>>* buffers) {
+  auto from_model = [&](const ParamRec& p) {
+    ::torch::Tensor v = p.param.detach().reshape(-1).contiguous();
+    return session_->WriteParam(p.index, v.data_ptr<float>());
+  };
+  if (weights.path.empty()) {
+    for (auto& p : params_) TIERMEM_RETURN_IF_ERROR(from_model(*p));
+    return OkStatus();
+  }
+  TIERMEM_ASSIGN_OR_RETURN(const weights::WeightFiles files, weights::OpenWeights(weights.path));
+  // A tied parameter's other names; the buffers, checked before anything loads.
+  std::vector<std::vector<std::string>> aliases(params_.size());
+  for (const auto& item : model.named_parameters(/*recurse=*/true)) {
+    ParamRec* p = by_impl_.at(item.value().unsafeGetTensorImpl());
+    if (p->name != item.key()) aliases[p->index].push_back(item.key());
+  }
+  std::set<std::string> allowed;
+  std::vector<std::string> missing;
+  for (const auto& item : model.named_buffers(/*recurse=*/true)) {
+    const weights::TensorInfo* t = files.Find(item.key());
+    if (t == nullptr) {
+      missing.push_back(item.key());
+      continue;
+    }
+    if (std::vector<int64_t>(t->shape.begin(), t->shape.end()) != item.value().sizes().vec()) {
+      return InvalidArgumentError("weights: buffer " + item.key() + ": key '" + item.key() +
+                                  "' in " + files.FileOf(item.key()) + " has another shape");
+    }
+    TIERMEM_ASSIGN_OR_RETURN(::torch::Tensor v, torch_weights::ReadTensor(files, item.key()));
+    buffers->emplace_back(item.value(), v.to(item.value().scalar_type()));
+    allowed.insert(item.key());
+  }
+  if (weights.strict && !missing.empty()) {
+    return InvalidArgumentError("weights: buffer " + missing[0] + " has no key in " + weights.path +
+                                "; load with strict = false to keep its value");
+  }
+  session::LoadWeightsOptions o;
+  o.strict = weights.strict;
+  o.ignore = [&allowed](std::string_view k) { return allowed.count(std::string(k)) > 0; };
+  TIERMEM_ASSIGN_OR_RETURN(
+      const session::LoadWeightsReport report,
+      session::LoadWeights(*session_, files,
+                           session::TargetsByName(*session_, files, aliases, &allowed), o));
+  for (size_t i : report.missing) {
+    TIERMEM_RETURN_IF_ERROR(from_model(*params_[i]));
+    missing.push_back(params_[i]->name);
+  }
+  if (!missing.empty()) {
+    TIERMEM_LOG(kWarn) << "tiermem: " << missing.size() << " parameters and buffers are not in "
+                       << weights.path << " and keep the model's values (the first: " << missing[0]
+                       << ")";
+  }
+  return OkStatus();
 }
 
 ChunkedModel::~ChunkedModel() {
@@ -533,6 +600,39 @@ Status ChunkedModel::Load(const std::string& path, nlohmann::json* extra) {
   }
   if (extra != nullptr) *extra = std::move(meta.extra);
   return OkStatus();
+}
+
+Status ChunkedModel::SaveWeights(const std::string& path, const SaveWeightsOptions& options) {
+  if (closed_) return FailedPreconditionError("tiermem ChunkedModel is closed");
+  session::ExportOptions o;
+  o.writer.max_shard_bytes = options.max_shard_bytes;
+  o.writer.single_file = path.size() >= 12 && path.rfind(".safetensors") == path.size() - 12;
+  if (options.dtype) {
+    const std::optional<weights::DType> d = torch_dtypes::WeightsDType(*options.dtype);
+    if (!d ||
+        (*d != weights::DType::kBF16 && *d != weights::DType::kF16 && *d != weights::DType::kF32)) {
+      return InvalidArgumentError("SaveWeights: dtype must be float32, bfloat16 or float16");
+    }
+    o.dtype = *d;
+  }
+  std::vector<session::ExportEntry> entries;
+  for (const auto& p : params_) {
+    entries.push_back(
+        {p->name, p->shape, {{p->index, 0, static_cast<uint64_t>(p->param.numel())}}});
+  }
+  std::vector<::torch::Tensor> held;  // the buffers' bytes, alive during the export
+  for (const auto& item : model_->named_buffers(/*recurse=*/true)) {
+    ::torch::Tensor b = item.value().detach();
+    if (options.dtype && b.is_floating_point()) b = b.to(*options.dtype);
+    held.push_back(b.contiguous());
+    const std::optional<weights::DType> d = torch_dtypes::WeightsDType(b.scalar_type());
+    if (!d) return InvalidArgumentError("SaveWeights: buffer " + item.key() + " has no dtype");
+    session::ExportEntry e{item.key(), b.sizes().vec(), {}};
+    e.host_bytes = held.back().data_ptr();
+    e.host_dtype = *d;
+    entries.push_back(std::move(e));
+  }
+  return session::ExportWeights(*session_, path, entries, o);
 }
 
 StatusOr<Stats> ChunkedModel::GetStats() {

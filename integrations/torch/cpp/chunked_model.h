@@ -31,7 +31,9 @@
 // What the core gives both bindings: fp32, bf16 and fp16 (params compute in bf16/fp16 with
 // fp32 masters on the host; fp16 with dynamic loss scaling), several param groups with their
 // own hyper-parameters, LR changes between steps (SetLearningRate), checkpoints (Save/Load,
-// the session's checksummed format), the TIERMEM_* environment, the timeline.
+// the session's checksummed format), pretrained weights in and out (PretrainedWeights at
+// Create, SaveWeights: safetensors files and Hugging Face directories, runtime/weights.h),
+// the TIERMEM_* environment, the timeline.
 //
 // Rules for fn: it must compute the same thing twice (it runs twice: forward and recompute);
 // RNG from torch's default CPU generator (dropout, rand) is fine — the recompute runs from the
@@ -87,6 +89,24 @@ struct Stats {
   Bytes peak(TierKind tier) const { return timeline.tiers[static_cast<int>(tier)].peak.bytes; }
 };
 
+// Pretrained weights loaded at Create (docs/pretrained.md): a .safetensors file or a Hugging
+// Face checkpoint directory whose keys are the model's parameter names (a tied parameter's
+// other names accepted) and buffer names, streamed into the chunks (every header checked
+// first: a bad checkpoint is kInvalidArgument naming the key and file, the model untouched).
+struct PretrainedWeights {
+  std::string path;  // empty: none (the parameters' own values)
+  // False: parameters and buffers the checkpoint lacks keep the model's values (logged once).
+  bool strict = true;
+};
+
+// SaveWeights: Hugging Face's layout (a directory), or one file for a path ending in
+// ".safetensors"; the fp32 values, or rounded to `dtype` (kBFloat16 / kHalf, nearest even,
+// floating buffers too).
+struct SaveWeightsOptions {
+  uint64_t max_shard_bytes = 5'000'000'000;
+  std::optional<::torch::Dtype> dtype;
+};
+
 class ChunkedModel {
  public:
   using UnitFn = std::function<::torch::Tensor(const std::vector<::torch::Tensor>&)>;
@@ -101,7 +121,8 @@ class ChunkedModel {
   // the model is untouched.
   static StatusOr<std::unique_ptr<ChunkedModel>> Create(::torch::nn::Module& model,
                                                         const nlohmann::json& config,
-                                                        std::vector<ParamGroup> groups = {});
+                                                        std::vector<ParamGroup> groups = {},
+                                                        const PretrainedWeights& weights = {});
   ~ChunkedModel();
   ChunkedModel(const ChunkedModel&) = delete;
   ChunkedModel& operator=(const ChunkedModel&) = delete;
@@ -148,6 +169,10 @@ class ChunkedModel {
   Status Save(const std::string& path, const nlohmann::json& extra = nullptr);
   Status Load(const std::string& path, nlohmann::json* extra = nullptr);
 
+  // Writes every parameter (under its first name) and buffer, streamed from the chunks, in
+  // the layout PretrainedWeights reads (see SaveWeightsOptions).
+  Status SaveWeights(const std::string& path, const SaveWeightsOptions& options = {});
+
   StatusOr<Stats> GetStats();
 
   // Gives every parameter back as an ordinary tensor with its current value and frees the
@@ -173,6 +198,11 @@ class ChunkedModel {
   friend struct UnitCall;
 
   ChunkedModel() = default;
+  // Writes every parameter's value into the session: from `weights` (the parameters it lacks,
+  // strict = false, from the model), else from the model; `buffers` gets the checkpoint's
+  // values of the model's buffers, (buffer, value), copied in once nothing can fail.
+  Status WriteValues(::torch::nn::Module& model, const PretrainedWeights& weights,
+                     std::vector<std::pair<::torch::Tensor, ::torch::Tensor>>* buffers);
   StatusOr<std::vector<ParamRec*>> UnitParams(::torch::nn::Module& unit);
   // Acquires the compute chunks of `params`' groups on the device tier and makes each
   // param's data a view of its chunk; `views` gets (group, base view) of each pin.
@@ -188,6 +218,7 @@ class ChunkedModel {
   ::torch::Tensor Placeholder(const ParamRec& p) const;
   ::torch::Dtype compute_dtype() const;
 
+  ::torch::nn::Module* model_ = nullptr;  // must outlive this object
   std::unique_ptr<session::Session> session_;
   std::vector<std::unique_ptr<ParamRec>> params_;
   std::unordered_map<const void*, ParamRec*> by_impl_;  // TensorImpl* -> param

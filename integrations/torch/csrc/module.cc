@@ -6,9 +6,8 @@
 // Chunk memory reaches Python as 1-D tensors made with torch::from_blob over the region's
 // address (CPU tensors on SimDevice and host, CUDA tensors on the CUDA tier): they do not own
 // the memory and are valid only while the chunk stays acquired (the Python layer drops every
-// view on release). Status codes become Python exceptions here, in one place:
-// kInvalidArgument/kOutOfRange -> ValueError, kResourceExhausted -> MemoryError,
-// kNotFound/kIOError/kDataLoss -> OSError, anything else -> RuntimeError.
+// view on release). Status codes become Python exceptions in one place (csrc/errors.h).
+// Pretrained weights in and out are registered from csrc/weights.cc.
 //
 // Threading: a Session is externally synchronized (the training thread); the GIL is held
 // except inside the optimizer step and the kernels.
@@ -20,10 +19,12 @@
 
 #include "base/env.h"
 #include "base/timeline_reader.h"
-#include "chunks/chunk_layout.h"
 #include "integrations/torch/cpp/dtypes.h"
 #include "integrations/torch/cpp/torch_pool.h"
+#include "integrations/torch/csrc/errors.h"
+#include "integrations/torch/csrc/weights.h"
 #include "kernels/cpu/optim.h"
+#include "layout/chunk_layout.h"
 #include "prof/analysis.h"
 #include "runtime/checkpoint_meta.h"
 #include "runtime/config.h"
@@ -40,33 +41,6 @@ namespace {
 using chunks::ChunkKind;
 using session::Session;
 using session::SessionConfig;
-
-[[noreturn]] void Throw(const Status& s) {
-  const std::string msg = s.ToString();
-  switch (s.code()) {
-    case StatusCode::kInvalidArgument:
-    case StatusCode::kOutOfRange:
-      throw py::value_error(msg);
-    case StatusCode::kResourceExhausted:
-      PyErr_SetString(PyExc_MemoryError, msg.c_str());
-      throw py::error_already_set();
-    case StatusCode::kNotFound:
-    case StatusCode::kIOError:
-    case StatusCode::kDataLoss:
-      PyErr_SetString(PyExc_OSError, msg.c_str());
-      throw py::error_already_set();
-    default:
-      throw std::runtime_error(msg);
-  }
-}
-void Check(const Status& s) {
-  if (!s.ok()) Throw(s);
-}
-template <typename T>
-T Check(StatusOr<T> s) {
-  if (!s.ok()) Throw(s.status());
-  return std::move(s).value();
-}
 
 using torch_dtypes::TorchDType;
 
@@ -463,6 +437,7 @@ class PySession {
       t["capacity"] = s.tiers[k].capacity;
       t["used"] = s.tiers[k].used;
       t["peak"] = s.tiers[k].peak;
+      t["host_overhead"] = s.tiers[k].host_overhead;
       tiers[py::str(std::string(TierKindName(static_cast<TierKind>(k))))] = t;
     }
     for (int a = 0; a < kNumTierKinds; ++a) {
@@ -473,6 +448,10 @@ class PySession {
       }
     }
     d["tiers"] = tiers;
+    // Host memory no budget counts (runtime.py adds the saved activations).
+    py::dict outside;
+    outside["runtime_bytes"] = Check(s_->RuntimeHostBytes());
+    d["outside_budget"] = outside;
     d["bytes_moved"] = moved;
     d["stall_ns"] = s.stall_ns;
     d["stalls"] = s.stalls;
@@ -1190,4 +1169,6 @@ PYBIND11_MODULE(_C, m) {
       py::arg("tensors"), py::arg("members"));
   m.def("resolve_device_kind",
         [](se::DeviceKind kind) { return Check(se::TierStack::ResolveDeviceKind(kind)); });
+  tiermem::torch_ext::RegisterWeights(
+      m, [](const py::handle& h) -> se::Session& { return h.cast<PySession&>().s(); });
 }

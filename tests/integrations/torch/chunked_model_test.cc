@@ -14,6 +14,7 @@
 
 #include "integrations/torch/cpp/torch_pool.h"
 #include "integrations/torch/examples/gpt.h"
+#include "weights/weight_files.h"
 
 namespace tiermem_example {
 using tiermem::Bytes;
@@ -532,6 +533,71 @@ TEST(ChunkedModel, SaveAndLoadResumeBitForBitAndATornFileChangesNothing) {
   EXPECT_TRUE(::torch::equal(*(*cd)->ParamValue(d->blocks[0]->fc->weight), *d_before));
   unlink((dir + "/ckpt").c_str());
   unlink((dir + "/torn").c_str());
+}
+
+// Pretrained weights (PretrainedWeights at Create, SaveWeights): a model trained a few steps is
+// exported in shards (the tied head once, under the embedding's name) and loaded at Create
+// into a differently initialized model — the same values and forward, bit for bit; a bf16
+// export rounds as .to(kBFloat16); a checkpoint of another shape is refused, the model
+// untouched.
+TEST(ChunkedModel, PretrainedWeightsInAndOut) {
+  char tmpl[] = "/tmp/tiermem-cm-weights-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  const GPTConfig c = SmallConfig();
+  const auto batches = SyntheticBatches(c, 4, 2);
+  const nlohmann::json cfg = {{"device_kind", "sim"}, {"device", "1MiB"}, {"host", "64MiB"}};
+  GPT a = MakeModel(c);
+  auto ca = tiermem::torch::ChunkedModel::Create(*a, cfg);
+  ASSERT_TRUE(ca.ok()) << ca.status().ToString();
+  TrainSteps(a, **ca, batches, 0, 2);
+  tiermem::torch::SaveWeightsOptions o;
+  o.max_shard_bytes = 40'000;
+  ASSERT_TRUE((*ca)->SaveWeights(dir + "/w", o).ok());
+  auto files = tiermem::weights::OpenWeights(dir + "/w");
+  ASSERT_TRUE(files.ok()) << files.status().ToString();
+  EXPECT_GT(files->files.size(), 2u);
+  EXPECT_NE(files->Find("embed.wte.weight"), nullptr);
+  EXPECT_EQ(files->Find("head.weight"), nullptr);  // the tie, once
+
+  ::torch::manual_seed(7);
+  GPT b(c);
+  auto cb = tiermem::torch::ChunkedModel::Create(*b, cfg, {}, {dir + "/w"});
+  ASSERT_TRUE(cb.ok()) << cb.status().ToString();
+  for (const auto& item : a->named_parameters()) {
+    const ::torch::Tensor pb = b->named_parameters()[item.key()];
+    EXPECT_TRUE(::torch::equal(*(*ca)->ParamValue(item.value()), *(*cb)->ParamValue(pb)))
+        << item.key();
+  }
+  {
+    ::torch::NoGradGuard no_grad;
+    EXPECT_TRUE(::torch::equal(*a->forward(**ca, batches[0].first),
+                               *b->forward(**cb, batches[0].first)));
+  }
+  tiermem::torch::SaveWeightsOptions bf16;
+  bf16.dtype = ::torch::kBFloat16;
+  ASSERT_TRUE((*ca)->SaveWeights(dir + "/w16.safetensors", bf16).ok());
+  GPT h = MakeModel(c);
+  auto ch = tiermem::torch::ChunkedModel::Create(*h, cfg, {}, {dir + "/w16.safetensors"});
+  ASSERT_TRUE(ch.ok()) << ch.status().ToString();
+  const ::torch::Tensor w = *(*ca)->ParamValue(a->blocks[1]->fc->weight);
+  EXPECT_TRUE(::torch::equal(*(*ch)->ParamValue(h->blocks[1]->fc->weight),
+                             w.to(::torch::kBFloat16).to(::torch::kFloat32)));
+
+  GPTConfig wide = c;
+  wide.n_embd = 48;
+  wide.n_head = 4;
+  GPT other = MakeModel(wide);
+  const ::torch::Tensor before = other->blocks[0]->fc->weight.detach().clone();
+  auto co = tiermem::torch::ChunkedModel::Create(*other, cfg, {}, {dir + "/w"});
+  ASSERT_FALSE(co.ok());
+  EXPECT_EQ(co.status().code(), StatusCode::kInvalidArgument) << co.status().ToString();
+  EXPECT_NE(co.status().message().find("key 'embed.wte.weight' in " + dir + "/w/model-00001-of-"),
+            std::string::npos)
+      << co.status().ToString();
+  EXPECT_TRUE(::torch::equal(other->blocks[0]->fc->weight, before));  // untouched
+  for (auto* m : {&*ca, &*cb, &*ch}) ASSERT_TRUE((*m)->Close().ok());
+  ASSERT_EQ(system(("rm -rf " + dir).c_str()), 0);
 }
 
 // optimizer.state_dtype int8 through the LibTorch API: losses track torch's fp32 AdamW (8-bit

@@ -19,15 +19,17 @@ from .optimizer import ChunkedAdamW
 from .runtime import TiermemRuntime
 from .serve import ServingRuntime
 from .tensor import ChunkTensor
+from .weights import save_weights
 
-__all__ = ["initialize", "inference", "runtime_of", "save_checkpoint", "load_checkpoint", "Config", "parse_config", "ChunkedAdamW", "ChunkTensor",
+__all__ = ["initialize", "inference", "runtime_of", "save_checkpoint", "load_checkpoint",
+           "save_weights", "Config", "parse_config", "ChunkedAdamW", "ChunkTensor",
            # the config's modes (config.py)
            "Precision", "DeviceKind", "NvmeEngine", "KernelIsa", "PlanMode", "ActivationMode",
            "OptimizerPlacement", "OptimizerOverlap", "CheckpointIo", "UnmaterializedReads"]
 
 
 def initialize(model, config=None, param_groups=None, units=None, process_group=None,
-               experts=True, init=None):
+               experts=True, init=None, weights=None, strict=True):
     """Places `model`'s parameters in chunks and returns (model, optimizer).
 
     `config`: a dict or a JSON file path (docs/python.md, docs/configuration.md).
@@ -44,9 +46,13 @@ def initialize(model, config=None, param_groups=None, units=None, process_group=
     device (``with torch.device("meta")``, accelerate's ``init_empty_weights()``) gets its
     values in its chunks, module by module, from each module's ``reset_parameters()`` and then
     ``init(module)`` when given: a model larger than RAM never exists whole in memory
-    (docs/python.md "Models larger than RAM"). On error (ValueError for
-    bad input, MemoryError for budgets too small, RuntimeError for a missing GPU) the model
-    is left exactly as it was.
+    (docs/python.md "Models larger than RAM"). `weights`: a ``.safetensors`` file or a
+    Hugging Face checkpoint directory whose keys are the model's parameter (and persistent
+    buffer) names, streamed into the chunks instead — every header checked first; with
+    ``strict=False`` parameters it lacks keep their own initialization, named in one warning
+    (docs/pretrained.md). On error (ValueError for bad input, a bad checkpoint included,
+    MemoryError for budgets too small, RuntimeError for a missing GPU) the model is left
+    exactly as it was.
     """
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"initialize: expected an nn.Module, got {type(model).__name__}")
@@ -57,12 +63,14 @@ def initialize(model, config=None, param_groups=None, units=None, process_group=
         raise ValueError("initialize: the model has no trainable parameters")
     root = _compiled_root(model)
     runtime = TiermemRuntime(root, cfg, param_groups, units, process_group, experts=experts,
-                             init=init)
+                             init=init, weights=weights, strict=strict)
     try:
         optimizer = ChunkedAdamW(runtime)
     except BaseException:
         runtime.abandon()
         raise
+    if runtime._weights is not None:
+        runtime._weights.settle()  # set-up succeeded
     # Speculative steps (optimizer_overlap: backward) announce the next step's
     # hyper-parameters at each iteration's first forward.
     if cfg.optimizer_overlap.speculative:
@@ -71,14 +79,15 @@ def initialize(model, config=None, param_groups=None, units=None, process_group=
     return model, optimizer
 
 
-def inference(model, config=None, units=None, experts=True, init=None):
+def inference(model, config=None, units=None, experts=True, init=None, weights=None,
+              strict=True):
     """Places `model`'s parameters in chunks for inference only and returns the model.
 
     Weights stream from their home (host DRAM, or NVMe when the host budget is short) into
     the device budget, the next units' weights prefetched while a unit computes; forwards run
     under no_grad; a returned KV cache counts against the device budget (docs/inference.md).
-    `config`, `units`, `experts` and `init` as for initialize (optimizer keys are ignored); a
-    mixture-of-experts layer moves only the experts its router picks. On error (ValueError,
+    `config`, `units`, `experts`, `init`, `weights` and `strict` as for initialize (optimizer
+    keys are ignored); a mixture-of-experts layer moves only the experts its router picks. On error (ValueError,
     MemoryError naming the bytes needed, RuntimeError for a missing GPU) the model is left
     exactly as it was. ``tiermem.runtime_of(model).close()`` gives it back.
     """
@@ -88,7 +97,8 @@ def inference(model, config=None, units=None, experts=True, init=None):
         raise ValueError("inference: this model is already managed by tiermem")
     cfg = parse_config(config)
     root = _compiled_root(model)
-    root._tiermem_runtime = ServingRuntime(root, cfg, units, experts=experts, init=init)
+    root._tiermem_runtime = ServingRuntime(root, cfg, units, experts=experts, init=init,
+                                           weights=weights, strict=strict)
     return model
 
 

@@ -110,6 +110,11 @@ class Activations:
         self.stats = {"offloaded_bytes": 0, "fetched_bytes": 0, "sync_fetches": 0,
                       "recomputed_units": 0, "recomputed_bytes": 0, "dropped_bytes": 0,
                       "spilled_bytes": 0}
+        # activations: outside — bytes of the storages the units' training forwards saved for
+        # backward this iteration, in no budget (once each), and the most of any iteration.
+        self._outside_seen: set = set()
+        self.outside_bytes = 0
+        self.outside_peak = 0
         self.recording_trace = False  # the session records this iteration's warm-up trace
         self._trace_seen: set = set()  # storages whose saved bytes were counted this iteration
         self._resets: list = []       # on_reset
@@ -139,6 +144,14 @@ class Activations:
         self.unit_bytes[unit] = self.unit_bytes.get(unit, 0) + nbytes
         self.total += nbytes
         return True
+
+    def count_outside(self, ptr, nbytes):
+        """activations: outside — storage `ptr`, saved for backward, once per iteration in the
+        bytes no budget counts (stats()'s outside_budget)."""
+        if ptr not in self._outside_seen:
+            self._outside_seen.add(ptr)
+            self.outside_bytes += nbytes
+            self.outside_peak = max(self.outside_peak, self.outside_bytes)
 
     def trace_saved(self, ptr, nbytes):
         """While recording: storage `ptr`'s bytes, once, as the current unit's saved bytes."""
@@ -194,6 +207,8 @@ class Activations:
         self.kept.clear()
         self.unit_bytes.clear()
         self.seen.clear()
+        self._outside_seen.clear()
+        self.outside_bytes = 0
         self.total = 0
         self.saved.clear()
         self.by_unit.clear()

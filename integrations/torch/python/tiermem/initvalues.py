@@ -14,6 +14,13 @@ run: each module initializes its own parameters; pass ``init`` for anything else
 Invariants: values are yielded in module order (that of ``named_modules``, which is the
 records' index order), each record once; a meta parameter shared by several modules (tied
 weights) stays materialized until the last module holding it has run, and is yielded then.
+
+Memory: at most one module's values (and what its initialization allocates) are live at a
+time, and the C heap gives freed values back to the system before the next module's are made
+(``_give_back``): glibc keeps the freed blocks of tensors below its mmap threshold (32 MiB) in
+its heap, and the small blocks that the chunk writes' I/O threads free there meanwhile keep
+them from being reused, so without it a meta initialize grew the process by about the size
+of every layer's values (600 MiB for a 24-layer 370 M-param Llama: docs/host-mode.md).
 Ownership: a yielded tensor is the caller's until the next one is asked for; the user's
 Parameter objects of meta parameters are swapped (``torch.utils.swap_tensors``) onto CPU
 storage; ``restore_meta`` puts them back on the meta device, as they were.
@@ -22,6 +29,8 @@ Threading: the thread calling tiermem.initialize / tiermem.inference.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import math
 from collections.abc import Callable, Iterator
 
@@ -33,11 +42,13 @@ def is_meta(r) -> bool:
     return r.orig.device.type == "meta"
 
 
-def check_buffers(model: nn.Module) -> None:
+def check_buffers(model: nn.Module, loaded=()) -> None:
     """ValueError for a buffer on the meta device: tiermem materializes parameters only (a
-    buffer's value - a mask, rotary frequencies - is computed by its module's constructor)."""
+    buffer's value - a mask, rotary frequencies - is computed by its module's constructor),
+    but for those named in `loaded`, whose values a checkpoint gives (weights.py)."""
+    loaded = set(loaded)
     for name, b in model.named_buffers():
-        if b is not None and b.device.type == "meta":
+        if b is not None and b.device.type == "meta" and name not in loaded:
             raise ValueError(
                 f"buffer {name} is on the meta device: tiermem gives values to meta parameters "
                 "only (their modules' reset_parameters and your init), not to buffers. Build "
@@ -71,6 +82,7 @@ def initial_values(model: nn.Module, params: list,
         opened = [p for p in own if id(p) in left]
         if not opened:
             continue
+        _give_back()  # the values of the modules before (written and freed) leave the heap
         if len(opened) != len(own):  # its initialization would overwrite the real ones
             name = next(by_id[id(p)].name for p in own if id(p) not in left)
             raise ValueError(
@@ -109,6 +121,23 @@ def initial_values(model: nn.Module, params: list,
                 p.data = torch.empty(0, dtype=p.dtype)  # its values are in the chunks now
     if len(done) != len(params):  # every record is some module's: cannot happen
         raise RuntimeError(f"initialize: {len(params) - len(done)} parameters got no values")
+
+
+def _load_trim():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to give back this way
+        return None
+
+
+_malloc_trim = _load_trim()
+
+
+def _give_back() -> None:
+    """Returns the free pages of the C heap to the system (glibc's malloc_trim: free memory
+    inside the heap, not only at its top; a few milliseconds)."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
 
 
 def restore_meta(params: list, was_meta: set[int]) -> None:

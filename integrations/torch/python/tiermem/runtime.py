@@ -87,6 +87,7 @@ from .saved import SavedTensors
 from .shared import _K, Modes, _Param, _Piece, RunState
 from .tensor import ChunkTensor
 from .units import find_units
+from .weights import LoadPlan
 
 # Importable from here as before (serve.py, tests): the forward wrappers, the tree helpers.
 __all__ = ["TiermemRuntime", "_Forward", "_RootForward", "_UnitForward", "_wrap_forward",
@@ -140,7 +141,7 @@ class TiermemRuntime:
     _serving = False  # serve.ServingRuntime: inference only (every parameter frozen)
 
     def __init__(self, model: nn.Module, cfg, param_groups, units=None, process_group=None,
-                 experts=True, init=None):
+                 experts=True, init=None, weights=None, strict=True):
         self.model = model
         self.cfg = cfg
         self.state = RunState()  # closed until everything is in place
@@ -160,7 +161,11 @@ class TiermemRuntime:
         self.device = torch.device("cuda", 0) if kind.is_cuda else torch.device("cpu")
         self.params, self.by_orig, self.opt_groups = collect_params(model, cfg, param_groups,
                                                                     self._serving)
-        check_buffers(model)
+        # Pretrained weights (weights.py): the checkpoint's headers matched against the model's
+        # names before anything changes; buffers it has may be on the meta device.
+        self._weights = LoadPlan(model, weights, self.params, strict) if weights is not None \
+            else None
+        check_buffers(model, loaded=self._weights.buffer_keys if self._weights else ())
         if init is not None and not callable(init):
             raise ValueError(f"init must be a function of a module, got {type(init).__name__}")
         self._was_meta = {r.index for r in self.params if is_meta(r)}
@@ -187,16 +192,25 @@ class TiermemRuntime:
                 for r in self.params:
                     r.pieces = [_Piece(*pc) for pc in self.session.place(r.index)]
                     r.group, r.offset = r.pieces[0].group, r.pieces[0].offset
-                # Parameters built on the meta device get their values here, module by module
-                # (initvalues.py): the model is never whole in host memory.
-                for r, v in initial_values(model, self.params, init):
+                # From the checkpoint, straight into the chunks; the parameters it lacks
+                # (strict=False) and all of them without one: their own values, or for those
+                # built on the meta device their modules' initialization, module by module
+                # (initvalues.py). The model is never whole in host memory.
+                todo = self._weights.load(self.session, self.params) if self._weights \
+                    else self.params
+                for r, v in initial_values(model, todo, init):
                     if self._shards:  # every rank starts from rank 0's values (as DDP)
                         v = v.clone()
                         self._shards.broadcast_(v)
                     self.session.write_param(r.index, v)
+                    del v  # (a meta parameter's values go when initial_values moves on)
+                if self._weights is not None:
+                    self._weights.load_buffers()  # last: the parameters hold their values
         except BaseException:
             self.session.close()
             restore_meta(self.params, self._was_meta)
+            if self._weights is not None:
+                self._weights.restore()
             raise
         self._compute_kind = self.session.compute_kind
         # (trainable, used, tensors) per group
@@ -233,6 +247,8 @@ class TiermemRuntime:
         # The chunks hold the values now. The user's Parameter objects keep no copy (close()
         # gives them their data back), so the model is not in host RAM twice, and a stale
         # reference to one fails loudly (an empty tensor) instead of reading old values.
+        if self._weights is not None:  # until set-up succeeds (abandon gives them back)
+            self._weights.keep_originals(self.params, self._was_meta)
         for r in self.params:
             r.orig.data = torch.empty(0, dtype=r.orig.dtype)
 
@@ -416,6 +432,12 @@ class TiermemRuntime:
 
     def stats(self) -> dict:
         st = self.session.stats()
+        # What no budget counts, to size the machine beside the budgets: the runtime's own host
+        # buffers (the session's) and the most bytes the units' training forwards saved for
+        # backward in one iteration under activations 'outside' (0 when a budget counts them;
+        # None when resident training runs without the saved-tensor hooks that see them).
+        st["outside_budget"]["saved_activation_bytes"] = (
+            None if self._resident and not self._serving else self.activations.outside_peak)
         if self.activations.offload or self.recompute.all_units:
             st["activations"] = dict(self.activations.stats)
         if self._shards is not None:
@@ -486,6 +508,8 @@ class TiermemRuntime:
         # A model built wholly on meta may be larger than RAM: its values are not made.
         self.close(keep_values=len(self._was_meta) < len(self.params))
         restore_meta(self.params, self._was_meta)
+        if self._weights is not None:
+            self._weights.restore()
 
     def close(self, keep_values: bool = True):
         """Gives the model back as an ordinary model (plain Parameters with the current values

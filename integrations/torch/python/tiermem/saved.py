@@ -113,6 +113,8 @@ class SavedTensors:
             n = t.untyped_storage().nbytes()
             if acts.count:
                 acts.count_saved(active[-1].index if active else -1, ptr, n)
+            else:
+                acts.count_outside(ptr, n)
             acts.trace_saved(ptr, n)  # saved by the current unit: its bytes in the trace
             return _Plain(t)
         unit = active[-1].index if active else -1

@@ -49,8 +49,10 @@ class ServingRuntime(TiermemRuntime):
 
     _serving = True
 
-    def __init__(self, model, cfg, units=None, experts=True, init=None):
-        super().__init__(model, cfg, None, units, experts=experts, init=init)
+    def __init__(self, model, cfg, units=None, experts=True, init=None, weights=None,
+                 strict=True):
+        super().__init__(model, cfg, None, units, experts=experts, init=init, weights=weights,
+                         strict=strict)
         # Each unit pins all its chunk groups at once, and with them one expert's at a time
         # (experts.py): the budget must hold the largest (the session's count).
         need, unit = 0, None
@@ -66,6 +68,8 @@ class ServingRuntime(TiermemRuntime):
                 f"{need} bytes the chunks of unit '{unit.name or type(unit.module).__name__}' "
                 f"need at once; set 'device' to at least {need} bytes (more leaves room for "
                 "prefetch and the KV cache)")
+        if self._weights is not None:
+            self._weights.settle()  # set-up succeeded
         self.session.set_cyclic(True)
         self.cache_bytes = 0   # the KV cache's bytes after the last forward
         self.forwards = 0

@@ -1,41 +1,4 @@
-"""Examples and benchmarks; ``timed_step`` is the one training step the benchmarks time,
-``bench_gpt`` the model and data they train, ``objective_bytes`` the bytes a plan minimizes."""
-import time
-
-
-def timed_step(model, opt, x, y, clip=0.0):
-    """zero_grad, forward (the model returns the loss), backward, step: (loss, seconds).
-    `clip` > 0: torch.nn.utils.clip_grad_norm_ before the step (plain torch; tiermem clips
-    inside its step through the config)."""
-    t0 = time.perf_counter()
-    opt.zero_grad()
-    loss = model(x, y)
-    loss.backward()
-    if clip > 0:
-        import torch
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-    opt.step()
-    return loss.item(), time.perf_counter() - t0
-
-
-def bench_gpt(layers, width, batch, steps, block=64):
-    """The benchmarks' GPT (vocabulary 256, a head per 64 channels; seed 0) and `steps`
-    synthetic batches of `batch` x `block` tokens (seed 1): (model, batches)."""
-    import torch
-
-    from tiermem.examples.gpt import GPT, GPTConfig, synthetic_batches
-    c = GPTConfig(vocab_size=256, block_size=block, n_layer=layers, n_head=max(1, width // 64),
-                  n_embd=width)
-    torch.manual_seed(0)
-    model = GPT(c)
-    return model, list(synthetic_batches(c, batch, steps, seed=1))
-
-
-def objective_bytes(stats, host_mode: bool) -> int:
-    """The bytes the planner minimizes on the CPU, as the engine counted them so far
-    (`stats()["bytes_moved"]`; PlanObjectiveBytes in runtime/plan_runner.h): into the device,
-    or in host mode (no device) to and from NVMe."""
-    moved = stats["bytes_moved"]
-    if host_mode:
-        return sum(v for k, v in moved.items() if "nvme" in k)
-    return moved.get("host->device", 0) + moved.get("nvme->device", 0)
+"""The examples that come with the package: ``train_gpt`` (the main job, scripts/train.sh),
+``train_distributed`` (the same model sharded across ranks under torchrun) and ``gpt`` (their
+GPT-style decoder and synthetic data). The benchmarks live outside the package, in the
+repository's ``benchmarks/`` folder (benchmarks/README.md)."""

@@ -102,16 +102,3 @@ def synthetic_batches(c: GPTConfig, batch: int, steps: int, seed: int = 0):
         x = torch.stack([corpus[s:s + c.block_size] for s in starts.tolist()])
         y = torch.stack([corpus[s + 1:s + 1 + c.block_size] for s in starts.tolist()])
         yield x, y
-
-
-def tier_config(device_kind: str, device, host) -> dict:
-    """The budgets part of a benchmark's config: `device_kind` (auto: the GPU when there is
-    one, else host mode) and the host budget, plus the `device` budget unless what runs is
-    host mode, which has no device (a budget there is an error; docs/host-mode.md)."""
-    import tiermem
-    kind = tiermem._C.resolve_device_kind(
-        tiermem.parse_config({"device_kind": device_kind}).device_kind)
-    c = {"device_kind": device_kind, "host": host}
-    if not kind.host_compute:
-        c["device"] = device
-    return c

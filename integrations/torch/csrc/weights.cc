@@ -1,0 +1,187 @@
+// tiermem._C's pretrained weights (runtime/weights.h), registered by module.cc:
+//   weights_inspect(path)              the checkpoint's tensors (dtype, shape, file, whether a
+//                                      torch tensor - a buffer - can hold it), headers only
+//   load_weights(session, path, ...)   validate, then stream the checkpoint into the session
+//   save_weights(session, path, ...)   stream the session (and given buffers) out, HF layout
+//   read_weight_tensors(path, keys)    single tensors as CPU tensors (a module's buffers)
+// Names are the caller's: tiermem/weights.py passes the model's parameter names (and the other
+// names of tied ones); explicit targets (key segments per tensor) are for the conventions a
+// framework layer adds on top. The GIL is released while a load or an export streams.
+//
+// Threading: the session's (the training thread).
+#include "integrations/torch/csrc/weights.h"
+
+#include <set>
+#include <string>
+#include <vector>
+
+#include "integrations/torch/cpp/dtypes.h"
+#include "integrations/torch/cpp/weight_tensors.h"
+#include "integrations/torch/csrc/errors.h"
+#include "runtime/weights.h"
+#include "weights/weight_files.h"
+
+namespace tiermem::torch_ext {
+namespace {
+
+namespace py = pybind11;
+using session::Session;
+
+py::dict Inspect(const std::string& path) {
+  const weights::WeightFiles files = Check(weights::OpenWeights(path));
+  py::dict tensors;
+  py::list paths;
+  for (const weights::Header& h : files.files) {
+    paths.append(h.path);
+    for (const weights::TensorInfo& t : h.tensors) {
+      py::dict d;
+      d["dtype"] = std::string(weights::DTypeName(t.dtype));
+      d["shape"] = py::cast(t.shape);
+      d["file"] = h.path;
+      d["buffer"] = torch_dtypes::TorchDType(t.dtype).has_value();  // a torch tensor can hold it
+      tensors[py::str(t.key)] = d;
+    }
+  }
+  py::dict out;
+  out["path"] = files.path;
+  out["index"] = files.index_path.empty() ? py::object(py::none()) : py::str(files.index_path);
+  out["files"] = paths;
+  out["tensors"] = tensors;
+  out["total_size"] = files.total_size;
+  return out;
+}
+
+// Explicit targets: [(tensor, [(key, offset, shape or None, transpose), ...]), ...].
+std::vector<session::WeightTarget> TargetsFrom(const py::list& targets) {
+  std::vector<session::WeightTarget> out;
+  for (const py::handle& t : targets) {
+    const py::tuple tt = t.cast<py::tuple>();
+    if (tt.size() != 2) throw py::value_error("load_weights: a target is (tensor, segments)");
+    session::WeightTarget target{tt[0].cast<size_t>(), {}};
+    for (const py::handle& s : tt[1].cast<py::list>()) {
+      const py::tuple st = s.cast<py::tuple>();
+      if (st.size() != 4) {
+        throw py::value_error("load_weights: a segment is (key, offset, shape, transpose)");
+      }
+      session::WeightSegment seg{st[0].cast<std::string>(), st[1].cast<uint64_t>()};
+      if (!st[2].is_none()) seg.shape = st[2].cast<std::vector<int64_t>>();
+      seg.transpose = st[3].cast<bool>();
+      target.segments.push_back(std::move(seg));
+    }
+    out.push_back(std::move(target));
+  }
+  return out;
+}
+
+py::dict Load(Session& s, const std::string& path, bool strict,
+              const std::vector<std::vector<std::string>>& aliases,
+              const std::vector<std::string>& ignore, const py::object& targets,
+              uint64_t request_bytes, int depth) {
+  const weights::WeightFiles files = Check(weights::OpenWeights(path));
+  std::set<std::string> allowed(ignore.begin(), ignore.end());
+  const std::vector<session::WeightTarget> t =
+      targets.is_none() ? session::TargetsByName(s, files, aliases, &allowed)
+                        : TargetsFrom(targets.cast<py::list>());
+  session::LoadWeightsOptions o;
+  o.strict = strict;
+  o.ignore = [&allowed](std::string_view k) { return allowed.count(std::string(k)) > 0; };
+  o.request_bytes = request_bytes;
+  o.depth = depth;
+  StatusOr<session::LoadWeightsReport> r = InternalError("not loaded");
+  {
+    py::gil_scoped_release nogil;
+    r = session::LoadWeights(s, files, t, o);
+  }
+  const session::LoadWeightsReport report = Check(std::move(r));
+  py::dict out;
+  out["missing"] = py::cast(report.missing);
+  out["ignored"] = py::cast(report.ignored);
+  out["bytes_read"] = report.bytes_read;
+  out["requests"] = report.requests;
+  out["io_backend"] = report.io_backend;
+  out["staging_bytes"] = report.staging_bytes;
+  return out;
+}
+
+// entries: [(key, shape, segments or a CPU tensor)], segments [(tensor, offset, numel,
+// transpose)]; a tensor's bytes are written as they are, in its dtype.
+void Save(Session& s, const std::string& path, const py::list& entries, const std::string& dtype,
+          uint64_t max_shard_bytes, bool single_file) {
+  std::vector<session::ExportEntry> out;
+  std::vector<torch::Tensor> held;  // the buffers, contiguous, alive during the export
+  for (const py::handle& e : entries) {
+    const py::tuple et = e.cast<py::tuple>();
+    if (et.size() != 3) throw py::value_error("save_weights: an entry is (key, shape, values)");
+    session::ExportEntry entry;
+    entry.key = et[0].cast<std::string>();
+    entry.shape = et[1].cast<std::vector<int64_t>>();
+    if (py::isinstance<py::list>(et[2])) {
+      for (const py::handle& sg : et[2].cast<py::list>()) {
+        const py::tuple st = sg.cast<py::tuple>();
+        entry.segments.push_back({st[0].cast<size_t>(), st[1].cast<uint64_t>(),
+                                  st[2].cast<uint64_t>(), st[3].cast<bool>()});
+      }
+    } else {
+      torch::Tensor t = et[2].cast<torch::Tensor>().detach().cpu().contiguous();
+      const std::optional<weights::DType> d = torch_dtypes::WeightsDType(t.scalar_type());
+      if (!d) {
+        throw py::value_error("save_weights: '" + entry.key + "' is " +
+                              std::string(c10::toString(t.scalar_type())) +
+                              ", which safetensors has no dtype for here");
+      }
+      held.push_back(t);
+      entry.host_bytes = held.back().data_ptr();
+      entry.host_dtype = *d;
+    }
+    out.push_back(std::move(entry));
+  }
+  session::ExportOptions o;
+  const std::optional<weights::DType> d = weights::ParseDType(dtype);
+  if (!d) throw py::value_error("save_weights: unknown dtype '" + dtype + "'");
+  o.dtype = *d;
+  o.writer.max_shard_bytes = max_shard_bytes;
+  o.writer.single_file = single_file;
+  Status st;
+  {
+    py::gil_scoped_release nogil;
+    st = session::ExportWeights(s, path, out, o);
+  }
+  Check(st);
+}
+
+py::dict ReadTensors(const std::string& path, const std::vector<std::string>& keys) {
+  const weights::WeightFiles files = Check(weights::OpenWeights(path));
+  py::dict out;
+  for (const std::string& k : keys) out[py::str(k)] = Check(torch_weights::ReadTensor(files, k));
+  return out;
+}
+
+}  // namespace
+
+void RegisterWeights(py::module_& m, std::function<Session&(const py::handle&)> session_of) {
+  m.def("weights_inspect", &Inspect, py::arg("path"));
+  m.def(
+      "load_weights",
+      [session_of](const py::handle& session, const std::string& path, bool strict,
+                   const std::vector<std::vector<std::string>>& aliases,
+                   const std::vector<std::string>& ignore, const py::object& targets,
+                   uint64_t request_bytes, int depth) {
+        return Load(session_of(session), path, strict, aliases, ignore, targets, request_bytes,
+                    depth);
+      },
+      py::arg("session"), py::arg("path"), py::arg("strict") = true,
+      py::arg("aliases") = std::vector<std::vector<std::string>>{},
+      py::arg("ignore") = std::vector<std::string>{}, py::arg("targets") = py::none(),
+      py::arg("request_bytes") = 8 * kMiB, py::arg("depth") = 4);
+  m.def(
+      "save_weights",
+      [session_of](const py::handle& session, const std::string& path, const py::list& entries,
+                   const std::string& dtype, uint64_t max_shard_bytes, bool single_file) {
+        Save(session_of(session), path, entries, dtype, max_shard_bytes, single_file);
+      },
+      py::arg("session"), py::arg("path"), py::arg("entries"), py::arg("dtype") = "F32",
+      py::arg("max_shard_bytes") = 5'000'000'000ull, py::arg("single_file") = false);
+  m.def("read_weight_tensors", &ReadTensors, py::arg("path"), py::arg("keys"));
+}
+
+}  // namespace tiermem::torch_ext
