@@ -487,8 +487,8 @@ Status Session::SaveCheckpoint(const std::string& path, const CheckpointMeta& me
     return OkStatus();
   }
   const std::string tmp = path + ".tmp";
-  StatusOr<std::unique_ptr<weights::FileWriter>> created =
-      weights::FileWriter::Create(tmp, CheckpointsDirect(config_.checkpoint_io), 8 * kMiB, /*crc=*/true);
+  StatusOr<std::unique_ptr<weights::FileWriter>> created = weights::FileWriter::Create(
+      tmp, CheckpointsDirect(config_.checkpoint_io), 8 * kMiB, /*crc=*/true);
   if (!created.ok()) return IOError("checkpoint: " + created.status().message());
   weights::FileWriter& w = **created;
   Status s = w.Put(&header_bytes, sizeof(header_bytes));
