@@ -484,10 +484,12 @@ int RunStreaming(const BenchNvmeOptions& o, const Setup& s) {
   Buffers bufs = LeaseBuffers(o.fio_iomem, s.block * o.depth, s.host_buffers);
   if (!o.json) std::printf("fio: --iomem=%s; %s\n", bufs.iomem.c_str(), bufs.note.c_str());
   std::fflush(stdout);
-  Series ours[2], fio[2];  // [0] write, [1] read
+  Series ours[2], fio[2];          // [0] write, [1] read
+  std::vector<std::string> first;  // who ran first, per round
   OursResult last;
   for (int round = 0; round < o.rounds; ++round) {
     const bool fio_first = round % 2 == 1;
+    first.push_back(fio_first ? "fio" : "ours");
     StatusOr<std::pair<FioResult, FioResult>> f = InternalError("fio did not run");
     auto run_fio = [&] { f = RunFioPair(o.file, s, o.depth, s.block, o.depth, bufs.iomem); };
     if (fio_first) run_fio();
@@ -523,6 +525,7 @@ int RunStreaming(const BenchNvmeOptions& o, const Setup& s) {
       {"block_bytes", s.block},
       {"depth", o.depth},
       {"rounds", o.rounds},
+      {"first", first},
       {"ours_host_buffers", {{"bytes", s.host_buffers}, {"kind", last.buffers}}},
       {"checksum_threads", o.checksum_threads},
       {"fio_flags", "--fixedbufs --registerfiles --iomem=" + bufs.iomem},

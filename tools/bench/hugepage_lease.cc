@@ -155,6 +155,7 @@ void CopyInto(char* dst, size_t cap, const std::string& s) {
 
 std::unique_ptr<HugePageLease> HugePageLease::Acquire(Bytes bytes) {
   std::unique_ptr<HugePageLease> lease(new HugePageLease);
+  lease->InstallHandlers();  // before anything changes; each change is recorded with them blocked
   lease->lock_fd_ = ::open(kLockPath, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
   if (lease->lock_fd_ >= 0) {
     while (::flock(lease->lock_fd_, LOCK_EX) != 0 && errno == EINTR) {
@@ -171,7 +172,6 @@ std::unique_ptr<HugePageLease> HugePageLease::Acquire(Bytes bytes) {
   (void)ReadLong(kNrHugepages, &before);
   if (m.free_pages - m.reserved_pages < need) {
     const long missing = need - (m.free_pages - m.reserved_pages);
-    lease->InstallHandlers();
     {
       SignalsBlocked blocked;
       long now = before;
@@ -182,7 +182,7 @@ std::unique_ptr<HugePageLease> HugePageLease::Acquire(Bytes bytes) {
     m = ReadMeminfo();
     if (m.free_pages - m.reserved_pages < need) {
       const long got = lease->added_pages_;
-      lease->Undo();
+      lease->GiveBack();
       lease->description_ =
           got == 0 ? "no huge pages: " + std::to_string(m.free_pages - m.reserved_pages) +
                          " of the " + std::to_string(need) + " " + page +
@@ -199,7 +199,6 @@ std::unique_ptr<HugePageLease> HugePageLease::Acquire(Bytes bytes) {
   if (lease->mount_.empty() && ::geteuid() == 0) {
     char dir[] = "/tmp/tiermem-hugetlbfs-XXXXXX";
     if (::mkdtemp(dir) != nullptr) {
-      lease->InstallHandlers();
       SignalsBlocked blocked;
       if (::mount("tiermem-bench", dir, "hugetlbfs", 0, nullptr) == 0) {
         lease->mount_ = dir;
@@ -225,9 +224,7 @@ std::unique_ptr<HugePageLease> HugePageLease::Acquire(Bytes bytes) {
   return lease;
 }
 
-// The handlers go in before anything changes; each change is recorded with them blocked.
 void HugePageLease::InstallHandlers() {
-  if (handlers_) return;
   for (int i = 0; i < kNumSignals; ++i) {
     struct sigaction sa {};
     sa.sa_handler = OnSignal;
@@ -235,26 +232,25 @@ void HugePageLease::InstallHandlers() {
     for (int s : kSignals) sigaddset(&sa.sa_mask, s);
     ::sigaction(kSignals[i], &sa, &g_previous[i]);
   }
-  handlers_ = true;
 }
 
-void HugePageLease::Undo() {
+void HugePageLease::GiveBack() {
   {
     SignalsBlocked blocked;
     UndoRecorded();
-    g_undo.scratch[0] = '\0';
-    g_undo.child = 0;
   }
   added_pages_ = 0;
   mounted_ = false;
-  if (handlers_) {
-    for (int i = 0; i < kNumSignals; ++i) ::sigaction(kSignals[i], &g_previous[i], nullptr);
-    handlers_ = false;
-  }
 }
 
 HugePageLease::~HugePageLease() {
-  Undo();
+  GiveBack();
+  {
+    SignalsBlocked blocked;
+    g_undo.scratch[0] = '\0';
+    g_undo.child = 0;
+  }
+  for (int i = 0; i < kNumSignals; ++i) ::sigaction(kSignals[i], &g_previous[i], nullptr);
   if (lock_fd_ >= 0) ::close(lock_fd_);  // releases the lock
 }
 

@@ -27,7 +27,7 @@ class HugePageLease {
  public:
   // Never fails: when the pages cannot be had, ok() is false and Describe() says why.
   static std::unique_ptr<HugePageLease> Acquire(Bytes bytes);
-  ~HugePageLease();  // undoes what Acquire set up
+  ~HugePageLease();  // undoes what Acquire set up, restores the signal dispositions
   HugePageLease(const HugePageLease&) = delete;
   HugePageLease& operator=(const HugePageLease&) = delete;
 
@@ -41,23 +41,22 @@ class HugePageLease {
   long added_pages() const { return added_pages_; }
   bool mounted() const { return mounted_; }
 
-  // While a lease that set something up is held, a signal that ends the process first sends
-  // SIGTERM to `pid` (the running fio; 0 = none) and deletes `path` (its data file; "" =
-  // none), so neither outlives the run.
+  // While a lease is held, a signal that ends the process first sends SIGTERM to `pid` (the
+  // running fio; 0 = none) and deletes `path` (its data file; "" = none), so neither outlives
+  // the run.
   static void SetChild(pid_t pid);
   static void SetScratchFile(const std::string& path);
 
  private:
   HugePageLease() = default;
   void InstallHandlers();
-  void Undo();
+  void GiveBack();  // undoes what Acquire set up (the handlers stay)
 
   int lock_fd_ = -1;
   bool ok_ = false;
   std::string mount_;
-  bool mounted_ = false;   // this lease mounted mount_ (and created its directory)
-  long added_pages_ = 0;   // pages this lease added to vm.nr_hugepages
-  bool handlers_ = false;  // the signal handlers are installed
+  bool mounted_ = false;  // this lease mounted mount_ (and created its directory)
+  long added_pages_ = 0;  // pages this lease added to vm.nr_hugepages
   std::string description_;
 };
 
