@@ -102,6 +102,11 @@ struct NvmeTestParam {
   int checksum_threads;
 };
 
+void PrintTo(const NvmeTestParam& p, std::ostream* os) {
+  *os << (p.engine == NvmeIoBackend::kPosix ? "posix" : "io_uring") << ", checksum_threads "
+      << p.checksum_threads;
+}
+
 class NvmeIoBackendTest : public ::testing::TestWithParam<NvmeTestParam> {
  protected:
   NvmeIoBackend engine() const { return GetParam().engine; }
