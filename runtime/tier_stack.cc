@@ -151,7 +151,8 @@ class NvmeRegisteringPinner final : public HostPinner {
   bool sealed_ TIERMEM_GUARDED_BY(mu_) = false;
 };
 
-// The tier's I/O backend for the config's nvme.engine.
+}  // namespace
+
 NvmeIoBackend IoBackendOf(NvmeEngine e) {
   switch (e) {
     case NvmeEngine::kIoUring:
@@ -163,8 +164,6 @@ NvmeIoBackend IoBackendOf(NvmeEngine e) {
   }
   return NvmeIoBackend::kAuto;
 }
-
-}  // namespace
 
 bool TierStack::CudaBuilt() {
 #ifdef TIERMEM_SESSION_WITH_CUDA

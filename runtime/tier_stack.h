@@ -35,6 +35,7 @@
 #include "prof/analysis.h"
 #include "runtime/config.h"
 #include "tiers/host/host_tier.h"
+#include "tiers/nvme/nvme_tier.h"
 #include "tiers/tier.h"
 
 namespace tiermem::session {
@@ -51,6 +52,9 @@ struct StackLayout {
   // training state exceeds it with NVMe, so that all of it is registered with NVMe up front.
   Bytes host_prefault = 0;
 };
+
+// The NVMe tier's I/O backend for the config key nvme.engine (kAuto: the tier picks).
+NvmeIoBackend IoBackendOf(NvmeEngine engine);
 
 class TierStack {
  public:
