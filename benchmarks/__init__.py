@@ -59,7 +59,7 @@ def tier_config(device_kind: str, device, host) -> dict:
     kind = tiermem._C.resolve_device_kind(
         tiermem.parse_config({"device_kind": device_kind}).device_kind)
     c = {"device_kind": device_kind, "host": host}
-    if kind != "host":
+    if not kind.host_compute:
         c["device"] = device
     return c
 

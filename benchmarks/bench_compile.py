@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     base, data = bench_gpt(a.layers, a.width, a.batch, a.steps, block=a.block)
     opt_args = dict(lr=1e-3, weight_decay=0.01)
     config = dict(tier_config(a.device_kind, a.device, a.host), optimizer=opt_args)
-    mode = tiermem._C.resolve_device_kind(tiermem.parse_config(config).device_kind)
+    mode = str(tiermem._C.resolve_device_kind(tiermem.parse_config(config).device_kind))
 
     systems = {}
     for name in _SYSTEMS:

@@ -487,8 +487,8 @@ Status Session::SaveCheckpoint(const std::string& path, const CheckpointMeta& me
     return OkStatus();
   }
   const std::string tmp = path + ".tmp";
-  StatusOr<std::unique_ptr<weights::FileWriter>> created =
-      weights::FileWriter::Create(tmp, config_.checkpoint_io != "buffered", 8 * kMiB, /*crc=*/true);
+  StatusOr<std::unique_ptr<weights::FileWriter>> created = weights::FileWriter::Create(
+      tmp, CheckpointsDirect(config_.checkpoint_io), 8 * kMiB, /*crc=*/true);
   if (!created.ok()) return IOError("checkpoint: " + created.status().message());
   weights::FileWriter& w = **created;
   Status s = w.Put(&header_bytes, sizeof(header_bytes));
@@ -565,7 +565,7 @@ Status Session::LoadCheckpoint(const std::string& path, CheckpointMeta* metadata
   // The tensor bytes are read with O_DIRECT when checkpoint_io says so and the file system
   // allows it (a second descriptor; the header is read through the first).
   bool direct = false;
-  const int dfd = config_.checkpoint_io != "buffered"
+  const int dfd = CheckpointsDirect(config_.checkpoint_io)
                       ? OpenMaybeDirect(path, O_RDONLY | O_CLOEXEC, 0, true, &direct)
                       : -1;
   Status s = LoadCheckpointV2(path, fd, dfd >= 0 ? dfd : fd, dfd >= 0 && direct, metadata, how);

@@ -5,6 +5,7 @@
 #include "runtime/config.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -119,17 +120,35 @@ StatusOr<std::string> Path(const std::string& key, const json& v) {
   return v.get<std::string>();
 }
 
-// The NVMe directory must exist (it is created) and be writable: checked here so that a bad
-// path fails before anything is built or any model is touched.
-Status CheckWritableDir(const std::string& key, const std::string& dir) {
-  const Status made = MakeDirs(dir);
-  const std::string probe = dir + "/.tiermem-probe-" + std::to_string(getpid());
-  const int fd =
-      made.ok() ? open(probe.c_str(), O_CREAT | O_WRONLY | O_TRUNC | O_CLOEXEC, 0600) : -1;
-  if (fd < 0) {
-    const std::string why = made.ok() ? std::strerror(errno) : made.message();
+// `dir` must be a writable directory. With `create_last`, a missing last component is
+// created when its parent is a directory; a path missing more than that is an error (more
+// likely a mistake — a mount point mistyped or not mounted — than a wish, and creating it
+// would put the NVMe tier's files on another disk in silence).
+Status WritableDir(const std::string& key, std::string dir, bool create_last) {
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  auto bad = [&](const std::string& why) {
     return Bad(key, "'" + dir + "' is not a writable directory (" + why + ")");
+  };
+  struct stat st {};
+  if (stat(dir.c_str(), &st) != 0) {
+    if (errno != ENOENT) return bad(std::strerror(errno));
+    std::string parent = DirName(dir);
+    if (parent.empty()) parent = ".";
+    struct stat pst {};
+    if (!create_last || stat(parent.c_str(), &pst) != 0 || !S_ISDIR(pst.st_mode)) {
+      return bad(create_last ? "it does not exist, nor does its parent '" + parent +
+                                   "': tiermem creates only the last directory of the path"
+                             : "it does not exist");
+    }
+    if (mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
+      return bad(std::string("cannot create it: ") + std::strerror(errno));
+    }
+  } else if (!S_ISDIR(st.st_mode)) {
+    return bad("not a directory");
   }
+  const std::string probe = dir + "/.tiermem-probe-" + std::to_string(getpid());
+  const int fd = open(probe.c_str(), O_CREAT | O_WRONLY | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0) return bad(std::strerror(errno));
   close(fd);
   unlink(probe.c_str());
   return OkStatus();
@@ -185,19 +204,160 @@ Status ChoiceVar(const EnvGetter& env, const char* var, std::string* out,
   return BadVar(var, v, "expected one of " + list);
 }
 
-constexpr std::initializer_list<const char*> kDeviceKinds = {"auto", "cuda", "host", "sim",
-                                                             "sim-async"};
-constexpr std::initializer_list<const char*> kEngines = {"auto", "io_uring", "posix"};
-constexpr std::initializer_list<const char*> kIsas = {"auto", "scalar", "avx2", "avx512"};
-constexpr std::initializer_list<const char*> kPlanModes = {"off", "auto", "always"};
-constexpr std::initializer_list<const char*> kPlacements = {"auto", "host"};
-constexpr std::initializer_list<const char*> kOverlaps = {"next-forward", "backward", "off"};
-constexpr std::initializer_list<const char*> kCheckpointIo = {"auto", "direct", "buffered"};
-constexpr std::initializer_list<const char*> kActivationModes = {"outside", "budget", "offload",
-                                                                 "recompute", "auto"};
+// ---- modes (modes.h): their tables spell them, here and in messages -----------------------
+// "'a', 'b'" (JSON messages) or "a, b" (variables), in the table's order.
+template <typename Mode>
+std::string ModeChoices(bool quoted) {
+  std::string list;
+  for (const ModeSpelling<Mode>& s : ModeTraits<Mode>::kNames) {
+    const std::string name(s.name);
+    list += (list.empty() ? "" : ", ") + (quoted ? "'" + name + "'" : name);
+  }
+  return list;
+}
+
+// The mode spelled by `v` at `key` (default: the mode's own key).
+template <typename Mode>
+StatusOr<Mode> ModeChoice(const json& v, std::string_view key = ModeTraits<Mode>::kKey) {
+  if (v.is_string()) {
+    if (std::optional<Mode> m = ParseMode<Mode>(v.get<std::string>())) return *m;
+  }
+  return Bad(std::string(key), "expected one of " + ModeChoices<Mode>(true) + ", got " + v.dump());
+}
+
+// A top-level mode key, when present and not null.
+template <typename Mode>
+Status JsonMode(const json& config, Mode* out) {
+  const std::string key(ModeTraits<Mode>::kKey);
+  if (!config.contains(key) || config[key].is_null()) return OkStatus();
+  TIERMEM_ASSIGN_OR_RETURN(*out, ModeChoice<Mode>(config[key]));
+  return OkStatus();
+}
+
+template <typename Mode>
+Status ModeVar(const EnvGetter& env, const char* var, Mode* out) {
+  const char* v = Var(env, var);
+  if (v == nullptr) return OkStatus();
+  std::optional<Mode> m = ParseMode<Mode>(v);
+  if (!m) return BadVar(var, v, "expected one of " + ModeChoices<Mode>(false));
+  *out = *m;
+  return OkStatus();
+}
+
 constexpr std::initializer_list<const char*> kStateDTypes = {"fp32", "bf16", "int8"};
 constexpr std::initializer_list<const char*> kRoundings = {"nearest", "stochastic"};
 
+Status ApplyNvme(const json& nv, SessionConfig* c, bool* nvme_given) {
+  if (!nv.is_object()) {
+    return Bad("nvme", "expected {'path': ..., 'size': ...}, got " + nv.dump());
+  }
+  TIERMEM_RETURN_IF_ERROR(
+      CheckKeys(nv, {"path", "size", "engine", "queue_depth", "piece_size"}, "config 'nvme'"));
+  if (!nv.contains("size")) return Bad("nvme", "'size' is required");
+  TIERMEM_ASSIGN_OR_RETURN(c->nvme_size, Size("nvme.size", nv["size"]));
+  *nvme_given = true;
+  if (nv.contains("path") && !nv["path"].is_null()) {
+    TIERMEM_ASSIGN_OR_RETURN(c->nvme_path, Path("nvme.path", nv["path"]));
+  }
+  if (nv.contains("engine")) {
+    TIERMEM_ASSIGN_OR_RETURN(c->nvme_engine, ModeChoice<NvmeEngine>(nv["engine"]));
+  }
+  if (nv.contains("queue_depth")) {
+    TIERMEM_ASSIGN_OR_RETURN(c->io_depth, Int("nvme.queue_depth", nv["queue_depth"], 1, 4096));
+  }
+  if (nv.contains("piece_size")) {
+    TIERMEM_ASSIGN_OR_RETURN(c->io_piece, Size("nvme.piece_size", nv["piece_size"]));
+    if (c->io_piece < 4 * kKiB || c->io_piece > 64 * kMiB || c->io_piece % (4 * kKiB) != 0) {
+      return Bad("nvme.piece_size", "must be a multiple of 4 KiB from 4 KiB to 64 MiB, got " +
+                                        std::to_string(c->io_piece));
+    }
+  }
+  return OkStatus();
+}
+
+Status ApplyOptimizer(const json& o, SessionConfig* c) {
+  if (!o.is_object()) return Bad("optimizer", "expected an object, got " + o.dump());
+  TIERMEM_RETURN_IF_ERROR(CheckKeys(o,
+                                    {"type", "lr", "betas", "eps", "weight_decay", "state_dtype",
+                                     "state_block", "state_rounding", "state_min_elems"},
+                                    "config 'optimizer'"));
+  if (o.contains("type")) {
+    TIERMEM_RETURN_IF_ERROR(Choice("optimizer.type", o["type"], {"adamw"}).status());
+  }
+  if (o.contains("lr")) {
+    TIERMEM_ASSIGN_OR_RETURN(c->optimizer.lr, Number("optimizer.lr", o["lr"], 0));
+  }
+  if (o.contains("betas")) {
+    const json& b = o["betas"];
+    if (!b.is_array() || b.size() != 2) {
+      return Bad("optimizer.betas", "expected two numbers, got " + b.dump());
+    }
+    TIERMEM_ASSIGN_OR_RETURN(c->optimizer.beta1,
+                             Number("optimizer.betas[0]", b[0], 0, 1, false, true));
+    TIERMEM_ASSIGN_OR_RETURN(c->optimizer.beta2,
+                             Number("optimizer.betas[1]", b[1], 0, 1, false, true));
+  }
+  if (o.contains("eps")) {
+    TIERMEM_ASSIGN_OR_RETURN(c->optimizer.eps, Number("optimizer.eps", o["eps"], 0, -1, true));
+  }
+  if (o.contains("weight_decay")) {
+    TIERMEM_ASSIGN_OR_RETURN(c->optimizer.weight_decay,
+                             Number("optimizer.weight_decay", o["weight_decay"], 0));
+  }
+  kernels::StateFormat& f = c->optimizer_state.format;
+  if (o.contains("state_dtype")) {
+    TIERMEM_ASSIGN_OR_RETURN(const std::string d,
+                             Choice("optimizer.state_dtype", o["state_dtype"], kStateDTypes));
+    f.dtype = kernels::ParseStateDType(d).value();
+  }
+  if (o.contains("state_block")) {
+    TIERMEM_ASSIGN_OR_RETURN(const int b, Int("optimizer.state_block", o["state_block"],
+                                              kernels::kMinStateBlock, kernels::kMaxStateBlock));
+    f.block = static_cast<uint32_t>(b);
+    if (Status v = kernels::ValidateStateFormat(f); !v.ok()) {
+      return Bad("optimizer.state_block", std::string(v.message()));
+    }
+  }
+  if (o.contains("state_rounding")) {
+    TIERMEM_ASSIGN_OR_RETURN(const std::string r,
+                             Choice("optimizer.state_rounding", o["state_rounding"], kRoundings));
+    f.stochastic = r == "stochastic";
+  }
+  if (o.contains("state_min_elems")) {
+    const json& v = o["state_min_elems"];
+    if (!v.is_number_integer() || v.get<int64_t>() < 0) {
+      return Bad("optimizer.state_min_elems", "expected an integer >= 0, got " + v.dump());
+    }
+    c->optimizer_state.min_elems = v.get<uint64_t>();
+  }
+  return OkStatus();
+}
+
+Status ApplyLossScaling(const json& ls, LossScalingConfig* s) {
+  if (!ls.is_object()) return Bad("loss_scaling", "expected an object, got " + ls.dump());
+  TIERMEM_RETURN_IF_ERROR(
+      CheckKeys(ls, {"initial_scale", "growth_interval", "growth_factor", "backoff_factor"},
+                "config 'loss_scaling'"));
+  if (ls.contains("initial_scale")) {
+    TIERMEM_ASSIGN_OR_RETURN(
+        s->initial_scale, Number("loss_scaling.initial_scale", ls["initial_scale"], 0, -1, true));
+  }
+  if (ls.contains("growth_interval")) {
+    TIERMEM_ASSIGN_OR_RETURN(
+        s->growth_interval, Int("loss_scaling.growth_interval", ls["growth_interval"], 1, 1 << 30));
+  }
+  if (ls.contains("growth_factor")) {
+    TIERMEM_ASSIGN_OR_RETURN(s->growth_factor,
+                             Number("loss_scaling.growth_factor", ls["growth_factor"], 1));
+  }
+  if (ls.contains("backoff_factor")) {
+    TIERMEM_ASSIGN_OR_RETURN(
+        s->backoff_factor, Number("loss_scaling.backoff_factor", ls["backoff_factor"], 0, 1, true));
+  }
+  return OkStatus();
+}
+
+// The keys in the order they are checked (the first bad one is the error).
 Status ApplyJson(const json& config, SessionConfig* c, bool* nvme_given) {
   TIERMEM_RETURN_IF_ERROR(CheckKeys(config, kTopKeys, "config"));
   auto has = [&](const char* k) { return config.contains(k) && !config[k].is_null(); };
@@ -211,97 +371,9 @@ Status ApplyJson(const json& config, SessionConfig* c, bool* nvme_given) {
   if (has("host_reserve")) {
     TIERMEM_ASSIGN_OR_RETURN(c->host_reserve, Size("host_reserve", config["host_reserve"]));
   }
-  if (has("nvme")) {
-    const json& nv = config["nvme"];
-    if (!nv.is_object()) {
-      return Bad("nvme", "expected {'path': ..., 'size': ...}, got " + nv.dump());
-    }
-    TIERMEM_RETURN_IF_ERROR(
-        CheckKeys(nv, {"path", "size", "engine", "queue_depth", "piece_size"}, "config 'nvme'"));
-    if (!nv.contains("size")) return Bad("nvme", "'size' is required");
-    TIERMEM_ASSIGN_OR_RETURN(c->nvme_size, Size("nvme.size", nv["size"]));
-    *nvme_given = true;
-    if (nv.contains("path") && !nv["path"].is_null()) {
-      TIERMEM_ASSIGN_OR_RETURN(c->nvme_path, Path("nvme.path", nv["path"]));
-    }
-    if (nv.contains("engine")) {
-      TIERMEM_ASSIGN_OR_RETURN(c->nvme_engine, Choice("nvme.engine", nv["engine"], kEngines));
-    }
-    if (nv.contains("queue_depth")) {
-      TIERMEM_ASSIGN_OR_RETURN(c->io_depth, Int("nvme.queue_depth", nv["queue_depth"], 1, 4096));
-    }
-    if (nv.contains("piece_size")) {
-      TIERMEM_ASSIGN_OR_RETURN(c->io_piece, Size("nvme.piece_size", nv["piece_size"]));
-      if (c->io_piece < 4 * kKiB || c->io_piece > 64 * kMiB || c->io_piece % (4 * kKiB) != 0) {
-        return Bad("nvme.piece_size", "must be a multiple of 4 KiB from 4 KiB to 64 MiB, got " +
-                                          std::to_string(c->io_piece));
-      }
-    }
-  }
-  if (has("precision")) {
-    TIERMEM_ASSIGN_OR_RETURN(const std::string p,
-                             Choice("precision", config["precision"], {"fp32", "bf16", "fp16"}));
-    c->precision = p == "fp32"   ? Precision::kFp32
-                   : p == "bf16" ? Precision::kBf16
-                                 : Precision::kFp16;
-  }
-  if (has("optimizer")) {
-    const json& o = config["optimizer"];
-    if (!o.is_object()) return Bad("optimizer", "expected an object, got " + o.dump());
-    TIERMEM_RETURN_IF_ERROR(CheckKeys(o,
-                                      {"type", "lr", "betas", "eps", "weight_decay", "state_dtype",
-                                       "state_block", "state_rounding", "state_min_elems"},
-                                      "config 'optimizer'"));
-    if (o.contains("type")) {
-      TIERMEM_RETURN_IF_ERROR(Choice("optimizer.type", o["type"], {"adamw"}).status());
-    }
-    if (o.contains("lr")) {
-      TIERMEM_ASSIGN_OR_RETURN(c->optimizer.lr, Number("optimizer.lr", o["lr"], 0));
-    }
-    if (o.contains("betas")) {
-      const json& b = o["betas"];
-      if (!b.is_array() || b.size() != 2) {
-        return Bad("optimizer.betas", "expected two numbers, got " + b.dump());
-      }
-      TIERMEM_ASSIGN_OR_RETURN(c->optimizer.beta1,
-                               Number("optimizer.betas[0]", b[0], 0, 1, false, true));
-      TIERMEM_ASSIGN_OR_RETURN(c->optimizer.beta2,
-                               Number("optimizer.betas[1]", b[1], 0, 1, false, true));
-    }
-    if (o.contains("eps")) {
-      TIERMEM_ASSIGN_OR_RETURN(c->optimizer.eps, Number("optimizer.eps", o["eps"], 0, -1, true));
-    }
-    if (o.contains("weight_decay")) {
-      TIERMEM_ASSIGN_OR_RETURN(c->optimizer.weight_decay,
-                               Number("optimizer.weight_decay", o["weight_decay"], 0));
-    }
-    kernels::StateFormat& f = c->optimizer_state.format;
-    if (o.contains("state_dtype")) {
-      TIERMEM_ASSIGN_OR_RETURN(const std::string d,
-                               Choice("optimizer.state_dtype", o["state_dtype"], kStateDTypes));
-      f.dtype = kernels::ParseStateDType(d).value();
-    }
-    if (o.contains("state_block")) {
-      TIERMEM_ASSIGN_OR_RETURN(const int b, Int("optimizer.state_block", o["state_block"],
-                                                kernels::kMinStateBlock, kernels::kMaxStateBlock));
-      f.block = static_cast<uint32_t>(b);
-      if (Status v = kernels::ValidateStateFormat(f); !v.ok()) {
-        return Bad("optimizer.state_block", std::string(v.message()));
-      }
-    }
-    if (o.contains("state_rounding")) {
-      TIERMEM_ASSIGN_OR_RETURN(const std::string r,
-                               Choice("optimizer.state_rounding", o["state_rounding"], kRoundings));
-      f.stochastic = r == "stochastic";
-    }
-    if (o.contains("state_min_elems")) {
-      const json& v = o["state_min_elems"];
-      if (!v.is_number_integer() || v.get<int64_t>() < 0) {
-        return Bad("optimizer.state_min_elems", "expected an integer >= 0, got " + v.dump());
-      }
-      c->optimizer_state.min_elems = v.get<uint64_t>();
-    }
-  }
+  if (has("nvme")) TIERMEM_RETURN_IF_ERROR(ApplyNvme(config["nvme"], c, nvme_given));
+  TIERMEM_RETURN_IF_ERROR(JsonMode(config, &c->precision));
+  if (has("optimizer")) TIERMEM_RETURN_IF_ERROR(ApplyOptimizer(config["optimizer"], c));
   if (has("gradient_accumulation_steps")) {
     TIERMEM_ASSIGN_OR_RETURN(
         c->gradient_accumulation_steps,
@@ -331,74 +403,29 @@ Status ApplyJson(const json& config, SessionConfig* c, bool* nvme_given) {
     c->write_behind = v.get<bool>();
   }
   if (has("loss_scaling")) {
-    const json& ls = config["loss_scaling"];
-    if (!ls.is_object()) return Bad("loss_scaling", "expected an object, got " + ls.dump());
-    TIERMEM_RETURN_IF_ERROR(
-        CheckKeys(ls, {"initial_scale", "growth_interval", "growth_factor", "backoff_factor"},
-                  "config 'loss_scaling'"));
-    LossScalingConfig& s = c->loss_scaling;
-    if (ls.contains("initial_scale")) {
-      TIERMEM_ASSIGN_OR_RETURN(
-          s.initial_scale, Number("loss_scaling.initial_scale", ls["initial_scale"], 0, -1, true));
-    }
-    if (ls.contains("growth_interval")) {
-      TIERMEM_ASSIGN_OR_RETURN(s.growth_interval, Int("loss_scaling.growth_interval",
-                                                      ls["growth_interval"], 1, 1 << 30));
-    }
-    if (ls.contains("growth_factor")) {
-      TIERMEM_ASSIGN_OR_RETURN(s.growth_factor,
-                               Number("loss_scaling.growth_factor", ls["growth_factor"], 1));
-    }
-    if (ls.contains("backoff_factor")) {
-      TIERMEM_ASSIGN_OR_RETURN(s.backoff_factor, Number("loss_scaling.backoff_factor",
-                                                        ls["backoff_factor"], 0, 1, true));
-    }
+    TIERMEM_RETURN_IF_ERROR(ApplyLossScaling(config["loss_scaling"], &c->loss_scaling));
   }
-  if (has("device_kind")) {
-    TIERMEM_ASSIGN_OR_RETURN(c->device_kind,
-                             Choice("device_kind", config["device_kind"], kDeviceKinds));
-  }
+  TIERMEM_RETURN_IF_ERROR(JsonMode(config, &c->device_kind));
   if (has("cpu_threads")) {
     TIERMEM_ASSIGN_OR_RETURN(c->cpu_threads, Int("cpu_threads", config["cpu_threads"], 0, 4096));
   }
-  if (has("kernel_isa")) {
-    TIERMEM_ASSIGN_OR_RETURN(c->kernel_isa, Choice("kernel_isa", config["kernel_isa"], kIsas));
-  }
+  TIERMEM_RETURN_IF_ERROR(JsonMode(config, &c->kernel_isa));
   if (has("log_level")) {
     TIERMEM_ASSIGN_OR_RETURN(const std::string l, Choice("log_level", config["log_level"],
                                                          {"error", "warn", "info", "debug"}));
     c->log_level = ParseLogLevel(l).value();
   }
-  if (has("activations")) {
-    TIERMEM_ASSIGN_OR_RETURN(c->activations,
-                             Choice("activations", config["activations"], kActivationModes));
-  }
-  if (has("plan")) {
-    TIERMEM_ASSIGN_OR_RETURN(c->plan, Choice("plan", config["plan"], kPlanModes));
-  }
-  if (has("optimizer_placement")) {
-    TIERMEM_ASSIGN_OR_RETURN(
-        c->optimizer_placement,
-        Choice("optimizer_placement", config["optimizer_placement"], kPlacements));
-  }
-  if (has("optimizer_overlap")) {
-    TIERMEM_ASSIGN_OR_RETURN(c->optimizer_overlap,
-                             Choice("optimizer_overlap", config["optimizer_overlap"], kOverlaps));
-  }
-  if (has("checkpoint_io")) {
-    TIERMEM_ASSIGN_OR_RETURN(c->checkpoint_io,
-                             Choice("checkpoint_io", config["checkpoint_io"], kCheckpointIo));
-  }
-  if (has("unmaterialized_reads")) {
-    TIERMEM_ASSIGN_OR_RETURN(
-        c->unmaterialized_reads,
-        Choice("unmaterialized_reads", config["unmaterialized_reads"], {"materialize", "error"}));
-  }
+  TIERMEM_RETURN_IF_ERROR(JsonMode(config, &c->activations));
+  TIERMEM_RETURN_IF_ERROR(JsonMode(config, &c->plan));
+  TIERMEM_RETURN_IF_ERROR(JsonMode(config, &c->optimizer_placement));
+  TIERMEM_RETURN_IF_ERROR(JsonMode(config, &c->optimizer_overlap));
+  TIERMEM_RETURN_IF_ERROR(JsonMode(config, &c->checkpoint_io));
+  TIERMEM_RETURN_IF_ERROR(JsonMode(config, &c->unmaterialized_reads));
   return OkStatus();
 }
 
 Status ApplyEnv(const EnvGetter& env, SessionConfig* c, bool* nvme_given) {
-  TIERMEM_RETURN_IF_ERROR(ChoiceVar(env, "TIERMEM_DEVICE", &c->device_kind, kDeviceKinds));
+  TIERMEM_RETURN_IF_ERROR(ModeVar(env, "TIERMEM_DEVICE", &c->device_kind));
   if (Var(env, "TIERMEM_DEVICE_BUDGET") != nullptr) {
     TIERMEM_RETURN_IF_ERROR(SizeVar(env, "TIERMEM_DEVICE_BUDGET", &c->device_budget));
     c->device_budget_given = true;
@@ -417,18 +444,15 @@ Status ApplyEnv(const EnvGetter& env, SessionConfig* c, bool* nvme_given) {
     }
     c->nvme_path = p;
   }
-  TIERMEM_RETURN_IF_ERROR(ChoiceVar(env, "TIERMEM_NVME_ENGINE", &c->nvme_engine, kEngines));
+  TIERMEM_RETURN_IF_ERROR(ModeVar(env, "TIERMEM_NVME_ENGINE", &c->nvme_engine));
   TIERMEM_RETURN_IF_ERROR(IntVar(env, "TIERMEM_IO_DEPTH", &c->io_depth, 1, 4096));
   TIERMEM_RETURN_IF_ERROR(IntVar(env, "TIERMEM_CPU_THREADS", &c->cpu_threads, 0, 4096));
-  TIERMEM_RETURN_IF_ERROR(ChoiceVar(env, "TIERMEM_KERNEL_ISA", &c->kernel_isa, kIsas));
-  TIERMEM_RETURN_IF_ERROR(ChoiceVar(env, "TIERMEM_PLAN", &c->plan, kPlanModes));
-  TIERMEM_RETURN_IF_ERROR(ChoiceVar(env, "TIERMEM_ACTIVATIONS", &c->activations, kActivationModes));
-  TIERMEM_RETURN_IF_ERROR(
-      ChoiceVar(env, "TIERMEM_OPTIMIZER_PLACEMENT", &c->optimizer_placement, kPlacements));
-  TIERMEM_RETURN_IF_ERROR(
-      ChoiceVar(env, "TIERMEM_OPTIMIZER_OVERLAP", &c->optimizer_overlap, kOverlaps));
-  TIERMEM_RETURN_IF_ERROR(
-      ChoiceVar(env, "TIERMEM_CHECKPOINT_IO", &c->checkpoint_io, kCheckpointIo));
+  TIERMEM_RETURN_IF_ERROR(ModeVar(env, "TIERMEM_KERNEL_ISA", &c->kernel_isa));
+  TIERMEM_RETURN_IF_ERROR(ModeVar(env, "TIERMEM_PLAN", &c->plan));
+  TIERMEM_RETURN_IF_ERROR(ModeVar(env, "TIERMEM_ACTIVATIONS", &c->activations));
+  TIERMEM_RETURN_IF_ERROR(ModeVar(env, "TIERMEM_OPTIMIZER_PLACEMENT", &c->optimizer_placement));
+  TIERMEM_RETURN_IF_ERROR(ModeVar(env, "TIERMEM_OPTIMIZER_OVERLAP", &c->optimizer_overlap));
+  TIERMEM_RETURN_IF_ERROR(ModeVar(env, "TIERMEM_CHECKPOINT_IO", &c->checkpoint_io));
   std::string state_dtype(kernels::StateDTypeName(c->optimizer_state.format.dtype));
   TIERMEM_RETURN_IF_ERROR(ChoiceVar(env, "TIERMEM_STATE_DTYPE", &state_dtype, kStateDTypes));
   c->optimizer_state.format.dtype = kernels::ParseStateDType(state_dtype).value();
@@ -443,16 +467,32 @@ Status ApplyEnv(const EnvGetter& env, SessionConfig* c, bool* nvme_given) {
 
 }  // namespace
 
-std::string_view PrecisionName(Precision p) {
+std::string_view PrecisionName(Precision p) { return ModeName(p); }
+
+kernels::DType ComputeDType(Precision p) {
   switch (p) {
-    case Precision::kFp32:
-      return "fp32";
     case Precision::kBf16:
-      return "bf16";
+      return kernels::DType::kBF16;
     case Precision::kFp16:
-      return "fp16";
+      return kernels::DType::kF16;
+    case Precision::kFp32:
+      break;
   }
-  return "fp32";
+  return kernels::DType::kF32;
+}
+
+std::optional<kernels::Isa> KernelIsaOf(KernelIsaMode m) {
+  switch (m) {
+    case KernelIsaMode::kScalar:
+      return kernels::Isa::kScalar;
+    case KernelIsaMode::kAvx2:
+      return kernels::Isa::kAvx2;
+    case KernelIsaMode::kAvx512:
+      return kernels::Isa::kAvx512;
+    case KernelIsaMode::kAuto:
+      break;
+  }
+  return std::nullopt;
 }
 
 StatusOr<SessionConfig> ParseConfig(const json& config, const EnvGetter& env) {
@@ -464,7 +504,8 @@ StatusOr<SessionConfig> ParseConfig(const json& config, const EnvGetter& env) {
   if (config.is_object()) TIERMEM_RETURN_IF_ERROR(ApplyJson(config, &c, &nvme_given));
   TIERMEM_RETURN_IF_ERROR(ApplyEnv(env, &c, &nvme_given));
   if (nvme_given && !c.nvme_path.empty()) {
-    TIERMEM_RETURN_IF_ERROR(CheckWritableDir("nvme.path", c.nvme_path));
+    // Checked (its last directory created) before anything is built or any model touched.
+    TIERMEM_RETURN_IF_ERROR(WritableDir("nvme.path", c.nvme_path, /*create_last=*/true));
   }
   if (c.optimizer_state.format.stochastic &&
       c.optimizer_state.format.dtype != kernels::StateDType::kBF16) {
@@ -484,7 +525,7 @@ StatusOr<SessionConfig> ParseConfig(const json& config, const EnvGetter& env) {
                                 " bytes is not below the host budget of " +
                                 std::to_string(c.host_budget) + " bytes");
   }
-  if (c.device_kind == "host" && c.device_budget_given) {
+  if (IsHostCompute(c.device_kind) && c.device_budget_given) {
     return InvalidArgumentError(
         "config 'device' (or TIERMEM_DEVICE_BUDGET) = " + std::to_string(c.device_budget) +
         " bytes with device_kind 'host': host mode has no device tier (compute runs on the "
@@ -492,6 +533,11 @@ StatusOr<SessionConfig> ParseConfig(const json& config, const EnvGetter& env) {
         "device_kind 'sim' to simulate a device of that budget");
   }
   return c;
+}
+
+Status CheckNvmePath(const SessionConfig& config) {
+  if (config.nvme_size == 0 || config.nvme_path.empty()) return OkStatus();
+  return WritableDir("nvme.path", config.nvme_path, /*create_last=*/false);
 }
 
 StatusOr<SessionConfig> ParseConfigFile(const std::string& path, const EnvGetter& env) {
@@ -516,17 +562,17 @@ json ToJson(const SessionConfig& c) {
   if (c.host_reserve > 0) j["host_reserve"] = c.host_reserve;
   if (c.nvme_size > 0) {
     j["nvme"] = {{"size", c.nvme_size},
-                 {"engine", c.nvme_engine},
+                 {"engine", std::string(ModeName(c.nvme_engine))},
                  {"queue_depth", c.io_depth},
                  {"piece_size", c.io_piece}};
     if (!c.nvme_path.empty()) j["nvme"]["path"] = c.nvme_path;
   }
-  j["device_kind"] = c.device_kind;
+  j["device_kind"] = std::string(ModeName(c.device_kind));
   if (!c.timeline.empty()) j["timeline"] = c.timeline;
   j["cpu_threads"] = c.cpu_threads;
-  j["kernel_isa"] = c.kernel_isa;
+  j["kernel_isa"] = std::string(ModeName(c.kernel_isa));
   j["log_level"] = std::string(LogLevelName(c.log_level));
-  j["precision"] = std::string(PrecisionName(c.precision));
+  j["precision"] = std::string(ModeName(c.precision));
   j["optimizer"] = {
       {"type", "adamw"},
       {"lr", c.optimizer.lr},
@@ -546,12 +592,12 @@ json ToJson(const SessionConfig& c) {
                        {"growth_interval", c.loss_scaling.growth_interval},
                        {"growth_factor", c.loss_scaling.growth_factor},
                        {"backoff_factor", c.loss_scaling.backoff_factor}};
-  j["unmaterialized_reads"] = c.unmaterialized_reads;
-  j["plan"] = c.plan;
-  j["activations"] = c.activations;
-  j["optimizer_placement"] = c.optimizer_placement;
-  j["optimizer_overlap"] = c.optimizer_overlap;
-  j["checkpoint_io"] = c.checkpoint_io;
+  j["unmaterialized_reads"] = std::string(ModeName(c.unmaterialized_reads));
+  j["plan"] = std::string(ModeName(c.plan));
+  j["activations"] = std::string(ModeName(c.activations));
+  j["optimizer_placement"] = std::string(ModeName(c.optimizer_placement));
+  j["optimizer_overlap"] = std::string(ModeName(c.optimizer_overlap));
+  j["checkpoint_io"] = std::string(ModeName(c.checkpoint_io));
   return j;
 }
 

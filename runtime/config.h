@@ -79,6 +79,9 @@
 //   loss_scaling.{initial_scale,growth_interval,growth_factor,backoff_factor}   (fp16)
 //   unmaterialized_reads                           materialize materialize | error (Python)
 //
+// The choice-valued keys are enums (modes.h): their spellings are written once, in their
+// tables there, and code asks their predicates.
+//
 // Thread-safety: values and pure functions (ParseConfig reads the environment only through
 // the getter it is given).
 #pragma once
@@ -92,11 +95,16 @@
 #include "base/status.h"
 #include "base/units.h"
 #include "kernels/cpu/optim.h"
+#include "runtime/modes.h"
 
 namespace tiermem::session {
 
-enum class Precision : uint8_t { kFp32 = 0, kBf16 = 1, kFp16 = 2 };
-std::string_view PrecisionName(Precision p);  // "fp32", "bf16", "fp16"
+std::string_view PrecisionName(Precision p);  // "fp32", "bf16", "fp16" (ModeName)
+// The element type of the compute copy (params and grads the model computes with): fp32, or
+// the low precision of mixed precision.
+kernels::DType ComputeDType(Precision p);
+// The kernels `kernel_isa` pins; nullopt for kAuto (the kernels' own pick stays).
+std::optional<kernels::Isa> KernelIsaOf(KernelIsaMode m);
 
 struct OptimizerConfig {
   double lr = 1e-3;
@@ -133,13 +141,14 @@ struct SessionConfig {
   Bytes host_reserve = 0;
   Bytes nvme_size = 0;    // 0 = no NVMe tier (only when no nvme key/variable is given)
   std::string nvme_path;  // "" = a fresh directory under $TMPDIR
-  std::string nvme_engine = "auto";
+  NvmeEngine nvme_engine = NvmeEngine::kAuto;
   int io_depth = 8;
   Bytes io_piece = kMiB;  // NVMe I/O size: larger copies go in pieces of this size
-  std::string device_kind = "auto";
+  // As parsed; Session::config() holds the resolved kind (never kAuto).
+  DeviceKind device_kind = DeviceKind::kAuto;
   std::string timeline;  // "" = a temporary file, removed when the session closes
   int cpu_threads = 0;
-  std::string kernel_isa = "auto";
+  KernelIsaMode kernel_isa = KernelIsaMode::kAuto;
   LogLevel log_level = LogLevel::kWarn;
   Precision precision = Precision::kFp32;
   OptimizerConfig optimizer;
@@ -149,7 +158,7 @@ struct SessionConfig {
   std::optional<uint64_t> chunk_size;  // elements per chunk; nullopt = automatic
   int prefetch_depth = 4;
   bool write_behind = true;
-  std::string plan = "auto";  // "off" | "auto" | "always"  // "off" | "auto" (session.h, "Plans")
+  PlanMode plan = PlanMode::kAuto;  // modes.h; session.h "Plans"
   // "outside": saved activations are torch's, outside the device budget; "budget": the
   // bindings count them in it (SetExternalDeviceBytes), and plans account for them;
   // "offload": counted too, and the binding offloads units' activations to host memory
@@ -157,25 +166,25 @@ struct SessionConfig {
   // unit that contains no other unit drops what its forward saves and recomputes it in its
   // backward (activation checkpointing per unit); "auto": counted, and an executed plan chooses
   // per unit keep / offload / recompute (without one, or off it: offload).
-  std::string activations = "outside";
+  ActivationMode activations = ActivationMode::kOutside;
   // "auto": chunk groups whose optimizer state fits the device next to the training working
   // set step there (the CUDA kernels on CUDA, the CPU kernels on SimDevice's memory); "host":
   // every group steps on host copies.
-  std::string optimizer_placement = "auto";
+  OptimizerPlacement optimizer_placement = OptimizerPlacement::kAuto;
   // "next-forward": Step() computes the gradient stats and the clip/scale factors and
   // captures the hyper-parameters, and each chunk group's AdamW update runs later, just before
   // anything reads or writes that group (the next forward's first use): its optimizer-state
   // reads and write-backs overlap the forward's compute. Exact: the same kernels on the same
   // values. "off": every group is updated inside Step().
-  std::string optimizer_overlap = "next-forward";
+  OptimizerOverlap optimizer_overlap = OptimizerOverlap::kNextForward;
   // Checkpoint file I/O: "auto" and "direct" write and read with O_DIRECT where the file
   // system allows it (else through the page cache): the page cache's writeback and readahead
   // run far below the disk's rate here, and a checkpoint larger than RAM only churns it;
   // "buffered" always goes through the page cache (a file still cached from a recent save
   // loads faster that way).
-  std::string checkpoint_io = "auto";
+  CheckpointIo checkpoint_io = CheckpointIo::kAuto;
   LossScalingConfig loss_scaling;
-  std::string unmaterialized_reads = "materialize";  // or "error"
+  UnmaterializedReads unmaterialized_reads = UnmaterializedReads::kMaterialize;
 };
 
 // `config`: a JSON object (null = all defaults). `env`: the TIERMEM_* source (tests pass a
@@ -186,6 +195,11 @@ StatusOr<SessionConfig> ParseConfig(const nlohmann::json& config,
 // kInvalidArgument naming the file.
 StatusOr<SessionConfig> ParseConfigFile(const std::string& path,
                                         const EnvGetter& env = ProcessEnv());
+// kInvalidArgument naming 'nvme.path' and the path unless the config has no NVMe tier, no
+// path (a temporary directory), or an existing writable directory there. ParseConfig checks
+// the path already (creating its last directory when its parent exists); TierStack checks it
+// again, for configs built otherwise and for a directory removed since.
+Status CheckNvmePath(const SessionConfig& config);
 // The config as JSON with every key present (defaults filled in): what the session runs
 // with, for logs and the Python repr. Parsing it again gives the same config.
 nlohmann::json ToJson(const SessionConfig& config);

@@ -103,7 +103,7 @@ Status OptimizerStepper::Apply(const std::vector<GroupHyper>& hyper, float clip_
   step_args_.hyper = hyper;
   step_args_.clip_coef = clip_coef;
   step_args_.inv_loss_scale = inv_loss_scale;
-  const bool defer = session_->config().optimizer_overlap != "off";
+  const bool defer = DefersSteps(session_->config().optimizer_overlap);
   for (size_t gi = 0; gi < session_->num_groups(); ++gi) {
     const ChunkGroup& g = session_->group(gi);
     if (!g.trainable) continue;
@@ -284,7 +284,7 @@ Status OptimizerStepper::RunPending(size_t group, bool quiet) {
   if (!s.ok()) {
     return s.WithContext("the optimizer update of chunk group " + std::to_string(group) +
                          ", deferred from the last step() (optimizer_overlap: " +
-                         session_->config().optimizer_overlap + ")");
+                         std::string(ModeName(session_->config().optimizer_overlap)) + ")");
   }
   return OkStatus();
 }
@@ -495,7 +495,7 @@ void OptimizerStepper::BeginIteration() {
 void OptimizerStepper::AfterMoment(planners::MomentKind kind) {
   if (kind != planners::MomentKind::kPreBackward) return;
   ++bwd_moments_;
-  if (session_->config().optimizer_overlap == "backward") SpeculateReady();
+  if (SpeculatesSteps(session_->config().optimizer_overlap)) SpeculateReady();
 }
 
 // ---- placement ---------------------------------------------------------------------------------
@@ -511,7 +511,7 @@ void OptimizerStepper::Place() {
   placed_ = true;
   on_device_.assign(session_->num_groups(), 0);
   // Host mode: there is no device; every group steps on the host, in place.
-  if (session_->config().optimizer_placement == "host" || stack_->host_compute()) return;
+  if (!MayStepOnDevice(session_->config().optimizer_placement) || stack_->host_compute()) return;
   chunks::Engine* eng = engine();
   // (Sharded: the gathered full chunks the binding held as scratch count too.)
   const chunks::EngineStats est = eng->Stats();
@@ -535,7 +535,7 @@ void OptimizerStepper::Place() {
     ++count;
   }
   TIERMEM_LOG(kInfo) << "optimizer: " << count << " chunk group(s) step on the device ("
-                     << session_->device_kind() << "), the others on the host";
+                     << ModeName(session_->device_kind()) << "), the others on the host";
 }
 
 }  // namespace tiermem::session

@@ -190,9 +190,9 @@ bool PlanRunner::AtBoundary(bool diverged, TraceRecorder* trace, const PlanConte
     return false;
   }
   if (trace->armed()) return false;
-  // Nothing moves when every chunk fits on the device: nothing to plan.
+  // Nothing moves when every chunk fits the compute tier: nothing to plan.
   // (Counted activations can still push chunks out.)
-  if (ctx.activations == "outside" && ctx.device_holds_every_chunk) return false;
+  if (!CountsActivations(ctx.activations) && ctx.compute_tier_holds_every_chunk) return false;
   if (diverged && active() && stats_.plans >= kMaxPlans) {
     // Iterations that keep leaving their plans (variable shapes, data-dependent branches)
     // would be recorded and planned every other step: stop at the reactive engine.
@@ -250,7 +250,7 @@ Status PlanRunner::ExecuteFrom(const planners::Trace& trace, int64_t iteration,
     return InvalidArgumentError("plan: the trace has no iteration " + std::to_string(iteration));
   }
   planners::Trace t = trace;
-  const bool counted = ctx.activations != "outside";
+  const bool counted = CountsActivations(ctx.activations);
   if (!counted) {
     // Activations and temporaries are not in the engine's device budget (on SimDevice they
     // live in CPU memory; on CUDA in torch's allocator): the chunks get the whole budget.
@@ -294,11 +294,12 @@ Status PlanRunner::ExecuteFrom(const planners::Trace& trace, int64_t iteration,
   // Updates run where the trace has them (after the backward, or deferred into the next
   // forward): the runtime does not overlap them with the backward.
   o.overlap_optimizer = false;
-  // "offload": the binding offloads whole units' activations to the host as the plan says;
-  // "auto": it also recomputes the units the plan recomputes. Otherwise they stay where the
-  // binding keeps them ("recompute": every unit recomputes, whatever a plan would choose).
-  o.activation_policy = ctx.activations == "offload" || ctx.activations == "auto";
-  o.allow_recompute = ctx.activations == "auto";
+  // Offloaded (offload, auto): the binding offloads whole units' activations to the host as
+  // the plan says; chosen by the plan (auto): it also recomputes the units the plan
+  // recomputes. Otherwise they stay where the binding keeps them (recompute: every unit
+  // recomputes, whatever a plan would choose).
+  o.activation_policy = OffloadsActivations(ctx.activations);
+  o.allow_recompute = PlanChoosesActivations(ctx.activations);
   if (iteration > 0) o.earlier_iteration = iteration - 1;
   // SimDevice's copies are memcpys on the same CPU cores as the compute, which the machine
   // model (copy lanes concurrent with compute) does not see: fewest bytes is the right goal

@@ -48,9 +48,10 @@
 // that diverges from the plan runs reactive from there (warned once); the next one is recorded, and
 // if it diverges too, the plan is remade from it — up to kMaxPlans plans: iterations that keep
 // diverging (variable shapes, data-dependent branches) then run reactive for good (declined()).
-// Nothing is planned when every chunk fits on the device and activations are outside its budget
-// (nothing would move). A plan that cannot be made is logged and planning stops for good (error()):
-// the engine stays reactive. Plans move copies only: every value is the same without them.
+// Nothing is planned when every chunk fits the compute tier (the device; in host mode the host,
+// every chunk homed there) and activations are outside its budget (nothing would move). A plan that
+// cannot be made is logged and planning stops for good (error()): the engine stays reactive. Plans
+// move copies only: every value is the same without them.
 //
 // Thread-safety: externally synchronized (the session's thread).
 #pragma once
@@ -66,6 +67,7 @@
 #include "planners/divergence.h"
 #include "planners/expert_slots.h"
 #include "planners/planner.h"
+#include "runtime/modes.h"
 
 namespace tiermem::session {
 
@@ -126,10 +128,11 @@ class PlanRunner {
   // What making a plan reads from the session.
   struct PlanContext {
     chunks::Engine* engine = nullptr;  // homes, residency, budgets; must outlive the runner
-    std::string_view activations;      // config `activations`
-    bool cuda = false;                 // least modelled time on CUDA, fewest bytes elsewhere
-    bool bar = true;                   // plan: auto declines a plan that loses bytes ("always": no)
-    bool device_holds_every_chunk = false;  // the device's budget >= every chunk's bytes
+    ActivationMode activations = ActivationMode::kOutside;  // config `activations`
+    bool cuda = false;  // least modelled time on CUDA, fewest bytes elsewhere
+    bool bar = true;    // plan: auto declines a plan that loses bytes (always: no)
+    // Session::compute_tier_holds_every_chunk(): nothing moves but for counted activations.
+    bool compute_tier_holds_every_chunk = false;
   };
   // Makes a plan from iteration `iteration` of `trace` (-1: its last) and executes it from
   // the next BeginIteration (Start). kInvalidArgument for a trace of another layout; the

@@ -143,8 +143,9 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
   const Bytes esize = mixed ? 2 : 4;
   // Device working set per element: the compute param and (when anything trains) its grad.
   const Bytes per_elem = esize + (any_trainable ? esize : 0);
-  TIERMEM_ASSIGN_OR_RETURN(s->device_kind_, TierStack::ResolveDeviceKind(config.device_kind));
-  const bool host = s->device_kind_ == "host";
+  TIERMEM_ASSIGN_OR_RETURN(s->config_.device_kind,
+                           TierStack::ResolveDeviceKind(config.device_kind));
+  const bool host = s->host_compute();
   if (host && config.device_budget_given) {
     // ParseConfig refuses a budget with an explicit "host": this is "auto" on a machine
     // without a GPU, so a script written for one still runs.
@@ -153,9 +154,9 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
                           "on the host (device_kind 'host'; 'sim' simulates a device of that "
                           "budget)";
   }
-  if (host && (config.activations == "offload" || config.activations == "auto")) {
+  if (host && OffloadsActivations(config.activations)) {
     return InvalidArgumentError(
-        "activations '" + config.activations +
+        "activations '" + std::string(ModeName(config.activations)) +
         "' moves saved activations from the device to "
         "host memory, but with device_kind 'host' they are in host memory already: use "
         "'budget' (counted in the host budget), 'recompute' or 'outside'");
@@ -360,9 +361,8 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
   // registered with the NVMe tier (tier_stack.h).
   sl.host_prefault =
       config.nvme_size > 0 && s->model_bytes_ > config.host_budget ? config.host_budget : 0;
-  SessionConfig resolved = config;
-  resolved.device_kind = s->device_kind_;  // the stack builds what was resolved above
-  TIERMEM_ASSIGN_OR_RETURN(s->stack_, TierStack::Create(resolved, sl));
+  // The stack builds the device kind resolved above (config_'s).
+  TIERMEM_ASSIGN_OR_RETURN(s->stack_, TierStack::Create(s->config_, sl));
   s->stepper_ = std::make_unique<OptimizerStepper>(s.get(), s->stack_.get(), &s->trace_);
   s->timeline_path_ = s->stack_->timeline_path();
   chunks::Engine* eng = s->stack_->engine();
@@ -392,6 +392,7 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
       }
     }
   }
+  s->compute_budget_ = s->ComputeBudget();
   return s;
 }
 
@@ -417,21 +418,63 @@ Status Session::Live() const {
   return OkStatus();
 }
 
-kernels::DType Session::compute_dtype() const {
-  switch (config_.precision) {
-    case Precision::kBf16:
-      return kernels::DType::kBF16;
-    case Precision::kFp16:
-      return kernels::DType::kF16;
-    case Precision::kFp32:
-      break;
-  }
-  return kernels::DType::kF32;
-}
-
 kernels::DType Session::dtype(ChunkKind kind) const {
   return (kind == ChunkKind::kParamLowp || kind == ChunkKind::kGrad) ? compute_dtype()
                                                                      : kernels::DType::kF32;
+}
+
+Bytes Session::ComputeBudget() const {
+  if (!host_compute()) return config_.device_budget;
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    for (int k = 0; k < chunks::kNumChunkKinds; ++k) {
+      const ChunkKind kind = static_cast<ChunkKind>(k);
+      if (has_kind(g, kind) && Home(g, kind) != TierKind::kHost) return 0;
+    }
+  }
+  return config_.host_budget;
+}
+
+// One group's compute and grad chunks, full (gathered when sharded).
+Bytes Session::GroupComputeBytes() const { return chunk_elems_ * compute_element_size() * 2; }
+
+bool Session::holds_grad_chunks() const {
+  return compute_budget_ >= GroupComputeBytes() * groups_.size() || sharded();
+}
+
+Bytes Session::ActivationCap(size_t unit_groups) const {
+  const Bytes units = 2 * static_cast<Bytes>(unit_groups) * GroupComputeBytes();
+  return compute_budget_ > units ? compute_budget_ - units : 0;
+}
+
+size_t Session::RecentFullChunks(size_t unit_groups) const {
+  const Bytes tier = host_compute() ? config_.host_budget : config_.device_budget;
+  const Bytes full = chunk_elems_ * compute_element_size();
+  return std::min<size_t>(2 * unit_groups + 1, tier / (4 * full));
+}
+
+StatusOr<Bytes> Session::UnitComputeBytes(const std::vector<size_t>& groups,
+                                          const std::vector<std::vector<size_t>>& experts) const {
+  auto bytes = [&](size_t g) -> StatusOr<Bytes> {
+    if (g >= groups_.size()) {
+      return OutOfRangeError("session: unknown chunk group " + std::to_string(g));
+    }
+    return ChunkBytes(g, compute_kind());
+  };
+  Bytes unit = 0, expert = 0;
+  for (size_t g : groups) {
+    TIERMEM_ASSIGN_OR_RETURN(const Bytes b, bytes(g));
+    unit += b;
+  }
+  for (const std::vector<size_t>& e : experts) {
+    Bytes beyond = 0;
+    for (size_t g : e) {
+      if (std::find(groups.begin(), groups.end(), g) != groups.end()) continue;
+      TIERMEM_ASSIGN_OR_RETURN(const Bytes b, bytes(g));
+      beyond += b;
+    }
+    expert = std::max(expert, beyond);
+  }
+  return unit + expert;
 }
 
 std::string Session::io_backend() const { return stack_ ? stack_->io_backend() : ""; }
@@ -912,7 +955,7 @@ void Session::BeginIteration() {
       written_trace_ = trace_.path();
     }
   }
-  if (config_.plan != "off" && runner_.AtBoundary(diverged, &trace_, RunnerContext()) &&
+  if (PlansIterations(config_.plan) && runner_.AtBoundary(diverged, &trace_, RunnerContext()) &&
       trace_.ArmInMemory(1).ok()) {
     // Recorded in memory for the runner's next boundary.
     if (trace_.needs_chunks()) DeclareTraceChunks();
@@ -929,11 +972,8 @@ PlanRunner::PlanContext Session::RunnerContext() const {
   ctx.engine = stack_->engine();
   ctx.activations = config_.activations;
   ctx.cuda = cuda();
-  ctx.bar = config_.plan == "auto";  // "always": the plan runs whatever its bytes
-  // Host mode: the compute tier holds every chunk when none is homed on NVMe.
-  ctx.device_holds_every_chunk = host_compute()
-                                     ? stack_->nvme() == nullptr
-                                     : stack_->device()->Stats().capacity >= total_chunk_bytes_;
+  ctx.bar = DeclinesCostlierPlans(config_.plan);  // kAlways: the plan runs whatever its bytes
+  ctx.compute_tier_holds_every_chunk = compute_tier_holds_every_chunk();
   return ctx;
 }
 
@@ -997,8 +1037,8 @@ planners::TraceBudgets Session::TraceBudgets() const {
 void Session::DeclareTraceChunks() {
   planners::TraceBuilder& b = trace_.builder();
   chunks::Engine* eng = stack_->engine();
-  b.SetSource("tiermem session (" + device_kind_ + " device, " + std::to_string(specs_.size()) +
-              " tensors)");
+  b.SetSource("tiermem session (" + std::string(ModeName(device_kind())) + " device, " +
+              std::to_string(specs_.size()) + " tensors)");
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     for (int k = 0; k < chunks::kNumChunkKinds; ++k) {
       const ChunkId c = groups_[gi].chunks[k];

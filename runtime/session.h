@@ -169,10 +169,11 @@ class Session {
   bool closed() const;
 
   // ---- layout (valid after Close too) ---------------------------------------------------
+  // As parsed, with the device kind resolved (never DeviceKind::kAuto).
   const SessionConfig& config() const { return config_; }
   Precision precision() const { return config_.precision; }
-  bool mixed() const { return config_.precision != Precision::kFp32; }
-  kernels::DType compute_dtype() const;
+  bool mixed() const { return IsMixed(config_.precision); }
+  kernels::DType compute_dtype() const { return ComputeDType(config_.precision); }
   kernels::DType dtype(ChunkKind kind) const;  // element type of that kind's chunks
   ChunkKind compute_kind() const {             // the chunks the model computes with
     return mixed() ? ChunkKind::kParamLowp : ChunkKind::kParamFp32;
@@ -198,15 +199,48 @@ class Session {
   // largest piece a unit needs at once (a row of the largest tensor's first dimension; an
   // expert's slices with expert sets).
   Bytes minimum_device_budget() const { return min_device_budget_; }
-  // "host", "sim", "sim-async" or "cuda" ("auto" resolved).
-  const std::string& device_kind() const { return device_kind_; }
-  bool cuda() const { return device_kind_ == "cuda"; }
-  // Host mode (device_kind "host"): no device tier; the bindings compute on chunks acquired
+  // kCuda, kHost, kSim or kSimAsync (kAuto resolved).
+  DeviceKind device_kind() const { return config_.device_kind; }
+  bool cuda() const { return IsCuda(config_.device_kind); }
+  // Host mode (DeviceKind::kHost): no device tier; the bindings compute on chunks acquired
   // on the host tier, in place for host-homed chunks (no copy), NVMe-homed ones read into
   // host room before use and written back (dirty) or dropped (clean) after.
-  bool host_compute() const { return device_kind_ == "host"; }
+  bool host_compute() const { return IsHostCompute(config_.device_kind); }
   // Where the bindings acquire the chunks they compute with: kDevice, or kHost in host mode.
   TierKind compute_tier() const { return host_compute() ? TierKind::kHost : TierKind::kDevice; }
+
+  // ---- what the bindings ask of the layout (answered here, so that none re-derives it) ------
+  // Bytes per element of the compute copy (the params and grads the model computes with).
+  size_t compute_element_size() const { return kernels::DTypeSize(compute_dtype()); }
+  // The budget of the compute tier as far as the bindings may plan with it: the device's;
+  // in host mode the host's when every chunk is homed there, else 0 (NVMe-homed chunks come
+  // and go through the host room the session keeps for them). Fixed at Create: homes never
+  // move.
+  Bytes compute_budget() const { return compute_budget_; }
+  // Every chunk of every kind fits the compute tier at once, so nothing ever has to move:
+  // there is no schedule to plan, and a binding may keep its compute chunks acquired.
+  bool compute_tier_holds_every_chunk() const { return compute_budget_ >= total_chunk_bytes_; }
+  // Whether a binding keeps a group's grad chunk acquired through the backward until every
+  // parameter the forward used has its gradient (an acquire per parameter saved, the chunk
+  // pinned meanwhile): when the compute and grad chunks of every group fit the compute budget
+  // at once, and always when sharded (gradients are reduce-scattered a whole group at a time).
+  bool holds_grad_chunks() const;
+  // The compute-tier bytes that counted activations may keep there at most: the compute
+  // budget less the compute and grad chunks of two units of `unit_groups` groups (the largest
+  // unit's count), which a backward holds at once (the unit it is in and the next one, whose
+  // chunks arrive meanwhile); 0 when those take it all.
+  Bytes ActivationCap(size_t unit_groups) const;
+  // Sharded: how many gathered full compute chunks a binding keeps after their unit (so the
+  // next unit's shared groups and the backward's first unit need no second all-gather): two
+  // units of `unit_groups` groups and one more, and at most a quarter of the compute tier's
+  // configured budget.
+  size_t RecentFullChunks(size_t unit_groups) const;
+  // The compute-tier bytes one unit pins at once: the compute chunks of its `groups`, and of
+  // the largest of `experts` (each the groups of one expert that moves alone) beyond those.
+  // Serving needs a device budget of at least the largest unit's (OutOfRange for an unknown
+  // group).
+  StatusOr<Bytes> UnitComputeBytes(const std::vector<size_t>& groups,
+                                   const std::vector<std::vector<size_t>>& experts = {}) const;
   std::string io_backend() const;  // "io_uring", "posix"; "" without NVMe (TierStack)
   // Host bytes registered with the NVMe tier as io_uring fixed buffers (TierStack).
   Bytes nvme_registered_bytes() const;
@@ -487,6 +521,8 @@ class Session {
   Status LoadCheckpointV2(const std::string& path, int fd, int data_fd, bool direct,
                           CheckpointMeta* metadata, const CheckpointLoad& how);
   planners::TraceBudgets TraceBudgets() const;
+  Bytes ComputeBudget() const;      // compute_budget(), from the chunks' homes
+  Bytes GroupComputeBytes() const;  // a group's compute and grad chunks, full
   void DeclareTraceChunks();
   // What the plan runner plans with: this session's engine and configuration.
   PlanRunner::PlanContext RunnerContext() const;
@@ -498,7 +534,6 @@ class Session {
   std::vector<char> gathered_, shard_buf_;  // GatherChunk's buffers
   bool gather_cache_ = false;
   std::pair<size_t, int> gathered_key_{SIZE_MAX, -1};  // (group, kind) in gathered_
-  std::string device_kind_;
   std::string timeline_path_;
   std::vector<TensorSpec> specs_;
   std::vector<TensorPlace> tensors_;
@@ -508,6 +543,7 @@ class Session {
   Bytes total_chunk_bytes_ = 0;                   // every chunk of every kind
   Bytes state_bytes_ = 0, state_bytes_fp32_ = 0;  // m and v chunks, and in fp32
   Bytes min_device_budget_ = 0;
+  Bytes compute_budget_ = 0;  // compute_budget(), set once the chunks exist
   std::vector<uint8_t> has_grad_;
   ScalerState scaler_;
   uint64_t micro_ = 0;

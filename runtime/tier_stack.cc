@@ -153,6 +153,18 @@ class NvmeRegisteringPinner final : public HostPinner {
 
 }  // namespace
 
+NvmeIoBackend IoBackendOf(NvmeEngine e) {
+  switch (e) {
+    case NvmeEngine::kIoUring:
+      return NvmeIoBackend::kIoUring;
+    case NvmeEngine::kPosix:
+      return NvmeIoBackend::kPosix;
+    case NvmeEngine::kAuto:
+      break;
+  }
+  return NvmeIoBackend::kAuto;
+}
+
 bool TierStack::CudaBuilt() {
 #ifdef TIERMEM_SESSION_WITH_CUDA
   return true;
@@ -170,22 +182,18 @@ std::string TierStack::CudaRuntimeVersion() {
 #endif
 }
 
-StatusOr<std::string> TierStack::ResolveDeviceKind(const std::string& kind) {
-  if (kind == "sim" || kind == "sim-async" || kind == "host") return kind;
-  if (kind != "auto" && kind != "cuda") {
-    return InvalidArgumentError(
-        "device_kind must be 'auto', 'cuda', 'host', 'sim' or 'sim-async', got '" + kind + "'");
-  }
+StatusOr<DeviceKind> TierStack::ResolveDeviceKind(DeviceKind kind) {
+  if (kind != DeviceKind::kAuto && !IsCuda(kind)) return kind;
 #ifdef TIERMEM_SESSION_WITH_CUDA
   StatusOr<int> count = CudaDeviceCount();
-  if (count.ok()) return std::string("cuda");
-  if (kind == "auto") return std::string("host");
+  if (count.ok()) return DeviceKind::kCuda;
+  if (kind == DeviceKind::kAuto) return DeviceKind::kHost;
   return UnavailableError(
       "device_kind 'cuda' (config or TIERMEM_DEVICE) but there is no CUDA "
       "device: " +
       count.status().message());
 #else
-  if (kind == "auto") return std::string("host");
+  if (kind == DeviceKind::kAuto) return DeviceKind::kHost;
   return UnavailableError(
       "device_kind 'cuda' (config or TIERMEM_DEVICE) but there is no CUDA "
       "device: this tiermem build has no CUDA support");
@@ -197,11 +205,10 @@ StatusOr<std::unique_ptr<TierStack>> TierStack::Create(const SessionConfig& conf
   // The process-wide knobs the config carries: log level, CPU kernel threads and ISA.
   SetLogLevel(config.log_level);
   kernels::SetKernelThreads(config.cpu_threads);
-  if (config.kernel_isa != "auto") {
-    TIERMEM_ASSIGN_OR_RETURN(const kernels::Isa isa, kernels::ParseIsa(config.kernel_isa));
-    TIERMEM_RETURN_IF_ERROR(kernels::SetKernelIsa(isa).WithContext("kernel_isa"));
+  if (const std::optional<kernels::Isa> isa = KernelIsaOf(config.kernel_isa)) {
+    TIERMEM_RETURN_IF_ERROR(kernels::SetKernelIsa(*isa).WithContext("kernel_isa"));
   }
-  TIERMEM_ASSIGN_OR_RETURN(const std::string device, ResolveDeviceKind(config.device_kind));
+  TIERMEM_ASSIGN_OR_RETURN(const DeviceKind device, ResolveDeviceKind(config.device_kind));
 
   std::unique_ptr<TierStack> s(new TierStack());
   if (config.timeline.empty()) {
@@ -221,7 +228,7 @@ StatusOr<std::unique_ptr<TierStack>> TierStack::Create(const SessionConfig& conf
   }
   // From here on a failure destroys `s`, whose destructor removes a temporary timeline.
   TIERMEM_ASSIGN_OR_RETURN(s->recorder_, TimelineRecorder::Open(s->timeline_path_));
-  if (device == "cuda") {
+  if (IsCuda(device)) {
 #ifdef TIERMEM_SESSION_WITH_CUDA
     CudaTierConfig cc;
     cc.capacity = config.device_budget;
@@ -230,17 +237,18 @@ StatusOr<std::unique_ptr<TierStack>> TierStack::Create(const SessionConfig& conf
     s->pinner_ = s->cuda_pinner_.get();
     s->cuda_ = true;
 #endif
-  } else if (device != "host") {
+  } else if (IsSimulated(device)) {
     SimDeviceConfig dc;
     dc.capacity = config.device_budget;
-    dc.async = device == "sim-async";
+    dc.async = IsAsyncSim(device);
     s->device_ = NewSimDevice(dc);
   }
   s->device_kind_ = device;
   const Bytes slot = AlignUp(std::max<Bytes>(layout.chunk_bytes, kPage), kPage);
   Bytes staging_bytes = 0;
-  const bool host_compute = device == "host";  // no device tier: NVMe <-> host directly
+  const bool host_compute = IsHostCompute(device);  // no device tier: NVMe <-> host directly
   if (config.nvme_size > 0) {
+    TIERMEM_RETURN_IF_ERROR(CheckNvmePath(config));
     staging_bytes = host_compute ? 0 : slot * static_cast<Bytes>(config.prefetch_depth + 2);
     // Besides the staging slots, room to cache NVMe-homed chunks on the host: the optimizer
     // step holds one chunk group's chunks there at once (the reserve). Below that every home
@@ -275,7 +283,7 @@ StatusOr<std::unique_ptr<TierStack>> TierStack::Create(const SessionConfig& conf
     // are mapped (NvmeRegisteringPinner); it is destroyed after them.
     NvmeTierConfig nc;
     nc.dir = config.nvme_path;
-    TIERMEM_ASSIGN_OR_RETURN(nc.io_backend, ParseNvmeIoBackend(config.nvme_engine));
+    nc.io_backend = IoBackendOf(config.nvme_engine);
     nc.queue_depth = config.io_depth;
     nc.piece_bytes = config.io_piece;
     nc.capacity = AlignUp(config.nvme_size, nc.block_bytes);

@@ -1,11 +1,11 @@
 // TierStack: the tier registry behind one session — which tiers exist, the Mover between
 // them, the timeline recorder and the chunk Engine over them. Built once from the session's
 // config; the one place that knows which device tier this build and machine have:
-//   device   SimDevice (host memory posing as HBM) for "sim" (its asynchronous mode for
-//            "sim-async"), the CUDA tier for "cuda", none for "host" (compute runs on the
-//            CPU against chunks in place in the host tier: the host is the compute tier)
+//   device   SimDevice (host memory posing as HBM) for DeviceKind::kSim (its asynchronous
+//            mode for kSimAsync), the CUDA tier for kCuda, none for kHost (compute runs on
+//            the CPU against chunks in place in the host tier: the host is the compute tier)
 //            (this target is compiled with TIERMEM_SESSION_WITH_CUDA when CUDA is built;
-//            "auto" picks CUDA when a GPU is present, else "host");
+//            kAuto picks CUDA when a GPU is present, else kHost);
 //   host     the host tier, size classes = the chunk size and its halves; on the CUDA device
 //            its slabs are registered with cudaHostRegister (NewCudaHostPinner), and with
 //            NVMe as io_uring fixed buffers when mapped at creation (so are the staging
@@ -35,6 +35,7 @@
 #include "prof/analysis.h"
 #include "runtime/config.h"
 #include "tiers/host/host_tier.h"
+#include "tiers/nvme/nvme_tier.h"
 #include "tiers/tier.h"
 
 namespace tiermem::session {
@@ -52,10 +53,14 @@ struct StackLayout {
   Bytes host_prefault = 0;
 };
 
+// The NVMe tier's I/O backend for the config key nvme.engine (kAuto: the tier picks).
+NvmeIoBackend IoBackendOf(NvmeEngine engine);
+
 class TierStack {
  public:
-  // kUnavailable for "cuda" without CUDA support or a GPU; kResourceExhausted naming the
-  // minimum host budget with NVMe; tier and timeline errors as their factories report them.
+  // kUnavailable for kCuda without CUDA support or a GPU; kResourceExhausted naming the
+  // minimum host budget with NVMe; kInvalidArgument naming 'nvme.path' for an NVMe directory
+  // that does not exist (any more); tier and timeline errors as their factories report them.
   // Nothing is left behind on failure (a temporary timeline file is removed).
   static StatusOr<std::unique_ptr<TierStack>> Create(const SessionConfig& config,
                                                      const StackLayout& layout);
@@ -63,10 +68,10 @@ class TierStack {
   TierStack(const TierStack&) = delete;
   TierStack& operator=(const TierStack&) = delete;
 
-  // "auto" resolved: "cuda" when this build has CUDA and a GPU is present, else "host";
-  // "host", "sim" and "sim-async" as given;
-  // "cuda" without either is kUnavailable saying which is missing.
-  static StatusOr<std::string> ResolveDeviceKind(const std::string& kind);
+  // kAuto resolved: kCuda when this build has CUDA and a GPU is present, else kHost; the
+  // others as given (never kAuto); kCuda without either is kUnavailable saying which is
+  // missing.
+  static StatusOr<DeviceKind> ResolveDeviceKind(DeviceKind kind);
   static bool CudaBuilt();
   // The CUDA runtime version this build was compiled against ("13.0"), "" without CUDA.
   static std::string CudaRuntimeVersion();
@@ -76,14 +81,13 @@ class TierStack {
 
   chunks::Engine* engine() { return engine_.get(); }
   Tier* device() { return device_.get(); }  // null in host mode
-  bool host_compute() const { return device_kind_ == "host"; }
+  bool host_compute() const { return IsHostCompute(device_kind_); }
   const Mover* mover() const { return mover_.get(); }
   Mover* mover() { return mover_.get(); }
   Tier* host() { return host_.get(); }
   Tier* nvme() { return nvme_.get(); }  // null without NVMe
   bool cuda() const { return cuda_; }
-  // "host", "sim", "sim-async", "cuda"
-  const std::string& device_kind() const { return device_kind_; }
+  DeviceKind device_kind() const { return device_kind_; }  // resolved: never kAuto
   // The NVMe tier's I/O backend ("io_uring" or "posix": config key nvme.engine); "" without
   // NVMe.
   std::string io_backend() const;
@@ -113,7 +117,7 @@ class TierStack {
   std::unique_ptr<Mover> mover_;
   std::unique_ptr<chunks::Engine> engine_;
   bool cuda_ = false;
-  std::string device_kind_;
+  DeviceKind device_kind_ = DeviceKind::kHost;
 };
 
 }  // namespace tiermem::session

@@ -26,6 +26,7 @@
 #include <tuple>
 
 #include "runtime/session.h"
+#include "runtime/tier_stack.h"
 #include "tiers/nvme/span_reader.h"
 
 namespace tiermem::session {
@@ -471,7 +472,7 @@ StatusOr<LoadWeightsReport> Loader::Run() {
   std::vector<std::string> paths;
   for (const weights::Header& h : files_.files) paths.push_back(h.path);
   SpanReaderConfig rc;
-  TIERMEM_ASSIGN_OR_RETURN(rc.io_backend, ParseNvmeIoBackend(s_.config().nvme_engine));
+  rc.io_backend = IoBackendOf(s_.config().nvme_engine);
   rc.request_bytes = options_.request_bytes;
   rc.depth = options_.depth;
   TIERMEM_ASSIGN_OR_RETURN(std::unique_ptr<SpanReader> reader, SpanReader::Open(paths, rc));

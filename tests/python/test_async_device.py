@@ -45,7 +45,7 @@ def test_quarter_budget_with_nvme_homes_equals_plain_torch(plan, tmp_path):
     model, opt = tiermem.initialize(ours, cfg(budget, plan=plan, host=model_bytes(ref) * 3 // 4,
                                               nvme={"path": str(tmp_path), "size": "256MiB"}))
     rt = tiermem.runtime_of(model)
-    assert rt.session.device_kind == "sim-async"
+    assert rt.session.device_kind == tiermem.DeviceKind.sim_async
     assert train_steps(model, opt, data) == ref_losses
     assert_same(model, ref)
     st = rt.stats()

@@ -66,7 +66,7 @@ def test_json_file_path_and_bad_files(tmp_path):
     p = tmp_path / "c.json"
     p.write_text('{"device_kind": "sim", "device": "3MiB", "precision": "bf16"}')
     c = parse_config(str(p), env={})
-    assert c.device_budget == 3 << 20 and c.precision == "bf16"
+    assert c.device_budget == 3 << 20 and c.precision == tiermem.Precision.bf16
     assert parse_config(p, env={}).device_budget == 3 << 20  # PathLike
     (tmp_path / "bad.json").write_text('{"device_kind": "sim", "device": ')
     with pytest.raises(ValueError, match="invalid JSON"):

@@ -55,7 +55,7 @@ def test_auto_on_a_gpu_tiermem_cannot_use_is_a_clear_error(monkeypatch):
     assert getattr(ours, "_tiermem_runtime", None) is None
     # Asked for explicitly, the CPU is fine.
     model, _ = tiermem.initialize(ours, {"device": model_bytes(ref) // 4, "device_kind": "sim"})
-    assert tiermem.runtime_of(model).session.device_kind == "sim"
+    assert tiermem.runtime_of(model).session.device_kind == tiermem.DeviceKind.sim
 
 
 def test_bad_device_kind_is_a_clear_error(monkeypatch):

@@ -24,7 +24,7 @@ def host_cfg(tmp_path, host, **kw):
 
 def assert_nvme_in_the_loop(rt):
     st = rt.stats()
-    assert rt.session.device_kind == "host" and rt.session.host_compute
+    assert rt.session.device_kind == tiermem.DeviceKind.host and rt.session.host_compute
     moved = st["bytes_moved"]
     assert moved.get("nvme->host", 0) > 0 and moved.get("host->nvme", 0) > 0, moved
     assert not any(k.startswith("device") or k.endswith("device") for k, v in moved.items()
@@ -65,6 +65,7 @@ def test_the_default_plan_runs_and_moves_no_more_nvme_bytes_than_the_reactive_en
     per_step, plan_stats = {}, None
     for plan in ("off", None):
         _, ours = make_pair()
+        (tmp_path / str(plan)).mkdir()  # tiermem creates only the NVMe path's last directory
         cfg = host_cfg(tmp_path / str(plan), host)
         if plan is not None:
             cfg["plan"] = plan
@@ -216,7 +217,7 @@ def test_auto_picks_host_without_a_gpu_and_ignores_a_device_budget_with_a_warnin
     _, ours = make_pair()
     model, _ = tiermem.initialize(ours, {"device": "1MiB", "host": "64MiB"})
     rt = tiermem.runtime_of(model)
-    assert rt.session.device_kind == "host"
+    assert rt.session.device_kind == tiermem.DeviceKind.host
     assert "config 'device' (1048576 bytes) is ignored" in capfd.readouterr().err
     assert rt.stats()["tiers"]["device"]["capacity"] == 0
 

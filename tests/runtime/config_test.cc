@@ -117,5 +117,29 @@ TEST(ConfigFile, ReadsJsonAndNamesTheFileOnError) {
   std::filesystem::remove_all(dir);
 }
 
+// nvme.path: the last directory of the path is created (its parent exists), a path missing
+// more than that is refused and nothing of it is created — a mistyped mount point does not
+// become a directory on another disk.
+TEST(ConfigNvmePath, OnlyTheLastDirectoryIsCreated) {
+  char tmpl[] = "/tmp/tiermem-config-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  StatusOr<SessionConfig> leaf =
+      ParseConfig({{"nvme", {{"size", "1MiB"}, {"path", dir + "/leaf/"}}}}, MapEnv({}));
+  ASSERT_TRUE(leaf.ok()) << leaf.status().ToString();
+  EXPECT_TRUE(std::filesystem::is_directory(dir + "/leaf"));
+  EXPECT_THAT(ParseConfig({{"nvme", {{"size", "1MiB"}, {"path", dir + "/none/x"}}}}, MapEnv({})),
+              StatusIs(StatusCode::kInvalidArgument,
+                       "config 'nvme.path': '" + dir + "/none/x' is not a writable directory "
+                       "(it does not exist, nor does its parent '" + dir + "/none'"));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/none"));
+  EXPECT_THAT(
+      ParseConfig(json::object(),
+                  MapEnv({{"TIERMEM_NVME_SIZE", "1MiB"}, {"TIERMEM_NVME_PATH", dir + "/no/x"}})),
+      StatusIs(StatusCode::kInvalidArgument, "config 'nvme.path': '" + dir + "/no/x'"));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/no"));
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace tiermem::session

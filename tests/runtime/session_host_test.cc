@@ -71,12 +71,12 @@ std::vector<std::vector<float>> Train(Session& s, int steps) {
 }
 
 TEST(HostMode, AutoWithoutAGpuIsHost) {
-  if (TierStack::CudaBuilt() && TierStack::ResolveDeviceKind("cuda").ok()) {
+  if (TierStack::CudaBuilt() && TierStack::ResolveDeviceKind(DeviceKind::kCuda).ok()) {
     GTEST_SKIP() << "a GPU is present";
   }
-  StatusOr<std::string> k = TierStack::ResolveDeviceKind("auto");
+  StatusOr<DeviceKind> k = TierStack::ResolveDeviceKind(DeviceKind::kAuto);
   ASSERT_TRUE(k.ok());
-  EXPECT_EQ(*k, "host");
+  EXPECT_EQ(*k, DeviceKind::kHost);
 }
 
 TEST(HostMode, HostHomedChunksAreComputedOnInPlace) {

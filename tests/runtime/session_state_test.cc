@@ -442,7 +442,7 @@ TEST(SessionState, CheckpointsConvertBetweenFormats) {
 
 TEST(SessionState, BadFormatsAreRefusedBeforeAnythingIsBuilt) {
   SessionConfig c;
-  c.device_kind = "sim";
+  c.device_kind = DeviceKind::kSim;
   c.host_budget = 64 << 20;
   c.optimizer_state.format = {StateDType::kInt8, 100};
   EXPECT_THAT(Session::Create(c, kModel),

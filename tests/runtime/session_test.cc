@@ -137,7 +137,7 @@ TEST(SessionLayout, BudgetTooSmallNamesTheMinimumAndBadTensorsAreRefused) {
                        "below the minimum of 720896 bytes with NVMe"));
   std::filesystem::remove_all(dir);
   auto e = ParseConfig({{"device_kind", "cuda"}}, MapEnv({}));
-  if (TierStack::ResolveDeviceKind("auto").value() != "cuda") {
+  if (TierStack::ResolveDeviceKind(DeviceKind::kAuto).value() != DeviceKind::kCuda) {
     EXPECT_THAT(Session::Create(*e, {{"w", 10, true, 0}}),
                 StatusIs(StatusCode::kUnavailable, "no CUDA device"));
   }

@@ -1,6 +1,7 @@
 // Instantiates the tier conformance suite (conformance_test.cc) for the NVMe tier's two
-// engines and the in-memory NVMe fake. The file tiers write their scratch files into gtest's
-// temp directory; a factory returns nullptr (the suite skips) when io_uring is refused here.
+// engines (io_uring also with its checksums on a worker pool) and the in-memory NVMe fake. The
+// file tiers write their scratch files into gtest's temp directory; a factory returns nullptr
+// (the suite skips) when io_uring is refused here.
 #include <string>
 
 #include "tests/tiers/conformance.h"
@@ -12,11 +13,12 @@ namespace {
 
 constexpr Bytes kCapacity = 64 * kMiB;
 
-std::unique_ptr<Tier> MakeNvme(NvmeIoBackend engine) {
+std::unique_ptr<Tier> MakeNvme(NvmeIoBackend engine, int checksum_threads = 0) {
   NvmeTierConfig config;
   config.dir = ::testing::TempDir();
   config.capacity = kCapacity;
   config.io_backend = engine;
+  config.checksum_threads = checksum_threads;
   auto tier = NewNvmeTier(config);
   if (!tier.ok()) {
     // Only "io_uring refused by this kernel" is a skip; anything else is a real failure.
@@ -31,6 +33,9 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         TierFactory{"nvme_io_uring", [] { return MakeNvme(NvmeIoBackend::kIoUring); }, kCapacity},
         TierFactory{"nvme_posix", [] { return MakeNvme(NvmeIoBackend::kPosix); }, kCapacity},
+        TierFactory{"nvme_io_uring_pool",
+                    [] { return MakeNvme(NvmeIoBackend::kIoUring, /*checksum_threads=*/2); },
+                    kCapacity},
         TierFactory{"mem_nvme", [] { return NewMemNvme({.capacity = kCapacity}); }, kCapacity}),
     TierFactoryName);
 

@@ -10,6 +10,9 @@
 // `complete` may delete it. `prepare` (optional) runs on the backend's thread just before the
 // op is first issued (the tier computes write checksums there, off the caller's thread).
 // `prepare` and `complete` run on backend threads, must not block, and may Submit() more ops.
+// They may compute (the tier checksums a piece there, in one pass over its bytes): the
+// io_uring backend runs `complete` only after it has refilled the queue with waiting ops, and
+// the posix backend runs both on the worker that transfers the op.
 #pragma once
 
 #include <cstdint>

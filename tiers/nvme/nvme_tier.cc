@@ -9,16 +9,19 @@
 // of capacity) lives in `crcs_`, indexed by global block number. A write stamps the checksums
 // of the blocks it carries just before it is issued; a read verifies every block it brings in
 // before any byte reaches the caller. Blocks never written still verify: fallocate'd extents
-// read as zeros and every checksum starts as that of a zero block. On the direct (fast) path
-// the checksum work runs on a small pool of checksum workers, not on the I/O backend's thread: a
-// write piece is stamped there and then submitted; a read piece is handed there on completion
-// and verified. The single io_uring thread thus only moves requests, and checksumming spreads
-// over cores and overlaps with the I/O in flight — unless the copy asks for inline work
-// (CopyRequest::inline_work, the Mover's bounce): then a write piece is stamped on the calling
-// thread and a read piece verified on the I/O backend's completing thread, one hand-off less.
-// The tier's own bounce pieces (unaligned copies) checksum on the I/O backend's thread.
-// Checksum cost is what decides throughput against fio on a busy machine: see
-// docs/benchmarks.md ("NVMe tier vs fio") for the measurements behind the VPCLMULQDQ CRC.
+// read as zeros and every checksum starts as that of a zero block. Where the checksum work
+// runs: on the threads that already touch the piece, with no hand-off of its own. A write
+// piece is stamped on the I/O backend's thread just before it is issued (or on the caller's
+// thread, before Copy() returns, when the copy asks for inline work: CopyRequest::inline_work,
+// the Mover's bounce); a read piece is verified on the backend's thread that completes it,
+// after that thread has refilled the disk's queue. A request thus crosses only the threads it
+// must (caller -> I/O thread -> waiter), each byte is checksummed in one pass, and the disk
+// keeps queue_depth requests while the I/O thread computes. With checksum_threads > 0 the work
+// of copies without inline work goes to a pool of that many workers instead (a write piece is
+// stamped there and then submitted; a read request is verified there in piece_bytes parts):
+// for machines where one I/O thread cannot checksum as fast as its disks deliver. The tier's
+// own bounce pieces (unaligned copies) checksum on the backend's thread. docs/nvme.md has the
+// CPU cost per GB, docs/benchmarks.md ("NVMe tier vs fio") the rates.
 //
 // Data path: a copy whose host pointer is 4 KiB aligned and whose offset and size are whole
 // blocks goes straight between the caller's memory and the file ("direct"). Anything else
@@ -28,9 +31,8 @@
 // together; the I/O backend keeps queue_depth of them in flight. A copy completes when all its
 // pieces have, with the first failure. Direct reads may use larger pieces (read_request_bytes,
 // off by default): a lone chunk's read is then a few requests the disk gets at once, like one
-// large fio request, with fewer completions and thread hand-offs; each completed request is
-// verified in piece_bytes parts, spread over the checksum workers, while the others are still
-// in flight.
+// large fio request, with fewer completions; each completed request is verified while the
+// others are still in flight.
 //
 // Concurrency: copies to disjoint byte ranges may run concurrently even when they share a
 // block, because a bounce piece locks the (at most two) partly covered blocks it touches, in
@@ -52,7 +54,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
-#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -361,7 +362,7 @@ class NvmeTierImpl final : public NvmeTier {
   BlockLocks locks_;
   std::unique_ptr<BouncePool> bounce_;
   std::unique_ptr<nvme::IoBackend> backend_;
-  std::unique_ptr<WorkerPool> checksum_pool_;
+  std::unique_ptr<WorkerPool> checksum_pool_;  // checksum_threads > 0 only
 
   Mutex drain_mu_;
   CondVar drain_cv_;
@@ -559,11 +560,7 @@ Status NvmeTierImpl::Init() {
     }
   }
   if (backend_ == nullptr) backend_ = nvme::NewPosixBackend(ec);
-  int workers = c.checksum_threads;
-  if (workers == 0) {
-    workers = static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 4u));
-  }
-  checksum_pool_ = std::make_unique<WorkerPool>(workers);
+  if (c.checksum_threads > 0) checksum_pool_ = std::make_unique<WorkerPool>(c.checksum_threads);
   return OkStatus();
 }
 
@@ -691,8 +688,13 @@ void NvmeTierImpl::StartDirect(const std::shared_ptr<Request>& r, uint64_t off, 
       r->PieceDone(s);
       delete &o;  // nothing touches `o` or this lambda's captures after this
     };
-    if (r->inline_work) {
+    if (r->inline_work) {  // stamped here, on the caller's thread
       PrepareWrite(*op);
+      backend_->Submit(op);
+      return;
+    }
+    if (checksum_pool_ == nullptr) {  // stamped on the backend's thread, just before issue
+      op->prepare = [this](IoOp& o) { PrepareWrite(o); };
       backend_->Submit(op);
       return;
     }
@@ -702,7 +704,8 @@ void NvmeTierImpl::StartDirect(const std::shared_ptr<Request>& r, uint64_t off, 
     });
   } else {
     op->complete = [this, r, off](IoOp& o, Status s) {
-      if (!s.ok() || r->inline_work) {  // verified here, on the I/O backend's completing thread
+      if (!s.ok() || r->inline_work || checksum_pool_ == nullptr) {
+        // Verified here, on the backend's completing thread (after it refilled the queue).
         if (s.ok()) s = Verify(*r, off, o.buf, o.len);
         r->PieceDone(s);
         delete &o;

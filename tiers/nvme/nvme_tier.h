@@ -33,15 +33,19 @@ struct NvmeTierConfig {
   NvmeIoBackend io_backend = NvmeIoBackend::kAuto;
   int queue_depth = 8;           // max I/Os in flight (1..4096)
   Bytes piece_bytes = 1 * kMiB;  // large copies are split into pieces of this size
-  // Aligned reads go to the file in requests of max(piece_bytes, this) bytes (0 = piece_bytes),
-  // each verified in piece_bytes parts on the checksum workers: at 4 MiB a lone 16 MiB chunk is
-  // 4 requests, all in flight at once, not 16 at depth 8. Off by default: it measured no faster
-  // on the development VM (docs/benchmarks.md, issue 32). A multiple of block_bytes.
+  // Aligned reads go to the file in requests of max(piece_bytes, this) bytes (0 = piece_bytes):
+  // at 4 MiB a lone 16 MiB chunk is 4 requests, all in flight at once, not 16 at depth 8. Off
+  // by default: it measured no faster on the development VM (docs/benchmarks.md, issue 32). A
+  // multiple of block_bytes.
   Bytes read_request_bytes = 0;
   int bounce_buffers = 0;        // piece-sized aligned bounce buffers (0 = queue_depth)
   Bytes block_bytes = 4 * kKiB;  // allocation, checksum and read-modify-write unit
   int posix_threads = 0;         // posix backend workers (0 = queue_depth, at most 16)
-  int checksum_threads = 0;      // CRC32C workers for aligned copies (0 = cores, at most 4)
+  // CRC32C workers for aligned copies without inline work. 0: none; the checksums run on the
+  // I/O backend's threads (no hand-off per piece). N > 0: a pool of N threads, for machines
+  // where one I/O thread cannot checksum at the disks' rate (reads verified in piece_bytes
+  // parts, spread over the pool).
+  int checksum_threads = 0;
   bool register_buffers = true;  // io_uring fixed buffers (falls back when refused)
   bool register_files = true;    // io_uring fixed files
   bool direct_io = true;         // O_DIRECT (buffered only if the filesystem refuses it)

@@ -9,11 +9,10 @@
 // submission -> completion -> next piece) wait for time slices.
 //
 // The baseline, measured alternately in the same run: the same tier streaming host <-> NVMe
-// (registered huge-page buffers, two 64 MiB copies in flight: `tiermem bench nvme`'s pattern,
-// 0.96-1.06x of a fair fio in docs/benchmarks.md) with the same busy threads. Reports each
-// configuration's GB/s per direction and lone/streaming (the median of the per-round ratios).
-// The session's staging tier (prefetch_depth 4 + 2 chunk slots) is shared by the
-// configurations; the data's round trip is checked at the end.
+// (registered huge-page buffers, two 64 MiB copies in flight) with the same busy threads.
+// Reports each configuration's GB/s per direction and lone/streaming (the median of the
+// per-round ratios). The session's staging tier (prefetch_depth 4 + 2 chunk slots) is shared
+// by the configurations; the data's round trip is checked at the end.
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -47,7 +46,8 @@ struct BounceOptions {
   int rounds = 3;
   int busy_threads = 0;
   // Bounce configurations compared in turn each round: "SLOTSxBYTES" with an optional
-  // "/pool" (checksums handed to the NVMe tier's worker pool, not done inline).
+  // "/pool" (CopyRequest::inline_work off: the NVMe tier checksums the pieces where it does for
+  // any copy — its I/O thread, or its worker pool when it has one — not the bounce's threads).
   std::string configs = "session";
   bool json = false;
 };
@@ -295,7 +295,7 @@ class BounceBench {
     return OkStatus();
   }
 
-  // Streaming baseline buffers: two registered huge-page 64 MiB buffers (bench nvme's), and
+  // Streaming baseline buffers: two registered huge-page 64 MiB buffers , and
   // the NVMe region they stream to (its failure is the streams' error).
   Status AllocateStreamBuffers() {
     sbuf_ = std::min<Bytes>(total_, 64 * kMiB);
@@ -391,8 +391,8 @@ void RegisterBenchBounce(CLI::App& bench) {
       ->capture_default_str();
   cmd->add_option("--configs", opts->configs,
                   "bounce configurations compared in turn: session (what a session uses) or "
-                  "SLOTSxBYTES (e.g. 4x2MiB), either with /pool to checksum on the NVMe tier's "
-                  "worker pool instead of inline; comma-separated")
+                  "SLOTSxBYTES (e.g. 4x2MiB), either with /pool to leave the checksums to the "
+                  "NVMe tier (its I/O thread) instead of the bounce's threads; comma-separated")
       ->capture_default_str();
   cmd->add_flag("--json", opts->json, "print one JSON object");
   cmd->callback([opts] {

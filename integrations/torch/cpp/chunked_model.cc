@@ -163,19 +163,20 @@ StatusOr<std::unique_ptr<ChunkedModel>> ChunkedModel::Create(::torch::nn::Module
                                                              std::vector<ParamGroup> groups,
                                                              const PretrainedWeights& weights) {
   TIERMEM_ASSIGN_OR_RETURN(session::SessionConfig cfg, session::ParseConfig(config));
-  TIERMEM_ASSIGN_OR_RETURN(const std::string device,
+  TIERMEM_ASSIGN_OR_RETURN(const session::DeviceKind device,
                            session::TierStack::ResolveDeviceKind(cfg.device_kind));
-  if (device == "cuda") {
+  if (session::IsCuda(device)) {
     return UnimplementedError(
         "the LibTorch API runs on the CPU only for now (config 'device_kind' / "
         "TIERMEM_DEVICE resolved to 'cuda'; set it to 'host', or 'sim' for a simulated "
         "device)");
   }
-  cfg.device_kind = device;  // "host", "sim" or "sim-async" ("auto" without a GPU: "host")
-  if (cfg.activations != "outside") {
+  cfg.device_kind = device;  // host, sim or sim-async (auto without a GPU: host)
+  if (session::CountsActivations(cfg.activations)) {
     // Counting (and offloading) saved activations needs saved-tensor hooks, which only the
     // Python binding installs: refused rather than a budget silently not applied.
-    return UnimplementedError("config 'activations' / TIERMEM_ACTIVATIONS = '" + cfg.activations +
+    return UnimplementedError("config 'activations' / TIERMEM_ACTIVATIONS = '" +
+                              std::string(session::ModeName(cfg.activations)) +
                               "': the LibTorch API keeps activations outside the device "
                               "budget only ('outside'); 'budget' and 'offload' are Python-only");
   }

@@ -13,6 +13,7 @@
 // except inside the optimizer step and the kernels.
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <memory>
 #include <string>
 
@@ -126,6 +127,78 @@ py::dict ReportDict(const prof::Report& r) {
   }
   d["io"] = io;
   return d;
+}
+
+// ---- the config's modes (runtime/modes.h) -------------------------------------------------
+// A mode as a Python enum: one value per spelling in the mode's table ('-' becomes '_':
+// DeviceKind.sim_async) and str() the spelling, so that no value is listed twice. Python code
+// asks the predicates bound on each (BindModes), never compares spellings: comparing a mode
+// with a string raises TypeError (it would be False in silence, whatever the string).
+template <typename Mode>
+py::enum_<Mode> BindMode(py::module_& m, const char* name) {
+  py::enum_<Mode> e(m, name);
+  for (const session::ModeSpelling<Mode>& s : session::ModeTraits<Mode>::kNames) {
+    std::string n(s.name);
+    std::replace(n.begin(), n.end(), '-', '_');
+    e.value(n.c_str(), s.mode);
+  }
+  // These replace pybind11's own (a def would add an overload it never reaches); __hash__
+  // stays pybind11's.
+  py::setattr(
+      e, "__str__",
+      py::cpp_function([](Mode v) { return std::string(session::ModeName(v)); }, py::is_method(e)));
+  const std::string type(name);
+  auto equal = [type](Mode v, const py::object& other) -> bool {
+    if (py::isinstance<py::str>(other)) {
+      throw py::type_error("tiermem." + type + "." + std::string(session::ModeName(v)) +
+                           " compared with the string '" + other.cast<std::string>() +
+                           "': compare with a tiermem." + type + " value, or ask its predicates");
+    }
+    return py::isinstance<Mode>(other) && other.cast<Mode>() == v;
+  };
+  py::setattr(e, "__eq__", py::cpp_function(equal, py::is_method(e)));
+  py::setattr(e, "__ne__",
+              py::cpp_function([equal](Mode v, const py::object& o) { return !equal(v, o); },
+                               py::is_method(e)));
+  return e;
+}
+
+void BindModes(py::module_& m) {
+  namespace se = session;
+  BindMode<se::Precision>(m, "Precision")
+      .def_property_readonly("mixed", [](se::Precision p) { return se::IsMixed(p); })
+      .def_property_readonly("loss_scaled", [](se::Precision p) { return se::ScalesLoss(p); })
+      .def_property_readonly("torch_dtype", [](se::Precision p) {
+        return torch_dtypes::TorchDType(se::ComputeDType(p));
+      });
+  BindMode<se::DeviceKind>(m, "DeviceKind")
+      .def_property_readonly("is_cuda", [](se::DeviceKind k) { return se::IsCuda(k); })
+      .def_property_readonly("host_compute", [](se::DeviceKind k) { return se::IsHostCompute(k); })
+      .def_property_readonly("simulated", [](se::DeviceKind k) { return se::IsSimulated(k); })
+      .def_property_readonly("async_sim", [](se::DeviceKind k) { return se::IsAsyncSim(k); });
+  BindMode<se::NvmeEngine>(m, "NvmeEngine");
+  BindMode<se::KernelIsaMode>(m, "KernelIsa");
+  BindMode<se::PlanMode>(m, "PlanMode").def_property_readonly("plans", [](se::PlanMode p) {
+    return se::PlansIterations(p);
+  });
+  BindMode<se::ActivationMode>(m, "ActivationMode")
+      .def_property_readonly("counted",
+                             [](se::ActivationMode a) { return se::CountsActivations(a); })
+      .def_property_readonly("offloaded",
+                             [](se::ActivationMode a) { return se::OffloadsActivations(a); })
+      .def_property_readonly("recompute_every_unit",
+                             [](se::ActivationMode a) { return se::RecomputesEveryUnit(a); })
+      .def_property_readonly("planned",
+                             [](se::ActivationMode a) { return se::PlanChoosesActivations(a); });
+  BindMode<se::OptimizerPlacement>(m, "OptimizerPlacement");
+  BindMode<se::OptimizerOverlap>(m, "OptimizerOverlap")
+      .def_property_readonly("deferred", [](se::OptimizerOverlap o) { return se::DefersSteps(o); })
+      .def_property_readonly("speculative",
+                             [](se::OptimizerOverlap o) { return se::SpeculatesSteps(o); });
+  BindMode<se::CheckpointIo>(m, "CheckpointIo");
+  BindMode<se::UnmaterializedReads>(m, "UnmaterializedReads")
+      .def_property_readonly(
+          "raises", [](se::UnmaterializedReads u) { return se::RaisesOnUnmaterializedRead(u); });
 }
 
 EnvGetter EnvArg(const std::optional<std::map<std::string, std::string>>& env) {
@@ -666,6 +739,8 @@ PYBIND11_MODULE(_C, m) {
       .value("nvme", tiermem::TierKind::kNvme)
       .value("none", tiermem::TierKind::kNone);
 
+  tiermem::torch_ext::BindModes(m);
+  // The modes are the enums above (their predicates answer what code asks of them).
   py::class_<se::SessionConfig>(m, "Config")
       .def_readonly("device_budget", &se::SessionConfig::device_budget)
       .def_readonly("host_budget", &se::SessionConfig::host_budget)
@@ -681,9 +756,9 @@ PYBIND11_MODULE(_C, m) {
                                return py::str(c.timeline);
                              })
       .def_readonly("device_kind", &se::SessionConfig::device_kind)
-      .def_property_readonly(
-          "precision",
-          [](const se::SessionConfig& c) { return std::string(se::PrecisionName(c.precision)); })
+      .def_readonly("nvme_engine", &se::SessionConfig::nvme_engine)
+      .def_readonly("kernel_isa", &se::SessionConfig::kernel_isa)
+      .def_readonly("precision", &se::SessionConfig::precision)
       .def_property_readonly("lr", [](const se::SessionConfig& c) { return c.optimizer.lr; })
       .def_property_readonly("betas",
                              [](const se::SessionConfig& c) {
@@ -700,7 +775,9 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("unmaterialized_reads", &se::SessionConfig::unmaterialized_reads)
       .def_readonly("plan", &se::SessionConfig::plan)
       .def_readonly("activations", &se::SessionConfig::activations)
+      .def_readonly("optimizer_placement", &se::SessionConfig::optimizer_placement)
       .def_readonly("optimizer_overlap", &se::SessionConfig::optimizer_overlap)
+      .def_readonly("checkpoint_io", &se::SessionConfig::checkpoint_io)
       .def_property_readonly(
           "state_dtype",
           [](const se::SessionConfig& c) {
@@ -920,6 +997,39 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("mixed", [](const PySession& s) { return s.s().mixed(); })
       .def_property_readonly("cuda", [](const PySession& s) { return s.s().cuda(); })
       .def_property_readonly("device_kind", [](const PySession& s) { return s.s().device_kind(); })
+      // What the Python parts ask of the layout (session.h, "what the bindings ask"): the
+      // compute copy's torch dtype (dtypes.h's map) and element size, the compute budget,
+      // and the caps derived from them.
+      .def_property_readonly("compute_dtype",
+                             [](const PySession& s) {
+                               return tiermem::torch_dtypes::TorchDType(s.s().compute_dtype());
+                             })
+      .def_property_readonly("compute_element_size",
+                             [](const PySession& s) { return s.s().compute_element_size(); })
+      .def_property_readonly("compute_budget",
+                             [](const PySession& s) { return s.s().compute_budget(); })
+      .def_property_readonly(
+          "compute_tier_holds_every_chunk",
+          [](const PySession& s) { return s.s().compute_tier_holds_every_chunk(); })
+      .def_property_readonly("holds_grad_chunks",
+                             [](const PySession& s) { return s.s().holds_grad_chunks(); })
+      .def(
+          "activation_cap",
+          [](const PySession& s, size_t unit_groups) { return s.s().ActivationCap(unit_groups); },
+          py::arg("unit_groups"))
+      .def(
+          "recent_full_chunks",
+          [](const PySession& s, size_t unit_groups) {
+            return s.s().RecentFullChunks(unit_groups);
+          },
+          py::arg("unit_groups"))
+      .def(
+          "unit_compute_bytes",
+          [](const PySession& s, const std::vector<size_t>& groups,
+             const std::vector<std::vector<size_t>>& experts) {
+            return Check(s.s().UnitComputeBytes(groups, experts));
+          },
+          py::arg("groups"), py::arg("experts") = std::vector<std::vector<size_t>>{})
       .def_property_readonly("host_compute",
                              [](const PySession& s) { return s.s().host_compute(); })
       .def_property_readonly("compute_tier",
@@ -1058,7 +1168,7 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("tensors"), py::arg("members"));
   m.def("resolve_device_kind",
-        [](const std::string& kind) { return Check(se::TierStack::ResolveDeviceKind(kind)); });
+        [](se::DeviceKind kind) { return Check(se::TierStack::ResolveDeviceKind(kind)); });
   tiermem::torch_ext::RegisterWeights(
       m, [](const py::handle& h) -> se::Session& { return h.cast<PySession&>().s(); });
 }

@@ -12,7 +12,9 @@ import torch  # noqa: F401  (loads libtorch before the extension that links it)
 
 from . import _C
 from .checkpoint import load_checkpoint, save_checkpoint
-from .config import Config, parse_config
+from .config import (ActivationMode, CheckpointIo, Config, DeviceKind, KernelIsa, NvmeEngine,
+                     OptimizerOverlap, OptimizerPlacement, PlanMode, Precision,
+                     UnmaterializedReads, parse_config)
 from .hf import save_pretrained
 from .optimizer import ChunkedAdamW
 from .runtime import TiermemRuntime
@@ -21,8 +23,10 @@ from .tensor import ChunkTensor
 from .weights import save_weights
 
 __all__ = ["initialize", "inference", "runtime_of", "save_checkpoint", "load_checkpoint",
-           "save_weights", "save_pretrained", "Config", "parse_config", "ChunkedAdamW",
-           "ChunkTensor"]
+           "save_weights", "save_pretrained", "Config", "parse_config", "ChunkedAdamW", "ChunkTensor",
+           # the config's modes (config.py)
+           "Precision", "DeviceKind", "NvmeEngine", "KernelIsa", "PlanMode", "ActivationMode",
+           "OptimizerPlacement", "OptimizerOverlap", "CheckpointIo", "UnmaterializedReads"]
 
 
 def initialize(model, config=None, param_groups=None, units=None, process_group=None,
@@ -70,9 +74,9 @@ def initialize(model, config=None, param_groups=None, units=None, process_group=
         raise
     if runtime._weights is not None:
         runtime._weights.settle()  # set-up succeeded
-    # Speculative steps (optimizer_overlap "backward") announce the next step's
+    # Speculative steps (optimizer_overlap: backward) announce the next step's
     # hyper-parameters at each iteration's first forward.
-    if cfg.optimizer_overlap == "backward":
+    if cfg.optimizer_overlap.speculative:
         runtime._hyper_of_next_step = optimizer._hyper
     root._tiermem_runtime = runtime  # (a compiled model finds it on the module it wraps)
     return model, optimizer

@@ -1,5 +1,6 @@
 """Activations saved for backward: counted in the device budget, offloaded to host memory,
-spilled to NVMe (``activations``: budget, offload, recompute, auto; docs/activations.md).
+spilled to NVMe (``activations``: budget, offload, recompute, auto; docs/python.md,
+"Activations in the device budget").
 
 The ledger. Every storage that is not chunk memory and that a training forward saves for
 backward is counted once per iteration (``count_saved``) as the bytes of the innermost unit
@@ -12,9 +13,9 @@ when the iteration ends or is abandoned, nothing of it stays (``reset``, ``aband
 Offload (offload / auto). A unit's saved storages (``_Saved``) move to host memory when the
 device cannot hold them next to the chunks, oldest forward unit first (the last one the
 backward needs), and come back at that unit's backward moment — the next unit's one moment
-earlier when there is room. The device keeps ``cap`` bytes at most: its budget less room for
-the chunks of two units (a backward holds the current unit's compute and grad chunks while the
-next one's arrive). When the host budget has no room either, they are spilled to NVMe regions
+earlier when there is room. The device keeps ``cap`` bytes at most (the session's
+``activation_cap``): its budget less room for the chunks of two units (a backward holds the
+current unit's compute and grad chunks while the next one's arrive). When the host budget has no room either, they are spilled to NVMe regions
 through two host bounces, or, under auto, dropped when every ref to them can be recomputed by
 its frame (recompute.py).
 
@@ -32,7 +33,8 @@ saved-bytes bookkeeping. Parts whose state lives as long as the activations' reg
 ``on_reset`` / ``on_unit_done`` (recompute.py's frames, the graph watch of materialize.py):
 they are dropped first whenever this ledger is.
 Reads: the session, the run state (the running units, backward, the backward's unit), the
-units (names), the configuration.
+units (names), the modes (shared.Modes: the activations mode's predicates, NVMe). Writes the
+run state's phase once: ``abandon`` ends a forward that raised (shared.Phase).
 
 Threading: the training thread (forward: saving, offloading) and autograd's backward thread
 (fetching, freeing), one at a time.
@@ -74,17 +76,18 @@ class Activations:
     """The activation ledger, offload and NVMe spill of one runtime (see the module
     docstring)."""
 
-    def __init__(self, cfg, session, state, units, device: torch.device):
+    def __init__(self, modes, session, state, units, device: torch.device):
         self.session = session
         self.state = state
         self.units = units
         self.device = device
         # activations: budget — bytes of non-chunk tensors saved for backward, per unit (-1:
         # outside every unit), counted in the device budget (the session's external bytes).
-        self.count = cfg.activations in ("budget", "offload", "recompute", "auto")
-        self.offload = cfg.activations in ("offload", "auto")
-        self._recompute_all = cfg.activations == "recompute"  # (for the messages)
-        self._recompute_planned = cfg.activations == "auto"
+        mode = modes.activations
+        self.count = mode.counted
+        self.offload = mode.offloaded
+        self._recompute_all = mode.recompute_every_unit  # (for the messages)
+        self._recompute_planned = mode.planned
         self.unit_bytes: dict[int, int] = {}
         self.total = 0            # device + host bytes of the activations counted
         self.given = 0            # what the session was last told (device)
@@ -96,11 +99,12 @@ class Activations:
         self.host = 0                       # tracked bytes offloaded to the host now
         self.nvme = 0                       # tracked bytes spilled to NVMe now
         self._host_given = 0
-        self.cap = 0  # device bytes of activations kept at most (the runtime sets it)
+        self.cap = 0  # device bytes of activations kept at most (the runtime sets it from
+        #               the session's activation_cap)
         # Spilled to NVMe (the host budget had no room): every _Saved holding a region, freed
         # when it is fetched back or the iteration is reset.
         self.spilled: list = []
-        self._spill_ok = cfg.nvme_size > 0
+        self._spill_ok = modes.nvme
         self._spill_bufs: list = []            # host scratch bounces (token, uint8 tensor)
         self._spill_pending = [None, None]     # the copy in flight through each bounce
         self.stats = {"offloaded_bytes": 0, "fetched_bytes": 0, "sync_fetches": 0,
@@ -194,7 +198,7 @@ class Activations:
     def abandon(self):
         """The iteration is abandoned (the caller's forward raises): nothing of it stays."""
         self.reset()
-        self.state.in_iteration = False
+        self.state.abandon_forward()
         self.state.fwd_used.clear()
 
     def reset(self):

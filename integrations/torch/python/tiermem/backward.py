@@ -15,7 +15,8 @@ comes first; nothing of a backward is held after its end (``end``): the held com
 the parts registered with ``on_end`` (grads.py's held grad chunks), the iteration's activations.
 
 Owns: the compute chunks held for the backward and the params each still waits for; the run
-state's ``in_backward``, ``bwd_unit`` and the iteration's end.
+state's ``bwd_unit`` and its phase's backward transitions (``Phase``: into BACKWARD, and back
+to IDLE at the end, which ends the iteration).
 Reads: the session (phases, moments, plan), the chunk access, the units, the activation
 ledger, the forward order (sharded prefetch).
 
@@ -51,7 +52,7 @@ class Backward:
     def begin(self):
         st = self.state
         if not st.in_backward:
-            st.in_backward = True
+            st.begin_backward()
             self.session.phase("backward")
             torch.autograd.Variable._execution_engine.queue_callback(self._end)
 
@@ -66,8 +67,7 @@ class Backward:
         st = self.state
         st.fwd_used.clear()
         st.bwd_unit = None
-        st.in_backward = False
-        st.in_iteration = False
+        st.end_backward()
         if self.activations.count:
             self.activations.reset()
 

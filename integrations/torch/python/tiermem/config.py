@@ -5,6 +5,11 @@ extension: a dict is sent as JSON, a path is read by C++. The keys, defaults and
 messages are therefore exactly those of the LibTorch API, and the TIERMEM_* environment
 variables override keys the same way in both (docs/configuration.md). An unknown key or a
 bad value raises ValueError naming the key (or the variable) and the value.
+
+A Config's modes are enums (runtime/modes.h, bound in csrc/module.cc): one value per spelling
+('-' read as '_': ``DeviceKind.sim_async``), ``str()`` the spelling, and the predicates the
+package asks of them (``cfg.activations.offloaded``, ``cfg.precision.torch_dtype``) — code
+asks those, never compares spellings.
 """
 from __future__ import annotations
 
@@ -15,6 +20,11 @@ from typing import Mapping
 from . import _C
 
 Config = _C.Config
+Precision, DeviceKind, NvmeEngine, KernelIsa = (_C.Precision, _C.DeviceKind, _C.NvmeEngine,
+                                                _C.KernelIsa)
+PlanMode, ActivationMode, OptimizerPlacement, OptimizerOverlap = (
+    _C.PlanMode, _C.ActivationMode, _C.OptimizerPlacement, _C.OptimizerOverlap)
+CheckpointIo, UnmaterializedReads = _C.CheckpointIo, _C.UnmaterializedReads
 
 
 def parse_config(config=None, env: Mapping[str, str] | None = None) -> Config:

@@ -18,7 +18,7 @@ readable outside the backward; nothing runs after close.
 
 Owns nothing but each parameter's ``warned`` flag. Reads: the run state (where the op runs:
 inside a unit, the backward, the model's forward; closed), the chunk access, the held grad
-chunks (grads.py), the session's loss scale, the precision and resident flags.
+chunks (grads.py), the session's loss scale, the modes (loss-scaled, strict, resident).
 
 Threading: whichever thread runs the op — the training thread, or autograd's backward thread
 (a hook, a read outside a unit during backward); one at a time.
@@ -34,17 +34,13 @@ from .tensor import ChunkTensor, is_view_op, meta_mutating, mutated_args, unwrap
 class ChunkOps:
     """The ChunkTensor operations of one runtime (see the module docstring)."""
 
-    def __init__(self, model, session, chunks, state, grads, mixed: bool, fp16: bool,
-                 strict: bool, resident: bool):
+    def __init__(self, model, session, chunks, state, grads, modes):
         self._model = model  # its class name, in messages
         self.session = session
         self.chunks = chunks
         self.state = state
         self.grads = grads
-        self._mixed = mixed
-        self._fp16 = fp16
-        self._strict = strict
-        self._resident = resident
+        self.modes = modes
 
     def _where(self) -> str:
         if self.state.active_units:
@@ -69,7 +65,7 @@ class ChunkOps:
             if copies is not None:
                 copies[id(ct)] = (r, ck, v)
         elif kind == "param":
-            if r.mat > 0 or self._resident:
+            if r.mat > 0 or self.modes.resident:
                 v = r.compute.data
             else:
                 base = self.chunks.acquire(r.group, self.chunks.compute_kind)
@@ -101,7 +97,7 @@ class ChunkOps:
                 return self._split_foreach(func, args, kwargs, n)
         written, write_only = mutated_args(func, args, kwargs)
         cts = tree_leaves_ct((args, kwargs))
-        if self._fp16 and not self.state.in_backward:
+        if self.modes.loss_scaled and not self.state.in_backward:
             for ct in cts:
                 if ct._tm_kind == "grad":
                     raise RuntimeError(
@@ -141,7 +137,7 @@ class ChunkOps:
                     self.chunks.write_back(r, ck, v)
                     if ck != _K.grad and r.mat > 0:
                         r.compute.data.copy_(v)  # the unit computing with it sees the write
-            if self._mixed:
+            if self.modes.mixed:
                 exact = None
                 if func.__name__.split(".")[0] == "copy_" and len(args) > 1 and \
                         isinstance(args[1], torch.Tensor) and \
@@ -215,13 +211,13 @@ class ChunkOps:
         if self.state.in_user_hook:
             return  # Grads._run_post_hooks
         where = self._where()
-        if self._strict:
+        if self.modes.strict:
             raise RuntimeError(
                 f"tiermem: parameter '{r.name}' was read by {func} {where}, but it is not "
                 "materialized there (config unmaterialized_reads='error'). Read parameters "
                 "inside the forward of a unit that contains them, or pass units=... to "
                 "tiermem.initialize so that one unit covers the code that reads it")
-        if where != "outside any forward" and not r.warned and not self._resident:
+        if where != "outside any forward" and not r.warned and not self.modes.resident:
             r.warned = True
             import warnings
             warnings.warn(f"tiermem: parameter '{r.name}' was read by {func} {where}, outside "

@@ -13,7 +13,7 @@ and tells the core which tensors have one.
 Invariants: a group's grad chunk is acquired (``hold``) at its first gradient of a backward
 and released — marked modified; sharded: reduce-scattered into this rank's shard — once every
 parameter of the group that the forward used has its gradient (or at once when the device
-cannot hold every group's chunks, ``hold_grads`` False), and at the latest at the backward's
+cannot hold every group's chunks, ``modes.hold_grads`` False), and at the latest at the backward's
 end; resident, the grad chunks stay pinned for the session. Sharded, a parameter whose
 gradient begins in this backward (``fresh``) has its shard span restarted from 0. A
 gradient hook that would see a parameter's gradient in two parts raises instead of being
@@ -60,16 +60,14 @@ class _Handles:
 class Grads:
     """The gradients of one runtime (see the module docstring)."""
 
-    def __init__(self, session, chunks, state, backward, params, groups, resident: bool,
-                 hold_grads: bool):
+    def __init__(self, session, chunks, state, backward, params, groups, modes):
         self.session = session
         self.chunks = chunks
         self.state = state
         self.backward = backward
         self.params = params
         self.groups = groups  # session.group(g): (trainable, used, tensors)
-        self._resident = resident
-        self._hold_grads = hold_grads
+        self.modes = modes
         self.hold: dict[int, torch.Tensor] = {}  # group -> its grad chunk, held
         self._pending: dict[int, set] = {}
         self._fresh: dict[int, list] = {}  # sharded: group -> pieces whose grad began now
@@ -88,7 +86,7 @@ class Grads:
 
     # ---- grad chunks ---------------------------------------------------------------------
     def release(self, group: int):
-        if self._resident:
+        if self.modes.resident:
             return  # pinned for the whole session
         del self.hold[group]
         self._pending.pop(group, None)
@@ -141,7 +139,7 @@ class Grads:
         pending = self._pending.get(group)
         if pending is not None:
             pending.discard(key)
-            if not pending or not self._hold_grads:
+            if not pending or not self.modes.hold_grads:
                 self.release(group)
 
     # ---- pieces of experts that move alone (experts.py) ---------------------------------

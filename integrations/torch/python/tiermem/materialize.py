@@ -26,7 +26,8 @@ after close.
 
 Owns: the per-call state of each unit (``depth``, ``pins``, ``placed``, ``pushed``,
 ``frame``), the run state's ``root_depth``, ``active_units``, ``fwd_used`` and the start of
-an iteration (``in_iteration``), the watched graphs of the open iteration, the forward order,
+an iteration (its phase into FORWARD: shared.Phase), the watched graphs of the open iteration,
+the forward order,
 the hyper-parameters announced for the next step (``optimizer_overlap: backward``).
 Reads: the session, the chunk access, the activations, recompute and saved-tensor parts.
 
@@ -50,10 +51,9 @@ class Materializer:
     """Parameters as views of their chunks while a unit computes (see the module docstring).
     Reads the chunk access (slices, the fp32 master in mixed precision)."""
 
-    def __init__(self, chunks, mixed: bool, serving: bool):
+    def __init__(self, chunks, modes):
         self.chunks = chunks
-        self.mixed = mixed
-        self._serving = serving
+        self.modes = modes
 
     def materialize(self, u, views):
         """`u`'s parameters become views of their chunks (`views`: group -> the acquired
@@ -89,7 +89,7 @@ class Materializer:
                     modified.update(r.groups)
                     if r.split:
                         self.chunks.scatter(views, r, r.compute.data)
-                    if self.mixed:
+                    if self.modes.mixed:
                         self.chunks.sync_master(r, (), r.compute.data, None)
                 r.compute.data = r.placeholder
         return modified
@@ -101,7 +101,7 @@ class Materializer:
         after initialize must freeze its view too, or it would still get a gradient and the
         optimizer would update it. One frozen at initialize has no gradient chunk nor
         optimizer state: unfreezing it is an error, raised before anything changes."""
-        if want and not r.trainable and self._serving:
+        if want and not r.trainable and self.modes.serving:
             raise RuntimeError(
                 f"tiermem: parameter {r.name!r} belongs to a served model (tiermem.inference keeps "
                 f"no gradients nor optimizer state); it cannot require grad. Use "
@@ -172,7 +172,7 @@ class UnitHooks:
     docstring)."""
 
     def __init__(self, model, units, session, chunks, state, materializer, activations,
-                 recompute, saved, order, resident: bool):
+                 recompute, saved, order, modes):
         self.model = model
         self.units = units
         self.session = session
@@ -183,7 +183,7 @@ class UnitHooks:
         self.recompute = recompute
         self.saved = saved
         self.order = order
-        self.resident = resident
+        self.resident = modes.resident  # pinned for the session: no acquires, no hooks
         self.hyper_of_next_step = None  # the optimizer's hyper-parameters (overlap backward)
         self._open_graphs = []  # weakrefs to the open iteration's sentinels (_watch_graph)
         activations.on_reset(self._open_graphs.clear)
@@ -249,7 +249,7 @@ class UnitHooks:
     def root_exit(self, out=None):
         st = self.state
         st.root_depth -= 1
-        if st.root_depth == 0 and st.in_iteration and not st.in_backward:
+        if st.root_depth == 0 and st.in_forward:
             self._watch_graph(out)
             if self.activations.count:
                 # The whole forward's activations hold their room before the backward starts
@@ -297,8 +297,7 @@ class UnitHooks:
                         f"again in the backward and would update the cache twice. Pass "
                         f"use_cache=False when training (as Hugging Face does for gradient "
                         f"checkpointing), or use activations 'offload'; the model is unchanged.")
-            if grad and st.in_iteration and not st.in_backward \
-                    and self._open_graphs_dropped():
+            if grad and st.in_forward and self._open_graphs_dropped():
                 acts.abandon()  # _watch_graph: the open iteration's graphs are gone
             if grad and not st.in_iteration:
                 acts.reset()
@@ -310,7 +309,7 @@ class UnitHooks:
                     # speculative updates are dropped at step(): session.h).
                     s.set_step_hyper(self.hyper_of_next_step())
                 acts.start_trace(s.recording_trace)
-                st.in_iteration = True
+                st.begin_forward()
                 s.phase("forward")
             u.depth += 1
             if u.depth == 1 and self.resident:
@@ -391,7 +390,7 @@ class UnitHooks:
             if u.depth > 0:
                 return None
             if out is not None and st.root_depth == 0 and not st.active_units \
-                    and st.in_iteration and not st.in_backward:
+                    and st.in_forward:
                 # A unit called on its own, outside the model's forward (features of one
                 # block): its graph is watched as the root's is (_watch_graph), or the
                 # activations of calls whose outputs were dropped would stay counted.

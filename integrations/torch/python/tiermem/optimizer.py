@@ -62,7 +62,7 @@ class ChunkedAdamW(torch.optim.Optimizer):
         if rt._shards is not None:
             rt._shards.flush()  # the shards change: no cached full chunk outlives the step
         stats = None
-        if rt._shards is not None and (rt.cfg.gradient_clipping > 0 or rt.fp16) and \
+        if rt._shards is not None and (rt.cfg.gradient_clipping > 0 or rt.modes.loss_scaled) and \
                 rt.session.next_step_applies:
             # Sharded: the norm and overflow of the whole model, summed over ranks.
             sq, overflow = rt.session.grad_stats()

@@ -193,7 +193,7 @@ def _unused(_):
 class Recompute:
     """Recomputed activations of one runtime (see the module docstring)."""
 
-    def __init__(self, cfg, session, chunks, state, materializer, activations, backward,
+    def __init__(self, modes, session, chunks, state, materializer, activations, backward,
                  device: torch.device):
         self.session = session
         self.chunks = chunks
@@ -205,8 +205,8 @@ class Recompute:
         # activations: recompute — every unit that contains no other unit keeps only its inputs
         # and recomputes what its forward saved in its backward; auto — the units an executed
         # plan recomputes, the others as 'offload'.
-        self.all_units = cfg.activations == "recompute"
-        self.planned = cfg.activations == "auto"
+        self.all_units = modes.activations.recompute_every_unit
+        self.planned = modes.activations.planned
         self._frames: dict[int, list] = {}  # unit -> its frames holding recomputed values
         self.recomputing = None             # the unit being recomputed now
         activations.on_reset(self.reset)

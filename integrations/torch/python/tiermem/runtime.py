@@ -40,7 +40,8 @@ holds the public API (stats, timeline, traces, close):
   exactly, in mixed precision).
 
 Composition: each part's module docstring says what it owns and reads; the parts share
-shared.RunState (``self.state``). Who calls whom (never the other way round, except through
+shared.RunState (``self.state``) and read one frozen shared.Modes (``self.modes``), built here
+once from the config's modes and the session's answers. Who calls whom (never the other way round, except through
 the ``on_reset`` / ``on_unit_done`` / ``on_end`` registrations their docstrings name):
 
     ChunkAccess (chunks.py)      the session, the shards (distributed.py)
@@ -83,7 +84,7 @@ from .materialize import ForwardOrder, Materializer, UnitHooks, tree_leaves_tens
 from .params import _contiguous_strides, _placeholder, collect_params
 from .recompute import Recompute
 from .saved import SavedTensors
-from .shared import _HOST, _K, _LOW, _Param, _Piece, RunState
+from .shared import _K, Modes, _Param, _Piece, RunState
 from .tensor import ChunkTensor
 from .units import find_units
 from .weights import LoadPlan
@@ -144,15 +145,11 @@ class TiermemRuntime:
         self.model = model
         self.cfg = cfg
         self.state = RunState()  # closed until everything is in place
-        self.mixed = cfg.precision in _LOW
-        self.dtype = _LOW.get(cfg.precision, torch.float32)
-        self.fp16 = cfg.precision == "fp16"
-        self.strict = cfg.unmaterialized_reads == "error"
         kind = _C.resolve_device_kind(cfg.device_kind)  # RuntimeError: no CUDA device
-        if kind == "cuda" and not torch.cuda.is_available():
+        if kind.is_cuda and not torch.cuda.is_available():
             raise RuntimeError("device_kind 'cuda': tiermem sees a GPU but torch does not "
                                "(torch.cuda.is_available() is False)")
-        if kind != "cuda" and cfg.device_kind == "auto" and torch.cuda.is_available():
+        if not kind.is_cuda and cfg.device_kind == _C.DeviceKind.auto and torch.cuda.is_available():
             # Never train on the CPU in silence on a GPU machine.
             why = ("this tiermem build has no CUDA support (built without nvcc; reinstall with "
                    "the CUDA toolkit present)" if not _C.cuda_built() else
@@ -161,7 +158,7 @@ class TiermemRuntime:
             raise RuntimeError(f"device_kind 'auto': torch sees a GPU but {why}. Set "
                                "device_kind 'sim' (or TIERMEM_DEVICE=sim) to train on the CPU "
                                "on purpose.")
-        self.device = torch.device("cuda", 0) if kind == "cuda" else torch.device("cpu")
+        self.device = torch.device("cuda", 0) if kind.is_cuda else torch.device("cpu")
         self.params, self.by_orig, self.opt_groups = collect_params(model, cfg, param_groups,
                                                                     self._serving)
         # Pretrained weights (weights.py): the checkpoint's headers matched against the model's
@@ -184,7 +181,8 @@ class TiermemRuntime:
         if pg is not None and self._serving:
             raise ValueError("tiermem.inference: serving is not sharded across ranks (run one "
                              "model per process, without a process group)")
-        self._shards = distributed.Shards(pg, self.dtype) if pg is not None else None
+        self._shards = (distributed.Shards(pg, cfg.precision.torch_dtype) if pg is not None
+                        else None)
         self.session = _C.Session(cfg, specs, self._shards.sharding() if self._shards else None)
         try:
             if self._shards:
@@ -217,45 +215,15 @@ class TiermemRuntime:
         self._compute_kind = self.session.compute_kind
         # (trainable, used, tensors) per group
         self.groups = [self.session.group(g) for g in range(self.session.num_groups)]
-        # Holding a group's grad chunk across its backward saves an acquire per param but pins
-        # it: worth it only when every compute and grad chunk fits on the device at once.
-        esize = 2 if self.mixed else 4
-        per_group = self.session.chunk_elems * esize * 2
-        # The budget of the tier compute acquires chunks on: the device's, or in host mode the
-        # host's when every chunk is homed there (nothing to move), else none (NVMe-homed
-        # chunks come and go through the host room the session keeps for them).
-        if self.session.host_compute:
-            on_host = all(self.session.home(g, k) == _HOST
-                          for g in range(self.session.num_groups)
-                          for k in _K.__members__.values() if self.session.has_kind(g, k))
-            budget = cfg.host_budget if on_host else 0
-        else:
-            budget = cfg.device_budget
-        self._compute_budget = budget
-        self._hold_grads = (budget >= per_group * len(self.groups)
-                            or self._shards is not None)  # sharded: reduce-scatter whole groups
-        # Resident training: when every chunk of every kind fits on the device at once (and
-        # the device is CPU memory: SimDevice), the compute and grad chunks are pinned there
-        # for the whole session — nothing ever moves, no unit acquires, no saved-tensor hooks
-        # (saved views of chunk memory stay valid), and the optimizer steps in place.
-        # Not with activations counted in the budget: they need the hooks that count them.
-        # Not with split parameters: they compute with copies of their pieces, made per unit.
-        # Serving is resident only in host mode with every chunk homed in host memory (host
-        # homes never move; the KV cache still counts in the host budget): on a device, the
-        # weights must stay evictable to make room for the KV cache as it grows.
-        self._resident = ((not self._serving or self.session.host_compute)
-                          and not self.session.cuda and self._shards is None
-                          and cfg.activations == "outside"
-                          and budget >= self.session.total_chunk_bytes
-                          and not any(r.split for r in self.params) and not self.expert_sets)
+        self.modes = self._modes(cfg)
         # The parts, each over the state it needs (its module's docstring), lowest first.
-        st, s = self.state, self.session
+        st, s, modes = self.state, self.session, self.modes
         self.chunks = ChunkAccess(s, self._shards, self.device, self._traced)
-        self.materializer = Materializer(self.chunks, self.mixed, self._serving)
-        self.activations = Activations(cfg, s, st, self.units, self.device)
+        self.materializer = Materializer(self.chunks, modes)
+        self.activations = Activations(modes, s, st, self.units, self.device)
         self.order = ForwardOrder(self.units, self.chunks)
         self.backward = Backward(s, self.chunks, st, self.units, self.activations, self.order)
-        self.recompute = Recompute(cfg, s, self.chunks, st, self.materializer, self.activations,
+        self.recompute = Recompute(modes, s, self.chunks, st, self.materializer, self.activations,
                                    self.backward, self.device)
         self.experts = Experts(self.expert_sets, s, self.chunks, st, self.materializer,
                                self.recompute, self.units)
@@ -263,26 +231,19 @@ class TiermemRuntime:
         self.experts.place(self.params)
         self.saved = SavedTensors(self.chunks, st, self.activations, self.recompute,
                                   self.backward, self.device)
-        self.grads = Grads(s, self.chunks, st, self.backward, self.params, self.groups,
-                           self._resident, self._hold_grads)
-        self.ops = ChunkOps(model, s, self.chunks, st, self.grads, self.mixed, self.fp16,
-                            self.strict, self._resident)
+        self.grads = Grads(s, self.chunks, st, self.backward, self.params, self.groups, modes)
+        self.ops = ChunkOps(model, s, self.chunks, st, self.grads, modes)
         self.hooks = UnitHooks(model, self.units, s, self.chunks, st, self.materializer,
-                               self.activations, self.recompute, self.saved, self.order,
-                               self._resident)
+                               self.activations, self.recompute, self.saved, self.order, modes)
         self._handles: list = []
         self._wrapped: list = []  # modules whose forward we wrapped (undone at close)
-        self.state.closed = False
+        self.state.open()
         self._install()
+        # The session's caps for the largest unit (its groups are known once installed).
         most = max((len(u.groups) for u in self.units), default=1)
-        self.activations.cap = max(0, budget - 2 * most * per_group)
+        self.activations.cap = s.activation_cap(most)
         if self._shards is not None:
-            # Full chunks kept after use: the next unit's shared groups and the backward's
-            # first unit need no second all-gather. At most a quarter of the device budget.
-            full = self.session.chunk_elems * esize
-            self._shards.recent_capacity = min(2 * most + 1, max(budget, cfg.host_budget
-                                                                  if self.session.host_compute
-                                                                  else 0) // (4 * full))
+            self._shards.recent_capacity = s.recent_full_chunks(most)
         # The chunks hold the values now. The user's Parameter objects keep no copy (close()
         # gives them their data back), so the model is not in host RAM twice, and a stale
         # reference to one fails loudly (an empty tensor) instead of reading old values.
@@ -292,19 +253,46 @@ class TiermemRuntime:
             r.orig.data = torch.empty(0, dtype=r.orig.dtype)
 
     # ---- set-up ---------------------------------------------------------------------------
+    def _modes(self, cfg) -> Modes:
+        """The frozen modes of this runtime: the config's, and what the session answers."""
+        s = self.session
+        # Resident training: when every chunk of every kind fits the compute tier at once (and
+        # it is CPU memory: SimDevice, or the host), the compute and grad chunks are pinned
+        # there for the whole session — nothing ever moves, no unit acquires, no saved-tensor
+        # hooks (saved views of chunk memory stay valid), and the optimizer steps in place.
+        # Not with activations counted in the budget: they need the hooks that count them.
+        # Not with split parameters: they compute with copies of their pieces, made per unit.
+        # Serving is resident only in host mode with every chunk homed in host memory (host
+        # homes never move; the KV cache still counts in the host budget): on a device, the
+        # weights must stay evictable to make room for the KV cache as it grows.
+        resident = ((not self._serving or s.host_compute)
+                    and not s.cuda and self._shards is None
+                    and not cfg.activations.counted
+                    and s.compute_tier_holds_every_chunk
+                    and not any(r.split for r in self.params) and not self.expert_sets)
+        return Modes(dtype=s.compute_dtype, mixed=cfg.precision.mixed,
+                     loss_scaled=cfg.precision.loss_scaled,
+                     strict=cfg.unmaterialized_reads.raises, serving=self._serving,
+                     resident=resident, hold_grads=s.holds_grad_chunks,
+                     activations=cfg.activations, nvme=cfg.nvme_size > 0)
+
+    @property
+    def _resident(self) -> bool:
+        return self.modes.resident
+
     def _install(self):
         """Takes over the model. Nothing here can fail on valid input."""
         for r in self.params:
             r.param = nn.Parameter(
-                ChunkTensor(self, r, "param", r.shape, _contiguous_strides(r.shape), self.dtype,
+                ChunkTensor(self, r, "param", r.shape, _contiguous_strides(r.shape), self.modes.dtype,
                             self.device), requires_grad=r.trainable)
-            r.compute = nn.Parameter(torch.empty(0, dtype=self.dtype, device=self.device),
+            r.compute = nn.Parameter(torch.empty(0, dtype=self.modes.dtype, device=self.device),
                                      requires_grad=r.trainable)
-            r.placeholder = _placeholder(r.shape, self.dtype, self.device)
+            r.placeholder = _placeholder(r.shape, self.modes.dtype, self.device)
             r.compute.data = r.placeholder
             if r.trainable:
                 r.grad = ChunkTensor(self, r, "grad", r.shape, _contiguous_strides(r.shape),
-                                     self.dtype, self.device)
+                                     self.modes.dtype, self.device)
                 self._handles.extend(self.grads.install(r))
             for m, name in r.slots:
                 m._parameters[name] = r.param
@@ -316,7 +304,7 @@ class TiermemRuntime:
         self.hooks.install(self.params, self._wrapped, self.experts.alone)
         self.experts.link(self.params)
         self.experts.install(self.units, self._wrapped,
-                             lambda shape: _placeholder(shape, self.dtype, self.device),
+                             lambda shape: _placeholder(shape, self.modes.dtype, self.device),
                              self.grads)
         self._handles.extend(self.grads._handles_extra)
         self._wrap_root()
@@ -324,15 +312,15 @@ class TiermemRuntime:
         for m in {id(m): m for r in self.params for m, _ in r.slots}.values():
             self._handles.append(m.register_state_dict_post_hook(_StateDictHook(self)))
             self._handles.append(m.register_load_state_dict_pre_hook(_load_copies))
-        if self._resident:
+        if self.modes.resident:
             self._pin_resident()
         # Buffers stay ordinary tensors, on the compute device and (like module.to(dtype))
         # in the compute dtype when floating point.
-        if self.device.type != "cpu" or self.mixed:
+        if self.device.type != "cpu" or self.modes.mixed:
             for m in self.model.modules():
                 for k, b in m._buffers.items():
                     if b is not None:
-                        dt = self.dtype if b.is_floating_point() else b.dtype
+                        dt = self.modes.dtype if b.is_floating_point() else b.dtype
                         m._buffers[k] = b.to(device=self.device, dtype=dt)
 
     def _pin_resident(self):
@@ -490,11 +478,11 @@ class TiermemRuntime:
         import os
         if self.state.closed:
             raise RuntimeError("tiermem: record_trace on a closed model")
-        if self._resident:
+        if self.modes.resident:
             where = "host" if self.session.host_compute else "device"
             raise RuntimeError(
                 f"tiermem: record_trace: every chunk of this model fits in the {where} budget "
-                f"({self._compute_budget} bytes), so nothing moves and there is no schedule to "
+                f"({self.session.compute_budget} bytes), so nothing moves and there is no schedule to "
                 f"plan; record with a {where} budget below the model's "
                 f"{self.session.total_chunk_bytes} chunk bytes")
         self.session.record_trace(os.fspath(path), int(iterations))
@@ -548,7 +536,7 @@ class TiermemRuntime:
             r.orig.grad = None if g is None else g.to(device=self.device, dtype=r.orig.dtype)
             for m, name in r.slots:
                 m._parameters[name] = r.orig
-        self.state.closed = True
+        self.state.close()
         if self._shards is not None:
             self._shards.close()
         self.activations.spill_free_all()  # no spill copy in flight when the tiers go

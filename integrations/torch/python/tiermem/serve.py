@@ -54,13 +54,11 @@ class ServingRuntime(TiermemRuntime):
         super().__init__(model, cfg, None, units, experts=experts, init=init, weights=weights,
                          strict=strict)
         # Each unit pins all its chunk groups at once, and with them one expert's at a time
-        # (experts.py): the budget must hold the largest.
+        # (experts.py): the budget must hold the largest (the session's count).
         need, unit = 0, None
-        ck = self._compute_kind
         for u in self.units:
-            b = sum(self.session.chunk_bytes(g, ck) for g in u.groups)
-            b += max((sum(self.session.chunk_bytes(g, ck) for g in gs if g not in u.groups)
-                      for s in u.experts for gs in s.groups), default=0)
+            b = self.session.unit_compute_bytes(u.groups,
+                                                [gs for s in u.experts for gs in s.groups])
             if b > need:
                 need, unit = b, u
         if not self.session.host_compute and need > cfg.device_budget:

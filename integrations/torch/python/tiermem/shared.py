@@ -1,4 +1,5 @@
-"""What the parts of the runtime share: the parameter record, the run state, version guards.
+"""What the parts of the runtime share: the parameter record, the modes, the run state,
+version guards.
 
 runtime.TiermemRuntime composes one object per job (chunks.py, materialize.py,
 activations.py, recompute.py, saved.py, backward.py, grads.py, dispatch.py); they import the
@@ -10,9 +11,13 @@ types they share from here, and nothing here imports them, so the imports stay a
   params.collect_params, completed by the runtime's install; the parts read it and update
   only the fields their docstrings name (``mat``, ``version`` and ``compute.data``:
   materialize.py; ``param.grad`` and ``post_hooks``: grads.py; ``warned``: dispatch.py).
-- ``RunState``: where the runtime is now (closed, inside an iteration, a forward, a backward,
-  which unit the backward is at). One object, shared by reference: each field has one writer,
-  named next to it; everyone else reads it.
+- ``Modes``: how the runtime runs, decided once when it is built (from the config's modes and
+  the session's answers) and frozen: the parts ask its fields and the predicates of its
+  enums (``modes.activations.offloaded``), never a configuration spelling.
+- ``RunState``: where the runtime is now — its ``Phase`` (closed, idle, in an iteration's
+  forward, in a backward), the units running, which unit the backward is at. One object,
+  shared by reference: each field, and each phase transition, has its writers named next to
+  it; everyone else reads it.
 - ``_guard`` / ``_check``: torch's in-place check for saved tensors, which tiermem's
   saved-tensor hooks do themselves.
 
@@ -21,6 +26,7 @@ time: a backward blocks the thread that started it).
 """
 from __future__ import annotations
 
+import enum
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +36,6 @@ from torch import nn
 
 from . import _C
 
-_LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _K = _C.ChunkKind
 _DEVICE, _HOST = _C.Tier.device, _C.Tier.host
 
@@ -83,15 +88,49 @@ class _Param:
         return sorted({pc.group for pc in self.pieces})
 
 
+@dataclass(frozen=True)
+class Modes:
+    """How one runtime runs: built once by TiermemRuntime.__init__, read by every part, never
+    changed (FSDP2's frozen policies). Each field is a fact the parts ask; where it comes from
+    is said next to it."""
+    dtype: torch.dtype   # of the compute copy: the session's compute_dtype (dtypes.h's map)
+    mixed: bool          # bf16/fp16 compute copies of fp32 masters (config precision)
+    loss_scaled: bool    # fp16: gradients are held loss-scaled (config precision)
+    strict: bool         # a read of an unmaterialized parameter raises (unmaterialized_reads)
+    serving: bool        # tiermem.inference: every parameter frozen, no optimizer
+    # Every compute and grad chunk pinned on the compute tier for the whole session: nothing
+    # moves, no unit acquires, no saved-tensor hooks (TiermemRuntime.__init__ says when).
+    resident: bool
+    hold_grads: bool     # a group's grad chunk is held through the backward (the session's
+    #                      holds_grad_chunks)
+    activations: Any     # _C.ActivationMode: ask .counted, .offloaded, .recompute_every_unit,
+    #                      .planned
+    nvme: bool           # the session has an NVMe tier (activations may spill there)
+
+
+class Phase(enum.Enum):
+    """Where the runtime is (RunState.phase). Transitions, each by the writers named:
+
+        CLOSED   -> IDLE      open()            runtime, once installed
+        IDLE     -> FORWARD   begin_forward()   materialize.UnitHooks: the first training
+                                                forward of an iteration
+        any open -> BACKWARD  begin_backward()  backward.Backward: the first hook of a backward
+        BACKWARD -> IDLE      end_backward()    backward.Backward: the backward's end
+        FORWARD  -> IDLE      abandon_forward() activations.Activations.abandon: the forward
+                                                raised (a backward stays one until its end)
+        any      -> CLOSED    close()           runtime.close
+    """
+    CLOSED = "closed"      # not installed yet, or closed: the hooks do nothing
+    IDLE = "idle"          # between iterations (eval and no-grad forwards run here)
+    FORWARD = "forward"    # an iteration's training forwards, before its backward
+    BACKWARD = "backward"  # a backward runs
+
+
 class RunState:
     """Where the runtime is now. Each field names its writer; the other parts only read it."""
 
     def __init__(self):
-        self.closed = True          # runtime: False once installed, True again at close()
-        self.in_iteration = False   # materialize.UnitHooks sets it (the first training forward
-        #                             of an iteration); backward.Backward (its end) and
-        #                             activations.Activations.abandon clear it
-        self.in_backward = False    # backward.Backward: from the first hook of a backward on
+        self.phase = Phase.CLOSED   # written only by the transitions below (Phase says who)
         self.root_depth = 0         # materialize.UnitHooks (serve.py's root forward too):
         #                             nesting of the model's own forward
         self.active_units: list = []  # materialize.UnitHooks: units whose forward runs now,
@@ -102,6 +141,44 @@ class RunState:
         self.bwd_unit = None        # backward.Backward: the unit the backward's current moment
         #                             belongs to
         self.in_user_hook = False   # grads.Grads: running a user's post-accumulate-grad hook
+
+    @property
+    def closed(self) -> bool:
+        return self.phase is Phase.CLOSED
+
+    @property
+    def in_iteration(self) -> bool:
+        """An iteration's training forward or its backward (the session's iteration is open)."""
+        return self.phase is Phase.FORWARD or self.phase is Phase.BACKWARD
+
+    @property
+    def in_backward(self) -> bool:
+        return self.phase is Phase.BACKWARD
+
+    @property
+    def in_forward(self) -> bool:
+        """An iteration's training forward, before its backward."""
+        return self.phase is Phase.FORWARD
+
+    # ---- transitions (Phase: who calls each) ---------------------------------------------
+    def open(self):
+        self.phase = Phase.IDLE
+
+    def close(self):
+        self.phase = Phase.CLOSED
+
+    def begin_forward(self):
+        self.phase = Phase.FORWARD
+
+    def begin_backward(self):
+        self.phase = Phase.BACKWARD
+
+    def end_backward(self):
+        self.phase = Phase.IDLE
+
+    def abandon_forward(self):
+        if self.phase is Phase.FORWARD:
+            self.phase = Phase.IDLE
 
 
 def _guard(t):

@@ -102,4 +102,3 @@ def synthetic_batches(c: GPTConfig, batch: int, steps: int, seed: int = 0):
         x = torch.stack([corpus[s:s + c.block_size] for s in starts.tolist()])
         y = torch.stack([corpus[s + 1:s + 1 + c.block_size] for s in starts.tolist()])
         yield x, y
-

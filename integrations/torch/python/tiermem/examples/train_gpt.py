@@ -230,7 +230,7 @@ def train(args, c, steps, preset, nvme_dir, nvme_size) -> int:
     # What runs (TIERMEM_DEVICE overrides --device, as it does every config).
     kind = tiermem._C.resolve_device_kind(
         tiermem.parse_config({"device_kind": args.device}).device_kind)
-    if kind == "host" and args.device_budget:
+    if kind.host_compute and args.device_budget:
         print(f"--device-budget {args.device_budget}: there is no device in host mode "
               "(compute runs on the CPU against host memory, sized by --host-budget); use "
               "--device sim to simulate a device of that budget", file=sys.stderr)
@@ -243,7 +243,7 @@ def train(args, c, steps, preset, nvme_dir, nvme_size) -> int:
               "plan": args.plan, "activations": args.activations}
     if args.state_dtype:
         config["optimizer"]["state_dtype"] = args.state_dtype
-    if kind != "host":
+    if not kind.host_compute:
         config["device"] = args.device_budget or preset["device"]
     model, opt = tiermem.initialize(model, config, init=GPT._init_weights if meta else None)
     rt = tiermem.runtime_of(model)
