@@ -22,6 +22,7 @@ import torch
 
 import tiermem
 from conftest import KernelAdamW
+from tiermem.hf_export import main as export_main
 
 transformers = pytest.importorskip("transformers")
 
@@ -323,46 +324,67 @@ def test_save_pretrained_is_read_back_by_from_pretrained(tmp_path, config):
         assert torch.equal(half.state_dict()[k], v.to(torch.bfloat16)), k
 
 
-def test_a_killed_save_pretrained_leaves_nothing_loadable(tmp_path):
-    ckpt = save_hf(llama_config(False, hidden_size=64, intermediate_size=128), tmp_path / "ckpt")
-    out = tmp_path / "out"
-    script = textwrap.dedent(f"""
-        import sys, torch, transformers, tiermem
-        sys.path.insert(0, {os.path.dirname(__file__)!r})
-        from test_hf_weights import llama_config, on_meta, sim_cfg
-        config = llama_config(False, hidden_size=64, intermediate_size=128)
-        model, _ = tiermem.initialize(on_meta(config), sim_cfg(), weights={str(ckpt)!r})
-        print("ready", flush=True)
-        sys.stdin.readline()
-        for _ in range(100):
-            tiermem.save_pretrained(model, {str(out)!r}, max_shard_size="64KB")
-    """)
-    child = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+KILLED = textwrap.dedent("""
+    import sys, tiermem
+    sys.path.insert(0, {here!r})
+    from test_hf_weights import llama_config, on_meta, sim_cfg
+    model, _ = tiermem.initialize(on_meta(llama_config(False, hidden_size=64)), sim_cfg(),
+                                  weights={ckpt!r})
+    print("ready", flush=True)
+    sys.stdin.readline()
+    while True:
+        tiermem.save_pretrained(model, {out!r}, max_shard_size="64KB")
+""")
+
+
+def killed_export(ckpt, out):
+    """Runs save_pretrained over and over in a child process and SIGKILLs it while the first
+    shard (the 8 MB head) is being written; True when the kill landed there."""
+    child = subprocess.Popen([sys.executable, "-c", KILLED.format(
+        here=os.path.dirname(__file__), ckpt=str(ckpt), out=str(out))],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "ready"
         child.stdin.write("go\n")
         child.stdin.flush()
         deadline = time.monotonic() + 60
-        # killed while a shard is being written (its temporary file exists), after at least
-        # one complete export has been replaced: whatever the moment, nothing loads
         while time.monotonic() < deadline:
             names = os.listdir(out) if out.exists() else []
-            if any(n.endswith(".tmp") for n in names) and "config.json" in names:
+            if any(n.startswith("model-00001-of-") and n.endswith(".tmp") for n in names):
                 child.send_signal(signal.SIGKILL)
-                break
-        else:
-            pytest.fail("the export never started")
+                child.wait()
+                return "model.safetensors.index.json" not in os.listdir(out)
     finally:
         child.kill()
         child.wait()
+    pytest.fail("the export never started")
+
+
+def test_a_killed_save_pretrained_leaves_nothing_loadable(tmp_path, monkeypatch):
+    ckpt = save_hf(llama_config(False, hidden_size=64), tmp_path / "ckpt")
+    out = tmp_path / "out"
+    # (a kill that lands after the export completed is retried: it proves nothing)
+    assert any(killed_export(ckpt, out) for _ in range(5))
     names = os.listdir(out)
-    assert "model.safetensors.index.json" not in names and "model.safetensors" not in names
+    assert "config.json" in names and "model.safetensors" not in names
     with pytest.raises(OSError):
         transformers.AutoModelForCausalLM.from_pretrained(out)
+    meta = on_meta(llama_config(False, hidden_size=64))
     with pytest.raises((ValueError, OSError), match="export that was interrupted"):
-        tiermem.initialize(on_meta(llama_config(False, hidden_size=64, intermediate_size=128)),
-                           sim_cfg(), weights=out)
+        tiermem.initialize(meta, sim_cfg(), weights=out)
+    # A new export stopped right after its config.json was written: the old weights beside
+    # the new config do not load either (the old index went first).
+    model, _ = tiermem.initialize(meta, sim_cfg(), weights=ckpt)
+    tiermem.save_pretrained(model, out, max_shard_size="64KB")
+    plain(out)  # a complete export loads
+
+    def crash(*args, **kwargs):
+        raise OSError("killed")
+    monkeypatch.setattr(tiermem.weights._C, "save_weights", crash)
+    with pytest.raises(OSError, match="killed"):
+        tiermem.save_pretrained(model, out, max_shard_size="64KB")
+    with pytest.raises(OSError):
+        transformers.AutoModelForCausalLM.from_pretrained(out)
 
 
 # ---- PEFT ------------------------------------------------------------------------------------
@@ -407,7 +429,7 @@ def test_tiermem_export_turns_a_training_checkpoint_into_a_hf_checkpoint(tmp_pat
     out = tmp_path / "out"
     cli = [sys.executable, "-m", "tiermem", "export", str(tmp_path / "train.safetensors"),
            str(out), "--config-from", str(src), "--max-shard-size", "40KB"]
-    done = subprocess.run(cli, capture_output=True, text=True)
+    done = subprocess.run(cli, capture_output=True, text=True)  # the CLI itself
     assert done.returncode == 0, done.stderr
     assert set(shards(out)[1]) == set(shards(src)[1])  # per-expert keys, the head once
     back = plain(out)
@@ -415,32 +437,29 @@ def test_tiermem_export_turns_a_training_checkpoint_into_a_hf_checkpoint(tmp_pat
     ids = tokens(vocab)[0]
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, back(input_ids=ids).logits)
-    # --dtype bf16, and without --config-from the checkpoint's own names
-    done = subprocess.run(cli[:5] + [str(tmp_path / "bf16"), "--config-from", str(src),
-                                     "--dtype", "bf16"], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
+    # --dtype bf16, and without --config-from the checkpoint's own names (in this process)
+    assert export_main(cli[4:5] + [str(tmp_path / "bf16"), "--config-from", str(src),
+                                   "--dtype", "bf16"]) == 0
     half = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16")
     assert half.config.dtype == torch.bfloat16
     for k, v in back.state_dict().items():
         assert torch.equal(half.state_dict()[k], v.to(torch.bfloat16)), k
-    done = subprocess.run(cli[:5] + [str(tmp_path / "plain")], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
+    assert export_main(cli[4:5] + [str(tmp_path / "plain")]) == 0
     names = {k for k in st.load_file(tmp_path / "plain" / "model.safetensors")}
     assert names == {n for n, _ in model.named_parameters()}
 
 
-def test_tiermem_export_refuses_a_checkpoint_of_another_model(tmp_path):
+def test_tiermem_export_refuses_a_checkpoint_of_another_model(tmp_path, capsys):
     src = save_hf(llama_config(False), tmp_path / "src")
     other = save_hf(llama_config(False, num_hidden_layers=3), tmp_path / "other")
     model, opt = tiermem.initialize(on_meta(llama_config(False, num_hidden_layers=3)),
                                     sim_cfg(), weights=other)
     tiermem.save_checkpoint(model, opt, tmp_path / "train.safetensors")
-    done = subprocess.run([sys.executable, "-m", "tiermem", "export",
-                           str(tmp_path / "train.safetensors"), str(tmp_path / "out"),
-                           "--config-from", str(src)], capture_output=True, text=True)
-    assert done.returncode == 1
-    assert "holds 'model.layers.2." in done.stderr and "LlamaForCausalLM" in done.stderr
-    assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out")
+    assert export_main([str(tmp_path / "train.safetensors"), str(tmp_path / "out"),
+                        "--config-from", str(src)]) == 1
+    err = capsys.readouterr().err
+    assert "holds 'model.layers.2." in err and "LlamaForCausalLM" in err, err
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_plain_model_does_not_import_transformers(tmp_path):

@@ -23,7 +23,8 @@ from .tensor import ChunkTensor
 from .weights import save_weights
 
 __all__ = ["initialize", "inference", "runtime_of", "save_checkpoint", "load_checkpoint",
-           "save_weights", "save_pretrained", "Config", "parse_config", "ChunkedAdamW", "ChunkTensor",
+           "save_weights", "save_pretrained", "Config", "parse_config", "ChunkedAdamW",
+           "ChunkTensor",
            # the config's modes (config.py)
            "Precision", "DeviceKind", "NvmeEngine", "KernelIsa", "PlanMode", "ActivationMode",
            "OptimizerPlacement", "OptimizerOverlap", "CheckpointIo", "UnmaterializedReads"]
