@@ -15,6 +15,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .config import (ActivationMode, CheckpointIo, Config, DeviceKind, KernelIsa, NvmeEngine,
                      OptimizerOverlap, OptimizerPlacement, PlanMode, Precision,
                      UnmaterializedReads, parse_config)
+from .hf import save_pretrained
 from .optimizer import ChunkedAdamW
 from .runtime import TiermemRuntime
 from .serve import ServingRuntime
@@ -22,7 +23,8 @@ from .tensor import ChunkTensor
 from .weights import save_weights
 
 __all__ = ["initialize", "inference", "runtime_of", "save_checkpoint", "load_checkpoint",
-           "save_weights", "Config", "parse_config", "ChunkedAdamW", "ChunkTensor",
+           "save_weights", "save_pretrained", "Config", "parse_config", "ChunkedAdamW",
+           "ChunkTensor",
            # the config's modes (config.py)
            "Precision", "DeviceKind", "NvmeEngine", "KernelIsa", "PlanMode", "ActivationMode",
            "OptimizerPlacement", "OptimizerOverlap", "CheckpointIo", "UnmaterializedReads"]
@@ -48,7 +50,9 @@ def initialize(model, config=None, param_groups=None, units=None, process_group=
     ``init(module)`` when given: a model larger than RAM never exists whole in memory
     (docs/python.md "Models larger than RAM"). `weights`: a ``.safetensors`` file or a
     Hugging Face checkpoint directory whose keys are the model's parameter (and persistent
-    buffer) names, streamed into the chunks instead — every header checked first; with
+    buffer) names — or, for a transformers model (a PEFT model around one too), the keys its
+    ``from_pretrained`` reads: prefixes, ties and key conversions as transformers resolves
+    them — streamed into the chunks instead — every header checked first; with
     ``strict=False`` parameters it lacks keep their own initialization, named in one warning
     (docs/pretrained.md). On error (ValueError for bad input, a bad checkpoint included,
     MemoryError for budgets too small, RuntimeError for a missing GPU) the model is left

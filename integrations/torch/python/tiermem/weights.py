@@ -1,7 +1,8 @@
 """Pretrained weights in and out by the model's own names (docs/pretrained.md):
 ``tiermem.initialize(model, config, weights=PATH)`` and ``tiermem.inference(...)`` load a
 safetensors file or a Hugging Face checkpoint directory straight into the chunks, and
-``tiermem.save_weights(model, PATH)`` writes the model back in the same layout.
+``tiermem.save_weights(model, PATH)`` writes the model back in the same layout. A transformers
+model gets transformers' conventions on top (hf.py: LoadPlan is then an HFLoadPlan).
 
 The core does the work (runtime/weights.h, through ``_C.load_weights`` / ``_C.save_weights``):
 reading every header and checking it against the model before anything changes, converting
@@ -9,8 +10,8 @@ reading every header and checking it against the model before anything changes, 
 writing each chunk in its home tier, streaming out. This module maps names: a parameter loads
 from the key of its name or, when the checkpoint lacks it, of another name of the same (tied)
 parameter object; a persistent buffer from its key (buffers are small: read whole, into new
-tensors); any other key in the checkpoint is a ValueError. A later layer adds a framework's
-conventions (prefixes, fused-expert conversions) through the core's explicit targets.
+tensors); any other key in the checkpoint is a ValueError. hf.py adds transformers' conventions
+(prefixes, ties, fused-expert conversions) through the core's explicit targets.
 
 Owns: a LoadPlan, from its creation (headers read, names matched, buffers checked) until the
 runtime drops it; the buffer tensors it replaced and, until set-up succeeds, the real
@@ -51,7 +52,16 @@ def _persistent_buffers(model):
 
 class LoadPlan:
     """The checkpoint at `path` matched against the model's names (see the module docstring).
-    Raises ValueError (OSError for a path that does not exist) before anything changes."""
+    Raises ValueError (OSError for a path that does not exist) before anything changes. For a
+    transformers model (or a PEFT model around one) it is an hf.HFLoadPlan: the checkpoint
+    read through transformers' conventions (prefixes, ties, key conversions)."""
+
+    def __new__(cls, model, *args, **kwargs):
+        if cls is LoadPlan:
+            from .hf import HFLoadPlan, transformers_model
+            if transformers_model(model) is not None:
+                cls = HFLoadPlan
+        return super().__new__(cls)
 
     def __init__(self, model, path, params, strict: bool):
         self.path = os.fspath(path)
@@ -94,22 +104,28 @@ class LoadPlan:
         report = _C.load_weights(session, self.path, strict=self.strict, aliases=self.aliases,
                                  ignore=self.buffer_keys)
         missing = [params[i] for i in report["missing"]]
-        # The loaded parameters' values are in the chunks: those built on the meta device get
-        # empty CPU storage, like the ones initvalues.py initializes (restore_meta undoes it).
+        self._empty_loaded(params, missing)
+        self._warn_missing([r.name for r in missing] + self.missing_buffers)
+        self.report = report
+        return missing
+
+    @staticmethod
+    def _empty_loaded(params, missing):
+        """The loaded parameters' values are in the chunks: those built on the meta device get
+        empty CPU storage, like the ones initvalues.py initializes (restore_meta undoes it)."""
         lacking = {r.index for r in missing}
         for r in params:
             if r.index not in lacking and r.orig.device.type == "meta":
                 torch.utils.swap_tensors(r.orig, torch.nn.Parameter(
                     torch.empty(0, dtype=r.orig.dtype), requires_grad=r.orig.requires_grad))
-        if missing or self.missing_buffers:
-            names = [r.name for r in missing] + self.missing_buffers
+
+    def _warn_missing(self, names):
+        if names:
             shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8
                                             else "")
             warnings.warn(f"tiermem: {len(names)} parameters and buffers are not in "
                           f"{self.path} and keep their module's initialization: {shown}",
-                          stacklevel=4)
-        self.report = report
-        return missing
+                          stacklevel=5)
 
     def load_buffers(self):
         """Gives the buffers the checkpoint's values (new tensors of their dtype). Last: after
@@ -150,21 +166,52 @@ def save_weights(model, path, max_shard_size="5GB", dtype=None):
     (``torch.bfloat16`` / ``torch.float16``) rounds the values as ``.to(dtype)`` does; floating
     buffers are converted too. A tied parameter is written once, under its first name. With a
     model sharded across ranks every rank must call it (rank 0 writes)."""
-    from . import _compiled_root, runtime_of
-    if dtype not in _DTYPE_NAMES:
-        raise ValueError(f"save_weights: dtype must be None, torch.float32, torch.bfloat16 or "
-                         f"torch.float16, got {dtype}")
-    rt = runtime_of(_compiled_root(model))
-    if rt._closed:
-        raise ValueError("save_weights: the model's tiermem runtime is closed")
-    limit = max_shard_size if isinstance(max_shard_size, int) else _C.parse_bytes(
-        str(max_shard_size))
+    check_export_dtype(dtype, "save_weights")
+    rt = managed_runtime(model, "save_weights")
     entries = [(r.name, list(r.shape), [(r.index, 0, r.numel, False)]) for r in rt.params]
     for _, _, key, b in _persistent_buffers(rt.model):
-        if dtype is not None and b.is_floating_point():
-            b = b.to(dtype)
-        entries.append((key, list(b.shape), b.detach().cpu()))
+        entries.append((key, list(b.shape), b))
     path = os.fspath(path)
+    export(rt, path, entries, max_shard_size, dtype, path.endswith(".safetensors"),
+           "save_weights")
+
+
+def managed_runtime(model, what):
+    """The open runtime of a tiermem-managed `model` (compiled or not); ValueError else."""
+    from . import _compiled_root, runtime_of
+    rt = runtime_of(_compiled_root(model))
+    if rt._closed:
+        raise ValueError(f"{what}: the model's tiermem runtime is closed")
+    return rt
+
+
+def check_export_dtype(dtype, what):
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"{what}: dtype must be None, torch.float32, torch.bfloat16 or "
+                         f"torch.float16, got {dtype}")
+
+
+def shard_bytes(max_shard_size) -> int:
+    """`max_shard_size` ("5GB", "2GiB" or an int) in bytes."""
+    return int(max_shard_size if isinstance(max_shard_size, int) else
+               _C.parse_bytes(str(max_shard_size)))
+
+
+def export(rt, path, entries, max_shard_size, dtype, single_file, what, before=None):
+    """Streams `entries` — (key, shape, segments [(tensor, offset, numel, transposed)] or a
+    buffer tensor) — out of `rt`'s session to `path` (runtime/weights.h ExportWeights), the
+    values in fp32 or rounded to `dtype`, floating buffers converted to it. `before()` runs
+    once the arguments are checked, before the first byte is written."""
+    check_export_dtype(dtype, what)
+    limit = shard_bytes(max_shard_size)
+    out = []
+    for key, shape, values in entries:
+        if isinstance(values, torch.Tensor):
+            b = values.to(dtype) if dtype is not None and values.is_floating_point() else values
+            values = b.detach().cpu()
+        out.append((key, shape, values))
     rt._on_stream()  # the values the device computed so far
-    _C.save_weights(rt.session, path, entries, dtype=_DTYPE_NAMES[dtype],
-                    max_shard_bytes=int(limit), single_file=path.endswith(".safetensors"))
+    if before is not None:
+        before()
+    _C.save_weights(rt.session, os.fspath(path), out, dtype=_DTYPE_NAMES[dtype],
+                    max_shard_bytes=limit, single_file=single_file)
