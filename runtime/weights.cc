@@ -45,20 +45,6 @@ std::vector<int64_t> Signed(const std::vector<uint64_t>& s) {
   return std::vector<int64_t>(s.begin(), s.end());
 }
 
-// The session's value dtype of a checkpoint dtype (F32, BF16, F16 only).
-std::optional<kernels::DType> KernelDType(DType d) {
-  switch (d) {
-    case DType::kF32:
-      return kernels::DType::kF32;
-    case DType::kBF16:
-      return kernels::DType::kBF16;
-    case DType::kF16:
-      return kernels::DType::kF16;
-    default:
-      return std::nullopt;
-  }
-}
-
 // A validated segment.
 struct Source {
   size_t tensor = 0;
@@ -134,7 +120,7 @@ Status Loader::CheckSegment(const WeightTarget& t, const WeightSegment& seg, Sou
                                 files_.path + " has no key '" + seg.key + "'");
   }
   const std::string where = "weights: " + Where(src);
-  const std::optional<kernels::DType> d = KernelDType(src.info->dtype);
+  const std::optional<kernels::DType> d = ValueDType(src.info->dtype);
   if (!d) {
     return InvalidArgumentError(where + " is " + std::string(weights::DTypeName(src.info->dtype)) +
                                 ": only F32, BF16 and F16 load into parameters");
@@ -506,7 +492,7 @@ StatusOr<LoadWeightsReport> Loader::Run() {
 // The shard entries of an export, validated (weights.h: ExportWeights).
 StatusOr<std::vector<weights::ShardEntry>> ExportShardEntries(
     Session& s, const std::vector<ExportEntry>& entries, const ExportOptions& o) {
-  if (!KernelDType(o.dtype)) {
+  if (!ValueDType(o.dtype)) {
     return InvalidArgumentError("weights export: values are written as F32, BF16 or F16, not " +
                                 std::string(weights::DTypeName(o.dtype)));
   }
@@ -552,6 +538,19 @@ StatusOr<std::vector<weights::ShardEntry>> ExportShardEntries(
 
 }  // namespace
 
+std::optional<kernels::DType> ValueDType(weights::DType d) {
+  switch (d) {
+    case weights::DType::kF32:
+      return kernels::DType::kF32;
+    case weights::DType::kBF16:
+      return kernels::DType::kBF16;
+    case weights::DType::kF16:
+      return kernels::DType::kF16;
+    default:
+      return std::nullopt;
+  }
+}
+
 StatusOr<LoadWeightsReport> LoadWeights(Session& session, const WeightFiles& files,
                                         const std::vector<WeightTarget>& targets,
                                         const LoadWeightsOptions& options) {
@@ -575,7 +574,7 @@ Status ExportWeights(Session& session, const std::string& path,
   if (!session.sharded() || session.rank() == 0) {
     TIERMEM_ASSIGN_OR_RETURN(w, weights::ShardWriter::Create(path, shard_entries, options.writer));
   }
-  const kernels::DType out = *KernelDType(options.dtype);
+  const kernels::DType out = *ValueDType(options.dtype);
   const uint64_t piece = std::max<uint64_t>(options.piece_elems, 1);
   std::vector<float> values(piece);
   std::vector<uint16_t> low(out == kernels::DType::kF32 ? 0 : piece);

@@ -135,4 +135,8 @@ struct ExportOptions {
 Status ExportWeights(Session& session, const std::string& path,
                      const std::vector<ExportEntry>& entries, const ExportOptions& options = {});
 
+// The element type a checkpoint dtype's values convert from (F32, BF16, F16); nullopt for
+// any other (integers, sub-byte and 8-bit float formats: not parameter values).
+std::optional<kernels::DType> ValueDType(weights::DType d);
+
 }  // namespace tiermem::session

@@ -35,6 +35,7 @@ namespace {
 
 namespace py = pybind11;
 using session::Session;
+using session::ValueDType;
 
 py::dict Inspect(const std::string& path) {
   const weights::WeightFiles files = Check(weights::OpenWeights(path));
@@ -166,20 +167,6 @@ py::dict ReadTensors(const std::string& path, const std::vector<std::string>& ke
 }
 
 // ---- copy_weights: file to file, without a session ----------------------------------------
-
-// The core element type of a safetensors dtype that values convert from (F32, BF16, F16).
-std::optional<kernels::DType> ValueDType(weights::DType d) {
-  switch (d) {
-    case weights::DType::kF32:
-      return kernels::DType::kF32;
-    case weights::DType::kBF16:
-      return kernels::DType::kBF16;
-    case weights::DType::kF16:
-      return kernels::DType::kF16;
-    default:
-      return std::nullopt;
-  }
-}
 
 // One run of a source tensor's elements written into an entry: [offset, offset + numel), or
 // (transpose) the whole 2-D source [R, C] written as its [C, R].
