@@ -51,6 +51,16 @@ def bench_gpt(layers, width, batch, steps, block=64):
     return model, list(synthetic_batches(c, batch, steps, seed=1))
 
 
+def add_tier_args(ap, device="128MiB", host="512MiB") -> None:
+    """The options `tier_config` takes: --device-kind, --device and --host."""
+    ap.add_argument("--device-kind", default="auto",
+                    choices=["auto", "host", "sim", "sim-async", "cuda"],
+                    help="auto: the GPU when there is one, else host mode (compute on the CPU "
+                         "against host memory); sim: SimDevice, a simulated device")
+    ap.add_argument("--device", default=device, help="device budget (not in host mode)")
+    ap.add_argument("--host", default=host)
+
+
 def tier_config(device_kind: str, device, host) -> dict:
     """The budgets part of a benchmark's config: `device_kind` (auto: the GPU when there is
     one, else host mode) and the host budget, plus the `device` budget unless what runs is

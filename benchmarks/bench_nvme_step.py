@@ -35,7 +35,7 @@ import time
 import torch
 
 import tiermem
-from benchmarks import bench_gpt, tier_config
+from benchmarks import add_tier_args, bench_gpt, tier_config
 from benchmarks.fio import fio_rates
 
 
@@ -56,12 +56,7 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3, help="steps before the first round")
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--width", type=int, default=768)
-    ap.add_argument("--device-kind", default="auto",
-                    choices=["auto", "host", "sim", "sim-async", "cuda"],
-                    help="auto: the GPU when there is one, else host mode (compute on the CPU "
-                         "against host memory); sim: SimDevice, a simulated device")
-    ap.add_argument("--device", default="128MiB", help="device budget (not in host mode)")
-    ap.add_argument("--host", default="512MiB")
+    add_tier_args(ap)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--dir", default=None, help="directory for the NVMe tier and fio's file")
     ap.add_argument("--nvme-size", default="4GiB")

@@ -27,7 +27,7 @@ import tempfile
 import torch
 
 import tiermem
-from benchmarks import bench_gpt, tier_config, timed_step
+from benchmarks import add_tier_args, bench_gpt, tier_config, timed_step
 
 MODES = ("backward", "next-forward", "off")
 
@@ -39,12 +39,7 @@ def main(argv=None) -> int:
     ap.add_argument("--width", type=int, default=768)
     ap.add_argument("--steps", type=int, default=10, help="steps per system (3 are warm-up)")
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--device-kind", default="auto",
-                    choices=["auto", "host", "sim", "sim-async", "cuda"],
-                    help="auto: the GPU when there is one, else host mode (compute on the CPU "
-                         "against host memory); sim: SimDevice, a simulated device")
-    ap.add_argument("--device", default="128MiB", help="device budget (not in host mode)")
-    ap.add_argument("--host", default="512MiB")
+    add_tier_args(ap)
     ap.add_argument("--nvme", default="4GiB", help="0: no NVMe tier")
     ap.add_argument("--plan", choices=["off", "auto", "always"], default="off",
                     help="both tiermem systems: the engine's reactive policy or an executed plan")
