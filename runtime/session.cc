@@ -56,6 +56,26 @@ size_t CodeSize(const kernels::StateFormat& f) {
   return f.dtype == kernels::StateDType::kInt8 ? 1 : f.dtype == kernels::StateDType::kBF16 ? 2 : 4;
 }
 
+// A budget refused for the largest row (ChooseChunkElems names it by index) also names the
+// tensor: the first with the longest row, as the layout picks it.
+Status NameLargestRow(Status refused, const std::vector<TensorSpec>& tensors,
+                      const std::vector<chunks::PackTensor>& packed) {
+  if (refused.code() != StatusCode::kResourceExhausted ||
+      refused.message().find(" elements of tensor ") == std::string::npos) {
+    return refused;
+  }
+  size_t row_of = 0;
+  for (size_t i = 0; i < packed.size(); ++i) {
+    if (packed[i].row_elems() > packed[row_of].row_elems()) row_of = i;
+  }
+  const TensorSpec& t = tensors[row_of];
+  std::string dims;
+  for (int64_t d : t.shape) dims += (dims.empty() ? "" : " x ") + std::to_string(d);
+  return ResourceExhaustedError(refused.message() + ": tensor " + std::to_string(row_of) + " is '" +
+                                t.name + "' (" + (dims.empty() ? std::to_string(t.numel) : dims) +
+                                ")");
+}
+
 Status CheckHyper(const GroupHyper& h, size_t g) {
   auto bad = [&](const std::string& what) {
     return InvalidArgumentError("optimizer param group " + std::to_string(g) + ": " + what);
@@ -201,7 +221,7 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
       choice = chunks::ChooseChunkElems(packed, at_least + at_least / 4, per_elem,
                                         kMinResidentChunks, state_align);
     }
-    if (!choice.ok()) return choice.status();
+    if (!choice.ok()) return NameLargestRow(choice.status(), tensors, packed);
     s->chunk_elems_ = choice->chunk_elems;
   } else {
     s->chunk_elems_ = *config.chunk_size;
