@@ -69,6 +69,11 @@ StatusOr<HostSizing> SizeHostChunks(const std::vector<chunks::PackTensor>& tenso
   }
   s.compute_room =
       largest * in.compute_esize * (in.trainable ? kSplitCopiesTrain : kSplitCopiesServe);
+  if (largest > 0 && in.nvme) {
+    // Its pieces span at most one chunk more than they fill (the first may start mid-chunk).
+    s.pinned_chunks = (largest + s.chunk_elems - 1) / s.chunk_elems + 1;
+    s.reserve += s.pinned_chunks * AlignUp(s.chunk_elems * 4, kPage);
+  }
   return s;
 }
 
@@ -83,6 +88,27 @@ StatusOr<Bytes> SufficientHostBudget(const std::vector<chunks::PackTensor>& tens
   return budget;
 }
 
+StatusOr<ModelFloors> ComputeModelFloors(const std::vector<chunks::PackTensor>& tensors,
+                                         const HostSizingInputs& in) {
+  if (tensors.empty()) return InvalidArgumentError("floors: the model has no tensors");
+  ModelFloors f;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].numel > tensors[f.largest_tensor].numel) f.largest_tensor = i;
+    if (tensors[i].row_elems() > tensors[f.device_row_tensor].row_elems()) f.device_row_tensor = i;
+  }
+  std::vector<chunks::PackTensor> whole = tensors;
+  for (chunks::PackTensor& t : whole) t.rows = 1;
+  TIERMEM_ASSIGN_OR_RETURN(const uint64_t whole_chunk, ShareChunk(whole, in, 0));
+  f.host_whole = Reserve(in, whole_chunk);
+  TIERMEM_ASSIGN_OR_RETURN(f.host_sufficient, SufficientHostBudget(tensors, in));
+  TIERMEM_ASSIGN_OR_RETURN(f.host_at_sufficient, SizeHostChunks(tensors, in, f.host_sufficient));
+  f.device_minimum = chunks::MinimumDeviceBudget(tensors[f.device_row_tensor].row_elems(),
+                                                 in.per_elem, kWorkingChunks);
+  f.device_split_copies = tensors[f.largest_tensor].numel * in.compute_esize *
+                          (in.trainable ? kSplitCopiesTrain : kSplitCopiesServe);
+  return f;
+}
+
 std::string HostFloorRefusal(Bytes host_budget, const HostSizing& sizing,
                              const HostSizingInputs& in, const std::string& name,
                              const std::vector<int64_t>& shape, uint64_t numel,
@@ -92,14 +118,17 @@ std::string HostFloorRefusal(Bytes host_budget, const HostSizing& sizing,
   if (dims.empty()) dims = std::to_string(numel);
   const std::string copies =
       in.trainable ? "its contiguous compute copy and its gradient" : "its contiguous compute copy";
+  const Bytes slot = AlignUp(sizing.chunk_elems * 4, kPage);
   return "host budget of " + FormatBytes(host_budget) + " (" + std::to_string(host_budget) +
          " bytes) is below the minimum of " + FormatBytes(sizing.need()) + " (" +
          std::to_string(sizing.need()) + " bytes) for this model with NVMe: tensor '" + name +
          "' (" + dims + ", " + std::string(dtype_name) + ") is split across chunks and needs " +
          FormatBytes(sizing.compute_room) + " for " + copies + " while its unit computes, plus " +
-         FormatBytes(sizing.reserve) + " of room for the NVMe-homed chunks in use (" +
-         std::to_string(HostReserveChunks(in.trainable)) + " chunks of " +
-         FormatBytes(sizing.chunk_elems * 4) +
+         FormatBytes(sizing.pinned_chunks * slot) + " for its " +
+         std::to_string(sizing.pinned_chunks) + " chunks pinned meanwhile, plus " +
+         FormatBytes(sizing.reserve - sizing.pinned_chunks * slot) +
+         " of room for the other NVMe-homed chunks in use (" +
+         std::to_string(HostReserveChunks(in.trainable)) + " chunks of " + FormatBytes(slot) +
          (in.host_reserve > 0 ? ", and host_reserve's " + FormatBytes(in.host_reserve) : "") +
          "); the chunk size follows the host budget: a host budget of " + FormatBytes(sufficient) +
          " (" + std::to_string(sufficient) + " bytes) is enough";

@@ -8,12 +8,14 @@
 // large tensor (a 32,000-token vocabulary's embedding or head) would then set the floor at
 // 7 chunks of itself. Below that, tensors larger than a chunk of the share are split into
 // pieces of whole rows, each in its own chunk group, as in device mode: the optimizer steps
-// them piece by piece (one piece's p, g, m and v at a time, the group's chunks), and while its
-// unit computes the binding holds one contiguous copy of the split tensor (and, training,
-// torch's dense gradient of it). Those copies are counted in the host budget: the host tier is
-// built kSplitCopies x the largest split tensor smaller (compute_room), so the budget stays
-// the ceiling of both. Floor with splitting: 2 x the largest tensor + 7 chunks of about
-// budget / 32, i.e. about 2.56 x the largest tensor, against 7 x it whole.
+// them piece by piece (one piece's p, g, m and v at a time, the group's chunks). While its unit
+// computes, the binding pins every piece of a split tensor (its chunks: kept free of homes,
+// in the reserve) and holds one contiguous copy of it and, training, torch's dense gradient of
+// it. Those copies are counted in the host budget: the host tier is built kSplitCopies x the
+// largest split tensor smaller (compute_room), so the budget stays the ceiling of both. Floor
+// with splitting, T the largest tensor: 3 T + 7 chunks of about budget / 32, i.e. about
+// 3.84 T, against 7 T whole. (The pinned pieces could go — the copy assembled one piece at a
+// time — for 2 T: the binding's acquire of a unit's groups would have to change.)
 //
 // Why split only below the whole-tensor floor: splitting costs a copy of each split tensor
 // per unit call and keeps split tensors out of compressed optimizer-state formats
@@ -65,11 +67,13 @@ struct HostSizingInputs {
 // Host mode's layout at one host budget (no expert sets, no chunk_size given).
 struct HostSizing {
   uint64_t chunk_elems = 0;
-  bool split = false;        // tensors larger than a chunk are pieces of rows (else all whole)
-  Bytes reserve = 0;         // host room never used for homes: HostReserveChunks fp32 chunks
-                             // (page-aligned) + host_reserve; 0 without NVMe
-  Bytes compute_room = 0;    // split: the largest split tensor's copies (kSplitCopies*)
-  int64_t room_tensor = -1;  // the tensor that sets compute_room (-1: none)
+  bool split = false;          // tensors larger than a chunk are pieces of rows (else all whole)
+  Bytes reserve = 0;           // host room never used for homes: HostReserveChunks fp32 chunks
+                               // (page-aligned; split: + pinned_chunks) + host_reserve; 0
+                               // without NVMe
+  Bytes compute_room = 0;      // split: the largest split tensor's copies (kSplitCopies*)
+  int64_t room_tensor = -1;    // the tensor that sets compute_room (-1: none)
+  uint64_t pinned_chunks = 0;  // split: the most chunks a split tensor's pieces span
   Bytes need() const { return reserve + compute_room; }
 };
 
@@ -90,5 +94,28 @@ std::string HostFloorRefusal(Bytes host_budget, const HostSizing& sizing,
                              const HostSizingInputs& in, const std::string& name,
                              const std::vector<int64_t>& shape, uint64_t numel,
                              std::string_view dtype_name, Bytes sufficient);
+
+// The floors of a model's training (or serving) state, without building anything: what
+// `tiermem floor` prints (docs/configuration.md "The floors of a model").
+struct ModelFloors {
+  // Host mode with NVMe: tensors whole (7 chunks of about the largest, the floor before
+  // splitting), and the budget SufficientHostBudget finds, with its sizing.
+  Bytes host_whole = 0;
+  Bytes host_sufficient = 0;
+  HostSizing host_at_sufficient;
+  // Device mode (SimDevice, CUDA): the device budget below which the layout is refused
+  // (kMinResidentChunks chunks of the longest row: `device_row_tensor`'s), and the most a
+  // split tensor's compute copies take on the device beside it (outside the device budget:
+  // the largest tensor's copy and, training, its gradient, in the compute dtype).
+  Bytes device_minimum = 0;
+  size_t device_row_tensor = 0;
+  Bytes device_split_copies = 0;
+  size_t largest_tensor = 0;
+};
+
+// `tensors` in the session's order, rows = their first dimension; `in` as Session::Create
+// builds it (nvme true for the host floors).
+StatusOr<ModelFloors> ComputeModelFloors(const std::vector<chunks::PackTensor>& tensors,
+                                         const HostSizingInputs& in);
 
 }  // namespace tiermem::session

@@ -360,9 +360,11 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
   sl.chunk_bytes = s->shard_elems_ * 4;  // the largest (fp32) chunk of a group held here
   // Host room for caches of NVMe-homed chunks: every kind of one group at once (the optimizer
   // step holds them there); without trainable tensors (serving) one chunk, for value reads.
-  // Host mode computes on host copies too: host_floor.h's HostReserveChunks.
-  const Bytes reserve_chunks =
-      host ? static_cast<Bytes>(HostReserveChunks(any_trainable)) : (any_trainable ? 5 : 1);
+  // Host mode computes on host copies too: host_floor.h's HostReserveChunks, and with split
+  // tensors the chunks the largest one's pieces span (its unit pins them all).
+  const Bytes reserve_chunks = host ? static_cast<Bytes>(HostReserveChunks(any_trainable)) +
+                                          (host_sizing ? host_sizing->pinned_chunks : 0)
+                                    : (any_trainable ? 5 : 1);
   sl.host_reserve = config.nvme_size == 0
                         ? 0
                         : reserve_chunks * AlignUp(sl.chunk_bytes, kPage) + config.host_reserve;

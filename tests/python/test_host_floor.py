@@ -111,3 +111,35 @@ def test_the_12x768_llama_with_a_32k_vocabulary_trains_in_512MiB_equal_to_plain_
     print(f"12x768x32k at 512 MiB: {len(data)} steps in {time.perf_counter() - t0:.1f} s")
     assert losses == ref_losses
     assert tiermem.runtime_of(model).stats()["tiers"]["nvme"]["used"] > 0
+
+
+def test_tiermem_floor_prints_the_budgets_the_session_asks_for(tmp_path):
+    # `tiermem floor` computes the floors of a Llama shape with the session's own rules, without
+    # a model: its host budget is the refusal's "is enough", and that budget trains a step; its
+    # whole-tensor floor is the one measured before splitting.
+    import re
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "tiermem", "floor", "--layers", "2", "--hidden",
+                          "64", "--intermediate", "128", "--vocab", "32000", "--heads", "4"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    enough = int(re.search(r"a host budget of .* \((\d+) bytes\) is enough; tensor "
+                           r"'model\.embed_tokens\.weight' \(32000 x 64\) sets it",
+                           out.stdout).group(1))
+    whole = int(re.search(r"tensors kept whole \(before splitting\): .* \((\d+) bytes\)",
+                          out.stdout).group(1))
+    assert whole == CI_WHOLE_FLOOR
+    assert "device mode: a device budget of at least" in out.stdout
+    with accelerate.init_empty_weights():
+        model = transformers.LlamaForCausalLM(llama(**CI))
+    with pytest.raises(MemoryError, match=rf"a host budget of .* \({enough} bytes\) is enough"):
+        tiermem.initialize(model, cfg(tmp_path, "12MiB"))
+    _, ours, data = pair_and_data(CI, 1)
+    model, opt = tiermem.initialize(ours, cfg(tmp_path, enough))
+    train(model, opt, data)
+    assert tiermem.runtime_of(model).stats()["tiers"]["nvme"]["used"] > 0
+    bad = subprocess.run([sys.executable, "-m", "tiermem", "floor", "--layers", "2", "--hidden",
+                          "64", "--intermediate", "128", "--vocab", "32000", "--precision", "f8"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--precision 'f8'" in bad.stderr, bad.stderr
