@@ -187,11 +187,12 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
   // tensor, and with expert sets an expert's slices (each expert in chunks of its own).
   TIERMEM_ASSIGN_OR_RETURN(const uint64_t expert_item, chunks::LargestExpertItem(packed));
   // Host mode without expert sets: the chunk size, and whether large tensors are split,
-  // follow the host budget (host_floor.h); with chunk_size given, tensors stay whole.
+  // follow the host budget (host_floor.h); with chunk_size given, or sharded (a sharded
+  // session keeps every tensor whole, below), tensors stay whole as before.
   const HostSizingInputs host_in{
       per_elem, esize, state_align, any_trainable, config.nvme_size > 0, config.host_reserve};
   std::optional<HostSizing> host_sizing;
-  if (host && expert_item == 0 && !config.chunk_size) {
+  if (host && expert_item == 0 && !config.chunk_size && sharding.world == 1) {
     TIERMEM_ASSIGN_OR_RETURN(host_sizing, SizeHostChunks(packed, host_in, config.host_budget));
   }
   if (host && expert_item == 0 && !(host_sizing && host_sizing->split)) {
