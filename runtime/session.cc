@@ -23,9 +23,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 
 #include "base/logging.h"
 #include "runtime/device_kernels.h"
+#include "runtime/host_floor.h"
 #include "runtime/tier_stack.h"
 
 namespace tiermem::session {
@@ -52,6 +54,26 @@ bool IsStateKind(ChunkKind k) { return k == ChunkKind::kExpAvg || k == ChunkKind
 // Bytes per element of a state format's codes (before int8's absmax).
 size_t CodeSize(const kernels::StateFormat& f) {
   return f.dtype == kernels::StateDType::kInt8 ? 1 : f.dtype == kernels::StateDType::kBF16 ? 2 : 4;
+}
+
+// A budget refused for the largest row (ChooseChunkElems names it by index) also names the
+// tensor: the first with the longest row, as the layout picks it.
+Status NameLargestRow(Status refused, const std::vector<TensorSpec>& tensors,
+                      const std::vector<chunks::PackTensor>& packed) {
+  if (refused.code() != StatusCode::kResourceExhausted ||
+      refused.message().find(" elements of tensor ") == std::string::npos) {
+    return refused;
+  }
+  size_t row_of = 0;
+  for (size_t i = 0; i < packed.size(); ++i) {
+    if (packed[i].row_elems() > packed[row_of].row_elems()) row_of = i;
+  }
+  const TensorSpec& t = tensors[row_of];
+  std::string dims;
+  for (int64_t d : t.shape) dims += (dims.empty() ? "" : " x ") + std::to_string(d);
+  return ResourceExhaustedError(refused.message() + ": tensor " + std::to_string(row_of) + " is '" +
+                                t.name + "' (" + (dims.empty() ? std::to_string(t.numel) : dims) +
+                                ")");
 }
 
 Status CheckHyper(const GroupHyper& h, size_t g) {
@@ -164,10 +186,16 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
   // The smallest chunk that holds the largest piece a unit needs at once: a row of any
   // tensor, and with expert sets an expert's slices (each expert in chunks of its own).
   TIERMEM_ASSIGN_OR_RETURN(const uint64_t expert_item, chunks::LargestExpertItem(packed));
-  if (host && expert_item == 0) {
-    // Host mode sizes chunks by a share of the host budget, not by a device working set that
-    // must hold them: tensors stay whole (the host room kept for NVMe-homed chunks in use is
-    // counted in chunks, which a split tensor would need more of at once).
+  // Host mode without expert sets: the chunk size, and whether large tensors are split,
+  // follow the host budget (host_floor.h); with chunk_size given, or sharded (a sharded
+  // session keeps every tensor whole, below), tensors stay whole as before.
+  const HostSizingInputs host_in{
+      per_elem, esize, state_align, any_trainable, config.nvme_size > 0, config.host_reserve};
+  std::optional<HostSizing> host_sizing;
+  if (host && expert_item == 0 && !config.chunk_size && sharding.world == 1) {
+    TIERMEM_ASSIGN_OR_RETURN(host_sizing, SizeHostChunks(packed, host_in, config.host_budget));
+  }
+  if (host && expert_item == 0 && !(host_sizing && host_sizing->split)) {
     for (chunks::PackTensor& pt : packed) pt.rows = 1;
   }
   uint64_t min_piece = 0;
@@ -179,7 +207,9 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
   const Bytes sizing_budget = host ? per_elem * (config.host_budget / 32) : config.device_budget;
   s->min_device_budget_ =
       host ? 0 : chunks::MinimumDeviceBudget(min_piece, per_elem, kMinResidentChunks);
-  if (!config.chunk_size) {
+  if (host_sizing) {
+    s->chunk_elems_ = host_sizing->chunk_elems;
+  } else if (!config.chunk_size) {
     StatusOr<chunks::ChunkSizeChoice> choice =
         chunks::ChooseChunkElems(packed, sizing_budget, per_elem, kMinResidentChunks, state_align);
     if (!choice.ok() && host) {
@@ -192,7 +222,7 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
       choice = chunks::ChooseChunkElems(packed, at_least + at_least / 4, per_elem,
                                         kMinResidentChunks, state_align);
     }
-    if (!choice.ok()) return choice.status();
+    if (!choice.ok()) return NameLargestRow(choice.status(), tensors, packed);
     s->chunk_elems_ = choice->chunk_elems;
   } else {
     s->chunk_elems_ = *config.chunk_size;
@@ -331,14 +361,28 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
   sl.chunk_bytes = s->shard_elems_ * 4;  // the largest (fp32) chunk of a group held here
   // Host room for caches of NVMe-homed chunks: every kind of one group at once (the optimizer
   // step holds them there); without trainable tensors (serving) one chunk, for value reads.
-  // Host mode computes on host copies too: the chunks a unit computes with (serving: as many
-  // as the device minimum, kMinResidentChunks) and the next ones prefetched (two more) need
-  // that room beside the optimizer step's group.
-  const Bytes reserve_chunks =
-      host ? (any_trainable ? 5 : kMinResidentChunks) + 2 : (any_trainable ? 5 : 1);
+  // Host mode computes on host copies too: host_floor.h's HostReserveChunks, and with split
+  // tensors the chunks the largest one's pieces span (its unit pins them all).
+  const Bytes reserve_chunks = host ? static_cast<Bytes>(HostReserveChunks(any_trainable)) +
+                                          (host_sizing ? host_sizing->pinned_chunks : 0)
+                                    : (any_trainable ? 5 : 1);
   sl.host_reserve = config.nvme_size == 0
                         ? 0
                         : reserve_chunks * AlignUp(sl.chunk_bytes, kPage) + config.host_reserve;
+  // Host mode with split tensors: their compute copies count in the host budget, outside the
+  // host tier (host_floor.h). Refused here, naming the tensor, before anything is built.
+  SessionConfig tier_config = s->config_;
+  if (host_sizing && host_sizing->compute_room > 0) {
+    const HostSizing& hs = *host_sizing;
+    if (hs.need() > config.host_budget) {
+      TIERMEM_ASSIGN_OR_RETURN(const Bytes enough, SufficientHostBudget(packed, host_in));
+      const TensorSpec& t = s->specs_[static_cast<size_t>(hs.room_tensor)];
+      return ResourceExhaustedError(HostFloorRefusal(config.host_budget, hs, host_in, t.name,
+                                                     t.shape, t.numel, ModeName(config.precision),
+                                                     enough));
+    }
+    tier_config.host_budget -= hs.compute_room;
+  }
   // A served mixture-of-experts model: the dense groups are created first and homed on the
   // host; the experts are homed on NVMe and the rest of the host budget caches them by use.
   std::vector<uint8_t> expert_group(s->groups_.size(), 0);
@@ -362,7 +406,7 @@ StatusOr<std::unique_ptr<Session>> Session::Create(const SessionConfig& config,
   sl.host_prefault =
       config.nvme_size > 0 && s->model_bytes_ > config.host_budget ? config.host_budget : 0;
   // The stack builds the device kind resolved above (config_'s).
-  TIERMEM_ASSIGN_OR_RETURN(s->stack_, TierStack::Create(s->config_, sl));
+  TIERMEM_ASSIGN_OR_RETURN(s->stack_, TierStack::Create(tier_config, sl));
   s->stepper_ = std::make_unique<OptimizerStepper>(s.get(), s->stack_.get(), &s->trace_);
   s->timeline_path_ = s->stack_->timeline_path();
   chunks::Engine* eng = s->stack_->engine();

@@ -20,5 +20,7 @@ void RegisterProf(CLI::App& app);
 void RegisterRun(CLI::App& app);
 // `tiermem plan simulate|compare|show|synth|bench-builder` (tools/plan/).
 void RegisterPlan(CLI::App& app);
+// `tiermem floor --layers --hidden --intermediate --vocab ...` (tools/floor/).
+void RegisterFloor(CLI::App& app);
 
 }  // namespace tiermem::tools

@@ -17,6 +17,7 @@ int main(int argc, char** argv) {
   tiermem::tools::RegisterProf(app);
   tiermem::tools::RegisterRun(app);
   tiermem::tools::RegisterPlan(app);
+  tiermem::tools::RegisterFloor(app);
   CLI11_PARSE(app, argc, argv);
   return 0;
 }

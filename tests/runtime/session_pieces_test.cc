@@ -122,6 +122,9 @@ TEST(SessionPieces, BelowTheLargestRowTheBudgetIsRefusedNamingThePiece) {
               StatusIs(StatusCode::kResourceExhausted,
                        "chunks holding the largest piece a unit needs at once: a row of 40 "
                        "elements of tensor 1"));
+  // ... and names that tensor.
+  EXPECT_THAT(Session::Create(*c, kSpecs),
+              StatusIs(StatusCode::kResourceExhausted, "tensor 1 is 'big' (200 x 40)"));
   auto ok = ParseConfig({{"device", 40 * 8 * 4}, {"device_kind", "sim"}}, MapEnv({}));
   EXPECT_THAT(Session::Create(*ok, kSpecs).status(), IsOk());
 }

@@ -1,0 +1,137 @@
+// Host mode's chunk sizing and floor (see host_floor.h).
+#include "runtime/host_floor.h"
+
+#include <algorithm>
+
+namespace tiermem::session {
+namespace {
+
+constexpr Bytes kPage = 4096;
+constexpr Bytes kMiB = Bytes{1} << 20;
+// SufficientHostBudget's rounds: the need grows by a 7/32 share of each raise, so a handful
+// converge; the bound only guards against a chunk choice that keeps growing.
+constexpr int kMaxRaises = 64;
+
+// The device working set ChooseChunkElems sizes chunks for (session.cc's kMinResidentChunks).
+constexpr int kWorkingChunks = 4;
+
+// A chunk of at most the budget's share, or, when the largest piece (a whole tensor, or a
+// row of a split one) is larger, of about that piece: the least waste up to 5/4 of it. Not
+// exactly the piece: a layer whose tensors sum to a multiple of its largest would leave its
+// small ones a chunk of their own (GPT 8 x 2304 at 2 GiB: 5 groups per block instead of 3,
+// chunks 1.7x the state).
+StatusOr<uint64_t> ShareChunk(const std::vector<chunks::PackTensor>& tensors,
+                              const HostSizingInputs& in, Bytes host_budget) {
+  const Bytes share = in.per_elem * (host_budget / kHostChunkShare);
+  StatusOr<chunks::ChunkSizeChoice> choice =
+      chunks::ChooseChunkElems(tensors, share, in.per_elem, kWorkingChunks, in.align_elems);
+  if (!choice.ok()) {
+    uint64_t piece = 0;
+    for (const chunks::PackTensor& t : tensors) piece = std::max(piece, t.row_elems());
+    const Bytes at_least = chunks::MinimumDeviceBudget(piece, in.per_elem, kWorkingChunks);
+    choice = chunks::ChooseChunkElems(tensors, at_least * kHostChunkSlackNum / kHostChunkSlackDen,
+                                      in.per_elem, kWorkingChunks, in.align_elems);
+  }
+  if (!choice.ok()) return choice.status();
+  return choice->chunk_elems;
+}
+
+Bytes Reserve(const HostSizingInputs& in, uint64_t chunk_elems) {
+  if (!in.nvme) return 0;
+  return static_cast<Bytes>(HostReserveChunks(in.trainable)) * AlignUp(chunk_elems * 4, kPage) +
+         in.host_reserve;
+}
+
+}  // namespace
+
+int HostReserveChunks(bool trainable) {
+  return (trainable ? kStepGroupChunks : kServeUnitChunks) + kLookaheadChunks;
+}
+
+StatusOr<HostSizing> SizeHostChunks(const std::vector<chunks::PackTensor>& tensors,
+                                    const HostSizingInputs& in, Bytes host_budget) {
+  std::vector<chunks::PackTensor> whole = tensors;
+  for (chunks::PackTensor& t : whole) t.rows = 1;
+  HostSizing s;
+  TIERMEM_ASSIGN_OR_RETURN(s.chunk_elems, ShareChunk(whole, in, host_budget));
+  s.reserve = Reserve(in, s.chunk_elems);
+  if (s.reserve <= host_budget) return s;
+  // Whole tensors do not fit: split those larger than a chunk of the share.
+  s.split = true;
+  TIERMEM_ASSIGN_OR_RETURN(s.chunk_elems, ShareChunk(tensors, in, host_budget));
+  s.reserve = Reserve(in, s.chunk_elems);
+  uint64_t largest = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].numel > s.chunk_elems && tensors[i].numel > largest) {
+      largest = tensors[i].numel;
+      s.room_tensor = static_cast<int64_t>(i);
+    }
+  }
+  s.compute_room =
+      largest * in.compute_esize * (in.trainable ? kSplitCopiesTrain : kSplitCopiesServe);
+  if (largest > 0 && in.nvme) {
+    // Its pieces span at most one chunk more than they fill (the first may start mid-chunk).
+    s.pinned_chunks = (largest + s.chunk_elems - 1) / s.chunk_elems + 1;
+    s.reserve += s.pinned_chunks * AlignUp(s.chunk_elems * 4, kPage);
+  }
+  return s;
+}
+
+StatusOr<Bytes> SufficientHostBudget(const std::vector<chunks::PackTensor>& tensors,
+                                     const HostSizingInputs& in) {
+  Bytes budget = kMiB;
+  for (int i = 0; i < kMaxRaises; ++i) {
+    TIERMEM_ASSIGN_OR_RETURN(const HostSizing s, SizeHostChunks(tensors, in, budget));
+    if (s.need() < budget) return budget;
+    budget = AlignUp(std::max(s.need() + 1, budget + 1), kMiB);
+  }
+  return budget;
+}
+
+StatusOr<ModelFloors> ComputeModelFloors(const std::vector<chunks::PackTensor>& tensors,
+                                         const HostSizingInputs& in) {
+  if (tensors.empty()) return InvalidArgumentError("floors: the model has no tensors");
+  ModelFloors f;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].numel > tensors[f.largest_tensor].numel) f.largest_tensor = i;
+    if (tensors[i].row_elems() > tensors[f.device_row_tensor].row_elems()) f.device_row_tensor = i;
+  }
+  std::vector<chunks::PackTensor> whole = tensors;
+  for (chunks::PackTensor& t : whole) t.rows = 1;
+  TIERMEM_ASSIGN_OR_RETURN(const uint64_t whole_chunk, ShareChunk(whole, in, 0));
+  f.host_whole = Reserve(in, whole_chunk);
+  TIERMEM_ASSIGN_OR_RETURN(f.host_sufficient, SufficientHostBudget(tensors, in));
+  TIERMEM_ASSIGN_OR_RETURN(f.host_at_sufficient, SizeHostChunks(tensors, in, f.host_sufficient));
+  f.device_minimum = chunks::MinimumDeviceBudget(tensors[f.device_row_tensor].row_elems(),
+                                                 in.per_elem, kWorkingChunks);
+  f.device_split_copies = tensors[f.largest_tensor].numel * in.compute_esize *
+                          (in.trainable ? kSplitCopiesTrain : kSplitCopiesServe);
+  return f;
+}
+
+std::string HostFloorRefusal(Bytes host_budget, const HostSizing& sizing,
+                             const HostSizingInputs& in, const std::string& name,
+                             const std::vector<int64_t>& shape, uint64_t numel,
+                             std::string_view dtype_name, Bytes sufficient) {
+  std::string dims;
+  for (int64_t d : shape) dims += (dims.empty() ? "" : " x ") + std::to_string(d);
+  if (dims.empty()) dims = std::to_string(numel);
+  const std::string copies =
+      in.trainable ? "its contiguous compute copy and its gradient" : "its contiguous compute copy";
+  const Bytes slot = AlignUp(sizing.chunk_elems * 4, kPage);
+  return "host budget of " + FormatBytes(host_budget) + " (" + std::to_string(host_budget) +
+         " bytes) is below the minimum of " + FormatBytes(sizing.need()) + " (" +
+         std::to_string(sizing.need()) + " bytes) for this model with NVMe: tensor '" + name +
+         "' (" + dims + ", " + std::string(dtype_name) + ") is split across chunks and needs " +
+         FormatBytes(sizing.compute_room) + " for " + copies + " while its unit computes, plus " +
+         FormatBytes(sizing.pinned_chunks * slot) + " for its " +
+         std::to_string(sizing.pinned_chunks) + " chunks pinned meanwhile, plus " +
+         FormatBytes(sizing.reserve - sizing.pinned_chunks * slot) +
+         " of room for the other NVMe-homed chunks in use (" +
+         std::to_string(HostReserveChunks(in.trainable)) + " chunks of " + FormatBytes(slot) +
+         (in.host_reserve > 0 ? ", and host_reserve's " + FormatBytes(in.host_reserve) : "") +
+         "); the chunk size follows the host budget: a host budget of " + FormatBytes(sufficient) +
+         " (" + std::to_string(sufficient) + " bytes) is enough";
+}
+
+}  // namespace tiermem::session

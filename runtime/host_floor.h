@@ -1,0 +1,121 @@
+// Host mode's chunk sizing and its floor: the host budget below which a model cannot run in
+// host mode with NVMe (docs/host-mode.md "Chunk size and the host room").
+//
+// Without a device budget, an fp32 chunk is at most 1/kHostChunkShare of the host budget, and
+// with NVMe the host keeps room for the NVMe-homed chunks in use (HostReserveChunks of them).
+// Tensors stay whole while that room fits the budget: compute then reads every chunk's host
+// copy in place, and chunks are sized by the largest tensor when it exceeds the share. A
+// large tensor (a 32,000-token vocabulary's embedding or head) would then set the floor at
+// 7 chunks of itself. Below that, tensors larger than a chunk of the share are split into
+// pieces of whole rows, each in its own chunk group, as in device mode: the optimizer steps
+// them piece by piece (one piece's p, g, m and v at a time, the group's chunks). While its unit
+// computes, the binding pins every piece of a split tensor (its chunks: kept free of homes,
+// in the reserve) and holds one contiguous copy of it and, training, torch's dense gradient of
+// it. Those copies are counted in the host budget: the host tier is built kSplitCopies x the
+// largest split tensor smaller (compute_room), so the budget stays the ceiling of both. Floor
+// with splitting, T the largest tensor: 3 T + 7 chunks of about budget / 32, i.e. about
+// 3.84 T, against 7 T whole. (The pinned pieces could go — the copy assembled one piece at a
+// time — for 2 T: the binding's acquire of a unit's groups would have to change.)
+//
+// Why split only below the whole-tensor floor: splitting costs a copy of each split tensor
+// per unit call and keeps split tensors out of compressed optimizer-state formats
+// (session.cc), so a budget that trains with whole tensors keeps them whole.
+//
+// Pure functions of the layout inputs: no tiers, no session.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "base/status.h"
+#include "base/units.h"
+#include "layout/chunk_layout.h"
+
+namespace tiermem::session {
+
+// An fp32 chunk is at most 1 / kHostChunkShare of the host budget (so the room held for
+// NVMe-homed chunks in use stays a small part of it).
+inline constexpr Bytes kHostChunkShare = 32;
+// A chunk sized by a tensor larger than the share: the least waste up to 5/4 of it.
+inline constexpr Bytes kHostChunkSlackNum = 5, kHostChunkSlackDen = 4;
+// Host room held for NVMe-homed chunks in use, in chunks: one chunk group's optimizer step
+// (param lowp, param fp32, grad, m, v), or what a served unit computes with (the device
+// minimum, kMinResidentChunks), plus the chunks prefetched next.
+inline constexpr int kStepGroupChunks = 5;
+inline constexpr int kServeUnitChunks = 4;
+inline constexpr int kLookaheadChunks = 2;
+// Copies of a split tensor a unit holds while it computes, in the compute dtype: the
+// contiguous compute copy, and training, torch's dense gradient (dense even for an
+// embedding, whose gradient is sparse in use).
+inline constexpr Bytes kSplitCopiesTrain = 2;
+inline constexpr Bytes kSplitCopiesServe = 1;
+
+// Chunks of host room held for NVMe-homed chunks in use in host mode.
+int HostReserveChunks(bool trainable);
+
+// What host sizing reads. `tensors` as given (rows: their first dimension).
+struct HostSizingInputs {
+  Bytes per_elem = 0;        // compute (+ grad) bytes per element, as the device working set
+  Bytes compute_esize = 4;   // bytes per element of a compute copy
+  uint64_t align_elems = 0;  // chunk sizes are multiples of it (int8 state: its block)
+  bool trainable = true;     // anything trains
+  bool nvme = false;         // with NVMe: room is held for NVMe-homed chunks
+  Bytes host_reserve = 0;    // config host_reserve: kept out of homes beside that room
+};
+
+// Host mode's layout at one host budget (no expert sets, no chunk_size given).
+struct HostSizing {
+  uint64_t chunk_elems = 0;
+  bool split = false;          // tensors larger than a chunk are pieces of rows (else all whole)
+  Bytes reserve = 0;           // host room never used for homes: HostReserveChunks fp32 chunks
+                               // (page-aligned; split: + pinned_chunks) + host_reserve; 0
+                               // without NVMe
+  Bytes compute_room = 0;      // split: the largest split tensor's copies (kSplitCopies*)
+  int64_t room_tensor = -1;    // the tensor that sets compute_room (-1: none)
+  uint64_t pinned_chunks = 0;  // split: the most chunks a split tensor's pieces span
+  Bytes need() const { return reserve + compute_room; }
+};
+
+// The chunk size and split choice at `host_budget` (the file comment's rule).
+// kResourceExhausted only as ChooseChunkElems reports it.
+StatusOr<HostSizing> SizeHostChunks(const std::vector<chunks::PackTensor>& tensors,
+                                    const HostSizingInputs& in, Bytes host_budget);
+
+// A host budget at which SizeHostChunks needs no more than the budget (found by raising the
+// budget to what it needs there until it holds; the chunk size follows the budget), rounded
+// up to a MiB.
+StatusOr<Bytes> SufficientHostBudget(const std::vector<chunks::PackTensor>& tensors,
+                                     const HostSizingInputs& in);
+
+// The refusal of `host_budget` when sizing.need() exceeds it and a split tensor sets the
+// room: names the tensor (`name`, `shape`, `dtype_name`), what it needs, and `sufficient`.
+std::string HostFloorRefusal(Bytes host_budget, const HostSizing& sizing,
+                             const HostSizingInputs& in, const std::string& name,
+                             const std::vector<int64_t>& shape, uint64_t numel,
+                             std::string_view dtype_name, Bytes sufficient);
+
+// The floors of a model's training (or serving) state, without building anything: what
+// `tiermem floor` prints (docs/configuration.md "The floors of a model").
+struct ModelFloors {
+  // Host mode with NVMe: tensors whole (7 chunks of about the largest, the floor before
+  // splitting), and the budget SufficientHostBudget finds, with its sizing.
+  Bytes host_whole = 0;
+  Bytes host_sufficient = 0;
+  HostSizing host_at_sufficient;
+  // Device mode (SimDevice, CUDA): the device budget below which the layout is refused
+  // (kMinResidentChunks chunks of the longest row: `device_row_tensor`'s), and the most a
+  // split tensor's compute copies take on the device beside it (outside the device budget:
+  // the largest tensor's copy and, training, its gradient, in the compute dtype).
+  Bytes device_minimum = 0;
+  size_t device_row_tensor = 0;
+  Bytes device_split_copies = 0;
+  size_t largest_tensor = 0;
+};
+
+// `tensors` in the session's order, rows = their first dimension; `in` as Session::Create
+// builds it (nvme true for the host floors).
+StatusOr<ModelFloors> ComputeModelFloors(const std::vector<chunks::PackTensor>& tensors,
+                                         const HostSizingInputs& in);
+
+}  // namespace tiermem::session
