@@ -2,9 +2,12 @@
 docs/benchmarks.md "Pretrained weights"): a Llama-shaped bf16 checkpoint written shard by
 shard from random values, then fine-tuned from it under tiermem.
 
-    python -m benchmarks.demo_pretrained write DIR [shape]      the checkpoint only
-    python -m benchmarks.demo_pretrained lora  [shape] [--host 2GiB] [--nvme-dir D]
-    python -m benchmarks.demo_pretrained full  [shape] [--host 2GiB] [--nvme-dir D]
+    python -m benchmarks.demo_pretrained write DIR [SHAPE]      the checkpoint only
+    python -m benchmarks.demo_pretrained lora  [SHAPE] [--host 15GiB] [--work DIR] [--small]
+    python -m benchmarks.demo_pretrained full  [SHAPE] [--host 4GiB] [--work DIR] [--small]
+
+SHAPE: --layers --hidden --vocab --heads --kv-heads --intermediate (each overrides the
+default shape's).
 
   write  a Hugging Face checkpoint directory: config.json from `transformers.LlamaConfig`,
          `model-0000k-of-0000n.safetensors` shards of at most --shard bytes and
@@ -23,8 +26,9 @@ shard from random values, then fine-tuned from it under tiermem.
          the reloaded model's logits on a few tokens must equal the trained model's.
   full   (default shape: 2.1 B params: 24 x 2560, vocabulary 32,000, intermediate 6912) writes
          the checkpoint, loads it with `tiermem.initialize(weights=CKPT)` (fp32 masters and
-         AdamW state; what the host budget does not hold is homed on NVMe in --nvme-dir), trains
-         3 steps, exports with `tiermem.save_pretrained` (fp32, or --export-dtype bf16) and
+         AdamW state; what the host budget does not hold is homed on NVMe under --work), trains
+         3 steps (the checkpoint is removed after the load unless --keep: disk), exports with
+         `tiermem.save_pretrained` (fp32, or --export-dtype bf16) and
          reloads the export with transformers' `from_pretrained`: its logits on a few tokens must
          equal tiermem's (fp32 export: within 1e-5; bf16: within bf16 rounding).
 
@@ -207,6 +211,7 @@ def run_lora(a, config, work, ph):
         model, opt = tiermem.initialize(peft.get_peft_model(base, lora),
                                         {**tiermem_config(a, os.path.join(work, "nvme")),
                                          "optimizer": {"lr": a.lr}}, weights=ckpt)
+    nvme_used = tiermem.runtime_of(model).stats()["tiers"]["nvme"]["used"]
     ids = fixed_batch(config.vocab_size)
     with ph("steps"):
         losses = train_steps(model, opt, ids, a.steps)
@@ -221,7 +226,7 @@ def run_lora(a, config, work, ph):
             base = transformers.LlamaForCausalLM(config)
         back = peft.PeftModel.from_pretrained(base, adapter, low_cpu_mem_usage=True)
         assign_adapter(back, adapter)
-        back = tiermem.inference(back, tiermem_config(a, os.path.join(work, "nvme-reload")),
+        back = tiermem.inference(back, tiermem_config(a, os.path.join(work, "nvme")),
                                  weights=ckpt, strict=False)
         got = logits_of(back, probe)
     tiermem.runtime_of(back).close()
@@ -229,7 +234,8 @@ def run_lora(a, config, work, ph):
     if not torch.equal(got, want):
         raise SystemExit(f"the reloaded adapter's logits differ (max |diff| {diff})")
     print(f"  reloaded adapter: logits on {a.probe} tokens equal", flush=True)
-    return {"checkpoint_bytes": nbytes, "losses": losses, "max_abs_diff": diff}
+    return {"checkpoint_bytes": nbytes, "nvme_used": nvme_used, "losses": losses,
+            "max_abs_diff": diff}
 
 
 def run_full(a, config, work, ph):
@@ -244,6 +250,9 @@ def run_full(a, config, work, ph):
             model = transformers.LlamaForCausalLM(config)
         model, opt = tiermem.initialize(model, {**tiermem_config(a, os.path.join(work, "nvme")),
                                                 "optimizer": {"lr": a.lr}}, weights=ckpt)
+    nvme_used = tiermem.runtime_of(model).stats()["tiers"]["nvme"]["used"]
+    if not a.keep:  # the reload reads the export: the checkpoint's disk space goes back now
+        shutil.rmtree(ckpt)
     ids = fixed_batch(config.vocab_size)
     with ph("steps"):
         losses = train_steps(model, opt, ids, a.steps)
@@ -265,7 +274,8 @@ def run_full(a, config, work, ph):
         raise SystemExit(f"from_pretrained's logits differ from tiermem's: max |diff| {diff}")
     print(f"  from_pretrained of the export: logits on {a.probe} tokens within {tol} "
           f"(max |diff| {diff:.3g})", flush=True)
-    return {"checkpoint_bytes": nbytes, "losses": losses, "max_abs_diff": diff}
+    return {"checkpoint_bytes": nbytes, "nvme_used": nvme_used, "losses": losses,
+            "max_abs_diff": diff}
 
 
 def main(argv=None):
@@ -276,11 +286,14 @@ def main(argv=None):
     for name in ("layers", "hidden", "vocab", "heads", "kv-heads", "intermediate"):
         ap.add_argument(f"--{name}", type=int, default=None)
     ap.add_argument("--shard", default=2 * 10**9, type=int, help="max shard bytes")
-    ap.add_argument("--host", default="2GiB", help="tiermem's host budget")
+    ap.add_argument("--host", default=None,
+                    help="tiermem's host budget (default: 15GiB for lora, over this branch's "
+                         "floor for the 8 B shape, 14.46 GiB; 4GiB for full; 2MiB --small)")
     ap.add_argument("--device", default="4GiB", help="device budget (with a GPU)")
     ap.add_argument("--nvme-size", default=None,
-                    help="NVMe tier size (default: 5 bytes a param for lora's frozen fp32 base, "
-                         "20 for full's params, grads and AdamW state, plus 256 MiB)")
+                    help="NVMe tier size (default: 4 bytes a param for lora's frozen fp32 base, "
+                         "6 with --precision bf16, 17 for full's params, grads and AdamW "
+                         "state; less half the host budget, plus 256 MiB)")
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--export-dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -296,8 +309,14 @@ def main(argv=None):
             shape[i] = getattr(a, name)
     config = llama_config(*shape)
     nparams = sum(math.prod(s) for _, s in checkpoint_tensors(config))
+    if a.host is None:
+        a.host = "2MiB" if a.small else {"lora": "15GiB", "full": "4GiB", "write": "0"}[a.what]
     if a.nvme_size is None:
-        a.nvme_size = (5 if a.what == "lora" else 20) * nparams + (256 << 20)
+        import tiermem
+        # full: fp32 params, grads, m and v (16 bytes) and the chunks' padding
+        per_param = 17 if a.what == "full" else 4 if a.precision == "fp32" else 6
+        host = tiermem.parse_config({"host": a.host}).host_budget
+        a.nvme_size = max(0, per_param * nparams - host // 2) + (256 << 20)
     print(f"{a.what}: Llama {shape[0]} x {shape[1]}, vocabulary {shape[2]}, {shape[3]} heads, "
           f"{shape[4]} KV heads, intermediate {shape[5]}: {nparams / 1e9:.3f} B params, "
           f"bf16 checkpoint {2 * nparams / 1e9:.2f} GB; host {a.host}", flush=True)
