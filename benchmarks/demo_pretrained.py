@@ -292,7 +292,7 @@ def main(argv=None):
     ap.add_argument("--device", default="4GiB", help="device budget (with a GPU)")
     ap.add_argument("--nvme-size", default=None,
                     help="NVMe tier size (default: 4 bytes a param for lora's frozen fp32 base, "
-                         "6 with --precision bf16, 17 for full's params, grads and AdamW "
+                         "6 with --precision bf16, 18 for full's params, grads and AdamW "
                          "state; less half the host budget, plus 256 MiB)")
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--export-dtype", default="fp32", choices=["fp32", "bf16"])
@@ -313,8 +313,9 @@ def main(argv=None):
         a.host = "2MiB" if a.small else {"lora": "15GiB", "full": "4GiB", "write": "0"}[a.what]
     if a.nvme_size is None:
         import tiermem
-        # full: fp32 params, grads, m and v (16 bytes) and the chunks' padding
-        per_param = 17 if a.what == "full" else 4 if a.precision == "fp32" else 6
+        # full: fp32 params, grads, m and v (16 bytes) and the chunks' padding; lora in bf16:
+        # the bf16 compute copy beside the fp32 master
+        per_param = 18 if a.what == "full" else 4 if a.precision == "fp32" else 6
         host = tiermem.parse_config({"host": a.host}).host_budget
         a.nvme_size = max(0, per_param * nparams - host // 2) + (256 << 20)
     print(f"{a.what}: Llama {shape[0]} x {shape[1]}, vocabulary {shape[2]}, {shape[3]} heads, "
