@@ -3,7 +3,7 @@ tiermem's tiers and exporting it back, against fio and the libraries a user woul
 in the same run.
 
 The checkpoint is a bf16 Llama written shard by shard from random values
-(`demo_pretrained.write_checkpoint`; default 24 x 1536, vocabulary 4096, 629 M params, 1.26 GB,
+(`demo_pretrained.write_checkpoint`; default 24 x 1536, vocabulary 4096, 607 M params, 1.21 GB,
 3 shards). Every measurement runs in a fresh process which, after its imports and right before
 the load, runs `sync; echo 3 > /proc/sys/vm/drop_caches` (root; where that is refused the run
 says so: tiermem and fio read with O_DIRECT and never see the page cache, the baselines then

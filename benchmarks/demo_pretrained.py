@@ -24,7 +24,7 @@ default shape's).
          device, meta: `assign_adapter`), and the base from the checkpoint by
          `tiermem.inference(weights=CKPT, strict=False)` (the adapter keeps its loaded values);
          the reloaded model's logits on a few tokens must equal the trained model's.
-  full   (default shape: 2.1 B params: 24 x 2560, vocabulary 32,000, intermediate 6912) writes
+  full   (default shape: 2.09 B params: 28 x 2560, vocabulary 32,000, intermediate 6912) writes
          the checkpoint, loads it with `tiermem.initialize(weights=CKPT)` (fp32 masters and
          AdamW state; what the host budget does not hold is homed on NVMe under --work), trains
          3 steps (the checkpoint is removed after the load unless --keep: disk), exports with
@@ -53,7 +53,7 @@ import torch
 SHAPES = {
     # (layers, hidden, vocab, heads, kv_heads, intermediate)
     "llama3-8b": (32, 4096, 128_256, 32, 8, 14_336),
-    "llama-2b": (24, 2560, 32_000, 20, 4, 6912),
+    "llama-2b": (28, 2560, 32_000, 20, 4, 6912),
     "small": (2, 64, 1000, 4, 2, 160),
 }
 
