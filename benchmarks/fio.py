@@ -44,3 +44,24 @@ def fio_rates(directory: str, size: str = "1G", block: str = "1M", depth: int = 
     finally:
         if os.path.exists(path):
             os.remove(path)
+
+
+def fio_read_file(path: str, block: str = "1M", depth: int = 8,
+                  block_bytes: int = 1 << 20) -> float | None:
+    """Sequential read GB/s of the existing file `path` (read-only, O_DIRECT, the advantages
+    above); None without fio or when it fails."""
+    if shutil.which("fio") is None:
+        return None
+    iomem = "mmaphuge" if hugetlb_free_bytes() >= 2 * block_bytes * depth else "malloc"
+    size = os.path.getsize(path)
+    if size < block_bytes:  # a small file (a test's): 4 KiB blocks, O_DIRECT's granule
+        block, block_bytes = "4k", 4096
+    cmd = ["fio", "--name=r", f"--filename={path}", "--readonly", "--rw=read",
+           "--ioengine=io_uring", "--direct=1", f"--bs={block}", f"--iodepth={depth}",
+           f"--size={size // block_bytes * block_bytes}", "--fixedbufs",
+           "--registerfiles", f"--iomem={iomem}", "--output-format=json"]
+    try:
+        r = subprocess.run(cmd, check=True, capture_output=True, text=True)
+        return json.loads(r.stdout)["jobs"][0]["read"]["bw_bytes"] / 1e9
+    except (subprocess.CalledProcessError, KeyError, ValueError, IndexError):
+        return None

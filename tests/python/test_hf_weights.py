@@ -417,6 +417,32 @@ def test_lora_on_a_loaded_base_trains_like_plain_torch_and_its_adapter_reloads(t
         assert torch.equal(back(input_ids=ids).logits, model(input_ids=ids).logits)
 
 
+def test_an_adapter_loaded_on_a_meta_base_is_refused_until_its_values_are_assigned(tmp_path):
+    # PeftModel.from_pretrained on a meta base leaves the loaded adapter on meta: tiermem must
+    # not give it a fresh initialization in place of its trained values.
+    peft = pytest.importorskip("peft")
+    ckpt = save_hf(llama_config(True), tmp_path / "base")
+    torch.manual_seed(7)
+    trained = peft.get_peft_model(plain(ckpt), peft.LoraConfig(**LORA))
+    with torch.no_grad():
+        for n, p in trained.named_parameters():
+            if "lora_B" in n:
+                p.normal_()  # as if trained: B is no longer zero
+    trained.save_pretrained(tmp_path / "adapter")
+    meta = peft.PeftModel.from_pretrained(on_meta(llama_config(True)), tmp_path / "adapter",
+                                          low_cpu_mem_usage=True)
+    with pytest.raises(ValueError, match="loaded for inference"):
+        tiermem.inference(meta, sim_cfg(), weights=ckpt)
+    assert all(p.device.type == "meta" for p in meta.parameters())  # left as it was
+    saved = st.load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    meta.load_state_dict({k[:k.rindex(".")] + ".default" + k[k.rindex("."):]: v
+                          for k, v in saved.items()}, strict=False, assign=True)
+    served = tiermem.inference(meta, sim_cfg(), weights=ckpt, strict=False)
+    ids = tokens(VOCAB)[0]
+    with torch.no_grad():
+        assert torch.equal(served(input_ids=ids).logits, trained.eval()(input_ids=ids).logits)
+
+
 # ---- tiermem export ----------------------------------------------------------------------------
 @pytest.mark.parametrize("config", [lambda: llama_config(True), mixtral_config],
                          ids=["llama-tied", "mixtral"])

@@ -9,7 +9,10 @@ the adapter's values are lost before tiermem sees them. They are made again as P
 ``init_lora_weights`` (True: A as nn.Linear, B zero; "gaussian"). Under the same torch RNG
 state this draws exactly what PEFT drew. An adapter whose initialization needs the base
 weights (PiSSA, OLoRA, LoftQ, EVA, DoRA's magnitude) or a tuner other than LoRA is a
-ValueError naming it: its values cannot be made without the base in memory.
+ValueError naming it: its values cannot be made without the base in memory. So is a meta
+adapter of a model loaded for inference (`inference_mode`, what `PeftModel.from_pretrained`
+sets): its trained values were lost on the meta device, and a fresh initialization would
+silently stand in for them.
 
 Owns nothing past the call: each adapter parameter gets CPU storage (NaN first, so a value
 no initialization wrote is caught), is written into its chunks and left empty, as
@@ -30,6 +33,16 @@ def init_meta_adapters(adapters, peft_config, session) -> set:
     layers: dict[tuple, tuple] = {}
     for r, (layer, name) in adapters:
         layers.setdefault((id(layer), name), (layer, name, []))[2].append(r)
+    for layer, name, records in layers.values():  # refused before any record changes
+        config = peft_config.get(name)
+        if config is not None and getattr(config, "inference_mode", False):
+            raise ValueError(
+                f"PEFT adapter '{name}' ({records[0].name}) is on the meta device in a model "
+                "loaded for inference (PeftModel.from_pretrained on a base built on the meta "
+                "device leaves the loaded adapter on its base layer's device, without its "
+                "values): tiermem would give it a fresh initialization, not the trained "
+                "values. Assign them first: model.load_state_dict(adapter_state, strict=False, "
+                "assign=True), with the file's keys named as the model's (docs/pretrained.md)")
     done = set()
     for layer, name, records in layers.values():
         for r in records:
