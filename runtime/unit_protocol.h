@@ -53,8 +53,8 @@ class Session;
 
 // One declared unit.
 struct UnitInfo {
-  std::string name;            // the moments' label stem ("blocks.3"); never empty
-  std::vector<size_t> groups;  // the chunk groups of its parameters, ascending, distinct
+  std::string name;                     // the moments' label stem ("blocks.3"); never empty
+  std::vector<size_t> groups;           // the chunk groups of its parameters, ascending, distinct
   uint32_t parent = planners::kNoUnit;  // the unit it is nested in (its direct-only holder)
 };
 

@@ -52,8 +52,7 @@ void BindProtocol(py::module_& m) {
   py::class_<UnitProtocol>(m, "UnitProtocol")
       .def(
           "declare",
-          [](UnitProtocol& p, const std::string& name, std::vector<size_t> groups,
-             int64_t parent) {
+          [](UnitProtocol& p, const std::string& name, std::vector<size_t> groups, int64_t parent) {
             return Check(p.Declare({name, std::move(groups), UnitArg(parent)}));
           },
           py::arg("name"), py::arg("groups"), py::arg("parent") = -1)
@@ -74,8 +73,7 @@ void BindProtocol(py::module_& m) {
           py::arg("unit"), py::arg("training"), py::arg("also") = std::vector<size_t>{})
       .def("exit_unit", [](UnitProtocol& p, uint32_t u) { Check(p.ExitUnit(u)); })
       .def("enter_backward", &UnitProtocol::EnterBackward)
-      .def("backward_reached",
-           [](UnitProtocol& p, int64_t u) { p.BackwardReached(UnitArg(u)); })
+      .def("backward_reached", [](UnitProtocol& p, int64_t u) { p.BackwardReached(UnitArg(u)); })
       .def("end_iteration", &UnitProtocol::EndIteration);
 
   // A recorded trace's iterations, each a list of its moments as dicts: label, kind
