@@ -64,7 +64,7 @@ struct UnitCall : ::torch::CustomClassHolder {
   ChunkedModel::UnitFn fn;
   std::vector<bool> input_requires_grad;
   std::vector<std::pair<size_t, ::torch::Tensor>>* views = nullptr;  // forward only
-  std::string label;
+  uint32_t unit = 0;  // its index in the session's unit protocol
   // torch's default CPU generator as fn's forward run found it: the recompute in the
   // backward runs from the same state (then puts the generator back), so dropout and other
   // RNG in fn draw the same numbers twice, as torch.utils.checkpoint's preserve_rng_state.
@@ -123,7 +123,8 @@ struct UnitFunction : public ::torch::autograd::Function<UnitFunction> {
       if (m->session_->spec(p->index).trainable) trainable.push_back(p);
     }
     m->session_->SetTracing(true);
-    m->session_->Moment(call->label + ":pre-backward");
+    if (m->session_->phase() != "backward") m->protocol_->EnterBackward();
+    m->protocol_->BackwardReached(call->unit);
     std::vector<std::pair<size_t, ::torch::Tensor>> views;
     CheckOk(m->Materialize(call->params, &views));
     ::torch::autograd::variable_list grads;
@@ -238,6 +239,7 @@ StatusOr<std::unique_ptr<ChunkedModel>> ChunkedModel::Create(::torch::nn::Module
     m->hyper_.push_back(h);
   }
   TIERMEM_ASSIGN_OR_RETURN(m->session_, session::Session::Create(cfg, std::move(specs)));
+  m->protocol_ = std::make_unique<session::UnitProtocol>(m->session_.get());
   m->model_ = &model;
   // On failure `m` is destroyed: the session frees everything; the model is untouched.
   std::vector<std::pair<::torch::Tensor, ::torch::Tensor>> buffers;
@@ -349,6 +351,26 @@ StatusOr<std::vector<ChunkedModel::ParamRec*>> ChunkedModel::UnitParams(::torch:
   return out;
 }
 
+StatusOr<uint32_t> ChunkedModel::UnitIndex(::torch::nn::Module& unit,
+                                           const std::vector<ParamRec*>& params) {
+  if (auto it = unit_index_.find(&unit); it != unit_index_.end()) return it->second;
+  // Declared at its first Run, named as the Python package names a unit: its qualified name
+  // in the model (the root: its class name), so both bindings' traces label units alike.
+  session::UnitInfo info;
+  for (const auto& item : model_->named_modules(/*name_prefix=*/"", /*include_self=*/false)) {
+    if (item.value().get() == &unit) info.name = item.key();
+  }
+  if (info.name.empty()) info.name = unit.name();
+  std::set<size_t> groups;
+  for (const ParamRec* p : params) {
+    for (const session::Piece& pc : session_->place(p->index).pieces) groups.insert(pc.group);
+  }
+  info.groups.assign(groups.begin(), groups.end());
+  TIERMEM_ASSIGN_OR_RETURN(const uint32_t u, protocol_->Declare(std::move(info)));
+  unit_index_.emplace(&unit, u);
+  return u;
+}
+
 Status ChunkedModel::Materialize(const std::vector<ParamRec*>& params,
                                  std::vector<std::pair<size_t, ::torch::Tensor>>* views) {
   const ChunkKind ck = session_->compute_kind();
@@ -427,35 +449,28 @@ StatusOr<::torch::Tensor> ChunkedModel::Run(::torch::nn::Module& unit, const Uni
   if (closed_) return FailedPreconditionError("tiermem ChunkedModel is closed");
   if (in_run_) return FailedPreconditionError("ChunkedModel::Run called inside another Run");
   TIERMEM_ASSIGN_OR_RETURN(std::vector<ParamRec*> params, UnitParams(unit));
+  TIERMEM_ASSIGN_OR_RETURN(const uint32_t u, UnitIndex(unit, params));
   const bool grad = ::torch::GradMode::is_enabled();
   session_->SetTracing(grad);
-  if (grad && !in_iteration_) {
-    session_->BeginIteration();
-    in_iteration_ = true;
-  }
-  session_->Phase(grad ? "forward" : "eval");
-  // The last step's deferred updates of this unit's groups (optimizer_stepper.h), each its own
-  // optimizer moment, before the unit's.
+  if (grad && !protocol_->in_iteration()) protocol_->BeginIteration();
   {
     kernels::ScopedParallelFor pool(torch_pool::ForThisThread());  // torch_pool.h
-    for (ParamRec* p : params) {
-      for (const session::Piece& pc : session_->place(p->index).pieces) {
-        TIERMEM_RETURN_IF_ERROR(session_->FinishStep(pc.group));
-      }
-    }
+    TIERMEM_RETURN_IF_ERROR(protocol_->EnterUnit(u, grad));        // deferred updates, the moment
   }
-  session_->Moment(unit.name() + ":pre-forward");
 
   auto call = c10::make_intrusive<UnitCall>();
   call->model = this;
   call->params = std::move(params);
   call->fn = fn;
-  call->label = unit.name();
+  call->unit = u;
   for (const ::torch::Tensor& t : inputs) {
     call->input_requires_grad.push_back(t.defined() && t.requires_grad());
   }
   std::vector<std::pair<size_t, ::torch::Tensor>> views;
-  TIERMEM_RETURN_IF_ERROR(Materialize(call->params, &views));
+  if (Status st = Materialize(call->params, &views); !st.ok()) {
+    protocol_->ExitUnit(u).IgnoreError();
+    return st;
+  }
   call->views = &views;
   in_run_ = true;
   ::torch::Tensor out;
@@ -470,11 +485,14 @@ StatusOr<::torch::Tensor> ChunkedModel::Run(::torch::nn::Module& unit, const Uni
     in_run_ = false;
     call->views = nullptr;
     Dematerialize(call->params, &views).IgnoreError();
+    protocol_->ExitUnit(u).IgnoreError();
     throw;
   }
   in_run_ = false;
   call->views = nullptr;
-  TIERMEM_RETURN_IF_ERROR(Dematerialize(call->params, &views));
+  const Status released = Dematerialize(call->params, &views);
+  TIERMEM_RETURN_IF_ERROR(protocol_->ExitUnit(u));
+  TIERMEM_RETURN_IF_ERROR(released);
   if (!out.defined()) return InvalidArgumentError("the unit function returned no tensor");
   return out;
 }
@@ -486,7 +504,7 @@ StatusOr<::torch::Tensor> ChunkedModel::Run(::torch::nn::Module& unit, const Uni
 
 StatusOr<bool> ChunkedModel::Step() {
   if (closed_) return FailedPreconditionError("tiermem ChunkedModel is closed");
-  in_iteration_ = false;
+  protocol_->EndIteration();
   session_->SetTracing(true);
   kernels::ScopedParallelFor pool(torch_pool::ForThisThread());  // torch_pool.h
   TIERMEM_ASSIGN_OR_RETURN(const session::StepResult r, session_->Step(hyper_));

@@ -69,6 +69,7 @@
 
 #include "base/status.h"
 #include "runtime/session.h"
+#include "runtime/unit_protocol.h"
 
 namespace tiermem::torch {
 
@@ -204,6 +205,8 @@ class ChunkedModel {
   Status WriteValues(::torch::nn::Module& model, const PretrainedWeights& weights,
                      std::vector<std::pair<::torch::Tensor, ::torch::Tensor>>* buffers);
   StatusOr<std::vector<ParamRec*>> UnitParams(::torch::nn::Module& unit);
+  // `unit`'s index in the unit protocol, declared at its first Run (`params`: its parameters).
+  StatusOr<uint32_t> UnitIndex(::torch::nn::Module& unit, const std::vector<ParamRec*>& params);
   // Acquires the compute chunks of `params`' groups on the device tier and makes each
   // param's data a view of its chunk; `views` gets (group, base view) of each pin.
   Status Materialize(const std::vector<ParamRec*>& params,
@@ -220,12 +223,15 @@ class ChunkedModel {
 
   ::torch::nn::Module* model_ = nullptr;  // must outlive this object
   std::unique_ptr<session::Session> session_;
+  // The unit protocol over session_ (runtime/unit_protocol.h): every Run's iteration, moment
+  // and deferred updates, and the backward's moments. Declared after session_ (destroyed first).
+  std::unique_ptr<session::UnitProtocol> protocol_;
+  std::unordered_map<const ::torch::nn::Module*, uint32_t> unit_index_;  // unit -> its index
   std::vector<std::unique_ptr<ParamRec>> params_;
   std::unordered_map<const void*, ParamRec*> by_impl_;  // TensorImpl* -> param
   std::vector<session::GroupHyper> hyper_;
   bool closed_ = false;
   bool in_run_ = false;
-  bool in_iteration_ = false;
   ::torch::Tensor dummy_;  // requires grad: makes every unit output part of the graph
 };
 

@@ -22,6 +22,7 @@
 #include "integrations/torch/cpp/dtypes.h"
 #include "integrations/torch/cpp/torch_pool.h"
 #include "integrations/torch/csrc/errors.h"
+#include "integrations/torch/csrc/protocol.h"
 #include "integrations/torch/csrc/weights.h"
 #include "kernels/cpu/optim.h"
 #include "layout/chunk_layout.h"
@@ -32,6 +33,7 @@
 #include "runtime/param_groups.h"
 #include "runtime/session.h"
 #include "runtime/tier_stack.h"
+#include "runtime/unit_protocol.h"
 
 namespace py = pybind11;
 
@@ -298,6 +300,7 @@ class PySession {
       sh.collectives = collectives_.get();
     }
     s_ = Check(Session::Create(config, std::move(specs), sh));
+    protocol_ = std::make_unique<session::UnitProtocol>(s_.get());
   }
 
   torch::Tensor View(void* addr, size_t group, ChunkKind kind, TierKind where) const {
@@ -540,6 +543,7 @@ class PySession {
 
   Session& s() { return *s_; }
   const Session& s() const { return *s_; }
+  session::UnitProtocol& protocol() { return *protocol_; }
   // Closes the session, then lets go of the Python collectives (and so of its process
   // group): a group kept alive until interpreter exit takes its threads down during
   // finalization, which aborts the process.
@@ -558,6 +562,7 @@ class PySession {
   }
   std::unique_ptr<PyCollectives> collectives_;  // outlives s_ (declared first)
   std::unique_ptr<Session> s_;
+  std::unique_ptr<session::UnitProtocol> protocol_;  // over s_ (declared after: destroyed first)
 };
 
 kernels::AdamConfig AdamConfigOf(double lr, double beta1, double beta2, double eps,
@@ -812,9 +817,14 @@ PYBIND11_MODULE(_C, m) {
         Check(st);
       });
 
+  tiermem::torch_ext::BindProtocol(m);
   py::class_<PySession>(m, "Session")
       .def(py::init<const se::SessionConfig&, const std::vector<py::tuple>&, const py::object&>(),
            py::arg("config"), py::arg("tensors"), py::arg("sharding") = py::none())
+      // The unit protocol over this session (runtime/unit_protocol.h): the hooks' calls.
+      .def_property_readonly(
+          "units", [](PySession& s) -> se::UnitProtocol& { return s.protocol(); },
+          py::return_value_policy::reference_internal)
       .def_property_readonly("world", [](const PySession& s) { return s.s().world(); })
       .def_property_readonly("rank", [](const PySession& s) { return s.s().rank(); })
       .def_property_readonly("sharded", [](const PySession& s) { return s.s().sharded(); })
@@ -885,18 +895,16 @@ PYBIND11_MODULE(_C, m) {
             s.s().set_scaler({std::get<0>(v), std::get<1>(v), std::get<2>(v)});
           })
       .def("begin_iteration", [](PySession& s) { s.s().BeginIteration(); })
-      // kind: 0 pre-forward, 1 pre-backward, 2 optimizer step, 3 other (planners::MomentKind);
-      // unit: the unit index (-1: none).
+      // A moment outside the unit protocol (a unit's moments: Session.units); unit: the unit
+      // index (-1: none).
       .def(
           "moment",
-          [](PySession& s, const std::string& l, int kind, int64_t unit) {
-            if (kind < 0 || kind >= tiermem::planners::kNumMomentKinds) {
-              throw py::value_error("moment: kind must be 0-3, got " + std::to_string(kind));
-            }
-            s.s().Moment(l, static_cast<tiermem::planners::MomentKind>(kind),
+          [](PySession& s, const std::string& l, tiermem::planners::MomentKind kind, int64_t unit) {
+            s.s().Moment(l, kind,
                          unit < 0 ? tiermem::planners::kNoUnit : static_cast<uint32_t>(unit));
           },
-          py::arg("label"), py::arg("kind") = 3, py::arg("unit") = -1)
+          py::arg("label"), py::arg("kind") = tiermem::planners::MomentKind::kOther,
+          py::arg("unit") = -1)
       .def(
           "record_trace",
           [](PySession& s, const std::string& path, int iterations) {

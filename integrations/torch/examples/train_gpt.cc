@@ -34,7 +34,7 @@ int Usage(const char* argv0) {
                "usage: %s [--steps N] [--n-layer N] [--n-embd N] [--n-head N] "
                "[--block-size N] [--batch N] [--lr X] [--budget-fraction X] [--timeline PATH] "
                "[--seed N] [--data-seed N] [--dropout X] [--threads N] [--resume PATH] "
-               "[--save PATH] [--print-losses] [--print-data]\n",
+               "[--save PATH] [--record-trace PATH] [--print-losses] [--print-data]\n",
                argv0);
   return 2;
 }
@@ -55,7 +55,7 @@ int main(int argc, char** argv) {
   std::string timeline = "build/train_gpt_cpp.tmt";
   uint64_t seed = 0, data_seed = 0;
   int threads = 0;
-  std::string resume, save;
+  std::string resume, save, trace;
   bool print_losses = false, print_data = false;
   for (int i = 1; i < argc; ++i) {
     auto next = [&](const char* flag) -> const char* {
@@ -92,6 +92,8 @@ int main(int argc, char** argv) {
       resume = v;
     else if (const char* v = next("--save"))
       save = v;
+    else if (const char* v = next("--record-trace"))
+      trace = v;
     else if (std::strcmp(argv[i], "--print-losses") == 0)
       print_losses = true;
     else if (std::strcmp(argv[i], "--print-data") == 0)
@@ -141,6 +143,13 @@ int main(int argc, char** argv) {
       start = extra["step"].get<int>();
     }
     std::printf("resumed from %s at step %d\n", resume.c_str(), start);
+  }
+  if (!trace.empty() && steps > start) {
+    // The warm-up trace of every iteration run (docs/trace-format.md), written at Close.
+    if (tiermem::Status s = engine.session().RecordTrace(trace, steps - start); !s.ok()) {
+      std::fprintf(stderr, "tiermem: %s\n", s.ToString().c_str());
+      return 1;
+    }
   }
   const auto batches = tiermem_example::SyntheticBatches(c, batch, steps, data_seed);
   nlohmann::json losses = nlohmann::json::array(), data = nlohmann::json::array();

@@ -198,7 +198,10 @@ class Activations:
     def abandon(self):
         """The iteration is abandoned (the caller's forward raises): nothing of it stays."""
         self.reset()
+        was_forward = self.state.in_forward
         self.state.abandon_forward()
+        if was_forward:  # the session's iteration ends with it (a backward stays one)
+            self.session.units.end_iteration()
         self.state.fwd_used.clear()
 
     def reset(self):

@@ -2,9 +2,10 @@
 
 A backward begins at the first tiermem hook it runs (a saved tensor unpacked, a gradient
 accumulated) and ends in autograd's final callback. In between, each time it reaches another
-unit (a saved tensor of that unit's forward, a gradient of one of its parameters) it marks
-that unit's pre-backward moment (``moment``): the timeline's and, while recording, the warm-up
-trace's; the moment a plan's actions are tied to. At that moment the previous unit's
+unit (a saved tensor of that unit's forward, a gradient of one of its parameters) the
+session's unit protocol marks that unit's pre-backward moment (``moment``;
+runtime/unit_protocol.h): the timeline's and, while recording, the warm-up trace's; the
+moment a plan's actions are tied to. At that moment the previous unit's
 activations are freed (activations.py), this unit's come back from the host or NVMe, and,
 sharded, the chunks of the unit before it in the forward start gathering.
 
@@ -53,7 +54,7 @@ class Backward:
         st = self.state
         if not st.in_backward:
             st.begin_backward()
-            self.session.phase("backward")
+            self.session.units.enter_backward()
             torch.autograd.Variable._execution_engine.queue_callback(self._end)
 
     def end(self):
@@ -68,6 +69,7 @@ class Backward:
         st.fwd_used.clear()
         st.bwd_unit = None
         st.end_backward()
+        self.session.units.end_iteration()
         if self.activations.count:
             self.activations.reset()
 
@@ -125,8 +127,7 @@ class Backward:
                 # actions: a plan's span of them ends at that unit's moment, so this moment's
                 # prefetches were planned into their room (planners/effective.h).
                 acts.unit_done(prev)
-            self.session.moment(self.units[unit].bwd_label if unit >= 0 else "pre-backward", 1,
-                                unit)
+            self.session.units.backward_reached(unit)  # its pre-backward moment
             if acts.count:
                 # After the moment's planned actions: the forward's last activations (not yet
                 # counted) take their room.

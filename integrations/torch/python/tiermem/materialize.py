@@ -7,8 +7,10 @@ the units).
   written in place inside the forward marks its group modified, and in mixed precision its
   fp32 master follows).
 - ``UnitHooks``: the enter/exit of every unit's forward and of the model's (forwards.py wraps
-  them). A unit's pre-forward begins the iteration at the first training forward, runs the
-  optimizer's deferred updates of its groups, marks its moment, acquires (pins) its chunk
+  them). The units are declared to the session's unit protocol (runtime/unit_protocol.h,
+  ``session.units``), which does the protocol's part: a unit's pre-forward begins the
+  iteration at the first training forward and enters the unit there (the optimizer's
+  deferred updates of its groups, then its moment); the hook then acquires (pins) its chunk
   groups on the device — through chunks.ChunkAccess, which gathers them when sharded —
   materializes and places its parameters, and pushes the saved-tensor hooks of its forward
   (saved.py: plain, offloaded or recomputed). Its post-forward undoes all of it in reverse.
@@ -192,6 +194,13 @@ class UnitHooks:
         """The units' slots, parameters and groups, and their forwards wrapped (`registry`:
         the runtime's list of wrapped modules, undone at close). Parameters in `alone` (indices:
         experts that move alone, experts.py) are no unit's."""
+        parent_of = {}  # unit index -> the innermost (direct-only) unit holding it
+        unit_of = {id(u.module): i for i, u in enumerate(self.units)}
+        for i, u in enumerate(self.units):
+            if u.direct_only:
+                for m in u.module.modules():
+                    if m is not u.module and id(m) in unit_of:
+                        parent_of[unit_of[id(m)]] = i
         slot_of = {}
         for r in params:
             if r.index in alone:
@@ -200,7 +209,6 @@ class UnitHooks:
                 slot_of.setdefault(id(m), []).append((name, r))
         for index, u in enumerate(self.units):
             u.index = index
-            u.bwd_label = f"{u.name or type(u.module).__name__}:pre-backward"
             seen, uparams = set(), []
             for _, m in unit_modules(u):
                 for name, r in slot_of.get(id(m), ()):
@@ -213,6 +221,11 @@ class UnitHooks:
                 if r.unit < 0:
                     r.unit = index  # the first unit that computes with it
             u.groups = sorted({g for r in uparams for g in r.groups})
+            # Declared to the session's unit protocol (runtime/unit_protocol.h), in order: its
+            # index there is u.index; nested in the unit holding it, if any.
+            declared = self.session.units.declare(u.name or type(u.module).__name__, u.groups,
+                                                  parent_of.get(index, -1))
+            assert declared == index, (declared, index)
             u.depth = 0
             u.pins = []
             u.placed = []  # the slots this call put compute views in (Materializer.place)
@@ -278,7 +291,7 @@ class UnitHooks:
 
     # ---- a unit's forward ---------------------------------------------------------------
     def _unit_enter(self, u):
-        label = f"{u.name or type(u.module).__name__}:pre-forward"
+        name = u.name or type(u.module).__name__
         st, s, chunks, acts, rc = self.state, self.session, self.chunks, self.activations, \
             self.recompute
 
@@ -291,7 +304,7 @@ class UnitHooks:
                 cache = kv_cache_in(args, kwargs)
                 if cache is not None:
                     raise ValueError(
-                        f"tiermem: unit {label.split(':')[0]!r} was called with a "
+                        f"tiermem: unit {name!r} was called with a "
                         f"{type(cache).__name__} (a KV cache its forward updates in place) "
                         f"while training with activations 'recompute', which runs the forward "
                         f"again in the backward and would update the cache twice. Pass "
@@ -303,14 +316,13 @@ class UnitHooks:
                 acts.reset()
                 if chunks.sharded:
                     self.order.begin_iteration()
-                s.begin_iteration()
+                s.units.begin_iteration()  # the session's iteration, phase "forward"
                 if self.hyper_of_next_step is not None:
                     # What step() will pass, unless the user changes it before (then the
                     # speculative updates are dropped at step(): session.h).
                     s.set_step_hyper(self.hyper_of_next_step())
                 acts.start_trace(s.recording_trace)
                 st.begin_forward()
-                s.phase("forward")
             u.depth += 1
             if u.depth == 1 and self.resident:
                 for r in u.params:
@@ -318,18 +330,20 @@ class UnitHooks:
                 u.placed = self.materializer.place(u)
             elif u.depth == 1:
                 chunks.follow_tracing()  # before the moment: eval isn't traced
+                also = []  # sharded: the next unit's deferred updates too (it prefetches them)
+                if chunks.sharded and grad:
+                    nxt = self.order.neighbour(u.index, +1)
+                    if nxt is not None:
+                        also = nxt.groups
                 if s.pending_steps:
-                    # The last step's deferred updates of this unit's groups (and, sharded, of
-                    # the next unit's, which it prefetches), each its own optimizer moment,
-                    # before the unit's (session.h, "deferred steps").
-                    groups = list(u.groups)
-                    if chunks.sharded and grad:
-                        nxt = self.order.neighbour(u.index, +1)
-                        if nxt is not None:
-                            groups += nxt.groups
                     chunks.on_stream()  # device-placed updates queue on torch's stream
-                    s.finish_steps(groups)
-                s.moment(label, 0, u.index)
+                try:
+                    # The deferred updates of its groups, then its pre-forward moment
+                    # (runtime/unit_protocol.h).
+                    s.units.enter_unit(u.index, grad, also)
+                except BaseException:
+                    u.depth -= 1
+                    raise
                 pins = []
                 try:
                     if acts.count and st.in_iteration:
@@ -343,6 +357,7 @@ class UnitHooks:
                 except BaseException as e:
                     for g, b in pins:
                         chunks.release(g, chunks.compute_kind, False, b)
+                    s.units.exit_unit(u.index)
                     u.depth -= 1
                     held = acts.given
                     if acts.count:  # the device room went to activations: abandon it
@@ -351,7 +366,7 @@ class UnitHooks:
                         hint = ("'offload' moves them to the host" if not acts.offload
                                 else "the host has them all but the running units'")
                         raise MemoryError(
-                            f"tiermem: the chunks of unit {label.split(':')[0]!r} do not fit "
+                            f"tiermem: the chunks of unit {name!r} do not fit "
                             f"the device budget next to the {held} bytes of activations "
                             f"saved for backward so far ({hint}): {e}. Use a larger device "
                             f"budget or a smaller batch; the model is unchanged.") from None
@@ -406,6 +421,7 @@ class UnitHooks:
             for g, b in u.pins:
                 chunks.release(g, chunks.compute_kind, g in modified, b)
             u.pins = []
+            self.session.units.exit_unit(u.index)
             frame, u.frame = u.frame, None
             if frame is not None and u.frame_drops and modified:
                 # A recompute would write the parameters again: its saves are never dropped.

@@ -85,8 +85,7 @@ class ServingRuntime(TiermemRuntime):
         if self._closed:
             return None
         if self._root_depth == 0:
-            self.session.begin_iteration()
-            self.session.phase("forward")
+            self.session.units.begin_iteration()  # the session's iteration, phase "forward"
             self.forwards += 1
         self._root_depth += 1
         return self
