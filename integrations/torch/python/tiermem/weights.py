@@ -87,12 +87,14 @@ class LoadPlan:
     def buffer_keys(self) -> list:
         return [key for _, _, key, _ in self.buffers]
 
-    def load(self, session, params) -> list:
+    def load(self, session, params, serving: bool = False) -> list:
         """Streams the parameters into `session` (the core validates everything first) and
         returns the records the checkpoint has no key for (strict=False; said in one
-        warning), which keep their own initialization."""
+        warning), which keep their own initialization. `serving`: the session only serves
+        (tiermem.inference), so the core may read NVMe-homed chunks from the files in place
+        (config ``in_place``; its report's ``chunks_in_place``)."""
         report = _C.load_weights(session, self.path, strict=self.strict, aliases=self.aliases,
-                                 ignore=self.buffer_keys)
+                                 ignore=self.buffer_keys, serving=serving)
         missing = [params[i] for i in report["missing"]]
         # The loaded parameters' values are in the chunks: those built on the meta device get
         # empty CPU storage, like the ones initvalues.py initializes (restore_meta undoes it).
