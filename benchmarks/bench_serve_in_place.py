@@ -12,8 +12,8 @@ The checkpoint is a Llama-shaped model (hidden W, L layers, intermediate 8/3 W r
 GQA with 8 KV heads, untied head) written shard by shard from random values by this script
 (``--target-gb`` picks L at W = 4096 unless given), never whole in memory: each shard is
 made, written with safetensors and dropped before the next. A directory that already holds
-``model.safetensors.index.json`` with the same shape is reused. The model is built on the meta
-device and served in host mode (``device_kind: host``) with ``--host`` of host budget, the rest
+``model.safetensors.index.json`` with the same shape is reused. The model is built with its
+parameters on the meta device (accelerate's ``init_empty_weights``) and served in host mode (``device_kind: host``) with ``--host`` of host budget, the rest
 homed on NVMe, ``in_place: on``; the page cache is not involved (O_DIRECT).
 
 ``--compute-only``: what bf16 compute costs on this CPU against fp32 — torch matmuls of a
@@ -128,7 +128,8 @@ def write_checkpoint(d, cfg, dtype, shard_bytes=2 << 30):
 
 def serve(d, cfg, dtype, host, new_tokens, nvme_dir):
     import transformers
-    with torch.device("meta"):
+    from accelerate import init_empty_weights  # parameters on meta, buffers real
+    with init_empty_weights():
         model = transformers.LlamaForCausalLM(cfg).eval()
     conf = {"device_kind": "host", "host": host, "in_place": "on",
             "precision": "bf16" if dtype == torch.bfloat16 else "fp32",

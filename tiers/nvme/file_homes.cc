@@ -33,8 +33,10 @@ FileHomeTier::~FileHomeTier() {
 StatusOr<uint32_t> FileHomeTier::OpenFiles(const std::vector<std::string>& paths,
                                            const std::vector<uint64_t>& expected_bytes) {
   if (!files_.empty()) {
-    return FailedPreconditionError("nvme file homes: a tier serves one set of files in place ("
-                                   "already " + files_[0].path + ")");
+    return FailedPreconditionError(
+        "nvme file homes: a tier serves one set of files in place ("
+        "already " +
+        files_[0].path + ")");
   }
   if (paths.size() != expected_bytes.size()) {
     return InvalidArgumentError("nvme file homes: one expected size per file");
@@ -49,9 +51,8 @@ StatusOr<uint32_t> FileHomeTier::OpenFiles(const std::vector<std::string>& paths
     if (f.fd < 0 || fstat(f.fd, &st) != 0) {
       s = ErrnoToStatus(errno, "nvme file homes: opening " + f.path);
     } else if (static_cast<uint64_t>(st.st_size) != expected_bytes[i]) {
-      s = InvalidArgumentError("nvme file homes: " + f.path + " is " +
-                               std::to_string(st.st_size) + " bytes, its header says " +
-                               std::to_string(expected_bytes[i]));
+      s = InvalidArgumentError("nvme file homes: " + f.path + " is " + std::to_string(st.st_size) +
+                               " bytes, its header says " + std::to_string(expected_bytes[i]));
     }
     f.bytes = static_cast<uint64_t>(st.st_size);
     f.inode = st.st_ino;
@@ -223,16 +224,16 @@ std::shared_ptr<Completion> FileHomeTier::Copy(const CopyRequest& request) {
     if (it != homes_.end()) home = it->second;
   }
   if (home == nullptr) {
-    return Completion::Done(InvalidArgumentError("nvme file homes: no region " +
-                                                 std::to_string(request.region.id)));
+    return Completion::Done(
+        InvalidArgumentError("nvme file homes: no region " + std::to_string(request.region.id)));
   }
   if (request.dir == CopyDir::kToTier) {
-    const std::string file = home->spans.empty() ? "" : " (" + files_[home->spans[0].file].path +
-                                                             ")";
-    return Completion::Done(FailedPreconditionError(
-        "nvme file homes: region " + std::to_string(request.region.id) +
-        " is a checkpoint file read in place" + file +
-        ": it is read-only and never written (serving only)"));
+    const std::string file =
+        home->spans.empty() ? "" : " (" + files_[home->spans[0].file].path + ")";
+    return Completion::Done(
+        FailedPreconditionError("nvme file homes: region " + std::to_string(request.region.id) +
+                                " is a checkpoint file read in place" + file +
+                                ": it is read-only and never written (serving only)"));
   }
   if (Status v = ValidateCopy(request, Region{request.region.id, home->bytes}); !v.ok()) {
     return Completion::Done(v);
@@ -240,7 +241,8 @@ std::shared_ptr<Completion> FileHomeTier::Copy(const CopyRequest& request) {
   auto done = Completion::Make();
   char* host = static_cast<char*>(request.host);
   const Bytes offset = request.offset, n = request.bytes;
-  pool_->Push([this, home, host, offset, n, done] { done->Complete(ReadHome(*home, offset, host, n)); });
+  pool_->Push(
+      [this, home, host, offset, n, done] { done->Complete(ReadHome(*home, offset, host, n)); });
   return done;
 }
 
