@@ -93,6 +93,7 @@ void Engine::ChunkRec::Check() const {
   assert(flight_ != Flight::kFilling || pins == 0);
   assert(flight_ != Flight::kFillingZeros || (dirty && content != Content::kZero));
   assert(content != Content::kZero || (!cached() && !dirty && flight_ == Flight::kIdle));
+  assert(!read_only || (!dirty && home.tier == TierKind::kNvme && content == Content::kData));
 }
 
 StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config, EngineTiers tiers,
@@ -770,6 +771,7 @@ Status Engine::FreeScratch(TierKind tier, const Region& region, Category categor
 
 Status Engine::PrepareAdopt(ChunkId chunk) {
   TIERMEM_RETURN_IF_ERROR(CheckChunk(chunk));
+  if (chunks_[chunk].read_only) return ReadOnlyError(chunk, "adopting a new copy of");
   if (chunks_[chunk].pins > 0) {
     return FailedPreconditionError("engine: chunk " + std::to_string(chunk) +
                                    " is pinned: a new copy of it cannot be adopted");
@@ -935,6 +937,37 @@ StatusOr<bool> Engine::PlanPrefetch(ChunkId chunk, TierKind tier) {
   return r > 0;
 }
 
+Status Engine::ReadOnlyError(ChunkId chunk, std::string_view what) const {
+  return FailedPreconditionError(
+      "engine: " + std::string(what) + " chunk " + std::to_string(chunk) +
+      ", whose home is a checkpoint read in place (read-only: a served model's weights are "
+      "never written; serve with in_place: off, or load the weights with "
+      "tiermem.initialize, to change them)");
+}
+
+Status Engine::SetReadOnlyHome(ChunkId chunk, const Region& region) {
+  TIERMEM_RETURN_IF_ERROR(CheckChunk(chunk));
+  ChunkRec& c = chunks_[chunk];
+  if (c.pins > 0 || c.home.tier != TierKind::kNvme || region.bytes < c.bytes) {
+    return FailedPreconditionError("engine: chunk " + std::to_string(chunk) +
+                                   " cannot take a read-only home (pinned, not homed on NVMe, "
+                                   "or the region is smaller than the chunk)");
+  }
+  TIERMEM_RETURN_IF_ERROR(WaitInflight(chunk, "read-only home: move in flight"));
+  if (c.cached()) {
+    TIERMEM_RETURN_IF_ERROR(FreeRegion(c.cache, chunk, /*clean=*/true));
+    c.cache = Placed{};
+  }
+  TIERMEM_RETURN_IF_ERROR(FreeRegion(c.home, chunk, /*clean=*/true));
+  c.home = Placed{TierKind::kNvme, region};
+  RecordRegion(EventType::kAlloc, c.home, chunk, kFlagNone);
+  c.content = Content::kData;
+  c.dirty = false;
+  c.read_only = true;
+  c.Check();
+  return OkStatus();
+}
+
 Status Engine::Release(ChunkId chunk, bool modified) {
   TIERMEM_RETURN_IF_ERROR(CheckChunk(chunk));
   ChunkRec& c = chunks_[chunk];
@@ -943,6 +976,11 @@ Status Engine::Release(ChunkId chunk, bool modified) {
   }
   TIERMEM_RETURN_IF_ERROR(MarkDeviceUse(chunk));
   --c.pins;
+  if (modified && c.read_only) {
+    // The caller wrote the cached copy: drop it, so that reads see the home's bytes again.
+    if (c.pins == 0 && c.cached()) TIERMEM_RETURN_IF_ERROR(Evict(chunk));
+    return ReadOnlyError(chunk, "a release that modified");
+  }
   if (modified) {
     c.content = Content::kData;
     if (c.cached()) c.dirty = true;
@@ -976,6 +1014,7 @@ void Engine::MaybeWriteBehind(ChunkId chunk) {
 Status Engine::Zero(ChunkId chunk) {
   TIERMEM_RETURN_IF_ERROR(CheckChunk(chunk));
   ChunkRec& c = chunks_[chunk];
+  if (c.read_only) return ReadOnlyError(chunk, "zeroing");
   if (c.pins > 0) {
     return FailedPreconditionError("engine: zero of pinned chunk " + std::to_string(chunk));
   }
@@ -1014,6 +1053,7 @@ Status Engine::WriteAt(ChunkId chunk, Bytes offset, const void* src, Bytes n) {
   if (offset > c.bytes || n > c.bytes - offset) {
     return OutOfRangeError("engine: write past the end of chunk " + std::to_string(chunk));
   }
+  if (c.read_only) return ReadOnlyError(chunk, "a write into");
   TIERMEM_RETURN_IF_ERROR(WaitInflight(chunk, "write: prefetch in flight"));
   if (c.content == Content::kZero) {  // no copy holds data: make the home copy real zeros first
     TIERMEM_RETURN_IF_ERROR(FillZero(chunk, c.home, "zero fill"));

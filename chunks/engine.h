@@ -43,6 +43,11 @@
 // against that tier's budget: cached chunks are evicted to make room for it (homes are not:
 // a host budget full of homes refuses), and chunk allocations only use what is left.
 //
+// Read-only homes (SetReadOnlyHome; serving a checkpoint in place): a chunk's NVMe home may
+// be a region the NVMe tier only reads (a span list of the user's checkpoint files). Such a
+// chunk is never dirty: every write of it is refused with kFailedPrecondition (see
+// SetReadOnlyHome), so nothing ever writes the region; eviction only frees its cached copy.
+//
 // Planned mode (SetPlanned; runtime/plan_runner.h drives it from a planner's plan):
 // the plan's actions replace the lookahead prefetch and write-behind above. PlanEvict drops a
 // cached copy — a dirty one is first written home in the background (a write-behind that
@@ -242,6 +247,18 @@ class Engine {
   Status PrepareAdopt(ChunkId chunk);
   Status AdoptHostCopy(ChunkId chunk, const Region& region);
 
+  // ---- read-only homes (see the file comment) ----
+  // Makes `region` — a read-only region of the NVMe tier holding the chunk's content (a file
+  // home: tiers/nvme/file_homes.h) — the home of NVMe-homed `chunk`, freeing its old home and
+  // dropping any cached copy (nothing is written). From then on the chunk's content is that
+  // region's and nothing may write it: Release(modified), WriteAt, Zero and AdoptHostCopy are
+  // kFailedPrecondition naming the chunk (a refused Release still unpins, and drops the
+  // cached copy the caller wrote, so later reads see the home's bytes again).
+  // kFailedPrecondition for a pinned chunk or one not homed on NVMe; a move in flight is
+  // waited for first.
+  Status SetReadOnlyHome(ChunkId chunk, const Region& region);
+  bool ReadOnlyHome(ChunkId chunk) const { return chunks_[chunk].read_only; }
+
   // ---- planned mode (see the file comment) ----
   void SetPlanned(bool on) { planned_ = on; }
   bool planned() const { return planned_; }
@@ -299,7 +316,8 @@ class Engine {
     bool dirty = false;  // the cached copy differs from the home copy (only with a cached copy)
     int pins = 0;
     uint64_t last_use = 0;
-    bool soon = false;  // PrefetchHint'ed and not acquired since: not to be evicted
+    bool soon = false;       // PrefetchHint'ed and not acquired since: not to be evicted
+    bool read_only = false;  // SetReadOnlyHome: never dirty, never written
 
     bool cached() const { return cache.tier != TierKind::kNone; }
     Flight flight() const { return flight_; }
@@ -333,6 +351,8 @@ class Engine {
          std::unique_ptr<EvictionPolicy> policy);
   Tier* TierOf(TierKind k) const;
   Status CheckChunk(ChunkId chunk) const;
+  // kFailedPrecondition: `what` (a release that modified, a write into, ...) a read-only home.
+  Status ReadOnlyError(ChunkId chunk, std::string_view what) const;
   // kFailedPrecondition for `what` on a tier this stack does not have (no device: host mode).
   static Status NoTier(TierKind tier, std::string_view what);
   Status WaitInflight(ChunkId chunk, std::string_view cause);

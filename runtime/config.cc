@@ -44,6 +44,7 @@ const std::set<std::string> kTopKeys = {"device",
                                         "optimizer_placement",
                                         "optimizer_overlap",
                                         "checkpoint_io",
+                                        "in_place",
                                         "host_reserve"};
 
 std::string Keys(const std::set<std::string>& keys) {
@@ -420,6 +421,7 @@ Status ApplyJson(const json& config, SessionConfig* c, bool* nvme_given) {
   TIERMEM_RETURN_IF_ERROR(JsonMode(config, &c->optimizer_placement));
   TIERMEM_RETURN_IF_ERROR(JsonMode(config, &c->optimizer_overlap));
   TIERMEM_RETURN_IF_ERROR(JsonMode(config, &c->checkpoint_io));
+  TIERMEM_RETURN_IF_ERROR(JsonMode(config, &c->in_place));
   TIERMEM_RETURN_IF_ERROR(JsonMode(config, &c->unmaterialized_reads));
   return OkStatus();
 }
@@ -453,6 +455,7 @@ Status ApplyEnv(const EnvGetter& env, SessionConfig* c, bool* nvme_given) {
   TIERMEM_RETURN_IF_ERROR(ModeVar(env, "TIERMEM_OPTIMIZER_PLACEMENT", &c->optimizer_placement));
   TIERMEM_RETURN_IF_ERROR(ModeVar(env, "TIERMEM_OPTIMIZER_OVERLAP", &c->optimizer_overlap));
   TIERMEM_RETURN_IF_ERROR(ModeVar(env, "TIERMEM_CHECKPOINT_IO", &c->checkpoint_io));
+  TIERMEM_RETURN_IF_ERROR(ModeVar(env, "TIERMEM_IN_PLACE", &c->in_place));
   std::string state_dtype(kernels::StateDTypeName(c->optimizer_state.format.dtype));
   TIERMEM_RETURN_IF_ERROR(ChoiceVar(env, "TIERMEM_STATE_DTYPE", &state_dtype, kStateDTypes));
   c->optimizer_state.format.dtype = kernels::ParseStateDType(state_dtype).value();
@@ -598,6 +601,7 @@ json ToJson(const SessionConfig& c) {
   j["optimizer_placement"] = std::string(ModeName(c.optimizer_placement));
   j["optimizer_overlap"] = std::string(ModeName(c.optimizer_overlap));
   j["checkpoint_io"] = std::string(ModeName(c.checkpoint_io));
+  j["in_place"] = std::string(ModeName(c.in_place));
   return j;
 }
 

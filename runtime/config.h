@@ -78,6 +78,10 @@
 //                                                              (auto = direct: O_DIRECT)
 //   loss_scaling.{initial_scale,growth_interval,growth_factor,backoff_factor}   (fp16)
 //   unmaterialized_reads                           materialize materialize | error (Python)
+//   in_place        TIERMEM_IN_PLACE               auto        auto | on | off: a served
+//                                                              checkpoint's NVMe-homed chunks
+//                                                              read in place from its files
+//                                                              (runtime/weights.h)
 //
 // The choice-valued keys are enums (modes.h): their spellings are written once, in their
 // tables there, and code asks their predicates.
@@ -185,6 +189,12 @@ struct SessionConfig {
   CheckpointIo checkpoint_io = CheckpointIo::kAuto;
   LossScalingConfig loss_scaling;
   UnmaterializedReads unmaterialized_reads = UnmaterializedReads::kMaterialize;
+  // Serving a checkpoint (runtime/weights.h, "Serving in place"): "auto" homes each NVMe-homed
+  // compute chunk whose tensors the files hold in the compute dtype in those files, read in
+  // place (no copy written, a load that reads nothing); "on" also makes any other NVMe-homed
+  // compute chunk an error; "off" copies like a training load. The default follows the
+  // measurement in docs/benchmarks.md ("Serving in place").
+  InPlace in_place = InPlace::kAuto;
 };
 
 // `config`: a JSON object (null = all defaults). `env`: the TIERMEM_* source (tests pass a

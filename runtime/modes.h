@@ -232,6 +232,26 @@ struct ModeTraits<CheckpointIo> {
 // Checkpoint files are written and read with O_DIRECT where the file system allows it.
 constexpr bool CheckpointsDirect(CheckpointIo c) { return c != CheckpointIo::kBuffered; }
 
+// ---- in_place --------------------------------------------------------------------------------
+// Serving a checkpoint (tiermem.inference(..., weights=DIR), runtime/weights.h "Serving in
+// place"): whether NVMe-homed compute chunks read their values from the checkpoint's files
+// themselves instead of a copy written into the NVMe tier.
+enum class InPlace : uint8_t {
+  kAuto = 0,  // in place where it applies (the file dtype is the compute dtype), else copied
+  kOn = 1,    // in place, and an error naming the tensor where it does not apply
+  kOff = 2,   // always copied into the NVMe tier (today's load)
+};
+template <>
+struct ModeTraits<InPlace> {
+  static constexpr std::string_view kKey = "in_place";
+  static constexpr std::array<ModeSpelling<InPlace>, 3> kNames = {
+      {{InPlace::kAuto, "auto"}, {InPlace::kOn, "on"}, {InPlace::kOff, "off"}}};
+};
+// A served load may home chunks in the checkpoint's files.
+constexpr bool ServesInPlace(InPlace m) { return m != InPlace::kOff; }
+// A served NVMe-homed chunk that cannot be read in place is an error, not a copy.
+constexpr bool RequiresInPlace(InPlace m) { return m == InPlace::kOn; }
+
 // ---- unmaterialized_reads --------------------------------------------------------------------
 // A parameter read outside every unit containing it (the Python package's ChunkTensor).
 enum class UnmaterializedReads : uint8_t {

@@ -88,6 +88,11 @@ namespace tiermem::session {
 
 using chunks::ChunkKind;
 class TierStack;
+}  // namespace tiermem::session
+namespace tiermem {
+class FileHomeTier;
+}
+namespace tiermem::session {
 
 struct TensorSpec {
   std::string name;       // for messages and checkpoints, e.g. "blocks.0.attn.c_attn.weight"
@@ -273,6 +278,15 @@ class Session {
   TierKind Resident(size_t group, ChunkKind kind) const;
   TierKind Home(size_t group, ChunkKind kind) const;
   Bytes ChunkBytes(size_t group, ChunkKind kind) const;
+  // ---- serving in place (runtime/weights.h; session_file_homes.cc) ----
+  // The NVMe tier's read-only file homes (tiers/nvme/file_homes.h); null without NVMe or once
+  // closed.
+  FileHomeTier* file_homes();
+  // Makes `region`, a file home, the chunk's home (chunks::Engine::SetReadOnlyHome): its
+  // content is read from there, and anything that would write it is refused.
+  Status SetReadOnlyHome(size_t group, ChunkKind kind, const Region& region);
+  // Whether the chunk's home is read-only (false once closed).
+  bool ReadOnlyHome(size_t group, ChunkKind kind) const;
 
   // ---- values (through host copies; each call acquires and releases) ---------------------
   // The fp32 value of a tensor: its master (mixed precision) or its fp32 param.

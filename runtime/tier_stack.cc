@@ -287,7 +287,10 @@ StatusOr<std::unique_ptr<TierStack>> TierStack::Create(const SessionConfig& conf
     nc.queue_depth = config.io_depth;
     nc.piece_bytes = config.io_piece;
     nc.capacity = AlignUp(config.nvme_size, nc.block_bytes);
-    TIERMEM_ASSIGN_OR_RETURN(s->nvme_, NewNvmeTier(nc));
+    // Wrapped for read-only file homes (a served checkpoint read in place: runtime/weights.h).
+    TIERMEM_ASSIGN_OR_RETURN(std::unique_ptr<FileHomeTier> nvme, OpenNvmeTierWithFileHomes(nc));
+    s->file_homes_ = nvme.get();
+    s->nvme_ = std::move(nvme);
     if (auto* nvme = dynamic_cast<NvmeTier*>(s->nvme_.get())) {
       s->nvme_pinner_ = std::make_unique<NvmeRegisteringPinner>(nvme, s->cuda_pinner_.get());
       s->pinner_ = s->nvme_pinner_.get();
@@ -342,6 +345,7 @@ void TierStack::Close() {
   mover_.reset();
   host_.reset();  // unregisters its slabs from the NVMe tier and the CUDA pinner
   staging_.reset();
+  file_homes_ = nullptr;
   nvme_.reset();
   device_.reset();
   pinner_ = nullptr;

@@ -10,7 +10,9 @@
 //            its slabs are registered with cudaHostRegister (NewCudaHostPinner), and with
 //            NVMe as io_uring fixed buffers when mapped at creation (so are the staging
 //            slots; see NvmeRegisteringPinner in the .cc);
-//   nvme     the file-backed NVMe tier (io_uring or pread/pwrite) when nvme_size > 0;
+//   nvme     the file-backed NVMe tier (io_uring or pread/pwrite) when nvme_size > 0,
+//            wrapped for read-only file homes (tiers/nvme/file_homes.h: a served checkpoint
+//            read in place);
 //   staging  (not in host mode, which moves NVMe <-> host directly) a small host tier of
 //            its own for the Mover's device<->NVMe bounce slots
 //            (prefetch_depth + 2 chunks, carved out of the host budget; a move pipelines
@@ -35,6 +37,7 @@
 #include "prof/analysis.h"
 #include "runtime/config.h"
 #include "tiers/host/host_tier.h"
+#include "tiers/nvme/file_homes.h"
 #include "tiers/nvme/nvme_tier.h"
 #include "tiers/tier.h"
 
@@ -86,6 +89,8 @@ class TierStack {
   Mover* mover() { return mover_.get(); }
   Tier* host() { return host_.get(); }
   Tier* nvme() { return nvme_.get(); }  // null without NVMe
+  // The NVMe tier's read-only file homes (tiers/nvme/file_homes.h); null without NVMe.
+  FileHomeTier* file_homes() { return file_homes_; }
   bool cuda() const { return cuda_; }
   DeviceKind device_kind() const { return device_kind_; }  // resolved: never kAuto
   // The NVMe tier's I/O backend ("io_uring" or "posix": config key nvme.engine); "" without
@@ -114,6 +119,7 @@ class TierStack {
   HostPinner* pinner_ = nullptr;
   // Destroyed after the host tiers (members are destroyed in reverse order): nvme_, device_.
   std::unique_ptr<Tier> device_, nvme_, staging_, host_;
+  FileHomeTier* file_homes_ = nullptr;  // nvme_ itself, as the wrapper it is
   std::unique_ptr<Mover> mover_;
   std::unique_ptr<chunks::Engine> engine_;
   bool cuda_ = false;

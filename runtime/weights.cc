@@ -16,6 +16,10 @@
 //      through the SpanReader (tiers/nvme/span_reader.h) and converted to fp32 into them as
 //      each request lands while the next ones are in flight; in mixed precision the compute
 //      chunk is then rounded from the fp32 one (DeriveLowp) over the parts' ranges.
+//   In place (serving; weights.h "Serving in place"): before the batches, PlanInPlace picks
+//   the NVMe-homed compute chunks whose parts all read their own dtype, and HomeInPlace gives
+//   each a file home of its parts' spans; their parts then write only the fp32 masters (mixed
+//   precision) or nothing (fp32), and DeriveLowp skips them.
 // Acquires during a load are untraced: they are not part of the order training replays.
 #include "runtime/weights.h"
 
@@ -27,6 +31,7 @@
 
 #include "runtime/session.h"
 #include "runtime/tier_stack.h"
+#include "tiers/nvme/file_homes.h"
 #include "tiers/nvme/span_reader.h"
 
 namespace tiermem::session {
@@ -85,6 +90,13 @@ class Loader {
   void PlanParts();
   std::vector<std::vector<size_t>> MakeBatches() const;
   Status LoadBatch(SpanReader& reader, const std::vector<size_t>& batch);
+  // The groups whose compute chunk is homed in the files (in_place_), or the error in_place
+  // "on" makes of one that cannot be. Changes nothing.
+  Status PlanInPlace();
+  // Why group `g`'s compute chunk cannot be read in place ("" if it can); `parts`: its parts.
+  std::string NotInPlace(uint32_t g, const std::vector<size_t>& parts) const;
+  // Gives every in_place_ group's compute chunk its file home.
+  Status HomeInPlace();
   // Converts `k` elements of part `p`'s source, from source element `first` on, into its
   // fp32 chunk (`bytes`: the file's bytes of those elements, any alignment).
   void Emit(const Part& p, float* chunk, uint64_t first, const char* bytes, uint64_t k);
@@ -97,6 +109,7 @@ class Loader {
   const LoadWeightsOptions& options_;
   std::vector<Source> sources_;
   std::vector<Part> parts_;
+  std::map<uint32_t, std::vector<size_t>> in_place_;  // group -> its parts (PlanInPlace)
   std::set<std::string> used_;
   LoadWeightsReport report_;
   static constexpr uint64_t kBlock = 1 << 16;  // elements Emit converts at once
@@ -285,6 +298,8 @@ std::vector<std::vector<size_t>> Loader::MakeBatches() const {
   std::map<uint32_t, size_t> nvme;          // NVMe-homed group -> its batch
   for (size_t i = 0; i < parts_.size(); ++i) {
     const uint32_t g = parts_[i].group;
+    // In place in fp32: the fp32 chunk is the one homed in the files.
+    if (!s_.mixed() && in_place_.count(g)) continue;
     if (s_.Home(g, ChunkKind::kParamFp32) != TierKind::kNvme) {
       out[0].push_back(i);
       continue;
@@ -411,7 +426,7 @@ Status Loader::LoadBatch(SpanReader& reader, const std::vector<size_t>& batch) {
   if (s.ok()) s = reader.Read(spans, sink);
   // Mixed precision: the compute chunks, rounded from the fp32 ones.
   for (const auto& [g, fp32] : chunk) {
-    if (s.ok() && s_.mixed()) s = DeriveLowp(g, fp32, by_group[g]);
+    if (s.ok() && s_.mixed() && !in_place_.count(g)) s = DeriveLowp(g, fp32, by_group[g]);
   }
   for (const auto& [g, fp32] : chunk) {
     const Status r = s_.Release(g, ChunkKind::kParamFp32, /*modified=*/true);
@@ -451,6 +466,93 @@ Status Loader::DeriveLowp(size_t group, const float* fp32, const std::vector<siz
   return OkStatus();
 }
 
+std::string Loader::NotInPlace(uint32_t g, const std::vector<size_t>& parts) const {
+  const ChunkGroup& grp = s_.group(g);
+  if (grp.trainable) return "it is trained";
+  uint64_t covered = 0, elems = 0;
+  for (size_t i : parts) {
+    const Source& src = sources_[parts_[i].source];
+    const std::string key = "key '" + src.seg->key + "' in " + files_.files[src.file].path;
+    if (src.dtype != s_.compute_dtype()) {
+      return key + " is " + std::string(kernels::DTypeName(src.dtype)) + ", the compute dtype " +
+             std::string(kernels::DTypeName(s_.compute_dtype())) +
+             " (set precision to the checkpoint's dtype)";
+    }
+    if (src.seg->transpose) return key + " is transposed into it";
+    covered += parts_[i].dst_count;
+  }
+  for (const PieceRef& r : grp.pieces) elems += s_.place(r.tensor).pieces[r.piece].numel;
+  if (covered != elems) return "not every tensor of its chunk has a key in the checkpoint";
+  return "";
+}
+
+Status Loader::PlanInPlace() {
+  const InPlace mode = s_.config().in_place;
+  if (!options_.serving) {
+    if (!RequiresInPlace(mode)) return OkStatus();
+    return InvalidArgumentError(
+        "weights: config in_place 'on' reads a served checkpoint in place, but this session "
+        "trains (a training session writes its weights, so they are copied into its tiers): "
+        "serve with tiermem.inference, or set in_place to 'auto' or 'off'");
+  }
+  if (!ServesInPlace(mode) || s_.sharded() || s_.file_homes() == nullptr) return OkStatus();
+  std::map<uint32_t, std::vector<size_t>> by_group;
+  for (size_t i = 0; i < parts_.size(); ++i) by_group[parts_[i].group].push_back(i);
+  const ChunkKind kind = s_.compute_kind();
+  for (uint32_t g = 0; g < s_.num_groups(); ++g) {
+    if (s_.Home(g, kind) != TierKind::kNvme) continue;
+    const std::string why = NotInPlace(g, by_group[g]);
+    if (why.empty()) {
+      in_place_[g] = by_group[g];
+    } else if (RequiresInPlace(mode)) {
+      const std::string& t = s_.spec(s_.group(g).tensors.front()).name;
+      return InvalidArgumentError("weights: in_place 'on': the NVMe-homed chunk of tensor '" + t +
+                                  "' cannot be read in place from " + files_.path + ": " + why);
+    }
+  }
+  return OkStatus();
+}
+
+Status Loader::HomeInPlace() {
+  if (in_place_.empty()) return OkStatus();
+  FileHomeTier* homes = s_.file_homes();
+  std::vector<std::string> paths;
+  std::vector<uint64_t> sizes;
+  for (const weights::Header& h : files_.files) {
+    paths.push_back(h.path);
+    sizes.push_back(h.file_bytes);
+  }
+  TIERMEM_ASSIGN_OR_RETURN(const uint32_t first, homes->OpenFiles(paths, sizes));
+  const ChunkKind kind = s_.compute_kind();
+  const uint64_t es = s_.compute_element_size();
+  for (auto& [g, parts] : in_place_) {
+    std::sort(parts.begin(), parts.end(),
+              [&](size_t a, size_t b) { return parts_[a].dst < parts_[b].dst; });
+    std::vector<FileHomeSpan> spans;
+    for (size_t i : parts) {
+      const Part& p = parts_[i];
+      const Source& src = sources_[p.source];
+      const uint64_t at = files_.files[src.file].data_start + src.info->begin + p.src_elem * es;
+      FileHomeSpan* last = spans.empty() ? nullptr : &spans.back();
+      if (last != nullptr && last->file == first + src.file &&
+          last->file_offset + last->bytes == at && last->offset + last->bytes == p.dst * es) {
+        last->bytes += p.count * es;  // contiguous in the file and in the chunk: one span
+      } else {
+        spans.push_back({first + src.file, at, p.dst * es, p.count * es});
+      }
+      report_.bytes_in_place += p.count * es;
+    }
+    TIERMEM_ASSIGN_OR_RETURN(Region home,
+                             homes->AddFileHome(s_.ChunkBytes(g, kind), std::move(spans)));
+    if (Status st = s_.SetReadOnlyHome(g, kind, home); !st.ok()) {
+      homes->Free(home).IgnoreError();
+      return st;
+    }
+    ++report_.chunks_in_place;
+  }
+  return OkStatus();
+}
+
 StatusOr<LoadWeightsReport> Loader::Run() {
   if (s_.closed()) return FailedPreconditionError("weights: the session is closed");
   TIERMEM_RETURN_IF_ERROR(Validate());
@@ -471,13 +573,14 @@ StatusOr<LoadWeightsReport> Loader::Run() {
   }
   report_.io_backend = std::string(reader->io_backend());
   report_.staging_bytes = reader->staging_bytes();
+  TIERMEM_RETURN_IF_ERROR(PlanInPlace());
   // Nothing has changed up to here. The load's acquires are not part of the recorded order.
   const bool tracing = s_.tracing();
   s_.SetTracing(false);
-  Status s;
+  Status s = HomeInPlace();
   for (const std::vector<size_t>& batch : MakeBatches()) {
-    if (!batch.empty()) s = LoadBatch(*reader, batch);
     if (!s.ok()) break;
+    if (!batch.empty()) s = LoadBatch(*reader, batch);
   }
   s_.SetTracing(tracing);
   report_.bytes_read = reader->stats().bytes_read;

@@ -28,6 +28,19 @@
 //     transposed segment whole) and writes only its shard; no collective is involved.
 //   - a tensor without segments is an error, or with strict = false left untouched and
 //     reported in LoadWeightsReport::missing.
+//
+// Serving in place (options.serving, config in_place; docs/inference.md): a served session's
+// values are never written, so an NVMe-homed compute chunk whose tensors the files hold in the
+// compute dtype (bf16 checkpoint + bf16 compute, fp32 + fp32), untransposed, every tensor of
+// its group loaded, needs no copy: its home becomes those bytes of the files (a file home,
+// tiers/nvme/file_homes.h: the chunk's tensors as a list of file spans, read with O_DIRECT
+// into its cached copy when it is acquired, never written) and the load reads nothing for it.
+// In mixed precision its fp32 masters are still loaded (the session keeps masters of frozen
+// groups). in_place "auto" does this where it applies and copies the rest; "on" makes an
+// NVMe-homed compute chunk where it does not apply an error naming a tensor and why, and is
+// an error for a training load (serving = false: training writes its weights); "off" copies.
+// A sharded session copies (each rank's shard is not a span of the files).
+//
 // An I/O error after validation leaves the session partly loaded (said in the message); the
 // bindings then drop the session.
 //
@@ -80,6 +93,9 @@ struct LoadWeightsOptions {
   // The reader's staging: `depth` requests of `request_bytes` in flight.
   Bytes request_bytes = 8 * kMiB;
   int depth = 4;
+  // The session serves (tiermem.inference): its values are never written, so chunks may be
+  // homed in the files (see "Serving in place" above).
+  bool serving = false;
 };
 
 struct LoadWeightsReport {
@@ -90,6 +106,8 @@ struct LoadWeightsReport {
   uint64_t requests = 0;
   std::string io_backend;  // "io_uring" or "posix"
   Bytes staging_bytes = 0;
+  uint64_t chunks_in_place = 0;  // compute chunks homed in the files (serving in place)
+  uint64_t bytes_in_place = 0;   // their tensors' bytes, not read by the load
 };
 
 StatusOr<LoadWeightsReport> LoadWeights(Session& session, const weights::WeightFiles& files,

@@ -1035,3 +1035,55 @@ TEST(Engine, ZeroFillsOfLargeChunksTakeNoResidentMemory) {
 
 }  // namespace
 }  // namespace tiermem::chunks
+
+namespace tiermem::chunks {
+namespace {
+
+// A read-only home (serving a checkpoint in place): its bytes are read into the cached copy on
+// the device and on the host, every write is refused before a byte reaches the home, a refused
+// release drops what the caller wrote, and eviction never writes home.
+TEST(Engine, ReadOnlyHomesAreReadAndNeverWritten) {
+  Rig r(2 * kChunk, 2 * kChunk, 16 * kChunk);
+  const ChunkId a = *r.engine->AddChunk(kChunk, Category::kParam, TierKind::kNvme);
+  // The home: a region of the NVMe tier holding known bytes (a file home in a session).
+  auto home = r.nvme_tier->Allocate(kChunk);
+  ASSERT_TRUE(home.ok());
+  std::vector<uint8_t> want(kChunk);
+  for (Bytes i = 0; i < kChunk; ++i) want[i] = static_cast<uint8_t>(3 + i * 7);
+  ASSERT_TRUE(r.nvme_tier->Copy({*home, 0, want.data(), kChunk, CopyDir::kToTier})->Wait().ok());
+  ASSERT_TRUE(r.engine->SetReadOnlyHome(a, *home).ok());
+  EXPECT_TRUE(r.engine->ReadOnlyHome(a));
+  EXPECT_FALSE(r.engine->ZeroContent(a));
+  for (TierKind where : {TierKind::kDevice, TierKind::kHost}) {
+    auto p = r.engine->Acquire(a, where);
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    EXPECT_TRUE(Rig::Holds(*p, kChunk, 3));
+    std::memset(*p, 0, kChunk);  // the caller writes the cached copy anyway
+    Status s = r.engine->Release(a, /*modified=*/true);
+    EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
+    EXPECT_NE(s.message().find("read in place"), std::string::npos) << s.ToString();
+    EXPECT_EQ(r.engine->Pins(a), 0);
+    EXPECT_FALSE(r.engine->Dirty(a));
+    p = r.engine->Acquire(a, where);  // the home's bytes again, not what was written
+    ASSERT_TRUE(p.ok());
+    EXPECT_TRUE(Rig::Holds(*p, kChunk, 3));
+    ASSERT_TRUE(r.engine->Release(a, false).ok());
+  }
+  uint8_t byte = 1;
+  EXPECT_EQ(r.engine->WriteAt(a, 0, &byte, 1).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(r.engine->Zero(a).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(r.engine->PrepareAdopt(a).code(), StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(r.engine->Flush().ok());
+  std::vector<uint8_t> now(kChunk);
+  ASSERT_TRUE(r.nvme_tier->Copy({*home, 0, now.data(), kChunk, CopyDir::kFromTier})->Wait().ok());
+  EXPECT_EQ(now, want);
+  const prof::Report rep = r.Report();
+  EXPECT_EQ(Rig::Moved(rep, TierKind::kDevice, TierKind::kNvme), 0u);
+  EXPECT_EQ(Rig::Moved(rep, TierKind::kHost, TierKind::kNvme), 0u);
+  // Only an NVMe-homed, unpinned chunk takes one.
+  const ChunkId h = *r.engine->AddChunk(kChunk, Category::kParam, TierKind::kHost);
+  EXPECT_EQ(r.engine->SetReadOnlyHome(h, *home).code(), StatusCode::kFailedPrecondition);
+}
+
+}  // namespace
+}  // namespace tiermem::chunks

@@ -46,6 +46,7 @@ TEST(Modes, EveryValueHasOneSpellingThatParsesBack) {
   ExpectOneSpellingEach<OptimizerPlacement>(2);
   ExpectOneSpellingEach<OptimizerOverlap>(3);
   ExpectOneSpellingEach<CheckpointIo>(3);
+  ExpectOneSpellingEach<InPlace>(3);
   ExpectOneSpellingEach<UnmaterializedReads>(2);
 }
 
@@ -80,6 +81,7 @@ TEST(Modes, TheParserAndToJsonSpellEveryValueByItsTable) {
   ExpectParsedThroughTheTable(&SessionConfig::optimizer_placement, "TIERMEM_OPTIMIZER_PLACEMENT");
   ExpectParsedThroughTheTable(&SessionConfig::optimizer_overlap, "TIERMEM_OPTIMIZER_OVERLAP");
   ExpectParsedThroughTheTable(&SessionConfig::checkpoint_io, "TIERMEM_CHECKPOINT_IO");
+  ExpectParsedThroughTheTable(&SessionConfig::in_place, "TIERMEM_IN_PLACE");
   ExpectParsedThroughTheTable(&SessionConfig::unmaterialized_reads, nullptr);
   // nvme.engine is inside `nvme`.
   for (const ModeSpelling<NvmeEngine>& s : ModeTraits<NvmeEngine>::kNames) {
@@ -179,6 +181,13 @@ TEST(Modes, TheOtherPredicates) {
   EXPECT_TRUE(CheckpointsDirect(CheckpointIo::kAuto));
   EXPECT_TRUE(CheckpointsDirect(CheckpointIo::kDirect));
   EXPECT_FALSE(CheckpointsDirect(CheckpointIo::kBuffered));
+
+  EXPECT_TRUE(ServesInPlace(InPlace::kAuto));
+  EXPECT_TRUE(ServesInPlace(InPlace::kOn));
+  EXPECT_FALSE(ServesInPlace(InPlace::kOff));
+  EXPECT_FALSE(RequiresInPlace(InPlace::kAuto));
+  EXPECT_TRUE(RequiresInPlace(InPlace::kOn));
+  EXPECT_FALSE(RequiresInPlace(InPlace::kOff));
 
   EXPECT_FALSE(RaisesOnUnmaterializedRead(UnmaterializedReads::kMaterialize));
   EXPECT_TRUE(RaisesOnUnmaterializedRead(UnmaterializedReads::kError));

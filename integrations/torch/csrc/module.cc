@@ -198,6 +198,9 @@ void BindModes(py::module_& m) {
       .def_property_readonly("speculative",
                              [](se::OptimizerOverlap o) { return se::SpeculatesSteps(o); });
   BindMode<se::CheckpointIo>(m, "CheckpointIo");
+  BindMode<se::InPlace>(m, "InPlace")
+      .def_property_readonly("serves_in_place", [](se::InPlace i) { return se::ServesInPlace(i); })
+      .def_property_readonly("required", [](se::InPlace i) { return se::RequiresInPlace(i); });
   BindMode<se::UnmaterializedReads>(m, "UnmaterializedReads")
       .def_property_readonly(
           "raises", [](se::UnmaterializedReads u) { return se::RaisesOnUnmaterializedRead(u); });
@@ -783,6 +786,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("optimizer_placement", &se::SessionConfig::optimizer_placement)
       .def_readonly("optimizer_overlap", &se::SessionConfig::optimizer_overlap)
       .def_readonly("checkpoint_io", &se::SessionConfig::checkpoint_io)
+      .def_readonly("in_place", &se::SessionConfig::in_place)
       .def_property_readonly(
           "state_dtype",
           [](const se::SessionConfig& c) {

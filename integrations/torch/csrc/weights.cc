@@ -86,7 +86,7 @@ std::vector<session::WeightTarget> TargetsFrom(const py::list& targets) {
 py::dict Load(Session& s, const std::string& path, bool strict,
               const std::vector<std::vector<std::string>>& aliases,
               const std::vector<std::string>& ignore, const py::object& targets,
-              uint64_t request_bytes, int depth) {
+              uint64_t request_bytes, int depth, bool serving) {
   const weights::WeightFiles files = Check(weights::OpenWeights(path));
   std::set<std::string> allowed(ignore.begin(), ignore.end());
   const std::vector<session::WeightTarget> t =
@@ -97,6 +97,7 @@ py::dict Load(Session& s, const std::string& path, bool strict,
   o.ignore = [&allowed](std::string_view k) { return allowed.count(std::string(k)) > 0; };
   o.request_bytes = request_bytes;
   o.depth = depth;
+  o.serving = serving;
   StatusOr<session::LoadWeightsReport> r = InternalError("not loaded");
   {
     py::gil_scoped_release nogil;
@@ -110,6 +111,8 @@ py::dict Load(Session& s, const std::string& path, bool strict,
   out["requests"] = report.requests;
   out["io_backend"] = report.io_backend;
   out["staging_bytes"] = report.staging_bytes;
+  out["chunks_in_place"] = report.chunks_in_place;
+  out["bytes_in_place"] = report.bytes_in_place;
   return out;
 }
 
@@ -311,14 +314,14 @@ void RegisterWeights(py::module_& m, std::function<Session&(const py::handle&)> 
       [session_of](const py::handle& session, const std::string& path, bool strict,
                    const std::vector<std::vector<std::string>>& aliases,
                    const std::vector<std::string>& ignore, const py::object& targets,
-                   uint64_t request_bytes, int depth) {
+                   uint64_t request_bytes, int depth, bool serving) {
         return Load(session_of(session), path, strict, aliases, ignore, targets, request_bytes,
-                    depth);
+                    depth, serving);
       },
       py::arg("session"), py::arg("path"), py::arg("strict") = true,
       py::arg("aliases") = std::vector<std::vector<std::string>>{},
       py::arg("ignore") = std::vector<std::string>{}, py::arg("targets") = py::none(),
-      py::arg("request_bytes") = 8 * kMiB, py::arg("depth") = 4);
+      py::arg("request_bytes") = 8 * kMiB, py::arg("depth") = 4, py::arg("serving") = false);
   m.def(
       "save_weights",
       [session_of](const py::handle& session, const std::string& path, const py::list& entries,

@@ -12,8 +12,8 @@ import torch  # noqa: F401  (loads libtorch before the extension that links it)
 
 from . import _C
 from .checkpoint import load_checkpoint, save_checkpoint
-from .config import (ActivationMode, CheckpointIo, Config, DeviceKind, KernelIsa, NvmeEngine,
-                     OptimizerOverlap, OptimizerPlacement, PlanMode, Precision,
+from .config import (ActivationMode, CheckpointIo, Config, DeviceKind, InPlace, KernelIsa,
+                     NvmeEngine, OptimizerOverlap, OptimizerPlacement, PlanMode, Precision,
                      UnmaterializedReads, parse_config)
 from .hf import save_pretrained
 from .optimizer import ChunkedAdamW
@@ -27,7 +27,8 @@ __all__ = ["initialize", "inference", "runtime_of", "save_checkpoint", "load_che
            "ChunkTensor",
            # the config's modes (config.py)
            "Precision", "DeviceKind", "NvmeEngine", "KernelIsa", "PlanMode", "ActivationMode",
-           "OptimizerPlacement", "OptimizerOverlap", "CheckpointIo", "UnmaterializedReads"]
+           "OptimizerPlacement", "OptimizerOverlap", "CheckpointIo", "UnmaterializedReads",
+           "InPlace"]
 
 
 def initialize(model, config=None, param_groups=None, units=None, process_group=None,

@@ -24,7 +24,7 @@ Precision, DeviceKind, NvmeEngine, KernelIsa = (_C.Precision, _C.DeviceKind, _C.
                                                 _C.KernelIsa)
 PlanMode, ActivationMode, OptimizerPlacement, OptimizerOverlap = (
     _C.PlanMode, _C.ActivationMode, _C.OptimizerPlacement, _C.OptimizerOverlap)
-CheckpointIo, UnmaterializedReads = _C.CheckpointIo, _C.UnmaterializedReads
+CheckpointIo, UnmaterializedReads, InPlace = _C.CheckpointIo, _C.UnmaterializedReads, _C.InPlace
 
 
 def parse_config(config=None, env: Mapping[str, str] | None = None) -> Config:

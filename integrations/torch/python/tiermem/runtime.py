@@ -196,8 +196,8 @@ class TiermemRuntime:
                 # (strict=False) and all of them without one: their own values, or for those
                 # built on the meta device their modules' initialization, module by module
                 # (initvalues.py). The model is never whole in host memory.
-                todo = self._weights.load(self.session, self.params) if self._weights \
-                    else self.params
+                todo = (self._weights.load(self.session, self.params, self._serving)
+                        if self._weights else self.params)
                 for r, v in initial_values(model, todo, init):
                     if self._shards:  # every rank starts from rank 0's values (as DDP)
                         v = v.clone()

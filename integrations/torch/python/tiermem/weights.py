@@ -97,12 +97,14 @@ class LoadPlan:
     def buffer_keys(self) -> list:
         return [key for _, _, key, _ in self.buffers]
 
-    def load(self, session, params) -> list:
+    def load(self, session, params, serving: bool = False) -> list:
         """Streams the parameters into `session` (the core validates everything first) and
         returns the records the checkpoint has no key for (strict=False; said in one
-        warning), which keep their own initialization."""
+        warning), which keep their own initialization. `serving`: the session only serves
+        (tiermem.inference), so the core may read NVMe-homed chunks from the files in place
+        (config ``in_place``; its report's ``chunks_in_place``)."""
         report = _C.load_weights(session, self.path, strict=self.strict, aliases=self.aliases,
-                                 ignore=self.buffer_keys)
+                                 ignore=self.buffer_keys, serving=serving)
         missing = [params[i] for i in report["missing"]]
         self._empty_loaded(params, missing)
         self._warn_missing([r.name for r in missing] + self.missing_buffers)
