@@ -132,8 +132,8 @@ Status ChooseChunkSize(const SessionConfig& config, Bytes per_elem, uint64_t sta
     // largest would leave its small ones a chunk of their own (GPT 8 x 2304 at 2 GiB: 5 groups
     // per block instead of 3, chunks 1.7x the state).
     const Bytes at_least = chunks::MinimumDeviceBudget(min_piece, per_elem, kMinResidentChunks);
-    choice = chunks::ChooseChunkElems(packed, at_least + at_least / 4, per_elem,
-                                      kMinResidentChunks, state_align);
+    choice = chunks::ChooseChunkElems(packed, at_least + at_least / 4, per_elem, kMinResidentChunks,
+                                      state_align);
   }
   if (!choice.ok()) return choice.status();
   l.chunk_elems = choice->chunk_elems;
@@ -196,8 +196,8 @@ void RoundForSharding(const Sharding& sharding, uint64_t state_align, Layout& l)
 
 // Packs trainable tensors (those in the compressed state format first), then frozen ones,
 // into groups of their own.
-Status Pack(const SessionConfig& config, const std::vector<TensorSpec>& tensors,
-            const Subsets& s, uint64_t state_align, Layout& l) {
+Status Pack(const SessionConfig& config, const std::vector<TensorSpec>& tensors, const Subsets& s,
+            uint64_t state_align, Layout& l) {
   l.tensors.resize(tensors.size());
   for (const std::vector<size_t>* subset : {&s.compressed, &s.trainable, &s.frozen}) {
     if (subset->empty()) continue;

@@ -171,7 +171,7 @@ struct HostRoom {
 // A served MoE homes its dense groups' fp32 and (mixed) low-precision chunks first
 // (host_homes_first). With NVMe and a model larger than the host budget, the whole host budget
 // is prefaulted (host_prefault).
-inline constexpr Bytes kStepGroupChunks = 5;   // lowp params, fp32 params, grads, m, v
+inline constexpr Bytes kStepGroupChunks = 5;  // lowp params, fp32 params, grads, m, v
 inline constexpr Bytes kServingReadChunks = 1;
 inline constexpr Bytes kPrefetchedChunks = 2;
 inline constexpr Bytes kHostPage = 4096;
