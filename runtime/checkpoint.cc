@@ -58,6 +58,7 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 #include <vector>
 
@@ -412,12 +413,12 @@ Status Session::SaveCheckpoint(const std::string& path, const CheckpointMeta& me
   std::set<std::string> names;
   nlohmann::json steps = nlohmann::json::object(), crcs = nlohmann::json::object();
   uint64_t offset = 0, max_numel = 0;
-  std::vector<std::vector<Entry>> saved(specs_.size());
-  for (size_t i = 0; i < specs_.size(); ++i) {
-    const TensorSpec& t = specs_[i];
+  std::vector<std::vector<Entry>> saved(layout_.specs.size());
+  for (size_t i = 0; i < layout_.specs.size(); ++i) {
+    const TensorSpec& t = layout_.specs[i];
     max_numel = std::max(max_numel, t.numel);
     steps[t.name] = stepper_->step_count(i);
-    saved[i] = SavedEntries(t, state_format(tensors_[i].group));
+    saved[i] = SavedEntries(t, state_format(layout_.tensors[i].group));
     for (const Entry& e : saved[i]) {
       if (!names.insert(e.key).second) {
         return InvalidArgumentError("checkpoint: two tensors are named '" + e.key + "'");
@@ -481,7 +482,7 @@ Status Session::SaveCheckpoint(const std::string& path, const CheckpointMeta& me
                                    : reinterpret_cast<const char*>(buf.data());
   };
   if (sharded() && rank() != 0) {
-    for (size_t i = 0; i < specs_.size(); ++i) {
+    for (size_t i = 0; i < layout_.specs.size(); ++i) {
       for (const Entry& e : saved[i]) TIERMEM_RETURN_IF_ERROR(read(i, e).WithContext("checkpoint"));
     }
     return OkStatus();
@@ -495,7 +496,7 @@ Status Session::SaveCheckpoint(const std::string& path, const CheckpointMeta& me
   if (s.ok()) s = w.Put(placeholder.data(), placeholder.size());
   w.TakeCrc();
   Status gathers;
-  for (size_t i = 0; i < specs_.size() && gathers.ok() && (s.ok() || sharded()); ++i) {
+  for (size_t i = 0; i < layout_.specs.size() && gathers.ok() && (s.ok() || sharded()); ++i) {
     for (size_t k = 0; k < saved[i].size() && gathers.ok() && (s.ok() || sharded()); ++k) {
       const Entry& e = saved[i][k];
       gathers = read(i, e);
@@ -574,128 +575,171 @@ Status Session::LoadCheckpoint(const std::string& path, CheckpointMeta* metadata
   return s.WithContext("checkpoint " + path);
 }
 
+namespace {
+
+Status NothingLoaded(const std::string& what) {
+  return InvalidArgumentError(what + ": nothing was loaded");
+}
+
+// The file's state format (compressed m and v: their block and map); nullopt for files
+// without one, which hold fp32 state only.
+StatusOr<std::optional<kernels::StateFormat>> FileStateFormat(const Header2& h) {
+  auto it = h.meta.find("state_format");
+  if (it == h.meta.end()) return std::optional<kernels::StateFormat>();
+  const nlohmann::json f = nlohmann::json::parse(it->second, nullptr, false);
+  StatusOr<kernels::StateDType> d = f.is_object() && f.contains("dtype") && f["dtype"].is_string()
+                                        ? kernels::ParseStateDType(f["dtype"].get<std::string>())
+                                        : StatusOr<kernels::StateDType>(DataLossError("no dtype"));
+  if (!d.ok() || !f.contains("block") || !f["block"].is_number_unsigned()) {
+    return DataLossError("checkpoint metadata 'state_format' is malformed: " + it->second);
+  }
+  kernels::StateFormat file_format;
+  file_format.dtype = *d;
+  file_format.block = f["block"].get<uint32_t>();
+  TIERMEM_RETURN_IF_ERROR(
+      kernels::ValidateStateFormat(file_format).WithContext("checkpoint metadata 'state_format'"));
+  return std::optional<kernels::StateFormat>(file_format);
+}
+
+// Tensor `t`'s entries in the file `h` (what this model has, then what the file stores for
+// it: values F32, m and v F32, BF16, or U8 with their absmax), with their place and checksum.
+// May throw what the header's json throws (LoadPlanOf catches it).
+Status TensorEntries(const Header2& h, const TensorSpec& t,
+                     const std::optional<kernels::StateFormat>& file_format,
+                     std::vector<Entry>* entries) {
+  std::vector<std::pair<std::string, ChunkKind>> keys = {{t.name, ChunkKind::kParamFp32}};
+  if (t.trainable) {
+    for (ChunkKind kind : {ChunkKind::kExpAvg, ChunkKind::kExpAvgSq}) {
+      keys.emplace_back(std::string(StatePrefix(kind)) + "/" + t.name, kind);
+    }
+  }
+  for (const auto& [key, kind] : keys) {
+    const weights::TensorInfo* e = h.file.Find(key);
+    if (e == nullptr) {
+      const bool frozen_there = key != t.name && h.file.Find(t.name) != nullptr;
+      return NothingLoaded("checkpoint has no tensor '" + key + "'" +
+                           (frozen_there ? " (the parameter was frozen when it was saved)" : "") +
+                           "; this model has '" + t.name + "' (" + std::to_string(t.numel) +
+                           " elements" + (t.trainable ? "" : ", frozen") + ")");
+    }
+    const uint64_t numel = e->numel;
+    const std::string dtype(weights::DTypeName(e->dtype));
+    const bool state = kind != ChunkKind::kParamFp32;
+    const bool compressed = state && (dtype == "BF16" || dtype == "U8");
+    if ((dtype != "F32" && !compressed) || numel != t.numel) {
+      return NothingLoaded("checkpoint tensor '" + key + "' has " + std::to_string(numel) +
+                           " elements of " + dtype + ", this model has '" + t.name + "' (" +
+                           std::to_string(t.numel) + " elements, " +
+                           (state ? "F32, BF16 or U8" : "F32") + ")");
+    }
+    if (dtype == "U8" && (!file_format || file_format->dtype != kernels::StateDType::kInt8)) {
+      return DataLossError("checkpoint tensor '" + key +
+                           "' is U8 but the file's "
+                           "state_format is not int8: nothing was loaded");
+    }
+    Entry en;
+    en.key = key;
+    en.kind = kind;
+    en.part = compressed ? Part::kCodes : Part::kValues;
+    en.dtype = dtype;
+    en.bytes = t.numel * (dtype == "F32" ? 4 : dtype == "BF16" ? 2 : 1);
+    entries->push_back(en);
+    if (dtype == "U8") {  // its absmax follow
+      Entry a;
+      a.key = std::string(StatePrefix(kind)) + "_absmax/" + t.name;
+      a.kind = kind;
+      a.part = Part::kAbsmax;
+      a.dtype = "F32";
+      a.bytes = kernels::StateBlocks(*file_format, t.numel) * 4;
+      const weights::TensorInfo* ae = h.file.Find(a.key);
+      if (ae == nullptr || ae->dtype != weights::DType::kF32) {
+        return DataLossError("checkpoint has no F32 tensor '" + a.key + "' for the int8 '" + key +
+                             "': nothing was loaded");
+      }
+      entries->push_back(a);
+    }
+  }
+  for (Entry& en : *entries) {
+    const weights::TensorInfo* info = h.file.Find(en.key);
+    if (info->bytes() != en.bytes) {
+      return NothingLoaded("checkpoint tensor '" + en.key + "' holds " +
+                           std::to_string(info->bytes()) + " bytes, not the " +
+                           std::to_string(en.bytes) + " of " + std::to_string(t.numel) +
+                           " elements of " + en.dtype);
+    }
+    en.begin = info->begin;
+    en.crc = h.crcs.at(en.key).get<std::string>();
+  }
+  return OkStatus();
+}
+
+// Everything a format-2 load needs, taken out of the header first (a malformed header is an
+// error here, before anything changes): every tensor of this model and nothing else.
+struct LoadPlan {
+  std::vector<std::vector<Entry>> entries;  // by tensor, in file order
+  std::vector<int64_t> steps;               // by tensor
+  uint64_t micro = 0, max_numel = 0;
+  ScalerState scaler;
+};
+
+StatusOr<LoadPlan> LoadPlanOf(const Header2& h, const std::vector<TensorSpec>& specs,
+                              const std::optional<kernels::StateFormat>& file_format) {
+  LoadPlan plan;
+  plan.entries.resize(specs.size());
+  plan.steps.resize(specs.size());
+  try {
+    size_t expected = 0;
+    for (size_t i = 0; i < specs.size(); ++i) {
+      const TensorSpec& t = specs[i];
+      plan.max_numel = std::max(plan.max_numel, t.numel);
+      TIERMEM_RETURN_IF_ERROR(TensorEntries(h, t, file_format, &plan.entries[i]));
+      expected += plan.entries[i].size();
+      plan.steps[i] = h.steps.at(t.name).get<int64_t>();
+    }
+    if (h.file.tensors.size() != expected) {
+      return NothingLoaded("checkpoint holds " + std::to_string(h.file.tensors.size()) +
+                           " tensors (values and Adam state), this model has " +
+                           std::to_string(expected));
+    }
+    plan.micro = std::stoull(h.meta.at("micro_steps"));
+    plan.scaler.scale = std::stod(h.meta.at("loss_scale"));
+    plan.scaler.good_steps = std::stoi(h.meta.at("good_steps"));
+    plan.scaler.skipped_steps = std::stoull(h.meta.at("skipped_steps"));
+  } catch (const std::exception& e) {
+    return DataLossError(std::string("checkpoint header is malformed (") + e.what() +
+                         "): nothing was loaded");
+  }
+  return plan;
+}
+
+// Says once, after a load, which m and v were stored in another format than this session's
+// ("int8 (block 256) -> fp32" -> tensors) and were converted.
+void WarnConversions(const std::map<std::string, size_t>& conversions) {
+  for (const auto& [what, n] : conversions) {
+    TIERMEM_LOG(kWarn) << "checkpoint: the optimizer state of " << n << " tensor(s) was saved as "
+                       << what.substr(0, what.find(" -> ")) << " and is converted to this "
+                       << "session's " << what.substr(what.find(" -> ") + 4)
+                       << " (optimizer.state_dtype): "
+                       << (what.rfind("fp32", 0) == 0 ? "quantized"
+                                                      : "dequantized, then "
+                                                        "stored in the new format");
+  }
+}
+
+}  // namespace
+
 Status Session::LoadCheckpointV2(const std::string& path, int fd, int data_fd, bool direct,
                                  CheckpointMeta* metadata, const CheckpointLoad& how) {
   const bool verify_only = how.verify_only;
   TIERMEM_ASSIGN_OR_RETURN(Header2 h, ReadHeader2(fd, path));
   TIERMEM_ASSIGN_OR_RETURN(CheckpointMeta meta, MetaOf(h));
   TIERMEM_RETURN_IF_ERROR(CheckCheckpointMeta(meta, how));
-  // The file's state format (compressed m and v: their block and map); files without one hold
-  // fp32 state only.
-  kernels::StateFormat file_format;
-  bool file_has_format = false;
-  if (auto it = h.meta.find("state_format"); it != h.meta.end()) {
-    const nlohmann::json f = nlohmann::json::parse(it->second, nullptr, false);
-    StatusOr<kernels::StateDType> d =
-        f.is_object() && f.contains("dtype") && f["dtype"].is_string()
-            ? kernels::ParseStateDType(f["dtype"].get<std::string>())
-            : StatusOr<kernels::StateDType>(DataLossError("no dtype"));
-    if (!d.ok() || !f.contains("block") || !f["block"].is_number_unsigned()) {
-      return DataLossError("checkpoint metadata 'state_format' is malformed: " + it->second);
-    }
-    file_format.dtype = *d;
-    file_format.block = f["block"].get<uint32_t>();
-    TIERMEM_RETURN_IF_ERROR(kernels::ValidateStateFormat(file_format)
-                                .WithContext("checkpoint metadata 'state_format'"));
-    file_has_format = true;
-  }
-  // Everything the load needs, taken out of the header first (a malformed header is an error
-  // here, before anything changes): every tensor of this model and nothing else; values F32,
-  // m and v F32, BF16, or U8 with their absmax.
-  std::vector<std::vector<Entry>> entries(specs_.size());
-  std::vector<int64_t> steps(specs_.size());
-  uint64_t micro = 0, max_numel = 0;
-  ScalerState scaler;
-  auto nothing_loaded = [](const std::string& what) {
-    return InvalidArgumentError(what + ": nothing was loaded");
-  };
-  try {
-    size_t expected = 0;
-    for (size_t i = 0; i < specs_.size(); ++i) {
-      const TensorSpec& t = specs_[i];
-      max_numel = std::max(max_numel, t.numel);
-      // What this model has, then what the file stores for it.
-      std::vector<std::pair<std::string, ChunkKind>> keys = {{t.name, ChunkKind::kParamFp32}};
-      if (t.trainable) {
-        for (ChunkKind kind : {ChunkKind::kExpAvg, ChunkKind::kExpAvgSq}) {
-          keys.emplace_back(std::string(StatePrefix(kind)) + "/" + t.name, kind);
-        }
-      }
-      for (const auto& [key, kind] : keys) {
-        const weights::TensorInfo* e = h.file.Find(key);
-        if (e == nullptr) {
-          const bool frozen_there = key != t.name && h.file.Find(t.name) != nullptr;
-          return nothing_loaded(
-              "checkpoint has no tensor '" + key + "'" +
-              (frozen_there ? " (the parameter was frozen when it was saved)" : "") +
-              "; this model has '" + t.name + "' (" + std::to_string(t.numel) + " elements" +
-              (t.trainable ? "" : ", frozen") + ")");
-        }
-        const uint64_t numel = e->numel;
-        const std::string dtype(weights::DTypeName(e->dtype));
-        const bool state = kind != ChunkKind::kParamFp32;
-        const bool compressed = state && (dtype == "BF16" || dtype == "U8");
-        if ((dtype != "F32" && !compressed) || numel != t.numel) {
-          return nothing_loaded("checkpoint tensor '" + key + "' has " + std::to_string(numel) +
-                                " elements of " + dtype + ", this model has '" + t.name + "' (" +
-                                std::to_string(t.numel) + " elements, " +
-                                (state ? "F32, BF16 or U8" : "F32") + ")");
-        }
-        if (dtype == "U8" &&
-            (!file_has_format || file_format.dtype != kernels::StateDType::kInt8)) {
-          return DataLossError("checkpoint tensor '" + key +
-                               "' is U8 but the file's "
-                               "state_format is not int8: nothing was loaded");
-        }
-        Entry en;
-        en.key = key;
-        en.kind = kind;
-        en.part = compressed ? Part::kCodes : Part::kValues;
-        en.dtype = dtype;
-        en.bytes = t.numel * (dtype == "F32" ? 4 : dtype == "BF16" ? 2 : 1);
-        entries[i].push_back(en);
-        if (dtype == "U8") {  // its absmax follow
-          Entry a;
-          a.key = std::string(StatePrefix(kind)) + "_absmax/" + t.name;
-          a.kind = kind;
-          a.part = Part::kAbsmax;
-          a.dtype = "F32";
-          a.bytes = kernels::StateBlocks(file_format, t.numel) * 4;
-          const weights::TensorInfo* ae = h.file.Find(a.key);
-          if (ae == nullptr || ae->dtype != weights::DType::kF32) {
-            return DataLossError("checkpoint has no F32 tensor '" + a.key + "' for the int8 '" +
-                                 key + "': nothing was loaded");
-          }
-          entries[i].push_back(a);
-        }
-      }
-      for (Entry& en : entries[i]) {
-        const weights::TensorInfo* info = h.file.Find(en.key);
-        if (info->bytes() != en.bytes) {
-          return nothing_loaded("checkpoint tensor '" + en.key + "' holds " +
-                                std::to_string(info->bytes()) + " bytes, not the " +
-                                std::to_string(en.bytes) + " of " + std::to_string(t.numel) +
-                                " elements of " + en.dtype);
-        }
-        en.begin = info->begin;
-        en.crc = h.crcs.at(en.key).get<std::string>();
-      }
-      expected += entries[i].size();
-      steps[i] = h.steps.at(t.name).get<int64_t>();
-    }
-    if (h.file.tensors.size() != expected) {
-      return nothing_loaded("checkpoint holds " + std::to_string(h.file.tensors.size()) +
-                            " tensors (values and Adam state), this model has " +
-                            std::to_string(expected));
-    }
-    micro = std::stoull(h.meta.at("micro_steps"));
-    scaler.scale = std::stod(h.meta.at("loss_scale"));
-    scaler.good_steps = std::stoi(h.meta.at("good_steps"));
-    scaler.skipped_steps = std::stoull(h.meta.at("skipped_steps"));
-  } catch (const std::exception& e) {
-    return DataLossError(std::string("checkpoint header is malformed (") + e.what() +
-                         "): nothing was loaded");
-  }
+  TIERMEM_ASSIGN_OR_RETURN(const std::optional<kernels::StateFormat> stored_format,
+                           FileStateFormat(h));
+  const kernels::StateFormat file_format = stored_format.value_or(kernels::StateFormat{});
+  TIERMEM_ASSIGN_OR_RETURN(LoadPlan plan, LoadPlanOf(h, layout_.specs, stored_format));
+  const std::vector<std::vector<Entry>>& entries = plan.entries;
+  const uint64_t max_numel = plan.max_numel;
   // The read target without O_DIRECT; with it the values are used where they land in
   // `scratch`, copied here only when a file puts a tensor at an offset that is not a multiple
   // of 4 (safetensors does not require one; tiermem's files never do it). A tensor's codes
@@ -710,7 +754,7 @@ Status Session::LoadCheckpointV2(const std::string& path, int fd, int data_fd, b
   std::map<std::string, size_t> conversions;  // "int8 (block 256) -> fp32" -> tensors
   auto apply_state = [&](size_t i, ChunkKind kind, const kernels::StateFormat& stored,
                          const char* code_bytes, const float* values) -> Status {
-    const kernels::StateFormat& mine = state_format(tensors_[i].group);
+    const kernels::StateFormat& mine = state_format(layout_.tensors[i].group);
     const bool same = stored.dtype == mine.dtype &&
                       (stored.dtype != kernels::StateDType::kInt8 || stored.block == mine.block);
     if (same && stored.compressed()) return WriteStateRaw(i, kind, code_bytes, absmax.data());
@@ -718,14 +762,14 @@ Status Session::LoadCheckpointV2(const std::string& path, int fd, int data_fd, b
     if (stored.compressed()) {
       kernels::DequantizeState(stored, kind == ChunkKind::kExpAvg,
                                {const_cast<char*>(code_bytes), absmax.data()}, buf.data(),
-                               specs_[i].numel);
+                               layout_.specs[i].numel);
       values = buf.data();
     }
     return WriteTensor(i, kind, values);
   };
   // Pass 0 verifies every tensor's checksum; pass 1 applies.
   for (int pass = 0; pass < (verify_only ? 1 : 2); ++pass) {
-    for (size_t i = 0; i < specs_.size(); ++i) {
+    for (size_t i = 0; i < layout_.specs.size(); ++i) {
       for (const Entry& e : entries[i]) {
         StatusOr<const char*> at =
             ReadRange(data_fd, direct, scratch.get(), reinterpret_cast<char*>(buf.data()), e.bytes,
@@ -761,25 +805,17 @@ Status Session::LoadCheckpointV2(const std::string& path, int fd, int data_fd, b
       }
     }
   }
-  for (const auto& [what, n] : conversions) {
-    TIERMEM_LOG(kWarn) << "checkpoint: the optimizer state of " << n << " tensor(s) was saved as "
-                       << what.substr(0, what.find(" -> ")) << " and is converted to this "
-                       << "session's " << what.substr(what.find(" -> ") + 4)
-                       << " (optimizer.state_dtype): "
-                       << (what.rfind("fp32", 0) == 0 ? "quantized"
-                                                      : "dequantized, then "
-                                                        "stored in the new format");
-  }
+  WarnConversions(conversions);
   if (verify_only) {
     if (metadata != nullptr) *metadata = std::move(meta);
     return OkStatus();
   }
-  for (size_t i = 0; i < steps.size(); ++i) stepper_->set_step_count(i, steps[i]);
+  for (size_t i = 0; i < plan.steps.size(); ++i) stepper_->set_step_count(i, plan.steps[i]);
   // Gradients are not part of a checkpoint: the next backward starts them afresh.
-  micro_ = micro;
+  micro_ = plan.micro;
   accumulating_ = false;
   std::fill(has_grad_.begin(), has_grad_.end(), 0);
-  if (config_.precision == Precision::kFp16) scaler_ = scaler;
+  if (config_.precision == Precision::kFp16) scaler_ = plan.scaler;
   if (metadata != nullptr) *metadata = std::move(meta);
   return OkStatus();
 }
@@ -787,7 +823,7 @@ Status Session::LoadCheckpointV2(const std::string& path, int fd, int data_fd, b
 Status Session::LoadCheckpointV1(const std::string& path, CheckpointMeta* metadata,
                                  const CheckpointLoad& how) {
   uint64_t max_numel = 0;
-  for (const TensorSpec& t : specs_) max_numel = std::max(max_numel, t.numel);
+  for (const TensorSpec& t : layout_.specs) max_numel = std::max(max_numel, t.numel);
   std::vector<float> buf(max_numel);
   // Pass 0 verifies; pass 1 applies. Both read the whole file the same way.
   for (int pass = 0; pass < 2; ++pass) {
@@ -803,13 +839,13 @@ Status Session::LoadCheckpointV1(const std::string& path, CheckpointMeta* metada
       s = m.ok() ? CheckCheckpointMeta(*m, how) : m.status();
       if (s.ok()) meta = *std::move(m);
     }
-    if (s.ok() && h.num_tensors != specs_.size()) {
+    if (s.ok() && h.num_tensors != layout_.specs.size()) {
       s = InvalidArgumentError("checkpoint holds " + std::to_string(h.num_tensors) +
-                               " tensors, this model has " + std::to_string(specs_.size()));
+                               " tensors, this model has " + std::to_string(layout_.specs.size()));
     }
     std::vector<uint32_t> record_crcs;
-    for (size_t i = 0; i < specs_.size() && s.ok(); ++i) {
-      const TensorSpec& t = specs_[i];
+    for (size_t i = 0; i < layout_.specs.size() && s.ok(); ++i) {
+      const TensorSpec& t = layout_.specs[i];
       uint32_t name_bytes = 0;
       s = r.GetValue(&name_bytes);
       if (s.ok() && name_bytes > 65536) s = DataLossError("checkpoint record: bad name length");

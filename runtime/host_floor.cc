@@ -12,9 +12,6 @@ constexpr Bytes kMiB = Bytes{1} << 20;
 // converge; the bound only guards against a chunk choice that keeps growing.
 constexpr int kMaxRaises = 64;
 
-// The device working set ChooseChunkElems sizes chunks for (session.cc's kMinResidentChunks).
-constexpr int kWorkingChunks = 4;
-
 // A chunk of at most the budget's share, or, when the largest piece (a whole tensor, or a
 // row of a split one) is larger, of about that piece: the least waste up to 5/4 of it. Not
 // exactly the piece: a layer whose tensors sum to a multiple of its largest would leave its
@@ -24,13 +21,13 @@ StatusOr<uint64_t> ShareChunk(const std::vector<chunks::PackTensor>& tensors,
                               const HostSizingInputs& in, Bytes host_budget) {
   const Bytes share = in.per_elem * (host_budget / kHostChunkShare);
   StatusOr<chunks::ChunkSizeChoice> choice =
-      chunks::ChooseChunkElems(tensors, share, in.per_elem, kWorkingChunks, in.align_elems);
+      chunks::ChooseChunkElems(tensors, share, in.per_elem, kMinResidentChunks, in.align_elems);
   if (!choice.ok()) {
     uint64_t piece = 0;
     for (const chunks::PackTensor& t : tensors) piece = std::max(piece, t.row_elems());
-    const Bytes at_least = chunks::MinimumDeviceBudget(piece, in.per_elem, kWorkingChunks);
+    const Bytes at_least = chunks::MinimumDeviceBudget(piece, in.per_elem, kMinResidentChunks);
     choice = chunks::ChooseChunkElems(tensors, at_least * kHostChunkSlackNum / kHostChunkSlackDen,
-                                      in.per_elem, kWorkingChunks, in.align_elems);
+                                      in.per_elem, kMinResidentChunks, in.align_elems);
   }
   if (!choice.ok()) return choice.status();
   return choice->chunk_elems;
@@ -45,7 +42,7 @@ Bytes Reserve(const HostSizingInputs& in, uint64_t chunk_elems) {
 }  // namespace
 
 int HostReserveChunks(bool trainable) {
-  return (trainable ? kStepGroupChunks : kServeUnitChunks) + kLookaheadChunks;
+  return static_cast<int>((trainable ? kStepGroupChunks : kMinResidentChunks) + kPrefetchedChunks);
 }
 
 StatusOr<HostSizing> SizeHostChunks(const std::vector<chunks::PackTensor>& tensors,
@@ -103,7 +100,7 @@ StatusOr<ModelFloors> ComputeModelFloors(const std::vector<chunks::PackTensor>& 
   TIERMEM_ASSIGN_OR_RETURN(f.host_sufficient, SufficientHostBudget(tensors, in));
   TIERMEM_ASSIGN_OR_RETURN(f.host_at_sufficient, SizeHostChunks(tensors, in, f.host_sufficient));
   f.device_minimum = chunks::MinimumDeviceBudget(tensors[f.device_row_tensor].row_elems(),
-                                                 in.per_elem, kWorkingChunks);
+                                                 in.per_elem, kMinResidentChunks);
   f.device_split_copies = tensors[f.largest_tensor].numel * in.compute_esize *
                           (in.trainable ? kSplitCopiesTrain : kSplitCopiesServe);
   return f;

@@ -31,27 +31,22 @@
 #include "base/status.h"
 #include "base/units.h"
 #include "layout/chunk_layout.h"
+#include "runtime/layout.h"
 
 namespace tiermem::session {
 
-// An fp32 chunk is at most 1 / kHostChunkShare of the host budget (so the room held for
-// NVMe-homed chunks in use stays a small part of it).
-inline constexpr Bytes kHostChunkShare = 32;
 // A chunk sized by a tensor larger than the share: the least waste up to 5/4 of it.
 inline constexpr Bytes kHostChunkSlackNum = 5, kHostChunkSlackDen = 4;
-// Host room held for NVMe-homed chunks in use, in chunks: one chunk group's optimizer step
-// (param lowp, param fp32, grad, m, v), or what a served unit computes with (the device
-// minimum, kMinResidentChunks), plus the chunks prefetched next.
-inline constexpr int kStepGroupChunks = 5;
-inline constexpr int kServeUnitChunks = 4;
-inline constexpr int kLookaheadChunks = 2;
 // Copies of a split tensor a unit holds while it computes, in the compute dtype: the
 // contiguous compute copy, and training, torch's dense gradient (dense even for an
 // embedding, whose gradient is sparse in use).
 inline constexpr Bytes kSplitCopiesTrain = 2;
 inline constexpr Bytes kSplitCopiesServe = 1;
 
-// Chunks of host room held for NVMe-homed chunks in use in host mode.
+// Chunks of host room held for NVMe-homed chunks in use in host mode: one chunk group's
+// optimizer step (kStepGroupChunks: param lowp, param fp32, grad, m, v), or what a served unit
+// computes with (kMinResidentChunks, the device minimum), plus kPrefetchedChunks prefetched
+// next (the constants of layout.h, shared with HostRoomFor).
 int HostReserveChunks(bool trainable);
 
 // What host sizing reads. `tensors` as given (rows: their first dimension).

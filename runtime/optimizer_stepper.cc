@@ -17,9 +17,10 @@
 // completed a group's gradients.
 //
 // Ownership and threading: the stepper owns its bookkeeping and the speculation scratch
-// (through the engine's AllocateScratch); it borrows the session (its layout, traced chunk
-// access, moments and phases), the tier stack (the engine, tier stats) and the trace recorder
-// (the optimizer work per sub-step), all of which outlive it. It runs on the session's
+// (through the engine's AllocateScratch); it borrows the layout (layout.h) and the config, its
+// owner (StepperOwner: the session's traced chunk access, moments and phases, the step
+// decision's facts), the tier stack (the engine, tier stats) and the trace recorder (the
+// optimizer work per sub-step), all of which outlive it. It runs on the session's
 // thread only; device-placed kernels are enqueued on the session's compute stream and
 // ordered by the chunk releases, host kernels run on that thread now.
 #include "runtime/optimizer_stepper.h"
@@ -31,7 +32,7 @@
 
 #include "base/logging.h"
 #include "runtime/device_kernels.h"
-#include "runtime/session.h"
+#include "runtime/layout.h"
 #include "runtime/tier_stack.h"
 #include "runtime/trace_recorder.h"
 
@@ -42,10 +43,11 @@ int K(ChunkKind k) { return static_cast<int>(k); }
 
 }  // namespace
 
-OptimizerStepper::OptimizerStepper(Session* session, TierStack* stack, TraceRecorder* trace)
-    : session_(session), stack_(stack), trace_(trace) {
-  const size_t groups = session_->num_groups();
-  steps_.assign(session_->num_tensors(), 0);
+OptimizerStepper::OptimizerStepper(const Layout& layout, const SessionConfig& config,
+                                   StepperOwner* owner, TierStack* stack, TraceRecorder* trace)
+    : layout_(layout), config_(config), owner_(owner), stack_(stack), trace_(trace) {
+  const size_t groups = layout_.groups.size();
+  steps_.assign(layout_.tensors.size(), 0);
   pending_.resize(groups);
   spec_.resize(groups);
   spec_tried_.assign(groups, 0);
@@ -55,20 +57,25 @@ OptimizerStepper::OptimizerStepper(Session* session, TierStack* stack, TraceReco
 
 chunks::Engine* OptimizerStepper::engine() const { return stack_->engine(); }
 
+Bytes OptimizerStepper::ChunkBytes(size_t group, ChunkKind kind) const {
+  const ChunkId c = Chunk(group, kind);
+  return c == kNoChunk ? 0 : engine()->ChunkBytes(c);
+}
+
 ChunkId OptimizerStepper::Chunk(size_t group, ChunkKind kind) const {
-  return session_->group(group).chunks[K(kind)];
+  return layout_.groups[group].chunks[K(kind)];
 }
 
 // ---- runs --------------------------------------------------------------------------------------
 
 std::vector<OptimizerStepper::Run> OptimizerStepper::GradRuns(size_t group, bool same_step,
                                                               bool every_trainable) const {
-  const ChunkGroup& g = session_->group(group);
+  const ChunkGroup& g = layout_.groups[group];
   std::vector<Run> runs;
   for (const PieceRef& ref : g.pieces) {
     const uint32_t i = ref.tensor;
-    if (every_trainable ? !session_->place(i).trainable : !session_->has_grad(i)) continue;
-    const TensorPlace& t = session_->place(i);
+    if (every_trainable ? !layout_.tensors[i].trainable : !owner_->has_grad(i)) continue;
+    const TensorPlace& t = layout_.tensors[i];
     const Piece& p = t.pieces[ref.piece];
     if (!runs.empty() && runs.back().hi == p.offset &&
         (!same_step || (runs.back().opt_group == t.opt_group && runs.back().step == steps_[i]))) {
@@ -81,10 +88,10 @@ std::vector<OptimizerStepper::Run> OptimizerStepper::GradRuns(size_t group, bool
 }
 
 std::vector<OptimizerStepper::Run> OptimizerStepper::LocalRuns(std::vector<Run> runs) const {
-  if (!session_->sharded()) return runs;
+  if (!layout_.sharded()) return runs;
   std::vector<Run> out;
-  const uint64_t b = session_->shard_begin();
-  const uint64_t e = b + session_->shard_elems();
+  const uint64_t b = layout_.shard_begin;
+  const uint64_t e = b + layout_.shard_elems;
   for (Run r : runs) {
     const uint64_t lo = std::max(r.lo, b), hi = std::min(r.hi, e);
     if (lo >= hi) continue;
@@ -103,18 +110,18 @@ Status OptimizerStepper::Apply(const std::vector<GroupHyper>& hyper, float clip_
   step_args_.hyper = hyper;
   step_args_.clip_coef = clip_coef;
   step_args_.inv_loss_scale = inv_loss_scale;
-  const bool defer = DefersSteps(session_->config().optimizer_overlap);
-  for (size_t gi = 0; gi < session_->num_groups(); ++gi) {
-    const ChunkGroup& g = session_->group(gi);
+  const bool defer = DefersSteps(config_.optimizer_overlap);
+  for (size_t gi = 0; gi < layout_.groups.size(); ++gi) {
+    const ChunkGroup& g = layout_.groups[gi];
     if (!g.trainable) continue;
     // A tensor's step is counted once, at the group of its first piece (the lowest: pieces
     // are packed in order), before the runs of its later groups read it.
     std::vector<uint32_t> stepped;
     bool any = false;
     for (uint32_t i : g.tensors) {
-      if (!session_->has_grad(i)) continue;
+      if (!owner_->has_grad(i)) continue;
       any = true;
-      if (session_->place(i).pieces.front().group == gi) {
+      if (layout_.tensors[i].pieces.front().group == gi) {
         ++steps_[i];
         stepped.push_back(i);
       }
@@ -143,7 +150,7 @@ Status OptimizerStepper::Apply(const std::vector<GroupHyper>& hyper, float clip_
     Status s = UpdateGroup(gi, runs, work, stepped);
     if (!s.ok()) {
       return s.WithContext("optimizer step of chunk group " + std::to_string(gi) + " of " +
-                           std::to_string(session_->num_groups()) +
+                           std::to_string(layout_.groups.size()) +
                            " (groups before it were stepped)");
     }
   }
@@ -153,9 +160,9 @@ Status OptimizerStepper::Apply(const std::vector<GroupHyper>& hyper, float clip_
 Status OptimizerStepper::UpdateGroup(size_t gi, const std::vector<Run>& runs, uint64_t work,
                                      const std::vector<uint32_t>& stepped, bool quiet) {
   // Acquired in this order (compute params first), released in any order.
-  std::vector<ChunkKind> kinds = {session_->compute_kind(), ChunkKind::kGrad, ChunkKind::kExpAvg,
+  std::vector<ChunkKind> kinds = {layout_.compute_kind(), ChunkKind::kGrad, ChunkKind::kExpAvg,
                                   ChunkKind::kExpAvgSq};
-  if (session_->mixed()) kinds.push_back(ChunkKind::kParamFp32);
+  if (layout_.mixed()) kinds.push_back(ChunkKind::kParamFp32);
   const TierKind where = UpdateTier(gi);
   chunks::Engine* eng = engine();
   if (!quiet) {
@@ -163,7 +170,7 @@ Status OptimizerStepper::UpdateGroup(size_t gi, const std::vector<Run>& runs, ui
     // forward runs it.
     const std::string label =
         where == TierKind::kDevice ? "optimizer-substep:device:g" : "optimizer-substep:host:g";
-    session_->Moment(label + std::to_string(gi), planners::MomentKind::kOptimizerStep);
+    owner_->Moment(label + std::to_string(gi), planners::MomentKind::kOptimizerStep);
     trace_->SetWorkElems(work, where == TierKind::kDevice);
   }
   std::array<char*, chunks::kNumChunkKinds> v{};
@@ -171,7 +178,7 @@ Status OptimizerStepper::UpdateGroup(size_t gi, const std::vector<Run>& runs, ui
   Status s;
   for (; acquired < kinds.size(); ++acquired) {
     StatusOr<void*> p = quiet ? eng->Acquire(Chunk(gi, kinds[acquired]), where)
-                              : session_->Acquire(gi, kinds[acquired], where);
+                              : owner_->Acquire(gi, kinds[acquired], where);
     if (!p.ok()) {
       s = p.status();
       break;
@@ -191,7 +198,7 @@ Status OptimizerStepper::UpdateGroup(size_t gi, const std::vector<Run>& runs, ui
   for (size_t k = 0; k < acquired; ++k) {
     const bool modified = ran && kinds[k] != ChunkKind::kGrad;
     Status rel = quiet ? eng->Release(Chunk(gi, kinds[k]), modified)
-                       : session_->Release(gi, kinds[k], modified);
+                       : owner_->Release(gi, kinds[k], modified);
     if (s.ok()) s = rel;
   }
   if (!s.ok() && !ran) {
@@ -204,7 +211,7 @@ Status OptimizerStepper::RunAdam(size_t gi, const std::array<char*, chunks::kNum
                                  const Run& run, const GroupHyper& h, float inv_loss_scale,
                                  float clip, bool device,
                                  const std::array<char*, chunks::kNumChunkKinds>* in) {
-  const kernels::DType gd = session_->dtype(ChunkKind::kGrad);
+  const kernels::DType gd = layout_.dtype(ChunkKind::kGrad);
   kernels::AdamConfig ac;
   ac.lr = static_cast<float>(h.lr);
   ac.beta1 = static_cast<float>(h.beta1);
@@ -216,13 +223,13 @@ Status OptimizerStepper::RunAdam(size_t gi, const std::array<char*, chunks::kNum
   ac.clip_factor = clip;
   kernels::AdamSpans sp;
   sp.param = reinterpret_cast<float*>(v[K(ChunkKind::kParamFp32)]) + run.lo;
-  const kernels::StateFormat& f = session_->state_format(gi);
+  const kernels::StateFormat& f = layout_.groups[gi].state;
   if (f.compressed()) {
     // Codes at run.lo; int8's absmax after the chunk's codes, one per block (run.lo is on a
     // block boundary: tensors and shards are aligned to it).
     const bool int8 = f.dtype == kernels::StateDType::kInt8;
     const size_t es = int8 ? 1 : 2;
-    const uint64_t elems = session_->shard_elems();
+    const uint64_t elems = layout_.shard_elems;
     auto ref = [&](ChunkKind k) {
       char* base = v[K(k)];
       return kernels::StateRef{
@@ -241,9 +248,9 @@ Status OptimizerStepper::RunAdam(size_t gi, const std::array<char*, chunks::kNum
   }
   sp.grad = v[K(ChunkKind::kGrad)] + run.lo * kernels::DTypeSize(gd);
   sp.grad_dtype = gd;
-  if (session_->mixed()) {
+  if (layout_.mixed()) {
     sp.param_out = v[K(ChunkKind::kParamLowp)] + run.lo * 2;
-    sp.out_dtype = session_->compute_dtype();
+    sp.out_dtype = layout_.compute_dtype();
   }
   sp.n = run.hi - run.lo;
   if (in != nullptr) {
@@ -253,12 +260,12 @@ Status OptimizerStepper::RunAdam(size_t gi, const std::array<char*, chunks::kNum
       sp.exp_avg_sq_in = reinterpret_cast<const float*>((*in)[K(ChunkKind::kExpAvgSq)]) + run.lo;
     }
   }
-  return DeviceAdamStep(session_->cuda() && device, ac, sp,
-                        device ? session_->compute_stream() : kHostStream);
+  return DeviceAdamStep(IsCuda(config_.device_kind) && device, ac, sp,
+                        device ? owner_->compute_stream() : kHostStream);
 }
 
 bool OptimizerStepper::GroupPinned(size_t gi) const {
-  for (ChunkId c : session_->group(gi).chunks) {
+  for (ChunkId c : layout_.groups[gi].chunks) {
     if (c != kNoChunk && engine()->Pins(c) > 0) return true;
   }
   return false;
@@ -271,20 +278,20 @@ Status OptimizerStepper::RunPending(size_t group, bool quiet) {
   Pending p = std::move(pending_[group]);
   pending_[group] = Pending();  // inactive before the update's own acquires come through here
   --num_pending_;
-  const std::string phase = session_->phase();
+  const std::string phase = owner_->phase();
   chunks::Engine* eng = engine();
-  session_->Phase("optimizer");
-  if (quiet && session_->tracing()) eng->SetTracing(false);
+  owner_->Phase("optimizer");
+  if (quiet && owner_->tracing()) eng->SetTracing(false);
   Status s = UpdateGroup(group, p.runs, p.work, p.stepped, quiet);
-  if (quiet && session_->tracing()) eng->SetTracing(true);
-  if (s.ok() && p.zero_grad_after && session_->Pins(group, ChunkKind::kGrad) == 0) {
+  if (quiet && owner_->tracing()) eng->SetTracing(true);
+  if (s.ok() && p.zero_grad_after && engine()->Pins(Chunk(group, ChunkKind::kGrad)) == 0) {
     s = eng->Zero(Chunk(group, ChunkKind::kGrad));
   }
-  if (!phase.empty()) session_->Phase(phase);
+  if (!phase.empty()) owner_->Phase(phase);
   if (!s.ok()) {
     return s.WithContext("the optimizer update of chunk group " + std::to_string(group) +
                          ", deferred from the last step() (optimizer_overlap: " +
-                         std::string(ModeName(session_->config().optimizer_overlap)) + ")");
+                         std::string(ModeName(config_.optimizer_overlap)) + ")");
   }
   return OkStatus();
 }
@@ -305,11 +312,11 @@ bool OptimizerStepper::ZeroGradsAfterPending(size_t group) {
 // ---- speculative updates ---------------------------------------------------------------------
 
 void OptimizerStepper::SpeculateReady() {
-  if (!spec_hyper_set_ || !placed_ || session_->sharded() || !session_->next_step_applies()) {
+  if (!spec_hyper_set_ || !placed_ || layout_.sharded() || !owner_->next_step_applies()) {
     return;
   }
-  for (size_t gi = 0; gi < session_->num_groups(); ++gi) {
-    if (!session_->group(gi).trainable || spec_tried_[gi] || spec_[gi].active) continue;
+  for (size_t gi = 0; gi < layout_.groups.size(); ++gi) {
+    if (!layout_.groups[gi].trainable || spec_tried_[gi] || spec_[gi].active) continue;
     // Complete as far as the last iteration shows, and written in this one.
     if (grad_done_prev_[gi] >= bwd_moments_ || grad_done_[gi] == kNotWritten) continue;
     spec_tried_[gi] = 1;
@@ -334,11 +341,10 @@ Status OptimizerStepper::Speculate(size_t gi) {
     ++r.step;
   }
   if (sp.runs.empty()) return OkStatus();
-  std::vector<ChunkKind> state = {session_->compute_kind(), ChunkKind::kExpAvg,
-                                  ChunkKind::kExpAvgSq};
-  if (session_->mixed()) state.push_back(ChunkKind::kParamFp32);
+  std::vector<ChunkKind> state = {layout_.compute_kind(), ChunkKind::kExpAvg, ChunkKind::kExpAvgSq};
+  if (layout_.mixed()) state.push_back(ChunkKind::kParamFp32);
   Bytes need = 0;
-  for (ChunkKind k : state) need += session_->ChunkBytes(gi, k);
+  for (ChunkKind k : state) need += ChunkBytes(gi, k);
   chunks::Engine* eng = engine();
   const TierStats hs = stack_->host()->Stats();
   const Bytes ext = eng->external_bytes(TierKind::kHost);
@@ -348,13 +354,13 @@ Status OptimizerStepper::Speculate(size_t gi) {
     return OkStatus();
   }
   sp.hyper = spec_hyper_;
-  sp.inv_loss_scale = static_cast<float>(1.0 / session_->loss_scale());
+  sp.inv_loss_scale = static_cast<float>(1.0 / owner_->loss_scale());
   std::array<char*, chunks::kNumChunkKinds> in{}, out{};
   std::vector<ChunkKind> acquired;
   Status s;
   for (ChunkKind k : state) {
     StatusOr<Region> r =
-        eng->AllocateScratch(TierKind::kHost, session_->ChunkBytes(gi, k), Category::kOptimState);
+        eng->AllocateScratch(TierKind::kHost, ChunkBytes(gi, k), Category::kOptimState);
     if (!r.ok()) {
       s = r.status();
       break;
@@ -366,7 +372,7 @@ Status OptimizerStepper::Speculate(size_t gi) {
   std::vector<ChunkKind> inputs = state;
   inputs.push_back(ChunkKind::kGrad);
   for (size_t i = 0; s.ok() && i < inputs.size(); ++i) {
-    StatusOr<void*> p = session_->Acquire(gi, inputs[i], TierKind::kHost);
+    StatusOr<void*> p = owner_->Acquire(gi, inputs[i], TierKind::kHost);
     if (!p.ok()) {
       s = p.status();
       break;
@@ -382,13 +388,13 @@ Status OptimizerStepper::Speculate(size_t gi) {
     std::sort(covered.begin(), covered.end());
     for (ChunkKind k : state) {
       if ((k == ChunkKind::kExpAvg || k == ChunkKind::kExpAvgSq) &&
-          session_->state_format(gi).compressed()) {
+          layout_.groups[gi].state.compressed()) {
         // Compressed m and v are updated in place: the shadow starts as all of the input.
-        std::memcpy(out[K(k)], in[K(k)], session_->ChunkBytes(gi, k));
+        std::memcpy(out[K(k)], in[K(k)], ChunkBytes(gi, k));
         continue;
       }
-      const Bytes es = kernels::DTypeSize(session_->dtype(k));
-      const uint64_t elems = session_->ChunkBytes(gi, k) / es;
+      const Bytes es = kernels::DTypeSize(layout_.dtype(k));
+      const uint64_t elems = ChunkBytes(gi, k) / es;
       uint64_t at = 0;
       for (const auto& [lo, hi] : covered) {
         if (lo > at) std::memcpy(out[K(k)] + at * es, in[K(k)] + at * es, (lo - at) * es);
@@ -495,7 +501,7 @@ void OptimizerStepper::BeginIteration() {
 void OptimizerStepper::AfterMoment(planners::MomentKind kind) {
   if (kind != planners::MomentKind::kPreBackward) return;
   ++bwd_moments_;
-  if (SpeculatesSteps(session_->config().optimizer_overlap)) SpeculateReady();
+  if (SpeculatesSteps(config_.optimizer_overlap)) SpeculateReady();
 }
 
 // ---- placement ---------------------------------------------------------------------------------
@@ -509,33 +515,32 @@ void OptimizerStepper::Place() {
   // bytes per element) costs less than moving m and v up and back (16 bytes). Groups are
   // taken in order while room is left.
   placed_ = true;
-  on_device_.assign(session_->num_groups(), 0);
+  on_device_.assign(layout_.groups.size(), 0);
   // Host mode: there is no device; every group steps on the host, in place.
-  if (!MayStepOnDevice(session_->config().optimizer_placement) || stack_->host_compute()) return;
+  if (!MayStepOnDevice(config_.optimizer_placement) || stack_->host_compute()) return;
   chunks::Engine* eng = engine();
   // (Sharded: the gathered full chunks the binding held as scratch count too.)
   const chunks::EngineStats est = eng->Stats();
   Bytes working = est.external_peak[static_cast<int>(TierKind::kDevice)] +
                   est.scratch_peak[static_cast<int>(TierKind::kDevice)];
-  for (size_t gi = 0; gi < session_->num_groups(); ++gi) {
-    working += session_->ChunkBytes(gi, session_->compute_kind());
-    if (session_->group(gi).trainable) working += session_->ChunkBytes(gi, ChunkKind::kGrad);
+  for (size_t gi = 0; gi < layout_.groups.size(); ++gi) {
+    working += ChunkBytes(gi, layout_.compute_kind());
+    if (layout_.groups[gi].trainable) working += ChunkBytes(gi, ChunkKind::kGrad);
   }
   const Bytes capacity = stack_->device()->Stats().capacity;
   Bytes left = capacity > working ? capacity - working : 0;
   size_t count = 0;
-  for (size_t gi = 0; gi < session_->num_groups(); ++gi) {
-    if (!session_->group(gi).trainable) continue;
-    Bytes need = session_->ChunkBytes(gi, ChunkKind::kExpAvg) +
-                 session_->ChunkBytes(gi, ChunkKind::kExpAvgSq);
-    if (session_->mixed()) need += session_->ChunkBytes(gi, ChunkKind::kParamFp32);
+  for (size_t gi = 0; gi < layout_.groups.size(); ++gi) {
+    if (!layout_.groups[gi].trainable) continue;
+    Bytes need = ChunkBytes(gi, ChunkKind::kExpAvg) + ChunkBytes(gi, ChunkKind::kExpAvgSq);
+    if (layout_.mixed()) need += ChunkBytes(gi, ChunkKind::kParamFp32);
     if (need > left) break;
     left -= need;
     on_device_[gi] = 1;
     ++count;
   }
   TIERMEM_LOG(kInfo) << "optimizer: " << count << " chunk group(s) step on the device ("
-                     << ModeName(session_->device_kind()) << "), the others on the host";
+                     << ModeName(config_.device_kind) << "), the others on the host";
 }
 
 }  // namespace tiermem::session

@@ -51,14 +51,16 @@
 // (torch's `p.grad is not None` is false) is not stepped and its count does not move.
 //
 // Thread-safety: externally synchronized (the session's thread, like the session).
-// Ownership: the session owns the stepper; the session, its tier stack and its trace recorder
-// must outlive it. Speculation scratch is host scratch of the engine: DropSpeculations frees
-// it (the session's Close calls it before the tiers go).
+// Ownership: the session owns the stepper; its layout, config, owner (StepperOwner), tier
+// stack and trace recorder must outlive it. Speculation scratch is host scratch of the engine:
+// DropSpeculations frees it (the session's Close calls it before the tiers go).
 #pragma once
 
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -75,13 +77,33 @@ class Engine;
 
 namespace tiermem::session {
 
-class Session;
+struct Layout;
 class TierStack;
 class TraceRecorder;
 
 // AdamW hyper-parameters of one optimizer param group, as of this step (the config's
 // `optimizer` keys are the defaults of every group).
 using GroupHyper = OptimizerConfig;
+
+// What the stepper needs of its owner (the session) beyond the layout, the configuration, the
+// tier stack and the trace recorder: the owner's traced chunk access (as the bindings'
+// acquires: noted in the trace and checked against an executed plan; they run the pending
+// update of the group first, which the stepper marks inactive before it runs its own), its
+// moments and phases, and the facts of the step decision. Called on the owner's thread only.
+class StepperOwner {
+ public:
+  virtual ~StepperOwner() = default;
+  virtual StatusOr<void*> Acquire(size_t group, chunks::ChunkKind kind, TierKind where) = 0;
+  virtual Status Release(size_t group, chunks::ChunkKind kind, bool modified) = 0;
+  virtual void Moment(std::string_view label, planners::MomentKind kind) = 0;
+  virtual void Phase(std::string_view label) = 0;
+  virtual const std::string& phase() const = 0;  // the last Phase label ("" before any)
+  virtual bool tracing() const = 0;              // acquires are part of the recorded order
+  virtual ComputeStream compute_stream() const = 0;
+  virtual bool has_grad(size_t tensor) const = 0;
+  virtual double loss_scale() const = 0;
+  virtual bool next_step_applies() const = 0;  // not a micro-step of an accumulation window
+};
 
 class OptimizerStepper {
  public:
@@ -98,9 +120,11 @@ class OptimizerStepper {
     uint64_t no_room = 0;     // groups not speculated for lack of free host room
   };
 
-  // Sized for the session's layout (fixed by then). `session`, `stack` and `trace` must
-  // outlive the stepper.
-  OptimizerStepper(Session* session, TierStack* stack, TraceRecorder* trace);
+  // Sized for `layout` (its groups fixed by then; their chunk ids may be filled later).
+  // `layout`, `config` (the device kind resolved), `owner`, `stack` and `trace` must outlive
+  // the stepper.
+  OptimizerStepper(const Layout& layout, const SessionConfig& config, StepperOwner* owner,
+                   TierStack* stack, TraceRecorder* trace);
   OptimizerStepper(const OptimizerStepper&) = delete;
   OptimizerStepper& operator=(const OptimizerStepper&) = delete;
 
@@ -195,6 +219,8 @@ class OptimizerStepper {
 
   chunks::Engine* engine() const;  // the stack's
   ChunkId Chunk(size_t group, chunks::ChunkKind kind) const;
+  // The bytes of that chunk; 0 when the group has none of `kind`.
+  Bytes ChunkBytes(size_t group, chunks::ChunkKind kind) const;
   // Where group g's update runs (its chunks acquired there).
   TierKind UpdateTier(size_t g) const { return OnDevice(g) ? TierKind::kDevice : TierKind::kHost; }
   // Decides on_device_ (the file comment's rule).
@@ -223,7 +249,9 @@ class OptimizerStepper {
   Status CommitSpeculation(size_t gi);
   void FreeShadows(Speculation& sp);
 
-  Session* const session_;
+  const Layout& layout_;
+  const SessionConfig& config_;
+  StepperOwner* const owner_;
   TierStack* const stack_;
   TraceRecorder* const trace_;
   std::vector<int64_t> steps_;  // per tensor

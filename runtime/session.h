@@ -7,8 +7,10 @@
 //   - the tier stack (tier_stack.h): device (SimDevice or CUDA; none in host mode, where the
 //     host tier is the compute tier), host, NVMe, staging, the mover, the timeline recorder
 //     and the chunk engine;
-//   - the layout: tensors (in the order given — first use, i.e. module registration order)
-//     packed into chunk groups; every group has one chunk per ChunkKind it needs, all at the
+//   - the layout (layout.h, a pure unit tested alone: LayOut decides it from the config, the
+//     tensor specs and the sharding before any tier exists; layout() hands it out): tensors
+//     (in the order given — first use, i.e. module registration order) packed into chunk
+//     groups; every group has one chunk per ChunkKind it needs, all at the
 //     same element offsets. Trainable groups: the compute params (kParamFp32 in fp32 training,
 //     kParamLowp in bf16/fp16), kGrad (compute dtype), kExpAvg and kExpAvgSq (the group's
 //     optimizer-state format, below), and in
@@ -21,7 +23,9 @@
 //     global-norm clipping and fp16 dynamic loss scaling (skipped steps lower the scale), all
 //     on fused kernels. The session decides each step (validation, micro-steps, gradient
 //     stats, clip factor, fp16 verdict, loss scale); its OptimizerStepper
-//     (optimizer_stepper.h) applies it: where each group steps (device or host, decided at
+//     (optimizer_stepper.h: it reads the layout and calls the session only through
+//     StepperOwner — traced acquire and release, moments and phases, the step's facts)
+//     applies it: where each group steps (device or host, decided at
 //     the first applied step: optimizer_placement), and when (optimizer_overlap: inside Step,
 //     deferred into the next forward, or speculated in the backward and adopted by Step).
 //     Every access path of the session first runs the pending update of what it touches, and
@@ -80,62 +84,19 @@
 #include "runtime/checkpoint_meta.h"
 #include "runtime/collectives.h"
 #include "runtime/config.h"
+#include "runtime/layout.h"
 #include "runtime/optimizer_stepper.h"
 #include "runtime/plan_runner.h"
 #include "runtime/trace_recorder.h"
 
 namespace tiermem::session {
 
-using chunks::ChunkKind;
 class TierStack;
 }  // namespace tiermem::session
 namespace tiermem {
 class FileHomeTier;
 }
 namespace tiermem::session {
-
-struct TensorSpec {
-  std::string name;       // for messages and checkpoints, e.g. "blocks.0.attn.c_attn.weight"
-  uint64_t numel = 0;     // > 0
-  bool trainable = true;  // false: frozen (no grad or optimizer chunks)
-  int opt_group = 0;      // optimizer param group (trainable tensors only), >= 0
-  std::vector<int64_t> shape = {};  // as the binding's tensor (checkpoints); empty = {numel}
-  // Mixture of experts (layout/chunk_layout.h, "expert set"): >= 0 names the set of one
-  // layer's experts, packed expert by expert so that each expert's slices share chunks of
-  // their own; `expert` -1 = fused (shape[0] indexes the experts), >= 0 = the whole tensor is
-  // that expert's.
-  int expert_set = -1;
-  int expert = -1;
-};
-
-// Where a tensor lives: one piece (the same element offset in every chunk of its group), or
-// several for a tensor larger than a chunk or of an expert set — whole rows of its first
-// dimension each, in element order.
-using chunks::Piece;
-struct TensorPlace {
-  uint32_t group = 0;         // the first piece's group and element offset: the tensor's
-  uint64_t offset = 0;        // place unless split (then read `pieces`)
-  std::vector<Piece> pieces;  // cover [0, numel) in order; never empty
-  uint64_t numel = 0;
-  bool trainable = true;
-  int opt_group = 0;
-  bool split() const { return pieces.size() > 1; }
-};
-
-// A piece of a tensor, as a chunk group lists it.
-struct PieceRef {
-  uint32_t tensor = 0;
-  uint32_t piece = 0;  // index in place(tensor).pieces
-};
-
-struct ChunkGroup {
-  bool trainable = false;
-  kernels::StateFormat state;                          // of its kExpAvg / kExpAvgSq chunks
-  uint64_t used_elems = 0;                             // end of its last piece
-  std::array<ChunkId, chunks::kNumChunkKinds> chunks;  // by ChunkKind; kNoChunk if absent
-  std::vector<uint32_t> tensors;                       // tensors with a piece here, by first offset
-  std::vector<PieceRef> pieces;                        // its pieces, in offset order
-};
 
 struct StepResult {
   bool applied = false;    // false between accumulation micro-steps and when skipped
@@ -174,36 +135,42 @@ class Session {
   bool closed() const;
 
   // ---- layout (valid after Close too) ---------------------------------------------------
+  // The pure layout (layout.h): tensors, groups (with their chunk ids), chunk size, bytes.
+  const Layout& layout() const { return layout_; }
   // As parsed, with the device kind resolved (never DeviceKind::kAuto).
   const SessionConfig& config() const { return config_; }
   Precision precision() const { return config_.precision; }
   bool mixed() const { return IsMixed(config_.precision); }
   kernels::DType compute_dtype() const { return ComputeDType(config_.precision); }
-  kernels::DType dtype(ChunkKind kind) const;  // element type of that kind's chunks
-  ChunkKind compute_kind() const {             // the chunks the model computes with
+  kernels::DType dtype(ChunkKind kind) const { return layout_.dtype(kind); }
+  ChunkKind compute_kind() const {  // the chunks the model computes with
     return mixed() ? ChunkKind::kParamLowp : ChunkKind::kParamFp32;
   }
-  uint64_t chunk_elems() const { return chunk_elems_; }  // full chunks (every rank alike)
+  uint64_t chunk_elems() const { return layout_.chunk_elems; }  // full chunks (every rank alike)
   // Sharding (see the file comment): world 1 = not sharded, one shard = the whole chunk.
   int world() const { return sharding_.world; }
   int rank() const { return sharding_.rank; }
   bool sharded() const { return sharding_.world > 1; }
-  uint64_t shard_elems() const { return shard_elems_; }  // elements of each kind per chunk here
-  uint64_t shard_begin() const { return shard_begin_; }  // its first element, full coordinates
-  size_t num_tensors() const { return tensors_.size(); }
-  size_t num_groups() const { return groups_.size(); }
-  const TensorSpec& spec(size_t tensor) const { return specs_[tensor]; }
-  const TensorPlace& place(size_t tensor) const { return tensors_[tensor]; }
-  const ChunkGroup& group(size_t g) const { return groups_[g]; }
+  uint64_t shard_elems() const {
+    return layout_.shard_elems;
+  }  // elements of each kind per chunk here
+  uint64_t shard_begin() const {
+    return layout_.shard_begin;
+  }  // its first element, full coordinates
+  size_t num_tensors() const { return layout_.tensors.size(); }
+  size_t num_groups() const { return layout_.groups.size(); }
+  const TensorSpec& spec(size_t tensor) const { return layout_.specs[tensor]; }
+  const TensorPlace& place(size_t tensor) const { return layout_.tensors[tensor]; }
+  const ChunkGroup& group(size_t g) const { return layout_.groups[g]; }
   bool has_kind(size_t g, ChunkKind kind) const {
-    return groups_[g].chunks[static_cast<int>(kind)] != kNoChunk;
+    return layout_.groups[g].chunks[static_cast<int>(kind)] != kNoChunk;
   }
-  Bytes model_bytes() const { return model_bytes_; }              // every chunk byte of tensor data
+  Bytes model_bytes() const { return layout_.model_bytes; }       // every chunk byte of tensor data
   Bytes total_chunk_bytes() const { return total_chunk_bytes_; }  // incl. padding and tails
   // The device bytes the layout needs at least: min-resident compute + grad chunks of the
   // largest piece a unit needs at once (a row of the largest tensor's first dimension; an
   // expert's slices with expert sets).
-  Bytes minimum_device_budget() const { return min_device_budget_; }
+  Bytes minimum_device_budget() const { return layout_.min_device_budget; }
   // kCuda, kHost, kSim or kSimAsync (kAuto resolved).
   DeviceKind device_kind() const { return config_.device_kind; }
   bool cuda() const { return IsCuda(config_.device_kind); }
@@ -306,7 +273,9 @@ class Session {
   Status WriteTensorRange(size_t tensor, ChunkKind kind, uint64_t begin, uint64_t n,
                           const void* values);
   // The optimizer-state format of a group's m and v (fp32 for frozen groups).
-  const kernels::StateFormat& state_format(size_t group) const { return groups_[group].state; }
+  const kernels::StateFormat& state_format(size_t group) const {
+    return layout_.groups[group].state;
+  }
   // Stored m or v of a tensor in its group's format: `codes` gets StateBytes' code part
   // (numel bytes for int8, 2 x numel for bf16, 4 x numel for fp32), `absmax` (int8 only,
   // else unused) StateBlocks(format, numel) values. kInvalidArgument for another kind.
@@ -510,6 +479,11 @@ class Session {
 
  private:
   Session() = default;
+  // Create's steps (the layout between them: layout.h). Validate: `config` with its device
+  // kind resolved, or the mode it refuses there. Build: the tier stack sized for `sized`, the
+  // stepper, and every chunk of layout_ (its ids into layout_.groups).
+  static StatusOr<SessionConfig> Validate(const SessionConfig& config);
+  Status Build(const HostRoom& sized);
   Status Live() const;
   ChunkId Chunk(size_t group, ChunkKind kind) const;
   Status CheckKind(size_t group, ChunkKind kind) const;
@@ -543,21 +517,15 @@ class Session {
 
   SessionConfig config_;
   Sharding sharding_;
-  uint64_t shard_elems_ = 0;
-  uint64_t shard_begin_ = 0;
   std::vector<char> gathered_, shard_buf_;  // GatherChunk's buffers
   bool gather_cache_ = false;
   std::pair<size_t, int> gathered_key_{SIZE_MAX, -1};  // (group, kind) in gathered_
   std::string timeline_path_;
-  std::vector<TensorSpec> specs_;
-  std::vector<TensorPlace> tensors_;
-  std::vector<ChunkGroup> groups_;
-  uint64_t chunk_elems_ = 0;
-  Bytes model_bytes_ = 0;
+  // The pure layout (layout.h); its groups' chunk ids filled as the chunks are created.
+  Layout layout_;
   Bytes total_chunk_bytes_ = 0;                   // every chunk of every kind
   Bytes state_bytes_ = 0, state_bytes_fp32_ = 0;  // m and v chunks, and in fp32
-  Bytes min_device_budget_ = 0;
-  Bytes compute_budget_ = 0;  // compute_budget(), set once the chunks exist
+  Bytes compute_budget_ = 0;                      // compute_budget(), set once the chunks exist
   std::vector<uint8_t> has_grad_;
   ScalerState scaler_;
   uint64_t micro_ = 0;
@@ -569,6 +537,9 @@ class Session {
   // Per chunk: the expert set it was last acquired as a member of (kNoExpertSet: never), so a
   // trace declares the experts it was told of before its recording began.
   std::vector<uint32_t> expert_set_of_;
+  // What the stepper may call of the session (StepperOwner over its public parts: session.cc).
+  class StepperSite;
+  std::unique_ptr<StepperSite> stepper_site_;
   std::unique_ptr<OptimizerStepper> stepper_;  // made right after stack_, never null then
   std::string phase_;    // the binding's current phase (restored after an update)
   bool tracing_ = true;  // SetTracing's state

@@ -36,6 +36,7 @@
 #include "chunks/mover.h"
 #include "prof/analysis.h"
 #include "runtime/config.h"
+#include "runtime/layout.h"
 #include "tiers/host/host_tier.h"
 #include "tiers/nvme/file_homes.h"
 #include "tiers/nvme/nvme_tier.h"
@@ -43,18 +44,8 @@
 
 namespace tiermem::session {
 
-struct StackLayout {
-  Bytes chunk_bytes = 0;   // the largest chunk; sizes the host slots and the staging slots
-  Bytes host_reserve = 0;  // host bytes never used for homes (caches of NVMe-homed chunks)
-  // Bytes of the chunks created first that should have host homes (a served MoE's dense
-  // chunks): with NVMe, the reserve grows to all the host room beyond them, so the rest (the
-  // experts) is homed on NVMe and cached on the host by use, not pinned there by creation
-  // order. 0: the reserve is host_reserve.
-  Bytes host_homes_first = 0;
-  // Host bytes mapped (faulted, locked, registered) at creation: the whole host budget when the
-  // training state exceeds it with NVMe, so that all of it is registered with NVMe up front.
-  Bytes host_prefault = 0;
-};
+// What the stack is sized for: the host room of a layout (layout.h, HostRoomFor).
+using StackLayout = HostRoom;
 
 // The NVMe tier's I/O backend for the config key nvme.engine (kAuto: the tier picks).
 NvmeIoBackend IoBackendOf(NvmeEngine engine);

@@ -394,12 +394,13 @@ class HFLoadPlan(LoadPlan):
                                                for p, _, ms in self.computed for n in ms]
 
     # ---- loading ---------------------------------------------------------------------------
-    def load(self, session, params) -> list:
+    def load(self, session, params, serving: bool = False) -> list:
         """Streams the parameters into `session`, gives meta PEFT adapters their
         initialization, and returns the records left to their own values: adapters with
-        values, and what the file lacks (strict=False, named in one warning)."""
+        values, and what the file lacks (strict=False, named in one warning). `serving`: as
+        LoadPlan.load (the core may read NVMe-homed chunks from the files in place)."""
         report = _C.load_weights(session, self.path, strict=False, targets=self.targets,
-                                 ignore=self.ignored)
+                                 ignore=self.ignored, serving=serving)
         missing = [params[i] for i in report["missing"]]
         self._empty_loaded(params, missing)
         from .hf_peft import init_meta_adapters

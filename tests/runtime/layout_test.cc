@@ -1,0 +1,258 @@
+// The session's pure layout (runtime/layout.h), alone: no tier, no engine. Packing, the chunk
+// size choice, the compressed-state split, sharding rounding, the byte counts and the host
+// room the tier stack is sized for, with exact values.
+#include "runtime/layout.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "tests/support/status_matchers.h"
+
+namespace tiermem::session {
+namespace {
+
+using ::tiermem::testing::StatusIs;
+
+// Only its address matters to LayOut (a sharded layout needs collectives).
+class NoCollectives final : public Collectives {
+ public:
+  Status AllGather(const void*, void*, Bytes) override {
+    return InternalError("not called by the layout");
+  }
+};
+
+SessionConfig Sim(Bytes device = kMiB) {
+  SessionConfig c;
+  c.device_kind = DeviceKind::kSim;
+  c.device_budget = device;
+  return c;
+}
+
+TEST(Layout, PacksTrainableThenFrozenIntoGroupsOfTheirOwn) {
+  SessionConfig c = Sim();
+  c.chunk_size = 2048;
+  auto l = LayOut(c, {{"w", 1500, true, 0}, {"frozen", 600, false, 0}, {"b", 400, true, 1}}, {});
+  ASSERT_TRUE(l.ok()) << l.status().ToString();
+  EXPECT_EQ(l->chunk_elems, 2048u);
+  EXPECT_EQ(l->shard_elems, 2048u);
+  EXPECT_EQ(l->shard_begin, 0u);
+  ASSERT_EQ(l->groups.size(), 2u);
+  // Trainable tensors first, in the given order, at aligned offsets (kAlignElems).
+  EXPECT_EQ(l->tensors[0].group, 0u);
+  EXPECT_EQ(l->tensors[0].offset, 0u);
+  EXPECT_EQ(l->tensors[2].group, 0u);
+  EXPECT_EQ(l->tensors[2].offset, 1504u);  // 1500 rounded up to 32
+  EXPECT_EQ(l->tensors[2].opt_group, 1);
+  EXPECT_EQ(l->tensors[1].group, 1u);
+  EXPECT_FALSE(l->tensors[1].trainable);
+  EXPECT_TRUE(l->groups[0].trainable);
+  EXPECT_FALSE(l->groups[1].trainable);
+  EXPECT_EQ(l->groups[0].used_elems, 1904u);
+  EXPECT_EQ(l->groups[0].tensors, (std::vector<uint32_t>{0, 2}));
+  EXPECT_EQ(l->specs[1].name, "frozen");
+  for (const ChunkGroup& g : l->groups) {
+    for (ChunkId id : g.chunks) EXPECT_EQ(id, kNoChunk);  // no chunk exists yet
+  }
+  // fp32: no low-precision copy; frozen groups have no grads or optimizer state.
+  EXPECT_FALSE(l->NeedsKind(0, ChunkKind::kParamLowp));
+  EXPECT_TRUE(l->NeedsKind(0, ChunkKind::kExpAvgSq));
+  EXPECT_TRUE(l->NeedsKind(1, ChunkKind::kParamFp32));
+  EXPECT_FALSE(l->NeedsKind(1, ChunkKind::kGrad));
+  EXPECT_EQ(l->ShardChunkBytes(0, ChunkKind::kGrad), 2048u * 4);
+  // Model bytes: trainable fp32 params + grads + m + v, frozen params.
+  EXPECT_EQ(l->model_bytes, (1500 + 400) * 16u + 600 * 4u);
+
+  c.precision = Precision::kBf16;
+  auto m = LayOut(c, {{"w", 1500, true, 0}, {"frozen", 600, false, 0}}, {});
+  ASSERT_TRUE(m.ok());
+  EXPECT_TRUE(m->NeedsKind(1, ChunkKind::kParamLowp));  // frozen: compute copy and master
+  EXPECT_TRUE(m->NeedsKind(1, ChunkKind::kParamFp32));
+  EXPECT_EQ(m->dtype(ChunkKind::kGrad), kernels::DType::kBF16);
+  EXPECT_EQ(m->ShardChunkBytes(0, ChunkKind::kParamLowp), 2048u * 2);
+  // bf16 params + grads, fp32 m, v and master; frozen: bf16 + fp32 master.
+  EXPECT_EQ(m->model_bytes, 1500 * (2 + 2 + 8 + 4) + 600 * (2 + 4u));
+}
+
+TEST(Layout, ATensorLargerThanAChunkIsSplitIntoRows) {
+  SessionConfig c = Sim();
+  c.chunk_size = 1024;
+  TensorSpec big{"big", 3000, true, 0, {6, 500}};
+  auto l = LayOut(c, {big}, {});
+  ASSERT_TRUE(l.ok()) << l.status().ToString();
+  const TensorPlace& p = l->tensors[0];
+  ASSERT_TRUE(p.split());
+  uint64_t covered = 0;
+  for (const Piece& piece : p.pieces) {
+    EXPECT_EQ(piece.numel % 500, 0u);  // whole rows
+    EXPECT_LE(piece.numel, 1024u);
+    covered += piece.numel;
+  }
+  EXPECT_EQ(covered, 3000u);
+  EXPECT_EQ(p.pieces.size(), 3u);  // two rows a chunk
+}
+
+TEST(Layout, ChoosesTheChunkSizeForTheBudgetAndNamesTheMinimum) {
+  SessionConfig c = Sim(kMiB);
+  const std::vector<TensorSpec> specs = {{"a", 10000, true, 0}, {"b", 3000, true, 0}};
+  auto l = LayOut(c, specs, {});
+  ASSERT_TRUE(l.ok()) << l.status().ToString();
+  std::vector<chunks::PackTensor> packed(2);
+  packed[0].numel = 10000;
+  packed[1].numel = 3000;
+  auto want = chunks::ChooseChunkElems(packed, kMiB, 8, kMinResidentChunks);
+  ASSERT_TRUE(want.ok());
+  EXPECT_EQ(l->chunk_elems, want->chunk_elems);
+  // The minimum: kMinResidentChunks fp32 param + grad chunks of the largest tensor.
+  EXPECT_EQ(l->min_device_budget, chunks::MinimumDeviceBudget(10000, 8, kMinResidentChunks));
+
+  EXPECT_THAT(LayOut(Sim(4096), {{"big", 100000, true, 0}}, {}),
+              StatusIs(StatusCode::kResourceExhausted, "minimum"));
+  SessionConfig fixed = Sim(kMiB);
+  fixed.chunk_size = 1 << 20;
+  EXPECT_THAT(LayOut(fixed, {{"w", 10, true, 0}}, {}),
+              StatusIs(StatusCode::kResourceExhausted, "for chunk_size=1048576"));
+
+  // Host mode: no device minimum; chunks sized for 1/kHostChunkShare of the host budget.
+  SessionConfig host;
+  host.device_kind = DeviceKind::kHost;
+  host.host_budget = 32 * kMiB;
+  auto h = LayOut(host, specs, {});
+  ASSERT_TRUE(h.ok()) << h.status().ToString();
+  EXPECT_EQ(h->min_device_budget, 0u);
+  auto hwant = chunks::ChooseChunkElems(packed, 8 * (32 * kMiB / kHostChunkShare), 8,
+                                        kMinResidentChunks);
+  ASSERT_TRUE(hwant.ok());
+  EXPECT_EQ(h->chunk_elems, hwant->chunk_elems);
+}
+
+TEST(Layout, BadTensorsAndShardingAreRefused) {
+  const SessionConfig c = Sim();
+  EXPECT_THAT(LayOut(c, {}, {}), StatusIs(StatusCode::kInvalidArgument, "no parameters"));
+  EXPECT_THAT(LayOut(c, {{"empty", 0, true, 0}}, {}),
+              StatusIs(StatusCode::kInvalidArgument, "empty"));
+  EXPECT_THAT(LayOut(c, {{"g", 10, true, -1}}, {}),
+              StatusIs(StatusCode::kInvalidArgument, "negative param group"));
+  EXPECT_THAT(LayOut(c, {{"s", 10, true, 0, {3, 4}}}, {}),
+              StatusIs(StatusCode::kInvalidArgument, "shape of 12 elements"));
+  EXPECT_THAT(LayOut(c, {{"w", 10, true, 0}}, Sharding{2, 2, nullptr}),
+              StatusIs(StatusCode::kInvalidArgument, "rank 2 of a world of 2"));
+  EXPECT_THAT(LayOut(c, {{"w", 10, true, 0}}, Sharding{2, 0, nullptr}),
+              StatusIs(StatusCode::kInvalidArgument, "needs its collectives"));
+}
+
+TEST(Layout, CompressedStateTakesTheLargeWholeTensorsOnBlockBoundaries) {
+  SessionConfig c = Sim();
+  c.chunk_size = 4096;
+  c.optimizer_state.format.dtype = kernels::StateDType::kInt8;
+  c.optimizer_state.format.block = 256;
+  c.optimizer_state.min_elems = 1000;
+  // "big" (5000) is split across chunks, "small" below min_elems: both keep fp32 state.
+  auto l = LayOut(c,
+                  {{"a", 1100, true, 0},
+                   {"small", 100, true, 0},
+                   {"b", 1000, true, 0},
+                   {"big", 5000, true, 0, {10, 500}},
+                   {"f", 50, false, 0}},
+                  {});
+  ASSERT_TRUE(l.ok()) << l.status().ToString();
+  const ChunkGroup& ga = l->groups[l->tensors[0].group];
+  EXPECT_EQ(ga.state, c.optimizer_state.format);
+  EXPECT_EQ(l->tensors[0].group, 0u);  // compressed groups come first
+  EXPECT_EQ(l->tensors[2].group, 0u);
+  EXPECT_EQ(l->tensors[2].offset, 1280u);  // 1100 rounded up to the 256-element block
+  for (size_t t : {1u, 3u}) {
+    EXPECT_FALSE(l->groups[l->tensors[t].group].state.compressed()) << t;
+    EXPECT_NE(l->tensors[t].group, 0u) << t;
+  }
+  EXPECT_FALSE(l->groups[l->tensors[4].group].trainable);
+  // int8 m and v: one byte per element and a float per block.
+  EXPECT_EQ(l->ShardChunkBytes(0, ChunkKind::kExpAvg), kernels::StateBytes(ga.state, 4096));
+  EXPECT_EQ(l->ShardChunkBytes(0, ChunkKind::kExpAvg), 4096u + 16 * 4);
+
+  c.chunk_size = 4096 + 32;  // not whole blocks
+  EXPECT_THAT(LayOut(c, {{"a", 1100, true, 0}}, {}),
+              StatusIs(StatusCode::kInvalidArgument, "not a multiple of optimizer.state_block"));
+}
+
+TEST(Layout, ShardingRoundsEveryChunkToEqualAlignedShards) {
+  NoCollectives coll;
+  SessionConfig c = Sim();
+  c.chunk_size = 1000;
+  auto l = LayOut(c, {{"w", 900, true, 0}}, Sharding{3, 2, &coll});
+  ASSERT_TRUE(l.ok()) << l.status().ToString();
+  EXPECT_EQ(l->chunk_elems, 1152u);  // 1000 up to a multiple of 3 x kShardAlignElems
+  EXPECT_EQ(l->shard_elems, 384u);
+  EXPECT_EQ(l->shard_begin, 768u);
+  EXPECT_EQ(l->ShardChunkBytes(0, ChunkKind::kParamFp32), 384u * 4);
+  // int8 state: whole blocks in every shard.
+  c.optimizer_state.format.dtype = kernels::StateDType::kInt8;
+  c.optimizer_state.format.block = 256;
+  c.chunk_size = 1024;
+  auto q = LayOut(c, {{"w", 900, true, 0}}, Sharding{3, 0, &coll});
+  ASSERT_TRUE(q.ok()) << q.status().ToString();
+  EXPECT_EQ(q->chunk_elems, 1536u);  // a multiple of 3 x 256
+  EXPECT_EQ(q->shard_elems, 512u);
+  // Sharded, no tensor may be split.
+  c.optimizer_state = {};
+  c.chunk_size = 256;
+  EXPECT_THAT(LayOut(c, {{"big", 2000, true, 0, {10, 200}}}, Sharding{2, 0, &coll}),
+              StatusIs(StatusCode::kResourceExhausted, "keeps every tensor whole"));
+}
+
+TEST(Layout, HostRoomIsCountedInChunksOfTheLargestKind) {
+  SessionConfig c = Sim();
+  c.chunk_size = 1000;  // fp32 chunks of 4000 bytes: 4096 page-aligned
+  const std::vector<TensorSpec> train = {{"w", 900, true, 0}};
+  const std::vector<TensorSpec> serve = {{"w", 900, false, 0}};
+  auto room = [&](const SessionConfig& cfg, const std::vector<TensorSpec>& specs) {
+    auto l = LayOut(cfg, specs, {});
+    EXPECT_TRUE(l.ok()) << l.status().ToString();
+    return HostRoomFor(*l, cfg);
+  };
+  // Without NVMe nothing is kept back.
+  EXPECT_EQ(room(c, train).host_reserve, 0u);
+  EXPECT_EQ(room(c, train).chunk_bytes, 4000u);
+  c.nvme_size = kGiB;
+  c.host_reserve = 100;
+  EXPECT_EQ(room(c, train).host_reserve, kStepGroupChunks * 4096 + 100);
+  EXPECT_EQ(room(c, serve).host_reserve, kServingReadChunks * 4096 + 100);
+  SessionConfig h = c;
+  h.device_kind = DeviceKind::kHost;
+  EXPECT_EQ(room(h, train).host_reserve, (kStepGroupChunks + kPrefetchedChunks) * 4096 + 100);
+  EXPECT_EQ(room(h, serve).host_reserve, (kMinResidentChunks + kPrefetchedChunks) * 4096 + 100);
+  // Prefault the whole host budget when the model is larger than it.
+  c.host_budget = 900 * 16;
+  EXPECT_EQ(room(c, train).host_prefault, 0u);  // exactly the budget: it fits
+  c.host_budget = 900 * 16 - 1;
+  EXPECT_EQ(room(c, train).host_prefault, 900 * 16 - 1u);
+  EXPECT_EQ(room(c, train).host_homes_first, 0u);
+}
+
+TEST(Layout, AServedMixtureOfExpertsHomesItsDenseGroupsFirst) {
+  SessionConfig c = Sim();
+  c.chunk_size = 1024;
+  c.nvme_size = kGiB;
+  c.precision = Precision::kBf16;
+  const std::vector<TensorSpec> specs = {
+      {"dense", 1000, false, 0},
+      {"e0", 1000, false, 0, {}, 0, 0},
+      {"e1", 1000, false, 0, {}, 0, 1},
+  };
+  auto l = LayOut(c, specs, {});
+  ASSERT_TRUE(l.ok()) << l.status().ToString();
+  ASSERT_EQ(l->groups.size(), 3u);
+  EXPECT_TRUE(l->dense_first());
+  EXPECT_EQ(l->expert_group, (std::vector<uint8_t>{0, 1, 1}));
+  // The dense group's bf16 and fp32 chunks, page-aligned at the fp32 size.
+  EXPECT_EQ(HostRoomFor(*l, c).host_homes_first, 2 * 4096u);
+  // Training never homes dense groups first.
+  std::vector<TensorSpec> train = specs;
+  for (TensorSpec& t : train) t.trainable = true;
+  auto t = LayOut(c, train, {});
+  ASSERT_TRUE(t.ok());
+  EXPECT_FALSE(t->dense_first());
+  EXPECT_EQ(HostRoomFor(*t, c).host_homes_first, 0u);
+}
+
+}  // namespace
+}  // namespace tiermem::session

@@ -1,0 +1,75 @@
+// Helpers of the session tests split by concern (session_test.cc, session_checkpoint_test.cc,
+// session_nvme_test.cc, session_trace_test.cc, session_plan_test.cc). In a namespace of their
+// own, so that argument-dependent lookup never mixes them with another test's helpers.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/optim.h"
+#include "runtime/session.h"
+#include "tests/support/session.h"
+#include "tests/support/status_matchers.h"
+
+namespace tiermem::session::session_tests {
+
+inline std::string TempDir() {
+  char tmpl[] = "/tmp/tiermem-session-XXXXXX";
+  EXPECT_NE(mkdtemp(tmpl), nullptr);
+  return tmpl;
+}
+
+inline std::unique_ptr<Session> Make(nlohmann::json config, std::vector<TensorSpec> specs) {
+  config["device_kind"] = "sim";
+  return testing::MakeSession(std::move(config), std::move(specs));
+}
+
+inline std::vector<float> Random(size_t n, uint32_t seed, float scale = 1.0f) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(gen);
+  return v;
+}
+
+inline std::vector<float> Param(Session& s, size_t t) {
+  std::vector<float> v(s.place(t).numel);
+  EXPECT_THAT(s.ReadParam(t, v.data()), ::tiermem::testing::IsOk());
+  return v;
+}
+
+// What AdamW does to one tensor, computed by the kernel itself on plain buffers.
+struct RefState {
+  std::vector<float> p, m, v;
+  int64_t step = 0;
+  explicit RefState(std::vector<float> init) : p(std::move(init)), m(p.size()), v(p.size()) {}
+  void Step(const std::vector<float>& g, const GroupHyper& h, float clip = 1.0f) {
+    kernels::AdamConfig c;
+    c.lr = static_cast<float>(h.lr);
+    c.beta1 = static_cast<float>(h.beta1);
+    c.beta2 = static_cast<float>(h.beta2);
+    c.eps = static_cast<float>(h.eps);
+    c.weight_decay = static_cast<float>(h.weight_decay);
+    c.step = ++step;
+    c.clip_factor = clip;
+    kernels::AdamSpans sp;
+    sp.param = p.data();
+    sp.exp_avg = m.data();
+    sp.exp_avg_sq = v.data();
+    sp.grad = g.data();
+    sp.n = p.size();
+    kernels::AdamStep(c, sp);
+  }
+};
+
+inline const std::vector<TensorSpec> kThree = {{"a", 1000, true, 0}, {"b", 300, true, 0},
+                                               {"c", 77, true, 0}};
+
+}  // namespace tiermem::session::session_tests
