@@ -203,12 +203,21 @@ def test_moe_experts_are_assembled_from_per_expert_keys(tmp_path, config):
     assert_trains_like(model, opt, plain(ckpt), 256)
 
 
-def test_moe_with_nvme_homes_serves_like_from_pretrained(tmp_path):
+@pytest.mark.parametrize("in_place", ["off", "on"])
+def test_moe_with_nvme_homes_serves_like_from_pretrained(tmp_path, in_place):
+    """Experts fused from per-expert keys, NVMe-homed: copied into the NVMe tier (off), or read
+    in place from the checkpoint's shards (on: the fused parameter's chunks are spans of
+    several files)."""
     ckpt = save_hf(qwen3_moe_config(), tmp_path / "ckpt", shard="40KB")
-    cfg = {"device_kind": "host", "host": "192KiB",
+    cfg = {"device_kind": "host", "host": "192KiB", "in_place": in_place,
            "nvme": {"size": "64MiB", "path": str(tmp_path / "nvme")}}
     model = tiermem.inference(on_meta(qwen3_moe_config()), cfg, weights=ckpt)
-    assert tiermem.runtime_of(model).stats()["tiers"]["nvme"]["used"] > 0
+    rt = tiermem.runtime_of(model)
+    if in_place == "off":
+        assert rt.stats()["tiers"]["nvme"]["used"] > 0
+        assert rt._weights.report["chunks_in_place"] == 0
+    else:
+        assert rt._weights.report["chunks_in_place"] > 0
     ref = plain(ckpt).eval()
     ids = tokens(256)[0]
     with torch.no_grad():
