@@ -825,9 +825,16 @@ TEST(NvmeTier, PiecesReachTheDiskAsSeparateRequests) {
   }
   ASSERT_TRUE((*t)->RegisterHostMemory(host, kBytes).ok());
   ASSERT_TRUE(Write(**t, *r, 0, host, kBytes).ok());
-  const long before = reads_done();
-  ASSERT_TRUE(Read(**t, *r, 0, host, kBytes).ok());  // 32 pieces, all queued at once
-  const long requests = reads_done() - before;
+  // Another process's I/O on the same disk can keep its queue busy, and the block layer then
+  // merges waiting requests, ours included (seen in a CI run beside a 30 GB write: 10
+  // requests). The best of a few reads is the tier's own pattern; submitting in batches (the
+  // behaviour this test guards against) merges the pieces in every one of them.
+  long requests = 0;
+  for (int attempt = 0; attempt < 5 && requests < 28; ++attempt) {
+    const long before = reads_done();
+    ASSERT_TRUE(Read(**t, *r, 0, host, kBytes).ok());  // 32 pieces, all queued at once
+    requests = std::max(requests, reads_done() - before);
+  }
   ASSERT_TRUE((*t)->UnregisterHostMemory(host).ok());
   ::munmap(host, kBytes);
   EXPECT_GE(requests, 28) << "32 pieces of 1 MiB reached the disk as " << requests
