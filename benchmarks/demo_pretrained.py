@@ -293,7 +293,7 @@ def main(argv=None):
     ap.add_argument("--nvme-size", default=None,
                     help="NVMe tier size (default: 4 bytes a param for lora's frozen fp32 base, "
                          "6 with --precision bf16, 18 for full's params, grads and AdamW "
-                         "state; less half the host budget, plus 256 MiB)")
+                         "state; less a quarter of the host budget, plus 256 MiB)")
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--export-dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -317,7 +317,9 @@ def main(argv=None):
         # the bf16 compute copy beside the fp32 master
         per_param = 18 if a.what == "full" else 4 if a.precision == "fp32" else 6
         host = tiermem.parse_config({"host": a.host}).host_budget
-        a.nvme_size = max(0, per_param * nparams - host // 2) + (256 << 20)
+        # (a quarter, not half: below the whole-tensor floor the host tier leaves split
+        # tensors' compute copies their room, and homes less; host-mode.md)
+        a.nvme_size = max(0, per_param * nparams - host // 4) + (256 << 20)
     print(f"{a.what}: Llama {shape[0]} x {shape[1]}, vocabulary {shape[2]}, {shape[3]} heads, "
           f"{shape[4]} KV heads, intermediate {shape[5]}: {nparams / 1e9:.3f} B params, "
           f"bf16 checkpoint {2 * nparams / 1e9:.2f} GB; host {a.host}", flush=True)
