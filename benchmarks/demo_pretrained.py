@@ -287,13 +287,13 @@ def main(argv=None):
         ap.add_argument(f"--{name}", type=int, default=None)
     ap.add_argument("--shard", default=2 * 10**9, type=int, help="max shard bytes")
     ap.add_argument("--host", default=None,
-                    help="tiermem's host budget (default: 15GiB for lora, over this branch's "
-                         "floor for the 8 B shape, 14.46 GiB; 4GiB for full; 2MiB --small)")
+                    help="tiermem's host budget (default: 15GiB for lora, over the 8 B shape's "
+                         "whole-tensor floor, 14.46 GiB; 4GiB for full; 2MiB --small)")
     ap.add_argument("--device", default="4GiB", help="device budget (with a GPU)")
     ap.add_argument("--nvme-size", default=None,
                     help="NVMe tier size (default: 4 bytes a param for lora's frozen fp32 base, "
                          "6 with --precision bf16, 18 for full's params, grads and AdamW "
-                         "state; less a quarter of the host budget, plus 256 MiB)")
+                         "state, plus 1 GiB)")
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--export-dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -312,14 +312,13 @@ def main(argv=None):
     if a.host is None:
         a.host = "2MiB" if a.small else {"lora": "15GiB", "full": "4GiB", "write": "0"}[a.what]
     if a.nvme_size is None:
-        import tiermem
         # full: fp32 params, grads, m and v (16 bytes) and the chunks' padding; lora in bf16:
         # the bf16 compute copy beside the fp32 master
         per_param = 18 if a.what == "full" else 4 if a.precision == "fp32" else 6
-        host = tiermem.parse_config({"host": a.host}).host_budget
-        # (a quarter, not half: below the whole-tensor floor the host tier leaves split
-        # tensors' compute copies their room, and homes less; host-mode.md)
-        a.nvme_size = max(0, per_param * nparams - host // 4) + (256 << 20)
+        # Every byte: how much the host tier homes depends on its reserve (7 chunks of the
+        # largest tensor while tensors are whole: at 15 GiB for the 8 B shape nearly all of
+        # it) and on the split tensors' copies (host-mode.md), not on the budget alone.
+        a.nvme_size = per_param * nparams + (1 << 30)
     print(f"{a.what}: Llama {shape[0]} x {shape[1]}, vocabulary {shape[2]}, {shape[3]} heads, "
           f"{shape[4]} KV heads, intermediate {shape[5]}: {nparams / 1e9:.3f} B params, "
           f"bf16 checkpoint {2 * nparams / 1e9:.2f} GB; host {a.host}", flush=True)
