@@ -291,8 +291,8 @@ def main(argv=None):
                          "whole-tensor floor, 14.46 GiB; 4GiB for full; 2MiB --small)")
     ap.add_argument("--device", default="4GiB", help="device budget (with a GPU)")
     ap.add_argument("--nvme-size", default=None,
-                    help="NVMe tier size (default: 4 bytes a param for lora's frozen fp32 base, "
-                         "6 with --precision bf16, 18 for full's params, grads and AdamW "
+                    help="NVMe tier size (default: 5 bytes a param for lora's frozen fp32 base, "
+                         "7 with --precision bf16, 18 for full's params, grads and AdamW "
                          "state, plus 1 GiB)")
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--export-dtype", default="fp32", choices=["fp32", "bf16"])
@@ -312,9 +312,10 @@ def main(argv=None):
     if a.host is None:
         a.host = "2MiB" if a.small else {"lora": "15GiB", "full": "4GiB", "write": "0"}[a.what]
     if a.nvme_size is None:
-        # full: fp32 params, grads, m and v (16 bytes) and the chunks' padding; lora in bf16:
-        # the bf16 compute copy beside the fp32 master
-        per_param = 18 if a.what == "full" else 4 if a.precision == "fp32" else 6
+        # full: fp32 params, grads, m and v (16 bytes) and the chunks' padding; lora: the fp32
+        # base (4 bytes) and its chunks' padding (the 8 B shape at 15 GiB: 2.2 GB chunks, ~12%
+        # left empty), in bf16 the bf16 compute copy beside the fp32 master
+        per_param = 18 if a.what == "full" else 5 if a.precision == "fp32" else 7
         # Every byte: how much the host tier homes depends on its reserve (7 chunks of the
         # largest tensor while tensors are whole: at 15 GiB for the 8 B shape nearly all of
         # it) and on the split tensors' copies (host-mode.md), not on the budget alone.
