@@ -235,9 +235,16 @@ def test_auto_declines_a_plan_that_would_move_more_than_the_reactive_engine():
         model, opt = tiermem.initialize(ours, config(model_bytes(ours) // 4, plan=plan))
         rt = tiermem.runtime_of(model)
         assert train_steps(model, opt, data[:6]) == ref_losses[:6]
-        before = device_in(rt.stats())
-        assert train_steps(model, opt, data[6:]) == ref_losses[6:]
-        per_step[plan] = (device_in(rt.stats()) - before) // 3
+        steps = []
+        for k in range(6, 9):
+            before = device_in(rt.stats())
+            assert train_steps(model, opt, data[k:k + 1]) == ref_losses[k:k + 1]
+            steps.append(device_in(rt.stats()) - before)
+        # The fewest of three steps: SimDevice's copies complete on their lane's thread, so
+        # which chunks are still in flight when the reactive engine picks what to move depends
+        # on timing, and now and then a step moves one chunk more (CI saw 227328 for 221184,
+        # about once in a hundred steps); the steady step is the least.
+        per_step[plan] = min(steps)
         p = rt.stats()["plan"]
         if plan == "auto":
             assert not p["active"] and p["plans"] == 0 and p["error"] == "", p
