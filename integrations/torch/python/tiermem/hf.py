@@ -83,6 +83,36 @@ def transformers_model(model):
     return None
 
 
+def buffer_dtypes(model, dtype) -> dict:
+    """For a transformers model computing in `dtype`: the dtype that transformers' own
+    ``from_pretrained(..., dtype=dtype)`` gives each of its buffers, keyed ``(id(module),
+    name)``; empty for any other model. Found by building the model's class from its config on
+    the meta device (no memory) with transformers' ``_from_config``: a module that computes a
+    buffer in fp32 on purpose keeps it fp32 there — Llama's rotary ``inv_freq``, which
+    ``module.to(bf16)`` would round by up to 2e-3 relative (RoPE phases drift with the
+    position). A class that cannot be built that way keeps ``module.to(dtype)``'s rule, said in
+    one warning."""
+    inner = transformers_model(model)
+    if inner is None:
+        return {}
+    try:
+        with torch.device("meta"):
+            built = type(inner)._from_config(copy.deepcopy(inner.config), dtype=dtype)
+    except Exception as e:  # a class transformers cannot build from its config alone
+        warnings.warn(f"tiermem: could not build {type(inner).__name__} from its config to "
+                      f"learn its buffers' dtypes ({type(e).__name__}: {e}); floating buffers "
+                      f"are cast to {dtype} like module.to(dtype)")
+        return {}
+    kinds = {n: b.dtype for n, b in built.named_buffers()}
+    out = {}
+    for mname, m in inner.named_modules():
+        for k, b in m._buffers.items():
+            full = f"{mname}.{k}" if mname else k
+            if b is not None and full in kinds:
+                out[(id(m), k)] = kinds[full]
+    return out
+
+
 class HFNames:
     """The checkpoint-side name of every parameter and buffer of `model`: its name in the
     transformers model `inner` with PEFT's tuner layers left out (``q_proj.base_layer.weight``

@@ -79,6 +79,7 @@ from .dispatch import ChunkOps, tree_leaves_ct, tree_map_tensors
 from .experts import Experts, find_expert_sets
 from .forwards import _Forward, _RootForward, _UnitForward, _unwrap_forward, _wrap_forward
 from .grads import Grads
+from .hf import buffer_dtypes
 from .initvalues import check_buffers, initial_values, is_meta, restore_meta
 from .materialize import ForwardOrder, Materializer, UnitHooks, tree_leaves_tensors
 from .params import _contiguous_strides, _placeholder, collect_params
@@ -314,13 +315,17 @@ class TiermemRuntime:
             self._handles.append(m.register_load_state_dict_pre_hook(_load_copies))
         if self.modes.resident:
             self._pin_resident()
-        # Buffers stay ordinary tensors, on the compute device and (like module.to(dtype))
-        # in the compute dtype when floating point.
+        # Buffers stay ordinary tensors, on the compute device and, when floating point, in
+        # the compute dtype like module.to(dtype) — except a transformers model's, which get
+        # the dtype its own from_pretrained(dtype=...) gives them (rotary frequencies stay
+        # fp32, as in the plain bf16 model).
         if self.device.type != "cpu" or self.modes.mixed:
+            kept = buffer_dtypes(self.model, self.modes.dtype) if self.modes.mixed else {}
             for m in self.model.modules():
                 for k, b in m._buffers.items():
                     if b is not None:
                         dt = self.modes.dtype if b.is_floating_point() else b.dtype
+                        dt = kept.get((id(m), k), dt)
                         m._buffers[k] = b.to(device=self.device, dtype=dt)
 
     def _pin_resident(self):
