@@ -65,6 +65,8 @@ class Materializer:
             if r.mat == 0:
                 r.compute.data = self.chunks.view(views, r)  # split: a copy of its pieces
                 r.version = r.compute._version
+                if r.split:  # saved in the forward: a reference to its pieces (saved.py)
+                    self.chunks.split_copies[r.compute.data_ptr()] = r
             r.mat += 1
 
     @staticmethod
@@ -93,7 +95,11 @@ class Materializer:
                         self.chunks.scatter(views, r, r.compute.data)
                     if self.modes.mixed:
                         self.chunks.sync_master(r, (), r.compute.data, None)
-                r.compute.data = r.placeholder
+                if r.split:  # by value: an in-place op may have moved the data
+                    copies = self.chunks.split_copies
+                    for ptr in [p for p, c in copies.items() if c is r]:
+                        del copies[ptr]
+                r.compute.data = r.placeholder  # a split copy is freed: nothing saved keeps it
         return modified
 
     def follow_requires_grad(self, r: _Param, want: bool):
