@@ -8,7 +8,7 @@ namespace {
 
 constexpr Bytes kPage = 4096;
 constexpr Bytes kMiB = Bytes{1} << 20;
-// SufficientHostBudget's rounds: the need grows by a 7/32 share of each raise, so a handful
+// SufficientHostBudget's rounds: the need grows by an 8/32 share of each raise, so a handful
 // converge; the bound only guards against a chunk choice that keeps growing.
 constexpr int kMaxRaises = 64;
 
@@ -67,8 +67,9 @@ StatusOr<HostSizing> SizeHostChunks(const std::vector<chunks::PackTensor>& tenso
   s.compute_room =
       largest * in.compute_esize * (in.trainable ? kSplitCopiesTrain : kSplitCopiesServe);
   if (largest > 0 && in.nvme) {
-    // Its pieces span at most one chunk more than they fill (the first may start mid-chunk).
-    s.pinned_chunks = (largest + s.chunk_elems - 1) / s.chunk_elems + 1;
+    // The copy is assembled (and, saved for the backward, assembled again) one piece's chunk
+    // pinned at a time.
+    s.pinned_chunks = kSplitPinnedChunks;
     s.reserve += s.pinned_chunks * AlignUp(s.chunk_elems * 4, kPage);
   }
   return s;
@@ -76,11 +77,24 @@ StatusOr<HostSizing> SizeHostChunks(const std::vector<chunks::PackTensor>& tenso
 
 StatusOr<Bytes> SufficientHostBudget(const std::vector<chunks::PackTensor>& tensors,
                                      const HostSizingInputs& in) {
-  Bytes budget = kMiB;
+  auto holds = [&](Bytes budget) -> StatusOr<bool> {
+    TIERMEM_ASSIGN_OR_RETURN(const HostSizing s, SizeHostChunks(tensors, in, budget));
+    return s.need() <= budget;
+  };
+  // Raised by MiBs to what it needs there until it holds (the chunk size follows the budget).
+  Bytes refused = 0, budget = kMiB;
   for (int i = 0; i < kMaxRaises; ++i) {
     TIERMEM_ASSIGN_OR_RETURN(const HostSizing s, SizeHostChunks(tensors, in, budget));
-    if (s.need() < budget) return budget;
+    if (s.need() <= budget) break;
+    refused = budget;
     budget = AlignUp(std::max(s.need() + 1, budget + 1), kMiB);
+  }
+  // Then bisected down to where one byte less is refused: the least-waste chunk choice makes
+  // the need step up and down with the budget, so this is the refusal's edge below `budget`.
+  while (refused > 0 && budget - refused > 1) {
+    const Bytes mid = refused + (budget - refused) / 2;
+    TIERMEM_ASSIGN_OR_RETURN(const bool ok, holds(mid));
+    (ok ? budget : refused) = mid;
   }
   return budget;
 }
@@ -121,9 +135,8 @@ std::string HostFloorRefusal(Bytes host_budget, const HostSizing& sizing,
          std::to_string(sizing.need()) + " bytes) for this model with NVMe: tensor '" + name +
          "' (" + dims + ", " + std::string(dtype_name) + ") is split across chunks and needs " +
          FormatBytes(sizing.compute_room) + " for " + copies + " while its unit computes, plus " +
-         FormatBytes(sizing.pinned_chunks * slot) + " for its " +
-         std::to_string(sizing.pinned_chunks) + " chunks pinned meanwhile, plus " +
-         FormatBytes(sizing.reserve - sizing.pinned_chunks * slot) +
+         FormatBytes(sizing.pinned_chunks * slot) + " for the chunk of its pieces pinned at a " +
+         "time meanwhile, plus " + FormatBytes(sizing.reserve - sizing.pinned_chunks * slot) +
          " of room for the other NVMe-homed chunks in use (" +
          std::to_string(HostReserveChunks(in.trainable)) + " chunks of " + FormatBytes(slot) +
          (in.host_reserve > 0 ? ", and host_reserve's " + FormatBytes(in.host_reserve) : "") +

@@ -9,13 +9,13 @@
 // 7 chunks of itself. Below that, tensors larger than a chunk of the share are split into
 // pieces of whole rows, each in its own chunk group, as in device mode: the optimizer steps
 // them piece by piece (one piece's p, g, m and v at a time, the group's chunks). While its unit
-// computes, the binding pins every piece of a split tensor (its chunks: kept free of homes,
-// in the reserve) and holds one contiguous copy of it and, training, torch's dense gradient of
-// it. Those copies are counted in the host budget: the host tier is built kSplitCopies x the
-// largest split tensor smaller (compute_room), so the budget stays the ceiling of both. Floor
-// with splitting, T the largest tensor: 3 T + 7 chunks of about budget / 32, i.e. about
-// 3.84 T, against 7 T whole. (The pinned pieces could go — the copy assembled one piece at a
-// time — for 2 T: the binding's acquire of a unit's groups would have to change.)
+// computes, the binding holds one contiguous copy of a split tensor, assembled one piece's
+// chunk pinned at a time (kSplitPinnedChunks: kept free of homes, in the reserve), and,
+// training, torch's dense gradient of it; a copy autograd saves for the backward is kept as
+// a reference to the pieces and assembled again there. Those copies are counted in the host
+// budget: the host tier is built kSplitCopies x the largest split tensor smaller
+// (compute_room), so the budget stays the ceiling of both. Floor with splitting, T the largest
+// tensor: 2 T + 8 chunks of about budget / 32, i.e. about 2.56 T, against 7 T whole.
 //
 // Why split only below the whole-tensor floor: splitting costs a copy of each split tensor
 // per unit call and keeps split tensors out of compressed optimizer-state formats
@@ -42,6 +42,8 @@ inline constexpr Bytes kHostChunkSlackNum = 5, kHostChunkSlackDen = 4;
 // embedding, whose gradient is sparse in use).
 inline constexpr Bytes kSplitCopiesTrain = 2;
 inline constexpr Bytes kSplitCopiesServe = 1;
+// Chunks of a split tensor's pieces pinned at once: its copy is assembled piece by piece.
+inline constexpr uint64_t kSplitPinnedChunks = 1;
 
 // Chunks of host room held for NVMe-homed chunks in use in host mode: one chunk group's
 // optimizer step (kStepGroupChunks: param lowp, param fp32, grad, m, v), or what a served unit
@@ -68,7 +70,7 @@ struct HostSizing {
                                // without NVMe
   Bytes compute_room = 0;      // split: the largest split tensor's copies (kSplitCopies*)
   int64_t room_tensor = -1;    // the tensor that sets compute_room (-1: none)
-  uint64_t pinned_chunks = 0;  // split: the most chunks a split tensor's pieces span
+  uint64_t pinned_chunks = 0;  // split: chunks of a split tensor's pieces pinned at once
   Bytes need() const { return reserve + compute_room; }
 };
 
@@ -77,9 +79,10 @@ struct HostSizing {
 StatusOr<HostSizing> SizeHostChunks(const std::vector<chunks::PackTensor>& tensors,
                                     const HostSizingInputs& in, Bytes host_budget);
 
-// A host budget at which SizeHostChunks needs no more than the budget (found by raising the
-// budget to what it needs there until it holds; the chunk size follows the budget), rounded
-// up to a MiB.
+// The host floor: a host budget at which SizeHostChunks needs no more than the budget and one
+// byte less is refused (found by raising the budget by MiBs to what it needs there until it
+// holds — the chunk size follows the budget — then bisecting between the last refused budget
+// and it).
 StatusOr<Bytes> SufficientHostBudget(const std::vector<chunks::PackTensor>& tensors,
                                      const HostSizingInputs& in);
 

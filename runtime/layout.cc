@@ -407,8 +407,8 @@ HostRoom HostRoomFor(const Layout& layout, const SessionConfig& config) {
   const bool host = IsHostCompute(config.device_kind);
   HostRoom room;
   room.chunk_bytes = layout.shard_elems * 4;  // the largest (fp32) chunk of a group held here
-  // Host mode with split tensors: also the chunks the largest one's pieces span (its unit pins
-  // them all), and its compute copies are left out of the host tier (host_floor.h).
+  // Host mode with split tensors: also the chunk of a piece being copied into a compute copy
+  // (one at a time), and the compute copies are left out of the host tier (host_floor.h).
   const Bytes reserve_chunks =
       host ? static_cast<Bytes>(HostReserveChunks(layout.any_trainable)) + layout.host_pinned_chunks
            : (layout.any_trainable ? kStepGroupChunks : kServingReadChunks);

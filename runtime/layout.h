@@ -119,9 +119,10 @@ struct Layout {
   // largest piece a unit needs at once (a row of the largest tensor's first dimension; an
   // expert's slices with expert sets). 0 in host mode.
   Bytes min_device_budget = 0;
-  // Host mode with tensors split by the host sizing (host_floor.h): the most chunks a split
-  // tensor's pieces span (its unit pins them all), and the host bytes its compute copies take
-  // while its unit computes (left out of the host tier). 0 otherwise.
+  // Host mode with tensors split by the host sizing (host_floor.h): the chunks of a split
+  // tensor's pieces pinned at once (its copy is assembled one piece at a time), and the host
+  // bytes its compute copies take while its unit computes (left out of the host tier). 0
+  // otherwise.
   uint64_t host_pinned_chunks = 0;
   Bytes host_compute_room = 0;
   // By group: 1 when every piece it holds is an expert's (a served MoE homes these last).
@@ -177,8 +178,8 @@ struct HostRoom {
 //   - host mode computes on host copies too: the chunks a unit computes with (training: the
 //     step's group, kStepGroupChunks; serving: kMinResidentChunks, as the device minimum) and
 //     kPrefetchedChunks prefetched after them (host_floor.h's HostReserveChunks), and with
-//     split tensors the chunks the largest one's pieces span; its compute copies are left
-//     out of the host tier (compute_room).
+//     split tensors the chunk of a piece being copied (host_pinned_chunks); its compute
+//     copies are left out of the host tier (compute_room).
 // A served MoE homes its dense groups' fp32 and (mixed) low-precision chunks first
 // (host_homes_first). With NVMe and a model larger than the host budget, the whole host budget
 // is prefaulted (host_prefault).

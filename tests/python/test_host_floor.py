@@ -143,3 +143,32 @@ def test_tiermem_floor_prints_the_budgets_the_session_asks_for(tmp_path):
                           "64", "--intermediate", "128", "--vocab", "32000", "--precision", "f8"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--precision 'f8'" in bad.stderr, bad.stderr
+
+
+def test_the_floor_is_exact_one_byte_below_is_refused_and_at_it_training_equals_plain_torch(
+        tmp_path):
+    # The copy of a split tensor is assembled one piece's chunk at a time, so the floor is its
+    # copy and gradient plus 8 chunks (7 of room, 1 piece): under 2.7 x the head. The refusal's
+    # "is enough" is that floor to the byte.
+    import re
+    with accelerate.init_empty_weights():
+        model = transformers.LlamaForCausalLM(llama(**CI))
+    with pytest.raises(MemoryError) as e:
+        tiermem.initialize(model, cfg(tmp_path, "12MiB"))
+    floor = int(re.search(r"a host budget of .* \((\d+) bytes\) is enough", str(e.value)).group(1))
+    head = 32000 * 64 * 4
+    assert 2 * head < floor < 2.7 * head
+    with pytest.raises(MemoryError,
+                       match=rf"host budget of .* \({floor - 1} bytes\) is below the minimum of "
+                             rf".* \((\d+) bytes\) for this model with NVMe: tensor "
+                             rf"'model\.embed_tokens\.weight' \(32000 x 64, fp32\) is split .* "
+                             rf"plus .* for the chunk of its pieces pinned at a time meanwhile.*"
+                             rf"a host budget of .* \({floor} bytes\) is enough"):
+        tiermem.initialize(model, cfg(tmp_path, floor - 1))
+    assert all(p.device.type == "meta" for p in model.parameters())
+    ref, ours, data = pair_and_data(CI, 2)
+    ref_losses = train(ref, KernelAdamW(ref.parameters(), **OPT), data)
+    model, opt = tiermem.initialize(ours, cfg(tmp_path, floor))
+    assert train(model, opt, data) == ref_losses
+    for k, v in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k

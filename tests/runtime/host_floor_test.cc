@@ -88,9 +88,9 @@ TEST(HostFloor, SplitsBelowTheWholeFloorAndCountsTheCopies) {
   // The embedding (index 0) and the head (the last) are equal: the first sets the room.
   EXPECT_EQ(s->room_tensor, 0);
   EXPECT_EQ(s->compute_room, 2u * 32000 * 64 * 4);  // its compute copy and its gradient
-  // Its pieces' chunks, pinned while its unit computes, are kept in the reserve.
-  EXPECT_EQ(s->pinned_chunks, (32000u * 64 + s->chunk_elems - 1) / s->chunk_elems + 1);
-  EXPECT_EQ(s->reserve, (7 + s->pinned_chunks) * AlignUp(s->chunk_elems * 4, 4096));
+  // Its copy is assembled one piece's chunk pinned at a time: one chunk in the reserve.
+  EXPECT_EQ(s->pinned_chunks, 1u);
+  EXPECT_EQ(s->reserve, (7 + 1) * AlignUp(s->chunk_elems * 4, 4096));
   EXPECT_LE(s->need(), 40 * kMiB);
   // Served: one copy (no gradient) and 6 chunks.
   HostSizingInputs serve = in;
@@ -98,21 +98,25 @@ TEST(HostFloor, SplitsBelowTheWholeFloorAndCountsTheCopies) {
   s = SizeHostChunks(packed, serve, 40 * kMiB);
   ASSERT_THAT(s.status(), IsOk());
   EXPECT_EQ(s->compute_room, 32000u * 64 * 4);
-  EXPECT_EQ(s->reserve, (6 + s->pinned_chunks) * AlignUp(s->chunk_elems * 4, 4096));
+  EXPECT_EQ(s->reserve, (6 + 1) * AlignUp(s->chunk_elems * 4, 4096));
 }
 
-TEST(HostFloor, TheSufficientBudgetIsUnderFourTimesTheLargestTensor) {
+TEST(HostFloor, TheFloorIsUnderThreeTimesTheLargestTensorAndExact) {
   const auto packed = Packed(Vocab32k());
   const HostSizingInputs in = Fp32Training();
   StatusOr<Bytes> enough = SufficientHostBudget(packed, in);
   ASSERT_THAT(enough.status(), IsOk());
   const Bytes largest = 32000 * 64 * 4;
-  EXPECT_GE(*enough, 3 * largest);
-  // 3 T / (1 - 7/32) and the pinned pieces' partial chunks, MiB-rounded.
-  EXPECT_LE(*enough, 3 * largest * 32 / 25 + 2 * kMiB);
+  EXPECT_GE(*enough, 2 * largest);
+  // 2 T / (1 - 8/32): the copy and its gradient, and 8 chunks of about the budget's share.
+  EXPECT_LE(*enough, 2 * largest * 32 / 24);
+  // The floor exactly: it needs no more than itself, one byte less needs more than that.
   StatusOr<HostSizing> at = SizeHostChunks(packed, in, *enough);
   ASSERT_THAT(at.status(), IsOk());
   EXPECT_LE(at->need(), *enough);
+  StatusOr<HostSizing> below = SizeHostChunks(packed, in, *enough - 1);
+  ASSERT_THAT(below.status(), IsOk());
+  EXPECT_GT(below->need(), *enough - 1);
   // Below the whole-tensor floor of 7 chunks of the head.
   EXPECT_LT(*enough, 7 * largest);
 }
@@ -164,10 +168,20 @@ TEST(HostFloor, TheRefusalNamesTheTensorAndTheBudgetThatIsEnough) {
                      " bytes) is enough"),
             std::string::npos)
       << msg;
-  // ... and it is: a session at that budget is created.
+  // ... and it is: a session at that budget is created; one byte less is refused, needing it.
   StatusOr<std::unique_ptr<Session>> at = Create(*enough, nvme);
   ASSERT_THAT(at.status(), IsOk());
   (*at)->Close();
+  StatusOr<std::unique_ptr<Session>> below = Create(*enough - 1, nvme);
+  ASSERT_THAT(below.status(), StatusIs(StatusCode::kResourceExhausted, "is split across chunks"));
+  StatusOr<HostSizing> sized = SizeHostChunks(Packed(Vocab32k()), Fp32Training(), *enough - 1);
+  ASSERT_THAT(sized.status(), IsOk());
+  EXPECT_NE(below.status().message().find("(" + std::to_string(*enough - 1) +
+                                          " bytes) is below the minimum of " +
+                                          FormatBytes(sized->need()) + " (" +
+                                          std::to_string(sized->need()) + " bytes)"),
+            std::string::npos)
+      << below.status().message();
   std::filesystem::remove_all(nvme);
 }
 

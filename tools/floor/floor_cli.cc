@@ -95,8 +95,8 @@ int Run(const LlamaShape& shape, const std::string& precision, bool serve) {
     const Named& t = named[static_cast<size_t>(hs.room_tensor)];
     std::cout << "; tensor '" << t.name << "' (" << Shape(t)
               << ") sets it: " << FormatBytes(hs.compute_room) << " for its compute copies, plus "
-              << FormatBytes(hs.reserve) << " of room for chunks in use (the " << hs.pinned_chunks
-              << " its pieces span, pinned while its unit computes, and "
+              << FormatBytes(hs.reserve) << " of room for chunks in use (" << hs.pinned_chunks
+              << " of its pieces, pinned at a time while its copy is assembled, and "
               << session::HostReserveChunks(in.trainable) << " more, of "
               << FormatBytes(hs.chunk_elems * 4) << ")";
   }

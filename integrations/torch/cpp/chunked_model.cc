@@ -375,10 +375,34 @@ Status ChunkedModel::Materialize(const std::vector<ParamRec*>& params,
                                  std::vector<std::pair<size_t, ::torch::Tensor>>* views) {
   const ChunkKind ck = session_->compute_kind();
   for (ParamRec* p : params) {
-    // A parameter larger than a chunk (several pieces) computes with a contiguous copy of
-    // its pieces: read-only, as every unit's parameters are here.
+    const std::vector<session::Piece>& pieces = session_->place(p->index).pieces;
+    if (pieces.size() > 1) {
+      // A parameter larger than a chunk computes with a contiguous copy of its pieces
+      // (read-only, as every unit's parameters are here), assembled one piece's chunk pinned
+      // at a time: the host floor counts one (runtime/host_floor.h).
+      ::torch::Tensor copy;
+      for (const session::Piece& pc : pieces) {
+        StatusOr<void*> addr = session_->Acquire(pc.group, ck, session_->compute_tier());
+        Status released;
+        if (addr.ok()) {
+          const ::torch::Tensor base = View(*addr, pc.group, ck);
+          if (!copy.defined()) copy = ::torch::empty(p->shape, base.options());
+          copy.view({-1})
+              .narrow(0, static_cast<int64_t>(pc.begin), static_cast<int64_t>(pc.numel))
+              .copy_(
+                  base.narrow(0, static_cast<int64_t>(pc.offset), static_cast<int64_t>(pc.numel)));
+          released = session_->Release(pc.group, ck, false);
+        }
+        if (!addr.ok() || !released.ok()) {
+          Dematerialize(params, views).IgnoreError();
+          return addr.ok() ? released : addr.status();
+        }
+      }
+      p->param.set_data(copy);
+      continue;
+    }
     std::vector<::torch::Tensor> parts;
-    for (const session::Piece& pc : session_->place(p->index).pieces) {
+    for (const session::Piece& pc : pieces) {
       auto it = std::find_if(views->begin(), views->end(),
                              [&](const auto& v) { return v.first == pc.group; });
       if (it == views->end()) {

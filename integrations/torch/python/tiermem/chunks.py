@@ -15,16 +15,24 @@ Invariants:
 - The session is told the stream torch queues work on now before every chunk access
   (``on_stream``), and whether the access is part of the order the engine records and follows
   (``traced``: the runtime's rule, serve.py's for serving) before every acquire.
+- ``split_copies`` maps the data pointer of every split parameter's contiguous compute copy
+  that a unit materializes now to the parameter: a saved tensor viewing it is packed as a
+  reference to the pieces (saved.py ``_SplitRef``) and assembled again in the backward, so no
+  copy stays alive from the forward to the backward. ``copy_stats`` counts the bytes of the
+  split copies alive (assembled here, not yet freed by torch) and their peak.
 - ``sync_master``: in mixed precision, a write to a parameter's compute copy is followed by
   the same write into its fp32 master.
 
-Owns: ``live``, the tracing flag the session was last told, the stream it was last told.
+Owns: ``live``, ``split_copies``, ``copy_stats``, the tracing flag the session was last told,
+the stream it was last told.
 Reads: the session, the shards (None: one process), the compute kind, the device.
 
 Threading: the training thread, and autograd's backward thread where hooks run (one at a
 time). CUDA: the backward may run on another stream; hence ``on_stream`` at every access.
 """
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -48,6 +56,10 @@ class ChunkAccess:
         self._tracing = True
         self._stream_handle = None  # the compute stream the session was last told
         self.live: dict[int, int] = {}  # device data_ptr -> group (compute chunks)
+        self.split_copies: dict[int, _Param] = {}  # data_ptr -> r: its materialized copy
+        # Split copies alive now and at most (bytes): counted at assembly, uncounted when torch
+        # frees their storage (a finalizer on it; it may run on autograd's thread).
+        self.copy_stats = {"live_bytes": 0, "peak_bytes": 0}
         # Groups of experts that move alone (experts.py) -> their expert set: their compute and
         # grad chunks are acquired as class members (chunks/expert_cache.h), outside the order.
         self.classes: dict[int, int] = {}
@@ -119,7 +131,18 @@ class ChunkAccess:
         chunk, or, split across chunks, a contiguous copy of its pieces."""
         if not r.split:
             return self.slice(bases[r.group], r)
-        return torch.cat([self.piece(bases[pc.group], pc) for pc in r.pieces]).view(r.shape)
+        out = torch.cat([self.piece(bases[pc.group], pc) for pc in r.pieces]).view(r.shape)
+        self._count_copy(out)
+        return out
+
+    def _count_copy(self, t: torch.Tensor):
+        """Counts split copy `t` in ``copy_stats`` until torch frees its storage (a storage's
+        Python object lives as long as the storage: torch preserves it)."""
+        st = t.untyped_storage()
+        stats, n = self.copy_stats, st.nbytes()
+        stats["live_bytes"] += n
+        stats["peak_bytes"] = max(stats["peak_bytes"], stats["live_bytes"])
+        weakref.finalize(st, _uncount, stats, n)
 
     def scatter(self, bases, r: _Param, value: torch.Tensor):
         """Writes `value` (r's shape) into r's pieces in the acquired chunks `bases`."""
@@ -137,6 +160,7 @@ class ChunkAccess:
             try:
                 if out is None:
                     out = torch.empty(r.numel, dtype=base.dtype, device=base.device)
+                    self._count_copy(out)
                 out[pc.begin:pc.begin + pc.numel].copy_(self.piece(base, pc))
             finally:
                 self.release(pc.group, kind, False, base)
@@ -178,10 +202,13 @@ class ChunkAccess:
         del base
 
     def is_chunk_memory(self, t) -> bool:
+        """A parameter, a view of chunk memory or of a materialized split copy: what the saved-
+        tensor hooks re-read in the backward rather than keep or recompute."""
         if isinstance(t, ChunkTensor) or t.layout != torch.strided:
             return True
         try:
-            return t.untyped_storage().data_ptr() in self.live
+            ptr = t.untyped_storage().data_ptr()
+            return ptr in self.live or ptr in self.split_copies
         except (RuntimeError, NotImplementedError):
             return True
 
@@ -229,3 +256,7 @@ class ChunkAccess:
         with torch.no_grad():
             mv.copy_(exact_src if exact_src is not None else compute_view)
         self.session.write_tensor(r.index, _K.param_fp32, master.reshape(-1))
+
+
+def _uncount(stats: dict, n: int):
+    stats["live_bytes"] -= n

@@ -11,7 +11,8 @@ the units).
   ``session.units``), which does the protocol's part: a unit's pre-forward begins the
   iteration at the first training forward and enters the unit there (the optimizer's
   deferred updates of its groups, then its moment); the hook then acquires (pins) its chunk
-  groups on the device — through chunks.ChunkAccess, which gathers them when sharded —
+  groups on the device (not those only split parameters' pieces are in: their contiguous
+  copies are assembled one piece's chunk pinned at a time) — through chunks.ChunkAccess, which gathers them when sharded —
   materializes and places its parameters, and pushes the saved-tensor hooks of its forward
   (saved.py: plain, offloaded or recomputed). Its post-forward undoes all of it in reverse.
 - ``ForwardOrder``: sharded, the order in which the last training forward entered its units,
@@ -49,6 +50,13 @@ from .shared import _Param
 from .units import unit_modules
 
 
+def piecewise(r: _Param) -> bool:
+    """A split parameter whose compute copy is assembled one piece's chunk pinned at a time,
+    its unit pinning none of them (docs/host-mode.md): not an expert set's fused tensor, whose
+    experts view their pieces in the unit's pinned chunks (experts.py)."""
+    return r.split and r.expert_set < 0
+
+
 class Materializer:
     """Parameters as views of their chunks while a unit computes (see the module docstring).
     Reads the chunk access (slices, the fp32 master in mixed precision)."""
@@ -63,8 +71,13 @@ class Materializer:
         caller then puts them in the unit's slots (place)."""
         for r in u.params:
             if r.mat == 0:
-                r.compute.data = self.chunks.view(views, r)  # split: a copy of its pieces
+                # Split: a copy of its pieces, assembled one piece's chunk pinned at a time
+                # (piecewise), or from the unit's pinned chunks (an expert set's).
+                r.compute.data = self.chunks.copy_of(r, self.chunks.compute_kind) \
+                    if piecewise(r) else self.chunks.view(views, r)
                 r.version = r.compute._version
+                if r.split:  # saved in the forward: a reference to its pieces (saved.py)
+                    self.chunks.split_copies[r.compute.data_ptr()] = r
             r.mat += 1
 
     @staticmethod
@@ -89,11 +102,17 @@ class Materializer:
             if r.mat == 0:
                 if r.compute._version != r.version:  # written in place inside the forward
                     modified.update(r.groups)
-                    if r.split:
+                    if piecewise(r):
+                        self.chunks.write_back(r, self.chunks.compute_kind, r.compute.data)
+                    elif r.split:
                         self.chunks.scatter(views, r, r.compute.data)
                     if self.modes.mixed:
                         self.chunks.sync_master(r, (), r.compute.data, None)
-                r.compute.data = r.placeholder
+                if r.split:  # by value: an in-place op may have moved the data
+                    copies = self.chunks.split_copies
+                    for ptr in [p for p, c in copies.items() if c is r]:
+                        del copies[ptr]
+                r.compute.data = r.placeholder  # a split copy is freed: nothing saved keeps it
         return modified
 
     def follow_requires_grad(self, r: _Param, want: bool):
@@ -221,6 +240,9 @@ class UnitHooks:
                 if r.unit < 0:
                     r.unit = index  # the first unit that computes with it
             u.groups = sorted({g for r in uparams for g in r.groups})
+            # What its forward pins: not the groups only split parameters' pieces are in (their
+            # copy is assembled one piece's chunk at a time: Materializer.materialize).
+            u.pin_groups = sorted({g for r in uparams if not piecewise(r) for g in r.groups})
             # Declared to the session's unit protocol (runtime/unit_protocol.h), in order: its
             # index there is u.index; nested in the unit holding it, if any.
             declared = self.session.units.declare(u.name or type(u.module).__name__, u.groups,
@@ -351,7 +373,7 @@ class UnitHooks:
                         # moment's planned evictions (a plan frees the room it foresaw).
                         acts.sync()
                     views = {}
-                    for g in u.groups:
+                    for g in u.pin_groups:
                         views[g] = chunks.acquire(g, chunks.compute_kind)
                         pins.append((g, views[g]))
                 except BaseException as e:

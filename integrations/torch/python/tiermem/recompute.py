@@ -264,7 +264,7 @@ class Recompute:
         u = frame.unit
         frame.check_inputs()
         mat = self.materializer
-        bases = {g: self.backward.base(g) for g in u.groups}
+        bases = {g: self.backward.base(g) for g in u.pin_groups}
         mat.materialize(u, bases)
         placed = mat.place(u)
         saved = []

@@ -445,6 +445,9 @@ class TiermemRuntime:
             None if self._resident and not self._serving else self.activations.outside_peak)
         if self.activations.offload or self.recompute.all_units:
             st["activations"] = dict(self.activations.stats)
+        # Split parameters' contiguous compute copies alive now and at most (bytes; within the
+        # budget's compute room: one unit's copy at a time, none kept for the backward).
+        st["split_copies"] = dict(self.chunks.copy_stats)
         if self._shards is not None:
             st["distributed"] = dict(self._shards.stats, world=self._shards.world,
                                      rank=self._shards.rank, backend=self._shards.backend)

@@ -5,7 +5,10 @@ each run eagerly even when autograd calls it from compiled code (compiling.py):
 - ``pack`` / ``unpack``: a saved tensor that aliases chunk memory is packed as a chunk
   reference (``_ChunkRef``) and unpacked in backward as a view of the chunk's *current* device
   copy (Backward.base: re-acquired, and held until every parameter of the group used in the
-  forward has its gradient). Any other tensor stays as it is (``_Plain``), counted in the
+  forward has its gradient). A saved view of a split parameter's contiguous compute copy
+  (chunks.split_copies) is packed as a reference to its pieces (``_SplitRef``), so the copy is
+  freed at its unit's exit, and assembled again, one piece's chunk pinned at a time, when the
+  backward unpacks it. Any other tensor stays as it is (``_Plain``), counted in the
   activation ledger — or, under offload / auto, is handed to activations.py (``_ActRef``:
   offloaded, spilled, fetched back at its unit's backward moment).
 - ``recompute_pack`` / ``rc_unpack``: a recomputed unit's saves become refs into its frame
@@ -64,6 +67,17 @@ class _ChunkRef:
         self.guard = guard
 
 
+class _SplitRef:
+    """A saved view of split parameter `r`'s compute copy: its strides into the copy, which
+    the backward assembles again from the pieces (holding no copy between the two)."""
+    __slots__ = ("r", "offset", "size", "stride", "unit", "guard")
+
+    def __init__(self, r, offset, size, stride, unit, guard):
+        self.r, self.offset, self.size, self.stride = r, offset, size, stride
+        self.unit = unit  # index of the innermost unit whose forward saved it (-1: none)
+        self.guard = guard
+
+
 class SavedTensors:
     """The saved-tensor hooks of one runtime's units (see the module docstring)."""
 
@@ -104,6 +118,10 @@ class SavedTensors:
             return t.detach()
         g = self.chunks.live.get(ptr)
         acts, active = self.activations, self.state.active_units
+        split = self.chunks.split_copies.get(ptr) if g is None else None
+        if split is not None:
+            return _SplitRef(split, t.storage_offset(), tuple(t.size()), tuple(t.stride()),
+                             active[-1].index if active else -1, _guard(t))
         if g is None and acts.offload and active and t.device == self.device:
             ref = acts.save(t, ptr)
             if ref is not None:
@@ -125,12 +143,25 @@ class SavedTensors:
         if isinstance(ref, _Plain):
             _check(ref.guard)
             return ref.t
+        if isinstance(ref, _SplitRef):
+            return self._split_unpack(ref)
         if not isinstance(ref, _ChunkRef):
             return self._act_unpack(ref) if isinstance(ref, _ActRef) else ref
         _check(ref.guard)
         self.backward.begin()
         self.backward.moment(ref.unit)
         return self.backward.base(ref.group).as_strided(ref.size, ref.stride, ref.offset)
+
+    def _split_unpack(self, ref):
+        # The copy again, assembled one piece's chunk at a time (a unit computing with the
+        # parameter now — a recompute — has one already); autograd frees it once the node
+        # that saved it has run.
+        _check(ref.guard)
+        self.backward.begin()
+        self.backward.moment(ref.unit)
+        r = ref.r
+        v = r.compute.data if r.mat > 0 else self.chunks.copy_of(r, self.chunks.compute_kind)
+        return v.as_strided(ref.size, ref.stride, ref.offset)
 
     def _act_unpack(self, ref):
         # Like a saved chunk view: the backward reached the unit that saved it (whose
