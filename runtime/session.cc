@@ -932,6 +932,23 @@ StatusOr<chunks::EngineStats> Session::Stats() const {
   return stack_->engine()->Stats();
 }
 
+StateTraffic EstimateStateTraffic(Bytes state_bytes, Bytes state_bytes_fp32,
+                                  Bytes nvme_state_bytes) {
+  StateTraffic t{state_bytes, state_bytes_fp32, nvme_state_bytes, 0};
+  if (state_bytes > 0) {
+    t.nvme_bytes_saved =
+        static_cast<Bytes>(static_cast<double>(nvme_state_bytes) *
+                           (static_cast<double>(state_bytes_fp32) / state_bytes - 1.0));
+  }
+  return t;
+}
+
+StateTraffic Session::StateTrafficOf(const chunks::EngineStats& stats) const {
+  return EstimateStateTraffic(
+      state_bytes_, state_bytes_fp32_,
+      stats.nvme_bytes_by_category[static_cast<int>(Category::kOptimState)]);
+}
+
 StatusOr<Bytes> Session::RuntimeHostBytes() const {
   TIERMEM_RETURN_IF_ERROR(Live());
   return stack_->host_overhead() + shard_buf_.capacity() + gathered_.capacity();

@@ -117,6 +117,20 @@ struct ScalerState {
 float ClipCoefficient(double max_norm, double total_norm);
 
 class Session {
+// The optimizer-state format's effect on storage and NVMe traffic (optimizer.state_dtype;
+// Session::StateTraffic), bytes.
+struct StateTraffic {
+  Bytes state_bytes = 0;       // every m and v chunk, in the state format
+  Bytes state_bytes_fp32 = 0;  // what they would be in fp32 (the same layout)
+  Bytes nvme_state_bytes = 0;  // optimizer-state bytes moved to or from NVMe so far
+  // What those moves would have added in fp32 state, estimated with the layout's ratio:
+  // nvme_state_bytes x (state_bytes_fp32 / state_bytes - 1), truncated; 0 without state.
+  Bytes nvme_bytes_saved = 0;
+};
+// Pure: the estimate above from its three inputs.
+StateTraffic EstimateStateTraffic(Bytes state_bytes, Bytes state_bytes_fp32,
+                                  Bytes nvme_state_bytes);
+
  public:
   // kInvalidArgument: no tensors, a tensor of 0 elements, a negative group; kResourceExhausted:
   // a device budget below the minimum for the largest tensor (the message names the minimum
@@ -405,6 +419,9 @@ class Session {
   StatusOr<chunks::EngineStats> Stats() const;
   // Host memory the runtime holds for itself outside every budget now, bytes: the tiers' own
   // buffers (the NVMe bounce pool and checksum table, host memory mapped beyond the budget:
+  // The state format's bytes and NVMe traffic, with the optimizer-state bytes `stats` (the
+  // engine's counters, Stats()) moved to or from NVMe.
+  StateTraffic StateTrafficOf(const chunks::EngineStats& stats) const;
   // TierStack::host_overhead) and, sharded, the buffers whole chunks are gathered into.
   // (docs/engine.md, "Memory outside the budgets").
   StatusOr<Bytes> RuntimeHostBytes() const;

@@ -134,20 +134,14 @@ py::dict StatsDict(const session::Session& session) {
     if (session.OptimizerOnDevice(g)) on_device.append(g);
   }
   opt["device_groups"] = on_device;
-  // The optimizer-state format (optimizer.state_dtype): the bytes of every m and v chunk,
-  // what they would be in fp32, the optimizer-state bytes moved to or from NVMe so far, and
-  // what those moves would have added in fp32 state (estimated with the layout's ratio).
-  const Bytes state = session.state_bytes(), state_fp32 = session.state_bytes_fp32();
-  const Bytes nvme_state = s.nvme_bytes_by_category[static_cast<int>(Category::kOptimState)];
+  // The optimizer-state format (optimizer.state_dtype): runtime/session.h's StateTraffic.
+  const session::StateTraffic traffic = session.StateTrafficOf(s);
   opt["state_dtype"] =
       std::string(kernels::StateDTypeName(session.config().optimizer_state.format.dtype));
-  opt["state_bytes"] = state;
-  opt["state_bytes_fp32"] = state_fp32;
-  opt["nvme_state_bytes"] = nvme_state;
-  opt["nvme_bytes_saved"] =
-      state > 0 ? static_cast<Bytes>(static_cast<double>(nvme_state) *
-                                     (static_cast<double>(state_fp32) / state - 1.0))
-                : Bytes{0};
+  opt["state_bytes"] = traffic.state_bytes;
+  opt["state_bytes_fp32"] = traffic.state_bytes_fp32;
+  opt["nvme_state_bytes"] = traffic.nvme_state_bytes;
+  opt["nvme_bytes_saved"] = traffic.nvme_bytes_saved;
   d["optimizer"] = opt;
   // Plans (plan: auto): the runner's counters and the engine's planned actions.
   const session::Session::PlanStatus ps = session.plan_status();
