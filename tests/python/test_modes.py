@@ -1,4 +1,4 @@
-"""The config's modes as enums (runtime/modes.h through csrc/module.cc), the runtime's one
+"""The config's modes as enums (runtime/modes.h through csrc/config.cc), the runtime's one
 frozen Modes (shared.py) built from them and from the session's answers, the run state's
 phases (shared.Phase), and an NVMe directory that does not exist."""
 import copy
