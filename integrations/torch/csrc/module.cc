@@ -17,6 +17,7 @@ PYBIND11_MODULE(_C, m) {
   namespace te = tiermem::torch_ext;
   m.doc() = "tiermem session core (C++)";
   te::BindConfig(m);
+  te::BindRecords(m);
   te::BindHandles(m);
   te::BindProtocol(m);
   te::BindSession(m);

@@ -21,22 +21,8 @@ using session::Session;
 using session::SessionConfig;
 using torch_dtypes::TorchDType;
 
-PySession::PySession(const SessionConfig& config, const std::vector<py::tuple>& tensors,
+PySession::PySession(const SessionConfig& config, std::vector<session::TensorSpec> specs,
                      const py::object& sharding) {
-  std::vector<session::TensorSpec> specs;
-  for (const py::tuple& t : tensors) {
-    if (t.size() != 4 && t.size() != 5 && t.size() != 7) {
-      throw py::value_error(
-          "tensor spec must be (name, numel, trainable, group[, shape[, expert_set, expert]])");
-    }
-    specs.push_back(session::TensorSpec{t[0].cast<std::string>(), t[1].cast<uint64_t>(),
-                                        t[2].cast<bool>(), t[3].cast<int>()});
-    if (t.size() >= 5) specs.back().shape = t[4].cast<std::vector<int64_t>>();
-    if (t.size() == 7) {
-      specs.back().expert_set = t[5].cast<int>();
-      specs.back().expert = t[6].cast<int>();
-    }
-  }
   session::Sharding sh;
   if (!sharding.is_none()) {
     const py::tuple t = sharding.cast<py::tuple>();
@@ -130,9 +116,8 @@ void PySession::SetHasGrad(const std::vector<bool>& flags) {
   if (flags.size() != s_->num_tensors()) throw py::value_error("one flag per tensor");
   for (size_t i = 0; i < flags.size(); ++i) s_->SetHasGrad(i, flags[i]);
 }
-py::dict PySession::Step(const std::vector<HyperTuple>& hyper, const py::object& global_stats) {
-  std::vector<session::GroupHyper> h;
-  for (const auto& [lr, b1, b2, eps, wd] : hyper) h.push_back({lr, b1, b2, eps, wd});
+py::dict PySession::Step(const std::vector<session::GroupHyper>& hyper,
+                         const py::object& global_stats) {
   std::optional<kernels::GradStats> global;
   if (!global_stats.is_none()) {
     const auto [sq, overflow] = global_stats.cast<std::tuple<double, bool>>();
@@ -142,7 +127,7 @@ py::dict PySession::Step(const std::vector<HyperTuple>& hyper, const py::object&
   {
     py::gil_scoped_release nogil;
     kernels::ScopedParallelFor pool(torch_pool::ForThisThread());
-    r = s_->Step(h, global ? &*global : nullptr);
+    r = s_->Step(hyper, global ? &*global : nullptr);
   }
   const session::StepResult res = Check(std::move(r));
   py::dict d;
@@ -152,10 +137,8 @@ py::dict PySession::Step(const std::vector<HyperTuple>& hyper, const py::object&
   d["clip_coef"] = res.clip_coef;
   return d;
 }
-void PySession::SetStepHyper(const std::vector<HyperTuple>& hyper) {
-  std::vector<session::GroupHyper> h;
-  for (const auto& [lr, b1, b2, eps, wd] : hyper) h.push_back({lr, b1, b2, eps, wd});
-  s_->SetStepHyper(std::move(h));
+void PySession::SetStepHyper(std::vector<session::GroupHyper> hyper) {
+  s_->SetStepHyper(std::move(hyper));
 }
 py::tuple PySession::GradStats() {
   StatusOr<kernels::GradStats> st = InternalError("not run");
@@ -167,20 +150,13 @@ py::tuple PySession::GradStats() {
   const kernels::GradStats g = Check(std::move(st));
   return py::make_tuple(g.sq_norm, g.overflow);
 }
-py::tuple PySession::Group(size_t g) const {
+const session::ChunkGroup& PySession::Group(size_t g) const {
   if (g >= s_->num_groups()) throw py::value_error("unknown chunk group");
-  const session::ChunkGroup& grp = s_->group(g);
-  std::vector<std::pair<uint32_t, uint32_t>> pieces;
-  for (const session::PieceRef& r : grp.pieces) pieces.emplace_back(r.tensor, r.piece);
-  return py::make_tuple(grp.trainable, grp.used_elems, grp.tensors, pieces);
+  return s_->group(g);
 }
-py::list PySession::Place(size_t t) const {
+const std::vector<session::Piece>& PySession::Place(size_t t) const {
   if (t >= s_->num_tensors()) throw py::value_error("unknown tensor");
-  py::list out;
-  for (const session::Piece& p : s_->place(t).pieces) {
-    out.append(py::make_tuple(p.group, p.offset, p.numel, p.begin, p.expert));
-  }
-  return out;
+  return s_->place(t).pieces;
 }
 PySession::~PySession() = default;
 

@@ -25,14 +25,12 @@ namespace tiermem::torch_ext {
 
 // A scratch or spill region as Python holds it: (id, bytes, address; 0 for a spill).
 using RegionToken = std::tuple<uint64_t, uint64_t, uintptr_t>;
-// One group's hyper-parameters: (lr, beta1, beta2, eps, weight_decay).
-using HyperTuple = std::tuple<double, double, double, double, double>;
 
 // Hidden, as pybind11 declares its own types: it holds Python objects.
 class __attribute__((visibility("hidden"))) PySession {
  public:
   // `sharding`: None, or (world, rank, collectives) with a Python collectives object.
-  PySession(const session::SessionConfig& config, const std::vector<pybind11::tuple>& tensors,
+  PySession(const session::SessionConfig& config, std::vector<session::TensorSpec> specs,
             const pybind11::object& sharding);
   ~PySession();
 
@@ -62,14 +60,16 @@ class __attribute__((visibility("hidden"))) PySession {
   void SetHasGrad(const std::vector<bool>& flags);
   // `global_stats`: None, or (sum of squares, overflow) of the whole model's gradients (a
   // sharded binding's all-reduce of every rank's grad_stats()).
-  pybind11::dict Step(const std::vector<HyperTuple>& hyper, const pybind11::object& global_stats);
+  pybind11::dict Step(const std::vector<session::GroupHyper>& hyper,
+                      const pybind11::object& global_stats);
   // The hyper-parameters the next step() will pass (speculative steps,
   // runtime/optimizer_stepper.h).
-  void SetStepHyper(const std::vector<HyperTuple>& hyper);
+  void SetStepHyper(std::vector<session::GroupHyper> hyper);
   pybind11::tuple GradStats();
-  pybind11::tuple Group(size_t g) const;
-  // [(group, offset, numel, begin, expert)] in element order: one per piece.
-  pybind11::list Place(size_t t) const;
+  // Group g's layout (bound as ChunkGroup: records.cc); ValueError for an unknown group.
+  const session::ChunkGroup& Group(size_t g) const;
+  // Tensor t's pieces in element order (bound as Piece); ValueError for an unknown tensor.
+  const std::vector<session::Piece>& Place(size_t t) const;
 
   session::Session& s() { return *s_; }
   const session::Session& s() const { return *s_; }

@@ -27,7 +27,7 @@ using K = chunks::ChunkKind;
 
 // Creation, sharding, scratch and spill regions, close.
 void BindLifetime(py::class_<PySession>& c) {
-  c.def(py::init<const se::SessionConfig&, const std::vector<py::tuple>&, const py::object&>(),
+  c.def(py::init<const se::SessionConfig&, std::vector<se::TensorSpec>, const py::object&>(),
         py::arg("config"), py::arg("tensors"), py::arg("sharding") = py::none())
       // The unit protocol over this session (runtime/unit_protocol.h): the hooks' calls.
       .def_property_readonly(
@@ -68,13 +68,11 @@ void BindChunks(py::class_<PySession>& c) {
       .def("home", [](const PySession& s, size_t g, K k) { return s.s().Home(g, k); })
       .def("has_kind", [](const PySession& s, size_t g, K k) { return s.s().has_kind(g, k); })
       .def("chunk_bytes", [](const PySession& s, size_t g, K k) { return s.s().ChunkBytes(g, k); })
-      // The optimizer-state format of a group's m and v: (dtype name, block, stochastic).
+      // The optimizer-state format of a group's m and v (StateFormat: records.cc).
       .def("state_format",
            [](const PySession& s, size_t g) {
              if (g >= s.s().num_groups()) throw py::index_error("no such chunk group");
-             const tiermem::kernels::StateFormat& f = s.s().state_format(g);
-             return py::make_tuple(std::string(tiermem::kernels::StateDTypeName(f.dtype)), f.block,
-                                   f.stochastic);
+             return s.s().state_format(g);
            })
       // Bytes per element of a kind's chunks (the core's dtype for the kind: the compute dtype
       // for compute params and grads, fp32 otherwise), so the binding never re-derives it.
@@ -106,14 +104,8 @@ void BindSteps(py::class_<PySession>& c) {
       .def("step", &PySession::Step, py::arg("hyper"), py::arg("global_stats") = py::none())
       .def_property_readonly("loss_scale", [](const PySession& s) { return s.s().loss_scale(); })
       .def_property(
-          "scaler",
-          [](const PySession& s) {
-            const se::ScalerState st = s.s().scaler();
-            return py::make_tuple(st.scale, st.good_steps, st.skipped_steps);
-          },
-          [](PySession& s, const std::tuple<double, int, uint64_t>& v) {
-            s.s().set_scaler({std::get<0>(v), std::get<1>(v), std::get<2>(v)});
-          })
+          "scaler", [](const PySession& s) { return s.s().scaler(); },
+          [](PySession& s, const se::ScalerState& v) { s.s().set_scaler(v); })
       // Deferred optimizer updates (optimizer_stepper.h): a unit's groups before its forward
       // moment.
       .def(
@@ -221,8 +213,8 @@ void BindReportsAndCheckpoints(py::class_<PySession>& c) {
 
 // The layout: groups, pieces, sizes and what the Python parts ask of them.
 void BindLayout(py::class_<PySession>& c) {
-  c.def("group", &PySession::Group)
-      .def("place", &PySession::Place)
+  c.def("group", &PySession::Group, py::return_value_policy::copy)
+      .def("place", &PySession::Place, py::return_value_policy::copy)
       .def_property_readonly("num_groups", [](const PySession& s) { return s.s().num_groups(); })
       .def_property_readonly("num_tensors", [](const PySession& s) { return s.s().num_tensors(); })
       .def_property_readonly("chunk_elems", [](const PySession& s) { return s.s().chunk_elems(); })

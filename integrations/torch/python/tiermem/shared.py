@@ -50,6 +50,12 @@ class _Piece:
     begin: int
     expert: int = -1           # the expert these rows belong to (an expert set's), else -1
 
+    @classmethod
+    def of(cls, piece) -> "_Piece":
+        """From the session's record (``_C.Piece``, ``Session.place``)."""
+        return cls(group=piece.group, offset=piece.offset, numel=piece.numel, begin=piece.begin,
+                   expert=piece.expert)
+
 
 @dataclass(eq=False)
 class _Param:
