@@ -12,7 +12,7 @@ holds the public API (stats, timeline, traces, close):
   after.
 - Chunk access (chunks.py): every acquire and release of chunk memory, through the shards
   when the model is sharded across ranks (distributed.py).
-- Units (units.py picks them; materialize.py runs them). A unit's pre-forward acquires (pins)
+- Units (units.py picks them; unit_hooks.py runs them). A unit's pre-forward acquires (pins)
   its chunk groups on the device and materializes every parameter of its subtree; its
   post-forward releases them.
 - Saved tensors (saved.py). Saved-tensor hooks pack any saved tensor that aliases chunk
@@ -53,7 +53,7 @@ the ``on_reset`` / ``on_unit_done`` / ``on_end`` registrations their docstrings 
     SavedTensors (saved.py)      ChunkAccess, Activations, Recompute, Backward
     Grads                        ChunkAccess, Backward
     ChunkOps (dispatch.py)       ChunkAccess, Grads
-    UnitHooks (materialize.py)   ChunkAccess, Materializer, Activations, Recompute,
+    UnitHooks (unit_hooks.py)    ChunkAccess, Materializer, Activations, Recompute,
                                  SavedTensors, ForwardOrder
     Experts (experts.py)         ChunkAccess, Materializer, Recompute, Backward, Grads
 
@@ -80,7 +80,7 @@ from .experts import Experts, find_expert_sets
 from .forwards import _Forward, _RootForward, _UnitForward, _unwrap_forward, _wrap_forward
 from .grads import Grads
 from .initvalues import check_buffers, initial_values, is_meta, restore_meta
-from .materialize import ForwardOrder, Materializer, UnitHooks, tree_leaves_tensors
+from .unit_hooks import ForwardOrder, Materializer, UnitHooks, tree_leaves_tensors
 from .params import _contiguous_strides, _placeholder, collect_params
 from .recompute import Recompute
 from .saved import SavedTensors
