@@ -86,6 +86,7 @@
 #include "runtime/config.h"
 #include "runtime/layout.h"
 #include "runtime/optimizer_stepper.h"
+#include "runtime/phase.h"
 #include "runtime/plan_runner.h"
 #include "runtime/trace_recorder.h"
 
@@ -116,7 +117,6 @@ struct ScalerState {
 // torch.nn.utils.clip_grad_norm_(max_norm) computes it in fp32 (1 when the norm is below).
 float ClipCoefficient(double max_norm, double total_norm);
 
-class Session {
 // The optimizer-state format's effect on storage and NVMe traffic (optimizer.state_dtype;
 // Session::StateTraffic), bytes.
 struct StateTraffic {
@@ -131,6 +131,7 @@ struct StateTraffic {
 StateTraffic EstimateStateTraffic(Bytes state_bytes, Bytes state_bytes_fp32,
                                   Bytes nvme_state_bytes);
 
+class Session {
  public:
   // kInvalidArgument: no tensors, a tensor of 0 elements, a negative group; kResourceExhausted:
   // a device budget below the minimum for the largest tensor (the message names the minimum
@@ -351,8 +352,9 @@ StateTraffic EstimateStateTraffic(Bytes state_bytes, Bytes state_bytes_fp32,
   // (a unit's pre-forward / pre-backward: `unit` is the binding's unit index).
   void Moment(std::string_view label, planners::MomentKind kind = planners::MomentKind::kOther,
               uint32_t unit = planners::kNoUnit);
-  void Phase(std::string_view label);
-  const std::string& phase() const { return phase_; }  // the last Phase label ("" before any)
+  // The run's phase (runtime/phase.h): the timeline's phase event, spelled by its table.
+  void Phase(RunPhase phase);
+  RunPhase phase() const { return phase_; }  // the last Phase (kNone before any)
   // A collective the (sharded) binding ran: the timeline's kCollective event.
   void RecordCollective(std::string_view op, Bytes bytes, uint64_t ns);
   // Off: acquires are not part of the recorded order (eval, no_grad inference), so they
@@ -417,11 +419,11 @@ StateTraffic EstimateStateTraffic(Bytes state_bytes, Bytes state_bytes_fp32,
   Status Synchronize();
   Status Flush();  // home copies current (e.g. before reading many values)
   StatusOr<chunks::EngineStats> Stats() const;
-  // Host memory the runtime holds for itself outside every budget now, bytes: the tiers' own
-  // buffers (the NVMe bounce pool and checksum table, host memory mapped beyond the budget:
   // The state format's bytes and NVMe traffic, with the optimizer-state bytes `stats` (the
   // engine's counters, Stats()) moved to or from NVMe.
   StateTraffic StateTrafficOf(const chunks::EngineStats& stats) const;
+  // Host memory the runtime holds for itself outside every budget now, bytes: the tiers' own
+  // buffers (the NVMe bounce pool and checksum table, host memory mapped beyond the budget:
   // TierStack::host_overhead) and, sharded, the buffers whole chunks are gathered into.
   // (docs/engine.md, "Memory outside the budgets").
   StatusOr<Bytes> RuntimeHostBytes() const;
@@ -558,8 +560,8 @@ StateTraffic EstimateStateTraffic(Bytes state_bytes, Bytes state_bytes_fp32,
   class StepperSite;
   std::unique_ptr<StepperSite> stepper_site_;
   std::unique_ptr<OptimizerStepper> stepper_;  // made right after stack_, never null then
-  std::string phase_;    // the binding's current phase (restored after an update)
-  bool tracing_ = true;  // SetTracing's state
+  RunPhase phase_ = RunPhase::kNone;           // the current phase (restored after an update)
+  bool tracing_ = true;                        // SetTracing's state
   ComputeStream stream_ = kHostStream;
   std::unique_ptr<TierStack> stack_;
 };

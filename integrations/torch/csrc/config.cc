@@ -19,6 +19,7 @@
 #include "integrations/torch/csrc/errors.h"
 #include "kernels/cpu/optim.h"
 #include "runtime/param_groups.h"
+#include "runtime/phase.h"
 #include "runtime/tier_stack.h"
 
 namespace py = pybind11;
@@ -98,6 +99,8 @@ void BindModes(py::module_& m) {
   BindMode<se::InPlace>(m, "InPlace")
       .def_property_readonly("serves_in_place", [](se::InPlace i) { return se::ServesInPlace(i); })
       .def_property_readonly("required", [](se::InPlace i) { return se::RequiresInPlace(i); });
+  // Not a config key: the run's phase (runtime/phase.h), for Session.phase.
+  BindMode<se::RunPhase>(m, "RunPhase");
   BindMode<se::UnmaterializedReads>(m, "UnmaterializedReads")
       .def_property_readonly(
           "raises", [](se::UnmaterializedReads u) { return se::RaisesOnUnmaterializedRead(u); });

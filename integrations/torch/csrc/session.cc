@@ -106,23 +106,6 @@ void BindSteps(py::class_<PySession>& c) {
       .def_property(
           "scaler", [](const PySession& s) { return s.s().scaler(); },
           [](PySession& s, const se::ScalerState& v) { s.s().set_scaler(v); })
-      // Deferred optimizer updates (optimizer_stepper.h): a unit's groups before its forward
-      // moment.
-      .def(
-          "finish_steps",
-          [](PySession& s, const std::vector<size_t>& groups) {
-            tiermem::Status st;
-            {
-              py::gil_scoped_release nogil;
-              tiermem::kernels::ScopedParallelFor pool(tiermem::torch_pool::ForThisThread());
-              for (size_t g : groups) {
-                st = s.s().FinishStep(g);
-                if (!st.ok()) break;
-              }
-            }
-            Check(st);
-          },
-          py::arg("groups"))
       .def_property_readonly("pending_steps", [](PySession& s) { return s.s().pending_steps(); })
       .def("set_step_hyper", &PySession::SetStepHyper, py::arg("hyper"))
       .def_property_readonly("speculation", [](PySession& s) { return SpeculationDict(s.s()); });
@@ -130,23 +113,12 @@ void BindSteps(py::class_<PySession>& c) {
 
 // Iterations: moments, traces, phases, budgets outside the chunks, plans.
 void BindIterations(py::class_<PySession>& c) {
-  c.def("begin_iteration", [](PySession& s) { s.s().BeginIteration(); })
-      // A moment outside the unit protocol (a unit's moments: Session.units); unit: the unit
-      // index (-1: none).
-      .def(
-          "moment",
-          [](PySession& s, const std::string& l, tiermem::planners::MomentKind kind, int64_t unit) {
-            s.s().Moment(l, kind,
-                         unit < 0 ? tiermem::planners::kNoUnit : static_cast<uint32_t>(unit));
-          },
-          py::arg("label"), py::arg("kind") = tiermem::planners::MomentKind::kOther,
-          py::arg("unit") = -1)
-      .def(
-          "record_trace",
-          [](PySession& s, const std::string& path, int iterations) {
-            Check(s.s().RecordTrace(path, iterations));
-          },
-          py::arg("path"), py::arg("iterations") = 1)
+  c.def(
+       "record_trace",
+       [](PySession& s, const std::string& path, int iterations) {
+         Check(s.s().RecordTrace(path, iterations));
+       },
+       py::arg("path"), py::arg("iterations") = 1)
       .def("finish_trace", [](PySession& s) { return Check(s.s().FinishTrace()); })
       .def_property_readonly("recording_trace",
                              [](const PySession& s) { return s.s().recording_trace(); })
@@ -154,7 +126,7 @@ void BindIterations(py::class_<PySession>& c) {
       .def_property_readonly("written_trace",
                              [](const PySession& s) { return s.s().written_trace(); })
       .def("add_saved_bytes", [](PySession& s, uint64_t b) { s.s().AddSavedBytes(b); })
-      .def("phase", [](PySession& s, const std::string& l) { s.s().Phase(l); })
+      .def("phase", [](PySession& s, se::RunPhase p) { s.s().Phase(p); })
       .def("record_collective", [](PySession& s, const std::string& op, uint64_t bytes,
                                    uint64_t ns) { s.s().RecordCollective(op, bytes, ns); })
       .def("set_tracing", [](PySession& s, bool on) { s.s().SetTracing(on); })
