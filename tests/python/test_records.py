@@ -11,7 +11,7 @@ from tiermem import _C
 
 def _session(specs):
     cfg = _C.parse_config(json.dumps({"device_kind": "sim", "device": "16MiB", "host": "64MiB",
-                                      "chunk_size": "16KiB"}))
+                                      "chunk_size": 4096}))
     return _C.Session(cfg, specs)
 
 
