@@ -3,7 +3,7 @@
 //
 // A mode's JSON / TIERMEM_* spelling is written in one place, its table (ModeTraits<Mode>):
 // the parser, ToJson, the error messages ("expected one of 'off', 'auto', 'always'", in the
-// table's order) and the Python enums (integrations/torch/csrc/module.cc) all read it. Adding a
+// table's order) and the Python enums (integrations/torch/csrc/config.cc) all read it. Adding a
 // value touches its enum, its table and the predicates that should answer differently for it.
 // Code never compares spellings: it asks a predicate (CountsActivations(mode)) or switches on
 // the enum. The facts that depend on the model's layout too (what the compute tier holds, the

@@ -278,16 +278,16 @@ Status OptimizerStepper::RunPending(size_t group, bool quiet) {
   Pending p = std::move(pending_[group]);
   pending_[group] = Pending();  // inactive before the update's own acquires come through here
   --num_pending_;
-  const std::string phase = owner_->phase();
+  const RunPhase phase = owner_->phase();
   chunks::Engine* eng = engine();
-  owner_->Phase("optimizer");
+  owner_->Phase(RunPhase::kOptimizer);
   if (quiet && owner_->tracing()) eng->SetTracing(false);
   Status s = UpdateGroup(group, p.runs, p.work, p.stepped, quiet);
   if (quiet && owner_->tracing()) eng->SetTracing(true);
   if (s.ok() && p.zero_grad_after && engine()->Pins(Chunk(group, ChunkKind::kGrad)) == 0) {
     s = eng->Zero(Chunk(group, ChunkKind::kGrad));
   }
-  if (!phase.empty()) owner_->Phase(phase);
+  if (phase != RunPhase::kNone) owner_->Phase(phase);
   if (!s.ok()) {
     return s.WithContext("the optimizer update of chunk group " + std::to_string(group) +
                          ", deferred from the last step() (optimizer_overlap: " +

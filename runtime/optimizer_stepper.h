@@ -69,6 +69,7 @@
 #include "layout/chunk_layout.h"
 #include "planners/trace.h"
 #include "runtime/config.h"
+#include "runtime/phase.h"
 #include "tiers/tier.h"
 
 namespace tiermem::chunks {
@@ -96,9 +97,9 @@ class StepperOwner {
   virtual StatusOr<void*> Acquire(size_t group, chunks::ChunkKind kind, TierKind where) = 0;
   virtual Status Release(size_t group, chunks::ChunkKind kind, bool modified) = 0;
   virtual void Moment(std::string_view label, planners::MomentKind kind) = 0;
-  virtual void Phase(std::string_view label) = 0;
-  virtual const std::string& phase() const = 0;  // the last Phase label ("" before any)
-  virtual bool tracing() const = 0;              // acquires are part of the recorded order
+  virtual void Phase(RunPhase phase) = 0;
+  virtual RunPhase phase() const = 0;  // the last Phase (kNone before any)
+  virtual bool tracing() const = 0;    // acquires are part of the recorded order
   virtual ComputeStream compute_stream() const = 0;
   virtual bool has_grad(size_t tensor) const = 0;
   virtual double loss_scale() const = 0;

@@ -76,8 +76,8 @@ class Session::StepperSite final : public StepperOwner {
   void Moment(std::string_view label, planners::MomentKind kind) override {
     s_->Moment(label, kind);
   }
-  void Phase(std::string_view label) override { s_->Phase(label); }
-  const std::string& phase() const override { return s_->phase(); }
+  void Phase(RunPhase phase) override { s_->Phase(phase); }
+  RunPhase phase() const override { return s_->phase(); }
   bool tracing() const override { return s_->tracing(); }
   ComputeStream compute_stream() const override { return s_->compute_stream(); }
   bool has_grad(size_t tensor) const override { return s_->has_grad(tensor); }
@@ -641,7 +641,7 @@ StatusOr<StepResult> Session::Step(const std::vector<GroupHyper>& hyper,
     return r;
   }
   accumulating_ = false;
-  Phase("optimizer");
+  Phase(RunPhase::kOptimizer);
   const bool fp16 = config_.precision == Precision::kFp16;
   if ((config_.gradient_clipping > 0 || fp16) && sharded() && global == nullptr) {
     return FailedPreconditionError(
@@ -822,10 +822,10 @@ void Session::DeclareTraceChunks() {
   }
   trace_.ChunksDeclared();
 }
-void Session::Phase(std::string_view label) {
+void Session::Phase(RunPhase phase) {
   if (closed()) return;
-  phase_ = std::string(label);
-  stack_->engine()->Phase(label);
+  phase_ = phase;
+  stack_->engine()->Phase(ModeName(phase));
 }
 void Session::RecordCollective(std::string_view op, Bytes bytes, uint64_t ns) {
   if (!closed()) stack_->engine()->RecordCollective(op, bytes, ns);
@@ -930,6 +930,23 @@ Status Session::Flush() {
 StatusOr<chunks::EngineStats> Session::Stats() const {
   TIERMEM_RETURN_IF_ERROR(Live());
   return stack_->engine()->Stats();
+}
+
+StateTraffic EstimateStateTraffic(Bytes state_bytes, Bytes state_bytes_fp32,
+                                  Bytes nvme_state_bytes) {
+  StateTraffic t{state_bytes, state_bytes_fp32, nvme_state_bytes, 0};
+  if (state_bytes > 0) {
+    t.nvme_bytes_saved =
+        static_cast<Bytes>(static_cast<double>(nvme_state_bytes) *
+                           (static_cast<double>(state_bytes_fp32) / state_bytes - 1.0));
+  }
+  return t;
+}
+
+StateTraffic Session::StateTrafficOf(const chunks::EngineStats& stats) const {
+  return EstimateStateTraffic(
+      state_bytes_, state_bytes_fp32_,
+      stats.nvme_bytes_by_category[static_cast<int>(Category::kOptimState)]);
 }
 
 StatusOr<Bytes> Session::RuntimeHostBytes() const {

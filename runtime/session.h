@@ -86,6 +86,7 @@
 #include "runtime/config.h"
 #include "runtime/layout.h"
 #include "runtime/optimizer_stepper.h"
+#include "runtime/phase.h"
 #include "runtime/plan_runner.h"
 #include "runtime/trace_recorder.h"
 
@@ -115,6 +116,20 @@ struct ScalerState {
 // The factor global-norm clipping multiplies every gradient by, exactly as
 // torch.nn.utils.clip_grad_norm_(max_norm) computes it in fp32 (1 when the norm is below).
 float ClipCoefficient(double max_norm, double total_norm);
+
+// The optimizer-state format's effect on storage and NVMe traffic (optimizer.state_dtype;
+// Session::StateTraffic), bytes.
+struct StateTraffic {
+  Bytes state_bytes = 0;       // every m and v chunk, in the state format
+  Bytes state_bytes_fp32 = 0;  // what they would be in fp32 (the same layout)
+  Bytes nvme_state_bytes = 0;  // optimizer-state bytes moved to or from NVMe so far
+  // What those moves would have added in fp32 state, estimated with the layout's ratio:
+  // nvme_state_bytes x (state_bytes_fp32 / state_bytes - 1), truncated; 0 without state.
+  Bytes nvme_bytes_saved = 0;
+};
+// Pure: the estimate above from its three inputs.
+StateTraffic EstimateStateTraffic(Bytes state_bytes, Bytes state_bytes_fp32,
+                                  Bytes nvme_state_bytes);
 
 class Session {
  public:
@@ -337,8 +352,9 @@ class Session {
   // (a unit's pre-forward / pre-backward: `unit` is the binding's unit index).
   void Moment(std::string_view label, planners::MomentKind kind = planners::MomentKind::kOther,
               uint32_t unit = planners::kNoUnit);
-  void Phase(std::string_view label);
-  const std::string& phase() const { return phase_; }  // the last Phase label ("" before any)
+  // The run's phase (runtime/phase.h): the timeline's phase event, spelled by its table.
+  void Phase(RunPhase phase);
+  RunPhase phase() const { return phase_; }  // the last Phase (kNone before any)
   // A collective the (sharded) binding ran: the timeline's kCollective event.
   void RecordCollective(std::string_view op, Bytes bytes, uint64_t ns);
   // Off: acquires are not part of the recorded order (eval, no_grad inference), so they
@@ -403,6 +419,9 @@ class Session {
   Status Synchronize();
   Status Flush();  // home copies current (e.g. before reading many values)
   StatusOr<chunks::EngineStats> Stats() const;
+  // The state format's bytes and NVMe traffic, with the optimizer-state bytes `stats` (the
+  // engine's counters, Stats()) moved to or from NVMe.
+  StateTraffic StateTrafficOf(const chunks::EngineStats& stats) const;
   // Host memory the runtime holds for itself outside every budget now, bytes: the tiers' own
   // buffers (the NVMe bounce pool and checksum table, host memory mapped beyond the budget:
   // TierStack::host_overhead) and, sharded, the buffers whole chunks are gathered into.
@@ -541,8 +560,8 @@ class Session {
   class StepperSite;
   std::unique_ptr<StepperSite> stepper_site_;
   std::unique_ptr<OptimizerStepper> stepper_;  // made right after stack_, never null then
-  std::string phase_;    // the binding's current phase (restored after an update)
-  bool tracing_ = true;  // SetTracing's state
+  RunPhase phase_ = RunPhase::kNone;           // the current phase (restored after an update)
+  bool tracing_ = true;                        // SetTracing's state
   ComputeStream stream_ = kHostStream;
   std::unique_ptr<TierStack> stack_;
 };

@@ -45,7 +45,7 @@ std::string UnitProtocol::Label(uint32_t u, std::string_view moment) const {
 void UnitProtocol::BeginIteration() {
   active_.clear();  // units whose forward raised before they left: no unit runs now
   session_->BeginIteration();
-  session_->Phase("forward");
+  session_->Phase(RunPhase::kForward);
   in_iteration_ = true;
 }
 
@@ -54,7 +54,9 @@ Status UnitProtocol::EnterUnit(uint32_t u, bool training, std::span<const size_t
     return OutOfRangeError("unit " + std::to_string(u) + " of " + std::to_string(units_.size()) +
                            " declared");
   }
-  if (!training && !in_iteration_ && session_->phase() != "eval") session_->Phase("eval");
+  if (!training && !in_iteration_ && session_->phase() != RunPhase::kEval) {
+    session_->Phase(RunPhase::kEval);
+  }
   if (session_->pending_steps() > 0) {
     // The last step's deferred updates of this unit's groups (and `also`), each its own
     // optimizer moment, before the unit's.
@@ -78,7 +80,7 @@ Status UnitProtocol::ExitUnit(uint32_t u) {
   return OkStatus();
 }
 
-void UnitProtocol::EnterBackward() { session_->Phase("backward"); }
+void UnitProtocol::EnterBackward() { session_->Phase(RunPhase::kBackward); }
 
 void UnitProtocol::BackwardReached(uint32_t u) {
   const uint32_t unit = u < units_.size() ? u : planners::kNoUnit;

@@ -8,20 +8,21 @@
 // glossary). A binding declares each one (its name, its chunk groups, the unit it is nested in)
 // and refers to it by the index Declare returns. Then, per training iteration:
 //
-//   BeginIteration()        the first training forward: Session::BeginIteration, phase "forward"
+//   BeginIteration()        the first training forward: Session::BeginIteration, phase kForward
 //   EnterUnit(u, true)      the outermost entry of unit u's forward: the last step's deferred
 //                           updates of u's groups (and of `also`), each its own optimizer
 //                           moment, then u's pre-forward moment (kind kPreForward, unit u,
 //                           label "<name>:pre-forward")
 //   ExitUnit(u)             u's forward has left (its chunks released by the binding)
-//   EnterBackward()         the backward's first hook: phase "backward"
+//   EnterBackward()         the backward's first hook: phase kBackward
 //   BackwardReached(u)      the backward reached unit u: u's pre-backward moment (kind
 //                           kPreBackward, unit u, label "<name>:pre-backward"; kNoUnit: a
 //                           moment outside every unit, labelled "pre-backward")
 //   EndIteration()          the backward ended (or the forward was abandoned)
 //
 // An eval or no_grad forward calls EnterUnit(u, false) outside an iteration: the same deferred
-// updates and moment (untraced: the binding turns tracing off), in phase "eval".
+// updates and moment (untraced: the binding turns tracing off), in phase kEval
+// (runtime/phase.h).
 // Because every moment carries its kind and unit, the warm-up trace attributes each unit's
 // saved activations and its chunk accesses the same way whichever binding recorded it
 // (trace_recorder.h credits saved bytes to a pre-forward with a unit).

@@ -59,7 +59,7 @@ def test_frozen_params_get_no_optimizer_state_and_match_torch():
     compare(ref, model, ref_losses, losses)
     rt = tiermem.runtime_of(model)
     K = tiermem._C.ChunkKind
-    frozen_groups = [g for g in range(rt.session.num_groups) if not rt.session.group(g)[0]]
+    frozen_groups = [g for g in range(rt.session.num_groups) if not rt.session.group(g).trainable]
     assert frozen_groups
     for g in frozen_groups:
         assert rt.session.has_kind(g, K.param_fp32)
@@ -250,7 +250,7 @@ def test_host_too_small_puts_state_on_nvme_same_losses(tmp_path):
     assert T.nvme in homes and T.host in homes
     # Optimizer state spills first: every Adam v chunk (created last) is on NVMe.
     assert all(rt.session.home(g, K.exp_avg_sq) == T.nvme for g in range(rt.session.num_groups)
-               if rt.session.group(g)[0])
+               if rt.session.group(g).trainable)
     moved = rt.stats()["bytes_moved"]
     assert any(k.startswith("nvme->") for k in moved) and any(k.endswith("->nvme") for k in moved)
 

@@ -1,4 +1,4 @@
-"""The config's modes as enums (runtime/modes.h through csrc/module.cc), the runtime's one
+"""The config's modes as enums (runtime/modes.h through csrc/config.cc), the runtime's one
 frozen Modes (shared.py) built from them and from the session's answers, the run state's
 phases (shared.Phase), and an NVMe directory that does not exist."""
 import copy
@@ -164,3 +164,20 @@ def test_an_nvme_directory_that_does_not_exist_is_an_error(tmp_path):
     for k, v in ours.state_dict().items():
         assert torch.equal(v, before[k]), k
     assert getattr(ours, "_tiermem_runtime", None) is None
+
+
+def test_the_run_phase_is_an_enum_and_the_protocol_doors_are_gone():
+    """Session.phase takes a RunPhase (runtime/phase.h), never a string; the calls the unit
+    protocol owns (Session.units) are not on the Session any more."""
+    from tiermem import _C
+    assert [str(p) for p in _C.RunPhase.__members__.values()] == [
+        "none", "forward", "backward", "eval", "optimizer", "recompute"]
+    model, opt = tiermem.initialize(make_pair()[1], {"device_kind": "sim"})
+    s = tiermem.runtime_of(model).session
+    s.phase(_C.RunPhase.recompute)
+    with pytest.raises(TypeError):
+        s.phase("recompute")
+    for gone in ("begin_iteration", "finish_steps", "moment"):
+        assert not hasattr(s, gone), gone
+    assert hasattr(s.units, "begin_iteration")
+    tiermem.runtime_of(model).close()

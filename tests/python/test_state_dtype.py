@@ -126,7 +126,7 @@ def test_state_dict_is_torch_compatible_and_round_trips():
                 codes, absmax = _C.quantize_state(a.reshape(-1).contiguous(), "int8", 256, signed)
                 a = _C.dequantize_state(codes, absmax, 256, signed).view(a.shape)
             assert torch.equal(a, b), (k, name)
-    assert rt.session.state_format(0)[0] == "int8"
+    assert rt.session.state_format(0).dtype == "int8"
 
 
 def test_checkpoint_across_state_dtypes_converts_with_a_warning(tmp_path, capfd):

@@ -2,6 +2,7 @@
 // reads each spelling through the table (JSON and TIERMEM_*) and ToJson writes it back, and
 // the predicates answer as their comments say, value by value.
 #include "runtime/modes.h"
+#include "runtime/phase.h"
 
 #include <gtest/gtest.h>
 
@@ -48,6 +49,7 @@ TEST(Modes, EveryValueHasOneSpellingThatParsesBack) {
   ExpectOneSpellingEach<CheckpointIo>(3);
   ExpectOneSpellingEach<InPlace>(3);
   ExpectOneSpellingEach<UnmaterializedReads>(2);
+  ExpectOneSpellingEach<RunPhase>(6);  // not a config key: the run's phase (phase.h)
 }
 
 // Every spelling of a top-level mode key parses (as JSON and, where `var` is given, from the

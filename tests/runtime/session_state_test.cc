@@ -455,5 +455,25 @@ TEST(SessionState, BadFormatsAreRefusedBeforeAnythingIsBuilt) {
               StatusIs(StatusCode::kInvalidArgument, "not a multiple of optimizer.state_block"));
 }
 
+// The NVMe bytes compressed state saved (Session::StateTrafficOf, stats()["optimizer"]), by
+// hand: one int8 tensor of 1000 elements, block 256 -> m and v each 1000 code bytes + 4 absmax
+// floats = 1016 bytes (2032 for both; 8000 in fp32). Both chunks written to and read from NVMe
+// once: 4 x 1016 = 4064 bytes moved, which in fp32 would have been 4 x 4000 = 16000: 11936
+// bytes saved.
+TEST(SessionState, NvmeBytesSavedIsTheFp32TrafficLessTheMovedBytes) {
+  const StateTraffic t = EstimateStateTraffic(2032, 8000, 4064);
+  EXPECT_EQ(t.state_bytes, 2032u);
+  EXPECT_EQ(t.state_bytes_fp32, 8000u);
+  EXPECT_EQ(t.nvme_state_bytes, 4064u);
+  EXPECT_EQ(t.nvme_bytes_saved, 11936u);
+  // fp32 state saves nothing; no state at all (nothing trains) saves nothing and divides by
+  // nothing; nothing moved saves nothing.
+  EXPECT_EQ(EstimateStateTraffic(8000, 8000, 4064).nvme_bytes_saved, 0u);
+  EXPECT_EQ(EstimateStateTraffic(0, 0, 0).nvme_bytes_saved, 0u);
+  EXPECT_EQ(EstimateStateTraffic(2032, 8000, 0).nvme_bytes_saved, 0u);
+  // The estimate truncates: 9 x (8/3 - 1) = 15 - 1 ulp in doubles.
+  EXPECT_EQ(EstimateStateTraffic(3, 8, 9).nvme_bytes_saved, 14u);
+}
+
 }  // namespace
 }  // namespace tiermem::session

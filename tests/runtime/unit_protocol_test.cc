@@ -32,7 +32,7 @@ std::unique_ptr<Session> Make() {
 // the backward in reverse, then the step.
 void Iteration(Session& s, UnitProtocol& p) {
   p.BeginIteration();
-  EXPECT_EQ(s.phase(), "forward");
+  EXPECT_EQ(s.phase(), RunPhase::kForward);
   for (uint32_t u = 0; u < 3; ++u) {
     ASSERT_THAT(p.EnterUnit(u, true), IsOk());
     ASSERT_TRUE(s.Acquire(u, ChunkKind::kParamFp32, TierKind::kDevice).ok());
@@ -40,7 +40,7 @@ void Iteration(Session& s, UnitProtocol& p) {
     ASSERT_THAT(p.ExitUnit(u), IsOk());
   }
   p.EnterBackward();
-  EXPECT_EQ(s.phase(), "backward");
+  EXPECT_EQ(s.phase(), RunPhase::kBackward);
   for (uint32_t u = 3; u-- > 0;) {
     p.BackwardReached(u);
     SetGrad(s, u, std::vector<float>(s.spec(u).numel, 0.5f));
@@ -101,11 +101,11 @@ TEST(UnitProtocol, ExitLeavesTheUnitAndTheUnitsEnteredInsideIt) {
   ASSERT_THAT(p.EnterUnit(1, true), IsOk());  // its forward raised: it never leaves
   p.BeginIteration();
   EXPECT_TRUE(p.active().empty());
-  // An eval forward outside the iteration is phase "eval".
+  // An eval forward outside the iteration is phase kEval.
   p.EndIteration();
   EXPECT_FALSE(p.in_iteration());
   ASSERT_THAT(p.EnterUnit(0, false), IsOk());
-  EXPECT_EQ(s->phase(), "eval");
+  EXPECT_EQ(s->phase(), RunPhase::kEval);
 }
 
 // The recorded trace: per unit one pre-forward and one pre-backward with its kind, unit and

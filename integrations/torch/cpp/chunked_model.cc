@@ -123,7 +123,7 @@ struct UnitFunction : public ::torch::autograd::Function<UnitFunction> {
       if (m->session_->spec(p->index).trainable) trainable.push_back(p);
     }
     m->session_->SetTracing(true);
-    if (m->session_->phase() != "backward") m->protocol_->EnterBackward();
+    if (m->session_->phase() != session::RunPhase::kBackward) m->protocol_->EnterBackward();
     m->protocol_->BackwardReached(call->unit);
     std::vector<std::pair<size_t, ::torch::Tensor>> views;
     CheckOk(m->Materialize(call->params, &views));

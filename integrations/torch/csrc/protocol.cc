@@ -1,5 +1,5 @@
 // The Python face of the unit protocol (runtime/unit_protocol.h): the forward hooks
-// (materialize.py's UnitHooks), the backward (backward.py) and serving (serve.py) call these
+// (unit_hooks.py's UnitHooks), the backward (backward.py) and serving (serve.py) call these
 // and write none of the protocol themselves. Also the moment kinds as an enum and the warm-up
 // trace reader (planners/trace.h), so a test can compare traces the two bindings recorded.
 #include "integrations/torch/csrc/protocol.h"

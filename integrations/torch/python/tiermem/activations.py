@@ -30,7 +30,7 @@ Owns: the ledger (bytes per unit, the storages counted), every _Saved, the host 
 they hold, the spill bounces, the activation stats, ``kept`` (the storages recomputed units
 keep as their inputs: recompute.py adds them; they stay on the device), and the trace's
 saved-bytes bookkeeping. Parts whose state lives as long as the activations' register with
-``on_reset`` / ``on_unit_done`` (recompute.py's frames, the graph watch of materialize.py):
+``on_reset`` / ``on_unit_done`` (recompute.py's frames, the graph watch of unit_hooks.py):
 they are dropped first whenever this ledger is.
 Reads: the session, the run state (the running units, backward, the backward's unit), the
 units (names), the modes (shared.Modes: the activations mode's predicates, NVMe). Writes the

@@ -6,7 +6,7 @@ messages are therefore exactly those of the LibTorch API, and the TIERMEM_* envi
 variables override keys the same way in both (docs/configuration.md). An unknown key or a
 bad value raises ValueError naming the key (or the variable) and the value.
 
-A Config's modes are enums (runtime/modes.h, bound in csrc/module.cc): one value per spelling
+A Config's modes are enums (runtime/modes.h, bound in csrc/config.cc): one value per spelling
 ('-' read as '_': ``DeviceKind.sim_async``), ``str()`` the spelling, and the predicates the
 package asks of them (``cfg.activations.offloaded``, ``cfg.precision.torch_dtype``) — code
 asks those, never compares spellings.

@@ -1,5 +1,5 @@
 """The forward wrappers: a module's instance-level ``forward`` that runs the runtime's enter and
-exit around the module's own forward (materialize.UnitHooks for units and the root,
+exit around the module's own forward (unit_hooks.UnitHooks for units and the root,
 serve.py's for a served root). Under torch.compile a wrapper is a graph break and its enter
 and exit run eagerly; the model's own forward runs eagerly and each unit's is compiled
 (compiling.py).

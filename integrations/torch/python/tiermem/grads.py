@@ -66,7 +66,7 @@ class Grads:
         self.state = state
         self.backward = backward
         self.params = params
-        self.groups = groups  # session.group(g): (trainable, used, tensors)
+        self.groups = groups  # session.group(g): _C.ChunkGroup
         self.modes = modes
         self.hold: dict[int, torch.Tensor] = {}  # group -> its grad chunk, held
         self._pending: dict[int, set] = {}
@@ -100,7 +100,7 @@ class Grads:
     def _grad_chunk(self, group: int) -> torch.Tensor:
         base = self.hold.get(group)
         if base is None:
-            tensors = self.groups[group][2]
+            tensors = self.groups[group].tensors
             if all(self.params[i].param.grad is None for i in tensors):
                 self.session.zero_chunk(group, _K.grad)  # nothing to keep: no fetch, a memset
             base = self.chunks.acquire_grad(group)
@@ -194,7 +194,7 @@ class Grads:
                 continue
             g = pc.group
             held = self.hold.get(g)
-            others = [i for i in self.groups[g][2] if i != r.index]
+            others = [i for i in self.groups[g].tensors if i != r.index]
             if held is None and self.session.pins(g, _K.grad) == 0 and all(
                     self.params[i].param.grad is None for i in others):
                 self.session.zero_chunk(g, _K.grad)
@@ -360,4 +360,5 @@ class Grads:
         return self.chunks.grad_stats()
 
     def grad_norm(self) -> torch.Tensor:
-        return torch.tensor(math.sqrt(self.grad_stats()[0]), dtype=torch.float32)
+        sq, _ = self.grad_stats()
+        return torch.tensor(math.sqrt(sq), dtype=torch.float32)

@@ -44,8 +44,8 @@ class ChunkedAdamW(torch.optim.Optimizer):
                     raise ValueError(f"tiermem: param group {i} sets {k}={g[k]!r}, which "
                                      "tiermem's AdamW does not support")
             b1, b2 = g["betas"]
-            out.append((float(g["lr"]), float(b1), float(b2), float(g["eps"]),
-                        float(g["weight_decay"])))
+            out.append(_C.GroupHyper(lr=float(g["lr"]), beta1=float(b1), beta2=float(b2),
+                                     eps=float(g["eps"]), weight_decay=float(g["weight_decay"])))
         return out
 
     @torch.no_grad()
@@ -140,7 +140,7 @@ class ChunkedAdamW(torch.optim.Optimizer):
         # Validated: now write (zero first, so parameters without state start fresh).
         s = self._runtime.session
         for g in range(s.num_groups):
-            if self._runtime.groups[g][0]:
+            if self._runtime.groups[g].trainable:
                 s.zero_chunk(g, _C.ChunkKind.exp_avg)
                 s.zero_chunk(g, _C.ChunkKind.exp_avg_sq)
         for r in records:

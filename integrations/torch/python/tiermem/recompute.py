@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _C
 from .compiling import eager, run_compiled
 from .shared import _check, _guard
 
@@ -279,12 +280,12 @@ class Recompute:
             return None
 
         self.recomputing = u
-        self.session.phase("recompute")
+        self.session.phase(_C.RunPhase.recompute)
         try:
             frame.run(capture)
         finally:
             self.recomputing = None
-            self.session.phase("backward")
+            self.session.phase(_C.RunPhase.backward)
             for m, name, r in placed:
                 m._parameters[name] = r.param
             mat.unmaterialize(u, bases)  # (its forward cannot write them: refused before)

@@ -12,7 +12,7 @@ holds the public API (stats, timeline, traces, close):
   after.
 - Chunk access (chunks.py): every acquire and release of chunk memory, through the shards
   when the model is sharded across ranks (distributed.py).
-- Units (units.py picks them; materialize.py runs them). A unit's pre-forward acquires (pins)
+- Units (units.py picks them; unit_hooks.py runs them). A unit's pre-forward acquires (pins)
   its chunk groups on the device and materializes every parameter of its subtree; its
   post-forward releases them.
 - Saved tensors (saved.py). Saved-tensor hooks pack any saved tensor that aliases chunk
@@ -53,7 +53,7 @@ the ``on_reset`` / ``on_unit_done`` / ``on_end`` registrations their docstrings 
     SavedTensors (saved.py)      ChunkAccess, Activations, Recompute, Backward
     Grads                        ChunkAccess, Backward
     ChunkOps (dispatch.py)       ChunkAccess, Grads
-    UnitHooks (materialize.py)   ChunkAccess, Materializer, Activations, Recompute,
+    UnitHooks (unit_hooks.py)    ChunkAccess, Materializer, Activations, Recompute,
                                  SavedTensors, ForwardOrder
     Experts (experts.py)         ChunkAccess, Materializer, Recompute, Backward, Grads
 
@@ -81,7 +81,7 @@ from .forwards import _Forward, _RootForward, _UnitForward, _unwrap_forward, _wr
 from .grads import Grads
 from .hf import buffer_dtypes
 from .initvalues import check_buffers, initial_values, is_meta, restore_meta
-from .materialize import ForwardOrder, Materializer, UnitHooks, tree_leaves_tensors
+from .unit_hooks import ForwardOrder, Materializer, UnitHooks, tree_leaves_tensors
 from .params import _contiguous_strides, _placeholder, collect_params
 from .recompute import Recompute
 from .saved import SavedTensors
@@ -177,8 +177,9 @@ class TiermemRuntime:
         pg = distributed.process_group_for(process_group)
         # Mixture-of-experts layers whose experts move alone (experts.py); not when sharded.
         self.expert_sets = find_expert_sets(model, self.by_orig, bool(experts) and pg is None)
-        specs = [(r.name, r.numel, r.trainable, r.opt_group, list(r.shape), r.expert_set,
-                  r.expert) for r in self.params]
+        specs = [_C.TensorSpec(name=r.name, numel=r.numel, trainable=r.trainable,
+                               opt_group=r.opt_group, shape=list(r.shape),
+                               expert_set=r.expert_set, expert=r.expert) for r in self.params]
         if pg is not None and self._serving:
             raise ValueError("tiermem.inference: serving is not sharded across ranks (run one "
                              "model per process, without a process group)")
@@ -191,7 +192,7 @@ class TiermemRuntime:
                 self._shards.check_layout()
             with torch.no_grad():
                 for r in self.params:
-                    r.pieces = [_Piece(*pc) for pc in self.session.place(r.index)]
+                    r.pieces = [_Piece.of(pc) for pc in self.session.place(r.index)]
                     r.group, r.offset = r.pieces[0].group, r.pieces[0].offset
                 # From the checkpoint, straight into the chunks; the parameters it lacks
                 # (strict=False) and all of them without one: their own values, or for those
@@ -214,7 +215,7 @@ class TiermemRuntime:
                 self._weights.restore()
             raise
         self._compute_kind = self.session.compute_kind
-        # (trainable, used, tensors) per group
+        # per group: _C.ChunkGroup (trainable, used_elems, tensors, pieces)
         self.groups = [self.session.group(g) for g in range(self.session.num_groups)]
         self.modes = self._modes(cfg)
         # The parts, each over the state it needs (its module's docstring), lowest first.
@@ -333,10 +334,10 @@ class TiermemRuntime:
         for g in range(self.session.num_groups):
             base = self.chunks.acquire(g, self._compute_kind)
             self._resident_pins.append((g, self._compute_kind))
-            for i in self.groups[g][2]:
+            for i in self.groups[g].tensors:
                 r = self.params[i]
                 r.compute.data = self.chunks.slice(base, r)  # for good: units only swap slots
-            if self.groups[g][0]:
+            if self.groups[g].trainable:
                 self.chunks.on_stream()
                 self.grads.hold[g] = self.session.acquire_for_write(g, _K.grad, self.session.compute_tier)
                 self._resident_pins.append((g, _K.grad))

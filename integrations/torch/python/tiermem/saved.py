@@ -1,5 +1,5 @@
 """Saved-tensor hooks: what a unit's training forward saves for backward, and how the backward
-gets it back. Every pack/unpack pair a unit pushes (materialize.UnitHooks, through ``push``) is here,
+gets it back. Every pack/unpack pair a unit pushes (unit_hooks.UnitHooks, through ``push``) is here,
 each run eagerly even when autograd calls it from compiled code (compiling.py):
 
 - ``pack`` / ``unpack``: a saved tensor that aliases chunk memory is packed as a chunk

@@ -1,7 +1,7 @@
 """What the parts of the runtime share: the parameter record, the modes, the run state,
 version guards.
 
-runtime.TiermemRuntime composes one object per job (chunks.py, materialize.py,
+runtime.TiermemRuntime composes one object per job (chunks.py, unit_hooks.py,
 activations.py, recompute.py, saved.py, backward.py, grads.py, dispatch.py); they import the
 types they share from here, and nothing here imports them, so the imports stay acyclic.
 
@@ -10,7 +10,7 @@ types they share from here, and nothing here imports them, so the imports stay a
   the ChunkTensor the model exposes and the compute view the units swap in. Created by
   params.collect_params, completed by the runtime's install; the parts read it and update
   only the fields their docstrings name (``mat``, ``version`` and ``compute.data``:
-  materialize.py; ``param.grad`` and ``post_hooks``: grads.py; ``warned``: dispatch.py).
+  unit_hooks.py; ``param.grad`` and ``post_hooks``: grads.py; ``warned``: dispatch.py).
 - ``Modes``: how the runtime runs, decided once when it is built (from the config's modes and
   the session's answers) and frozen: the parts ask its fields and the predicates of its
   enums (``modes.activations.offloaded``), never a configuration spelling.
@@ -49,6 +49,12 @@ class _Piece:
     numel: int
     begin: int
     expert: int = -1           # the expert these rows belong to (an expert set's), else -1
+
+    @classmethod
+    def of(cls, piece) -> "_Piece":
+        """From the session's record (``_C.Piece``, ``Session.place``)."""
+        return cls(group=piece.group, offset=piece.offset, numel=piece.numel, begin=piece.begin,
+                   expert=piece.expert)
 
 
 @dataclass(eq=False)
@@ -112,7 +118,7 @@ class Phase(enum.Enum):
     """Where the runtime is (RunState.phase). Transitions, each by the writers named:
 
         CLOSED   -> IDLE      open()            runtime, once installed
-        IDLE     -> FORWARD   begin_forward()   materialize.UnitHooks: the first training
+        IDLE     -> FORWARD   begin_forward()   unit_hooks.UnitHooks: the first training
                                                 forward of an iteration
         any open -> BACKWARD  begin_backward()  backward.Backward: the first hook of a backward
         BACKWARD -> IDLE      end_backward()    backward.Backward: the backward's end
@@ -131,11 +137,11 @@ class RunState:
 
     def __init__(self):
         self.phase = Phase.CLOSED   # written only by the transitions below (Phase says who)
-        self.root_depth = 0         # materialize.UnitHooks (serve.py's root forward too):
+        self.root_depth = 0         # unit_hooks.UnitHooks (serve.py's root forward too):
         #                             nesting of the model's own forward
-        self.active_units: list = []  # materialize.UnitHooks: units whose forward runs now,
+        self.active_units: list = []  # unit_hooks.UnitHooks: units whose forward runs now,
         #                               innermost last
-        self.fwd_used: dict[int, set] = {}  # materialize.UnitHooks: group -> trainable params
+        self.fwd_used: dict[int, set] = {}  # unit_hooks.UnitHooks: group -> trainable params
         #                                     this forward computed with (cleared by the
         #                                     backward's end and by an abandoned iteration)
         self.bwd_unit = None        # backward.Backward: the unit the backward's current moment

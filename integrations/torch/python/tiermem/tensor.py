@@ -24,7 +24,7 @@ Gradient hooks a user registers on a parameter (``register_hook``,
 ``register_post_accumulate_grad_hook``) go where its gradient is computed and accumulated
 (``grads.Grads.user_hook``), and freezing or unfreezing one (``requires_grad_``, the
 ``requires_grad`` setter, ``module.requires_grad_``) freezes or unfreezes what the units compute
-with (``materialize.Materializer.follow_requires_grad``). The operations themselves are
+with (``unit_hooks.Materializer.follow_requires_grad``). The operations themselves are
 dispatch.py's (``ChunkOps``).
 
 Lifetime: a parameter (and its views) holds its runtime, as a torch parameter holds its

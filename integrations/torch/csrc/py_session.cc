@@ -1,0 +1,176 @@
+// PySession (py_session.h): chunk memory as tensors over session::Session; everything else
+// forwards.
+#include "integrations/torch/csrc/py_session.h"
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "integrations/torch/cpp/dtypes.h"
+#include "integrations/torch/cpp/torch_pool.h"
+#include "integrations/torch/csrc/errors.h"
+#include "integrations/torch/csrc/tensor_args.h"
+#include "kernels/cpu/optim.h"
+
+namespace py = pybind11;
+
+namespace tiermem::torch_ext {
+
+using chunks::ChunkKind;
+using session::Session;
+using session::SessionConfig;
+using torch_dtypes::TorchDType;
+
+PySession::PySession(const SessionConfig& config, std::vector<session::TensorSpec> specs,
+                     const py::object& sharding) {
+  session::Sharding sh;
+  if (!sharding.is_none()) {
+    const py::tuple t = sharding.cast<py::tuple>();
+    if (t.size() != 3) throw py::value_error("sharding must be (world, rank, collectives)");
+    sh.world = t[0].cast<int>();
+    sh.rank = t[1].cast<int>();
+    collectives_ = std::make_unique<PyCollectives>(t[2]);
+    sh.collectives = collectives_.get();
+  }
+  s_ = Check(Session::Create(config, std::move(specs), sh));
+  protocol_ = std::make_unique<session::UnitProtocol>(s_.get());
+}
+
+torch::Tensor PySession::View(void* addr, size_t group, ChunkKind kind, TierKind where) const {
+  auto opts = torch::TensorOptions().dtype(TorchDType(s_->dtype(kind)));
+  if (where == TierKind::kDevice && s_->cuda()) opts = opts.device(torch::kCUDA, 0);
+  if ((kind == ChunkKind::kExpAvg || kind == ChunkKind::kExpAvgSq) &&
+      s_->state_format(group).compressed()) {
+    // Compressed m or v: the chunk's bytes (codes, then int8's absmax); read_tensor
+    // dequantizes.
+    return torch::from_blob(addr, {static_cast<int64_t>(s_->ChunkBytes(group, kind))},
+                            opts.dtype(torch::kUInt8));
+  }
+  // Sharded: this rank's whole shard; else the chunk up to its last tensor.
+  const uint64_t n = s_->sharded() ? s_->shard_elems() : s_->group(group).used_elems;
+  return torch::from_blob(addr, {static_cast<int64_t>(n)}, opts);
+}
+py::tuple PySession::AllocateScratch(TierKind where, uint64_t bytes) {
+  const Region r = Check(s_->AllocateScratch(where, bytes));
+  auto opts = torch::TensorOptions().dtype(torch::kUInt8);
+  if (where == TierKind::kDevice && s_->cuda()) opts = opts.device(torch::kCUDA, 0);
+  torch::Tensor v = torch::from_blob(r.addr, {static_cast<int64_t>(bytes)}, opts);
+  return py::make_tuple(py::make_tuple(r.id, r.bytes, reinterpret_cast<uintptr_t>(r.addr)), v);
+}
+void PySession::FreeScratch(TierKind where, const RegionToken& token) {
+  Check(s_->FreeScratch(where, FromToken(token)));
+}
+py::tuple PySession::AllocateSpill(uint64_t bytes) {
+  const Region r = Check(s_->AllocateSpill(bytes));
+  return py::make_tuple(r.id, r.bytes, uintptr_t{0});
+}
+void PySession::FreeSpill(const RegionToken& token) { Check(s_->FreeSpill(FromToken(token))); }
+std::shared_ptr<Completion> PySession::StartSpillCopy(const RegionToken& spill,
+                                                      uint64_t spill_offset,
+                                                      const RegionToken& host, uint64_t host_offset,
+                                                      uint64_t bytes, bool to_nvme) {
+  return Check(s_->StartSpillCopy(FromToken(spill), spill_offset, FromToken(host), host_offset,
+                                  bytes, to_nvme));
+}
+Region PySession::FromToken(const RegionToken& token) {
+  return Region{std::get<0>(token), std::get<1>(token),
+                reinterpret_cast<void*>(std::get<2>(token))};
+}
+torch::Tensor PySession::Acquire(size_t group, ChunkKind kind, TierKind where, int64_t cls) {
+  return View(Check(s_->Acquire(group, kind, where, ClassOf(cls))), group, kind, where);
+}
+// A lazily zero chunk landing on the device is zeroed by torch on the compute device (a memset
+// kernel on CUDA, ordered on the current stream before the caller's writes) instead of a copy
+// from a zeros buffer.
+torch::Tensor PySession::AcquireForWrite(size_t group, ChunkKind kind, TierKind where,
+                                         int64_t cls) {
+  bool must_zero = false;
+  void* addr = Check(s_->AcquireForWrite(group, kind, where, &must_zero, ClassOf(cls)));
+  torch::Tensor v = View(addr, group, kind, where);
+  if (must_zero) {
+    const int64_t bytes = static_cast<int64_t>(s_->ChunkBytes(group, kind));
+    torch::from_blob(addr, {bytes}, v.options().dtype(torch::kUInt8)).zero_();
+  }
+  return v;
+}
+
+torch::Tensor PySession::ReadParam(size_t t) {
+  torch::Tensor out = torch::empty({Numel(t)}, torch::kFloat32);
+  Check(s_->ReadParam(t, out.data_ptr<float>()));
+  return out;
+}
+void PySession::WriteParam(size_t t, const torch::Tensor& v) {
+  CheckHostSpan(v, "value", Numel(t), torch::kFloat32);
+  Check(s_->WriteParam(t, v.data_ptr<float>()));
+}
+torch::Tensor PySession::ReadTensor(size_t t, ChunkKind kind) {
+  torch::Tensor out = torch::empty({Numel(t)}, TorchDType(s_->dtype(kind)));
+  Check(s_->ReadTensor(t, kind, out.data_ptr()));
+  return out;
+}
+void PySession::WriteTensor(size_t t, ChunkKind kind, const torch::Tensor& v) {
+  CheckHostSpan(v, "value", Numel(t), TorchDType(s_->dtype(kind)));
+  Check(s_->WriteTensor(t, kind, v.data_ptr()));
+}
+void PySession::SetHasGrad(const std::vector<bool>& flags) {
+  if (flags.size() != s_->num_tensors()) throw py::value_error("one flag per tensor");
+  for (size_t i = 0; i < flags.size(); ++i) s_->SetHasGrad(i, flags[i]);
+}
+py::dict PySession::Step(const std::vector<session::GroupHyper>& hyper,
+                         const py::object& global_stats) {
+  std::optional<kernels::GradStats> global;
+  if (!global_stats.is_none()) {
+    const auto [sq, overflow] = global_stats.cast<std::tuple<double, bool>>();
+    global = kernels::GradStats{sq, overflow};
+  }
+  StatusOr<session::StepResult> r = InternalError("not run");
+  {
+    py::gil_scoped_release nogil;
+    kernels::ScopedParallelFor pool(torch_pool::ForThisThread());
+    r = s_->Step(hyper, global ? &*global : nullptr);
+  }
+  const session::StepResult res = Check(std::move(r));
+  py::dict d;
+  d["applied"] = res.applied;
+  d["skipped"] = res.skipped;
+  d["grad_norm"] = res.grad_norm;
+  d["clip_coef"] = res.clip_coef;
+  return d;
+}
+void PySession::SetStepHyper(std::vector<session::GroupHyper> hyper) {
+  s_->SetStepHyper(std::move(hyper));
+}
+py::tuple PySession::GradStats() {
+  StatusOr<kernels::GradStats> st = InternalError("not run");
+  {
+    py::gil_scoped_release nogil;
+    kernels::ScopedParallelFor pool(torch_pool::ForThisThread());
+    st = s_->GradStats();
+  }
+  const kernels::GradStats g = Check(std::move(st));
+  return py::make_tuple(g.sq_norm, g.overflow);
+}
+const session::ChunkGroup& PySession::Group(size_t g) const {
+  if (g >= s_->num_groups()) throw py::value_error("unknown chunk group");
+  return s_->group(g);
+}
+const std::vector<session::Piece>& PySession::Place(size_t t) const {
+  if (t >= s_->num_tensors()) throw py::value_error("unknown tensor");
+  return s_->place(t).pieces;
+}
+PySession::~PySession() = default;
+
+void PySession::Close() {
+  s_->Close();
+  collectives_.reset();
+}
+
+uint32_t PySession::ClassOf(int64_t cls) {
+  return cls < 0 ? chunks::kNoClass : static_cast<uint32_t>(cls);
+}
+int64_t PySession::Numel(size_t t) const {
+  if (t >= s_->num_tensors()) throw py::value_error("unknown tensor " + std::to_string(t));
+  return static_cast<int64_t>(s_->place(t).numel);
+}
+
+}  // namespace tiermem::torch_ext
