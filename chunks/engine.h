@@ -14,8 +14,23 @@
 // pinned chunk never moves. When a tier is full, the EvictionPolicy picks an unpinned cached
 // chunk to evict: farthest next use in the recorded order of acquires (the previous
 // iteration's) while the current iteration follows it, least recently used otherwise, clean
-// first. While the order is followed, each Acquire also prefetches the next
-// `prefetch_depth` acquires asynchronously, evicting for them only clean chunks needed later.
+// first. While the order is followed, each Acquire also prefetches ahead of it in the order,
+// asynchronously (EngineConfig::lookahead):
+//   - kDepth: the next `prefetch_depth` acquires of this iteration, evicting for them only
+//     clean chunks whose next use is later;
+//   - kRoom (the default): host acquires as far ahead as host room can be made — the order is
+//     taken to repeat (as cyclic below), so the window runs past the end of the backward into
+//     the next iteration's first uses (the deferred optimizer updates' reads of grads, m and
+//     v) — evicting clean chunks whose next use is later; when only dirty ones are left, those
+//     whose next use is farthest and later than the entry's are written home in the background
+//     (as write-behind) until the bytes being written cover the entry, and a later acquire's
+//     prefetch evicts them clean. Device acquires still look `prefetch_depth` ahead (the
+//     device's room is shared with activations that grow through the forward). A tier's
+//     lookahead stops at its first entry that finds no room, so nothing is evicted for a use
+//     later than one it could not serve; no prefetch ever evicts a chunk needed sooner than the
+//     one it brings.
+// An acquire whose chunk had to be read synchronously (no move of it was started) is a *miss*,
+// one that waited for a prefetch not yet landed is *late* (EngineStats::waits, by phase too).
 // Waiting for an unfinished prefetch or a write-back is a *stall*, recorded with its cause.
 // Following tolerates accesses of the order that do not come (an optimizer update that ran
 // early, before an eval forward): an acquire found a few entries ahead (kResyncWindow) skips
@@ -33,10 +48,11 @@
 // write-back leaves the cached copy in place and dirty (nothing is lost) and is returned by
 // whatever waited for it.
 //
-// Cyclic order (SetCyclic, for serving: every iteration is the same forward): the recorded
-// order is taken to repeat, so the prefetch window runs past the end of the iteration into
-// the start of the next one and a chunk's next use after its last one this iteration is its
-// first one in the next (farthest-next-use then keeps what the next forward needs soonest).
+// Cyclic order (SetCyclic, for serving: every iteration is the same forward; always with
+// Lookahead kRoom): the recorded order is taken to repeat, so the prefetch window runs past
+// the end of the iteration into the start of the next one and a chunk's next use after its
+// last one this iteration is its first one in the next (farthest-next-use then keeps what the
+// next forward needs soonest).
 //
 // External bytes (SetExternalBytes): device or host memory the caller keeps live outside
 // chunks (a KV cache and activations on the device, offloaded activations on the host) counts
@@ -88,6 +104,7 @@
 #include <array>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -105,8 +122,15 @@ namespace tiermem::chunks {
 // next one (tiers count ids up from 1).
 inline constexpr uint64_t kExternalRegionId = 0xffffffffffffff00ull;
 
+// How far the lookahead prefetch looks ahead in the recorded order (the file comment).
+enum class Lookahead : uint8_t {
+  kDepth,  // `prefetch_depth` acquires, within the iteration, evicting only clean chunks
+  kRoom,   // as far as host/device room can be made, across the iteration boundary
+};
+
 struct EngineConfig {
-  int prefetch_depth = 4;        // acquires of lookahead in the recorded order (0 = off)
+  int prefetch_depth = 4;  // acquires of lookahead in the recorded order (0 = off)
+  Lookahead lookahead = Lookahead::kRoom;
   bool write_behind = true;      // background write-back of dirty chunks not needed soon
   Bytes host_reserve_bytes = 0;  // host bytes never used for homes (caches of NVMe chunks)
 };
@@ -117,6 +141,17 @@ struct EngineTiers {
   Tier* device = nullptr;
   Tier* host = nullptr;  // required, byte-addressable
   Tier* nvme = nullptr;  // optional
+};
+
+// Acquires that found their chunk not yet resident where asked and had to wait for bytes to
+// come from below: a *miss* (no move of it was started before the acquire: the acquire reads
+// it synchronously) or *late* (a prefetch was started but had not landed). Zero fills are
+// neither (no bytes are read).
+struct AcquireWaits {
+  uint64_t misses = 0;
+  Bytes miss_bytes = 0;
+  uint64_t late = 0;
+  Bytes late_bytes = 0;
 };
 
 struct EngineStats {
@@ -134,6 +169,10 @@ struct EngineStats {
   uint64_t hint_prefetches = 0;  // PrefetchHint's (counted in prefetches too)
   uint64_t write_behinds = 0;    // background write-backs started
   uint64_t acquires = 0;
+  AcquireWaits waits;  // over all acquires
+  // The same by the timeline phase current at the acquire (Phase; "" before the first one),
+  // in the order the phases first came.
+  std::vector<std::pair<std::string, AcquireWaits>> waits_by_phase;
   uint64_t iterations = 0;
   uint64_t diverged = 0;  // iterations whose acquires left the recorded order
   uint64_t resynced = 0;  // acquires that skipped ahead in it (accesses that did not come)
@@ -208,7 +247,8 @@ class Engine {
   // previous one, and start no prefetch (eval / no-grad forwards between training
   // iterations). On by default.
   void SetTracing(bool on) { tracing_ = on; }
-  void SetCyclic(bool on) { order_.SetCyclic(on); }
+  // (Lookahead kRoom takes the order to repeat in training too: it is cyclic whatever `on`.)
+  void SetCyclic(bool on) { order_.SetCyclic(on || config_.lookahead == Lookahead::kRoom); }
   // The stream the caller's device work is queued on from now on (see the file comment).
   void SetComputeStream(ComputeStream stream) { stream_ = stream; }
   ComputeStream compute_stream() const { return stream_; }
@@ -390,6 +430,15 @@ class Engine {
   StatusOr<int> TryPlanPrefetch(ChunkId chunk, TierKind tier);
   Status PumpDeferred();  // retries deferred planned prefetches in order
   void Prefetch();
+  // Prefetch's kRoom lookahead (the file comment).
+  void PrefetchByRoom();
+  // No room on `tier` for the chunk of `need` bytes acquired at position `pos` without
+  // evicting dirty chunks: starts background write-backs of the dirty, unpinned, idle chunks
+  // there whose next use is farthest and later than `pos`, until the bytes being written back
+  // on the tier cover `need` (once clean, a later prefetch may evict them).
+  void CleanFor(TierKind tier, uint64_t pos, Bytes need);
+  // The acquire-wait counters of the current phase.
+  AcquireWaits& PhaseWaits();
   // Allocated `dst` for `id` (no cached copy yet): starts filling it from home (or zeros).
   void StartFill(ChunkId id, const Placed& dst);
   // Records that the caller's stream used the chunk's device copy (no-op elsewhere).
@@ -421,6 +470,7 @@ class Engine {
   std::vector<Mapping> zeros_;
   uint64_t use_counter_ = 0;
   uint64_t stall_id_ = 0;
+  size_t phase_ = 0;  // the current phase's index in stats_.waits_by_phase (once it has one)
 
   // The order of acquires: recorded this iteration, followed from the previous one (only
   // while tracing_).

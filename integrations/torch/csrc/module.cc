@@ -471,6 +471,21 @@ class PySession {
     d["diverged"] = s.diverged;
     d["resynced"] = s.resynced;
     d["device_waits"] = s.device_waits;
+    // Acquires that waited for bytes from below (chunks/engine.h): in all and by phase.
+    auto waits = [](const chunks::AcquireWaits& w) {
+      py::dict o;
+      o["misses"] = w.misses;
+      o["miss_bytes"] = w.miss_bytes;
+      o["late"] = w.late;
+      o["late_bytes"] = w.late_bytes;
+      return o;
+    };
+    py::dict acquire_waits = waits(s.waits), by_phase;
+    for (const auto& [label, w] : s.waits_by_phase) {
+      if (w.misses + w.late > 0) by_phase[py::str(label.empty() ? "none" : label)] = waits(w);
+    }
+    acquire_waits["by_phase"] = by_phase;
+    d["acquire_waits"] = acquire_waits;
     // Where each chunk group's optimizer steps (decided at the first applied step).
     py::dict opt;
     opt["placed"] = s_->optimizer_placed();
