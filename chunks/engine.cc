@@ -132,7 +132,6 @@ Engine::Engine(const EngineConfig& config, EngineTiers tiers, Mover* mover,
       mover_(mover),
       recorder_(recorder),
       policy_(std::move(policy)) {
-  order_.SetCyclic(config.lookahead == Lookahead::kRoom);
   stats_.waits_by_phase.emplace_back("", AcquireWaits{});
 }
 
@@ -400,10 +399,47 @@ Bytes Engine::ChunkCapacity(TierKind tier, const TierStats& st) const {
   return st.capacity > ext ? st.capacity - ext : 0;
 }
 
+uint64_t Engine::LookaheadNextUse(ChunkId chunk) const {
+  if (chunks_[chunk].soon) return order_.position();  // hinted: needed now
+  const uint64_t ordered = order_.NextUse(chunk, /*wrap=*/true);
+  if (!order_.following()) return ordered;
+  return std::min(ordered, scores_.ExpectedNextUse(chunk, order_.position(), order_.size(), true));
+}
+
+StatusOr<bool> Engine::EvictForLookahead(TierKind tier, ChunkId chunk, uint64_t pos) {
+  ChunkId best = kNoChunk;
+  uint64_t best_next = 0;
+  for (ChunkId id = 0; id < chunks_.size(); ++id) {
+    ChunkRec& c = chunks_[id];
+    if (c.writing_back() && c.Landed()) {
+      // A finished write-back: the chunk is clean now (a failed one stays dirty, its copy
+      // kept; evicting it later writes back synchronously and reports a lasting fault).
+      Status wb = WaitInflight(id, "");
+      if (!wb.ok()) {
+        TIERMEM_LOG(kWarn) << wb.message() << "; retrying when evicted";
+      }
+    }
+    if (c.cache.tier != tier || id == chunk || c.pins > 0 || c.in_flight() || c.soon) continue;
+    if (speculating_ && scores_.ClassOf(id) == kNoClass) continue;
+    const uint64_t next = LookaheadNextUse(id);
+    if (next <= pos) continue;  // needed before the chunk room is made for
+    if (best == kNoChunk || next > best_next) {
+      best = id;
+      best_next = next;
+    }
+  }
+  if (best == kNoChunk || chunks_[best].dirty) return false;
+  TIERMEM_RETURN_IF_ERROR(Evict(best));
+  return true;
+}
+
 StatusOr<bool> Engine::EvictOne(TierKind tier, ChunkId chunk, bool for_prefetch,
                                 uint64_t prefetch_pos, Bytes* pinned) {
-  std::vector<EvictionCandidate> cands;
   *pinned = 0;
+  if (for_prefetch && config_.lookahead == Lookahead::kRoom && tier == TierKind::kHost) {
+    return EvictForLookahead(tier, chunk, prefetch_pos);
+  }
+  std::vector<EvictionCandidate> cands;
   for (ChunkId id = 0; id < chunks_.size(); ++id) {
     ChunkRec& w = chunks_[id];
     if (w.writing_back() && w.Landed()) {
@@ -733,9 +769,9 @@ void Engine::Prefetch() {
 
 void Engine::PrefetchByRoom() {
   // One lap of the order: up to this position of the next iteration (the order repeats, so
-  // positions size..2*size-1 are the next iteration's, as NextUse counts them). Host entries
-  // look the whole lap ahead; device entries only prefetch_depth acquires (the device's room
-  // is shared with activations that grow through the forward: copies far ahead would be
+  // positions size..2*size-1 are the next iteration's, as LookaheadNextUse counts them). Host
+  // entries look the whole lap ahead; device entries only prefetch_depth acquires (the device's
+  // room is shared with activations that grow through the forward: copies far ahead would be
   // evicted again for them). A tier is done at its first entry that finds no room.
   const uint64_t pos = order_.position();
   const uint64_t end = pos + order_.size();
@@ -755,7 +791,7 @@ void Engine::PrefetchByRoom() {
     }
     auto r = AllocateOn(where, id, true, j);
     if (!r.ok()) {
-      // Only dirty chunks used later are left to make room with: write them home now.
+      // The chunks used farthest after it are dirty (or there are none): write them home.
       if (where == TierKind::kHost) CleanFor(where, j, c.bytes);
       done[Idx(where)] = true;
       continue;
@@ -776,8 +812,8 @@ void Engine::CleanFor(TierKind tier, uint64_t pos, Bytes need) {
       continue;
     }
     if (c.pins > 0 || !c.dirty || c.in_flight() || c.soon) continue;
-    const uint64_t next = NextUse(id);
-    if (next != kNeverUsed && next <= pos) continue;  // needed before the chunk made room for
+    const uint64_t next = LookaheadNextUse(id);
+    if (next <= pos) continue;  // needed before the chunk room is made for
     dirty.emplace_back(next, id);
   }
   std::sort(dirty.begin(), dirty.end(), [](const auto& a, const auto& b) {

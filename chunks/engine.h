@@ -18,13 +18,15 @@
 // asynchronously (EngineConfig::lookahead):
 //   - kDepth: the next `prefetch_depth` acquires of this iteration, evicting for them only
 //     clean chunks whose next use is later;
-//   - kRoom (the default): host acquires as far ahead as host room can be made — the order is
-//     taken to repeat (as cyclic below), so the window runs past the end of the backward into
-//     the next iteration's first uses (the deferred optimizer updates' reads of grads, m and
-//     v) — evicting clean chunks whose next use is later; when only dirty ones are left, those
-//     whose next use is farthest and later than the entry's are written home in the background
-//     (as write-behind) until the bytes being written cover the entry, and a later acquire's
-//     prefetch evicts them clean. Device acquires still look `prefetch_depth` ahead (the
+//   - kRoom (the default): host acquires as far ahead as host room can be made — for the
+//     lookahead the order is taken to repeat (as cyclic below), so the window runs past the
+//     end of the backward into the next iteration's first uses (the deferred optimizer
+//     updates' reads of grads, m and v). For room it takes the chunk used farthest after the
+//     entry (in that repeating order), clean or dirty: a clean one is evicted, a dirty one is
+//     written home in the background (as write-behind) and the lookahead waits for it — a
+//     later acquire's or release's prefetch evicts it clean —, so no clean chunk needed sooner
+//     is dropped while a dirty one needed later stays. Device acquires still look
+//     `prefetch_depth` ahead (the
 //     device's room is shared with activations that grow through the forward). A tier's
 //     lookahead stops at its first entry that finds no room, so nothing is evicted for a use
 //     later than one it could not serve; no prefetch ever evicts a chunk needed sooner than the
@@ -48,8 +50,8 @@
 // write-back leaves the cached copy in place and dirty (nothing is lost) and is returned by
 // whatever waited for it.
 //
-// Cyclic order (SetCyclic, for serving: every iteration is the same forward; always with
-// Lookahead kRoom): the recorded order is taken to repeat, so the prefetch window runs past
+// Cyclic order (SetCyclic, for serving: every iteration is the same forward): the recorded
+// order is taken to repeat, so the prefetch window runs past
 // the end of the iteration into the start of the next one and a chunk's next use after its
 // last one this iteration is its first one in the next (farthest-next-use then keeps what the
 // next forward needs soonest).
@@ -247,8 +249,7 @@ class Engine {
   // previous one, and start no prefetch (eval / no-grad forwards between training
   // iterations). On by default.
   void SetTracing(bool on) { tracing_ = on; }
-  // (Lookahead kRoom takes the order to repeat in training too: it is cyclic whatever `on`.)
-  void SetCyclic(bool on) { order_.SetCyclic(on || config_.lookahead == Lookahead::kRoom); }
+  void SetCyclic(bool on) { order_.SetCyclic(on); }
   // The stream the caller's device work is queued on from now on (see the file comment).
   void SetComputeStream(ComputeStream stream) { stream_ = stream; }
   ComputeStream compute_stream() const { return stream_; }
@@ -403,6 +404,14 @@ class Engine {
   StatusOr<void*> AcquireImpl(ChunkId chunk, TierKind where, bool* must_zero, uint32_t cls);
   // The next use eviction compares: the order's, or a class member's expected one.
   uint64_t NextUse(ChunkId chunk) const;
+  // The next use the room lookahead compares: the order's, taken to repeat (a use in the next
+  // iteration counts at size + its position), or now for a hinted chunk.
+  uint64_t LookaheadNextUse(ChunkId chunk) const;
+  // The room lookahead's eviction on the host for a prefetch of `chunk` used at `pos`: of the
+  // unpinned, idle chunks there used after `pos` (LookaheadNextUse), the one used farthest,
+  // evicted if clean. False when there is none or it is dirty (then the caller writes it home:
+  // CleanFor).
+  StatusOr<bool> EvictForLookahead(TierKind tier, ChunkId chunk, uint64_t pos);
   // Allocates room for `chunk` on `tier`, evicting unpinned chunks as needed (any chunk when
   // `for_prefetch` is false; only clean ones used after `prefetch_pos` otherwise).
   StatusOr<Region> AllocateOn(TierKind tier, ChunkId chunk, bool for_prefetch,
@@ -434,8 +443,8 @@ class Engine {
   void PrefetchByRoom();
   // No room on `tier` for the chunk of `need` bytes acquired at position `pos` without
   // evicting dirty chunks: starts background write-backs of the dirty, unpinned, idle chunks
-  // there whose next use is farthest and later than `pos`, until the bytes being written back
-  // on the tier cover `need` (once clean, a later prefetch may evict them).
+  // there whose next use (LookaheadNextUse) is farthest and later than `pos`, until the bytes
+  // being written back on the tier cover `need` (once clean, a later prefetch may evict them).
   void CleanFor(TierKind tier, uint64_t pos, Bytes need);
   // The acquire-wait counters of the current phase.
   AcquireWaits& PhaseWaits();
