@@ -16,9 +16,9 @@
 // iteration's) while the current iteration follows it, least recently used otherwise, clean
 // first. While the order is followed, each Acquire also prefetches ahead of it in the order,
 // asynchronously (EngineConfig::lookahead):
-//   - kDepth: the next `prefetch_depth` acquires of this iteration, evicting for them only
-//     clean chunks whose next use is later;
-//   - kRoom (the default): host acquires as far ahead as host room can be made — for the
+//   - kDepth (the default): the next `prefetch_depth` acquires of this iteration, evicting for
+//     them only clean chunks whose next use is later;
+//   - kRoom (opt-in until it is measured to win on a quiet machine): host acquires as far ahead as host room can be made — for the
 //     lookahead the order is taken to repeat (as cyclic below), so the window runs past the
 //     end of the backward into the next iteration's first uses (the deferred optimizer
 //     updates' reads of grads, m and v). For room it takes the chunk used farthest after the
@@ -132,7 +132,7 @@ enum class Lookahead : uint8_t {
 
 struct EngineConfig {
   int prefetch_depth = 4;  // acquires of lookahead in the recorded order (0 = off)
-  Lookahead lookahead = Lookahead::kRoom;
+  Lookahead lookahead = Lookahead::kDepth;
   bool write_behind = true;      // background write-back of dirty chunks not needed soon
   Bytes host_reserve_bytes = 0;  // host bytes never used for homes (caches of NVMe chunks)
 };
