@@ -58,14 +58,14 @@ void AccessOrder::BeginIteration() {
   following_ = !order_.empty();
 }
 
-uint64_t AccessOrder::NextUse(ChunkId chunk) const {
+uint64_t AccessOrder::NextUse(ChunkId chunk, bool wrap) const {
   if (!following_) return kNeverUsed;
   auto it = positions_.find(chunk);
   if (it == positions_.end()) return kNeverUsed;
   auto p = std::lower_bound(it->second.begin(), it->second.end(), pos_);
   if (p != it->second.end()) return *p;
   // Cyclic: its first use in the next iteration, at virtual position size + first.
-  return cyclic_ ? order_.size() + it->second.front() : kNeverUsed;
+  return cyclic_ || wrap ? order_.size() + it->second.front() : kNeverUsed;
 }
 
 uint64_t AccessOrder::WindowEnd(uint64_t n) const {

@@ -57,9 +57,10 @@ class AccessOrder {
   uint64_t size() const { return order_.size(); }          // positions of the followed order
   uint64_t recorded() const { return recording_.size(); }  // acquires recorded this iteration
   uint64_t position() const { return pos_; }               // the next expected entry
-  // The position of the chunk's next acquire at or after position() (cyclic: possibly in
-  // [size, 2 * size), the next iteration's); kNeverUsed when not following or not again.
-  uint64_t NextUse(ChunkId chunk) const;
+  // The position of the chunk's next acquire at or after position() (cyclic, or `wrap`:
+  // possibly in [size, 2 * size), the next iteration's); kNeverUsed when not following or not
+  // again.
+  uint64_t NextUse(ChunkId chunk, bool wrap = false) const;
   // The end (exclusive) of the `n` entries from position(), cut at the end of the order
   // (cyclic: at the end of the next iteration's copy of it).
   uint64_t WindowEnd(uint64_t n) const;

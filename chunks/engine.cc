@@ -131,7 +131,9 @@ Engine::Engine(const EngineConfig& config, EngineTiers tiers, Mover* mover,
       tiers_(tiers),
       mover_(mover),
       recorder_(recorder),
-      policy_(std::move(policy)) {}
+      policy_(std::move(policy)) {
+  stats_.waits_by_phase.emplace_back("", AcquireWaits{});
+}
 
 Engine::~Engine() {
   for (ChunkRec& c : chunks_) {
@@ -397,10 +399,47 @@ Bytes Engine::ChunkCapacity(TierKind tier, const TierStats& st) const {
   return st.capacity > ext ? st.capacity - ext : 0;
 }
 
+uint64_t Engine::LookaheadNextUse(ChunkId chunk) const {
+  if (chunks_[chunk].soon) return order_.position();  // hinted: needed now
+  const uint64_t ordered = order_.NextUse(chunk, /*wrap=*/true);
+  if (!order_.following()) return ordered;
+  return std::min(ordered, scores_.ExpectedNextUse(chunk, order_.position(), order_.size(), true));
+}
+
+StatusOr<bool> Engine::EvictForLookahead(TierKind tier, ChunkId chunk, uint64_t pos) {
+  ChunkId best = kNoChunk;
+  uint64_t best_next = 0;
+  for (ChunkId id = 0; id < chunks_.size(); ++id) {
+    ChunkRec& c = chunks_[id];
+    if (c.writing_back() && c.Landed()) {
+      // A finished write-back: the chunk is clean now (a failed one stays dirty, its copy
+      // kept; evicting it later writes back synchronously and reports a lasting fault).
+      Status wb = WaitInflight(id, "");
+      if (!wb.ok()) {
+        TIERMEM_LOG(kWarn) << wb.message() << "; retrying when evicted";
+      }
+    }
+    if (c.cache.tier != tier || id == chunk || c.pins > 0 || c.in_flight() || c.soon) continue;
+    if (speculating_ && scores_.ClassOf(id) == kNoClass) continue;
+    const uint64_t next = LookaheadNextUse(id);
+    if (next <= pos) continue;  // needed before the chunk room is made for
+    if (best == kNoChunk || next > best_next) {
+      best = id;
+      best_next = next;
+    }
+  }
+  if (best == kNoChunk || chunks_[best].dirty) return false;
+  TIERMEM_RETURN_IF_ERROR(Evict(best));
+  return true;
+}
+
 StatusOr<bool> Engine::EvictOne(TierKind tier, ChunkId chunk, bool for_prefetch,
                                 uint64_t prefetch_pos, Bytes* pinned) {
-  std::vector<EvictionCandidate> cands;
   *pinned = 0;
+  if (for_prefetch && config_.lookahead == Lookahead::kRoom && tier == TierKind::kHost) {
+    return EvictForLookahead(tier, chunk, prefetch_pos);
+  }
+  std::vector<EvictionCandidate> cands;
   for (ChunkId id = 0; id < chunks_.size(); ++id) {
     ChunkRec& w = chunks_[id];
     if (w.writing_back() && w.Landed()) {
@@ -622,6 +661,14 @@ StatusOr<void*> Engine::AcquireImpl(ChunkId chunk, TierKind where, bool* must_ze
     TIERMEM_RETURN_IF_ERROR(OrderComputeAfterCopies(*TierOf(where), c->cache.region, stream_));
     ++stats_.device_waits;
   } else {
+    const bool reading = c->flight() == Flight::kFilling || c->flight() == Flight::kFillingDirect;
+    if (reading && c->cache.tier == where && !c->Landed()) {  // a prefetch not yet landed
+      AcquireWaits& w = PhaseWaits();
+      ++w.late;
+      w.late_bytes += c->bytes;
+      ++stats_.waits.late;
+      stats_.waits.late_bytes += c->bytes;
+    }
     TIERMEM_RETURN_IF_ERROR(WaitInflight(chunk, "prefetch late"));
   }
   const TierKind resident = c->cache.tier != TierKind::kNone ? c->cache.tier : c->home.tier;
@@ -642,7 +689,14 @@ StatusOr<void*> Engine::AcquireImpl(ChunkId chunk, TierKind where, bool* must_ze
       Placed dst{where, r};
       RecordRegion(EventType::kAlloc, dst, chunk, kFlagNone);
       Status s;
-      bool dirty = c->dirty;  // moved between caches: as it was
+      bool dirty = c->dirty;                              // moved between caches: as it was
+      if (c->cached() || c->content != Content::kZero) {  // bytes copied in now: a miss
+        AcquireWaits& w = PhaseWaits();
+        ++w.misses;
+        w.miss_bytes += c->bytes;
+        ++stats_.waits.misses;
+        stats_.waits.miss_bytes += c->bytes;
+      }
       if (c->cached()) {
         s = MoveSync(chunk, c->cache, dst, "move between caches");
         if (s.ok()) s = FreeRegion(c->cache, chunk, !c->dirty);
@@ -694,6 +748,10 @@ void Engine::Prefetch() {
     return;
   }
   if (!tracing_ || !order_.following() || config_.prefetch_depth == 0) return;
+  if (config_.lookahead == Lookahead::kRoom) {
+    PrefetchByRoom();
+    return;
+  }
   // Cyclic: the window may run into the next iteration's copy of the order.
   const uint64_t end = order_.WindowEnd(static_cast<uint64_t>(config_.prefetch_depth));
   for (uint64_t j = order_.position(); j < end; ++j) {
@@ -708,6 +766,69 @@ void Engine::Prefetch() {
     StartFill(id, Placed{where, *r});
   }
 }
+
+void Engine::PrefetchByRoom() {
+  // One lap of the order: up to this position of the next iteration (the order repeats, so
+  // positions size..2*size-1 are the next iteration's, as LookaheadNextUse counts them). Host
+  // entries look the whole lap ahead; device entries only prefetch_depth acquires (the device's
+  // room is shared with activations that grow through the forward: copies far ahead would be
+  // evicted again for them). A tier is done at its first entry that finds no room.
+  const uint64_t pos = order_.position();
+  const uint64_t end = pos + order_.size();
+  const uint64_t device_end = pos + static_cast<uint64_t>(config_.prefetch_depth);
+  std::array<bool, kNumTierKinds> done{};
+  done[Idx(TierKind::kNvme)] = true;
+  // Without NVMe every chunk is homed on the host: host acquires need no prefetch.
+  done[Idx(TierKind::kHost)] = tiers_.nvme == nullptr;
+  for (uint64_t j = pos; j < end; ++j) {
+    if (j >= device_end) done[Idx(TierKind::kDevice)] = true;
+    if (done[Idx(TierKind::kDevice)] && done[Idx(TierKind::kHost)]) return;
+    const auto [id, where] = order_.At(j);
+    ChunkRec& c = chunks_[id];
+    if (done[Idx(where)] || c.cache.tier == where || c.home.tier == where || c.cached() ||
+        c.in_flight() || c.pins > 0) {
+      continue;
+    }
+    auto r = AllocateOn(where, id, true, j);
+    if (!r.ok()) {
+      // The chunks used farthest after it are dirty (or there are none): write them home.
+      if (where == TierKind::kHost) CleanFor(where, j, c.bytes);
+      done[Idx(where)] = true;
+      continue;
+    }
+    StartFill(id, Placed{where, *r});
+  }
+}
+
+void Engine::CleanFor(TierKind tier, uint64_t pos, Bytes need) {
+  if (!config_.write_behind) return;  // no background write-backs
+  Bytes cleaning = 0;
+  std::vector<std::pair<uint64_t, ChunkId>> dirty;  // (next use, chunk)
+  for (ChunkId id = 0; id < chunks_.size(); ++id) {
+    const ChunkRec& c = chunks_[id];
+    if (c.cache.tier != tier) continue;
+    if (c.writing_back()) {
+      cleaning += c.bytes;
+      continue;
+    }
+    if (c.pins > 0 || !c.dirty || c.in_flight() || c.soon) continue;
+    const uint64_t next = LookaheadNextUse(id);
+    if (next <= pos) continue;  // needed before the chunk room is made for
+    dirty.emplace_back(next, id);
+  }
+  std::sort(dirty.begin(), dirty.end(), [](const auto& a, const auto& b) {
+    return a.first != b.first ? a.first > b.first : a.second < b.second;
+  });
+  for (const auto& [next, id] : dirty) {
+    if (cleaning >= need) return;
+    ChunkRec& c = chunks_[id];
+    c.Start(Flight::kWritingBack, StartMove(id, c.cache, c.home));
+    ++stats_.write_behinds;
+    cleaning += c.bytes;
+  }
+}
+
+AcquireWaits& Engine::PhaseWaits() { return stats_.waits_by_phase[phase_].second; }
 
 void Engine::StartFill(ChunkId id, const Placed& dst) {
   RecordRegion(EventType::kAlloc, dst, id, kFlagNone);
@@ -987,6 +1108,12 @@ Status Engine::Release(ChunkId chunk, bool modified) {
     MaybeWriteBehind(chunk);
   }
   c.Check();
+  // The room lookahead may go on now that the chunk can be evicted or written home (the last
+  // release of a backward is followed by no acquire until the next forward).
+  if (c.pins == 0 && !planned_ && config_.lookahead == Lookahead::kRoom && tracing_ &&
+      order_.following() && config_.prefetch_depth > 0) {
+    PrefetchByRoom();
+  }
   return OkStatus();
 }
 
@@ -1103,7 +1230,13 @@ void Engine::Moment(std::string_view label) {
     }
   }
 }
-void Engine::Phase(std::string_view label) { RecordLabel(EventType::kPhase, label, 0); }
+void Engine::Phase(std::string_view label) {
+  RecordLabel(EventType::kPhase, label, 0);
+  auto& phases = stats_.waits_by_phase;
+  phase_ = 0;
+  while (phase_ < phases.size() && phases[phase_].first != label) ++phase_;
+  if (phase_ == phases.size()) phases.emplace_back(std::string(label), AcquireWaits{});
+}
 
 void Engine::RecordCollective(std::string_view op, Bytes bytes, uint64_t ns) {
   if (recorder_ == nullptr) return;

@@ -14,8 +14,25 @@
 // pinned chunk never moves. When a tier is full, the EvictionPolicy picks an unpinned cached
 // chunk to evict: farthest next use in the recorded order of acquires (the previous
 // iteration's) while the current iteration follows it, least recently used otherwise, clean
-// first. While the order is followed, each Acquire also prefetches the next
-// `prefetch_depth` acquires asynchronously, evicting for them only clean chunks needed later.
+// first. While the order is followed, each Acquire also prefetches ahead of it in the order,
+// asynchronously (EngineConfig::lookahead):
+//   - kDepth (the default): the next `prefetch_depth` acquires of this iteration, evicting for
+//     them only clean chunks whose next use is later;
+//   - kRoom (opt-in until it is measured to win on a quiet machine): host acquires as far ahead as host room can be made — for the
+//     lookahead the order is taken to repeat (as cyclic below), so the window runs past the
+//     end of the backward into the next iteration's first uses (the deferred optimizer
+//     updates' reads of grads, m and v). For room it takes the chunk used farthest after the
+//     entry (in that repeating order), clean or dirty: a clean one is evicted, a dirty one is
+//     written home in the background (as write-behind) and the lookahead waits for it — a
+//     later acquire's or release's prefetch evicts it clean —, so no clean chunk needed sooner
+//     is dropped while a dirty one needed later stays. Device acquires still look
+//     `prefetch_depth` ahead (the
+//     device's room is shared with activations that grow through the forward). A tier's
+//     lookahead stops at its first entry that finds no room, so nothing is evicted for a use
+//     later than one it could not serve; no prefetch ever evicts a chunk needed sooner than the
+//     one it brings.
+// An acquire whose chunk had to be read synchronously (no move of it was started) is a *miss*,
+// one that waited for a prefetch not yet landed is *late* (EngineStats::waits, by phase too).
 // Waiting for an unfinished prefetch or a write-back is a *stall*, recorded with its cause.
 // Following tolerates accesses of the order that do not come (an optimizer update that ran
 // early, before an eval forward): an acquire found a few entries ahead (kResyncWindow) skips
@@ -34,9 +51,10 @@
 // whatever waited for it.
 //
 // Cyclic order (SetCyclic, for serving: every iteration is the same forward): the recorded
-// order is taken to repeat, so the prefetch window runs past the end of the iteration into
-// the start of the next one and a chunk's next use after its last one this iteration is its
-// first one in the next (farthest-next-use then keeps what the next forward needs soonest).
+// order is taken to repeat, so the prefetch window runs past
+// the end of the iteration into the start of the next one and a chunk's next use after its
+// last one this iteration is its first one in the next (farthest-next-use then keeps what the
+// next forward needs soonest).
 //
 // External bytes (SetExternalBytes): device or host memory the caller keeps live outside
 // chunks (a KV cache and activations on the device, offloaded activations on the host) counts
@@ -88,6 +106,7 @@
 #include <array>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -105,8 +124,15 @@ namespace tiermem::chunks {
 // next one (tiers count ids up from 1).
 inline constexpr uint64_t kExternalRegionId = 0xffffffffffffff00ull;
 
+// How far the lookahead prefetch looks ahead in the recorded order (the file comment).
+enum class Lookahead : uint8_t {
+  kDepth,  // `prefetch_depth` acquires, within the iteration, evicting only clean chunks
+  kRoom,   // as far as host/device room can be made, across the iteration boundary
+};
+
 struct EngineConfig {
-  int prefetch_depth = 4;        // acquires of lookahead in the recorded order (0 = off)
+  int prefetch_depth = 4;  // acquires of lookahead in the recorded order (0 = off)
+  Lookahead lookahead = Lookahead::kDepth;
   bool write_behind = true;      // background write-back of dirty chunks not needed soon
   Bytes host_reserve_bytes = 0;  // host bytes never used for homes (caches of NVMe chunks)
 };
@@ -117,6 +143,17 @@ struct EngineTiers {
   Tier* device = nullptr;
   Tier* host = nullptr;  // required, byte-addressable
   Tier* nvme = nullptr;  // optional
+};
+
+// Acquires that found their chunk not yet resident where asked and had to wait for bytes to
+// come from below: a *miss* (no move of it was started before the acquire: the acquire reads
+// it synchronously) or *late* (a prefetch was started but had not landed). Zero fills are
+// neither (no bytes are read).
+struct AcquireWaits {
+  uint64_t misses = 0;
+  Bytes miss_bytes = 0;
+  uint64_t late = 0;
+  Bytes late_bytes = 0;
 };
 
 struct EngineStats {
@@ -134,6 +171,10 @@ struct EngineStats {
   uint64_t hint_prefetches = 0;  // PrefetchHint's (counted in prefetches too)
   uint64_t write_behinds = 0;    // background write-backs started
   uint64_t acquires = 0;
+  AcquireWaits waits;  // over all acquires
+  // The same by the timeline phase current at the acquire (Phase; "" before the first one),
+  // in the order the phases first came.
+  std::vector<std::pair<std::string, AcquireWaits>> waits_by_phase;
   uint64_t iterations = 0;
   uint64_t diverged = 0;  // iterations whose acquires left the recorded order
   uint64_t resynced = 0;  // acquires that skipped ahead in it (accesses that did not come)
@@ -363,6 +404,14 @@ class Engine {
   StatusOr<void*> AcquireImpl(ChunkId chunk, TierKind where, bool* must_zero, uint32_t cls);
   // The next use eviction compares: the order's, or a class member's expected one.
   uint64_t NextUse(ChunkId chunk) const;
+  // The next use the room lookahead compares: the order's, taken to repeat (a use in the next
+  // iteration counts at size + its position), or now for a hinted chunk.
+  uint64_t LookaheadNextUse(ChunkId chunk) const;
+  // The room lookahead's eviction on the host for a prefetch of `chunk` used at `pos`: of the
+  // unpinned, idle chunks there used after `pos` (LookaheadNextUse), the one used farthest,
+  // evicted if clean. False when there is none or it is dirty (then the caller writes it home:
+  // CleanFor).
+  StatusOr<bool> EvictForLookahead(TierKind tier, ChunkId chunk, uint64_t pos);
   // Allocates room for `chunk` on `tier`, evicting unpinned chunks as needed (any chunk when
   // `for_prefetch` is false; only clean ones used after `prefetch_pos` otherwise).
   StatusOr<Region> AllocateOn(TierKind tier, ChunkId chunk, bool for_prefetch,
@@ -390,6 +439,15 @@ class Engine {
   StatusOr<int> TryPlanPrefetch(ChunkId chunk, TierKind tier);
   Status PumpDeferred();  // retries deferred planned prefetches in order
   void Prefetch();
+  // Prefetch's kRoom lookahead (the file comment).
+  void PrefetchByRoom();
+  // No room on `tier` for the chunk of `need` bytes acquired at position `pos` without
+  // evicting dirty chunks: starts background write-backs of the dirty, unpinned, idle chunks
+  // there whose next use (LookaheadNextUse) is farthest and later than `pos`, until the bytes
+  // being written back on the tier cover `need` (once clean, a later prefetch may evict them).
+  void CleanFor(TierKind tier, uint64_t pos, Bytes need);
+  // The acquire-wait counters of the current phase.
+  AcquireWaits& PhaseWaits();
   // Allocated `dst` for `id` (no cached copy yet): starts filling it from home (or zeros).
   void StartFill(ChunkId id, const Placed& dst);
   // Records that the caller's stream used the chunk's device copy (no-op elsewhere).
@@ -421,6 +479,7 @@ class Engine {
   std::vector<Mapping> zeros_;
   uint64_t use_counter_ = 0;
   uint64_t stall_id_ = 0;
+  size_t phase_ = 0;  // the current phase's index in stats_.waits_by_phase (once it has one)
 
   // The order of acquires: recorded this iteration, followed from the previous one (only
   // while tracing_).

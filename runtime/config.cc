@@ -32,6 +32,7 @@ const std::set<std::string> kTopKeys = {"device",
                                         "chunk_size",
                                         "timeline",
                                         "prefetch_depth",
+                                        "prefetch_lookahead",
                                         "loss_scaling",
                                         "device_kind",
                                         "cpu_threads",
@@ -421,6 +422,7 @@ Status ApplyJson(const json& config, SessionConfig* c, bool* nvme_given) {
   TIERMEM_RETURN_IF_ERROR(JsonMode(config, &c->optimizer_placement));
   TIERMEM_RETURN_IF_ERROR(JsonMode(config, &c->optimizer_overlap));
   TIERMEM_RETURN_IF_ERROR(JsonMode(config, &c->checkpoint_io));
+  TIERMEM_RETURN_IF_ERROR(JsonMode(config, &c->prefetch_lookahead));
   TIERMEM_RETURN_IF_ERROR(JsonMode(config, &c->in_place));
   TIERMEM_RETURN_IF_ERROR(JsonMode(config, &c->unmaterialized_reads));
   return OkStatus();
@@ -455,6 +457,7 @@ Status ApplyEnv(const EnvGetter& env, SessionConfig* c, bool* nvme_given) {
   TIERMEM_RETURN_IF_ERROR(ModeVar(env, "TIERMEM_OPTIMIZER_PLACEMENT", &c->optimizer_placement));
   TIERMEM_RETURN_IF_ERROR(ModeVar(env, "TIERMEM_OPTIMIZER_OVERLAP", &c->optimizer_overlap));
   TIERMEM_RETURN_IF_ERROR(ModeVar(env, "TIERMEM_CHECKPOINT_IO", &c->checkpoint_io));
+  TIERMEM_RETURN_IF_ERROR(ModeVar(env, "TIERMEM_PREFETCH_LOOKAHEAD", &c->prefetch_lookahead));
   TIERMEM_RETURN_IF_ERROR(ModeVar(env, "TIERMEM_IN_PLACE", &c->in_place));
   std::string state_dtype(kernels::StateDTypeName(c->optimizer_state.format.dtype));
   TIERMEM_RETURN_IF_ERROR(ChoiceVar(env, "TIERMEM_STATE_DTYPE", &state_dtype, kStateDTypes));
@@ -590,6 +593,7 @@ json ToJson(const SessionConfig& c) {
   j["gradient_clipping"] = c.gradient_clipping;
   if (c.chunk_size) j["chunk_size"] = *c.chunk_size;
   j["prefetch_depth"] = c.prefetch_depth;
+  j["prefetch_lookahead"] = std::string(ModeName(c.prefetch_lookahead));
   j["write_behind"] = c.write_behind;
   j["loss_scaling"] = {{"initial_scale", c.loss_scaling.initial_scale},
                        {"growth_interval", c.loss_scaling.growth_interval},

@@ -46,6 +46,9 @@
 //   gradient_clipping                              0 (off)     global-norm clip
 //   chunk_size                                     automatic   elements per chunk
 //   prefetch_depth                                 4           acquires of lookahead
+//   prefetch_lookahead TIERMEM_PREFETCH_LOOKAHEAD  depth       room: as far as host room can
+//                                                              be made, across iterations |
+//                                                              depth: prefetch_depth acquires
 //   write_behind                                   true        background write-back (engine.h)
 //   plan            TIERMEM_PLAN                   auto        auto: plan from a warm-up
 //                                                              iteration and execute the plan
@@ -161,6 +164,7 @@ struct SessionConfig {
   double gradient_clipping = 0.0;      // 0 = off
   std::optional<uint64_t> chunk_size;  // elements per chunk; nullopt = automatic
   int prefetch_depth = 4;
+  PrefetchLookahead prefetch_lookahead = PrefetchLookahead::kDepth;
   bool write_behind = true;
   PlanMode plan = PlanMode::kAuto;  // modes.h; session.h "Plans"
   // "outside": saved activations are torch's, outside the device budget; "budget": the

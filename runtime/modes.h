@@ -215,6 +215,20 @@ constexpr bool DefersSteps(OptimizerOverlap o) { return o != OptimizerOverlap::k
 // the next step's hyper-parameters at each iteration's first forward).
 constexpr bool SpeculatesSteps(OptimizerOverlap o) { return o == OptimizerOverlap::kBackward; }
 
+// ---- prefetch_lookahead ----------------------------------------------------------------------
+// How far the engine's lookahead prefetch reaches in the recorded order (chunks/engine.h).
+enum class PrefetchLookahead : uint8_t {
+  kRoom = 0,   // as far as host room can be made (dirty chunks used later written home first),
+               // across the iteration boundary
+  kDepth = 1,  // prefetch_depth acquires within the iteration, evicting only clean chunks
+};
+template <>
+struct ModeTraits<PrefetchLookahead> {
+  static constexpr std::string_view kKey = "prefetch_lookahead";
+  static constexpr std::array<ModeSpelling<PrefetchLookahead>, 2> kNames = {
+      {{PrefetchLookahead::kRoom, "room"}, {PrefetchLookahead::kDepth, "depth"}}};
+};
+
 // ---- checkpoint_io ---------------------------------------------------------------------------
 enum class CheckpointIo : uint8_t {
   kAuto = 0,      // = kDirect

@@ -316,6 +316,8 @@ StatusOr<std::unique_ptr<TierStack>> TierStack::Create(const SessionConfig& conf
   s->mover_ = NewMover(mc, s->staging_.get(), s->recorder_.get());
   chunks::EngineConfig cfg;
   cfg.prefetch_depth = config.prefetch_depth;
+  cfg.lookahead = config.prefetch_lookahead == PrefetchLookahead::kDepth ? chunks::Lookahead::kDepth
+                                                                         : chunks::Lookahead::kRoom;
   cfg.write_behind = config.write_behind;
   cfg.host_reserve_bytes = layout.host_reserve;
   if (layout.host_homes_first > 0 && s->nvme_ != nullptr) {

@@ -353,10 +353,11 @@ TEST(Engine, PrefetchRunsAheadOnRecordedOrder) {
 // Cyclic order (serving): 6 chunks acquired in the same order every iteration, room for 3,
 // lookahead 2. Cyclic, the window runs into the next iteration, so from the second one on
 // every acquire was prefetched; without it the first of each iteration is fetched
-// synchronously (the check can fail).
-uint64_t PrefetchesInThirdIteration(bool cyclic) {
+// synchronously (the check can fail). The room lookahead always takes the order to repeat.
+uint64_t PrefetchesInThirdIteration(bool cyclic, Lookahead lookahead = Lookahead::kDepth) {
   EngineConfig cfg;
   cfg.prefetch_depth = 2;
+  cfg.lookahead = lookahead;
   Rig r(3 * kChunk, 16 * kChunk, 0, cfg);
   r.engine->SetCyclic(cyclic);
   std::vector<ChunkId> ids;
@@ -427,6 +428,7 @@ TEST(Engine, FollowingSkipsAccessesThatDidNotComeAndKeepsTheOrderOnce) {
 TEST(Engine, CyclicOrderPrefetchesAcrossTheIterationBoundary) {
   EXPECT_EQ(PrefetchesInThirdIteration(true), 6u);
   EXPECT_EQ(PrefetchesInThirdIteration(false), 5u);
+  EXPECT_EQ(PrefetchesInThirdIteration(false, Lookahead::kRoom), 6u);
 }
 
 // External host bytes (activations offloaded from the device) take host budget from the

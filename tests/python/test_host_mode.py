@@ -266,3 +266,26 @@ def test_activations_in_the_host_budget_that_do_not_fit_say_host_and_change_noth
     data = batches(3)
     ref_losses = train_steps(ref, KernelAdamW(ref.parameters(), **OPT), data)
     assert train_steps(model, opt, data) == ref_losses
+
+
+@pytest.mark.parametrize("lookahead", ["room", "depth"])
+def test_gpt_with_nvme_clipping_and_accumulation_equals_plain_torch(tmp_path, lookahead):
+    # The deferred updates read grads, m and v from NVMe whenever the lookahead brings them
+    # (room: during the backward and across the step boundary); only when bytes move changes:
+    # global-norm clipping (that triggers: max_norm below every step's norm) and accumulation
+    # over 2 micro-batches give plain torch's values bit for bit either way.
+    from test_training import train_ours, train_ref
+    ref, ours = make_pair()
+    data = batches(8, batch=2)
+    ref_losses = train_ref(ref, data, lr=OPT["lr"], wd=OPT["weight_decay"], clip=0.05, accum=2)
+    model, opt = tiermem.initialize(ours, host_cfg(tmp_path, "384KiB", plan="off",
+                                                   gradient_clipping=0.05,
+                                                   gradient_accumulation_steps=2,
+                                                   prefetch_lookahead=lookahead))
+    rt = tiermem.runtime_of(model)
+    assert train_ours(model, opt, data, accum=2) == ref_losses
+    for k, v in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+    assert_nvme_in_the_loop(rt)
+    waits = rt.stats()["acquire_waits"]
+    assert set(waits) >= {"misses", "miss_bytes", "late", "late_bytes", "by_phase"}, waits

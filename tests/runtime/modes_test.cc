@@ -46,6 +46,7 @@ TEST(Modes, EveryValueHasOneSpellingThatParsesBack) {
   ExpectOneSpellingEach<ActivationMode>(5);
   ExpectOneSpellingEach<OptimizerPlacement>(2);
   ExpectOneSpellingEach<OptimizerOverlap>(3);
+  ExpectOneSpellingEach<PrefetchLookahead>(2);
   ExpectOneSpellingEach<CheckpointIo>(3);
   ExpectOneSpellingEach<InPlace>(3);
   ExpectOneSpellingEach<UnmaterializedReads>(2);

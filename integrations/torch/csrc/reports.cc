@@ -27,6 +27,24 @@ py::list ReadTimeline(const std::string& path) {
   return out;
 }
 
+// Acquires that waited for bytes from below (chunks/engine.h): in all and by phase.
+py::dict AcquireWaitsDict(const chunks::EngineStats& s) {
+  auto waits = [](const chunks::AcquireWaits& w) {
+    py::dict o;
+    o["misses"] = w.misses;
+    o["miss_bytes"] = w.miss_bytes;
+    o["late"] = w.late;
+    o["late_bytes"] = w.late_bytes;
+    return o;
+  };
+  py::dict all = waits(s.waits), by_phase;
+  for (const auto& [label, w] : s.waits_by_phase) {
+    if (w.misses + w.late > 0) by_phase[py::str(label.empty() ? "none" : label)] = waits(w);
+  }
+  all["by_phase"] = by_phase;
+  return all;
+}
+
 }  // namespace
 
 py::dict ReportDict(const prof::Report& r) {
@@ -126,6 +144,7 @@ py::dict StatsDict(const session::Session& session) {
   d["diverged"] = s.diverged;
   d["resynced"] = s.resynced;
   d["device_waits"] = s.device_waits;
+  d["acquire_waits"] = AcquireWaitsDict(s);
   // Where each chunk group's optimizer steps (decided at the first applied step).
   py::dict opt;
   opt["placed"] = session.optimizer_placed();
