@@ -194,6 +194,18 @@ def assign_adapter(model, adapter_dir, name="default"):
     model.load_state_dict(mapped, strict=False, assign=True)
 
 
+def adapter_state_dict(model):
+    """The LoRA modules' state dict under the model's own keys (what PEFT's save_pretrained
+    keeps of model.state_dict()), read module by module: only the adapters' values."""
+    out = {}
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in ("lora_A", "lora_B"):
+            out.update(module.state_dict(prefix=name + "."))
+    if not out:
+        raise SystemExit("no LoRA modules found in the model")
+    return out
+
+
 def run_lora(a, config, work, ph):
     import peft
     import transformers
@@ -216,7 +228,10 @@ def run_lora(a, config, work, ph):
     with ph("steps"):
         losses = train_steps(model, opt, ids, a.steps)
     with ph("save"):
-        model.save_pretrained(adapter)
+        # The adapter's own state dict, passed to PEFT: without it PEFT's save_pretrained calls
+        # model.state_dict() and keeps its LoRA keys, and a whole-model state dict is every
+        # value in RAM (32 GB for this shape's fp32 base: the first 8 B run was killed here).
+        model.save_pretrained(adapter, state_dict=adapter_state_dict(model))
     probe = ids[:, :a.probe]
     want = logits_of(model, probe)
     tiermem.runtime_of(model).close()
