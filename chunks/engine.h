@@ -18,7 +18,8 @@
 // asynchronously (EngineConfig::lookahead):
 //   - kDepth (the default): the next `prefetch_depth` acquires of this iteration, evicting for
 //     them only clean chunks whose next use is later;
-//   - kRoom (opt-in until it is measured to win on a quiet machine): host acquires as far ahead as host room can be made — for the
+//   - kRoom (opt-in until it is measured to win on a quiet machine): host acquires as far ahead as
+//   host room can be made — for the
 //     lookahead the order is taken to repeat (as cyclic below), so the window runs past the
 //     end of the backward into the next iteration's first uses (the deferred optimizer
 //     updates' reads of grads, m and v). For room it takes the chunk used farthest after the
