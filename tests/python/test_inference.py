@@ -16,15 +16,15 @@ transformers = pytest.importorskip("transformers")
 VOCAB = 96
 
 
-def gpt2(layers=6):
-    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=layers,
+def gpt2(layers=6, width=64):
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=width, n_layer=layers,
                                   n_head=4, bos_token_id=0, eos_token_id=None, pad_token_id=0)
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(cfg).eval()
 
 
-def llama(layers=4):
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+def llama(layers=4, width=64):
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=width, intermediate_size=128,
                                    num_hidden_layers=layers, num_attention_heads=4,
                                    num_key_value_heads=2, max_position_embeddings=64,
                                    tie_word_embeddings=False, bos_token_id=0, eos_token_id=None,

@@ -18,24 +18,16 @@ import tiermem
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 96
+import test_inference  # noqa: E402
+from test_inference import VOCAB  # noqa: E402
 
 
 def gpt2(layers=8):
-    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=128, n_layer=layers,
-                                  n_head=4, bos_token_id=0, eos_token_id=None, pad_token_id=0)
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(cfg).eval()
+    return test_inference.gpt2(layers, width=128)
 
 
 def llama(layers=8):
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=128,
-                                   num_hidden_layers=layers, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=64,
-                                   tie_word_embeddings=False, bos_token_id=0, eos_token_id=None,
-                                   pad_token_id=0)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).eval()
+    return test_inference.llama(layers, width=128)
 
 
 def weight_bytes(m):
