@@ -10,6 +10,9 @@ if [ "${1:-}" = --fix ]; then
   clang-format -i "${files[@]}"
   exit 0
 fi
+# One clang-format over every file (a process per file cost seconds); only when it fails, one
+# per file to name those that are off.
+clang-format --dry-run --Werror "${files[@]}" >/dev/null 2>&1 && exit 0
 off=()
 for f in "${files[@]}"; do
   clang-format --dry-run --Werror "$f" >/dev/null 2>&1 || off+=("$f")

@@ -30,5 +30,5 @@ if [ -z "$(ls -A "$CORPUS")" ]; then
   "$SEED_CLI" prof synth --events 300 -o "$CORPUS/synth.tmt" >/dev/null
   head -c 3000 "$CORPUS/synth.tmt" > "$CORPUS/synth-truncated.tmt"
 fi
-build-asan/tests/fuzz/timeline_reader_fuzzer "$CORPUS" -max_total_time="$SECONDS_TO_RUN" \
+exec build-asan/tests/fuzz/timeline_reader_fuzzer "$CORPUS" -max_total_time="$SECONDS_TO_RUN" \
   -max_len=65536 -timeout=10 -rss_limit_mb=2048 -artifact_prefix="$CRASHES/" -print_final_stats=1

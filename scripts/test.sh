@@ -49,7 +49,19 @@ configure() {
     echo "   ($dir/ was made by another generator or compiler: starting it afresh)"
     rm -rf "$dir"
   fi
+  # A tree this same configure already made is not configured again (warm runs: the default
+  # preset's configure probes torch and nvcc for seconds). Its build.ninja re-runs CMake by
+  # itself when a CMakeLists.txt or a .cmake file it read changes; the stamp covers what
+  # build.ninja cannot see: the presets, these arguments, the cmake, the launchers, the venv.
+  local stamp="$dir/.tiermem-configure" want
+  want="$({ cat CMakePresets.json requirements.txt; echo "$preset $* ${CMAKE_CXX_COMPILER_LAUNCHER:-}"
+            cmake --version | head -1; } | sha256sum | cut -d' ' -f1)"
+  if [ -f "$dir/build.ninja" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
+    return 0
+  fi
+  rm -f "$stamp"
   cmake --preset "$preset" "$@" >/dev/null
+  echo "$want" > "$stamp"
 }
 
 step "format check (clang-format, .clang-format; the library's C++ files, tests excepted)"
@@ -63,11 +75,18 @@ ctest --preset default -j "$JOBS"
 
 if grep -q "TIERMEM_BUILD_LIBTORCH:BOOL=ON" build/CMakeCache.txt && [ -d build/integrations/torch ]; then
   step "LibTorch example out of tree, against the installed package (find_package(tiermem))"
-  rm -rf build/install build/example
+  # A fresh install each time (a file the package no longer installs must not linger), into
+  # which `cmake --install` copies each file with its build-tree time: build/example's own
+  # build.ninja then rebuilds, and re-runs its CMake, only for what changed since its last
+  # build. It is configured once (finding torch there costs seconds).
+  rm -rf build/install
   cmake --install build --prefix build/install >/dev/null
-  TORCH_PREFIX="$("$TIERMEM_PY" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')"
-  cmake -S integrations/torch/examples -B build/example -G Ninja \
-        -DCMAKE_PREFIX_PATH="$PWD/build/install;$TORCH_PREFIX" -DCMAKE_BUILD_TYPE=Release >/dev/null
+  if [ ! -f build/example/build.ninja ]; then
+    rm -rf build/example
+    TORCH_PREFIX="$("$TIERMEM_PY" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')"
+    cmake -S integrations/torch/examples -B build/example -G Ninja \
+          -DCMAKE_PREFIX_PATH="$PWD/build/install;$TORCH_PREFIX" -DCMAKE_BUILD_TYPE=Release >/dev/null
+  fi
   cmake --build build/example -j "$JOBS"
   build/example/tiermem_train_gpt --steps 2 --n-layer 2 --n-embd 64 --budget-fraction 0.5 \
         --timeline build/example/example.tmt
@@ -76,16 +95,26 @@ fi
 if [ -d build/python-tree/tiermem ]; then
   step "pytest (tests/python, against build/python-tree: the extension ctest's build made)"
   markers="not slow"; [ "$ALL" = 1 ] && markers=""
-  # Models are built from configs: nothing may be downloaded (HF offline).
+  # Models are built from configs: nothing may be downloaded (HF offline). --dist worksteal:
+  # a worker that runs out of tests takes tests queued at the other, so the run does not end
+  # with one worker idle while the other works through the long tests queued ahead at it
+  # (`load` keeps a queue per worker and moves nothing between them).
   PYTHONPATH="$PWD/build/python-tree" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
-    "$TIERMEM_PY" -m pytest -q -n "${TIERMEM_PYTEST_WORKERS:-$JOBS}" -p no:cacheprovider \
-    -m "$markers" tests/python
+    "$TIERMEM_PY" -m pytest -q -n "${TIERMEM_PYTEST_WORKERS:-$JOBS}" --dist worksteal \
+    -p no:cacheprovider -m "$markers" tests/python
 fi
 
 if [ "$FAST" != 1 ]; then
   step "ASan+UBSan build (build-asan/, clang -O1, with the fuzzer)"
   configure asan
   cmake --build --preset asan -j "$JOBS"
+  # The fuzzer runs for a fixed time on one core: it runs beside the ASan ctest and the TSan
+  # stage (which would leave that core idle part of the time) and is waited for at the end.
+  step "libFuzzer: timeline reader (bounded, ${TIERMEM_FUZZ_SECONDS:-30} s), in the background"
+  mkdir -p build-asan/fuzz
+  FUZZ_SECONDS="${TIERMEM_FUZZ_SECONDS:-30}" scripts/fuzz_timeline.sh >build-asan/fuzz/log 2>&1 &
+  fuzz_pid=$!
+  trap 'kill "$fuzz_pid" 2>/dev/null || true' EXIT  # a failed stage below ends the fuzzer too
   step "ctest (build-asan/)"
   if [ "$ALL" = 1 ]; then
     ASAN_OPTIONS=detect_leaks=1 HWLOC_COMPONENTS=-pci \
@@ -95,12 +124,19 @@ if [ "$FAST" != 1 ]; then
     # dlclose'd module, which LeakSanitizer reports and cannot attribute; ours leak nothing.
     ctest --preset asan -j "$JOBS"
   fi
-  step "libFuzzer: timeline reader (bounded)"
-  FUZZ_SECONDS="${TIERMEM_FUZZ_SECONDS:-30}" scripts/fuzz_timeline.sh
   step "TSan build (build-tsan/, clang with -Werror=thread-safety)"
   configure tsan
   cmake --build --preset tsan -j "$JOBS"
   step "ctest (build-tsan/, label concurrent)"
   ctest --preset tsan -j "$JOBS"
+  step "libFuzzer: waiting for it (build-asan/fuzz/log)"
+  fuzz_rc=0
+  wait "$fuzz_pid" || fuzz_rc=$?
+  trap - EXIT
+  tail -n 15 build-asan/fuzz/log
+  if [ "$fuzz_rc" != 0 ]; then
+    echo "libFuzzer failed (exit $fuzz_rc): build-asan/fuzz/log, reproducers in build-asan/fuzz/crashes/" >&2
+    exit 1
+  fi
 fi
 step "all tests passed"
