@@ -53,10 +53,13 @@ configure() {
   # preset's configure probes torch and nvcc for seconds). Its build.ninja re-runs CMake by
   # itself when a CMakeLists.txt or a .cmake file it read changes; the stamp covers what
   # build.ninja cannot see: the presets, these arguments, the cmake, the launchers, the venv.
+  # A cache written after the stamp (`cmake -D...` by hand, or such a re-run) means one
+  # configure more, which re-applies the preset's variables as before.
   local stamp="$dir/.tiermem-configure" want
   want="$({ cat CMakePresets.json requirements.txt; echo "$preset $* ${CMAKE_CXX_COMPILER_LAUNCHER:-}"
             cmake --version | head -1; } | sha256sum | cut -d' ' -f1)"
-  if [ -f "$dir/build.ninja" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
+  if [ -f "$dir/build.ninja" ] && [ "$stamp" -nt "$dir/CMakeCache.txt" ] &&
+     [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
     return 0
   fi
   rm -f "$stamp"
@@ -108,8 +111,9 @@ if [ "$FAST" != 1 ]; then
   step "ASan+UBSan build (build-asan/, clang -O1, with the fuzzer)"
   configure asan
   cmake --build --preset asan -j "$JOBS"
-  # The fuzzer runs for a fixed time on one core: it runs beside the ASan ctest and the TSan
-  # stage (which would leave that core idle part of the time) and is waited for at the end.
+  # The fuzzer runs for a fixed time on one core: alone it would leave the other core idle
+  # for those seconds, so it runs beside the ASan ctest and the TSan stage and is waited for
+  # (and fails the run as before) at the end.
   step "libFuzzer: timeline reader (bounded, ${TIERMEM_FUZZ_SECONDS:-30} s), in the background"
   mkdir -p build-asan/fuzz
   FUZZ_SECONDS="${TIERMEM_FUZZ_SECONDS:-30}" scripts/fuzz_timeline.sh >build-asan/fuzz/log 2>&1 &
