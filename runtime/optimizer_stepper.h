@@ -42,7 +42,8 @@
 // update goes copy-on-write to NVMe: every output chunk (params, m, v, master) gets a fresh
 // region of the NVMe tier — never the group's current homes — and the outputs are computed
 // slice by slice into a host staging area of two slices (each an eighth of the group's
-// elements, all kinds: at most 28 bytes per 8 elements of the group, under one fp32 chunk;
+// elements or 256, the larger; all kinds: at most 28 bytes per 8 elements of the group, under
+// one fp32 chunk from 2 Ki elements;
 // it may evict cached copies, as any host scratch) and written there, double-buffered. The
 // NVMe room it takes is the group's output chunks' bytes, from the backward to Step, for every
 // speculated group at once (at most one step's params and optimizer state: stats
@@ -71,8 +72,8 @@
 //
 // Thread-safety: externally synchronized (the session's thread, like the session).
 // Ownership: the session owns the stepper; its layout, config, owner (StepperOwner), tier
-// stack and trace recorder must outlive it. Speculation scratch is host scratch of the engine:
-// DropSpeculations frees it (the session's Close calls it before the tiers go).
+// stack and trace recorder must outlive it. Speculation scratch is host (or NVMe) scratch of
+// the engine: DropSpeculations frees it (the session's Close calls it before the tiers go).
 #pragma once
 
 #include <array>
