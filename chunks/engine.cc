@@ -8,7 +8,8 @@
 // Content: AddChunk and Zero() make a chunk kZero — all zeros, lazily: no copy holds them, so
 // no bytes move. Its first fill (an acquire, a prefetch, a WriteAt) writes zeros into the copy
 // it lands in (kZeroFilled; a fill into a cached copy leaves home stale: dirty). Any
-// modification (Release(modified), WriteAt, AdoptHostCopy) makes it kData until Zero().
+// modification (Release(modified), WriteAt, AdoptHostCopy, AdoptNvmeCopy) makes it kData until
+// Zero().
 //
 // Flight: idle, or one of
 //   kFilling / kFillingDirect / kFillingZeros   a prefetch into the cached copy (StartFill),
@@ -30,7 +31,7 @@
 // the same.
 // Release unpins; a modified cached copy becomes dirty. Eviction frees a cached copy after
 // writing it back if dirty. Homes never move and are freed only by the destructor (or
-// replaced by AdoptHostCopy).
+// replaced by AdoptHostCopy, AdoptNvmeCopy or SetReadOnlyHome).
 // Invariants (ChunkRec::Check asserts them in debug builds):
 //   - a chunk has at most one cached copy (one `cache` field) and at most one move in flight,
 //     which reads or writes that copy;
@@ -924,6 +925,43 @@ Status Engine::AdoptHostCopy(ChunkId chunk, const Region& region) {
     c.dirty = true;
   }
   RecordRegion(EventType::kAlloc, mine, chunk, kFlagNone);
+  c.content = Content::kData;
+  c.last_use = ++use_counter_;
+  c.Check();
+  return s;
+}
+
+Status Engine::AdoptNvmeCopy(ChunkId chunk, const Region& region) {
+  TIERMEM_RETURN_IF_ERROR(PrepareAdopt(chunk));
+  ChunkRec& c = chunks_[chunk];
+  if (tiers_.nvme == nullptr || region.bytes < c.bytes) {
+    return InvalidArgumentError("engine: the region adopted for chunk " + std::to_string(chunk) +
+                                " is not an NVMe region of its size");
+  }
+  Status s;
+  if (c.home.tier == TierKind::kHost) {
+    // The new content comes up into the home; the region is scratch again, freed below.
+    s = WaitStall(
+        tiers_.nvme->Copy(CopyRequest{region, 0, c.home.region.addr, c.bytes, CopyDir::kFromTier}),
+        chunk, "adopt: read");
+  }
+  RecordScratch(EventType::kFree, TierKind::kNvme, region, c.category);
+  Bytes& live = stats_.scratch[Idx(TierKind::kNvme)];
+  live -= std::min(live, region.bytes);
+  // The old copies are superseded (clean as far as the timeline goes: nothing is written).
+  Status f = FreeRegion(c.cache, chunk, true);
+  if (s.ok()) s = f;
+  c.cache = Placed{};
+  c.dirty = false;
+  if (c.home.tier == TierKind::kNvme) {
+    f = FreeRegion(c.home, chunk, true);
+    if (s.ok()) s = f;
+    c.home = Placed{TierKind::kNvme, region};
+    RecordRegion(EventType::kAlloc, c.home, chunk, kFlagNone);
+  } else {
+    f = tiers_.nvme->Free(region);
+    if (s.ok()) s = f;
+  }
   c.content = Content::kData;
   c.last_use = ++use_counter_;
   c.Check();

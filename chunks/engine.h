@@ -288,6 +288,15 @@ class Engine {
   // as one update prepares them all first, after which AdoptHostCopy does not fail.
   Status PrepareAdopt(ChunkId chunk);
   Status AdoptHostCopy(ChunkId chunk, const Region& region);
+  // The same for `region` — NVMe scratch of this engine (AllocateScratch(kNvme), at least
+  // ChunkBytes(chunk) bytes) the caller wrote the new content into (copy-on-write: the
+  // speculative step where the host is full). An NVMe-homed chunk's home becomes `region` and
+  // the old home is freed: no bytes move, and the old home was never written (a process killed
+  // before this call leaves it intact). A host-homed chunk's home is read from `region`
+  // (ChunkBytes(chunk) move; a failed read is returned and leaves the home's content
+  // undefined), then `region` is freed. Every cached copy is dropped unwritten; the region
+  // stops counting as scratch. Errors as AdoptHostCopy (PrepareAdopt first).
+  Status AdoptNvmeCopy(ChunkId chunk, const Region& region);
 
   // ---- read-only homes (see the file comment) ----
   // Makes `region` — a read-only region of the NVMe tier holding the chunk's content (a file

@@ -8,13 +8,14 @@
 // speculation (commit or drop) before it defers or runs the group's update. A pending update
 // is marked inactive before it runs, so the session's access paths it goes through
 // (Acquire/Release call RunPending) see nothing pending and do not recurse. num_pending_
-// counts the active entries of pending_. A speculation's shadows are live host scratch
-// exactly while it is active; committing hands them to the engine (AdoptHostCopy), dropping
-// frees them. Placement is decided once (placed_) and never revised: on_device_ is what
-// UpdateTier and SpeculateReady read from then on. grad_done_ holds, per group, the
-// pre-backward moment count (bwd_moments_) of this iteration's last grad write; at
-// BeginIteration it becomes grad_done_prev_, the guide for when the next backward has
-// completed a group's gradients.
+// counts the active entries of pending_. A speculation's shadows (host scratch) or NVMe
+// regions (NVMe scratch, counted in nvme_bytes_in_flight) are live exactly while it is active;
+// committing hands them to the engine (AdoptHostCopy, AdoptNvmeCopy), dropping frees them.
+// The NVMe regions are fresh: no speculation ever writes a chunk's current home. Placement is
+// decided once (placed_) and never revised: on_device_ is what UpdateTier and SpeculateReady read
+// from then on. grad_done_ holds, per group, the pre-backward moment count (bwd_moments_) of this
+// iteration's last grad write; at BeginIteration it becomes grad_done_prev_, the guide for when the
+// next backward has completed a group's gradients.
 //
 // Ownership and threading: the stepper owns its bookkeeping and the speculation scratch
 // (through the engine's AllocateScratch); it borrows the layout (layout.h) and the config, its
@@ -132,7 +133,16 @@ Status OptimizerStepper::Apply(const std::vector<GroupHyper>& hyper, float clip_
     if (spec_[gi].active) {
       // Committed: the update is done (the step counts above are its). Dropped, or a commit
       // that could not be made: updated as without speculation, below.
-      if (SpeculationHolds(gi, runs) && CommitSpeculation(gi).ok()) continue;
+      if (SpeculationHolds(gi, runs)) {
+        bool committed = false;
+        Status c = CommitSpeculation(gi, &committed);
+        if (committed && !c.ok()) {
+          return c.WithContext("optimizer step of chunk group " + std::to_string(gi) +
+                               ": adopting its speculative update (groups before it were "
+                               "stepped)");
+        }
+        if (committed) continue;
+      }
       DropSpeculation(gi);
     }
     uint64_t work = 0;
@@ -210,7 +220,8 @@ Status OptimizerStepper::UpdateGroup(size_t gi, const std::vector<Run>& runs, ui
 Status OptimizerStepper::RunAdam(size_t gi, const std::array<char*, chunks::kNumChunkKinds>& v,
                                  const Run& run, const GroupHyper& h, float inv_loss_scale,
                                  float clip, bool device,
-                                 const std::array<char*, chunks::kNumChunkKinds>* in) {
+                                 const std::array<char*, chunks::kNumChunkKinds>* in,
+                                 uint64_t out_origin) {
   const kernels::DType gd = layout_.dtype(ChunkKind::kGrad);
   kernels::AdamConfig ac;
   ac.lr = static_cast<float>(h.lr);
@@ -222,7 +233,8 @@ Status OptimizerStepper::RunAdam(size_t gi, const std::array<char*, chunks::kNum
   ac.inv_loss_scale = inv_loss_scale;
   ac.clip_factor = clip;
   kernels::AdamSpans sp;
-  sp.param = reinterpret_cast<float*>(v[K(ChunkKind::kParamFp32)]) + run.lo;
+  const uint64_t at = run.lo - out_origin;  // the outputs' element
+  sp.param = reinterpret_cast<float*>(v[K(ChunkKind::kParamFp32)]) + at;
   const kernels::StateFormat& f = layout_.groups[gi].state;
   if (f.compressed()) {
     // Codes at run.lo; int8's absmax after the chunk's codes, one per block (run.lo is on a
@@ -243,13 +255,14 @@ Status OptimizerStepper::RunAdam(size_t gi, const std::array<char*, chunks::kNum
     ac.rounding_seed =
         (static_cast<uint64_t>(run.step) << 32) ^ (gi * 0x9E3779B97F4A7C15ull) ^ run.lo;
   } else {
-    sp.exp_avg = reinterpret_cast<float*>(v[K(ChunkKind::kExpAvg)]) + run.lo;
-    sp.exp_avg_sq = reinterpret_cast<float*>(v[K(ChunkKind::kExpAvgSq)]) + run.lo;
+    sp.exp_avg = reinterpret_cast<float*>(v[K(ChunkKind::kExpAvg)]) + at;
+    sp.exp_avg_sq = reinterpret_cast<float*>(v[K(ChunkKind::kExpAvgSq)]) + at;
   }
-  sp.grad = v[K(ChunkKind::kGrad)] + run.lo * kernels::DTypeSize(gd);
+  const char* grad = in != nullptr ? (*in)[K(ChunkKind::kGrad)] : v[K(ChunkKind::kGrad)];
+  sp.grad = grad + run.lo * kernels::DTypeSize(gd);
   sp.grad_dtype = gd;
   if (layout_.mixed()) {
-    sp.param_out = v[K(ChunkKind::kParamLowp)] + run.lo * 2;
+    sp.param_out = v[K(ChunkKind::kParamLowp)] + at * 2;
     sp.out_dtype = layout_.compute_dtype();
   }
   sp.n = run.hi - run.lo;
@@ -331,6 +344,30 @@ void OptimizerStepper::SpeculateReady() {
   }
 }
 
+void OptimizerStepper::PrefetchNextReady() {
+  if (!spec_hyper_set_ || !placed_ || layout_.sharded() || stack_->nvme() == nullptr ||
+      !owner_->next_step_applies()) {
+    return;
+  }
+  chunks::Engine* eng = engine();
+  for (size_t gi = 0; gi < layout_.groups.size(); ++gi) {
+    // Complete after the next moment's writes, as the last iteration shows.
+    if (!layout_.groups[gi].trainable || spec_tried_[gi] || spec_[gi].active ||
+        grad_done_prev_[gi] != bwd_moments_ || OnDevice(gi) ||
+        (gi < pending_.size() && pending_[gi].active)) {
+      continue;
+    }
+    std::vector<ChunkKind> kinds = {ChunkKind::kExpAvg, ChunkKind::kExpAvgSq};
+    if (layout_.mixed()) kinds.push_back(ChunkKind::kParamFp32);
+    for (ChunkKind k : kinds) {
+      const ChunkId c = Chunk(gi, k);
+      if (c == kNoChunk || eng->Home(c) != TierKind::kNvme) continue;
+      StatusOr<bool> started = eng->PrefetchHint(c, TierKind::kHost);
+      if (started.ok() && *started) ++spec_stats_.prefetched;
+    }
+  }
+}
+
 Status OptimizerStepper::Speculate(size_t gi) {
   Speculation sp;
   // Every trainable tensor stepped (the binding says which have a gradient only at step()),
@@ -349,64 +386,45 @@ Status OptimizerStepper::Speculate(size_t gi) {
   const TierStats hs = stack_->host()->Stats();
   const Bytes ext = eng->external_bytes(TierKind::kHost);
   const Bytes room = hs.capacity > hs.used + ext ? hs.capacity - hs.used - ext : 0;
-  if (room < 2 * need) {
-    ++spec_stats_.no_room;
-    return OkStatus();
+  const bool on_host = room >= 2 * need;
+  if (!on_host) {
+    // Copy-on-write to NVMe: its fresh regions first (no room: not speculated).
+    if (stack_->nvme() == nullptr || layout_.groups[gi].state.compressed()) {
+      ++spec_stats_.no_room;
+      return OkStatus();
+    }
+    for (ChunkKind k : state) {
+      StatusOr<Region> r =
+          eng->AllocateScratch(TierKind::kNvme, ChunkBytes(gi, k), Category::kOptimState);
+      if (!r.ok()) {
+        FreeShadows(sp);
+        ++spec_stats_.no_room;
+        return OkStatus();
+      }
+      sp.nvme[K(k)] = *r;
+      spec_stats_.nvme_bytes_in_flight += r->bytes;
+    }
+    spec_stats_.nvme_bytes_peak =
+        std::max(spec_stats_.nvme_bytes_peak, spec_stats_.nvme_bytes_in_flight);
   }
   sp.hyper = spec_hyper_;
   sp.inv_loss_scale = static_cast<float>(1.0 / owner_->loss_scale());
-  std::array<char*, chunks::kNumChunkKinds> in{}, out{};
-  std::vector<ChunkKind> acquired;
-  Status s;
-  for (ChunkKind k : state) {
-    StatusOr<Region> r =
-        eng->AllocateScratch(TierKind::kHost, ChunkBytes(gi, k), Category::kOptimState);
-    if (!r.ok()) {
-      s = r.status();
-      break;
-    }
-    sp.shadow[K(k)] = *r;
-    out[K(k)] = static_cast<char*>(r->addr);
-  }
   // The inputs on the host, traced (the next iteration's order prefetches them here).
-  std::vector<ChunkKind> inputs = state;
+  KindPtrs in{};
+  std::vector<ChunkKind> inputs = state, acquired;
   inputs.push_back(ChunkKind::kGrad);
-  for (size_t i = 0; s.ok() && i < inputs.size(); ++i) {
-    StatusOr<void*> p = owner_->Acquire(gi, inputs[i], TierKind::kHost);
+  Status s;
+  for (ChunkKind k : inputs) {
+    StatusOr<void*> p = owner_->Acquire(gi, k, TierKind::kHost);
     if (!p.ok()) {
       s = p.status();
       break;
     }
-    acquired.push_back(inputs[i]);
-    in[K(inputs[i])] = static_cast<char*>(*p);
+    acquired.push_back(k);
+    in[K(k)] = static_cast<char*>(*p);
   }
   if (s.ok()) {
-    // The shadows become the homes at commit: the runs are written by the out-of-place
-    // update, every other byte (tensors without grads, padding) is copied.
-    std::vector<std::pair<uint64_t, uint64_t>> covered;
-    for (const Run& run : sp.runs) covered.emplace_back(run.lo, run.hi);
-    std::sort(covered.begin(), covered.end());
-    for (ChunkKind k : state) {
-      if ((k == ChunkKind::kExpAvg || k == ChunkKind::kExpAvgSq) &&
-          layout_.groups[gi].state.compressed()) {
-        // Compressed m and v are updated in place: the shadow starts as all of the input.
-        std::memcpy(out[K(k)], in[K(k)], ChunkBytes(gi, k));
-        continue;
-      }
-      const Bytes es = kernels::DTypeSize(layout_.dtype(k));
-      const uint64_t elems = ChunkBytes(gi, k) / es;
-      uint64_t at = 0;
-      for (const auto& [lo, hi] : covered) {
-        if (lo > at) std::memcpy(out[K(k)] + at * es, in[K(k)] + at * es, (lo - at) * es);
-        at = std::max(at, hi);
-      }
-      if (elems > at) std::memcpy(out[K(k)] + at * es, in[K(k)] + at * es, (elems - at) * es);
-    }
-    out[K(ChunkKind::kGrad)] = in[K(ChunkKind::kGrad)];  // read only
-    for (const Run& run : sp.runs) {
-      s = RunAdam(gi, out, run, sp.hyper[run.opt_group], sp.inv_loss_scale, 1.0f, false, &in);
-      if (!s.ok()) break;
-    }
+    s = on_host ? SpeculateOnHost(gi, sp, state, in) : SpeculateOnNvme(gi, sp, state, in);
   }
   for (ChunkKind k : acquired) {
     Status rel = eng->Release(Chunk(gi, k), false);
@@ -419,7 +437,105 @@ Status OptimizerStepper::Speculate(size_t gi) {
   sp.active = true;
   spec_[gi] = std::move(sp);
   ++spec_stats_.speculated;
+  ++(on_host ? spec_stats_.speculated_host : spec_stats_.speculated_nvme);
   return OkStatus();
+}
+
+Status OptimizerStepper::SpeculateOnHost(size_t gi, Speculation& sp,
+                                         const std::vector<ChunkKind>& state, const KindPtrs& in) {
+  chunks::Engine* eng = engine();
+  KindPtrs out{};
+  for (ChunkKind k : state) {
+    StatusOr<Region> r =
+        eng->AllocateScratch(TierKind::kHost, ChunkBytes(gi, k), Category::kOptimState);
+    if (!r.ok()) return r.status();
+    sp.shadow[K(k)] = *r;
+    out[K(k)] = static_cast<char*>(r->addr);
+  }
+  // The shadows become the homes at commit: the runs are written by the out-of-place
+  // update, every other byte (tensors without grads, padding) is copied.
+  std::vector<std::pair<uint64_t, uint64_t>> covered;
+  for (const Run& run : sp.runs) covered.emplace_back(run.lo, run.hi);
+  std::sort(covered.begin(), covered.end());
+  for (ChunkKind k : state) {
+    if ((k == ChunkKind::kExpAvg || k == ChunkKind::kExpAvgSq) &&
+        layout_.groups[gi].state.compressed()) {
+      // Compressed m and v are updated in place: the shadow starts as all of the input.
+      std::memcpy(out[K(k)], in[K(k)], ChunkBytes(gi, k));
+      continue;
+    }
+    const Bytes es = kernels::DTypeSize(layout_.dtype(k));
+    const uint64_t elems = ChunkBytes(gi, k) / es;
+    uint64_t at = 0;
+    for (const auto& [lo, hi] : covered) {
+      if (lo > at) std::memcpy(out[K(k)] + at * es, in[K(k)] + at * es, (lo - at) * es);
+      at = std::max(at, hi);
+    }
+    if (elems > at) std::memcpy(out[K(k)] + at * es, in[K(k)] + at * es, (elems - at) * es);
+  }
+  out[K(ChunkKind::kGrad)] = in[K(ChunkKind::kGrad)];  // read only
+  for (const Run& run : sp.runs) {
+    TIERMEM_RETURN_IF_ERROR(
+        RunAdam(gi, out, run, sp.hyper[run.opt_group], sp.inv_loss_scale, 1.0f, false, &in));
+  }
+  return OkStatus();
+}
+
+Status OptimizerStepper::SpeculateOnNvme(size_t gi, Speculation& sp,
+                                         const std::vector<ChunkKind>& state, const KindPtrs& in) {
+  // Slices of an eighth of the group's elements, two in flight: one is computed while the
+  // other's pieces are written to the new regions. In units of 2 Ki elements where they are
+  // that large (every kind's piece then whole 4 KiB blocks: the NVMe tier's direct path),
+  // else 256.
+  const ChunkKind ck = layout_.compute_kind();
+  const uint64_t elems = ChunkBytes(gi, ck) / kernels::DTypeSize(layout_.dtype(ck));
+  const uint64_t unit = elems / 8 >= 2048 ? 2048 : 256;
+  const uint64_t slice = std::min(elems, std::max(unit, elems / 8 / unit * unit));
+  Bytes per_elem = 0;
+  for (ChunkKind k : state) per_elem += kernels::DTypeSize(layout_.dtype(k));
+  chunks::Engine* eng = engine();
+  Tier* nvme = stack_->nvme();
+  StatusOr<Region> staging =
+      eng->AllocateScratch(TierKind::kHost, 2 * slice * per_elem, Category::kOptimState);
+  if (!staging.ok()) return staging.status();
+  std::array<std::vector<std::shared_ptr<Completion>>, 2> writes;
+  Status s;
+  for (uint64_t a = 0, i = 0; s.ok() && a < elems; a += slice, ++i) {
+    const uint64_t b = std::min(elems, a + slice);
+    auto& mine = writes[i % 2];
+    s = WaitAll(mine);  // this buffer's writes of two slices ago
+    mine.clear();
+    if (!s.ok()) break;
+    // The slice of every output kind, from the inputs (bytes outside the runs stay as they
+    // are), then the runs inside it updated out of place over it.
+    KindPtrs out{};
+    char* at = static_cast<char*>(staging->addr) + (i % 2) * slice * per_elem;
+    for (ChunkKind k : state) {
+      const Bytes es = kernels::DTypeSize(layout_.dtype(k));
+      out[K(k)] = at;
+      std::memcpy(at, in[K(k)] + a * es, (b - a) * es);
+      at += slice * es;
+    }
+    for (const Run& run : sp.runs) {
+      const uint64_t lo = std::max(run.lo, a), hi = std::min(run.hi, b);
+      if (lo >= hi) continue;
+      s = RunAdam(gi, out, Run{lo, hi, run.opt_group, run.step}, sp.hyper[run.opt_group],
+                  sp.inv_loss_scale, 1.0f, false, &in, a);
+      if (!s.ok()) break;
+    }
+    for (ChunkKind k : s.ok() ? state : std::vector<ChunkKind>{}) {
+      const Bytes es = kernels::DTypeSize(layout_.dtype(k));
+      mine.push_back(nvme->Copy(
+          CopyRequest{sp.nvme[K(k)], a * es, out[K(k)], (b - a) * es, CopyDir::kToTier}));
+    }
+  }
+  // Every write done (or failed) before the staging goes back.
+  for (auto& w : writes) {
+    Status ws = WaitAll(w);
+    if (s.ok()) s = ws;
+  }
+  Status f = eng->FreeScratch(TierKind::kHost, *staging, Category::kOptimState);
+  return s.ok() ? f : s;
 }
 
 bool OptimizerStepper::SpeculationHolds(size_t gi, const std::vector<Run>& runs) const {
@@ -442,28 +558,44 @@ bool OptimizerStepper::SpeculationHolds(size_t gi, const std::vector<Run>& runs)
   return true;
 }
 
-Status OptimizerStepper::CommitSpeculation(size_t gi) {
+Status OptimizerStepper::CommitSpeculation(size_t gi, bool* committed) {
+  *committed = false;
   Speculation& sp = spec_[gi];
   chunks::Engine* eng = engine();
   for (int k = 0; k < chunks::kNumChunkKinds; ++k) {
-    if (sp.shadow[k].bytes == 0) continue;
+    if (sp.shadow[k].bytes == 0 && sp.nvme[k].bytes == 0) continue;
     Status s = eng->PrepareAdopt(Chunk(gi, static_cast<ChunkKind>(k)));
     if (!s.ok()) {
       DropSpeculation(gi);
       return s;
     }
   }
-  // Prepared: every adoption installs its region (an error left is the old copies' free).
+  // Prepared: every adoption installs its region (an error left is the old copies' free, or
+  // a copy-on-write read back into a host home, which fails the step).
+  *committed = true;
+  Status result;
   for (int k = 0; k < chunks::kNumChunkKinds; ++k) {
-    if (sp.shadow[k].bytes == 0) continue;
-    Status a = eng->AdoptHostCopy(Chunk(gi, static_cast<ChunkKind>(k)), sp.shadow[k]);
-    if (!a.ok()) {
-      TIERMEM_LOG(kWarn) << "speculative step: committing: " << a.message();
+    const ChunkId c = Chunk(gi, static_cast<ChunkKind>(k));
+    if (sp.shadow[k].bytes != 0) {
+      Status a = eng->AdoptHostCopy(c, sp.shadow[k]);
+      if (!a.ok()) {
+        TIERMEM_LOG(kWarn) << "speculative step: committing: " << a.message();
+      }
+    }
+    if (sp.nvme[k].bytes != 0) {
+      const bool host_home = eng->Home(c) == TierKind::kHost;
+      Status a = eng->AdoptNvmeCopy(c, sp.nvme[k]);
+      spec_stats_.nvme_bytes_in_flight -=
+          std::min(spec_stats_.nvme_bytes_in_flight, sp.nvme[k].bytes);
+      if (!a.ok() && host_home && result.ok()) result = a;
+      if (!a.ok() && !host_home) {
+        TIERMEM_LOG(kWarn) << "speculative step: committing: " << a.message();
+      }
     }
   }
   sp = Speculation{};
   ++spec_stats_.committed;
-  return OkStatus();
+  return result;
 }
 
 void OptimizerStepper::FreeShadows(Speculation& sp) {
@@ -473,6 +605,15 @@ void OptimizerStepper::FreeShadows(Speculation& sp) {
     if (!s.ok()) {
       TIERMEM_LOG(kWarn) << "speculative step: freeing its scratch: " << s.message();
     }
+    r = Region{};
+  }
+  for (Region& r : sp.nvme) {
+    if (r.bytes == 0) continue;
+    Status s = engine()->FreeScratch(TierKind::kNvme, r, Category::kOptimState);
+    if (!s.ok()) {
+      TIERMEM_LOG(kWarn) << "speculative step: freeing its NVMe regions: " << s.message();
+    }
+    spec_stats_.nvme_bytes_in_flight -= std::min(spec_stats_.nvme_bytes_in_flight, r.bytes);
     r = Region{};
   }
 }
@@ -501,7 +642,9 @@ void OptimizerStepper::BeginIteration() {
 void OptimizerStepper::AfterMoment(planners::MomentKind kind) {
   if (kind != planners::MomentKind::kPreBackward) return;
   ++bwd_moments_;
-  if (SpeculatesSteps(config_.optimizer_overlap)) SpeculateReady();
+  if (!SpeculatesSteps(config_.optimizer_overlap)) return;
+  SpeculateReady();
+  PrefetchNextReady();
 }
 
 // ---- placement ---------------------------------------------------------------------------------

@@ -36,7 +36,27 @@
 // every trainable tensor of the group stepped, clip factor 1, the current loss scale and the
 // hyper-parameters the binding announced for this iteration (SetStepHyper). The scratch
 // counts in the host budget and is taken only from free room (the group's bytes plus as much
-// again left over): nothing is evicted for it. Nothing anyone reads changes. Apply commits a
+// again left over): nothing is evicted for it. Nothing anyone reads changes.
+//
+// Where the host lacks that room (the budgets that matter: the host full of homes), the
+// update goes copy-on-write to NVMe: every output chunk (params, m, v, master) gets a fresh
+// region of the NVMe tier — never the group's current homes — and the outputs are computed
+// slice by slice into a host staging area of two slices (each an eighth of the group's
+// elements or 256, the larger; all kinds: at most 28 bytes per 8 elements of the group, under
+// one fp32 chunk from 2 Ki elements;
+// it may evict cached copies, as any host scratch) and written there, double-buffered. The
+// NVMe room it takes is the group's output chunks' bytes, from the backward to Step, for every
+// speculated group at once (at most one step's params and optimizer state: stats
+// nvme_bytes_in_flight and _peak); taken only from the NVMe tier's free room: where that is
+// too small, the group is not speculated (no_room) and steps deferred, exact as ever.
+// Committing flips each NVMe-homed chunk's home to its new region and frees the old one
+// (Engine::AdoptNvmeCopy: no bytes move); a host-homed output chunk (params homed on the host)
+// is read back into its home then. Cached copies of those chunks are dropped unwritten.
+// Dropping frees the new regions: the old homes were never written (a process killed
+// mid-speculation leaves them as they were). Compressed optimizer state (updated in place)
+// takes only the host path. While the backward runs, the m, v and master of the groups whose
+// gradients complete at the next backward moment are read ahead into the host (the engine's
+// PrefetchHint), so the speculation finds them there. Apply commits a
 // speculation — the scratch becomes the chunks' content (Engine::AdoptHostCopy: no bytes
 // move) — when the update Step would run is the same one: the same runs and step counts, a
 // clip factor of exactly 1 (no clipping, or the norm at or below max_norm), no fp16 overflow,
@@ -52,8 +72,8 @@
 //
 // Thread-safety: externally synchronized (the session's thread, like the session).
 // Ownership: the session owns the stepper; its layout, config, owner (StepperOwner), tier
-// stack and trace recorder must outlive it. Speculation scratch is host scratch of the engine:
-// DropSpeculations frees it (the session's Close calls it before the tiers go).
+// stack and trace recorder must outlive it. Speculation scratch is host (or NVMe) scratch of
+// the engine: DropSpeculations frees it (the session's Close calls it before the tiers go).
 #pragma once
 
 #include <array>
@@ -115,10 +135,15 @@ class OptimizerStepper {
     int64_t step = 0;
   };
   struct SpeculationStats {
-    uint64_t speculated = 0;  // groups updated speculatively in a backward
-    uint64_t committed = 0;   // of those, adopted by Step
-    uint64_t dropped = 0;     // of those, dropped (then updated as without speculation)
-    uint64_t no_room = 0;     // groups not speculated for lack of free host room
+    uint64_t speculated = 0;       // groups updated speculatively in a backward
+    uint64_t speculated_host = 0;  // of those, into free host room
+    uint64_t speculated_nvme = 0;  // of those, copy-on-write to fresh NVMe regions
+    uint64_t committed = 0;        // of those, adopted by Step
+    uint64_t dropped = 0;          // of those, dropped (then updated as without speculation)
+    uint64_t no_room = 0;  // groups not speculated: no free host room and no NVMe room either
+    Bytes nvme_bytes_in_flight = 0;  // NVMe regions of live speculations, now
+    Bytes nvme_bytes_peak = 0;       // the most at once
+    uint64_t prefetched = 0;         // inputs read ahead of a speculation (PrefetchHint started)
   };
 
   // Sized for `layout` (its groups fixed by then; their chunk ids may be filled later).
@@ -216,6 +241,8 @@ class OptimizerStepper {
     std::vector<GroupHyper> hyper;  // by optimizer group, as used
     float inv_loss_scale = 1.0f;
     std::array<Region, chunks::kNumChunkKinds> shadow{};  // host scratch by kind (bytes 0: none)
+    // Copy-on-write to NVMe: NVMe scratch by kind (bytes 0: none); shadow is then unused.
+    std::array<Region, chunks::kNumChunkKinds> nvme{};
   };
 
   chunks::Engine* engine() const;  // the stack's
@@ -235,19 +262,34 @@ class OptimizerStepper {
   // device's stream when `device`, else the CPU kernel now; with `in`, out of place: the old
   // params (and fp32 m and v) read there (host only; compressed m and v are updated in place
   // at `v`). m and v in the group's state format.
+  // `out_origin` (out of place only, uncompressed state): the element of the chunk that the
+  // outputs at `v` start at (a staging slice); the gradient and `in` are whole chunks.
   Status RunAdam(size_t gi, const std::array<char*, chunks::kNumChunkKinds>& v, const Run& run,
                  const GroupHyper& h, float inv_loss_scale, float clip, bool device,
-                 const std::array<char*, chunks::kNumChunkKinds>* in = nullptr);
+                 const std::array<char*, chunks::kNumChunkKinds>* in = nullptr,
+                 uint64_t out_origin = 0);
   bool GroupPinned(size_t gi) const;
   // SpeculateReady: at a pre-backward moment, every group complete per the previous
   // iteration. Speculate: one group (not speculated when the host lacks the room or an input
   // cannot be acquired: the step then runs as without).
   void SpeculateReady();
   Status Speculate(size_t gi);
+  // The two places a speculation goes (the file comment), its outputs `state` (by kind) and
+  // the inputs `in` acquired on the host (the grad too). On an error nothing is kept.
+  using KindPtrs = std::array<char*, chunks::kNumChunkKinds>;
+  Status SpeculateOnHost(size_t gi, Speculation& sp, const std::vector<chunks::ChunkKind>& state,
+                         const KindPtrs& in);
+  Status SpeculateOnNvme(size_t gi, Speculation& sp, const std::vector<chunks::ChunkKind>& state,
+                         const KindPtrs& in);
+  // Reads ahead the NVMe-homed optimizer state of the groups whose gradients complete at the
+  // next backward moment (SpeculateReady's guide), for their speculation.
+  void PrefetchNextReady();
   // Whether Apply's update of `gi` over `runs` with step_args_ is the one speculated.
   bool SpeculationHolds(size_t gi, const std::vector<Run>& runs) const;
-  // Adopts the speculated values; on an error nothing is adopted and the speculation is gone.
-  Status CommitSpeculation(size_t gi);
+  // Adopts the speculated values. `*committed` false: nothing was adopted (an error is
+  // returned, the speculation dropped; the update runs as without). True with an error: a
+  // copy-on-write commit failed part way (an NVMe read back into a host home): the step fails.
+  Status CommitSpeculation(size_t gi, bool* committed);
   void FreeShadows(Speculation& sp);
 
   const Layout& layout_;

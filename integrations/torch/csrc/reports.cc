@@ -193,6 +193,11 @@ py::dict SpeculationDict(const session::Session& s) {
   d["committed"] = st.committed;
   d["dropped"] = st.dropped;
   d["no_room"] = st.no_room;
+  d["speculated_host"] = st.speculated_host;
+  d["speculated_nvme"] = st.speculated_nvme;
+  d["nvme_bytes_in_flight"] = st.nvme_bytes_in_flight;
+  d["nvme_bytes_peak"] = st.nvme_bytes_peak;
+  d["prefetched"] = st.prefetched;
   return d;
 }
 
