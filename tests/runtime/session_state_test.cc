@@ -182,7 +182,7 @@ void TrainAgainstRef(json config, const std::string& dtype, int steps, bool expe
       SetGrad(*s, t, g);
       s->iterations().Moment("bwd", planners::MomentKind::kPreBackward, static_cast<uint32_t>(t));
       const TensorPlace& p = s->place(t);
-      refs[t].optimizer().Step(g, (static_cast<uint64_t>(step) << 32) ^
+      refs[t].Step(g, (static_cast<uint64_t>(step) << 32) ^
                           (p.group * 0x9E3779B97F4A7C15ull) ^ p.offset);
     }
     ASSERT_TRUE(s->optimizer().Step(hyper).ok());
