@@ -418,7 +418,7 @@ Status Session::SaveCheckpoint(const std::string& path, const CheckpointMeta& me
     const TensorSpec& t = layout_.specs[i];
     max_numel = std::max(max_numel, t.numel);
     steps[t.name] = stepper_->step_count(i);
-    saved[i] = SavedEntries(t, state_format(layout_.tensors[i].group));
+    saved[i] = SavedEntries(t, layout_.groups[layout_.tensors[i].group].state);
     for (const Entry& e : saved[i]) {
       if (!names.insert(e.key).second) {
         return InvalidArgumentError("checkpoint: two tensors are named '" + e.key + "'");
@@ -754,7 +754,7 @@ Status Session::LoadCheckpointV2(const std::string& path, int fd, int data_fd, b
   std::map<std::string, size_t> conversions;  // "int8 (block 256) -> fp32" -> tensors
   auto apply_state = [&](size_t i, ChunkKind kind, const kernels::StateFormat& stored,
                          const char* code_bytes, const float* values) -> Status {
-    const kernels::StateFormat& mine = state_format(layout_.tensors[i].group);
+    const kernels::StateFormat& mine = layout_.groups[layout_.tensors[i].group].state;
     const bool same = stored.dtype == mine.dtype &&
                       (stored.dtype != kernels::StateDType::kInt8 || stored.block == mine.block);
     if (same && stored.compressed()) return WriteStateRaw(i, kind, code_bytes, absmax.data());

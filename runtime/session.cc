@@ -77,9 +77,9 @@ class Session::StepperSite final : public StepperOwner {
     s_->Moment(label, kind);
   }
   void Phase(RunPhase phase) override { s_->Phase(phase); }
-  RunPhase phase() const override { return s_->phase(); }
-  bool tracing() const override { return s_->tracing(); }
-  ComputeStream compute_stream() const override { return s_->compute_stream(); }
+  RunPhase phase() const override { return s_->phase_; }
+  bool tracing() const override { return s_->tracing_; }
+  ComputeStream compute_stream() const override { return s_->stream_; }
   bool has_grad(size_t tensor) const override { return s_->has_grad(tensor); }
   double loss_scale() const override { return s_->loss_scale(); }
   bool next_step_applies() const override { return s_->next_step_applies(); }
@@ -748,7 +748,7 @@ Status Session::ExecutePlanFrom(const planners::Trace& trace, int64_t iteration)
   return runner_.ExecuteFrom(trace, iteration, RunnerContext());
 }
 
-Session::PlanStatus Session::plan_status() const {
+PlanStatus Session::plan_status() const {
   PlanStatus s;
   s.active = runner_.active();
   s.runner = runner_.stats();

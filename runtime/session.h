@@ -3,6 +3,11 @@
 // tensors once, move values in and out, mark iterations, and call Step(); everything about
 // where bytes live and how the optimizer runs is here.
 //
+// The class's own face is narrow: Create and Close, the layout and the facts derived from it,
+// stats, checkpoints and the speculative steps' hyper-parameters. Everything else is reached
+// through a facet of one concern (session_facets.h): chunks(), values(), optimizer(),
+// iterations(), memory(), traces(), plans(); their members are implemented here, privately.
+//
 // A session owns
 //   - the tier stack (tier_stack.h): device (SimDevice or CUDA; none in host mode, where the
 //     host tier is the compute tier), host, NVMe, staging, the mover, the timeline recorder
@@ -88,6 +93,7 @@
 #include "runtime/optimizer_stepper.h"
 #include "runtime/phase.h"
 #include "runtime/plan_runner.h"
+#include "runtime/session_facets.h"
 #include "runtime/trace_recorder.h"
 
 namespace tiermem::session {
@@ -98,20 +104,6 @@ namespace tiermem {
 class FileHomeTier;
 }
 namespace tiermem::session {
-
-struct StepResult {
-  bool applied = false;    // false between accumulation micro-steps and when skipped
-  bool skipped = false;    // fp16: the gradients overflowed; nothing changed but the scale
-  double grad_norm = -1;   // total (unscaled) norm when it was computed (clipping or fp16)
-  float clip_coef = 1.0f;  // the factor the step applied (1 = no clipping)
-};
-
-// fp16 dynamic loss scaling state (torch.amp.GradScaler's).
-struct ScalerState {
-  double scale = 1.0;
-  int good_steps = 0;
-  uint64_t skipped_steps = 0;
-};
 
 // The factor global-norm clipping multiplies every gradient by, exactly as
 // torch.nn.utils.clip_grad_norm_(max_norm) computes it in fp32 (1 when the norm is below).
@@ -233,189 +225,31 @@ class Session {
   Bytes nvme_registered_bytes() const;
   const std::string& timeline_path() const { return timeline_path_; }
 
-  // ---- chunk access (the bindings' views) -------------------------------------------------
-  // Makes the chunk resident on `where` (device or host), pins it and returns its address.
-  // Errors as chunks::Engine::Acquire; kInvalidArgument for a kind the group lacks.
-  // `cls` (not chunks::kNoClass): acquired as a member of that class — an expert of a
-  // mixture-of-experts layer, chosen by the routing (chunks/expert_cache.h): outside the
-  // recorded order, and not checked against an executed plan (divergence there is expected).
-  StatusOr<void*> Acquire(size_t group, ChunkKind kind, TierKind where,
-                          uint32_t cls = chunks::kNoClass);
-  // As Acquire for a caller about to overwrite: a lazily zero chunk on the device is handed
-  // over unfilled and `*must_zero` set (the caller zeroes all of it first).
-  StatusOr<void*> AcquireForWrite(size_t group, ChunkKind kind, TierKind where, bool* must_zero,
-                                  uint32_t cls = chunks::kNoClass);
-  // Starts bringing the chunk to `where` ahead of an acquire expected soon with `probability`:
-  // 1 for a routed expert, less for a predicted one (chunks::Engine::PrefetchHint). False when
-  // nothing was started (there already, no room, planned mode); kInvalidArgument for a kind
-  // the group lacks or a probability outside (0, 1].
-  StatusOr<bool> Prefetch(size_t group, ChunkKind kind, TierKind where, double probability = 1.0);
-  Status Release(size_t group, ChunkKind kind, bool modified);
-  // Its content becomes zeros lazily (no bytes move). kFailedPrecondition while pinned.
-  Status ZeroChunk(size_t group, ChunkKind kind);
-  int Pins(size_t group, ChunkKind kind) const;
-  // Whether the chunk's content is zeros as far as the engine knows (not modified since it was
-  // added or zeroed: chunks::Engine::ZeroContent): zeroing it again changes nothing.
-  bool LazilyZero(size_t group, ChunkKind kind) const;
-  TierKind Resident(size_t group, ChunkKind kind) const;
-  TierKind Home(size_t group, ChunkKind kind) const;
-  Bytes ChunkBytes(size_t group, ChunkKind kind) const;
-  // ---- serving in place (runtime/weights.h; session_file_homes.cc) ----
-  // The NVMe tier's read-only file homes (tiers/nvme/file_homes.h); null without NVMe or once
-  // closed.
-  FileHomeTier* file_homes();
-  // Makes `region`, a file home, the chunk's home (chunks::Engine::SetReadOnlyHome): its
-  // content is read from there, and anything that would write it is refused.
-  Status SetReadOnlyHome(size_t group, ChunkKind kind, const Region& region);
-  // Whether the chunk's home is read-only (false once closed).
-  bool ReadOnlyHome(size_t group, ChunkKind kind) const;
+  // ---- the facets (session_facets.h): one concern each ------------------------------------
+  // A facet made from a const session is const (its queries only).
+  ChunksFacet chunks() { return ChunksFacet(*this); }
+  const ChunksFacet chunks() const { return ChunksFacet(mut()); }
+  ValuesFacet values() { return ValuesFacet(*this); }
+  const ValuesFacet values() const { return ValuesFacet(mut()); }
+  OptimizerFacet optimizer() { return OptimizerFacet(*this); }
+  const OptimizerFacet optimizer() const { return OptimizerFacet(mut()); }
+  IterationsFacet iterations() { return IterationsFacet(*this); }
+  const IterationsFacet iterations() const { return IterationsFacet(mut()); }
+  MemoryFacet memory() { return MemoryFacet(*this); }
+  const MemoryFacet memory() const { return MemoryFacet(mut()); }
+  TracesFacet traces() { return TracesFacet(*this); }
+  const TracesFacet traces() const { return TracesFacet(mut()); }
+  PlansFacet plans() { return PlansFacet(*this); }
+  const PlansFacet plans() const { return PlansFacet(mut()); }
 
-  // ---- values (through host copies; each call acquires and releases) ---------------------
-  // The fp32 value of a tensor: its master (mixed precision) or its fp32 param.
-  Status ReadParam(size_t tensor, float* out);
-  // Sets the fp32 master and the compute copy (rounded to nearest even in mixed precision).
-  Status WriteParam(size_t tensor, const float* values);
-  // Raw bytes of `kind` for the tensor (numel * element size of that kind: dtype(kind), fp32
-  // for m and v). Compressed m and v are dequantized on the way out and quantized on the way
-  // in (int8: the tensor's blocks get new absmax values).
-  Status ReadTensor(size_t tensor, ChunkKind kind, void* out);
-  Status WriteTensor(size_t tensor, ChunkKind kind, const void* values);
-  // The same for elements [begin, begin + n) of the tensor (`n` elements of dtype(kind) at
-  // `out` / `values`): a tensor streamed in pieces (runtime/weights.h). Sharded: reads gather
-  // (every rank must call), writes keep this rank's part. kOutOfRange past the tensor's end;
-  // kInvalidArgument for compressed m or v.
-  Status ReadTensorRange(size_t tensor, ChunkKind kind, uint64_t begin, uint64_t n, void* out);
-  Status WriteTensorRange(size_t tensor, ChunkKind kind, uint64_t begin, uint64_t n,
-                          const void* values);
-  // The optimizer-state format of a group's m and v (fp32 for frozen groups).
-  const kernels::StateFormat& state_format(size_t group) const {
-    return layout_.groups[group].state;
-  }
-  // Stored m or v of a tensor in its group's format: `codes` gets StateBytes' code part
-  // (numel bytes for int8, 2 x numel for bf16, 4 x numel for fp32), `absmax` (int8 only,
-  // else unused) StateBlocks(format, numel) values. kInvalidArgument for another kind.
-  Status ReadStateRaw(size_t tensor, ChunkKind kind, void* codes, float* absmax);
-  Status WriteStateRaw(size_t tensor, ChunkKind kind, const void* codes, const float* absmax);
-  // Bytes of every m and v chunk, and what they would be in fp32 (the same layout).
-  Bytes state_bytes() const { return state_bytes_; }
-  Bytes state_bytes_fp32() const { return state_bytes_fp32_; }
-  int64_t step_count(size_t tensor) const { return stepper_->step_count(tensor); }
-  Status SetStepCount(size_t tensor, int64_t steps);
-
-  // ---- gradients ---------------------------------------------------------------------------
-  void SetHasGrad(size_t tensor, bool has) { has_grad_[tensor] = has ? 1 : 0; }
-  bool has_grad(size_t tensor) const { return has_grad_[tensor] != 0; }
-  // Sum of squares of the unscaled gradients of every tensor that has one, and whether any is
-  // NaN/Inf (the kernels' GradNormAndOverflow, accumulated in double). Sharded: of this rank's
-  // shard only (the binding sums over ranks).
-  StatusOr<kernels::GradStats> GradStats();
-  // Clears every gradient (lazily) unless an accumulation window is open (the last Step did
-  // not apply); returns whether it cleared.
-  StatusOr<bool> ZeroGrad();
-  // True while gradients are being accumulated across micro-steps (the last Step did not
-  // apply because of gradient_accumulation_steps).
-  bool accumulating() const { return accumulating_; }
-  // Whether the next Step applies (not a micro-step of an accumulation window).
-  bool next_step_applies() const {
-    return (micro_ + 1) % static_cast<uint64_t>(config_.gradient_accumulation_steps) == 0;
-  }
-
-  // ---- optimizer ---------------------------------------------------------------------------
-  // One AdamW step (see the file comment; applied by the OptimizerStepper). `hyper[g]` are
-  // the hyper-parameters of optimizer group g; every trainable tensor's opt_group must have an
-  // entry. kInvalidArgument for bad hyper-parameters (nothing changes); chunk errors
-  // otherwise. `global`: the gradient stats of the whole model (unscaled sum of squares,
-  // overflow) when the binding computed them across ranks; required when sharded with
-  // clipping or fp16 (kFailedPrecondition).
-  StatusOr<StepResult> Step(const std::vector<GroupHyper>& hyper,
-                            const kernels::GradStats* global = nullptr);
-  // Runs group `group`'s deferred update now, if one is pending (optimizer_stepper.h): the
-  // bindings call it for a unit's groups before the unit's pre-forward moment. OK when none is.
-  Status FinishStep(size_t group);
-  // Runs every pending update (in group order).
-  Status FinishSteps();
-  size_t pending_steps() const { return stepper_->pending_steps(); }
-  // Speculative steps (optimizer_stepper.h; optimizer_overlap: backward): the
-  // hyper-parameters the next Step will be given, announced before the backward (the
+  // ---- speculative steps (optimizer_stepper.h; optimizer_overlap: backward) ----------------
+  // The hyper-parameters the next Step will be given, announced before the backward (the
   // bindings do it at an iteration's first forward); nothing is speculated until they are.
   void SetStepHyper(std::vector<GroupHyper> hyper) { stepper_->SetStepHyper(std::move(hyper)); }
   using SpeculationStats = OptimizerStepper::SpeculationStats;
   const SpeculationStats& speculation_stats() const { return stepper_->speculation_stats(); }
-  double loss_scale() const { return scaler_.scale; }
-  ScalerState scaler() const { return scaler_; }
-  void set_scaler(const ScalerState& s) { scaler_ = s; }
-  uint64_t micro_steps() const { return micro_; }
 
-  // ---- iterations and the timeline ----------------------------------------------------------
-  void BeginIteration();
-  // A timeline moment; while a warm-up trace is recorded also a trace moment of that kind
-  // (a unit's pre-forward / pre-backward: `unit` is the binding's unit index).
-  void Moment(std::string_view label, planners::MomentKind kind = planners::MomentKind::kOther,
-              uint32_t unit = planners::kNoUnit);
-  // The run's phase (runtime/phase.h): the timeline's phase event, spelled by its table.
-  void Phase(RunPhase phase);
-  RunPhase phase() const { return phase_; }  // the last Phase (kNone before any)
-  // A collective the (sharded) binding ran: the timeline's kCollective event.
-  void RecordCollective(std::string_view op, Bytes bytes, uint64_t ns);
-  // Off: acquires are not part of the recorded order (eval, no_grad inference), so they
-  // neither disturb nor follow the order the next training iteration replays.
-  void SetTracing(bool on);
-  bool tracing() const { return tracing_; }
-  // Serving: every iteration repeats the same forward, so prefetch runs across the iteration
-  // boundary (engine.h, "Cyclic order").
-  void SetCyclic(bool on);
-  // The stream the binding's device work is queued on from now on (torch's current CUDA
-  // stream; kHostStream for CPU tensors, the default): releases record their compute use on
-  // it, device-placed optimizer kernels run on it (tiers/tier.h "Ordering against compute").
-  void SetComputeStream(ComputeStream stream);
-  ComputeStream compute_stream() const { return stream_; }
-  // Optimizer placement (optimizer_stepper.h): decided at the first applied Step.
-  bool optimizer_placed() const { return stepper_->placed(); }
-  bool OptimizerOnDevice(size_t group) const { return stepper_->OnDevice(group); }
-  // Device bytes the binding keeps live outside chunks (the KV cache of a served model),
-  // counted in the device budget: device chunks are evicted to make room. kResourceExhausted
-  // naming the bytes (nothing changes) when the chunks in use leave too little room.
-  Status SetExternalDeviceBytes(Bytes bytes);
-  // The same on the compute tier (the device; the host in host mode): saved activations the
-  // binding counts, a served model's KV cache.
-  Status SetExternalComputeBytes(Bytes bytes);
-  // Host bytes the binding keeps outside chunks (activations offloaded from the device),
-  // counted in the host budget: host caches of NVMe-homed chunks are evicted to make room.
-  // kResourceExhausted naming the bytes (nothing changes) when homes and chunks in use leave
-  // too little room.
-  Status SetExternalHostBytes(Bytes bytes);
-  // A device or host region outside chunks, counted in that tier's budget (chunks are evicted
-  // for it): a sharded binding's gathered chunks. kResourceExhausted naming the bytes when the
-  // pinned chunks leave too little room. FreeScratch orders its reuse after the compute
-  // stream's work so far.
-  StatusOr<Region> AllocateScratch(TierKind tier, Bytes bytes);
-  Status FreeScratch(TierKind tier, const Region& region);
-  // Activations spilled to NVMe (activations: offload / auto when the host budget has no room
-  // for them): a region of the NVMe tier, counted in its budget (the timeline's NVMe
-  // `activation` category); kFailedPrecondition without NVMe, kResourceExhausted naming the
-  // bytes when its free room is short (nothing changes). The binding copies through host
-  // scratch (AllocateScratch(kHost): the bounce counts in the host budget) with SpillCopy:
-  // `bytes` between `host` at `host_offset` and `spill` at `spill_offset`, NVMe-ward when
-  // `to_nvme`, through the mover (timeline copy events of category activation); it returns
-  // when the copy is done, with its error (kIOError; kDataLoss for bytes that read back
-  // other than written, a torn or overwritten block). Thread-safety: the training thread.
-  StatusOr<Region> AllocateSpill(Bytes bytes);
-  Status FreeSpill(const Region& spill);
-  Status SpillCopy(const Region& spill, Bytes spill_offset, const Region& host, Bytes host_offset,
-                   Bytes bytes, bool to_nvme);
-  // SpillCopy without the wait: the copy's completion (its error there). Until it is done the
-  // host bytes must stay untouched (to_nvme) or unread (from NVMe), and neither region freed.
-  StatusOr<std::shared_ptr<Completion>> StartSpillCopy(const Region& spill, Bytes spill_offset,
-                                                       const Region& host, Bytes host_offset,
-                                                       Bytes bytes, bool to_nvme);
-  // activations: offload / auto, while an executed plan is followed (plan_runner.h,
-  // "Activations"): whether the plan offloads `unit`'s saved activations after its forward
-  // (or, auto, recomputes them in its backward), and the units whose activations the moments
-  // since the last call fetch back.
-  bool PlanOffloadsUnit(uint32_t unit) const { return runner_.OffloadsUnit(unit); }
-  bool PlanRecomputesUnit(uint32_t unit) const { return runner_.RecomputesUnit(unit); }
-  bool PlanFollowed() const { return runner_.following(); }
-  std::vector<uint32_t> TakeActivationFetches() { return runner_.TakeActivationFetches(); }
+  // ---- stats ------------------------------------------------------------------------------
   Status Synchronize();
   Status Flush();  // home copies current (e.g. before reading many values)
   StatusOr<chunks::EngineStats> Stats() const;
@@ -427,54 +261,6 @@ class Session {
   // TierStack::host_overhead) and, sharded, the buffers whole chunks are gathered into.
   // (docs/engine.md, "Memory outside the budgets").
   StatusOr<Bytes> RuntimeHostBytes() const;
-  // The timeline so far, analysed by tiermem::prof from the file (not from counters).
-  StatusOr<prof::Report> TimelineReport();
-
-  // ---- warm-up trace (planners/trace.h, docs/trace-format.md) ----------------------------------
-  // Records the next `iterations` iterations (from the next BeginIteration: chunk accesses
-  // per moment, saved-activation bytes, compute times, measured copy and optimizer rates,
-  // the budgets) and writes the trace to `path` at the BeginIteration after the last one, at
-  // FinishTrace or at Close. kInvalidArgument / kFailedPrecondition (already recording):
-  // nothing changes. Recording never changes what the session computes or moves.
-  Status RecordTrace(const std::string& path, int iterations);
-  bool recording_trace() const { return trace_.recording(); }
-  bool trace_armed() const { return trace_.armed(); }
-  // Bytes of non-chunk tensors the current unit saved for backward (the bindings' saved-tensor
-  // hooks see each one), and the non-chunk device bytes live now when the binding knows them.
-  // Host mode: not recorded. The trace's non-chunk bytes are device bytes (the planner and
-  // the simulator count them in the device budget); there is none, and the activations are
-  // torch's host memory outside every budget ('outside') — or, counted ('budget'), in the
-  // host's external bytes, which the planner does not model yet.
-  void AddSavedBytes(Bytes b) {
-    if (!host_compute()) trace_.AddSavedBytes(b);
-  }
-  void SetActivationBytes(Bytes b) {
-    if (!host_compute()) trace_.SetActivationBytes(b);
-  }
-  // Ends a recording now and writes what was recorded. False when nothing was armed or
-  // recorded; the write's error (or an earlier one, from the automatic write) otherwise.
-  StatusOr<bool> FinishTrace();
-  // True once a recording was written; its path.
-  const std::string& written_trace() const { return written_trace_; }
-
-  // ---- plans (docs/planner.md, "Executing plans") -------------------------------------------
-  // With config `plan: auto` the session records an iteration in memory, and its plan runner
-  // plans from it at the iteration boundary and executes the plan from the next iteration on
-  // (plan_runner.h, "Planning at the iteration boundary": when it records, re-plans or stops).
-  // Plans move copies only: every value is the same without them.
-  struct PlanStatus {
-    bool active = false;
-    PlanRunner::Stats runner;
-    planners::PlanEstimate estimate;  // of the plan executing (or the last one)
-    uint32_t actions = 0;             // of that plan, per iteration
-    std::string error;                // why planning stopped, "" if it did not
-    std::string declined;             // why plan: auto kept the reactive engine, "" if not
-  };
-  PlanStatus plan_status() const;
-  // Makes a plan from iteration `iteration` of `trace` (-1: its last) and executes it from the
-  // next BeginIteration (with any `plan` config). kInvalidArgument for a trace of another
-  // layout; the planner's errors otherwise (nothing changes then).
-  Status ExecutePlanFrom(const planners::Trace& trace, int64_t iteration = -1);
 
   // ---- checkpoints (checkpoint.cc: a safetensors file, torch-loadable without tiermem) ------
   // Every tensor's fp32 value, its Adam m and v and step count, the loss-scaling state and
@@ -498,6 +284,92 @@ class Session {
 
  private:
   Session() = default;
+
+  // ---- the facets' implementation (session_facets.h documents each member) ---------------
+  friend class ChunksFacet;
+  friend class ValuesFacet;
+  friend class OptimizerFacet;
+  friend class IterationsFacet;
+  friend class MemoryFacet;
+  friend class TracesFacet;
+  friend class PlansFacet;
+  // The facets of a const session are made from it, const.
+  Session& mut() const { return const_cast<Session&>(*this); }
+  // chunks()
+  StatusOr<void*> Acquire(size_t group, ChunkKind kind, TierKind where,
+                          uint32_t cls = chunks::kNoClass);
+  StatusOr<void*> AcquireForWrite(size_t group, ChunkKind kind, TierKind where, bool* must_zero,
+                                  uint32_t cls = chunks::kNoClass);
+  StatusOr<bool> Prefetch(size_t group, ChunkKind kind, TierKind where, double probability);
+  Status Release(size_t group, ChunkKind kind, bool modified);
+  Status ZeroChunk(size_t group, ChunkKind kind);
+  int Pins(size_t group, ChunkKind kind) const;
+  bool LazilyZero(size_t group, ChunkKind kind) const;
+  TierKind Resident(size_t group, ChunkKind kind) const;
+  TierKind Home(size_t group, ChunkKind kind) const;
+  Bytes ChunkBytes(size_t group, ChunkKind kind) const;
+  FileHomeTier* file_homes();
+  Status SetReadOnlyHome(size_t group, ChunkKind kind, const Region& region);
+  bool ReadOnlyHome(size_t group, ChunkKind kind) const;
+  // values()
+  Status ReadParam(size_t tensor, float* out);
+  Status WriteParam(size_t tensor, const float* values);
+  Status ReadTensor(size_t tensor, ChunkKind kind, void* out);
+  Status WriteTensor(size_t tensor, ChunkKind kind, const void* values);
+  Status ReadTensorRange(size_t tensor, ChunkKind kind, uint64_t begin, uint64_t n, void* out);
+  Status WriteTensorRange(size_t tensor, ChunkKind kind, uint64_t begin, uint64_t n,
+                          const void* values);
+  Status ReadStateRaw(size_t tensor, ChunkKind kind, void* codes, float* absmax);
+  Status WriteStateRaw(size_t tensor, ChunkKind kind, const void* codes, const float* absmax);
+  Status SetStepCount(size_t tensor, int64_t steps);
+  // optimizer()
+  bool has_grad(size_t tensor) const { return has_grad_[tensor] != 0; }
+  StatusOr<kernels::GradStats> GradStats();
+  StatusOr<bool> ZeroGrad();
+  bool next_step_applies() const {
+    return (micro_ + 1) % static_cast<uint64_t>(config_.gradient_accumulation_steps) == 0;
+  }
+  StatusOr<StepResult> Step(const std::vector<GroupHyper>& hyper,
+                            const kernels::GradStats* global = nullptr);
+  Status FinishStep(size_t group);
+  Status FinishSteps();
+  double loss_scale() const { return scaler_.scale; }
+  // iterations()
+  void BeginIteration();
+  void Moment(std::string_view label, planners::MomentKind kind = planners::MomentKind::kOther,
+              uint32_t unit = planners::kNoUnit);
+  void Phase(RunPhase phase);
+  void RecordCollective(std::string_view op, Bytes bytes, uint64_t ns);
+  void SetTracing(bool on);
+  void SetCyclic(bool on);
+  void SetComputeStream(ComputeStream stream);
+  // memory()
+  Status SetExternalDeviceBytes(Bytes bytes);
+  Status SetExternalComputeBytes(Bytes bytes);
+  Status SetExternalHostBytes(Bytes bytes);
+  StatusOr<Region> AllocateScratch(TierKind tier, Bytes bytes);
+  Status FreeScratch(TierKind tier, const Region& region);
+  StatusOr<Region> AllocateSpill(Bytes bytes);
+  Status FreeSpill(const Region& spill);
+  Status SpillCopy(const Region& spill, Bytes spill_offset, const Region& host, Bytes host_offset,
+                   Bytes bytes, bool to_nvme);
+  StatusOr<std::shared_ptr<Completion>> StartSpillCopy(const Region& spill, Bytes spill_offset,
+                                                       const Region& host, Bytes host_offset,
+                                                       Bytes bytes, bool to_nvme);
+  // traces()
+  Status RecordTrace(const std::string& path, int iterations);
+  void AddSavedBytes(Bytes b) {
+    if (!host_compute()) trace_.AddSavedBytes(b);
+  }
+  void SetActivationBytes(Bytes b) {
+    if (!host_compute()) trace_.SetActivationBytes(b);
+  }
+  StatusOr<bool> FinishTrace();
+  StatusOr<prof::Report> TimelineReport();
+  // plans()
+  PlanStatus plan_status() const;
+  Status ExecutePlanFrom(const planners::Trace& trace, int64_t iteration = -1);
+
   // Create's steps (the layout between them: layout.h). Validate: `config` with its device
   // kind resolved, or the mode it refuses there. Build: the tier stack sized for `sized`, the
   // stepper, and every chunk of layout_ (its ids into layout_.groups).

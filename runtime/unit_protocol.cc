@@ -44,8 +44,8 @@ std::string UnitProtocol::Label(uint32_t u, std::string_view moment) const {
 
 void UnitProtocol::BeginIteration() {
   active_.clear();  // units whose forward raised before they left: no unit runs now
-  session_->BeginIteration();
-  session_->Phase(RunPhase::kForward);
+  session_->iterations().BeginIteration();
+  session_->iterations().Phase(RunPhase::kForward);
   in_iteration_ = true;
 }
 
@@ -54,16 +54,17 @@ Status UnitProtocol::EnterUnit(uint32_t u, bool training, std::span<const size_t
     return OutOfRangeError("unit " + std::to_string(u) + " of " + std::to_string(units_.size()) +
                            " declared");
   }
-  if (!training && !in_iteration_ && session_->phase() != RunPhase::kEval) {
-    session_->Phase(RunPhase::kEval);
+  if (!training && !in_iteration_ && session_->iterations().phase() != RunPhase::kEval) {
+    session_->iterations().Phase(RunPhase::kEval);
   }
-  if (session_->pending_steps() > 0) {
+  if (session_->optimizer().pending_steps() > 0) {
     // The last step's deferred updates of this unit's groups (and `also`), each its own
     // optimizer moment, before the unit's.
-    for (const size_t g : units_[u].groups) TIERMEM_RETURN_IF_ERROR(session_->FinishStep(g));
-    for (const size_t g : also) TIERMEM_RETURN_IF_ERROR(session_->FinishStep(g));
+    for (const size_t g : units_[u].groups)
+      TIERMEM_RETURN_IF_ERROR(session_->optimizer().FinishStep(g));
+    for (const size_t g : also) TIERMEM_RETURN_IF_ERROR(session_->optimizer().FinishStep(g));
   }
-  session_->Moment(Label(u, "pre-forward"), planners::MomentKind::kPreForward, u);
+  session_->iterations().Moment(Label(u, "pre-forward"), planners::MomentKind::kPreForward, u);
   active_.push_back(u);
   return OkStatus();
 }
@@ -80,11 +81,12 @@ Status UnitProtocol::ExitUnit(uint32_t u) {
   return OkStatus();
 }
 
-void UnitProtocol::EnterBackward() { session_->Phase(RunPhase::kBackward); }
+void UnitProtocol::EnterBackward() { session_->iterations().Phase(RunPhase::kBackward); }
 
 void UnitProtocol::BackwardReached(uint32_t u) {
   const uint32_t unit = u < units_.size() ? u : planners::kNoUnit;
-  session_->Moment(Label(unit, "pre-backward"), planners::MomentKind::kPreBackward, unit);
+  session_->iterations().Moment(Label(unit, "pre-backward"), planners::MomentKind::kPreBackward,
+                                unit);
 }
 
 void UnitProtocol::EndIteration() { in_iteration_ = false; }

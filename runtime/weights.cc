@@ -300,7 +300,7 @@ std::vector<std::vector<size_t>> Loader::MakeBatches() const {
     const uint32_t g = parts_[i].group;
     // In place in fp32: the fp32 chunk is the one homed in the files.
     if (!s_.mixed() && in_place_.count(g)) continue;
-    if (s_.Home(g, ChunkKind::kParamFp32) != TierKind::kNvme) {
+    if (s_.chunks().Home(g, ChunkKind::kParamFp32) != TierKind::kNvme) {
       out[0].push_back(i);
       continue;
     }
@@ -382,7 +382,7 @@ Status Loader::LoadBatch(SpanReader& reader, const std::vector<size_t>& batch) {
   std::map<uint32_t, float*> chunk;
   Status s;
   for (const auto& [g, unused] : by_group) {
-    StatusOr<void*> a = s_.Acquire(g, ChunkKind::kParamFp32, TierKind::kHost);
+    StatusOr<void*> a = s_.chunks().Acquire(g, ChunkKind::kParamFp32, TierKind::kHost);
     if (!a.ok()) {
       s = a.status();
       break;
@@ -429,7 +429,7 @@ Status Loader::LoadBatch(SpanReader& reader, const std::vector<size_t>& batch) {
     if (s.ok() && s_.mixed() && !in_place_.count(g)) s = DeriveLowp(g, fp32, by_group[g]);
   }
   for (const auto& [g, fp32] : chunk) {
-    const Status r = s_.Release(g, ChunkKind::kParamFp32, /*modified=*/true);
+    const Status r = s_.chunks().Release(g, ChunkKind::kParamFp32, /*modified=*/true);
     if (s.ok()) s = r;
   }
   return s;
@@ -437,14 +437,14 @@ Status Loader::LoadBatch(SpanReader& reader, const std::vector<size_t>& batch) {
 
 Status Loader::DeriveLowp(size_t group, const float* fp32, const std::vector<size_t>& parts) {
   const kernels::DType cd = s_.compute_dtype();
-  StatusOr<void*> low = s_.Acquire(group, ChunkKind::kParamLowp, TierKind::kHost);
+  StatusOr<void*> low = s_.chunks().Acquire(group, ChunkKind::kParamLowp, TierKind::kHost);
   if (low.ok()) {
     char* to = static_cast<char*>(*low);
     for (size_t pi : parts) {
       const Part& p = parts_[pi];
       kernels::CastFromF32(fp32 + p.dst, to + p.dst * 2, cd, p.dst_count);
     }
-    return s_.Release(group, ChunkKind::kParamLowp, /*modified=*/true);
+    return s_.chunks().Release(group, ChunkKind::kParamLowp, /*modified=*/true);
   }
   if (low.status().code() != StatusCode::kResourceExhausted) return low.status();
   // No host room beside the fp32 chunk (a served model's NVMe-homed group with a device: the
@@ -457,7 +457,7 @@ Status Loader::DeriveLowp(size_t group, const float* fp32, const std::vector<siz
       const uint64_t n = std::min<uint64_t>(p.dst_count - done, kBlock);
       const uint64_t at = p.dst + done;  // chunk element; the tensor's is at - shift
       kernels::CastFromF32(fp32 + at, buf.data(), cd, n);
-      TIERMEM_RETURN_IF_ERROR(s_.WriteTensorRange(
+      TIERMEM_RETURN_IF_ERROR(s_.values().WriteTensorRange(
           sources_[p.source].tensor, ChunkKind::kParamLowp,
           static_cast<uint64_t>(static_cast<int64_t>(at) - p.shift), n, buf.data()));
       done += n;
@@ -495,12 +495,13 @@ Status Loader::PlanInPlace() {
         "trains (a training session writes its weights, so they are copied into its tiers): "
         "serve with tiermem.inference, or set in_place to 'auto' or 'off'");
   }
-  if (!ServesInPlace(mode) || s_.sharded() || s_.file_homes() == nullptr) return OkStatus();
+  if (!ServesInPlace(mode) || s_.sharded() || s_.chunks().file_homes() == nullptr)
+    return OkStatus();
   std::map<uint32_t, std::vector<size_t>> by_group;
   for (size_t i = 0; i < parts_.size(); ++i) by_group[parts_[i].group].push_back(i);
   const ChunkKind kind = s_.compute_kind();
   for (uint32_t g = 0; g < s_.num_groups(); ++g) {
-    if (s_.Home(g, kind) != TierKind::kNvme) continue;
+    if (s_.chunks().Home(g, kind) != TierKind::kNvme) continue;
     const std::string why = NotInPlace(g, by_group[g]);
     if (why.empty()) {
       in_place_[g] = by_group[g];
@@ -515,7 +516,7 @@ Status Loader::PlanInPlace() {
 
 Status Loader::HomeInPlace() {
   if (in_place_.empty()) return OkStatus();
-  FileHomeTier* homes = s_.file_homes();
+  FileHomeTier* homes = s_.chunks().file_homes();
   std::vector<std::string> paths;
   std::vector<uint64_t> sizes;
   for (const weights::Header& h : files_.files) {
@@ -543,8 +544,8 @@ Status Loader::HomeInPlace() {
       report_.bytes_in_place += p.count * es;
     }
     TIERMEM_ASSIGN_OR_RETURN(Region home,
-                             homes->AddFileHome(s_.ChunkBytes(g, kind), std::move(spans)));
-    if (Status st = s_.SetReadOnlyHome(g, kind, home); !st.ok()) {
+                             homes->AddFileHome(s_.chunks().ChunkBytes(g, kind), std::move(spans)));
+    if (Status st = s_.chunks().SetReadOnlyHome(g, kind, home); !st.ok()) {
       homes->Free(home).IgnoreError();
       return st;
     }
@@ -575,14 +576,14 @@ StatusOr<LoadWeightsReport> Loader::Run() {
   report_.staging_bytes = reader->staging_bytes();
   TIERMEM_RETURN_IF_ERROR(PlanInPlace());
   // Nothing has changed up to here. The load's acquires are not part of the recorded order.
-  const bool tracing = s_.tracing();
-  s_.SetTracing(false);
+  const bool tracing = s_.iterations().tracing();
+  s_.iterations().SetTracing(false);
   Status s = HomeInPlace();
   for (const std::vector<size_t>& batch : MakeBatches()) {
     if (!s.ok()) break;
     if (!batch.empty()) s = LoadBatch(*reader, batch);
   }
-  s_.SetTracing(tracing);
+  s_.iterations().SetTracing(tracing);
   report_.bytes_read = reader->stats().bytes_read;
   report_.requests = reader->stats().requests;
   if (!s.ok()) {
@@ -705,8 +706,8 @@ Status ExportWeights(Session& session, const std::string& path,
         const uint64_t rows = static_cast<uint64_t>(e.shape[0]);
         const uint64_t cols = static_cast<uint64_t>(e.shape[1]);
         std::vector<float> held(seg.numel), flipped(seg.numel);
-        TIERMEM_RETURN_IF_ERROR(session.ReadTensorRange(seg.tensor, ChunkKind::kParamFp32,
-                                                        seg.offset, seg.numel, held.data()));
+        TIERMEM_RETURN_IF_ERROR(session.values().ReadTensorRange(
+            seg.tensor, ChunkKind::kParamFp32, seg.offset, seg.numel, held.data()));
         for (uint64_t r = 0; r < rows; ++r) {
           for (uint64_t c = 0; c < cols; ++c) flipped[r * cols + c] = held[c * rows + r];
         }
@@ -715,8 +716,8 @@ Status ExportWeights(Session& session, const std::string& path,
       }
       for (uint64_t done = 0; done < seg.numel; done += piece) {
         const uint64_t n = std::min(piece, seg.numel - done);
-        TIERMEM_RETURN_IF_ERROR(session.ReadTensorRange(seg.tensor, ChunkKind::kParamFp32,
-                                                        seg.offset + done, n, values.data()));
+        TIERMEM_RETURN_IF_ERROR(session.values().ReadTensorRange(
+            seg.tensor, ChunkKind::kParamFp32, seg.offset + done, n, values.data()));
         put(values.data(), n);
       }
     }

@@ -236,9 +236,9 @@ std::unique_ptr<Session> MakeLinear() {
 std::vector<float> Values(Session& s, size_t t, ChunkKind kind = ChunkKind::kParamFp32) {
   std::vector<float> v(s.place(t).numel);
   if (kind == ChunkKind::kParamFp32) {
-    EXPECT_THAT(s.ReadParam(t, v.data()), IsOk());
+    EXPECT_THAT(s.values().ReadParam(t, v.data()), IsOk());
   } else {
-    EXPECT_THAT(s.ReadTensor(t, kind, v.data()), IsOk());
+    EXPECT_THAT(s.values().ReadTensor(t, kind, v.data()), IsOk());
   }
   return v;
 }
@@ -282,7 +282,7 @@ TEST(CheckpointMetaFiles, TheLibTorchApisVersion2FileLoads) {
     EXPECT_EQ(Values(*s, t), p);
     EXPECT_EQ(Values(*s, t, ChunkKind::kExpAvg), m);
     EXPECT_EQ(Values(*s, t, ChunkKind::kExpAvgSq), v);
-    EXPECT_EQ(s->step_count(t), 3);
+    EXPECT_EQ(s->values().step_count(t), 3);
   }
 }
 
@@ -297,7 +297,7 @@ TEST(CheckpointMetaFiles, ThePythonBindingsVersion2FileLoads) {
   EXPECT_EQ(meta.groups[0].other.at("amsgrad"), false);  // torch's keys, kept
   EXPECT_FALSE(meta.rng_state.empty());
   EXPECT_EQ(meta.extra, json::parse(R"({"epoch": 7})"));
-  EXPECT_EQ(s->step_count(0), 2);
+  EXPECT_EQ(s->values().step_count(0), 2);
 }
 
 TEST(CheckpointMetaFiles, AVersion2FileOfNeitherShapeOrAnotherGroupCountChangesNothing) {
@@ -309,7 +309,7 @@ TEST(CheckpointMetaFiles, AVersion2FileOfNeitherShapeOrAnotherGroupCountChangesN
   auto s = MakeLinear();
   ASSERT_TRUE(s);
   const std::vector<float> w = {1, 1, 1, 1, 1, 1};
-  ASSERT_THAT(s->WriteParam(0, w.data()), IsOk());
+  ASSERT_THAT(s->values().WriteParam(0, w.data()), IsOk());
   const Status st = s->LoadCheckpoint(bad);
   EXPECT_THAT(st, StatusIs(StatusCode::kInvalidArgument, "checkpoint " + bad + ": "));
   EXPECT_THAT(st, StatusIs(StatusCode::kInvalidArgument, "no optimizer param groups"));
@@ -325,7 +325,7 @@ TEST(CheckpointMetaFiles, AVersion2FileOfNeitherShapeOrAnotherGroupCountChangesN
               StatusIs(StatusCode::kInvalidArgument, "1 optimizer param groups, the optimizer "
                                                      "has 2: nothing was loaded"));
   EXPECT_EQ(Values(*s, 0), w);
-  EXPECT_EQ(s->step_count(0), 0);
+  EXPECT_EQ(s->values().step_count(0), 0);
   std::filesystem::remove_all(dir);
 }
 

@@ -37,10 +37,10 @@ TEST(SessionCheckpoint, RoundTripRestoresValuesStateAndSteps) {
   ASSERT_TRUE(s);
   for (size_t t = 0; t < 3; ++t) {
     auto w = Random(kThree[t].numel, t);
-    ASSERT_THAT(s->WriteParam(t, w.data()), IsOk());
+    ASSERT_THAT(s->values().WriteParam(t, w.data()), IsOk());
     SetGrad(*s, t, Random(kThree[t].numel, 7 + t));
   }
-  ASSERT_TRUE(s->Step({GroupHyper{}}).ok());
+  ASSERT_TRUE(s->optimizer().Step({GroupHyper{}}).ok());
   const std::string path = dir + "/ckpt.tmc";
   CheckpointMeta meta_in;
   meta_in.groups.push_back({GroupHyper{5e-4, 0.8, 0.99, 1e-7, 0.1}, {{"amsgrad", false}}});
@@ -52,12 +52,12 @@ TEST(SessionCheckpoint, RoundTripRestoresValuesStateAndSteps) {
   for (size_t t = 0; t < 3; ++t) {
     saved.push_back(Param(*s, t));
     std::vector<float> v(kThree[t].numel);
-    ASSERT_THAT(s->ReadTensor(t, ChunkKind::kExpAvgSq, v.data()), IsOk());
+    ASSERT_THAT(s->values().ReadTensor(t, ChunkKind::kExpAvgSq, v.data()), IsOk());
     saved_v.push_back(v);
   }
   // Train on, then load: back to the saved state; and into a fresh bf16 session too.
   for (size_t t = 0; t < 3; ++t) SetGrad(*s, t, Random(kThree[t].numel, 17 + t));
-  ASSERT_TRUE(s->Step({GroupHyper{}}).ok());
+  ASSERT_TRUE(s->optimizer().Step({GroupHyper{}}).ok());
   CheckpointMeta meta;
   ASSERT_THAT(s->LoadCheckpoint(path, &meta), IsOk());
   ASSERT_EQ(meta.groups.size(), 1u);
@@ -71,18 +71,18 @@ TEST(SessionCheckpoint, RoundTripRestoresValuesStateAndSteps) {
   EXPECT_EQ(meta.extra, meta_in.extra);
   for (size_t t = 0; t < 3; ++t) {
     EXPECT_EQ(Param(*s, t), saved[t]);
-    EXPECT_EQ(s->step_count(t), 1);
-    EXPECT_FALSE(s->has_grad(t));
+    EXPECT_EQ(s->values().step_count(t), 1);
+    EXPECT_FALSE(s->optimizer().has_grad(t));
   }
   auto fresh = Make({{"device", "1MiB"}, {"precision", "bf16"}}, kThree);
   ASSERT_THAT(fresh->LoadCheckpoint(path), IsOk());
   for (size_t t = 0; t < 3; ++t) {
     EXPECT_EQ(Param(*fresh, t), saved[t]);
     std::vector<float> v(kThree[t].numel);
-    ASSERT_THAT(fresh->ReadTensor(t, ChunkKind::kExpAvgSq, v.data()), IsOk());
+    ASSERT_THAT(fresh->values().ReadTensor(t, ChunkKind::kExpAvgSq, v.data()), IsOk());
     EXPECT_EQ(v, saved_v[t]);
   }
-  EXPECT_EQ(fresh->loss_scale(), 1.0);
+  EXPECT_EQ(fresh->optimizer().loss_scale(), 1.0);
   std::filesystem::remove_all(dir);
 }
 
@@ -101,10 +101,10 @@ TEST(SessionCheckpoint, LargeAndOddTensorsRoundTripDirectAndBuffered) {
     ASSERT_TRUE(s);
     for (size_t t = 0; t < specs.size(); ++t) {
       auto w = Random(specs[t].numel, 60 + t);
-      ASSERT_THAT(s->WriteParam(t, w.data()), IsOk());
+      ASSERT_THAT(s->values().WriteParam(t, w.data()), IsOk());
       if (specs[t].trainable) SetGrad(*s, t, Random(specs[t].numel, 70 + t));
     }
-    ASSERT_TRUE(s->Step({GroupHyper{}}).ok());
+    ASSERT_TRUE(s->optimizer().Step({GroupHyper{}}).ok());
     const std::string path = dir + "/big.safetensors";
     ASSERT_THAT(s->SaveCheckpoint(path), IsOk());
     EXPECT_NE(std::filesystem::file_size(path) % 4096, 0u);  // cut back to its true size
@@ -113,7 +113,7 @@ TEST(SessionCheckpoint, LargeAndOddTensorsRoundTripDirectAndBuffered) {
       saved.push_back(Param(*s, t));
       std::vector<float> m(specs[t].numel);
       if (specs[t].trainable) {
-        ASSERT_THAT(s->ReadTensor(t, ChunkKind::kExpAvg, m.data()), IsOk());
+        ASSERT_THAT(s->values().ReadTensor(t, ChunkKind::kExpAvg, m.data()), IsOk());
       }
       saved_m.push_back(m);
     }
@@ -124,7 +124,7 @@ TEST(SessionCheckpoint, LargeAndOddTensorsRoundTripDirectAndBuffered) {
       EXPECT_EQ(Param(*fresh, t), saved[t]);
       if (!specs[t].trainable) continue;
       std::vector<float> m(specs[t].numel);
-      ASSERT_THAT(fresh->ReadTensor(t, ChunkKind::kExpAvg, m.data()), IsOk());
+      ASSERT_THAT(fresh->values().ReadTensor(t, ChunkKind::kExpAvg, m.data()), IsOk());
       EXPECT_EQ(m, saved_m[t]);
     }
     std::filesystem::remove_all(dir);
@@ -137,7 +137,7 @@ TEST(SessionCheckpoint, TornCorruptOrForeignFilesChangeNothing) {
   ASSERT_TRUE(s);
   for (size_t t = 0; t < 3; ++t) {
     auto w = Random(kThree[t].numel, 40 + t);
-    ASSERT_THAT(s->WriteParam(t, w.data()), IsOk());
+    ASSERT_THAT(s->values().WriteParam(t, w.data()), IsOk());
   }
   const std::string path = dir + "/ckpt.tmc";
   ASSERT_THAT(s->SaveCheckpoint(path), IsOk());
@@ -146,7 +146,7 @@ TEST(SessionCheckpoint, TornCorruptOrForeignFilesChangeNothing) {
   std::ifstream(path, std::ios::binary).read(bytes.data(), size);
   // Change the session, so that a load that went through would be visible.
   const std::vector<float> now = Random(1000, 99);
-  ASSERT_THAT(s->WriteParam(0, now.data()), IsOk());
+  ASSERT_THAT(s->values().WriteParam(0, now.data()), IsOk());
   auto write = [&](const std::string& p, size_t n, long flip) {
     std::vector<char> b(bytes.begin(), bytes.begin() + n);
     if (flip >= 0) b[flip] ^= 0x40;
@@ -184,7 +184,7 @@ TEST(SessionCheckpoint, FileIsSafetensorsWithShapesAndMetadata) {
   auto s = Make({{"device", "1MiB"}}, specs);
   ASSERT_TRUE(s);
   const std::vector<float> w = {1, 2, 3, 4, 5, 6};
-  ASSERT_THAT(s->WriteParam(0, w.data()), IsOk());
+  ASSERT_THAT(s->values().WriteParam(0, w.data()), IsOk());
   const std::string path = dir + "/c.safetensors";
   CheckpointMeta meta_in;
   meta_in.groups.push_back({GroupHyper{}});
@@ -280,7 +280,7 @@ TEST(SessionCheckpoint, ReadsFormatOneFiles) {
   EXPECT_THAT(s->LoadCheckpoint(dir + "/bad.tmc"),
               StatusIs(StatusCode::kInvalidArgument, "no optimizer param groups"));
   EXPECT_EQ(Param(*s, 0), before);
-  EXPECT_EQ(s->micro_steps(), 0u);
+  EXPECT_EQ(s->optimizer().micro_steps(), 0u);
   CheckpointMeta got;
   ASSERT_THAT(s->LoadCheckpoint(dir + "/v1.tmc", &got), IsOk());
   ASSERT_EQ(got.groups.size(), 1u);
@@ -288,8 +288,8 @@ TEST(SessionCheckpoint, ReadsFormatOneFiles) {
   EXPECT_TRUE(got.rng_state.empty());
   EXPECT_TRUE(got.extra.is_null());
   EXPECT_EQ(Param(*s, 0), std::vector<float>({1, 2, 3}));
-  EXPECT_EQ(s->step_count(0), 4);
-  EXPECT_EQ(s->micro_steps(), 5u);
+  EXPECT_EQ(s->values().step_count(0), 4);
+  EXPECT_EQ(s->optimizer().micro_steps(), 5u);
   std::filesystem::remove_all(dir);
 }
 
@@ -298,7 +298,7 @@ TEST(SessionCheckpoint, SavingInsideAnAccumulationWindowIsRefused) {
   auto s = Make({{"device", "1MiB"}, {"gradient_accumulation_steps", 2}}, kThree);
   ASSERT_TRUE(s);
   SetGrad(*s, 0, Random(1000, 1));
-  ASSERT_TRUE(s->Step({GroupHyper{}}).ok());
+  ASSERT_TRUE(s->optimizer().Step({GroupHyper{}}).ok());
   EXPECT_THAT(s->SaveCheckpoint(dir + "/c.tmc"),
               StatusIs(StatusCode::kFailedPrecondition, "accumulation"));
   EXPECT_FALSE(std::filesystem::exists(dir + "/c.tmc"));

@@ -110,7 +110,7 @@ TEST(SessionFacts, InHostModeTheComputeBudgetIsTheHostsOnlyWhenEveryChunkIsHomed
   for (size_t g = 0; g < some->num_groups(); ++g) {
     for (ChunkKind k : {ChunkKind::kParamFp32, ChunkKind::kGrad, ChunkKind::kExpAvg,
                         ChunkKind::kExpAvgSq}) {
-      on_nvme |= some->has_kind(g, k) && some->Home(g, k) == TierKind::kNvme;
+      on_nvme |= some->has_kind(g, k) && some->chunks().Home(g, k) == TierKind::kNvme;
     }
   }
   ASSERT_TRUE(on_nvme);

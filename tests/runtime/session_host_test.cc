@@ -45,27 +45,27 @@ std::unique_ptr<Session> Make(json config) {
 std::vector<std::vector<float>> Train(Session& s, int steps) {
   const TierKind where = s.compute_tier();
   for (int it = 0; it < steps; ++it) {
-    s.BeginIteration();
+    s.iterations().BeginIteration();
     for (size_t g = 0; g < s.num_groups(); ++g) {
       bool must_zero = false;
-      auto p = s.AcquireForWrite(g, ChunkKind::kGrad, where, &must_zero);
+      auto p = s.chunks().AcquireForWrite(g, ChunkKind::kGrad, where, &must_zero);
       EXPECT_THAT(p.status(), IsOk());
       if (!p.ok()) return {};
       float* grad = static_cast<float*>(*p);
       for (uint64_t i = 0; i < s.chunk_elems(); ++i) {
         grad[i] = 0.001f * static_cast<float>((i * 7 + g * 13 + it * 3) % 101) - 0.05f;
       }
-      EXPECT_THAT(s.Release(g, ChunkKind::kGrad, true), IsOk());
+      EXPECT_THAT(s.chunks().Release(g, ChunkKind::kGrad, true), IsOk());
     }
-    for (size_t t = 0; t < s.num_tensors(); ++t) s.SetHasGrad(t, true);
+    for (size_t t = 0; t < s.num_tensors(); ++t) s.optimizer().SetHasGrad(t, true);
     OptimizerConfig hyper;
     hyper.lr = 1e-2;
-    EXPECT_THAT(s.Step({hyper}).status(), IsOk());
+    EXPECT_THAT(s.optimizer().Step({hyper}).status(), IsOk());
   }
   std::vector<std::vector<float>> out;
   for (size_t t = 0; t < s.num_tensors(); ++t) {
     out.emplace_back(s.place(t).numel);
-    EXPECT_THAT(s.ReadParam(t, out.back().data()), IsOk());
+    EXPECT_THAT(s.values().ReadParam(t, out.back().data()), IsOk());
   }
   return out;
 }
@@ -85,16 +85,16 @@ TEST(HostMode, HostHomedChunksAreComputedOnInPlace) {
   EXPECT_TRUE(s->host_compute());
   EXPECT_EQ(s->compute_tier(), TierKind::kHost);
   EXPECT_EQ(s->minimum_device_budget(), 0u);
-  auto p = s->Acquire(0, ChunkKind::kParamFp32, TierKind::kHost);
+  auto p = s->chunks().Acquire(0, ChunkKind::kParamFp32, TierKind::kHost);
   ASSERT_THAT(p.status(), IsOk());
-  EXPECT_EQ(s->Resident(0, ChunkKind::kParamFp32), TierKind::kHost);
-  EXPECT_EQ(s->Home(0, ChunkKind::kParamFp32), TierKind::kHost);
-  ASSERT_THAT(s->Release(0, ChunkKind::kParamFp32, false), IsOk());
+  EXPECT_EQ(s->chunks().Resident(0, ChunkKind::kParamFp32), TierKind::kHost);
+  EXPECT_EQ(s->chunks().Home(0, ChunkKind::kParamFp32), TierKind::kHost);
+  ASSERT_THAT(s->chunks().Release(0, ChunkKind::kParamFp32, false), IsOk());
   // There is no device: acquiring there is a clear error, not a silent fallback.
-  EXPECT_THAT(s->Acquire(0, ChunkKind::kParamFp32, TierKind::kDevice).status(),
+  EXPECT_THAT(s->chunks().Acquire(0, ChunkKind::kParamFp32, TierKind::kDevice).status(),
               StatusIs(StatusCode::kFailedPrecondition, "this stack has none"));
-  EXPECT_THAT(s->SetExternalDeviceBytes(1), StatusIs(StatusCode::kFailedPrecondition, "this stack has none"));
-  EXPECT_THAT(s->SetExternalComputeBytes(4096), IsOk());
+  EXPECT_THAT(s->memory().SetExternalDeviceBytes(1), StatusIs(StatusCode::kFailedPrecondition, "this stack has none"));
+  EXPECT_THAT(s->memory().SetExternalComputeBytes(4096), IsOk());
   auto st = s->Stats();
   ASSERT_TRUE(st.ok());
   Bytes moved = 0;
@@ -117,15 +117,15 @@ TEST(HostMode, WithNvmeEqualsASimDeviceSessionBitForBit) {
   for (size_t g = 0; g < host->num_groups(); ++g) {
     for (ChunkKind k : {ChunkKind::kParamFp32, ChunkKind::kGrad, ChunkKind::kExpAvg,
                         ChunkKind::kExpAvgSq}) {
-      on_nvme += host->Home(g, k) == TierKind::kNvme;
+      on_nvme += host->chunks().Home(g, k) == TierKind::kNvme;
     }
   }
   EXPECT_GT(on_nvme, 0);
   std::vector<float> init(4096);
   for (size_t t = 0; t < kSix.size(); ++t) {
     for (size_t i = 0; i < init.size(); ++i) init[i] = 0.01f * static_cast<float>((i + t) % 37);
-    ASSERT_THAT(host->WriteParam(t, init.data()), IsOk());
-    ASSERT_THAT(sim->WriteParam(t, init.data()), IsOk());
+    ASSERT_THAT(host->values().WriteParam(t, init.data()), IsOk());
+    ASSERT_THAT(sim->values().WriteParam(t, init.data()), IsOk());
   }
   const auto a = Train(*host, 4);
   const auto b = Train(*sim, 4);

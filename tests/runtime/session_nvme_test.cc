@@ -55,7 +55,7 @@ TEST(SessionNvme, HostMemoryIsRegisteredAsFixedBuffersWithIoUring) {
   EXPECT_GT(s->nvme_registered_bytes(), 0u);
   EXPECT_LE(s->nvme_registered_bytes(), 2 * kMiB);
   for (size_t t = 0; t < 8; ++t) SetGrad(*s, t, Random(16384, t));
-  ASSERT_TRUE(s->Step({GroupHyper{}}).ok());  // m and v move through NVMe
+  ASSERT_TRUE(s->optimizer().Step({GroupHyper{}}).ok());  // m and v move through NVMe
   EXPECT_GT(s->nvme_registered_bytes(), 0u);
   s->Close();
   EXPECT_EQ(s->nvme_registered_bytes(), 0u);
@@ -69,15 +69,15 @@ TEST(SessionNvme, OptimizerStateSpillsToNvmeFirstAndTrainingMatches) {
   ASSERT_TRUE(s);
   int nvme_optim = 0, host_params = 0;
   for (size_t g = 0; g < s->num_groups(); ++g) {
-    host_params += s->Home(g, ChunkKind::kParamFp32) == TierKind::kHost;
-    nvme_optim += s->Home(g, ChunkKind::kExpAvgSq) == TierKind::kNvme;
+    host_params += s->chunks().Home(g, ChunkKind::kParamFp32) == TierKind::kHost;
+    nvme_optim += s->chunks().Home(g, ChunkKind::kExpAvgSq) == TierKind::kNvme;
   }
   EXPECT_EQ(host_params, 8);
   EXPECT_EQ(nvme_optim, 8);
   std::vector<RefState> ref;
   for (size_t t = 0; t < 8; ++t) {
     ref.emplace_back(Random(16384, t));
-    ASSERT_THAT(s->WriteParam(t, ref[t].p.data()), IsOk());
+    ASSERT_THAT(s->values().WriteParam(t, ref[t].p.data()), IsOk());
   }
   for (int step = 0; step < 2; ++step) {
     for (size_t t = 0; t < 8; ++t) {
@@ -85,8 +85,8 @@ TEST(SessionNvme, OptimizerStateSpillsToNvmeFirstAndTrainingMatches) {
       SetGrad(*s, t, g);
       ref[t].Step(g, GroupHyper{});
     }
-    ASSERT_TRUE(s->Step({GroupHyper{}}).ok());
-    ASSERT_THAT(s->ZeroGrad(), IsOk());
+    ASSERT_TRUE(s->optimizer().Step({GroupHyper{}}).ok());
+    ASSERT_THAT(s->optimizer().ZeroGrad(), IsOk());
   }
   for (size_t t = 0; t < 8; ++t) EXPECT_EQ(Param(*s, t), ref[t].p);
   s.reset();
@@ -119,25 +119,25 @@ TEST(SessionNvme, ADeferredUpdateThatFailsSaysSoAndLeavesTheGroupUnstepped) {
   auto s = MakeNvmeSpill(dir);
   ASSERT_TRUE(s);
   for (size_t t = 0; t < 8; ++t) {
-    ASSERT_THAT(s->WriteParam(t, Random(16384, t).data()), IsOk());
+    ASSERT_THAT(s->values().WriteParam(t, Random(16384, t).data()), IsOk());
   }
   for (int step = 0; step < 2; ++step) {
     for (size_t t = 0; t < 8; ++t) SetGrad(*s, t, Random(16384, 300 + 10 * step + t));
-    ASSERT_TRUE(s->Step({GroupHyper{}}).ok());
-    EXPECT_EQ(s->pending_steps(), 8u);
+    ASSERT_TRUE(s->optimizer().Step({GroupHyper{}}).ok());
+    EXPECT_EQ(s->optimizer().pending_steps(), 8u);
     if (step == 0) {
-      ASSERT_THAT(s->FinishSteps(), IsOk());
+      ASSERT_THAT(s->optimizer().FinishSteps(), IsOk());
     }
   }
-  ASSERT_EQ(s->Home(0, ChunkKind::kExpAvgSq), TierKind::kNvme);
-  ASSERT_NE(s->Resident(0, ChunkKind::kExpAvgSq), TierKind::kHost);  // must be read from disk
+  ASSERT_EQ(s->chunks().Home(0, ChunkKind::kExpAvgSq), TierKind::kNvme);
+  ASSERT_NE(s->chunks().Resident(0, ChunkKind::kExpAvgSq), TierKind::kHost);  // must be read from disk
   ASSERT_GT(OverwriteNvmeFiles(dir), 0);
-  const Status st = s->FinishStep(0);
+  const Status st = s->optimizer().FinishStep(0);
   EXPECT_EQ(st.code(), StatusCode::kDataLoss) << st.ToString();  // the chunk's checksum
   EXPECT_NE(st.message().find("chunk group 0"), std::string::npos) << st.ToString();
   EXPECT_NE(st.message().find("deferred"), std::string::npos) << st.ToString();
-  EXPECT_EQ(s->step_count(0), 1);  // step 2 did not happen for it
-  EXPECT_EQ(s->pending_steps(), 7u);
+  EXPECT_EQ(s->values().step_count(0), 1);  // step 2 did not happen for it
+  EXPECT_EQ(s->optimizer().pending_steps(), 7u);
   s.reset();
   std::filesystem::remove_all(dir);
 }
@@ -152,9 +152,9 @@ TEST(SessionNvme, SpilledBytesComeBackAsWrittenAndACorruptedSpillIsDataLoss) {
   auto s = MakeNvmeSpill(dir);
   ASSERT_TRUE(s);
   const Bytes n = 64 * kKiB + 100;  // not a whole number of NVMe blocks
-  StatusOr<Region> host = s->AllocateScratch(TierKind::kHost, 64 * kKiB);
+  StatusOr<Region> host = s->memory().AllocateScratch(TierKind::kHost, 64 * kKiB);
   ASSERT_THAT(host.status(), IsOk());
-  StatusOr<Region> spill = s->AllocateSpill(n);
+  StatusOr<Region> spill = s->memory().AllocateSpill(n);
   ASSERT_THAT(spill.status(), IsOk());
   std::vector<char> want(n);
   for (size_t i = 0; i < n; ++i) want[i] = static_cast<char>((i * 131 + 7) % 251);
@@ -162,15 +162,15 @@ TEST(SessionNvme, SpilledBytesComeBackAsWrittenAndACorruptedSpillIsDataLoss) {
   for (Bytes lo = 0; lo < n; lo += 64 * kKiB) {
     const Bytes k = std::min<Bytes>(64 * kKiB, n - lo);
     std::memcpy(bounce, want.data() + lo, k);
-    ASSERT_THAT(s->SpillCopy(*spill, lo, *host, 0, k, true), IsOk());
+    ASSERT_THAT(s->memory().SpillCopy(*spill, lo, *host, 0, k, true), IsOk());
   }
   // Read back with both pieces in flight at once (StartSpillCopy), into two host regions.
-  StatusOr<Region> host2 = s->AllocateScratch(TierKind::kHost, 64 * kKiB);
+  StatusOr<Region> host2 = s->memory().AllocateScratch(TierKind::kHost, 64 * kKiB);
   ASSERT_THAT(host2.status(), IsOk());
   std::memset(bounce, 0, 64 * kKiB);
   std::memset(host2->addr, 0, 64 * kKiB);
-  auto first = s->StartSpillCopy(*spill, 0, *host, 0, 64 * kKiB, false);
-  auto second = s->StartSpillCopy(*spill, 64 * kKiB, *host2, 0, 100, false);
+  auto first = s->memory().StartSpillCopy(*spill, 0, *host, 0, 64 * kKiB, false);
+  auto second = s->memory().StartSpillCopy(*spill, 64 * kKiB, *host2, 0, 100, false);
   ASSERT_THAT(first.status(), IsOk());
   ASSERT_THAT(second.status(), IsOk());
   ASSERT_THAT((*first)->Wait(), IsOk());
@@ -179,16 +179,16 @@ TEST(SessionNvme, SpilledBytesComeBackAsWrittenAndACorruptedSpillIsDataLoss) {
   std::memcpy(got.data(), bounce, 64 * kKiB);
   std::memcpy(got.data() + 64 * kKiB, host2->addr, 100);
   EXPECT_EQ(got, want);
-  EXPECT_THAT(s->FreeScratch(TierKind::kHost, *host2), IsOk());
-  EXPECT_THAT(s->SpillCopy(*spill, 0, *host, 4, 64 * kKiB, true),
+  EXPECT_THAT(s->memory().FreeScratch(TierKind::kHost, *host2), IsOk());
+  EXPECT_THAT(s->memory().SpillCopy(*spill, 0, *host, 4, 64 * kKiB, true),
               StatusIs(StatusCode::kOutOfRange, "host region"));
   // The NVMe budget (16 MiB, the homes in it): a spill larger than its free room.
-  EXPECT_THAT(s->AllocateSpill(16 * kMiB), StatusIs(StatusCode::kResourceExhausted, "need"));
+  EXPECT_THAT(s->memory().AllocateSpill(16 * kMiB), StatusIs(StatusCode::kResourceExhausted, "need"));
   ASSERT_GT(OverwriteNvmeFiles(dir), 0);
-  EXPECT_THAT(s->SpillCopy(*spill, 0, *host, 0, 64 * kKiB, false),
+  EXPECT_THAT(s->memory().SpillCopy(*spill, 0, *host, 0, 64 * kKiB, false),
               StatusIs(StatusCode::kDataLoss, ""));
-  EXPECT_THAT(s->FreeSpill(*spill), IsOk());
-  EXPECT_THAT(s->FreeScratch(TierKind::kHost, *host), IsOk());
+  EXPECT_THAT(s->memory().FreeSpill(*spill), IsOk());
+  EXPECT_THAT(s->memory().FreeScratch(TierKind::kHost, *host), IsOk());
   s.reset();
   std::filesystem::remove_all(dir);
 }
@@ -196,7 +196,7 @@ TEST(SessionNvme, SpilledBytesComeBackAsWrittenAndACorruptedSpillIsDataLoss) {
 TEST(SessionNvme, NoSpillWithoutAnNvmeTier) {
   auto s = Make({{"device", "1MiB"}}, kThree);
   ASSERT_TRUE(s);
-  EXPECT_THAT(s->AllocateSpill(4096), StatusIs(StatusCode::kFailedPrecondition, "no NVMe"));
+  EXPECT_THAT(s->memory().AllocateSpill(4096), StatusIs(StatusCode::kFailedPrecondition, "no NVMe"));
 }
 
 }  // namespace

@@ -35,7 +35,7 @@ std::vector<float> Random(size_t n, uint32_t seed) {
 // Writes fp32 `g` into the tensor's grad pieces on the compute tier, as a binding does.
 void SetGrad(Session& s, size_t t, const std::vector<float>& g) {
   for (const Piece& p : s.place(t).pieces) {
-    auto base = s.Acquire(p.group, ChunkKind::kGrad, s.compute_tier());
+    auto base = s.chunks().Acquire(p.group, ChunkKind::kGrad, s.compute_tier());
     ASSERT_TRUE(base.ok()) << base.status().ToString();
     if (s.dtype(ChunkKind::kGrad) == kernels::DType::kF32) {
       std::memcpy(static_cast<float*>(*base) + p.offset, g.data() + p.begin, p.numel * 4);
@@ -43,14 +43,14 @@ void SetGrad(Session& s, size_t t, const std::vector<float>& g) {
       kernels::CastFromF32(g.data() + p.begin, static_cast<char*>(*base) + p.offset * 2,
                            s.dtype(ChunkKind::kGrad), p.numel);
     }
-    ASSERT_THAT(s.Release(p.group, ChunkKind::kGrad, true), IsOk());
+    ASSERT_THAT(s.chunks().Release(p.group, ChunkKind::kGrad, true), IsOk());
   }
-  s.SetHasGrad(t, true);
+  s.optimizer().SetHasGrad(t, true);
 }
 
 std::vector<float> Read(Session& s, size_t t, ChunkKind k = ChunkKind::kParamFp32) {
   std::vector<float> v(s.place(t).numel);
-  EXPECT_THAT(s.ReadTensor(t, k, v.data()), IsOk());
+  EXPECT_THAT(s.values().ReadTensor(t, k, v.data()), IsOk());
   return v;
 }
 
@@ -102,15 +102,15 @@ TEST(SessionPieces, CompressedOptimizerStateCoversWholeTensorsAndSplitOnesKeepFp
   EXPECT_EQ(s->chunk_elems() % 256, 0u);
   EXPECT_LE(s->chunk_elems(), 2000u);
   EXPECT_FALSE(s->place(0).split());
-  EXPECT_EQ(s->state_format(s->place(0).group).dtype, kernels::StateDType::kInt8);
+  EXPECT_EQ(s->values().state_format(s->place(0).group).dtype, kernels::StateDType::kInt8);
   ASSERT_TRUE(s->place(1).split());
   for (const Piece& p : s->place(1).pieces) {
-    EXPECT_EQ(s->state_format(p.group).dtype, kernels::StateDType::kF32);
+    EXPECT_EQ(s->values().state_format(p.group).dtype, kernels::StateDType::kF32);
   }
-  EXPECT_EQ(s->state_format(s->place(2).group).dtype, kernels::StateDType::kF32);
+  EXPECT_EQ(s->values().state_format(s->place(2).group).dtype, kernels::StateDType::kF32);
   // Each group has one format: no int8 group holds a piece of the split tensor.
   for (size_t g = 0; g < s->num_groups(); ++g) {
-    if (s->state_format(g).dtype != kernels::StateDType::kInt8) continue;
+    if (s->values().state_format(g).dtype != kernels::StateDType::kInt8) continue;
     for (uint32_t t : s->group(g).tensors) EXPECT_EQ(t, 0u);
   }
 }
@@ -142,8 +142,8 @@ TEST(SessionPieces, SplitTensorsStepAndCheckpointBitForBitLikeWholeOnes) {
     ASSERT_TRUE(split->place(1).split());
     for (size_t t = 0; t < kSpecs.size(); ++t) {
       const std::vector<float> v = Random(kSpecs[t].numel, 10 + t);
-      ASSERT_THAT(whole->WriteParam(t, v.data()), IsOk());
-      ASSERT_THAT(split->WriteParam(t, v.data()), IsOk());
+      ASSERT_THAT(whole->values().WriteParam(t, v.data()), IsOk());
+      ASSERT_THAT(split->values().WriteParam(t, v.data()), IsOk());
       EXPECT_EQ(Read(*split, t), v);
     }
     GroupHyper h;
@@ -151,21 +151,21 @@ TEST(SessionPieces, SplitTensorsStepAndCheckpointBitForBitLikeWholeOnes) {
     h.weight_decay = 0.1;
     for (int step = 0; step < 3; ++step) {
       for (Session* s : {whole.get(), split.get()}) {
-        ASSERT_THAT(s->ZeroGrad().status(), IsOk());
+        ASSERT_THAT(s->optimizer().ZeroGrad().status(), IsOk());
         for (size_t t = 0; t < kSpecs.size(); ++t) {
           if (step == 1 && t == 1) continue;  // `big` has no gradient this step: not stepped
           SetGrad(*s, t, Random(kSpecs[t].numel, 100 * step + t));
         }
-        ASSERT_THAT(s->Step({h}).status(), IsOk());
+        ASSERT_THAT(s->optimizer().Step({h}).status(), IsOk());
       }
     }
     for (size_t t = 0; t < kSpecs.size(); ++t) {
       EXPECT_EQ(Read(*split, t), Read(*whole, t)) << kSpecs[t].name;
       EXPECT_EQ(Read(*split, t, ChunkKind::kExpAvg), Read(*whole, t, ChunkKind::kExpAvg));
       EXPECT_EQ(Read(*split, t, ChunkKind::kExpAvgSq), Read(*whole, t, ChunkKind::kExpAvgSq));
-      EXPECT_EQ(split->step_count(t), whole->step_count(t));
+      EXPECT_EQ(split->values().step_count(t), whole->values().step_count(t));
     }
-    EXPECT_EQ(split->step_count(1), 2);
+    EXPECT_EQ(split->values().step_count(1), 2);
     // A checkpoint of the split session loads into the whole one and back.
     char tmpl[] = "/tmp/tiermem-pieces-XXXXXX";
     ASSERT_NE(mkdtemp(tmpl), nullptr);
@@ -176,7 +176,7 @@ TEST(SessionPieces, SplitTensorsStepAndCheckpointBitForBitLikeWholeOnes) {
     for (size_t t = 0; t < kSpecs.size(); ++t) {
       EXPECT_EQ(Read(*fresh, t), Read(*split, t));
       EXPECT_EQ(Read(*fresh, t, ChunkKind::kExpAvgSq), Read(*split, t, ChunkKind::kExpAvgSq));
-      EXPECT_EQ(fresh->step_count(t), split->step_count(t));
+      EXPECT_EQ(fresh->values().step_count(t), split->values().step_count(t));
     }
     ASSERT_THAT(whole->SaveCheckpoint(path), IsOk());
     auto back = Make({{"device", 64000}, {"precision", precision}, {"chunk_size", 1000}},
@@ -223,7 +223,7 @@ TEST(SessionPieces, ExpertSetsGiveEachExpertChunksOfItsOwn) {
   EXPECT_EQ(expert_groups.size(), 4u + 3u);  // one chunk per expert
   // Values of an expert-set tensor read and write whole.
   const std::vector<float> v = Random(512, 5);
-  ASSERT_THAT(s->WriteParam(2, v.data()), IsOk());
+  ASSERT_THAT(s->values().WriteParam(2, v.data()), IsOk());
   EXPECT_EQ(Read(*s, 2), v);
   // A fused expert tensor needs its shape (its first dimension indexes the experts).
   auto c = ParseConfig({{"device", "1MiB"}, {"device_kind", "sim"}}, MapEnv({}));

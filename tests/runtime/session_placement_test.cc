@@ -47,32 +47,32 @@ TEST(OptimizerPlacement, GroupsGetTheRoomTheWorkingSetLeavesInOrder) {
     auto s = Make({{"device", budget}, {"precision", mixed ? "bf16" : "fp32"}});
     ASSERT_TRUE(s);
     ASSERT_EQ(s->num_groups(), 4u);
-    EXPECT_FALSE(s->optimizer_placed());
-    for (size_t t = 0; t < 4; ++t) s->SetHasGrad(t, true);
-    ASSERT_TRUE(s->Step(Hyper()).ok());
-    ASSERT_TRUE(s->optimizer_placed());
-    EXPECT_TRUE(s->OptimizerOnDevice(0));
-    EXPECT_TRUE(s->OptimizerOnDevice(1));
-    EXPECT_FALSE(s->OptimizerOnDevice(2));
-    EXPECT_FALSE(s->OptimizerOnDevice(3));
+    EXPECT_FALSE(s->optimizer().placed());
+    for (size_t t = 0; t < 4; ++t) s->optimizer().SetHasGrad(t, true);
+    ASSERT_TRUE(s->optimizer().Step(Hyper()).ok());
+    ASSERT_TRUE(s->optimizer().placed());
+    EXPECT_TRUE(s->optimizer().OnDevice(0));
+    EXPECT_TRUE(s->optimizer().OnDevice(1));
+    EXPECT_FALSE(s->optimizer().OnDevice(2));
+    EXPECT_FALSE(s->optimizer().OnDevice(3));
     // The device groups' m and v live on the device once updated; the others' on the host.
-    ASSERT_THAT(s->FinishSteps(), IsOk());
-    EXPECT_EQ(s->Resident(0, ChunkKind::kExpAvg), TierKind::kDevice);
-    EXPECT_EQ(s->Resident(3, ChunkKind::kExpAvg), TierKind::kHost);
+    ASSERT_THAT(s->optimizer().FinishSteps(), IsOk());
+    EXPECT_EQ(s->chunks().Resident(0, ChunkKind::kExpAvg), TierKind::kDevice);
+    EXPECT_EQ(s->chunks().Resident(3, ChunkKind::kExpAvg), TierKind::kHost);
   }
   // Everything fits: every group; "host": none; no room beside the working set: none.
   auto all = Make({{"device", "4MiB"}});
-  for (size_t t = 0; t < 4; ++t) all->SetHasGrad(t, true);
-  ASSERT_TRUE(all->Step(Hyper()).ok());
-  for (size_t g = 0; g < 4; ++g) EXPECT_TRUE(all->OptimizerOnDevice(g)) << g;
+  for (size_t t = 0; t < 4; ++t) all->optimizer().SetHasGrad(t, true);
+  ASSERT_TRUE(all->optimizer().Step(Hyper()).ok());
+  for (size_t g = 0; g < 4; ++g) EXPECT_TRUE(all->optimizer().OnDevice(g)) << g;
   auto host = Make({{"device", "4MiB"}, {"optimizer_placement", "host"}});
-  for (size_t t = 0; t < 4; ++t) host->SetHasGrad(t, true);
-  ASSERT_TRUE(host->Step(Hyper()).ok());
-  for (size_t g = 0; g < 4; ++g) EXPECT_FALSE(host->OptimizerOnDevice(g)) << g;
+  for (size_t t = 0; t < 4; ++t) host->optimizer().SetHasGrad(t, true);
+  ASSERT_TRUE(host->optimizer().Step(Hyper()).ok());
+  for (size_t g = 0; g < 4; ++g) EXPECT_FALSE(host->optimizer().OnDevice(g)) << g;
   auto tight = Make({{"device", 4 * WorkingPerGroup(false)}});
-  for (size_t t = 0; t < 4; ++t) tight->SetHasGrad(t, true);
-  ASSERT_TRUE(tight->Step(Hyper()).ok());
-  for (size_t g = 0; g < 4; ++g) EXPECT_FALSE(tight->OptimizerOnDevice(g)) << g;
+  for (size_t t = 0; t < 4; ++t) tight->optimizer().SetHasGrad(t, true);
+  ASSERT_TRUE(tight->optimizer().Step(Hyper()).ok());
+  for (size_t g = 0; g < 4; ++g) EXPECT_FALSE(tight->optimizer().OnDevice(g)) << g;
 }
 
 // Device bytes held outside chunks (activations, a KV cache) before the first step count in
@@ -80,12 +80,12 @@ TEST(OptimizerPlacement, GroupsGetTheRoomTheWorkingSetLeavesInOrder) {
 TEST(OptimizerPlacement, ExternalDeviceBytesSeenSoFarReduceTheRoom) {
   const Bytes budget = 4 * WorkingPerGroup(false) + 2 * StatePerGroup(false) + 1000;
   auto s = Make({{"device", budget}});
-  ASSERT_THAT(s->SetExternalDeviceBytes(StatePerGroup(false)), IsOk());
-  ASSERT_THAT(s->SetExternalDeviceBytes(0), IsOk());  // the peak is what counts
-  for (size_t t = 0; t < 4; ++t) s->SetHasGrad(t, true);
-  ASSERT_TRUE(s->Step(Hyper()).ok());
-  EXPECT_TRUE(s->OptimizerOnDevice(0));
-  EXPECT_FALSE(s->OptimizerOnDevice(1));
+  ASSERT_THAT(s->memory().SetExternalDeviceBytes(StatePerGroup(false)), IsOk());
+  ASSERT_THAT(s->memory().SetExternalDeviceBytes(0), IsOk());  // the peak is what counts
+  for (size_t t = 0; t < 4; ++t) s->optimizer().SetHasGrad(t, true);
+  ASSERT_TRUE(s->optimizer().Step(Hyper()).ok());
+  EXPECT_TRUE(s->optimizer().OnDevice(0));
+  EXPECT_FALSE(s->optimizer().OnDevice(1));
 }
 
 struct Variant {
@@ -117,24 +117,24 @@ Outcome Train(const Variant& v, bool mixed, double clip) {
   std::unique_ptr<SimStream> stream;
   if (v.stream) {
     stream = std::make_unique<SimStream>(100'000);
-    s->SetComputeStream(stream->handle());
+    s->iterations().SetComputeStream(stream->handle());
   }
   for (size_t t = 0; t < 4; ++t) {
     std::vector<float> init(kFour[t].numel);
     for (size_t k = 0; k < init.size(); ++k) init[k] = std::sin(0.01f * (k + 1) * (t + 1));
-    EXPECT_THAT(s->WriteParam(t, init.data()), IsOk());
+    EXPECT_THAT(s->values().WriteParam(t, init.data()), IsOk());
   }
   for (int step = 0; step < 12; ++step) {
-    s->BeginIteration();
+    s->iterations().BeginIteration();
     for (size_t t = 0; t < 4; ++t) {
       const TensorPlace& p = s->place(t);
       std::vector<float> cur(p.numel);
-      EXPECT_THAT(s->ReadParam(t, cur.data()), IsOk());
+      EXPECT_THAT(s->values().ReadParam(t, cur.data()), IsOk());
       auto g = std::make_shared<std::vector<float>>(p.numel);
       for (size_t k = 0; k < p.numel; ++k) {
         (*g)[k] = 0.5f * cur[k] + std::cos(0.1f * step + 0.001f * k) * (mixed ? 0.25f : 1.0f);
       }
-      auto base = s->Acquire(p.group, ChunkKind::kGrad, TierKind::kDevice);
+      auto base = s->chunks().Acquire(p.group, ChunkKind::kGrad, TierKind::kDevice);
       EXPECT_TRUE(base.ok()) << base.status().ToString();
       char* dst = static_cast<char*>(*base) + p.offset * kernels::DTypeSize(s->dtype(ChunkKind::kGrad));
       const kernels::DType gd = s->dtype(ChunkKind::kGrad);
@@ -150,22 +150,22 @@ Outcome Train(const Variant& v, bool mixed, double clip) {
       } else {
         write();
       }
-      EXPECT_THAT(s->Release(p.group, ChunkKind::kGrad, true), IsOk());
-      s->SetHasGrad(t, true);
+      EXPECT_THAT(s->chunks().Release(p.group, ChunkKind::kGrad, true), IsOk());
+      s->optimizer().SetHasGrad(t, true);
     }
-    auto r = s->Step(Hyper());
+    auto r = s->optimizer().Step(Hyper());
     EXPECT_TRUE(r.ok()) << r.status().ToString();
     if (r.ok()) {
       out.norms.push_back(r->grad_norm);
     }
-    EXPECT_THAT(s->ZeroGrad(), IsOk());
+    EXPECT_THAT(s->optimizer().ZeroGrad(), IsOk());
   }
   if (stream) {
     EXPECT_THAT(stream->Synchronize(), IsOk());
   }
   for (size_t t = 0; t < 4; ++t) {
     out.params.emplace_back(kFour[t].numel);
-    EXPECT_THAT(s->ReadParam(t, out.params.back().data()), IsOk());
+    EXPECT_THAT(s->values().ReadParam(t, out.params.back().data()), IsOk());
   }
   out.stats = *s->Stats();
   return out;

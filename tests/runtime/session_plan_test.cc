@@ -36,35 +36,35 @@ using namespace session_tests;  // NOLINT: the split files' shared helpers
 // control flow), so its moments differ from every other iteration's.
 void TrainIteration(Session& s, int it, bool branch = false) {
   using planners::MomentKind;
-  s.BeginIteration();
+  s.iterations().BeginIteration();
   const uint32_t n = static_cast<uint32_t>(s.num_groups());
   for (uint32_t g = 0; g < n; ++g) {
     if (branch && g == 1) continue;
-    ASSERT_THAT(s.FinishStep(g), IsOk());  // as the bindings do before a unit's moment
-    s.Moment("fwd:" + std::to_string(g), MomentKind::kPreForward, g);
-    ASSERT_TRUE(s.Acquire(g, ChunkKind::kParamFp32, TierKind::kDevice).ok());
-    ASSERT_THAT(s.Release(g, ChunkKind::kParamFp32, false), IsOk());
+    ASSERT_THAT(s.optimizer().FinishStep(g), IsOk());  // as the bindings do before a unit's moment
+    s.iterations().Moment("fwd:" + std::to_string(g), MomentKind::kPreForward, g);
+    ASSERT_TRUE(s.chunks().Acquire(g, ChunkKind::kParamFp32, TierKind::kDevice).ok());
+    ASSERT_THAT(s.chunks().Release(g, ChunkKind::kParamFp32, false), IsOk());
   }
   for (uint32_t g = n; g-- > 0;) {
     if (branch && g == 1) continue;
-    s.Moment("bwd:" + std::to_string(g), MomentKind::kPreBackward, g);
-    auto p = s.Acquire(g, ChunkKind::kParamFp32, TierKind::kDevice);
+    s.iterations().Moment("bwd:" + std::to_string(g), MomentKind::kPreBackward, g);
+    auto p = s.chunks().Acquire(g, ChunkKind::kParamFp32, TierKind::kDevice);
     ASSERT_TRUE(p.ok()) << p.status().ToString();
     bool must_zero = false;
-    auto gp = s.AcquireForWrite(g, ChunkKind::kGrad, TierKind::kDevice, &must_zero);
+    auto gp = s.chunks().AcquireForWrite(g, ChunkKind::kGrad, TierKind::kDevice, &must_zero);
     ASSERT_TRUE(gp.ok()) << gp.status().ToString();
     const float* w = static_cast<const float*>(*p);
     float* gr = static_cast<float*>(*gp);
-    const uint64_t elems = s.ChunkBytes(g, ChunkKind::kGrad) / 4;
+    const uint64_t elems = s.chunks().ChunkBytes(g, ChunkKind::kGrad) / 4;
     for (uint64_t i = 0; i < elems; ++i) {
       gr[i] = 0.5f * w[i] + 0.01f * std::sin(static_cast<float>(i + 31 * g + 7 * it));
     }
-    ASSERT_THAT(s.Release(g, ChunkKind::kGrad, true), IsOk());
-    ASSERT_THAT(s.Release(g, ChunkKind::kParamFp32, false), IsOk());
-    for (uint32_t t : s.group(g).tensors) s.SetHasGrad(t, true);
+    ASSERT_THAT(s.chunks().Release(g, ChunkKind::kGrad, true), IsOk());
+    ASSERT_THAT(s.chunks().Release(g, ChunkKind::kParamFp32, false), IsOk());
+    for (uint32_t t : s.group(g).tensors) s.optimizer().SetHasGrad(t, true);
   }
-  ASSERT_TRUE(s.Step({GroupHyper{}}).ok());
-  ASSERT_TRUE(s.ZeroGrad().ok());
+  ASSERT_TRUE(s.optimizer().Step({GroupHyper{}}).ok());
+  ASSERT_TRUE(s.optimizer().ZeroGrad().ok());
 }
 
 // The experts of iteration `it` in MoeIteration: groups 6..9 are the experts of one layer,
@@ -80,49 +80,49 @@ std::vector<uint32_t> Routed(int it) {
 // backward; their grads and steps as any group's.
 void MoeIteration(Session& s, int it) {
   using planners::MomentKind;
-  s.BeginIteration();
+  s.iterations().BeginIteration();
   const std::vector<uint32_t> experts = Routed(it);
   auto backward = [&](uint32_t g, uint32_t cls) {
-    auto p = s.Acquire(g, ChunkKind::kParamFp32, TierKind::kDevice, cls);
+    auto p = s.chunks().Acquire(g, ChunkKind::kParamFp32, TierKind::kDevice, cls);
     ASSERT_TRUE(p.ok()) << p.status().ToString();
     bool must_zero = false;
-    auto gp = s.AcquireForWrite(g, ChunkKind::kGrad, TierKind::kDevice, &must_zero, cls);
+    auto gp = s.chunks().AcquireForWrite(g, ChunkKind::kGrad, TierKind::kDevice, &must_zero, cls);
     ASSERT_TRUE(gp.ok()) << gp.status().ToString();
     const float* w = static_cast<const float*>(*p);
     float* gr = static_cast<float*>(*gp);
-    const uint64_t elems = s.ChunkBytes(g, ChunkKind::kGrad) / 4;
+    const uint64_t elems = s.chunks().ChunkBytes(g, ChunkKind::kGrad) / 4;
     for (uint64_t i = 0; i < elems; ++i) {
       gr[i] = 0.5f * w[i] + 0.01f * std::sin(static_cast<float>(i + 31 * g + 7 * it));
     }
-    ASSERT_THAT(s.Release(g, ChunkKind::kGrad, true), IsOk());
-    ASSERT_THAT(s.Release(g, ChunkKind::kParamFp32, false), IsOk());
-    for (uint32_t t : s.group(g).tensors) s.SetHasGrad(t, true);
+    ASSERT_THAT(s.chunks().Release(g, ChunkKind::kGrad, true), IsOk());
+    ASSERT_THAT(s.chunks().Release(g, ChunkKind::kParamFp32, false), IsOk());
+    for (uint32_t t : s.group(g).tensors) s.optimizer().SetHasGrad(t, true);
   };
   for (uint32_t g = 0; g < 6; ++g) {
-    ASSERT_THAT(s.FinishStep(g), IsOk());
-    s.Moment("fwd:" + std::to_string(g), MomentKind::kPreForward, g);
-    ASSERT_TRUE(s.Acquire(g, ChunkKind::kParamFp32, TierKind::kDevice).ok());
-    ASSERT_THAT(s.Release(g, ChunkKind::kParamFp32, false), IsOk());
+    ASSERT_THAT(s.optimizer().FinishStep(g), IsOk());
+    s.iterations().Moment("fwd:" + std::to_string(g), MomentKind::kPreForward, g);
+    ASSERT_TRUE(s.chunks().Acquire(g, ChunkKind::kParamFp32, TierKind::kDevice).ok());
+    ASSERT_THAT(s.chunks().Release(g, ChunkKind::kParamFp32, false), IsOk());
   }
-  for (uint32_t e : experts) ASSERT_THAT(s.FinishStep(e), IsOk());
-  s.Moment("fwd:moe", MomentKind::kPreForward, 6);
+  for (uint32_t e : experts) ASSERT_THAT(s.optimizer().FinishStep(e), IsOk());
+  s.iterations().Moment("fwd:moe", MomentKind::kPreForward, 6);
   for (uint32_t e : experts) {
-    ASSERT_TRUE(s.Acquire(e, ChunkKind::kParamFp32, TierKind::kDevice, /*cls=*/0).ok());
-    ASSERT_THAT(s.Release(e, ChunkKind::kParamFp32, false), IsOk());
+    ASSERT_TRUE(s.chunks().Acquire(e, ChunkKind::kParamFp32, TierKind::kDevice, /*cls=*/0).ok());
+    ASSERT_THAT(s.chunks().Release(e, ChunkKind::kParamFp32, false), IsOk());
   }
-  s.Moment("bwd:moe", MomentKind::kPreBackward, 6);
+  s.iterations().Moment("bwd:moe", MomentKind::kPreBackward, 6);
   for (uint32_t e : experts) backward(e, 0);
   for (uint32_t g = 6; g-- > 0;) {
-    s.Moment("bwd:" + std::to_string(g), MomentKind::kPreBackward, g);
+    s.iterations().Moment("bwd:" + std::to_string(g), MomentKind::kPreBackward, g);
     backward(g, chunks::kNoClass);
   }
-  ASSERT_TRUE(s.Step({GroupHyper{}}).ok());
-  ASSERT_TRUE(s.ZeroGrad().ok());
+  ASSERT_TRUE(s.optimizer().Step({GroupHyper{}}).ok());
+  ASSERT_TRUE(s.optimizer().ZeroGrad().ok());
 }
 
 struct PlanRun {
   std::vector<std::vector<float>> params;
-  Session::PlanStatus plan;
+  PlanStatus plan;
   chunks::EngineStats engine;
   std::vector<chunks::EngineStats> per_iteration;  // engine counters at each iteration's end
 };
@@ -144,7 +144,7 @@ PlanRun TrainPlanned(const std::string& plan, bool nvme, int iterations,
   if (!s) return out;
   for (size_t t = 0; t < specs.size(); ++t) {
     auto v = Random(4096, 100 + t);
-    EXPECT_THAT(s->WriteParam(t, v.data()), IsOk());
+    EXPECT_THAT(s->values().WriteParam(t, v.data()), IsOk());
   }
   for (int it = 0; it < iterations; ++it) {
     if (moe) {
@@ -155,7 +155,7 @@ PlanRun TrainPlanned(const std::string& plan, bool nvme, int iterations,
     out.per_iteration.push_back(*s->Stats());
   }
   for (size_t t = 0; t < specs.size(); ++t) out.params.push_back(Param(*s, t));
-  out.plan = s->plan_status();
+  out.plan = s->plans().plan_status();
   out.engine = *s->Stats();
   s.reset();
   std::filesystem::remove_all(dir);

@@ -89,21 +89,21 @@ std::vector<std::vector<float>> Train(Session& s, ThreadCollectives::Rank* comm,
   for (size_t t = 0; t < kTensors.size(); ++t) {
     std::vector<float> v(kTensors[t].numel);
     for (size_t k = 0; k < v.size(); ++k) v[k] = Init(t, k);
-    EXPECT_THAT(s.WriteParam(t, v.data()), IsOk());
+    EXPECT_THAT(s.values().WriteParam(t, v.data()), IsOk());
   }
   const std::vector<GroupHyper> hyper = {GroupHyper{1e-2, 0.9, 0.999, 1e-8, 0.01}};
   for (int step = 0; step < 10; ++step) {
-    s.BeginIteration();
+    s.iterations().BeginIteration();
     for (size_t t = 0; t < kTensors.size(); ++t) {
       if (!kTensors[t].trainable) continue;
       const TensorPlace& p = s.place(t);
       std::vector<float> cur(p.numel), g(p.numel);
-      EXPECT_THAT(s.ReadParam(t, cur.data()), IsOk());
+      EXPECT_THAT(s.values().ReadParam(t, cur.data()), IsOk());
       for (size_t k = 0; k < g.size(); ++k) g[k] = 0.3f * cur[k] + std::cos(0.2f * step + k);
       // This rank's part of the tensor's gradient, at its place in the shard.
       const uint64_t lo = std::max(p.offset, s.shard_begin());
       const uint64_t hi = std::min(p.offset + p.numel, s.shard_begin() + s.shard_elems());
-      auto base = s.Acquire(p.group, ChunkKind::kGrad, TierKind::kDevice);
+      auto base = s.chunks().Acquire(p.group, ChunkKind::kGrad, TierKind::kDevice);
       EXPECT_TRUE(base.ok()) << base.status().ToString();
       if (lo < hi) {
         const size_t es = kernels::DTypeSize(s.dtype(ChunkKind::kGrad));
@@ -115,27 +115,27 @@ std::vector<std::vector<float>> Train(Session& s, ThreadCollectives::Rank* comm,
                                hi - lo);
         }
       }
-      EXPECT_THAT(s.Release(p.group, ChunkKind::kGrad, true), IsOk());
-      s.SetHasGrad(t, true);
+      EXPECT_THAT(s.chunks().Release(p.group, ChunkKind::kGrad, true), IsOk());
+      s.optimizer().SetHasGrad(t, true);
     }
     StatusOr<StepResult> r = InternalError("not run");
     if (s.sharded()) {
-      auto local = s.GradStats();
+      auto local = s.optimizer().GradStats();
       EXPECT_TRUE(local.ok());
       kernels::GradStats global;
       global.sq_norm = comm->SumOverRanks(local->sq_norm);
       global.overflow = comm->SumOverRanks(local->overflow ? 1 : 0) > 0;
-      r = s.Step(hyper, &global);
+      r = s.optimizer().Step(hyper, &global);
     } else {
-      r = s.Step(hyper);
+      r = s.optimizer().Step(hyper);
     }
     EXPECT_TRUE(r.ok()) << r.status().ToString();
-    EXPECT_THAT(s.ZeroGrad(), IsOk());
+    EXPECT_THAT(s.optimizer().ZeroGrad(), IsOk());
   }
   std::vector<std::vector<float>> out;
   for (size_t t = 0; t < kTensors.size(); ++t) {
     out.emplace_back(kTensors[t].numel);
-    EXPECT_THAT(s.ReadParam(t, out.back().data()), IsOk());
+    EXPECT_THAT(s.values().ReadParam(t, out.back().data()), IsOk());
   }
   return out;
 }
@@ -220,7 +220,7 @@ TEST(SessionShard, Int8StateOnShardsEqualsTheUnshardedStepAndItsCheckpointMoves)
       if (!kTensors[t].trainable) continue;
       for (ChunkKind k : {ChunkKind::kExpAvg, ChunkKind::kExpAvgSq}) {
         out.emplace_back(kTensors[t].numel);
-        EXPECT_THAT(s.ReadTensor(t, k, out.back().data()), IsOk());
+        EXPECT_THAT(s.values().ReadTensor(t, k, out.back().data()), IsOk());
       }
     }
     return out;
@@ -233,7 +233,7 @@ TEST(SessionShard, Int8StateOnShardsEqualsTheUnshardedStepAndItsCheckpointMoves)
     SCOPED_TRACE("world " + std::to_string(world));
     const auto got = OnRanks(world, config, [&](Session& s, ThreadCollectives::Rank* c) {
       EXPECT_EQ(s.shard_elems() % 256, 0u);
-      EXPECT_EQ(s.state_format(s.place(0).group).dtype, kernels::StateDType::kInt8);
+      EXPECT_EQ(s.values().state_format(s.place(0).group).dtype, kernels::StateDType::kInt8);
       auto v = Train(s, c, false);
       EXPECT_EQ(state_of(s), want_state);
       if (s.world() == 2) {
@@ -272,8 +272,8 @@ TEST(SessionShard, ACheckpointSavedAtOneWorldSizeLoadsAtAnother) {
       std::vector<std::vector<float>> v;
       for (size_t t = 0; t < kTensors.size(); ++t) {
         v.emplace_back(kTensors[t].numel);
-        EXPECT_THAT(s->ReadParam(t, v.back().data()), IsOk());
-        EXPECT_EQ(s->step_count(t), kTensors[t].trainable ? 10 : 0);
+        EXPECT_THAT(s->values().ReadParam(t, v.back().data()), IsOk());
+        EXPECT_EQ(s->values().step_count(t), kTensors[t].trainable ? 10 : 0);
       }
       got.push_back(v);
     } else {
@@ -285,7 +285,7 @@ TEST(SessionShard, ACheckpointSavedAtOneWorldSizeLoadsAtAnother) {
         std::vector<std::vector<float>> v;
         for (size_t t = 0; t < kTensors.size(); ++t) {
           v.emplace_back(kTensors[t].numel);
-          EXPECT_THAT(s.ReadParam(t, v.back().data()), IsOk());
+          EXPECT_THAT(s.values().ReadParam(t, v.back().data()), IsOk());
         }
         return v;
       });
@@ -368,7 +368,7 @@ TEST(SessionShard, PretrainedWeightsLoadIntoShardsAndExportFromThem) {
                                  std::vector<std::vector<float>> v;
                                  for (size_t t = 0; t < s.num_tensors(); ++t) {
                                    v.emplace_back(s.spec(t).numel);
-                                   EXPECT_THAT(s.ReadParam(t, v.back().data()), IsOk());
+                                   EXPECT_THAT(s.values().ReadParam(t, v.back().data()), IsOk());
                                  }
                                  return v;
                                });
@@ -389,7 +389,7 @@ TEST(SessionShard, PretrainedWeightsLoadIntoShardsAndExportFromThem) {
       ASSERT_THAT(LoadWeights(*one, *back, targets).status(), IsOk());
       for (size_t t = 0; t < want.size(); ++t) {
         std::vector<float> v(kTensors[t].numel);
-        ASSERT_THAT(one->ReadParam(t, v.data()), IsOk());
+        ASSERT_THAT(one->values().ReadParam(t, v.data()), IsOk());
         EXPECT_EQ(v, want[t]) << kTensors[t].name;
       }
     }

@@ -99,7 +99,7 @@ struct Ref {
 
 std::vector<float> Read(Session& s, size_t t, ChunkKind kind) {
   std::vector<float> v(s.place(t).numel);
-  EXPECT_THAT(s.ReadTensor(t, kind, v.data()), IsOk());
+  EXPECT_THAT(s.values().ReadTensor(t, kind, v.data()), IsOk());
   return v;
 }
 
@@ -111,36 +111,36 @@ TEST(SessionState, LayoutAlignsInt8TensorsToTheBlockAndShrinksTheStateChunks) {
     const bool int8 = std::string(dtype) == "int8";
     for (size_t t : {0u, 1u, 3u}) {  // >= 1000 elements: the format
       const size_t g = s->place(t).group;
-      EXPECT_EQ(s->state_format(g).dtype, int8 ? StateDType::kInt8 : StateDType::kBF16);
+      EXPECT_EQ(s->values().state_format(g).dtype, int8 ? StateDType::kInt8 : StateDType::kBF16);
       if (int8) {
         EXPECT_EQ(s->place(t).offset % 256, 0u) << kModel[t].name;
       }
       const uint64_t e = s->shard_elems();
-      EXPECT_EQ(s->ChunkBytes(g, ChunkKind::kExpAvg), int8 ? e + e / 256 * 4 : e * 2);
-      EXPECT_EQ(s->ChunkBytes(g, ChunkKind::kParamFp32), e * 4);  // masters stay fp32
+      EXPECT_EQ(s->chunks().ChunkBytes(g, ChunkKind::kExpAvg), int8 ? e + e / 256 * 4 : e * 2);
+      EXPECT_EQ(s->chunks().ChunkBytes(g, ChunkKind::kParamFp32), e * 4);  // masters stay fp32
     }
     if (int8) {
       EXPECT_EQ(s->chunk_elems() % 256, 0u);
     }
     // The small tensor keeps fp32 state in a group of its own; frozen groups have none.
     const size_t small = s->place(2).group;
-    EXPECT_EQ(s->state_format(small).dtype, StateDType::kF32);
+    EXPECT_EQ(s->values().state_format(small).dtype, StateDType::kF32);
     EXPECT_NE(small, s->place(0).group);
-    EXPECT_EQ(s->ChunkBytes(small, ChunkKind::kExpAvg), s->shard_elems() * 4);
-    EXPECT_LT(s->state_bytes(), s->state_bytes_fp32());
+    EXPECT_EQ(s->chunks().ChunkBytes(small, ChunkKind::kExpAvg), s->shard_elems() * 4);
+    EXPECT_LT(s->values().state_bytes(), s->values().state_bytes_fp32());
   }
   // fp32 (the default): one trainable layout as before, every state chunk fp32.
   auto f = Make({{"device", "1MiB"}}, kModel);
   ASSERT_TRUE(f);
   EXPECT_EQ(f->place(2).group, f->place(0).group);
-  EXPECT_EQ(f->state_bytes(), f->state_bytes_fp32());
+  EXPECT_EQ(f->values().state_bytes(), f->values().state_bytes_fp32());
   // state_min_elems 0: every trainable tensor quantized, one layout.
   auto all = Make({{"device", "1MiB"}, {"optimizer", State("int8", {{"state_min_elems", 0}})}},
                   kModel);
   ASSERT_TRUE(all);
-  EXPECT_EQ(all->state_format(all->place(2).group).dtype, StateDType::kInt8);
+  EXPECT_EQ(all->values().state_format(all->place(2).group).dtype, StateDType::kInt8);
   // int8 state: m and v take 1 + 4/256 bytes per element instead of 8 ... for both: 0.254x.
-  EXPECT_NEAR(static_cast<double>(all->state_bytes()) / all->state_bytes_fp32(), 0.2539, 1e-3);
+  EXPECT_NEAR(static_cast<double>(all->values().state_bytes()) / all->values().state_bytes_fp32(), 0.2539, 1e-3);
 }
 
 // Trains kModel for `steps` steps; checks every tensor against Ref after each.
@@ -151,7 +151,7 @@ void TrainAgainstRef(json config, const std::string& dtype, int steps, bool expe
   if (expect_nvme) {  // some optimizer state lives on NVMe
     int on_nvme = 0;
     for (size_t g = 0; g < s->num_groups(); ++g) {
-      if (s->has_kind(g, ChunkKind::kExpAvg) && s->Home(g, ChunkKind::kExpAvg) == TierKind::kNvme) {
+      if (s->has_kind(g, ChunkKind::kExpAvg) && s->chunks().Home(g, ChunkKind::kExpAvg) == TierKind::kNvme) {
         ++on_nvme;
       }
     }
@@ -160,16 +160,16 @@ void TrainAgainstRef(json config, const std::string& dtype, int steps, bool expe
   std::vector<Ref> refs;
   for (size_t t = 0; t < kModel.size(); ++t) {
     std::vector<float> init = Init(t, kModel[t].numel);
-    ASSERT_THAT(s->WriteParam(t, init.data()), IsOk());
-    const kernels::StateFormat f = s->state_format(s->place(t).group);
+    ASSERT_THAT(s->values().WriteParam(t, init.data()), IsOk());
+    const kernels::StateFormat f = s->values().state_format(s->place(t).group);
     refs.emplace_back(f, init);
     if (s->mixed()) {  // the master as the session keeps it
-      ASSERT_THAT(s->ReadParam(t, refs.back().p.data()), IsOk());
+      ASSERT_THAT(s->values().ReadParam(t, refs.back().p.data()), IsOk());
     }
   }
   const std::vector<GroupHyper> hyper = {GroupHyper{1e-2, 0.9, 0.999, 1e-8, 0.01}};
   for (int step = 1; step <= steps; ++step) {
-    s->BeginIteration();
+    s->iterations().BeginIteration();
     s->SetStepHyper(hyper);
     for (size_t t = 0; t < kModel.size(); ++t) {
       if (!kModel[t].trainable) continue;
@@ -180,17 +180,17 @@ void TrainAgainstRef(json config, const std::string& dtype, int steps, bool expe
         kernels::CastToF32(h.data(), kernels::DType::kBF16, g.data(), g.size());
       }
       SetGrad(*s, t, g);
-      s->Moment("bwd", planners::MomentKind::kPreBackward, static_cast<uint32_t>(t));
+      s->iterations().Moment("bwd", planners::MomentKind::kPreBackward, static_cast<uint32_t>(t));
       const TensorPlace& p = s->place(t);
       refs[t].Step(g, (static_cast<uint64_t>(step) << 32) ^
                           (p.group * 0x9E3779B97F4A7C15ull) ^ p.offset);
     }
-    ASSERT_TRUE(s->Step(hyper).ok());
-    ASSERT_THAT(s->ZeroGrad(), IsOk());
+    ASSERT_TRUE(s->optimizer().Step(hyper).ok());
+    ASSERT_THAT(s->optimizer().ZeroGrad(), IsOk());
     for (size_t t = 0; t < kModel.size(); ++t) {
       if (!kModel[t].trainable) continue;
       std::vector<float> got(kModel[t].numel);
-      ASSERT_THAT(s->ReadParam(t, got.data()), IsOk());
+      ASSERT_THAT(s->values().ReadParam(t, got.data()), IsOk());
       ASSERT_EQ(got, refs[t].p) << dtype << " step " << step << " " << kModel[t].name;
       ASSERT_EQ(Read(*s, t, ChunkKind::kExpAvg), refs[t].M()) << kModel[t].name;
     }
@@ -216,17 +216,17 @@ std::unique_ptr<Session> Trained(const std::string& dtype, json extra = json::ob
   const std::vector<GroupHyper> hyper = {GroupHyper{1e-2, 0.9, 0.999, 1e-8, 0.01}};
   for (size_t t = 0; t < kModel.size(); ++t) {
     std::vector<float> init = Init(t, kModel[t].numel);
-    EXPECT_THAT(s->WriteParam(t, init.data()), IsOk());
+    EXPECT_THAT(s->values().WriteParam(t, init.data()), IsOk());
   }
   for (int step = 1; step <= 3; ++step) {
     for (size_t t = 0; t < kModel.size(); ++t) {
       if (!kModel[t].trainable) continue;
       std::vector<float> p(kModel[t].numel);
-      EXPECT_THAT(s->ReadParam(t, p.data()), IsOk());
+      EXPECT_THAT(s->values().ReadParam(t, p.data()), IsOk());
       SetGrad(*s, t, Grad(t, p.size(), step, p));
     }
-    EXPECT_TRUE(s->Step(hyper).ok());
-    EXPECT_THAT(s->ZeroGrad(), IsOk());
+    EXPECT_TRUE(s->optimizer().Step(hyper).ok());
+    EXPECT_THAT(s->optimizer().ZeroGrad(), IsOk());
   }
   return s;
 }
@@ -236,7 +236,7 @@ TEST(SessionState, StochasticBf16StateIsDeterministicAndUnlikeNearest) {
   auto b = Trained("bf16", {{"state_rounding", "stochastic"}});
   auto n = Trained("bf16");
   ASSERT_TRUE(a && b && n);
-  EXPECT_TRUE(a->state_format(a->place(0).group).stochastic);
+  EXPECT_TRUE(a->values().state_format(a->place(0).group).stochastic);
   size_t differ = 0, total = 0;
   for (size_t t : {0u, 1u, 3u}) {
     const std::vector<float> ma = Read(*a, t, ChunkKind::kExpAvg);
@@ -283,28 +283,28 @@ TEST(SessionState, TheTraceAndTheSimulatorCountTheCompressedBytes) {
     const std::vector<GroupHyper> hyper = {GroupHyper{1e-2, 0.9, 0.999, 1e-8, 0.01}};
     for (int it = 0; it < 4; ++it) {
       if (it == 1) {
-        ASSERT_THAT(s->RecordTrace(path, 2), IsOk());
+        ASSERT_THAT(s->traces().RecordTrace(path, 2), IsOk());
       }
-      s->BeginIteration();
+      s->iterations().BeginIteration();
       for (size_t t = 0; t < kModel.size(); ++t) {
         const TensorPlace& p = s->place(t);
-        s->Moment("fwd", planners::MomentKind::kPreForward, static_cast<uint32_t>(t));
-        ASSERT_TRUE(s->Acquire(p.group, s->compute_kind(), s->compute_tier()).ok());
-        ASSERT_THAT(s->Release(p.group, s->compute_kind(), false), IsOk());
+        s->iterations().Moment("fwd", planners::MomentKind::kPreForward, static_cast<uint32_t>(t));
+        ASSERT_TRUE(s->chunks().Acquire(p.group, s->compute_kind(), s->compute_tier()).ok());
+        ASSERT_THAT(s->chunks().Release(p.group, s->compute_kind(), false), IsOk());
       }
       for (size_t t = kModel.size(); t-- > 0;) {
         if (!kModel[t].trainable) continue;
-        s->Moment("bwd", planners::MomentKind::kPreBackward, static_cast<uint32_t>(t));
+        s->iterations().Moment("bwd", planners::MomentKind::kPreBackward, static_cast<uint32_t>(t));
         SetGrad(*s, t, std::vector<float>(kModel[t].numel, 1e-3f));
       }
-      ASSERT_TRUE(s->Step(hyper).ok());
+      ASSERT_TRUE(s->optimizer().Step(hyper).ok());
     }
-    s->BeginIteration();
+    s->iterations().BeginIteration();
     auto trace = planners::ReadTraceFile(path);
     ASSERT_TRUE(trace.ok()) << trace.status().ToString();
     for (const planners::TraceChunk& c : trace->chunks) {
       if (trace->kind_names[c.kind] == "exp_avg") {
-        EXPECT_EQ(c.bytes, s->ChunkBytes(c.group, ChunkKind::kExpAvg)) << dtype;
+        EXPECT_EQ(c.bytes, s->chunks().ChunkBytes(c.group, ChunkKind::kExpAvg)) << dtype;
       }
     }
     // The disk's rates (the recorded ones when the trace has them): the bytes do not depend
@@ -332,13 +332,13 @@ TEST(SessionState, ValuesAreDequantizedOutAndQuantizedIn) {
   std::mt19937 rng(3);
   std::normal_distribution<float> d(0.0f, 1e-3f);
   for (float& x : m) x = d(rng);
-  ASSERT_THAT(s->WriteTensor(1, ChunkKind::kExpAvg, m.data()), IsOk());
+  ASSERT_THAT(s->values().WriteTensor(1, ChunkKind::kExpAvg, m.data()), IsOk());
   // The codes and absmax stored are QuantizeState's of the values (blocks from the tensor).
-  const kernels::StateFormat f = s->state_format(s->place(1).group);
+  const kernels::StateFormat f = s->values().state_format(s->place(1).group);
   std::vector<uint8_t> q(m.size()), q_got(m.size());
   std::vector<float> a(kernels::StateBlocks(f, m.size())), a_got(a.size());
   kernels::QuantizeState(f, true, m.data(), {q.data(), a.data()}, m.size());
-  ASSERT_THAT(s->ReadStateRaw(1, ChunkKind::kExpAvg, q_got.data(), a_got.data()), IsOk());
+  ASSERT_THAT(s->values().ReadStateRaw(1, ChunkKind::kExpAvg, q_got.data(), a_got.data()), IsOk());
   EXPECT_EQ(q_got, q);
   EXPECT_EQ(a_got, a);
   std::vector<float> back(m.size());
@@ -348,13 +348,13 @@ TEST(SessionState, ValuesAreDequantizedOutAndQuantizedIn) {
   for (float x : Read(*s, 0, ChunkKind::kExpAvg)) ASSERT_EQ(x, 0.0f);
   for (float x : Read(*s, 3, ChunkKind::kExpAvg)) ASSERT_EQ(x, 0.0f);
   // Raw writes of another tensor's codes land where ReadStateRaw finds them.
-  ASSERT_THAT(s->WriteStateRaw(3, ChunkKind::kExpAvgSq, std::vector<uint8_t>(6000, 200).data(),
+  ASSERT_THAT(s->values().WriteStateRaw(3, ChunkKind::kExpAvgSq, std::vector<uint8_t>(6000, 200).data(),
                                std::vector<float>(24, 2.0f).data()),
               IsOk());
   for (float x : Read(*s, 3, ChunkKind::kExpAvgSq)) {
     ASSERT_EQ(x, kernels::DynamicCode(false)[200] * 2.0f);
   }
-  EXPECT_THAT(s->ReadStateRaw(1, ChunkKind::kGrad, q_got.data(), a_got.data()),
+  EXPECT_THAT(s->values().ReadStateRaw(1, ChunkKind::kGrad, q_got.data(), a_got.data()),
               StatusIs(StatusCode::kInvalidArgument, "exp_avg or exp_avg_sq"));
 }
 
@@ -390,18 +390,18 @@ TEST(SessionState, CheckpointKeepsTheCodesAndItsAbsmax) {
   ASSERT_THAT(b->LoadCheckpoint(path), IsOk());
   for (size_t t = 0; t < kModel.size(); ++t) {
     std::vector<float> pa(kModel[t].numel), pb(kModel[t].numel);
-    ASSERT_THAT(a->ReadParam(t, pa.data()), IsOk());
-    ASSERT_THAT(b->ReadParam(t, pb.data()), IsOk());
+    ASSERT_THAT(a->values().ReadParam(t, pa.data()), IsOk());
+    ASSERT_THAT(b->values().ReadParam(t, pb.data()), IsOk());
     EXPECT_EQ(pa, pb);
     if (!kModel[t].trainable) continue;
-    EXPECT_EQ(b->step_count(t), 3);
+    EXPECT_EQ(b->values().step_count(t), 3);
     for (ChunkKind k : {ChunkKind::kExpAvg, ChunkKind::kExpAvgSq}) {
       EXPECT_EQ(Read(*a, t, k), Read(*b, t, k)) << kModel[t].name;
     }
     std::vector<uint8_t> qa(kModel[t].numel * 4), qb(qa.size());
     std::vector<float> aa(64), ab(64);
-    ASSERT_THAT(a->ReadStateRaw(t, ChunkKind::kExpAvgSq, qa.data(), aa.data()), IsOk());
-    ASSERT_THAT(b->ReadStateRaw(t, ChunkKind::kExpAvgSq, qb.data(), ab.data()), IsOk());
+    ASSERT_THAT(a->values().ReadStateRaw(t, ChunkKind::kExpAvgSq, qa.data(), aa.data()), IsOk());
+    ASSERT_THAT(b->values().ReadStateRaw(t, ChunkKind::kExpAvgSq, qb.data(), ab.data()), IsOk());
     EXPECT_EQ(qa, qb);
     EXPECT_EQ(aa, ab);
   }
@@ -431,7 +431,7 @@ TEST(SessionState, CheckpointsConvertBetweenFormats) {
           }
           auto c = Make({{"device", "1MiB"}, {"optimizer", State(to, {{"state_min_elems", 1000}})}},
                         kModel);
-          ASSERT_THAT(c->WriteTensor(t, k, saved.data()), IsOk());
+          ASSERT_THAT(c->values().WriteTensor(t, k, saved.data()), IsOk());
           EXPECT_EQ(Read(*b, t, k), Read(*c, t, k)) << kModel[t].name;
         }
       }

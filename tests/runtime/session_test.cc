@@ -47,9 +47,9 @@ TEST(SessionLayout, GroupsHoldTheKindsTheirPrecisionNeeds) {
   EXPECT_FALSE(s->has_kind(tg, ChunkKind::kParamLowp));
   EXPECT_TRUE(s->has_kind(fg, ChunkKind::kParamFp32));
   EXPECT_FALSE(s->has_kind(fg, ChunkKind::kGrad));
-  EXPECT_THAT(s->Acquire(fg, ChunkKind::kGrad, TierKind::kHost),
+  EXPECT_THAT(s->chunks().Acquire(fg, ChunkKind::kGrad, TierKind::kHost),
               StatusIs(StatusCode::kInvalidArgument, "has no grad chunk"));
-  EXPECT_EQ(s->ChunkBytes(tg, ChunkKind::kParamFp32), 2048u * 4);
+  EXPECT_EQ(s->chunks().ChunkBytes(tg, ChunkKind::kParamFp32), 2048u * 4);
 
   auto m = Make({{"device", "1MiB"}, {"chunk_size", 2048}, {"precision", "bf16"}},
                 {{"w", 1500, true, 0}, {"frozen", 600, false, 0}});
@@ -57,8 +57,8 @@ TEST(SessionLayout, GroupsHoldTheKindsTheirPrecisionNeeds) {
   const size_t mt = m->place(0).group, mf = m->place(1).group;
   EXPECT_EQ(m->compute_kind(), ChunkKind::kParamLowp);
   EXPECT_EQ(m->dtype(ChunkKind::kGrad), kernels::DType::kBF16);
-  EXPECT_EQ(m->ChunkBytes(mt, ChunkKind::kParamLowp), 2048u * 2);
-  EXPECT_EQ(m->ChunkBytes(mt, ChunkKind::kParamFp32), 2048u * 4);  // the master
+  EXPECT_EQ(m->chunks().ChunkBytes(mt, ChunkKind::kParamLowp), 2048u * 2);
+  EXPECT_EQ(m->chunks().ChunkBytes(mt, ChunkKind::kParamFp32), 2048u * 4);  // the master
   EXPECT_TRUE(m->has_kind(mf, ChunkKind::kParamFp32));  // frozen params keep exact values
   EXPECT_TRUE(m->has_kind(mf, ChunkKind::kParamLowp));
 }
@@ -99,10 +99,10 @@ TEST(SessionValues, MixedPrecisionWritesTheMasterAndTheRoundedComputeCopy) {
   ASSERT_TRUE(s);
   std::vector<float> w = Random(100, 1);
   w[0] = 1.00390625f;  // between two bf16 values: the copy rounds, the master keeps it
-  ASSERT_THAT(s->WriteParam(0, w.data()), IsOk());
+  ASSERT_THAT(s->values().WriteParam(0, w.data()), IsOk());
   EXPECT_EQ(Param(*s, 0), w);
   std::vector<uint16_t> low(100);
-  ASSERT_THAT(s->ReadTensor(0, ChunkKind::kParamLowp, low.data()), IsOk());
+  ASSERT_THAT(s->values().ReadTensor(0, ChunkKind::kParamLowp, low.data()), IsOk());
   std::vector<uint16_t> want(100);
   kernels::CastFromF32(w.data(), want.data(), kernels::DType::kBF16, 100);
   EXPECT_EQ(low, want);
@@ -115,7 +115,7 @@ TEST(SessionStep, EqualsTheKernelOnEachTensorBitForBit) {
   std::vector<RefState> ref;
   for (size_t t = 0; t < 3; ++t) {
     ref.emplace_back(Random(kThree[t].numel, 10 + t));
-    ASSERT_THAT(s->WriteParam(t, ref[t].p.data()), IsOk());
+    ASSERT_THAT(s->values().WriteParam(t, ref[t].p.data()), IsOk());
   }
   const GroupHyper h{2e-3, 0.9, 0.99, 1e-8, 0.05};
   for (int step = 0; step < 4; ++step) {
@@ -124,18 +124,18 @@ TEST(SessionStep, EqualsTheKernelOnEachTensorBitForBit) {
       SetGrad(*s, t, g);
       ref[t].Step(g, h);
     }
-    auto r = s->Step({h});
+    auto r = s->optimizer().Step({h});
     ASSERT_TRUE(r.ok()) << r.status().ToString();
     EXPECT_TRUE(r->applied);
     EXPECT_EQ(r->grad_norm, -1);  // not computed without clipping
-    ASSERT_THAT(s->ZeroGrad(), IsOk());
+    ASSERT_THAT(s->optimizer().ZeroGrad(), IsOk());
   }
   for (size_t t = 0; t < 3; ++t) {
     EXPECT_EQ(Param(*s, t), ref[t].p) << kThree[t].name;
     std::vector<float> m(kThree[t].numel);
-    ASSERT_THAT(s->ReadTensor(t, ChunkKind::kExpAvg, m.data()), IsOk());
+    ASSERT_THAT(s->values().ReadTensor(t, ChunkKind::kExpAvg, m.data()), IsOk());
     EXPECT_EQ(m, ref[t].m);
-    EXPECT_EQ(s->step_count(t), 4);
+    EXPECT_EQ(s->values().step_count(t), 4);
   }
 }
 
@@ -145,25 +145,25 @@ TEST(SessionStep, TensorsWithoutGradientAreNotSteppedAndTheirStaleBytesAreNotRea
   std::vector<RefState> ref;
   for (size_t t = 0; t < 3; ++t) {
     ref.emplace_back(Random(kThree[t].numel, 20 + t));
-    ASSERT_THAT(s->WriteParam(t, ref[t].p.data()), IsOk());
+    ASSERT_THAT(s->values().WriteParam(t, ref[t].p.data()), IsOk());
   }
   // Step 1: every tensor has a gradient; b's is huge.
   std::vector<std::vector<float>> g;
   for (size_t t = 0; t < 3; ++t) g.push_back(Random(kThree[t].numel, 30 + t, t == 1 ? 50.f : 1.f));
   for (size_t t = 0; t < 3; ++t) SetGrad(*s, t, g[t]);
-  ASSERT_TRUE(s->Step({GroupHyper{}}).ok());
+  ASSERT_TRUE(s->optimizer().Step({GroupHyper{}}).ok());
   double sq = 0;
   for (auto& gt : g) for (float x : gt) sq += double(x) * x;
   float coef = std::min((1.0f / (static_cast<float>(std::sqrt(sq)) + 1e-6f)) * 0.5f, 1.0f);
   for (size_t t = 0; t < 3; ++t) ref[t].Step(g[t], GroupHyper{}, coef);
   // Step 2: b's gradient is dropped (torch's set_to_none) but its bytes stay in the chunk.
   // Neither its value nor the clipping norm may see them.
-  s->SetHasGrad(1, false);
+  s->optimizer().SetHasGrad(1, false);
   for (size_t t : {0, 2}) {
     g[t] = Random(kThree[t].numel, 40 + t);
     SetGrad(*s, t, g[t]);
   }
-  auto r = s->Step({GroupHyper{}});
+  auto r = s->optimizer().Step({GroupHyper{}});
   ASSERT_TRUE(r.ok());
   sq = 0;
   for (size_t t : {0, 2}) for (float x : g[t]) sq += double(x) * x;
@@ -172,29 +172,29 @@ TEST(SessionStep, TensorsWithoutGradientAreNotSteppedAndTheirStaleBytesAreNotRea
   EXPECT_EQ(r->clip_coef, coef);
   for (size_t t : {0, 2}) ref[t].Step(g[t], GroupHyper{}, coef);
   for (size_t t = 0; t < 3; ++t) EXPECT_EQ(Param(*s, t), ref[t].p) << kThree[t].name;
-  EXPECT_EQ(s->step_count(1), 1);
-  EXPECT_EQ(s->step_count(0), 2);
+  EXPECT_EQ(s->values().step_count(1), 1);
+  EXPECT_EQ(s->values().step_count(0), 2);
 }
 
 TEST(SessionStep, AccumulationAppliesEveryNthStepAndKeepsGradientsInBetween) {
   auto s = Make({{"device", "1MiB"}, {"gradient_accumulation_steps", 3}}, kThree);
   ASSERT_TRUE(s);
   RefState ref(Random(1000, 5));
-  ASSERT_THAT(s->WriteParam(0, ref.p.data()), IsOk());
+  ASSERT_THAT(s->values().WriteParam(0, ref.p.data()), IsOk());
   for (int micro = 1; micro <= 3; ++micro) {
     SetGrad(*s, 0, std::vector<float>(1000, 0.25f * micro));  // the binding's running sum
-    auto r = s->Step({GroupHyper{}});
+    auto r = s->optimizer().Step({GroupHyper{}});
     ASSERT_TRUE(r.ok());
     EXPECT_EQ(r->applied, micro == 3);
-    EXPECT_EQ(s->accumulating(), micro != 3);
-    auto z = s->ZeroGrad();
+    EXPECT_EQ(s->optimizer().accumulating(), micro != 3);
+    auto z = s->optimizer().ZeroGrad();
     ASSERT_TRUE(z.ok());
     EXPECT_EQ(*z, micro == 3) << "zero_grad only clears after an applied step";
-    EXPECT_EQ(s->has_grad(0), micro != 3);
+    EXPECT_EQ(s->optimizer().has_grad(0), micro != 3);
   }
   ref.Step(std::vector<float>(1000, 0.75f), GroupHyper{});
   EXPECT_EQ(Param(*s, 0), ref.p);
-  EXPECT_EQ(s->micro_steps(), 3u);
+  EXPECT_EQ(s->optimizer().micro_steps(), 3u);
 }
 
 TEST(SessionStep, PerGroupHyperParametersAndLrChangesApply) {
@@ -202,14 +202,14 @@ TEST(SessionStep, PerGroupHyperParametersAndLrChangesApply) {
   auto s = Make({{"device", "1MiB"}}, specs);
   ASSERT_TRUE(s);
   RefState a(Random(500, 1)), b(Random(200, 2));
-  ASSERT_THAT(s->WriteParam(0, a.p.data()), IsOk());
-  ASSERT_THAT(s->WriteParam(1, b.p.data()), IsOk());
+  ASSERT_THAT(s->values().WriteParam(0, a.p.data()), IsOk());
+  ASSERT_THAT(s->values().WriteParam(1, b.p.data()), IsOk());
   std::vector<GroupHyper> h = {{1e-3, 0.9, 0.999, 1e-8, 0.1}, {3e-3, 0.9, 0.999, 1e-8, 0.0}};
   for (int step = 0; step < 3; ++step) {
     auto ga = Random(500, 50 + step), gb = Random(200, 60 + step);
     SetGrad(*s, 0, ga);
     SetGrad(*s, 1, gb);
-    ASSERT_TRUE(s->Step(h).ok());
+    ASSERT_TRUE(s->optimizer().Step(h).ok());
     a.Step(ga, h[0]);
     b.Step(gb, h[1]);
     h[0].lr *= 0.5;  // a scheduler between steps
@@ -217,7 +217,7 @@ TEST(SessionStep, PerGroupHyperParametersAndLrChangesApply) {
   }
   EXPECT_EQ(Param(*s, 0), a.p);
   EXPECT_EQ(Param(*s, 1), b.p);
-  EXPECT_THAT(s->Step({h[0]}), StatusIs(StatusCode::kInvalidArgument, "param group 1"));
+  EXPECT_THAT(s->optimizer().Step({h[0]}), StatusIs(StatusCode::kInvalidArgument, "param group 1"));
 }
 
 // A step that cannot acquire a group's chunks (here: m pinned on the device by someone else)
@@ -230,20 +230,20 @@ TEST(SessionStep, AGroupThatCannotBeAcquiredIsNotSteppedAndSaysWhich) {
   ASSERT_TRUE(s);
   ASSERT_EQ(s->num_groups(), 3u);
   for (size_t t = 0; t < 3; ++t) {
-    ASSERT_THAT(s->WriteParam(t, Random(s->place(t).numel, t).data()), IsOk());
+    ASSERT_THAT(s->values().WriteParam(t, Random(s->place(t).numel, t).data()), IsOk());
   }
   for (size_t t = 0; t < 3; ++t) SetGrad(*s, t, Random(s->place(t).numel, 10 + t));
   const std::vector<float> b_before = Param(*s, 1);
-  ASSERT_TRUE(s->Acquire(1, ChunkKind::kExpAvg, TierKind::kDevice).ok());
-  auto r = s->Step({GroupHyper{}});
+  ASSERT_TRUE(s->chunks().Acquire(1, ChunkKind::kExpAvg, TierKind::kDevice).ok());
+  auto r = s->optimizer().Step({GroupHyper{}});
   EXPECT_THAT(r.status(), StatusIs(StatusCode::kFailedPrecondition, "chunk group 1 of 3"));
-  EXPECT_EQ(s->step_count(0), 1);  // group 0 was stepped
-  EXPECT_EQ(s->step_count(1), 0);
-  EXPECT_EQ(s->step_count(2), 0);
-  ASSERT_THAT(s->Release(1, ChunkKind::kExpAvg, false), IsOk());
+  EXPECT_EQ(s->values().step_count(0), 1);  // group 0 was stepped
+  EXPECT_EQ(s->values().step_count(1), 0);
+  EXPECT_EQ(s->values().step_count(2), 0);
+  ASSERT_THAT(s->chunks().Release(1, ChunkKind::kExpAvg, false), IsOk());
   EXPECT_EQ(Param(*s, 1), b_before);
-  ASSERT_TRUE(s->Step({GroupHyper{}}).ok());
-  EXPECT_EQ(s->step_count(1), 1);
+  ASSERT_TRUE(s->optimizer().Step({GroupHyper{}}).ok());
+  EXPECT_EQ(s->values().step_count(1), 1);
   EXPECT_NE(Param(*s, 1), b_before);
 }
 
@@ -261,7 +261,7 @@ TEST(SessionStep, DeferredUpdatesEqualImmediateOnesOnEveryAccessPath) {
     ASSERT_TRUE(s[k]);
     ASSERT_EQ(s[k]->num_groups(), 3u);
     for (size_t t = 0; t < specs.size(); ++t) {
-      ASSERT_THAT(s[k]->WriteParam(t, Random(specs[t].numel, t).data()), IsOk());
+      ASSERT_THAT(s[k]->values().WriteParam(t, Random(specs[t].numel, t).data()), IsOk());
     }
   }
   auto same = [&](const char* when) {
@@ -269,11 +269,11 @@ TEST(SessionStep, DeferredUpdatesEqualImmediateOnesOnEveryAccessPath) {
       EXPECT_EQ(Param(*s[0], t), Param(*s[1], t)) << when << ": " << specs[t].name;
       for (ChunkKind kind : {ChunkKind::kExpAvg, ChunkKind::kExpAvgSq, ChunkKind::kGrad}) {
         std::vector<float> x(specs[t].numel), y(specs[t].numel);
-        ASSERT_THAT(s[0]->ReadTensor(t, kind, x.data()), IsOk());
-        ASSERT_THAT(s[1]->ReadTensor(t, kind, y.data()), IsOk());
+        ASSERT_THAT(s[0]->values().ReadTensor(t, kind, x.data()), IsOk());
+        ASSERT_THAT(s[1]->values().ReadTensor(t, kind, y.data()), IsOk());
         EXPECT_EQ(x, y) << when << ": " << specs[t].name << " " << chunks::ChunkKindName(kind);
       }
-      EXPECT_EQ(s[0]->step_count(t), s[1]->step_count(t));
+      EXPECT_EQ(s[0]->values().step_count(t), s[1]->values().step_count(t));
     }
   };
   for (int step = 0; step < 5; ++step) {
@@ -285,30 +285,30 @@ TEST(SessionStep, DeferredUpdatesEqualImmediateOnesOnEveryAccessPath) {
         if (step == 2 && t == 1) continue;  // b has no gradient in step 2
         SetGrad(*s[k], t, Random(specs[t].numel, 50 * step + t, 0.3f));
       }
-      auto r = s[k]->Step(hyper);
+      auto r = s[k]->optimizer().Step(hyper);
       ASSERT_TRUE(r.ok()) << r.status().ToString();
       EXPECT_LT(r->clip_coef, 1.0f);  // the norm is above 0.5: clipped
-      EXPECT_EQ(s[k]->pending_steps(), k == 0 ? 0u : 3u);
+      EXPECT_EQ(s[k]->optimizer().pending_steps(), k == 0 ? 0u : 3u);
     }
     switch (step) {
       case 0:  // grads dropped while pending: the update still reads them, then they are zero
-        for (int k = 0; k < 2; ++k) ASSERT_THAT(s[k]->ZeroGrad(), IsOk());
-        EXPECT_EQ(s[1]->pending_steps(), 3u);
+        for (int k = 0; k < 2; ++k) ASSERT_THAT(s[k]->optimizer().ZeroGrad(), IsOk());
+        EXPECT_EQ(s[1]->optimizer().pending_steps(), 3u);
         same("after zero_grad");
-        EXPECT_EQ(s[1]->pending_steps(), 0u);
+        EXPECT_EQ(s[1]->optimizer().pending_steps(), 0u);
         break;
       case 1:  // one tensor read: only its group is updated
         EXPECT_EQ(Param(*s[0], 2), Param(*s[1], 2));
-        EXPECT_EQ(s[1]->pending_steps(), 2u);
+        EXPECT_EQ(s[1]->optimizer().pending_steps(), 2u);
         break;
       case 2:  // the binding's announcement, group by group, as a forward would
-        for (size_t g = 0; g < 3; ++g) ASSERT_THAT(s[1]->FinishStep(g), IsOk());
-        EXPECT_EQ(s[1]->pending_steps(), 0u);
+        for (size_t g = 0; g < 3; ++g) ASSERT_THAT(s[1]->optimizer().FinishStep(g), IsOk());
+        EXPECT_EQ(s[1]->optimizer().pending_steps(), 0u);
         same("after FinishStep");
         break;
       case 3:  // a value written while pending lands after the update (not overwritten by it)
         for (int k = 0; k < 2; ++k) {
-          ASSERT_THAT(s[k]->WriteParam(0, Random(1000, 999).data()), IsOk());
+          ASSERT_THAT(s[k]->values().WriteParam(0, Random(1000, 999).data()), IsOk());
         }
         same("after a write");
         break;
@@ -317,7 +317,7 @@ TEST(SessionStep, DeferredUpdatesEqualImmediateOnesOnEveryAccessPath) {
     }
   }
   ASSERT_THAT(s[1]->Flush(), IsOk());
-  EXPECT_EQ(s[1]->pending_steps(), 0u);
+  EXPECT_EQ(s[1]->optimizer().pending_steps(), 0u);
   same("at the end");
 }
 
@@ -336,33 +336,33 @@ struct SpecIt {
 
 StepResult SpecIteration(Session& s, int it, const SpecIt& o) {
   using planners::MomentKind;
-  s.BeginIteration();
+  s.iterations().BeginIteration();
   s.SetStepHyper(o.announced);
   const uint32_t n = static_cast<uint32_t>(s.num_groups());
   for (uint32_t g = 0; g < n; ++g) {
-    EXPECT_THAT(s.FinishStep(g), IsOk());
-    s.Moment("fwd:" + std::to_string(g), MomentKind::kPreForward, g);
-    EXPECT_TRUE(s.Acquire(g, s.compute_kind(), TierKind::kDevice).ok());
-    EXPECT_THAT(s.Release(g, s.compute_kind(), false), IsOk());
+    EXPECT_THAT(s.optimizer().FinishStep(g), IsOk());
+    s.iterations().Moment("fwd:" + std::to_string(g), MomentKind::kPreForward, g);
+    EXPECT_TRUE(s.chunks().Acquire(g, s.compute_kind(), TierKind::kDevice).ok());
+    EXPECT_THAT(s.chunks().Release(g, s.compute_kind(), false), IsOk());
   }
   auto grad = [&](uint32_t t, int salt) {
     // Scaled by the loss scale (fp16), as a scaled loss's backward gives them.
     std::vector<float> v = Random(s.place(t).numel, 1000 * it + 10 * t + salt,
-                                  o.grad_scale * static_cast<float>(s.loss_scale()));
+                                  o.grad_scale * static_cast<float>(s.optimizer().loss_scale()));
     if (o.overflow && s.place(t).group == 0) v[3] = INFINITY;
     return v;
   };
   for (uint32_t g = n; g-- > 0;) {
-    s.Moment("bwd:" + std::to_string(g), MomentKind::kPreBackward, g);
+    s.iterations().Moment("bwd:" + std::to_string(g), MomentKind::kPreBackward, g);
     for (uint32_t t : s.group(g).tensors) SetGrad(s, t, grad(t, 0));
   }
   if (o.rewrite) {
     for (uint32_t t : s.group(n - 1).tensors) SetGrad(s, t, grad(t, 1));
   }
   if (o.between) o.between(s);
-  auto r = s.Step(o.hyper);
+  auto r = s.optimizer().Step(o.hyper);
   EXPECT_TRUE(r.ok()) << r.status().ToString();
-  EXPECT_TRUE(s.ZeroGrad().ok());
+  EXPECT_TRUE(s.optimizer().ZeroGrad().ok());
   return r.ok() ? *r : StepResult{};
 }
 
@@ -373,10 +373,10 @@ std::vector<std::vector<float>> TrainingState(Session& s) {
     out.push_back(Param(s, t));
     for (ChunkKind kind : {ChunkKind::kExpAvg, ChunkKind::kExpAvgSq}) {
       std::vector<float> x(s.place(t).numel);
-      EXPECT_THAT(s.ReadTensor(t, kind, x.data()), IsOk());
+      EXPECT_THAT(s.values().ReadTensor(t, kind, x.data()), IsOk());
       out.push_back(std::move(x));
     }
-    out.push_back({static_cast<float>(s.step_count(t))});
+    out.push_back({static_cast<float>(s.values().step_count(t))});
   }
   return out;
 }
@@ -398,7 +398,7 @@ TEST(SessionStep, SpeculativeStepsInTheBackwardAreBitIdenticalWithClippingOn) {
       ASSERT_TRUE(s[k]);
       ASSERT_EQ(s[k]->num_groups(), 3u);
       for (size_t t = 0; t < specs.size(); ++t) {
-        ASSERT_THAT(s[k]->WriteParam(t, Random(specs[t].numel, t).data()), IsOk());
+        ASSERT_THAT(s[k]->values().WriteParam(t, Random(specs[t].numel, t).data()), IsOk());
       }
     }
     const bool fp16 = std::string(precision) == "fp16";
@@ -454,7 +454,7 @@ TEST(SessionStep, SpeculativeStepsTakeOnlyFreeHostRoom) {
                 specs);
     ASSERT_TRUE(s[k]);
     for (size_t t = 0; t < specs.size(); ++t) {
-      ASSERT_THAT(s[k]->WriteParam(t, Random(4096, t).data()), IsOk());
+      ASSERT_THAT(s[k]->values().WriteParam(t, Random(4096, t).data()), IsOk());
     }
   }
   for (int it = 0; it < 4; ++it) {
@@ -475,14 +475,14 @@ TEST(SessionStep, ADeferredUpdateIsAlsoInTheCheckpoint) {
   ASSERT_TRUE(s && ref);
   for (Session* x : {s.get(), ref.get()}) {
     for (size_t t = 0; t < 3; ++t) {
-      ASSERT_THAT(x->WriteParam(t, Random(kThree[t].numel, t).data()), IsOk());
+      ASSERT_THAT(x->values().WriteParam(t, Random(kThree[t].numel, t).data()), IsOk());
       SetGrad(*x, t, Random(kThree[t].numel, 7 + t));
     }
-    ASSERT_TRUE(x->Step({GroupHyper{}}).ok());
+    ASSERT_TRUE(x->optimizer().Step({GroupHyper{}}).ok());
   }
-  ASSERT_GT(s->pending_steps(), 0u);
+  ASSERT_GT(s->optimizer().pending_steps(), 0u);
   ASSERT_THAT(s->SaveCheckpoint(dir + "/ck"), IsOk());
-  EXPECT_EQ(s->pending_steps(), 0u);
+  EXPECT_EQ(s->optimizer().pending_steps(), 0u);
   auto loaded = Make({{"device", "32KiB"}, {"chunk_size", 1024}}, kThree);
   ASSERT_TRUE(loaded);
   ASSERT_THAT(loaded->LoadCheckpoint(dir + "/ck"), IsOk());
@@ -494,20 +494,20 @@ TEST(SessionStep, BadHyperParametersChangeNothing) {
   auto s = Make({{"device", "1MiB"}}, kThree);
   ASSERT_TRUE(s);
   const std::vector<float> before = Random(1000, 9);
-  ASSERT_THAT(s->WriteParam(0, before.data()), IsOk());
+  ASSERT_THAT(s->values().WriteParam(0, before.data()), IsOk());
   SetGrad(*s, 0, Random(1000, 10));
   GroupHyper bad;
   bad.eps = 0;
-  EXPECT_THAT(s->Step({bad}), StatusIs(StatusCode::kInvalidArgument, "eps must be > 0"));
+  EXPECT_THAT(s->optimizer().Step({bad}), StatusIs(StatusCode::kInvalidArgument, "eps must be > 0"));
   bad = GroupHyper{};
   bad.beta2 = 1.0;
-  EXPECT_THAT(s->Step({bad}), StatusIs(StatusCode::kInvalidArgument, "betas[1]"));
+  EXPECT_THAT(s->optimizer().Step({bad}), StatusIs(StatusCode::kInvalidArgument, "betas[1]"));
   bad = GroupHyper{};
   bad.lr = -1;
-  EXPECT_THAT(s->Step({bad}), StatusIs(StatusCode::kInvalidArgument, "lr"));
+  EXPECT_THAT(s->optimizer().Step({bad}), StatusIs(StatusCode::kInvalidArgument, "lr"));
   EXPECT_EQ(Param(*s, 0), before);
-  EXPECT_EQ(s->step_count(0), 0);
-  EXPECT_EQ(s->micro_steps(), 0u);
+  EXPECT_EQ(s->values().step_count(0), 0);
+  EXPECT_EQ(s->optimizer().micro_steps(), 0u);
 }
 
 TEST(SessionStep, Fp16OverflowSkipsTheStepAndLowersTheScaleThenGrows) {
@@ -516,20 +516,20 @@ TEST(SessionStep, Fp16OverflowSkipsTheStepAndLowersTheScaleThenGrows) {
                  {"loss_scaling", {{"initial_scale", 1024}, {"growth_interval", 2}}}},
                 {{"w", 64, true, 0}});
   ASSERT_TRUE(s);
-  EXPECT_EQ(s->loss_scale(), 1024);
+  EXPECT_EQ(s->optimizer().loss_scale(), 1024);
   std::vector<float> w = Random(64, 3);
-  ASSERT_THAT(s->WriteParam(0, w.data()), IsOk());
+  ASSERT_THAT(s->values().WriteParam(0, w.data()), IsOk());
   std::vector<float> g = Random(64, 4);
   g[7] = INFINITY;
   SetGrad(*s, 0, g);
-  auto r = s->Step({GroupHyper{}});
+  auto r = s->optimizer().Step({GroupHyper{}});
   ASSERT_TRUE(r.ok());
   EXPECT_TRUE(r->skipped);
   EXPECT_FALSE(r->applied);
-  EXPECT_EQ(s->loss_scale(), 512);
-  EXPECT_EQ(s->scaler().skipped_steps, 1u);
+  EXPECT_EQ(s->optimizer().loss_scale(), 512);
+  EXPECT_EQ(s->optimizer().scaler().skipped_steps, 1u);
   EXPECT_EQ(Param(*s, 0), w);
-  EXPECT_EQ(s->step_count(0), 0);
+  EXPECT_EQ(s->values().step_count(0), 0);
   // Two good steps at 512: the grads are unscaled (so the update equals the unscaled one),
   // then the scale doubles.
   RefState ref(w);
@@ -538,7 +538,7 @@ TEST(SessionStep, Fp16OverflowSkipsTheStepAndLowersTheScaleThenGrows) {
     std::vector<float> scaled(64);
     for (int k = 0; k < 64; ++k) scaled[k] = gi[k] * 512.0f;
     SetGrad(*s, 0, scaled);
-    r = s->Step({GroupHyper{}});
+    r = s->optimizer().Step({GroupHyper{}});
     ASSERT_TRUE(r.ok() && r->applied);
     // The reference reads the same fp16 values and unscales them in the kernel.
     std::vector<uint16_t> h16(64);
@@ -548,7 +548,7 @@ TEST(SessionStep, Fp16OverflowSkipsTheStepAndLowersTheScaleThenGrows) {
     for (float& x : back) x *= 1.0f / 512.0f;
     ref.Step(back, GroupHyper{});
   }
-  EXPECT_EQ(s->loss_scale(), 1024);
+  EXPECT_EQ(s->optimizer().loss_scale(), 1024);
   std::vector<float> got = Param(*s, 0);
   EXPECT_EQ(got, ref.p);
 }

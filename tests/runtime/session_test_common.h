@@ -41,7 +41,7 @@ inline std::vector<float> Random(size_t n, uint32_t seed, float scale = 1.0f) {
 
 inline std::vector<float> Param(Session& s, size_t t) {
   std::vector<float> v(s.place(t).numel);
-  EXPECT_THAT(s.ReadParam(t, v.data()), ::tiermem::testing::IsOk());
+  EXPECT_THAT(s.values().ReadParam(t, v.data()), ::tiermem::testing::IsOk());
   return v;
 }
 

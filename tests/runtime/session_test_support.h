@@ -15,7 +15,7 @@ namespace tiermem::session {
 // does: rounded to the grad dtype) and marks it.
 inline void SetGrad(Session& s, size_t t, const std::vector<float>& g) {
   const TensorPlace& p = s.place(t);
-  auto base = s.Acquire(p.group, ChunkKind::kGrad, s.compute_tier());
+  auto base = s.chunks().Acquire(p.group, ChunkKind::kGrad, s.compute_tier());
   ASSERT_TRUE(base.ok()) << base.status().ToString();
   if (s.dtype(ChunkKind::kGrad) == kernels::DType::kF32) {
     std::memcpy(static_cast<float*>(*base) + p.offset, g.data(), g.size() * 4);
@@ -23,8 +23,8 @@ inline void SetGrad(Session& s, size_t t, const std::vector<float>& g) {
     kernels::CastFromF32(g.data(), static_cast<char*>(*base) + p.offset * 2,
                          s.dtype(ChunkKind::kGrad), g.size());
   }
-  ASSERT_THAT(s.Release(p.group, ChunkKind::kGrad, true), ::tiermem::testing::IsOk());
-  s.SetHasGrad(t, true);
+  ASSERT_THAT(s.chunks().Release(p.group, ChunkKind::kGrad, true), ::tiermem::testing::IsOk());
+  s.optimizer().SetHasGrad(t, true);
 }
 
 }  // namespace tiermem::session

@@ -36,13 +36,13 @@ TEST(SessionTimeline, TemporaryTimelineGoesAwayAtCloseAConfiguredOneStays) {
   ASSERT_TRUE(s);
   const std::string tmp = s->timeline_path();
   EXPECT_TRUE(std::filesystem::exists(tmp));
-  auto rep = s->TimelineReport();
+  auto rep = s->traces().TimelineReport();
   ASSERT_TRUE(rep.ok()) << rep.status().ToString();
   EXPECT_GT(rep->events, 0u);
   s->Close();
   EXPECT_TRUE(s->closed());
   EXPECT_FALSE(std::filesystem::exists(tmp));
-  EXPECT_THAT(s->Step({GroupHyper{}}), StatusIs(StatusCode::kFailedPrecondition, "closed"));
+  EXPECT_THAT(s->optimizer().Step({GroupHyper{}}), StatusIs(StatusCode::kFailedPrecondition, "closed"));
   EXPECT_EQ(s->num_tensors(), 3u);  // the layout stays readable
 
   auto k = Make({{"device", "1MiB"}, {"timeline", dir + "/sub/run.tmt"}}, kThree);
@@ -84,21 +84,21 @@ TEST(SessionTracing, UntracedAcquiresDoNotDisturbTheRecordedOrder) {
   auto s = Make({{"device", "1MiB"}, {"chunk_size", 1100}}, kThree);
   ASSERT_TRUE(s);
   auto iteration = [&] {
-    s->BeginIteration();
+    s->iterations().BeginIteration();
     for (size_t g = 0; g < s->num_groups(); ++g) {
-      ASSERT_TRUE(s->Acquire(g, ChunkKind::kParamFp32, TierKind::kDevice).ok());
-      ASSERT_THAT(s->Release(g, ChunkKind::kParamFp32, false), IsOk());
+      ASSERT_TRUE(s->chunks().Acquire(g, ChunkKind::kParamFp32, TierKind::kDevice).ok());
+      ASSERT_THAT(s->chunks().Release(g, ChunkKind::kParamFp32, false), IsOk());
     }
   };
   iteration();
   iteration();
   // An "eval" pass in between, in another order, untraced.
-  s->SetTracing(false);
+  s->iterations().SetTracing(false);
   for (size_t g = s->num_groups(); g-- > 0;) {
-    ASSERT_TRUE(s->Acquire(g, ChunkKind::kParamFp32, TierKind::kHost).ok());
-    ASSERT_THAT(s->Release(g, ChunkKind::kParamFp32, false), IsOk());
+    ASSERT_TRUE(s->chunks().Acquire(g, ChunkKind::kParamFp32, TierKind::kHost).ok());
+    ASSERT_THAT(s->chunks().Release(g, ChunkKind::kParamFp32, false), IsOk());
   }
-  s->SetTracing(true);
+  s->iterations().SetTracing(true);
   iteration();
   iteration();
   auto st = s->Stats();
@@ -106,8 +106,8 @@ TEST(SessionTracing, UntracedAcquiresDoNotDisturbTheRecordedOrder) {
   EXPECT_EQ(st->diverged, 0u);
   // The same eval pass traced does diverge (the check above can fail).
   for (size_t g = s->num_groups(); g-- > 0;) {
-    ASSERT_TRUE(s->Acquire(g, ChunkKind::kParamFp32, TierKind::kHost).ok());
-    ASSERT_THAT(s->Release(g, ChunkKind::kParamFp32, false), IsOk());
+    ASSERT_TRUE(s->chunks().Acquire(g, ChunkKind::kParamFp32, TierKind::kHost).ok());
+    ASSERT_THAT(s->chunks().Release(g, ChunkKind::kParamFp32, false), IsOk());
   }
   iteration();
   st = s->Stats();
@@ -121,26 +121,26 @@ TEST(SessionTracing, UntracedAcquiresDoNotDisturbTheRecordedOrder) {
 // (lazily zero: pure writes), then the optimizer step and ZeroGrad.
 void ScriptedIteration(Session& s, bool write_param_in_forward = false) {
   using planners::MomentKind;
-  s.BeginIteration();
+  s.iterations().BeginIteration();
   const uint32_t n = static_cast<uint32_t>(s.num_groups());
   for (uint32_t g = 0; g < n; ++g) {
-    ASSERT_THAT(s.FinishStep(g), IsOk());  // as the bindings do before a unit's moment
-    s.Moment("fwd:" + std::to_string(g), MomentKind::kPreForward, g);
-    ASSERT_TRUE(s.Acquire(g, ChunkKind::kParamFp32, TierKind::kDevice).ok());
-    s.AddSavedBytes(1000 * (g + 1));
-    ASSERT_THAT(s.Release(g, ChunkKind::kParamFp32, write_param_in_forward && g == 0), IsOk());
+    ASSERT_THAT(s.optimizer().FinishStep(g), IsOk());  // as the bindings do before a unit's moment
+    s.iterations().Moment("fwd:" + std::to_string(g), MomentKind::kPreForward, g);
+    ASSERT_TRUE(s.chunks().Acquire(g, ChunkKind::kParamFp32, TierKind::kDevice).ok());
+    s.traces().AddSavedBytes(1000 * (g + 1));
+    ASSERT_THAT(s.chunks().Release(g, ChunkKind::kParamFp32, write_param_in_forward && g == 0), IsOk());
   }
   for (uint32_t g = n; g-- > 0;) {
-    s.Moment("bwd:" + std::to_string(g), MomentKind::kPreBackward, g);
+    s.iterations().Moment("bwd:" + std::to_string(g), MomentKind::kPreBackward, g);
     bool must_zero = false;
-    auto p = s.AcquireForWrite(g, ChunkKind::kGrad, TierKind::kDevice, &must_zero);
+    auto p = s.chunks().AcquireForWrite(g, ChunkKind::kGrad, TierKind::kDevice, &must_zero);
     ASSERT_TRUE(p.ok());
-    if (must_zero) std::memset(*p, 0, s.ChunkBytes(g, ChunkKind::kGrad));
-    ASSERT_THAT(s.Release(g, ChunkKind::kGrad, true), IsOk());
-    for (uint32_t t : s.group(g).tensors) s.SetHasGrad(t, true);
+    if (must_zero) std::memset(*p, 0, s.chunks().ChunkBytes(g, ChunkKind::kGrad));
+    ASSERT_THAT(s.chunks().Release(g, ChunkKind::kGrad, true), IsOk());
+    for (uint32_t t : s.group(g).tensors) s.optimizer().SetHasGrad(t, true);
   }
-  ASSERT_TRUE(s.Step({GroupHyper{}}).ok());
-  ASSERT_TRUE(s.ZeroGrad().ok());
+  ASSERT_TRUE(s.optimizer().Step({GroupHyper{}}).ok());
+  ASSERT_TRUE(s.optimizer().ZeroGrad().ok());
 }
 
 TEST(SessionTrace, RecordsTheIterationsMomentsAccessesSavedBytesAndRates) {
@@ -153,17 +153,17 @@ TEST(SessionTrace, RecordsTheIterationsMomentsAccessesSavedBytesAndRates) {
   const uint32_t groups = static_cast<uint32_t>(s->num_groups());
   ASSERT_EQ(groups, 3u);
   ScriptedIteration(*s);  // before arming: not recorded
-  ASSERT_THAT(s->RecordTrace(path, 2), IsOk());
-  EXPECT_TRUE(s->trace_armed());
-  EXPECT_FALSE(s->recording_trace());
+  ASSERT_THAT(s->traces().RecordTrace(path, 2), IsOk());
+  EXPECT_TRUE(s->traces().trace_armed());
+  EXPECT_FALSE(s->traces().recording_trace());
   ScriptedIteration(*s, /*write_param_in_forward=*/true);
-  EXPECT_TRUE(s->recording_trace());
+  EXPECT_TRUE(s->traces().recording_trace());
   ScriptedIteration(*s);
   EXPECT_FALSE(std::filesystem::exists(path));  // the 2nd iteration's step is still open
-  s->BeginIteration();                           // ends it: the file is written
+  s->iterations().BeginIteration();                           // ends it: the file is written
   EXPECT_TRUE(std::filesystem::exists(path));
-  EXPECT_EQ(s->written_trace(), path);
-  EXPECT_FALSE(s->trace_armed());
+  EXPECT_EQ(s->traces().written_trace(), path);
+  EXPECT_FALSE(s->traces().trace_armed());
 
   auto t = planners::ReadTraceFile(path);
   ASSERT_TRUE(t.ok()) << t.status().ToString();
@@ -240,28 +240,28 @@ TEST(SessionTrace, BadArgumentsUntracedPassesFinishAndClose) {
   const std::string dir = TempDir();
   auto s = Make({{"device", "64KiB"}, {"chunk_size", 1024}}, kThree);
   ASSERT_TRUE(s);
-  EXPECT_THAT(s->RecordTrace("", 1), StatusIs(StatusCode::kInvalidArgument, "path is empty"));
-  EXPECT_THAT(s->RecordTrace(dir + "/a.tmtrace", 0),
+  EXPECT_THAT(s->traces().RecordTrace("", 1), StatusIs(StatusCode::kInvalidArgument, "path is empty"));
+  EXPECT_THAT(s->traces().RecordTrace(dir + "/a.tmtrace", 0),
               StatusIs(StatusCode::kInvalidArgument, "iterations must be >= 1"));
-  EXPECT_FALSE(s->trace_armed());
-  auto none = s->FinishTrace();
+  EXPECT_FALSE(s->traces().trace_armed());
+  auto none = s->traces().FinishTrace();
   ASSERT_TRUE(none.ok());
   EXPECT_FALSE(*none);  // nothing armed: nothing written
 
-  ASSERT_THAT(s->RecordTrace(dir + "/a.tmtrace", 5), IsOk());
-  EXPECT_THAT(s->RecordTrace(dir + "/b.tmtrace", 1),
+  ASSERT_THAT(s->traces().RecordTrace(dir + "/a.tmtrace", 5), IsOk());
+  EXPECT_THAT(s->traces().RecordTrace(dir + "/b.tmtrace", 1),
               StatusIs(StatusCode::kFailedPrecondition, "already being recorded"));
   ScriptedIteration(*s);
   // An eval pass, untraced: not in the trace.
-  s->SetTracing(false);
+  s->iterations().SetTracing(false);
   for (size_t g = 0; g < s->num_groups(); ++g) {
-    s->Moment("eval", planners::MomentKind::kPreForward, 0);
-    ASSERT_TRUE(s->Acquire(g, ChunkKind::kParamFp32, TierKind::kHost).ok());
-    ASSERT_THAT(s->Release(g, ChunkKind::kParamFp32, false), IsOk());
+    s->iterations().Moment("eval", planners::MomentKind::kPreForward, 0);
+    ASSERT_TRUE(s->chunks().Acquire(g, ChunkKind::kParamFp32, TierKind::kHost).ok());
+    ASSERT_THAT(s->chunks().Release(g, ChunkKind::kParamFp32, false), IsOk());
   }
-  s->SetTracing(true);
+  s->iterations().SetTracing(true);
   // Finish after one of the five iterations writes what was recorded.
-  auto w = s->FinishTrace();
+  auto w = s->traces().FinishTrace();
   ASSERT_TRUE(w.ok()) << w.status().ToString();
   EXPECT_TRUE(*w);
   auto t = planners::ReadTraceFile(dir + "/a.tmtrace");
@@ -273,7 +273,7 @@ TEST(SessionTrace, BadArgumentsUntracedPassesFinishAndClose) {
   }
 
   // A second recording on the same session; Close writes it.
-  ASSERT_THAT(s->RecordTrace(dir + "/c.tmtrace", 3), IsOk());
+  ASSERT_THAT(s->traces().RecordTrace(dir + "/c.tmtrace", 3), IsOk());
   ScriptedIteration(*s);
   s->Close();
   auto c = planners::ReadTraceFile(dir + "/c.tmtrace");
@@ -283,10 +283,10 @@ TEST(SessionTrace, BadArgumentsUntracedPassesFinishAndClose) {
   // A path that cannot be written: the error reaches FinishTrace, training goes on.
   auto u = Make({{"device", "64KiB"}, {"chunk_size", 1024}}, kThree);
   ASSERT_TRUE(u);
-  ASSERT_THAT(u->RecordTrace(dir + "/no/such/dir/x.tmtrace", 1), IsOk());
+  ASSERT_THAT(u->traces().RecordTrace(dir + "/no/such/dir/x.tmtrace", 1), IsOk());
   ScriptedIteration(*u);
   ScriptedIteration(*u);  // its BeginIteration tries to write
-  EXPECT_FALSE(u->FinishTrace().ok());
+  EXPECT_FALSE(u->traces().FinishTrace().ok());
   ScriptedIteration(*u);
   std::filesystem::remove_all(dir);
 }

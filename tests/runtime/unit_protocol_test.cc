@@ -32,22 +32,22 @@ std::unique_ptr<Session> Make() {
 // the backward in reverse, then the step.
 void Iteration(Session& s, UnitProtocol& p) {
   p.BeginIteration();
-  EXPECT_EQ(s.phase(), RunPhase::kForward);
+  EXPECT_EQ(s.iterations().phase(), RunPhase::kForward);
   for (uint32_t u = 0; u < 3; ++u) {
     ASSERT_THAT(p.EnterUnit(u, true), IsOk());
-    ASSERT_TRUE(s.Acquire(u, ChunkKind::kParamFp32, TierKind::kDevice).ok());
-    ASSERT_THAT(s.Release(u, ChunkKind::kParamFp32, false), IsOk());
+    ASSERT_TRUE(s.chunks().Acquire(u, ChunkKind::kParamFp32, TierKind::kDevice).ok());
+    ASSERT_THAT(s.chunks().Release(u, ChunkKind::kParamFp32, false), IsOk());
     ASSERT_THAT(p.ExitUnit(u), IsOk());
   }
   p.EnterBackward();
-  EXPECT_EQ(s.phase(), RunPhase::kBackward);
+  EXPECT_EQ(s.iterations().phase(), RunPhase::kBackward);
   for (uint32_t u = 3; u-- > 0;) {
     p.BackwardReached(u);
     SetGrad(s, u, std::vector<float>(s.spec(u).numel, 0.5f));
   }
   p.EndIteration();
-  ASSERT_TRUE(s.Step({GroupHyper{}}).ok());
-  ASSERT_TRUE(s.ZeroGrad().ok());
+  ASSERT_TRUE(s.optimizer().Step({GroupHyper{}}).ok());
+  ASSERT_TRUE(s.optimizer().ZeroGrad().ok());
 }
 
 TEST(UnitProtocol, DeclareChecksNamesGroupsAndNesting) {
@@ -105,7 +105,7 @@ TEST(UnitProtocol, ExitLeavesTheUnitAndTheUnitsEnteredInsideIt) {
   p.EndIteration();
   EXPECT_FALSE(p.in_iteration());
   ASSERT_THAT(p.EnterUnit(0, false), IsOk());
-  EXPECT_EQ(s->phase(), RunPhase::kEval);
+  EXPECT_EQ(s->iterations().phase(), RunPhase::kEval);
 }
 
 // The recorded trace: per unit one pre-forward and one pre-backward with its kind, unit and
@@ -121,11 +121,11 @@ TEST(UnitProtocol, MarksMomentsWithKindAndUnitAndRunsDeferredStepsFirst) {
   for (size_t g = 0; g < 3; ++g) {
     ASSERT_TRUE(p.Declare({"u" + std::to_string(g), {g}}).ok());
   }
-  ASSERT_THAT(s->RecordTrace(path, 2), IsOk());
+  ASSERT_THAT(s->traces().RecordTrace(path, 2), IsOk());
   Iteration(*s, p);
-  EXPECT_EQ(s->pending_steps(), 3u);  // optimizer_overlap: next-forward
+  EXPECT_EQ(s->optimizer().pending_steps(), 3u);  // optimizer_overlap: next-forward
   Iteration(*s, p);
-  ASSERT_TRUE(s->FinishTrace().ok());
+  ASSERT_TRUE(s->traces().FinishTrace().ok());
   auto t = planners::ReadTraceFile(path);
   ASSERT_TRUE(t.ok()) << t.status().ToString();
   ASSERT_EQ(t->iterations.size(), 2u);

@@ -126,13 +126,13 @@ std::vector<WeightTarget> ByName(const Session& s) {
 
 std::vector<float> Param(Session& s, size_t t) {
   std::vector<float> v(s.place(t).numel);
-  EXPECT_THAT(s.ReadParam(t, v.data()), IsOk());
+  EXPECT_THAT(s.values().ReadParam(t, v.data()), IsOk());
   return v;
 }
 
 std::vector<uint16_t> Lowp(Session& s, size_t t) {
   std::vector<uint16_t> v(s.place(t).numel);
-  EXPECT_THAT(s.ReadTensor(t, ChunkKind::kParamLowp, v.data()), IsOk());
+  EXPECT_THAT(s.values().ReadTensor(t, ChunkKind::kParamLowp, v.data()), IsOk());
   return v;
 }
 
@@ -185,9 +185,9 @@ TEST_P(LoadIntoEveryTier, Bf16IntoFp32ChunksExactlyWithoutReadingNvmeBack) {
   }
   for (size_t g = 0; g < s->num_groups(); ++g) {
     if (!s->group(g).trainable) continue;
-    EXPECT_TRUE(s->LazilyZero(g, ChunkKind::kExpAvg)) << g;
-    EXPECT_TRUE(s->LazilyZero(g, ChunkKind::kExpAvgSq)) << g;
-    EXPECT_TRUE(s->LazilyZero(g, ChunkKind::kGrad)) << g;
+    EXPECT_TRUE(s->chunks().LazilyZero(g, ChunkKind::kExpAvg)) << g;
+    EXPECT_TRUE(s->chunks().LazilyZero(g, ChunkKind::kExpAvgSq)) << g;
+    EXPECT_TRUE(s->chunks().LazilyZero(g, ChunkKind::kGrad)) << g;
   }
 }
 
@@ -206,7 +206,7 @@ TEST_P(LoadIntoEveryTier, MixedPrecisionEqualsWriteParamBitForBit) {
       ASSERT_THAT(Load(*loaded, path, ByName(*loaded)), IsOk());
       for (size_t t = 0; t < kSpecs.size(); ++t) {
         const std::vector<float> v = AsStored(Values(t, kSpecs[t].numel), d);
-        ASSERT_THAT(written->WriteParam(t, v.data()), IsOk());
+        ASSERT_THAT(written->values().WriteParam(t, v.data()), IsOk());
         EXPECT_EQ(Param(*loaded, t), v) << kSpecs[t].name;
         EXPECT_EQ(Lowp(*loaded, t), Lowp(*written, t)) << kSpecs[t].name << " " << precision;
       }
@@ -233,7 +233,7 @@ TEST_F(WeightsTest, NvmeHomesAreFilledWhenTheHostBudgetIsBelowTheModel) {
   ASSERT_NE(s, nullptr);
   int on_nvme = 0;
   for (size_t g = 0; g < s->num_groups(); ++g) {
-    on_nvme += s->Home(g, ChunkKind::kParamFp32) == TierKind::kNvme;
+    on_nvme += s->chunks().Home(g, ChunkKind::kParamFp32) == TierKind::kNvme;
   }
   EXPECT_GT(on_nvme, 1);  // the test is about them
 }
@@ -266,7 +266,7 @@ TEST_F(WeightsTest, NvmeHomedChunksAreNeverReadBackWhateverTheFileOrder) {
   const int H = static_cast<int>(TierKind::kHost), N = static_cast<int>(TierKind::kNvme);
   EXPECT_EQ(st->bytes_moved[N][H], 0u);
   EXPECT_GT(st->bytes_moved[H][N], 0u);  // written home, once each
-  EXPECT_LE(st->bytes_moved[H][N], kGroups * s->ChunkBytes(0, ChunkKind::kParamFp32));
+  EXPECT_LE(st->bytes_moved[H][N], kGroups * s->chunks().ChunkBytes(0, ChunkKind::kParamFp32));
   for (size_t t = 0; t < specs.size(); ++t) EXPECT_EQ(Param(*s, t), Values(t, 2500)) << t;
 }
 
@@ -368,7 +368,7 @@ TEST_F(WeightsTest, BadInputsAreRefusedAndTheSessionIsUntouched) {
   std::vector<std::vector<float>> before;
   for (size_t t = 0; t < kSpecs.size(); ++t) {
     const std::vector<float> v = Values(t + 50, kSpecs[t].numel);
-    ASSERT_THAT(s->WriteParam(t, v.data()), IsOk());
+    ASSERT_THAT(s->values().WriteParam(t, v.data()), IsOk());
     before.push_back(Param(*s, t));
   }
   std::vector<FileTensor> good = Named(kSpecs, DType::kF32);
@@ -442,7 +442,7 @@ TEST_F(WeightsTest, StrictFalseLeavesTensorsWithoutSourcesUntouched) {
   auto s = Make({{"device_kind", "host"}, {"host", "64MiB"}});
   ASSERT_NE(s, nullptr);
   const std::vector<float> mine = Values(99, 77);
-  ASSERT_THAT(s->WriteParam(2, mine.data()), IsOk());
+  ASSERT_THAT(s->values().WriteParam(2, mine.data()), IsOk());
   std::vector<FileTensor> ts = Named(kSpecs, DType::kF32);
   ts.erase(ts.begin() + 2);  // no "b"
   WriteWeights(dir_ + "/c", ts);
@@ -467,7 +467,7 @@ TEST_F(WeightsTest, ExportsLoadBack) {
   ASSERT_NE(s, nullptr);
   for (size_t t = 0; t < kSpecs.size(); ++t) {
     const std::vector<float> v = Values(t, kSpecs[t].numel);
-    ASSERT_THAT(s->WriteParam(t, v.data()), IsOk());
+    ASSERT_THAT(s->values().WriteParam(t, v.data()), IsOk());
   }
   std::vector<ExportEntry> entries;
   for (size_t t = 0; t < kSpecs.size(); ++t) {
@@ -525,14 +525,14 @@ TEST_F(WeightsTest, ServingOnADeviceWithNvmeHomesInMixedPrecision) {
   ASSERT_NE(s, nullptr);
   int on_nvme = 0;
   for (size_t g = 0; g < s->num_groups(); ++g) {
-    on_nvme += s->Home(g, ChunkKind::kParamLowp) == TierKind::kNvme;
+    on_nvme += s->chunks().Home(g, ChunkKind::kParamLowp) == TierKind::kNvme;
   }
   ASSERT_GT(on_nvme, 0);
   WriteWeights(dir_ + "/c", Named(kSpecs, DType::kF32));
   ASSERT_THAT(Load(*s, dir_ + "/c", ByName(*s)), IsOk());
   for (size_t t = 0; t < kSpecs.size(); ++t) {
     const std::vector<float> v = Values(t, kSpecs[t].numel);
-    ASSERT_THAT(written->WriteParam(t, v.data()), IsOk());
+    ASSERT_THAT(written->values().WriteParam(t, v.data()), IsOk());
     EXPECT_EQ(Param(*s, t), v) << kSpecs[t].name;
     EXPECT_EQ(Lowp(*s, t), Lowp(*written, t)) << kSpecs[t].name;
   }

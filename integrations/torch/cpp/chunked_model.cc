@@ -122,8 +122,9 @@ struct UnitFunction : public ::torch::autograd::Function<UnitFunction> {
     for (ChunkedModel::ParamRec* p : call->params) {
       if (m->session_->spec(p->index).trainable) trainable.push_back(p);
     }
-    m->session_->SetTracing(true);
-    if (m->session_->phase() != session::RunPhase::kBackward) m->protocol_->EnterBackward();
+    m->session_->iterations().SetTracing(true);
+    if (m->session_->iterations().phase() != session::RunPhase::kBackward)
+      m->protocol_->EnterBackward();
     m->protocol_->BackwardReached(call->unit);
     std::vector<std::pair<size_t, ::torch::Tensor>> views;
     CheckOk(m->Materialize(call->params, &views));
@@ -269,7 +270,7 @@ Status ChunkedModel::WriteValues(
     std::vector<std::pair<::torch::Tensor, ::torch::Tensor>>* buffers) {
   auto from_model = [&](const ParamRec& p) {
     ::torch::Tensor v = p.param.detach().reshape(-1).contiguous();
-    return session_->WriteParam(p.index, v.data_ptr<float>());
+    return session_->values().WriteParam(p.index, v.data_ptr<float>());
   };
   if (weights.path.empty()) {
     for (auto& p : params_) TIERMEM_RETURN_IF_ERROR(from_model(*p));
@@ -382,7 +383,7 @@ Status ChunkedModel::Materialize(const std::vector<ParamRec*>& params,
       // at a time: the host floor counts one (runtime/host_floor.h).
       ::torch::Tensor copy;
       for (const session::Piece& pc : pieces) {
-        StatusOr<void*> addr = session_->Acquire(pc.group, ck, session_->compute_tier());
+        StatusOr<void*> addr = session_->chunks().Acquire(pc.group, ck, session_->compute_tier());
         Status released;
         if (addr.ok()) {
           const ::torch::Tensor base = View(*addr, pc.group, ck);
@@ -391,7 +392,7 @@ Status ChunkedModel::Materialize(const std::vector<ParamRec*>& params,
               .narrow(0, static_cast<int64_t>(pc.begin), static_cast<int64_t>(pc.numel))
               .copy_(
                   base.narrow(0, static_cast<int64_t>(pc.offset), static_cast<int64_t>(pc.numel)));
-          released = session_->Release(pc.group, ck, false);
+          released = session_->chunks().Release(pc.group, ck, false);
         }
         if (!addr.ok() || !released.ok()) {
           Dematerialize(params, views).IgnoreError();
@@ -406,7 +407,7 @@ Status ChunkedModel::Materialize(const std::vector<ParamRec*>& params,
       auto it = std::find_if(views->begin(), views->end(),
                              [&](const auto& v) { return v.first == pc.group; });
       if (it == views->end()) {
-        StatusOr<void*> addr = session_->Acquire(pc.group, ck, session_->compute_tier());
+        StatusOr<void*> addr = session_->chunks().Acquire(pc.group, ck, session_->compute_tier());
         if (!addr.ok()) {
           Dematerialize(params, views).IgnoreError();
           return addr.status();
@@ -427,7 +428,7 @@ Status ChunkedModel::Dematerialize(const std::vector<ParamRec*>& params,
   for (ParamRec* p : params) p->param.set_data(Placeholder(*p));
   Status first;
   for (const auto& [g, base] : *views) {
-    Status s = session_->Release(g, session_->compute_kind(), false);
+    Status s = session_->chunks().Release(g, session_->compute_kind(), false);
     if (first.ok()) first = s;
   }
   views->clear();
@@ -435,19 +436,19 @@ Status ChunkedModel::Dematerialize(const std::vector<ParamRec*>& params,
 }
 
 Status ChunkedModel::AccumulateGrad(ParamRec* p, const ::torch::Tensor& grad) {
-  const bool had = session_->has_grad(p->index);
+  const bool had = session_->optimizer().has_grad(p->index);
   const ::torch::Tensor flat = grad.reshape(-1);
   for (const session::Piece& pc : session_->place(p->index).pieces) {
     const session::ChunkGroup& g = session_->group(pc.group);
     if (std::none_of(g.tensors.begin(), g.tensors.end(),
-                     [&](uint32_t t) { return session_->has_grad(t); })) {
+                     [&](uint32_t t) { return session_->optimizer().has_grad(t); })) {
       // Nothing in the chunk is needed: zero it lazily, so acquiring it moves no bytes.
-      TIERMEM_RETURN_IF_ERROR(session_->ZeroChunk(pc.group, ChunkKind::kGrad));
+      TIERMEM_RETURN_IF_ERROR(session_->chunks().ZeroChunk(pc.group, ChunkKind::kGrad));
     }
     bool must_zero = false;
     TIERMEM_ASSIGN_OR_RETURN(
-        void* addr, session_->AcquireForWrite(pc.group, ChunkKind::kGrad, session_->compute_tier(),
-                                              &must_zero));
+        void* addr, session_->chunks().AcquireForWrite(pc.group, ChunkKind::kGrad,
+                                                       session_->compute_tier(), &must_zero));
     ::torch::Tensor base = View(addr, pc.group, ChunkKind::kGrad);
     {
       ::torch::NoGradGuard no_grad;
@@ -462,9 +463,9 @@ Status ChunkedModel::AccumulateGrad(ParamRec* p, const ::torch::Tensor& grad) {
         dst.copy_(src);
       }
     }
-    TIERMEM_RETURN_IF_ERROR(session_->Release(pc.group, ChunkKind::kGrad, true));
+    TIERMEM_RETURN_IF_ERROR(session_->chunks().Release(pc.group, ChunkKind::kGrad, true));
   }
-  session_->SetHasGrad(p->index, true);
+  session_->optimizer().SetHasGrad(p->index, true);
   return OkStatus();
 }
 
@@ -475,7 +476,7 @@ StatusOr<::torch::Tensor> ChunkedModel::Run(::torch::nn::Module& unit, const Uni
   TIERMEM_ASSIGN_OR_RETURN(std::vector<ParamRec*> params, UnitParams(unit));
   TIERMEM_ASSIGN_OR_RETURN(const uint32_t u, UnitIndex(unit, params));
   const bool grad = ::torch::GradMode::is_enabled();
-  session_->SetTracing(grad);
+  session_->iterations().SetTracing(grad);
   if (grad && !protocol_->in_iteration()) protocol_->BeginIteration();
   {
     kernels::ScopedParallelFor pool(torch_pool::ForThisThread());  // torch_pool.h
@@ -522,28 +523,28 @@ StatusOr<::torch::Tensor> ChunkedModel::Run(::torch::nn::Module& unit, const Uni
 }
 
 ::torch::Tensor ChunkedModel::ScaleLoss(const ::torch::Tensor& loss) const {
-  const double s = session_->loss_scale();
+  const double s = session_->optimizer().loss_scale();
   return s == 1.0 ? loss : loss * s;
 }
 
 StatusOr<bool> ChunkedModel::Step() {
   if (closed_) return FailedPreconditionError("tiermem ChunkedModel is closed");
   protocol_->EndIteration();
-  session_->SetTracing(true);
+  session_->iterations().SetTracing(true);
   kernels::ScopedParallelFor pool(torch_pool::ForThisThread());  // torch_pool.h
-  TIERMEM_ASSIGN_OR_RETURN(const session::StepResult r, session_->Step(hyper_));
+  TIERMEM_ASSIGN_OR_RETURN(const session::StepResult r, session_->optimizer().Step(hyper_));
   return r.applied;
 }
 
 Status ChunkedModel::ZeroGrad() {
   if (closed_) return FailedPreconditionError("tiermem ChunkedModel is closed");
-  return session_->ZeroGrad().status();
+  return session_->optimizer().ZeroGrad().status();
 }
 
 StatusOr<double> ChunkedModel::GradNorm() {
   if (closed_) return FailedPreconditionError("tiermem ChunkedModel is closed");
   kernels::ScopedParallelFor pool(torch_pool::ForThisThread());
-  TIERMEM_ASSIGN_OR_RETURN(const kernels::GradStats st, session_->GradStats());
+  TIERMEM_ASSIGN_OR_RETURN(const kernels::GradStats st, session_->optimizer().GradStats());
   return std::sqrt(st.sq_norm);
 }
 
@@ -576,7 +577,7 @@ StatusOr<ChunkedModel::ParamRec*> ChunkedModel::Find(const ::torch::Tensor& para
 StatusOr<::torch::Tensor> ChunkedModel::ParamValue(const ::torch::Tensor& param) {
   TIERMEM_ASSIGN_OR_RETURN(ParamRec * p, Find(param));
   ::torch::Tensor out = ::torch::empty(p->shape, ::torch::kFloat32);
-  TIERMEM_RETURN_IF_ERROR(session_->ReadParam(p->index, out.data_ptr<float>()));
+  TIERMEM_RETURN_IF_ERROR(session_->values().ReadParam(p->index, out.data_ptr<float>()));
   return out;
 }
 
@@ -585,12 +586,13 @@ StatusOr<::torch::Tensor> ChunkedModel::Grad(const ::torch::Tensor& param) {
   if (!session_->spec(p->index).trainable) {
     return NotFoundError("parameter " + p->name + " is frozen: no gradient");
   }
-  if (!session_->has_grad(p->index)) {
+  if (!session_->optimizer().has_grad(p->index)) {
     return NotFoundError("parameter " + p->name + " has no gradient (none since ZeroGrad)");
   }
   ::torch::Tensor out = ::torch::empty(p->shape, compute_dtype());
-  TIERMEM_RETURN_IF_ERROR(session_->ReadTensor(p->index, ChunkKind::kGrad, out.data_ptr()));
-  const double s = session_->loss_scale();
+  TIERMEM_RETURN_IF_ERROR(
+      session_->values().ReadTensor(p->index, ChunkKind::kGrad, out.data_ptr()));
+  const double s = session_->optimizer().loss_scale();
   return s == 1.0 ? out : out.to(::torch::kFloat32) / s;
 }
 
@@ -610,7 +612,7 @@ StatusOr<::torch::Tensor> ChunkedModel::OptimizerState(const ::torch::Tensor& pa
                                 kind + "'");
   }
   ::torch::Tensor out = ::torch::empty(p->shape, ::torch::kFloat32);
-  TIERMEM_RETURN_IF_ERROR(session_->ReadTensor(p->index, k, out.data_ptr()));
+  TIERMEM_RETURN_IF_ERROR(session_->values().ReadTensor(p->index, k, out.data_ptr()));
   return out;
 }
 
@@ -681,7 +683,7 @@ StatusOr<Stats> ChunkedModel::GetStats() {
   if (closed_) return FailedPreconditionError("tiermem ChunkedModel is closed");
   Stats s;
   TIERMEM_ASSIGN_OR_RETURN(s.counters, session_->Stats());
-  TIERMEM_ASSIGN_OR_RETURN(s.timeline, session_->TimelineReport());
+  TIERMEM_ASSIGN_OR_RETURN(s.timeline, session_->traces().TimelineReport());
   s.device_budget = session_->host_compute() ? 0 : session_->config().device_budget;
   s.compute_tier = session_->compute_tier();
   return s;

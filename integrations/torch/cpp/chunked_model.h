@@ -145,7 +145,7 @@ class ChunkedModel {
   Status ZeroGrad();
   // sqrt(sum of squares) of every (unscaled) gradient (the kernels' GradNormAndOverflow).
   StatusOr<double> GradNorm();
-  double loss_scale() const { return session_->loss_scale(); }
+  double loss_scale() const { return session_->optimizer().loss_scale(); }
 
   // Optimizer groups: their count, and the hyper-parameters the next Step uses.
   size_t num_groups() const { return hyper_.size(); }

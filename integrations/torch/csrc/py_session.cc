@@ -40,10 +40,10 @@ torch::Tensor PySession::View(void* addr, size_t group, ChunkKind kind, TierKind
   auto opts = torch::TensorOptions().dtype(TorchDType(s_->dtype(kind)));
   if (where == TierKind::kDevice && s_->cuda()) opts = opts.device(torch::kCUDA, 0);
   if ((kind == ChunkKind::kExpAvg || kind == ChunkKind::kExpAvgSq) &&
-      s_->state_format(group).compressed()) {
+      s_->values().state_format(group).compressed()) {
     // Compressed m or v: the chunk's bytes (codes, then int8's absmax); read_tensor
     // dequantizes.
-    return torch::from_blob(addr, {static_cast<int64_t>(s_->ChunkBytes(group, kind))},
+    return torch::from_blob(addr, {static_cast<int64_t>(s_->chunks().ChunkBytes(group, kind))},
                             opts.dtype(torch::kUInt8));
   }
   // Sharded: this rank's whole shard; else the chunk up to its last tensor.
@@ -51,33 +51,35 @@ torch::Tensor PySession::View(void* addr, size_t group, ChunkKind kind, TierKind
   return torch::from_blob(addr, {static_cast<int64_t>(n)}, opts);
 }
 py::tuple PySession::AllocateScratch(TierKind where, uint64_t bytes) {
-  const Region r = Check(s_->AllocateScratch(where, bytes));
+  const Region r = Check(s_->memory().AllocateScratch(where, bytes));
   auto opts = torch::TensorOptions().dtype(torch::kUInt8);
   if (where == TierKind::kDevice && s_->cuda()) opts = opts.device(torch::kCUDA, 0);
   torch::Tensor v = torch::from_blob(r.addr, {static_cast<int64_t>(bytes)}, opts);
   return py::make_tuple(py::make_tuple(r.id, r.bytes, reinterpret_cast<uintptr_t>(r.addr)), v);
 }
 void PySession::FreeScratch(TierKind where, const RegionToken& token) {
-  Check(s_->FreeScratch(where, FromToken(token)));
+  Check(s_->memory().FreeScratch(where, FromToken(token)));
 }
 py::tuple PySession::AllocateSpill(uint64_t bytes) {
-  const Region r = Check(s_->AllocateSpill(bytes));
+  const Region r = Check(s_->memory().AllocateSpill(bytes));
   return py::make_tuple(r.id, r.bytes, uintptr_t{0});
 }
-void PySession::FreeSpill(const RegionToken& token) { Check(s_->FreeSpill(FromToken(token))); }
+void PySession::FreeSpill(const RegionToken& token) {
+  Check(s_->memory().FreeSpill(FromToken(token)));
+}
 std::shared_ptr<Completion> PySession::StartSpillCopy(const RegionToken& spill,
                                                       uint64_t spill_offset,
                                                       const RegionToken& host, uint64_t host_offset,
                                                       uint64_t bytes, bool to_nvme) {
-  return Check(s_->StartSpillCopy(FromToken(spill), spill_offset, FromToken(host), host_offset,
-                                  bytes, to_nvme));
+  return Check(s_->memory().StartSpillCopy(FromToken(spill), spill_offset, FromToken(host),
+                                           host_offset, bytes, to_nvme));
 }
 Region PySession::FromToken(const RegionToken& token) {
   return Region{std::get<0>(token), std::get<1>(token),
                 reinterpret_cast<void*>(std::get<2>(token))};
 }
 torch::Tensor PySession::Acquire(size_t group, ChunkKind kind, TierKind where, int64_t cls) {
-  return View(Check(s_->Acquire(group, kind, where, ClassOf(cls))), group, kind, where);
+  return View(Check(s_->chunks().Acquire(group, kind, where, ClassOf(cls))), group, kind, where);
 }
 // A lazily zero chunk landing on the device is zeroed by torch on the compute device (a memset
 // kernel on CUDA, ordered on the current stream before the caller's writes) instead of a copy
@@ -85,10 +87,10 @@ torch::Tensor PySession::Acquire(size_t group, ChunkKind kind, TierKind where, i
 torch::Tensor PySession::AcquireForWrite(size_t group, ChunkKind kind, TierKind where,
                                          int64_t cls) {
   bool must_zero = false;
-  void* addr = Check(s_->AcquireForWrite(group, kind, where, &must_zero, ClassOf(cls)));
+  void* addr = Check(s_->chunks().AcquireForWrite(group, kind, where, &must_zero, ClassOf(cls)));
   torch::Tensor v = View(addr, group, kind, where);
   if (must_zero) {
-    const int64_t bytes = static_cast<int64_t>(s_->ChunkBytes(group, kind));
+    const int64_t bytes = static_cast<int64_t>(s_->chunks().ChunkBytes(group, kind));
     torch::from_blob(addr, {bytes}, v.options().dtype(torch::kUInt8)).zero_();
   }
   return v;
@@ -96,25 +98,25 @@ torch::Tensor PySession::AcquireForWrite(size_t group, ChunkKind kind, TierKind 
 
 torch::Tensor PySession::ReadParam(size_t t) {
   torch::Tensor out = torch::empty({Numel(t)}, torch::kFloat32);
-  Check(s_->ReadParam(t, out.data_ptr<float>()));
+  Check(s_->values().ReadParam(t, out.data_ptr<float>()));
   return out;
 }
 void PySession::WriteParam(size_t t, const torch::Tensor& v) {
   CheckHostSpan(v, "value", Numel(t), torch::kFloat32);
-  Check(s_->WriteParam(t, v.data_ptr<float>()));
+  Check(s_->values().WriteParam(t, v.data_ptr<float>()));
 }
 torch::Tensor PySession::ReadTensor(size_t t, ChunkKind kind) {
   torch::Tensor out = torch::empty({Numel(t)}, TorchDType(s_->dtype(kind)));
-  Check(s_->ReadTensor(t, kind, out.data_ptr()));
+  Check(s_->values().ReadTensor(t, kind, out.data_ptr()));
   return out;
 }
 void PySession::WriteTensor(size_t t, ChunkKind kind, const torch::Tensor& v) {
   CheckHostSpan(v, "value", Numel(t), TorchDType(s_->dtype(kind)));
-  Check(s_->WriteTensor(t, kind, v.data_ptr()));
+  Check(s_->values().WriteTensor(t, kind, v.data_ptr()));
 }
 void PySession::SetHasGrad(const std::vector<bool>& flags) {
   if (flags.size() != s_->num_tensors()) throw py::value_error("one flag per tensor");
-  for (size_t i = 0; i < flags.size(); ++i) s_->SetHasGrad(i, flags[i]);
+  for (size_t i = 0; i < flags.size(); ++i) s_->optimizer().SetHasGrad(i, flags[i]);
 }
 py::dict PySession::Step(const std::vector<session::GroupHyper>& hyper,
                          const py::object& global_stats) {
@@ -127,7 +129,7 @@ py::dict PySession::Step(const std::vector<session::GroupHyper>& hyper,
   {
     py::gil_scoped_release nogil;
     kernels::ScopedParallelFor pool(torch_pool::ForThisThread());
-    r = s_->Step(hyper, global ? &*global : nullptr);
+    r = s_->optimizer().Step(hyper, global ? &*global : nullptr);
   }
   const session::StepResult res = Check(std::move(r));
   py::dict d;
@@ -145,7 +147,7 @@ py::tuple PySession::GradStats() {
   {
     py::gil_scoped_release nogil;
     kernels::ScopedParallelFor pool(torch_pool::ForThisThread());
-    st = s_->GradStats();
+    st = s_->optimizer().GradStats();
   }
   const kernels::GradStats g = Check(std::move(st));
   return py::make_tuple(g.sq_norm, g.overflow);

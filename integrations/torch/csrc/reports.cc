@@ -147,10 +147,10 @@ py::dict StatsDict(const session::Session& session) {
   d["acquire_waits"] = AcquireWaitsDict(s);
   // Where each chunk group's optimizer steps (decided at the first applied step).
   py::dict opt;
-  opt["placed"] = session.optimizer_placed();
+  opt["placed"] = session.optimizer().placed();
   py::list on_device;
   for (size_t g = 0; g < session.num_groups(); ++g) {
-    if (session.OptimizerOnDevice(g)) on_device.append(g);
+    if (session.optimizer().OnDevice(g)) on_device.append(g);
   }
   opt["device_groups"] = on_device;
   // The optimizer-state format (optimizer.state_dtype): runtime/session.h's StateTraffic.
@@ -163,7 +163,7 @@ py::dict StatsDict(const session::Session& session) {
   opt["nvme_bytes_saved"] = traffic.nvme_bytes_saved;
   d["optimizer"] = opt;
   // Plans (plan: auto): the runner's counters and the engine's planned actions.
-  const session::Session::PlanStatus ps = session.plan_status();
+  const session::PlanStatus ps = session.plans().plan_status();
   py::dict plan;
   plan["active"] = ps.active;
   plan["plans"] = ps.runner.plans;

@@ -56,23 +56,26 @@ void BindChunks(py::class_<PySession>& c) {
       .def(
           "prefetch",
           [](PySession& s, size_t g, K k, tiermem::TierKind where, double p) {
-            return Check(s.s().Prefetch(g, k, where, p));
+            return Check(s.s().chunks().Prefetch(g, k, where, p));
           },
           py::arg("group"), py::arg("kind"), py::arg("where"), py::arg("probability") = 1.0)
-      .def("release",
-           [](PySession& s, size_t g, K k, bool modified) { Check(s.s().Release(g, k, modified)); })
-      .def("zero_chunk", [](PySession& s, size_t g, K k) { Check(s.s().ZeroChunk(g, k)); })
-      .def("pins", [](const PySession& s, size_t g, K k) { return s.s().Pins(g, k); })
-      .def("lazily_zero", [](const PySession& s, size_t g, K k) { return s.s().LazilyZero(g, k); })
-      .def("resident", [](const PySession& s, size_t g, K k) { return s.s().Resident(g, k); })
-      .def("home", [](const PySession& s, size_t g, K k) { return s.s().Home(g, k); })
+      .def("release", [](PySession& s, size_t g, K k,
+                         bool modified) { Check(s.s().chunks().Release(g, k, modified)); })
+      .def("zero_chunk", [](PySession& s, size_t g, K k) { Check(s.s().chunks().ZeroChunk(g, k)); })
+      .def("pins", [](const PySession& s, size_t g, K k) { return s.s().chunks().Pins(g, k); })
+      .def("lazily_zero",
+           [](const PySession& s, size_t g, K k) { return s.s().chunks().LazilyZero(g, k); })
+      .def("resident",
+           [](const PySession& s, size_t g, K k) { return s.s().chunks().Resident(g, k); })
+      .def("home", [](const PySession& s, size_t g, K k) { return s.s().chunks().Home(g, k); })
       .def("has_kind", [](const PySession& s, size_t g, K k) { return s.s().has_kind(g, k); })
-      .def("chunk_bytes", [](const PySession& s, size_t g, K k) { return s.s().ChunkBytes(g, k); })
+      .def("chunk_bytes",
+           [](const PySession& s, size_t g, K k) { return s.s().chunks().ChunkBytes(g, k); })
       // The optimizer-state format of a group's m and v (StateFormat: records.cc).
       .def("state_format",
            [](const PySession& s, size_t g) {
              if (g >= s.s().num_groups()) throw py::index_error("no such chunk group");
-             return s.s().state_format(g);
+             return s.s().values().state_format(g);
            })
       // Bytes per element of a kind's chunks (the core's dtype for the kind: the compute dtype
       // for compute params and grads, fp32 otherwise), so the binding never re-derives it.
@@ -86,27 +89,30 @@ void BindValues(py::class_<PySession>& c) {
       .def("write_param", &PySession::WriteParam)
       .def("read_tensor", &PySession::ReadTensor)
       .def("write_tensor", &PySession::WriteTensor)
-      .def("step_count", [](const PySession& s, size_t t) { return s.s().step_count(t); })
+      .def("step_count", [](const PySession& s, size_t t) { return s.s().values().step_count(t); })
       .def("set_step_count",
-           [](PySession& s, size_t t, int64_t n) { Check(s.s().SetStepCount(t, n)); })
+           [](PySession& s, size_t t, int64_t n) { Check(s.s().values().SetStepCount(t, n)); })
       .def("set_has_grad", &PySession::SetHasGrad)
-      .def("has_grad", [](const PySession& s, size_t t) { return s.s().has_grad(t); });
+      .def("has_grad", [](const PySession& s, size_t t) { return s.s().optimizer().has_grad(t); });
 }
 
 // The optimizer: gradient stats, steps (deferred and speculative), the loss scaler.
 void BindSteps(py::class_<PySession>& c) {
   c.def("grad_stats", &PySession::GradStats)
-      .def("zero_grad", [](PySession& s) { return Check(s.s().ZeroGrad()); })
+      .def("zero_grad", [](PySession& s) { return Check(s.s().optimizer().ZeroGrad()); })
       .def_property_readonly("accumulating",
-                             [](const PySession& s) { return s.s().accumulating(); })
-      .def_property_readonly("next_step_applies",
-                             [](const PySession& s) { return s.s().next_step_applies(); })
+                             [](const PySession& s) { return s.s().optimizer().accumulating(); })
+      .def_property_readonly(
+          "next_step_applies",
+          [](const PySession& s) { return s.s().optimizer().next_step_applies(); })
       .def("step", &PySession::Step, py::arg("hyper"), py::arg("global_stats") = py::none())
-      .def_property_readonly("loss_scale", [](const PySession& s) { return s.s().loss_scale(); })
+      .def_property_readonly("loss_scale",
+                             [](const PySession& s) { return s.s().optimizer().loss_scale(); })
       .def_property(
-          "scaler", [](const PySession& s) { return s.s().scaler(); },
-          [](PySession& s, const se::ScalerState& v) { s.s().set_scaler(v); })
-      .def_property_readonly("pending_steps", [](PySession& s) { return s.s().pending_steps(); })
+          "scaler", [](const PySession& s) { return s.s().optimizer().scaler(); },
+          [](PySession& s, const se::ScalerState& v) { s.s().optimizer().set_scaler(v); })
+      .def_property_readonly("pending_steps",
+                             [](PySession& s) { return s.s().optimizer().pending_steps(); })
       .def("set_step_hyper", &PySession::SetStepHyper, py::arg("hyper"))
       .def_property_readonly("speculation", [](PySession& s) { return SpeculationDict(s.s()); });
 }
@@ -116,38 +122,42 @@ void BindIterations(py::class_<PySession>& c) {
   c.def(
        "record_trace",
        [](PySession& s, const std::string& path, int iterations) {
-         Check(s.s().RecordTrace(path, iterations));
+         Check(s.s().traces().RecordTrace(path, iterations));
        },
        py::arg("path"), py::arg("iterations") = 1)
-      .def("finish_trace", [](PySession& s) { return Check(s.s().FinishTrace()); })
+      .def("finish_trace", [](PySession& s) { return Check(s.s().traces().FinishTrace()); })
       .def_property_readonly("recording_trace",
-                             [](const PySession& s) { return s.s().recording_trace(); })
-      .def_property_readonly("trace_armed", [](const PySession& s) { return s.s().trace_armed(); })
+                             [](const PySession& s) { return s.s().traces().recording_trace(); })
+      .def_property_readonly("trace_armed",
+                             [](const PySession& s) { return s.s().traces().trace_armed(); })
       .def_property_readonly("written_trace",
-                             [](const PySession& s) { return s.s().written_trace(); })
-      .def("add_saved_bytes", [](PySession& s, uint64_t b) { s.s().AddSavedBytes(b); })
-      .def("phase", [](PySession& s, se::RunPhase p) { s.s().Phase(p); })
-      .def("record_collective", [](PySession& s, const std::string& op, uint64_t bytes,
-                                   uint64_t ns) { s.s().RecordCollective(op, bytes, ns); })
-      .def("set_tracing", [](PySession& s, bool on) { s.s().SetTracing(on); })
-      .def("set_cyclic", [](PySession& s, bool on) { s.s().SetCyclic(on); })
+                             [](const PySession& s) { return s.s().traces().written_trace(); })
+      .def("add_saved_bytes", [](PySession& s, uint64_t b) { s.s().traces().AddSavedBytes(b); })
+      .def("phase", [](PySession& s, se::RunPhase p) { s.s().iterations().Phase(p); })
+      .def("record_collective",
+           [](PySession& s, const std::string& op, uint64_t bytes, uint64_t ns) {
+             s.s().iterations().RecordCollective(op, bytes, ns);
+           })
+      .def("set_tracing", [](PySession& s, bool on) { s.s().iterations().SetTracing(on); })
+      .def("set_cyclic", [](PySession& s, bool on) { s.s().iterations().SetCyclic(on); })
       // The compute stream as an integer handle (torch.cuda.current_stream().cuda_stream on
       // CUDA; 0 = work on the calling thread, CPU tensors).
       .def("set_compute_stream",
-           [](PySession& s, uintptr_t handle) { s.s().SetComputeStream({handle}); })
+           [](PySession& s, uintptr_t handle) { s.s().iterations().SetComputeStream({handle}); })
       .def("set_external_device_bytes",
-           [](PySession& s, uint64_t b) { Check(s.s().SetExternalDeviceBytes(b)); })
+           [](PySession& s, uint64_t b) { Check(s.s().memory().SetExternalDeviceBytes(b)); })
       .def("set_external_compute_bytes",
-           [](PySession& s, uint64_t b) { Check(s.s().SetExternalComputeBytes(b)); })
+           [](PySession& s, uint64_t b) { Check(s.s().memory().SetExternalComputeBytes(b)); })
       .def("set_external_host_bytes",
-           [](PySession& s, uint64_t b) { Check(s.s().SetExternalHostBytes(b)); })
+           [](PySession& s, uint64_t b) { Check(s.s().memory().SetExternalHostBytes(b)); })
       .def("plan_offloads_unit",
-           [](const PySession& s, uint32_t u) { return s.s().PlanOffloadsUnit(u); })
+           [](const PySession& s, uint32_t u) { return s.s().plans().PlanOffloadsUnit(u); })
       .def("plan_recomputes_unit",
-           [](const PySession& s, uint32_t u) { return s.s().PlanRecomputesUnit(u); })
+           [](const PySession& s, uint32_t u) { return s.s().plans().PlanRecomputesUnit(u); })
       .def_property_readonly("plan_followed",
-                             [](const PySession& s) { return s.s().PlanFollowed(); })
-      .def("take_activation_fetches", [](PySession& s) { return s.s().TakeActivationFetches(); })
+                             [](const PySession& s) { return s.s().plans().PlanFollowed(); })
+      .def("take_activation_fetches",
+           [](PySession& s) { return s.s().plans().TakeActivationFetches(); })
       .def("synchronize", [](PySession& s) { Check(s.s().Synchronize()); })
       .def("flush", [](PySession& s) { Check(s.s().Flush()); });
 }
@@ -156,7 +166,7 @@ void BindIterations(py::class_<PySession>& c) {
 void BindReportsAndCheckpoints(py::class_<PySession>& c) {
   c.def("stats", [](PySession& s) { return StatsDict(s.s()); })
       .def("timeline_report",
-           [](PySession& s) { return ReportDict(Check(s.s().TimelineReport())); })
+           [](PySession& s) { return ReportDict(Check(s.s().traces().TimelineReport())); })
       // param_groups and extra: JSON text; rng_state: bytes (runtime/checkpoint_meta.h).
       .def(
           "save_checkpoint",

@@ -39,16 +39,9 @@ int Usage(const char* argv0) {
   return 2;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  using tiermem_example::GPT;
-  using tiermem_example::GPTConfig;
-  GPTConfig c;
-  c.n_layer = 4;
-  c.n_embd = 128;
-  c.n_head = 4;
-  c.block_size = 64;
+// The command line (see the file comment); false on a bad one.
+struct Args {
+  tiermem_example::GPTConfig c;
   int steps = 10;
   int64_t batch = 8;
   double lr = 1e-3, fraction = 0.25;
@@ -57,13 +50,21 @@ int main(int argc, char** argv) {
   int threads = 0;
   std::string resume, save, trace;
   bool print_losses = false, print_data = false;
+};
+
+bool Parse(int argc, char** argv, Args* a) {
+  tiermem_example::GPTConfig& c = a->c;
+  c.n_layer = 4;
+  c.n_embd = 128;
+  c.n_head = 4;
+  c.block_size = 64;
   for (int i = 1; i < argc; ++i) {
     auto next = [&](const char* flag) -> const char* {
       if (std::strcmp(argv[i], flag) != 0 || i + 1 >= argc) return nullptr;
       return argv[++i];
     };
     if (const char* v = next("--steps"))
-      steps = std::atoi(v);
+      a->steps = std::atoi(v);
     else if (const char* v = next("--n-layer"))
       c.n_layer = std::atoll(v);
     else if (const char* v = next("--n-embd"))
@@ -73,38 +74,53 @@ int main(int argc, char** argv) {
     else if (const char* v = next("--block-size"))
       c.block_size = std::atoll(v);
     else if (const char* v = next("--batch"))
-      batch = std::atoll(v);
+      a->batch = std::atoll(v);
     else if (const char* v = next("--lr"))
-      lr = std::atof(v);
+      a->lr = std::atof(v);
     else if (const char* v = next("--budget-fraction"))
-      fraction = std::atof(v);
+      a->fraction = std::atof(v);
     else if (const char* v = next("--timeline"))
-      timeline = v;
+      a->timeline = v;
     else if (const char* v = next("--seed"))
-      seed = std::strtoull(v, nullptr, 10);
+      a->seed = std::strtoull(v, nullptr, 10);
     else if (const char* v = next("--data-seed"))
-      data_seed = std::strtoull(v, nullptr, 10);
+      a->data_seed = std::strtoull(v, nullptr, 10);
     else if (const char* v = next("--dropout"))
       c.dropout = std::atof(v);
     else if (const char* v = next("--threads"))
-      threads = std::atoi(v);
+      a->threads = std::atoi(v);
     else if (const char* v = next("--resume"))
-      resume = v;
+      a->resume = v;
     else if (const char* v = next("--save"))
-      save = v;
+      a->save = v;
     else if (const char* v = next("--record-trace"))
-      trace = v;
+      a->trace = v;
     else if (std::strcmp(argv[i], "--print-losses") == 0)
-      print_losses = true;
+      a->print_losses = true;
     else if (std::strcmp(argv[i], "--print-data") == 0)
-      print_data = true;
+      a->print_data = true;
     else
-      return Usage(argv[0]);
+      return false;
   }
-  if (steps < 0 || batch < 1 || c.n_layer < 1 || c.n_embd % c.n_head != 0 || fraction <= 0 ||
-      c.dropout < 0 || c.dropout >= 1 || threads < 0) {
-    return Usage(argv[0]);
-  }
+  return a->steps >= 0 && a->batch >= 1 && c.n_layer >= 1 && c.n_embd % c.n_head == 0 &&
+         a->fraction > 0 && c.dropout >= 0 && c.dropout < 1 && a->threads >= 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using tiermem_example::GPT;
+  Args args;
+  if (!Parse(argc, argv, &args)) return Usage(argv[0]);
+  const tiermem_example::GPTConfig& c = args.c;
+  const int steps = args.steps;
+  const int64_t batch = args.batch;
+  const double lr = args.lr, fraction = args.fraction;
+  const std::string& timeline = args.timeline;
+  const std::string &resume = args.resume, &save = args.save, &trace = args.trace;
+  const bool print_data = args.print_data;
+  const int threads = args.threads;
+  const uint64_t seed = args.seed, data_seed = args.data_seed;
   if (threads > 0) ::at::set_num_threads(threads);
 
   ::torch::manual_seed(seed);
@@ -146,7 +162,7 @@ int main(int argc, char** argv) {
   }
   if (!trace.empty() && steps > start) {
     // The warm-up trace of every iteration run (docs/trace-format.md), written at Close.
-    if (tiermem::Status s = engine.session().RecordTrace(trace, steps - start); !s.ok()) {
+    if (tiermem::Status s = engine.session().traces().RecordTrace(trace, steps - start); !s.ok()) {
       std::fprintf(stderr, "tiermem: %s\n", s.ToString().c_str());
       return 1;
     }
@@ -208,7 +224,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "tiermem: %s\n", s.ToString().c_str());
     return 1;
   }
-  if (print_losses) {
+  if (args.print_losses) {
     nlohmann::json out = {{"start", start}, {"losses", losses}};
     if (print_data) out["data"] = data;
     std::printf("%s\n", out.dump().c_str());

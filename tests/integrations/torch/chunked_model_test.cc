@@ -674,12 +674,12 @@ TEST(ChunkedModel, LoadsItsVersion2Checkpoint) {
                              ::torch::arange(6, ::torch::kFloat32).view({2, 3}) / 8));
   EXPECT_TRUE(::torch::equal(*(*cm)->OptimizerState(lin->bias, "exp_avg_sq"),
                              (::torch::arange(2, ::torch::kFloat32) + 10) / 512));
-  EXPECT_EQ((*cm)->session().step_count(0), 3);
+  EXPECT_EQ((*cm)->session().values().step_count(0), 3);
   auto out = (*cm)->Run(*lin, [&](const auto&) { return lin(::torch::ones({1, 3})); });
   ASSERT_TRUE(out.ok()) << out.status().ToString();
   out->sum().backward();
   ASSERT_TRUE((*cm)->Step().ok());
-  EXPECT_EQ((*cm)->session().step_count(0), 4);
+  EXPECT_EQ((*cm)->session().values().step_count(0), 4);
 }
 
 // plan: auto through the LibTorch binding: the same session core records step 3, plans it and
@@ -695,7 +695,7 @@ TEST(ChunkedModel, APlanIsExecutedWithTheSameLosses) {
         *m, {{"device_kind", "sim"}, {"device", budget}, {"host", "64MiB"}, {"plan", k == 0 ? "off" : "auto"}});
     ASSERT_TRUE(cm.ok()) << cm.status().ToString();
     losses[k] = TrainSteps(m, **cm, batches, 0, batches.size());
-    const auto ps = (*cm)->session().plan_status();
+    const auto ps = (*cm)->session().plans().plan_status();
     if (k == 0) {
       EXPECT_EQ(ps.runner.plans, 0u);
     } else {
