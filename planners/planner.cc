@@ -19,11 +19,11 @@
 // search goes on with the better home rule).
 // A candidate that does not fit is skipped. A candidate that meets the baselines' bar — in
 // its steady iteration no more bytes into the device, NVMe bytes, stall and iteration time
-// than the least of each over the plain baseline candidates — beats one that does not;
-// otherwise the least modelled iteration time wins (ties: fewer bytes into the device, then
-// the earlier candidate) — or, with PlanObjective::kBytes, the fewest bytes into the device, a
-// recompute's compute counted as the bytes a host->device copy moves in that time (ties: less
-// time).
+// than the least of each over the plain baseline candidates — beats one that does not; when
+// neither meets it, the planner's own schedules beat the baselines' moves; otherwise the least
+// modelled iteration time wins (ties: fewer bytes into the device, then the earlier candidate) —
+// or, with PlanObjective::kBytes, the fewest bytes into the device, a recompute's compute counted
+// as the bytes a host->device copy moves in that time (ties: less time).
 #include "planners/planner.h"
 
 #include <algorithm>
@@ -267,6 +267,9 @@ class Search {
 
   bool Better(const Candidate& a, const Candidate& b) const {
     if (Meets(a) != Meets(b)) return Meets(a);
+    // When neither meets it, the planner's own schedules before the baselines' moves (those
+    // are the net for the bar, not a schedule to prefer on time alone).
+    if (!Meets(a) && (a.variant.mimic < 0) != (b.variant.mimic < 0)) return a.variant.mimic < 0;
     const auto time = [](const Candidate& c) { return c.score_ns; };
     // kBytes is for devices whose copies are memcpys on the compute's own cores (SimDevice):
     // a recompute costs compute on those cores too, so it counts as the bytes a copy into
