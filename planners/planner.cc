@@ -257,12 +257,14 @@ class Search {
   uint32_t evaluated() const { return evaluated_; }
 
  private:
-  // No more bytes (into the device, to and from NVMe), stall and time in the steady iteration
-  // than the best baseline candidate of each (TryBaselines).
+  // No more bytes (into the device, to and from NVMe) in the steady iteration than the best
+  // baseline candidate of each (TryBaselines) and, with PlanObjective::kTime, no more stall
+  // and iteration time either (kBytes judges on bytes: its bar is theirs alone).
   bool Meets(const Candidate& c) const {
     const IterationStats& s = c.stats;
-    return bar_.set && s.DeviceInBytes() <= bar_.dev && s.NvmeBytes() <= bar_.nvme &&
-           s.stall_ns <= bar_.stall && s.iteration_ns <= bar_.time;
+    if (!bar_.set || s.DeviceInBytes() > bar_.dev || s.NvmeBytes() > bar_.nvme) return false;
+    return opt_.objective == PlanObjective::kBytes ||
+           (s.iteration_ns <= bar_.time && s.stall_ns <= bar_.stall);
   }
 
   bool Better(const Candidate& a, const Candidate& b) const {
