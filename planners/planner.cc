@@ -10,23 +10,27 @@
 //      time, the rest kept, for every k;
 //   2. optimizer placement: the m groups whose grads complete last on the device, the rest
 //      on the CPU (overlapped with the backward when allowed), for every m; then the best
-//      with overlap off;
+//      with overlap off (decided for every candidate: the sweep starts from the best one's
+//      homes and activations even when that is a baseline's, whose steps run as recorded);
 //   3. the activation search again under the chosen optimizer placement.
 // Before them (PlanOptions::mimic_baselines) the baseline policies' own moves are candidates
 // (baselines.h, MimicSchedule: under the recorded placement as they run, with their homes
 // too when homes are free), and the same moves with evictions early and fetches hoisted;
 // and with homes free, the planner's schedule is tried with the baselines' homes as well (the
 // search goes on with the better home rule).
-// A candidate that does not fit is skipped. A candidate that meets the baselines' bar — in
-// its steady iteration no more bytes into the device, NVMe bytes, stall and iteration time
-// than the least of each over the plain baseline candidates — beats one that does not; when
-// neither meets it, the planner's own schedules beat the baselines' moves; otherwise the least
-// modelled iteration time wins (ties: fewer bytes into the device, then the earlier candidate) —
+// A candidate that does not fit is skipped. Candidates are ranked against the plain baseline
+// candidates (Search::Rank): one that meets their bar — in its steady iteration no more bytes
+// into the device, NVMe bytes, stall and iteration time than the least of each over them, so
+// no worse than any baseline on any measure — beats one that does not; of the rest, one that
+// no single baseline dominates beats one that some baseline does; below the bar the planner's
+// own schedules beat the baselines' moves; otherwise the least modelled iteration time wins
+// (ties: fewer bytes into the device, then the earlier candidate) —
 // or, with PlanObjective::kBytes, the fewest bytes into the device, a recompute's compute counted
 // as the bytes a host->device copy moves in that time (ties: less time).
 #include "planners/planner.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -215,6 +219,7 @@ class Search {
   void TryBaselines(const Placement& base) {
     Placement recorded;
     recorded.groups.resize(trace_.NumGroups());
+    std::vector<Candidate> plain;
     for (const bool in_order : {false, true}) {
       if (in_order && opt_.homes != nullptr) break;
       for (int k = 0; k < kNumBaselines; ++k) {
@@ -226,9 +231,12 @@ class Search {
         bar_.stall = std::min(bar_.stall, s.stall_ns);
         bar_.time = std::min(bar_.time, s.iteration_ns);
         bar_.set = true;
-        Offer(std::move(c));
+        baselines_.push_back(Measures(*c));
+        plain.push_back(std::move(*c));
       }
     }
+    // Offered once the bar is complete, so that they are ranked against all of it.
+    for (Candidate& c : plain) Offer(std::move(c));
     TryHoistedBaselines(recorded);
     TryHoistedBaselines(base);
   }
@@ -257,21 +265,45 @@ class Search {
   uint32_t evaluated() const { return evaluated_; }
 
  private:
-  // No more bytes (into the device, to and from NVMe) in the steady iteration than the best
-  // baseline candidate of each (TryBaselines) and, with PlanObjective::kTime, no more stall
-  // and iteration time either (kBytes judges on bytes: its bar is theirs alone).
-  bool Meets(const Candidate& c) const {
+  // What a candidate is judged on against the baselines, in its steady iteration: bytes into
+  // the device, bytes to and from NVMe, and with PlanObjective::kTime stall and iteration time
+  // (kBytes judges on bytes alone: those two are 0 here).
+  std::array<uint64_t, 4> Measures(const Candidate& c) const {
     const IterationStats& s = c.stats;
-    if (!bar_.set || s.DeviceInBytes() > bar_.dev || s.NvmeBytes() > bar_.nvme) return false;
-    return opt_.objective == PlanObjective::kBytes ||
-           (s.iteration_ns <= bar_.time && s.stall_ns <= bar_.stall);
+    const bool bytes_only = opt_.objective == PlanObjective::kBytes;
+    return {s.DeviceInBytes(), s.NvmeBytes(), bytes_only ? 0 : s.stall_ns,
+            bytes_only ? 0 : s.iteration_ns};
+  }
+
+  // 2: meets the bar — each measure no higher than the least of it over the baselines' own
+  // moves (TryBaselines), i.e. no worse than any baseline on any measure; 1: misses the bar
+  // but no single baseline dominates it (is no worse on every measure and better on one);
+  // 0: some baseline dominates it.
+  int Rank(const Candidate& c) const {
+    if (!bar_.set) return 1;
+    const std::array<uint64_t, 4> m = Measures(c);
+    const bool time = opt_.objective == PlanObjective::kTime;
+    if (m[0] <= bar_.dev && m[1] <= bar_.nvme &&
+        (!time || (m[2] <= bar_.stall && m[3] <= bar_.time))) {
+      return 2;
+    }
+    for (const std::array<uint64_t, 4>& b : baselines_) {
+      bool no_worse = true, better = false;
+      for (size_t k = 0; k < m.size(); ++k) {
+        no_worse = no_worse && b[k] <= m[k];
+        better = better || b[k] < m[k];
+      }
+      if (no_worse && better) return 0;
+    }
+    return 1;
   }
 
   bool Better(const Candidate& a, const Candidate& b) const {
-    if (Meets(a) != Meets(b)) return Meets(a);
-    // When neither meets it, the planner's own schedules before the baselines' moves (those
-    // are the net for the bar, not a schedule to prefer on time alone).
-    if (!Meets(a) && (a.variant.mimic < 0) != (b.variant.mimic < 0)) return a.variant.mimic < 0;
+    const int ra = Rank(a), rb = Rank(b);
+    if (ra != rb) return ra > rb;
+    // Below the bar, the planner's own schedules before the baselines' moves (those are the
+    // net for the bar, not a schedule to prefer on time alone).
+    if (ra < 2 && (a.variant.mimic < 0) != (b.variant.mimic < 0)) return a.variant.mimic < 0;
     const auto time = [](const Candidate& c) { return c.score_ns; };
     // kBytes is for devices whose copies are memcpys on the compute's own cores (SimDevice):
     // a recompute costs compute on those cores too, so it counts as the bytes a copy into
@@ -372,6 +404,7 @@ class Search {
     uint64_t stall = UINT64_MAX, time = UINT64_MAX;
     bool set = false;
   } bar_;
+  std::vector<std::array<uint64_t, 4>> baselines_;  // Measures of each baseline candidate
 };
 
 }  // namespace
@@ -757,11 +790,17 @@ StatusOr<Plan> MakePlan(const Trace& trace, const MachineModel& machine,
                          machine.device_optim_elems_per_s > 0 &&
                          (volatile_groups.empty() || trace.HasExpertSets());
   if (can_place && search.best()) {
-    const Candidate best = *search.best();
+    // The sweep starts from the best candidate's homes and activations, not its optimizer
+    // placement: a baseline's moves run the steps where the trace ran them (kNone), and the
+    // planner decides every group's tier itself.
+    Placement start = search.best()->placement;
+    for (uint32_t g = 0; g < start.groups.size() && g < base.groups.size(); ++g) {
+      if (start.groups[g].update_on == TierKind::kNone) start.groups[g] = base.groups[g];
+    }
     // Groups by the position their grads complete at, latest first.
     std::vector<std::pair<int64_t, uint32_t>> order;
     {
-      Placement all_host = best.placement;
+      Placement all_host = start;
       for (GroupChoice& g : all_host.groups) {
         if (g.update_on != TierKind::kNone) g = {TierKind::kHost, true};
       }
@@ -780,7 +819,7 @@ StatusOr<Plan> MakePlan(const Trace& trace, const MachineModel& machine,
     }
     Patience patience;
     for (size_t m = 1; m <= order.size() && !patience.exhausted(); ++m) {
-      Placement p = best.placement;
+      Placement p = start;
       for (GroupChoice& g : p.groups) {
         if (g.update_on != TierKind::kNone) g = {TierKind::kHost, options.overlap_optimizer};
       }

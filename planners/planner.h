@@ -162,9 +162,10 @@ struct PlanOptions {
   int64_t earlier_iteration = -1;
   // Also candidates: each baseline policy's moves (baselines.h: lru, patrickstar, deepspeed,
   // engine) under the recorded placement, as plans — with the homes the runtime places too,
-  // when homes are not fixed. The best of them sets a bar: a candidate with bytes into the
-  // device, NVMe bytes, stall and iteration time each no higher than every baseline
-  // candidate's beats any that misses it, so a plan that can match them all does.
+  // when homes are not fixed. They set a bar: a candidate with bytes into the device, NVMe
+  // bytes, stall and iteration time each no higher than every baseline candidate's beats any
+  // that misses it, so a plan that can match them all does; of those that miss it, one that no
+  // single baseline dominates (no worse on every measure, better on one) comes first.
   bool mimic_baselines = true;
   uint32_t engine_prefetch_depth = 4;  // the engine baseline's lookahead (acquires)
   Bytes deepspeed_bucket_bytes = 0;    // the deepspeed baseline's bucket; 0: 4 x largest chunk
