@@ -33,6 +33,12 @@ class OrderIndex {
     auto it = std::upper_bound(p.begin(), p.end(), static_cast<uint64_t>(i));
     return it == p.end() ? kNever : *it;
   }
+  // Next taken to repeat: a use in the next iteration counts at `size` + its moment.
+  uint64_t NextWrapped(ChunkId c, size_t i, size_t size) const {
+    const uint64_t n = Next(c, i);
+    if (n != kNever || pos_[c].empty()) return n;
+    return size + pos_[c].front();
+  }
 
  private:
   std::vector<std::vector<uint64_t>> pos_;
@@ -83,7 +89,8 @@ class PatrickStarPolicy : public Following {
 
 class EnginePolicy : public Following {
  public:
-  EnginePolicy(const EffIteration* recorded, uint32_t depth) : Following(recorded), depth_(depth) {}
+  EnginePolicy(const EffIteration* recorded, uint32_t depth, EngineLookahead lookahead)
+      : Following(recorded), depth_(depth), lookahead_(lookahead) {}
   Status Before(SimulatedRun& ex, size_t i) override {
     Track(ex, i);
     if (!following_) {
@@ -97,6 +104,7 @@ class EnginePolicy : public Following {
                                                                .order_known = true});
     };
     TIERMEM_RETURN_IF_ERROR(EnsureMoment(ex, i, [&](ChunkId c, TierKind) { return key(c); }));
+    if (lookahead_ == EngineLookahead::kRoom) return LookaheadByRoom(ex, i, key);
     // Lookahead: the next `depth_` acquires of the recorded order after this moment.
     uint32_t seen = 0;
     for (size_t m = i + 1; m < rec_->size() && seen < depth_; ++m) {
@@ -119,7 +127,100 @@ class EnginePolicy : public Following {
   }
 
  private:
+  // The engine's room lookahead (Engine::PrefetchByRoom) over one lap of the recorded order
+  // from the moment after `i` (positions n.. are the next iteration's moments, fetched for
+  // it): device entries within `depth_` acquires as the depth lookahead makes room; host
+  // entries (NVMe-homed chunks) each make room by evicting the host copy used farthest after
+  // the entry (LookaheadNextUse: the order taken to repeat) if it is clean — if it is dirty
+  // (or none is used later), the dirty ones used farthest are written home in the background
+  // until their bytes cover the entry (Engine::CleanFor) and the host lookahead stops. A tier
+  // stops at its first entry that finds no room. Moment `i`'s chunks are pinned.
+  template <typename KeyFn>
+  Status LookaheadByRoom(SimulatedRun& ex, size_t i, KeyFn key) {
+    const EffIteration& it = ex.iteration();
+    const size_t n = rec_->size();
+    bool dev_done = false, host_done = false;
+    uint32_t seen = 0;
+    for (size_t j = i + 1; j <= i + n && !(dev_done && host_done); ++j) {
+      const size_t m = j % n;
+      const uint32_t tag = ex.tag() + (j >= n ? 1 : 0);
+      for (const EffAccess* a = rec_->begin(m); a != rec_->end(m); ++a, ++seen) {
+        if (seen >= depth_) dev_done = true;
+        const ChunkId c = a->chunk;
+        const bool host = a->tier == TierKind::kHost;
+        if ((host ? host_done : dev_done) || a->tier == ex.Home(c) ||
+            ex.Chunk(c).cache != TierKind::kNone || UsedBy(it, i, c)) {
+          continue;
+        }
+        const Bytes need = ex.ChunkBytes(c) + ex.NeedExtra(i, a->tier);
+        if (!host) {
+          auto r = MakeRoom(ex, i, a->tier, need, key, [&](ChunkId x) {
+            if (ex.Chunk(x).dirty) return true;
+            const uint64_t next = index_->Next(x, i);
+            return next != kNever && next <= j;
+          });
+          if (!r.ok()) return r.status();
+          if (!*r) {
+            dev_done = true;
+            continue;
+          }
+        } else {
+          TIERMEM_ASSIGN_OR_RETURN(const bool room, HostRoomFor(ex, i, j, need));
+          if (!room) {
+            host_done = true;
+            continue;
+          }
+        }
+        TIERMEM_RETURN_IF_ERROR(ex.Fetch(c, a->tier, a->needs_content, tag));
+      }
+    }
+    return OkStatus();
+  }
+
+  // Makes `need` bytes free on the host for the entry at lap position `j` (LookaheadByRoom):
+  // true when it did; false after starting the write-backs (CleanFor) when it could not.
+  StatusOr<bool> HostRoomFor(SimulatedRun& ex, size_t i, size_t j, Bytes need) {
+    const EffIteration& it = ex.iteration();
+    const size_t n = rec_->size();
+    constexpr TierKind kHost = TierKind::kHost;
+    while (ex.Free(kHost) < need) {
+      ChunkId best = kNoChunk;
+      uint64_t best_next = 0;
+      for (ChunkId x = 0; x < ex.NumChunks(); ++x) {
+        if (ex.Chunk(x).cache != kHost || UsedBy(it, i, x)) continue;
+        const uint64_t next = index_->NextWrapped(x, i, n);
+        if (next <= j) continue;  // needed before the entry
+        if (best == kNoChunk || next > best_next) {
+          best = x;
+          best_next = next;
+        }
+      }
+      if (best == kNoChunk || ex.Chunk(best).dirty) {
+        // Engine::CleanFor: the dirty ones used farthest (and after the entry) go home.
+        std::vector<std::pair<uint64_t, ChunkId>> dirty;
+        for (ChunkId x = 0; x < ex.NumChunks(); ++x) {
+          if (ex.Chunk(x).cache != kHost || !ex.Chunk(x).dirty || UsedBy(it, i, x)) continue;
+          const uint64_t next = index_->NextWrapped(x, i, n);
+          if (next > j) dirty.emplace_back(next, x);
+        }
+        std::sort(dirty.begin(), dirty.end(), [](const auto& a, const auto& b) {
+          return a.first != b.first ? a.first > b.first : a.second < b.second;
+        });
+        Bytes cleaning = 0;
+        for (const auto& [next, x] : dirty) {
+          if (cleaning >= need) break;
+          TIERMEM_RETURN_IF_ERROR(ex.WriteBack(x));
+          cleaning += ex.ChunkBytes(x);
+        }
+        return false;
+      }
+      TIERMEM_RETURN_IF_ERROR(ex.Evict(best));
+    }
+    return true;
+  }
+
   uint32_t depth_;
+  EngineLookahead lookahead_;
 };
 
 class DeepSpeedPolicy : public Following {
@@ -196,6 +297,17 @@ std::string_view BaselineName(BaselineKind k) {
   return "?";
 }
 
+std::string_view EngineLookaheadName(EngineLookahead l) {
+  return l == EngineLookahead::kRoom ? "room" : "depth";
+}
+
+StatusOr<EngineLookahead> ParseEngineLookahead(std::string_view name) {
+  if (name == "depth") return EngineLookahead::kDepth;
+  if (name == "room") return EngineLookahead::kRoom;
+  return InvalidArgumentError("engine lookahead must be depth or room, not '" + std::string(name) +
+                              "'");
+}
+
 std::unique_ptr<BaselinePolicy> MakeBaselinePolicy(BaselineKind kind, const EffIteration* recorded,
                                                    const BaselineParams& params,
                                                    Bytes max_chunk_bytes) {
@@ -209,7 +321,8 @@ std::unique_ptr<BaselinePolicy> MakeBaselinePolicy(BaselineKind kind, const EffI
                                                              ? params.deepspeed_bucket_bytes
                                                              : 4 * max_chunk_bytes);
     case BaselineKind::kEngine:
-      return std::make_unique<EnginePolicy>(recorded, params.engine_prefetch_depth);
+      return std::make_unique<EnginePolicy>(recorded, params.engine_prefetch_depth,
+                                            params.engine_lookahead);
   }
   return nullptr;
 }

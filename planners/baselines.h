@@ -26,9 +26,20 @@ enum class BaselineKind : uint8_t {
 inline constexpr int kNumBaselines = 4;
 std::string_view BaselineName(BaselineKind k);  // "lru", "patrickstar", "deepspeed", "engine"
 
+// How far the engine policy looks ahead (chunks::Lookahead, EngineConfig::lookahead).
+enum class EngineLookahead : uint8_t {
+  kDepth = 0,  // the next `engine_prefetch_depth` acquires of the iteration, evicting only clean
+               // chunks used later
+  kRoom = 1,   // host acquires as far as host room can be made, one lap of the order (into
+               // the next iteration); device acquires `engine_prefetch_depth` ahead
+};
+std::string_view EngineLookaheadName(EngineLookahead l);  // "depth", "room"
+StatusOr<EngineLookahead> ParseEngineLookahead(std::string_view name);
+
 struct BaselineParams {
   uint32_t engine_prefetch_depth = 4;  // acquires of lookahead (EngineConfig default)
-  Bytes deepspeed_bucket_bytes = 0;    // 0: 4 x the trace's largest chunk
+  EngineLookahead engine_lookahead = EngineLookahead::kDepth;  // (EngineConfig default)
+  Bytes deepspeed_bucket_bytes = 0;                            // 0: 4 x the trace's largest chunk
 };
 
 // A baseline policy. `recorded` is the previous iteration under the recorded placement (the

@@ -315,6 +315,20 @@ Status SimulatedRun::Evict(ChunkId c) {
   return OkStatus();
 }
 
+Status SimulatedRun::WriteBack(ChunkId c) {
+  ChunkView& v = view_[c];
+  ChunkTimes& tm = times_[c];
+  if (v.cache == TierKind::kNone || !v.dirty || !tm.valid) return OkStatus();
+  const uint64_t t0 = std::max({issue_t_, tm.last_end, tm.ready, tm.writer_end});
+  const uint64_t end = Copy(v.cache, homes_[c], ChunkBytes(c), t0, tag_);
+  tm.home_ready = end;
+  tm.ready = end;
+  tm.ready_cause = StallCause::kWriteBack;
+  ++stats_[tag_].writebacks;
+  v.dirty = false;
+  return OkStatus();
+}
+
 Status SimulatedRun::RunMoment(size_t i, Policy& policy) {
   const EffIteration& it = *it_;
   const EffMoment& m = it.moments[i];

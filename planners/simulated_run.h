@@ -199,6 +199,11 @@ class SimulatedRun {
   Status Fetch(ChunkId c, TierKind to, bool copy) { return Fetch(c, to, copy, tag_); }
   // Drops the cached copy of `c` (writing it back to its home first if dirty). No-op if none.
   Status Evict(ChunkId c);
+  // Writes a dirty cached copy of `c` home in the background and keeps it, clean (the engine's
+  // write-behind): whatever touches the copy next — an access, a fetch from it, its eviction,
+  // which then frees its region — waits for the copy (stall cause write-back). No-op unless
+  // `c` is cached, dirty and holds data. Not logged (no plan action is a write-back alone).
+  Status WriteBack(ChunkId c);
 
  private:
   struct ChunkTimes {

@@ -276,6 +276,7 @@ class Driver {
 
   BaselineParams Params() const {
     return {.engine_prefetch_depth = opt_.engine_prefetch_depth,
+            .engine_lookahead = opt_.engine_lookahead,
             .deepspeed_bucket_bytes = opt_.deepspeed_bucket_bytes};
   }
 
