@@ -184,6 +184,9 @@ void PrintHeader(const Loaded& l, const std::string& path) {
               FormatBytes(l.machine.Budget(TierKind::kDevice)).c_str(),
               FormatBytes(l.machine.Budget(TierKind::kHost)).c_str(),
               FormatBytes(l.machine.Budget(TierKind::kNvme)).c_str());
+  std::printf("engine policy: %s lookahead, depth %u\n",
+              std::string(EngineLookaheadName(l.sim.engine_lookahead)).c_str(),
+              l.sim.engine_prefetch_depth);
 }
 
 void PrintTable(const std::vector<SimResult>& rs) {
