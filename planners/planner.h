@@ -164,8 +164,8 @@ struct PlanOptions {
   // engine) under the recorded placement, as plans — with the homes the runtime places too,
   // when homes are not fixed. They set a bar: a candidate with bytes into the device, NVMe
   // bytes, stall and iteration time each no higher than every baseline candidate's beats any
-  // that misses it, so a plan that can match them all does; of those that miss it, one that no
-  // single baseline dominates (no worse on every measure, better on one) comes first.
+  // that misses it, so a plan that can match them all does; of those that miss it, one that
+  // reaches the bar on more of the four measures comes first.
   bool mimic_baselines = true;
   uint32_t engine_prefetch_depth = 4;  // the engine baseline's lookahead (acquires)
   Bytes deepspeed_bucket_bytes = 0;    // the deepspeed baseline's bucket; 0: 4 x largest chunk
