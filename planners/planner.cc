@@ -10,21 +10,33 @@
 //      time, the rest kept, for every k;
 //   2. optimizer placement: the m groups whose grads complete last on the device, the rest
 //      on the CPU (overlapped with the backward when allowed), for every m; then the best
-//      with overlap off;
+//      with overlap off (decided for every candidate: the sweep starts from the best one's
+//      homes and activations even when that is a baseline's, whose steps run as recorded);
 //   3. the activation search again under the chosen optimizer placement.
-// A candidate that does not fit is skipped; the least modelled iteration time wins (ties:
-// fewer bytes into the device, then the earlier candidate) — or, with PlanObjective::kBytes,
-// the fewest bytes into the device, a recompute's compute counted as the bytes a host->device
-// copy moves in that time (ties: less time).
+// Before them (PlanOptions::mimic_baselines) the baseline policies' own moves are candidates
+// (baselines.h, MimicSchedule: under the recorded placement as they run, with their homes
+// too when homes are free), and the same moves with evictions early and fetches hoisted;
+// and with homes free, the planner's schedule is tried with the baselines' homes as well (the
+// search goes on with the better home rule).
+// A candidate that does not fit is skipped. Candidates are ranked against the plain baseline
+// candidates' bar (Search::Rank): in its steady iteration, how many of bytes into the device,
+// NVMe bytes, stall and iteration time are no higher than the least of each over them; all
+// four meets the bar (no worse than any baseline on any measure). More beats fewer; below the
+// bar the planner's own schedules beat the baselines' moves; otherwise the least modelled
+// iteration time wins (ties: fewer bytes into the device, then the earlier candidate) —
+// or, with PlanObjective::kBytes, the fewest bytes into the device, a recompute's compute counted
+// as the bytes a host->device copy moves in that time (ties: less time).
 #include "planners/planner.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <map>
 #include <optional>
 #include <set>
 
+#include "planners/baselines.h"
 #include "planners/schedule.h"
 
 namespace tiermem::planners {
@@ -48,13 +60,21 @@ int CategoryRank(Category c) {
 
 std::string Fmt(Bytes b) { return std::to_string(b) + " bytes (" + FormatBytes(b) + ")"; }
 
+// What a candidate's schedule is and where its homes come from.
+struct Variant {
+  bool aggressive = false;      // ScheduleInput::aggressive; with `mimic`: fetches hoisted
+  bool wb_aware = false;        // ScheduleInput::writeback_aware
+  int mimic = -1;               // >= 0: a BaselineKind whose moves are the schedule
+  bool in_order_homes = false;  // PlaceHomesInOrder (the baselines' homes), not PlaceHomes
+};
+
 struct Candidate {
   Placement placement;
-  bool aggressive = false;
+  Variant variant;
   uint64_t score_ns = 0;  // what candidates are compared on (see Search::Evaluate)
   Plan plan;
   EffIteration eff;
-  IterationStats stats;
+  IterationStats stats;  // the steady iteration (the second)
 };
 
 class Search {
@@ -69,8 +89,9 @@ class Search {
         expert_class_(ExpertClasses(t)) {}
 
   // Schedules and executes `p` (homes filled in when not fixed). Not OK: infeasible.
-  StatusOr<Candidate> Evaluate(Placement p, bool aggressive = false, bool wb_aware = false) {
+  StatusOr<Candidate> Evaluate(Placement p, const Variant& v) {
     ++evaluated_;
+    const bool aggressive = v.aggressive, wb_aware = v.wb_aware;
     p.home.assign(trace_.chunks.size(), TierKind::kHost);
     TIERMEM_ASSIGN_OR_RETURN(EffIteration eff, BuildEffective(trace_, iter_, p, machine_));
     if (opt_.homes != nullptr) {
@@ -78,8 +99,10 @@ class Search {
     } else {
       Bytes host_act = 0;
       for (Bytes b : eff.host_extra) host_act = std::max(host_act, b);
-      TIERMEM_ASSIGN_OR_RETURN(p.home,
-                               PlaceHomes(trace_, machine_, HostWorkingSet(trace_) + host_act));
+      const Bytes reserve = HostWorkingSet(trace_) + host_act;
+      TIERMEM_ASSIGN_OR_RETURN(p.home, v.in_order_homes
+                                           ? PlaceHomesInOrder(trace_, machine_, reserve)
+                                           : PlaceHomes(trace_, machine_, reserve));
     }
     ScheduleInput in;
     in.trace = &trace_;
@@ -103,15 +126,24 @@ class Search {
     in.aggressive = aggressive;
     in.writeback_aware = wb_aware;
     in.machine = &machine_;
-    TIERMEM_ASSIGN_OR_RETURN(Schedule sched, MakeSchedule(in));
+    const BaselineParams params{.engine_prefetch_depth = opt_.engine_prefetch_depth,
+                                .deepspeed_bucket_bytes = opt_.deepspeed_bucket_bytes};
+    const auto schedule = [&](const ScheduleInput& si) {
+      return v.mimic >= 0
+                 ? MimicSchedule(si, static_cast<BaselineKind>(v.mimic), params, v.aggressive)
+                 : MakeSchedule(si);
+    };
+    TIERMEM_ASSIGN_OR_RETURN(Schedule sched, schedule(in));
 
     Candidate c;
     c.placement = p;
-    c.aggressive = aggressive;
+    c.variant = v;
     c.eff = std::move(eff);
     c.plan = BuildPlan(c.placement, c.eff, sched);
     c.plan.aggressive_prefetch = aggressive;
     c.plan.writeback_aware = wb_aware;
+    if (v.mimic >= 0)
+      c.plan.baseline = std::string(BaselineName(static_cast<BaselineKind>(v.mimic)));
     TIERMEM_ASSIGN_OR_RETURN(auto ex, SimulatedRun::Create(&trace_, &machine_, p.home));
     for (ChunkId ch = 0; ch < trace_.chunks.size(); ++ch) {
       TIERMEM_RETURN_IF_ERROR(ex->Preload(ch, in.start.cache[ch], in.start.dirty[ch]));
@@ -121,7 +153,7 @@ class Search {
     // The iteration after: planned the same way from the state this one leaves.
     in.start = ex->State();
     in.eff = &c.eff;
-    TIERMEM_ASSIGN_OR_RETURN(Schedule sched2, MakeSchedule(in));
+    TIERMEM_ASSIGN_OR_RETURN(Schedule sched2, schedule(in));
     const Plan plan2 = BuildPlan(c.placement, c.eff, sched2);
     PlanPolicy policy2(&plan2, &c.eff);
     TIERMEM_ASSIGN_OR_RETURN(c.stats, ex->Run(c.eff, policy2, 1));
@@ -135,7 +167,7 @@ class Search {
       // Routing (or another data-dependent choice) varies: also run the plan against the
       // earlier iteration, as a stand-in for an unpredictable next one, and score the mean.
       in.start = ex->State();
-      TIERMEM_ASSIGN_OR_RETURN(Schedule sched3, MakeSchedule(in));
+      TIERMEM_ASSIGN_OR_RETURN(Schedule sched3, schedule(in));
       const Plan plan3 = BuildPlan(c.placement, c.eff, sched3);
       TIERMEM_ASSIGN_OR_RETURN(EffIteration other, BuildEffective(trace_, *earlier_, p, machine_));
       PlanPolicy policy3(&plan3, &c.eff);
@@ -158,10 +190,11 @@ class Search {
 
   // Evaluates `p` with Belady's room model and with the write-back aware one; keeps the better.
   // Returns the better modelled steady-state time (UINT64_MAX: neither fits).
-  uint64_t Try(const Placement& p) {
+  uint64_t Try(const Placement& p, bool aggressive = false) {
     uint64_t best = UINT64_MAX;
-    for (bool wb : {false, true}) {
-      StatusOr<Candidate> c = Evaluate(p, false, wb);
+    for (const bool wb : {false, true}) {
+      StatusOr<Candidate> c = Evaluate(
+          p, Variant{.aggressive = aggressive, .wb_aware = wb, .in_order_homes = in_order_homes_});
       if (c.ok()) best = std::min(best, c->score_ns);
       Offer(std::move(c));
     }
@@ -177,12 +210,85 @@ class Search {
     if (!best_ || Better(*c, *best_)) best_ = std::move(*c);
   }
 
+  // Each baseline's moves under the recorded placement (homes as the planner places them and
+  // as the runtime does, when not fixed), offered as candidates; they set the bar (Meets).
+  // Then the same moves with evictions early and fetches hoisted (MimicSchedule's `hoist`),
+  // under the recorded placement and under `base`, not part of the bar. Call before any other
+  // candidate is offered. A baseline that cannot run is skipped.
+  void TryBaselines(const Placement& base) {
+    Placement recorded;
+    recorded.groups.resize(trace_.NumGroups());
+    std::vector<Candidate> plain;
+    for (const bool in_order : {false, true}) {
+      if (in_order && opt_.homes != nullptr) break;
+      for (int k = 0; k < kNumBaselines; ++k) {
+        StatusOr<Candidate> c = Evaluate(recorded, Variant{.mimic = k, .in_order_homes = in_order});
+        if (!c.ok()) continue;
+        const IterationStats& s = c->stats;
+        bar_.dev = std::min(bar_.dev, s.DeviceInBytes());
+        bar_.nvme = std::min(bar_.nvme, s.NvmeBytes());
+        bar_.stall = std::min(bar_.stall, s.stall_ns);
+        bar_.time = std::min(bar_.time, s.iteration_ns);
+        bar_.set = true;
+        plain.push_back(std::move(*c));
+      }
+    }
+    // Offered once the bar is complete, so that they are ranked against all of it.
+    for (Candidate& c : plain) Offer(std::move(c));
+    TryHoistedBaselines(recorded);
+    TryHoistedBaselines(base);
+  }
+
+  // Each baseline's moves, hoisted, under placement `p` (homes by the current rule, and by the
+  // other rule too while homes are free and `p` carries none, i.e. before the search chose).
+  void TryHoistedBaselines(const Placement& p) {
+    for (int k = 0; k < kNumBaselines; ++k) {
+      Offer(
+          Evaluate(p, Variant{.aggressive = true, .mimic = k, .in_order_homes = in_order_homes_}));
+      if (opt_.homes == nullptr && p.home.empty()) {
+        Offer(Evaluate(
+            p, Variant{.aggressive = true, .mimic = k, .in_order_homes = !in_order_homes_}));
+      }
+    }
+  }
+
+  // From now on candidates take their homes by the rule of the best so far.
+  void FollowBestHomeRule() {
+    if (best_) in_order_homes_ = best_->variant.in_order_homes;
+  }
+  void set_in_order_homes(bool on) { in_order_homes_ = on; }
+
   const std::optional<Candidate>& best() const { return best_; }
   const Status& first_error() const { return first_error_; }
   uint32_t evaluated() const { return evaluated_; }
 
  private:
+  // What a candidate is judged on against the baselines, in its steady iteration: bytes into
+  // the device, bytes to and from NVMe, and with PlanObjective::kTime stall and iteration time
+  // (kBytes judges on bytes alone: those two are 0 here).
+  std::array<uint64_t, 4> Measures(const Candidate& c) const {
+    const IterationStats& s = c.stats;
+    const bool bytes_only = opt_.objective == PlanObjective::kBytes;
+    return {s.DeviceInBytes(), s.NvmeBytes(), bytes_only ? 0 : s.stall_ns,
+            bytes_only ? 0 : s.iteration_ns};
+  }
+
+  // How many of the measures reach the bar — each no higher than the least of it over the
+  // baselines' own moves (TryBaselines) — of the 4 (with PlanObjective::kBytes the two byte
+  // counts; stall and time count as reached). 4 meets the bar: no worse than any baseline on
+  // any measure, which is what "planned is the best policy" asks.
+  int Rank(const Candidate& c) const {
+    if (!bar_.set) return 4;
+    const std::array<uint64_t, 4> m = Measures(c);
+    return (m[0] <= bar_.dev) + (m[1] <= bar_.nvme) + (m[2] <= bar_.stall) + (m[3] <= bar_.time);
+  }
+
   bool Better(const Candidate& a, const Candidate& b) const {
+    const int ra = Rank(a), rb = Rank(b);
+    if (ra != rb) return ra > rb;
+    // Below the bar, the planner's own schedules before the baselines' moves (those are the
+    // net for the bar, not a schedule to prefer on time alone).
+    if (ra < 4 && (a.variant.mimic < 0) != (b.variant.mimic < 0)) return a.variant.mimic < 0;
     const auto time = [](const Candidate& c) { return c.score_ns; };
     // kBytes is for devices whose copies are memcpys on the compute's own cores (SimDevice):
     // a recompute costs compute on those cores too, so it counts as the bytes a copy into
@@ -276,6 +382,13 @@ class Search {
   std::optional<Candidate> best_;
   Status first_error_;
   uint32_t evaluated_ = 0;
+  bool in_order_homes_ = false;  // Variant::in_order_homes of Try and TryHoistedBaselines
+  // The least of each over the baseline candidates in their steady iteration (Meets).
+  struct {
+    Bytes dev = ~Bytes{0}, nvme = ~Bytes{0};
+    uint64_t stall = UINT64_MAX, time = UINT64_MAX;
+    bool set = false;
+  } bar_;
 };
 
 }  // namespace
@@ -641,7 +754,15 @@ StatusOr<Plan> MakePlan(const Trace& trace, const MachineModel& machine,
     base.groups[g].update_on = iter.accesses[m.first_access].tier;
     base.groups[g].overlap = options.overlap_optimizer;
   }
+  if (options.mimic_baselines) search.TryBaselines(base);
   search.Try(base);
+  if (options.homes == nullptr) {
+    // The baselines' homes with the planner's schedule; the search goes on with the better
+    // home rule.
+    search.set_in_order_homes(true);
+    search.Try(base);
+    search.FollowBestHomeRule();
+  }
   if (options.activation_policy) {
     ActivationSearch(search, trace, iter, machine, base, options.allow_recompute);
   }
@@ -653,11 +774,17 @@ StatusOr<Plan> MakePlan(const Trace& trace, const MachineModel& machine,
                          machine.device_optim_elems_per_s > 0 &&
                          (volatile_groups.empty() || trace.HasExpertSets());
   if (can_place && search.best()) {
-    const Candidate best = *search.best();
+    // The sweep starts from the best candidate's homes and activations, not its optimizer
+    // placement: a baseline's moves run the steps where the trace ran them (kNone), and the
+    // planner decides every group's tier itself.
+    Placement start = search.best()->placement;
+    for (uint32_t g = 0; g < start.groups.size() && g < base.groups.size(); ++g) {
+      if (start.groups[g].update_on == TierKind::kNone) start.groups[g] = base.groups[g];
+    }
     // Groups by the position their grads complete at, latest first.
     std::vector<std::pair<int64_t, uint32_t>> order;
     {
-      Placement all_host = best.placement;
+      Placement all_host = start;
       for (GroupChoice& g : all_host.groups) {
         if (g.update_on != TierKind::kNone) g = {TierKind::kHost, true};
       }
@@ -676,7 +803,7 @@ StatusOr<Plan> MakePlan(const Trace& trace, const MachineModel& machine,
     }
     Patience patience;
     for (size_t m = 1; m <= order.size() && !patience.exhausted(); ++m) {
-      Placement p = best.placement;
+      Placement p = start;
       for (GroupChoice& g : p.groups) {
         if (g.update_on != TierKind::kNone) g = {TierKind::kHost, options.overlap_optimizer};
       }
@@ -699,9 +826,9 @@ StatusOr<Plan> MakePlan(const Trace& trace, const MachineModel& machine,
     const Placement p = search.best()->placement;
     // (Not when judged on bytes: Belady's fetches are then the optimum by construction.)
     if (options.aggressive_prefetch && options.objective == PlanObjective::kTime) {
-      search.Offer(search.Evaluate(p, true, false));
-      search.Offer(search.Evaluate(p, true, true));
+      search.Try(p, /*aggressive=*/true);
     }
+    if (options.mimic_baselines) search.TryHoistedBaselines(p);
   }
   if (!search.best()) return search.first_error();
   Plan plan = search.best()->plan;
@@ -830,7 +957,11 @@ std::string DescribePlan(const Plan& p, const Trace& trace) {
   s += "actions: " + std::to_string(acts[1]) + " prefetches, " + std::to_string(acts[0]) +
        " evictions, " + std::to_string(acts[2]) + " activation fetches over " +
        std::to_string(p.moments.size()) + " moments" +
-       (p.aggressive_prefetch ? ", prefetching ahead of Belady" : ", Belady fetches") +
+       (!p.baseline.empty()
+            ? ", the " + p.baseline + " policy's moves" +
+                  (p.aggressive_prefetch ? ", evictions and fetches as early as room allows" : "")
+        : p.aggressive_prefetch ? ", prefetching ahead of Belady"
+                                : ", Belady fetches") +
        (p.writeback_aware ? ", room of dirty evictions counted until written back" : "") + " (" +
        std::to_string(p.candidates_evaluated) + " candidate plans evaluated)\n";
   return s;

@@ -35,7 +35,10 @@
 // need order per tier (so FIFO copy lanes serve them in need order); fetches for the next
 // iteration's first moments are hoisted into this one when room allows. Placement choices
 // (activation policy, optimizer placement, overlap) are compared by executing each candidate
-// plan in the simulator's SimulatedRun and keeping the lowest modelled iteration time.
+// plan in the simulator's SimulatedRun and keeping the lowest modelled iteration time. The
+// baseline policies' own moves (baselines.h) are candidates too, plain and with their
+// evictions early and fetches hoisted; a candidate no worse than every plain baseline one in
+// bytes, stall and time wins over any that is (PlanOptions::mimic_baselines).
 //
 // Thread-safety: pure functions over values. Determinism: no clock, no randomness, no
 // unordered iteration; the same inputs give a byte-identical EncodePlan().
@@ -127,6 +130,9 @@ struct Plan {
   PlanEstimate estimate;
   bool aggressive_prefetch = false;  // the schedule prefetches ahead of Belady's fetches
   bool writeback_aware = false;      // its room model waits for dirty evictions' write-backs
+  // Not encoded (descriptive): the baseline policy whose moves the schedule is (baselines.h,
+  // MimicSchedule), "" for the planner's own schedule.
+  std::string baseline;
   uint32_t candidates_evaluated = 0;
 
   Placement ToPlacement() const;
@@ -154,6 +160,15 @@ struct PlanOptions {
   // `iteration` use differently (MoE experts) are volatile: their optimizer steps stay where
   // they ran and their chunks are prefetched only once this iteration has shown its group.
   int64_t earlier_iteration = -1;
+  // Also candidates: each baseline policy's moves (baselines.h: lru, patrickstar, deepspeed,
+  // engine) under the recorded placement, as plans — with the homes the runtime places too,
+  // when homes are not fixed. They set a bar: a candidate with bytes into the device, NVMe
+  // bytes, stall and iteration time each no higher than every baseline candidate's beats any
+  // that misses it, so a plan that can match them all does; of those that miss it, one that
+  // reaches the bar on more of the four measures comes first.
+  bool mimic_baselines = true;
+  uint32_t engine_prefetch_depth = 4;  // the engine baseline's lookahead (acquires)
+  Bytes deepspeed_bucket_bytes = 0;    // the deepspeed baseline's bucket; 0: 4 x largest chunk
 };
 
 // Per chunk the expert class — a dense index of its (TraceChunk::expert_set, kind) pair, in

@@ -266,6 +266,10 @@ Status SimulatedRun::Fetch(ChunkId c, TierKind to, bool copy, uint32_t need_tag)
   tm.valid = copy && (v.cache == TierKind::kNone || tm.valid);
   tm.ready = end;
   v.cache = to;
+  if (log_ != nullptr && in_before_) {
+    log_->push_back(
+        {.moment = static_cast<uint32_t>(cur_moment_), .chunk = c, .tier = to, .copy = copy});
+  }
   return OkStatus();
 }
 
@@ -301,9 +305,27 @@ Status SimulatedRun::Evict(ChunkId c) {
   }
   TIERMEM_RETURN_IF_ERROR(FreeAt(v.cache, bytes, free_at));
   ++stats_[tag_].evictions;
+  if (log_ != nullptr && in_before_) {
+    log_->push_back(
+        {.moment = static_cast<uint32_t>(cur_moment_), .evict = true, .chunk = c, .tier = v.cache});
+  }
   v.cache = TierKind::kNone;
   v.dirty = false;
   tm.valid = true;
+  return OkStatus();
+}
+
+Status SimulatedRun::WriteBack(ChunkId c) {
+  ChunkView& v = view_[c];
+  ChunkTimes& tm = times_[c];
+  if (v.cache == TierKind::kNone || !v.dirty || !tm.valid) return OkStatus();
+  const uint64_t t0 = std::max({issue_t_, tm.last_end, tm.ready, tm.writer_end});
+  const uint64_t end = Copy(v.cache, homes_[c], ChunkBytes(c), t0, tag_);
+  tm.home_ready = end;
+  tm.ready = end;
+  tm.ready_cause = StallCause::kWriteBack;
+  ++stats_[tag_].writebacks;
+  v.dirty = false;
   return OkStatus();
 }
 
@@ -314,7 +336,10 @@ Status SimulatedRun::RunMoment(size_t i, Policy& policy) {
   issue_t_ = stream_t_;
   for (OccupancyProfile& p : profile_) p.Advance(issue_t_);
   const uint64_t fetches0 = st.fetches, evictions0 = st.evictions;
+  cur_moment_ = i;
+  in_before_ = true;
   Status s = policy.Before(*this, i);
+  in_before_ = false;
   if (!s.ok())
     return s.WithContext("moment " + std::to_string(i) + " (" + std::string(m.label) + ")");
 

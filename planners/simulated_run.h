@@ -66,6 +66,16 @@ struct MomentTiming {
   Bytes device_bytes = 0;               // in use on the device after its actions (program order)
 };
 
+// A move a policy made in its Before() (SimulatedRun::set_move_log); MimicSchedule turns the
+// moves of a baseline into plan actions.
+struct LoggedMove {
+  uint32_t moment = 0;  // the moment whose Before() made it
+  bool evict = false;
+  ChunkId chunk = kNoChunk;
+  TierKind tier = TierKind::kNone;  // fetch: the tier it came to; evict: the tier it left
+  bool copy = true;                 // fetch: copies content (false: allocation only)
+};
+
 struct IterationStats {
   uint64_t iteration_ns = 0;  // = compute_ns + stall_ns
   uint64_t compute_ns = 0;    // device-stream compute (recompute included)
@@ -176,6 +186,10 @@ class SimulatedRun {
   PairBytes Unclaimed() const;
   // Keep a MomentTiming per moment in the stats of the iterations run from now on.
   void set_record_moments(bool on) { record_ = on; }
+  // Appends every move a policy's Before() makes from now on to `*log` (nullptr: stop); moves
+  // the run makes itself (a copy dropped for an access on its home tier) are not logged.
+  // `log` must outlive the logging.
+  void set_move_log(std::vector<LoggedMove>* log) { log_ = log; }
 
   // Brings chunk `c` to tier `to` (above its home) from its cached copy or its home; with
   // copy=false only allocates (the moment overwrites it). No-op if already cached there.
@@ -185,6 +199,11 @@ class SimulatedRun {
   Status Fetch(ChunkId c, TierKind to, bool copy) { return Fetch(c, to, copy, tag_); }
   // Drops the cached copy of `c` (writing it back to its home first if dirty). No-op if none.
   Status Evict(ChunkId c);
+  // Writes a dirty cached copy of `c` home in the background and keeps it, clean (the engine's
+  // write-behind): whatever touches the copy next — an access, a fetch from it, its eviction,
+  // which then frees its region — waits for the copy (stall cause write-back). No-op unless
+  // `c` is cached, dirty and holds data. Not logged (no plan action is a write-back alone).
+  Status WriteBack(ChunkId c);
 
  private:
   struct ChunkTimes {
@@ -223,6 +242,9 @@ class SimulatedRun {
   uint64_t issue_t_ = 0;   // issue time of the current moment's actions
   uint64_t pc_ = 0;        // program counter: moments run so far (all iterations)
   bool record_ = false;
+  std::vector<LoggedMove>* log_ = nullptr;  // set_move_log
+  bool in_before_ = false;                  // inside a policy's Before(): moves are logged
+  size_t cur_moment_ = 0;                   // the moment whose Before() runs
   uint64_t iter_start_ = 0;
 
   // Current iteration.

@@ -4,180 +4,24 @@
 #include <algorithm>
 #include <tuple>
 
-#include "layout/eviction_rank.h"
+#include "planners/baselines.h"
 #include "planners/schedule.h"
 
 namespace tiermem::planners {
 namespace {
 
-// The engine's eviction rule (layout/eviction_rank.h) without a recorded order: the least
-// recently used, clean first. Ties go to the lower chunk id, as in the engine (MakeRoom scans
-// chunks by id).
-chunks::EvictionRank Lru(const SimulatedRun& ex, ChunkId c) {
-  return chunks::RankForEviction(chunks::EvictionCandidate{
-      .chunk = c, .dirty = ex.Chunk(c).dirty, .last_use = ex.Chunk(c).last_use});
+BaselineKind Baseline(PolicyKind p) {
+  switch (p) {
+    case PolicyKind::kPatrickStar:
+      return BaselineKind::kPatrickStar;
+    case PolicyKind::kDeepSpeed:
+      return BaselineKind::kDeepSpeed;
+    case PolicyKind::kEngine:
+      return BaselineKind::kEngine;
+    default:
+      return BaselineKind::kLru;
+  }
 }
-
-// Next access of `c` (any tier, any mode) strictly after moment `i` of `r`, or kNever.
-constexpr uint64_t kNever = chunks::kNeverUsed;
-class OrderIndex {
- public:
-  OrderIndex(const EffIteration& r, size_t num_chunks) : pos_(num_chunks) {
-    for (size_t m = 0; m < r.size(); ++m) {
-      for (const EffAccess* a = r.begin(m); a != r.end(m); ++a) pos_[a->chunk].push_back(m);
-    }
-  }
-  uint64_t Next(ChunkId c, size_t i) const {
-    const auto& p = pos_[c];
-    auto it = std::upper_bound(p.begin(), p.end(), static_cast<uint64_t>(i));
-    return it == p.end() ? kNever : *it;
-  }
-
- private:
-  std::vector<std::vector<uint64_t>> pos_;
-};
-
-class LruPolicy : public Policy {
- public:
-  Status Before(SimulatedRun& ex, size_t i) override {
-    return EnsureMoment(ex, i, [&ex](ChunkId c, TierKind) { return Lru(ex, c); });
-  }
-};
-
-// Shared by the policies that follow the previous iteration's order.
-class Following : public Policy {
- public:
-  explicit Following(const EffIteration* recorded) : rec_(recorded) {}
-  Status BeginIteration(SimulatedRun& ex) override {
-    following_ = rec_ != nullptr;
-    if (rec_ != nullptr) index_ = std::make_unique<OrderIndex>(*rec_, ex.NumChunks());
-    return OkStatus();
-  }
-  bool diverged() const { return rec_ != nullptr && !following_; }
-
- protected:
-  void Track(const SimulatedRun& ex, size_t i) {
-    if (following_ && (i >= rec_->size() || !SameMoment(ex.iteration(), i, *rec_, i))) {
-      following_ = false;
-    }
-  }
-  const EffIteration* rec_;
-  std::unique_ptr<OrderIndex> index_;
-  bool following_ = false;
-};
-
-class PatrickStarPolicy : public Following {
- public:
-  using Following::Following;
-  Status Before(SimulatedRun& ex, size_t i) override {
-    Track(ex, i);
-    if (!following_) {
-      return EnsureMoment(ex, i, [&ex](ChunkId c, TierKind) { return Lru(ex, c); });
-    }
-    return EnsureMoment(ex, i, [&](ChunkId c, TierKind) {
-      return std::make_tuple(UINT64_MAX - std::min(index_->Next(c, i), kNever - 1), c);
-    });
-  }
-};
-
-class EnginePolicy : public Following {
- public:
-  EnginePolicy(const EffIteration* recorded, uint32_t depth) : Following(recorded), depth_(depth) {}
-  Status Before(SimulatedRun& ex, size_t i) override {
-    Track(ex, i);
-    if (!following_) {
-      return EnsureMoment(ex, i, [&ex](ChunkId c, TierKind) { return Lru(ex, c); });
-    }
-    // The engine's eviction rule while it follows the recorded order (ties: the lower id).
-    auto key = [&](ChunkId c) {
-      return chunks::RankForEviction(chunks::EvictionCandidate{.chunk = c,
-                                                               .dirty = ex.Chunk(c).dirty,
-                                                               .next_use = index_->Next(c, i),
-                                                               .order_known = true});
-    };
-    TIERMEM_RETURN_IF_ERROR(EnsureMoment(ex, i, [&](ChunkId c, TierKind) { return key(c); }));
-    // Lookahead: the next `depth_` acquires of the recorded order after this moment.
-    uint32_t seen = 0;
-    for (size_t m = i + 1; m < rec_->size() && seen < depth_; ++m) {
-      for (const EffAccess* a = rec_->begin(m); a != rec_->end(m) && seen < depth_; ++a, ++seen) {
-        const ChunkId c = a->chunk;
-        const ChunkView& v = ex.Chunk(c);
-        if (a->tier == ex.Home(c) || v.cache != TierKind::kNone) continue;
-        const Bytes need = ex.ChunkBytes(c) + ex.NeedExtra(i, a->tier);
-        auto r = MakeRoom(ex, i, a->tier, need, key, [&](ChunkId x) {
-          if (ex.Chunk(x).dirty) return true;
-          const uint64_t next = index_->Next(x, i);
-          return next != kNever && next <= m;
-        });
-        if (!r.ok()) return r.status();
-        if (!*r) return OkStatus();  // no room without hurting sooner uses: stop looking
-        TIERMEM_RETURN_IF_ERROR(ex.Fetch(c, a->tier, a->needs_content));
-      }
-    }
-    return OkStatus();
-  }
-
- private:
-  uint32_t depth_;
-};
-
-class DeepSpeedPolicy : public Following {
- public:
-  DeepSpeedPolicy(const EffIteration* recorded, Bytes bucket)
-      : Following(recorded), bucket_(bucket) {}
-  Status Before(SimulatedRun& ex, size_t i) override {
-    Track(ex, i);
-    const EffIteration& it = ex.iteration();
-    // The window: recorded moments after this one while their new chunks fit the bucket.
-    size_t window_end = i;
-    if (following_) {
-      Bytes acc = 0;
-      for (size_t m = i + 1; m < rec_->size(); ++m) {
-        for (const EffAccess* a = rec_->begin(m); a != rec_->end(m); ++a) {
-          if (a->tier != ex.Home(a->chunk)) acc += ex.ChunkBytes(a->chunk);
-        }
-        if (acc > bucket_) break;
-        window_end = m;
-      }
-    }
-    // Release what the previous moment used unless it is reused within the window.
-    if (i > 0) {
-      for (const EffAccess* a = it.begin(i - 1); a != it.end(i - 1); ++a) {
-        const ChunkId c = a->chunk;
-        if (ex.Chunk(c).cache == TierKind::kNone || UsedBy(it, i, c)) continue;
-        if (following_) {
-          const uint64_t next = index_->Next(c, i - 1);
-          if (next != kNever && next <= window_end) continue;
-        }
-        TIERMEM_RETURN_IF_ERROR(ex.Evict(c));
-      }
-    }
-    TIERMEM_RETURN_IF_ERROR(EnsureMoment(ex, i, [&ex](ChunkId c, TierKind) { return Lru(ex, c); }));
-    if (!following_) return OkStatus();
-    for (size_t m = i + 1; m <= window_end; ++m) {
-      for (const EffAccess* a = rec_->begin(m); a != rec_->end(m); ++a) {
-        const ChunkId c = a->chunk;
-        if (a->tier == ex.Home(c) || ex.Chunk(c).cache != TierKind::kNone || !a->needs_content) {
-          continue;
-        }
-        const Bytes need = ex.ChunkBytes(c) + ex.NeedExtra(i, a->tier);
-        auto r = MakeRoom(
-            ex, i, a->tier, need, [&ex](ChunkId x) { return Lru(ex, x); },
-            [&](ChunkId x) {
-              const uint64_t next = index_->Next(x, i);
-              return next != kNever && next <= window_end;
-            });
-        if (!r.ok()) return r.status();
-        if (!*r) return OkStatus();
-        TIERMEM_RETURN_IF_ERROR(ex.Fetch(c, a->tier, true));
-      }
-    }
-    return OkStatus();
-  }
-
- private:
-  Bytes bucket_;
-};
 
 // Belady over the whole measured run (an oracle): demand fetches only.
 class OptPolicy : public Policy {
@@ -293,7 +137,7 @@ class Driver {
   // (opt), else those the runtime places in order (after checking the warm-up fits).
   Status PlaceHomes(RunState& r) {
     if (r.kind == PolicyKind::kPlanned) {
-      PlanOptions po = opt_.plan;
+      PlanOptions po = PlanOpts();
       po.iteration = 0;
       po.start = nullptr;
       po.homes = nullptr;
@@ -328,8 +172,8 @@ class Driver {
     r.res->warmup_placement = wp;
     TIERMEM_ASSIGN_OR_RETURN(EffIteration e,
                              BuildEffective(trace_, trace_.iterations[seq_[0]], wp, machine_));
-    LruPolicy warm;
-    auto st = r.ex->Run(e, warm, 0);
+    auto warm = MakeBaselinePolicy(BaselineKind::kLru, nullptr, Params(), trace_.MaxChunkBytes());
+    auto st = r.ex->Run(e, *warm, 0);
     if (!st.ok()) return st.status().WithContext("warm-up iteration");
     return OkStatus();
   }
@@ -375,29 +219,14 @@ class Driver {
     const EffIteration& recorded = r.recorded_eff[p];
     const auto at = static_cast<uint32_t>(p);
     switch (r.kind) {
-      case PolicyKind::kLru: {
-        LruPolicy pol;
-        *st = ex.Run(recorded, pol, at);
-        break;
-      }
-      case PolicyKind::kPatrickStar: {
-        PatrickStarPolicy pol(&r.recorded_eff[p - 1]);
-        *st = ex.Run(recorded, pol, at);
-        *diverged = pol.diverged();
-        break;
-      }
-      case PolicyKind::kEngine: {
-        EnginePolicy pol(&r.recorded_eff[p - 1], opt_.engine_prefetch_depth);
-        *st = ex.Run(recorded, pol, at);
-        *diverged = pol.diverged();
-        break;
-      }
+      case PolicyKind::kLru:
+      case PolicyKind::kPatrickStar:
+      case PolicyKind::kEngine:
       case PolicyKind::kDeepSpeed: {
-        const Bytes bucket = opt_.deepspeed_bucket_bytes != 0 ? opt_.deepspeed_bucket_bytes
-                                                              : 4 * trace_.MaxChunkBytes();
-        DeepSpeedPolicy pol(&r.recorded_eff[p - 1], bucket);
-        *st = ex.Run(recorded, pol, at);
-        *diverged = pol.diverged();
+        auto pol = MakeBaselinePolicy(Baseline(r.kind), &r.recorded_eff[p - 1], Params(),
+                                      trace_.MaxChunkBytes());
+        *st = ex.Run(recorded, *pol, at);
+        *diverged = pol->diverged();
         break;
       }
       case PolicyKind::kPlanned:
@@ -418,7 +247,7 @@ class Driver {
   // Planned: the plan for position p, made from position p - 1 and the state now, then run.
   Status RunPlanned(RunState& r, size_t p, StatusOr<IterationStats>* st, bool* diverged) {
     const StartState start = r.ex->State();
-    PlanOptions po = opt_.plan;
+    PlanOptions po = PlanOpts();
     po.iteration = seq_[p - 1];
     if (p >= 2) po.earlier_iteration = seq_[p - 2];
     po.start = &start;
@@ -435,6 +264,20 @@ class Driver {
     if (!*diverged) r.res->repairs += pol.repairs();
     r.res->plans.push_back(std::move(plan));
     return OkStatus();
+  }
+
+  // The plan options, with the baselines' parameters for the planner's baseline candidates.
+  PlanOptions PlanOpts() const {
+    PlanOptions po = opt_.plan;
+    po.engine_prefetch_depth = opt_.engine_prefetch_depth;
+    po.deepspeed_bucket_bytes = opt_.deepspeed_bucket_bytes;
+    return po;
+  }
+
+  BaselineParams Params() const {
+    return {.engine_prefetch_depth = opt_.engine_prefetch_depth,
+            .engine_lookahead = opt_.engine_lookahead,
+            .deepspeed_bucket_bytes = opt_.deepspeed_bucket_bytes};
   }
 
   const Trace& trace_;

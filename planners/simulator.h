@@ -25,7 +25,10 @@
 //                lookahead of `engine_prefetch_depth` acquires (evicting only clean chunks
 //                needed later), farthest next use (never-used, then clean, first) while
 //                following it, LRU once diverged (the engine's own ranking,
-//                layout/eviction_rank.h); synchronous write-back.
+//                layout/eviction_rank.h); synchronous write-back. With
+//                `engine_lookahead = kRoom` the engine's room lookahead instead (baselines.h:
+//                host acquires one lap ahead, dirty copies in the way written home in the
+//                background).
 //   planned      the planner's plan for iteration k, made from iteration k-1 and the state
 //                at k's start (homes fixed by the first plan); on divergence the plan repairs
 //                (other chunks at a planned moment) or goes reactive (another moment).
@@ -44,6 +47,7 @@
 #include <string_view>
 #include <vector>
 
+#include "planners/baselines.h"
 #include "planners/machine.h"
 #include "planners/planner.h"
 #include "planners/simulated_run.h"
@@ -66,10 +70,14 @@ StatusOr<PolicyKind> ParsePolicy(std::string_view name);
 
 struct SimOptions {
   uint32_t engine_prefetch_depth = 4;  // acquires of lookahead (EngineConfig default)
-  Bytes deepspeed_bucket_bytes = 0;    // 0: 4 x the largest chunk
-  PlanOptions plan;                    // for planned / opt (iteration, start, homes ignored)
-  bool keep_recorded_homes = false;    // planned: the homes the trace was recorded with
-  bool record_moments = false;         // per_iteration[k].moments: every moment's timing
+  // The engine policy's lookahead (EngineConfig::lookahead). The planner's baseline
+  // candidates mimic the depth engine either way (a room engine's background write-backs are
+  // no plan action).
+  EngineLookahead engine_lookahead = EngineLookahead::kDepth;
+  Bytes deepspeed_bucket_bytes = 0;  // 0: 4 x the largest chunk
+  PlanOptions plan;                  // for planned / opt (iteration, start, homes ignored)
+  bool keep_recorded_homes = false;  // planned: the homes the trace was recorded with
+  bool record_moments = false;       // per_iteration[k].moments: every moment's timing
 };
 
 struct SimResult {

@@ -7,7 +7,9 @@ and prints a markdown table: bytes into the device tier and stall per iteration 
 policy, the OPT bound, and the issue's ratios (planned / OPT bytes, planned stall /
 patrickstar and / lru).
 
-    python3 tools/plan/benchmarks.py [path/to/tiermem]     (default: build/tools/tiermem)
+    python3 tools/plan/benchmarks.py [path/to/tiermem [COMPARE-OPTION...]]
+                                      (default: build/tools/tiermem; options are passed to
+                                      every `plan compare`, e.g. --lookahead room)
 """
 import json
 import os
@@ -33,6 +35,7 @@ def ratio(a, b):
 
 def main():
     tiermem = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "build/tools/tiermem")
+    extra = sys.argv[2:]
     print("| trace | device | " + " | ".join(POLICIES) + " | OPT | planned/OPT bytes "
           "| planned/patrickstar stall | planned/lru stall |")
     print("|---|---|" + "---|" * (len(POLICIES) + 4))
@@ -40,7 +43,7 @@ def main():
         path = os.path.join(ROOT, "tests/data", t + ".tmtrace")
         for b in BUDGETS:
             out = subprocess.run([tiermem, "plan", "compare", path, "--device", "%d%%" % b,
-                                  "--host", "64GiB", "--json"], check=True,
+                                  "--host", "64GiB", "--json"] + extra, check=True,
                                  capture_output=True, text=True).stdout
             rs = {r["policy"]: r for r in json.loads(out)}
             cells = []

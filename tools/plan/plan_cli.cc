@@ -22,6 +22,7 @@ using nlohmann::json;
 
 struct PlanArgs {
   std::string trace, output, policy = "planned", device, host, nvme, bw, ds_bucket, model;
+  std::string lookahead = "depth";  // engine policy: depth | room
   uint32_t depth = 4, iterations = 0, moments = 0;
   std::string state_dtype = "fp32";  // synth: the optimizer-state format
   uint64_t seed = 0, accesses = 10'000'000;
@@ -88,6 +89,11 @@ Loaded Load(const PlanArgs& a) {
   Status s = l.machine.Validate();
   if (!s.ok()) Fail(s);
   l.sim.engine_prefetch_depth = a.depth;
+  {
+    auto la = ParseEngineLookahead(a.lookahead);
+    if (!la.ok()) Fail(la.status().WithContext("--lookahead"));
+    l.sim.engine_lookahead = *la;
+  }
   if (!a.ds_bucket.empty()) {
     auto b = ParseBudget(a.ds_bucket, l.trace, "--ds-bucket");
     if (!b.ok()) Fail(b.status());
@@ -178,6 +184,9 @@ void PrintHeader(const Loaded& l, const std::string& path) {
               FormatBytes(l.machine.Budget(TierKind::kDevice)).c_str(),
               FormatBytes(l.machine.Budget(TierKind::kHost)).c_str(),
               FormatBytes(l.machine.Budget(TierKind::kNvme)).c_str());
+  std::printf("engine policy: %s lookahead, depth %u\n",
+              std::string(EngineLookaheadName(l.sim.engine_lookahead)).c_str(),
+              l.sim.engine_prefetch_depth);
 }
 
 void PrintTable(const std::vector<SimResult>& rs) {
@@ -410,6 +419,8 @@ void AddBudgetOptions(CLI::App* c, PlanArgs* a) {
   c->add_option("--bw", a->bw,
                 "copy rates, e.g. h2d=24GB,d2h=24GB@10us (pairs h2d d2h h2n n2h d2n n2d hd hn dn)");
   c->add_option("--depth", a->depth, "engine policy: prefetch lookahead in acquires");
+  c->add_option("--lookahead", a->lookahead,
+                "engine policy: depth (the default) or room (EngineConfig::lookahead)");
   c->add_option("--ds-bucket", a->ds_bucket, "deepspeed policy: prefetch bucket (SIZE or N%)");
   c->add_flag("--no-optimizer-placement", a->no_place,
               "planned: keep optimizer steps where recorded");
