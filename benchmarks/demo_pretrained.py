@@ -34,14 +34,14 @@ default shape's).
 
 `--small` runs a tiny shape (seconds; what the tests run). Every phase prints its elapsed time
 and the process's peak RSS during it (VmHWM, reset between phases through
-/proc/self/clear_refs), and the run ends with one JSON line. Working files go under
+/proc/self/clear_refs) and its RSS at the end (phases: write, load, steps, save, probe, close,
+reload), and the run ends with one JSON line. Working files go under
 --work (default: a temporary directory, removed at the end unless --keep).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import math
 import os
@@ -123,7 +123,8 @@ def write_checkpoint(config, directory, max_shard_bytes=2 * 10**9, seed=0):
 
 class Phases:
     """Times named phases and the process's peak RSS in each: VmHWM after resetting it
-    (`echo 5 > /proc/self/clear_refs`; where that is refused, the peak since the start)."""
+    (`echo 5 > /proc/self/clear_refs`; where that is refused, the peak since the start), and
+    its RSS at the phase's end (VmRSS)."""
 
     def __init__(self):
         self.rows = []
@@ -140,10 +141,11 @@ class Phases:
                 f.write("5\n")
         t0 = time.perf_counter()
         yield
-        row = {"phase": name, "s": time.perf_counter() - t0, "peak_rss": self._status("VmHWM:")}
+        row = {"phase": name, "s": time.perf_counter() - t0, "peak_rss": self._status("VmHWM:"),
+               "rss_after": self._status("VmRSS:")}
         self.rows.append(row)
-        print(f"  {name:8s} {row['s']:8.1f} s   peak RSS {row['peak_rss'] / 2**30:6.2f} GiB",
-              flush=True)
+        print(f"  {name:8s} {row['s']:8.1f} s   peak RSS {row['peak_rss'] / 2**30:6.2f} GiB"
+              f"   RSS after {row['rss_after'] / 2**30:6.2f} GiB", flush=True)
 
 
 def tiermem_config(a, nvme_dir):
@@ -178,6 +180,16 @@ def logits_of(model, ids):
     # budget) alive through the reload.
     with torch.no_grad():
         return model(input_ids=ids).logits.float()
+
+
+def close_trained(model, a):
+    """Closes the trained model once its adapter or export is written: without its values
+    (`keep_values=False`). Keeping them would make the whole model's fp32 values in RAM (32 GB
+    for the 8 B base: where the 8 B run was killed, after the probe). The session's memory goes
+    at close() and the runtime with `del model, opt` (no garbage collection needed).
+    `--close-keeping-values` closes as before, to measure what that costs."""
+    import tiermem
+    tiermem.close(model, keep_values=a.close_keeping_values)
 
 
 def assign_adapter(model, adapter_dir, name="default"):
@@ -237,14 +249,11 @@ def run_lora(a, config, work, ph):
         # value in RAM (32 GB for this shape's fp32 base: the first 8 B run was killed here).
         model.save_pretrained(adapter, state_dict=adapter_state_dict(model))
     probe = ids[:, :a.probe]
-    want = logits_of(model, probe)
-    tiermem.runtime_of(model).close()
-    del model, opt
-    # close() leaves the trained session's host memory to the session object, which a
-    # reference cycle keeps until the cyclic collector runs: collect now, or the reload's
-    # session comes on top of it (the 8 B run was killed there at 23.9 GB; at a 290 M shape
-    # the reload's peak RSS is 3.13 GiB without this line, 2.09 GiB with it).
-    gc.collect()
+    with ph("probe"):
+        want = logits_of(model, probe)
+    with ph("close"):
+        close_trained(model, a)
+        del model, opt
     with ph("reload"):
         with torch.device("meta"):
             base = transformers.LlamaForCausalLM(config)
@@ -284,14 +293,11 @@ def run_full(a, config, work, ph):
     with ph("save"):
         tiermem.save_pretrained(model, out, max_shard_size=a.shard, dtype=dtype)
     probe = ids[:, :a.probe]
-    want = logits_of(model, probe)
-    tiermem.runtime_of(model).close()
-    del model, opt
-    # close() leaves the trained session's host memory to the session object, which a
-    # reference cycle keeps until the cyclic collector runs: collect now, or the reload's
-    # session comes on top of it (the 8 B run was killed there at 23.9 GB; at a 290 M shape
-    # the reload's peak RSS is 3.13 GiB without this line, 2.09 GiB with it).
-    gc.collect()
+    with ph("probe"):
+        want = logits_of(model, probe)
+    with ph("close"):
+        close_trained(model, a)
+        del model, opt
     with ph("reload"):
         back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
         got = logits_of(back.eval(), probe)
@@ -330,6 +336,8 @@ def main(argv=None):
     ap.add_argument("--probe", type=int, default=4, help="tokens whose logits are compared")
     ap.add_argument("--work", default=None, help="working directory (checkpoints, NVMe files)")
     ap.add_argument("--keep", action="store_true", help="keep --work's files")
+    ap.add_argument("--close-keeping-values", action="store_true",
+                    help="close the trained model keeping its values (the whole model in RAM)")
     a = ap.parse_args(argv)
     shape = list(SHAPES["small" if a.small else
                         {"lora": "llama3-8b", "full": "llama-2b", "write": "llama3-8b"}[a.what]])

@@ -57,16 +57,17 @@ StatusOr<HostSizing> SizeHostChunks(const std::vector<chunks::PackTensor>& tenso
   s.split = true;
   TIERMEM_ASSIGN_OR_RETURN(s.chunk_elems, ShareChunk(tensors, in, host_budget));
   s.reserve = Reserve(in, s.chunk_elems);
-  uint64_t largest = 0;
+  // The split tensor whose copies take the most: a frozen one has no gradient.
   for (size_t i = 0; i < tensors.size(); ++i) {
-    if (tensors[i].numel > s.chunk_elems && tensors[i].numel > largest) {
-      largest = tensors[i].numel;
+    if (tensors[i].numel <= s.chunk_elems) continue;
+    const Bytes room = tensors[i].numel * in.compute_esize *
+                       (in.trains(i) ? kSplitCopiesTrain : kSplitCopiesServe);
+    if (room > s.compute_room) {
+      s.compute_room = room;
       s.room_tensor = static_cast<int64_t>(i);
     }
   }
-  s.compute_room =
-      largest * in.compute_esize * (in.trainable ? kSplitCopiesTrain : kSplitCopiesServe);
-  if (largest > 0 && in.nvme) {
+  if (s.room_tensor >= 0 && in.nvme) {
     // The copy is assembled (and, saved for the backward, assembled again) one piece's chunk
     // pinned at a time.
     s.pinned_chunks = kSplitPinnedChunks;
@@ -116,7 +117,7 @@ StatusOr<ModelFloors> ComputeModelFloors(const std::vector<chunks::PackTensor>& 
   f.device_minimum = chunks::MinimumDeviceBudget(tensors[f.device_row_tensor].row_elems(),
                                                  in.per_elem, kMinResidentChunks);
   f.device_split_copies = tensors[f.largest_tensor].numel * in.compute_esize *
-                          (in.trainable ? kSplitCopiesTrain : kSplitCopiesServe);
+                          (in.trains(f.largest_tensor) ? kSplitCopiesTrain : kSplitCopiesServe);
   return f;
 }
 
@@ -128,7 +129,9 @@ std::string HostFloorRefusal(Bytes host_budget, const HostSizing& sizing,
   for (int64_t d : shape) dims += (dims.empty() ? "" : " x ") + std::to_string(d);
   if (dims.empty()) dims = std::to_string(numel);
   const std::string copies =
-      in.trainable ? "its contiguous compute copy and its gradient" : "its contiguous compute copy";
+      in.trains(static_cast<size_t>(std::max<int64_t>(sizing.room_tensor, 0)))
+          ? "its contiguous compute copy and its gradient"
+          : "its contiguous compute copy";
   const Bytes slot = AlignUp(sizing.chunk_elems * 4, kPage);
   return "host budget of " + FormatBytes(host_budget) + " (" + std::to_string(host_budget) +
          " bytes) is below the minimum of " + FormatBytes(sizing.need()) + " (" +

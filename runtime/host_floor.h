@@ -11,11 +11,11 @@
 // them piece by piece (one piece's p, g, m and v at a time, the group's chunks). While its unit
 // computes, the binding holds one contiguous copy of a split tensor, assembled one piece's
 // chunk pinned at a time (kSplitPinnedChunks: kept free of homes, in the reserve), and,
-// training, torch's dense gradient of it; a copy autograd saves for the backward is kept as
-// a reference to the pieces and assembled again there. Those copies are counted in the host
-// budget: the host tier is built kSplitCopies x the largest split tensor smaller
-// (compute_room), so the budget stays the ceiling of both. Floor with splitting, T the largest
-// tensor: 2 T + 8 chunks of about budget / 32, i.e. about 2.56 T, against 7 T whole.
+// when it trains, torch's dense gradient of it (a frozen tensor has none); a copy autograd saves
+// for the backward is kept as a reference to the pieces and assembled again there. Those copies are
+// counted in the host budget: the host tier is built kSplitCopies x the largest split tensor
+// smaller (compute_room), so the budget stays the ceiling of both. Floor with splitting, T the
+// largest tensor: 2 T + 8 chunks of about budget / 32, i.e. about 2.56 T, against 7 T whole.
 //
 // Why split only below the whole-tensor floor: splitting costs a copy of each split tensor
 // per unit call and keeps split tensors out of compressed optimizer-state formats
@@ -59,6 +59,10 @@ struct HostSizingInputs {
   bool trainable = true;     // anything trains
   bool nvme = false;         // with NVMe: room is held for NVMe-homed chunks
   Bytes host_reserve = 0;    // config host_reserve: kept out of homes beside that room
+  // Per tensor (index-parallel with the tensors; empty: none): frozen tensors have no
+  // gradient, so a frozen split tensor's compute room is its copy alone.
+  std::vector<bool> frozen;
+  bool trains(size_t t) const { return trainable && (t >= frozen.size() || !frozen[t]); }
 };
 
 // Host mode's layout at one host budget (no expert sets, no chunk_size given).
@@ -68,7 +72,8 @@ struct HostSizing {
   Bytes reserve = 0;           // host room never used for homes: HostReserveChunks fp32 chunks
                                // (page-aligned; split: + pinned_chunks) + host_reserve; 0
                                // without NVMe
-  Bytes compute_room = 0;      // split: the largest split tensor's copies (kSplitCopies*)
+  Bytes compute_room = 0;      // split: the most one split tensor's copies take
+                               // (kSplitCopiesTrain when it trains, else kSplitCopiesServe)
   int64_t room_tensor = -1;    // the tensor that sets compute_room (-1: none)
   uint64_t pinned_chunks = 0;  // split: chunks of a split tensor's pieces pinned at once
   Bytes need() const { return reserve + compute_room; }

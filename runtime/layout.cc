@@ -125,8 +125,14 @@ StatusOr<std::optional<HostSizing>> SizeForHost(const SessionConfig& config,
     return std::optional<HostSizing>();
   }
   const Bytes compute_esize = IsMixed(config.precision) ? 2 : 4;
-  const HostSizingInputs in{per_elem,      compute_esize,        state_align,
-                            any_trainable, config.nvme_size > 0, config.host_reserve};
+  HostSizingInputs in;
+  in.per_elem = per_elem;
+  in.compute_esize = compute_esize;
+  in.align_elems = state_align;
+  in.trainable = any_trainable;
+  in.nvme = config.nvme_size > 0;
+  in.host_reserve = config.host_reserve;
+  for (const TensorSpec& t : tensors) in.frozen.push_back(!t.trainable);
   TIERMEM_ASSIGN_OR_RETURN(const HostSizing hs, SizeHostChunks(packed, in, config.host_budget));
   if (hs.compute_room > 0 && hs.need() > config.host_budget) {
     TIERMEM_ASSIGN_OR_RETURN(const Bytes enough, SufficientHostBudget(packed, in));

@@ -114,7 +114,8 @@ def test_the_pretrained_demos_run_small(what, tmp_path, capsys):
     result = json.loads(out.strip().splitlines()[-1])
     losses = result["losses"]
     assert len(losses) == 3 and losses[0] > losses[1] > losses[2], out
-    assert [p["phase"] for p in result["phases"]] == ["write", "load", "steps", "save", "reload"]
+    assert [p["phase"] for p in result["phases"]] == ["write", "load", "steps", "save", "probe",
+                                                      "close", "reload"]
     if what == "lora":
         assert result["max_abs_diff"] == 0.0, out
     else:

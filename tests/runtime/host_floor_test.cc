@@ -101,6 +101,34 @@ TEST(HostFloor, SplitsBelowTheWholeFloorAndCountsTheCopies) {
   EXPECT_EQ(s->reserve, (6 + 1) * AlignUp(s->chunk_elems * 4, 4096));
 }
 
+TEST(HostFloor, AFrozenSplitTensorCountsNoGradient) {
+  const auto packed = Packed(Vocab32k());
+  const size_t head = packed.size() - 1;
+  // A LoRA-like run: the embedding frozen, the head trained (the head sets the room: 2 copies).
+  HostSizingInputs in = Fp32Training();
+  in.frozen.assign(packed.size(), false);
+  in.frozen[0] = true;
+  StatusOr<HostSizing> s = SizeHostChunks(packed, in, 40 * kMiB);
+  ASSERT_THAT(s.status(), IsOk());
+  ASSERT_TRUE(s->split);
+  EXPECT_EQ(s->room_tensor, static_cast<int64_t>(head));
+  EXPECT_EQ(s->compute_room, 2u * 32000 * 64 * 4);
+  // Both frozen (others train): each split tensor's copy alone, no gradient; the reserve is
+  // still a training step's (7 chunks + the pinned one).
+  in.frozen[head] = true;
+  s = SizeHostChunks(packed, in, 40 * kMiB);
+  ASSERT_THAT(s.status(), IsOk());
+  EXPECT_EQ(s->room_tensor, 0);
+  EXPECT_EQ(s->compute_room, 32000u * 64 * 4);
+  EXPECT_EQ(s->reserve, (7 + 1) * AlignUp(s->chunk_elems * 4, 4096));
+  // And the floor follows: below the all-trainable one.
+  StatusOr<Bytes> frozen_floor = SufficientHostBudget(packed, in);
+  StatusOr<Bytes> trained_floor = SufficientHostBudget(packed, Fp32Training());
+  ASSERT_THAT(frozen_floor.status(), IsOk());
+  ASSERT_THAT(trained_floor.status(), IsOk());
+  EXPECT_LT(*frozen_floor, *trained_floor);
+}
+
 TEST(HostFloor, TheFloorIsUnderThreeTimesTheLargestTensorAndExact) {
   const auto packed = Packed(Vocab32k());
   const HostSizingInputs in = Fp32Training();

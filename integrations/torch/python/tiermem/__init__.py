@@ -22,7 +22,7 @@ from .serve import ServingRuntime
 from .tensor import ChunkTensor
 from .weights import save_weights
 
-__all__ = ["initialize", "inference", "runtime_of", "save_checkpoint", "load_checkpoint",
+__all__ = ["initialize", "inference", "runtime_of", "close", "save_checkpoint", "load_checkpoint",
            "save_weights", "save_pretrained", "Config", "parse_config", "ChunkedAdamW",
            "ChunkTensor",
            # the config's modes (config.py)
@@ -114,6 +114,16 @@ def _compiled_root(model):
     parameter names and checkpoints are the plain module's."""
     from torch._dynamo.eval_frame import OptimizedModule
     return model._orig_mod if isinstance(model, OptimizedModule) else model
+
+
+def close(model, keep_values: bool = True):
+    """Gives a managed `model` back as an ordinary model: ``runtime_of(model).close()``. The
+    session's memory (its host budget, device memory, NVMe files) is freed now, and the
+    runtime goes when the last reference to it (the model's optimizer's) does, with no garbage
+    collection needed. `keep_values=False` leaves the parameters empty instead of materializing
+    the model's values (a model larger than RAM: save it first); with `keep_values` and values
+    larger than the free memory, MemoryError naming the bytes, the model still managed."""
+    runtime_of(model).close(keep_values)
 
 
 def runtime_of(model) -> TiermemRuntime:

@@ -136,6 +136,55 @@ class _StateDictHook:
         return (_no_state_dict_hook_factory, ())
 
 
+class _StateDictSizeCheck:
+    """The state_dict pre-hook of every module holding managed parameters (runtime held
+    weakly): a ``state_dict()`` called on it (prefix "", not a parent's recursion) that would
+    make more values than free memory holds raises first. Pickled or deep-copied with the
+    module, it becomes a no-op."""
+
+    def __init__(self, runtime):
+        self._rt = weakref.ref(runtime)
+
+    def __call__(self, module, prefix, keep_vars):
+        rt = self._rt()
+        if rt is not None and prefix == "" and not keep_vars:
+            rt._check_materializable(module, "state_dict()")
+
+    def __reduce__(self):
+        return (_no_state_dict_hook_factory, ())
+
+
+class _ClosedPart:
+    """What a closed runtime holds in place of each of its parts (close() drops them: they,
+    the ChunkTensors and the hooks referred to the runtime and to each other, a cycle that kept
+    the runtime, the session and the model given back alive until the cyclic collector ran).
+    A tensor of the closed runtime used in an operation raises as the parts did."""
+
+    __slots__ = ()
+
+    def dispatch(self, func, args, kwargs):  # ChunkTensor.__torch_dispatch__
+        raise RuntimeError(f"tiermem: {func} on a tensor of a closed tiermem runtime")
+
+    def __getattr__(self, name):
+        raise RuntimeError(f"tiermem: the runtime is closed (close() gave the model back): "
+                           f"its '{name}' is gone")
+
+
+_CLOSED_PART = _ClosedPart()
+_PARTS = ("chunks", "materializer", "activations", "order", "backward", "recompute", "experts",
+          "saved", "grads", "ops", "hooks")
+
+
+def free_ram_bytes() -> int:
+    """The host memory a new allocation can take now: MemAvailable of /proc/meminfo (the host
+    budget's memory is in use already, so it is not counted)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no MemAvailable")
+
+
 class TiermemRuntime:
     """Owns the session and the parts (the hooks) of one initialized model."""
 
@@ -313,6 +362,10 @@ class TiermemRuntime:
         # state_dict of any module gives plain tensors; load_state_dict copies into the chunks.
         for m in {id(m): m for r in self.params for m, _ in r.slots}.values():
             self._handles.append(m.register_state_dict_post_hook(_StateDictHook(self)))
+        # ... and never more than free memory holds (a model larger than RAM: the streaming
+        # exports instead); checked where state_dict() is called, on the model or a submodule.
+        for m in self.model.modules():
+            self._handles.append(m.register_state_dict_pre_hook(_StateDictSizeCheck(self)))
             self._handles.append(m.register_load_state_dict_pre_hook(_load_copies))
         if self.modes.resident:
             self._pin_resident()
@@ -399,6 +452,27 @@ class TiermemRuntime:
         """The fp32 value (the master in mixed precision) as an ordinary CPU tensor."""
         self.chunks.on_stream()
         return self.session.read_param(r.index).view(r.shape)
+
+    def _check_materializable(self, module, what: str):
+        """Raises MemoryError when the fp32 values of the managed parameters under `module`
+        (each once) exceed the host memory free now, naming the bytes and the streaming ways
+        out; `what` names the call."""
+        if self.state.closed:
+            return
+        seen = {}
+        for p in module.parameters():
+            r = self.by_param.get(id(p))
+            if r is not None:
+                seen[r.index] = r.numel * 4
+        need, free = sum(seen.values()), free_ram_bytes()
+        if need > free:
+            raise MemoryError(
+                f"tiermem: {what} would hold {need} bytes ({need / 2**30:.2f} GiB) of fp32 "
+                f"values in host memory, more than the {free} bytes ({free / 2**30:.2f} GiB) "
+                "free now; stream them instead: tiermem.save_pretrained(model, DIR) or "
+                "tiermem.save_weights(model, PATH) (safetensors, tensor by tensor), "
+                "tiermem.save_checkpoint(model, optimizer, PATH) (the training state), or a "
+                "submodule's state_dict()")
 
     def _state_dict_hook(self, module, state_dict, prefix, local_metadata):
         if self.state.closed or module._parameters is None:
@@ -514,11 +588,12 @@ class TiermemRuntime:
     def abandon(self):
         """close() for a runtime whose set-up failed after it took the model: parameters built
         on the meta device go back there, so the model is as it was before."""
+        params, weights = self.params, self._weights
         # A model built wholly on meta may be larger than RAM: its values are not made.
-        self.close(keep_values=len(self._was_meta) < len(self.params))
-        restore_meta(self.params, self._was_meta)
-        if self._weights is not None:
-            self._weights.restore()
+        self.close(keep_values=len(self._was_meta) < len(params))
+        restore_meta(params, self._was_meta)
+        if weights is not None:
+            weights.restore()
 
     def close(self, keep_values: bool = True):
         """Gives the model back as an ordinary model (plain Parameters with the current values
@@ -527,6 +602,8 @@ class TiermemRuntime:
         values could not all be in memory at once (save a checkpoint first to keep them)."""
         if self.state.closed:
             return
+        if keep_values:  # MemoryError, before anything changes
+            self._check_materializable(self.model, "close() keeping the values")
         self.session.finish_trace()  # a recording in progress ends before the values are read
         values = [self.param_value(r) if keep_values else None for r in self.params]
         grads = [self.ops.materialized_copy(r.grad)
@@ -554,6 +631,29 @@ class TiermemRuntime:
         self._shards = self.chunks.shards = None
         if getattr(self.model, "_tiermem_runtime", None) is self:
             del self.model._tiermem_runtime
+        self._drop_parts()
+
+    def _drop_parts(self):
+        """After close: drops every reference that made a cycle through the runtime (its parts
+        and theirs, the ChunkTensors its records hold, the hooks' handles, the optimizer's
+        groups, the units' forward wrappers), so the
+        runtime, its closed session and the model given back go when their last reference
+        does, without waiting for the cyclic collector (and a model dropped after close() takes
+        its values with it). The session object stays: it answers what it was (sizes, paths)."""
+        for name in _PARTS:
+            # The parts' registrations with each other (on_reset, on_end...) are cycles too,
+            # and they hold the session, the model and a bound method of the runtime: emptied.
+            vars(getattr(self, name)).clear()
+            setattr(self, name, _CLOSED_PART)
+        for r in self.params:
+            r.param = r.grad = r.compute = r.placeholder = None
+            r.post_hooks.clear()
+        for u in self.units:  # its forward wrapper and recompute frame held the hooks
+            u.__dict__.pop("forward", None)
+            u.__dict__.pop("frame", None)
+        self._handles, self._wrapped, self.opt_groups = [], [], []
+        self._weights = None
+        self.__dict__.pop("_resident_pins", None)
 
     def __deepcopy__(self, memo):
         return None  # a deep copy of a managed model is an ordinary model (see tensor.py)

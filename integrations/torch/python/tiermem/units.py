@@ -120,6 +120,9 @@ def find_units(model: nn.Module, units=None) -> list[Unit]:
                 walk(f"{name}.{cname}" if name else cname, child)
 
     walk("", model)
+    # A recursive closure is a reference cycle (its cell holds it): emptied, so the units it
+    # captured (and the modules and parameters they reach) go by reference counting.
+    walk = pick = None  # noqa: F841
     return out
 
 
