@@ -64,28 +64,28 @@ struct It {
 
 StepResult Iteration(Session& s, int it, const It& o) {
   using planners::MomentKind;
-  s.BeginIteration();
+  s.iterations().BeginIteration();
   s.SetStepHyper(o.hyper);
   const uint32_t n = static_cast<uint32_t>(s.num_groups());
   for (uint32_t g = 0; g < n; ++g) {
-    EXPECT_THAT(s.FinishStep(g), IsOk());
-    s.Moment("fwd:" + std::to_string(g), MomentKind::kPreForward, g);
-    EXPECT_TRUE(s.Acquire(g, s.compute_kind(), TierKind::kDevice).ok());
-    EXPECT_THAT(s.Release(g, s.compute_kind(), false), IsOk());
+    EXPECT_THAT(s.optimizer().FinishStep(g), IsOk());
+    s.iterations().Moment("fwd:" + std::to_string(g), MomentKind::kPreForward, g);
+    EXPECT_TRUE(s.chunks().Acquire(g, s.compute_kind(), TierKind::kDevice).ok());
+    EXPECT_THAT(s.chunks().Release(g, s.compute_kind(), false), IsOk());
   }
   for (uint32_t g = n; g-- > 0;) {
-    s.Moment("bwd:" + std::to_string(g), MomentKind::kPreBackward, g);
+    s.iterations().Moment("bwd:" + std::to_string(g), MomentKind::kPreBackward, g);
     for (uint32_t t : s.group(g).tensors) {
       std::vector<float> v = Random(s.place(t).numel, 1000 * it + 10 * t,
-                                    o.grad_scale * static_cast<float>(s.loss_scale()));
+                                    o.grad_scale * static_cast<float>(s.optimizer().loss_scale()));
       if (o.overflow && g == 0) v[3] = INFINITY;
       SetGrad(s, t, v);
     }
   }
   if (o.between) o.between(s);
-  auto r = s.Step(o.hyper);
+  auto r = s.optimizer().Step(o.hyper);
   EXPECT_TRUE(r.ok()) << r.status().ToString();
-  EXPECT_TRUE(s.ZeroGrad().ok());
+  EXPECT_TRUE(s.optimizer().ZeroGrad().ok());
   return r.ok() ? *r : StepResult{};
 }
 
@@ -96,10 +96,10 @@ std::vector<std::vector<float>> TrainingState(Session& s) {
     out.push_back(Param(s, t));
     for (ChunkKind kind : {ChunkKind::kExpAvg, ChunkKind::kExpAvgSq}) {
       std::vector<float> x(s.place(t).numel);
-      EXPECT_THAT(s.ReadTensor(t, kind, x.data()), IsOk());
+      EXPECT_THAT(s.values().ReadTensor(t, kind, x.data()), IsOk());
       out.push_back(std::move(x));
     }
-    out.push_back({static_cast<float>(s.step_count(t))});
+    out.push_back({static_cast<float>(s.values().step_count(t))});
   }
   return out;
 }
@@ -122,7 +122,7 @@ class SessionInBackward : public ::testing::Test {
       ASSERT_TRUE(s_[k]);
       ASSERT_EQ(s_[k]->num_groups(), 3u);
       for (size_t t = 0; t < kSpecs.size(); ++t) {
-        ASSERT_THAT(s_[k]->WriteParam(t, Random(kSpecs[t].numel, t).data()), IsOk());
+        ASSERT_THAT(s_[k]->values().WriteParam(t, Random(kSpecs[t].numel, t).data()), IsOk());
       }
     }
   }
@@ -135,8 +135,8 @@ class SessionInBackward : public ::testing::Test {
 TEST_F(SessionInBackward, TheHostIsFullOfHomesAndMAndVLiveOnNvme) {
   MakeBoth("fp32");
   for (size_t g = 0; g < 3; ++g) {
-    EXPECT_EQ(s_[1]->Home(g, ChunkKind::kExpAvg), TierKind::kNvme) << g;
-    EXPECT_EQ(s_[1]->Home(g, ChunkKind::kExpAvgSq), TierKind::kNvme) << g;
+    EXPECT_EQ(s_[1]->chunks().Home(g, ChunkKind::kExpAvg), TierKind::kNvme) << g;
+    EXPECT_EQ(s_[1]->chunks().Home(g, ChunkKind::kExpAvgSq), TierKind::kNvme) << g;
   }
 }
 
