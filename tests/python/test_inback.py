@@ -225,7 +225,15 @@ def test_transformer_encoder_with_copy_on_write_speculation(tmp_path, clip):
         assert torch.equal(results["off"][1][k], on[k]), k
         assert torch.equal(on[k], v), k
     for k, v in ref.state_dict().items():
-        torch.testing.assert_close(on[k], v, rtol=END_TO_END_PARAM_RTOL,
+        got = on[k]
+        if k.endswith("self_attn.in_proj_bias"):
+            # The key bias (the middle third) adds the same term to every score of a query:
+            # softmax cancels it, its gradient is rounding noise (~1e-10) that Adam scales to
+            # lr-sized steps, so any two AdamW implementations part there (3e-5 between torch's
+            # and the kernel on the plain module). Bit-equality with the kernel is asserted above.
+            third = v.numel() // 3
+            got, v = torch.cat([got[:third], got[2 * third:]]), torch.cat([v[:third], v[2 * third:]])
+        torch.testing.assert_close(got, v, rtol=END_TO_END_PARAM_RTOL,
                                    atol=END_TO_END_PARAM_ATOL, msg=k)
     spec = results["backward"][2]
     assert spec["speculated_nvme"] > 0, spec
