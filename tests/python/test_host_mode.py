@@ -6,11 +6,10 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 
 import tiermem
 from benchmarks import objective_bytes
-from conftest import KernelAdamW, batches, encoder_batches, make_pair, train_steps
+from conftest import Encoder, KernelAdamW, batches, encoder_batches, make_pair, train_steps
 
 OPT = {"lr": 2e-3, "weight_decay": 0.01}
 
@@ -124,17 +123,6 @@ def test_hf_gpt2_with_nvme_equals_plain(tmp_path):
     for k, v in ref.state_dict().items():
         assert torch.equal(model.state_dict()[k], v), k
     assert_nvme_in_the_loop(tiermem.runtime_of(model))
-
-
-class Encoder(nn.Module):
-    def __init__(self):
-        super().__init__()
-        layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
-        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
-        self.head = nn.Linear(64, 8)
-
-    def forward(self, x, y):
-        return nn.functional.cross_entropy(self.head(self.enc(x)).flatten(0, 1), y.flatten())
 
 
 def test_torch_transformer_encoder_with_nvme_equals_plain(tmp_path):

@@ -9,11 +9,10 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 
 import tiermem
 from conftest import (END_TO_END_LOSS_REL, END_TO_END_PARAM_ATOL, END_TO_END_PARAM_RTOL,
-                      KernelAdamW, batches, encoder_batches, make_pair, model_bytes)
+                      Encoder, KernelAdamW, batches, encoder_batches, make_pair, model_bytes)
 
 SHAPE = dict(n_layer=4, n_embd=64)
 OPT = {"lr": 2e-3, "weight_decay": 0.01}
@@ -166,19 +165,6 @@ def test_copy_on_write_speculation_equals_plain_adamw(tmp_path):
                                    atol=END_TO_END_PARAM_ATOL, msg=k)
     _nvme_path_ran(rt.session.speculation)
     rt.close()
-
-
-class Encoder(nn.Module):
-    """torch's own nn.TransformerEncoder with a head (test_host_mode.py's)."""
-
-    def __init__(self):
-        super().__init__()
-        layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
-        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
-        self.head = nn.Linear(64, 8)
-
-    def forward(self, x, y):
-        return nn.functional.cross_entropy(self.head(self.enc(x)).flatten(0, 1), y.flatten())
 
 
 def _encoder_steps(model, opt, data, clip=0.0, torch_clip=False):

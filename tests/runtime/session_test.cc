@@ -366,21 +366,6 @@ StepResult SpecIteration(Session& s, int it, const SpecIt& o) {
   return r.ok() ? *r : StepResult{};
 }
 
-// Everything the optimizer leaves: fp32 values, m, v and step counts of every tensor.
-std::vector<std::vector<float>> TrainingState(Session& s) {
-  std::vector<std::vector<float>> out;
-  for (size_t t = 0; t < s.num_tensors(); ++t) {
-    out.push_back(Param(s, t));
-    for (ChunkKind kind : {ChunkKind::kExpAvg, ChunkKind::kExpAvgSq}) {
-      std::vector<float> x(s.place(t).numel);
-      EXPECT_THAT(s.values().ReadTensor(t, kind, x.data()), IsOk());
-      out.push_back(std::move(x));
-    }
-    out.push_back({static_cast<float>(s.values().step_count(t))});
-  }
-  return out;
-}
-
 TEST(SessionStep, SpeculativeStepsInTheBackwardAreBitIdenticalWithClippingOn) {
   // Three groups (a | b | c+d), two optimizer param groups, clipping at 1.0: gradients of
   // scale 0.1 clip (norm ~ 5), of 0.003 do not (~ 0.16). In every precision (bf16: the rounded

@@ -45,6 +45,21 @@ inline std::vector<float> Param(Session& s, size_t t) {
   return v;
 }
 
+// Everything the optimizer leaves: fp32 values, m, v and step counts of every tensor.
+inline std::vector<std::vector<float>> TrainingState(Session& s) {
+  std::vector<std::vector<float>> out;
+  for (size_t t = 0; t < s.num_tensors(); ++t) {
+    out.push_back(Param(s, t));
+    for (ChunkKind kind : {chunks::ChunkKind::kExpAvg, chunks::ChunkKind::kExpAvgSq}) {
+      std::vector<float> x(s.place(t).numel);
+      EXPECT_THAT(s.values().ReadTensor(t, kind, x.data()), ::tiermem::testing::IsOk());
+      out.push_back(std::move(x));
+    }
+    out.push_back({static_cast<float>(s.values().step_count(t))});
+  }
+  return out;
+}
+
 // What AdamW does to one tensor, computed by the kernel itself on plain buffers.
 struct RefState {
   std::vector<float> p, m, v;
