@@ -115,8 +115,7 @@ class KernelAdamW(torch.optim.Optimizer):
             for g in self.param_groups:
                 for p in g["params"]:
                     if p.grad is not None:
-                        g_sq, _ = _C.grad_stats(p.grad.contiguous().view(-1))
-                        sq += g_sq
+                        sq += _C.grad_stats(p.grad.contiguous().view(-1)).sq_norm
             total = torch.tensor(sq ** 0.5, dtype=torch.float32)
             clip = float(torch.clamp(self.clip / (total + 1e-6), max=1.0))
         for g in self.param_groups:

@@ -151,7 +151,7 @@ void AdamStepBinding(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_
   kernels::AdamStep(c, s);
 }
 
-py::tuple GradStatsBinding(torch::Tensor grad) {
+kernels::GradStats GradStatsBinding(torch::Tensor grad) {
   if (!grad.is_contiguous() || grad.device().type() != torch::kCPU) {
     throw py::value_error("grad must be a contiguous CPU tensor");
   }
@@ -162,7 +162,7 @@ py::tuple GradStatsBinding(torch::Tensor grad) {
     kernels::ScopedParallelFor pool(torch_pool::ForThisThread());
     st = kernels::GradNormAndOverflow(grad.data_ptr(), dt, static_cast<size_t>(grad.numel()));
   }
-  return py::make_tuple(st.sq_norm, st.overflow);
+  return st;  // bound as GradStats (records.cc)
 }
 
 void BindAdam(py::module_& m) {

@@ -22,14 +22,12 @@ using session::SessionConfig;
 using torch_dtypes::TorchDType;
 
 PySession::PySession(const SessionConfig& config, std::vector<session::TensorSpec> specs,
-                     const py::object& sharding) {
+                     const Sharding* sharding) {
   session::Sharding sh;
-  if (!sharding.is_none()) {
-    const py::tuple t = sharding.cast<py::tuple>();
-    if (t.size() != 3) throw py::value_error("sharding must be (world, rank, collectives)");
-    sh.world = t[0].cast<int>();
-    sh.rank = t[1].cast<int>();
-    collectives_ = std::make_unique<PyCollectives>(t[2]);
+  if (sharding != nullptr) {
+    sh.world = sharding->world;
+    sh.rank = sharding->rank;
+    collectives_ = std::make_unique<PyCollectives>(sharding->collectives);
     sh.collectives = collectives_.get();
   }
   s_ = Check(Session::Create(config, std::move(specs), sh));
@@ -50,33 +48,21 @@ torch::Tensor PySession::View(void* addr, size_t group, ChunkKind kind, TierKind
   const uint64_t n = s_->sharded() ? s_->shard_elems() : s_->group(group).used_elems;
   return torch::from_blob(addr, {static_cast<int64_t>(n)}, opts);
 }
-py::tuple PySession::AllocateScratch(TierKind where, uint64_t bytes) {
+Scratch PySession::AllocateScratch(TierKind where, uint64_t bytes) {
   const Region r = Check(s_->memory().AllocateScratch(where, bytes));
   auto opts = torch::TensorOptions().dtype(torch::kUInt8);
   if (where == TierKind::kDevice && s_->cuda()) opts = opts.device(torch::kCUDA, 0);
-  torch::Tensor v = torch::from_blob(r.addr, {static_cast<int64_t>(bytes)}, opts);
-  return py::make_tuple(py::make_tuple(r.id, r.bytes, reinterpret_cast<uintptr_t>(r.addr)), v);
+  return Scratch{r, torch::from_blob(r.addr, {static_cast<int64_t>(bytes)}, opts)};
 }
-void PySession::FreeScratch(TierKind where, const RegionToken& token) {
-  Check(s_->memory().FreeScratch(where, FromToken(token)));
+void PySession::FreeScratch(TierKind where, const Region& region) {
+  Check(s_->memory().FreeScratch(where, region));
 }
-py::tuple PySession::AllocateSpill(uint64_t bytes) {
-  const Region r = Check(s_->memory().AllocateSpill(bytes));
-  return py::make_tuple(r.id, r.bytes, uintptr_t{0});
-}
-void PySession::FreeSpill(const RegionToken& token) {
-  Check(s_->memory().FreeSpill(FromToken(token)));
-}
-std::shared_ptr<Completion> PySession::StartSpillCopy(const RegionToken& spill,
-                                                      uint64_t spill_offset,
-                                                      const RegionToken& host, uint64_t host_offset,
+Region PySession::AllocateSpill(uint64_t bytes) { return Check(s_->memory().AllocateSpill(bytes)); }
+void PySession::FreeSpill(const Region& region) { Check(s_->memory().FreeSpill(region)); }
+std::shared_ptr<Completion> PySession::StartSpillCopy(const Region& spill, uint64_t spill_offset,
+                                                      const Region& host, uint64_t host_offset,
                                                       uint64_t bytes, bool to_nvme) {
-  return Check(s_->memory().StartSpillCopy(FromToken(spill), spill_offset, FromToken(host),
-                                           host_offset, bytes, to_nvme));
-}
-Region PySession::FromToken(const RegionToken& token) {
-  return Region{std::get<0>(token), std::get<1>(token),
-                reinterpret_cast<void*>(std::get<2>(token))};
+  return Check(s_->memory().StartSpillCopy(spill, spill_offset, host, host_offset, bytes, to_nvme));
 }
 torch::Tensor PySession::Acquire(size_t group, ChunkKind kind, TierKind where, int64_t cls) {
   return View(Check(s_->chunks().Acquire(group, kind, where, ClassOf(cls))), group, kind, where);
@@ -118,39 +104,27 @@ void PySession::SetHasGrad(const std::vector<bool>& flags) {
   if (flags.size() != s_->num_tensors()) throw py::value_error("one flag per tensor");
   for (size_t i = 0; i < flags.size(); ++i) s_->optimizer().SetHasGrad(i, flags[i]);
 }
-py::dict PySession::Step(const std::vector<session::GroupHyper>& hyper,
-                         const py::object& global_stats) {
-  std::optional<kernels::GradStats> global;
-  if (!global_stats.is_none()) {
-    const auto [sq, overflow] = global_stats.cast<std::tuple<double, bool>>();
-    global = kernels::GradStats{sq, overflow};
-  }
+session::StepResult PySession::Step(const std::vector<session::GroupHyper>& hyper,
+                                    const kernels::GradStats* global_stats) {
   StatusOr<session::StepResult> r = InternalError("not run");
   {
     py::gil_scoped_release nogil;
     kernels::ScopedParallelFor pool(torch_pool::ForThisThread());
-    r = s_->optimizer().Step(hyper, global ? &*global : nullptr);
+    r = s_->optimizer().Step(hyper, global_stats);
   }
-  const session::StepResult res = Check(std::move(r));
-  py::dict d;
-  d["applied"] = res.applied;
-  d["skipped"] = res.skipped;
-  d["grad_norm"] = res.grad_norm;
-  d["clip_coef"] = res.clip_coef;
-  return d;
+  return Check(std::move(r));
 }
 void PySession::SetStepHyper(std::vector<session::GroupHyper> hyper) {
   s_->SetStepHyper(std::move(hyper));
 }
-py::tuple PySession::GradStats() {
+kernels::GradStats PySession::GradStats() {
   StatusOr<kernels::GradStats> st = InternalError("not run");
   {
     py::gil_scoped_release nogil;
     kernels::ScopedParallelFor pool(torch_pool::ForThisThread());
     st = s_->optimizer().GradStats();
   }
-  const kernels::GradStats g = Check(std::move(st));
-  return py::make_tuple(g.sq_norm, g.overflow);
+  return Check(std::move(st));
 }
 const session::ChunkGroup& PySession::Group(size_t g) const {
   if (g >= s_->num_groups()) throw py::value_error("unknown chunk group");

@@ -14,7 +14,6 @@
 
 #include <cstdint>
 #include <memory>
-#include <tuple>
 #include <vector>
 
 #include "integrations/torch/csrc/collectives.h"
@@ -23,29 +22,43 @@
 
 namespace tiermem::torch_ext {
 
-// A scratch or spill region as Python holds it: (id, bytes, address; 0 for a spill).
-using RegionToken = std::tuple<uint64_t, uint64_t, uintptr_t>;
+// A scratch region and its uint8 view (bound as Scratch: records.cc). The view does not own
+// the memory: it is valid until the region is freed.
+struct Scratch {
+  Region region;
+  torch::Tensor view;
+};
+
+// How a session is sharded (bound as Sharding): `collectives` is the Python collectives
+// object (integrations/torch/csrc/collectives.h wraps it). Hidden, as PySession: it holds a
+// Python object.
+struct __attribute__((visibility("hidden"))) Sharding {
+  int world = 1;
+  int rank = 0;
+  pybind11::object collectives;
+};
 
 // Hidden, as pybind11 declares its own types: it holds Python objects.
 class __attribute__((visibility("hidden"))) PySession {
  public:
-  // `sharding`: None, or (world, rank, collectives) with a Python collectives object.
+  // `sharding`: null when the session is not sharded.
   PySession(const session::SessionConfig& config, std::vector<session::TensorSpec> specs,
-            const pybind11::object& sharding);
+            const Sharding* sharding);
   ~PySession();
 
   // A 1-D view of the chunk memory at `addr` (group `group`'s chunk of `kind` on `where`).
   torch::Tensor View(void* addr, size_t group, chunks::ChunkKind kind, TierKind where) const;
-  // A scratch region of `bytes` (sharded gathers) as (token, uint8 view); FreeScratch(token).
-  pybind11::tuple AllocateScratch(TierKind where, uint64_t bytes);
-  void FreeScratch(TierKind where, const RegionToken& token);
-  // An NVMe region for spilled activations as a token (id, bytes, 0); StartSpillCopy moves
-  // bytes between it and host scratch (a token AllocateScratch(host) returned).
-  pybind11::tuple AllocateSpill(uint64_t bytes);
-  void FreeSpill(const RegionToken& token);
+  // A scratch region of `bytes` (sharded gathers, activation bounces) and its view;
+  // FreeScratch(where, its region).
+  Scratch AllocateScratch(TierKind where, uint64_t bytes);
+  void FreeScratch(TierKind where, const Region& region);
+  // An NVMe region for spilled activations; StartSpillCopy moves bytes between it and host
+  // scratch (the region of an AllocateScratch(host)).
+  Region AllocateSpill(uint64_t bytes);
+  void FreeSpill(const Region& region);
   // Starts the copy; the returned Pending's wait() (without the GIL) raises its error.
-  std::shared_ptr<Completion> StartSpillCopy(const RegionToken& spill, uint64_t spill_offset,
-                                             const RegionToken& host, uint64_t host_offset,
+  std::shared_ptr<Completion> StartSpillCopy(const Region& spill, uint64_t spill_offset,
+                                             const Region& host, uint64_t host_offset,
                                              uint64_t bytes, bool to_nvme);
   // `cls` >= 0: acquired as a member of that class (an expert chosen by the routing).
   torch::Tensor Acquire(size_t group, chunks::ChunkKind kind, TierKind where, int64_t cls);
@@ -58,14 +71,14 @@ class __attribute__((visibility("hidden"))) PySession {
   torch::Tensor ReadTensor(size_t t, chunks::ChunkKind kind);
   void WriteTensor(size_t t, chunks::ChunkKind kind, const torch::Tensor& v);
   void SetHasGrad(const std::vector<bool>& flags);
-  // `global_stats`: None, or (sum of squares, overflow) of the whole model's gradients (a
-  // sharded binding's all-reduce of every rank's grad_stats()).
-  pybind11::dict Step(const std::vector<session::GroupHyper>& hyper,
-                      const pybind11::object& global_stats);
+  // `global_stats`: null, or the whole model's gradient stats (a sharded binding's all-reduce
+  // of every rank's grad_stats()).
+  session::StepResult Step(const std::vector<session::GroupHyper>& hyper,
+                           const kernels::GradStats* global_stats);
   // The hyper-parameters the next step() will pass (speculative steps,
   // runtime/optimizer_stepper.h).
   void SetStepHyper(std::vector<session::GroupHyper> hyper);
-  pybind11::tuple GradStats();
+  kernels::GradStats GradStats();
   // Group g's layout (bound as ChunkGroup: records.cc); ValueError for an unknown group.
   const session::ChunkGroup& Group(size_t g) const;
   // Tensor t's pieces in element order (bound as Piece); ValueError for an unknown tensor.
@@ -80,7 +93,6 @@ class __attribute__((visibility("hidden"))) PySession {
   void Close();
 
  private:
-  static Region FromToken(const RegionToken& token);
   static uint32_t ClassOf(int64_t cls);
   int64_t Numel(size_t t) const;
 

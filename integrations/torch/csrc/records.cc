@@ -9,6 +9,12 @@
 //   StateFormat  a group's optimizer-state format (Session.state_format(g))
 //   GroupHyper   one optimizer param group's hyper-parameters (Session.step, set_step_hyper)
 //   ScalerState  fp16 dynamic loss scaling (Session.scaler)
+//   GradStats    a gradient reduction: sum of squares and overflow (Session.grad_stats,
+//                Session.step(global_stats=...), _C.grad_stats)
+//   StepResult   what an optimizer step did (Session.step)
+//   Region       a scratch or spill region (Session.allocate_spill, Scratch.region)
+//   Scratch      a scratch region and its uint8 view (Session.allocate_scratch)
+//   Sharding     how a session is sharded (Session(config, tensors, Sharding(...)))
 #include <torch/extension.h>
 
 #include <cstdint>
@@ -16,9 +22,11 @@
 #include <vector>
 
 #include "integrations/torch/csrc/bindings.h"
+#include "integrations/torch/csrc/py_session.h"
 #include "kernels/cpu/optim.h"
 #include "runtime/layout.h"
 #include "runtime/session.h"
+#include "tiers/tier.h"
 
 namespace py = pybind11;
 
@@ -126,6 +134,55 @@ void BindOptimizerRecords(py::module_& m) {
       .def("__repr__", [](const ScalerState& s) {
         return Repr("ScalerState", s, {"scale", "good_steps", "skipped_steps"});
       });
+  using kernels::GradStats;
+  py::class_<GradStats>(m, "GradStats")
+      .def(py::init([](double sq_norm, bool overflow) {
+             return GradStats{sq_norm, overflow};
+           }),
+           py::arg("sq_norm"), py::arg("overflow"))
+      .def_readonly("sq_norm", &GradStats::sq_norm)
+      .def_readonly("overflow", &GradStats::overflow)
+      .def("__repr__", [](const GradStats& g) {
+        return Repr("GradStats", g, {"sq_norm", "overflow"});
+      });
+  using session::StepResult;
+  py::class_<StepResult>(m, "StepResult")
+      .def_readonly("applied", &StepResult::applied)
+      .def_readonly("skipped", &StepResult::skipped)
+      .def_readonly("grad_norm", &StepResult::grad_norm)
+      .def_readonly("clip_coef", &StepResult::clip_coef)
+      .def("__repr__", [](const StepResult& r) {
+        return Repr("StepResult", r, {"applied", "skipped", "grad_norm", "clip_coef"});
+      });
+}
+
+// Regions the binding hands out (scratch for sharded gathers and the activations' bounces,
+// NVMe spill for activations) and how a session is sharded.
+void BindSessionRecords(py::module_& m) {
+  py::class_<Region>(m, "Region")
+      .def_readonly("id", &Region::id)
+      .def_readonly("bytes", &Region::bytes)
+      // The base address where the tier is byte-addressable (scratch), else 0 (spill).
+      .def_property_readonly("addr",
+                             [](const Region& r) { return reinterpret_cast<uintptr_t>(r.addr); })
+      .def("__repr__", [](const Region& r) {
+        return Repr("Region", r, {"id", "bytes", "addr"});
+      });
+  py::class_<Scratch>(m, "Scratch")
+      .def_readonly("region", &Scratch::region)
+      .def_readonly("view", &Scratch::view)  // uint8, valid until the region is freed
+      .def("__repr__", [](const Scratch& s) { return Repr("Scratch", s, {"region"}); });
+  py::class_<Sharding>(m, "Sharding")
+      .def(py::init([](int world, int rank, py::object collectives) {
+             return Sharding{world, rank, std::move(collectives)};
+           }),
+           py::arg("world"), py::arg("rank"), py::arg("collectives"))
+      .def_readonly("world", &Sharding::world)
+      .def_readonly("rank", &Sharding::rank)
+      .def_readonly("collectives", &Sharding::collectives)
+      .def("__repr__", [](const Sharding& s) {
+        return Repr("Sharding", s, {"world", "rank"});
+      });
 }
 
 }  // namespace
@@ -133,6 +190,7 @@ void BindOptimizerRecords(py::module_& m) {
 void BindRecords(py::module_& m) {
   BindLayoutRecords(m);
   BindOptimizerRecords(m);
+  BindSessionRecords(m);
 }
 
 }  // namespace tiermem::torch_ext

@@ -5,7 +5,6 @@
 #include <memory>
 #include <optional>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "integrations/torch/cpp/dtypes.h"
@@ -27,7 +26,7 @@ using K = chunks::ChunkKind;
 
 // Creation, sharding, scratch and spill regions, close.
 void BindLifetime(py::class_<PySession>& c) {
-  c.def(py::init<const se::SessionConfig&, std::vector<se::TensorSpec>, const py::object&>(),
+  c.def(py::init<const se::SessionConfig&, std::vector<se::TensorSpec>, const Sharding*>(),
         py::arg("config"), py::arg("tensors"), py::arg("sharding") = py::none())
       // The unit protocol over this session (runtime/unit_protocol.h): the hooks' calls.
       .def_property_readonly(

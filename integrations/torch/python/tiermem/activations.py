@@ -49,7 +49,7 @@ from .shared import _HOST, _guard
 class _Saved:
     """One storage saved for backward by a unit (activations: offload / auto): on the device
     (``storage``), offloaded to host memory (``host``, a byte tensor), spilled to NVMe
-    (``spill``, the session's region token) when the host budget has no room, or, auto,
+    (``spill``, the session's NVMe ``_C.Region``) when the host budget has no room, or, auto,
     dropped (to be recomputed by the frames of the refs to it) — one of the four."""
     __slots__ = ("unit", "nbytes", "storage", "host", "spill", "tracked", "dropped",
                  "free_refs")
@@ -105,7 +105,7 @@ class Activations:
         # when it is fetched back or the iteration is reset.
         self.spilled: list = []
         self._spill_ok = modes.nvme
-        self._spill_bufs: list = []            # host scratch bounces (token, uint8 tensor)
+        self._spill_bufs: list = []            # host scratch bounces (_C.Scratch)
         self._spill_pending = [None, None]     # the copy in flight through each bounce
         self.stats = {"offloaded_bytes": 0, "fetched_bytes": 0, "sync_fetches": 0,
                       "recomputed_units": 0, "recomputed_bytes": 0, "dropped_bytes": 0,
@@ -435,11 +435,12 @@ class Activations:
             for h, region in zip(todo, regions):
                 src = torch.empty(0, dtype=torch.uint8, device=self.device).set_(h.storage)
                 for lo in range(0, h.nbytes, self.spill_piece()):
-                    token, buf = self.spill_buffer(piece)  # its last write is done
-                    k = min(buf.numel(), h.nbytes - lo)
-                    buf[:k].copy_(src[lo:lo + k])  # synchronous (D2H waits for the kernels)
+                    bounce = self.spill_buffer(piece)  # its last write is done
+                    k = min(bounce.view.numel(), h.nbytes - lo)
+                    # synchronous (D2H waits for the kernels)
+                    bounce.view[:k].copy_(src[lo:lo + k])
                     self._spill_pending[piece % 2] = self.session.start_spill_copy(
-                        region, lo, token, 0, k, True)
+                        region, lo, bounce.region, 0, k, True)
                     piece += 1
         except BaseException:
             self.spill_drain(quiet=True)  # no copy may be in flight into a freed region
@@ -463,10 +464,10 @@ class Activations:
         los = list(range(0, h.nbytes, step))
 
         def start(i):
-            token, buf = self.spill_buffer(i)
-            k = min(buf.numel(), h.nbytes - los[i])
-            self._spill_pending[i % 2] = self.session.start_spill_copy(h.spill, los[i], token,
-                                                                       0, k, False)
+            bounce = self.spill_buffer(i)
+            k = min(bounce.view.numel(), h.nbytes - los[i])
+            self._spill_pending[i % 2] = self.session.start_spill_copy(
+                h.spill, los[i], bounce.region, 0, k, False)
         start(0)
         for i, lo in enumerate(los):
             if i + 1 < len(los):
@@ -474,7 +475,7 @@ class Activations:
             pending, self._spill_pending[i % 2] = self._spill_pending[i % 2], None
             self.spill_wait(pending)
             k = min(step, h.nbytes - lo)
-            dev[lo:lo + k].copy_(self._spill_bufs[i % 2][1][:k])  # synchronous
+            dev[lo:lo + k].copy_(self._spill_bufs[i % 2].view[:k])  # synchronous
         self.session.free_spill(h.spill)
         h.spill = None
         self.spilled.remove(h)
@@ -487,8 +488,8 @@ class Activations:
         return min(4 << 20, self.session.chunk_elems * 4) // 4096 * 4096 or 4096
 
     def spill_buffer(self, i):
-        """Bounce i % 2 as (token, uint8 tensor), allocated on first use (host scratch), once
-        its previous copy is done."""
+        """Bounce i % 2 (a host ``_C.Scratch``: its region and uint8 view), allocated on first
+        use, once its previous copy is done."""
         j = i % 2
         pending = self._spill_pending[j]
         if pending is not None:
@@ -523,8 +524,8 @@ class Activations:
                     err = err or e
         if release:
             if not self.session.closed:
-                for token, _ in self._spill_bufs:
-                    self.session.free_scratch(_HOST, token)
+                for bounce in self._spill_bufs:
+                    self.session.free_scratch(_HOST, bounce.region)
             self._spill_bufs.clear()
         if err is not None and not quiet:
             raise err

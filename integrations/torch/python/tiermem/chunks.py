@@ -233,14 +233,14 @@ class ChunkAccess:
             return
         self.session.release(group, _K.grad, True)
 
-    def grad_stats(self) -> tuple[float, bool]:
-        """(sum of squares, overflow) of the unscaled gradients — over every rank when
-        sharded (collective)."""
+    def grad_stats(self) -> _C.GradStats:
+        """The unscaled gradients' sum of squares and overflow — over every rank when sharded
+        (collective)."""
         self.on_stream()
-        sq, overflow = self.session.grad_stats()
+        stats = self.session.grad_stats()
         if self.shards is not None:
-            sq, overflow = self.shards.all_reduce_stats(sq, overflow)
-        return sq, overflow
+            stats = self.shards.all_reduce_stats(stats)
+        return stats
 
     # ---- mixed precision -------------------------------------------------------------------
     def sync_master(self, r: _Param, views, compute_view, exact_src):

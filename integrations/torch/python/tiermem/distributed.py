@@ -99,10 +99,10 @@ class Collectives:
 
 
 class _Held:
-    __slots__ = ("tensor", "token", "refs", "dirty", "work", "t0")
+    __slots__ = ("tensor", "region", "refs", "dirty", "work", "t0")
 
-    def __init__(self, tensor, token, refs=1):
-        self.tensor, self.token, self.refs, self.dirty = tensor, token, refs, False
+    def __init__(self, tensor, region, refs=1):
+        self.tensor, self.region, self.refs, self.dirty = tensor, region, refs, False
         self.work, self.t0 = None, 0.0  # an async all-gather in flight (prefetch)
 
 
@@ -128,7 +128,7 @@ class Shards:
 
     def sharding(self):
         """What the session is built with (``_C.Session(cfg, specs, sharding)``)."""
-        return (self.world, self.rank, self.collectives)
+        return _C.Sharding(self.world, self.rank, self.collectives)
 
     def attach(self, session):
         """The session built with sharding(): the shards' home from now on."""
@@ -188,13 +188,13 @@ class Shards:
         s = self.session
         nbytes = s.chunk_elems * s.element_size(s.compute_kind)
         try:
-            token, raw = s.allocate_scratch(s.compute_tier, nbytes)
+            scratch = s.allocate_scratch(s.compute_tier, nbytes)
         except MemoryError:
             if not (evict_recent and self._recent):
                 raise
             self.drop_recent()
-            token, raw = s.allocate_scratch(s.compute_tier, nbytes)
-        return token, raw.view(self.dtype), nbytes
+            scratch = s.allocate_scratch(s.compute_tier, nbytes)
+        return scratch.region, scratch.view.view(self.dtype), nbytes
 
     def gather(self, g, kind):
         key = (g, kind)
@@ -230,8 +230,8 @@ class Shards:
 
     def _start(self, g, kind, async_op=False, evict_recent=True):
         s = self.session
-        token, full, nbytes = self._scratch(evict_recent)
-        h = _Held(full, token, refs=0)
+        region, full, nbytes = self._scratch(evict_recent)
+        h = _Held(full, region, refs=0)
         try:
             try:
                 shard = s.acquire(g, kind, s.compute_tier)
@@ -250,7 +250,7 @@ class Shards:
             finally:
                 s.release(g, kind, False)
         except BaseException:
-            s.free_scratch(s.compute_tier, token)
+            s.free_scratch(s.compute_tier, region)
             raise
         self.stats["all_gather_bytes"] += nbytes
         self.stats["all_gathers"] += 1
@@ -262,7 +262,7 @@ class Shards:
             try:
                 _collective(f"all-gather of chunk group {g}", h.work.wait)
             except BaseException:
-                self.session.free_scratch(self.session.compute_tier, h.token)
+                self.session.free_scratch(self.session.compute_tier, h.region)
                 raise
         async_op = h.work is not None and hasattr(h.work, "wait")
         h.work = None
@@ -296,21 +296,21 @@ class Shards:
                 s.release(g, kind, True)
                 h.dirty = False
         except BaseException:
-            s.free_scratch(s.compute_tier, h.token)
+            s.free_scratch(s.compute_tier, h.region)
             raise
         if kind != self.compute_kind:  # gradients change with every scatter: not cached
-            s.free_scratch(s.compute_tier, h.token)
+            s.free_scratch(s.compute_tier, h.region)
             return True
         self._recent[key] = h  # most recent last
         while len(self._recent) > self.recent_capacity:
             old = next(iter(self._recent))
-            s.free_scratch(s.compute_tier, self._recent.pop(old).token)
+            s.free_scratch(s.compute_tier, self._recent.pop(old).region)
         return True
 
     def drop_recent(self):
         s = self.session
         for h in self._recent.values():
-            s.free_scratch(s.compute_tier, h.token)
+            s.free_scratch(s.compute_tier, h.region)
         self._recent.clear()
 
     def flush(self):
@@ -321,17 +321,17 @@ class Shards:
             try:
                 self._finish(key[0], h)
             finally:
-                self.session.free_scratch(self.session.compute_tier, h.token)
+                self.session.free_scratch(self.session.compute_tier, h.region)
         self._pending.clear()
 
     # ---- gradients ---------------------------------------------------------------------------
     def grad_buffer(self, g):
         """A zeroed full-size gradient buffer for group `g` (held until scatter_grad)."""
         s = self.session
-        token, raw = s.allocate_scratch(s.compute_tier, s.chunk_elems * s.element_size(_K.grad))
-        full = raw.view(self.dtype)
+        scratch = s.allocate_scratch(s.compute_tier, s.chunk_elems * s.element_size(_K.grad))
+        full = scratch.view.view(self.dtype)
         full.zero_()
-        self._held[(g, "grad-buffer")] = _Held(full, token)
+        self._held[(g, "grad-buffer")] = _Held(full, scratch.region)
         return full
 
     def scatter_grad(self, g, fresh):
@@ -361,7 +361,7 @@ class Shards:
             finally:
                 s.release(g, _K.grad, True)
         finally:
-            s.free_scratch(s.compute_tier, h.token)
+            s.free_scratch(s.compute_tier, h.region)
 
     def _sum_host(self, t, what):
         """The sum over ranks of a small CPU tensor (through the device for NCCL)."""
@@ -372,13 +372,14 @@ class Shards:
         _collective(what, dist.all_reduce, t, group=self.group)
         return t
 
-    def all_reduce_stats(self, sq_norm, overflow):
+    def all_reduce_stats(self, local: _C.GradStats) -> _C.GradStats:
+        """Every rank's gradient stats summed (the norm's squares) and or-ed (overflow)."""
         t0 = time.perf_counter()
-        t = self._sum_host(torch.tensor([sq_norm, 1.0 if overflow else 0.0],
+        t = self._sum_host(torch.tensor([local.sq_norm, 1.0 if local.overflow else 0.0],
                                         dtype=torch.float64), "all-reduce of the gradient norm")
         self._record("all_reduce", 16, t0)
         self.stats["all_reduce_bytes"] += 16
-        return float(t[0]), bool(t[1] > 0)
+        return _C.GradStats(float(t[0]), bool(t[1] > 0))
 
     def all_ok(self, ok: bool) -> bool:
         t = self._sum_host(torch.tensor([0 if ok else 1], dtype=torch.int64),
@@ -399,14 +400,14 @@ class Shards:
     def close(self):
         s = self.session
         for h in list(self._held.values()) + list(self._recent.values()):
-            s.free_scratch(s.compute_tier, h.token)
+            s.free_scratch(s.compute_tier, h.region)
         for h in self._pending.values():
             if h.work is not None and hasattr(h.work, "wait"):
                 try:
                     h.work.wait()
                 except RuntimeError:
                     pass
-            s.free_scratch(s.compute_tier, h.token)
+            s.free_scratch(s.compute_tier, h.region)
         self._held.clear()
         self._recent.clear()
         self._pending.clear()

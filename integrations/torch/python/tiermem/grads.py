@@ -353,12 +353,11 @@ class Grads:
                 r.param.grad = None if set_to_none else r.grad
         return True
 
-    def grad_stats(self) -> tuple[float, bool]:
-        """(sum of squares, overflow) of the unscaled gradients of the whole model — summed over
-        ranks when sharded (collective)."""
+    def grad_stats(self) -> _C.GradStats:
+        """The unscaled gradients' sum of squares and overflow over the whole model — summed
+        over ranks when sharded (collective)."""
         self.sync()
         return self.chunks.grad_stats()
 
     def grad_norm(self) -> torch.Tensor:
-        sq, _ = self.grad_stats()
-        return torch.tensor(math.sqrt(sq), dtype=torch.float32)
+        return torch.tensor(math.sqrt(self.grad_stats().sq_norm), dtype=torch.float32)

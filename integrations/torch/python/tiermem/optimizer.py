@@ -65,11 +65,10 @@ class ChunkedAdamW(torch.optim.Optimizer):
         if rt._shards is not None and (rt.cfg.gradient_clipping > 0 or rt.modes.loss_scaled) and \
                 rt.session.next_step_applies:
             # Sharded: the norm and overflow of the whole model, summed over ranks.
-            sq, overflow = rt.session.grad_stats()
-            stats = rt._shards.all_reduce_stats(sq, overflow)
+            stats = rt._shards.all_reduce_stats(rt.session.grad_stats())
         res = rt.session.step(hyper, stats)
-        self.last_step_skipped = res["skipped"]
-        self.last_grad_norm = res["grad_norm"] if res["grad_norm"] >= 0 else None
+        self.last_step_skipped = res.skipped
+        self.last_grad_norm = res.grad_norm if res.grad_norm >= 0 else None
         return loss
 
     def scale_loss(self, loss):

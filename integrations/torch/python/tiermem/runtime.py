@@ -498,9 +498,9 @@ class TiermemRuntime:
         """Clears every gradient unless an accumulation window is open; True when it did."""
         return self.grads.zero_grad(set_to_none)
 
-    def grad_stats(self) -> tuple[float, bool]:
-        """(sum of squares, overflow) of the unscaled gradients of the whole model — summed over
-        ranks when sharded (collective)."""
+    def grad_stats(self) -> _C.GradStats:
+        """The unscaled gradients' sum of squares and overflow over the whole model — summed
+        over ranks when sharded (collective)."""
         return self.grads.grad_stats()
 
     def grad_norm(self) -> torch.Tensor:
