@@ -477,7 +477,12 @@ StatusOr<::torch::Tensor> ChunkedModel::Run(::torch::nn::Module& unit, const Uni
   TIERMEM_ASSIGN_OR_RETURN(const uint32_t u, UnitIndex(unit, params));
   const bool grad = ::torch::GradMode::is_enabled();
   session_->iterations().SetTracing(grad);
-  if (grad && !protocol_->in_iteration()) protocol_->BeginIteration();
+  if (grad && !protocol_->in_iteration()) {
+    protocol_->BeginIteration();
+    // What Step() will pass, announced for the updates run inside the backward
+    // (optimizer_overlap "backward"); a change before Step() drops them (optimizer_stepper.h).
+    // session_->SetStepHyper(hyper_);
+  }
   {
     kernels::ScopedParallelFor pool(torch_pool::ForThisThread());  // torch_pool.h
     TIERMEM_RETURN_IF_ERROR(protocol_->EnterUnit(u, grad));        // deferred updates, the moment

@@ -781,6 +781,61 @@ TEST(ChunkedModel, TheOptimizerOnTorchsThreadsEqualsItsOwnPoolBitForBit) {
   }
 }
 
+// optimizer_overlap "backward" in LibTorch: the groups' updates run inside the backward
+// (Run announces Step()'s hyper-parameters at the iteration's start), copy-on-write to NVMe
+// where the host is full, and training is bit for bit that of "off" — with clipping that never
+// triggers (every speculation committed) and clipping that always does (every one dropped and
+// redone with the coefficient), and an LR change between steps (announced at the next
+// iteration's start, so it drops nothing).
+TEST(ChunkedModel, TheUpdateInsideTheBackwardIsBitForBitTheDeferredOne) {
+  const GPTConfig c = SmallConfig();
+  const auto batches = SyntheticBatches(c, 4, 6);
+  struct Case {
+    const char* device_kind;
+    double clip;  // 100: never triggers here; 0.01: always
+  };
+  for (const Case& cs : {Case{"host", 100.0}, Case{"sim", 100.0}, Case{"host", 0.01}}) {
+    const std::string what = std::string(cs.device_kind) + " clip " + std::to_string(cs.clip);
+    std::vector<double> losses[2];
+    std::vector<::torch::Tensor> params[2];
+    tiermem::session::Session::SpeculationStats spec;
+    for (int k = 0; k < 2; ++k) {
+      GPT m = MakeModel(c);
+      const Bytes state = static_cast<Bytes>(NumParams(m)) * 16;  // params, grads, m, v
+      const std::string dir = ::testing::TempDir() + "inback_" + cs.device_kind + std::to_string(k);
+      nlohmann::json opts{{"device_kind", cs.device_kind},
+                          {"host", state / 3},  // full of homes: m and v on NVMe
+                          {"gradient_clipping", cs.clip},
+                          {"optimizer_overlap", k == 0 ? "off" : "backward"},
+                          {"nvme", {{"path", dir}, {"size", "64MiB"}}}};
+      if (std::string(cs.device_kind) == "sim") opts["device"] = state / 4;
+      auto cm = tiermem::torch::ChunkedModel::Create(*m, opts);
+      ASSERT_TRUE(cm.ok()) << cm.status().ToString();
+      losses[k] = TrainSteps(m, **cm, batches, 0, 3);
+      ASSERT_TRUE((*cm)->SetLearningRate(0, kLr / 2).ok());
+      const auto more = TrainSteps(m, **cm, batches, 3, batches.size());
+      losses[k].insert(losses[k].end(), more.begin(), more.end());
+      if (k == 1) spec = (*cm)->session().speculation_stats();
+      for (const auto& item : m->named_parameters()) {
+        auto v = (*cm)->ParamValue(item.value());
+        ASSERT_TRUE(v.ok()) << v.status().ToString();
+        params[k].push_back(*v);
+      }
+    }
+    EXPECT_EQ(losses[1], losses[0]) << what;
+    for (size_t i = 0; i < params[0].size(); ++i) {
+      EXPECT_TRUE(::torch::equal(params[1][i], params[0][i])) << what << " param " << i;
+    }
+    EXPECT_GT(spec.speculated_nvme, 0u) << what;
+    EXPECT_EQ(spec.committed + spec.dropped, spec.speculated) << what;
+    if (cs.clip > 1) {
+      EXPECT_EQ(spec.committed, spec.speculated) << what;
+    } else {
+      EXPECT_EQ(spec.dropped, spec.speculated) << what;
+    }
+  }
+}
+
 TEST(ChunkedModel, TheEnvironmentOverridesTheConfigLikeInPython) {
   const GPTConfig c = SmallConfig();
   GPT model = MakeModel(c);
