@@ -5,6 +5,7 @@
 
 #include "planners/simulator.h"
 #include "test_support.h"
+#include "tests/support/paths.h"
 
 namespace tiermem::planners {
 namespace {
@@ -15,7 +16,7 @@ namespace {
 // (MoE routing changes every iteration, but its experts are a class; unmarked, it leaves). (docs/benchmarks.md has the full runs.)
 TEST(CanonicalTracesTest, RunUnderEveryPolicy) {
   for (const char* name : {"gpt", "gpt-ckpt", "gpt-tied", "moe"}) {
-    auto t = ReadTraceFile(std::string(TIERMEM_TEST_DATA_DIR) + "/" + name + ".tmtrace");
+    auto t = ReadTraceFile(::tiermem::testing::TestData(std::string(name) + ".tmtrace"));
     ASSERT_TRUE(t.ok()) << t.status().ToString();
     const bool moe = std::string(name) == "moe";
     t->iterations.resize(moe ? 3 : 2);
@@ -71,7 +72,7 @@ TEST(CanonicalTracesTest, RunUnderEveryPolicy) {
 // Belady bound's sequence needs (equal chunks: exact) and stalls less than the engine's
 // reactive policy, the one the run used.
 TEST(CanonicalTracesTest, RecordedMainJobTrace) {
-  auto t = ReadTraceFile(std::string(TIERMEM_TEST_DATA_DIR) + "/main-job.tmtrace");
+  auto t = ReadTraceFile(::tiermem::testing::TestData("main-job.tmtrace"));
   ASSERT_TRUE(t.ok()) << t.status().ToString();
   ASSERT_EQ(t->iterations.size(), 2u);
   EXPECT_GT(t->rates.link[1][0].bytes_per_s, 0);  // measured host -> device
@@ -120,7 +121,7 @@ void ExpectPlannedIsBest(const Trace& t, const MachineModel& m, const SimOptions
 }
 
 TEST(CanonicalTracesTest, PlannedIsTheBestPolicyOnTheMainJobsHostTrace) {
-  auto t = ReadTraceFile(std::string(TIERMEM_TEST_DATA_DIR) + "/main-job-host.tmtrace");
+  auto t = ReadTraceFile(::tiermem::testing::TestData("main-job-host.tmtrace"));
   ASSERT_TRUE(t.ok()) << t.status().ToString();
   ASSERT_EQ(t->budgets.device, 0u);  // host mode: compute on the host tier, NVMe below
   ExpectPlannedIsBest(*t, MachineModel::FromTrace(*t));
@@ -128,7 +129,7 @@ TEST(CanonicalTracesTest, PlannedIsTheBestPolicyOnTheMainJobsHostTrace) {
 
 TEST(CanonicalTracesTest, PlannedIsTheBestPolicyOnEveryBenchmarkTrace) {
   for (const char* name : {"gpt", "gpt-ckpt", "gpt-tied", "moe"}) {
-    auto t = ReadTraceFile(std::string(TIERMEM_TEST_DATA_DIR) + "/" + name + ".tmtrace");
+    auto t = ReadTraceFile(::tiermem::testing::TestData(std::string(name) + ".tmtrace"));
     ASSERT_TRUE(t.ok()) << t.status().ToString();
     for (int pct : {25, 50, 75}) {
       SCOPED_TRACE(std::string(name) + " " + std::to_string(pct) + "%");

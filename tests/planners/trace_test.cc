@@ -14,6 +14,7 @@
 #include "planners/model_traces.h"
 #include "base/crc32c.h"
 #include "test_support.h"
+#include "tests/support/paths.h"
 
 namespace tiermem::planners {
 namespace {
@@ -319,11 +320,11 @@ TEST(TraceFormatTest, ExpertSetsAreVersion2AndVersion1FilesReadAsDense) {
   EXPECT_FALSE(as_v1->HasExpertSets());
 
   // The runtime's recording of the main job (version 1, before expert sets) reads dense.
-  auto job = ReadTraceFile(std::string(TIERMEM_TEST_DATA_DIR) + "/main-job.tmtrace");
+  auto job = ReadTraceFile(::tiermem::testing::TestData("main-job.tmtrace"));
   ASSERT_TRUE(job.ok()) << job.status().ToString();
   EXPECT_FALSE(job->HasExpertSets());
   // The canonical MoE trace marks its experts' param and grad chunks, 16 per block.
-  auto moe = ReadTraceFile(std::string(TIERMEM_TEST_DATA_DIR) + "/moe.tmtrace");
+  auto moe = ReadTraceFile(::tiermem::testing::TestData("moe.tmtrace"));
   ASSERT_TRUE(moe.ok()) << moe.status().ToString();
   size_t members = 0;
   for (const TraceChunk& c : moe->chunks) {
@@ -369,7 +370,7 @@ TEST(TraceValidateTest, NamesTheFirstViolation) {
 TEST(CanonicalTracesTest, LoadAndMatchTheGenerator) {
   for (const char* name : {"gpt", "gpt-ckpt", "gpt-tied", "moe"}) {
     SCOPED_TRACE(name);
-    const std::string path = std::string(TIERMEM_TEST_DATA_DIR) + "/" + name + ".tmtrace";
+    const std::string path = ::tiermem::testing::TestData(std::string(name) + ".tmtrace");
     auto t = ReadTraceFile(path);
     ASSERT_TRUE(t.ok()) << t.status().ToString();
     EXPECT_LT(std::filesystem::file_size(path), 1u << 20);

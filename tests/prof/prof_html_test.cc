@@ -11,6 +11,7 @@
 #include <string>
 
 #include "tests/prof/golden_timeline.h"
+#include "tests/support/paths.h"
 #include "prof/html.h"
 #include "prof/synthetic.h"
 
@@ -34,7 +35,7 @@ class HtmlChromiumTest : public ::testing::Test {
   void SetUp() override {
     chromium_ = FindChromium();
     if (chromium_.empty()) GTEST_SKIP() << "chromium is not installed";
-    out_dir_ = TIERMEM_TEST_OUTPUT_DIR;
+    out_dir_ = ::tiermem::testing::TestEnv("TIERMEM_TEST_OUTPUT_DIR");
     std::filesystem::create_directories(out_dir_);
   }
   // Runs chromium headless on file://html; returns its exit status.

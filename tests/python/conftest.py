@@ -3,7 +3,14 @@ import os
 import sys
 
 import pytest
-import torch
+
+# Inductor compiles in this process, not in a pool of worker processes that each import torch
+# first: on two cores shared with the other pytest worker the pool only adds its start-up (the
+# one inductor test took ~170 s with it, ~45 s without). Set before torch is imported, so the
+# processes the tests start inherit it too.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import torch  # noqa: E402
 
 from tiermem.examples.gpt import GPT, GPTConfig, synthetic_batches
 

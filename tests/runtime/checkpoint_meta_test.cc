@@ -18,6 +18,7 @@
 #include "base/crc32c.h"
 #include "runtime/session.h"
 #include "tests/support/status_matchers.h"
+#include "tests/support/paths.h"
 
 namespace tiermem::session {
 namespace {
@@ -206,7 +207,7 @@ TEST(CheckpointMeta, ALoadChecksTheGroupCountAndTheRngStateSize) {
 
 // ---- the session with files of version 2 (tests/data/README.md) ------------------------------
 
-std::string Data(const std::string& name) { return std::string(TIERMEM_TEST_DATA) + "/" + name; }
+std::string Data(const std::string& name) { return ::tiermem::testing::TestData(name); }
 
 std::string ReadFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

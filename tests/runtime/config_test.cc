@@ -9,6 +9,7 @@
 #include <fstream>
 
 #include "tests/support/status_matchers.h"
+#include "tests/support/paths.h"
 
 namespace tiermem::session {
 namespace {
@@ -58,8 +59,10 @@ json Substitute(const json& j, const std::string& dir) {
 }
 
 json LoadCases() {
-  std::ifstream in(TIERMEM_CONFIG_CASES);
-  EXPECT_TRUE(in.good()) << TIERMEM_CONFIG_CASES;
+  const std::string path =
+      ::tiermem::testing::TestEnv("TIERMEM_TEST_SOURCE_DIR") + "/tests/runtime/config_cases.json";
+  std::ifstream in(path);
+  EXPECT_TRUE(in.good()) << path;
   return json::parse(in)["cases"];
 }
 

@@ -19,8 +19,8 @@ TEST(PreloadConcurrent, ManyThreadsThroughTheShimStayConsistent) {
   const int threads = 8, iters = 2000;
   // A 5 ms flush tick: the flusher thread writes blocks while the threads record.
   testing::Output o = testing::RunShell(testing::PreloadEnv() + " TIERMEM_PRELOAD_TIMELINE=" + dir +
-                                   "/t.tmt TIERMEM_PRELOAD_FLUSH_MS=5 " TIERMEM_TEST_PROBE12
-                                   " threads " + std::to_string(threads) + " " +
+                                   "/t.tmt TIERMEM_PRELOAD_FLUSH_MS=5 " +
+                                   testing::TestProbe(12) + " threads " + std::to_string(threads) + " " +
                                    std::to_string(iters));
   ASSERT_EQ(o.code, 0) << o.out;
   EXPECT_EQ(testing::Value(o.out, "failures"), "0");

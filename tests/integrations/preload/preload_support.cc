@@ -29,16 +29,12 @@ Output RunShell(const std::string& command) {
   return o;
 }
 
-namespace {
-std::string EnvOr(const char* name, const char* built) {
-  const char* v = std::getenv(name);
-  return v != nullptr && *v != '\0' ? v : built;
+std::string TestCli() { return ::tiermem::testing::TestEnv("TIERMEM_TEST_CLI"); }
+std::string TestShim() { return ::tiermem::testing::TestEnv("TIERMEM_TEST_SHIM"); }
+std::string TestSourceDir() { return ::tiermem::testing::TestEnv("TIERMEM_TEST_SOURCE_DIR"); }
+std::string TestProbe(int cuda_major) {
+  return ::tiermem::testing::TestEnv(cuda_major == 13 ? "TIERMEM_TEST_PROBE13" : "TIERMEM_TEST_PROBE12");
 }
-}  // namespace
-
-std::string TestCli() { return EnvOr("TIERMEM_TEST_CLI", TIERMEM_TEST_CLI); }
-std::string TestShim() { return EnvOr("TIERMEM_TEST_SHIM", TIERMEM_TEST_SHIM); }
-std::string TestSourceDir() { return EnvOr("TIERMEM_TEST_SOURCE_DIR", TIERMEM_SOURCE_DIR); }
 
 std::string SanitizerPreloadEnv() {
   const std::string san = TIERMEM_TEST_SANITIZER_RUNTIME;
@@ -95,7 +91,7 @@ std::string ScratchDir() {
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
   // One directory per build tree and test, emptied when the test starts again (so runs do not
   // pile up, and the sanitizer trees' runs do not collide with this one's).
-  const size_t tree = std::hash<std::string>{}(TIERMEM_TEST_SHIM) % 100000;
+  const size_t tree = std::hash<std::string>{}(TestShim()) % 100000;
   std::string dir = std::string(tmp != nullptr ? tmp : "/tmp") + "/tiermem_preload_" +
                     std::to_string(tree) + "_" + info->test_suite_name() + "_" + info->name();
   std::filesystem::remove_all(dir);

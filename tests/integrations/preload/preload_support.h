@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "tests/support/paths.h"
+
 namespace tiermem::preload::testing {
 
 struct Output {
@@ -17,10 +19,13 @@ struct Output {
 // Runs `command` through /bin/sh (so "A=1 B=2 prog args" works) and waits for it.
 Output RunShell(const std::string& command);
 
-// The built tiermem CLI, shim and source tree — or, when set, $TIERMEM_TEST_CLI,
-// $TIERMEM_TEST_SHIM and $TIERMEM_TEST_SOURCE_DIR (a relocated GPU bundle, scripts/gpu_check.sh).
+// The built tiermem CLI, shim, probe (CUDA 12 or 13 ABI) and the source tree: $TIERMEM_TEST_CLI,
+// $TIERMEM_TEST_SHIM, $TIERMEM_TEST_PROBE12/13 and $TIERMEM_TEST_SOURCE_DIR, which ctest sets
+// (tests/integrations/preload/CMakeLists.txt) and scripts/gpu_check.sh sets for a relocated
+// bundle. An unset one fails the test (tests/support/paths.h). Call them from test bodies.
 std::string TestCli();
 std::string TestShim();
+std::string TestProbe(int cuda_major);
 std::string TestSourceDir();
 
 // "LD_PRELOAD=<sanitizer runtime:>libtiermem_preload.so".

@@ -18,11 +18,13 @@ namespace {
 
 constexpr uint64_t kKiB = 1024, kMiB = 1024 * kKiB;
 
-const std::string kProbe = TIERMEM_TEST_PROBE12;
-const std::string kCli = TIERMEM_TEST_CLI;
+// The programs under test, from the environment ctest gives the test (preload_support.h):
+// read in test bodies, since discovery runs this binary without that environment.
+std::string Probe() { return TestProbe(12); }
+std::string Cli() { return TestCli(); }
 // `tiermem run` with the sanitizer runtime preloaded first: in a sanitizer build the shim
 // depends on it, and every child (sh, true, ...) that gets the shim must load it first.
-const std::string kRun = SanitizerPreloadEnv() + " " + kCli + " run";
+std::string TiermemRun() { return SanitizerPreloadEnv() + " " + Cli() + " run"; }
 
 // Environment for a probe run: the shim, the timeline, the fake's log, no periodic flush (so
 // kernel-launch intervals are cut only by memory events: deterministic).
@@ -38,7 +40,7 @@ std::string NormalizePointers(const std::string& line) {
 }
 
 TEST(PreloadShim, ExportsOnlyTheInterposedSymbolsAndNeverLinksCudart) {
-  Output nm = RunShell(std::string("nm -D --defined-only ") + TIERMEM_TEST_SHIM +
+  Output nm = RunShell(std::string("nm -D --defined-only ") + TestShim() +
                   " | awk '{print $3}' | sort");
   ASSERT_EQ(nm.code, 0) << nm.out;
   EXPECT_EQ(nm.out,
@@ -47,7 +49,7 @@ TEST(PreloadShim, ExportsOnlyTheInterposedSymbolsAndNeverLinksCudart) {
             "cudaHostRegister\ncudaHostUnregister\ncudaLaunchKernel\ncudaMalloc\n"
             "cudaMallocAsync\ncudaMallocFromPoolAsync\ncudaMallocHost\ncudaMallocManaged\n"
             "cudaMemGetInfo\n");
-  Output needed = RunShell(std::string("readelf -d ") + TIERMEM_TEST_SHIM + " | grep NEEDED");
+  Output needed = RunShell(std::string("readelf -d ") + TestShim() + " | grep NEEDED");
   ASSERT_EQ(needed.code, 0) << needed.out;
   EXPECT_EQ(needed.out.find("cudart"), std::string::npos) << needed.out;
   EXPECT_EQ(needed.out.find("libcuda"), std::string::npos) << needed.out;
@@ -55,7 +57,7 @@ TEST(PreloadShim, ExportsOnlyTheInterposedSymbolsAndNeverLinksCudart) {
 
 TEST(PreloadShim, RecordsEveryAllocationWithExactCountsAndSizes) {
   const std::string dir = ScratchDir();
-  Output o = RunShell(Env(dir) + kProbe + " basic");
+  Output o = RunShell(Env(dir) + Probe() + " basic");
   ASSERT_EQ(o.code, 0) << o.out;
   EXPECT_NE(o.out.find("tiermem preload: active in pid"), std::string::npos) << o.out;
   EXPECT_EQ(Value(o.out, "oom_rc"), "2");       // passed through unchanged
@@ -89,9 +91,9 @@ TEST(PreloadShim, RecordsEveryAllocationWithExactCountsAndSizes) {
 TEST(PreloadShim, ForwardsEveryCallWithTheSameArgumentsAndResults) {
   const std::string dir = ScratchDir();
   Output plain = RunShell("FAKE_CUDART_LOG=" + dir + "/plain.log " + SanitizerPreloadEnv() + " " +
-                     kProbe + " basic");
+                     Probe() + " basic");
   ASSERT_EQ(plain.code, 0) << plain.out;
-  Output shim = RunShell(Env(dir) + kProbe + " basic");
+  Output shim = RunShell(Env(dir) + Probe() + " basic");
   ASSERT_EQ(shim.code, 0) << shim.out;
   std::vector<std::string> a = ReadLines(dir + "/plain.log"), b = ReadLines(dir + "/calls.log");
   ASSERT_FALSE(a.empty());
@@ -109,8 +111,8 @@ TEST(PreloadShim, ForwardsEveryCallWithTheSameArgumentsAndResults) {
 
 TEST(PreloadShim, StreamsAndManagedMemoryReachThePerfettoExport) {
   const std::string dir = ScratchDir();
-  ASSERT_EQ(RunShell(Env(dir) + kProbe + " basic").code, 0);
-  Output e = RunShell(kCli + " prof export " + dir + "/t.tmt -o " + dir + "/t.json");
+  ASSERT_EQ(RunShell(Env(dir) + Probe() + " basic").code, 0);
+  Output e = RunShell(Cli() + " prof export " + dir + "/t.tmt -o " + dir + "/t.json");
   ASSERT_EQ(e.code, 0) << e.out;
   std::ifstream in(dir + "/t.json");
   std::stringstream ss;
@@ -125,7 +127,7 @@ TEST(PreloadShim, StreamsAndManagedMemoryReachThePerfettoExport) {
 
 TEST(PreloadShim, SeesVirtualMemoryCallsReachedThroughTheDriverEntryPointLookup) {
   const std::string dir = ScratchDir();
-  Output o = RunShell(Env(dir) + kProbe + " vmm");
+  Output o = RunShell(Env(dir) + Probe() + " vmm");
   ASSERT_EQ(o.code, 0) << o.out;
   EXPECT_EQ(Value(o.out, "release_unknown_rc"), "1");  // the driver's error, unchanged
   nlohmann::json r = ProfReport(dir + "/t.tmt");
@@ -144,7 +146,7 @@ TEST(PreloadShim, SeesVirtualMemoryCallsReachedThroughTheDriverEntryPointLookup)
 
 TEST(PreloadShim, IsInertInAProcessWithoutCudaRuntime) {
   const std::string dir = ScratchDir();
-  Output o = RunShell(Env(dir) + TIERMEM_TEST_NOCUDA_PROBE);
+  Output o = RunShell(Env(dir) + ::tiermem::testing::TestEnv("TIERMEM_TEST_NOCUDA_PROBE"));
   EXPECT_EQ(o.code, 3);
   EXPECT_EQ(o.out, "nocuda ok\n");  // not a word from the shim
   EXPECT_FALSE(Exists(dir + "/t.tmt"));
@@ -152,7 +154,8 @@ TEST(PreloadShim, IsInertInAProcessWithoutCudaRuntime) {
 
 TEST(PreloadShim, FindsARuntimeLoadedWithRtldLocal) {
   const std::string dir = ScratchDir();
-  Output o = RunShell(Env(dir) + TIERMEM_TEST_LOCAL_PROBE + " " + TIERMEM_TEST_LOCAL_USER);
+  Output o = RunShell(Env(dir) + ::tiermem::testing::TestEnv("TIERMEM_TEST_LOCAL_PROBE") + " " +
+                      ::tiermem::testing::TestEnv("TIERMEM_TEST_LOCAL_USER"));
   ASSERT_EQ(o.code, 0) << o.out;
   EXPECT_NE(o.out.find("local rc=0"), std::string::npos) << o.out;
   nlohmann::json r = ProfReport(dir + "/t.tmt");
@@ -165,7 +168,7 @@ TEST(PreloadShim, FindsARuntimeLoadedWithRtldLocal) {
 TEST(PreloadShim, SaysWhatIsWrongWithItsOptionsAndOnlyForwards) {
   const std::string dir = ScratchDir();
   Output o = RunShell(Env(dir, "TIERMEM_PRELOAD_OFFLOAD=1 TIERMEM_PRELOAD_DEVICE_BUDGET=lots") +
-                 kProbe + " basic");
+                 Probe() + " basic");
   ASSERT_EQ(o.code, 0) << o.out;
   EXPECT_NE(o.out.find("TIERMEM_PRELOAD_DEVICE_BUDGET='lots'"), std::string::npos) << o.out;
   EXPECT_NE(o.out.find("the shim only forwards"), std::string::npos) << o.out;
@@ -179,7 +182,7 @@ TEST(PreloadOffload, KeepsDeviceAllocationsWithinTheBudgetAndServesTheRestFromMa
   const std::string dir = ScratchDir();
   Output o = RunShell(Env(dir, "TIERMEM_PRELOAD_OFFLOAD=1 TIERMEM_PRELOAD_DEVICE_BUDGET=3MiB "
                           "TIERMEM_PRELOAD_PREFETCH=off") +
-                 kProbe + " offload");
+                 Probe() + " offload");
   ASSERT_EQ(o.code, 0) << o.out;
   // cudaMemGetInfo reports the budget.
   EXPECT_NE(o.out.find("after_b free=1048576 total=3145728"), std::string::npos) << o.out;
@@ -221,7 +224,7 @@ TEST(PreloadOffload, ServesFromManagedWhenTheDeviceIsFullBeforeTheBudget) {
   const std::string dir = ScratchDir();
   Output o = RunShell(Env(dir, "TIERMEM_PRELOAD_OFFLOAD=1 TIERMEM_PRELOAD_DEVICE_BUDGET=1GiB "
                           "FAKE_CUDART_TOTAL=4194304") +
-                 kProbe + " offload_full");
+                 Probe() + " offload_full");
   ASSERT_EQ(o.code, 0) << o.out;
   EXPECT_EQ(Value(o.out, "a_rc"), "0");
   EXPECT_EQ(Value(o.out, "b_rc"), "0");
@@ -231,7 +234,7 @@ TEST(PreloadOffload, ServesFromManagedWhenTheDeviceIsFullBeforeTheBudget) {
   EXPECT_EQ(Grep(log, "cudaMallocManaged size=2097152 flags=1 ptr=" + Value(o.out, "b")).size(), 1u);
 }
 
-class PreloadPrefetch : public ::testing::TestWithParam<std::string> {};
+class PreloadPrefetch : public ::testing::TestWithParam<int> {};  // the CUDA major
 
 // Three iterations of k1(b+4K) k2(c) k3(d) with b, c, d managed, lookahead 1: the first
 // iteration is the warm-up; from the second on, each launch prefetches what the next one
@@ -240,7 +243,7 @@ TEST_P(PreloadPrefetch, PrefetchesWhatTheNextKernelTouchedInTheWarmUp) {
   const std::string dir = ScratchDir();
   Output o = RunShell(Env(dir, "TIERMEM_PRELOAD_OFFLOAD=1 TIERMEM_PRELOAD_DEVICE_BUDGET=1MiB "
                           "TIERMEM_PRELOAD_AHEAD=1") +
-                 GetParam() + " kernels");
+                 TestProbe(GetParam()) + " kernels");
   ASSERT_EQ(o.code, 0) << o.out;
   const std::string c = Value(o.out, "c"), d = Value(o.out, "d");
   char b4k[32];
@@ -273,22 +276,21 @@ TEST_P(PreloadPrefetch, PrefetchesWhatTheNextKernelTouchedInTheWarmUp) {
 
 // The CUDA 12 and CUDA 13 ABIs of cudaMemAdvise/cudaMemPrefetchAsync.
 INSTANTIATE_TEST_SUITE_P(CudaMajor, PreloadPrefetch,
-                         ::testing::Values(std::string(TIERMEM_TEST_PROBE12),
-                                           std::string(TIERMEM_TEST_PROBE13)),
+                         ::testing::Values(12, 13),
                          [](const auto& info) { return info.index == 0 ? "Cuda12" : "Cuda13"; });
 
 TEST(PreloadOffload, PlainUnifiedMemoryIssuesNoPrefetch) {
   const std::string dir = ScratchDir();
   Output o = RunShell(Env(dir, "TIERMEM_PRELOAD_OFFLOAD=1 TIERMEM_PRELOAD_DEVICE_BUDGET=1MiB "
                           "TIERMEM_PRELOAD_AHEAD=1 TIERMEM_PRELOAD_PREFETCH=off") +
-                 kProbe + " kernels");
+                 Probe() + " kernels");
   ASSERT_EQ(o.code, 0) << o.out;
   const std::vector<std::string> log = ReadLines(dir + "/calls.log");
   EXPECT_EQ(Grep(log, "cudaMemPrefetchAsync").size(), 0u);
   EXPECT_EQ(Grep(log, "cudaMallocManaged").size(), 3u);
   // Offload without a timeline still counts the launches for its exit line.
   Output untimed = RunShell(PreloadEnv() + " TIERMEM_PRELOAD_OFFLOAD=1 TIERMEM_PRELOAD_DEVICE_BUDGET=1MiB " +
-                            kProbe + " kernels");
+                            Probe() + " kernels");
   ASSERT_EQ(untimed.code, 0) << untimed.out;
   EXPECT_NE(untimed.out.find("device peak 1.00 MiB, pinned host peak 0 B, 9 kernel launches; "
                              "timeline (none)"),
@@ -299,28 +301,28 @@ TEST(PreloadOffload, PlainUnifiedMemoryIssuesNoPrefetch) {
 
 TEST(TiermemRun, ReturnsTheCommandsExitCode) {
   const std::string dir = ScratchDir();
-  Output o = RunShell(SanitizerPreloadEnv() + " " + kCli + " run --record " + dir + "/t.tmt -- " +
-                 TIERMEM_TEST_NOCUDA_PROBE);
+  Output o = RunShell(SanitizerPreloadEnv() + " " + Cli() + " run --record " + dir + "/t.tmt -- " +
+                 ::tiermem::testing::TestEnv("TIERMEM_TEST_NOCUDA_PROBE"));
   EXPECT_EQ(o.code, 3) << o.out;
   EXPECT_NE(o.out.find("no timeline"), std::string::npos) << o.out;
   EXPECT_FALSE(Exists(dir + "/t.tmt"));
-  EXPECT_EQ(RunShell(kRun + " -- sh -c 'exit 7'").code, 7);
-  Output missing = RunShell(kRun + " -- /nonexistent/program");
+  EXPECT_EQ(RunShell(TiermemRun() + " -- sh -c 'exit 7'").code, 7);
+  Output missing = RunShell(TiermemRun() + " -- /nonexistent/program");
   EXPECT_EQ(missing.code, 127);
   EXPECT_NE(missing.out.find("cannot run '/nonexistent/program'"), std::string::npos) << missing.out;
 }
 
 TEST(TiermemRun, PassesTheCommandAndItsArgumentsUnparsedAndInOrder) {
-  Output dashed = RunShell(kRun + " --record '' -- echo -c a -v b --record x");
+  Output dashed = RunShell(TiermemRun() + " --record '' -- echo -c a -v b --record x");
   EXPECT_EQ(dashed.code, 0) << dashed.out;
   EXPECT_EQ(dashed.out, "-c a -v b --record x\n");
-  Output bare = RunShell(kRun + " --record '' echo a b");
+  Output bare = RunShell(TiermemRun() + " --record '' echo a b");
   EXPECT_EQ(bare.out, "a b\n");
   // Without "--" the command's own options would be parsed: refused, pointing at "--".
-  Output ambiguous = RunShell(kRun + " --record '' echo -n a");
+  Output ambiguous = RunShell(TiermemRun() + " --record '' echo -n a");
   EXPECT_EQ(ambiguous.code, 2);
   EXPECT_NE(ambiguous.out.find("put the command after --"), std::string::npos) << ambiguous.out;
-  Output none = RunShell(kRun + " --record ''");
+  Output none = RunShell(TiermemRun() + " --record ''");
   EXPECT_EQ(none.code, 2);
   EXPECT_NE(none.out.find("no command"), std::string::npos) << none.out;
 }
@@ -328,8 +330,8 @@ TEST(TiermemRun, PassesTheCommandAndItsArgumentsUnparsedAndInOrder) {
 TEST(TiermemRun, RecordsTheTimelineAndSaysWhereItWent) {
   const std::string dir = ScratchDir();
   std::ofstream(dir + "/t.tmt") << "an old file";  // replaced
-  Output o = RunShell(SanitizerPreloadEnv() + " FAKE_CUDART_LOG=" + dir + "/calls.log " + kCli +
-                 " run --record " + dir + "/t.tmt -- " + kProbe + " basic");
+  Output o = RunShell(SanitizerPreloadEnv() + " FAKE_CUDART_LOG=" + dir + "/calls.log " + Cli() +
+                 " run --record " + dir + "/t.tmt -- " + Probe() + " basic");
   ASSERT_EQ(o.code, 0) << o.out;
   EXPECT_NE(o.out.find("timeline written to " + dir + "/t.tmt"), std::string::npos) << o.out;
   nlohmann::json r = ProfReport(dir + "/t.tmt");
@@ -340,8 +342,8 @@ TEST(TiermemRun, RecordsTheTimelineAndSaysWhereItWent) {
 
 TEST(TiermemRun, EachProcessOfAJobGetsItsOwnTimeline) {
   const std::string dir = ScratchDir();
-  Output o = RunShell(SanitizerPreloadEnv() + " " + kCli + " run --record " + dir + "/t.tmt -- sh -c '" +
-                 kProbe + " vmm && " + kProbe + " basic'");
+  Output o = RunShell(SanitizerPreloadEnv() + " " + Cli() + " run --record " + dir + "/t.tmt -- sh -c '" +
+                 Probe() + " vmm && " + Probe() + " basic'");
   ASSERT_EQ(o.code, 0) << o.out;
   Output ls = RunShell("ls " + dir);
   std::regex second("t\\.[0-9]+\\.tmt");
@@ -356,18 +358,18 @@ TEST(TiermemRun, EachProcessOfAJobGetsItsOwnTimeline) {
 }
 
 TEST(TiermemRun, PerTensorSelectsPytorchsAsyncAllocatorBackend) {
-  Output o = RunShell(std::string("PYTORCH_CUDA_ALLOC_CONF= ") + kRun +
+  Output o = RunShell(std::string("PYTORCH_CUDA_ALLOC_CONF= ") + TiermemRun() +
                  " --record '' --per-tensor -- sh -c 'echo conf=$PYTORCH_CUDA_ALLOC_CONF'");
   ASSERT_EQ(o.code, 0) << o.out;
   EXPECT_EQ(Value(o.out, "conf"), "backend:cudaMallocAsync");
-  Output kept = RunShell("PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:64 " + kRun +
+  Output kept = RunShell("PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:64 " + TiermemRun() +
                     " --record '' --per-tensor -- sh -c 'echo conf=$PYTORCH_CUDA_ALLOC_CONF'");
   EXPECT_EQ(Value(kept.out, "conf"), "max_split_size_mb:64,backend:cudaMallocAsync");
-  Output conflict = RunShell("PYTORCH_CUDA_ALLOC_CONF=backend:native " + kRun +
+  Output conflict = RunShell("PYTORCH_CUDA_ALLOC_CONF=backend:native " + TiermemRun() +
                         " --per-tensor -- true");
   EXPECT_EQ(conflict.code, 2);
   EXPECT_NE(conflict.out.find("already says 'backend:native'"), std::string::npos) << conflict.out;
-  Output budget = RunShell(kRun + " --offload -- true");
+  Output budget = RunShell(TiermemRun() + " --offload -- true");
   EXPECT_EQ(budget.code, 2);
   EXPECT_NE(budget.out.find("--offload needs --device-budget"), std::string::npos) << budget.out;
 }
@@ -376,8 +378,8 @@ TEST(TiermemRun, ForwardsSigintToTheCommand) {
   const std::string dir = ScratchDir();
   int out[2];
   ASSERT_EQ(::pipe(out), 0);
-  const std::string cmd = "exec env " + SanitizerPreloadEnv() + " " + kCli + " run --record " + dir +
-                          "/t.tmt -- " + kProbe + " sleep";
+  const std::string cmd = "exec env " + SanitizerPreloadEnv() + " " + Cli() + " run --record " + dir +
+                          "/t.tmt -- " + Probe() + " sleep";
   const pid_t pid = ::fork();
   ASSERT_GE(pid, 0);
   if (pid == 0) {
@@ -411,8 +413,8 @@ TEST(TiermemRun, ForwardsSigintToTheCommand) {
 
 TEST(TiermemRun, AKilledCommandLeavesAReadableTimeline) {
   const std::string dir = ScratchDir();
-  Output o = RunShell(SanitizerPreloadEnv() + " TIERMEM_PRELOAD_FLUSH_MS=20 " + kCli + " run --record " +
-                 dir + "/t.tmt -- " + kProbe + " killself");
+  Output o = RunShell(SanitizerPreloadEnv() + " TIERMEM_PRELOAD_FLUSH_MS=20 " + Cli() + " run --record " +
+                 dir + "/t.tmt -- " + Probe() + " killself");
   EXPECT_EQ(o.code, 128 + SIGKILL) << o.out;
   EXPECT_NE(o.out.find("killed by signal 9"), std::string::npos) << o.out;
   EXPECT_NE(o.out.find("timeline written to " + dir + "/t.tmt"), std::string::npos) << o.out;

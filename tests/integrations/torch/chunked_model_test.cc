@@ -14,6 +14,7 @@
 
 #include "integrations/torch/cpp/torch_pool.h"
 #include "integrations/torch/examples/gpt.h"
+#include "tests/support/paths.h"
 #include "weights/weight_files.h"
 
 namespace tiermem_example {
@@ -665,7 +666,7 @@ TEST(ChunkedModel, LoadsItsVersion2Checkpoint) {
   ::torch::manual_seed(5);
   nlohmann::json extra = "unset";
   tiermem::Status s =
-      (*cm)->Load(std::string(TIERMEM_TEST_DATA) + "/legacy-libtorch.safetensors", &extra);
+      (*cm)->Load(::tiermem::testing::TestData("legacy-libtorch.safetensors"), &extra);
   ASSERT_TRUE(s.ok()) << s.ToString();
   EXPECT_TRUE(extra.is_null());
   EXPECT_EQ((*cm)->group_options(0).lr, 5e-4);
