@@ -481,7 +481,7 @@ StatusOr<::torch::Tensor> ChunkedModel::Run(::torch::nn::Module& unit, const Uni
     protocol_->BeginIteration();
     // What Step() will pass, announced for the updates run inside the backward
     // (optimizer_overlap "backward"); a change before Step() drops them (optimizer_stepper.h).
-    // session_->SetStepHyper(hyper_);
+    session_->SetStepHyper(hyper_);
   }
   {
     kernels::ScopedParallelFor pool(torch_pool::ForThisThread());  // torch_pool.h
