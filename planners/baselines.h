@@ -12,6 +12,7 @@
 #include <string_view>
 
 #include "planners/effective.h"
+#include "planners/planner.h"
 #include "planners/schedule.h"
 #include "planners/simulated_run.h"
 
@@ -26,13 +27,8 @@ enum class BaselineKind : uint8_t {
 inline constexpr int kNumBaselines = 4;
 std::string_view BaselineName(BaselineKind k);  // "lru", "patrickstar", "deepspeed", "engine"
 
-// How far the engine policy looks ahead (chunks::Lookahead, EngineConfig::lookahead).
-enum class EngineLookahead : uint8_t {
-  kDepth = 0,  // the next `engine_prefetch_depth` acquires of the iteration, evicting only clean
-               // chunks used later
-  kRoom = 1,   // host acquires as far as host room can be made, one lap of the order (into
-               // the next iteration); device acquires `engine_prefetch_depth` ahead
-};
+// EngineLookahead (how far the engine policy looks ahead) is declared in planner.h, whose
+// PlanOptions carry it.
 std::string_view EngineLookaheadName(EngineLookahead l);  // "depth", "room"
 StatusOr<EngineLookahead> ParseEngineLookahead(std::string_view name);
 

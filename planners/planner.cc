@@ -127,6 +127,7 @@ class Search {
     in.writeback_aware = wb_aware;
     in.machine = &machine_;
     const BaselineParams params{.engine_prefetch_depth = opt_.engine_prefetch_depth,
+                                .engine_lookahead = opt_.engine_lookahead,
                                 .deepspeed_bucket_bytes = opt_.deepspeed_bucket_bytes};
     const auto schedule = [&](const ScheduleInput& si) {
       return v.mimic >= 0
@@ -230,6 +231,12 @@ class Search {
         bar_.stall = std::min(bar_.stall, s.stall_ns);
         bar_.time = std::min(bar_.time, s.iteration_ns);
         bar_.set = true;
+        baselines_.push_back({.name = std::string(BaselineName(static_cast<BaselineKind>(k))),
+                              .in_order_homes = in_order,
+                              .iteration_ns = s.iteration_ns,
+                              .stall_ns = s.stall_ns,
+                              .device_in_bytes = s.DeviceInBytes(),
+                              .nvme_bytes = s.NvmeBytes()});
         plain.push_back(std::move(*c));
       }
     }
@@ -259,6 +266,7 @@ class Search {
   void set_in_order_homes(bool on) { in_order_homes_ = on; }
 
   const std::optional<Candidate>& best() const { return best_; }
+  const std::vector<BaselineEstimate>& baselines() const { return baselines_; }
   const Status& first_error() const { return first_error_; }
   uint32_t evaluated() const { return evaluated_; }
 
@@ -380,6 +388,7 @@ class Search {
   const TraceIteration* earlier_;
   const std::vector<uint32_t> expert_class_;  // Plan::expert_class
   std::optional<Candidate> best_;
+  std::vector<BaselineEstimate> baselines_;  // TryBaselines' plain candidates, as tried
   Status first_error_;
   uint32_t evaluated_ = 0;
   bool in_order_homes_ = false;  // Variant::in_order_homes of Try and TryHoistedBaselines
@@ -834,7 +843,15 @@ StatusOr<Plan> MakePlan(const Trace& trace, const MachineModel& machine,
   Plan plan = search.best()->plan;
   plan.volatile_groups = volatile_groups;
   plan.candidates_evaluated = search.evaluated();
+  plan.baselines = search.baselines();
   return plan;
+}
+
+const BaselineEstimate* Plan::FindBaseline(std::string_view name) const {
+  for (const BaselineEstimate& b : baselines) {
+    if (b.name == name) return &b;
+  }
+  return nullptr;
 }
 
 // ---- encoding and description ------------------------------------------------------------

@@ -46,6 +46,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "planners/effective.h"
@@ -113,6 +114,25 @@ struct PlanEstimate {
   Bytes steady_nvme_bytes = 0;  // to and from NVMe, either way, in the steady iteration
 };
 
+// How far the engine policy looks ahead (chunks::Lookahead, EngineConfig::lookahead).
+enum class EngineLookahead : uint8_t {
+  kDepth = 0,  // the next `engine_prefetch_depth` acquires of the iteration, evicting only clean
+               // chunks used later
+  kRoom = 1,   // host acquires as far as host room can be made, one lap of the order (into
+               // the next iteration); device acquires `engine_prefetch_depth` ahead
+};
+
+// A baseline policy's own moves (baselines.h: MimicSchedule, not hoisted) under the recorded
+// placement, as the planner scored them in their steady iteration: the bar of
+// PlanOptions::mimic_baselines. Descriptive (not encoded).
+struct BaselineEstimate {
+  std::string name;             // BaselineName: "lru", "patrickstar", "deepspeed", "engine"
+  bool in_order_homes = false;  // under PlaceHomesInOrder's homes (free homes only)
+  uint64_t iteration_ns = 0, stall_ns = 0;
+  Bytes device_in_bytes = 0;
+  Bytes nvme_bytes = 0;  // to and from NVMe, either way
+};
+
 struct Plan {
   uint32_t version = kPlanVersion;
   uint32_t source_iteration = 0;
@@ -134,6 +154,12 @@ struct Plan {
   // MimicSchedule), "" for the planner's own schedule.
   std::string baseline;
   uint32_t candidates_evaluated = 0;
+  // Not encoded (descriptive): each baseline policy's own moves as the planner scored them
+  // (PlanOptions::mimic_baselines; empty without it), in the order it tried them. A baseline
+  // that cannot run the iteration under the budgets is absent.
+  std::vector<BaselineEstimate> baselines;
+  // The first of `baselines` named `name` (nullptr: none).
+  const BaselineEstimate* FindBaseline(std::string_view name) const;
 
   Placement ToPlacement() const;
 };
@@ -168,7 +194,8 @@ struct PlanOptions {
   // reaches the bar on more of the four measures comes first.
   bool mimic_baselines = true;
   uint32_t engine_prefetch_depth = 4;  // the engine baseline's lookahead (acquires)
-  Bytes deepspeed_bucket_bytes = 0;    // the deepspeed baseline's bucket; 0: 4 x largest chunk
+  EngineLookahead engine_lookahead = EngineLookahead::kDepth;  // and its kind
+  Bytes deepspeed_bucket_bytes = 0;  // the deepspeed baseline's bucket; 0: 4 x largest chunk
 };
 
 // Per chunk the expert class — a dense index of its (TraceChunk::expert_set, kind) pair, in

@@ -145,7 +145,8 @@ struct ModeTraits<PlanMode> {
 };
 // The session records an iteration at the boundary and plans from it.
 constexpr bool PlansIterations(PlanMode m) { return m != PlanMode::kOff; }
-// A plan that would move more bytes than the reactive engine measured is declined.
+// A plan that would move more bytes or stall longer than the reactive engine (both simulated on
+// the recorded trace; runtime/plan_runner.h, PlanDecision) is declined.
 constexpr bool DeclinesCostlierPlans(PlanMode m) { return m == PlanMode::kAuto; }
 
 // ---- activations -----------------------------------------------------------------------------

@@ -14,6 +14,7 @@
 // kept. Everything runs on the session's thread: no locks.
 #include "runtime/plan_runner.h"
 
+#include <cstdio>
 #include <optional>
 #include <string>
 #include <utility>
@@ -179,7 +180,7 @@ bool PlanRunner::AtBoundary(bool diverged, TraceRecorder* trace, const PlanConte
     std::optional<chunks::EngineStats> reactive;
     if (measuring_) reactive = ctx.engine->Stats();
     measuring_ = false;
-    Status s = ExecuteFrom(*t, -1, ctx, reactive ? &*reactive : nullptr);
+    Status s = ExecuteFrom(*t, -1, ctx, /*judge=*/true, reactive ? &*reactive : nullptr);
     if (!s.ok()) {
       error_ = s.message();
       Stop();
@@ -225,19 +226,48 @@ Bytes PlanObjectiveBytes(const chunks::EngineStats& s, bool host_mode) {
   return s.bytes_moved[kH][kD] + s.bytes_moved[kN][kD];
 }
 
-std::string DeclinePlan(const planners::PlanEstimate& plan, const chunks::EngineStats& start,
-                        const chunks::EngineStats& end, bool host_mode) {
-  const Bytes engine_bytes =
-      PlanObjectiveBytes(end, host_mode) - PlanObjectiveBytes(start, host_mode);
-  const Bytes plan_bytes = host_mode ? plan.steady_nvme_bytes : plan.steady_device_in_bytes;
-  if (plan_bytes <= engine_bytes) return "";
-  return "the plan would move " + std::to_string(plan_bytes) + " bytes per iteration " +
-         (host_mode ? "to and from NVMe" : "into the device") + ", the reactive engine moved " +
-         std::to_string(engine_bytes) + " over the recorded one";
+namespace {
+std::string Ms(uint64_t ns) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.1f ms", static_cast<double>(ns) / 1e6);
+  return buf;
+}
+}  // namespace
+
+PlanDecision DecidePlan(const planners::Plan& plan, bool host_mode, const Bytes* measured) {
+  PlanDecision d;
+  d.judged = true;
+  const planners::PlanEstimate& e = plan.estimate;
+  d.plan_bytes = host_mode ? e.steady_nvme_bytes : e.steady_device_in_bytes;
+  d.plan_stall_ns = e.steady_stall_ns;
+  if (measured != nullptr) {
+    d.measured = true;
+    d.engine_measured_bytes = *measured;
+  }
+  const std::string what = host_mode ? "to and from NVMe" : "into the device";
+  if (const planners::BaselineEstimate* eng = plan.FindBaseline("engine")) {
+    d.engine_simulated = true;
+    d.engine_bytes = host_mode ? eng->nvme_bytes : eng->device_in_bytes;
+    d.engine_stall_ns = eng->stall_ns;
+    if (d.plan_bytes > d.engine_bytes || d.plan_stall_ns > d.engine_stall_ns) {
+      d.reason = "the plan would move " + std::to_string(d.plan_bytes) + " bytes per iteration " +
+                 what + " and stall " + Ms(d.plan_stall_ns) +
+                 " (simulated), the reactive engine's moves " + std::to_string(d.engine_bytes) +
+                 " bytes and " + Ms(d.engine_stall_ns) + " on the same trace";
+    }
+  } else if (d.measured && d.plan_bytes > d.engine_measured_bytes) {
+    // The simulator could not run the engine policy: the engine's measured bytes are the bar.
+    d.reason = "the plan would move " + std::to_string(d.plan_bytes) + " bytes per iteration " +
+               what + ", the reactive engine moved " + std::to_string(d.engine_measured_bytes) +
+               " over the recorded one";
+  }
+  d.adopted = d.reason.empty();
+  return d;
 }
 
 Status PlanRunner::ExecuteFrom(const planners::Trace& trace, int64_t iteration,
-                               const PlanContext& ctx, const chunks::EngineStats* reactive_end) {
+                               const PlanContext& ctx, bool judge,
+                               const chunks::EngineStats* reactive_end) {
   chunks::Engine* eng = ctx.engine;
   if (trace.chunks.size() != eng->num_chunks()) {
     return InvalidArgumentError("plan: the trace has " + std::to_string(trace.chunks.size()) +
@@ -301,6 +331,9 @@ Status PlanRunner::ExecuteFrom(const planners::Trace& trace, int64_t iteration,
   o.activation_policy = OffloadsActivations(ctx.activations);
   o.allow_recompute = PlanChoosesActivations(ctx.activations);
   if (iteration > 0) o.earlier_iteration = iteration - 1;
+  // The engine baseline (the bar below) looks ahead as this run's engine does.
+  o.engine_prefetch_depth = ctx.engine_prefetch_depth;
+  o.engine_lookahead = ctx.engine_lookahead;
   // SimDevice's copies are memcpys on the same CPU cores as the compute, which the machine
   // model (copy lanes concurrent with compute) does not see: fewest bytes is the right goal
   // there; in host mode the bytes are NVMe's (the planner counts those there). On CUDA the
@@ -309,9 +342,15 @@ Status PlanRunner::ExecuteFrom(const planners::Trace& trace, int64_t iteration,
   TIERMEM_ASSIGN_OR_RETURN(planners::Plan p, planners::MakePlan(t, m, o));
   // The bar compares chunk bytes only: a plan that also places activations (offload, auto)
   // trades chunk bytes for activation bytes the engine's counters do not see, so it runs.
-  if (reactive_end != nullptr && !ctx.cuda && ctx.bar && !o.activation_policy) {
-    declined_ =
-        DeclinePlan(p.estimate, measure_start_, *reactive_end, m.Budget(TierKind::kDevice) == 0);
+  if (judge && !ctx.cuda && ctx.bar && !o.activation_policy) {
+    const bool host_mode = m.Budget(TierKind::kDevice) == 0;
+    std::optional<Bytes> measured;
+    if (reactive_end != nullptr) {
+      measured = PlanObjectiveBytes(*reactive_end, host_mode) -
+                 PlanObjectiveBytes(measure_start_, host_mode);
+    }
+    decision_ = DecidePlan(p, host_mode, measured ? &*measured : nullptr);
+    declined_ = decision_.reason;
     if (!declined_.empty()) {
       TIERMEM_LOG(kInfo) << "plan: declined (" << declined_ << "); the engine stays reactive";
       return OkStatus();

@@ -38,12 +38,16 @@
 // first moves, a first optimizer update that reads no Adam state) — or uses the user's own
 // recording when one completes — and the runner makes a plan from it (ExecuteFrom:
 // planners::MakePlan with this run's homes, residency, budgets and measured rates) and executes it
-// from the next iteration on — unless it loses bytes: the engine's bytes over the recorded
-// iteration, measured under its reactive policy, are the bar, and a plan whose modelled steady
-// iteration moves more (of the planner's objective: into the device, or to and from NVMe in host
-// mode) is declined (declined(); planning then stops and the engine stays reactive; a tie runs,
-// since its earlier prefetches can still shorten stalls). On CUDA, where the objective is modelled
-// time, the bar is not applied, nor under `plan: always`, nor when the plan places activations
+// from the next iteration on — unless it loses to the engine (DecidePlan): the planner also
+// simulates the reactive engine's own moves on the same trace, homes and start state (with this
+// run's lookahead), and a plan whose simulated steady iteration moves more of the objective's
+// bytes (into the device, or to and from NVMe in host mode) or stalls longer than the engine's
+// is declined (declined(), decision(); planning then stops and the engine stays reactive; a tie
+// runs) — the bar the planner ranks its candidates by. The engine's bytes measured over the
+// recorded iteration are reported beside them, and are the bar only where the simulator could
+// not run the engine policy (a plan from the user's own recording is judged too, with nothing
+// measured). On CUDA, where the objective is modelled time, the bar is not
+// applied, nor under `plan: always`, nor when the plan places activations
 // (offload, auto: it trades chunk bytes for activation bytes the bar does not see). An iteration
 // that diverges from the plan runs reactive from there (warned once); the next one is recorded, and
 // if it diverges too, the plan is remade from it — up to kMaxPlans plans: iterations that keep
@@ -76,11 +80,30 @@ class TraceRecorder;
 // The bytes the planner's kBytes objective counts (planners/planner.cc) in the engine's
 // counters: into the device, or to and from NVMe on a machine without a device (host mode).
 Bytes PlanObjectiveBytes(const chunks::EngineStats& stats, bool host_mode);
-// plan: auto's bar (see the file comment): why a plan whose steady estimate is `plan` is
-// declined after the engine moved (end - start) over the recorded iteration, "" when it runs
-// (it moves no more than that).
-std::string DeclinePlan(const planners::PlanEstimate& plan, const chunks::EngineStats& start,
-                        const chunks::EngineStats& end, bool host_mode);
+
+// plan: auto's decision on a plan it made (see the file comment): the plan's simulated steady
+// iteration against the reactive engine's on the same trace, homes and start state (the engine
+// policy's own moves as the planner scored them: Plan::FindBaseline("engine")), on the
+// objective's bytes (into the device; to and from NVMe in host mode) and on stall — the bar the
+// planner ranks its candidates by. Beside them, what the engine measured over the recorded
+// iteration (reported; the bar only where the simulator could not run the engine policy).
+struct PlanDecision {
+  bool judged = false;   // a plan was made and the bar applied (auto, not on CUDA, ...)
+  bool adopted = false;  // it runs
+  std::string reason;    // why it was declined, "" when adopted
+  Bytes plan_bytes = 0;  // simulated, per steady iteration
+  uint64_t plan_stall_ns = 0;
+  bool engine_simulated = false;  // the engine policy ran the trace in the simulator
+  Bytes engine_bytes = 0;         // simulated, per steady iteration (engine_simulated)
+  uint64_t engine_stall_ns = 0;
+  bool measured = false;            // the recorded iteration was measured
+  Bytes engine_measured_bytes = 0;  // the engine's counters over it (measured)
+};
+// Judges `plan` (`measured`: the engine's objective bytes over the recorded iteration, nullptr
+// when not measured). Adopts when the simulated engine exists and the plan moves no more bytes
+// and stalls no longer than it (ties adopt); without it, when the plan moves no more than the
+// measured bytes (or nothing was measured).
+PlanDecision DecidePlan(const planners::Plan& plan, bool host_mode, const Bytes* measured);
 
 class PlanRunner {
  public:
@@ -130,17 +153,22 @@ class PlanRunner {
     chunks::Engine* engine = nullptr;  // homes, residency, budgets; must outlive the runner
     ActivationMode activations = ActivationMode::kOutside;  // config `activations`
     bool cuda = false;  // least modelled time on CUDA, fewest bytes elsewhere
-    bool bar = true;    // plan: auto declines a plan that loses bytes (always: no)
+    bool bar = true;    // plan: auto declines a plan that loses to the engine (always: no)
+    // The engine's lookahead (EngineConfig), which the planner's engine baseline mimics.
+    uint32_t engine_prefetch_depth = 4;
+    planners::EngineLookahead engine_lookahead = planners::EngineLookahead::kDepth;
     // Session::compute_tier_holds_every_chunk(): nothing moves but for counted activations.
     bool compute_tier_holds_every_chunk = false;
   };
   // Makes a plan from iteration `iteration` of `trace` (-1: its last) and executes it from
   // the next BeginIteration (Start). kInvalidArgument for a trace of another layout; the
-  // planner's errors otherwise (nothing changes then). With `reactive_end` (the engine's
-  // stats at the end of the recorded iteration, which began at measure_start_) a plan that
-  // moves more bytes than the engine did is declined (see the file comment; OK).
+  // planner's errors otherwise (nothing changes then). With `judge` (plan: auto at a boundary)
+  // and ctx.bar, a plan that loses to the engine is declined (DecidePlan, see the file
+  // comment; OK); `reactive_end`, the engine's stats at the end of the recorded iteration
+  // (which began at measure_start_; nullptr: not measured, e.g. the user's own recording),
+  // gives the measured bytes beside the simulated ones.
   Status ExecuteFrom(const planners::Trace& trace, int64_t iteration, const PlanContext& ctx,
-                     const chunks::EngineStats* reactive_end = nullptr);
+                     bool judge = false, const chunks::EngineStats* reactive_end = nullptr);
   // plan: auto at an iteration boundary (`diverged`: the iteration that ended left its plan).
   // Plans from a recording `trace` completed (TraceRecorder::TakeTrace) when no plan executes
   // or the last one diverged. True when the session should record the iteration beginning
@@ -149,8 +177,11 @@ class PlanRunner {
   // Why planning stopped ("" if it did not).
   const std::string& error() const { return error_; }
   // Why plan: auto kept the reactive engine although it could plan ("" if it did not): the
-  // plan's modelled bytes against the engine's measured ones.
+  // plan's simulated bytes and stall against the engine's (decision()), or the iterations
+  // leaving their plans.
   const std::string& declined() const { return declined_; }
+  // plan: auto's last decision on a plan it made (judged false: none judged).
+  const PlanDecision& decision() const { return decision_; }
   // The plan executing (or the last one): its estimate and its actions per iteration.
   const planners::PlanEstimate& estimate() const { return estimate_; }
   uint32_t actions() const { return actions_; }
@@ -181,6 +212,7 @@ class PlanRunner {
   uint64_t train_iterations_ = 0;  // boundaries seen (AtBoundary calls)
   std::string error_;
   std::string declined_;
+  PlanDecision decision_;
   // The engine's bytes moved when the in-memory recording began (AtBoundary returned true),
   // so that the recorded iteration's reactive bytes are known when its trace comes back.
   bool measuring_ = false;

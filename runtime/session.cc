@@ -740,6 +740,10 @@ PlanRunner::PlanContext Session::RunnerContext() const {
   ctx.cuda = cuda();
   ctx.bar = DeclinesCostlierPlans(config_.plan);  // kAlways: the plan runs whatever its bytes
   ctx.compute_tier_holds_every_chunk = compute_tier_holds_every_chunk();
+  ctx.engine_prefetch_depth = static_cast<uint32_t>(std::max(0, config_.prefetch_depth));
+  ctx.engine_lookahead = config_.prefetch_lookahead == PrefetchLookahead::kRoom
+                             ? planners::EngineLookahead::kRoom
+                             : planners::EngineLookahead::kDepth;
   return ctx;
 }
 
@@ -756,6 +760,7 @@ PlanStatus Session::plan_status() const {
   s.actions = runner_.actions();
   s.error = runner_.error();
   s.declined = runner_.declined();
+  s.decision = runner_.decision();
   return s;
 }
 

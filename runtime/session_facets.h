@@ -72,6 +72,7 @@ struct PlanStatus {
   uint32_t actions = 0;             // of that plan, per iteration
   std::string error;                // why planning stopped, "" if it did not
   std::string declined;             // why plan: auto kept the reactive engine, "" if not
+  PlanDecision decision;            // plan: auto's bar on the last plan it judged
 };
 
 // Chunk access (the bindings' views of chunk memory).

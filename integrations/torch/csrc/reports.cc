@@ -173,6 +173,20 @@ py::dict StatsDict(const session::Session& session) {
   plan["last_divergence"] = ps.runner.last_divergence;
   plan["error"] = ps.error;
   plan["declined"] = ps.declined;
+  // plan: auto's bar on the plan it judged (runtime/plan_runner.h, PlanDecision).
+  const session::PlanDecision& dec = ps.decision;
+  py::dict decision;
+  decision["judged"] = dec.judged;
+  decision["adopted"] = dec.adopted;
+  decision["reason"] = dec.reason;
+  decision["plan_bytes"] = dec.plan_bytes;
+  decision["plan_stall_ns"] = dec.plan_stall_ns;
+  decision["engine_simulated"] = dec.engine_simulated;
+  decision["engine_bytes"] = dec.engine_bytes;
+  decision["engine_stall_ns"] = dec.engine_stall_ns;
+  decision["measured"] = dec.measured;
+  decision["engine_measured_bytes"] = dec.engine_measured_bytes;
+  plan["decision"] = decision;
   plan["actions"] = ps.actions;
   plan["predicted_iteration_ns"] = ps.estimate.steady_iteration_ns;
   plan["predicted_stall_ns"] = ps.estimate.steady_stall_ns;

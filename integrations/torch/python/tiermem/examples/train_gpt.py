@@ -120,7 +120,25 @@ def plan_line(mode, p) -> str:
             f"iterations, {p['followed_iterations']} followed to the end, "
             f"{p['divergences']} diverged; {p['prefetches']} planned prefetches, "
             f"{p['evictions']} planned evictions ({p['deferred']} deferred for room); "
-            f"predicted per iteration: {predicted_bytes(p)}")
+            f"predicted per iteration: {predicted_bytes(p)}{decision_note(p)}")
+
+
+def decision_note(p) -> str:
+    """plan: auto's bar on the plan, as it judged it (stats()['plan']['decision']): the plan's
+    simulated bytes and stall per iteration against the engine's moves simulated on the same
+    trace, and what the engine measured over the recorded iteration ("" when not judged)."""
+    d = p.get("decision") or {}
+    if not d.get("judged"):
+        return ""
+    mib = 2 ** 20
+    verdict = "adopted" if d["adopted"] else "declined"
+    engine = (f"the engine's {d['engine_bytes'] / mib:.1f} MiB / "
+              f"{d['engine_stall_ns'] / 1e6:.1f} ms stall" if d["engine_simulated"]
+              else "no simulated engine")
+    measured = (f"; the engine measured {d['engine_measured_bytes'] / mib:.1f} MiB over the "
+                f"recorded step" if d["measured"] else "")
+    return (f"; auto {verdict} it: {d['plan_bytes'] / mib:.1f} MiB / "
+            f"{d['plan_stall_ns'] / 1e6:.1f} ms stall (simulated) against {engine}{measured}")
 
 
 def predicted_bytes(p) -> str:
