@@ -5,6 +5,8 @@
 #include "runtime/layout.h"
 
 #include <algorithm>
+#include <map>
+#include <set>
 
 #include "base/logging.h"
 #include "runtime/host_floor.h"
@@ -132,7 +134,10 @@ StatusOr<std::optional<HostSizing>> SizeForHost(const SessionConfig& config,
   in.trainable = any_trainable;
   in.nvme = config.nvme_size > 0;
   in.host_reserve = config.host_reserve;
-  for (const TensorSpec& t : tensors) in.frozen.push_back(!t.trainable);
+  for (const TensorSpec& t : tensors) {
+    in.frozen.push_back(!t.trainable);
+    in.units.push_back(t.unit);
+  }
   TIERMEM_ASSIGN_OR_RETURN(const HostSizing hs, SizeHostChunks(packed, in, config.host_budget));
   if (hs.compute_room > 0 && hs.need() > config.host_budget) {
     TIERMEM_ASSIGN_OR_RETURN(const Bytes enough, SufficientHostBudget(packed, in));
@@ -344,6 +349,13 @@ void Finish(Layout& l) {
     l.model_bytes += t.numel * (t.trainable ? esize * 2 : esize) + (t.trainable ? m_and_v : 0) +
                      (l.mixed() ? t.numel * 4 : 0);
   }
+  std::vector<std::vector<Piece>> pieces;
+  std::vector<int> units;
+  for (size_t i = 0; i < l.specs.size(); ++i) {
+    pieces.push_back(l.tensors[i].pieces);
+    units.push_back(l.specs[i].unit);
+  }
+  l.max_unit_groups = UnitGroups(pieces, units);
   l.expert_group.assign(l.groups.size(), 0);
   for (size_t g = 0; g < l.groups.size(); ++g) {
     const ChunkGroup& grp = l.groups[g];
@@ -416,7 +428,8 @@ HostRoom HostRoomFor(const Layout& layout, const SessionConfig& config) {
   // Host mode with split tensors: also the chunk of a piece being copied into a compute copy
   // (one at a time), and the compute copies are left out of the host tier (host_floor.h).
   const Bytes reserve_chunks =
-      host ? static_cast<Bytes>(HostReserveChunks(layout.any_trainable)) + layout.host_pinned_chunks
+      host ? static_cast<Bytes>(HostReserveChunks(layout.any_trainable, layout.max_unit_groups)) +
+                 layout.host_pinned_chunks
            : (layout.any_trainable ? kStepGroupChunks : kServingReadChunks);
   room.compute_room = layout.host_compute_room;
   room.host_reserve =
@@ -436,6 +449,16 @@ HostRoom HostRoomFor(const Layout& layout, const SessionConfig& config) {
   room.host_prefault =
       config.nvme_size > 0 && layout.model_bytes > config.host_budget ? config.host_budget : 0;
   return room;
+}
+
+size_t UnitGroups(const std::vector<std::vector<Piece>>& pieces, const std::vector<int>& units) {
+  std::map<int, std::set<uint32_t>> groups;  // unit -> the groups its whole tensors are in
+  for (size_t i = 0; i < pieces.size() && i < units.size(); ++i) {
+    if (units[i] >= 0 && pieces[i].size() == 1) groups[units[i]].insert(pieces[i].front().group);
+  }
+  size_t most = 0;
+  for (const auto& [unit, gs] : groups) most = std::max(most, gs.size());
+  return most;
 }
 
 }  // namespace tiermem::session

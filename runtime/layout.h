@@ -59,6 +59,10 @@ struct TensorSpec {
   // that expert's.
   int expert_set = -1;
   int expert = -1;
+  // The unit (the binding's: module subtree materialized together) that computes with it, -1
+  // when not given. Serving in host mode with NVMe keeps host room for the most chunk groups one
+  // unit pins at once (UnitGroups).
+  int unit = -1;
 };
 
 // Where a tensor lives: one piece (the same element offset in every chunk of its group), or
@@ -125,6 +129,9 @@ struct Layout {
   // otherwise.
   uint64_t host_pinned_chunks = 0;
   Bytes host_compute_room = 0;
+  // The most chunk groups the whole (unsplit) tensors of one unit span (TensorSpec::unit): what
+  // the unit pins at once; a split tensor's pieces are pinned one at a time. 0: no units given.
+  size_t max_unit_groups = 0;
   // By group: 1 when every piece it holds is an expert's (a served MoE homes these last).
   std::vector<uint8_t> expert_group;
 
@@ -176,7 +183,8 @@ struct HostRoom {
 //     optimizer step holds them on the host); serving (nothing trains), kServingReadChunks
 //     for value reads;
 //   - host mode computes on host copies too: the chunks a unit computes with (training: the
-//     step's group, kStepGroupChunks; serving: kMinResidentChunks, as the device minimum) and
+//     step's group, kStepGroupChunks; serving: kMinResidentChunks, as the device minimum, or
+//     the largest unit's groups when more, Layout::max_unit_groups) and
 //     kPrefetchedChunks prefetched after them (host_floor.h's HostReserveChunks), and with
 //     split tensors the chunk of a piece being copied (host_pinned_chunks); its compute
 //     copies are left out of the host tier (compute_room).
@@ -188,5 +196,10 @@ inline constexpr Bytes kServingReadChunks = 1;
 inline constexpr Bytes kPrefetchedChunks = 2;
 inline constexpr Bytes kHostPage = 4096;
 HostRoom HostRoomFor(const Layout& layout, const SessionConfig& config);
+
+// The most chunk groups the whole (one-piece) tensors of one unit span: `pieces` per tensor
+// (as Layout::tensors' or chunks::PieceLayout's), `units` per tensor (-1: none). 0 when no tensor
+// has a unit.
+size_t UnitGroups(const std::vector<std::vector<Piece>>& pieces, const std::vector<int>& units);
 
 }  // namespace tiermem::session

@@ -42,13 +42,13 @@ void BindLayoutRecords(py::module_& m) {
   using session::TensorSpec;
   py::class_<TensorSpec>(m, "TensorSpec")
       .def(py::init([](std::string name, uint64_t numel, bool trainable, int opt_group,
-                       std::vector<int64_t> shape, int expert_set, int expert) {
+                       std::vector<int64_t> shape, int expert_set, int expert, int unit) {
              return TensorSpec{std::move(name),  numel,      trainable, opt_group,
-                               std::move(shape), expert_set, expert};
+                               std::move(shape), expert_set, expert,    unit};
            }),
            py::arg("name"), py::arg("numel"), py::arg("trainable"), py::arg("opt_group"),
            py::arg("shape") = std::vector<int64_t>{}, py::arg("expert_set") = -1,
-           py::arg("expert") = -1)
+           py::arg("expert") = -1, py::arg("unit") = -1)
       .def_readonly("name", &TensorSpec::name)
       .def_readonly("numel", &TensorSpec::numel)
       .def_readonly("trainable", &TensorSpec::trainable)
@@ -56,9 +56,11 @@ void BindLayoutRecords(py::module_& m) {
       .def_readonly("shape", &TensorSpec::shape)
       .def_readonly("expert_set", &TensorSpec::expert_set)
       .def_readonly("expert", &TensorSpec::expert)
+      .def_readonly("unit", &TensorSpec::unit)
       .def("__repr__", [](const TensorSpec& t) {
-        return Repr("TensorSpec", t,
-                    {"name", "numel", "trainable", "opt_group", "shape", "expert_set", "expert"});
+        return Repr(
+            "TensorSpec", t,
+            {"name", "numel", "trainable", "opt_group", "shape", "expert_set", "expert", "unit"});
       });
   using chunks::Piece;
   py::class_<Piece>(m, "Piece")
