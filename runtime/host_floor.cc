@@ -33,14 +33,15 @@ StatusOr<uint64_t> ShareChunk(const std::vector<chunks::PackTensor>& tensors,
   return choice->chunk_elems;
 }
 
-// The chunk groups the largest unit pins at `chunk_elems` (serving with units given; else 0):
-// the tensors packed as the layout packs them when nothing trains (one subset, in order).
+// The most chunk groups one unit pins at `chunk_elems` (serving with units given; else 0):
+// the tensors packed as the layout packs them when nothing trains (one subset, in order, not
+// in a compressed state format).
 StatusOr<size_t> ServedUnitGroups(const std::vector<chunks::PackTensor>& tensors,
                                   const HostSizingInputs& in, uint64_t chunk_elems) {
   if (in.trainable || in.units.empty()) return size_t{0};
   TIERMEM_ASSIGN_OR_RETURN(const chunks::PieceLayout packed,
-                           chunks::PackPieces(tensors, chunk_elems, in.align_elems));
-  return UnitGroups(packed.pieces, in.units);
+                           chunks::PackPieces(tensors, chunk_elems, chunks::kAlignElems));
+  return MostPinGroups(UnitsOf(in.units, {}, packed.pieces));
 }
 
 StatusOr<Bytes> Reserve(const std::vector<chunks::PackTensor>& tensors, const HostSizingInputs& in,
@@ -98,8 +99,9 @@ StatusOr<Bytes> SufficientHostBudget(const std::vector<chunks::PackTensor>& tens
     TIERMEM_ASSIGN_OR_RETURN(const HostSizing s, SizeHostChunks(tensors, in, budget));
     return s.need() <= budget;
   };
-  // Raised by MiBs to what it needs there until it holds (the chunk size follows the budget).
-  Bytes refused = 0, budget = kMiB;
+  // Raised by MiBs to what it needs there until it holds (the chunk size follows the budget),
+  // from a page: a small model's floor is below a MiB.
+  Bytes refused = 0, budget = kPage;
   for (int i = 0; i < kMaxRaises; ++i) {
     TIERMEM_ASSIGN_OR_RETURN(const HostSizing s, SizeHostChunks(tensors, in, budget));
     if (s.need() <= budget) break;

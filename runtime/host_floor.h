@@ -63,9 +63,9 @@ struct HostSizingInputs {
   // Per tensor (index-parallel with the tensors; empty: none): frozen tensors have no
   // gradient, so a frozen split tensor's compute room is its copy alone.
   std::vector<bool> frozen;
-  // Per tensor, its unit (TensorSpec::unit; empty: none): serving sizes its room by the
-  // largest unit's chunk groups at the chunk size chosen (UnitGroups).
-  std::vector<int> units;
+  // Per tensor, its units (TensorSpec::units; empty: none): serving sizes its room by the most
+  // chunk groups one unit pins at the chunk size chosen (MostPinGroups).
+  std::vector<std::vector<int>> units;
   bool trains(size_t t) const { return trainable && (t >= frozen.size() || !frozen[t]); }
 };
 

@@ -155,17 +155,17 @@ class _StateDictSizeCheck:
 
 
 def _units_of(units, params) -> dict:
-    """Tensor index -> the first unit whose modules hold it (TensorSpec.unit: the session sizes
-    a served model's host room by the largest unit's chunk groups)."""
-    module_unit = {}
+    """Tensor index -> the units whose modules hold it, ascending (TensorSpec.units: the session
+    reads what each unit computes with from them, for the serving minimum and the host room)."""
+    module_units: dict[int, set] = {}
     for i, u in enumerate(units):
         for _, m in unit_modules(u):
-            module_unit.setdefault(id(m), i)
+            module_units.setdefault(id(m), set()).add(i)
     out = {}
     for r in params:
-        found = [module_unit[id(m)] for m, _ in r.slots if id(m) in module_unit]
+        found = {i for m, _ in r.slots for i in module_units.get(id(m), ())}
         if found:
-            out[r.index] = min(found)
+            out[r.index] = sorted(found)
     return out
 
 
@@ -245,7 +245,7 @@ class TiermemRuntime:
         specs = [_C.TensorSpec(name=r.name, numel=r.numel, trainable=r.trainable,
                                opt_group=r.opt_group, shape=list(r.shape),
                                expert_set=r.expert_set, expert=r.expert,
-                               unit=unit_of.get(r.index, -1)) for r in self.params]
+                               units=unit_of.get(r.index, [])) for r in self.params]
         if pg is not None and self._serving:
             raise ValueError("tiermem.inference: serving is not sharded across ranks (run one "
                              "model per process, without a process group)")
