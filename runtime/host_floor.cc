@@ -33,16 +33,33 @@ StatusOr<uint64_t> ShareChunk(const std::vector<chunks::PackTensor>& tensors,
   return choice->chunk_elems;
 }
 
-Bytes Reserve(const HostSizingInputs& in, uint64_t chunk_elems) {
-  if (!in.nvme) return 0;
-  return static_cast<Bytes>(HostReserveChunks(in.trainable)) * AlignUp(chunk_elems * 4, kPage) +
+// The most chunk groups one unit pins at `chunk_elems` (serving with units given; else 0):
+// the tensors packed as the layout packs them when nothing trains (one subset, in order, not
+// in a compressed state format).
+StatusOr<size_t> ServedUnitGroups(const std::vector<chunks::PackTensor>& tensors,
+                                  const HostSizingInputs& in, uint64_t chunk_elems) {
+  if (in.trainable || in.units.empty()) return size_t{0};
+  TIERMEM_ASSIGN_OR_RETURN(const chunks::PieceLayout packed,
+                           chunks::PackPieces(tensors, chunk_elems, chunks::kAlignElems));
+  return MostPinGroups(UnitsOf(in.units, {}, packed.pieces));
+}
+
+StatusOr<Bytes> Reserve(const std::vector<chunks::PackTensor>& tensors, const HostSizingInputs& in,
+                        uint64_t chunk_elems) {
+  if (!in.nvme) return Bytes{0};
+  TIERMEM_ASSIGN_OR_RETURN(const size_t unit_groups, ServedUnitGroups(tensors, in, chunk_elems));
+  return static_cast<Bytes>(HostReserveChunks(in.trainable, unit_groups)) *
+             AlignUp(chunk_elems * 4, kPage) +
          in.host_reserve;
 }
 
 }  // namespace
 
-int HostReserveChunks(bool trainable) {
-  return static_cast<int>((trainable ? kStepGroupChunks : kMinResidentChunks) + kPrefetchedChunks);
+int HostReserveChunks(bool trainable, size_t unit_groups) {
+  const Bytes in_use = trainable
+                           ? kStepGroupChunks
+                           : std::max<Bytes>(static_cast<Bytes>(kMinResidentChunks), unit_groups);
+  return static_cast<int>(in_use + kPrefetchedChunks);
 }
 
 StatusOr<HostSizing> SizeHostChunks(const std::vector<chunks::PackTensor>& tensors,
@@ -51,12 +68,12 @@ StatusOr<HostSizing> SizeHostChunks(const std::vector<chunks::PackTensor>& tenso
   for (chunks::PackTensor& t : whole) t.rows = 1;
   HostSizing s;
   TIERMEM_ASSIGN_OR_RETURN(s.chunk_elems, ShareChunk(whole, in, host_budget));
-  s.reserve = Reserve(in, s.chunk_elems);
+  TIERMEM_ASSIGN_OR_RETURN(s.reserve, Reserve(whole, in, s.chunk_elems));
   if (s.reserve <= host_budget) return s;
   // Whole tensors do not fit: split those larger than a chunk of the share.
   s.split = true;
   TIERMEM_ASSIGN_OR_RETURN(s.chunk_elems, ShareChunk(tensors, in, host_budget));
-  s.reserve = Reserve(in, s.chunk_elems);
+  TIERMEM_ASSIGN_OR_RETURN(s.reserve, Reserve(tensors, in, s.chunk_elems));
   // The split tensor whose copies take the most: a frozen one has no gradient.
   for (size_t i = 0; i < tensors.size(); ++i) {
     if (tensors[i].numel <= s.chunk_elems) continue;
@@ -82,8 +99,9 @@ StatusOr<Bytes> SufficientHostBudget(const std::vector<chunks::PackTensor>& tens
     TIERMEM_ASSIGN_OR_RETURN(const HostSizing s, SizeHostChunks(tensors, in, budget));
     return s.need() <= budget;
   };
-  // Raised by MiBs to what it needs there until it holds (the chunk size follows the budget).
-  Bytes refused = 0, budget = kMiB;
+  // Raised by MiBs to what it needs there until it holds (the chunk size follows the budget),
+  // from a page: a small model's floor is below a MiB.
+  Bytes refused = 0, budget = kPage;
   for (int i = 0; i < kMaxRaises; ++i) {
     TIERMEM_ASSIGN_OR_RETURN(const HostSizing s, SizeHostChunks(tensors, in, budget));
     if (s.need() <= budget) break;
@@ -111,7 +129,7 @@ StatusOr<ModelFloors> ComputeModelFloors(const std::vector<chunks::PackTensor>& 
   std::vector<chunks::PackTensor> whole = tensors;
   for (chunks::PackTensor& t : whole) t.rows = 1;
   TIERMEM_ASSIGN_OR_RETURN(const uint64_t whole_chunk, ShareChunk(whole, in, 0));
-  f.host_whole = Reserve(in, whole_chunk);
+  TIERMEM_ASSIGN_OR_RETURN(f.host_whole, Reserve(whole, in, whole_chunk));
   TIERMEM_ASSIGN_OR_RETURN(f.host_sufficient, SufficientHostBudget(tensors, in));
   TIERMEM_ASSIGN_OR_RETURN(f.host_at_sufficient, SizeHostChunks(tensors, in, f.host_sufficient));
   f.device_minimum = chunks::MinimumDeviceBudget(tensors[f.device_row_tensor].row_elems(),
@@ -141,7 +159,8 @@ std::string HostFloorRefusal(Bytes host_budget, const HostSizing& sizing,
          FormatBytes(sizing.pinned_chunks * slot) + " for the chunk of its pieces pinned at a " +
          "time meanwhile, plus " + FormatBytes(sizing.reserve - sizing.pinned_chunks * slot) +
          " of room for the other NVMe-homed chunks in use (" +
-         std::to_string(HostReserveChunks(in.trainable)) + " chunks of " + FormatBytes(slot) +
+         std::to_string((sizing.reserve - sizing.pinned_chunks * slot - in.host_reserve) / slot) +
+         " chunks of " + FormatBytes(slot) +
          (in.host_reserve > 0 ? ", and host_reserve's " + FormatBytes(in.host_reserve) : "") +
          "); the chunk size follows the host budget: a host budget of " + FormatBytes(sufficient) +
          " (" + std::to_string(sufficient) + " bytes) is enough";

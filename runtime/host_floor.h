@@ -47,9 +47,10 @@ inline constexpr uint64_t kSplitPinnedChunks = 1;
 
 // Chunks of host room held for NVMe-homed chunks in use in host mode: one chunk group's
 // optimizer step (kStepGroupChunks: param lowp, param fp32, grad, m, v), or what a served unit
-// computes with (kMinResidentChunks, the device minimum), plus kPrefetchedChunks prefetched
+// computes with (kMinResidentChunks, the device minimum, or `unit_groups` when more: the
+// largest unit's groups, all pinned while it computes), plus kPrefetchedChunks prefetched
 // next (the constants of layout.h, shared with HostRoomFor).
-int HostReserveChunks(bool trainable);
+int HostReserveChunks(bool trainable, size_t unit_groups = 0);
 
 // What host sizing reads. `tensors` as given (rows: their first dimension).
 struct HostSizingInputs {
@@ -62,6 +63,9 @@ struct HostSizingInputs {
   // Per tensor (index-parallel with the tensors; empty: none): frozen tensors have no
   // gradient, so a frozen split tensor's compute room is its copy alone.
   std::vector<bool> frozen;
+  // Per tensor, its units (TensorSpec::units; empty: none): serving sizes its room by the most
+  // chunk groups one unit pins at the chunk size chosen (MostPinGroups).
+  std::vector<std::vector<int>> units;
   bool trains(size_t t) const { return trainable && (t >= frozen.size() || !frozen[t]); }
 };
 

@@ -5,6 +5,8 @@
 #include "runtime/layout.h"
 
 #include <algorithm>
+#include <map>
+#include <set>
 
 #include "base/logging.h"
 #include "runtime/host_floor.h"
@@ -132,7 +134,10 @@ StatusOr<std::optional<HostSizing>> SizeForHost(const SessionConfig& config,
   in.trainable = any_trainable;
   in.nvme = config.nvme_size > 0;
   in.host_reserve = config.host_reserve;
-  for (const TensorSpec& t : tensors) in.frozen.push_back(!t.trainable);
+  for (const TensorSpec& t : tensors) {
+    in.frozen.push_back(!t.trainable);
+    in.units.push_back(t.units);
+  }
   TIERMEM_ASSIGN_OR_RETURN(const HostSizing hs, SizeHostChunks(packed, in, config.host_budget));
   if (hs.compute_room > 0 && hs.need() > config.host_budget) {
     TIERMEM_ASSIGN_OR_RETURN(const Bytes enough, SufficientHostBudget(packed, in));
@@ -344,6 +349,15 @@ void Finish(Layout& l) {
     l.model_bytes += t.numel * (t.trainable ? esize * 2 : esize) + (t.trainable ? m_and_v : 0) +
                      (l.mixed() ? t.numel * 4 : 0);
   }
+  std::vector<std::vector<int>> units;
+  std::vector<int> expert_sets;
+  std::vector<std::vector<Piece>> pieces;
+  for (size_t i = 0; i < l.specs.size(); ++i) {
+    units.push_back(l.specs[i].units);
+    expert_sets.push_back(l.specs[i].expert_set);
+    pieces.push_back(l.tensors[i].pieces);
+  }
+  l.units = UnitsOf(units, expert_sets, pieces);
   l.expert_group.assign(l.groups.size(), 0);
   for (size_t g = 0; g < l.groups.size(); ++g) {
     const ChunkGroup& grp = l.groups[g];
@@ -415,9 +429,11 @@ HostRoom HostRoomFor(const Layout& layout, const SessionConfig& config) {
   room.chunk_bytes = layout.shard_elems * 4;  // the largest (fp32) chunk of a group held here
   // Host mode with split tensors: also the chunk of a piece being copied into a compute copy
   // (one at a time), and the compute copies are left out of the host tier (host_floor.h).
-  const Bytes reserve_chunks =
-      host ? static_cast<Bytes>(HostReserveChunks(layout.any_trainable)) + layout.host_pinned_chunks
-           : (layout.any_trainable ? kStepGroupChunks : kServingReadChunks);
+  const auto in_use =
+      static_cast<Bytes>(HostReserveChunks(layout.any_trainable, MostPinGroups(layout.units)));
+  const Bytes reserve_chunks = host
+                                   ? in_use + layout.host_pinned_chunks
+                                   : (layout.any_trainable ? kStepGroupChunks : kServingReadChunks);
   room.compute_room = layout.host_compute_room;
   room.host_reserve =
       config.nvme_size == 0
@@ -436,6 +452,43 @@ HostRoom HostRoomFor(const Layout& layout, const SessionConfig& config) {
   room.host_prefault =
       config.nvme_size > 0 && layout.model_bytes > config.host_budget ? config.host_budget : 0;
   return room;
+}
+
+std::vector<UnitChunks> UnitsOf(const std::vector<std::vector<int>>& units,
+                                const std::vector<int>& expert_sets,
+                                const std::vector<std::vector<Piece>>& pieces) {
+  // By unit: its groups, pinned groups, and per (expert set, expert) that expert's groups.
+  std::map<int, std::set<uint32_t>> groups, pins;
+  std::map<int, std::map<std::pair<int, int>, std::set<uint32_t>>> experts;
+  int most = -1;
+  for (size_t i = 0; i < units.size() && i < pieces.size(); ++i) {
+    const int set = i < expert_sets.size() ? expert_sets[i] : -1;
+    for (int u : units[i]) {
+      if (u < 0) continue;
+      most = std::max(most, u);
+      for (const Piece& p : pieces[i]) {
+        if (set >= 0) {
+          experts[u][{set, p.expert}].insert(p.group);
+        } else {
+          groups[u].insert(p.group);
+          if (pieces[i].size() == 1) pins[u].insert(p.group);
+        }
+      }
+    }
+  }
+  std::vector<UnitChunks> out(static_cast<size_t>(most + 1));
+  for (auto& [u, gs] : groups) out[u].groups.assign(gs.begin(), gs.end());
+  for (auto& [u, gs] : pins) out[u].pin_groups.assign(gs.begin(), gs.end());
+  for (auto& [u, by_expert] : experts) {
+    for (auto& [key, gs] : by_expert) out[u].experts.emplace_back(gs.begin(), gs.end());
+  }
+  return out;
+}
+
+size_t MostPinGroups(const std::vector<UnitChunks>& units) {
+  size_t most = 0;
+  for (const UnitChunks& u : units) most = std::max(most, u.pin_groups.size());
+  return most;
 }
 
 }  // namespace tiermem::session

@@ -59,7 +59,33 @@ struct TensorSpec {
   // that expert's.
   int expert_set = -1;
   int expert = -1;
+  // The units (the binding's module subtrees materialized together, numbered from 0) that
+  // compute with it: one, or more for a tensor shared by several (tied weights); empty when
+  // not given. The session reads what each unit computes with from them (Layout::units): the
+  // serving minimum, and in host mode with NVMe the host room for the chunk groups one unit
+  // pins at once.
+  std::vector<int> units = {};
 };
+
+// What one unit computes with, from the tensors that name it (TensorSpec::units).
+struct UnitChunks {
+  std::vector<uint32_t> groups;      // of its tensors outside expert sets, ascending, distinct
+  std::vector<uint32_t> pin_groups;  // those of its whole (one-piece) ones: pinned together
+                                     // while it computes (a split tensor's pieces one at a time)
+  // Per expert of its expert sets (expert sets in order, then experts): that expert's groups,
+  // ascending, distinct. An expert computes while its unit's groups are pinned.
+  std::vector<std::vector<uint32_t>> experts;
+};
+
+// The units' chunks, by unit index (up to the largest index named; units no tensor names are
+// empty). Index-parallel inputs, per tensor: `units` (TensorSpec::units), `expert_sets`
+// (TensorSpec::expert_set; empty: none) and `pieces` (Layout::tensors' or
+// chunks::PieceLayout's).
+std::vector<UnitChunks> UnitsOf(const std::vector<std::vector<int>>& units,
+                                const std::vector<int>& expert_sets,
+                                const std::vector<std::vector<chunks::Piece>>& pieces);
+// The most groups one unit pins at once (UnitChunks::pin_groups); 0 with no units.
+size_t MostPinGroups(const std::vector<UnitChunks>& units);
 
 // Where a tensor lives: one piece (the same element offset in every chunk of its group), or
 // several for a tensor larger than a chunk or of an expert set — whole rows of its first
@@ -125,6 +151,8 @@ struct Layout {
   // otherwise.
   uint64_t host_pinned_chunks = 0;
   Bytes host_compute_room = 0;
+  // By unit (TensorSpec::units): what it computes with; empty when no units were given.
+  std::vector<UnitChunks> units;
   // By group: 1 when every piece it holds is an expert's (a served MoE homes these last).
   std::vector<uint8_t> expert_group;
 
@@ -176,7 +204,8 @@ struct HostRoom {
 //     optimizer step holds them on the host); serving (nothing trains), kServingReadChunks
 //     for value reads;
 //   - host mode computes on host copies too: the chunks a unit computes with (training: the
-//     step's group, kStepGroupChunks; serving: kMinResidentChunks, as the device minimum) and
+//     step's group, kStepGroupChunks; serving: kMinResidentChunks, as the device minimum, or
+//     the most groups a unit pins when more, MostPinGroups(Layout::units)) and
 //     kPrefetchedChunks prefetched after them (host_floor.h's HostReserveChunks), and with
 //     split tensors the chunk of a piece being copied (host_pinned_chunks); its compute
 //     copies are left out of the host tier (compute_room).

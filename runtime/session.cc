@@ -239,6 +239,22 @@ StatusOr<Bytes> Session::UnitComputeBytes(const std::vector<size_t>& groups,
   return unit + expert;
 }
 
+Session::UnitNeed Session::ServingMinimum() const {
+  UnitNeed most;
+  auto wide = [](const std::vector<uint32_t>& gs) {
+    return std::vector<size_t>(gs.begin(), gs.end());
+  };
+  for (size_t u = 0; u < layout_.units.size(); ++u) {
+    const UnitChunks& unit = layout_.units[u];
+    std::vector<std::vector<size_t>> experts;
+    for (const std::vector<uint32_t>& e : unit.experts) experts.push_back(wide(e));
+    // The layout's groups exist: UnitComputeBytes cannot refuse them.
+    const Bytes b = UnitComputeBytes(wide(unit.groups), experts).value();
+    if (b > most.bytes) most = {b, static_cast<int>(u)};
+  }
+  return most;
+}
+
 std::string Session::io_backend() const { return stack_ ? stack_->io_backend() : ""; }
 Bytes Session::nvme_registered_bytes() const {
   return stack_ ? stack_->nvme_registered_bytes() : 0;

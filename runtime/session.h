@@ -220,6 +220,14 @@ class Session {
   // group).
   StatusOr<Bytes> UnitComputeBytes(const std::vector<size_t>& groups,
                                    const std::vector<std::vector<size_t>>& experts = {}) const;
+  // Serving: the largest UnitComputeBytes of the units the tensors name (TensorSpec::units;
+  // Layout::units), and which unit it is. A device budget below `bytes` cannot serve: the
+  // unit's chunks are pinned together while it computes. {0, -1} when no units were given.
+  struct UnitNeed {
+    Bytes bytes = 0;
+    int unit = -1;
+  };
+  UnitNeed ServingMinimum() const;
   std::string io_backend() const;  // "io_uring", "posix"; "" without NVMe (TierStack)
   // Host bytes registered with the NVMe tier as io_uring fixed buffers (TierStack).
   Bytes nvme_registered_bytes() const;

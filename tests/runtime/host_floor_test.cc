@@ -77,6 +77,48 @@ TEST(HostFloor, WholeTensorsWhileTheirRoomFits) {
   EXPECT_EQ(s->need(), 0u);
 }
 
+TEST(HostFloor, ServingHoldsRoomForTheMostGroupsOneUnitPins) {
+  EXPECT_EQ(HostReserveChunks(true), 7);    // one step's group (5) and 2 prefetched
+  EXPECT_EQ(HostReserveChunks(true, 9), 7);
+  EXPECT_EQ(HostReserveChunks(false), 6);   // the device minimum (4) and 2 prefetched
+  EXPECT_EQ(HostReserveChunks(false, 3), 6);
+  EXPECT_EQ(HostReserveChunks(false, 7), 9);
+  // A served layer of 7 equal tensors, each a chunk group of its own at the share's chunk size.
+  std::vector<TensorSpec> specs;
+  for (int i = 0; i < 7; ++i) specs.push_back({"w" + std::to_string(i), 1 << 20, false, 0});
+  const auto packed = Packed(specs);
+  HostSizingInputs in;
+  in.per_elem = 4;
+  in.compute_esize = 4;
+  in.align_elems = chunks::kAlignElems;
+  in.trainable = false;
+  in.nvme = true;
+  in.frozen.assign(7, true);
+  StatusOr<HostSizing> bare = SizeHostChunks(packed, in, 128 * kMiB);
+  ASSERT_THAT(bare.status(), IsOk());
+  ASSERT_FALSE(bare->split);
+  const Bytes chunk = AlignUp(bare->chunk_elems * 4, 4096);
+  EXPECT_EQ(bare->reserve, 6 * chunk);
+  in.units.assign(7, std::vector<int>{0});
+  StatusOr<HostSizing> unit = SizeHostChunks(packed, in, 128 * kMiB);
+  ASSERT_THAT(unit.status(), IsOk());
+  EXPECT_EQ(unit->chunk_elems, bare->chunk_elems);
+  EXPECT_EQ(unit->reserve, 9 * chunk);
+  // The floor follows: the budget that is enough holds the 9 chunks at its own chunk size.
+  StatusOr<Bytes> enough = SufficientHostBudget(packed, in);
+  ASSERT_THAT(enough.status(), IsOk());
+  StatusOr<HostSizing> at = SizeHostChunks(packed, in, *enough);
+  ASSERT_THAT(at.status(), IsOk());
+  EXPECT_LE(at->need(), *enough);
+  StatusOr<HostSizing> below = SizeHostChunks(packed, in, *enough - 1);
+  ASSERT_THAT(below.status(), IsOk());
+  EXPECT_GT(below->need(), *enough - 1);
+  in.units.clear();
+  StatusOr<Bytes> bare_enough = SufficientHostBudget(packed, in);
+  ASSERT_THAT(bare_enough.status(), IsOk());
+  EXPECT_LT(*bare_enough, *enough);
+}
+
 TEST(HostFloor, SplitsBelowTheWholeFloorAndCountsTheCopies) {
   const auto packed = Packed(Vocab32k());
   const HostSizingInputs in = Fp32Training();

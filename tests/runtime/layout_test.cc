@@ -254,5 +254,68 @@ TEST(Layout, AServedMixtureOfExpertsHomesItsDenseGroupsFirst) {
   EXPECT_EQ(HostRoomFor(*t, c).host_homes_first, 0u);
 }
 
+TEST(Layout, EachUnitsGroupsComeFromTheTensorsThatNameIt) {
+  SessionConfig c = Sim();
+  c.chunk_size = 1000;
+  const std::vector<TensorSpec> specs = {
+      {"tied", 900, false, 0, {}, -1, -1, {0, 1}},          // g0, in both units
+      {"b", 900, false, 0, {}, -1, -1, {0}},                // g1
+      {"big", 2000, false, 0, {4, 500}, -1, -1, {1}},       // split: g2, g3
+      {"none", 900, false, 0},                              // g4, no unit
+      {"e0", 900, false, 0, {}, 0, 0, {1}},                 // expert 0: g5
+      {"e1", 1800, false, 0, {2, 900}, 0, 1, {1}},          // expert 1: g6, g7
+  };
+  auto l = LayOut(c, specs, {});
+  ASSERT_TRUE(l.ok()) << l.status().ToString();
+  ASSERT_EQ(l->groups.size(), 8u);
+  ASSERT_EQ(l->units.size(), 2u);
+  EXPECT_EQ(l->units[0].groups, (std::vector<uint32_t>{0, 1}));
+  EXPECT_EQ(l->units[0].pin_groups, (std::vector<uint32_t>{0, 1}));
+  EXPECT_TRUE(l->units[0].experts.empty());
+  // A split tensor's groups are the unit's, but its pieces are pinned one at a time.
+  EXPECT_EQ(l->units[1].groups, (std::vector<uint32_t>{0, 2, 3}));
+  EXPECT_EQ(l->units[1].pin_groups, (std::vector<uint32_t>{0}));
+  EXPECT_EQ(l->units[1].experts, (std::vector<std::vector<uint32_t>>{{5}, {6, 7}}));
+  EXPECT_EQ(MostPinGroups(l->units), 2u);
+  // No units named: none.
+  std::vector<TensorSpec> bare = specs;
+  for (TensorSpec& t : bare) t.units.clear();
+  auto b = LayOut(c, bare, {});
+  ASSERT_TRUE(b.ok());
+  EXPECT_TRUE(b->units.empty());
+  EXPECT_EQ(MostPinGroups(b->units), 0u);
+}
+
+TEST(Layout, ServingInHostModeKeepsRoomForTheMostGroupsOneUnitPins) {
+  SessionConfig c = Sim();
+  c.device_kind = DeviceKind::kHost;
+  c.chunk_size = 1000;  // fp32 chunks of 4000 bytes: 4096 page-aligned
+  c.nvme_size = kGiB;
+  // A decoder layer of 7 tensors of a chunk each (q, k, v, o, gate, up, down), and a head.
+  std::vector<TensorSpec> serve;
+  for (int i = 0; i < 7; ++i) serve.push_back({"layer." + std::to_string(i), 900, false, 0});
+  serve.push_back({"head", 900, false, 0});
+  auto room = [&](const std::vector<TensorSpec>& specs) {
+    auto l = LayOut(c, specs, {});
+    EXPECT_TRUE(l.ok()) << l.status().ToString();
+    return HostRoomFor(*l, c).host_reserve;
+  };
+  // Without units: the device minimum's chunks and the prefetched ones.
+  EXPECT_EQ(room(serve), (kMinResidentChunks + kPrefetchedChunks) * 4096);
+  for (int i = 0; i < 7; ++i) serve[i].units = {0};
+  serve[7].units = {1};
+  EXPECT_EQ(room(serve), (7 + kPrefetchedChunks) * 4096);
+  // Units of fewer groups than the device minimum keep its room.
+  for (int i = 0; i < 7; ++i) serve[i].units = {i % 2};
+  EXPECT_EQ(room(serve), (kMinResidentChunks + kPrefetchedChunks) * 4096);
+  // Training holds one step's group however large the units.
+  std::vector<TensorSpec> train = serve;
+  for (TensorSpec& t : train) {
+    t.trainable = true;
+    t.units = {0};
+  }
+  EXPECT_EQ(room(train), (kStepGroupChunks + kPrefetchedChunks) * 4096);
+}
+
 }  // namespace
 }  // namespace tiermem::session

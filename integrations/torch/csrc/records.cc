@@ -50,13 +50,14 @@ void BindLayoutRecords(py::module_& m) {
   using session::TensorSpec;
   py::class_<TensorSpec>(m, "TensorSpec")
       .def(py::init([](std::string name, uint64_t numel, bool trainable, int opt_group,
-                       std::vector<int64_t> shape, int expert_set, int expert) {
+                       std::vector<int64_t> shape, int expert_set, int expert,
+                       std::vector<int> units) {
              return TensorSpec{std::move(name),  numel,      trainable, opt_group,
-                               std::move(shape), expert_set, expert};
+                               std::move(shape), expert_set, expert,    std::move(units)};
            }),
            py::arg("name"), py::arg("numel"), py::arg("trainable"), py::arg("opt_group"),
            py::arg("shape") = std::vector<int64_t>{}, py::arg("expert_set") = -1,
-           py::arg("expert") = -1)
+           py::arg("expert") = -1, py::arg("units") = std::vector<int>{})
       .def_readonly("name", &TensorSpec::name)
       .def_readonly("numel", &TensorSpec::numel)
       .def_readonly("trainable", &TensorSpec::trainable)
@@ -64,9 +65,11 @@ void BindLayoutRecords(py::module_& m) {
       .def_readonly("shape", &TensorSpec::shape)
       .def_readonly("expert_set", &TensorSpec::expert_set)
       .def_readonly("expert", &TensorSpec::expert)
+      .def_readonly("units", &TensorSpec::units)
       .def("__repr__", [](const TensorSpec& t) {
-        return Repr("TensorSpec", t,
-                    {"name", "numel", "trainable", "opt_group", "shape", "expert_set", "expert"});
+        return Repr(
+            "TensorSpec", t,
+            {"name", "numel", "trainable", "opt_group", "shape", "expert_set", "expert", "units"});
       });
   using chunks::Piece;
   py::class_<Piece>(m, "Piece")
@@ -93,6 +96,13 @@ void BindLayoutRecords(py::module_& m) {
       .def_readonly("pieces", &ChunkGroup::pieces)
       .def("__repr__", [](const ChunkGroup& g) {
         return Repr("ChunkGroup", g, {"trainable", "used_elems", "tensors", "pieces"});
+      });
+  using UnitNeed = session::Session::UnitNeed;
+  py::class_<UnitNeed>(m, "UnitNeed")
+      .def_readonly("bytes", &UnitNeed::bytes)
+      .def_readonly("unit", &UnitNeed::unit)
+      .def("__repr__", [](const UnitNeed& n) {
+        return Repr("UnitNeed", n, {"bytes", "unit"});
       });
 }
 

@@ -235,13 +235,8 @@ void BindLayout(py::class_<PySession>& c) {
             return s.s().RecentFullChunks(unit_groups);
           },
           py::arg("unit_groups"))
-      .def(
-          "unit_compute_bytes",
-          [](const PySession& s, const std::vector<size_t>& groups,
-             const std::vector<std::vector<size_t>>& experts) {
-            return Check(s.s().UnitComputeBytes(groups, experts));
-          },
-          py::arg("groups"), py::arg("experts") = std::vector<std::vector<size_t>>{})
+      .def_property_readonly("serving_minimum",
+                             [](const PySession& s) { return s.s().ServingMinimum(); })
       .def_property_readonly("host_compute",
                              [](const PySession& s) { return s.s().host_compute(); })
       .def_property_readonly("compute_tier",

@@ -87,7 +87,7 @@ from .recompute import Recompute
 from .saved import SavedTensors
 from .shared import _K, Modes, _Param, _Piece, RunState
 from .tensor import ChunkTensor
-from .units import find_units
+from .units import find_units, unit_modules
 from .weights import LoadPlan
 
 # Importable from here as before (serve.py, tests): the forward wrappers, the tree helpers.
@@ -152,6 +152,21 @@ class _StateDictSizeCheck:
 
     def __reduce__(self):
         return (_no_state_dict_hook_factory, ())
+
+
+def _units_of(units, params) -> dict:
+    """Tensor index -> the units whose modules hold it, ascending (TensorSpec.units: the session
+    reads what each unit computes with from them, for the serving minimum and the host room)."""
+    module_units: dict[int, set] = {}
+    for i, u in enumerate(units):
+        for _, m in unit_modules(u):
+            module_units.setdefault(id(m), set()).add(i)
+    out = {}
+    for r in params:
+        found = {i for m, _ in r.slots for i in module_units.get(id(m), ())}
+        if found:
+            out[r.index] = sorted(found)
+    return out
 
 
 class _ClosedPart:
@@ -226,9 +241,11 @@ class TiermemRuntime:
         pg = distributed.process_group_for(process_group)
         # Mixture-of-experts layers whose experts move alone (experts.py); not when sharded.
         self.expert_sets = find_expert_sets(model, self.by_orig, bool(experts) and pg is None)
+        unit_of = _units_of(self.units, self.params)
         specs = [_C.TensorSpec(name=r.name, numel=r.numel, trainable=r.trainable,
                                opt_group=r.opt_group, shape=list(r.shape),
-                               expert_set=r.expert_set, expert=r.expert) for r in self.params]
+                               expert_set=r.expert_set, expert=r.expert,
+                               units=unit_of.get(r.index, [])) for r in self.params]
         if pg is not None and self._serving:
             raise ValueError("tiermem.inference: serving is not sharded across ranks (run one "
                              "model per process, without a process group)")

@@ -54,20 +54,16 @@ class ServingRuntime(TiermemRuntime):
         super().__init__(model, cfg, None, units, experts=experts, init=init, weights=weights,
                          strict=strict)
         # Each unit pins all its chunk groups at once, and with them one expert's at a time
-        # (experts.py): the budget must hold the largest (the session's count).
-        need, unit = 0, None
-        for u in self.units:
-            b = self.session.unit_compute_bytes(u.groups,
-                                                [gs for s in u.experts for gs in s.groups])
-            if b > need:
-                need, unit = b, u
-        if not self.session.host_compute and need > cfg.device_budget:
+        # (experts.py): the device budget must hold the largest unit's (the session's answer).
+        need = self.session.serving_minimum
+        if not self.session.host_compute and need.bytes > cfg.device_budget:
+            unit = self.units[need.unit]
             self.abandon()
             raise MemoryError(
                 f"inference: the device budget of {cfg.device_budget} bytes is below the "
-                f"{need} bytes the chunks of unit '{unit.name or type(unit.module).__name__}' "
-                f"need at once; set 'device' to at least {need} bytes (more leaves room for "
-                "prefetch and the KV cache)")
+                f"{need.bytes} bytes the chunks of unit "
+                f"'{unit.name or type(unit.module).__name__}' need at once; set 'device' to at "
+                f"least {need.bytes} bytes (more leaves room for prefetch and the KV cache)")
         if self._weights is not None:
             self._weights.settle()  # set-up succeeded
         self.session.set_cyclic(True)
