@@ -172,3 +172,37 @@ def test_the_floor_is_exact_one_byte_below_is_refused_and_at_it_training_equals_
     assert train(model, opt, data) == ref_losses
     for k, v in ref.state_dict().items():
         assert torch.equal(model.state_dict()[k], v), k
+
+
+def test_tiermem_floor_served_whole_tensor_floor_is_the_sessions_edge(tmp_path):
+    # Serving keeps host room for the most chunk groups one unit pins (runtime/layout.h
+    # UnitsOf): `tiermem floor --serve` gives the tensors the units the Python package makes of a
+    # Llama, so its whole-tensor floor is the budget from which the session keeps every tensor
+    # whole — and one byte below it splits them. (Without the units it printed 1,179,648 bytes
+    # for this shape, where the session splits.)
+    import re
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "tiermem", "floor", "--layers", "2", "--hidden",
+                          "128", "--intermediate", "344", "--vocab", "256", "--heads", "4",
+                          "--kv-heads", "2", "--serve"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    whole = int(re.search(r"tensors kept whole \(before splitting\): .* \((\d+) bytes\)",
+                          out.stdout).group(1))
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=344, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=False)
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = ref(ids).logits
+    for host, split in ((whole, False), (whole - 1, True)):
+        model = tiermem.inference(copy.deepcopy(ref), {
+            "device_kind": "host", "host": host,
+            "nvme": {"size": "64MiB", "path": str(tmp_path / f"nvme-{host}")}})
+        assert any(r.split for r in tiermem.runtime_of(model).params) == split, host
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, want, rtol=0, atol=0)
+        tiermem.close(model)

@@ -11,6 +11,7 @@
 #include "base/units.h"
 #include "layout/chunk_layout.h"
 #include "runtime/host_floor.h"
+#include "runtime/layout.h"
 #include "tools/commands.h"
 
 namespace tiermem::tools {
@@ -24,33 +25,50 @@ struct LlamaShape {
 struct Named {
   std::string name;
   int64_t rows = 0, cols = 1;  // cols 1: a vector
+  std::vector<int> units;      // the units computing with it, as the Python package finds them
 };
 
-// LlamaForCausalLM's parameters in named_parameters() order.
+// LlamaForCausalLM's parameters in named_parameters() order, with the units the Python package
+// makes of it (units.py): the embedding 0, decoder layer l l + 1, the final norm L + 1 and the
+// head L + 2 (a tied head computes with the embedding's weight: both units name it).
 std::vector<Named> LlamaTensors(const LlamaShape& s) {
   const int64_t head_dim = s.hidden / s.heads;
   const int64_t kv = s.kv_heads * head_dim;
-  std::vector<Named> t = {{"model.embed_tokens.weight", s.vocab, s.hidden}};
-  for (int64_t l = 0; l < s.layers; ++l) {
+  const int layers = static_cast<int>(s.layers);
+  const int head_unit = layers + 2;
+  std::vector<Named> t = {{"model.embed_tokens.weight", s.vocab, s.hidden, {0}}};
+  if (s.tied) t[0].units.push_back(head_unit);
+  for (int l = 0; l < layers; ++l) {
     const std::string p = "model.layers." + std::to_string(l) + ".";
-    t.push_back({p + "self_attn.q_proj.weight", s.hidden, s.hidden});
-    t.push_back({p + "self_attn.k_proj.weight", kv, s.hidden});
-    t.push_back({p + "self_attn.v_proj.weight", kv, s.hidden});
-    t.push_back({p + "self_attn.o_proj.weight", s.hidden, s.hidden});
-    t.push_back({p + "mlp.gate_proj.weight", s.intermediate, s.hidden});
-    t.push_back({p + "mlp.up_proj.weight", s.intermediate, s.hidden});
-    t.push_back({p + "mlp.down_proj.weight", s.hidden, s.intermediate});
-    t.push_back({p + "input_layernorm.weight", s.hidden});
-    t.push_back({p + "post_attention_layernorm.weight", s.hidden});
+    const std::vector<int> u = {l + 1};
+    t.push_back({p + "self_attn.q_proj.weight", s.hidden, s.hidden, u});
+    t.push_back({p + "self_attn.k_proj.weight", kv, s.hidden, u});
+    t.push_back({p + "self_attn.v_proj.weight", kv, s.hidden, u});
+    t.push_back({p + "self_attn.o_proj.weight", s.hidden, s.hidden, u});
+    t.push_back({p + "mlp.gate_proj.weight", s.intermediate, s.hidden, u});
+    t.push_back({p + "mlp.up_proj.weight", s.intermediate, s.hidden, u});
+    t.push_back({p + "mlp.down_proj.weight", s.hidden, s.intermediate, u});
+    t.push_back({p + "input_layernorm.weight", s.hidden, 1, u});
+    t.push_back({p + "post_attention_layernorm.weight", s.hidden, 1, u});
   }
-  t.push_back({"model.norm.weight", s.hidden});
-  if (!s.tied) t.push_back({"lm_head.weight", s.vocab, s.hidden});
+  t.push_back({"model.norm.weight", s.hidden, 1, {layers + 1}});
+  if (!s.tied) t.push_back({"lm_head.weight", s.vocab, s.hidden, {head_unit}});
   return t;
 }
 
 std::string Shape(const Named& n) {
   return n.cols == 1 ? std::to_string(n.rows)
                      : std::to_string(n.rows) + " x " + std::to_string(n.cols);
+}
+
+// The most chunk groups one unit pins at `chunk_elems` when serving (0 when training: its room
+// does not depend on them), as the session sizes the room.
+StatusOr<size_t> UnitPinGroups(const std::vector<chunks::PackTensor>& packed,
+                               const session::HostSizingInputs& in, uint64_t chunk_elems) {
+  if (in.trainable) return size_t{0};
+  TIERMEM_ASSIGN_OR_RETURN(const chunks::PieceLayout pieces,
+                           chunks::PackPieces(packed, chunk_elems, in.align_elems));
+  return session::MostPinGroups(session::UnitsOf(in.units, {}, pieces.pieces));
 }
 
 std::string Both(Bytes b) { return FormatBytes(b) + " (" + std::to_string(b) + " bytes)"; }
@@ -79,6 +97,7 @@ int Run(const LlamaShape& shape, const std::string& precision, bool serve) {
   in.align_elems = chunks::kAlignElems;
   in.trainable = !serve;
   in.nvme = true;
+  for (const Named& n : named) in.units.push_back(n.units);  // serving's room by unit
   StatusOr<session::ModelFloors> f = session::ComputeModelFloors(packed, in);
   if (!f.ok()) {
     std::cerr << "tiermem floor: " << f.status().ToString() << "\n";
@@ -87,6 +106,11 @@ int Run(const LlamaShape& shape, const std::string& precision, bool serve) {
   uint64_t params = 0;
   for (const chunks::PackTensor& p : packed) params += p.numel;
   const session::HostSizing& hs = f->host_at_sufficient;
+  StatusOr<size_t> unit_groups = UnitPinGroups(packed, in, hs.chunk_elems);
+  if (!unit_groups.ok()) {
+    std::cerr << "tiermem floor: " << unit_groups.status().ToString() << "\n";
+    return 1;
+  }
   std::cout << "model: Llama " << shape.layers << " x " << shape.hidden << ", vocabulary "
             << shape.vocab << ", " << params << " params, " << precision << ", "
             << (serve ? "served" : "trained (AdamW, fp32 state)") << "\n";
@@ -97,7 +121,7 @@ int Run(const LlamaShape& shape, const std::string& precision, bool serve) {
               << ") sets it: " << FormatBytes(hs.compute_room) << " for its compute copies, plus "
               << FormatBytes(hs.reserve) << " of room for chunks in use (" << hs.pinned_chunks
               << " of its pieces, pinned at a time while its copy is assembled, and "
-              << session::HostReserveChunks(in.trainable) << " more, of "
+              << session::HostReserveChunks(in.trainable, *unit_groups) << " more, of "
               << FormatBytes(hs.chunk_elems * 4) << ")";
   }
   std::cout << "\n";
