@@ -156,10 +156,18 @@ StatusOr<int> RunCommand(const RunOptions& o, const std::vector<std::string>& en
   forward.sa_flags = SA_SIGINFO | SA_RESTART;
   sigemptyset(&forward.sa_mask);
   for (size_t i = 0; i < std::size(kForwarded); ++i) sigaction(kForwarded[i], &forward, &old[i]);
+  // The forwarded signals stay blocked from before the fork until g_child names the child: one
+  // that arrives in between (the child can exec and answer before this process runs again) is
+  // held pending and forwarded then, never dropped.
+  sigset_t forwarded, unblocked;
+  sigemptyset(&forwarded);
+  for (int sig : kForwarded) sigaddset(&forwarded, sig);
+  ::sigprocmask(SIG_BLOCK, &forwarded, &unblocked);
 
   const pid_t pid = ::fork();
   if (pid < 0) {
     const int e = errno;
+    ::sigprocmask(SIG_SETMASK, &unblocked, nullptr);
     for (size_t i = 0; i < std::size(kForwarded); ++i) sigaction(kForwarded[i], &old[i], nullptr);
     ::close(err_pipe[0]);
     ::close(err_pipe[1]);
@@ -168,6 +176,7 @@ StatusOr<int> RunCommand(const RunOptions& o, const std::vector<std::string>& en
   if (pid == 0) {
     // Caught signals revert to their default on exec; restore the parent's ignored ones too.
     for (size_t i = 0; i < std::size(kForwarded); ++i) sigaction(kForwarded[i], &old[i], nullptr);
+    ::sigprocmask(SIG_SETMASK, &unblocked, nullptr);  // the command starts with the caller's mask
     ::close(err_pipe[0]);
     ::execvpe(argv[0], argv.data(), envp.data());
     const int e = errno;
@@ -176,6 +185,7 @@ StatusOr<int> RunCommand(const RunOptions& o, const std::vector<std::string>& en
     ::_exit(127);
   }
   g_child = pid;
+  ::sigprocmask(SIG_SETMASK, &unblocked, nullptr);  // a signal held meanwhile is forwarded now
   ::close(err_pipe[1]);
   int exec_errno = 0;
   ssize_t n;
