@@ -51,44 +51,6 @@ std::unique_ptr<Session> MakeFull(const std::string& dir, const char* overlap,
               kSpecs);
 }
 
-// One micro-step as a binding runs it with speculative steps (session_test.cc's SpecIteration):
-// the hyper-parameters announced at the first forward, a forward moment per group, the
-// backward writing each group's gradient (group n-1 first) after its pre-backward moment,
-// then step() with `hyper` and zero_grad.
-struct It {
-  std::vector<GroupHyper> hyper;
-  float grad_scale = 0.003f;
-  bool overflow = false;  // an Inf in group 0's gradient (fp16: the step is skipped)
-  std::function<void(Session&)> between;  // after the backward, before step()
-};
-
-StepResult Iteration(Session& s, int it, const It& o) {
-  using planners::MomentKind;
-  s.iterations().BeginIteration();
-  s.SetStepHyper(o.hyper);
-  const uint32_t n = static_cast<uint32_t>(s.num_groups());
-  for (uint32_t g = 0; g < n; ++g) {
-    EXPECT_THAT(s.optimizer().FinishStep(g), IsOk());
-    s.iterations().Moment("fwd:" + std::to_string(g), MomentKind::kPreForward, g);
-    EXPECT_TRUE(s.chunks().Acquire(g, s.compute_kind(), TierKind::kDevice).ok());
-    EXPECT_THAT(s.chunks().Release(g, s.compute_kind(), false), IsOk());
-  }
-  for (uint32_t g = n; g-- > 0;) {
-    s.iterations().Moment("bwd:" + std::to_string(g), MomentKind::kPreBackward, g);
-    for (uint32_t t : s.group(g).tensors) {
-      std::vector<float> v = Random(s.place(t).numel, 1000 * it + 10 * t,
-                                    o.grad_scale * static_cast<float>(s.optimizer().loss_scale()));
-      if (o.overflow && g == 0) v[3] = INFINITY;
-      SetGrad(s, t, v);
-    }
-  }
-  if (o.between) o.between(s);
-  auto r = s.optimizer().Step(o.hyper);
-  EXPECT_TRUE(r.ok()) << r.status().ToString();
-  EXPECT_TRUE(s.optimizer().ZeroGrad().ok());
-  return r.ok() ? *r : StepResult{};
-}
-
 class SessionInBackward : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -135,8 +97,9 @@ TEST_F(SessionInBackward, CopyOnWriteToNvmeIsBitIdenticalWithClippingOnAndOff) {
     const bool fp16 = std::string(precision) == "fp16";
     for (int it = 0; it < 8; ++it) {
       SCOPED_TRACE("iteration " + std::to_string(it));
-      It o;
-      o.hyper = {{1e-2 / (it + 1), 0.9, 0.99, 1e-8, 0.01}, {3e-3, 0.8, 0.95, 1e-6, 0.1}};
+      SpecIt o;
+      o.announced = o.hyper = {{1e-2 / (it + 1), 0.9, 0.99, 1e-8, 0.01},
+                               {3e-3, 0.8, 0.95, 1e-6, 0.1}};
       o.grad_scale = it % 3 == 1 ? 0.1f : 0.003f;  // clipped at 1, 4, 7
       o.overflow = fp16 && it == 5;
       std::vector<std::vector<float>> seen[2];
@@ -144,7 +107,7 @@ TEST_F(SessionInBackward, CopyOnWriteToNvmeIsBitIdenticalWithClippingOnAndOff) {
       for (int k = 0; k < 2; ++k) {
         // Reads between the backward and step() see the values before the step.
         if (it == 3) o.between = [&seen, k](Session& x) { seen[k] = TrainingState(x); };
-        r[k] = Iteration(*s_[k], it, o);
+        r[k] = SpecIteration(*s_[k], it, o);
       }
       EXPECT_EQ(seen[0], seen[1]);
       EXPECT_EQ(r[0].clip_coef, r[1].clip_coef);
@@ -181,11 +144,11 @@ TEST_F(SessionInBackward, CopyOnWriteToNvmeIsBitIdenticalWithAccumulation) {
   MakeBoth("fp32", "4MiB", /*accumulation=*/2);
   for (int it = 0; it < 12; ++it) {
     SCOPED_TRACE("micro-step " + std::to_string(it));
-    It o;
-    o.hyper = {{1e-2, 0.9, 0.99, 1e-8, 0.01}, {3e-3, 0.8, 0.95, 1e-6, 0.1}};
+    SpecIt o;
+    o.announced = o.hyper = {{1e-2, 0.9, 0.99, 1e-8, 0.01}, {3e-3, 0.8, 0.95, 1e-6, 0.1}};
     o.grad_scale = it % 6 == 3 ? 0.1f : 0.002f;  // the window of micro-steps 2, 3 clips
     StepResult r[2];
-    for (int k = 0; k < 2; ++k) r[k] = Iteration(*s_[k], it, o);
+    for (int k = 0; k < 2; ++k) r[k] = SpecIteration(*s_[k], it, o);
     EXPECT_EQ(r[0].applied, it % 2 == 1);
     EXPECT_EQ(r[0].applied, r[1].applied);
     EXPECT_EQ(r[0].clip_coef, r[1].clip_coef);
@@ -204,10 +167,11 @@ TEST_F(SessionInBackward, AnNvmeTierTooFullForTheSpeculativeStateFallsBackExactl
   // p, m and v (48 KiB) do not fit beside them.
   MakeBoth("fp32", "144KiB");
   for (int it = 0; it < 4; ++it) {
-    It o;
-    o.hyper = {GroupHyper{}, GroupHyper{}};
+    SpecIt o;
+    o.announced = o.hyper = {GroupHyper{}, GroupHyper{}};
+    o.grad_scale = 0.003f;
     StepResult r[2];
-    for (int k = 0; k < 2; ++k) r[k] = Iteration(*s_[k], it, o);
+    for (int k = 0; k < 2; ++k) r[k] = SpecIteration(*s_[k], it, o);
     EXPECT_EQ(TrainingState(*s_[0]), TrainingState(*s_[1]));
   }
   const Session::SpeculationStats& st = Spec();

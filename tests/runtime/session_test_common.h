@@ -1,12 +1,15 @@
 // Helpers of the session tests split by concern (session_test.cc, session_checkpoint_test.cc,
-// session_nvme_test.cc, session_trace_test.cc, session_plan_test.cc). In a namespace of their
-// own, so that argument-dependent lookup never mixes them with another test's helpers.
+// session_nvme_test.cc, session_trace_test.cc, session_plan_test.cc, session_inback_test.cc).
+// In a namespace of their own, so that argument-dependent lookup never mixes them with another
+// test's helpers.
 #pragma once
 
 #include <gtest/gtest.h>
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <cmath>
+#include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -15,6 +18,7 @@
 
 #include "kernels/cpu/optim.h"
 #include "runtime/session.h"
+#include "tests/runtime/session_test_support.h"
 #include "tests/support/session.h"
 #include "tests/support/status_matchers.h"
 
@@ -86,5 +90,51 @@ struct RefState {
 
 inline const std::vector<TensorSpec> kThree = {{"a", 1000, true, 0}, {"b", 300, true, 0},
                                                {"c", 77, true, 0}};
+
+// One training iteration as a binding runs it with speculative steps: the hyper-parameters
+// announced at the first forward, a forward moment per group, the backward writing each
+// group's gradient (group n-1 first) after its pre-backward moment, then step() with `hyper`.
+// `rewrite`: group n-1 gets a second gradient at the last backward moment (after its
+// speculation); `between`: runs after the backward, before step().
+struct SpecIt {
+  std::vector<GroupHyper> announced, hyper;
+  float grad_scale = 0.3f;
+  bool rewrite = false;
+  bool overflow = false;  // an Inf in group 0's gradient (fp16: the step is skipped)
+  std::function<void(Session&)> between;
+};
+
+inline StepResult SpecIteration(Session& s, int it, const SpecIt& o) {
+  using planners::MomentKind;
+  using ::tiermem::testing::IsOk;
+  s.iterations().BeginIteration();
+  s.SetStepHyper(o.announced);
+  const uint32_t n = static_cast<uint32_t>(s.num_groups());
+  for (uint32_t g = 0; g < n; ++g) {
+    EXPECT_THAT(s.optimizer().FinishStep(g), IsOk());
+    s.iterations().Moment("fwd:" + std::to_string(g), MomentKind::kPreForward, g);
+    EXPECT_TRUE(s.chunks().Acquire(g, s.compute_kind(), TierKind::kDevice).ok());
+    EXPECT_THAT(s.chunks().Release(g, s.compute_kind(), false), IsOk());
+  }
+  auto grad = [&](uint32_t t, int salt) {
+    // Scaled by the loss scale (fp16), as a scaled loss's backward gives them.
+    std::vector<float> v = Random(s.place(t).numel, 1000 * it + 10 * t + salt,
+                                  o.grad_scale * static_cast<float>(s.optimizer().loss_scale()));
+    if (o.overflow && s.place(t).group == 0) v[3] = INFINITY;
+    return v;
+  };
+  for (uint32_t g = n; g-- > 0;) {
+    s.iterations().Moment("bwd:" + std::to_string(g), MomentKind::kPreBackward, g);
+    for (uint32_t t : s.group(g).tensors) SetGrad(s, t, grad(t, 0));
+  }
+  if (o.rewrite) {
+    for (uint32_t t : s.group(n - 1).tensors) SetGrad(s, t, grad(t, 1));
+  }
+  if (o.between) o.between(s);
+  auto r = s.optimizer().Step(o.hyper);
+  EXPECT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_TRUE(s.optimizer().ZeroGrad().ok());
+  return r.ok() ? *r : StepResult{};
+}
 
 }  // namespace tiermem::session::session_tests
