@@ -10,18 +10,9 @@
 namespace tiermem::planners {
 namespace {
 
-BaselineKind Baseline(PolicyKind p) {
-  switch (p) {
-    case PolicyKind::kPatrickStar:
-      return BaselineKind::kPatrickStar;
-    case PolicyKind::kDeepSpeed:
-      return BaselineKind::kDeepSpeed;
-    case PolicyKind::kEngine:
-      return BaselineKind::kEngine;
-    default:
-      return BaselineKind::kLru;
-  }
-}
+// A baseline policy's kind: PolicyKind's baselines carry BaselineKind's values (simulator.h).
+// Called for those four only.
+BaselineKind Baseline(PolicyKind p) { return static_cast<BaselineKind>(p); }
 
 // Belady over the whole measured run (an oracle): demand fetches only.
 class OptPolicy : public Policy {
@@ -291,13 +282,10 @@ class Driver {
 std::string_view PolicyName(PolicyKind p) {
   switch (p) {
     case PolicyKind::kLru:
-      return "lru";
     case PolicyKind::kPatrickStar:
-      return "patrickstar";
     case PolicyKind::kDeepSpeed:
-      return "deepspeed";
     case PolicyKind::kEngine:
-      return "engine";
+      return BaselineName(static_cast<BaselineKind>(p));
     case PolicyKind::kPlanned:
       return "planned";
     case PolicyKind::kOpt:

@@ -55,12 +55,13 @@
 
 namespace tiermem::planners {
 
+// The baselines first, with BaselineKind's values (PolicyName takes their names from it).
 enum class PolicyKind : uint8_t {
-  kLru = 0,
-  kPatrickStar = 1,
-  kDeepSpeed = 2,
-  kEngine = 3,
-  kPlanned = 4,
+  kLru = static_cast<uint8_t>(BaselineKind::kLru),
+  kPatrickStar = static_cast<uint8_t>(BaselineKind::kPatrickStar),
+  kDeepSpeed = static_cast<uint8_t>(BaselineKind::kDeepSpeed),
+  kEngine = static_cast<uint8_t>(BaselineKind::kEngine),
+  kPlanned = kNumBaselines,
   kOpt = 5,
   kOptRecorded = 6,
 };
