@@ -77,6 +77,18 @@ TEST(HostFloor, WholeTensorsWhileTheirRoomFits) {
   EXPECT_EQ(s->need(), 0u);
 }
 
+// `enough` is the floor exactly: at it the sizing needs no more than it, one byte less needs
+// more than that.
+void ExpectTheFloorIsExact(const std::vector<chunks::PackTensor>& packed,
+                           const HostSizingInputs& in, Bytes enough) {
+  StatusOr<HostSizing> at = SizeHostChunks(packed, in, enough);
+  ASSERT_THAT(at.status(), IsOk());
+  EXPECT_LE(at->need(), enough);
+  StatusOr<HostSizing> below = SizeHostChunks(packed, in, enough - 1);
+  ASSERT_THAT(below.status(), IsOk());
+  EXPECT_GT(below->need(), enough - 1);
+}
+
 TEST(HostFloor, ServingHoldsRoomForTheMostGroupsOneUnitPins) {
   EXPECT_EQ(HostReserveChunks(true), 7);    // one step's group (5) and 2 prefetched
   EXPECT_EQ(HostReserveChunks(true, 9), 7);
@@ -107,12 +119,7 @@ TEST(HostFloor, ServingHoldsRoomForTheMostGroupsOneUnitPins) {
   // The floor follows: the budget that is enough holds the 9 chunks at its own chunk size.
   StatusOr<Bytes> enough = SufficientHostBudget(packed, in);
   ASSERT_THAT(enough.status(), IsOk());
-  StatusOr<HostSizing> at = SizeHostChunks(packed, in, *enough);
-  ASSERT_THAT(at.status(), IsOk());
-  EXPECT_LE(at->need(), *enough);
-  StatusOr<HostSizing> below = SizeHostChunks(packed, in, *enough - 1);
-  ASSERT_THAT(below.status(), IsOk());
-  EXPECT_GT(below->need(), *enough - 1);
+  ExpectTheFloorIsExact(packed, in, *enough);
   in.units.clear();
   StatusOr<Bytes> bare_enough = SufficientHostBudget(packed, in);
   ASSERT_THAT(bare_enough.status(), IsOk());
@@ -180,13 +187,7 @@ TEST(HostFloor, TheFloorIsUnderThreeTimesTheLargestTensorAndExact) {
   EXPECT_GE(*enough, 2 * largest);
   // 2 T / (1 - 8/32): the copy and its gradient, and 8 chunks of about the budget's share.
   EXPECT_LE(*enough, 2 * largest * 32 / 24);
-  // The floor exactly: it needs no more than itself, one byte less needs more than that.
-  StatusOr<HostSizing> at = SizeHostChunks(packed, in, *enough);
-  ASSERT_THAT(at.status(), IsOk());
-  EXPECT_LE(at->need(), *enough);
-  StatusOr<HostSizing> below = SizeHostChunks(packed, in, *enough - 1);
-  ASSERT_THAT(below.status(), IsOk());
-  EXPECT_GT(below->need(), *enough - 1);
+  ExpectTheFloorIsExact(packed, in, *enough);
   // Below the whole-tensor floor of 7 chunks of the head.
   EXPECT_LT(*enough, 7 * largest);
 }
