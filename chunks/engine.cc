@@ -403,6 +403,13 @@ Bytes Engine::ChunkCapacity(TierKind tier, const TierStats& st) const {
   return st.capacity > ext ? st.capacity - ext : 0;
 }
 
+void Engine::SettleLandedWriteBack(ChunkId chunk) {
+  const ChunkRec& c = chunks_[chunk];
+  if (!c.writing_back() || !c.Landed()) return;
+  Status wb = WaitInflight(chunk, "");
+  if (!wb.ok()) TIERMEM_LOG(kWarn) << wb.message() << "; retrying when evicted";
+}
+
 StatusOr<bool> Engine::EvictOne(TierKind tier, ChunkId chunk, bool for_prefetch,
                                 uint64_t prefetch_pos, Bytes* pinned) {
   *pinned = 0;
@@ -411,16 +418,8 @@ StatusOr<bool> Engine::EvictOne(TierKind tier, ChunkId chunk, bool for_prefetch,
   }
   std::vector<EvictionCandidate> cands;
   for (ChunkId id = 0; id < chunks_.size(); ++id) {
-    ChunkRec& w = chunks_[id];
-    if (w.writing_back() && w.Landed()) {
-      // A finished write-behind: the chunk is clean now. A failed one stays dirty with its
-      // copy kept; evicting it writes back synchronously, which reports a lasting fault.
-      Status wb = WaitInflight(id, "");
-      if (!wb.ok()) {
-        TIERMEM_LOG(kWarn) << wb.message() << "; retrying when evicted";
-      }
-    }
-    const ChunkRec& c = w;
+    SettleLandedWriteBack(id);
+    const ChunkRec& c = chunks_[id];
     if (c.cache.tier != tier || id == chunk) continue;
     if (c.pins > 0) {
       *pinned += c.cache.region.bytes;

@@ -408,6 +408,10 @@ class Engine {
   static Status NoTier(TierKind tier, std::string_view what);
   Status WaitInflight(ChunkId chunk, std::string_view cause);
   Status WaitStall(const std::shared_ptr<Completion>& c, ChunkId chunk, std::string_view cause);
+  // An eviction scan passing `chunk`: a write-back of it that has landed is waited for, so the
+  // chunk is clean now. A failed one stays dirty with its copy kept (logged); evicting it later
+  // writes back synchronously and reports a lasting fault.
+  void SettleLandedWriteBack(ChunkId chunk);
   // Acquire and AcquireForWrite (`must_zero` null for Acquire): follows or records the order,
   // waits for the chunk's move in flight (or orders the compute stream after a one-copy
   // prefetch), makes it resident on `where`, pins it and starts the lookahead prefetch.

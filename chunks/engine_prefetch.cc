@@ -32,15 +32,8 @@ StatusOr<bool> Engine::EvictForLookahead(TierKind tier, ChunkId chunk, uint64_t 
   ChunkId best = kNoChunk;
   uint64_t best_next = 0;
   for (ChunkId id = 0; id < chunks_.size(); ++id) {
-    ChunkRec& c = chunks_[id];
-    if (c.writing_back() && c.Landed()) {
-      // A finished write-back: the chunk is clean now (a failed one stays dirty, its copy
-      // kept; evicting it later writes back synchronously and reports a lasting fault).
-      Status wb = WaitInflight(id, "");
-      if (!wb.ok()) {
-        TIERMEM_LOG(kWarn) << wb.message() << "; retrying when evicted";
-      }
-    }
+    SettleLandedWriteBack(id);
+    const ChunkRec& c = chunks_[id];
     if (c.cache.tier != tier || id == chunk || c.pins > 0 || c.in_flight() || c.soon) continue;
     if (speculating_ && scores_.ClassOf(id) == kNoClass) continue;
     const uint64_t next = LookaheadNextUse(id);
