@@ -418,17 +418,9 @@ class UringBackend final : public IoBackend {
       }
       finished.clear();
       if (Reap(&finished)) ArmWake();
-      for (size_t i = 0; i < finished.size(); ++i) {
-        if (i > 0) {
-          // Completions that arrived during the last op's work: with DEFER_TASKRUN the kernel
-          // posts them only when this thread enters the ring, so enter it (no wait) and reap,
-          // and their slots refill before the next op's work instead of after the batch.
-          io_uring_get_events(&ring_);
-          if (Reap(&finished)) ArmWake();
-        }
+      for (auto& [op, res] : finished) {
         TakeSubmitted();
         Refill();
-        const auto [op, res] = finished[i];
         Complete(op, res);
       }
     }
