@@ -100,6 +100,8 @@ class Loader {
   // Converts `k` elements of part `p`'s source, from source element `first` on, into its
   // fp32 chunk (`bytes`: the file's bytes of those elements, any alignment).
   void Emit(const Part& p, float* chunk, uint64_t first, const char* bytes, uint64_t k);
+  // Zeros the elements (and the byte tail) of a `bytes`-long chunk that `parts` do not write.
+  void ZeroGaps(float* chunk, Bytes bytes, const std::vector<size_t>& parts) const;
   Status DeriveLowp(size_t group, const float* fp32, const std::vector<size_t>& parts);
   std::string Where(const Source& src) const;
 
@@ -347,6 +349,24 @@ void Loader::Emit(const Part& p, float* chunk, uint64_t first, const char* bytes
   }
 }
 
+void Loader::ZeroGaps(float* chunk, Bytes bytes, const std::vector<size_t>& parts) const {
+  std::vector<std::pair<uint64_t, uint64_t>> written;  // [first, end) elements
+  written.reserve(parts.size());
+  for (size_t pi : parts)
+    written.emplace_back(parts_[pi].dst, parts_[pi].dst + parts_[pi].dst_count);
+  std::sort(written.begin(), written.end());
+  const uint64_t elems = bytes / sizeof(float);
+  uint64_t at = 0;  // everything before it is written or zeroed
+  for (const auto& [lo, hi] : written) {
+    if (lo > at) std::memset(chunk + at, 0, (lo - at) * sizeof(float));
+    at = std::max(at, hi);
+  }
+  if (elems > at) std::memset(chunk + at, 0, (elems - at) * sizeof(float));
+  if (const Bytes tail = bytes - elems * sizeof(float); tail > 0) {
+    std::memset(reinterpret_cast<char*>(chunk) + elems * sizeof(float), 0, tail);
+  }
+}
+
 Status Loader::LoadBatch(SpanReader& reader, const std::vector<size_t>& batch) {
   // Spans in file order, one per distinct byte range (a key two parts read is read once).
   struct Use {
@@ -378,16 +398,20 @@ Status Loader::LoadBatch(SpanReader& reader, const std::vector<size_t>& batch) {
     }
     consumers.back().push_back(u.part);
   }
-  // The fp32 chunks of the batch's groups, on the host, for the whole batch.
+  // The fp32 chunks of the batch's groups, on the host, for the whole batch. A lazily zero
+  // chunk comes unfilled: only what the batch does not write is zeroed (ZeroGaps).
   std::map<uint32_t, float*> chunk;
   Status s;
-  for (const auto& [g, unused] : by_group) {
-    StatusOr<void*> a = s_.chunks().Acquire(g, ChunkKind::kParamFp32, TierKind::kHost);
+  for (const auto& [g, parts] : by_group) {
+    bool must_zero = false;
+    StatusOr<void*> a =
+        s_.chunks().AcquireForWrite(g, ChunkKind::kParamFp32, TierKind::kHost, &must_zero);
     if (!a.ok()) {
       s = a.status();
       break;
     }
     chunk[g] = static_cast<float*>(*a);
+    if (must_zero) ZeroGaps(chunk[g], s_.chunks().ChunkBytes(g, ChunkKind::kParamFp32), parts);
   }
   // Each span's bytes arrive in pieces that may split an element (a tensor at an offset that
   // is not a multiple of its element size): the split element waits in `carry`.
