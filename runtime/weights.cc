@@ -24,9 +24,11 @@
 #include "runtime/weights.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <map>
 #include <set>
+#include <span>
 #include <tuple>
 
 #include "runtime/session.h"
@@ -738,11 +740,30 @@ Status ExportWeights(Session& session, const std::string& path,
         put(flipped.data(), seg.numel);
         continue;
       }
-      for (uint64_t done = 0; done < seg.numel; done += piece) {
+      for (uint64_t done = 0; done < seg.numel;) {
+        // fp32 out: read straight into the writer's buffer (no copy through `values`).
+        StatusOr<std::span<char>> room = std::span<char>();
+        if (w != nullptr && written.ok() && out == kernels::DType::kF32) {
+          room = w->Space((seg.numel - done) * sizeof(float));
+          if (!room.ok()) written = room.status();
+        }
+        const uint64_t direct =
+            room.ok() && reinterpret_cast<uintptr_t>(room->data()) % alignof(float) == 0
+                ? room->size() / sizeof(float)
+                : 0;
+        if (direct > 0) {
+          TIERMEM_RETURN_IF_ERROR(
+              session.values().ReadTensorRange(seg.tensor, ChunkKind::kParamFp32, seg.offset + done,
+                                               direct, reinterpret_cast<float*>(room->data())));
+          written = w->Commit(direct * sizeof(float));
+          done += direct;
+          continue;
+        }
         const uint64_t n = std::min(piece, seg.numel - done);
         TIERMEM_RETURN_IF_ERROR(session.values().ReadTensorRange(
             seg.tensor, ChunkKind::kParamFp32, seg.offset + done, n, values.data()));
         put(values.data(), n);
+        done += n;
       }
     }
   }

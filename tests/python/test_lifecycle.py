@@ -181,9 +181,10 @@ def test_a_step_that_raises_frees_its_graph_and_the_model_can_be_dropped(tmp_pat
 
 @pytest.mark.parametrize("enabled", [True, False])
 def test_set_up_gives_the_collector_back_as_it_found_it(enabled, tmp_path, monkeypatch):
-    """Set-up runs with Python's cyclic collector paused (tiermem._collector_paused: its passes
-    over torch's objects cost a checkpoint load a sixth of its time); after initialize and
-    inference, and after a set-up that raises, the collector is as the caller left it."""
+    """Set-up and export run with Python's cyclic collector paused (shared.collector_paused: its
+    passes over torch's objects cost a checkpoint load a sixth of its time); after initialize,
+    inference, save_weights, and a set-up that raises, the collector is as the caller left
+    it."""
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     was = gc.isenabled()
     try:
@@ -196,6 +197,8 @@ def test_set_up_gives_the_collector_back_as_it_found_it(enabled, tmp_path, monke
             seen.append(gc.isenabled())
         model, opt = tiermem.initialize(model, {"device": "1MiB"}, init=init)
         assert seen and not any(seen)  # paused while set-up ran
+        assert gc.isenabled() == enabled
+        tiermem.save_weights(model, str(tmp_path / "w.safetensors"))
         assert gc.isenabled() == enabled
         served = tiermem.inference(make_pair()[0], {"device": "1MiB"})
         assert gc.isenabled() == enabled

@@ -8,9 +8,6 @@ See docs/python.md and docs/inference.md.
 """
 from __future__ import annotations
 
-import contextlib
-import gc
-
 import torch  # noqa: F401  (loads libtorch before the extension that links it)
 
 from . import _C
@@ -22,6 +19,7 @@ from .hf import save_pretrained
 from .optimizer import ChunkedAdamW
 from .runtime import TiermemRuntime
 from .serve import ServingRuntime
+from .shared import collector_paused
 from .tensor import ChunkTensor
 from .weights import save_weights
 
@@ -70,7 +68,7 @@ def initialize(model, config=None, param_groups=None, units=None, process_group=
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("initialize: the model has no trainable parameters")
     root = _compiled_root(model)
-    with _collector_paused():
+    with collector_paused():
         runtime = TiermemRuntime(root, cfg, param_groups, units, process_group, experts=experts,
                                  init=init, weights=weights, strict=strict)
     try:
@@ -106,7 +104,7 @@ def inference(model, config=None, units=None, experts=True, init=None, weights=N
         raise ValueError("inference: this model is already managed by tiermem")
     cfg = parse_config(config)
     root = _compiled_root(model)
-    with _collector_paused():
+    with collector_paused():
         root._tiermem_runtime = ServingRuntime(root, cfg, units, experts=experts, init=init,
                                                weights=weights, strict=strict)
     return model
@@ -137,19 +135,3 @@ def runtime_of(model) -> TiermemRuntime:
         raise ValueError("model is not managed by tiermem")
     return rt
 
-
-@contextlib.contextmanager
-def _collector_paused():
-    """Python's cyclic collector off while a runtime is set up, as it was before after. Set-up
-    allocates many short-lived objects (the model's parameter tables, transformers' key
-    conversions for a checkpoint): each allocation threshold reached starts a collection, and
-    the oldest generation's pass walks every object of torch and transformers (360 K): 0.33 to
-    0.42 s of a 2 to 3 s checkpoint load (gc.callbacks, 2026-12-07, a 279 M-param Llama).
-    Reference counting still frees what set-up drops; cycles wait for the next collection."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
