@@ -741,9 +741,11 @@ Status ExportWeights(Session& session, const std::string& path,
         continue;
       }
       for (uint64_t done = 0; done < seg.numel;) {
-        // fp32 out: read straight into the writer's buffer (no copy through `values`).
+        // fp32 out: read straight into the writer's buffer (no copy through `values`). Not
+        // when sharded: every rank must read the same ranges (the reads gather), and only rank
+        // 0 has a writer whose room would size them.
         StatusOr<std::span<char>> room = std::span<char>();
-        if (w != nullptr && written.ok() && out == kernels::DType::kF32) {
+        if (w != nullptr && written.ok() && out == kernels::DType::kF32 && !session.sharded()) {
           room = w->Space((seg.numel - done) * sizeof(float));
           if (!room.ok()) written = room.status();
         }
