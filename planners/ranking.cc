@@ -32,7 +32,8 @@ int BaselineBar::Reached(const RankMeasures& m, PlanObjective objective) const {
   // kBytes: stall and time count as reached here (StallReached breaks ties of bytes).
   const bool timed = objective == PlanObjective::kTime;
   return (m.device_in <= least_.device_in) + (m.nvme <= least_.nvme) +
-         (!timed || m.stall_ns <= least_.stall_ns) + (!timed || m.iteration_ns <= least_.iteration_ns);
+         (!timed || m.stall_ns <= least_.stall_ns) +
+         (!timed || m.iteration_ns <= least_.iteration_ns);
 }
 
 bool BaselineBar::StallReached(const RankMeasures& m) const {

@@ -61,9 +61,9 @@ class BaselineBar {
 // What a candidate is ranked on.
 struct RankedCandidate {
   RankMeasures steady;
-  uint64_t score_ns = 0;       // modelled time compared (steady iteration; with an earlier
-                               // iteration, the mean of the two: planner.cc)
-  Bytes objective_bytes = 0;   // ObjectiveBytes
+  uint64_t score_ns = 0;        // modelled time compared (steady iteration; with an earlier
+                                // iteration, the mean of the two: planner.cc)
+  Bytes objective_bytes = 0;    // ObjectiveBytes
   bool baseline_moves = false;  // a baseline policy's moves (plain or hoisted)
 };
 

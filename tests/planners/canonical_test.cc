@@ -205,6 +205,20 @@ TEST(CanonicalTracesTest, PlannedIsTheBestPolicyOnTheMainJobsDeviceTraceOverMore
   }
 }
 
+// On the SimDevice trace the engine's moves are a candidate and part of the bar: its lookahead
+// allocates grads ahead of the moment that overwrites them, which MimicSchedule now issues at
+// that moment (a plan's allocation-only prefetch is honoured only there), so they replay
+// without repairs (they needed 26 and the engine was missing from the bar). The plan is
+// Belady's demand moves.
+TEST(CanonicalTracesTest, TheEnginesMovesAreACandidateOnTheMainJobsDeviceTrace) {
+  auto t = ReadTraceFile(::tiermem::testing::TestData("main-job.tmtrace"));
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  auto plan = MakePlan(*t, MainJobDeviceMachine(*t));
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  EXPECT_NE(plan->FindBaseline("engine"), nullptr);
+  EXPECT_EQ(plan->baseline, "belady");
+}
+
 TEST(CanonicalTracesTest, PlannedIsTheBestPolicyOnEveryBenchmarkTrace) {
   for (const char* name : {"gpt", "gpt-ckpt", "gpt-tied", "moe"}) {
     auto t = ReadTraceFile(::tiermem::testing::TestData(std::string(name) + ".tmtrace"));
