@@ -327,8 +327,8 @@ def main(argv=None):
     ap.add_argument("--device", default="4GiB", help="device budget (with a GPU)")
     ap.add_argument("--nvme-size", default=None,
                     help="NVMe tier size (default: 5 bytes a param for lora's frozen fp32 base, "
-                         "7 with --precision bf16, 18 for full's params, grads and AdamW "
-                         "state, plus 1 GiB)")
+                         "3 with --precision bf16 (the bf16 base alone: no fp32 masters), 18 "
+                         "for full's params, grads and AdamW state, plus 1 GiB)")
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--export-dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -351,8 +351,9 @@ def main(argv=None):
     if a.nvme_size is None:
         # full: fp32 params, grads, m and v (16 bytes) and the chunks' padding; lora: the fp32
         # base (4 bytes) and its chunks' padding (the 8 B shape at 15 GiB: 2.2 GB chunks, ~12%
-        # left empty), in bf16 the bf16 compute copy beside the fp32 master
-        per_param = 18 if a.what == "full" else 5 if a.precision == "fp32" else 7
+        # left empty); in bf16 the bf16 base alone (2 bytes: a frozen tensor the checkpoint
+        # holds in the compute dtype keeps no fp32 master, docs/pretrained.md) and its padding
+        per_param = 18 if a.what == "full" else 5 if a.precision == "fp32" else 3
         # Every byte: how much the host tier homes depends on its reserve (7 chunks of the
         # largest tensor while tensors are whole: at 15 GiB for the 8 B shape nearly all of
         # it) and on the split tensors' copies (host-mode.md), not on the budget alone.

@@ -778,6 +778,16 @@ Status Session::LoadCheckpointV2(const std::string& path, int fd, int data_fd, b
         if (s.ok() && Hex8(Crc32c(*at, e.bytes)) != e.crc) {
           s = DataLossError("tensor '" + e.key + "': checksum mismatch");
         }
+        if (s.ok() && pass == 0 && e.kind == ChunkKind::kParamFp32 && ComputeOnly(i)) {
+          // A tensor keeping no fp32 master (layout.h, compute_only) takes only values exact
+          // in the compute dtype: any other refuses the checkpoint before anything changes.
+          const char* bytes = *at;
+          if (reinterpret_cast<uintptr_t>(bytes) % alignof(float) != 0) {
+            std::memmove(buf.data(), bytes, e.bytes);
+            bytes = reinterpret_cast<const char*>(buf.data());
+          }
+          s = CheckExact(i, 0, layout_.specs[i].numel, reinterpret_cast<const float*>(bytes));
+        }
         if (s.ok() && pass == 1) {
           const char* bytes = *at;
           if (e.part != Part::kValues || reinterpret_cast<uintptr_t>(bytes) % alignof(float) != 0) {
@@ -868,6 +878,9 @@ Status Session::LoadCheckpointV1(const std::string& path, CheckpointMeta* metada
       if (t.trainable) kinds.insert(kinds.end(), {ChunkKind::kExpAvg, ChunkKind::kExpAvgSq});
       for (ChunkKind k : kinds) {
         if (s.ok()) s = r.Get(buf.data(), t.numel * sizeof(float));
+        if (s.ok() && pass == 0 && k == ChunkKind::kParamFp32 && ComputeOnly(i)) {
+          s = CheckExact(i, 0, t.numel, buf.data());  // refused before anything changes
+        }
         if (s.ok() && pass == 1) {
           s = k == ChunkKind::kParamFp32 ? WriteParam(i, buf.data())
                                          : WriteTensor(i, k, buf.data());

@@ -41,10 +41,11 @@ Status NameLargestRow(Status refused, const std::vector<TensorSpec>& tensors,
                                 ")");
 }
 
-// The tensors sorted into the packer's three subsets (compressed is filled by
-// SplitCompressed), and every tensor as the packer sees it.
+// The tensors sorted into the packer's four subsets (compressed is filled by
+// SplitCompressed; compute_only: frozen tensors exact in the compute dtype, mixed precision),
+// and every tensor as the packer sees it.
 struct Subsets {
-  std::vector<size_t> compressed, trainable, frozen;
+  std::vector<size_t> compressed, trainable, frozen, compute_only;
   std::vector<chunks::PackTensor> packed;
 };
 
@@ -95,13 +96,17 @@ Status CheckTensor(const TensorSpec& t, size_t i) {
   return OkStatus();
 }
 
-// Validates every tensor and sorts it into trainable and frozen.
-StatusOr<Subsets> SortTensors(const std::vector<TensorSpec>& tensors) {
+// Validates every tensor and sorts it into trainable, frozen and (mixed precision) frozen with
+// values exact in the compute dtype.
+StatusOr<Subsets> SortTensors(const std::vector<TensorSpec>& tensors, bool mixed) {
   Subsets s;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const TensorSpec& t = tensors[i];
     TIERMEM_RETURN_IF_ERROR(CheckTensor(t, i));
-    (t.trainable ? s.trainable : s.frozen).push_back(i);
+    (t.trainable                          ? s.trainable
+     : mixed && t.values_in_compute_dtype ? s.compute_only
+                                          : s.frozen)
+        .push_back(i);
     chunks::PackTensor pt;
     pt.numel = t.numel;
     pt.rows = t.shape.empty() ? 1 : static_cast<uint64_t>(t.shape[0]);
@@ -263,12 +268,13 @@ void RoundForSharding(const Sharding& sharding, uint64_t state_align, Layout& l)
   l.shard_begin = l.shard_elems * static_cast<uint64_t>(sharding.rank);
 }
 
-// Packs trainable tensors (those in the compressed state format first), then frozen ones,
-// into groups of their own.
+// Packs trainable tensors (those in the compressed state format first), then frozen ones, then
+// compute_only ones, into groups of their own.
 Status Pack(const SessionConfig& config, const std::vector<TensorSpec>& tensors, const Subsets& s,
             uint64_t state_align, Layout& l) {
   l.tensors.resize(tensors.size());
-  for (const std::vector<size_t>* subset : {&s.compressed, &s.trainable, &s.frozen}) {
+  for (const std::vector<size_t>* subset :
+       {&s.compressed, &s.trainable, &s.frozen, &s.compute_only}) {
     if (subset->empty()) continue;
     std::vector<chunks::PackTensor> sub;
     for (size_t i : *subset) sub.push_back(s.packed[i]);
@@ -281,7 +287,8 @@ Status Pack(const SessionConfig& config, const std::vector<TensorSpec>& tensors,
     const size_t base = l.groups.size();
     for (size_t g = 0; g < layout->num_groups(); ++g) {
       ChunkGroup grp;
-      grp.trainable = subset != &s.frozen;
+      grp.trainable = subset == &s.compressed || subset == &s.trainable;
+      grp.compute_only = subset == &s.compute_only;
       if (packed_compressed) grp.state = config.optimizer_state.format;
       grp.chunks.fill(kNoChunk);
       l.groups.push_back(std::move(grp));
@@ -346,8 +353,9 @@ void Finish(Layout& l) {
   for (size_t i = 0; i < l.specs.size(); ++i) {
     const TensorSpec& t = l.specs[i];
     const Bytes m_and_v = 2 * kernels::StateBytes(l.groups[l.tensors[i].group].state, t.numel);
+    const bool master = l.mixed() && !l.groups[l.tensors[i].group].compute_only;
     l.model_bytes += t.numel * (t.trainable ? esize * 2 : esize) + (t.trainable ? m_and_v : 0) +
-                     (l.mixed() ? t.numel * 4 : 0);
+                     (master ? t.numel * 4 : 0);
   }
   std::vector<std::vector<int>> units;
   std::vector<int> expert_sets;
@@ -377,7 +385,7 @@ kernels::DType Layout::dtype(ChunkKind kind) const {
 
 bool Layout::NeedsKind(size_t g, ChunkKind kind) const {
   return kind == ChunkKind::kParamLowp   ? mixed()
-         : kind == ChunkKind::kParamFp32 ? true
+         : kind == ChunkKind::kParamFp32 ? !groups[g].compute_only
                                          : groups[g].trainable;
 }
 
@@ -403,7 +411,7 @@ StatusOr<Layout> LayOut(const SessionConfig& config, std::vector<TensorSpec> ten
   TIERMEM_RETURN_IF_ERROR(CheckStateFormat(state));
   const uint64_t state_align =
       state.dtype == kernels::StateDType::kInt8 ? state.block : chunks::kAlignElems;
-  TIERMEM_ASSIGN_OR_RETURN(Subsets subsets, SortTensors(tensors));
+  TIERMEM_ASSIGN_OR_RETURN(Subsets subsets, SortTensors(tensors, IsMixed(config.precision)));
   Layout l;
   l.precision = config.precision;
   l.any_trainable = !subsets.trainable.empty();
@@ -426,7 +434,11 @@ StatusOr<Layout> LayOut(const SessionConfig& config, std::vector<TensorSpec> ten
 HostRoom HostRoomFor(const Layout& layout, const SessionConfig& config) {
   const bool host = IsHostCompute(config.device_kind);
   HostRoom room;
-  room.chunk_bytes = layout.shard_elems * 4;  // the largest (fp32) chunk of a group held here
+  // The largest chunk of a group held here: fp32, or the compute chunk when no group has an
+  // fp32 one (every group compute_only: a served model loaded from its compute dtype).
+  const bool any_fp32 = std::any_of(layout.groups.begin(), layout.groups.end(),
+                                    [](const ChunkGroup& g) { return !g.compute_only; });
+  room.chunk_bytes = layout.shard_elems * (any_fp32 ? 4 : 2);
   // Host mode with split tensors: also the chunk of a piece being copied into a compute copy
   // (one at a time), and the compute copies are left out of the host tier (host_floor.h).
   const auto in_use =
@@ -443,7 +455,9 @@ HostRoom HostRoomFor(const Layout& layout, const SessionConfig& config) {
     for (size_t g = 0; g < layout.groups.size(); ++g) {
       if (!layout.expert_group[g]) {
         room.host_homes_first +=
-            (layout.mixed() ? 2 : 1) * AlignUp(layout.shard_elems * 4, kHostPage);
+            layout.groups[g].compute_only
+                ? AlignUp(layout.shard_elems * 2, kHostPage)
+                : (layout.mixed() ? 2 : 1) * AlignUp(layout.shard_elems * 4, kHostPage);
       }
     }
   }

@@ -16,7 +16,8 @@
 //   4. sharding rounding: every chunk a multiple of world x kShardAlignElems (x the int8
 //      block), so that every rank holds an equal, aligned shard;
 //   5. packing (chunks::PackPieces): compressed trainable tensors, then fp32-state trainable
-//      ones, then frozen ones, each into groups of their own;
+//      ones, then frozen ones, then (mixed precision) frozen ones whose values are exact in the
+//      compute dtype (compute_only groups, no fp32 master), each into groups of their own;
 //   6. the byte counts: the model's bytes and the minimum device budget.
 // HostRoomFor then sizes the host room of the tier stack from a Layout (see there).
 //
@@ -65,6 +66,12 @@ struct TensorSpec {
   // serving minimum, and in host mode with NVMe the host room for the chunk groups one unit
   // pins at once.
   std::vector<int> units = {};
+  // Its exact values are representable in the compute dtype (a frozen tensor loaded from a
+  // checkpoint in the compute dtype: bf16 file, bf16 compute). Mixed precision, frozen: it is
+  // packed into groups of its own that keep no fp32 master (ChunkGroup::compute_only); its fp32
+  // value is its compute copy upcast, and a write of a value the compute dtype cannot hold
+  // exactly is refused. Ignored for trainable tensors and in fp32 sessions.
+  bool values_in_compute_dtype = false;
 };
 
 // What one unit computes with, from the tensors that name it (TensorSpec::units).
@@ -109,6 +116,10 @@ struct PieceRef {
 
 struct ChunkGroup {
   bool trainable = false;
+  // Mixed precision, frozen, every tensor's values exact in the compute dtype
+  // (TensorSpec::values_in_compute_dtype): no kParamFp32 chunk, the compute chunk holds the
+  // values (Layout::value_kind).
+  bool compute_only = false;
   kernels::StateFormat state;  // of its kExpAvg / kExpAvgSq chunks
   uint64_t used_elems = 0;     // end of its last piece
   // By ChunkKind; kNoChunk if absent. All kNoChunk in a Layout from LayOut: the session
@@ -165,8 +176,14 @@ struct Layout {
   // group's state format).
   kernels::DType dtype(ChunkKind kind) const;
   // Whether group `g` has a chunk of `kind`: the compute params of its precision and the fp32
-  // params always (the master in mixed precision), grads and m and v when it trains.
+  // params (the master in mixed precision) unless the group is compute_only, grads and m and v
+  // when it trains.
   bool NeedsKind(size_t g, ChunkKind kind) const;
+  // The chunk holding group `g`'s values exactly: kParamFp32 (the param or the master), or
+  // the compute chunk kParamLowp of a compute_only group.
+  ChunkKind value_kind(size_t g) const {
+    return groups[g].compute_only ? ChunkKind::kParamLowp : ChunkKind::kParamFp32;
+  }
   // Bytes of the chunk of `kind` of group `g` on this rank (a shard when sharded).
   Bytes ShardChunkBytes(size_t g, ChunkKind kind) const;
   // A served mixture-of-experts model (experts and nothing trains): the dense groups' chunks
@@ -198,7 +215,8 @@ struct HostRoom {
   Bytes compute_room = 0;
 };
 
-// Host room, in chunks of the largest kind (fp32, per shard, page-aligned), kept for caches of
+// Host room, in chunks of the largest kind (fp32, per shard, page-aligned; the compute chunk's
+// size when every group is compute_only), kept for caches of
 // NVMe-homed chunks (none without NVMe), plus config host_reserve:
 //   - with a device: training, every kind of one group at once (kStepGroupChunks: the
 //     optimizer step holds them on the host); serving (nothing trains), kServingReadChunks

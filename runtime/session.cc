@@ -376,6 +376,9 @@ Status Session::ReadTensor(size_t tensor, ChunkKind kind, void* out) {
   TIERMEM_RETURN_IF_ERROR(Live());
   if (tensor >= layout_.tensors.size()) return OutOfRangeError("session: unknown tensor");
   const TensorPlace& t = layout_.tensors[tensor];
+  if (kind == ChunkKind::kParamFp32 && ComputeOnly(tensor)) {
+    return ReadUpcast(tensor, 0, t.numel, static_cast<float*>(out));
+  }
   TIERMEM_RETURN_IF_ERROR(CheckKind(t.group, kind));
   TIERMEM_RETURN_IF_ERROR(stepper_->RunPending(t.group, true));
   const kernels::StateFormat& f = layout_.groups[t.group].state;
@@ -392,6 +395,9 @@ Status Session::ReadTensor(size_t tensor, ChunkKind kind, void* out) {
 
 Status Session::ReadTensorRange(size_t tensor, ChunkKind kind, uint64_t begin, uint64_t n,
                                 void* out) {
+  if (kind == ChunkKind::kParamFp32 && ComputeOnly(tensor)) {
+    return ReadUpcast(tensor, begin, n, static_cast<float*>(out));
+  }
   TIERMEM_RETURN_IF_ERROR(CheckRange(tensor, kind, begin, n));
   const size_t es = kernels::DTypeSize(dtype(kind));
   for (const Piece& p : layout_.tensors[tensor].pieces) {
@@ -434,6 +440,9 @@ Status Session::WriteTensor(size_t tensor, ChunkKind kind, const void* values) {
   TIERMEM_RETURN_IF_ERROR(Live());
   if (tensor >= layout_.tensors.size()) return OutOfRangeError("session: unknown tensor");
   const TensorPlace& t = layout_.tensors[tensor];
+  if (kind == ChunkKind::kParamFp32 && ComputeOnly(tensor)) {
+    return WriteExact(tensor, 0, t.numel, static_cast<const float*>(values));
+  }
   TIERMEM_RETURN_IF_ERROR(CheckKind(t.group, kind));
   TIERMEM_RETURN_IF_ERROR(stepper_->RunPending(t.group, true));
   stepper_->DropSpeculation(t.group);
@@ -450,6 +459,9 @@ Status Session::WriteTensor(size_t tensor, ChunkKind kind, const void* values) {
 
 Status Session::WriteTensorRange(size_t tensor, ChunkKind kind, uint64_t begin, uint64_t n,
                                  const void* values) {
+  if (kind == ChunkKind::kParamFp32 && ComputeOnly(tensor)) {
+    return WriteExact(tensor, begin, n, static_cast<const float*>(values));
+  }
   TIERMEM_RETURN_IF_ERROR(CheckRange(tensor, kind, begin, n));
   const size_t es = kernels::DTypeSize(dtype(kind));
   for (const Piece& p : layout_.tensors[tensor].pieces) {
@@ -469,6 +481,51 @@ Status Session::WriteTensorRange(size_t tensor, ChunkKind kind, uint64_t begin, 
         static_cast<const char*>(values) + (p.begin + lo - p.offset - begin) * es, (hi - lo) * es));
   }
   return OkStatus();
+}
+
+bool Session::ComputeOnly(size_t tensor) const {
+  return tensor < layout_.tensors.size() &&
+         layout_.groups[layout_.tensors[tensor].group].compute_only;
+}
+
+Status Session::ReadUpcast(size_t tensor, uint64_t begin, uint64_t n, float* out) {
+  std::vector<uint16_t> low(n);
+  TIERMEM_RETURN_IF_ERROR(ReadTensorRange(tensor, ChunkKind::kParamLowp, begin, n, low.data()));
+  kernels::CastToF32(low.data(), compute_dtype(), out, n);
+  return OkStatus();
+}
+
+Status Session::CheckExact(size_t tensor, uint64_t begin, uint64_t n, const float* values) const {
+  const kernels::DType cd = compute_dtype();
+  constexpr uint64_t kBlock = 1 << 16;
+  std::vector<uint16_t> low(std::min(n, kBlock));
+  std::vector<float> back(low.size());
+  for (uint64_t at = 0; at < n; at += kBlock) {
+    const uint64_t m = std::min(n - at, kBlock);
+    kernels::CastFromF32(values + at, low.data(), cd, m);
+    kernels::CastToF32(low.data(), cd, back.data(), m);
+    if (std::memcmp(back.data(), values + at, m * sizeof(float)) == 0) continue;
+    uint64_t i = 0;
+    while (std::memcmp(&back[i], values + at + i, sizeof(float)) == 0) ++i;
+    const std::string dt(kernels::DTypeName(cd));
+    return InvalidArgumentError(
+        "session: tensor '" + layout_.specs[tensor].name + "' keeps its values in " + dt +
+        " only (frozen, its values exact in the compute dtype: no fp32 master), and element " +
+        std::to_string(begin + at + i) + " of the value written, " +
+        std::to_string(values[at + i]) + ", is not exact in " + dt +
+        ": nothing was written (write values the compute dtype holds, or create the session "
+        "without values_in_compute_dtype for it)");
+  }
+  return OkStatus();
+}
+
+Status Session::WriteExact(size_t tensor, uint64_t begin, uint64_t n, const float* values) {
+  TIERMEM_RETURN_IF_ERROR(CheckRange(tensor, ChunkKind::kParamLowp, begin, n));
+  // Every element checked before anything is written: a refused write changes nothing.
+  TIERMEM_RETURN_IF_ERROR(CheckExact(tensor, begin, n, values));
+  std::vector<uint16_t> low(n);
+  kernels::CastFromF32(values, low.data(), compute_dtype(), n);
+  return WriteTensorRange(tensor, ChunkKind::kParamLowp, begin, n, low.data());
 }
 
 Status Session::ReadStateRaw(size_t tensor, ChunkKind kind, void* codes, float* absmax) {
@@ -564,7 +621,7 @@ Status Session::ReadParam(size_t tensor, float* out) {
 
 Status Session::WriteParam(size_t tensor, const float* values) {
   TIERMEM_RETURN_IF_ERROR(WriteTensor(tensor, ChunkKind::kParamFp32, values));
-  if (!mixed()) return OkStatus();
+  if (!mixed() || ComputeOnly(tensor)) return OkStatus();  // it wrote the compute chunk
   std::vector<uint16_t> low(layout_.tensors[tensor].numel);
   kernels::CastFromF32(values, low.data(), compute_dtype(), low.size());
   return WriteTensor(tensor, ChunkKind::kParamLowp, low.data());

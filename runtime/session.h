@@ -20,7 +20,11 @@
 //     kParamLowp in bf16/fp16), kGrad (compute dtype), kExpAvg and kExpAvgSq (the group's
 //     optimizer-state format, below), and in
 //     mixed precision the fp32 master (kParamFp32). Frozen groups: the compute params, plus
-//     the fp32 master in mixed precision (so their values stay exact). Chunks are created
+//     the fp32 master in mixed precision (so their values stay exact) — except for tensors
+//     whose values are exact in the compute dtype (TensorSpec::values_in_compute_dtype: a
+//     bf16 checkpoint computed in bf16), packed into compute_only groups without one: their
+//     fp32 value (ReadParam, kParamFp32 reads) is the compute copy upcast, and an fp32 value
+//     the compute dtype cannot hold exactly is refused (never rounded). Chunks are created
 //     compute params first, then grads, masters, m and v, so the optimizer state is what
 //     spills to NVMe first when the host budget is short;
 //   - the optimizer: AdamW over every group with gradients, with per-group hyper-parameters
@@ -388,6 +392,14 @@ class Session {
   Status CheckKind(size_t group, ChunkKind kind) const;
   // The checks of ReadTensorRange / WriteTensorRange.
   Status CheckRange(size_t tensor, ChunkKind kind, uint64_t begin, uint64_t n) const;
+  // A tensor of a compute_only group (layout.h): no fp32 chunk; its fp32 value is its compute
+  // copy upcast (ReadUpcast, exact), and WriteExact writes fp32 values into the compute chunk
+  // only when every one of them is exact in the compute dtype (else kInvalidArgument naming
+  // the tensor and the element, nothing written; CheckExact is that check alone).
+  bool ComputeOnly(size_t tensor) const;
+  Status CheckExact(size_t tensor, uint64_t begin, uint64_t n, const float* values) const;
+  Status ReadUpcast(size_t tensor, uint64_t begin, uint64_t n, float* out);
+  Status WriteExact(size_t tensor, uint64_t begin, uint64_t n, const float* values);
   // After an acquire of `c` on `where`: the plan runner checks a dense acquire; an expert's
   // (cls set) is marked in the trace and bound to the plan's slots, not checked.
   void NoteClassAccess(ChunkId c, TierKind where, uint32_t cls);

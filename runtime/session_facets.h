@@ -125,9 +125,13 @@ class ValuesFacet {
  public:
   explicit ValuesFacet(Session& s) : s_(s) {}
 
-  // The fp32 value of a tensor: its master (mixed precision) or its fp32 param.
+  // The fp32 value of a tensor: its master (mixed precision) or its fp32 param; a tensor of
+  // a compute_only group (layout.h: no master) its compute copy, upcast (exact).
   Status ReadParam(size_t tensor, float* out);
   // Sets the fp32 master and the compute copy (rounded to nearest even in mixed precision).
+  // A tensor of a compute_only group: its compute copy, when every value is exact in the
+  // compute dtype; else kInvalidArgument naming the tensor, and nothing is written. The same
+  // holds for ReadTensor / WriteTensor (and their ranges) of kParamFp32.
   Status WriteParam(size_t tensor, const float* values);
   // Raw bytes of `kind` for the tensor (numel * element size of that kind: dtype(kind), fp32
   // for m and v). Compressed m and v are dequantized on the way out and quantized on the way

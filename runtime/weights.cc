@@ -16,10 +16,13 @@
 //      through the SpanReader (tiers/nvme/span_reader.h) and converted to fp32 into them as
 //      each request lands while the next ones are in flight; in mixed precision the compute
 //      chunk is then rounded from the fp32 one (DeriveLowp) over the parts' ranges.
+//   A compute_only group (layout.h: frozen, values exact in the compute dtype, no fp32 master)
+//   has no fp32 chunk: its compute chunk takes the file's bytes as they are (the same dtype).
 //   In place (serving; weights.h "Serving in place"): before the batches, PlanInPlace picks
 //   the NVMe-homed compute chunks whose parts all read their own dtype, and HomeInPlace gives
 //   each a file home of its parts' spans; their parts then write only the fp32 masters (mixed
-//   precision) or nothing (fp32), and DeriveLowp skips them.
+//   precision) or nothing (fp32, and compute_only groups: the load reads nothing for them), and
+//   DeriveLowp skips them.
 // Acquires during a load are untraced: they are not part of the order training replays.
 #include "runtime/weights.h"
 
@@ -100,10 +103,15 @@ class Loader {
   // Gives every in_place_ group's compute chunk its file home.
   Status HomeInPlace();
   // Converts `k` elements of part `p`'s source, from source element `first` on, into its
-  // fp32 chunk (`bytes`: the file's bytes of those elements, any alignment).
-  void Emit(const Part& p, float* chunk, uint64_t first, const char* bytes, uint64_t k);
-  // Zeros the elements (and the byte tail) of a `bytes`-long chunk that `parts` do not write.
-  void ZeroGaps(float* chunk, Bytes bytes, const std::vector<size_t>& parts) const;
+  // group's values chunk (`bytes`: the file's bytes of those elements, any alignment): the
+  // fp32 chunk, or a compute_only group's compute chunk, copied as they are (EmitSame: the
+  // file holds the compute dtype, checked by CheckSegment).
+  void Emit(const Part& p, char* values, uint64_t first, const char* bytes, uint64_t k);
+  void EmitSame(const Part& p, uint16_t* chunk, uint64_t first, const char* bytes, uint64_t k);
+  // Zeros the elements (of `elem_bytes` each) and the byte tail of a `bytes`-long chunk that
+  // `parts` do not write.
+  void ZeroGaps(char* chunk, Bytes bytes, size_t elem_bytes,
+                const std::vector<size_t>& parts) const;
   Status DeriveLowp(size_t group, const float* fp32, const std::vector<size_t>& parts);
   std::string Where(const Source& src) const;
 
@@ -143,6 +151,13 @@ Status Loader::CheckSegment(const WeightTarget& t, const WeightSegment& seg, Sou
                                 ": only F32, BF16 and F16 load into parameters");
   }
   src.dtype = *d;
+  if (s_.group(s_.place(t.tensor).group).compute_only && src.dtype != s_.compute_dtype()) {
+    const std::string cd(kernels::DTypeName(s_.compute_dtype()));
+    return InvalidArgumentError(where + " is " + std::string(kernels::DTypeName(src.dtype)) +
+                                ", but the tensor keeps its values in " + cd +
+                                " only (created with values_in_compute_dtype): load it from a " +
+                                cd + " checkpoint, or create the session without that flag");
+  }
   const std::vector<int64_t> file_shape = Signed(src.info->shape);
   const uint64_t n = src.info->numel;
   // A tensor's only segment expects the tensor's shape (reversed when transposed).
@@ -302,9 +317,11 @@ std::vector<std::vector<size_t>> Loader::MakeBatches() const {
   std::map<uint32_t, size_t> nvme;          // NVMe-homed group -> its batch
   for (size_t i = 0; i < parts_.size(); ++i) {
     const uint32_t g = parts_[i].group;
-    // In place in fp32: the fp32 chunk is the one homed in the files.
-    if (!s_.mixed() && in_place_.count(g)) continue;
-    if (s_.chunks().Home(g, ChunkKind::kParamFp32) != TierKind::kNvme) {
+    // In place, the values' chunk is the one homed in the files: the fp32 chunk in fp32, the
+    // compute chunk of a compute_only group.
+    const ChunkKind values = s_.layout().value_kind(g);
+    if (values == s_.compute_kind() && in_place_.count(g)) continue;
+    if (s_.chunks().Home(g, values) != TierKind::kNvme) {
       out[0].push_back(i);
       continue;
     }
@@ -318,9 +335,14 @@ std::vector<std::vector<size_t>> Loader::MakeBatches() const {
   return out;
 }
 
-void Loader::Emit(const Part& p, float* chunk, uint64_t first, const char* bytes, uint64_t k) {
+void Loader::Emit(const Part& p, char* values, uint64_t first, const char* bytes, uint64_t k) {
   const Source& src = sources_[p.source];
   const size_t es = kernels::DTypeSize(src.dtype);
+  if (s_.group(p.group).compute_only) {
+    EmitSame(p, reinterpret_cast<uint16_t*>(values), first, bytes, k);
+    return;
+  }
+  float* chunk = reinterpret_cast<float*>(values);
   // Converted through aligned blocks: file bytes are only as aligned as the format makes them,
   // and a transposed source is scattered from one.
   float* block = block_.data();
@@ -351,21 +373,46 @@ void Loader::Emit(const Part& p, float* chunk, uint64_t first, const char* bytes
   }
 }
 
-void Loader::ZeroGaps(float* chunk, Bytes bytes, const std::vector<size_t>& parts) const {
+void Loader::ZeroGaps(char* chunk, Bytes bytes, size_t elem_bytes,
+                      const std::vector<size_t>& parts) const {
   std::vector<std::pair<uint64_t, uint64_t>> written;  // [first, end) elements
   written.reserve(parts.size());
-  for (size_t pi : parts)
+  for (size_t pi : parts) {
     written.emplace_back(parts_[pi].dst, parts_[pi].dst + parts_[pi].dst_count);
+  }
   std::sort(written.begin(), written.end());
-  const uint64_t elems = bytes / sizeof(float);
+  const uint64_t elems = bytes / elem_bytes;
   uint64_t at = 0;  // everything before it is written or zeroed
   for (const auto& [lo, hi] : written) {
-    if (lo > at) std::memset(chunk + at, 0, (lo - at) * sizeof(float));
+    if (lo > at) std::memset(chunk + at * elem_bytes, 0, (lo - at) * elem_bytes);
     at = std::max(at, hi);
   }
-  if (elems > at) std::memset(chunk + at, 0, (elems - at) * sizeof(float));
-  if (const Bytes tail = bytes - elems * sizeof(float); tail > 0) {
-    std::memset(reinterpret_cast<char*>(chunk) + elems * sizeof(float), 0, tail);
+  if (elems > at) std::memset(chunk + at * elem_bytes, 0, (elems - at) * elem_bytes);
+  if (const Bytes tail = bytes - elems * elem_bytes; tail > 0) {
+    std::memset(chunk + elems * elem_bytes, 0, tail);
+  }
+}
+
+void Loader::EmitSame(const Part& p, uint16_t* chunk, uint64_t first, const char* bytes,
+                      uint64_t k) {
+  const Source& src = sources_[p.source];
+  if (!src.seg->transpose) {
+    std::memcpy(chunk + p.dst + (first - p.src_elem), bytes, k * 2);
+    return;
+  }
+  uint16_t* half = half_.data();
+  for (uint64_t done = 0; done < k;) {
+    const uint64_t m = std::min<uint64_t>(k - done, kBlock);
+    std::memcpy(half, bytes + done * 2, m * 2);
+    const uint64_t s = first + done;    // source element
+    for (uint64_t j = 0; j < m; ++j) {  // file [rows, cols] -> tensor [cols, rows]
+      const uint64_t r = (s + j) / src.cols, c = (s + j) % src.cols;
+      const int64_t at = static_cast<int64_t>(src.seg->offset + c * src.rows + r) + p.shift;
+      if (at >= static_cast<int64_t>(p.dst) && at < static_cast<int64_t>(p.dst + p.dst_count)) {
+        chunk[at] = half[j];
+      }
+    }
+    done += m;
   }
 }
 
@@ -400,20 +447,24 @@ Status Loader::LoadBatch(SpanReader& reader, const std::vector<size_t>& batch) {
     }
     consumers.back().push_back(u.part);
   }
-  // The fp32 chunks of the batch's groups, on the host, for the whole batch. A lazily zero
-  // chunk comes unfilled: only what the batch does not write is zeroed (ZeroGaps).
-  std::map<uint32_t, float*> chunk;
+  // The values' chunks of the batch's groups (fp32; a compute_only group's compute chunk), on
+  // the host, for the whole batch. A lazily zero chunk comes unfilled: only what the batch
+  // does not write is zeroed (ZeroGaps).
+  std::map<uint32_t, char*> chunk;
   Status s;
   for (const auto& [g, parts] : by_group) {
+    const ChunkKind kind = s_.layout().value_kind(g);
     bool must_zero = false;
-    StatusOr<void*> a =
-        s_.chunks().AcquireForWrite(g, ChunkKind::kParamFp32, TierKind::kHost, &must_zero);
+    StatusOr<void*> a = s_.chunks().AcquireForWrite(g, kind, TierKind::kHost, &must_zero);
     if (!a.ok()) {
       s = a.status();
       break;
     }
-    chunk[g] = static_cast<float*>(*a);
-    if (must_zero) ZeroGaps(chunk[g], s_.chunks().ChunkBytes(g, ChunkKind::kParamFp32), parts);
+    chunk[g] = static_cast<char*>(*a);
+    if (must_zero) {
+      ZeroGaps(chunk[g], s_.chunks().ChunkBytes(g, kind),
+               kind == ChunkKind::kParamFp32 ? sizeof(float) : sizeof(uint16_t), parts);
+    }
   }
   // Each span's bytes arrive in pieces that may split an element (a tensor at an offset that
   // is not a multiple of its element size): the split element waits in `carry`.
@@ -450,12 +501,16 @@ Status Loader::LoadBatch(SpanReader& reader, const std::vector<size_t>& batch) {
     return OkStatus();
   };
   if (s.ok()) s = reader.Read(spans, sink);
-  // Mixed precision: the compute chunks, rounded from the fp32 ones.
-  for (const auto& [g, fp32] : chunk) {
-    if (s.ok() && s_.mixed() && !in_place_.count(g)) s = DeriveLowp(g, fp32, by_group[g]);
+  // Mixed precision: the compute chunks, rounded from the fp32 ones (a compute_only group's
+  // values are its compute chunk).
+  for (const auto& [g, values] : chunk) {
+    if (s.ok() && s_.layout().value_kind(g) == ChunkKind::kParamFp32 && s_.mixed() &&
+        !in_place_.count(g)) {
+      s = DeriveLowp(g, reinterpret_cast<const float*>(values), by_group[g]);
+    }
   }
-  for (const auto& [g, fp32] : chunk) {
-    const Status r = s_.chunks().Release(g, ChunkKind::kParamFp32, /*modified=*/true);
+  for (const auto& [g, values] : chunk) {
+    const Status r = s_.chunks().Release(g, s_.layout().value_kind(g), /*modified=*/true);
     if (s.ok()) s = r;
   }
   return s;

@@ -19,7 +19,11 @@
 //   - values are converted from the file's dtype to fp32 into each group's fp32 chunk (the
 //     param in fp32 training, the master in mixed precision) and, in mixed precision, rounded
 //     from there into the compute chunk as WriteParam rounds: a load equals WriteParam of the
-//     same values, bit for bit. Adam's m and v stay lazily zero; gradients are not touched.
+//     same values, bit for bit. A tensor of a compute_only group (layout.h: frozen, created
+//     with TensorSpec::values_in_compute_dtype, no fp32 master) takes its file's bytes into
+//     its compute chunk as they are; its sources must be in the compute dtype (else
+//     kInvalidArgument naming the tensor and the key). Adam's m and v stay lazily zero;
+//     gradients are not touched.
 //   - each chunk is written in its home tier: host homes in place; an NVMe-homed chunk in the
 //     host room the session keeps for NVMe-homed chunks, filled completely before the engine
 //     writes it home (never read back), one group at a time. Anonymous memory stays within the
@@ -35,10 +39,12 @@
 // its group loaded, needs no copy: its home becomes those bytes of the files (a file home,
 // tiers/nvme/file_homes.h: the chunk's tensors as a list of file spans, read with O_DIRECT
 // into its cached copy when it is acquired, never written) and the load reads nothing for it.
-// In mixed precision its fp32 masters are still loaded (the session keeps masters of frozen
-// groups). in_place "auto" does this where it applies and copies the rest; "on" makes an
-// NVMe-homed compute chunk where it does not apply an error naming a tensor and why, and is
-// an error for a training load (serving = false: training writes its weights); "off" copies.
+// In mixed precision the fp32 masters of frozen groups that keep them are still loaded; a
+// compute_only group has none, so for a model whose frozen tensors are all compute_only (the
+// Python binding's default for a checkpoint in the compute dtype) the load of its NVMe-homed
+// groups is header parsing only. in_place "auto" does this where it applies and copies the rest;
+// "on" makes an NVMe-homed compute chunk where it does not apply an error naming a tensor and why,
+// and is an error for a training load (serving = false: training writes its weights); "off" copies.
 // A sharded session copies (each rank's shard is not a span of the files).
 //
 // An I/O error after validation leaves the session partly loaded (said in the message); the

@@ -73,6 +73,44 @@ TEST(Layout, PacksTrainableThenFrozenIntoGroupsOfTheirOwn) {
   EXPECT_EQ(m->model_bytes, 1500 * (2 + 2 + 8 + 4) + 600 * (2 + 4u));
 }
 
+TEST(Layout, FrozenTensorsExactInTheComputeDTypeKeepNoMaster) {
+  SessionConfig c = Sim();
+  c.chunk_size = 2048;
+  c.precision = Precision::kBf16;
+  TensorSpec exact{"exact", 600, false, 0};
+  exact.values_in_compute_dtype = true;
+  TensorSpec trained{"trained", 300, true, 0};
+  trained.values_in_compute_dtype = true;  // ignored: it trains
+  auto l = LayOut(c, {trained, exact, {"frozen", 500, false, 0}, exact}, {});
+  ASSERT_TRUE(l.ok()) << l.status().ToString();
+  // trained, then the frozen one with a master, then the two exact ones in a group of their own.
+  ASSERT_EQ(l->groups.size(), 3u);
+  EXPECT_EQ(l->tensors[0].group, 0u);
+  EXPECT_EQ(l->tensors[2].group, 1u);
+  EXPECT_EQ(l->tensors[1].group, 2u);
+  EXPECT_EQ(l->tensors[3].group, 2u);
+  EXPECT_FALSE(l->groups[0].compute_only);
+  EXPECT_FALSE(l->groups[1].compute_only);
+  EXPECT_TRUE(l->groups[2].compute_only);
+  EXPECT_TRUE(l->NeedsKind(1, ChunkKind::kParamFp32));
+  EXPECT_TRUE(l->NeedsKind(2, ChunkKind::kParamLowp));
+  EXPECT_FALSE(l->NeedsKind(2, ChunkKind::kParamFp32));
+  EXPECT_EQ(l->value_kind(1), ChunkKind::kParamFp32);
+  EXPECT_EQ(l->value_kind(2), ChunkKind::kParamLowp);
+  // bf16 + grad + m, v and master for the trained one; 6 bytes for the frozen one with a
+  // master; 2 for the exact ones.
+  EXPECT_EQ(l->model_bytes, 300 * (2 + 2 + 8 + 4) + 500 * (2 + 4u) + 2 * 600 * 2u);
+
+  // fp32: nothing changes (the compute chunk is the fp32 one).
+  c.precision = Precision::kFp32;
+  auto f = LayOut(c, {exact, {"frozen", 500, false, 0}}, {});
+  ASSERT_TRUE(f.ok());
+  ASSERT_EQ(f->groups.size(), 1u);
+  EXPECT_FALSE(f->groups[0].compute_only);
+  EXPECT_TRUE(f->NeedsKind(0, ChunkKind::kParamFp32));
+  EXPECT_EQ(f->model_bytes, (600 + 500) * 4u);
+}
+
 TEST(Layout, ATensorLargerThanAChunkIsSplitIntoRows) {
   SessionConfig c = Sim();
   c.chunk_size = 1024;

@@ -191,43 +191,58 @@ TEST_P(LoadIntoEveryTier, Bf16IntoFp32ChunksExactlyWithoutReadingNvmeBack) {
   }
 }
 
-// The loader acquires each lazily zero fp32 chunk unfilled and writes its tensors: every
-// element no tensor covers (the padding between and after them) is zero after the load, even
+// The loader acquires each lazily zero values chunk (fp32, or the bf16 compute chunk of a group
+// exact in it) unfilled and writes its tensors: every element no tensor covers (the padding between and after them) is zero after the load, even
 // where the memory handed over held other bytes (a chunk zeroed lazily over old content).
 TEST_P(LoadIntoEveryTier, ChunkPaddingStaysZero) {
   WriteWeights(dir_ + "/ckpt", Named(kSpecs, DType::kBF16), 20'000);
-  auto s = MakeParam("fp32");
-  ASSERT_NE(s, nullptr);
-  for (size_t g = 0; g < s->num_groups(); ++g) {  // old bytes everywhere, then lazily zero
-    auto p = s->chunks().Acquire(g, ChunkKind::kParamFp32, TierKind::kHost);
-    ASSERT_THAT(p, IsOk());
-    std::memset(*p, 0xff, s->chunks().ChunkBytes(g, ChunkKind::kParamFp32));
-    ASSERT_THAT(s->chunks().Release(g, ChunkKind::kParamFp32, true), IsOk());
-    ASSERT_THAT(s->chunks().ZeroChunk(g, ChunkKind::kParamFp32), IsOk());
-  }
-  ASSERT_THAT(Load(*s, dir_ + "/ckpt", ByName(*s)), IsOk());
-  std::vector<std::vector<bool>> covered(s->num_groups());
-  for (size_t g = 0; g < s->num_groups(); ++g) {
-    covered[g].assign(s->chunks().ChunkBytes(g, ChunkKind::kParamFp32) / sizeof(float), false);
-  }
-  for (size_t t = 0; t < s->num_tensors(); ++t) {
-    for (const auto& pc : s->place(t).pieces) {
-      for (uint64_t i = 0; i < pc.numel; ++i) covered[pc.group][pc.offset + i] = true;
+  // fp32 chunks; in bf16, the frozen tensor's group holds its values in its bf16 compute chunk.
+  std::vector<TensorSpec> lowp = kSpecs;
+  for (TensorSpec& t : lowp) t.values_in_compute_dtype = !t.trainable;
+  for (const auto& [precision, specs] : {std::pair{"fp32", kSpecs}, std::pair{"bf16", lowp}}) {
+    SCOPED_TRACE(precision);
+    json c = GetParam().config;
+    c["precision"] = precision;
+    if (c.contains("nvme")) c["nvme"]["path"] = dir_;
+    auto s = Make(c, specs);
+    ASSERT_NE(s, nullptr);
+    auto kind = [&](size_t g) { return s->layout().value_kind(g); };
+    for (size_t g = 0; g < s->num_groups(); ++g) {  // old bytes everywhere, then lazily zero
+      auto p = s->chunks().Acquire(g, kind(g), TierKind::kHost);
+      ASSERT_THAT(p, IsOk());
+      std::memset(*p, 0xff, s->chunks().ChunkBytes(g, kind(g)));
+      ASSERT_THAT(s->chunks().Release(g, kind(g), true), IsOk());
+      ASSERT_THAT(s->chunks().ZeroChunk(g, kind(g)), IsOk());
     }
-  }
-  int padded = 0;
-  for (size_t g = 0; g < s->num_groups(); ++g) {
-    auto p = s->chunks().Acquire(g, ChunkKind::kParamFp32, TierKind::kHost);
-    ASSERT_THAT(p, IsOk());
-    const auto* v = static_cast<const uint32_t*>(*p);  // bits: -0.0f is not padding's zero
-    for (size_t i = 0; i < covered[g].size(); ++i) {
-      if (covered[g][i]) continue;
-      ++padded;
-      ASSERT_EQ(v[i], 0u) << "group " << g << " element " << i;
+    ASSERT_THAT(Load(*s, dir_ + "/ckpt", ByName(*s)), IsOk());
+    auto esize = [&](size_t g) { return kind(g) == ChunkKind::kParamFp32 ? 4u : 2u; };
+    std::vector<std::vector<bool>> covered(s->num_groups());
+    for (size_t g = 0; g < s->num_groups(); ++g) {
+      covered[g].assign(s->chunks().ChunkBytes(g, kind(g)) / esize(g), false);
     }
-    ASSERT_THAT(s->chunks().Release(g, ChunkKind::kParamFp32, false), IsOk());
+    for (size_t t = 0; t < s->num_tensors(); ++t) {
+      for (const auto& pc : s->place(t).pieces) {
+        for (uint64_t i = 0; i < pc.numel; ++i) covered[pc.group][pc.offset + i] = true;
+      }
+    }
+    int padded = 0, lowp_groups = 0;
+    for (size_t g = 0; g < s->num_groups(); ++g) {
+      lowp_groups += kind(g) != ChunkKind::kParamFp32;
+      auto p = s->chunks().Acquire(g, kind(g), TierKind::kHost);
+      ASSERT_THAT(p, IsOk());
+      const auto* v = static_cast<const uint8_t*>(*p);  // bits: -0.0 is not padding's zero
+      for (size_t i = 0; i < covered[g].size(); ++i) {
+        if (covered[g][i]) continue;
+        ++padded;
+        for (size_t b = 0; b < esize(g); ++b) {
+          ASSERT_EQ(v[i * esize(g) + b], 0u) << "group " << g << " element " << i;
+        }
+      }
+      ASSERT_THAT(s->chunks().Release(g, kind(g), false), IsOk());
+    }
+    EXPECT_GT(padded, 0);  // the test is about them
+    EXPECT_EQ(lowp_groups > 0, std::string(precision) == "bf16");
   }
-  EXPECT_GT(padded, 0);  // the test is about them
 }
 
 // Mixed precision: the master and the compute copy bit for bit those WriteParam gives the same

@@ -51,13 +51,15 @@ void BindLayoutRecords(py::module_& m) {
   py::class_<TensorSpec>(m, "TensorSpec")
       .def(py::init([](std::string name, uint64_t numel, bool trainable, int opt_group,
                        std::vector<int64_t> shape, int expert_set, int expert,
-                       std::vector<int> units) {
-             return TensorSpec{std::move(name),  numel,      trainable, opt_group,
-                               std::move(shape), expert_set, expert,    std::move(units)};
+                       std::vector<int> units, bool values_in_compute_dtype) {
+             return TensorSpec{std::move(name),        numel,      trainable, opt_group,
+                               std::move(shape),       expert_set, expert,    std::move(units),
+                               values_in_compute_dtype};
            }),
            py::arg("name"), py::arg("numel"), py::arg("trainable"), py::arg("opt_group"),
            py::arg("shape") = std::vector<int64_t>{}, py::arg("expert_set") = -1,
-           py::arg("expert") = -1, py::arg("units") = std::vector<int>{})
+           py::arg("expert") = -1, py::arg("units") = std::vector<int>{},
+           py::arg("values_in_compute_dtype") = false)
       .def_readonly("name", &TensorSpec::name)
       .def_readonly("numel", &TensorSpec::numel)
       .def_readonly("trainable", &TensorSpec::trainable)
@@ -66,10 +68,11 @@ void BindLayoutRecords(py::module_& m) {
       .def_readonly("expert_set", &TensorSpec::expert_set)
       .def_readonly("expert", &TensorSpec::expert)
       .def_readonly("units", &TensorSpec::units)
+      .def_readonly("values_in_compute_dtype", &TensorSpec::values_in_compute_dtype)
       .def("__repr__", [](const TensorSpec& t) {
-        return Repr(
-            "TensorSpec", t,
-            {"name", "numel", "trainable", "opt_group", "shape", "expert_set", "expert", "units"});
+        return Repr("TensorSpec", t,
+                    {"name", "numel", "trainable", "opt_group", "shape", "expert_set", "expert",
+                     "units", "values_in_compute_dtype"});
       });
   using chunks::Piece;
   py::class_<Piece>(m, "Piece")
@@ -91,11 +94,13 @@ void BindLayoutRecords(py::module_& m) {
   using session::ChunkGroup;
   py::class_<ChunkGroup>(m, "ChunkGroup")
       .def_readonly("trainable", &ChunkGroup::trainable)
+      .def_readonly("compute_only", &ChunkGroup::compute_only)
       .def_readonly("used_elems", &ChunkGroup::used_elems)
       .def_readonly("tensors", &ChunkGroup::tensors)
       .def_readonly("pieces", &ChunkGroup::pieces)
       .def("__repr__", [](const ChunkGroup& g) {
-        return Repr("ChunkGroup", g, {"trainable", "used_elems", "tensors", "pieces"});
+        return Repr("ChunkGroup", g,
+                    {"trainable", "compute_only", "used_elems", "tensors", "pieces"});
       });
   using UnitNeed = session::Session::UnitNeed;
   py::class_<UnitNeed>(m, "UnitNeed")

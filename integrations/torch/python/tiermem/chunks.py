@@ -246,7 +246,10 @@ class ChunkAccess:
     def sync_master(self, r: _Param, views, compute_view, exact_src):
         """Mixed precision: after (a view `views` of) r's compute copy changed, the same region
         of its fp32 master follows: from the fp32 source of a copy_ exactly, else from the
-        compute value. (Read-modify-write of the master through the core, wherever it is.)"""
+        compute value. (Read-modify-write of the master through the core, wherever it is.) A
+        compute_only parameter has no master: its compute copy is its value."""
+        if r.compute_only:
+            return
         master = self.session.read_tensor(r.index, _K.param_fp32).view(r.shape)
         mv = master
         for f, a, kw, idx in views:

@@ -111,6 +111,7 @@ class ChunkOps:
                 self._on_unmaterialized_read(ct._tm_rec, func)
         written_chunks = {(ct._tm_rec.group, ct._tm_kind) for ct in written
                           if not ct._tm_rec.split}
+        exact = self._exact_source(func, args, written)  # may refuse: before any acquire
         pins, real, copies = [], {}, {}
         try:
             try:
@@ -138,13 +139,8 @@ class ChunkOps:
                     if ck != _K.grad and r.mat > 0:
                         r.compute.data.copy_(v)  # the unit computing with it sees the write
             if self.modes.mixed:
-                exact = None
-                if func.__name__.split(".")[0] == "copy_" and len(args) > 1 and \
-                        isinstance(args[1], torch.Tensor) and \
-                        not isinstance(args[1], ChunkTensor) and args[1].dtype == torch.float32:
-                    exact = args[1]  # e.g. load_state_dict: the master gets the fp32 value
                 for ct in written:
-                    if ct._tm_kind == "param":
+                    if ct._tm_kind == "param" and not ct._tm_rec.compute_only:
                         self.chunks.sync_master(ct._tm_rec, ct._tm_views, real[id(ct)], exact)
             out = self._wrap_out(out, written, real)
         finally:
@@ -156,6 +152,31 @@ class ChunkOps:
             if not any(p[0] == g and p[1] == k for p in pins):
                 self.chunks.mark_modified(g, k)
         return out
+
+    def _exact_source(self, func, args, written):
+        """Mixed precision, a ``copy_`` from a plain fp32 tensor (e.g. load_state_dict): that
+        source, which a master takes exactly; else None. A parameter keeping no master
+        (compute_only: its values exact in the compute dtype) takes only values the compute
+        dtype holds exactly: anything else is a ValueError naming it, raised before the write."""
+        if not self.modes.mixed or func.__name__.split(".")[0] != "copy_" or len(args) < 2 or \
+                not isinstance(args[1], torch.Tensor) or isinstance(args[1], ChunkTensor) or \
+                args[1].dtype != torch.float32:
+            return None
+        src = args[1]
+        for ct in written:
+            r = ct._tm_rec
+            if ct._tm_kind != "param" or not r.compute_only:
+                continue
+            low = src.detach().to(self.modes.dtype).float()
+            same = low.view(torch.int32) == src.detach().contiguous().view(torch.int32)
+            if not bool(same.all()):
+                at = int((~same).reshape(-1).nonzero()[0])
+                raise ValueError(
+                    f"tiermem: parameter '{r.name}' keeps its values in "
+                    f"{self.modes.dtype} only (frozen, loaded from a checkpoint in the "
+                    f"compute dtype: no fp32 master), and the value copied into it is not exact "
+                    f"in it (element {at}: {src.reshape(-1)[at].item()!r}); nothing was written")
+        return src
 
     def _split_foreach(self, func, args, kwargs, n):
         # A foreach op is elementwise over its lists: run it one index at a time, so that

@@ -333,6 +333,13 @@ class HFLoadPlan(LoadPlan):
             self._alias_keys += [p.src for n in have[1:] for p in self.syms[n].parts]
             self.targets.append((r.index, self._segments(hf[0], have[0], r.shape)))
 
+    def _keys_of(self, r) -> list:
+        """The checkpoint keys record `r` loads from (its targets' segments); empty when the
+        file lacks it (or it is a PEFT adapter)."""
+        if not hasattr(self, "_target_keys"):
+            self._target_keys = {i: [seg[0] for seg in segs] for i, segs in self.targets}
+        return self._target_keys.get(r.index, [])
+
     def _check_ties(self, by_hf):
         """Every tie transformers declares (``get_expanded_tied_weights_keys``: from
         ``_tied_weights_keys`` and ``tie_word_embeddings``) is one parameter object here, so a

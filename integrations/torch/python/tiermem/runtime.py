@@ -95,6 +95,10 @@ __all__ = ["TiermemRuntime", "_Forward", "_RootForward", "_UnitForward", "_wrap_
            "_unwrap_forward", "tree_leaves_tensors", "tree_leaves_ct", "tree_map_tensors"]
 
 
+# The checkpoint dtype names of the low-precision compute dtypes (weights.values_in).
+_LOWP_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
 def _load_copies(module, state_dict, prefix, local_metadata, *rest):
     """A load_state_dict pre-hook of every module holding managed parameters:
     ``load_state_dict(sd, assign=True)`` copies into the chunks as without ``assign``. Assigned,
@@ -242,10 +246,16 @@ class TiermemRuntime:
         # Mixture-of-experts layers whose experts move alone (experts.py); not when sharded.
         self.expert_sets = find_expert_sets(model, self.by_orig, bool(experts) and pg is None)
         unit_of = _units_of(self.units, self.params)
+        # Frozen tensors the checkpoint holds in the compute dtype keep no fp32 master (their
+        # values are exact in it): decided from the headers, before the session lays out.
+        exact = self._weights.values_in(self.params, _LOWP_NAMES[cfg.precision.torch_dtype]) \
+            if self._weights is not None and cfg.precision.torch_dtype in _LOWP_NAMES else set()
         specs = [_C.TensorSpec(name=r.name, numel=r.numel, trainable=r.trainable,
                                opt_group=r.opt_group, shape=list(r.shape),
                                expert_set=r.expert_set, expert=r.expert,
-                               units=unit_of.get(r.index, [])) for r in self.params]
+                               units=unit_of.get(r.index, []),
+                               values_in_compute_dtype=not r.trainable and r.index in exact)
+                 for r in self.params]
         if pg is not None and self._serving:
             raise ValueError("tiermem.inference: serving is not sharded across ranks (run one "
                              "model per process, without a process group)")
@@ -260,6 +270,7 @@ class TiermemRuntime:
                 for r in self.params:
                     r.pieces = [_Piece.of(pc) for pc in self.session.place(r.index)]
                     r.group, r.offset = r.pieces[0].group, r.pieces[0].offset
+                    r.compute_only = self.session.group(r.group).compute_only
                 # From the checkpoint, straight into the chunks; the parameters it lacks
                 # (strict=False) and all of them without one: their own values, or for those
                 # built on the meta device their modules' initialization, module by module

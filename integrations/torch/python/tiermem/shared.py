@@ -84,6 +84,8 @@ class _Param:
     unit: int = -1             # the first unit computing with it (trace moments)
     expert_set: int = -1       # experts.py: the expert set it belongs to (-1: none)
     expert: int = -1           # -1: fused (dim 0 indexes the experts), else that expert's
+    compute_only: bool = False  # frozen, values exact in the compute dtype: no fp32 master
+                                # (the session's ChunkGroup.compute_only; mixed precision)
 
     @property
     def split(self) -> bool:

@@ -6,7 +6,9 @@ model gets transformers' conventions on top (hf.py: LoadPlan is then an HFLoadPl
 
 The core does the work (runtime/weights.h, through ``_C.load_weights`` / ``_C.save_weights``):
 reading every header and checking it against the model before anything changes, converting
-(bf16 / fp16 / fp32 files into fp32 chunks, rounded like ``write_param`` into bf16 / fp16 ones),
+(bf16 / fp16 / fp32 files into fp32 chunks, rounded like ``write_param`` into bf16 / fp16 ones;
+a frozen tensor whose file dtype is the compute dtype straight into its compute chunk, with no
+fp32 master: ``values_in``),
 writing each chunk in its home tier, streaming out. This module maps names: a parameter loads
 from the key of its name or, when the checkpoint lacks it, of another name of the same (tied)
 parameter object; a persistent buffer from its key (buffers are small: read whole, into new
@@ -68,6 +70,7 @@ class LoadPlan:
         self.path = os.fspath(path)
         self.strict = bool(strict)
         tensors = inspect(self.path)["tensors"]
+        self.tensors = tensors
         names: dict[int, list] = {}
         for n, p in model.named_parameters(remove_duplicate=False):
             names.setdefault(id(p), []).append(n)
@@ -93,6 +96,25 @@ class LoadPlan:
                              "strict=False to keep their modules' values")
         self.replaced = []       # (module, attribute, the buffer it held before)
         self.originals = []      # (parameter, its own data) until set-up succeeds
+
+    def _keys_of(self, r) -> list:
+        """The checkpoint keys record `r` loads from (the core's TargetsByName: its own name,
+        else the first of its aliases the checkpoint has); empty when it has none."""
+        for n in [r.name] + self.aliases[r.index]:
+            if n in self.tensors:
+                return [n]
+        return []
+
+    def values_in(self, params, dtype: str) -> set:
+        """The indices of the records whose every checkpoint key is stored as `dtype` ("BF16",
+        "F16"): their values are exact in it, so a frozen one computed in it needs no fp32
+        master (the session's TensorSpec.values_in_compute_dtype). Headers only."""
+        out = set()
+        for r in params:
+            keys = self._keys_of(r)
+            if keys and all(self.tensors[k]["dtype"] == dtype for k in keys):
+                out.add(r.index)
+        return out
 
     @property
     def buffer_keys(self) -> list:
