@@ -97,7 +97,7 @@ void BindLayoutRecords(py::module_& m) {
       .def("__repr__", [](const ChunkGroup& g) {
         return Repr("ChunkGroup", g, {"trainable", "used_elems", "tensors", "pieces"});
       });
-  using UnitNeed = session::Session::UnitNeed;
+  using UnitNeed = session::Layout::UnitNeed;
   py::class_<UnitNeed>(m, "UnitNeed")
       .def_readonly("bytes", &UnitNeed::bytes)
       .def_readonly("unit", &UnitNeed::unit)
