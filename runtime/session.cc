@@ -1,5 +1,7 @@
-// Session (see session.h): creation, chunk access, values, gradients and the optimizer step's
-// decision (its application: optimizer_stepper.cc; planning: plan_runner.cc).
+// Session (see session.h): creation, and the bodies the session calls itself as well as its
+// facets (session_facets.h, "Where a member's body lives"): chunk access, values, gradients
+// and the optimizer step's decision (its application: optimizer_stepper.cc; planning:
+// plan_runner.cc). The bodies only a facet calls are in session_facets.cc.
 //
 // Create is four steps: Validate (the device kind resolved, the modes it refuses), LayOut
 // (layout.h: the pure layout and its invariants), HostRoomFor (layout.h: the host room of the

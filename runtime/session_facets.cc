@@ -1,4 +1,6 @@
-// The facets forward to the session's implementation (session_facets.h).
+// The facets (session_facets.h): the bodies only a facet calls, working on the session's state
+// directly (the facets are its friends), and one-line forwards to the bodies the session
+// calls itself too (session.cc, checkpoint.cc, session_file_homes.cc).
 #include "runtime/session_facets.h"
 
 #include <algorithm>
