@@ -26,9 +26,9 @@
 //   - T is c's home and c has a cached copy above: write the copy back if dirty, free it.
 //   - otherwise: allocate on T (evicting), then fill it from the cached copy (moving it up or
 //     down a tier; dirty is kept), from zeros (dirty, home stale), or from home (clean).
-// AcquireForWrite is Acquire except that a zero chunk landing on a non-host tier is handed over
-// unfilled and the caller zeroes it (no synchronous copy from the zero source); it is dirty all
-// the same.
+// AcquireForWrite is Acquire except that a zero chunk is handed over unfilled, on any tier, and
+// the caller zeroes what it does not overwrite (no synchronous copy from the zero source on a
+// device, no memset the caller's own writes would repeat on the host); it is dirty all the same.
 // Release unpins; a modified cached copy becomes dirty. Eviction frees a cached copy after
 // writing it back if dirty. Homes never move and are freed only by the destructor (or
 // replaced by AdoptHostCopy, AdoptNvmeCopy or SetReadOnlyHome).
@@ -407,7 +407,9 @@ void Engine::SettleLandedWriteBack(ChunkId chunk) {
   const ChunkRec& c = chunks_[chunk];
   if (!c.writing_back() || !c.Landed()) return;
   Status wb = WaitInflight(chunk, "");
-  if (!wb.ok()) TIERMEM_LOG(kWarn) << wb.message() << "; retrying when evicted";
+  if (!wb.ok()) {
+    TIERMEM_LOG(kWarn) << wb.message() << "; retrying when evicted";
+  }
 }
 
 StatusOr<bool> Engine::EvictOne(TierKind tier, ChunkId chunk, bool for_prefetch,
@@ -630,8 +632,8 @@ StatusOr<void*> Engine::AcquireImpl(ChunkId chunk, TierKind where, bool* must_ze
         s = MoveSync(chunk, c->cache, dst, "move between caches");
         if (s.ok()) s = FreeRegion(c->cache, chunk, !c->dirty);
       } else if (c->content == Content::kZero) {
-        // The caller of AcquireForWrite zeroes it itself (no copy); host regions get a memset.
-        if (must_zero != nullptr && where != TierKind::kHost) {
+        // The caller of AcquireForWrite zeroes it itself (no copy, no memset here).
+        if (must_zero != nullptr) {
           *must_zero = true;
         } else {
           s = FillZero(chunk, dst, "zero fill");
@@ -652,7 +654,11 @@ StatusOr<void*> Engine::AcquireImpl(ChunkId chunk, TierKind where, bool* must_ze
   // Now resident on `where`.
   Placed& at = c->cache.tier == where ? c->cache : c->home;
   if (c->content == Content::kZero) {
-    if (&at == &c->home) TIERMEM_RETURN_IF_ERROR(FillZero(chunk, at, "zero fill"));
+    if (&at == &c->home && must_zero != nullptr) {
+      *must_zero = true;  // a zero home: the caller of AcquireForWrite zeroes it
+    } else if (&at == &c->home) {
+      TIERMEM_RETURN_IF_ERROR(FillZero(chunk, at, "zero fill"));
+    }
     c->content = Content::kZeroFilled;
   }
   ++c->pins;

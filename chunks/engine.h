@@ -214,10 +214,10 @@ class Engine {
   // layer's experts, chosen by the routing at run time: not an entry of the recorded order
   // (it neither follows nor leaves it), scored by chunks/expert_cache.h instead.
   StatusOr<void*> Acquire(ChunkId chunk, TierKind where, uint32_t cls = kNoClass);
-  // Same, but when the content is lazily zero and would be filled by a synchronous copy from
-  // a zeros buffer (a non-host tier), the region is handed over unfilled and `*must_zero` is
-  // set: the caller then owes writing zeros over all ChunkBytes(chunk) bytes before anything
-  // else reads them (e.g. a device-side memset ordered before its own writes). Otherwise
+  // Same, but when the content is lazily zero the region (on any tier) is handed over unfilled
+  // and `*must_zero` is set: the caller then owes every one of the ChunkBytes(chunk) bytes —
+  // its own values or zeros — before anything else reads them (e.g. a device-side memset
+  // ordered before its own writes, or a loader zeroing only what it does not fill). Otherwise
   // `*must_zero` is false and the content is as Acquire gives it. `must_zero` is required.
   StatusOr<void*> AcquireForWrite(ChunkId chunk, TierKind where, bool* must_zero,
                                   uint32_t cls = kNoClass);

@@ -281,6 +281,25 @@ class DeepSpeedPolicy : public Following {
   Bytes bucket_;
 };
 
+// Belady's demand moves over the extended horizon the planner's own demand pass uses (the
+// iteration, then a copy of it): fetches only when a moment needs them, victims by BeladyKey
+// (dead on the tier first, then the farthest next read). Unlike the planner's own schedule
+// (MakeSchedule) nothing else leaves: a chunk dead on one tier stays cached there until a
+// moment needs its room or moves it (a host copy moved to the device is a host -> device
+// copy, not a write-back home and a read from NVMe).
+class BeladyMovesPolicy : public BaselinePolicy {
+ public:
+  explicit BeladyMovesPolicy(const NextUse* nu) : nu_(nu) {}
+  Status Before(SimulatedRun& ex, size_t i) override {
+    return EnsureMoment(ex, i, [&](ChunkId c, TierKind t) {
+      return BeladyKey(*nu_, c, t, i, ex.Chunk(c).dirty, ex.ChunkBytes(c));
+    });
+  }
+
+ private:
+  const NextUse* nu_;
+};
+
 }  // namespace
 
 std::string_view BaselineName(BaselineKind k) {
@@ -425,8 +444,10 @@ void HoistFetches(const ScheduleInput& in, const std::vector<std::vector<PlanAct
 
 }  // namespace
 
-StatusOr<Schedule> MimicSchedule(const ScheduleInput& in, BaselineKind kind,
-                                 const BaselineParams& params, bool hoist) {
+namespace {
+
+// The moves `policy` makes over `in.eff` from `in.start`, as a schedule (MimicSchedule).
+StatusOr<Schedule> ScheduleOfMoves(const ScheduleInput& in, Policy& policy, bool hoist) {
   const Trace& t = *in.trace;
   const EffIteration& eff = *in.eff;
   TIERMEM_ASSIGN_OR_RETURN(auto ex, SimulatedRun::Create(in.trace, in.machine, in.homes));
@@ -435,8 +456,7 @@ StatusOr<Schedule> MimicSchedule(const ScheduleInput& in, BaselineKind kind,
   }
   std::vector<LoggedMove> moves;
   ex->set_move_log(&moves);
-  auto policy = MakeBaselinePolicy(kind, &eff, params, t.MaxChunkBytes());
-  TIERMEM_ASSIGN_OR_RETURN(const IterationStats st, ex->Run(eff, *policy, 0));
+  TIERMEM_ASSIGN_OR_RETURN(const IterationStats st, ex->Run(eff, policy, 0));
   (void)st;
   // Per chunk the moments that access it, for the fetches' need moments.
   std::vector<std::vector<std::pair<uint32_t, TierKind>>> uses(t.chunks.size());
@@ -465,7 +485,12 @@ StatusOr<Schedule> MimicSchedule(const ScheduleInput& in, BaselineKind kind,
       }
     }
     if (mv.copy) out.device_in_bytes += a.tier == TierKind::kDevice ? t.chunks[mv.chunk].bytes : 0;
-    fetches[mv.moment].push_back(a);
+    // An allocation ahead of its use (the engine's lookahead allocates a chunk that a later
+    // moment overwrites) is issued at that use: a plan's allocation-only prefetch is honoured
+    // only by the moment that overwrites the chunk (PlanPolicy::Issue); its room is taken no
+    // earlier than the policy took it, so every other move still finds its room.
+    const bool alloc_ahead = !mv.copy && a.need_moment > mv.moment && a.need_moment < eff.size();
+    fetches[alloc_ahead ? a.need_moment : mv.moment].push_back(a);
   }
   if (hoist) {
     EvictEarly(eff, fetches, &evicts);
@@ -476,6 +501,20 @@ StatusOr<Schedule> MimicSchedule(const ScheduleInput& in, BaselineKind kind,
     out.actions[m].insert(out.actions[m].end(), fetches[m].begin(), fetches[m].end());
   }
   return out;
+}
+
+}  // namespace
+
+StatusOr<Schedule> MimicSchedule(const ScheduleInput& in, BaselineKind kind,
+                                 const BaselineParams& params, bool hoist) {
+  auto policy = MakeBaselinePolicy(kind, in.eff, params, in.trace->MaxChunkBytes());
+  return ScheduleOfMoves(in, *policy, hoist);
+}
+
+StatusOr<Schedule> BeladyMovesSchedule(const ScheduleInput& in, bool hoist) {
+  const NextUse nu({in.eff, in.eff}, in.trace->chunks.size());
+  BeladyMovesPolicy policy(&nu);
+  return ScheduleOfMoves(in, policy, hoist);
 }
 
 }  // namespace tiermem::planners

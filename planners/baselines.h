@@ -59,4 +59,12 @@ std::unique_ptr<BaselinePolicy> MakeBaselinePolicy(BaselineKind kind, const EffI
 StatusOr<Schedule> MimicSchedule(const ScheduleInput& in, BaselineKind kind,
                                  const BaselineParams& params, bool hoist = false);
 
+// Belady's demand moves over `in.eff` from `in.start` (BeladyKey over the iteration and a copy
+// of it: the planner's demand pass, without MakeSchedule's early leaving of chunks dead on a
+// tier), as MimicSchedule makes a schedule of a baseline's moves (`hoist` likewise). On the
+// device tier its fetches are the Belady optimum; a chunk dead on one tier stays cached there
+// until its room is needed, so a host copy the device reads next moves host -> device instead
+// of going home to NVMe and coming back.
+StatusOr<Schedule> BeladyMovesSchedule(const ScheduleInput& in, bool hoist = false);
+
 }  // namespace tiermem::planners

@@ -15,17 +15,17 @@
 //   3. the activation search again under the chosen optimizer placement.
 // Before them (PlanOptions::mimic_baselines) the baseline policies' own moves are candidates
 // (baselines.h, MimicSchedule: under the recorded placement as they run, with their homes
-// too when homes are free), and the same moves with evictions early and fetches hoisted;
-// and with homes free, the planner's schedule is tried with the baselines' homes as well (the
-// search goes on with the better home rule).
+// too when homes are free), and the same moves with evictions early and fetches hoisted, and
+// Belady's demand moves (BeladyMovesSchedule) as issued and hoisted; and with homes free, the
+// planner's schedule is tried with the baselines' homes as well (the search goes on with the
+// better home rule). The hoisted baselines and Belady's moves are tried again on the chosen
+// placement at the end.
 // A candidate that does not fit is skipped. Candidates are ranked against the plain baseline
-// candidates' bar (Search::Rank): in its steady iteration, how many of bytes into the device,
-// NVMe bytes, stall and iteration time are no higher than the least of each over them; all
-// four meets the bar (no worse than any baseline on any measure). More beats fewer; below the
-// bar the planner's own schedules beat the baselines' moves; otherwise the least modelled
-// iteration time wins (ties: fewer bytes into the device, then the earlier candidate) —
-// or, with PlanObjective::kBytes, the fewest bytes into the device, a recompute's compute counted
-// as the bytes a host->device copy moves in that time (ties: less time).
+// candidates' bar (ranking.h: in its steady iteration, how many of bytes into the device, NVMe
+// bytes, stall and — with PlanObjective::kTime — iteration time are no higher than the least
+// of each over them; all of them meets the bar, no worse than any baseline on any measure).
+// Since a baseline's plain moves are candidates themselves, the plan is never below the bar
+// where one baseline alone meets it.
 #include "planners/planner.h"
 
 #include <algorithm>
@@ -37,13 +37,11 @@
 #include <set>
 
 #include "planners/baselines.h"
+#include "planners/ranking.h"
 #include "planners/schedule.h"
 
 namespace tiermem::planners {
 namespace {
-
-// Bytes of the copy whose modelled time gives the host->device rate (the latency negligible).
-constexpr Bytes kRecomputeProbe = Bytes{1} << 30;
 
 int CategoryRank(Category c) {
   switch (c) {
@@ -66,6 +64,7 @@ struct Variant {
   bool wb_aware = false;        // ScheduleInput::writeback_aware
   int mimic = -1;               // >= 0: a BaselineKind whose moves are the schedule
   bool in_order_homes = false;  // PlaceHomesInOrder (the baselines' homes), not PlaceHomes
+  bool belady_moves = false;    // BeladyMovesSchedule (`aggressive`: hoisted), not MakeSchedule
 };
 
 struct Candidate {
@@ -130,6 +129,7 @@ class Search {
                                 .engine_lookahead = opt_.engine_lookahead,
                                 .deepspeed_bucket_bytes = opt_.deepspeed_bucket_bytes};
     const auto schedule = [&](const ScheduleInput& si) {
+      if (v.belady_moves) return BeladyMovesSchedule(si, v.aggressive);
       return v.mimic >= 0
                  ? MimicSchedule(si, static_cast<BaselineKind>(v.mimic), params, v.aggressive)
                  : MakeSchedule(si);
@@ -145,6 +145,7 @@ class Search {
     c.plan.writeback_aware = wb_aware;
     if (v.mimic >= 0)
       c.plan.baseline = std::string(BaselineName(static_cast<BaselineKind>(v.mimic)));
+    if (v.belady_moves) c.plan.baseline = "belady";
     TIERMEM_ASSIGN_OR_RETURN(auto ex, SimulatedRun::Create(&trace_, &machine_, p.home));
     for (ChunkId ch = 0; ch < trace_.chunks.size(); ++ch) {
       TIERMEM_RETURN_IF_ERROR(ex->Preload(ch, in.start.cache[ch], in.start.dirty[ch]));
@@ -212,9 +213,10 @@ class Search {
   }
 
   // Each baseline's moves under the recorded placement (homes as the planner places them and
-  // as the runtime does, when not fixed), offered as candidates; they set the bar (Meets).
+  // as the runtime does, when not fixed), offered as candidates; they set the bar (bar_).
   // Then the same moves with evictions early and fetches hoisted (MimicSchedule's `hoist`),
-  // under the recorded placement and under `base`, not part of the bar. Call before any other
+  // and Belady's demand moves, under the recorded placement and under `base`, not part of the
+  // bar. Call before any other
   // candidate is offered. A baseline that cannot run is skipped.
   void TryBaselines(const Placement& base) {
     Placement recorded;
@@ -226,11 +228,7 @@ class Search {
         StatusOr<Candidate> c = Evaluate(recorded, Variant{.mimic = k, .in_order_homes = in_order});
         if (!c.ok()) continue;
         const IterationStats& s = c->stats;
-        bar_.dev = std::min(bar_.dev, s.DeviceInBytes());
-        bar_.nvme = std::min(bar_.nvme, s.NvmeBytes());
-        bar_.stall = std::min(bar_.stall, s.stall_ns);
-        bar_.time = std::min(bar_.time, s.iteration_ns);
-        bar_.set = true;
+        bar_.Add(MeasuresOf(s));
         baselines_.push_back({.name = std::string(BaselineName(static_cast<BaselineKind>(k))),
                               .in_order_homes = in_order,
                               .iteration_ns = s.iteration_ns,
@@ -247,7 +245,8 @@ class Search {
   }
 
   // Each baseline's moves, hoisted, under placement `p` (homes by the current rule, and by the
-  // other rule too while homes are free and `p` carries none, i.e. before the search chose).
+  // other rule too while homes are free and `p` carries none, i.e. before the search chose);
+  // then Belady's demand moves under it (TryBeladyMoves).
   void TryHoistedBaselines(const Placement& p) {
     for (int k = 0; k < kNumBaselines; ++k) {
       Offer(
@@ -255,6 +254,25 @@ class Search {
       if (opt_.homes == nullptr && p.home.empty()) {
         Offer(Evaluate(
             p, Variant{.aggressive = true, .mimic = k, .in_order_homes = !in_order_homes_}));
+      }
+    }
+    TryBeladyMoves(p);
+  }
+
+  // Belady's demand moves (baselines.h, BeladyMovesSchedule) under placement `p`, as issued and
+  // hoisted, with homes as TryHoistedBaselines takes them. On a device trace with NVMe homes
+  // they keep a host copy the device reads next instead of sending it home (MakeSchedule's
+  // early leaving does): on the main job's SimDevice trace the candidate that moves the
+  // Belady optimum into the device with fewer NVMe bytes than any baseline.
+  void TryBeladyMoves(const Placement& p) {
+    for (const bool hoist : {false, true}) {
+      Offer(Evaluate(
+          p,
+          Variant{.aggressive = hoist, .in_order_homes = in_order_homes_, .belady_moves = true}));
+      if (opt_.homes == nullptr && p.home.empty()) {
+        Offer(Evaluate(
+            p, Variant{
+                   .aggressive = hoist, .in_order_homes = !in_order_homes_, .belady_moves = true}));
       }
     }
   }
@@ -271,54 +289,14 @@ class Search {
   uint32_t evaluated() const { return evaluated_; }
 
  private:
-  // What a candidate is judged on against the baselines, in its steady iteration: bytes into
-  // the device, bytes to and from NVMe, and with PlanObjective::kTime stall and iteration time
-  // (kBytes judges on bytes alone: those two are 0 here).
-  std::array<uint64_t, 4> Measures(const Candidate& c) const {
-    const IterationStats& s = c.stats;
-    const bool bytes_only = opt_.objective == PlanObjective::kBytes;
-    return {s.DeviceInBytes(), s.NvmeBytes(), bytes_only ? 0 : s.stall_ns,
-            bytes_only ? 0 : s.iteration_ns};
-  }
-
-  // How many of the measures reach the bar — each no higher than the least of it over the
-  // baselines' own moves (TryBaselines) — of the 4 (with PlanObjective::kBytes the two byte
-  // counts; stall and time count as reached). 4 meets the bar: no worse than any baseline on
-  // any measure, which is what "planned is the best policy" asks.
-  int Rank(const Candidate& c) const {
-    if (!bar_.set) return 4;
-    const std::array<uint64_t, 4> m = Measures(c);
-    return (m[0] <= bar_.dev) + (m[1] <= bar_.nvme) + (m[2] <= bar_.stall) + (m[3] <= bar_.time);
-  }
-
   bool Better(const Candidate& a, const Candidate& b) const {
-    const int ra = Rank(a), rb = Rank(b);
-    if (ra != rb) return ra > rb;
-    // Below the bar, the planner's own schedules before the baselines' moves (those are the
-    // net for the bar, not a schedule to prefer on time alone).
-    if (ra < 4 && (a.variant.mimic < 0) != (b.variant.mimic < 0)) return a.variant.mimic < 0;
-    const auto time = [](const Candidate& c) { return c.score_ns; };
-    // kBytes is for devices whose copies are memcpys on the compute's own cores (SimDevice):
-    // a recompute costs compute on those cores too, so it counts as the bytes a copy into
-    // the device moves in the same time — else dropping activations would always look free.
-    const double per_ns =
-        static_cast<double>(kRecomputeProbe) /
-        static_cast<double>(std::max<uint64_t>(
-            1, machine_.CopyNs(TierKind::kHost, TierKind::kDevice, kRecomputeProbe)));
-    // A host-mode machine (no device: compute on the host tier) moves bytes only to and
-    // from NVMe, so those are what kBytes counts there.
-    const bool host_mode = machine_.Budget(TierKind::kDevice) == 0;
-    const auto bytes = [per_ns, host_mode](const Candidate& c) {
-      if (host_mode) return c.stats.NvmeBytes();
-      return c.stats.DeviceInBytes() +
-             static_cast<Bytes>(per_ns * static_cast<double>(c.stats.recompute_ns));
-    };
-    if (opt_.objective == PlanObjective::kBytes) {
-      if (bytes(a) != bytes(b)) return bytes(a) < bytes(b);
-      return time(a) < time(b);
-    }
-    if (time(a) != time(b)) return time(a) < time(b);
-    return bytes(a) < bytes(b);
+    return RanksBefore(Ranked(a), Ranked(b), bar_, opt_.objective);
+  }
+  RankedCandidate Ranked(const Candidate& c) const {
+    return {.steady = MeasuresOf(c.stats),
+            .score_ns = c.score_ns,
+            .objective_bytes = ObjectiveBytes(c.stats, machine_),
+            .baseline_moves = c.variant.mimic >= 0};
   }
 
   Plan BuildPlan(const Placement& p, const EffIteration& eff, const Schedule& sched) const {
@@ -392,12 +370,7 @@ class Search {
   Status first_error_;
   uint32_t evaluated_ = 0;
   bool in_order_homes_ = false;  // Variant::in_order_homes of Try and TryHoistedBaselines
-  // The least of each over the baseline candidates in their steady iteration (Meets).
-  struct {
-    Bytes dev = ~Bytes{0}, nvme = ~Bytes{0};
-    uint64_t stall = UINT64_MAX, time = UINT64_MAX;
-    bool set = false;
-  } bar_;
+  BaselineBar bar_;              // over TryBaselines' plain candidates (ranking.h)
 };
 
 }  // namespace
@@ -975,7 +948,8 @@ std::string DescribePlan(const Plan& p, const Trace& trace) {
        " evictions, " + std::to_string(acts[2]) + " activation fetches over " +
        std::to_string(p.moments.size()) + " moments" +
        (!p.baseline.empty()
-            ? ", the " + p.baseline + " policy's moves" +
+            ? (p.baseline == "belady" ? ", Belady's demand moves"
+                                      : ", the " + p.baseline + " policy's moves") +
                   (p.aggressive_prefetch ? ", evictions and fetches as early as room allows" : "")
         : p.aggressive_prefetch ? ", prefetching ahead of Belady"
                                 : ", Belady fetches") +

@@ -151,7 +151,7 @@ struct Plan {
   bool aggressive_prefetch = false;  // the schedule prefetches ahead of Belady's fetches
   bool writeback_aware = false;      // its room model waits for dirty evictions' write-backs
   // Not encoded (descriptive): the baseline policy whose moves the schedule is (baselines.h,
-  // MimicSchedule), "" for the planner's own schedule.
+  // MimicSchedule; "belady": BeladyMovesSchedule), "" for the planner's own schedule.
   std::string baseline;
   uint32_t candidates_evaluated = 0;
   // Not encoded (descriptive): each baseline policy's own moves as the planner scored them

@@ -94,8 +94,8 @@ class ChunksFacet {
   // recorded order, and not checked against an executed plan (divergence there is expected).
   StatusOr<void*> Acquire(size_t group, chunks::ChunkKind kind, TierKind where,
                           uint32_t cls = chunks::kNoClass);
-  // As Acquire for a caller about to overwrite: a lazily zero chunk on the device is handed
-  // over unfilled and `*must_zero` set (the caller zeroes all of it first).
+  // As Acquire for a caller about to overwrite: a lazily zero chunk (on any tier) is
+  // handed over unfilled and `*must_zero` set (the caller writes or zeroes all of it first).
   StatusOr<void*> AcquireForWrite(size_t group, chunks::ChunkKind kind, TierKind where,
                                   bool* must_zero, uint32_t cls = chunks::kNoClass);
   // Starts bringing the chunk to `where` ahead of an acquire expected soon with `probability`:

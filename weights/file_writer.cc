@@ -8,6 +8,8 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <future>
+#include <utility>
 
 #include "base/crc32c.h"
 #include "base/fs.h"
@@ -44,26 +46,38 @@ StatusOr<std::unique_ptr<FileWriter>> FileWriter::Create(const std::string& path
   if (fd < 0 && (!want_direct || errno == EINVAL)) fd = open(path.c_str(), flags, 0644);
   if (fd < 0) return ErrnoToStatus(errno, "creating " + path);
   char* buf = static_cast<char*>(std::aligned_alloc(kBlock, buffer_bytes));
-  if (buf == nullptr) {
+  char* spare = static_cast<char*>(std::aligned_alloc(kBlock, buffer_bytes));
+  if (buf == nullptr || spare == nullptr) {
     close(fd);
-    return ResourceExhaustedError("file writer: no memory for a " + std::to_string(buffer_bytes) +
-                                  "-byte buffer");
+    std::free(buf);
+    std::free(spare);
+    return ResourceExhaustedError("file writer: no memory for two " + std::to_string(buffer_bytes) +
+                                  "-byte buffers");
   }
-  return std::unique_ptr<FileWriter>(new FileWriter(path, fd, direct, buf, buffer_bytes, crc));
+  return std::unique_ptr<FileWriter>(
+      new FileWriter(path, fd, direct, buf, spare, buffer_bytes, crc));
 }
 
-FileWriter::FileWriter(std::string path, int fd, bool direct, char* buf, Bytes buffer_bytes,
-                       bool crc)
+FileWriter::FileWriter(std::string path, int fd, bool direct, char* buf, char* spare,
+                       Bytes buffer_bytes, bool crc)
     : path_(std::move(path)),
       fd_(fd),
       direct_(direct),
       buf_(buf),
+      spare_(spare),
       buffer_bytes_(buffer_bytes),
       crc_on_(crc) {}
 
 FileWriter::~FileWriter() {
+  Drain().IgnoreError();  // the thread writes into spare_ and fd_ until then
   if (fd_ >= 0) close(fd_);
   std::free(buf_);
+  std::free(spare_);
+}
+
+Status FileWriter::Drain() {
+  if (!pending_.valid()) return OkStatus();
+  return pending_.get();
 }
 
 Status FileWriter::Put(const void* data, size_t n) {
@@ -81,6 +95,24 @@ Status FileWriter::Put(const void* data, size_t n) {
   return OkStatus();
 }
 
+StatusOr<std::span<char>> FileWriter::Space(size_t want) {
+  if (finished_) return FailedPreconditionError("file writer: Space after Finish on " + path_);
+  // used_ < buffer_bytes_ always: a full buffer is flushed at once.
+  return std::span<char>(buf_ + used_, std::max<size_t>(1, std::min(want, buffer_bytes_ - used_)));
+}
+
+Status FileWriter::Commit(size_t n) {
+  if (finished_) return FailedPreconditionError("file writer: Commit after Finish on " + path_);
+  if (n > buffer_bytes_ - used_) {
+    return InvalidArgumentError("file writer: Commit of " + std::to_string(n) + " bytes, " +
+                                std::to_string(buffer_bytes_ - used_) + " were free");
+  }
+  if (crc_on_) crc_ = Crc32c(buf_ + used_, n, crc_);
+  used_ += n;
+  if (used_ == buffer_bytes_) return Flush(buffer_bytes_);
+  return OkStatus();
+}
+
 uint32_t FileWriter::TakeCrc() {
   const uint32_t c = crc_;
   crc_ = 0;
@@ -88,7 +120,11 @@ uint32_t FileWriter::TakeCrc() {
 }
 
 Status FileWriter::Flush(size_t n) {
-  TIERMEM_RETURN_IF_ERROR(PWriteAll(fd_, buf_, n, offset_, path_));
+  TIERMEM_RETURN_IF_ERROR(Drain());  // spare_ is free again
+  std::swap(buf_, spare_);
+  pending_ = std::async(std::launch::async, [fd = fd_, p = spare_, n, off = offset_, path = path_] {
+    return PWriteAll(fd, p, n, off, path);
+  });
   offset_ += n;
   used_ = 0;
   return OkStatus();
@@ -97,12 +133,13 @@ Status FileWriter::Flush(size_t n) {
 Status FileWriter::Finish() {
   if (finished_) return OkStatus();
   finished_ = true;
-  if (used_ == 0) return OkStatus();
+  if (used_ == 0) return Drain();
   const uint64_t size = offset_ + used_;  // Flush moves offset_ and clears used_
   const size_t padded = direct_ ? AlignUp(used_, kBlock) : used_;
   std::memset(buf_ + used_, 0, padded - used_);
   const size_t used = used_;
   TIERMEM_RETURN_IF_ERROR(Flush(padded));
+  TIERMEM_RETURN_IF_ERROR(Drain());
   if (padded != used && ftruncate(fd_, static_cast<off_t>(size)) != 0) {
     return ErrnoToStatus(errno, "truncating " + path_);
   }
@@ -112,6 +149,7 @@ Status FileWriter::Finish() {
 
 Status FileWriter::Rewrite(uint64_t offset, const void* data, size_t n) {
   if (!finished_) return FailedPreconditionError("file writer: Rewrite before Finish");
+  TIERMEM_RETURN_IF_ERROR(Drain());
   if (!direct_) return PWriteAll(fd_, static_cast<const char*>(data), n, offset, path_);
   if (offset % kBlock != 0 || n % kBlock != 0) {
     return InvalidArgumentError("file writer: an O_DIRECT rewrite must be block-aligned");
@@ -127,8 +165,8 @@ Status FileWriter::Rewrite(uint64_t offset, const void* data, size_t n) {
 
 Status FileWriter::Close() {
   if (fd_ < 0) return OkStatus();
-  Status s;
-  if (fsync(fd_) != 0) s = ErrnoToStatus(errno, "fsync " + path_);
+  Status s = Drain();
+  if (fsync(fd_) != 0 && s.ok()) s = ErrnoToStatus(errno, "fsync " + path_);
   if (close(fd_) != 0 && s.ok()) s = ErrnoToStatus(errno, "closing " + path_);
   fd_ = -1;
   return s;

@@ -195,6 +195,28 @@ Status ShardWriter::Put(const void* data, size_t n) {
   return OkStatus();
 }
 
+StatusOr<std::span<char>> ShardWriter::Space(size_t want) {
+  if (finished_ || w_ == nullptr || total_left_ == 0) {
+    return FailedPreconditionError("weights export: Space after the last byte (or a failure)");
+  }
+  return w_->Space(static_cast<size_t>(std::min<uint64_t>(std::max<size_t>(want, 1), shard_left_)));
+}
+
+Status ShardWriter::Commit(size_t n) {
+  if (finished_ || w_ == nullptr) {
+    return FailedPreconditionError("weights export: Commit after the last byte (or a failure)");
+  }
+  if (n > shard_left_) {
+    return InvalidArgumentError("weights export: Commit past the end of a shard");
+  }
+  Status s = w_->Commit(n);
+  shard_left_ -= n;
+  total_left_ -= n;
+  if (s.ok()) s = Advance();
+  if (!s.ok()) Abandon();  // as Put: no half-written file stays behind
+  return s;
+}
+
 Status ShardWriter::Finish() {
   if (finished_) return OkStatus();
   if (total_left_ > 0 || shard_ < layout_.shards.size()) {

@@ -25,6 +25,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -79,6 +80,11 @@ class ShardWriter {
   // The next `n` bytes of the entries, in order() (an entry's bytes may come in any pieces;
   // a piece may span entries). Crossing the end of a shard commits it and starts the next.
   Status Put(const void* data, size_t n);
+  // Put without a copy (FileWriter::Space): room for at most `want` of the next bytes, within
+  // the current shard (at least one byte), filled by the caller and then taken with
+  // Commit(n), n <= its size. kFailedPrecondition after the last byte or a failure.
+  StatusOr<std::span<char>> Space(size_t want);
+  Status Commit(size_t n);
   // After the last byte: commits the last shard, writes the index (several shards), removes
   // stale shards. kFailedPrecondition when bytes are missing.
   Status Finish();

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <map>
 
 #include "planners/simulator.h"
 #include "test_support.h"
@@ -103,7 +104,10 @@ TEST(CanonicalTracesTest, RecordedMainJobTrace) {
 // them: with one measured iteration the first plan's transition can cost a little more stall). `mimic_baselines = false` (the planner's own schedules only) fails
 // it: on the main job's trace it moved 1.14x the engine's NVMe bytes, on gpt-ckpt at 25% more
 // than patrickstar into the device.
-void ExpectPlannedIsBest(const Trace& t, const MachineModel& m, const SimOptions& o = {}) {
+// `nvme_excess`: policies that planned moves exactly that many more NVMe bytes than (a stated
+// exception; every other measure still no higher).
+void ExpectPlannedIsBest(const Trace& t, const MachineModel& m, const SimOptions& o = {},
+                         const std::map<PolicyKind, Bytes>& nvme_excess = {}) {
   auto rs = Compare(t, m, o);
   ASSERT_TRUE(rs.ok()) << rs.status().ToString();
   const SimResult& planned = (*rs)[static_cast<int>(PolicyKind::kPlanned)];
@@ -115,7 +119,11 @@ void ExpectPlannedIsBest(const Trace& t, const MachineModel& m, const SimOptions
     if (!r.status.ok()) continue;  // keeps every activation: does not fit
     SCOPED_TRACE(PolicyName(p));
     EXPECT_LE(planned.total.DeviceInBytes(), r.total.DeviceInBytes());
-    EXPECT_LE(planned.total.NvmeBytes(), r.total.NvmeBytes());
+    if (auto it = nvme_excess.find(p); it != nvme_excess.end()) {
+      EXPECT_EQ(planned.total.NvmeBytes(), r.total.NvmeBytes() + it->second);
+    } else {
+      EXPECT_LE(planned.total.NvmeBytes(), r.total.NvmeBytes());
+    }
     EXPECT_LE(planned.total.stall_ns, r.total.stall_ns);
   }
 }
@@ -136,6 +144,79 @@ TEST(CanonicalTracesTest, PlannedIsTheBestPolicyOnTheMainJobsHostTraceWithTheRoo
   SimOptions o;
   o.engine_lookahead = EngineLookahead::kRoom;
   ExpectPlannedIsBest(*t, MachineModel::FromTrace(*t), o);
+}
+
+// The main job's SimDevice trace (tests/data/main-job.tmtrace: device 128 MiB plus its
+// recorded activation room, as RecordedMainJobTrace runs it; host 512 MiB, NVMe 4 GiB).
+MachineModel MainJobDeviceMachine(const Trace& t) {
+  Bytes act = 0;
+  for (const Moment& m : t.iterations[1].moments) act = std::max(act, m.activation_bytes);
+  MachineModel m = MachineModel::FromTrace(t);
+  m.budget[0] = t.budgets.device + act;
+  return m;
+}
+
+// With the room lookahead planned is the best policy on the trace as recorded (one measured
+// iteration). Before Belady's demand moves were a candidate (planners/ranking.h,
+// BeladyMovesSchedule) planned moved 1,845,841,920 NVMe bytes here against the engine's
+// 1,618,661,376.
+TEST(CanonicalTracesTest, PlannedIsTheBestPolicyOnTheMainJobsDeviceTraceWithTheRoomLookahead) {
+  auto t = ReadTraceFile(::tiermem::testing::TestData("main-job.tmtrace"));
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  SimOptions o;
+  o.engine_lookahead = EngineLookahead::kRoom;
+  ExpectPlannedIsBest(*t, MainJobDeviceMachine(*t), o);
+}
+
+// With the depth lookahead it is too, but for one chunk: its one measured iteration starts
+// from the warm-up's state, which planned ran under its own placement (CPU steps overlapped
+// with the backward) and the engine under the recorded one, and planned's begins by writing
+// home three chunks that warm-up left dirty where the engine leaves its last steps' state
+// dirty past the iteration's end: 1,590,263,808 NVMe bytes against 1,580,797,952, one chunk
+// (9,465,856 bytes) more; its bytes into the device (the Belady bound) and its stall are the
+// least. From the second measured iteration on it moves fewer than the engine
+// (PlannedIsTheBestPolicyOnTheMainJobsDeviceTraceOverMoreSteps). Before: 1,845,841,920.
+TEST(CanonicalTracesTest, PlannedIsTheBestPolicyOnTheMainJobsDeviceTraceButOneChunk) {
+  auto t = ReadTraceFile(::tiermem::testing::TestData("main-job.tmtrace"));
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  ExpectPlannedIsBest(*t, MainJobDeviceMachine(*t), {},
+                      {{PolicyKind::kEngine, Bytes{9'465'856}}});
+}
+
+// The recorded step repeated, so that more measured iterations follow the warm-up: planned
+// moves no more NVMe bytes, no more bytes into the device and stalls no longer than any other
+// policy over them, with either lookahead.
+TEST(CanonicalTracesTest, PlannedIsTheBestPolicyOnTheMainJobsDeviceTraceOverMoreSteps) {
+  auto t = ReadTraceFile(::tiermem::testing::TestData("main-job.tmtrace"));
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  const MachineModel m = MainJobDeviceMachine(*t);
+  for (int measured : {2, 3}) {
+    Trace u = *t;
+    while (u.iterations.size() < static_cast<size_t>(measured) + 1) {
+      u.iterations.push_back(t->iterations[1]);
+    }
+    for (EngineLookahead la : {EngineLookahead::kDepth, EngineLookahead::kRoom}) {
+      SCOPED_TRACE(std::to_string(measured) + " measured, " +
+                   std::string(EngineLookaheadName(la)) + " lookahead");
+      SimOptions o;
+      o.engine_lookahead = la;
+      ExpectPlannedIsBest(u, m, o);
+    }
+  }
+}
+
+// On the SimDevice trace the engine's moves are a candidate and part of the bar: its lookahead
+// allocates grads ahead of the moment that overwrites them, which MimicSchedule now issues at
+// that moment (a plan's allocation-only prefetch is honoured only there), so they replay
+// without repairs (they needed 26 and the engine was missing from the bar). The plan is
+// Belady's demand moves.
+TEST(CanonicalTracesTest, TheEnginesMovesAreACandidateOnTheMainJobsDeviceTrace) {
+  auto t = ReadTraceFile(::tiermem::testing::TestData("main-job.tmtrace"));
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  auto plan = MakePlan(*t, MainJobDeviceMachine(*t));
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  EXPECT_NE(plan->FindBaseline("engine"), nullptr);
+  EXPECT_EQ(plan->baseline, "belady");
 }
 
 TEST(CanonicalTracesTest, PlannedIsTheBestPolicyOnEveryBenchmarkTrace) {

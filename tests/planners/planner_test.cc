@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include "planners/ranking.h"
 #include "planners/simulator.h"
 #include "test_support.h"
 
@@ -149,6 +150,53 @@ TEST(PlannerTest, NvmeHoldsTheLeastAccessedChunksOptimizerStateFirst) {
   // updates the group there) and written back.
   EXPECT_GT(r->total.bytes[2][1] + r->total.bytes[2][0], 0u);
   EXPECT_GT(r->total.bytes[1][2] + r->total.bytes[0][2], 0u);
+}
+
+// The ranking against the baselines' bar (planners/ranking.h). With the byte objective bytes
+// come first (an eviction-only plan keeps the Belady optimum), and of equal bytes the one whose
+// stall reaches the bar wins even at a longer modelled time; with the time objective stall is
+// one of the counted measures.
+TEST(RankingTest, TheBytesObjectiveTakesTheStallThatReachesTheBarAmongEqualBytes) {
+  BaselineBar bar;
+  bar.Add({.device_in = 100, .nvme = 200, .stall_ns = 80, .iteration_ns = 1000});
+  bar.Add({.device_in = 120, .nvme = 180, .stall_ns = 50, .iteration_ns = 1100});
+  const RankedCandidate stalls{.steady = {.device_in = 100, .nvme = 180, .stall_ns = 60,
+                                          .iteration_ns = 900},
+                               .score_ns = 900,
+                               .objective_bytes = 100};
+  const RankedCandidate calm{.steady = {.device_in = 100, .nvme = 180, .stall_ns = 50,
+                                        .iteration_ns = 950},
+                             .score_ns = 950,
+                             .objective_bytes = 100};
+  EXPECT_TRUE(RanksBefore(calm, stalls, bar, PlanObjective::kBytes));
+  EXPECT_FALSE(RanksBefore(stalls, calm, bar, PlanObjective::kBytes));
+  RankedCandidate fewer = stalls;
+  fewer.objective_bytes = 99;
+  EXPECT_TRUE(RanksBefore(fewer, calm, bar, PlanObjective::kBytes));
+  // Time: calm reaches all four measures, the other misses stall.
+  EXPECT_EQ(bar.Reached(calm.steady, PlanObjective::kTime), 4);
+  EXPECT_EQ(bar.Reached(stalls.steady, PlanObjective::kTime), 3);
+  EXPECT_TRUE(RanksBefore(calm, stalls, bar, PlanObjective::kTime));
+  // Bytes: stall and time count as reached, so both reach all four.
+  EXPECT_EQ(bar.Reached(stalls.steady, PlanObjective::kBytes), 4);
+}
+
+// Below the bar the planner's own schedules come before a baseline's moves; at it, the
+// objective decides.
+TEST(RankingTest, BelowTheBarTheOwnScheduleComesFirst) {
+  BaselineBar bar;
+  bar.Add({.device_in = 100, .nvme = 100, .stall_ns = 10, .iteration_ns = 100});
+  const RankedCandidate own{.steady = {.device_in = 100, .nvme = 100, .stall_ns = 20,
+                                       .iteration_ns = 200},
+                            .score_ns = 200,
+                            .objective_bytes = 100};
+  RankedCandidate moves = own;
+  moves.score_ns = 150;
+  moves.baseline_moves = true;
+  EXPECT_TRUE(RanksBefore(own, moves, bar, PlanObjective::kTime));
+  EXPECT_FALSE(RanksBefore(moves, own, bar, PlanObjective::kTime));
+  BaselineBar none;  // no baseline: every candidate meets it; the faster wins
+  EXPECT_TRUE(RanksBefore(moves, own, none, PlanObjective::kTime));
 }
 
 }  // namespace

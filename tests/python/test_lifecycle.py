@@ -177,3 +177,34 @@ def test_a_step_that_raises_frees_its_graph_and_the_model_can_be_dropped(tmp_pat
     gc.collect()
     assert rt() is None
     assert _timelines(tmp_path) == []
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_set_up_gives_the_collector_back_as_it_found_it(enabled, tmp_path, monkeypatch):
+    """Set-up and export run with Python's cyclic collector paused (shared.collector_paused: its
+    passes over torch's objects cost a checkpoint load a sixth of its time); after initialize,
+    inference, save_weights, and a set-up that raises, the collector is as the caller left
+    it."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    was = gc.isenabled()
+    try:
+        gc.enable() if enabled else gc.disable()
+        seen = []
+        with torch.device("meta"):
+            model = make_pair()[1]
+
+        def init(module):  # runs inside set-up, module by module
+            seen.append(gc.isenabled())
+        model, opt = tiermem.initialize(model, {"device": "1MiB"}, init=init)
+        assert seen and not any(seen)  # paused while set-up ran
+        assert gc.isenabled() == enabled
+        tiermem.save_weights(model, str(tmp_path / "w.safetensors"))
+        assert gc.isenabled() == enabled
+        served = tiermem.inference(make_pair()[0], {"device": "1MiB"})
+        assert gc.isenabled() == enabled
+        with pytest.raises(ValueError):
+            tiermem.initialize(make_pair()[0], {"device": "1MiB", "chunk_size": -1})
+        assert gc.isenabled() == enabled
+        del model, opt, served
+    finally:
+        gc.enable() if was else gc.disable()

@@ -191,6 +191,45 @@ TEST_P(LoadIntoEveryTier, Bf16IntoFp32ChunksExactlyWithoutReadingNvmeBack) {
   }
 }
 
+// The loader acquires each lazily zero fp32 chunk unfilled and writes its tensors: every
+// element no tensor covers (the padding between and after them) is zero after the load, even
+// where the memory handed over held other bytes (a chunk zeroed lazily over old content).
+TEST_P(LoadIntoEveryTier, ChunkPaddingStaysZero) {
+  WriteWeights(dir_ + "/ckpt", Named(kSpecs, DType::kBF16), 20'000);
+  auto s = MakeParam("fp32");
+  ASSERT_NE(s, nullptr);
+  for (size_t g = 0; g < s->layout().num_groups(); ++g) {  // old bytes everywhere, then lazily zero
+    auto p = s->chunks().Acquire(g, ChunkKind::kParamFp32, TierKind::kHost);
+    ASSERT_THAT(p, IsOk());
+    std::memset(*p, 0xff, s->chunks().ChunkBytes(g, ChunkKind::kParamFp32));
+    ASSERT_THAT(s->chunks().Release(g, ChunkKind::kParamFp32, true), IsOk());
+    ASSERT_THAT(s->chunks().ZeroChunk(g, ChunkKind::kParamFp32), IsOk());
+  }
+  ASSERT_THAT(Load(*s, dir_ + "/ckpt", ByName(*s)), IsOk());
+  std::vector<std::vector<bool>> covered(s->layout().num_groups());
+  for (size_t g = 0; g < s->layout().num_groups(); ++g) {
+    covered[g].assign(s->chunks().ChunkBytes(g, ChunkKind::kParamFp32) / sizeof(float), false);
+  }
+  for (size_t t = 0; t < s->layout().num_tensors(); ++t) {
+    for (const auto& pc : s->layout().place(t).pieces) {
+      for (uint64_t i = 0; i < pc.numel; ++i) covered[pc.group][pc.offset + i] = true;
+    }
+  }
+  int padded = 0;
+  for (size_t g = 0; g < s->layout().num_groups(); ++g) {
+    auto p = s->chunks().Acquire(g, ChunkKind::kParamFp32, TierKind::kHost);
+    ASSERT_THAT(p, IsOk());
+    const auto* v = static_cast<const uint32_t*>(*p);  // bits: -0.0f is not padding's zero
+    for (size_t i = 0; i < covered[g].size(); ++i) {
+      if (covered[g][i]) continue;
+      ++padded;
+      ASSERT_EQ(v[i], 0u) << "group " << g << " element " << i;
+    }
+    ASSERT_THAT(s->chunks().Release(g, ChunkKind::kParamFp32, false), IsOk());
+  }
+  EXPECT_GT(padded, 0);  // the test is about them
+}
+
 // Mixed precision: the master and the compute copy bit for bit those WriteParam gives the same
 // values — from bf16, fp16 and fp32 files.
 TEST_P(LoadIntoEveryTier, MixedPrecisionEqualsWriteParamBitForBit) {

@@ -8,6 +8,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstring>
+#include <span>
+#include <vector>
+
+#include "base/crc32c.h"
 #include "tests/support/status_matchers.h"
 #include "tests/weights/weights_test_support.h"
 #include "weights/weight_files.h"
@@ -220,6 +225,87 @@ TEST_F(ShardWriterTest, FileWriterPadsOnlyInMemoryAndRewritesInPlace) {
   ASSERT_THAT((*w)->Rewrite(0, head.data(), head.size()), IsOk());
   ASSERT_THAT((*w)->Close(), IsOk());
   EXPECT_EQ(ReadAll(p), head + a.substr(4096) + b);
+}
+
+// Writing in place (Space + Commit, no copy) in irregular amounts, mixed with Put, across
+// entries and shards: the same files, index and bytes as Put alone; the CRC a FileWriter keeps
+// is the one Put gives; a Commit past the free room is refused.
+TEST_F(ShardWriterTest, InPlaceWritesEqualPut) {
+  std::vector<ShardEntry> e = {E("w1", DType::kF32, {3, 5}), E("w2", DType::kBF16, {7}),
+                               E("w3", DType::kF32, {1000}), E("empty", DType::kF32, {0}),
+                               E("w4", DType::kF16, {2, 2})};
+  ShardWriterOptions o;
+  o.max_shard_bytes = 100;
+  StatusOr<std::unique_ptr<ShardWriter>> w = ShardWriter::Create(dir_, e, o);
+  ASSERT_THAT(w, IsOk());
+  std::string all;
+  for (size_t i : (*w)->order()) all += Bytes(i, e[i].bytes());
+  size_t at = 0, round = 0;
+  while (at < all.size()) {
+    const size_t want = std::min<size_t>(all.size() - at, 1 + (round * 977) % 3001);
+    if (round++ % 3 == 2) {
+      ASSERT_THAT((*w)->Put(all.data() + at, want), IsOk());
+      at += want;
+      continue;
+    }
+    StatusOr<std::span<char>> room = (*w)->Space(want);
+    ASSERT_THAT(room, IsOk());
+    ASSERT_GE(room->size(), 1u);
+    ASSERT_LE(room->size(), want);
+    std::memcpy(room->data(), all.data() + at, room->size());
+    ASSERT_THAT((*w)->Commit(room->size()), IsOk());
+    at += room->size();
+  }
+  EXPECT_THAT((*w)->Space(1), StatusIs(StatusCode::kFailedPrecondition, "after the last byte"));
+  ASSERT_THAT((*w)->Finish(), IsOk());
+  StatusOr<WeightFiles> back = OpenWeights(dir_);
+  ASSERT_THAT(back, IsOk());
+  ASSERT_EQ(back->files.size(), 3u);
+  for (size_t i = 0; i < e.size(); ++i) {
+    EXPECT_EQ(*ReadTensorBytes(*back, e[i].key), Bytes(i, e[i].bytes())) << e[i].key;
+  }
+
+  // A FileWriter's buffer of 8192 bytes: 10000 bytes in place fill it (a flush) and go on.
+  std::string a(10000, '\0');
+  for (size_t k = 0; k < a.size(); ++k) a[k] = static_cast<char>(k * 13);
+  StatusOr<std::unique_ptr<FileWriter>> f = FileWriter::Create(Path("f.bin"), true, 8192, true);
+  ASSERT_THAT(f, IsOk());
+  std::vector<size_t> sizes;
+  for (size_t done = 0; done < a.size();) {
+    StatusOr<std::span<char>> room = (*f)->Space(std::min<size_t>(5000, a.size() - done));
+    ASSERT_THAT(room, IsOk());
+    std::memcpy(room->data(), a.data() + done, room->size());
+    ASSERT_THAT((*f)->Commit(room->size()), IsOk());
+    sizes.push_back(room->size());
+    done += room->size();
+  }
+  EXPECT_THAT(sizes, ElementsAre(5000u, 3192u, 1808u));  // cut at the buffer's end
+  EXPECT_EQ((*f)->TakeCrc(), Crc32c(a.data(), a.size(), 0));
+  EXPECT_THAT((*f)->Commit(8192), StatusIs(StatusCode::kInvalidArgument, "6384 were free"));
+  ASSERT_THAT((*f)->Finish(), IsOk());
+  ASSERT_THAT((*f)->Close(), IsOk());
+  EXPECT_EQ(ReadAll(Path("f.bin")), a);
+}
+
+// A write that fails on the writer's thread (a full disk: /dev/full answers ENOSPC) is
+// returned by the next call that waits for it — a later flush, Finish or Close — never lost.
+TEST(FileWriterTest, AFailedWriteOnItsThreadIsReturnedByALaterCall) {
+  const std::string big(3 * 8192, 'x');
+  for (int where = 0; where < 3; ++where) {
+    StatusOr<std::unique_ptr<FileWriter>> f = FileWriter::Create("/dev/full", false, 8192);
+    ASSERT_THAT(f, IsOk());
+    Status s;
+    if (where == 0) {  // a second flush waits for the first write
+      s = (*f)->Put(big.data(), big.size());
+    } else if (where == 1) {  // Finish waits for the one write
+      ASSERT_THAT((*f)->Put(big.data(), 8192), IsOk());
+      s = (*f)->Finish();
+    } else {  // Close waits for it too
+      ASSERT_THAT((*f)->Put(big.data(), 8192), IsOk());
+      s = (*f)->Close();
+    }
+    EXPECT_THAT(s, StatusIs(StatusCode::kResourceExhausted, "writing /dev/full")) << where;
+  }
 }
 
 }  // namespace

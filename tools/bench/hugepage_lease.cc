@@ -1,6 +1,7 @@
 #include "tools/bench/hugepage_lease.h"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/file.h>
@@ -33,6 +34,11 @@ struct SignalUndo {
 };
 SignalUndo g_undo;
 struct sigaction g_previous[kNumSignals];
+// The thread that installed the handlers: the bench's own, which waits for fio. The undoing runs
+// there only — on another thread (an I/O or kernel worker the signal happened to reach), the
+// bench's thread would see fio killed under it and exit 1 with an error while the handler
+// still undoes, racing its raise (the CI flake of test_a_signal_mid_run...).
+pthread_t g_owner;
 
 // Blocks kSignals for its lifetime.
 class SignalsBlocked {
@@ -95,6 +101,10 @@ void UndoRecorded() {
 }
 
 void OnSignal(int sig) {
+  if (!pthread_equal(pthread_self(), g_owner)) {
+    ::pthread_kill(g_owner, sig);  // async-signal-safe; pending there while it blocks signals
+    return;
+  }
   if (g_undo.child > 0) {
     ::kill(g_undo.child, SIGTERM);
     ::waitpid(g_undo.child, nullptr, 0);  // its huge pages are free once it is gone
@@ -225,7 +235,12 @@ std::unique_ptr<HugePageLease> HugePageLease::Acquire(Bytes bytes) {
 }
 
 void HugePageLease::InstallHandlers() {
+  g_owner = pthread_self();
   for (int i = 0; i < kNumSignals; ++i) {
+    // A signal ignored when the bench started (a background job's SIGINT, nohup's SIGHUP)
+    // stays ignored: catching it would undo the lease under a run that goes on.
+    ::sigaction(kSignals[i], nullptr, &g_previous[i]);
+    if (g_previous[i].sa_handler == SIG_IGN) continue;
     struct sigaction sa {};
     sa.sa_handler = OnSignal;
     sigemptyset(&sa.sa_mask);

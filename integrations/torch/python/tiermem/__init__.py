@@ -19,6 +19,7 @@ from .hf import save_pretrained
 from .optimizer import ChunkedAdamW
 from .runtime import TiermemRuntime
 from .serve import ServingRuntime
+from .shared import collector_paused
 from .tensor import ChunkTensor
 from .weights import save_weights
 
@@ -67,8 +68,9 @@ def initialize(model, config=None, param_groups=None, units=None, process_group=
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("initialize: the model has no trainable parameters")
     root = _compiled_root(model)
-    runtime = TiermemRuntime(root, cfg, param_groups, units, process_group, experts=experts,
-                             init=init, weights=weights, strict=strict)
+    with collector_paused():
+        runtime = TiermemRuntime(root, cfg, param_groups, units, process_group, experts=experts,
+                                 init=init, weights=weights, strict=strict)
     try:
         optimizer = ChunkedAdamW(runtime)
     except BaseException:
@@ -102,8 +104,9 @@ def inference(model, config=None, units=None, experts=True, init=None, weights=N
         raise ValueError("inference: this model is already managed by tiermem")
     cfg = parse_config(config)
     root = _compiled_root(model)
-    root._tiermem_runtime = ServingRuntime(root, cfg, units, experts=experts, init=init,
-                                           weights=weights, strict=strict)
+    with collector_paused():
+        root._tiermem_runtime = ServingRuntime(root, cfg, units, experts=experts, init=init,
+                                               weights=weights, strict=strict)
     return model
 
 
@@ -131,3 +134,4 @@ def runtime_of(model) -> TiermemRuntime:
     if rt is None:
         raise ValueError("model is not managed by tiermem")
     return rt
+

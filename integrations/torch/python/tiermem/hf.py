@@ -61,6 +61,7 @@ from types import SimpleNamespace
 import torch
 
 from . import _C
+from .shared import collector_paused
 from .symbolic import Sym, Unsupported
 from .weights import (LoadPlan, _persistent_buffers, check_export_dtype, export,
                       managed_runtime)
@@ -520,6 +521,7 @@ def config_dtype(dtype) -> str:
     return str(dtype or torch.float32).removeprefix("torch.")
 
 
+@collector_paused()
 def save_pretrained(model, path, max_shard_size="5GB", dtype=None):
     """Writes a tiermem-managed transformers model to directory `path` as its
     ``save_pretrained`` would (docs/pretrained.md): sharded safetensors in Hugging Face's

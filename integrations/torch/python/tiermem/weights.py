@@ -30,6 +30,7 @@ import warnings
 import torch
 
 from . import _C
+from .shared import collector_paused
 
 _DTYPE_NAMES = {None: "F32", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
@@ -158,6 +159,7 @@ class LoadPlan:
         self.originals = []
 
 
+@collector_paused()
 def save_weights(model, path, max_shard_size="5GB", dtype=None):
     """Writes a tiermem-managed model's parameters (the fp32 values: masters in mixed
     precision) and persistent buffers to `path`, keyed by their ``state_dict`` names, streamed
