@@ -453,7 +453,7 @@ Status Session::SaveCheckpoint(const std::string& path, const CheckpointMeta& me
   const std::string placeholder = weights::HeaderText(infos, meta_map(kCrcPlaceholder), kBlock);
   const uint64_t header_bytes = placeholder.size();
 
-  if (sharded()) {
+  if (layout_.sharded()) {
     // Every rank takes part in the gathers, chunk by chunk (cached while consecutive tensors
     // share one); rank 0 writes the file.
     gather_cache_ = true;
@@ -481,7 +481,7 @@ Status Session::SaveCheckpoint(const std::string& path, const CheckpointMeta& me
     return e.part == Part::kAbsmax ? reinterpret_cast<const char*>(absmax.data())
                                    : reinterpret_cast<const char*>(buf.data());
   };
-  if (sharded() && rank() != 0) {
+  if (layout_.sharded() && layout_.rank != 0) {
     for (size_t i = 0; i < layout_.specs.size(); ++i) {
       for (const Entry& e : saved[i]) TIERMEM_RETURN_IF_ERROR(read(i, e).WithContext("checkpoint"));
     }
@@ -496,8 +496,9 @@ Status Session::SaveCheckpoint(const std::string& path, const CheckpointMeta& me
   if (s.ok()) s = w.Put(placeholder.data(), placeholder.size());
   w.TakeCrc();
   Status gathers;
-  for (size_t i = 0; i < layout_.specs.size() && gathers.ok() && (s.ok() || sharded()); ++i) {
-    for (size_t k = 0; k < saved[i].size() && gathers.ok() && (s.ok() || sharded()); ++k) {
+  for (size_t i = 0; i < layout_.specs.size() && gathers.ok() && (s.ok() || layout_.sharded());
+       ++i) {
+    for (size_t k = 0; k < saved[i].size() && gathers.ok() && (s.ok() || layout_.sharded()); ++k) {
       const Entry& e = saved[i][k];
       gathers = read(i, e);
       if (s.ok()) s = gathers;

@@ -264,6 +264,7 @@ void RoundForSharding(const Sharding& sharding, uint64_t state_align, Layout& l)
     l.chunk_elems = (l.chunk_elems + unit - 1) / unit * unit;
   }
   l.world = sharding.world;
+  l.rank = sharding.rank;
   l.shard_elems = l.chunk_elems / static_cast<uint64_t>(sharding.world);
   l.shard_begin = l.shard_elems * static_cast<uint64_t>(sharding.rank);
 }
@@ -393,6 +394,84 @@ Bytes Layout::ShardChunkBytes(size_t g, ChunkKind kind) const {
   const bool state_kind = kind == ChunkKind::kExpAvg || kind == ChunkKind::kExpAvgSq;
   return state_kind ? kernels::StateBytes(groups[g].state, shard_elems)
                     : shard_elems * kernels::DTypeSize(dtype(kind));
+}
+
+Bytes Layout::total_chunk_bytes() const {
+  Bytes total = 0;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    for (int k = 0; k < chunks::kNumChunkKinds; ++k) {
+      if (NeedsKind(g, static_cast<ChunkKind>(k)))
+        total += ShardChunkBytes(g, static_cast<ChunkKind>(k));
+    }
+  }
+  return total;
+}
+
+StatusOr<Bytes> Layout::UnitComputeBytes(const std::vector<size_t>& unit_groups,
+                                         const std::vector<std::vector<size_t>>& experts) const {
+  auto bytes = [&](size_t g) -> StatusOr<Bytes> {
+    if (g >= groups.size()) {
+      return OutOfRangeError("session: unknown chunk group " + std::to_string(g));
+    }
+    return ShardChunkBytes(g, compute_kind());
+  };
+  Bytes unit = 0, expert = 0;
+  for (size_t g : unit_groups) {
+    TIERMEM_ASSIGN_OR_RETURN(const Bytes b, bytes(g));
+    unit += b;
+  }
+  for (const std::vector<size_t>& e : experts) {
+    Bytes beyond = 0;
+    for (size_t g : e) {
+      if (std::find(unit_groups.begin(), unit_groups.end(), g) != unit_groups.end()) continue;
+      TIERMEM_ASSIGN_OR_RETURN(const Bytes b, bytes(g));
+      beyond += b;
+    }
+    expert = std::max(expert, beyond);
+  }
+  return unit + expert;
+}
+
+Layout::UnitNeed Layout::ServingMinimum() const {
+  UnitNeed most;
+  auto wide = [](const std::vector<uint32_t>& gs) {
+    return std::vector<size_t>(gs.begin(), gs.end());
+  };
+  for (size_t u = 0; u < units.size(); ++u) {
+    const UnitChunks& unit = units[u];
+    std::vector<std::vector<size_t>> experts;
+    for (const std::vector<uint32_t>& e : unit.experts) experts.push_back(wide(e));
+    // The layout's groups exist: UnitComputeBytes cannot refuse them.
+    const Bytes b = UnitComputeBytes(wide(unit.groups), experts).value();
+    if (b > most.bytes) most = {b, static_cast<int>(u)};
+  }
+  return most;
+}
+
+bool Placement::holds_grad_chunks() const {
+  return compute_budget >= GroupComputeBytes() * num_groups || sharded;
+}
+
+Bytes Placement::ActivationCap(size_t unit_groups) const {
+  const Bytes units = 2 * static_cast<Bytes>(unit_groups) * GroupComputeBytes();
+  return compute_budget > units ? compute_budget - units : 0;
+}
+
+size_t Placement::RecentFullChunks(size_t unit_groups) const {
+  return std::min<size_t>(2 * unit_groups + 1, tier_budget / (4 * full_compute_chunk_bytes));
+}
+
+Placement PlaceOn(const Layout& layout, const SessionConfig& config, bool every_home_on_host) {
+  Placement p;
+  p.device_kind = config.device_kind;
+  const bool host = p.host_compute();
+  p.tier_budget = host ? config.host_budget : config.device_budget;
+  p.compute_budget = !host ? config.device_budget : every_home_on_host ? config.host_budget : 0;
+  p.total_chunk_bytes = layout.total_chunk_bytes();
+  p.full_compute_chunk_bytes = layout.chunk_elems * layout.compute_element_size();
+  p.num_groups = layout.groups.size();
+  p.sharded = layout.sharded();
+  return p;
 }
 
 bool Layout::dense_first() const {

@@ -149,6 +149,7 @@ struct Layout {
   uint64_t shard_elems = 0;    // elements of each kind per chunk on this rank
   uint64_t shard_begin = 0;    // this rank's first element, full coordinates
   int world = 1;               // ranks sharing every chunk (Sharding::world)
+  int rank = 0;                // this rank, in [0, world) (Sharding::rank)
   // Every chunk byte of tensor data (params, grads, m and v in their formats, fp32 masters),
   // full (not per shard), without padding.
   Bytes model_bytes = 0;
@@ -167,11 +168,24 @@ struct Layout {
   // By group: 1 when every piece it holds is an expert's (a served MoE homes these last).
   std::vector<uint8_t> expert_group;
 
+  // ---- read-only facts (the bindings ask them of Session::layout(); none re-derives them) ----
   bool mixed() const { return IsMixed(precision); }
   bool sharded() const { return world > 1; }
   kernels::DType compute_dtype() const { return ComputeDType(precision); }
+  // Bytes per element of the compute copy (the params and grads the model computes with).
+  size_t compute_element_size() const { return kernels::DTypeSize(compute_dtype()); }
   // The chunks the model computes with.
   ChunkKind compute_kind() const { return mixed() ? ChunkKind::kParamLowp : ChunkKind::kParamFp32; }
+  size_t num_tensors() const { return tensors.size(); }
+  size_t num_groups() const { return groups.size(); }
+  const TensorSpec& spec(size_t tensor) const { return specs[tensor]; }
+  const TensorPlace& place(size_t tensor) const { return tensors[tensor]; }
+  const ChunkGroup& group(size_t g) const { return groups[g]; }
+  // Whether group `g` was given a chunk of `kind` (its id filled: after the session created
+  // it). NeedsKind says which kinds it will be given.
+  bool has_kind(size_t g, ChunkKind kind) const {
+    return groups[g].chunks[static_cast<int>(kind)] != kNoChunk;
+  }
   // Element type of `kind`'s chunks (m and v: fp32 values; their stored format is the
   // group's state format).
   kernels::DType dtype(ChunkKind kind) const;
@@ -189,7 +203,72 @@ struct Layout {
   // A served mixture-of-experts model (experts and nothing trains): the dense groups' chunks
   // are created first and homed on the host, the experts' after them on NVMe.
   bool dense_first() const;
+  // Every chunk of every kind on this rank (NeedsKind), bytes (a shard each when sharded).
+  Bytes total_chunk_bytes() const;
+  // The compute-tier bytes one unit pins at once: the compute chunks (this rank's) of its
+  // `groups`, and of the largest of `experts` (each the groups of one expert that moves
+  // alone) beyond those. Serving needs a device budget of at least the largest unit's
+  // (kOutOfRange for an unknown group).
+  StatusOr<Bytes> UnitComputeBytes(const std::vector<size_t>& groups,
+                                   const std::vector<std::vector<size_t>>& experts = {}) const;
+  // Serving: the largest UnitComputeBytes of `units`, and which unit it is. A device budget
+  // below `bytes` cannot serve: the unit's chunks are pinned together while it computes.
+  // {0, -1} when no units were given.
+  struct UnitNeed {
+    Bytes bytes = 0;
+    int unit = -1;
+  };
+  UnitNeed ServingMinimum() const;
 };
+
+// What follows from where a session computes — the config's device kind and budgets, the
+// layout, and where the chunks are homed — derived once when the session's chunks exist
+// (PlaceOn), never changed after (homes never move), and read through Session::placement():
+// the one home of these facts, so that no binding re-derives them.
+struct Placement {
+  DeviceKind device_kind = DeviceKind::kSim;  // resolved: never DeviceKind::kAuto
+  // The budget of the compute tier as far as the bindings may plan with it, bytes: the
+  // device's; in host mode the host's when every chunk is homed there, else 0 (NVMe-homed
+  // chunks come and go through the host room the session keeps for them).
+  Bytes compute_budget = 0;
+  Bytes total_chunk_bytes = 0;  // every chunk of every kind on this rank (incl. padding)
+  Bytes tier_budget = 0;        // the compute tier's configured budget (host mode: the host's)
+  Bytes full_compute_chunk_bytes = 0;  // one full (gathered) chunk of the compute kind
+  size_t num_groups = 0;
+  bool sharded = false;
+
+  bool cuda() const { return IsCuda(device_kind); }
+  // Host mode (DeviceKind::kHost): no device tier; the bindings compute on chunks acquired
+  // on the host tier, in place for host-homed chunks (no copy), NVMe-homed ones read into
+  // host room before use and written back (dirty) or dropped (clean) after.
+  bool host_compute() const { return IsHostCompute(device_kind); }
+  // Where the bindings acquire the chunks they compute with: kDevice, or kHost in host mode.
+  TierKind compute_tier() const { return host_compute() ? TierKind::kHost : TierKind::kDevice; }
+  // Every chunk of every kind fits the compute tier at once, so nothing ever has to move:
+  // there is no schedule to plan, and a binding may keep its compute chunks acquired.
+  bool compute_tier_holds_every_chunk() const { return compute_budget >= total_chunk_bytes; }
+  // Whether a binding keeps a group's grad chunk acquired through the backward until every
+  // parameter the forward used has its gradient (an acquire per parameter saved, the chunk
+  // pinned meanwhile): when the compute and grad chunks of every group fit the compute budget
+  // at once, and always when sharded (gradients are reduce-scattered a whole group at a time).
+  bool holds_grad_chunks() const;
+  // The compute-tier bytes that counted activations may keep there at most: the compute
+  // budget less the compute and grad chunks of two units of `unit_groups` groups (the largest
+  // unit's count), which a backward holds at once (the unit it is in and the next one, whose
+  // chunks arrive meanwhile); 0 when those take it all.
+  Bytes ActivationCap(size_t unit_groups) const;
+  // Sharded: how many gathered full compute chunks a binding keeps after their unit (so the
+  // next unit's shared groups and the backward's first unit need no second all-gather): two
+  // units of `unit_groups` groups and one more, and at most a quarter of the compute tier's
+  // configured budget.
+  size_t RecentFullChunks(size_t unit_groups) const;
+
+ private:
+  Bytes GroupComputeBytes() const { return 2 * full_compute_chunk_bytes; }  // compute + grad
+};
+// The placement of `layout` under `config` (its device kind resolved), `every_home_on_host`
+// when every chunk the session created is homed on the host tier.
+Placement PlaceOn(const Layout& layout, const SessionConfig& config, bool every_home_on_host);
 
 // Lays out `tensors` for `config` (its device kind resolved: never DeviceKind::kAuto; host
 // mode sizes chunks by the host budget) on this rank of `sharding`. kInvalidArgument for bad

@@ -157,7 +157,7 @@ class PlanRunner {
     // The engine's lookahead (EngineConfig), which the planner's engine baseline mimics.
     uint32_t engine_prefetch_depth = 4;
     planners::EngineLookahead engine_lookahead = planners::EngineLookahead::kDepth;
-    // Session::compute_tier_holds_every_chunk(): nothing moves but for counted activations.
+    // Placement::compute_tier_holds_every_chunk(): nothing moves but for counted activations.
     bool compute_tier_holds_every_chunk = false;
   };
   // Makes a plan from iteration `iteration` of `trace` (-1: its last) and executes it from

@@ -1,5 +1,7 @@
-// Session (see session.h): creation, chunk access, values, gradients and the optimizer step's
-// decision (its application: optimizer_stepper.cc; planning: plan_runner.cc).
+// Session (see session.h): creation, and the bodies the session calls itself as well as its
+// facets (session_facets.h, "Where a member's body lives"): chunk access, values, gradients
+// and the optimizer step's decision (its application: optimizer_stepper.cc; planning:
+// plan_runner.cc). The bodies only a facet calls are in session_facets.cc.
 //
 // Create is four steps: Validate (the device kind resolved, the modes it refuses), LayOut
 // (layout.h: the pure layout and its invariants), HostRoomFor (layout.h: the host room of the
@@ -149,7 +151,6 @@ Status Session::Build(const HostRoom& sized) {
         auto id = eng->AddChunk(layout_.ShardChunkBytes(gi, kind), chunks::ChunkKindCategory(kind));
         if (!id.ok()) return id.status();
         layout_.groups[gi].chunks[K(kind)] = *id;
-        total_chunk_bytes_ += eng->ChunkBytes(*id);
         if (IsStateKind(kind)) {
           state_bytes_ += eng->ChunkBytes(*id);
           state_bytes_fp32_ += layout_.shard_elems * 4;
@@ -157,7 +158,7 @@ Status Session::Build(const HostRoom& sized) {
       }
     }
   }
-  compute_budget_ = ComputeBudget();
+  placement_ = PlaceOn(layout_, config_, EveryHomeOnHost());
   return OkStatus();
 }
 
@@ -183,76 +184,14 @@ Status Session::Live() const {
   return OkStatus();
 }
 
-Bytes Session::ComputeBudget() const {
-  if (!host_compute()) return config_.device_budget;
+bool Session::EveryHomeOnHost() const {
   for (size_t g = 0; g < layout_.groups.size(); ++g) {
     for (int k = 0; k < chunks::kNumChunkKinds; ++k) {
       const ChunkKind kind = static_cast<ChunkKind>(k);
-      if (has_kind(g, kind) && Home(g, kind) != TierKind::kHost) return 0;
+      if (layout_.has_kind(g, kind) && Home(g, kind) != TierKind::kHost) return false;
     }
   }
-  return config_.host_budget;
-}
-
-// One group's compute and grad chunks, full (gathered when sharded).
-Bytes Session::GroupComputeBytes() const {
-  return layout_.chunk_elems * compute_element_size() * 2;
-}
-
-bool Session::holds_grad_chunks() const {
-  return compute_budget_ >= GroupComputeBytes() * layout_.groups.size() || sharded();
-}
-
-Bytes Session::ActivationCap(size_t unit_groups) const {
-  const Bytes units = 2 * static_cast<Bytes>(unit_groups) * GroupComputeBytes();
-  return compute_budget_ > units ? compute_budget_ - units : 0;
-}
-
-size_t Session::RecentFullChunks(size_t unit_groups) const {
-  const Bytes tier = host_compute() ? config_.host_budget : config_.device_budget;
-  const Bytes full = layout_.chunk_elems * compute_element_size();
-  return std::min<size_t>(2 * unit_groups + 1, tier / (4 * full));
-}
-
-StatusOr<Bytes> Session::UnitComputeBytes(const std::vector<size_t>& groups,
-                                          const std::vector<std::vector<size_t>>& experts) const {
-  auto bytes = [&](size_t g) -> StatusOr<Bytes> {
-    if (g >= layout_.groups.size()) {
-      return OutOfRangeError("session: unknown chunk group " + std::to_string(g));
-    }
-    return ChunkBytes(g, compute_kind());
-  };
-  Bytes unit = 0, expert = 0;
-  for (size_t g : groups) {
-    TIERMEM_ASSIGN_OR_RETURN(const Bytes b, bytes(g));
-    unit += b;
-  }
-  for (const std::vector<size_t>& e : experts) {
-    Bytes beyond = 0;
-    for (size_t g : e) {
-      if (std::find(groups.begin(), groups.end(), g) != groups.end()) continue;
-      TIERMEM_ASSIGN_OR_RETURN(const Bytes b, bytes(g));
-      beyond += b;
-    }
-    expert = std::max(expert, beyond);
-  }
-  return unit + expert;
-}
-
-Session::UnitNeed Session::ServingMinimum() const {
-  UnitNeed most;
-  auto wide = [](const std::vector<uint32_t>& gs) {
-    return std::vector<size_t>(gs.begin(), gs.end());
-  };
-  for (size_t u = 0; u < layout_.units.size(); ++u) {
-    const UnitChunks& unit = layout_.units[u];
-    std::vector<std::vector<size_t>> experts;
-    for (const std::vector<uint32_t>& e : unit.experts) experts.push_back(wide(e));
-    // The layout's groups exist: UnitComputeBytes cannot refuse them.
-    const Bytes b = UnitComputeBytes(wide(unit.groups), experts).value();
-    if (b > most.bytes) most = {b, static_cast<int>(u)};
-  }
-  return most;
+  return true;
 }
 
 std::string Session::io_backend() const { return stack_ ? stack_->io_backend() : ""; }
@@ -301,28 +240,6 @@ StatusOr<void*> Session::Acquire(size_t group, ChunkKind kind, TierKind where, u
   return p;
 }
 
-StatusOr<bool> Session::Prefetch(size_t group, ChunkKind kind, TierKind where, double probability) {
-  TIERMEM_RETURN_IF_ERROR(CheckKind(group, kind));
-  if (stepper_->pending(group)) return false;  // its update reads it first, on its own tier
-  return stack_->engine()->PrefetchHint(Chunk(group, kind), where, probability);
-}
-
-StatusOr<void*> Session::AcquireForWrite(size_t group, ChunkKind kind, TierKind where,
-                                         bool* must_zero, uint32_t cls) {
-  TIERMEM_RETURN_IF_ERROR(CheckKind(group, kind));
-  TIERMEM_RETURN_IF_ERROR(stepper_->RunPending(group, true));
-  stepper_->DropSpeculation(group);  // about to be written
-  const ChunkId c = Chunk(group, kind);
-  // Lazily zero content is not needed from below (nothing has to be copied in): a write.
-  const bool zero = stack_->engine()->ZeroContent(c);
-  StatusOr<void*> p = stack_->engine()->AcquireForWrite(c, where, must_zero, cls);
-  if (p.ok()) {
-    trace_.Access(c, zero ? planners::AccessMode::kWrite : planners::AccessMode::kReadWrite, where);
-    NoteClassAccess(c, where, cls);
-  }
-  return p;
-}
-
 Status Session::Release(size_t group, ChunkKind kind, bool modified) {
   TIERMEM_RETURN_IF_ERROR(CheckKind(group, kind));
   const ChunkId c = Chunk(group, kind);
@@ -348,11 +265,6 @@ int Session::Pins(size_t group, ChunkKind kind) const {
   return stack_->engine()->Pins(Chunk(group, kind));
 }
 
-bool Session::LazilyZero(size_t group, ChunkKind kind) const {
-  if (!CheckKind(group, kind).ok()) return false;
-  return stack_->engine()->ZeroContent(Chunk(group, kind));
-}
-
 TierKind Session::Resident(size_t group, ChunkKind kind) const {
   if (!CheckKind(group, kind).ok()) return TierKind::kNone;
   return stack_->engine()->Resident(Chunk(group, kind));
@@ -361,11 +273,6 @@ TierKind Session::Resident(size_t group, ChunkKind kind) const {
 TierKind Session::Home(size_t group, ChunkKind kind) const {
   if (!CheckKind(group, kind).ok()) return TierKind::kNone;
   return stack_->engine()->Home(Chunk(group, kind));
-}
-
-Bytes Session::ChunkBytes(size_t group, ChunkKind kind) const {
-  if (!CheckKind(group, kind).ok()) return 0;
-  return stack_->engine()->ChunkBytes(Chunk(group, kind));
 }
 
 // ---- values --------------------------------------------------------------------------------
@@ -399,7 +306,7 @@ Status Session::ReadTensorRange(size_t tensor, ChunkKind kind, uint64_t begin, u
     return ReadUpcast(tensor, begin, n, static_cast<float*>(out));
   }
   TIERMEM_RETURN_IF_ERROR(CheckRange(tensor, kind, begin, n));
-  const size_t es = kernels::DTypeSize(dtype(kind));
+  const size_t es = kernels::DTypeSize(layout_.dtype(kind));
   for (const Piece& p : layout_.tensors[tensor].pieces) {
     const uint64_t lo = std::max(p.begin, begin), hi = std::min(p.begin + p.numel, begin + n);
     if (lo >= hi) continue;
@@ -407,7 +314,7 @@ Status Session::ReadTensorRange(size_t tensor, ChunkKind kind, uint64_t begin, u
     TIERMEM_RETURN_IF_ERROR(stepper_->RunPending(p.group, true));
     char* dst = static_cast<char*>(out) + (lo - begin) * es;
     const uint64_t at = p.offset + (lo - p.begin);  // in the chunk
-    if (sharded()) {                                // collective: the chunk from every rank's shard
+    if (layout_.sharded()) {                        // collective: the chunk from every rank's shard
       TIERMEM_ASSIGN_OR_RETURN(const char* full, GatherChunk(p.group, kind));
       std::memcpy(dst, full + at * es, (hi - lo) * es);
       continue;
@@ -463,7 +370,7 @@ Status Session::WriteTensorRange(size_t tensor, ChunkKind kind, uint64_t begin, 
     return WriteExact(tensor, begin, n, static_cast<const float*>(values));
   }
   TIERMEM_RETURN_IF_ERROR(CheckRange(tensor, kind, begin, n));
-  const size_t es = kernels::DTypeSize(dtype(kind));
+  const size_t es = kernels::DTypeSize(layout_.dtype(kind));
   for (const Piece& p : layout_.tensors[tensor].pieces) {
     const uint64_t tlo = std::max(p.begin, begin), thi = std::min(p.begin + p.numel, begin + n);
     if (tlo >= thi) continue;
@@ -491,12 +398,12 @@ bool Session::ComputeOnly(size_t tensor) const {
 Status Session::ReadUpcast(size_t tensor, uint64_t begin, uint64_t n, float* out) {
   std::vector<uint16_t> low(n);
   TIERMEM_RETURN_IF_ERROR(ReadTensorRange(tensor, ChunkKind::kParamLowp, begin, n, low.data()));
-  kernels::CastToF32(low.data(), compute_dtype(), out, n);
+  kernels::CastToF32(low.data(), layout_.compute_dtype(), out, n);
   return OkStatus();
 }
 
 Status Session::CheckExact(size_t tensor, uint64_t begin, uint64_t n, const float* values) const {
-  const kernels::DType cd = compute_dtype();
+  const kernels::DType cd = layout_.compute_dtype();
   constexpr uint64_t kBlock = 1 << 16;
   std::vector<uint16_t> low(std::min(n, kBlock));
   std::vector<float> back(low.size());
@@ -524,7 +431,7 @@ Status Session::WriteExact(size_t tensor, uint64_t begin, uint64_t n, const floa
   // Every element checked before anything is written: a refused write changes nothing.
   TIERMEM_RETURN_IF_ERROR(CheckExact(tensor, begin, n, values));
   std::vector<uint16_t> low(n);
-  kernels::CastFromF32(values, low.data(), compute_dtype(), n);
+  kernels::CastFromF32(values, low.data(), layout_.compute_dtype(), n);
   return WriteTensorRange(tensor, ChunkKind::kParamLowp, begin, n, low.data());
 }
 
@@ -573,7 +480,7 @@ Status Session::StateRaw(size_t tensor, ChunkKind kind, void* codes_v, float* ab
     return eng->WriteAt(c, absmax_at + (lo - layout_.shard_begin) / f.block * 4,
                         absmax + (lo - t.offset) / f.block, (hi - lo + f.block - 1) / f.block * 4);
   }
-  if (!sharded()) {
+  if (!layout_.sharded()) {
     TIERMEM_RETURN_IF_ERROR(eng->ReadAt(c, t.offset * es, codes, t.numel * es));
     if (!int8) return OkStatus();
     return eng->ReadAt(c, absmax_at + t.offset / f.block * 4, absmax,
@@ -615,29 +522,12 @@ StatusOr<const char*> Session::GatherChunk(size_t group, ChunkKind kind) {
   return gathered_.data();
 }
 
-Status Session::ReadParam(size_t tensor, float* out) {
-  return ReadTensor(tensor, ChunkKind::kParamFp32, out);
-}
-
 Status Session::WriteParam(size_t tensor, const float* values) {
   TIERMEM_RETURN_IF_ERROR(WriteTensor(tensor, ChunkKind::kParamFp32, values));
-  if (!mixed() || ComputeOnly(tensor)) return OkStatus();  // it wrote the compute chunk
+  if (!layout_.mixed() || ComputeOnly(tensor)) return OkStatus();  // it wrote the compute chunk
   std::vector<uint16_t> low(layout_.tensors[tensor].numel);
-  kernels::CastFromF32(values, low.data(), compute_dtype(), low.size());
+  kernels::CastFromF32(values, low.data(), layout_.compute_dtype(), low.size());
   return WriteTensor(tensor, ChunkKind::kParamLowp, low.data());
-}
-
-Status Session::SetStepCount(size_t tensor, int64_t steps) {
-  if (tensor >= layout_.tensors.size()) return OutOfRangeError("session: unknown tensor");
-  if (steps < 0) return InvalidArgumentError("session: negative step count");
-  TIERMEM_RETURN_IF_ERROR(Live());
-  // The pending update counted the old value.
-  for (const Piece& p : layout_.tensors[tensor].pieces) {
-    TIERMEM_RETURN_IF_ERROR(stepper_->RunPending(p.group, true));
-    stepper_->DropSpeculation(p.group);
-  }
-  stepper_->set_step_count(tensor, steps);
-  return OkStatus();
 }
 
 // ---- gradients -------------------------------------------------------------------------------
@@ -645,7 +535,7 @@ Status Session::SetStepCount(size_t tensor, int64_t steps) {
 StatusOr<kernels::GradStats> Session::GradStats() {
   TIERMEM_RETURN_IF_ERROR(Live());
   kernels::GradStats total;
-  const kernels::DType gd = dtype(ChunkKind::kGrad);
+  const kernels::DType gd = layout_.dtype(ChunkKind::kGrad);
   const size_t es = kernels::DTypeSize(gd);
   for (size_t gi = 0; gi < layout_.groups.size(); ++gi) {
     const ChunkGroup& g = layout_.groups[gi];
@@ -663,7 +553,7 @@ StatusOr<kernels::GradStats> Session::GradStats() {
     // reads the memory in place.
     const bool dev = where == TierKind::kDevice;
     StatusOr<kernels::GradStats> st =
-        DeviceGradStats(cuda() && dev, spans, gd, dev ? stream_ : kHostStream);
+        DeviceGradStats(placement_.cuda() && dev, spans, gd, dev ? stream_ : kHostStream);
     Status rel = Release(gi, ChunkKind::kGrad, false);
     TIERMEM_RETURN_IF_ERROR(st.status());
     TIERMEM_RETURN_IF_ERROR(rel);
@@ -672,21 +562,6 @@ StatusOr<kernels::GradStats> Session::GradStats() {
   }
   total.sq_norm /= scaler_.scale * scaler_.scale;
   return total;
-}
-
-StatusOr<bool> Session::ZeroGrad() {
-  TIERMEM_RETURN_IF_ERROR(Live());
-  if (accumulating_) return false;
-  // Clearing the flags is what matters (only spans with a gradient are read); zeroing the
-  // chunks lazily lets the next backward skip fetching them. A chunk the binding keeps
-  // pinned (resident training) keeps its stale bytes instead.
-  for (size_t gi = 0; gi < layout_.groups.size(); ++gi) {
-    if (layout_.groups[gi].trainable && Pins(gi, ChunkKind::kGrad) == 0) {
-      TIERMEM_RETURN_IF_ERROR(ZeroChunk(gi, ChunkKind::kGrad));
-    }
-  }
-  std::fill(has_grad_.begin(), has_grad_.end(), 0);
-  return true;
 }
 
 // ---- optimizer --------------------------------------------------------------------------------
@@ -716,7 +591,7 @@ StatusOr<StepResult> Session::Step(const std::vector<GroupHyper>& hyper,
   accumulating_ = false;
   Phase(RunPhase::kOptimizer);
   const bool fp16 = config_.precision == Precision::kFp16;
-  if ((config_.gradient_clipping > 0 || fp16) && sharded() && global == nullptr) {
+  if ((config_.gradient_clipping > 0 || fp16) && layout_.sharded() && global == nullptr) {
     return FailedPreconditionError(
         "optimizer step of a sharded session with clipping or fp16: the gradient stats of the "
         "whole model (summed over ranks) are required");
@@ -755,19 +630,6 @@ StatusOr<StepResult> Session::Step(const std::vector<GroupHyper>& hyper,
   return r;
 }
 
-Status Session::FinishStep(size_t group) {
-  TIERMEM_RETURN_IF_ERROR(Live());
-  if (group >= layout_.groups.size()) {
-    return OutOfRangeError("session: unknown chunk group " + std::to_string(group));
-  }
-  return stepper_->RunPending(group, false);
-}
-
-Status Session::FinishSteps() {
-  TIERMEM_RETURN_IF_ERROR(Live());
-  return stepper_->RunAllPending(true);
-}
-
 TierKind Session::ReadTier(size_t g, ChunkKind kind) const {
   // Where a reduction over a chunk (GradStats) reads it without moving it: in place on the
   // device when it is there (a CUDA kernel on CUDA, the CPU on SimDevice), else on the host.
@@ -776,65 +638,18 @@ TierKind Session::ReadTier(size_t g, ChunkKind kind) const {
 
 // ---- iterations and stats -----------------------------------------------------------------------
 
-void Session::BeginIteration() {
-  if (closed()) return;
-  stepper_->BeginIteration();
-  const bool was_planned = runner_.active() && runner_.in_iteration();
-  const bool diverged = was_planned && !runner_.EndIteration();
-  stack_->engine()->BeginIteration();
-  if (trace_.armed()) {
-    if (trace_.needs_chunks()) DeclareTraceChunks();
-    const bool ours = trace_.in_memory();
-    StatusOr<bool> w = trace_.BeginIteration(TraceProbes(), TraceBudgets());
-    if (!w.ok()) {
-      // Training goes on; the error waits for FinishTrace (and is logged now).
-      TIERMEM_LOG(kError) << w.status().message();
-      trace_error_ = w.status();
-    } else if (*w && !ours) {
-      written_trace_ = trace_.path();
-    }
-  }
-  if (PlansIterations(config_.plan) && runner_.AtBoundary(diverged, &trace_, RunnerContext()) &&
-      trace_.ArmInMemory(1).ok()) {
-    // Recorded in memory for the runner's next boundary.
-    if (trace_.needs_chunks()) DeclareTraceChunks();
-    StatusOr<bool> w = trace_.BeginIteration(TraceProbes(), TraceBudgets());
-    if (!w.ok()) {
-      TIERMEM_LOG(kWarn) << "plan: recording: " << w.status().message();
-    }
-  }
-  runner_.BeginIteration();
-}
-
 PlanRunner::PlanContext Session::RunnerContext() const {
   PlanRunner::PlanContext ctx;
   ctx.engine = stack_->engine();
   ctx.activations = config_.activations;
-  ctx.cuda = cuda();
+  ctx.cuda = placement_.cuda();
   ctx.bar = DeclinesCostlierPlans(config_.plan);  // kAlways: the plan runs whatever its bytes
-  ctx.compute_tier_holds_every_chunk = compute_tier_holds_every_chunk();
+  ctx.compute_tier_holds_every_chunk = placement_.compute_tier_holds_every_chunk();
   ctx.engine_prefetch_depth = static_cast<uint32_t>(std::max(0, config_.prefetch_depth));
   ctx.engine_lookahead = config_.prefetch_lookahead == PrefetchLookahead::kRoom
                              ? planners::EngineLookahead::kRoom
                              : planners::EngineLookahead::kDepth;
   return ctx;
-}
-
-Status Session::ExecutePlanFrom(const planners::Trace& trace, int64_t iteration) {
-  TIERMEM_RETURN_IF_ERROR(Live());
-  return runner_.ExecuteFrom(trace, iteration, RunnerContext());
-}
-
-PlanStatus Session::plan_status() const {
-  PlanStatus s;
-  s.active = runner_.active();
-  s.runner = runner_.stats();
-  s.estimate = runner_.estimate();
-  s.actions = runner_.actions();
-  s.error = runner_.error();
-  s.declined = runner_.declined();
-  s.decision = runner_.decision();
-  return s;
 }
 
 void Session::Moment(std::string_view label, planners::MomentKind kind, uint32_t unit) {
@@ -847,13 +662,6 @@ void Session::Moment(std::string_view label, planners::MomentKind kind, uint32_t
 }
 
 // ---- warm-up trace ------------------------------------------------------------------------------
-
-Status Session::RecordTrace(const std::string& path, int iterations) {
-  TIERMEM_RETURN_IF_ERROR(Live());
-  TIERMEM_RETURN_IF_ERROR(trace_.Arm(path, iterations));
-  trace_error_ = OkStatus();
-  return OkStatus();
-}
 
 StatusOr<bool> Session::FinishTrace() {
   if (!trace_error_.ok()) {
@@ -875,13 +683,14 @@ TraceRecorder::Probes Session::TraceProbes() const {
 }
 
 planners::TraceBudgets Session::TraceBudgets() const {
-  return {host_compute() ? 0 : config_.device_budget, config_.host_budget, config_.nvme_size};
+  return {placement_.host_compute() ? 0 : config_.device_budget, config_.host_budget,
+          config_.nvme_size};
 }
 
 void Session::DeclareTraceChunks() {
   planners::TraceBuilder& b = trace_.builder();
   chunks::Engine* eng = stack_->engine();
-  b.SetSource("tiermem session (" + std::string(ModeName(device_kind())) + " device, " +
+  b.SetSource("tiermem session (" + std::string(ModeName(config_.device_kind)) + " device, " +
               std::to_string(layout_.specs.size()) + " tensors)");
   for (size_t gi = 0; gi < layout_.groups.size(); ++gi) {
     for (int k = 0; k < chunks::kNumChunkKinds; ++k) {
@@ -904,93 +713,6 @@ void Session::Phase(RunPhase phase) {
   if (closed()) return;
   phase_ = phase;
   stack_->engine()->Phase(ModeName(phase));
-}
-void Session::RecordCollective(std::string_view op, Bytes bytes, uint64_t ns) {
-  if (!closed()) stack_->engine()->RecordCollective(op, bytes, ns);
-}
-void Session::SetTracing(bool on) {
-  if (closed()) return;
-  tracing_ = on;
-  stack_->engine()->SetTracing(on);
-  runner_.SetPaused(!on);
-  trace_.SetPaused(!on, trace_.recording() ? TraceProbes() : TraceRecorder::Probes{});
-}
-
-void Session::SetCyclic(bool on) {
-  if (!closed()) stack_->engine()->SetCyclic(on);
-}
-
-void Session::SetComputeStream(ComputeStream stream) {
-  stream_ = stream;
-  if (!closed()) stack_->engine()->SetComputeStream(stream);
-}
-
-Status Session::SetExternalDeviceBytes(Bytes bytes) {
-  TIERMEM_RETURN_IF_ERROR(Live());
-  return stack_->engine()->SetExternalDeviceBytes(bytes);
-}
-
-Status Session::SetExternalComputeBytes(Bytes bytes) {
-  TIERMEM_RETURN_IF_ERROR(Live());
-  return stack_->engine()->SetExternalBytes(compute_tier(), bytes);
-}
-
-Status Session::SetExternalHostBytes(Bytes bytes) {
-  TIERMEM_RETURN_IF_ERROR(Live());
-  return stack_->engine()->SetExternalBytes(TierKind::kHost, bytes);
-}
-
-StatusOr<Region> Session::AllocateScratch(TierKind tier, Bytes bytes) {
-  TIERMEM_RETURN_IF_ERROR(Live());
-  return stack_->engine()->AllocateScratch(tier, bytes, Category::kOther);
-}
-
-Status Session::FreeScratch(TierKind tier, const Region& region) {
-  TIERMEM_RETURN_IF_ERROR(Live());
-  return stack_->engine()->FreeScratch(tier, region, Category::kOther);
-}
-
-StatusOr<Region> Session::AllocateSpill(Bytes bytes) {
-  TIERMEM_RETURN_IF_ERROR(Live());
-  if (stack_->nvme() == nullptr) {
-    return FailedPreconditionError("session: no NVMe tier to spill " + std::to_string(bytes) +
-                                   " bytes to (config 'nvme')");
-  }
-  return stack_->engine()->AllocateScratch(TierKind::kNvme, bytes, Category::kActivation);
-}
-
-Status Session::FreeSpill(const Region& spill) {
-  TIERMEM_RETURN_IF_ERROR(Live());
-  return stack_->engine()->FreeScratch(TierKind::kNvme, spill, Category::kActivation);
-}
-
-Status Session::SpillCopy(const Region& spill, Bytes spill_offset, const Region& host,
-                          Bytes host_offset, Bytes bytes, bool to_nvme) {
-  TIERMEM_ASSIGN_OR_RETURN(std::shared_ptr<Completion> c,
-                           StartSpillCopy(spill, spill_offset, host, host_offset, bytes, to_nvme));
-  return c->Wait();
-}
-
-StatusOr<std::shared_ptr<Completion>> Session::StartSpillCopy(const Region& spill,
-                                                              Bytes spill_offset,
-                                                              const Region& host, Bytes host_offset,
-                                                              Bytes bytes, bool to_nvme) {
-  TIERMEM_RETURN_IF_ERROR(Live());
-  if (stack_->nvme() == nullptr) return FailedPreconditionError("session: no NVMe tier");
-  if (bytes == 0) return Completion::Done(OkStatus());
-  if (host_offset > host.bytes || bytes > host.bytes - host_offset) {
-    return OutOfRangeError("session: spill copy of " + std::to_string(bytes) + " bytes at " +
-                           std::to_string(host_offset) + " of a host region of " +
-                           std::to_string(host.bytes));
-  }
-  const Endpoint h{stack_->host(), host, host_offset};
-  const Endpoint n{stack_->nvme(), spill, spill_offset};
-  MoveRequest req;
-  req.src = to_nvme ? h : n;
-  req.dst = to_nvme ? n : h;
-  req.bytes = bytes;
-  req.category = Category::kActivation;
-  return stack_->mover()->Move(req);  // the NVMe tier checks the spill's bounds
 }
 
 Status Session::Synchronize() {
@@ -1030,11 +752,6 @@ StateTraffic Session::StateTrafficOf(const chunks::EngineStats& stats) const {
 StatusOr<Bytes> Session::RuntimeHostBytes() const {
   TIERMEM_RETURN_IF_ERROR(Live());
   return stack_->host_overhead() + shard_buf_.capacity() + gathered_.capacity();
-}
-
-StatusOr<prof::Report> Session::TimelineReport() {
-  TIERMEM_RETURN_IF_ERROR(Live());
-  return stack_->TimelineReport();
 }
 
 }  // namespace tiermem::session

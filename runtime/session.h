@@ -3,10 +3,12 @@
 // tensors once, move values in and out, mark iterations, and call Step(); everything about
 // where bytes live and how the optimizer runs is here.
 //
-// The class's own face is narrow: Create and Close, the layout and the facts derived from it,
-// stats, checkpoints and the speculative steps' hyper-parameters. Everything else is reached
-// through a facet of one concern (session_facets.h): chunks(), values(), optimizer(),
-// iterations(), memory(), traces(), plans(); their members are implemented here, privately.
+// The class's own face is narrow: Create and Close, the layout (layout(): every fact of the
+// layout), the configuration (config()) and what follows from where it computes
+// (placement(): layout.h's Placement, fixed at Create), stats, checkpoints and the
+// speculative steps' hyper-parameters. Everything else is reached through a facet of one
+// concern (session_facets.h): chunks(), values(), optimizer(), iterations(), memory(),
+// traces(), plans() — which says where each body lives.
 //
 // A session owns
 //   - the tier stack (tier_stack.h): device (SimDevice or CUDA; none in host mode, where the
@@ -145,114 +147,33 @@ class Session {
   void Close();
   bool closed() const;
 
-  // ---- layout (valid after Close too) ---------------------------------------------------
-  // The pure layout (layout.h): tensors, groups (with their chunk ids), chunk size, bytes.
+  // ---- layout and placement (valid after Close too) ---------------------------------------
+  // The pure layout (layout.h): tensors, groups (with their chunk ids), chunk size, sharding,
+  // dtypes and kinds, bytes — every fact of the layout is asked of it.
   const Layout& layout() const { return layout_; }
   // As parsed, with the device kind resolved (never DeviceKind::kAuto).
   const SessionConfig& config() const { return config_; }
-  Precision precision() const { return config_.precision; }
-  bool mixed() const { return IsMixed(config_.precision); }
-  kernels::DType compute_dtype() const { return ComputeDType(config_.precision); }
-  kernels::DType dtype(ChunkKind kind) const { return layout_.dtype(kind); }
-  ChunkKind compute_kind() const {  // the chunks the model computes with
-    return mixed() ? ChunkKind::kParamLowp : ChunkKind::kParamFp32;
-  }
-  uint64_t chunk_elems() const { return layout_.chunk_elems; }  // full chunks (every rank alike)
-  // Sharding (see the file comment): world 1 = not sharded, one shard = the whole chunk.
-  int world() const { return sharding_.world; }
-  int rank() const { return sharding_.rank; }
-  bool sharded() const { return sharding_.world > 1; }
-  uint64_t shard_elems() const {
-    return layout_.shard_elems;
-  }  // elements of each kind per chunk here
-  uint64_t shard_begin() const {
-    return layout_.shard_begin;
-  }  // its first element, full coordinates
-  size_t num_tensors() const { return layout_.tensors.size(); }
-  size_t num_groups() const { return layout_.groups.size(); }
-  const TensorSpec& spec(size_t tensor) const { return layout_.specs[tensor]; }
-  const TensorPlace& place(size_t tensor) const { return layout_.tensors[tensor]; }
-  const ChunkGroup& group(size_t g) const { return layout_.groups[g]; }
-  bool has_kind(size_t g, ChunkKind kind) const {
-    return layout_.groups[g].chunks[static_cast<int>(kind)] != kNoChunk;
-  }
-  Bytes model_bytes() const { return layout_.model_bytes; }       // every chunk byte of tensor data
-  Bytes total_chunk_bytes() const { return total_chunk_bytes_; }  // incl. padding and tails
-  // The device bytes the layout needs at least: min-resident compute + grad chunks of the
-  // largest piece a unit needs at once (a row of the largest tensor's first dimension; an
-  // expert's slices with expert sets).
-  Bytes minimum_device_budget() const { return layout_.min_device_budget; }
-  // kCuda, kHost, kSim or kSimAsync (kAuto resolved).
-  DeviceKind device_kind() const { return config_.device_kind; }
-  bool cuda() const { return IsCuda(config_.device_kind); }
-  // Host mode (DeviceKind::kHost): no device tier; the bindings compute on chunks acquired
-  // on the host tier, in place for host-homed chunks (no copy), NVMe-homed ones read into
-  // host room before use and written back (dirty) or dropped (clean) after.
-  bool host_compute() const { return IsHostCompute(config_.device_kind); }
-  // Where the bindings acquire the chunks they compute with: kDevice, or kHost in host mode.
-  TierKind compute_tier() const { return host_compute() ? TierKind::kHost : TierKind::kDevice; }
-
-  // ---- what the bindings ask of the layout (answered here, so that none re-derives it) ------
-  // Bytes per element of the compute copy (the params and grads the model computes with).
-  size_t compute_element_size() const { return kernels::DTypeSize(compute_dtype()); }
-  // The budget of the compute tier as far as the bindings may plan with it: the device's;
-  // in host mode the host's when every chunk is homed there, else 0 (NVMe-homed chunks come
-  // and go through the host room the session keeps for them). Fixed at Create: homes never
-  // move.
-  Bytes compute_budget() const { return compute_budget_; }
-  // Every chunk of every kind fits the compute tier at once, so nothing ever has to move:
-  // there is no schedule to plan, and a binding may keep its compute chunks acquired.
-  bool compute_tier_holds_every_chunk() const { return compute_budget_ >= total_chunk_bytes_; }
-  // Whether a binding keeps a group's grad chunk acquired through the backward until every
-  // parameter the forward used has its gradient (an acquire per parameter saved, the chunk
-  // pinned meanwhile): when the compute and grad chunks of every group fit the compute budget
-  // at once, and always when sharded (gradients are reduce-scattered a whole group at a time).
-  bool holds_grad_chunks() const;
-  // The compute-tier bytes that counted activations may keep there at most: the compute
-  // budget less the compute and grad chunks of two units of `unit_groups` groups (the largest
-  // unit's count), which a backward holds at once (the unit it is in and the next one, whose
-  // chunks arrive meanwhile); 0 when those take it all.
-  Bytes ActivationCap(size_t unit_groups) const;
-  // Sharded: how many gathered full compute chunks a binding keeps after their unit (so the
-  // next unit's shared groups and the backward's first unit need no second all-gather): two
-  // units of `unit_groups` groups and one more, and at most a quarter of the compute tier's
-  // configured budget.
-  size_t RecentFullChunks(size_t unit_groups) const;
-  // The compute-tier bytes one unit pins at once: the compute chunks of its `groups`, and of
-  // the largest of `experts` (each the groups of one expert that moves alone) beyond those.
-  // Serving needs a device budget of at least the largest unit's (OutOfRange for an unknown
-  // group).
-  StatusOr<Bytes> UnitComputeBytes(const std::vector<size_t>& groups,
-                                   const std::vector<std::vector<size_t>>& experts = {}) const;
-  // Serving: the largest UnitComputeBytes of the units the tensors name (TensorSpec::units;
-  // Layout::units), and which unit it is. A device budget below `bytes` cannot serve: the
-  // unit's chunks are pinned together while it computes. {0, -1} when no units were given.
-  struct UnitNeed {
-    Bytes bytes = 0;
-    int unit = -1;
-  };
-  UnitNeed ServingMinimum() const;
+  // What follows from where the session computes (layout.h, Placement: the device kind, the
+  // compute tier and its budget, what fits there), fixed at Create.
+  const Placement& placement() const { return placement_; }
   std::string io_backend() const;  // "io_uring", "posix"; "" without NVMe (TierStack)
   // Host bytes registered with the NVMe tier as io_uring fixed buffers (TierStack).
   Bytes nvme_registered_bytes() const;
   const std::string& timeline_path() const { return timeline_path_; }
 
   // ---- the facets (session_facets.h): one concern each ------------------------------------
-  // A facet made from a const session is const (its queries only).
-  ChunksFacet chunks() { return ChunksFacet(*this); }
-  const ChunksFacet chunks() const { return ChunksFacet(mut()); }
-  ValuesFacet values() { return ValuesFacet(*this); }
-  const ValuesFacet values() const { return ValuesFacet(mut()); }
-  OptimizerFacet optimizer() { return OptimizerFacet(*this); }
-  const OptimizerFacet optimizer() const { return OptimizerFacet(mut()); }
-  IterationsFacet iterations() { return IterationsFacet(*this); }
-  const IterationsFacet iterations() const { return IterationsFacet(mut()); }
-  MemoryFacet memory() { return MemoryFacet(*this); }
-  const MemoryFacet memory() const { return MemoryFacet(mut()); }
-  TracesFacet traces() { return TracesFacet(*this); }
-  const TracesFacet traces() const { return TracesFacet(mut()); }
-  PlansFacet plans() { return PlansFacet(*this); }
-  const PlansFacet plans() const { return PlansFacet(mut()); }
+  // One accessor per facet, callable on a const session too: a facet is a handle on the
+  // session (as a file descriptor is on a file), so constness does not travel through it —
+  // a holder of `const Session&` calls the facets' queries (their const members) by the same
+  // accessor. C++20 cannot overload one declaration on the constness of `this`, and a pair
+  // per facet doubled the face.
+  ChunksFacet chunks() const { return ChunksFacet(mut()); }
+  ValuesFacet values() const { return ValuesFacet(mut()); }
+  OptimizerFacet optimizer() const { return OptimizerFacet(mut()); }
+  IterationsFacet iterations() const { return IterationsFacet(mut()); }
+  MemoryFacet memory() const { return MemoryFacet(mut()); }
+  TracesFacet traces() const { return TracesFacet(mut()); }
+  PlansFacet plans() const { return PlansFacet(mut()); }
 
   // ---- speculative steps (optimizer_stepper.h; optimizer_overlap: backward) ----------------
   // The hyper-parameters the next Step will be given, announced before the backward (the
@@ -297,7 +218,7 @@ class Session {
  private:
   Session() = default;
 
-  // ---- the facets' implementation (session_facets.h documents each member) ---------------
+  // ---- what the facets forward to (session_facets.h: the rule, and every member's doc) ------
   friend class ChunksFacet;
   friend class ValuesFacet;
   friend class OptimizerFacet;
@@ -305,26 +226,18 @@ class Session {
   friend class MemoryFacet;
   friend class TracesFacet;
   friend class PlansFacet;
-  // The facets of a const session are made from it, const.
+  // The facets of a const session are made from it (see the accessors).
   Session& mut() const { return const_cast<Session&>(*this); }
-  // chunks()
   StatusOr<void*> Acquire(size_t group, ChunkKind kind, TierKind where,
                           uint32_t cls = chunks::kNoClass);
-  StatusOr<void*> AcquireForWrite(size_t group, ChunkKind kind, TierKind where, bool* must_zero,
-                                  uint32_t cls = chunks::kNoClass);
-  StatusOr<bool> Prefetch(size_t group, ChunkKind kind, TierKind where, double probability);
   Status Release(size_t group, ChunkKind kind, bool modified);
   Status ZeroChunk(size_t group, ChunkKind kind);
   int Pins(size_t group, ChunkKind kind) const;
-  bool LazilyZero(size_t group, ChunkKind kind) const;
   TierKind Resident(size_t group, ChunkKind kind) const;
   TierKind Home(size_t group, ChunkKind kind) const;
-  Bytes ChunkBytes(size_t group, ChunkKind kind) const;
   FileHomeTier* file_homes();
   Status SetReadOnlyHome(size_t group, ChunkKind kind, const Region& region);
   bool ReadOnlyHome(size_t group, ChunkKind kind) const;
-  // values()
-  Status ReadParam(size_t tensor, float* out);
   Status WriteParam(size_t tensor, const float* values);
   Status ReadTensor(size_t tensor, ChunkKind kind, void* out);
   Status WriteTensor(size_t tensor, ChunkKind kind, const void* values);
@@ -333,54 +246,18 @@ class Session {
                           const void* values);
   Status ReadStateRaw(size_t tensor, ChunkKind kind, void* codes, float* absmax);
   Status WriteStateRaw(size_t tensor, ChunkKind kind, const void* codes, const float* absmax);
-  Status SetStepCount(size_t tensor, int64_t steps);
-  // optimizer()
   bool has_grad(size_t tensor) const { return has_grad_[tensor] != 0; }
   StatusOr<kernels::GradStats> GradStats();
-  StatusOr<bool> ZeroGrad();
   bool next_step_applies() const {
     return (micro_ + 1) % static_cast<uint64_t>(config_.gradient_accumulation_steps) == 0;
   }
   StatusOr<StepResult> Step(const std::vector<GroupHyper>& hyper,
                             const kernels::GradStats* global = nullptr);
-  Status FinishStep(size_t group);
-  Status FinishSteps();
   double loss_scale() const { return scaler_.scale; }
-  // iterations()
-  void BeginIteration();
   void Moment(std::string_view label, planners::MomentKind kind = planners::MomentKind::kOther,
               uint32_t unit = planners::kNoUnit);
   void Phase(RunPhase phase);
-  void RecordCollective(std::string_view op, Bytes bytes, uint64_t ns);
-  void SetTracing(bool on);
-  void SetCyclic(bool on);
-  void SetComputeStream(ComputeStream stream);
-  // memory()
-  Status SetExternalDeviceBytes(Bytes bytes);
-  Status SetExternalComputeBytes(Bytes bytes);
-  Status SetExternalHostBytes(Bytes bytes);
-  StatusOr<Region> AllocateScratch(TierKind tier, Bytes bytes);
-  Status FreeScratch(TierKind tier, const Region& region);
-  StatusOr<Region> AllocateSpill(Bytes bytes);
-  Status FreeSpill(const Region& spill);
-  Status SpillCopy(const Region& spill, Bytes spill_offset, const Region& host, Bytes host_offset,
-                   Bytes bytes, bool to_nvme);
-  StatusOr<std::shared_ptr<Completion>> StartSpillCopy(const Region& spill, Bytes spill_offset,
-                                                       const Region& host, Bytes host_offset,
-                                                       Bytes bytes, bool to_nvme);
-  // traces()
-  Status RecordTrace(const std::string& path, int iterations);
-  void AddSavedBytes(Bytes b) {
-    if (!host_compute()) trace_.AddSavedBytes(b);
-  }
-  void SetActivationBytes(Bytes b) {
-    if (!host_compute()) trace_.SetActivationBytes(b);
-  }
   StatusOr<bool> FinishTrace();
-  StatusOr<prof::Report> TimelineReport();
-  // plans()
-  PlanStatus plan_status() const;
-  Status ExecutePlanFrom(const planners::Trace& trace, int64_t iteration = -1);
 
   // Create's steps (the layout between them: layout.h). Validate: `config` with its device
   // kind resolved, or the mode it refuses there. Build: the tier stack sized for `sized`, the
@@ -420,8 +297,7 @@ class Session {
   Status LoadCheckpointV2(const std::string& path, int fd, int data_fd, bool direct,
                           CheckpointMeta* metadata, const CheckpointLoad& how);
   planners::TraceBudgets TraceBudgets() const;
-  Bytes ComputeBudget() const;      // compute_budget(), from the chunks' homes
-  Bytes GroupComputeBytes() const;  // a group's compute and grad chunks, full
+  bool EveryHomeOnHost() const;  // every chunk created so far is homed on the host tier
   void DeclareTraceChunks();
   // What the plan runner plans with: this session's engine and configuration.
   PlanRunner::PlanContext RunnerContext() const;
@@ -434,9 +310,8 @@ class Session {
   std::string timeline_path_;
   // The pure layout (layout.h); its groups' chunk ids filled as the chunks are created.
   Layout layout_;
-  Bytes total_chunk_bytes_ = 0;                   // every chunk of every kind
+  Placement placement_;                           // placement(), set once the chunks exist
   Bytes state_bytes_ = 0, state_bytes_fp32_ = 0;  // m and v chunks, and in fp32
-  Bytes compute_budget_ = 0;                      // compute_budget(), set once the chunks exist
   std::vector<uint8_t> has_grad_;
   ScalerState scaler_;
   uint64_t micro_ = 0;

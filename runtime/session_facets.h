@@ -14,10 +14,17 @@
 //   session.traces()      the warm-up trace and the timeline's report
 //   session.plans()       executed plans: their status, and what they ask of activations
 //
-// A facet is a view: it holds the session by reference and forwards to its implementation
-// (Session's private members, runtime/session.cc); it owns nothing and is cheap to make, so
-// callers make one per use (`s.values().ReadParam(t, out)`). A facet made from a const
-// session is const: only its const members (the queries) can be called.
+// A facet is a view: it holds the session by reference (the facets are Session's friends);
+// it owns nothing and is cheap to make, so callers make one per use
+// (`s.values().ReadParam(t, out)`). Session has one accessor per facet, callable on a const
+// session too (session.h says why); a facet held const offers its queries only.
+//
+// Where a member's body lives (the one rule): in the facet's own file (session_facets.cc),
+// working on the session's state directly, unless the session itself calls it too (its Step,
+// Close, checkpoints, the stepper's site, another of its bodies); then the body is a private
+// member of Session (session.cc, checkpoint.cc, session_file_homes.cc) and the facet forwards
+// to it in one line. Either way a member is documented here only: Session's private
+// declarations carry no docs of their own.
 //
 // Ownership: the session must outlive every facet made from it.
 // Thread-safety: the session's (externally synchronized: the training thread).

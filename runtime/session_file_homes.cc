@@ -14,7 +14,7 @@ Status Session::SetReadOnlyHome(size_t group, ChunkKind kind, const Region& regi
 }
 
 bool Session::ReadOnlyHome(size_t group, ChunkKind kind) const {
-  if (closed() || group >= layout_.groups.size() || !has_kind(group, kind)) return false;
+  if (closed() || group >= layout_.groups.size() || !layout_.has_kind(group, kind)) return false;
   return stack_->engine()->ReadOnlyHome(Chunk(group, kind));
 }
 

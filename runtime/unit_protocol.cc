@@ -21,9 +21,9 @@ StatusOr<uint32_t> UnitProtocol::Declare(UnitInfo info) {
     return OutOfRangeError(what + ": more than " + std::to_string(planners::kMaxUnits) + " units");
   }
   for (size_t i = 0; i < info.groups.size(); ++i) {
-    if (info.groups[i] >= session_->num_groups()) {
+    if (info.groups[i] >= session_->layout().num_groups()) {
       return InvalidArgumentError(what + ": chunk group " + std::to_string(info.groups[i]) +
-                                  " of " + std::to_string(session_->num_groups()));
+                                  " of " + std::to_string(session_->layout().num_groups()));
     }
     if (i > 0 && info.groups[i] <= info.groups[i - 1]) {
       return InvalidArgumentError(what + ": its chunk groups must be ascending and distinct");

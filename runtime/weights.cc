@@ -130,12 +130,12 @@ class Loader {
 };
 
 std::string Loader::Where(const Source& src) const {
-  return "tensor '" + s_.spec(src.tensor).name + "': key '" + src.seg->key + "' in " +
+  return "tensor '" + s_.layout().spec(src.tensor).name + "': key '" + src.seg->key + "' in " +
          files_.files[src.file].path;
 }
 
 Status Loader::CheckSegment(const WeightTarget& t, const WeightSegment& seg, Source* out) const {
-  const TensorSpec& spec = s_.spec(t.tensor);
+  const TensorSpec& spec = s_.layout().spec(t.tensor);
   Source src;
   src.tensor = t.tensor;
   src.seg = &seg;
@@ -151,8 +151,9 @@ Status Loader::CheckSegment(const WeightTarget& t, const WeightSegment& seg, Sou
                                 ": only F32, BF16 and F16 load into parameters");
   }
   src.dtype = *d;
-  if (s_.group(s_.place(t.tensor).group).compute_only && src.dtype != s_.compute_dtype()) {
-    const std::string cd(kernels::DTypeName(s_.compute_dtype()));
+  if (s_.layout().group(s_.layout().place(t.tensor).group).compute_only &&
+      src.dtype != s_.layout().compute_dtype()) {
+    const std::string cd(kernels::DTypeName(s_.layout().compute_dtype()));
     return InvalidArgumentError(where + " is " + std::string(kernels::DTypeName(src.dtype)) +
                                 ", but the tensor keeps its values in " + cd +
                                 " only (created with values_in_compute_dtype): load it from a " +
@@ -186,7 +187,7 @@ Status Loader::CheckSegment(const WeightTarget& t, const WeightSegment& seg, Sou
   }
   if (seg.transpose) {  // its destination must lie in one piece (it is scattered there)
     int pieces = 0;
-    for (const Piece& p : s_.place(t.tensor).pieces) {
+    for (const Piece& p : s_.layout().place(t.tensor).pieces) {
       pieces += p.begin < seg.offset + n && seg.offset < p.begin + p.numel;
     }
     if (pieces != 1) {
@@ -200,7 +201,7 @@ Status Loader::CheckSegment(const WeightTarget& t, const WeightSegment& seg, Sou
 }
 
 Status Loader::CheckCoverage(const WeightTarget& t) const {
-  const TensorSpec& spec = s_.spec(t.tensor);
+  const TensorSpec& spec = s_.layout().spec(t.tensor);
   std::vector<std::pair<uint64_t, const WeightSegment*>> segs;
   for (const WeightSegment& seg : t.segments) {
     segs.emplace_back(seg.offset, &seg);
@@ -249,13 +250,13 @@ Status Loader::CheckUnused() {
 }
 
 Status Loader::Validate() {
-  std::vector<uint8_t> has(s_.num_tensors(), 0);
+  std::vector<uint8_t> has(s_.layout().num_tensors(), 0);
   for (const WeightTarget& t : targets_) {
-    if (t.tensor >= s_.num_tensors()) {
+    if (t.tensor >= s_.layout().num_tensors()) {
       return InvalidArgumentError("weights: no session tensor " + std::to_string(t.tensor));
     }
     if (has[t.tensor]) {
-      return InvalidArgumentError("weights: tensor '" + s_.spec(t.tensor).name +
+      return InvalidArgumentError("weights: tensor '" + s_.layout().spec(t.tensor).name +
                                   "' is given sources twice");
     }
     if (t.segments.empty()) continue;
@@ -273,7 +274,7 @@ Status Loader::Validate() {
   }
   if (options_.strict && !report_.missing.empty()) {
     const size_t n = report_.missing.size();
-    return InvalidArgumentError("weights: tensor '" + s_.spec(report_.missing[0]).name +
+    return InvalidArgumentError("weights: tensor '" + s_.layout().spec(report_.missing[0]).name +
                                 "' has no source in " + files_.path +
                                 (n > 1 ? " (" + std::to_string(n) + " tensors are missing)" : "") +
                                 "; pass strict=False to keep their own values");
@@ -282,11 +283,12 @@ Status Loader::Validate() {
 }
 
 void Loader::PlanParts() {
-  const uint64_t lo_shard = s_.shard_begin(), hi_shard = s_.shard_begin() + s_.shard_elems();
+  const uint64_t lo_shard = s_.layout().shard_begin,
+                 hi_shard = s_.layout().shard_begin + s_.layout().shard_elems;
   for (uint32_t i = 0; i < sources_.size(); ++i) {
     const Source& src = sources_[i];
     const uint64_t begin = src.seg->offset, end = begin + src.info->numel;
-    for (const Piece& p : s_.place(src.tensor).pieces) {
+    for (const Piece& p : s_.layout().place(src.tensor).pieces) {
       const uint64_t tlo = std::max(begin, p.begin), thi = std::min(end, p.begin + p.numel);
       if (tlo >= thi) continue;
       Part part;
@@ -320,7 +322,7 @@ std::vector<std::vector<size_t>> Loader::MakeBatches() const {
     // In place, the values' chunk is the one homed in the files: the fp32 chunk in fp32, the
     // compute chunk of a compute_only group.
     const ChunkKind values = s_.layout().value_kind(g);
-    if (values == s_.compute_kind() && in_place_.count(g)) continue;
+    if (values == s_.layout().compute_kind() && in_place_.count(g)) continue;
     if (s_.chunks().Home(g, values) != TierKind::kNvme) {
       out[0].push_back(i);
       continue;
@@ -338,7 +340,7 @@ std::vector<std::vector<size_t>> Loader::MakeBatches() const {
 void Loader::Emit(const Part& p, char* values, uint64_t first, const char* bytes, uint64_t k) {
   const Source& src = sources_[p.source];
   const size_t es = kernels::DTypeSize(src.dtype);
-  if (s_.group(p.group).compute_only) {
+  if (s_.layout().group(p.group).compute_only) {
     EmitSame(p, reinterpret_cast<uint16_t*>(values), first, bytes, k);
     return;
   }
@@ -504,7 +506,7 @@ Status Loader::LoadBatch(SpanReader& reader, const std::vector<size_t>& batch) {
   // Mixed precision: the compute chunks, rounded from the fp32 ones (a compute_only group's
   // values are its compute chunk).
   for (const auto& [g, values] : chunk) {
-    if (s.ok() && s_.layout().value_kind(g) == ChunkKind::kParamFp32 && s_.mixed() &&
+    if (s.ok() && s_.layout().value_kind(g) == ChunkKind::kParamFp32 && s_.layout().mixed() &&
         !in_place_.count(g)) {
       s = DeriveLowp(g, reinterpret_cast<const float*>(values), by_group[g]);
     }
@@ -517,7 +519,7 @@ Status Loader::LoadBatch(SpanReader& reader, const std::vector<size_t>& batch) {
 }
 
 Status Loader::DeriveLowp(size_t group, const float* fp32, const std::vector<size_t>& parts) {
-  const kernels::DType cd = s_.compute_dtype();
+  const kernels::DType cd = s_.layout().compute_dtype();
   StatusOr<void*> low = s_.chunks().Acquire(group, ChunkKind::kParamLowp, TierKind::kHost);
   if (low.ok()) {
     char* to = static_cast<char*>(*low);
@@ -548,21 +550,21 @@ Status Loader::DeriveLowp(size_t group, const float* fp32, const std::vector<siz
 }
 
 std::string Loader::NotInPlace(uint32_t g, const std::vector<size_t>& parts) const {
-  const ChunkGroup& grp = s_.group(g);
+  const ChunkGroup& grp = s_.layout().group(g);
   if (grp.trainable) return "it is trained";
   uint64_t covered = 0, elems = 0;
   for (size_t i : parts) {
     const Source& src = sources_[parts_[i].source];
     const std::string key = "key '" + src.seg->key + "' in " + files_.files[src.file].path;
-    if (src.dtype != s_.compute_dtype()) {
+    if (src.dtype != s_.layout().compute_dtype()) {
       return key + " is " + std::string(kernels::DTypeName(src.dtype)) + ", the compute dtype " +
-             std::string(kernels::DTypeName(s_.compute_dtype())) +
+             std::string(kernels::DTypeName(s_.layout().compute_dtype())) +
              " (set precision to the checkpoint's dtype)";
     }
     if (src.seg->transpose) return key + " is transposed into it";
     covered += parts_[i].dst_count;
   }
-  for (const PieceRef& r : grp.pieces) elems += s_.place(r.tensor).pieces[r.piece].numel;
+  for (const PieceRef& r : grp.pieces) elems += s_.layout().place(r.tensor).pieces[r.piece].numel;
   if (covered != elems) return "not every tensor of its chunk has a key in the checkpoint";
   return "";
 }
@@ -576,18 +578,18 @@ Status Loader::PlanInPlace() {
         "trains (a training session writes its weights, so they are copied into its tiers): "
         "serve with tiermem.inference, or set in_place to 'auto' or 'off'");
   }
-  if (!ServesInPlace(mode) || s_.sharded() || s_.chunks().file_homes() == nullptr)
+  if (!ServesInPlace(mode) || s_.layout().sharded() || s_.chunks().file_homes() == nullptr)
     return OkStatus();
   std::map<uint32_t, std::vector<size_t>> by_group;
   for (size_t i = 0; i < parts_.size(); ++i) by_group[parts_[i].group].push_back(i);
-  const ChunkKind kind = s_.compute_kind();
-  for (uint32_t g = 0; g < s_.num_groups(); ++g) {
+  const ChunkKind kind = s_.layout().compute_kind();
+  for (uint32_t g = 0; g < s_.layout().num_groups(); ++g) {
     if (s_.chunks().Home(g, kind) != TierKind::kNvme) continue;
     const std::string why = NotInPlace(g, by_group[g]);
     if (why.empty()) {
       in_place_[g] = by_group[g];
     } else if (RequiresInPlace(mode)) {
-      const std::string& t = s_.spec(s_.group(g).tensors.front()).name;
+      const std::string& t = s_.layout().spec(s_.layout().group(g).tensors.front()).name;
       return InvalidArgumentError("weights: in_place 'on': the NVMe-homed chunk of tensor '" + t +
                                   "' cannot be read in place from " + files_.path + ": " + why);
     }
@@ -605,8 +607,8 @@ Status Loader::HomeInPlace() {
     sizes.push_back(h.file_bytes);
   }
   TIERMEM_ASSIGN_OR_RETURN(const uint32_t first, homes->OpenFiles(paths, sizes));
-  const ChunkKind kind = s_.compute_kind();
-  const uint64_t es = s_.compute_element_size();
+  const ChunkKind kind = s_.layout().compute_kind();
+  const uint64_t es = s_.layout().compute_element_size();
   for (auto& [g, parts] : in_place_) {
     std::sort(parts.begin(), parts.end(),
               [&](size_t a, size_t b) { return parts_[a].dst < parts_[b].dst; });
@@ -701,8 +703,9 @@ StatusOr<std::vector<weights::ShardEntry>> ExportShardEntries(
     }
     uint64_t covered = 0;
     for (const ExportSegment& seg : e.segments) {
-      if (seg.tensor >= s.num_tensors() || seg.offset > s.spec(seg.tensor).numel ||
-          seg.numel > s.spec(seg.tensor).numel - seg.offset) {
+      if (seg.tensor >= s.layout().num_tensors() ||
+          seg.offset > s.layout().spec(seg.tensor).numel ||
+          seg.numel > s.layout().spec(seg.tensor).numel - seg.offset) {
         return InvalidArgumentError(where + ": a segment is outside the session's tensors");
       }
       if (seg.transpose && (e.segments.size() != 1 || e.shape.size() != 2)) {
@@ -756,7 +759,7 @@ Status ExportWeights(Session& session, const std::string& path,
     order.insert(order.end(), shard.entries.begin(), shard.entries.end());
   }
   std::unique_ptr<weights::ShardWriter> w;
-  if (!session.sharded() || session.rank() == 0) {
+  if (!session.layout().sharded() || session.layout().rank == 0) {
     TIERMEM_ASSIGN_OR_RETURN(w, weights::ShardWriter::Create(path, shard_entries, options.writer));
   }
   const kernels::DType out = *ValueDType(options.dtype);
@@ -800,7 +803,8 @@ Status ExportWeights(Session& session, const std::string& path,
         // when sharded: every rank must read the same ranges (the reads gather), and only rank
         // 0 has a writer whose room would size them.
         StatusOr<std::span<char>> room = std::span<char>();
-        if (w != nullptr && written.ok() && out == kernels::DType::kF32 && !session.sharded()) {
+        if (w != nullptr && written.ok() && out == kernels::DType::kF32 &&
+            !session.layout().sharded()) {
           room = w->Space((seg.numel - done) * sizeof(float));
           if (!room.ok()) written = room.status();
         }
@@ -833,9 +837,9 @@ std::vector<WeightTarget> TargetsByName(const Session& session, const WeightFile
                                         const std::vector<std::vector<std::string>>& aliases,
                                         std::set<std::string>* alias_keys) {
   std::vector<WeightTarget> out;
-  for (size_t t = 0; t < session.num_tensors(); ++t) {
+  for (size_t t = 0; t < session.layout().num_tensors(); ++t) {
     WeightTarget target{t, {}};
-    std::vector<std::string> names = {session.spec(t).name};
+    std::vector<std::string> names = {session.layout().spec(t).name};
     if (t < aliases.size()) names.insert(names.end(), aliases[t].begin(), aliases[t].end());
     for (const std::string& name : names) {
       if (files.Find(name) == nullptr) continue;

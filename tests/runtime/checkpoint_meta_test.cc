@@ -235,7 +235,7 @@ std::unique_ptr<Session> MakeLinear() {
 }
 
 std::vector<float> Values(Session& s, size_t t, ChunkKind kind = ChunkKind::kParamFp32) {
-  std::vector<float> v(s.place(t).numel);
+  std::vector<float> v(s.layout().place(t).numel);
   if (kind == ChunkKind::kParamFp32) {
     EXPECT_THAT(s.values().ReadParam(t, v.data()), IsOk());
   } else {
@@ -274,7 +274,7 @@ TEST(CheckpointMetaFiles, TheLibTorchApisVersion2FileLoads) {
   // The values make_legacy_checkpoints.py wrote: (arange(n) + 10 t) / 8, m / 64, v / 512.
   for (size_t t = 0; t < 2; ++t) {
     std::vector<float> p, m, v;
-    for (size_t i = 0; i < s->place(t).numel; ++i) {
+    for (size_t i = 0; i < s->layout().place(t).numel; ++i) {
       const float b = static_cast<float>(i + 10 * t);
       p.push_back(b / 8);
       m.push_back(b / 64);

@@ -211,10 +211,10 @@ TEST(HostFloor, ASessionBelowTheWholeFloorSplitsAndKeepsTheCopiesOutOfTheHostTie
   StatusOr<std::unique_ptr<Session>> s = Create("40MiB", nvme);
   ASSERT_THAT(s.status(), IsOk());
   Session& sess = **s;
-  const size_t head = sess.num_tensors() - 1;
-  EXPECT_TRUE(sess.place(head).split());
-  EXPECT_TRUE(sess.place(0).split());
-  EXPECT_FALSE(sess.place(1).split());
+  const size_t head = sess.layout().num_tensors() - 1;
+  EXPECT_TRUE(sess.layout().place(head).split());
+  EXPECT_TRUE(sess.layout().place(0).split());
+  EXPECT_FALSE(sess.layout().place(1).split());
   // The host tier holds the budget less the head's compute copy and gradient.
   StatusOr<chunks::EngineStats> st = sess.Stats();
   ASSERT_THAT(st.status(), IsOk());

@@ -355,5 +355,102 @@ TEST(Layout, ServingInHostModeKeepsRoomForTheMostGroupsOneUnitPins) {
   EXPECT_EQ(room(train), (kStepGroupChunks + kPrefetchedChunks) * 4096);
 }
 
+TEST(Layout, AnswersItsFactsTheSessionUsedToForward) {
+  NoCollectives coll;
+  SessionConfig c = Sim();
+  c.chunk_size = 1000;
+  c.precision = Precision::kBf16;
+  auto l = LayOut(c, {{"w", 900, true, 0}, {"frozen", 600, false, 0}}, Sharding{2, 1, &coll});
+  ASSERT_TRUE(l.ok()) << l.status().ToString();
+  EXPECT_EQ(l->num_tensors(), 2u);
+  EXPECT_EQ(l->num_groups(), 2u);
+  EXPECT_EQ(l->spec(1).name, "frozen");
+  EXPECT_EQ(l->place(1).group, 1u);
+  EXPECT_FALSE(l->group(1).trainable);
+  EXPECT_EQ(l->world, 2);
+  EXPECT_EQ(l->rank, 1);
+  EXPECT_TRUE(l->sharded());
+  EXPECT_EQ(l->compute_element_size(), 2u);  // bf16
+  EXPECT_EQ(l->compute_kind(), ChunkKind::kParamLowp);
+  EXPECT_FALSE(l->has_kind(0, ChunkKind::kParamLowp));  // no chunk created yet
+  // Every chunk on this rank (shards of 1024 / 2 = 512 elements): the trainable group's bf16
+  // params and grads, fp32 master, m and v; the frozen one's bf16 params and fp32 master.
+  EXPECT_EQ(l->chunk_elems, 1024u);
+  EXPECT_EQ(l->total_chunk_bytes(), 512u * (2 + 2 + 4 + 4 + 4) + 512u * (2 + 4));
+}
+
+TEST(Layout, AUnitPinsItsComputeChunksAndItsLargestExpertsBeyondThem) {
+  SessionConfig c = Sim();
+  c.chunk_size = 1000;  // fp32 chunks of 4000 bytes
+  const std::vector<TensorSpec> specs = {
+      {"tied", 900, false, 0, {}, -1, -1, {0, 1}},  // g0
+      {"b", 900, false, 0, {}, -1, -1, {0}},        // g1
+      {"c", 900, false, 0, {}, -1, -1, {1}},        // g2
+      {"e0", 900, false, 0, {}, 0, 0, {1}},         // expert 0: g3
+      {"e1", 1800, false, 0, {2, 900}, 0, 1, {1}},  // expert 1: g4, g5
+  };
+  auto l = LayOut(c, specs, {});
+  ASSERT_TRUE(l.ok()) << l.status().ToString();
+  ASSERT_EQ(l->chunk_elems, 1000u);
+  EXPECT_EQ(l->UnitComputeBytes({0, 1}).value(), 2 * 4000u);
+  // The largest expert beyond the unit's groups: expert 1's two groups (g0 is not counted
+  // twice).
+  EXPECT_EQ(l->UnitComputeBytes({0, 2}, {{3}, {4, 5}, {0}}).value(), 4 * 4000u);
+  EXPECT_EQ(l->UnitComputeBytes({0, 2}, {{0, 3}}).value(), 3 * 4000u);  // g0 is the unit's
+  EXPECT_THAT(l->UnitComputeBytes({9}), StatusIs(StatusCode::kOutOfRange, "chunk group 9"));
+  const Layout::UnitNeed need = l->ServingMinimum();
+  EXPECT_EQ(need.unit, 1);
+  EXPECT_EQ(need.bytes, 4 * 4000u);  // g0, g2 and expert 1's g4, g5
+  std::vector<TensorSpec> bare = specs;
+  for (TensorSpec& t : bare) t.units.clear();
+  auto b = LayOut(c, bare, {});
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(b->ServingMinimum().unit, -1);
+  EXPECT_EQ(b->ServingMinimum().bytes, 0u);
+}
+
+TEST(Placement, IsDerivedOnceFromTheConfigTheLayoutAndTheHomes) {
+  SessionConfig c = Sim(100000);
+  c.chunk_size = 1000;
+  c.host_budget = 500000;
+  auto l = LayOut(c, {{"w", 900, true, 0}}, {});
+  ASSERT_TRUE(l.ok()) << l.status().ToString();
+  ASSERT_EQ(l->num_groups(), 1u);
+  ASSERT_EQ(l->chunk_elems, 1000u);
+  const Placement p = PlaceOn(*l, c, /*every_home_on_host=*/false);
+  EXPECT_FALSE(p.cuda());
+  EXPECT_FALSE(p.host_compute());
+  EXPECT_EQ(p.compute_tier(), TierKind::kDevice);
+  EXPECT_EQ(p.compute_budget, 100000u);  // the device's, wherever the homes are
+  // fp32 params, grads, m and v of one group.
+  EXPECT_EQ(p.total_chunk_bytes, 4 * 1000 * 4u);
+  EXPECT_TRUE(p.compute_tier_holds_every_chunk());
+  // A group's compute and grad chunks, full: 2 x chunk_elems x 4.
+  const Bytes group = 2 * l->chunk_elems * 4;
+  EXPECT_TRUE(p.holds_grad_chunks());  // one group fits the budget
+  EXPECT_EQ(p.ActivationCap(1), 100000 - 2 * group);
+  EXPECT_EQ(p.ActivationCap(100), 0u);
+  EXPECT_EQ(p.RecentFullChunks(1), 3u);  // 2 x 1 + 1, below a quarter of the budget's chunks
+  EXPECT_EQ(p.RecentFullChunks(100), 100000 / (4 * l->chunk_elems * 4));
+  // A budget below one group's compute and grad chunks holds none (unless sharded).
+  SessionConfig small = c;
+  small.device_budget = group - 1;
+  EXPECT_FALSE(PlaceOn(*l, small, false).holds_grad_chunks());
+  EXPECT_FALSE(PlaceOn(*l, small, false).compute_tier_holds_every_chunk());
+  // Host mode: the host is the compute tier; its budget counts only when every chunk is
+  // homed there.
+  SessionConfig h = c;
+  h.device_kind = DeviceKind::kHost;
+  const Placement ph = PlaceOn(*l, h, true);
+  EXPECT_TRUE(ph.host_compute());
+  EXPECT_EQ(ph.compute_tier(), TierKind::kHost);
+  EXPECT_EQ(ph.compute_budget, 500000u);
+  EXPECT_EQ(PlaceOn(*l, h, false).compute_budget, 0u);
+  EXPECT_EQ(ph.RecentFullChunks(100), 500000 / (4 * l->chunk_elems * 4));
+  SessionConfig cu = c;
+  cu.device_kind = DeviceKind::kCuda;
+  EXPECT_TRUE(PlaceOn(*l, cu, false).cuda());
+}
+
 }  // namespace
 }  // namespace tiermem::session

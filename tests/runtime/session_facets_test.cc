@@ -45,6 +45,13 @@ concept ReportsPlans = requires(S& s) { s.plan_status(); };
 template <class S>
 concept ReportsHomes = requires(S& s) { s.Home(0, ChunkKind::kGrad); };
 
+// The layout's and the placement's facts are asked of layout() and placement(), not of Session.
+template <class S>
+concept ForwardsFacts = requires(S& s) { s.mixed(); } || requires(S& s) { s.compute_tier(); } ||
+                        requires(S& s) { s.num_groups(); } || requires(S& s) { s.cuda(); };
+static_assert(!ForwardsFacts<const Session> && ForwardsFacts<const Layout> &&
+              ForwardsFacts<const Placement>);
+
 // The members the facets hold are off Session's public face (private: their implementation)...
 static_assert(!Acquires<Session> && !ReadsParams<Session> && !ZeroesGrads<Session> &&
               !BeginsIterations<Session> && !AllocatesSpills<Session> &&
@@ -53,8 +60,10 @@ static_assert(!Acquires<Session> && !ReadsParams<Session> && !ZeroesGrads<Sessio
 static_assert(Acquires<ChunksFacet> && ReadsParams<ValuesFacet> && ZeroesGrads<OptimizerFacet> &&
               BeginsIterations<IterationsFacet> && AllocatesSpills<MemoryFacet> &&
               FinishesTraces<TracesFacet> && ReportsPlans<const PlansFacet>);
-// A const session's facets (const) answer queries and change nothing.
-static_assert(std::is_same_v<decltype(std::declval<const Session&>().chunks()), const ChunksFacet>);
+// One accessor per facet, callable on a const session (a facet is a handle on the session);
+// a facet held const answers queries and changes nothing.
+static_assert(std::is_same_v<decltype(std::declval<const Session&>().chunks()), ChunksFacet>);
+static_assert(std::is_same_v<decltype(std::declval<Session&>().chunks()), ChunksFacet>);
 static_assert(ReportsHomes<const ChunksFacet> && !Acquires<const ChunksFacet>);
 static_assert(!WritesParams<const ValuesFacet> && !SetsHasGrad<const OptimizerFacet> &&
               !SetsTracing<const IterationsFacet> && !SetsHostBytes<const MemoryFacet>);
@@ -77,7 +86,7 @@ TEST(SessionFacets, EveryFacetSeesTheSameSession) {
   // A chunk acquired through chunks() is pinned as the const session's chunks() reports.
   const size_t g = c.layout().tensors[0].group;
   EXPECT_EQ(c.chunks().Pins(g, ChunkKind::kGrad), 0);
-  ASSERT_TRUE(s->chunks().Acquire(g, ChunkKind::kGrad, c.compute_tier()).ok());
+  ASSERT_TRUE(s->chunks().Acquire(g, ChunkKind::kGrad, c.placement().compute_tier()).ok());
   EXPECT_EQ(c.chunks().Pins(g, ChunkKind::kGrad), 1);
   ASSERT_THAT(s->chunks().Release(g, ChunkKind::kGrad, false), IsOk());
   EXPECT_EQ(c.chunks().Pins(g, ChunkKind::kGrad), 0);

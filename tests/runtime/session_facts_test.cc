@@ -42,16 +42,16 @@ TEST(SessionFacts, OnADeviceTheComputeBudgetIsTheDevicesAndTheCapsFollowIt) {
   // groups x (param, grad, m, v) + the frozen param = 9 x 16 KiB = 147456 bytes.
   auto s = MakeSession({{"device", "1MiB"}, {"chunk_size", kElems}}, Specs(2));
   ASSERT_NE(s, nullptr);
-  EXPECT_EQ(s->num_groups(), 3u);
-  EXPECT_EQ(s->compute_element_size(), 4u);
-  EXPECT_EQ(s->compute_dtype(), kernels::DType::kF32);
-  EXPECT_EQ(s->total_chunk_bytes(), 9 * kChunk);
-  EXPECT_EQ(s->compute_budget(), kMiB);
-  EXPECT_TRUE(s->compute_tier_holds_every_chunk());
-  EXPECT_TRUE(s->holds_grad_chunks());  // 3 x 32 KiB fit
-  EXPECT_EQ(s->ActivationCap(2), kMiB - 2 * 2 * 2 * kChunk);
-  EXPECT_EQ(s->RecentFullChunks(2), 5u);                 // 2 units of 2 groups, and one
-  EXPECT_EQ(s->RecentFullChunks(100), kMiB / (4 * kChunk));  // a quarter of the budget: 16
+  EXPECT_EQ(s->layout().num_groups(), 3u);
+  EXPECT_EQ(s->layout().compute_element_size(), 4u);
+  EXPECT_EQ(s->layout().compute_dtype(), kernels::DType::kF32);
+  EXPECT_EQ(s->placement().total_chunk_bytes, 9 * kChunk);
+  EXPECT_EQ(s->placement().compute_budget, kMiB);
+  EXPECT_TRUE(s->placement().compute_tier_holds_every_chunk());
+  EXPECT_TRUE(s->placement().holds_grad_chunks());  // 3 x 32 KiB fit
+  EXPECT_EQ(s->placement().ActivationCap(2), kMiB - 2 * 2 * 2 * kChunk);
+  EXPECT_EQ(s->placement().RecentFullChunks(2), 5u);                 // 2 units of 2 groups, and one
+  EXPECT_EQ(s->placement().RecentFullChunks(100), kMiB / (4 * kChunk));  // a quarter of the budget: 16
 }
 
 TEST(SessionFacts, ASmallDeviceHoldsNeitherEveryChunkNorEveryGradChunk) {
@@ -59,35 +59,35 @@ TEST(SessionFacts, ASmallDeviceHoldsNeitherEveryChunkNorEveryGradChunk) {
   // grad chunks (6 x 32 KiB) do not fit it, nor do the 21 chunks.
   auto s = MakeSession({{"device", 4 * 2 * kChunk}, {"chunk_size", kElems}}, Specs(5));
   ASSERT_NE(s, nullptr);
-  EXPECT_EQ(s->compute_budget(), 4 * 2 * kChunk);
-  EXPECT_FALSE(s->compute_tier_holds_every_chunk());
-  EXPECT_FALSE(s->holds_grad_chunks());
-  EXPECT_EQ(s->ActivationCap(1), 2 * 2 * kChunk);  // two units of one group leave half
-  EXPECT_EQ(s->ActivationCap(2), 0u);
-  EXPECT_EQ(s->ActivationCap(3), 0u);  // more than the budget: none, not a wrap-around
+  EXPECT_EQ(s->placement().compute_budget, 4 * 2 * kChunk);
+  EXPECT_FALSE(s->placement().compute_tier_holds_every_chunk());
+  EXPECT_FALSE(s->placement().holds_grad_chunks());
+  EXPECT_EQ(s->placement().ActivationCap(1), 2 * 2 * kChunk);  // two units of one group leave half
+  EXPECT_EQ(s->placement().ActivationCap(2), 0u);
+  EXPECT_EQ(s->placement().ActivationCap(3), 0u);  // more than the budget: none, not a wrap-around
 }
 
 TEST(SessionFacts, MixedPrecisionHalvesTheComputeCopy) {
   auto s = MakeSession({{"device", "1MiB"}, {"chunk_size", kElems}, {"precision", "bf16"}},
                        Specs(2));
   ASSERT_NE(s, nullptr);
-  EXPECT_EQ(s->compute_element_size(), 2u);
-  EXPECT_EQ(s->compute_dtype(), kernels::DType::kBF16);
-  EXPECT_EQ(s->ActivationCap(2), kMiB - 2 * 2 * 2 * (kElems * 2));
-  EXPECT_EQ(s->RecentFullChunks(100), kMiB / (4 * kElems * 2));
+  EXPECT_EQ(s->layout().compute_element_size(), 2u);
+  EXPECT_EQ(s->layout().compute_dtype(), kernels::DType::kBF16);
+  EXPECT_EQ(s->placement().ActivationCap(2), kMiB - 2 * 2 * 2 * (kElems * 2));
+  EXPECT_EQ(s->placement().RecentFullChunks(100), kMiB / (4 * kElems * 2));
 }
 
 TEST(SessionFacts, UnitComputeBytesCountsTheUnitAndItsLargestExpertBeyondIt) {
   auto s = MakeSession({{"device", "1MiB"}, {"chunk_size", kElems}}, Specs(3));
   ASSERT_NE(s, nullptr);
-  ASSERT_EQ(s->num_groups(), 4u);
-  EXPECT_EQ(s->UnitComputeBytes({0, 1}).value(), 2 * kChunk);
+  ASSERT_EQ(s->layout().num_groups(), 4u);
+  EXPECT_EQ(s->layout().UnitComputeBytes({0, 1}).value(), 2 * kChunk);
   // Expert {1, 2} adds group 2 only (1 is the unit's); expert {3} adds group 3: the larger
   // of the two is one chunk.
-  EXPECT_EQ(s->UnitComputeBytes({0, 1}, {{1, 2}, {3}}).value(), 3 * kChunk);
-  EXPECT_EQ(s->UnitComputeBytes({0}, {{1, 2}, {3}}).value(), 3 * kChunk);
-  EXPECT_EQ(s->UnitComputeBytes({}, {}).value(), 0u);
-  EXPECT_THAT(s->UnitComputeBytes({0, 9}).status(),
+  EXPECT_EQ(s->layout().UnitComputeBytes({0, 1}, {{1, 2}, {3}}).value(), 3 * kChunk);
+  EXPECT_EQ(s->layout().UnitComputeBytes({0}, {{1, 2}, {3}}).value(), 3 * kChunk);
+  EXPECT_EQ(s->layout().UnitComputeBytes({}, {}).value(), 0u);
+  EXPECT_THAT(s->layout().UnitComputeBytes({0, 9}).status(),
               StatusIs(StatusCode::kOutOfRange, "unknown chunk group 9"));
 }
 
@@ -95,9 +95,9 @@ TEST(SessionFacts, InHostModeTheComputeBudgetIsTheHostsOnlyWhenEveryChunkIsHomed
   auto all = MakeSession({{"device_kind", "host"}, {"host", "64MiB"}, {"chunk_size", kElems}},
                          Specs(2));
   ASSERT_NE(all, nullptr);
-  EXPECT_EQ(all->compute_budget(), 64 * kMiB);
-  EXPECT_TRUE(all->compute_tier_holds_every_chunk());
-  EXPECT_EQ(all->RecentFullChunks(1000), 64 * kMiB / (4 * kChunk));  // 1024
+  EXPECT_EQ(all->placement().compute_budget, 64 * kMiB);
+  EXPECT_TRUE(all->placement().compute_tier_holds_every_chunk());
+  EXPECT_EQ(all->placement().RecentFullChunks(1000), 64 * kMiB / (4 * kChunk));  // 1024
 
   const std::string dir = TempDir();
   auto some = MakeSession({{"device_kind", "host"},
@@ -107,19 +107,19 @@ TEST(SessionFacts, InHostModeTheComputeBudgetIsTheHostsOnlyWhenEveryChunkIsHomed
                           Specs(5));
   ASSERT_NE(some, nullptr);
   bool on_nvme = false;
-  for (size_t g = 0; g < some->num_groups(); ++g) {
+  for (size_t g = 0; g < some->layout().num_groups(); ++g) {
     for (ChunkKind k : {ChunkKind::kParamFp32, ChunkKind::kGrad, ChunkKind::kExpAvg,
                         ChunkKind::kExpAvgSq}) {
-      on_nvme |= some->has_kind(g, k) && some->chunks().Home(g, k) == TierKind::kNvme;
+      on_nvme |= some->layout().has_kind(g, k) && some->chunks().Home(g, k) == TierKind::kNvme;
     }
   }
   ASSERT_TRUE(on_nvme);
-  EXPECT_EQ(some->compute_budget(), 0u);  // NVMe-homed chunks pass through the host room
-  EXPECT_FALSE(some->compute_tier_holds_every_chunk());
-  EXPECT_FALSE(some->holds_grad_chunks());
-  EXPECT_EQ(some->ActivationCap(1), 0u);
+  EXPECT_EQ(some->placement().compute_budget, 0u);  // NVMe-homed chunks pass through the host room
+  EXPECT_FALSE(some->placement().compute_tier_holds_every_chunk());
+  EXPECT_FALSE(some->placement().holds_grad_chunks());
+  EXPECT_EQ(some->placement().ActivationCap(1), 0u);
   // Sharded recent chunks follow the host tier's configured budget, homes or not.
-  EXPECT_EQ(some->RecentFullChunks(100), 224 * kKiB / (4 * kChunk));
+  EXPECT_EQ(some->placement().RecentFullChunks(100), 224 * kKiB / (4 * kChunk));
   some.reset();
   std::filesystem::remove_all(dir);
 }

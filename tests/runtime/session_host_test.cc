@@ -43,28 +43,28 @@ std::unique_ptr<Session> Make(json config) {
 // Trains `s` for `steps` steps with deterministic gradients written on the compute tier;
 // returns every tensor's final value.
 std::vector<std::vector<float>> Train(Session& s, int steps) {
-  const TierKind where = s.compute_tier();
+  const TierKind where = s.placement().compute_tier();
   for (int it = 0; it < steps; ++it) {
     s.iterations().BeginIteration();
-    for (size_t g = 0; g < s.num_groups(); ++g) {
+    for (size_t g = 0; g < s.layout().num_groups(); ++g) {
       bool must_zero = false;
       auto p = s.chunks().AcquireForWrite(g, ChunkKind::kGrad, where, &must_zero);
       EXPECT_THAT(p.status(), IsOk());
       if (!p.ok()) return {};
       float* grad = static_cast<float*>(*p);
-      for (uint64_t i = 0; i < s.chunk_elems(); ++i) {
+      for (uint64_t i = 0; i < s.layout().chunk_elems; ++i) {
         grad[i] = 0.001f * static_cast<float>((i * 7 + g * 13 + it * 3) % 101) - 0.05f;
       }
       EXPECT_THAT(s.chunks().Release(g, ChunkKind::kGrad, true), IsOk());
     }
-    for (size_t t = 0; t < s.num_tensors(); ++t) s.optimizer().SetHasGrad(t, true);
+    for (size_t t = 0; t < s.layout().num_tensors(); ++t) s.optimizer().SetHasGrad(t, true);
     OptimizerConfig hyper;
     hyper.lr = 1e-2;
     EXPECT_THAT(s.optimizer().Step({hyper}).status(), IsOk());
   }
   std::vector<std::vector<float>> out;
-  for (size_t t = 0; t < s.num_tensors(); ++t) {
-    out.emplace_back(s.place(t).numel);
+  for (size_t t = 0; t < s.layout().num_tensors(); ++t) {
+    out.emplace_back(s.layout().place(t).numel);
     EXPECT_THAT(s.values().ReadParam(t, out.back().data()), IsOk());
   }
   return out;
@@ -82,9 +82,9 @@ TEST(HostMode, AutoWithoutAGpuIsHost) {
 TEST(HostMode, HostHomedChunksAreComputedOnInPlace) {
   auto s = Make({{"device_kind", "host"}, {"host", "64MiB"}});
   ASSERT_NE(s, nullptr);
-  EXPECT_TRUE(s->host_compute());
-  EXPECT_EQ(s->compute_tier(), TierKind::kHost);
-  EXPECT_EQ(s->minimum_device_budget(), 0u);
+  EXPECT_TRUE(s->placement().host_compute());
+  EXPECT_EQ(s->placement().compute_tier(), TierKind::kHost);
+  EXPECT_EQ(s->layout().min_device_budget, 0u);
   auto p = s->chunks().Acquire(0, ChunkKind::kParamFp32, TierKind::kHost);
   ASSERT_THAT(p.status(), IsOk());
   EXPECT_EQ(s->chunks().Resident(0, ChunkKind::kParamFp32), TierKind::kHost);
@@ -114,7 +114,7 @@ TEST(HostMode, WithNvmeEqualsASimDeviceSessionBitForBit) {
   ASSERT_NE(host, nullptr);
   ASSERT_NE(sim, nullptr);
   int on_nvme = 0;
-  for (size_t g = 0; g < host->num_groups(); ++g) {
+  for (size_t g = 0; g < host->layout().num_groups(); ++g) {
     for (ChunkKind k : {ChunkKind::kParamFp32, ChunkKind::kGrad, ChunkKind::kExpAvg,
                         ChunkKind::kExpAvgSq}) {
       on_nvme += host->chunks().Home(g, k) == TierKind::kNvme;
@@ -170,10 +170,10 @@ TEST(HostMode, ChunksOfTheLargestTensorLeaveRoomForTheSmallOnes) {
   ASSERT_TRUE(c.ok());
   auto s = Session::Create(*c, specs);
   ASSERT_TRUE(s.ok()) << s.status().ToString();
-  EXPECT_GT((*s)->chunk_elems(), 16384u);
-  EXPECT_LE((*s)->chunk_elems(), 16384u + 16384u / 4);
-  EXPECT_LE((*s)->num_groups(), 3u * kBlocks + 1);
-  EXPECT_LT((*s)->num_groups() * (*s)->chunk_elems(), total + total / 4);  // waste < 25%
+  EXPECT_GT((*s)->layout().chunk_elems, 16384u);
+  EXPECT_LE((*s)->layout().chunk_elems, 16384u + 16384u / 4);
+  EXPECT_LE((*s)->layout().num_groups(), 3u * kBlocks + 1);
+  EXPECT_LT((*s)->layout().num_groups() * (*s)->layout().chunk_elems, total + total / 4);  // waste < 25%
   (*s)->Close();
   std::filesystem::remove_all(dir);
 }

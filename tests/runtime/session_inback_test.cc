@@ -67,7 +67,7 @@ class SessionInBackward : public ::testing::Test {
     for (int k = 0; k < 2; ++k) {
       s_[k] = MakeFull(dirs_[k], overlap[k], precision, nvme_size, accumulation);
       ASSERT_TRUE(s_[k]);
-      ASSERT_EQ(s_[k]->num_groups(), 3u);
+      ASSERT_EQ(s_[k]->layout().num_groups(), 3u);
       for (size_t t = 0; t < kSpecs.size(); ++t) {
         ASSERT_THAT(s_[k]->values().WriteParam(t, Random(kSpecs[t].numel, t).data()), IsOk());
       }

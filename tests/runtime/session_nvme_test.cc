@@ -68,7 +68,7 @@ TEST(SessionNvme, OptimizerStateSpillsToNvmeFirstAndTrainingMatches) {
   auto s = MakeNvmeSpill(dir);
   ASSERT_TRUE(s);
   int nvme_optim = 0, host_params = 0;
-  for (size_t g = 0; g < s->num_groups(); ++g) {
+  for (size_t g = 0; g < s->layout().num_groups(); ++g) {
     host_params += s->chunks().Home(g, ChunkKind::kParamFp32) == TierKind::kHost;
     nvme_optim += s->chunks().Home(g, ChunkKind::kExpAvgSq) == TierKind::kNvme;
   }

@@ -34,14 +34,14 @@ std::vector<float> Random(size_t n, uint32_t seed) {
 
 // Writes fp32 `g` into the tensor's grad pieces on the compute tier, as a binding does.
 void SetGrad(Session& s, size_t t, const std::vector<float>& g) {
-  for (const Piece& p : s.place(t).pieces) {
-    auto base = s.chunks().Acquire(p.group, ChunkKind::kGrad, s.compute_tier());
+  for (const Piece& p : s.layout().place(t).pieces) {
+    auto base = s.chunks().Acquire(p.group, ChunkKind::kGrad, s.placement().compute_tier());
     ASSERT_TRUE(base.ok()) << base.status().ToString();
-    if (s.dtype(ChunkKind::kGrad) == kernels::DType::kF32) {
+    if (s.layout().dtype(ChunkKind::kGrad) == kernels::DType::kF32) {
       std::memcpy(static_cast<float*>(*base) + p.offset, g.data() + p.begin, p.numel * 4);
     } else {
       kernels::CastFromF32(g.data() + p.begin, static_cast<char*>(*base) + p.offset * 2,
-                           s.dtype(ChunkKind::kGrad), p.numel);
+                           s.layout().dtype(ChunkKind::kGrad), p.numel);
     }
     ASSERT_THAT(s.chunks().Release(p.group, ChunkKind::kGrad, true), IsOk());
   }
@@ -49,7 +49,7 @@ void SetGrad(Session& s, size_t t, const std::vector<float>& g) {
 }
 
 std::vector<float> Read(Session& s, size_t t, ChunkKind k = ChunkKind::kParamFp32) {
-  std::vector<float> v(s.place(t).numel);
+  std::vector<float> v(s.layout().place(t).numel);
   EXPECT_THAT(s.values().ReadTensor(t, k, v.data()), IsOk());
   return v;
 }
@@ -63,21 +63,21 @@ TEST(SessionPieces, ATensorLargerThanAChunkIsSplitIntoRowsCoveringIt) {
   // fp32 training: 8 device bytes per element, 4 chunks: 64000 bytes = chunks of <= 2000.
   auto s = Make({{"device", 64000}}, kSpecs);
   ASSERT_TRUE(s);
-  EXPECT_LE(s->chunk_elems(), 2000u);
-  const TensorPlace& big = s->place(1);
+  EXPECT_LE(s->layout().chunk_elems, 2000u);
+  const TensorPlace& big = s->layout().place(1);
   ASSERT_GT(big.pieces.size(), 3u);
   EXPECT_TRUE(big.split());
-  EXPECT_FALSE(s->place(0).split());
+  EXPECT_FALSE(s->layout().place(0).split());
   uint64_t next = 0;
   std::set<uint32_t> groups;
   for (const Piece& p : big.pieces) {
     EXPECT_EQ(p.begin, next);
     EXPECT_EQ(p.numel % 40, 0u) << "whole rows";
-    EXPECT_LE(p.offset + p.numel, s->chunk_elems());
+    EXPECT_LE(p.offset + p.numel, s->layout().chunk_elems);
     groups.insert(p.group);
     next += p.numel;
     // The group lists the piece.
-    const ChunkGroup& g = s->group(p.group);
+    const ChunkGroup& g = s->layout().group(p.group);
     EXPECT_NE(std::find_if(g.pieces.begin(), g.pieces.end(),
                            [&](const PieceRef& r) {
                              return r.tensor == 1 && big.pieces[r.piece].begin == p.begin;
@@ -89,7 +89,7 @@ TEST(SessionPieces, ATensorLargerThanAChunkIsSplitIntoRowsCoveringIt) {
   EXPECT_EQ(groups.size(), big.pieces.size());
   EXPECT_EQ(big.group, big.pieces[0].group);
   // The minimum follows the largest row (40 elements), not the largest tensor.
-  EXPECT_EQ(s->minimum_device_budget(), 40u * 8 * 4);
+  EXPECT_EQ(s->layout().min_device_budget, 40u * 8 * 4);
 }
 
 TEST(SessionPieces, CompressedOptimizerStateCoversWholeTensorsAndSplitOnesKeepFp32) {
@@ -99,19 +99,19 @@ TEST(SessionPieces, CompressedOptimizerStateCoversWholeTensorsAndSplitOnesKeepFp
                  {"optimizer", {{"state_dtype", "int8"}, {"state_min_elems", 100}}}},
                 kSpecs);
   ASSERT_TRUE(s);
-  EXPECT_EQ(s->chunk_elems() % 256, 0u);
-  EXPECT_LE(s->chunk_elems(), 2000u);
-  EXPECT_FALSE(s->place(0).split());
-  EXPECT_EQ(s->values().state_format(s->place(0).group).dtype, kernels::StateDType::kInt8);
-  ASSERT_TRUE(s->place(1).split());
-  for (const Piece& p : s->place(1).pieces) {
+  EXPECT_EQ(s->layout().chunk_elems % 256, 0u);
+  EXPECT_LE(s->layout().chunk_elems, 2000u);
+  EXPECT_FALSE(s->layout().place(0).split());
+  EXPECT_EQ(s->values().state_format(s->layout().place(0).group).dtype, kernels::StateDType::kInt8);
+  ASSERT_TRUE(s->layout().place(1).split());
+  for (const Piece& p : s->layout().place(1).pieces) {
     EXPECT_EQ(s->values().state_format(p.group).dtype, kernels::StateDType::kF32);
   }
-  EXPECT_EQ(s->values().state_format(s->place(2).group).dtype, kernels::StateDType::kF32);
+  EXPECT_EQ(s->values().state_format(s->layout().place(2).group).dtype, kernels::StateDType::kF32);
   // Each group has one format: no int8 group holds a piece of the split tensor.
-  for (size_t g = 0; g < s->num_groups(); ++g) {
+  for (size_t g = 0; g < s->layout().num_groups(); ++g) {
     if (s->values().state_format(g).dtype != kernels::StateDType::kInt8) continue;
-    for (uint32_t t : s->group(g).tensors) EXPECT_EQ(t, 0u);
+    for (uint32_t t : s->layout().group(g).tensors) EXPECT_EQ(t, 0u);
   }
 }
 
@@ -138,8 +138,8 @@ TEST(SessionPieces, SplitTensorsStepAndCheckpointBitForBitLikeWholeOnes) {
     auto split = Make({{"device", 64000}, {"precision", precision}, {"chunk_size", 1000}},
                       kSpecs);
     ASSERT_TRUE(whole && split);
-    ASSERT_FALSE(whole->place(1).split());
-    ASSERT_TRUE(split->place(1).split());
+    ASSERT_FALSE(whole->layout().place(1).split());
+    ASSERT_TRUE(split->layout().place(1).split());
     for (size_t t = 0; t < kSpecs.size(); ++t) {
       const std::vector<float> v = Random(kSpecs[t].numel, 10 + t);
       ASSERT_THAT(whole->values().WriteParam(t, v.data()), IsOk());
@@ -203,20 +203,20 @@ TEST(SessionPieces, ExpertSetsGiveEachExpertChunksOfItsOwn) {
   ASSERT_TRUE(s);
   // The chunk holds the largest expert (a gate_up row of 128 + a down row of 64), though the
   // budget allows far more; the 256-element attention weight is split into rows.
-  EXPECT_EQ(s->chunk_elems(), 192u);
-  EXPECT_TRUE(s->place(0).split());
+  EXPECT_EQ(s->layout().chunk_elems, 192u);
+  EXPECT_TRUE(s->layout().place(0).split());
   // Every piece of an expert-set tensor sits in a group holding only that expert's pieces.
   std::set<uint32_t> expert_groups;
   for (size_t t = 2; t + 1 < specs.size(); ++t) {
-    const TensorPlace& tp = s->place(t);
+    const TensorPlace& tp = s->layout().place(t);
     EXPECT_EQ(tp.pieces.size(), specs[t].expert < 0 ? 4u : 1u) << specs[t].name;
     for (const Piece& p : tp.pieces) {
       const int want = specs[t].expert < 0 ? static_cast<int>(p.begin / (p.numel)) : specs[t].expert;
       EXPECT_EQ(p.expert, want) << specs[t].name;
       expert_groups.insert(p.group);
-      for (const PieceRef& r : s->group(p.group).pieces) {
+      for (const PieceRef& r : s->layout().group(p.group).pieces) {
         EXPECT_EQ(specs[r.tensor].expert_set, specs[t].expert_set) << specs[t].name;
-        EXPECT_EQ(s->place(r.tensor).pieces[r.piece].expert, p.expert) << specs[t].name;
+        EXPECT_EQ(s->layout().place(r.tensor).pieces[r.piece].expert, p.expert) << specs[t].name;
       }
     }
   }

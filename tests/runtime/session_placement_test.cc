@@ -46,7 +46,7 @@ TEST(OptimizerPlacement, GroupsGetTheRoomTheWorkingSetLeavesInOrder) {
     const Bytes budget = 4 * WorkingPerGroup(mixed) + 2 * StatePerGroup(mixed) + 1000;
     auto s = Make({{"device", budget}, {"precision", mixed ? "bf16" : "fp32"}});
     ASSERT_TRUE(s);
-    ASSERT_EQ(s->num_groups(), 4u);
+    ASSERT_EQ(s->layout().num_groups(), 4u);
     EXPECT_FALSE(s->optimizer().placed());
     for (size_t t = 0; t < 4; ++t) s->optimizer().SetHasGrad(t, true);
     ASSERT_TRUE(s->optimizer().Step(Hyper()).ok());
@@ -127,7 +127,7 @@ Outcome Train(const Variant& v, bool mixed, double clip) {
   for (int step = 0; step < 12; ++step) {
     s->iterations().BeginIteration();
     for (size_t t = 0; t < 4; ++t) {
-      const TensorPlace& p = s->place(t);
+      const TensorPlace& p = s->layout().place(t);
       std::vector<float> cur(p.numel);
       EXPECT_THAT(s->values().ReadParam(t, cur.data()), IsOk());
       auto g = std::make_shared<std::vector<float>>(p.numel);
@@ -136,8 +136,8 @@ Outcome Train(const Variant& v, bool mixed, double clip) {
       }
       auto base = s->chunks().Acquire(p.group, ChunkKind::kGrad, TierKind::kDevice);
       EXPECT_TRUE(base.ok()) << base.status().ToString();
-      char* dst = static_cast<char*>(*base) + p.offset * kernels::DTypeSize(s->dtype(ChunkKind::kGrad));
-      const kernels::DType gd = s->dtype(ChunkKind::kGrad);
+      char* dst = static_cast<char*>(*base) + p.offset * kernels::DTypeSize(s->layout().dtype(ChunkKind::kGrad));
+      const kernels::DType gd = s->layout().dtype(ChunkKind::kGrad);
       auto write = [g, dst, gd] {
         if (gd == kernels::DType::kF32) {
           std::memcpy(dst, g->data(), g->size() * 4);

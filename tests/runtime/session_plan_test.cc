@@ -37,7 +37,7 @@ using namespace session_tests;  // NOLINT: the split files' shared helpers
 void TrainIteration(Session& s, int it, bool branch = false) {
   using planners::MomentKind;
   s.iterations().BeginIteration();
-  const uint32_t n = static_cast<uint32_t>(s.num_groups());
+  const uint32_t n = static_cast<uint32_t>(s.layout().num_groups());
   for (uint32_t g = 0; g < n; ++g) {
     if (branch && g == 1) continue;
     ASSERT_THAT(s.optimizer().FinishStep(g), IsOk());  // as the bindings do before a unit's moment
@@ -61,7 +61,7 @@ void TrainIteration(Session& s, int it, bool branch = false) {
     }
     ASSERT_THAT(s.chunks().Release(g, ChunkKind::kGrad, true), IsOk());
     ASSERT_THAT(s.chunks().Release(g, ChunkKind::kParamFp32, false), IsOk());
-    for (uint32_t t : s.group(g).tensors) s.optimizer().SetHasGrad(t, true);
+    for (uint32_t t : s.layout().group(g).tensors) s.optimizer().SetHasGrad(t, true);
   }
   ASSERT_TRUE(s.optimizer().Step({GroupHyper{}}).ok());
   ASSERT_TRUE(s.optimizer().ZeroGrad().ok());
@@ -96,7 +96,7 @@ void MoeIteration(Session& s, int it) {
     }
     ASSERT_THAT(s.chunks().Release(g, ChunkKind::kGrad, true), IsOk());
     ASSERT_THAT(s.chunks().Release(g, ChunkKind::kParamFp32, false), IsOk());
-    for (uint32_t t : s.group(g).tensors) s.optimizer().SetHasGrad(t, true);
+    for (uint32_t t : s.layout().group(g).tensors) s.optimizer().SetHasGrad(t, true);
   };
   for (uint32_t g = 0; g < 6; ++g) {
     ASSERT_THAT(s.optimizer().FinishStep(g), IsOk());

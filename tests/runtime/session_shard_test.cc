@@ -96,22 +96,22 @@ std::vector<std::vector<float>> Train(Session& s, ThreadCollectives::Rank* comm,
     s.iterations().BeginIteration();
     for (size_t t = 0; t < kTensors.size(); ++t) {
       if (!kTensors[t].trainable) continue;
-      const TensorPlace& p = s.place(t);
+      const TensorPlace& p = s.layout().place(t);
       std::vector<float> cur(p.numel), g(p.numel);
       EXPECT_THAT(s.values().ReadParam(t, cur.data()), IsOk());
       for (size_t k = 0; k < g.size(); ++k) g[k] = 0.3f * cur[k] + std::cos(0.2f * step + k);
       // This rank's part of the tensor's gradient, at its place in the shard.
-      const uint64_t lo = std::max(p.offset, s.shard_begin());
-      const uint64_t hi = std::min(p.offset + p.numel, s.shard_begin() + s.shard_elems());
+      const uint64_t lo = std::max(p.offset, s.layout().shard_begin);
+      const uint64_t hi = std::min(p.offset + p.numel, s.layout().shard_begin + s.layout().shard_elems);
       auto base = s.chunks().Acquire(p.group, ChunkKind::kGrad, TierKind::kDevice);
       EXPECT_TRUE(base.ok()) << base.status().ToString();
       if (lo < hi) {
-        const size_t es = kernels::DTypeSize(s.dtype(ChunkKind::kGrad));
-        char* dst = static_cast<char*>(*base) + (lo - s.shard_begin()) * es;
+        const size_t es = kernels::DTypeSize(s.layout().dtype(ChunkKind::kGrad));
+        char* dst = static_cast<char*>(*base) + (lo - s.layout().shard_begin) * es;
         if (!mixed) {
           std::memcpy(dst, g.data() + (lo - p.offset), (hi - lo) * 4);
         } else {
-          kernels::CastFromF32(g.data() + (lo - p.offset), dst, s.dtype(ChunkKind::kGrad),
+          kernels::CastFromF32(g.data() + (lo - p.offset), dst, s.layout().dtype(ChunkKind::kGrad),
                                hi - lo);
         }
       }
@@ -119,7 +119,7 @@ std::vector<std::vector<float>> Train(Session& s, ThreadCollectives::Rank* comm,
       s.optimizer().SetHasGrad(t, true);
     }
     StatusOr<StepResult> r = InternalError("not run");
-    if (s.sharded()) {
+    if (s.layout().sharded()) {
       auto local = s.optimizer().GradStats();
       EXPECT_TRUE(local.ok());
       kernels::GradStats global;
@@ -154,7 +154,7 @@ std::vector<std::vector<std::vector<float>>> OnRanks(
       ThreadCollectives::Rank comm(&tc, r);
       auto s = Make(config, Sharding{world, r, &comm});
       if (!s) return;
-      if (chunk_bytes) (*chunk_bytes)[r] = s->total_chunk_bytes();
+      if (chunk_bytes) (*chunk_bytes)[r] = s->placement().total_chunk_bytes;
       out[r] = fn(*s, &comm);
     });
   }
@@ -186,8 +186,8 @@ TEST(SessionShard, StepsOnShardsEqualTheUnshardedStepBitForBit) {
         std::vector<Bytes> bytes;
         const auto got = OnRanks(world, config,
                                  [&](Session& s, ThreadCollectives::Rank* c) {
-                                   EXPECT_EQ(s.chunk_elems() % (64 * world), 0u);
-                                   EXPECT_EQ(s.shard_elems() * world, s.chunk_elems());
+                                   EXPECT_EQ(s.layout().chunk_elems % (64 * world), 0u);
+                                   EXPECT_EQ(s.layout().shard_elems * world, s.layout().chunk_elems);
                                    return Train(s, c, mixed);
                                  },
                                  &bytes);
@@ -198,7 +198,7 @@ TEST(SessionShard, StepsOnShardsEqualTheUnshardedStepBitForBit) {
                 << "rank " << r << " tensor " << kTensors[t].name;
           }
           // Each rank holds its share of the chunks (the chunk size rounds up a little).
-          EXPECT_LE(bytes[r], one->total_chunk_bytes() / world + one->total_chunk_bytes() / 8);
+          EXPECT_LE(bytes[r], one->placement().total_chunk_bytes / world + one->placement().total_chunk_bytes / 8);
         }
       }
     }
@@ -232,11 +232,11 @@ TEST(SessionShard, Int8StateOnShardsEqualsTheUnshardedStepAndItsCheckpointMoves)
   for (int world : {2, 3}) {
     SCOPED_TRACE("world " + std::to_string(world));
     const auto got = OnRanks(world, config, [&](Session& s, ThreadCollectives::Rank* c) {
-      EXPECT_EQ(s.shard_elems() % 256, 0u);
-      EXPECT_EQ(s.values().state_format(s.place(0).group).dtype, kernels::StateDType::kInt8);
+      EXPECT_EQ(s.layout().shard_elems % 256, 0u);
+      EXPECT_EQ(s.values().state_format(s.layout().place(0).group).dtype, kernels::StateDType::kInt8);
       auto v = Train(s, c, false);
       EXPECT_EQ(state_of(s), want_state);
-      if (s.world() == 2) {
+      if (s.layout().world == 2) {
         EXPECT_THAT(s.SaveCheckpoint(path), IsOk());
       }
       return v;
@@ -350,19 +350,19 @@ TEST(SessionShard, PretrainedWeightsLoadIntoShardsAndExportFromThem) {
       const auto got = OnRanks(world, {{"device", "1MiB"}, {"precision", precision}},
                                [&](Session& s, ThreadCollectives::Rank*) {
                                  std::vector<WeightTarget> targets;
-                                 for (size_t t = 0; t < s.num_tensors(); ++t) {
-                                   targets.push_back({t, {{s.spec(t).name}}});
+                                 for (size_t t = 0; t < s.layout().num_tensors(); ++t) {
+                                   targets.push_back({t, {{s.layout().spec(t).name}}});
                                  }
                                  std::unique_lock<std::mutex> turn(one_load);
                                  auto r = LoadWeights(s, *files, targets);
                                  turn.unlock();
                                  EXPECT_TRUE(r.ok()) << r.status().ToString();
-                                 if (r.ok()) needed[s.rank()] = r->bytes_needed;
+                                 if (r.ok()) needed[s.layout().rank] = r->bytes_needed;
                                  std::vector<ExportEntry> e;
-                                 for (size_t t = 0; t < s.num_tensors(); ++t) {
-                                   e.push_back({s.spec(t).name,
-                                                {static_cast<int64_t>(s.spec(t).numel)},
-                                                {{t, 0, s.spec(t).numel}}});
+                                 for (size_t t = 0; t < s.layout().num_tensors(); ++t) {
+                                   e.push_back({s.layout().spec(t).name,
+                                                {static_cast<int64_t>(s.layout().spec(t).numel)},
+                                                {{t, 0, s.layout().spec(t).numel}}});
                                  }
                                  // Pieces smaller than the tensors: every rank reads the
                                  // same ranges, piece by piece (the reads gather).
@@ -370,8 +370,8 @@ TEST(SessionShard, PretrainedWeightsLoadIntoShardsAndExportFromThem) {
                                  o.piece_elems = 7;
                                  EXPECT_THAT(ExportWeights(s, out, e, o), IsOk());
                                  std::vector<std::vector<float>> v;
-                                 for (size_t t = 0; t < s.num_tensors(); ++t) {
-                                   v.emplace_back(s.spec(t).numel);
+                                 for (size_t t = 0; t < s.layout().num_tensors(); ++t) {
+                                   v.emplace_back(s.layout().spec(t).numel);
                                    EXPECT_THAT(s.values().ReadParam(t, v.back().data()), IsOk());
                                  }
                                  return v;
@@ -389,7 +389,7 @@ TEST(SessionShard, PretrainedWeightsLoadIntoShardsAndExportFromThem) {
       auto back = weights::OpenWeights(out);
       ASSERT_TRUE(back.ok()) << back.status().ToString();
       std::vector<WeightTarget> targets;
-      for (size_t t = 0; t < one->num_tensors(); ++t) targets.push_back({t, {{kTensors[t].name}}});
+      for (size_t t = 0; t < one->layout().num_tensors(); ++t) targets.push_back({t, {{kTensors[t].name}}});
       ASSERT_THAT(LoadWeights(*one, *back, targets).status(), IsOk());
       for (size_t t = 0; t < want.size(); ++t) {
         std::vector<float> v(kTensors[t].numel);

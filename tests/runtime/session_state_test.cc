@@ -98,7 +98,7 @@ struct Ref {
 };
 
 std::vector<float> Read(Session& s, size_t t, ChunkKind kind) {
-  std::vector<float> v(s.place(t).numel);
+  std::vector<float> v(s.layout().place(t).numel);
   EXPECT_THAT(s.values().ReadTensor(t, kind, v.data()), IsOk());
   return v;
 }
@@ -110,35 +110,35 @@ TEST(SessionState, LayoutAlignsInt8TensorsToTheBlockAndShrinksTheStateChunks) {
     ASSERT_TRUE(s);
     const bool int8 = std::string(dtype) == "int8";
     for (size_t t : {0u, 1u, 3u}) {  // >= 1000 elements: the format
-      const size_t g = s->place(t).group;
+      const size_t g = s->layout().place(t).group;
       EXPECT_EQ(s->values().state_format(g).dtype, int8 ? StateDType::kInt8 : StateDType::kBF16);
       if (int8) {
-        EXPECT_EQ(s->place(t).offset % 256, 0u) << kModel[t].name;
+        EXPECT_EQ(s->layout().place(t).offset % 256, 0u) << kModel[t].name;
       }
-      const uint64_t e = s->shard_elems();
+      const uint64_t e = s->layout().shard_elems;
       EXPECT_EQ(s->chunks().ChunkBytes(g, ChunkKind::kExpAvg), int8 ? e + e / 256 * 4 : e * 2);
       EXPECT_EQ(s->chunks().ChunkBytes(g, ChunkKind::kParamFp32), e * 4);  // masters stay fp32
     }
     if (int8) {
-      EXPECT_EQ(s->chunk_elems() % 256, 0u);
+      EXPECT_EQ(s->layout().chunk_elems % 256, 0u);
     }
     // The small tensor keeps fp32 state in a group of its own; frozen groups have none.
-    const size_t small = s->place(2).group;
+    const size_t small = s->layout().place(2).group;
     EXPECT_EQ(s->values().state_format(small).dtype, StateDType::kF32);
-    EXPECT_NE(small, s->place(0).group);
-    EXPECT_EQ(s->chunks().ChunkBytes(small, ChunkKind::kExpAvg), s->shard_elems() * 4);
+    EXPECT_NE(small, s->layout().place(0).group);
+    EXPECT_EQ(s->chunks().ChunkBytes(small, ChunkKind::kExpAvg), s->layout().shard_elems * 4);
     EXPECT_LT(s->values().state_bytes(), s->values().state_bytes_fp32());
   }
   // fp32 (the default): one trainable layout as before, every state chunk fp32.
   auto f = Make({{"device", "1MiB"}}, kModel);
   ASSERT_TRUE(f);
-  EXPECT_EQ(f->place(2).group, f->place(0).group);
+  EXPECT_EQ(f->layout().place(2).group, f->layout().place(0).group);
   EXPECT_EQ(f->values().state_bytes(), f->values().state_bytes_fp32());
   // state_min_elems 0: every trainable tensor quantized, one layout.
   auto all = Make({{"device", "1MiB"}, {"optimizer", State("int8", {{"state_min_elems", 0}})}},
                   kModel);
   ASSERT_TRUE(all);
-  EXPECT_EQ(all->values().state_format(all->place(2).group).dtype, StateDType::kInt8);
+  EXPECT_EQ(all->values().state_format(all->layout().place(2).group).dtype, StateDType::kInt8);
   // int8 state: m and v take 1 + 4/256 bytes per element instead of 8 ... for both: 0.254x.
   EXPECT_NEAR(static_cast<double>(all->values().state_bytes()) / all->values().state_bytes_fp32(), 0.2539, 1e-3);
 }
@@ -150,8 +150,8 @@ void TrainAgainstRef(json config, const std::string& dtype, int steps, bool expe
   ASSERT_TRUE(s);
   if (expect_nvme) {  // some optimizer state lives on NVMe
     int on_nvme = 0;
-    for (size_t g = 0; g < s->num_groups(); ++g) {
-      if (s->has_kind(g, ChunkKind::kExpAvg) && s->chunks().Home(g, ChunkKind::kExpAvg) == TierKind::kNvme) {
+    for (size_t g = 0; g < s->layout().num_groups(); ++g) {
+      if (s->layout().has_kind(g, ChunkKind::kExpAvg) && s->chunks().Home(g, ChunkKind::kExpAvg) == TierKind::kNvme) {
         ++on_nvme;
       }
     }
@@ -161,9 +161,9 @@ void TrainAgainstRef(json config, const std::string& dtype, int steps, bool expe
   for (size_t t = 0; t < kModel.size(); ++t) {
     std::vector<float> init = Init(t, kModel[t].numel);
     ASSERT_THAT(s->values().WriteParam(t, init.data()), IsOk());
-    const kernels::StateFormat f = s->values().state_format(s->place(t).group);
+    const kernels::StateFormat f = s->values().state_format(s->layout().place(t).group);
     refs.emplace_back(f, init);
-    if (s->mixed()) {  // the master as the session keeps it
+    if (s->layout().mixed()) {  // the master as the session keeps it
       ASSERT_THAT(s->values().ReadParam(t, refs.back().p.data()), IsOk());
     }
   }
@@ -174,14 +174,14 @@ void TrainAgainstRef(json config, const std::string& dtype, int steps, bool expe
     for (size_t t = 0; t < kModel.size(); ++t) {
       if (!kModel[t].trainable) continue;
       std::vector<float> g = Grad(t, kModel[t].numel, step, refs[t].p);
-      if (s->mixed()) {  // what the kernel reads: the bf16 gradient
+      if (s->layout().mixed()) {  // what the kernel reads: the bf16 gradient
         std::vector<uint16_t> h(g.size());
         kernels::CastFromF32(g.data(), h.data(), kernels::DType::kBF16, g.size());
         kernels::CastToF32(h.data(), kernels::DType::kBF16, g.data(), g.size());
       }
       SetGrad(*s, t, g);
       s->iterations().Moment("bwd", planners::MomentKind::kPreBackward, static_cast<uint32_t>(t));
-      const TensorPlace& p = s->place(t);
+      const TensorPlace& p = s->layout().place(t);
       refs[t].Step(g, (static_cast<uint64_t>(step) << 32) ^
                           (p.group * 0x9E3779B97F4A7C15ull) ^ p.offset);
     }
@@ -236,7 +236,7 @@ TEST(SessionState, StochasticBf16StateIsDeterministicAndUnlikeNearest) {
   auto b = Trained("bf16", {{"state_rounding", "stochastic"}});
   auto n = Trained("bf16");
   ASSERT_TRUE(a && b && n);
-  EXPECT_TRUE(a->values().state_format(a->place(0).group).stochastic);
+  EXPECT_TRUE(a->values().state_format(a->layout().place(0).group).stochastic);
   size_t differ = 0, total = 0;
   for (size_t t : {0u, 1u, 3u}) {
     const std::vector<float> ma = Read(*a, t, ChunkKind::kExpAvg);
@@ -287,10 +287,10 @@ TEST(SessionState, TheTraceAndTheSimulatorCountTheCompressedBytes) {
       }
       s->iterations().BeginIteration();
       for (size_t t = 0; t < kModel.size(); ++t) {
-        const TensorPlace& p = s->place(t);
+        const TensorPlace& p = s->layout().place(t);
         s->iterations().Moment("fwd", planners::MomentKind::kPreForward, static_cast<uint32_t>(t));
-        ASSERT_TRUE(s->chunks().Acquire(p.group, s->compute_kind(), s->compute_tier()).ok());
-        ASSERT_THAT(s->chunks().Release(p.group, s->compute_kind(), false), IsOk());
+        ASSERT_TRUE(s->chunks().Acquire(p.group, s->layout().compute_kind(), s->placement().compute_tier()).ok());
+        ASSERT_THAT(s->chunks().Release(p.group, s->layout().compute_kind(), false), IsOk());
       }
       for (size_t t = kModel.size(); t-- > 0;) {
         if (!kModel[t].trainable) continue;
@@ -334,7 +334,7 @@ TEST(SessionState, ValuesAreDequantizedOutAndQuantizedIn) {
   for (float& x : m) x = d(rng);
   ASSERT_THAT(s->values().WriteTensor(1, ChunkKind::kExpAvg, m.data()), IsOk());
   // The codes and absmax stored are QuantizeState's of the values (blocks from the tensor).
-  const kernels::StateFormat f = s->values().state_format(s->place(1).group);
+  const kernels::StateFormat f = s->values().state_format(s->layout().place(1).group);
   std::vector<uint8_t> q(m.size()), q_got(m.size());
   std::vector<float> a(kernels::StateBlocks(f, m.size())), a_got(a.size());
   kernels::QuantizeState(f, true, m.data(), {q.data(), a.data()}, m.size());

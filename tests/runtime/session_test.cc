@@ -35,18 +35,18 @@ TEST(SessionLayout, GroupsHoldTheKindsTheirPrecisionNeeds) {
   auto s = Make({{"device", "1MiB"}, {"chunk_size", 2048}},
                 {{"w", 1500, true, 0}, {"b", 400, true, 0}, {"frozen", 600, false, 0}});
   ASSERT_TRUE(s);
-  EXPECT_EQ(s->chunk_elems(), 2048u);
-  ASSERT_EQ(s->num_groups(), 2u);  // trainable tensors in one group, the frozen one in another
-  EXPECT_EQ(s->place(0).group, s->place(1).group);
-  EXPECT_NE(s->place(2).group, s->place(0).group);
-  const size_t tg = s->place(0).group, fg = s->place(2).group;
+  EXPECT_EQ(s->layout().chunk_elems, 2048u);
+  ASSERT_EQ(s->layout().num_groups(), 2u);  // trainable tensors in one group, the frozen one in another
+  EXPECT_EQ(s->layout().place(0).group, s->layout().place(1).group);
+  EXPECT_NE(s->layout().place(2).group, s->layout().place(0).group);
+  const size_t tg = s->layout().place(0).group, fg = s->layout().place(2).group;
   for (ChunkKind k : {ChunkKind::kParamFp32, ChunkKind::kGrad, ChunkKind::kExpAvg,
                       ChunkKind::kExpAvgSq}) {
-    EXPECT_TRUE(s->has_kind(tg, k)) << chunks::ChunkKindName(k);
+    EXPECT_TRUE(s->layout().has_kind(tg, k)) << chunks::ChunkKindName(k);
   }
-  EXPECT_FALSE(s->has_kind(tg, ChunkKind::kParamLowp));
-  EXPECT_TRUE(s->has_kind(fg, ChunkKind::kParamFp32));
-  EXPECT_FALSE(s->has_kind(fg, ChunkKind::kGrad));
+  EXPECT_FALSE(s->layout().has_kind(tg, ChunkKind::kParamLowp));
+  EXPECT_TRUE(s->layout().has_kind(fg, ChunkKind::kParamFp32));
+  EXPECT_FALSE(s->layout().has_kind(fg, ChunkKind::kGrad));
   EXPECT_THAT(s->chunks().Acquire(fg, ChunkKind::kGrad, TierKind::kHost),
               StatusIs(StatusCode::kInvalidArgument, "has no grad chunk"));
   EXPECT_EQ(s->chunks().ChunkBytes(tg, ChunkKind::kParamFp32), 2048u * 4);
@@ -54,13 +54,13 @@ TEST(SessionLayout, GroupsHoldTheKindsTheirPrecisionNeeds) {
   auto m = Make({{"device", "1MiB"}, {"chunk_size", 2048}, {"precision", "bf16"}},
                 {{"w", 1500, true, 0}, {"frozen", 600, false, 0}});
   ASSERT_TRUE(m);
-  const size_t mt = m->place(0).group, mf = m->place(1).group;
-  EXPECT_EQ(m->compute_kind(), ChunkKind::kParamLowp);
-  EXPECT_EQ(m->dtype(ChunkKind::kGrad), kernels::DType::kBF16);
+  const size_t mt = m->layout().place(0).group, mf = m->layout().place(1).group;
+  EXPECT_EQ(m->layout().compute_kind(), ChunkKind::kParamLowp);
+  EXPECT_EQ(m->layout().dtype(ChunkKind::kGrad), kernels::DType::kBF16);
   EXPECT_EQ(m->chunks().ChunkBytes(mt, ChunkKind::kParamLowp), 2048u * 2);
   EXPECT_EQ(m->chunks().ChunkBytes(mt, ChunkKind::kParamFp32), 2048u * 4);  // the master
-  EXPECT_TRUE(m->has_kind(mf, ChunkKind::kParamFp32));  // frozen params keep exact values
-  EXPECT_TRUE(m->has_kind(mf, ChunkKind::kParamLowp));
+  EXPECT_TRUE(m->layout().has_kind(mf, ChunkKind::kParamFp32));  // frozen params keep exact values
+  EXPECT_TRUE(m->layout().has_kind(mf, ChunkKind::kParamLowp));
 }
 
 TEST(SessionLayout, BudgetTooSmallNamesTheMinimumAndBadTensorsAreRefused) {
@@ -111,7 +111,7 @@ TEST(SessionValues, MixedPrecisionWritesTheMasterAndTheRoundedComputeCopy) {
 TEST(SessionStep, EqualsTheKernelOnEachTensorBitForBit) {
   auto s = Make({{"device", "1MiB"}, {"chunk_size", 1100}}, kThree);  // a, then b+c
   ASSERT_TRUE(s);
-  ASSERT_EQ(s->num_groups(), 2u);
+  ASSERT_EQ(s->layout().num_groups(), 2u);
   std::vector<RefState> ref;
   for (size_t t = 0; t < 3; ++t) {
     ref.emplace_back(Random(kThree[t].numel, 10 + t));
@@ -228,11 +228,11 @@ TEST(SessionStep, AGroupThatCannotBeAcquiredIsNotSteppedAndSaysWhich) {
   auto s = Make({{"device", "32KiB"}, {"chunk_size", 1024}},
                 {{"a", 1000, true, 0}, {"b", 1000, true, 0}, {"c", 1000, true, 0}});
   ASSERT_TRUE(s);
-  ASSERT_EQ(s->num_groups(), 3u);
+  ASSERT_EQ(s->layout().num_groups(), 3u);
   for (size_t t = 0; t < 3; ++t) {
-    ASSERT_THAT(s->values().WriteParam(t, Random(s->place(t).numel, t).data()), IsOk());
+    ASSERT_THAT(s->values().WriteParam(t, Random(s->layout().place(t).numel, t).data()), IsOk());
   }
-  for (size_t t = 0; t < 3; ++t) SetGrad(*s, t, Random(s->place(t).numel, 10 + t));
+  for (size_t t = 0; t < 3; ++t) SetGrad(*s, t, Random(s->layout().place(t).numel, 10 + t));
   const std::vector<float> b_before = Param(*s, 1);
   ASSERT_TRUE(s->chunks().Acquire(1, ChunkKind::kExpAvg, TierKind::kDevice).ok());
   auto r = s->optimizer().Step({GroupHyper{}});
@@ -259,7 +259,7 @@ TEST(SessionStep, DeferredUpdatesEqualImmediateOnesOnEveryAccessPath) {
                  {"optimizer_overlap", k == 0 ? "off" : "next-forward"}},
                 specs);
     ASSERT_TRUE(s[k]);
-    ASSERT_EQ(s[k]->num_groups(), 3u);
+    ASSERT_EQ(s[k]->layout().num_groups(), 3u);
     for (size_t t = 0; t < specs.size(); ++t) {
       ASSERT_THAT(s[k]->values().WriteParam(t, Random(specs[t].numel, t).data()), IsOk());
     }
@@ -336,7 +336,7 @@ TEST(SessionStep, SpeculativeStepsInTheBackwardAreBitIdenticalWithClippingOn) {
                    {"optimizer_overlap", k == 0 ? "off" : "backward"}},
                   specs);
       ASSERT_TRUE(s[k]);
-      ASSERT_EQ(s[k]->num_groups(), 3u);
+      ASSERT_EQ(s[k]->layout().num_groups(), 3u);
       for (size_t t = 0; t < specs.size(); ++t) {
         ASSERT_THAT(s[k]->values().WriteParam(t, Random(specs[t].numel, t).data()), IsOk());
       }

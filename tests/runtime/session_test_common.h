@@ -44,7 +44,7 @@ inline std::vector<float> Random(size_t n, uint32_t seed, float scale = 1.0f) {
 }
 
 inline std::vector<float> Param(Session& s, size_t t) {
-  std::vector<float> v(s.place(t).numel);
+  std::vector<float> v(s.layout().place(t).numel);
   EXPECT_THAT(s.values().ReadParam(t, v.data()), ::tiermem::testing::IsOk());
   return v;
 }
@@ -52,10 +52,10 @@ inline std::vector<float> Param(Session& s, size_t t) {
 // Everything the optimizer leaves: fp32 values, m, v and step counts of every tensor.
 inline std::vector<std::vector<float>> TrainingState(Session& s) {
   std::vector<std::vector<float>> out;
-  for (size_t t = 0; t < s.num_tensors(); ++t) {
+  for (size_t t = 0; t < s.layout().num_tensors(); ++t) {
     out.push_back(Param(s, t));
     for (ChunkKind kind : {chunks::ChunkKind::kExpAvg, chunks::ChunkKind::kExpAvgSq}) {
-      std::vector<float> x(s.place(t).numel);
+      std::vector<float> x(s.layout().place(t).numel);
       EXPECT_THAT(s.values().ReadTensor(t, kind, x.data()), ::tiermem::testing::IsOk());
       out.push_back(std::move(x));
     }
@@ -109,26 +109,26 @@ inline StepResult SpecIteration(Session& s, int it, const SpecIt& o) {
   using ::tiermem::testing::IsOk;
   s.iterations().BeginIteration();
   s.SetStepHyper(o.announced);
-  const uint32_t n = static_cast<uint32_t>(s.num_groups());
+  const uint32_t n = static_cast<uint32_t>(s.layout().num_groups());
   for (uint32_t g = 0; g < n; ++g) {
     EXPECT_THAT(s.optimizer().FinishStep(g), IsOk());
     s.iterations().Moment("fwd:" + std::to_string(g), MomentKind::kPreForward, g);
-    EXPECT_TRUE(s.chunks().Acquire(g, s.compute_kind(), TierKind::kDevice).ok());
-    EXPECT_THAT(s.chunks().Release(g, s.compute_kind(), false), IsOk());
+    EXPECT_TRUE(s.chunks().Acquire(g, s.layout().compute_kind(), TierKind::kDevice).ok());
+    EXPECT_THAT(s.chunks().Release(g, s.layout().compute_kind(), false), IsOk());
   }
   auto grad = [&](uint32_t t, int salt) {
     // Scaled by the loss scale (fp16), as a scaled loss's backward gives them.
-    std::vector<float> v = Random(s.place(t).numel, 1000 * it + 10 * t + salt,
+    std::vector<float> v = Random(s.layout().place(t).numel, 1000 * it + 10 * t + salt,
                                   o.grad_scale * static_cast<float>(s.optimizer().loss_scale()));
-    if (o.overflow && s.place(t).group == 0) v[3] = INFINITY;
+    if (o.overflow && s.layout().place(t).group == 0) v[3] = INFINITY;
     return v;
   };
   for (uint32_t g = n; g-- > 0;) {
     s.iterations().Moment("bwd:" + std::to_string(g), MomentKind::kPreBackward, g);
-    for (uint32_t t : s.group(g).tensors) SetGrad(s, t, grad(t, 0));
+    for (uint32_t t : s.layout().group(g).tensors) SetGrad(s, t, grad(t, 0));
   }
   if (o.rewrite) {
-    for (uint32_t t : s.group(n - 1).tensors) SetGrad(s, t, grad(t, 1));
+    for (uint32_t t : s.layout().group(n - 1).tensors) SetGrad(s, t, grad(t, 1));
   }
   if (o.between) o.between(s);
   auto r = s.optimizer().Step(o.hyper);

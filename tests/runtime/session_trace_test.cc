@@ -43,7 +43,7 @@ TEST(SessionTimeline, TemporaryTimelineGoesAwayAtCloseAConfiguredOneStays) {
   EXPECT_TRUE(s->closed());
   EXPECT_FALSE(std::filesystem::exists(tmp));
   EXPECT_THAT(s->optimizer().Step({GroupHyper{}}), StatusIs(StatusCode::kFailedPrecondition, "closed"));
-  EXPECT_EQ(s->num_tensors(), 3u);  // the layout stays readable
+  EXPECT_EQ(s->layout().num_tensors(), 3u);  // the layout stays readable
 
   auto k = Make({{"device", "1MiB"}, {"timeline", dir + "/sub/run.tmt"}}, kThree);
   ASSERT_TRUE(k);
@@ -85,7 +85,7 @@ TEST(SessionTracing, UntracedAcquiresDoNotDisturbTheRecordedOrder) {
   ASSERT_TRUE(s);
   auto iteration = [&] {
     s->iterations().BeginIteration();
-    for (size_t g = 0; g < s->num_groups(); ++g) {
+    for (size_t g = 0; g < s->layout().num_groups(); ++g) {
       ASSERT_TRUE(s->chunks().Acquire(g, ChunkKind::kParamFp32, TierKind::kDevice).ok());
       ASSERT_THAT(s->chunks().Release(g, ChunkKind::kParamFp32, false), IsOk());
     }
@@ -94,7 +94,7 @@ TEST(SessionTracing, UntracedAcquiresDoNotDisturbTheRecordedOrder) {
   iteration();
   // An "eval" pass in between, in another order, untraced.
   s->iterations().SetTracing(false);
-  for (size_t g = s->num_groups(); g-- > 0;) {
+  for (size_t g = s->layout().num_groups(); g-- > 0;) {
     ASSERT_TRUE(s->chunks().Acquire(g, ChunkKind::kParamFp32, TierKind::kHost).ok());
     ASSERT_THAT(s->chunks().Release(g, ChunkKind::kParamFp32, false), IsOk());
   }
@@ -105,7 +105,7 @@ TEST(SessionTracing, UntracedAcquiresDoNotDisturbTheRecordedOrder) {
   ASSERT_TRUE(st.ok());
   EXPECT_EQ(st->diverged, 0u);
   // The same eval pass traced does diverge (the check above can fail).
-  for (size_t g = s->num_groups(); g-- > 0;) {
+  for (size_t g = s->layout().num_groups(); g-- > 0;) {
     ASSERT_TRUE(s->chunks().Acquire(g, ChunkKind::kParamFp32, TierKind::kHost).ok());
     ASSERT_THAT(s->chunks().Release(g, ChunkKind::kParamFp32, false), IsOk());
   }
@@ -122,7 +122,7 @@ TEST(SessionTracing, UntracedAcquiresDoNotDisturbTheRecordedOrder) {
 void ScriptedIteration(Session& s, bool write_param_in_forward = false) {
   using planners::MomentKind;
   s.iterations().BeginIteration();
-  const uint32_t n = static_cast<uint32_t>(s.num_groups());
+  const uint32_t n = static_cast<uint32_t>(s.layout().num_groups());
   for (uint32_t g = 0; g < n; ++g) {
     ASSERT_THAT(s.optimizer().FinishStep(g), IsOk());  // as the bindings do before a unit's moment
     s.iterations().Moment("fwd:" + std::to_string(g), MomentKind::kPreForward, g);
@@ -137,7 +137,7 @@ void ScriptedIteration(Session& s, bool write_param_in_forward = false) {
     ASSERT_TRUE(p.ok());
     if (must_zero) std::memset(*p, 0, s.chunks().ChunkBytes(g, ChunkKind::kGrad));
     ASSERT_THAT(s.chunks().Release(g, ChunkKind::kGrad, true), IsOk());
-    for (uint32_t t : s.group(g).tensors) s.optimizer().SetHasGrad(t, true);
+    for (uint32_t t : s.layout().group(g).tensors) s.optimizer().SetHasGrad(t, true);
   }
   ASSERT_TRUE(s.optimizer().Step({GroupHyper{}}).ok());
   ASSERT_TRUE(s.optimizer().ZeroGrad().ok());
@@ -150,7 +150,7 @@ TEST(SessionTrace, RecordsTheIterationsMomentsAccessesSavedBytesAndRates) {
   auto s = Make({{"device", "16KiB"}, {"chunk_size", 512}, {"gradient_clipping", 1.0}},
                 {{"a", 500, true, 0}, {"b", 400, true, 0}, {"c", 300, true, 0}});
   ASSERT_TRUE(s);
-  const uint32_t groups = static_cast<uint32_t>(s->num_groups());
+  const uint32_t groups = static_cast<uint32_t>(s->layout().num_groups());
   ASSERT_EQ(groups, 3u);
   ScriptedIteration(*s);  // before arming: not recorded
   ASSERT_THAT(s->traces().RecordTrace(path, 2), IsOk());
@@ -170,9 +170,9 @@ TEST(SessionTrace, RecordsTheIterationsMomentsAccessesSavedBytesAndRates) {
   ASSERT_EQ(t->iterations.size(), 2u);
   // Every chunk of the session, with its kind name, group and home.
   size_t chunks = 0;
-  for (size_t g = 0; g < s->num_groups(); ++g) {
+  for (size_t g = 0; g < s->layout().num_groups(); ++g) {
     for (int k = 0; k < chunks::kNumChunkKinds; ++k) {
-      if (!s->has_kind(g, static_cast<ChunkKind>(k))) continue;
+      if (!s->layout().has_kind(g, static_cast<ChunkKind>(k))) continue;
       ++chunks;
     }
   }
@@ -197,7 +197,7 @@ TEST(SessionTrace, RecordsTheIterationsMomentsAccessesSavedBytesAndRates) {
       EXPECT_EQ(m.activation_bytes, in_flight) << m.label;
       ASSERT_EQ(m.num_accesses, 1u);
       const planners::TraceAccess& a = it.accesses[m.first_access];
-      EXPECT_EQ(a.chunk, s->group(g).chunks[static_cast<int>(ChunkKind::kParamFp32)]);
+      EXPECT_EQ(a.chunk, s->layout().group(g).chunks[static_cast<int>(ChunkKind::kParamFp32)]);
       EXPECT_EQ(a.tier, TierKind::kDevice);
       EXPECT_EQ(t->KindName(a.chunk), "param_fp32");
     }
@@ -254,7 +254,7 @@ TEST(SessionTrace, BadArgumentsUntracedPassesFinishAndClose) {
   ScriptedIteration(*s);
   // An eval pass, untraced: not in the trace.
   s->iterations().SetTracing(false);
-  for (size_t g = 0; g < s->num_groups(); ++g) {
+  for (size_t g = 0; g < s->layout().num_groups(); ++g) {
     s->iterations().Moment("eval", planners::MomentKind::kPreForward, 0);
     ASSERT_TRUE(s->chunks().Acquire(g, ChunkKind::kParamFp32, TierKind::kHost).ok());
     ASSERT_THAT(s->chunks().Release(g, ChunkKind::kParamFp32, false), IsOk());

@@ -43,7 +43,7 @@ void Iteration(Session& s, UnitProtocol& p) {
   EXPECT_EQ(s.iterations().phase(), RunPhase::kBackward);
   for (uint32_t u = 3; u-- > 0;) {
     p.BackwardReached(u);
-    SetGrad(s, u, std::vector<float>(s.spec(u).numel, 0.5f));
+    SetGrad(s, u, std::vector<float>(s.layout().spec(u).numel, 0.5f));
   }
   p.EndIteration();
   ASSERT_TRUE(s.optimizer().Step({GroupHyper{}}).ok());
@@ -53,7 +53,7 @@ void Iteration(Session& s, UnitProtocol& p) {
 TEST(UnitProtocol, DeclareChecksNamesGroupsAndNesting) {
   auto s = Make();
   ASSERT_TRUE(s);
-  ASSERT_EQ(s->num_groups(), 3u);
+  ASSERT_EQ(s->layout().num_groups(), 3u);
   UnitProtocol p(s.get());
   auto a = p.Declare({"embed", {0}});
   ASSERT_TRUE(a.ok());

@@ -120,18 +120,18 @@ std::vector<FileTensor> Named(const std::vector<TensorSpec>& specs, DType d) {
 
 std::vector<WeightTarget> ByName(const Session& s) {
   std::vector<WeightTarget> out;
-  for (size_t t = 0; t < s.num_tensors(); ++t) out.push_back({t, {{s.spec(t).name}}});
+  for (size_t t = 0; t < s.layout().num_tensors(); ++t) out.push_back({t, {{s.layout().spec(t).name}}});
   return out;
 }
 
 std::vector<float> Param(Session& s, size_t t) {
-  std::vector<float> v(s.place(t).numel);
+  std::vector<float> v(s.layout().place(t).numel);
   EXPECT_THAT(s.values().ReadParam(t, v.data()), IsOk());
   return v;
 }
 
 std::vector<uint16_t> Lowp(Session& s, size_t t) {
-  std::vector<uint16_t> v(s.place(t).numel);
+  std::vector<uint16_t> v(s.layout().place(t).numel);
   EXPECT_THAT(s.values().ReadTensor(t, ChunkKind::kParamLowp, v.data()), IsOk());
   return v;
 }
@@ -183,8 +183,8 @@ TEST_P(LoadIntoEveryTier, Bf16IntoFp32ChunksExactlyWithoutReadingNvmeBack) {
   for (size_t t = 0; t < kSpecs.size(); ++t) {
     EXPECT_EQ(Param(*s, t), AsStored(Values(t, kSpecs[t].numel), DType::kBF16)) << kSpecs[t].name;
   }
-  for (size_t g = 0; g < s->num_groups(); ++g) {
-    if (!s->group(g).trainable) continue;
+  for (size_t g = 0; g < s->layout().num_groups(); ++g) {
+    if (!s->layout().group(g).trainable) continue;
     EXPECT_TRUE(s->chunks().LazilyZero(g, ChunkKind::kExpAvg)) << g;
     EXPECT_TRUE(s->chunks().LazilyZero(g, ChunkKind::kExpAvgSq)) << g;
     EXPECT_TRUE(s->chunks().LazilyZero(g, ChunkKind::kGrad)) << g;
@@ -192,8 +192,9 @@ TEST_P(LoadIntoEveryTier, Bf16IntoFp32ChunksExactlyWithoutReadingNvmeBack) {
 }
 
 // The loader acquires each lazily zero values chunk (fp32, or the bf16 compute chunk of a group
-// exact in it) unfilled and writes its tensors: every element no tensor covers (the padding between and after them) is zero after the load, even
-// where the memory handed over held other bytes (a chunk zeroed lazily over old content).
+// exact in it) unfilled and writes its tensors: every element no tensor covers (the padding
+// between and after them) is zero after the load, even where the memory handed over held other
+// bytes (a chunk zeroed lazily over old content).
 TEST_P(LoadIntoEveryTier, ChunkPaddingStaysZero) {
   WriteWeights(dir_ + "/ckpt", Named(kSpecs, DType::kBF16), 20'000);
   // fp32 chunks; in bf16, the frozen tensor's group holds its values in its bf16 compute chunk.
@@ -207,7 +208,7 @@ TEST_P(LoadIntoEveryTier, ChunkPaddingStaysZero) {
     auto s = Make(c, specs);
     ASSERT_NE(s, nullptr);
     auto kind = [&](size_t g) { return s->layout().value_kind(g); };
-    for (size_t g = 0; g < s->num_groups(); ++g) {  // old bytes everywhere, then lazily zero
+    for (size_t g = 0; g < s->layout().num_groups(); ++g) {  // old bytes everywhere, then lazily zero
       auto p = s->chunks().Acquire(g, kind(g), TierKind::kHost);
       ASSERT_THAT(p, IsOk());
       std::memset(*p, 0xff, s->chunks().ChunkBytes(g, kind(g)));
@@ -216,17 +217,17 @@ TEST_P(LoadIntoEveryTier, ChunkPaddingStaysZero) {
     }
     ASSERT_THAT(Load(*s, dir_ + "/ckpt", ByName(*s)), IsOk());
     auto esize = [&](size_t g) { return kind(g) == ChunkKind::kParamFp32 ? 4u : 2u; };
-    std::vector<std::vector<bool>> covered(s->num_groups());
-    for (size_t g = 0; g < s->num_groups(); ++g) {
+    std::vector<std::vector<bool>> covered(s->layout().num_groups());
+    for (size_t g = 0; g < s->layout().num_groups(); ++g) {
       covered[g].assign(s->chunks().ChunkBytes(g, kind(g)) / esize(g), false);
     }
-    for (size_t t = 0; t < s->num_tensors(); ++t) {
-      for (const auto& pc : s->place(t).pieces) {
+    for (size_t t = 0; t < s->layout().num_tensors(); ++t) {
+      for (const auto& pc : s->layout().place(t).pieces) {
         for (uint64_t i = 0; i < pc.numel; ++i) covered[pc.group][pc.offset + i] = true;
       }
     }
     int padded = 0, lowp_groups = 0;
-    for (size_t g = 0; g < s->num_groups(); ++g) {
+    for (size_t g = 0; g < s->layout().num_groups(); ++g) {
       lowp_groups += kind(g) != ChunkKind::kParamFp32;
       auto p = s->chunks().Acquire(g, kind(g), TierKind::kHost);
       ASSERT_THAT(p, IsOk());
@@ -286,7 +287,7 @@ TEST_F(WeightsTest, NvmeHomesAreFilledWhenTheHostBudgetIsBelowTheModel) {
                  {"nvme", {{"size", "8MiB"}, {"path", dir_}}}});
   ASSERT_NE(s, nullptr);
   int on_nvme = 0;
-  for (size_t g = 0; g < s->num_groups(); ++g) {
+  for (size_t g = 0; g < s->layout().num_groups(); ++g) {
     on_nvme += s->chunks().Home(g, ChunkKind::kParamFp32) == TierKind::kNvme;
   }
   EXPECT_GT(on_nvme, 1);  // the test is about them
@@ -305,7 +306,7 @@ TEST_F(WeightsTest, NvmeHomedChunksAreNeverReadBackWhateverTheFileOrder) {
                  {"nvme", {{"size", "16MiB"}, {"path", dir_}}}},
                 specs);
   ASSERT_NE(s, nullptr);
-  ASSERT_EQ(s->num_groups(), kGroups);
+  ASSERT_EQ(s->layout().num_groups(), kGroups);
   std::vector<FileTensor> ts;
   for (size_t k = 0; k < kPer; ++k) {
     for (size_t g = 0; g < kGroups; ++g) {
@@ -356,7 +357,7 @@ TEST_F(WeightsTest, FusedExpertsFromPerExpertKeysInSeveralShards) {
                  {"chunk_size", 512}},
                 specs);
   ASSERT_NE(s, nullptr);
-  ASSERT_GT(s->place(0).pieces.size(), 1u);  // spread over pieces too
+  ASSERT_GT(s->layout().place(0).pieces.size(), 1u);  // spread over pieces too
   ASSERT_THAT(Load(*s, dir_ + "/moe", targets), IsOk());
   EXPECT_EQ(Param(*s, 0), want_gu);
   EXPECT_EQ(Param(*s, 1), want_down);
@@ -578,7 +579,7 @@ TEST_F(WeightsTest, ServingOnADeviceWithNvmeHomesInMixedPrecision) {
   auto written = Make({{"device_kind", "host"}, {"host", "64MiB"}, {"precision", "bf16"}}, frozen);
   ASSERT_NE(s, nullptr);
   int on_nvme = 0;
-  for (size_t g = 0; g < s->num_groups(); ++g) {
+  for (size_t g = 0; g < s->layout().num_groups(); ++g) {
     on_nvme += s->chunks().Home(g, ChunkKind::kParamLowp) == TierKind::kNvme;
   }
   ASSERT_GT(on_nvme, 0);

@@ -120,7 +120,7 @@ struct UnitFunction : public ::torch::autograd::Function<UnitFunction> {
     }
     std::vector<ChunkedModel::ParamRec*> trainable;
     for (ChunkedModel::ParamRec* p : call->params) {
-      if (m->session_->spec(p->index).trainable) trainable.push_back(p);
+      if (m->session_->layout().spec(p->index).trainable) trainable.push_back(p);
     }
     m->session_->iterations().SetTracing(true);
     if (m->session_->iterations().phase() != session::RunPhase::kBackward)
@@ -255,7 +255,7 @@ StatusOr<std::unique_ptr<ChunkedModel>> ChunkedModel::Create(::torch::nn::Module
     for (auto& [b, v] : buffers) b.copy_(v);
   }
   for (auto& p : m->params_) p->param.set_data(m->Placeholder(*p));
-  if (m->session_->mixed()) {
+  if (m->session_->layout().mixed()) {
     ::torch::NoGradGuard no_grad;
     for (auto& b : model.buffers(/*recurse=*/true)) {
       if (b.is_floating_point()) b.set_data(b.to(m->compute_dtype()));
@@ -326,7 +326,9 @@ ChunkedModel::~ChunkedModel() {
   if (!closed_) Close().IgnoreError();
 }
 
-::torch::Dtype ChunkedModel::compute_dtype() const { return TorchDType(session_->compute_dtype()); }
+::torch::Dtype ChunkedModel::compute_dtype() const {
+  return TorchDType(session_->layout().compute_dtype());
+}
 
 ::torch::Tensor ChunkedModel::Placeholder(const ParamRec& p) const {
   return ::torch::full({}, std::numeric_limits<float>::quiet_NaN(), compute_dtype())
@@ -334,8 +336,9 @@ ChunkedModel::~ChunkedModel() {
 }
 
 ::torch::Tensor ChunkedModel::View(void* addr, size_t group, ChunkKind kind) const {
-  return ::torch::from_blob(addr, {static_cast<int64_t>(session_->group(group).used_elems)},
-                            ::torch::TensorOptions().dtype(TorchDType(session_->dtype(kind))));
+  return ::torch::from_blob(
+      addr, {static_cast<int64_t>(session_->layout().group(group).used_elems)},
+      ::torch::TensorOptions().dtype(TorchDType(session_->layout().dtype(kind))));
 }
 
 StatusOr<std::vector<ChunkedModel::ParamRec*>> ChunkedModel::UnitParams(::torch::nn::Module& unit) {
@@ -364,7 +367,8 @@ StatusOr<uint32_t> ChunkedModel::UnitIndex(::torch::nn::Module& unit,
   if (info.name.empty()) info.name = unit.name();
   std::set<size_t> groups;
   for (const ParamRec* p : params) {
-    for (const session::Piece& pc : session_->place(p->index).pieces) groups.insert(pc.group);
+    for (const session::Piece& pc : session_->layout().place(p->index).pieces)
+      groups.insert(pc.group);
   }
   info.groups.assign(groups.begin(), groups.end());
   TIERMEM_ASSIGN_OR_RETURN(const uint32_t u, protocol_->Declare(std::move(info)));
@@ -374,16 +378,17 @@ StatusOr<uint32_t> ChunkedModel::UnitIndex(::torch::nn::Module& unit,
 
 Status ChunkedModel::Materialize(const std::vector<ParamRec*>& params,
                                  std::vector<std::pair<size_t, ::torch::Tensor>>* views) {
-  const ChunkKind ck = session_->compute_kind();
+  const ChunkKind ck = session_->layout().compute_kind();
   for (ParamRec* p : params) {
-    const std::vector<session::Piece>& pieces = session_->place(p->index).pieces;
+    const std::vector<session::Piece>& pieces = session_->layout().place(p->index).pieces;
     if (pieces.size() > 1) {
       // A parameter larger than a chunk computes with a contiguous copy of its pieces
       // (read-only, as every unit's parameters are here), assembled one piece's chunk pinned
       // at a time: the host floor counts one (runtime/host_floor.h).
       ::torch::Tensor copy;
       for (const session::Piece& pc : pieces) {
-        StatusOr<void*> addr = session_->chunks().Acquire(pc.group, ck, session_->compute_tier());
+        StatusOr<void*> addr =
+            session_->chunks().Acquire(pc.group, ck, session_->placement().compute_tier());
         Status released;
         if (addr.ok()) {
           const ::torch::Tensor base = View(*addr, pc.group, ck);
@@ -407,7 +412,8 @@ Status ChunkedModel::Materialize(const std::vector<ParamRec*>& params,
       auto it = std::find_if(views->begin(), views->end(),
                              [&](const auto& v) { return v.first == pc.group; });
       if (it == views->end()) {
-        StatusOr<void*> addr = session_->chunks().Acquire(pc.group, ck, session_->compute_tier());
+        StatusOr<void*> addr =
+            session_->chunks().Acquire(pc.group, ck, session_->placement().compute_tier());
         if (!addr.ok()) {
           Dematerialize(params, views).IgnoreError();
           return addr.status();
@@ -428,7 +434,7 @@ Status ChunkedModel::Dematerialize(const std::vector<ParamRec*>& params,
   for (ParamRec* p : params) p->param.set_data(Placeholder(*p));
   Status first;
   for (const auto& [g, base] : *views) {
-    Status s = session_->chunks().Release(g, session_->compute_kind(), false);
+    Status s = session_->chunks().Release(g, session_->layout().compute_kind(), false);
     if (first.ok()) first = s;
   }
   views->clear();
@@ -438,17 +444,17 @@ Status ChunkedModel::Dematerialize(const std::vector<ParamRec*>& params,
 Status ChunkedModel::AccumulateGrad(ParamRec* p, const ::torch::Tensor& grad) {
   const bool had = session_->optimizer().has_grad(p->index);
   const ::torch::Tensor flat = grad.reshape(-1);
-  for (const session::Piece& pc : session_->place(p->index).pieces) {
-    const session::ChunkGroup& g = session_->group(pc.group);
+  for (const session::Piece& pc : session_->layout().place(p->index).pieces) {
+    const session::ChunkGroup& g = session_->layout().group(pc.group);
     if (std::none_of(g.tensors.begin(), g.tensors.end(),
                      [&](uint32_t t) { return session_->optimizer().has_grad(t); })) {
       // Nothing in the chunk is needed: zero it lazily, so acquiring it moves no bytes.
       TIERMEM_RETURN_IF_ERROR(session_->chunks().ZeroChunk(pc.group, ChunkKind::kGrad));
     }
     bool must_zero = false;
-    TIERMEM_ASSIGN_OR_RETURN(
-        void* addr, session_->chunks().AcquireForWrite(pc.group, ChunkKind::kGrad,
-                                                       session_->compute_tier(), &must_zero));
+    TIERMEM_ASSIGN_OR_RETURN(void* addr, session_->chunks().AcquireForWrite(
+                                             pc.group, ChunkKind::kGrad,
+                                             session_->placement().compute_tier(), &must_zero));
     ::torch::Tensor base = View(addr, pc.group, ChunkKind::kGrad);
     {
       ::torch::NoGradGuard no_grad;
@@ -588,7 +594,7 @@ StatusOr<::torch::Tensor> ChunkedModel::ParamValue(const ::torch::Tensor& param)
 
 StatusOr<::torch::Tensor> ChunkedModel::Grad(const ::torch::Tensor& param) {
   TIERMEM_ASSIGN_OR_RETURN(ParamRec * p, Find(param));
-  if (!session_->spec(p->index).trainable) {
+  if (!session_->layout().spec(p->index).trainable) {
     return NotFoundError("parameter " + p->name + " is frozen: no gradient");
   }
   if (!session_->optimizer().has_grad(p->index)) {
@@ -604,7 +610,7 @@ StatusOr<::torch::Tensor> ChunkedModel::Grad(const ::torch::Tensor& param) {
 StatusOr<::torch::Tensor> ChunkedModel::OptimizerState(const ::torch::Tensor& param,
                                                        const std::string& kind) {
   TIERMEM_ASSIGN_OR_RETURN(ParamRec * p, Find(param));
-  if (!session_->spec(p->index).trainable) {
+  if (!session_->layout().spec(p->index).trainable) {
     return NotFoundError("parameter " + p->name + " is frozen: no optimizer state");
   }
   ChunkKind k;
@@ -689,8 +695,8 @@ StatusOr<Stats> ChunkedModel::GetStats() {
   Stats s;
   TIERMEM_ASSIGN_OR_RETURN(s.counters, session_->Stats());
   TIERMEM_ASSIGN_OR_RETURN(s.timeline, session_->traces().TimelineReport());
-  s.device_budget = session_->host_compute() ? 0 : session_->config().device_budget;
-  s.compute_tier = session_->compute_tier();
+  s.device_budget = session_->placement().host_compute() ? 0 : session_->config().device_budget;
+  s.compute_tier = session_->placement().compute_tier();
   return s;
 }
 

@@ -181,10 +181,10 @@ class ChunkedModel {
   Status Close();
 
   const session::SessionConfig& config() const { return session_->config(); }
-  uint64_t chunk_elems() const { return session_->chunk_elems(); }
-  size_t num_chunk_groups() const { return session_->num_groups(); }
+  uint64_t chunk_elems() const { return session_->layout().chunk_elems; }
+  size_t num_chunk_groups() const { return session_->layout().num_groups(); }
   // Every chunk byte of tensor data: params (+ fp32 masters) + grads + AdamW state.
-  Bytes model_bytes() const { return session_->model_bytes(); }
+  Bytes model_bytes() const { return session_->layout().model_bytes; }
   const std::string& timeline_path() const { return session_->timeline_path(); }
   session::Session& session() { return *session_; }
 

@@ -1,7 +1,7 @@
 // The one map between torch's dtypes and the core's element types (kernels::DType), for both
 // torch bindings: the Python extension (csrc/module.cc) and the LibTorch API
 // (chunked_model.cc). The core decides each chunk kind's element type
-// (session::Session::dtype); a binding only translates it, here.
+// (session::Layout::dtype); a binding only translates it, here.
 //
 // Header-only (like torch_pool.h), so the extension, which does not link the LibTorch
 // library, and the library share it without a third target; installed with the LibTorch

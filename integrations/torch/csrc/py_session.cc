@@ -35,8 +35,8 @@ PySession::PySession(const SessionConfig& config, std::vector<session::TensorSpe
 }
 
 torch::Tensor PySession::View(void* addr, size_t group, ChunkKind kind, TierKind where) const {
-  auto opts = torch::TensorOptions().dtype(TorchDType(s_->dtype(kind)));
-  if (where == TierKind::kDevice && s_->cuda()) opts = opts.device(torch::kCUDA, 0);
+  auto opts = torch::TensorOptions().dtype(TorchDType(s_->layout().dtype(kind)));
+  if (where == TierKind::kDevice && s_->placement().cuda()) opts = opts.device(torch::kCUDA, 0);
   if ((kind == ChunkKind::kExpAvg || kind == ChunkKind::kExpAvgSq) &&
       s_->values().state_format(group).compressed()) {
     // Compressed m or v: the chunk's bytes (codes, then int8's absmax); read_tensor
@@ -45,13 +45,14 @@ torch::Tensor PySession::View(void* addr, size_t group, ChunkKind kind, TierKind
                             opts.dtype(torch::kUInt8));
   }
   // Sharded: this rank's whole shard; else the chunk up to its last tensor.
-  const uint64_t n = s_->sharded() ? s_->shard_elems() : s_->group(group).used_elems;
+  const uint64_t n =
+      s_->layout().sharded() ? s_->layout().shard_elems : s_->layout().group(group).used_elems;
   return torch::from_blob(addr, {static_cast<int64_t>(n)}, opts);
 }
 Scratch PySession::AllocateScratch(TierKind where, uint64_t bytes) {
   const Region r = Check(s_->memory().AllocateScratch(where, bytes));
   auto opts = torch::TensorOptions().dtype(torch::kUInt8);
-  if (where == TierKind::kDevice && s_->cuda()) opts = opts.device(torch::kCUDA, 0);
+  if (where == TierKind::kDevice && s_->placement().cuda()) opts = opts.device(torch::kCUDA, 0);
   return Scratch{r, torch::from_blob(r.addr, {static_cast<int64_t>(bytes)}, opts)};
 }
 void PySession::FreeScratch(TierKind where, const Region& region) {
@@ -92,16 +93,16 @@ void PySession::WriteParam(size_t t, const torch::Tensor& v) {
   Check(s_->values().WriteParam(t, v.data_ptr<float>()));
 }
 torch::Tensor PySession::ReadTensor(size_t t, ChunkKind kind) {
-  torch::Tensor out = torch::empty({Numel(t)}, TorchDType(s_->dtype(kind)));
+  torch::Tensor out = torch::empty({Numel(t)}, TorchDType(s_->layout().dtype(kind)));
   Check(s_->values().ReadTensor(t, kind, out.data_ptr()));
   return out;
 }
 void PySession::WriteTensor(size_t t, ChunkKind kind, const torch::Tensor& v) {
-  CheckHostSpan(v, "value", Numel(t), TorchDType(s_->dtype(kind)));
+  CheckHostSpan(v, "value", Numel(t), TorchDType(s_->layout().dtype(kind)));
   Check(s_->values().WriteTensor(t, kind, v.data_ptr()));
 }
 void PySession::SetHasGrad(const std::vector<bool>& flags) {
-  if (flags.size() != s_->num_tensors()) throw py::value_error("one flag per tensor");
+  if (flags.size() != s_->layout().num_tensors()) throw py::value_error("one flag per tensor");
   for (size_t i = 0; i < flags.size(); ++i) s_->optimizer().SetHasGrad(i, flags[i]);
 }
 session::StepResult PySession::Step(const std::vector<session::GroupHyper>& hyper,
@@ -127,12 +128,12 @@ kernels::GradStats PySession::GradStats() {
   return Check(std::move(st));
 }
 const session::ChunkGroup& PySession::Group(size_t g) const {
-  if (g >= s_->num_groups()) throw py::value_error("unknown chunk group");
-  return s_->group(g);
+  if (g >= s_->layout().num_groups()) throw py::value_error("unknown chunk group");
+  return s_->layout().group(g);
 }
 const std::vector<session::Piece>& PySession::Place(size_t t) const {
-  if (t >= s_->num_tensors()) throw py::value_error("unknown tensor");
-  return s_->place(t).pieces;
+  if (t >= s_->layout().num_tensors()) throw py::value_error("unknown tensor");
+  return s_->layout().place(t).pieces;
 }
 PySession::~PySession() = default;
 
@@ -145,8 +146,8 @@ uint32_t PySession::ClassOf(int64_t cls) {
   return cls < 0 ? chunks::kNoClass : static_cast<uint32_t>(cls);
 }
 int64_t PySession::Numel(size_t t) const {
-  if (t >= s_->num_tensors()) throw py::value_error("unknown tensor " + std::to_string(t));
-  return static_cast<int64_t>(s_->place(t).numel);
+  if (t >= s_->layout().num_tensors()) throw py::value_error("unknown tensor " + std::to_string(t));
+  return static_cast<int64_t>(s_->layout().place(t).numel);
 }
 
 }  // namespace tiermem::torch_ext

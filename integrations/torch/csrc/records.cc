@@ -102,7 +102,7 @@ void BindLayoutRecords(py::module_& m) {
         return Repr("ChunkGroup", g,
                     {"trainable", "compute_only", "used_elems", "tensors", "pieces"});
       });
-  using UnitNeed = session::Session::UnitNeed;
+  using UnitNeed = session::Layout::UnitNeed;
   py::class_<UnitNeed>(m, "UnitNeed")
       .def_readonly("bytes", &UnitNeed::bytes)
       .def_readonly("unit", &UnitNeed::unit)

@@ -149,7 +149,7 @@ py::dict StatsDict(const session::Session& session) {
   py::dict opt;
   opt["placed"] = session.optimizer().placed();
   py::list on_device;
-  for (size_t g = 0; g < session.num_groups(); ++g) {
+  for (size_t g = 0; g < session.layout().num_groups(); ++g) {
     if (session.optimizer().OnDevice(g)) on_device.append(g);
   }
   opt["device_groups"] = on_device;

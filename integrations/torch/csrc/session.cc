@@ -32,11 +32,13 @@ void BindLifetime(py::class_<PySession>& c) {
       .def_property_readonly(
           "units", [](PySession& s) -> se::UnitProtocol& { return s.protocol(); },
           py::return_value_policy::reference_internal)
-      .def_property_readonly("world", [](const PySession& s) { return s.s().world(); })
-      .def_property_readonly("rank", [](const PySession& s) { return s.s().rank(); })
-      .def_property_readonly("sharded", [](const PySession& s) { return s.s().sharded(); })
-      .def_property_readonly("shard_elems", [](const PySession& s) { return s.s().shard_elems(); })
-      .def_property_readonly("shard_begin", [](const PySession& s) { return s.s().shard_begin(); })
+      .def_property_readonly("world", [](const PySession& s) { return s.s().layout().world; })
+      .def_property_readonly("rank", [](const PySession& s) { return s.s().layout().rank; })
+      .def_property_readonly("sharded", [](const PySession& s) { return s.s().layout().sharded(); })
+      .def_property_readonly("shard_elems",
+                             [](const PySession& s) { return s.s().layout().shard_elems; })
+      .def_property_readonly("shard_begin",
+                             [](const PySession& s) { return s.s().layout().shard_begin; })
       .def("allocate_scratch", &PySession::AllocateScratch)
       .def("free_scratch", &PySession::FreeScratch)
       .def("allocate_spill", &PySession::AllocateSpill)
@@ -67,19 +69,21 @@ void BindChunks(py::class_<PySession>& c) {
       .def("resident",
            [](const PySession& s, size_t g, K k) { return s.s().chunks().Resident(g, k); })
       .def("home", [](const PySession& s, size_t g, K k) { return s.s().chunks().Home(g, k); })
-      .def("has_kind", [](const PySession& s, size_t g, K k) { return s.s().has_kind(g, k); })
+      .def("has_kind",
+           [](const PySession& s, size_t g, K k) { return s.s().layout().has_kind(g, k); })
       .def("chunk_bytes",
            [](const PySession& s, size_t g, K k) { return s.s().chunks().ChunkBytes(g, k); })
       // The optimizer-state format of a group's m and v (StateFormat: records.cc).
       .def("state_format",
            [](const PySession& s, size_t g) {
-             if (g >= s.s().num_groups()) throw py::index_error("no such chunk group");
+             if (g >= s.s().layout().num_groups()) throw py::index_error("no such chunk group");
              return s.s().values().state_format(g);
            })
       // Bytes per element of a kind's chunks (the core's dtype for the kind: the compute dtype
       // for compute params and grads, fp32 otherwise), so the binding never re-derives it.
-      .def("element_size",
-           [](const PySession& s, K k) { return tiermem::kernels::DTypeSize(s.s().dtype(k)); });
+      .def("element_size", [](const PySession& s, K k) {
+        return tiermem::kernels::DTypeSize(s.s().layout().dtype(k));
+      });
 }
 
 // Tensor values in and out, step counts, which tensors have gradients.
@@ -196,51 +200,61 @@ void BindReportsAndCheckpoints(py::class_<PySession>& c) {
 void BindLayout(py::class_<PySession>& c) {
   c.def("group", &PySession::Group, py::return_value_policy::copy)
       .def("place", &PySession::Place, py::return_value_policy::copy)
-      .def_property_readonly("num_groups", [](const PySession& s) { return s.s().num_groups(); })
-      .def_property_readonly("num_tensors", [](const PySession& s) { return s.s().num_tensors(); })
-      .def_property_readonly("chunk_elems", [](const PySession& s) { return s.s().chunk_elems(); })
-      .def_property_readonly("model_bytes", [](const PySession& s) { return s.s().model_bytes(); })
+      .def_property_readonly("num_groups",
+                             [](const PySession& s) { return s.s().layout().num_groups(); })
+      .def_property_readonly("num_tensors",
+                             [](const PySession& s) { return s.s().layout().num_tensors(); })
+      .def_property_readonly("chunk_elems",
+                             [](const PySession& s) { return s.s().layout().chunk_elems; })
+      .def_property_readonly("model_bytes",
+                             [](const PySession& s) { return s.s().layout().model_bytes; })
       .def_property_readonly("total_chunk_bytes",
-                             [](const PySession& s) { return s.s().total_chunk_bytes(); })
+                             [](const PySession& s) { return s.s().placement().total_chunk_bytes; })
       .def_property_readonly("minimum_device_budget",
-                             [](const PySession& s) { return s.s().minimum_device_budget(); })
+                             [](const PySession& s) { return s.s().layout().min_device_budget; })
       .def_property_readonly("compute_kind",
-                             [](const PySession& s) { return s.s().compute_kind(); })
-      .def_property_readonly("mixed", [](const PySession& s) { return s.s().mixed(); })
-      .def_property_readonly("cuda", [](const PySession& s) { return s.s().cuda(); })
-      .def_property_readonly("device_kind", [](const PySession& s) { return s.s().device_kind(); })
+                             [](const PySession& s) { return s.s().layout().compute_kind(); })
+      .def_property_readonly("mixed", [](const PySession& s) { return s.s().layout().mixed(); })
+      .def_property_readonly("cuda", [](const PySession& s) { return s.s().placement().cuda(); })
+      .def_property_readonly("device_kind",
+                             [](const PySession& s) { return s.s().config().device_kind; })
       // What the Python parts ask of the layout (session.h, "what the bindings ask"): the
       // compute copy's torch dtype (dtypes.h's map) and element size, the compute budget,
       // and the caps derived from them.
-      .def_property_readonly("compute_dtype",
-                             [](const PySession& s) {
-                               return tiermem::torch_dtypes::TorchDType(s.s().compute_dtype());
-                             })
-      .def_property_readonly("compute_element_size",
-                             [](const PySession& s) { return s.s().compute_element_size(); })
+      .def_property_readonly(
+          "compute_dtype",
+          [](const PySession& s) {
+            return tiermem::torch_dtypes::TorchDType(s.s().layout().compute_dtype());
+          })
+      .def_property_readonly(
+          "compute_element_size",
+          [](const PySession& s) { return s.s().layout().compute_element_size(); })
       .def_property_readonly("compute_budget",
-                             [](const PySession& s) { return s.s().compute_budget(); })
+                             [](const PySession& s) { return s.s().placement().compute_budget; })
       .def_property_readonly(
           "compute_tier_holds_every_chunk",
-          [](const PySession& s) { return s.s().compute_tier_holds_every_chunk(); })
-      .def_property_readonly("holds_grad_chunks",
-                             [](const PySession& s) { return s.s().holds_grad_chunks(); })
+          [](const PySession& s) { return s.s().placement().compute_tier_holds_every_chunk(); })
+      .def_property_readonly(
+          "holds_grad_chunks",
+          [](const PySession& s) { return s.s().placement().holds_grad_chunks(); })
       .def(
           "activation_cap",
-          [](const PySession& s, size_t unit_groups) { return s.s().ActivationCap(unit_groups); },
+          [](const PySession& s, size_t unit_groups) {
+            return s.s().placement().ActivationCap(unit_groups);
+          },
           py::arg("unit_groups"))
       .def(
           "recent_full_chunks",
           [](const PySession& s, size_t unit_groups) {
-            return s.s().RecentFullChunks(unit_groups);
+            return s.s().placement().RecentFullChunks(unit_groups);
           },
           py::arg("unit_groups"))
       .def_property_readonly("serving_minimum",
-                             [](const PySession& s) { return s.s().ServingMinimum(); })
+                             [](const PySession& s) { return s.s().layout().ServingMinimum(); })
       .def_property_readonly("host_compute",
-                             [](const PySession& s) { return s.s().host_compute(); })
+                             [](const PySession& s) { return s.s().placement().host_compute(); })
       .def_property_readonly("compute_tier",
-                             [](const PySession& s) { return s.s().compute_tier(); })
+                             [](const PySession& s) { return s.s().placement().compute_tier(); })
       .def_property_readonly("io_backend", [](const PySession& s) { return s.s().io_backend(); })
       .def_property_readonly("nvme_registered_bytes",
                              [](const PySession& s) { return s.s().nvme_registered_bytes(); })

@@ -725,7 +725,7 @@ TEST(ChunkedModel, TheAsynchronousSimDeviceTrainsBitForBitLikeTheSynchronousOne)
           *m, {{"device", budget}, {"host", "64MiB"}, {"plan", plan},
                {"device_kind", k == 0 ? "sim" : "sim-async"}});
       ASSERT_TRUE(cm.ok()) << cm.status().ToString();
-      EXPECT_EQ((*cm)->session().device_kind(),
+      EXPECT_EQ((*cm)->session().config().device_kind,
                 k == 0 ? tiermem::session::DeviceKind::kSim : tiermem::session::DeviceKind::kSimAsync);
       losses[k] = TrainSteps(m, **cm, batches, 0, batches.size());
       EXPECT_GT((*cm)->session().Stats()->evictions, 0u);
