@@ -23,6 +23,7 @@ from torch import nn
 
 import tiermem
 import tiermem.runtime
+from tiermem.shared import collector_paused
 
 MiB = 1 << 20
 
@@ -35,13 +36,8 @@ def rss() -> int:
 @contextlib.contextmanager
 def no_collector():
     gc.collect()
-    was = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_paused():
         yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def wide(n=3):

@@ -47,6 +47,12 @@ Status PutAll(ShardWriter& w, size_t piece) {
   return OkStatus();
 }
 
+// Every dtype, an empty tensor and one larger than the 100-byte shards: three shards at 100.
+std::vector<ShardEntry> ThreeShardEntries() {
+  return {E("w1", DType::kF32, {3, 5}), E("w2", DType::kBF16, {7}), E("w3", DType::kF32, {1000}),
+          E("empty", DType::kF32, {0}), E("w4", DType::kF16, {2, 2})};
+}
+
 class ShardWriterTest : public TempDirTest {};
 
 TEST(PlanShards, GreedyInOrderALargeTensorAloneNamesLikeTransformers) {
@@ -67,9 +73,7 @@ TEST(PlanShards, GreedyInOrderALargeTensorAloneNamesLikeTransformers) {
 }
 
 TEST_F(ShardWriterTest, WritesShardsAndTheIndexThatOpenWeightsReadsBack) {
-  std::vector<ShardEntry> e = {E("w1", DType::kF32, {3, 5}), E("w2", DType::kBF16, {7}),
-                               E("w3", DType::kF32, {1000}), E("empty", DType::kF32, {0}),
-                               E("w4", DType::kF16, {2, 2})};
+  const std::vector<ShardEntry> e = ThreeShardEntries();
   ShardWriterOptions o;
   o.max_shard_bytes = 100;
   StatusOr<std::unique_ptr<ShardWriter>> w = ShardWriter::Create(dir_, e, o);
@@ -231,9 +235,7 @@ TEST_F(ShardWriterTest, FileWriterPadsOnlyInMemoryAndRewritesInPlace) {
 // entries and shards: the same files, index and bytes as Put alone; the CRC a FileWriter keeps
 // is the one Put gives; a Commit past the free room is refused.
 TEST_F(ShardWriterTest, InPlaceWritesEqualPut) {
-  std::vector<ShardEntry> e = {E("w1", DType::kF32, {3, 5}), E("w2", DType::kBF16, {7}),
-                               E("w3", DType::kF32, {1000}), E("empty", DType::kF32, {0}),
-                               E("w4", DType::kF16, {2, 2})};
+  const std::vector<ShardEntry> e = ThreeShardEntries();
   ShardWriterOptions o;
   o.max_shard_bytes = 100;
   StatusOr<std::unique_ptr<ShardWriter>> w = ShardWriter::Create(dir_, e, o);
