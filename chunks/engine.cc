@@ -223,10 +223,15 @@ void Engine::RecordOom(TierKind tier, Bytes bytes, ChunkId chunk, Category categ
   recorder_->Record(e);
 }
 
+bool Engine::HostHasRoomFor(Bytes bytes) const {
+  const TierStats host = tiers_.host->Stats();
+  return host.used + bytes + config_.host_reserve_bytes <= host.capacity;
+}
+
 StatusOr<ChunkId> Engine::AddChunk(Bytes bytes, Category category) {
   if (bytes == 0) return InvalidArgumentError("engine: chunk of 0 bytes");
   const TierStats host = tiers_.host->Stats();
-  if (host.used + bytes + config_.host_reserve_bytes <= host.capacity) {
+  if (HostHasRoomFor(bytes)) {
     auto id = AddChunk(bytes, category, TierKind::kHost);
     if (id.ok() || tiers_.nvme == nullptr) return id;
   }
@@ -254,11 +259,22 @@ StatusOr<ChunkId> Engine::AddChunk(Bytes bytes, Category category, TierKind home
     RecordOom(home, bytes, kNoChunk, category);
     return r.status().WithContext("engine: home of a " + std::to_string(bytes) + "-byte chunk");
   }
+  return AddChunk(bytes, category, home, *r);
+}
+
+StatusOr<ChunkId> Engine::AddChunk(Bytes bytes, Category category, TierKind home,
+                                   const Region& region) {
+  if (bytes == 0 || region.bytes < bytes) {
+    return InvalidArgumentError("engine: chunk of 0 bytes, or a home region smaller than it");
+  }
+  if (TierOf(home) == nullptr || (home != TierKind::kHost && home != TierKind::kNvme)) {
+    return InvalidArgumentError("engine: a chunk's home must be host or nvme, of this engine");
+  }
   const ChunkId id = static_cast<ChunkId>(chunks_.size());
   ChunkRec c;
   c.bytes = bytes;
   c.category = category;
-  c.home = Placed{home, *r};
+  c.home = Placed{home, region};
   chunks_.push_back(std::move(c));
   RecordRegion(EventType::kAlloc, chunks_[id].home, id, kFlagNone);
   return id;

@@ -206,6 +206,12 @@ class Engine {
   StatusOr<ChunkId> AddChunk(Bytes bytes, Category category);
   // Same with the home tier forced (kHost or kNvme).
   StatusOr<ChunkId> AddChunk(Bytes bytes, Category category, TierKind home);
+  // Same with the home's region allocated by the caller from that tier (at least `bytes`; a
+  // served chunk's placeholder file home: runtime/session.cc), owned by the chunk from then on.
+  StatusOr<ChunkId> AddChunk(Bytes bytes, Category category, TierKind home, const Region& region);
+  // Whether AddChunk(bytes, category) would try the host first: room left there beside the
+  // host reserve.
+  bool HostHasRoomFor(Bytes bytes) const;
 
   // Makes `chunk` resident on `where` (kDevice or kHost) and pins it. Returns its address
   // there. kFailedPrecondition if it is pinned on another tier; kResourceExhausted if the
@@ -309,6 +315,11 @@ class Engine {
   // waited for first.
   Status SetReadOnlyHome(ChunkId chunk, const Region& region);
   bool ReadOnlyHome(ChunkId chunk) const { return chunks_[chunk].read_only; }
+  // Gives NVMe-homed `chunk` — lazily zero, not read-only, with no copy and no move (a served
+  // chunk's placeholder home that the loader could not read in place) — a new home allocated
+  // from the NVMe tier, freeing the old one; nothing is written. kResourceExhausted naming the
+  // bytes when the tier has no room (nothing changed); kFailedPrecondition otherwise.
+  Status RehomeOnNvme(ChunkId chunk);
 
   // ---- planned mode (see the file comment) ----
   void SetPlanned(bool on) { planned_ = on; }

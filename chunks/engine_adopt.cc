@@ -98,6 +98,27 @@ Status Engine::ReadOnlyError(ChunkId chunk, std::string_view what) const {
       "tiermem.initialize, to change them)");
 }
 
+Status Engine::RehomeOnNvme(ChunkId chunk) {
+  TIERMEM_RETURN_IF_ERROR(CheckChunk(chunk));
+  ChunkRec& c = chunks_[chunk];
+  if (tiers_.nvme == nullptr || c.home.tier != TierKind::kNvme || c.read_only || c.pins > 0 ||
+      c.cached() || c.in_flight() || c.content != Content::kZero) {
+    return FailedPreconditionError("engine: chunk " + std::to_string(chunk) +
+                                   " cannot be given a new NVMe home (not NVMe-homed, read-only, "
+                                   "in use or holding values)");
+  }
+  StatusOr<Region> r = tiers_.nvme->Allocate(c.bytes);
+  if (!r.ok()) {
+    RecordOom(TierKind::kNvme, c.bytes, chunk, c.category);
+    return r.status().WithContext("engine: NVMe home of chunk " + std::to_string(chunk));
+  }
+  Status f = FreeRegion(c.home, chunk, /*clean=*/true);
+  c.home = Placed{TierKind::kNvme, *r};
+  RecordRegion(EventType::kAlloc, c.home, chunk, kFlagNone);
+  c.Check();
+  return f;
+}
+
 Status Engine::SetReadOnlyHome(ChunkId chunk, const Region& region) {
   TIERMEM_RETURN_IF_ERROR(CheckChunk(chunk));
   ChunkRec& c = chunks_[chunk];

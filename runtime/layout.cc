@@ -584,4 +584,10 @@ size_t MostPinGroups(const std::vector<UnitChunks>& units) {
   return most;
 }
 
+bool Layout::read_in_place(size_t g) const {
+  const std::vector<uint32_t>& ts = groups[g].tensors;
+  return !ts.empty() &&
+         std::all_of(ts.begin(), ts.end(), [&](uint32_t t) { return specs[t].read_in_place; });
+}
+
 }  // namespace tiermem::session

@@ -72,6 +72,13 @@ struct TensorSpec {
   // value is its compute copy upcast, and a write of a value the compute dtype cannot hold
   // exactly is refused. Ignored for trainable tensors and in fp32 sessions.
   bool values_in_compute_dtype = false;
+  // A served checkpoint stores it in the compute dtype (runtime/weights.h, "Serving in place"),
+  // so its compute chunk, where homed on NVMe, is likely read in place from the file: the
+  // session then holds no NVMe room for that chunk (a placeholder home, Session::Build), and
+  // the loader gives it its file home — or, where the chunk turns out not readable in place,
+  // a home of the NVMe tier's own then (an error naming the bytes when the tier is too small).
+  // Counts only where every tensor of a group has it; ignored without an NVMe tier.
+  bool read_in_place = false;
 };
 
 // What one unit computes with, from the tensors that name it (TensorSpec::units).
@@ -181,6 +188,8 @@ struct Layout {
   const TensorSpec& spec(size_t tensor) const { return specs[tensor]; }
   const TensorPlace& place(size_t tensor) const { return tensors[tensor]; }
   const ChunkGroup& group(size_t g) const { return groups[g]; }
+  // Whether every tensor with a piece in group `g` has TensorSpec::read_in_place.
+  bool read_in_place(size_t g) const;
   // Whether group `g` was given a chunk of `kind` (its id filled: after the session created
   // it). NeedsKind says which kinds it will be given.
   bool has_kind(size_t g, ChunkKind kind) const {

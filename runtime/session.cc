@@ -148,7 +148,7 @@ Status Session::Build(const HostRoom& sized) {
       for (size_t gi = 0; gi < layout_.groups.size(); ++gi) {
         if (dense_first && layout_.expert_group[gi] != pass) continue;
         if (!layout_.NeedsKind(gi, kind)) continue;
-        auto id = eng->AddChunk(layout_.ShardChunkBytes(gi, kind), chunks::ChunkKindCategory(kind));
+        auto id = AddChunk(gi, kind);
         if (!id.ok()) return id.status();
         layout_.groups[gi].chunks[K(kind)] = *id;
         if (IsStateKind(kind)) {

@@ -84,6 +84,7 @@
 
 #include <array>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -238,6 +239,8 @@ class Session {
   FileHomeTier* file_homes();
   Status SetReadOnlyHome(size_t group, ChunkKind kind, const Region& region);
   bool ReadOnlyHome(size_t group, ChunkKind kind) const;
+  const std::vector<uint32_t>& placeholder_homes() const { return placeholder_homes_; }
+  Status HomePlaceholders(const std::set<uint32_t>& in_place);
   Status WriteParam(size_t tensor, const float* values);
   Status ReadTensor(size_t tensor, ChunkKind kind, void* out);
   Status WriteTensor(size_t tensor, ChunkKind kind, const void* values);
@@ -264,6 +267,9 @@ class Session {
   // stepper, and every chunk of layout_ (its ids into layout_.groups).
   static StatusOr<SessionConfig> Validate(const SessionConfig& config);
   Status Build(const HostRoom& sized);
+  // Adds group `gi`'s chunk of `kind` (Build), a placeholder home where it is likely read in
+  // place (TensorSpec::read_in_place, placeholder_homes_).
+  StatusOr<ChunkId> AddChunk(size_t gi, ChunkKind kind);
   Status Live() const;
   ChunkId Chunk(size_t group, ChunkKind kind) const;
   Status CheckKind(size_t group, ChunkKind kind) const;
@@ -310,7 +316,10 @@ class Session {
   std::string timeline_path_;
   // The pure layout (layout.h); its groups' chunk ids filled as the chunks are created.
   Layout layout_;
-  Placement placement_;                           // placement(), set once the chunks exist
+  Placement placement_;  // placement(), set once the chunks exist
+  // Groups whose compute chunk took a placeholder file home at Build (AddChunk), ascending;
+  // emptied by HomePlaceholders (the loader).
+  std::vector<uint32_t> placeholder_homes_;
   Bytes state_bytes_ = 0, state_bytes_fp32_ = 0;  // m and v chunks, and in fp32
   std::vector<uint8_t> has_grad_;
   ScalerState scaler_;

@@ -63,6 +63,12 @@ FileHomeTier* ChunksFacet::file_homes() { return s_.file_homes(); }
 Status ChunksFacet::SetReadOnlyHome(size_t group, chunks::ChunkKind kind, const Region& region) {
   return s_.SetReadOnlyHome(group, kind, region);
 }
+const std::vector<uint32_t>& ChunksFacet::placeholder_homes() const {
+  return s_.placeholder_homes();
+}
+Status ChunksFacet::HomePlaceholders(const std::set<uint32_t>& in_place) {
+  return s_.HomePlaceholders(in_place);
+}
 bool ChunksFacet::ReadOnlyHome(size_t group, chunks::ChunkKind kind) const {
   return s_.ReadOnlyHome(group, kind);
 }

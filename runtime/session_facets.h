@@ -33,6 +33,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -122,6 +123,12 @@ class ChunksFacet {
   Status SetReadOnlyHome(size_t group, chunks::ChunkKind kind, const Region& region);
   // Whether the chunk's home is read-only (false once closed).
   bool ReadOnlyHome(size_t group, chunks::ChunkKind kind) const;
+  // The groups whose compute chunk holds a placeholder home (TensorSpec::read_in_place: no
+  // NVMe room held for it), ascending, until HomePlaceholders: which gives each group not in
+  // `in_place` (those got their file homes) a home of the NVMe tier's own
+  // (chunks::Engine::RehomeOnNvme; kResourceExhausted when the tier is full).
+  const std::vector<uint32_t>& placeholder_homes() const;
+  Status HomePlaceholders(const std::set<uint32_t>& in_place);
 
  private:
   Session& s_;

@@ -100,7 +100,12 @@ class Loader {
   Status PlanInPlace();
   // Why group `g`'s compute chunk cannot be read in place ("" if it can); `parts`: its parts.
   std::string NotInPlace(uint32_t g, const std::vector<size_t>& parts) const;
-  // Gives every in_place_ group's compute chunk its file home.
+  // The NVMe room the session's placeholder homes not in in_place_ need (Session::AddChunk:
+  // chunks expected in place that are not): kResourceExhausted naming it when the tier lacks
+  // it. Changes nothing.
+  Status CheckPlaceholderRoom() const;
+  // Gives every in_place_ group's compute chunk its file home, and the placeholders left a home
+  // of the NVMe tier's own.
   Status HomeInPlace();
   // Converts `k` elements of part `p`'s source, from source element `first` on, into its
   // group's values chunk (`bytes`: the file's bytes of those elements, any alignment): the
@@ -597,8 +602,42 @@ Status Loader::PlanInPlace() {
   return OkStatus();
 }
 
+Status Loader::CheckPlaceholderRoom() const {
+  Bytes need = 0;
+  size_t n = 0;
+  uint32_t first = 0;
+  const ChunkKind kind = s_.layout().compute_kind();
+  for (uint32_t g : s_.chunks().placeholder_homes()) {
+    if (in_place_.count(g) != 0) continue;
+    need += s_.chunks().ChunkBytes(g, kind);
+    if (n++ == 0) first = g;
+  }
+  if (n == 0) return OkStatus();
+  const TierStats st = s_.chunks().file_homes()->Stats();
+  const Bytes free = st.capacity - std::min(st.capacity, st.used);
+  if (need <= free) return OkStatus();
+  std::string why = !options_.serving                      ? "the session trains"
+                    : !ServesInPlace(s_.config().in_place) ? "in_place is 'off'"
+                    : s_.layout().sharded()                ? "the session is sharded"
+                                                           : "";
+  if (why.empty()) {
+    std::vector<size_t> parts;
+    for (size_t i = 0; i < parts_.size(); ++i) {
+      if (parts_[i].group == first) parts.push_back(i);
+    }
+    why = NotInPlace(first, parts);
+  }
+  const std::string& t = s_.layout().spec(s_.layout().group(first).tensors.front()).name;
+  return ResourceExhaustedError(
+      "weights: " + std::to_string(n) + " NVMe-homed chunk(s) of the served model cannot be read " +
+      "in place from " + files_.path + " (the first, of tensor '" + t + "': " + why +
+      "), so they need " + std::to_string(need) + " bytes of the NVMe tier, which has " +
+      std::to_string(free) + " of " + std::to_string(st.capacity) +
+      " free: raise nvme size by at least " + std::to_string(need - free) + " bytes");
+}
+
 Status Loader::HomeInPlace() {
-  if (in_place_.empty()) return OkStatus();
+  if (in_place_.empty()) return s_.chunks().HomePlaceholders({});
   FileHomeTier* homes = s_.chunks().file_homes();
   std::vector<std::string> paths;
   std::vector<uint64_t> sizes;
@@ -634,7 +673,9 @@ Status Loader::HomeInPlace() {
     }
     ++report_.chunks_in_place;
   }
-  return OkStatus();
+  std::set<uint32_t> done;
+  for (const auto& [g, parts] : in_place_) done.insert(g);
+  return s_.chunks().HomePlaceholders(done);
 }
 
 StatusOr<LoadWeightsReport> Loader::Run() {
@@ -658,6 +699,7 @@ StatusOr<LoadWeightsReport> Loader::Run() {
   report_.io_backend = std::string(reader->io_backend());
   report_.staging_bytes = reader->staging_bytes();
   TIERMEM_RETURN_IF_ERROR(PlanInPlace());
+  TIERMEM_RETURN_IF_ERROR(CheckPlaceholderRoom());
   // Nothing has changed up to here. The load's acquires are not part of the recorded order.
   const bool tracing = s_.iterations().tracing();
   s_.iterations().SetTracing(false);

@@ -1092,5 +1092,45 @@ TEST(Engine, ReadOnlyHomesAreReadAndNeverWritten) {
   EXPECT_EQ(r.engine->SetReadOnlyHome(h, *home).code(), StatusCode::kFailedPrecondition);
 }
 
+
+// A chunk added with a home region the caller allocated (a served chunk's placeholder home)
+// and moved to a home of the tier's own (RehomeOnNvme): lazily zero throughout, nothing
+// written; refused for a chunk with values, a cached copy or a host home; a full tier is
+// kResourceExhausted with the chunk's home unchanged.
+TEST(Engine, AChunkAddedAtAGivenHomeIsRehomedOnNvme) {
+  Rig r(2 * kChunk, 2 * kChunk, 3 * kChunk);
+  auto given = r.nvme_tier->Allocate(kChunk);
+  ASSERT_TRUE(given.ok());
+  const Bytes used_before = r.nvme_tier->Stats().used;
+  const ChunkId a = *r.engine->AddChunk(kChunk, Category::kParam, TierKind::kNvme, *given);
+  EXPECT_EQ(r.engine->Home(a), TierKind::kNvme);
+  EXPECT_EQ(r.nvme_tier->Stats().used, used_before);  // no second allocation
+  ASSERT_TRUE(r.engine->RehomeOnNvme(a).ok());
+  EXPECT_EQ(r.nvme_tier->Stats().used, used_before);  // the given home freed, a new one taken
+  EXPECT_TRUE(r.engine->ZeroContent(a));
+  auto p = r.engine->Acquire(a, TierKind::kHost);
+  ASSERT_TRUE(p.ok());
+  const auto* bytes = static_cast<const uint8_t*>(*p);
+  EXPECT_TRUE(std::all_of(bytes, bytes + kChunk, [](uint8_t v) { return v == 0; }));
+  // In use, cached, or holding values: refused.
+  EXPECT_EQ(r.engine->RehomeOnNvme(a).code(), StatusCode::kFailedPrecondition);
+  std::memset(*p, 5, kChunk);
+  ASSERT_TRUE(r.engine->Release(a, true).ok());
+  EXPECT_EQ(r.engine->RehomeOnNvme(a).code(), StatusCode::kFailedPrecondition);
+  const ChunkId h = *r.engine->AddChunk(kChunk, Category::kParam, TierKind::kHost);
+  EXPECT_EQ(r.engine->RehomeOnNvme(h).code(), StatusCode::kFailedPrecondition);
+  // A full tier: the error names the chunk, and its home stays.
+  const ChunkId b = *r.engine->AddChunk(kChunk, Category::kParam, TierKind::kNvme);
+  const ChunkId c = *r.engine->AddChunk(kChunk, Category::kParam, TierKind::kNvme);
+  (void)c;
+  Status full = r.engine->RehomeOnNvme(b);
+  EXPECT_EQ(full.code(), StatusCode::kResourceExhausted) << full.ToString();
+  EXPECT_NE(full.message().find("chunk " + std::to_string(b)), std::string::npos);
+  EXPECT_EQ(r.engine->Home(b), TierKind::kNvme);
+  EXPECT_TRUE(r.engine->ZeroContent(b));
+  EXPECT_EQ(r.engine->AddChunk(kChunk, Category::kParam, TierKind::kNvme, Region{}).status().code(),
+            StatusCode::kInvalidArgument);  // a region smaller than the chunk
+}
+
 }  // namespace
 }  // namespace tiermem::chunks

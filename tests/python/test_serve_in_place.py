@@ -135,6 +135,29 @@ def test_a_meta_model_served_in_place_reads_no_bytes_for_nvme_homes(tmp_path):
     rt.close()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_no_nvme_room_is_held_for_what_is_read_in_place(tmp_path, dtype):
+    """The session holds no NVMe room for the chunks it reads from the checkpoint
+    (TensorSpec.read_in_place): an NVMe tier far smaller than the NVMe-homed weights serves
+    them, and nothing of the tier is used (a model larger than the disk's free room beside its
+    checkpoint is served from it). Copied (``in_place: off``), the same tier is refused."""
+    ref, d = checkpoint(gpt2, dtype, tmp_path)
+    wb = weight_bytes(ref)
+    (tmp_path / "nvme").mkdir()
+    small = {"size": "64KiB", "path": str(tmp_path / "nvme")}
+    model = tiermem.inference(on_meta(gpt2), cfg(tmp_path, "host", dtype, wb, nvme=small),
+                              weights=d)
+    rt = tiermem.runtime_of(model)
+    assert rt._weights.report["bytes_in_place"] > 4 * 64 * 1024, rt._weights.report
+    assert rt.stats()["tiers"]["nvme"]["used"] == 0, rt.stats()["tiers"]["nvme"]
+    ids = prompts()
+    assert torch.equal(generate(model, ids), generate(ref, ids))
+    rt.close()
+    with pytest.raises(MemoryError, match="nvme tier: need"):
+        tiermem.inference(on_meta(gpt2), cfg(tmp_path, "host", dtype, wb, "off", nvme=small),
+                          weights=d)
+
+
 def serve_then(tmp_path, change):
     ref, d = checkpoint(gpt2, torch.float32, tmp_path)
     wb = weight_bytes(ref)

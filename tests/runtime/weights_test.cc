@@ -16,6 +16,7 @@
 
 #include "runtime/session.h"
 #include "tests/support/status_matchers.h"
+#include "tiers/nvme/file_homes.h"
 #include "weights/shard_writer.h"
 #include "weights/weight_files.h"
 
@@ -590,6 +591,118 @@ TEST_F(WeightsTest, ServingOnADeviceWithNvmeHomesInMixedPrecision) {
     ASSERT_THAT(written->values().WriteParam(t, v.data()), IsOk());
     EXPECT_EQ(Param(*s, t), v) << kSpecs[t].name;
     EXPECT_EQ(Lowp(*s, t), Lowp(*written, t)) << kSpecs[t].name;
+  }
+}
+
+
+// Served in place (TensorSpec::read_in_place, runtime/weights.h "Serving in place"): the session
+// holds no NVMe room for the compute chunks it expects to read from the checkpoint, so an NVMe
+// tier far smaller than the model serves it; a chunk that turns out not readable in place (a
+// transposed key) gets a home of the tier's own at the load, or a clear error naming the bytes
+// when the tier is too small for it, before anything is written.
+class ServedInPlace : public WeightsTest {
+ protected:
+  // Frozen (served) tensors of 1024 elements, chunks of 2048, host room for few of them: most
+  // NVMe-homed. "sq" is square (a transposed key of it has its shape).
+  static std::vector<TensorSpec> Specs(bool read_in_place) {
+    std::vector<TensorSpec> specs;
+    for (int i = 0; i < 7; ++i) {
+      specs.push_back({"t" + std::to_string(i), 1024, false, 0, {16, 64}});
+    }
+    specs.push_back({"sq", 1024, false, 0, {32, 32}});
+    for (TensorSpec& t : specs) t.read_in_place = read_in_place;
+    return specs;
+  }
+  std::unique_ptr<Session> MakeServed(bool read_in_place, const std::string& nvme_size) {
+    auto c = ParseConfig({{"device_kind", "host"}, {"host", "64KiB"}, {"chunk_size", 2048},
+                          {"nvme", {{"size", nvme_size}, {"path", dir_}}}},
+                         MapEnv({}));
+    EXPECT_TRUE(c.ok()) << c.status().ToString();
+    auto s = Session::Create(*c, Specs(read_in_place));
+    if (!s.ok()) {
+      create_error_ = s.status();
+      return nullptr;
+    }
+    return std::move(s).value();
+  }
+  Bytes NvmeUsed(Session& s) { return s.chunks().file_homes()->Stats().used; }
+  // The NVMe-homed compute chunks: how many, and their bytes.
+  std::pair<uint64_t, Bytes> NvmeHomed(Session& s) {
+    std::pair<uint64_t, Bytes> out{0, 0};
+    for (size_t g = 0; g < s.layout().num_groups(); ++g) {
+      if (s.chunks().Home(g, ChunkKind::kParamFp32) == TierKind::kNvme) {
+        ++out.first;
+        out.second += s.chunks().ChunkBytes(g, ChunkKind::kParamFp32);
+      }
+    }
+    return out;
+  }
+  Status create_error_;
+};
+
+TEST_F(ServedInPlace, NoNvmeRoomIsHeldForChunksReadFromTheCheckpoint) {
+  const std::vector<TensorSpec> specs = Specs(false);
+  WriteWeights(dir_ + "/c", Named(specs, DType::kF32));
+  LoadWeightsOptions serve;
+  serve.serving = true;
+  // Without the fact, the NVMe-homed chunks need their room in the tier: 4 KiB is too small.
+  EXPECT_EQ(MakeServed(false, "4KiB"), nullptr);
+  EXPECT_EQ(create_error_.code(), StatusCode::kResourceExhausted) << create_error_.ToString();
+  auto s = MakeServed(true, "4KiB");
+  ASSERT_NE(s, nullptr) << create_error_.ToString();
+  const auto [chunks_on_nvme, bytes_on_nvme] = NvmeHomed(*s);
+  ASSERT_GE(bytes_on_nvme, Bytes{16} * kKiB);  // the test is about them
+  EXPECT_EQ(NvmeUsed(*s), 0u);
+  auto r = Load(*s, dir_ + "/c", ByName(*s), serve);
+  ASSERT_THAT(r, IsOk());
+  EXPECT_EQ(r->chunks_in_place, chunks_on_nvme);  // every NVMe-homed chunk read in place
+  EXPECT_EQ(NvmeUsed(*s), 0u);
+  for (size_t t = 0; t < specs.size(); ++t) {
+    EXPECT_EQ(Param(*s, t), Values(t, specs[t].numel)) << specs[t].name;
+  }
+}
+
+TEST_F(ServedInPlace, AChunkNotReadableInPlaceGetsATierHomeOrAClearError) {
+  // "sq" stored transposed: its chunk cannot be read in place, and it is NVMe-homed (the last
+  // tensor: homes go to the host first).
+  const std::vector<TensorSpec> specs = Specs(false);
+  std::vector<FileTensor> file = Named(specs, DType::kF32);
+  std::vector<float>& sq = file.back().values;
+  std::vector<float> sq_t(sq.size());
+  for (size_t i = 0; i < 32; ++i) {
+    for (size_t j = 0; j < 32; ++j) sq_t[j * 32 + i] = sq[i * 32 + j];
+  }
+  sq = sq_t;
+  WriteWeights(dir_ + "/c", file);
+  LoadWeightsOptions serve;
+  serve.serving = true;
+  auto targets = [](const Session& s) {
+    std::vector<WeightTarget> ts = ByName(s);
+    ts.back().segments[0].transpose = true;
+    return ts;
+  };
+  {
+    auto s = MakeServed(true, "4KiB");
+    ASSERT_NE(s, nullptr) << create_error_.ToString();
+    ASSERT_EQ(s->chunks().Home(s->layout().place(specs.size() - 1).pieces[0].group,
+                               ChunkKind::kParamFp32),
+              TierKind::kNvme);
+    auto r = Load(*s, dir_ + "/c", targets(*s), serve);
+    ASSERT_THAT(r, StatusIs(StatusCode::kResourceExhausted, "of tensor '"));
+    EXPECT_THAT(r.status().message(), ::testing::HasSubstr("transposed"));
+    EXPECT_THAT(r.status().message(), ::testing::HasSubstr("raise nvme size"));
+    EXPECT_EQ(NvmeUsed(*s), 0u);  // nothing changed
+    EXPECT_FALSE(s->chunks().placeholder_homes().empty());
+  }
+  auto s = MakeServed(true, "1MiB");
+  ASSERT_NE(s, nullptr) << create_error_.ToString();
+  auto r = Load(*s, dir_ + "/c", targets(*s), serve);
+  ASSERT_THAT(r, IsOk());
+  EXPECT_GT(r->chunks_in_place, 0u);
+  EXPECT_GT(NvmeUsed(*s), 0u);  // sq's chunk: a home of the tier's own
+  EXPECT_TRUE(s->chunks().placeholder_homes().empty());
+  for (size_t t = 0; t < specs.size(); ++t) {
+    EXPECT_EQ(Param(*s, t), Values(t, specs[t].numel)) << specs[t].name;
   }
 }
 

@@ -51,15 +51,15 @@ void BindLayoutRecords(py::module_& m) {
   py::class_<TensorSpec>(m, "TensorSpec")
       .def(py::init([](std::string name, uint64_t numel, bool trainable, int opt_group,
                        std::vector<int64_t> shape, int expert_set, int expert,
-                       std::vector<int> units, bool values_in_compute_dtype) {
-             return TensorSpec{std::move(name),        numel,      trainable, opt_group,
-                               std::move(shape),       expert_set, expert,    std::move(units),
-                               values_in_compute_dtype};
+                       std::vector<int> units, bool values_in_compute_dtype, bool read_in_place) {
+             return TensorSpec{std::move(name),         numel,        trainable, opt_group,
+                               std::move(shape),        expert_set,   expert,    std::move(units),
+                               values_in_compute_dtype, read_in_place};
            }),
            py::arg("name"), py::arg("numel"), py::arg("trainable"), py::arg("opt_group"),
            py::arg("shape") = std::vector<int64_t>{}, py::arg("expert_set") = -1,
            py::arg("expert") = -1, py::arg("units") = std::vector<int>{},
-           py::arg("values_in_compute_dtype") = false)
+           py::arg("values_in_compute_dtype") = false, py::arg("read_in_place") = false)
       .def_readonly("name", &TensorSpec::name)
       .def_readonly("numel", &TensorSpec::numel)
       .def_readonly("trainable", &TensorSpec::trainable)
@@ -69,10 +69,11 @@ void BindLayoutRecords(py::module_& m) {
       .def_readonly("expert", &TensorSpec::expert)
       .def_readonly("units", &TensorSpec::units)
       .def_readonly("values_in_compute_dtype", &TensorSpec::values_in_compute_dtype)
+      .def_readonly("read_in_place", &TensorSpec::read_in_place)
       .def("__repr__", [](const TensorSpec& t) {
         return Repr("TensorSpec", t,
                     {"name", "numel", "trainable", "opt_group", "shape", "expert_set", "expert",
-                     "units", "values_in_compute_dtype"});
+                     "units", "values_in_compute_dtype", "read_in_place"});
       });
   using chunks::Piece;
   py::class_<Piece>(m, "Piece")

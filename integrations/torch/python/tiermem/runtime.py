@@ -95,8 +95,8 @@ __all__ = ["TiermemRuntime", "_Forward", "_RootForward", "_UnitForward", "_wrap_
            "_unwrap_forward", "tree_leaves_tensors", "tree_leaves_ct", "tree_map_tensors"]
 
 
-# The checkpoint dtype names of the low-precision compute dtypes (weights.values_in).
-_LOWP_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16"}
+# safetensors' names of the compute dtypes (weights.values_in).
+_FILE_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
 def _load_copies(module, state_dict, prefix, local_metadata, *rest):
@@ -246,15 +246,22 @@ class TiermemRuntime:
         # Mixture-of-experts layers whose experts move alone (experts.py); not when sharded.
         self.expert_sets = find_expert_sets(model, self.by_orig, bool(experts) and pg is None)
         unit_of = _units_of(self.units, self.params)
-        # Frozen tensors the checkpoint holds in the compute dtype keep no fp32 master (their
-        # values are exact in it): decided from the headers, before the session lays out.
-        exact = self._weights.values_in(self.params, _LOWP_NAMES[cfg.precision.torch_dtype]) \
-            if self._weights is not None and cfg.precision.torch_dtype in _LOWP_NAMES else set()
+        # Tensors the checkpoint holds in the compute dtype (from the headers, before the
+        # session lays out): frozen ones keep no fp32 master in mixed precision (their values
+        # are exact in it), and served ones are likely read in place from the files, so the
+        # session holds no NVMe room for their chunks (TensorSpec.read_in_place).
+        dt = cfg.precision.torch_dtype
+        stored = self._weights.values_in(self.params, _FILE_DTYPES[dt]) \
+            if self._weights is not None and dt in _FILE_DTYPES else set()
+        exact = stored if dt != torch.float32 else set()
+        in_file = stored if self._serving and cfg.in_place.serves_in_place and pg is None \
+            else set()
         specs = [_C.TensorSpec(name=r.name, numel=r.numel, trainable=r.trainable,
                                opt_group=r.opt_group, shape=list(r.shape),
                                expert_set=r.expert_set, expert=r.expert,
                                units=unit_of.get(r.index, []),
-                               values_in_compute_dtype=not r.trainable and r.index in exact)
+                               values_in_compute_dtype=not r.trainable and r.index in exact,
+                               read_in_place=r.index in in_file)
                  for r in self.params]
         if pg is not None and self._serving:
             raise ValueError("tiermem.inference: serving is not sharded across ranks (run one "

@@ -106,9 +106,10 @@ class LoadPlan:
         return []
 
     def values_in(self, params, dtype: str) -> set:
-        """The indices of the records whose every checkpoint key is stored as `dtype` ("BF16",
-        "F16"): their values are exact in it, so a frozen one computed in it needs no fp32
-        master (the session's TensorSpec.values_in_compute_dtype). Headers only."""
+        """The indices of the records whose every checkpoint key is stored as `dtype` ("F32",
+        "BF16", "F16"): their values are exact in it, so a frozen one computed in it needs no fp32
+        master (the session's TensorSpec.values_in_compute_dtype), and a served one may be
+        read in place from the files (TensorSpec.read_in_place). Headers only."""
         out = set()
         for r in params:
             keys = self._keys_of(r)
