@@ -36,6 +36,7 @@
 #include <cstddef>
 #include <cstdio>
 #include <cstring>
+#include <system_error>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -73,7 +74,13 @@ int Populate(char* p, Bytes len) {
     if (madvise(p + at, std::min(piece, len - at), MADV_POPULATE_WRITE) != 0) err[i] = errno;
   };
   std::vector<std::thread> helpers;
-  for (Bytes i = 1; i < pieces; ++i) helpers.emplace_back(run, i);
+  for (Bytes i = 1; i < pieces; ++i) {
+    try {
+      helpers.emplace_back(run, i);
+    } catch (const std::system_error&) {  // no thread to be had: this one does the piece
+      run(i);
+    }
+  }
   run(0);
   for (std::thread& t : helpers) t.join();
   for (int e : err) {
