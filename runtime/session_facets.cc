@@ -41,6 +41,10 @@ StatusOr<bool> ChunksFacet::Prefetch(size_t group, ChunkKind kind, TierKind wher
 Status ChunksFacet::Release(size_t group, chunks::ChunkKind kind, bool modified) {
   return s_.Release(group, kind, modified);
 }
+StatusOr<bool> ChunksFacet::WriteHome(size_t group, ChunkKind kind, TierKind where) {
+  TIERMEM_RETURN_IF_ERROR(s_.CheckKind(group, kind));
+  return s_.stack_->engine()->PlanEvict(s_.Chunk(group, kind), where);
+}
 Status ChunksFacet::ZeroChunk(size_t group, chunks::ChunkKind kind) {
   return s_.ZeroChunk(group, kind);
 }

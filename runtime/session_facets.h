@@ -106,6 +106,12 @@ class ChunksFacet {
   StatusOr<bool> Prefetch(size_t group, chunks::ChunkKind kind, TierKind where,
                           double probability = 1.0);
   Status Release(size_t group, chunks::ChunkKind kind, bool modified);
+  // Starts writing the chunk's unpinned, idle cached copy on `where` home in the background and
+  // frees the copy once it is written (a clean copy at once: chunks::Engine::PlanEvict); an
+  // acquire short of room on `where` waits for such a write rather than evicting another chunk.
+  // False (nothing done) when it has no such copy there. A failed write keeps the copy, dirty,
+  // and is returned by whatever waits for it (Session::Flush waits for them all).
+  StatusOr<bool> WriteHome(size_t group, chunks::ChunkKind kind, TierKind where);
   // Its content becomes zeros lazily (no bytes move). kFailedPrecondition while pinned.
   Status ZeroChunk(size_t group, chunks::ChunkKind kind);
   int Pins(size_t group, chunks::ChunkKind kind) const;

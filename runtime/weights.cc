@@ -10,12 +10,19 @@
 //   3. Batches (MakeBatches): the parts of every host-homed group form one batch, read in file
 //      order (host homes are written in place, so any order works and reads stay sequential);
 //      each NVMe-homed group is a batch of its own, so its fp32 chunk — acquired on the host,
-//      a lazily zero chunk is not read from NVMe — is filled completely, released dirty, and
-//      written home by the engine when the room is needed (never read back).
-//   4. Per batch (LoadBatch): the fp32 chunks are acquired on the host, the spans streamed
-//      through the SpanReader (tiers/nvme/span_reader.h) and converted to fp32 into them as
-//      each request lands while the next ones are in flight; in mixed precision the compute
-//      chunk is then rounded from the fp32 one (DeriveLowp) over the parts' ranges.
+//      a lazily zero chunk is not read from NVMe — is filled completely before it is written
+//      home (never read back).
+//   4. The batches (LoadBatches) as one pipeline, every stage busy at once: the SpanReader
+//      (tiers/nvme/span_reader.h) reads all the batches' spans, batch after batch, with its
+//      requests in flight ahead of the conversion (across batch boundaries too); on this
+//      thread each request's bytes are converted to fp32 into the open batch's chunks as it
+//      lands (the chunks acquired on the host when the batch's first bytes arrive; in mixed
+//      precision the compute chunk then rounded from the fp32 one, DeriveLowp); when the next
+//      batch's bytes arrive the batch is released and its NVMe-homed chunks start their write
+//      home in the background (Engine::PlanEvict through ChunksFacet::WriteHome), which the
+//      next batch's acquire waits for only when the host room for NVMe-homed chunks is full.
+//      Staging stays the reader's plus that room. At the end every write is waited for
+//      (Session::Flush), so a failed one is the load's error.
 //   A compute_only group (layout.h: frozen, values exact in the compute dtype, no fp32 master)
 //   has no fp32 chunk: its compute chunk takes the file's bytes as they are (the same dtype).
 //   In place (serving; weights.h "Serving in place"): before the batches, PlanInPlace picks
@@ -33,6 +40,7 @@
 #include <set>
 #include <span>
 #include <tuple>
+#include <utility>
 
 #include "runtime/session.h"
 #include "runtime/tier_stack.h"
@@ -94,7 +102,21 @@ class Loader {
   Status CheckUnused();
   void PlanParts();
   std::vector<std::vector<size_t>> MakeBatches() const;
-  Status LoadBatch(SpanReader& reader, const std::vector<size_t>& batch);
+  // One batch's reads: its spans in file order, the parts each feeds, its groups' parts.
+  struct BatchPlan {
+    std::vector<FileSpan> spans;
+    std::vector<std::vector<size_t>> consumers;        // per span: the parts it feeds
+    std::map<uint32_t, std::vector<size_t>> by_group;  // group -> its parts in the batch
+  };
+  BatchPlan PlanBatch(const std::vector<size_t>& batch);
+  // Reads every batch's spans in one pipelined read (read -> convert -> write home).
+  Status LoadBatches(SpanReader& reader, const std::vector<std::vector<size_t>>& batches);
+  // Acquires batch `b`'s values chunks on the host into open_ (zeroing what it does not write).
+  Status OpenBatch(const BatchPlan& b);
+  // Ends the open batch: with `s` ok, derives its compute chunks; releases its chunks (all of
+  // them whatever `s`), and with no error starts writing its NVMe-homed ones home. Returns
+  // `s` or the first error since.
+  Status CloseBatch(const BatchPlan& b, Status s);
   // The groups whose compute chunk is homed in the files (in_place_), or the error in_place
   // "on" makes of one that cannot be. Changes nothing.
   Status PlanInPlace();
@@ -127,6 +149,7 @@ class Loader {
   std::vector<Source> sources_;
   std::vector<Part> parts_;
   std::map<uint32_t, std::vector<size_t>> in_place_;  // group -> its parts (PlanInPlace)
+  std::map<uint32_t, char*> open_;  // the open batch's groups -> their acquired values chunk
   std::set<std::string> used_;
   LoadWeightsReport report_;
   static constexpr uint64_t kBlock = 1 << 16;  // elements Emit converts at once
@@ -423,7 +446,7 @@ void Loader::EmitSame(const Part& p, uint16_t* chunk, uint64_t first, const char
   }
 }
 
-Status Loader::LoadBatch(SpanReader& reader, const std::vector<size_t>& batch) {
+Loader::BatchPlan Loader::PlanBatch(const std::vector<size_t>& batch) {
   // Spans in file order, one per distinct byte range (a key two parts read is read once).
   struct Use {
     uint32_t file;
@@ -431,46 +454,97 @@ Status Loader::LoadBatch(SpanReader& reader, const std::vector<size_t>& batch) {
     size_t part;
   };
   std::vector<Use> uses;
-  std::map<uint32_t, std::vector<size_t>> by_group;  // group -> its parts in this batch
+  BatchPlan b;
   for (size_t i : batch) {
     const Part& p = parts_[i];
     const Source& src = sources_[p.source];
     const uint64_t es = kernels::DTypeSize(src.dtype);
     uses.push_back({src.file, files_.files[src.file].data_start + src.info->begin + p.src_elem * es,
                     p.count * es, i});
-    by_group[p.group].push_back(i);
+    b.by_group[p.group].push_back(i);
   }
   std::sort(uses.begin(), uses.end(), [](const Use& a, const Use& b) {
     return std::tie(a.file, a.offset, a.bytes) < std::tie(b.file, b.offset, b.bytes);
   });
-  std::vector<FileSpan> spans;
-  std::vector<std::vector<size_t>> consumers;  // per span: the parts it feeds
   for (const Use& u : uses) {
-    if (spans.empty() || spans.back().file != u.file || spans.back().offset != u.offset ||
-        spans.back().bytes != u.bytes) {
-      spans.push_back({u.file, u.offset, u.bytes});
-      consumers.emplace_back();
+    if (b.spans.empty() || b.spans.back().file != u.file || b.spans.back().offset != u.offset ||
+        b.spans.back().bytes != u.bytes) {
+      b.spans.push_back({u.file, u.offset, u.bytes});
+      b.consumers.emplace_back();
       report_.bytes_needed += u.bytes;
     }
-    consumers.back().push_back(u.part);
+    b.consumers.back().push_back(u.part);
   }
+  return b;
+}
+
+Status Loader::OpenBatch(const BatchPlan& b) {
   // The values' chunks of the batch's groups (fp32; a compute_only group's compute chunk), on
   // the host, for the whole batch. A lazily zero chunk comes unfilled: only what the batch
   // does not write is zeroed (ZeroGaps).
-  std::map<uint32_t, char*> chunk;
-  Status s;
-  for (const auto& [g, parts] : by_group) {
+  for (const auto& [g, parts] : b.by_group) {
     const ChunkKind kind = s_.layout().value_kind(g);
     bool must_zero = false;
-    StatusOr<void*> a = s_.chunks().AcquireForWrite(g, kind, TierKind::kHost, &must_zero);
-    if (!a.ok()) {
-      s = a.status();
-      break;
-    }
-    chunk[g] = static_cast<char*>(*a);
+    TIERMEM_ASSIGN_OR_RETURN(void* a,
+                             s_.chunks().AcquireForWrite(g, kind, TierKind::kHost, &must_zero));
+    open_[g] = static_cast<char*>(a);
     if (must_zero) {
-      ZeroGaps(chunk[g], s_.chunks().ChunkBytes(g, kind),
+      ZeroGaps(open_[g], s_.chunks().ChunkBytes(g, kind),
                kind == ChunkKind::kParamFp32 ? sizeof(float) : sizeof(uint16_t), parts);
+    }
+  }
+  return OkStatus();
+}
+
+Status Loader::CloseBatch(const BatchPlan& b, Status s) {
+  // Mixed precision: the compute chunks, rounded from the fp32 ones (a compute_only group's
+  // values are its compute chunk).
+  for (const auto& [g, values] : open_) {
+    if (s.ok() && s_.layout().value_kind(g) == ChunkKind::kParamFp32 && s_.layout().mixed() &&
+        !in_place_.count(g)) {
+      s = DeriveLowp(g, reinterpret_cast<const float*>(values), b.by_group.at(g));
+    }
+  }
+  for (const auto& [g, values] : open_) {
+    const Status r = s_.chunks().Release(g, s_.layout().value_kind(g), /*modified=*/true);
+    if (s.ok()) s = r;
+  }
+  // NVMe-homed chunks filled completely: written home now, in the background, while the next
+  // batch is read and converted into the host room beside them (its acquire waits for one of
+  // these writes only when the room is short).
+  for (const auto& [g, values] : open_) {
+    std::vector<ChunkKind> written = {s_.layout().value_kind(g)};
+    if (written[0] == ChunkKind::kParamFp32 && s_.layout().mixed()) {
+      written.push_back(ChunkKind::kParamLowp);  // DeriveLowp's (unless homed in the files)
+    }
+    for (const ChunkKind kind : written) {
+      if (!s.ok() || s_.chunks().Home(g, kind) != TierKind::kNvme ||
+          s_.chunks().ReadOnlyHome(g, kind)) {
+        continue;
+      }
+      StatusOr<bool> started = s_.chunks().WriteHome(g, kind, TierKind::kHost);
+      if (!started.ok()) s = started.status();
+    }
+  }
+  open_.clear();
+  return s;
+}
+
+Status Loader::LoadBatches(SpanReader& reader, const std::vector<std::vector<size_t>>& batches) {
+  // One read over every batch's spans, so the reader's requests run ahead across batches:
+  // while batch k's last bytes are converted, batch k + 1's are in flight and batch k - 1's
+  // chunks are being written home. A batch's chunks are acquired when its first span's bytes
+  // arrive and released (and written home) when the next batch's do.
+  std::vector<BatchPlan> plans;
+  for (const std::vector<size_t>& batch : batches) {
+    if (!batch.empty()) plans.push_back(PlanBatch(batch));
+  }
+  std::vector<FileSpan> spans;
+  std::vector<std::pair<size_t, size_t>> where;  // per span: (its plan, its index there)
+  for (size_t b = 0; b < plans.size(); ++b) {
+    for (size_t i = 0; i < plans[b].spans.size(); ++i) {
+      spans.push_back(plans[b].spans[i]);
+      where.emplace_back(b, i);
     }
   }
   // Each span's bytes arrive in pieces that may split an element (a tensor at an offset that
@@ -481,13 +555,24 @@ Status Loader::LoadBatch(SpanReader& reader, const std::vector<size_t>& batch) {
     size_t carry_n = 0;
   };
   std::vector<State> state(spans.size());
+  size_t open = plans.size();  // the plan whose chunks are acquired; plans.size(): none
   auto sink = [&](size_t span, uint64_t, const char* data, size_t n) -> Status {
+    const auto [b, i] = where[span];
+    if (b != open) {
+      if (open < plans.size()) {
+        const size_t was = std::exchange(open, plans.size());
+        TIERMEM_RETURN_IF_ERROR(CloseBatch(plans[was], OkStatus()));
+      }
+      open = b;
+      TIERMEM_RETURN_IF_ERROR(OpenBatch(plans[b]));
+    }
+    const std::vector<size_t>& consumers = plans[b].consumers[i];
     State& st = state[span];
-    const size_t es = kernels::DTypeSize(sources_[parts_[consumers[span][0]].source].dtype);
+    const size_t es = kernels::DTypeSize(sources_[parts_[consumers[0]].source].dtype);
     auto emit = [&](const char* bytes, uint64_t k) {
-      for (size_t pi : consumers[span]) {
+      for (size_t pi : consumers) {
         const Part& p = parts_[pi];
-        Emit(p, chunk.at(p.group), p.src_elem + st.elem, bytes, k);
+        Emit(p, open_.at(p.group), p.src_elem + st.elem, bytes, k);
       }
       st.elem += k;
     };
@@ -507,19 +592,11 @@ Status Loader::LoadBatch(SpanReader& reader, const std::vector<size_t>& batch) {
     std::memcpy(st.carry, data + k * es, st.carry_n);
     return OkStatus();
   };
-  if (s.ok()) s = reader.Read(spans, sink);
-  // Mixed precision: the compute chunks, rounded from the fp32 ones (a compute_only group's
-  // values are its compute chunk).
-  for (const auto& [g, values] : chunk) {
-    if (s.ok() && s_.layout().value_kind(g) == ChunkKind::kParamFp32 && s_.layout().mixed() &&
-        !in_place_.count(g)) {
-      s = DeriveLowp(g, reinterpret_cast<const float*>(values), by_group[g]);
-    }
-  }
-  for (const auto& [g, values] : chunk) {
-    const Status r = s_.chunks().Release(g, s_.layout().value_kind(g), /*modified=*/true);
-    if (s.ok()) s = r;
-  }
+  Status s = reader.Read(spans, sink);
+  if (open < plans.size()) s = CloseBatch(plans[open], s);
+  // The writes home started above: waited for, and a failed one's error returned (Flush
+  // writes again what a failed write-back left dirty, and returns its error).
+  if (s.ok()) s = s_.Flush();
   return s;
 }
 
@@ -704,10 +781,7 @@ StatusOr<LoadWeightsReport> Loader::Run() {
   const bool tracing = s_.iterations().tracing();
   s_.iterations().SetTracing(false);
   Status s = HomeInPlace();
-  for (const std::vector<size_t>& batch : MakeBatches()) {
-    if (!s.ok()) break;
-    if (!batch.empty()) s = LoadBatch(*reader, batch);
-  }
+  if (s.ok()) s = LoadBatches(*reader, MakeBatches());
   s_.iterations().SetTracing(tracing);
   report_.bytes_read = reader->stats().bytes_read;
   report_.requests = reader->stats().requests;

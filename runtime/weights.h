@@ -25,9 +25,11 @@
 //     kInvalidArgument naming the tensor and the key). Adam's m and v stay lazily zero;
 //     gradients are not touched.
 //   - each chunk is written in its home tier: host homes in place; an NVMe-homed chunk in the
-//     host room the session keeps for NVMe-homed chunks, filled completely before the engine
-//     writes it home (never read back), one group at a time. Anonymous memory stays within the
-//     host budget plus the reader's staging (LoadWeightsOptions, 32 MiB by default).
+//     host room the session keeps for NVMe-homed chunks, one group at a time, filled completely
+//     and then written home in the background (never read back) while the next groups are read
+//     and converted beside it; the load returns once every write landed (a failed one is its
+//     error). Anonymous memory stays within the host budget plus the reader's staging
+//     (LoadWeightsOptions, 32 MiB by default).
 //   - sharded sessions: each rank reads only the bytes of its shard of every chunk (a
 //     transposed segment whole) and writes only its shard; no collective is involved.
 //   - a tensor without segments is an error, or with strict = false left untouched and

@@ -387,6 +387,48 @@ def test_a_load_larger_than_the_host_budget_stays_within_budget_and_staging(tmp_
     assert float(check) == float(tensors["layers.5.weight"][0, :4].sum())
 
 
+# A write home failing in the middle of the load's pipeline (runtime/weights.cc): the session's
+# NVMe file may not be written past 256 KiB once the session exists (RLIMIT_FSIZE: EFBIG, its
+# signal ignored), in a child process so that the limit stays there.
+WRITE_FAILS_CHILD = textwrap.dedent("""
+    import resource, signal, sys, torch, tiermem
+    from torch import nn
+    path, nvme = sys.argv[1], sys.argv[2]
+    torch.manual_seed(16)
+    model = nn.Sequential(*[nn.Linear(256, 256, bias=False) for _ in range(16)])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    Session = tiermem._C.Session
+    class Limited(Session):
+        def __init__(self, *args):
+            super().__init__(*args)
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, resource.RLIM_INFINITY))
+    tiermem._C.Session = Limited
+    try:
+        tiermem.initialize(model, {"device_kind": "host", "host": "1MiB",
+                                   "nvme": {"size": "16MiB", "path": nvme}}, weights=path)
+    except Exception as e:
+        print(type(e).__name__, str(e).replace(chr(10), " "))
+    assert getattr(model, "_tiermem_runtime", None) is None
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    print("untouched")
+""")
+
+
+def test_a_write_home_failing_mid_load_is_an_error_and_leaves_the_model_as_it_was(tmp_path):
+    torch.manual_seed(17)
+    st.save_file({f"{i}.weight": torch.randn(256, 256) for i in range(16)},
+                 str(tmp_path / "w.safetensors"))  # 4 MiB: 4x the host budget
+    (tmp_path / "nvme").mkdir()
+    out = subprocess.run([sys.executable, "-c", WRITE_FAILS_CHILD, str(tmp_path / "w.safetensors"),
+                          str(tmp_path / "nvme")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    error, untouched = out.stdout.strip().split("\n")
+    assert re.match(r"\w+Error .*failed after validation.*File too large", error), error
+    assert untouched == "untouched"
+
+
 def test_a_failure_after_the_load_gives_the_buffers_back(tmp_path, monkeypatch):
     torch.manual_seed(15)
     ref = WithNorm()

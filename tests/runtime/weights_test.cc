@@ -7,7 +7,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <sys/resource.h>
+
 #include <cmath>
+#include <csignal>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -324,6 +327,109 @@ TEST_F(WeightsTest, NvmeHomedChunksAreNeverReadBackWhateverTheFileOrder) {
   EXPECT_GT(st->bytes_moved[H][N], 0u);  // written home, once each
   EXPECT_LE(st->bytes_moved[H][N], kGroups * s->chunks().ChunkBytes(0, ChunkKind::kParamFp32));
   for (size_t t = 0; t < specs.size(); ++t) EXPECT_EQ(Param(*s, t), Values(t, 2500)) << t;
+}
+
+// Twelve groups of four [50, 50] tensors with a host budget far below them: most groups are
+// homed on NVMe, the host keeping room for a few chunks beside the homes.
+std::vector<TensorSpec> TwelveGroups() {
+  std::vector<TensorSpec> specs;
+  for (size_t i = 0; i < 48; ++i) specs.push_back({"t" + std::to_string(i), 2500, true, 0, {50, 50}});
+  return specs;
+}
+
+// The load is one pipeline (runtime/weights.cc): each NVMe-homed chunk, once filled, is written
+// home in the background while the next groups are read and converted beside it. From fp32,
+// bf16 and fp16 files in three shards, into fp32 and bf16 sessions: the values are the stored
+// ones exactly (the compute copy as WriteParam rounds it), every NVMe-homed chunk is written
+// home once and in the background (one write-behind each, none left dirty), none is read
+// back, and the host tier never holds more than its budget.
+TEST_F(WeightsTest, ThePipelinedLoadWritesEachNvmeHomeOnceInTheBackground) {
+  const std::vector<TensorSpec> specs = TwelveGroups();
+  for (DType d : {DType::kF32, DType::kBF16, DType::kF16}) {
+    for (const char* precision : {"fp32", "bf16"}) {
+      SCOPED_TRACE(std::string(weights::DTypeName(d)) + " into " + precision);
+      const std::string path = dir_ + "/c";
+      std::filesystem::remove_all(path);
+      const std::vector<FileTensor> ts = Named(specs, d);
+      WriteWeights(path, ts, 48 * 2500 * (d == DType::kF32 ? 4 : 2) / 3 + 1);
+      ASSERT_TRUE(std::filesystem::exists(path + "/model-00003-of-00003.safetensors"));
+      auto s = Make({{"device_kind", "host"}, {"host", "320KiB"}, {"precision", precision},
+                     {"nvme", {{"size", "16MiB"}, {"path", dir_}}}},
+                    specs);
+      auto written = Make({{"device_kind", "host"}, {"host", "64MiB"}, {"precision", precision}},
+                          specs);
+      ASSERT_NE(s, nullptr);
+      ASSERT_NE(written, nullptr);
+      StatusOr<LoadWeightsReport> r = Load(*s, path, ByName(*s));
+      ASSERT_THAT(r, IsOk());
+      EXPECT_LE(r->staging_bytes, 32 * kMiB);
+      uint64_t nvme_chunks = 0;
+      Bytes nvme_bytes = 0;
+      for (size_t g = 0; g < s->layout().num_groups(); ++g) {
+        for (ChunkKind k : {ChunkKind::kParamFp32, ChunkKind::kParamLowp}) {
+          if (k == ChunkKind::kParamLowp && !s->layout().mixed()) continue;
+          if (s->chunks().Home(g, k) != TierKind::kNvme) continue;
+          ++nvme_chunks;
+          nvme_bytes += s->chunks().ChunkBytes(g, k);
+          EXPECT_EQ(s->chunks().Resident(g, k), TierKind::kNvme) << g;  // written and dropped
+        }
+      }
+      EXPECT_GT(nvme_chunks, 4u);  // the test is about them
+      auto st = s->Stats();
+      ASSERT_TRUE(st.ok());
+      const int H = static_cast<int>(TierKind::kHost), N = static_cast<int>(TierKind::kNvme);
+      EXPECT_EQ(st->bytes_moved[N][H], 0u);  // nothing read back
+      EXPECT_EQ(st->bytes_moved[H][N], nvme_bytes);  // each written home once
+      EXPECT_EQ(st->write_behinds, nvme_chunks);     // in the background
+      EXPECT_LE(st->tiers[H].peak, st->tiers[H].capacity);
+      for (size_t t = 0; t < specs.size(); ++t) {
+        const std::vector<float> v = AsStored(Values(t, specs[t].numel), d);
+        EXPECT_EQ(Param(*s, t), v) << t;
+        if (!s->layout().mixed()) continue;
+        ASSERT_THAT(written->values().WriteParam(t, v.data()), IsOk());
+        EXPECT_EQ(Lowp(*s, t), Lowp(*written, t)) << t;
+      }
+    }
+  }
+}
+
+// A write home failing in the pipeline (the NVMe file may not be written past all but the last
+// NVMe home: RLIMIT_FSIZE, EFBIG) is the load's error, after validation, naming the write —
+// also the last one, which fails in the background after every byte was read and converted,
+// with nothing but the load's end waiting for it.
+TEST_F(WeightsTest, AWriteHomeFailingInThePipelineIsTheLoadsError) {
+  const std::vector<TensorSpec> specs = TwelveGroups();
+  WriteWeights(dir_ + "/c", Named(specs, DType::kBF16), 100'000);
+  auto s = Make({{"device_kind", "host"}, {"host", "320KiB"},
+                 {"nvme", {{"size", "16MiB"}, {"path", dir_}}}},
+                specs);
+  ASSERT_NE(s, nullptr);
+  StatusOr<weights::WeightFiles> files = weights::OpenWeights(dir_ + "/c");
+  ASSERT_THAT(files, IsOk());
+  const Bytes chunk = s->chunks().ChunkBytes(0, ChunkKind::kParamFp32);
+  uint64_t on_nvme = 0;  // homed one after the other from the file's start
+  for (size_t g = 0; g < s->layout().num_groups(); ++g) {
+    on_nvme += s->chunks().Home(g, ChunkKind::kParamFp32) == TierKind::kNvme;
+  }
+  ASSERT_GT(on_nvme, 4u);
+  rlimit was{};
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &was), 0);
+  rlimit small = was;
+  small.rlim_cur = (on_nvme - 1) * chunk;
+  const auto sigxfsz = signal(SIGXFSZ, SIG_IGN);  // EFBIG instead of the signal
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
+  StatusOr<LoadWeightsReport> r = LoadWeights(*s, *files, ByName(*s));
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &was), 0);
+  signal(SIGXFSZ, sigxfsz);
+  ASSERT_FALSE(r.ok());
+  EXPECT_THAT(std::string(r.status().message()),
+              ::testing::AllOf(::testing::HasSubstr("failed after validation"),
+                               ::testing::HasSubstr("partly loaded"),
+                               ::testing::HasSubstr("File too large")));
+  auto st = s->Stats();
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->bytes_moved[static_cast<int>(TierKind::kHost)][static_cast<int>(TierKind::kNvme)],
+            on_nvme * chunk);  // each issued once; the last one failed
 }
 
 // A fused mixture-of-experts pair, [E, 2I, H] and [E, H, I], assembled from per-expert [I, H]

@@ -36,7 +36,10 @@
 #include <cstddef>
 #include <cstdio>
 #include <cstring>
+#include <system_error>
+#include <thread>
 #include <unordered_map>
+#include <vector>
 
 #include "base/logging.h"
 #include "base/mutex.h"
@@ -51,6 +54,40 @@ namespace {
 
 constexpr Bytes kPage = 4 * kKiB;
 constexpr Bytes kHugePage = 2 * kMiB;
+
+// Faults in [p, p + len) with MADV_POPULATE_WRITE; 0 or the errno of the first piece that
+// failed. First-touch faults are kernel work (zeroing, and in a VM the host backing the page)
+// that proceeds in parallel across cores, so a large range is cut into huge-page-aligned
+// pieces of at least kPopulatePieceBytes populated on up to kPopulateThreads threads at once
+// (the caller's among them): slab creation is the host tier's one up-front cost.
+constexpr Bytes kPopulatePieceBytes = 8 * kMiB;
+constexpr unsigned kPopulateThreads = 4;
+int Populate(char* p, Bytes len) {
+  const unsigned cpus = std::max(1u, std::thread::hardware_concurrency());
+  const Bytes most = std::min<Bytes>(std::min(cpus, kPopulateThreads), len / kPopulatePieceBytes);
+  const Bytes pieces = std::max<Bytes>(most, 1);
+  const Bytes piece = (len / pieces + kHugePage - 1) / kHugePage * kHugePage;
+  std::vector<int> err(pieces, 0);
+  auto run = [&](Bytes i) {
+    const Bytes at = i * piece;
+    if (at >= len) return;
+    if (madvise(p + at, std::min(piece, len - at), MADV_POPULATE_WRITE) != 0) err[i] = errno;
+  };
+  std::vector<std::thread> helpers;
+  for (Bytes i = 1; i < pieces; ++i) {
+    try {
+      helpers.emplace_back(run, i);
+    } catch (const std::system_error&) {  // no thread to be had: this one does the piece
+      run(i);
+    }
+  }
+  run(0);
+  for (std::thread& t : helpers) t.join();
+  for (int e : err) {
+    if (e != 0) return e;
+  }
+  return 0;
+}
 
 Status ValidateConfig(const HostTierConfig& c) {
   auto bad = [](const std::string& what) {
@@ -353,8 +390,7 @@ class HostTierImpl final : public HostTier {
               std::string("host tier: MADV_HUGEPAGE refused (") + std::strerror(errno) +
                   "); using base pages");
     }
-    if (madvise(p, len, MADV_POPULATE_WRITE) != 0) {
-      const int err = errno;
+    if (const int err = Populate(p, len); err != 0) {
       if (err == ENOMEM || err == EFAULT) {
         munmap(p, len);
         return ResourceExhaustedError("host tier: cannot fault in " + std::to_string(len) +
