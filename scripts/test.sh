@@ -3,8 +3,10 @@
 #   build/       gcc RelWithDebInfo: ctest (gpu-labelled tests skip without a GPU), the
 #                LibTorch example out of tree, and the Python package of this same build
 #                (build/python-tree) under pytest -n 2
-#   build-asan/  clang ASan+UBSan at -O1: ctest, and the timeline fuzzer (bounded)
+#   build-asan/  clang ASan+UBSan at -O1, -Werror=thread-safety: ctest, and the timeline
+#                fuzzer (bounded)
 #   build-tsan/  clang TSan with -Werror=thread-safety: ctest over the concurrent components
+#                (the only tests that tree defines: TIERMEM_TEST_LABEL in CMakePresets.json)
 # Ninja everywhere, ccache when installed (scripts/setup.sh installs it). Exits non-zero on
 # any failure.
 #
@@ -101,10 +103,11 @@ if [ -d build/python-tree/tiermem ]; then
   # Models are built from configs: nothing may be downloaded (HF offline). --dist worksteal:
   # a worker that runs out of tests takes tests queued at the other, so the run does not end
   # with one worker idle while the other works through the long tests queued ahead at it
-  # (`load` keeps a queue per worker and moves nothing between them).
+  # (`load` keeps a queue per worker and moves nothing between them). --durations: the ten
+  # slowest tests close the output, the place to look when pytest's stage grows.
   PYTHONPATH="$PWD/build/python-tree" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
     "$TIERMEM_PY" -m pytest -q -n "${TIERMEM_PYTEST_WORKERS:-$JOBS}" --dist worksteal \
-    -p no:cacheprovider -m "$markers" tests/python
+    -p no:cacheprovider --durations=10 -m "$markers" tests/python
 fi
 
 if [ "$FAST" != 1 ]; then
