@@ -3,7 +3,7 @@ first-token time and tokens/s of ``tiermem.inference(model, config, weights=DIR)
 NVMe-homed chunks are read straight from the checkpoint's files, against the time the bytes
 it read take at fio's sequential O_DIRECT read rate on the same file system (goal: <= 1.10x).
 
-    benchmarks/run.sh bench_serve_in_place --dir /mnt/nvme/ckpt [--target-gb 36]
+    benchmarks/run.sh bench_serve_in_place --dir /mnt/nvme/ckpt [--target-gb 39]
         [--layers L --width W --vocab V] [--dtype bf16|fp32] [--host 2GiB]
         [--new-tokens 4] [--json]
     benchmarks/run.sh bench_serve_in_place --compute-only [--threads 2]
@@ -166,7 +166,7 @@ def main(argv=None):
     ap.add_argument("--compute-only", action="store_true")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--dir", default=None, help="checkpoint directory (written if absent)")
-    ap.add_argument("--target-gb", type=float, default=36.0)
+    ap.add_argument("--target-gb", type=float, default=39.0)
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--width", type=int, default=4096)
     ap.add_argument("--vocab", type=int, default=32000)
