@@ -117,8 +117,11 @@ class Loader {
   // them whatever `s`), and with no error starts writing its NVMe-homed ones home. Returns
   // `s` or the first error since.
   Status CloseBatch(const BatchPlan& b, Status s);
-  // The groups whose compute chunk is homed in the files (in_place_), or the error in_place
-  // "on" makes of one that cannot be. Changes nothing.
+  // Why no chunk of this load can be read in place ("" when some may be).
+  std::string NoneInPlace() const;
+  // The groups whose compute chunk is homed in the files (in_place_; why each other NVMe-homed
+  // one is not: not_in_place_), or the error in_place "on" makes of one that cannot be.
+  // Changes nothing.
   Status PlanInPlace();
   // Why group `g`'s compute chunk cannot be read in place ("" if it can); `parts`: its parts.
   std::string NotInPlace(uint32_t g, const std::vector<size_t>& parts) const;
@@ -149,6 +152,7 @@ class Loader {
   std::vector<Source> sources_;
   std::vector<Part> parts_;
   std::map<uint32_t, std::vector<size_t>> in_place_;  // group -> its parts (PlanInPlace)
+  std::map<uint32_t, std::string> not_in_place_;      // NVMe-homed group -> why not (same)
   std::map<uint32_t, char*> open_;  // the open batch's groups -> their acquired values chunk
   std::set<std::string> used_;
   LoadWeightsReport report_;
@@ -651,17 +655,23 @@ std::string Loader::NotInPlace(uint32_t g, const std::vector<size_t>& parts) con
   return "";
 }
 
+std::string Loader::NoneInPlace() const {
+  if (!options_.serving) return "the session trains";
+  if (!ServesInPlace(s_.config().in_place)) return "in_place is 'off'";
+  if (s_.layout().sharded()) return "the session is sharded";
+  if (s_.chunks().file_homes() == nullptr) return "the session has no NVMe tier";
+  return "";
+}
+
 Status Loader::PlanInPlace() {
   const InPlace mode = s_.config().in_place;
-  if (!options_.serving) {
-    if (!RequiresInPlace(mode)) return OkStatus();
+  if (!options_.serving && RequiresInPlace(mode)) {
     return InvalidArgumentError(
         "weights: config in_place 'on' reads a served checkpoint in place, but this session "
         "trains (a training session writes its weights, so they are copied into its tiers): "
         "serve with tiermem.inference, or set in_place to 'auto' or 'off'");
   }
-  if (!ServesInPlace(mode) || s_.layout().sharded() || s_.chunks().file_homes() == nullptr)
-    return OkStatus();
+  if (!NoneInPlace().empty()) return OkStatus();
   std::map<uint32_t, std::vector<size_t>> by_group;
   for (size_t i = 0; i < parts_.size(); ++i) by_group[parts_[i].group].push_back(i);
   const ChunkKind kind = s_.layout().compute_kind();
@@ -670,7 +680,10 @@ Status Loader::PlanInPlace() {
     const std::string why = NotInPlace(g, by_group[g]);
     if (why.empty()) {
       in_place_[g] = by_group[g];
-    } else if (RequiresInPlace(mode)) {
+      continue;
+    }
+    not_in_place_[g] = why;
+    if (RequiresInPlace(mode)) {
       const std::string& t = s_.layout().spec(s_.layout().group(g).tensors.front()).name;
       return InvalidArgumentError("weights: in_place 'on': the NVMe-homed chunk of tensor '" + t +
                                   "' cannot be read in place from " + files_.path + ": " + why);
@@ -693,16 +706,10 @@ Status Loader::CheckPlaceholderRoom() const {
   const TierStats st = s_.chunks().file_homes()->Stats();
   const Bytes free = st.capacity - std::min(st.capacity, st.used);
   if (need <= free) return OkStatus();
-  std::string why = !options_.serving                      ? "the session trains"
-                    : !ServesInPlace(s_.config().in_place) ? "in_place is 'off'"
-                    : s_.layout().sharded()                ? "the session is sharded"
-                                                           : "";
-  if (why.empty()) {
-    std::vector<size_t> parts;
-    for (size_t i = 0; i < parts_.size(); ++i) {
-      if (parts_[i].group == first) parts.push_back(i);
-    }
-    why = NotInPlace(first, parts);
+  std::string why = NoneInPlace();
+  if (why.empty()) {  // PlanInPlace visited every NVMe-homed group: `first` has its reason
+    const auto it = not_in_place_.find(first);
+    why = it != not_in_place_.end() ? it->second : "not readable in place";
   }
   const std::string& t = s_.layout().spec(s_.layout().group(first).tensors.front()).name;
   return ResourceExhaustedError(
